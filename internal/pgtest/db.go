@@ -1,0 +1,146 @@
+package pgtest
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"regexp"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// TemplateName is the database every test database is cloned from.
+const TemplateName = "pgfence_template"
+
+// Prepare sets up the template database (typically: apply migrations).
+type Prepare func(ctx context.Context, conn *pgx.Conn) error
+
+// PrepareTemplate creates the template database and runs prepare in it.
+// Databases made by NewDatabase are cloned from it.
+func (c *Cluster) PrepareTemplate(ctx context.Context, prepare Prepare) error {
+	admin, err := c.Primary.Connect(ctx, "postgres")
+	if err != nil {
+		return fmt.Errorf("connect primary: %w", err)
+	}
+	defer admin.Close(ctx)
+	if _, err := admin.Exec(ctx, "CREATE DATABASE "+TemplateName); err != nil {
+		return fmt.Errorf("create template: %w", err)
+	}
+	if prepare != nil {
+		conn, err := c.Primary.Connect(ctx, TemplateName)
+		if err != nil {
+			return fmt.Errorf("connect template: %w", err)
+		}
+		err = prepare(ctx, conn)
+		conn.Close(ctx)
+		if err != nil {
+			return fmt.Errorf("prepare template: %w", err)
+		}
+	}
+	if _, err := admin.Exec(ctx, "ALTER DATABASE "+TemplateName+" WITH is_template true"); err != nil {
+		return fmt.Errorf("mark template: %w", err)
+	}
+	c.mu.Lock()
+	c.template = TemplateName
+	c.mu.Unlock()
+	return nil
+}
+
+var unsafeName = regexp.MustCompile(`[^a-z0-9_]+`)
+
+// CreateDatabase clones the template (or template0 when none was
+// prepared) into a new database and returns its name. When the cluster has
+// a replica, it returns once the replica has the database too.
+func (c *Cluster) CreateDatabase(ctx context.Context, hint string) (string, error) {
+	c.mu.Lock()
+	c.dbSeq++
+	name := fmt.Sprintf("t%d_%s", c.dbSeq, unsafeName.ReplaceAllString(strings.ToLower(hint), "_"))
+	if len(name) > 60 {
+		name = name[:60]
+	}
+	tmpl := c.template
+	c.mu.Unlock()
+	if tmpl == "" {
+		tmpl = "template0"
+	}
+	admin, err := c.Primary.Connect(ctx, "postgres")
+	if err != nil {
+		return "", fmt.Errorf("connect primary: %w", err)
+	}
+	defer admin.Close(ctx)
+	if _, err := admin.Exec(ctx, fmt.Sprintf("CREATE DATABASE %q TEMPLATE %q", name, tmpl)); err != nil {
+		return "", fmt.Errorf("create database %s: %w", name, err)
+	}
+	if c.Replica != nil && c.Replica.Running() {
+		if err := c.WaitReplicaCaughtUp(ctx); err != nil {
+			return "", err
+		}
+	}
+	return name, nil
+}
+
+// DropDatabase drops a database, disconnecting its sessions.
+func (c *Cluster) DropDatabase(ctx context.Context, name string) error {
+	if !c.Primary.Running() {
+		return nil
+	}
+	admin, err := c.Primary.Connect(ctx, "postgres")
+	if err != nil {
+		return fmt.Errorf("connect primary: %w", err)
+	}
+	defer admin.Close(ctx)
+	_, err = admin.Exec(ctx, fmt.Sprintf("DROP DATABASE IF EXISTS %q WITH (FORCE)", name))
+	return err
+}
+
+// NewDatabase creates a fresh database for t, cloned from the template,
+// and drops it when t ends. It returns the database name; use
+// c.Primary.DSN(name) or c.Replica.DSN(name).
+func (c *Cluster) NewDatabase(t testing.TB) string {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	name, err := c.CreateDatabase(ctx, t.Name())
+	if err != nil {
+		t.Fatalf("pgtest: %v", err)
+	}
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+		defer cancel()
+		if err := c.DropDatabase(ctx, name); err != nil {
+			t.Logf("pgtest: drop %s: %v", name, err)
+		}
+	})
+	return name
+}
+
+// Run is the body of a package's TestMain: it starts a cluster, prepares
+// the template, stores the cluster in *dst, runs the tests and closes the
+// cluster. It returns the exit code. A cluster that cannot start fails the
+// package; it never skips.
+//
+//	var cluster *pgtest.Cluster
+//	func TestMain(m *testing.M) {
+//		os.Exit(pgtest.Run(m, pgtest.Options{}, migrations.Prepare, &cluster))
+//	}
+func Run(m *testing.M, opts Options, prepare Prepare, dst **Cluster) int {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	c, err := Start(ctx, opts)
+	if err == nil {
+		err = c.PrepareTemplate(ctx, prepare)
+	}
+	cancel()
+	if err != nil {
+		fmt.Fprintf(os.Stderr, "pgtest: %v\n", err)
+		if c != nil {
+			c.Close()
+		}
+		return 1
+	}
+	*dst = c
+	defer c.Close()
+	return m.Run()
+}
