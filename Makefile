@@ -1,0 +1,32 @@
+# pgfence — run `make help` for the targets.
+GO       ?= go
+PKGS     ?= ./...
+TESTFLAGS ?=
+
+.PHONY: help dev test test-race bench lint build deps
+
+help: ## show this help
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
+
+deps: ## install PostgreSQL if missing and download Go modules
+	@./scripts/ensure-postgres.sh
+	@$(GO) mod download
+
+build: ## build bin/pgfence
+	$(GO) build -o bin/pgfence ./cmd/pgfence
+
+dev: deps build ## throwaway primary + replica + proxy, with psql lines to try
+	./bin/pgfence dev
+
+test: deps ## run every test against real PostgreSQL
+	$(GO) test -count=1 -timeout 15m $(TESTFLAGS) $(PKGS)
+
+test-race: deps ## run the tests with the race detector
+	$(GO) test -count=1 -race -timeout 20m $(TESTFLAGS) $(PKGS)
+
+bench: deps build ## benchmarks: pgfence vs direct connections, printed as ratios
+	$(GO) test -run '^$$' -bench . -benchtime 2000x -count 1 -timeout 20m ./fence/...
+
+lint: ## go vet and gofmt
+	$(GO) vet $(PKGS)
+	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt would change:"; echo "$$out"; exit 1; fi
