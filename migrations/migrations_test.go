@@ -1,0 +1,148 @@
+package migrations_test
+
+import (
+	"context"
+	"os"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/pgfence/pgfence/internal/pgtest"
+	"github.com/pgfence/pgfence/migrations"
+)
+
+var cluster *pgtest.Cluster
+
+// The template stays empty: these tests migrate databases themselves.
+func TestMain(m *testing.M) {
+	os.Exit(pgtest.Run(m, pgtest.Options{}, nil, &cluster))
+}
+
+func schemaSummary(t *testing.T, ctx context.Context, db string) (tables, functions int) {
+	t.Helper()
+	conn, err := cluster.Primary.Connect(ctx, db)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(ctx)
+	err = conn.QueryRow(ctx, `select
+		(select count(*) from pg_tables where schemaname = 'fence'),
+		(select count(*) from pg_proc p join pg_namespace n on n.oid = p.pronamespace where n.nspname = 'fence')`).Scan(&tables, &functions)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return tables, functions
+}
+
+func TestApplyTwice(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	db := cluster.NewDatabase(t)
+	latest, err := migrations.Latest()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := 0; i < 2; i++ {
+		conn, err := cluster.Primary.Connect(ctx, db)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := migrations.Apply(ctx, conn); err != nil {
+			t.Fatalf("apply #%d: %v", i+1, err)
+		}
+		v, err := migrations.Current(ctx, conn)
+		conn.Close(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if v != latest {
+			t.Fatalf("after apply #%d: version %d, want %d", i+1, v, latest)
+		}
+	}
+	tables, functions := schemaSummary(t, ctx, db)
+	if tables != 9 {
+		t.Errorf("fence tables: got %d, want 9", tables)
+	}
+	if functions < 15 {
+		t.Errorf("fence functions: got %d, want at least 15", functions)
+	}
+}
+
+func TestApplyConcurrently(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	db := cluster.NewDatabase(t)
+	const n = 4
+	var wg sync.WaitGroup
+	errs := make([]error, n)
+	for i := range n {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			conn, err := cluster.Primary.Connect(ctx, db)
+			if err != nil {
+				errs[i] = err
+				return
+			}
+			defer conn.Close(ctx)
+			errs[i] = migrations.Apply(ctx, conn)
+		}()
+	}
+	wg.Wait()
+	for i, err := range errs {
+		if err != nil {
+			t.Errorf("migrator %d: %v", i, err)
+		}
+	}
+	latest, _ := migrations.Latest()
+	conn, err := cluster.Primary.Connect(ctx, db)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(ctx)
+	v, err := migrations.Current(ctx, conn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if v != latest {
+		t.Fatalf("version %d, want %d", v, latest)
+	}
+	tables, _ := schemaSummary(t, ctx, db)
+	if tables != 9 {
+		t.Errorf("fence tables: got %d, want 9", tables)
+	}
+	// The protocol works after a concurrent migration.
+	var token int64
+	if err := conn.QueryRow(ctx, "select token from fence.acquire('job', 'w', '1 minute')").Scan(&token); err != nil {
+		t.Fatalf("acquire after concurrent migrate: %v", err)
+	}
+}
+
+// Two databases of one cluster migrating at once both create the
+// cluster-wide roles; neither may fail.
+func TestApplyConcurrentDatabases(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	dbs := []string{cluster.NewDatabase(t), cluster.NewDatabase(t)}
+	var wg sync.WaitGroup
+	errs := make([]error, len(dbs))
+	for i, db := range dbs {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			conn, err := cluster.Primary.Connect(ctx, db)
+			if err != nil {
+				errs[i] = err
+				return
+			}
+			defer conn.Close(ctx)
+			errs[i] = migrations.Apply(ctx, conn)
+		}()
+	}
+	wg.Wait()
+	for i, err := range errs {
+		if err != nil {
+			t.Errorf("database %s: %v", dbs[i], err)
+		}
+	}
+}
