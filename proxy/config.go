@@ -1,0 +1,154 @@
+package proxy
+
+import (
+	"crypto/tls"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgconn"
+)
+
+// AuthMethod is how the proxy authenticates its clients.
+type AuthMethod string
+
+const (
+	// AuthTrust accepts every client without a password. For local
+	// development only: anyone who can reach the listener can connect as
+	// any user the upstream credentials allow.
+	AuthTrust AuthMethod = "trust"
+	// AuthSCRAM requires SCRAM-SHA-256 against the verifiers in
+	// Config.Users.
+	AuthSCRAM AuthMethod = "scram-sha-256"
+)
+
+// Defaults applied to zero-valued Config fields.
+const (
+	DefaultMaxClients      = 1000
+	DefaultMaxMessageSize  = 64 << 20
+	DefaultShutdownTimeout = 30 * time.Second
+	DefaultStartupTimeout  = 15 * time.Second
+	DefaultConnectTimeout  = 10 * time.Second
+	DefaultBufferSize      = 32 << 10
+)
+
+// Config configures a Server. The zero value of every field except Primary
+// selects the documented default.
+type Config struct {
+	// Primary is the upstream primary as a libpq DSN or URL, parsed with
+	// pgconn.ParseConfig. Its host, port, TLS settings, password and
+	// connect_timeout are used; the database and user are replaced by
+	// the ones each client asks for. Required.
+	Primary string
+
+	// Replicas are streaming replicas (DSNs as for Primary). They are
+	// validated and stored; read routing arrives in a later release.
+	Replicas []string
+
+	// Auth is the client authentication method. Zero means AuthTrust.
+	Auth AuthMethod
+
+	// Users maps a user name to its SCRAM-SHA-256 verifier (the format
+	// PostgreSQL stores in pg_authid.rolpassword, and that `pgfence
+	// passwd` prints). Required when Auth is AuthSCRAM; a user missing
+	// from it cannot log in. See LoadUsers.
+	Users map[string]string
+
+	// UpstreamPasswords maps a user name to the password the proxy
+	// presents upstream for that user. Nil or a missing user means the
+	// Primary DSN's password (or none, for trust/peer upstreams).
+	UpstreamPasswords map[string]string
+
+	// TLS, when non-nil, is offered to clients that send SSLRequest.
+	// Nil means SSLRequest is answered 'N' (no TLS to clients).
+	TLS *tls.Config
+
+	// MaxClients bounds concurrent client sessions; excess clients get
+	// ErrorResponse 53300 too_many_connections. Zero means
+	// DefaultMaxClients; negative means no limit.
+	MaxClients int
+
+	// MaxMessageSize bounds the length of one client message (excluding
+	// the type byte). A longer message gets ErrorResponse 08P01 and the
+	// session is closed. Messages from the server are not bounded (the
+	// server is trusted, and messages are streamed, not buffered). Zero
+	// means DefaultMaxMessageSize (64 MiB); PostgreSQL itself refuses
+	// messages over 1 GiB.
+	MaxMessageSize int
+
+	// ShutdownTimeout is how long Shutdown lets sessions in a transaction
+	// (or with a request in flight) finish before closing them, when the
+	// caller's context has no earlier deadline. Zero means
+	// DefaultShutdownTimeout.
+	ShutdownTimeout time.Duration
+
+	// StartupTimeout bounds the client's startup and authentication
+	// exchange. Zero means DefaultStartupTimeout.
+	StartupTimeout time.Duration
+
+	// ConnectTimeout bounds opening an upstream connection when the DSN
+	// has no connect_timeout. Zero means DefaultConnectTimeout.
+	ConnectTimeout time.Duration
+
+	// BufferSize is the size of each of the four per-session read and
+	// write buffers. Zero means DefaultBufferSize (32 KiB).
+	BufferSize int
+
+	// Interceptor, when non-nil, is given every session's messages; see
+	// Interceptor. Nil means pure pass-through.
+	Interceptor Interceptor
+}
+
+func (c Config) withDefaults() (Config, error) {
+	if c.Primary == "" {
+		return c, fmt.Errorf("config: primary DSN is required")
+	}
+	if c.Auth == "" {
+		c.Auth = AuthTrust
+	}
+	switch c.Auth {
+	case AuthTrust:
+	case AuthSCRAM, "scram":
+		c.Auth = AuthSCRAM
+		if len(c.Users) == 0 {
+			return c, fmt.Errorf("config: auth %s needs a users file with at least one user", AuthSCRAM)
+		}
+		for u, v := range c.Users {
+			if _, err := parseVerifier(v); err != nil {
+				return c, fmt.Errorf("config: user %q: %w", u, err)
+			}
+		}
+	default:
+		return c, fmt.Errorf("config: unknown auth method %q (want trust or scram-sha-256)", c.Auth)
+	}
+	if c.MaxClients == 0 {
+		c.MaxClients = DefaultMaxClients
+	}
+	if c.MaxMessageSize <= 0 {
+		c.MaxMessageSize = DefaultMaxMessageSize
+	}
+	if c.ShutdownTimeout <= 0 {
+		c.ShutdownTimeout = DefaultShutdownTimeout
+	}
+	if c.StartupTimeout <= 0 {
+		c.StartupTimeout = DefaultStartupTimeout
+	}
+	if c.ConnectTimeout <= 0 {
+		c.ConnectTimeout = DefaultConnectTimeout
+	}
+	if c.BufferSize <= 0 {
+		c.BufferSize = DefaultBufferSize
+	}
+	if c.BufferSize < 1024 {
+		c.BufferSize = 1024
+	}
+	return c, nil
+}
+
+// parseUpstream parses a DSN and checks it is usable as an upstream.
+func parseUpstream(dsn string) (*pgconn.Config, error) {
+	pc, err := pgconn.ParseConfig(dsn)
+	if err != nil {
+		return nil, err
+	}
+	return pc, nil
+}

@@ -1,0 +1,103 @@
+package proxy
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"go.uber.org/zap/zaptest"
+
+	"github.com/pgfence/pgfence/internal/pgtest"
+)
+
+var cluster *pgtest.Cluster
+
+const (
+	scramUser     = "scram_user"
+	scramPassword = "correct horse battery staple"
+)
+
+func TestMain(m *testing.M) {
+	os.Exit(pgtest.Run(m, pgtest.Options{
+		// The upstream demands SCRAM for this role, so tests prove the
+		// proxy authenticates upstream with the configured password.
+		HBA: []string{"host all " + scramUser + " 127.0.0.1/32 scram-sha-256"},
+	}, func(ctx context.Context, conn *pgx.Conn) error {
+		_, err := conn.Exec(ctx, fmt.Sprintf("CREATE ROLE %s LOGIN SUPERUSER PASSWORD '%s'", scramUser, scramPassword))
+		return err
+	}, &cluster))
+}
+
+// testProxy is a running proxy in front of the test cluster.
+type testProxy struct {
+	srv  *Server
+	addr *net.TCPAddr
+	done chan error
+}
+
+// startProxy starts a proxy with cfg (Primary filled in when empty).
+func startProxy(t testing.TB, cfg Config) *testProxy {
+	t.Helper()
+	if cfg.Primary == "" {
+		cfg.Primary = cluster.Primary.DSN("postgres")
+	}
+	srv, err := New(cfg, zaptest.NewLogger(t))
+	if err != nil {
+		t.Fatalf("New: %v", err)
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := &testProxy{srv: srv, addr: ln.Addr().(*net.TCPAddr), done: make(chan error, 1)}
+	go func() { p.done <- srv.Serve(context.Background(), ln) }()
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		if err := srv.Shutdown(ctx); err != nil {
+			t.Logf("shutdown: %v", err)
+		}
+		if err := <-p.done; !errors.Is(err, ErrServerClosed) {
+			t.Errorf("Serve returned %v, want ErrServerClosed", err)
+		}
+	})
+	return p
+}
+
+// dsn is a connection string for db through the proxy as postgres.
+func (p *testProxy) dsn(db string) string {
+	return fmt.Sprintf("postgres://postgres@127.0.0.1:%d/%s?sslmode=disable", p.addr.Port, db)
+}
+
+func connect(t testing.TB, dsn string) *pgconn.PgConn {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	c, err := pgconn.Connect(ctx, dsn)
+	if err != nil {
+		t.Fatalf("connect %s: %v", dsn, err)
+	}
+	t.Cleanup(func() { c.Close(context.Background()) })
+	return c
+}
+
+func ctxT(t testing.TB) context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	t.Cleanup(cancel)
+	return ctx
+}
+
+// sqlState returns the SQLSTATE of err, or "".
+func sqlState(err error) string {
+	var pg *pgconn.PgError
+	if errors.As(err, &pg) {
+		return pg.Code
+	}
+	return ""
+}

@@ -1,0 +1,499 @@
+package proxy
+
+import (
+	"bufio"
+	"context"
+	"crypto/rand"
+	"crypto/subtle"
+	"crypto/tls"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"runtime/debug"
+	"sort"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgproto3"
+	"github.com/xdg-go/scram"
+	"go.uber.org/zap"
+)
+
+// Server is a session-mode PostgreSQL proxy.
+type Server struct {
+	cfg      Config
+	log      *zap.Logger
+	primary  *pgconn.Config
+	replicas []*pgconn.Config
+	dummy    scram.StoredCredentials
+
+	clients  atomic.Int64 // sessions counted against MaxClients
+	draining atomic.Bool
+
+	mu        sync.Mutex
+	listeners map[net.Listener]struct{}
+	conns     map[net.Conn]*Session // nil Session while in startup
+	cancels   map[uint64]cancelTarget
+	wg        sync.WaitGroup
+	idle      chan struct{} // signalled when a connection ends during shutdown
+}
+
+// cancelTarget is where a client's CancelRequest goes.
+type cancelTarget struct {
+	secret  uint32 // the secret we gave the client
+	addr    net.Addr
+	pid     uint32
+	upKey   []byte
+	network string
+}
+
+// New validates cfg and returns a Server. It opens no connections.
+func New(cfg Config, log *zap.Logger) (*Server, error) {
+	cfg, err := cfg.withDefaults()
+	if err != nil {
+		return nil, err
+	}
+	if log == nil {
+		log = zap.NewNop()
+	}
+	s := &Server{
+		cfg:       cfg,
+		log:       log,
+		listeners: make(map[net.Listener]struct{}),
+		conns:     make(map[net.Conn]*Session),
+		cancels:   make(map[uint64]cancelTarget),
+		idle:      make(chan struct{}, 1),
+	}
+	if s.primary, err = pgconn.ParseConfig(cfg.Primary); err != nil {
+		return nil, fmt.Errorf("config: primary: %w", err)
+	}
+	for i, r := range cfg.Replicas {
+		rc, err := pgconn.ParseConfig(r)
+		if err != nil {
+			return nil, fmt.Errorf("config: replica %d: %w", i+1, err)
+		}
+		s.replicas = append(s.replicas, rc)
+	}
+	if cfg.Auth == AuthSCRAM {
+		s.dummy = dummyCredentials()
+	}
+	return s, nil
+}
+
+// Serve accepts connections on ln until Shutdown is called or ctx ends;
+// then it closes ln and returns ErrServerClosed (after Shutdown) or
+// ctx.Err(). Sessions already open are not affected by ctx: end them with
+// Shutdown.
+func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
+	s.mu.Lock()
+	if s.draining.Load() {
+		s.mu.Unlock()
+		ln.Close()
+		return ErrServerClosed
+	}
+	s.listeners[ln] = struct{}{}
+	s.mu.Unlock()
+	defer func() {
+		s.mu.Lock()
+		delete(s.listeners, ln)
+		s.mu.Unlock()
+	}()
+	stop := context.AfterFunc(ctx, func() { ln.Close() })
+	defer stop()
+
+	var delay time.Duration
+	for {
+		c, err := ln.Accept()
+		if err != nil {
+			if s.draining.Load() {
+				return ErrServerClosed
+			}
+			if ctx.Err() != nil {
+				return ctx.Err()
+			}
+			var ne net.Error
+			if errors.As(err, &ne) && ne.Timeout() {
+				delay = min(max(2*delay, 5*time.Millisecond), time.Second)
+				s.log.Warn("accept failed; retrying", zap.Error(err), zap.Duration("delay", delay))
+				time.Sleep(delay)
+				continue
+			}
+			return fmt.Errorf("accept: %w", err)
+		}
+		delay = 0
+		if !s.track(c, nil) {
+			c.Close()
+			continue
+		}
+		s.wg.Add(1)
+		go s.handle(c)
+	}
+}
+
+// track registers c (with its session, once it has one); false when the
+// server is shutting down and c must not start.
+func (s *Server) track(c net.Conn, sess *Session) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.draining.Load() && sess == nil {
+		return false
+	}
+	s.conns[c] = sess
+	return true
+}
+
+func (s *Server) untrack(c net.Conn) {
+	s.mu.Lock()
+	delete(s.conns, c)
+	s.mu.Unlock()
+	if s.draining.Load() {
+		select {
+		case s.idle <- struct{}{}:
+		default:
+		}
+	}
+}
+
+// Shutdown stops accepting, closes idle sessions at once and the others
+// as soon as they are idle (ReadyForQuery 'I' with nothing in flight),
+// until ctx ends or Config.ShutdownTimeout passes; then it closes the rest
+// (their upstream backends roll back). It returns nil when every session
+// ended gracefully.
+func (s *Server) Shutdown(ctx context.Context) error {
+	s.draining.Store(true)
+	s.mu.Lock()
+	for ln := range s.listeners {
+		ln.Close()
+	}
+	s.mu.Unlock()
+	ctx, cancel := context.WithTimeout(ctx, s.cfg.ShutdownTimeout)
+	defer cancel()
+	for {
+		s.mu.Lock()
+		n := 0
+		for c, sess := range s.conns {
+			switch {
+			case sess == nil: // still in startup: nothing to lose
+				c.Close()
+			case sess.tryCloseIdle():
+				// Ending the upstream ends the session, which then tells
+				// the client why.
+				sess.closeServer()
+			default:
+				n++
+			}
+		}
+		s.mu.Unlock()
+		if n == 0 {
+			break
+		}
+		select {
+		case <-s.idle:
+			continue
+		case <-time.After(100 * time.Millisecond):
+			// Sessions that go idle notice the drain themselves; this
+			// re-check only covers idle sessions that never speak again.
+			continue
+		case <-ctx.Done():
+		}
+		s.mu.Lock()
+		for c, sess := range s.conns {
+			if sess != nil {
+				sess.closeServer()
+			}
+			c.Close()
+		}
+		s.mu.Unlock()
+		s.wg.Wait()
+		return fmt.Errorf("shutdown: closed %d sessions still in a transaction or busy: %w", n, ctx.Err())
+	}
+	s.wg.Wait()
+	return nil
+}
+
+// handle runs one client connection from startup to close.
+func (s *Server) handle(c net.Conn) {
+	defer s.wg.Done()
+	defer s.untrack(c)
+	defer func() {
+		if r := recover(); r != nil {
+			s.log.Error("panic in connection", zap.Stringer("client", c.RemoteAddr()), zap.Any("panic", r), zap.ByteString("stack", debug.Stack()))
+			c.Close()
+		}
+	}()
+	log := s.log.With(zap.Stringer("client", c.RemoteAddr()))
+	c.SetDeadline(time.Now().Add(s.cfg.StartupTimeout))
+	conn, st, err := s.startup(c)
+	if err != nil {
+		s.refuse(conn, err, log, "startup failed")
+		return
+	}
+	if st == nil { // cancel request, SSL probe that went away
+		conn.Close()
+		return
+	}
+	user, db := st.params["user"], st.params["database"]
+	log = log.With(zap.String("user", user), zap.String("database", db))
+	if st.replication() {
+		s.refuse(conn, &ProtocolError{Code: "0A000", Msg: "pgfence does not proxy replication connections; connect to PostgreSQL directly for replication"}, log, "replication refused")
+		return
+	}
+	if n := s.clients.Add(1); s.cfg.MaxClients > 0 && n > int64(s.cfg.MaxClients) {
+		s.clients.Add(-1)
+		s.refuse(conn, &ProtocolError{Code: "53300", Msg: "sorry, too many clients already", Err: ErrTooManyClients}, log, "client refused")
+		return
+	}
+	defer s.clients.Add(-1)
+	if st.needsNegotiation() {
+		msg := encode(nil, &pgproto3.NegotiateProtocolVersion{NewestMinorProtocol: 0, UnrecognizedOptions: st.unknown})
+		if _, err := conn.Write(msg); err != nil {
+			conn.Close()
+			return
+		}
+	}
+	if err := s.authenticate(conn, user); err != nil {
+		s.refuse(conn, err, log, "authentication failed")
+		return
+	}
+	start := time.Now()
+	sess, err := s.open(c, conn, st, log)
+	if err != nil {
+		s.refuse(conn, err, log, "upstream connect failed")
+		return
+	}
+	log = sess.log
+	log.Info("session open", zap.Uint32("backend_pid", sess.BackendPID))
+	err = sess.run()
+	s.dropCancelKey(sess)
+	fields := []zap.Field{zap.Duration("duration", time.Since(start))}
+	if err != nil {
+		fields = append(fields, zap.NamedError("reason", err))
+	}
+	log.Info("session closed", fields...)
+}
+
+// refuse reports err to the client where the protocol allows, logs it
+// and closes.
+func (s *Server) refuse(c net.Conn, err error, log *zap.Logger, what string) {
+	var pe *ProtocolError
+	var pg *pgconn.PgError
+	if errors.As(err, &pe) || errors.As(err, &pg) || errors.Is(err, errUpstream) {
+		c.SetWriteDeadline(time.Now().Add(time.Second))
+		c.Write(encode(nil, errorResponse(err)))
+	}
+	if errors.Is(err, io.EOF) || errors.Is(err, net.ErrClosed) {
+		log.Debug(what, zap.Error(err))
+	} else {
+		log.Info(what, zap.Error(err))
+	}
+	c.Close()
+}
+
+// startup runs the startup phase: SSL/GSSENC negotiation, cancel
+// requests, and the startup message. It returns the connection to use
+// (TLS-wrapped or not) and the startup, or nil after a cancel request.
+func (s *Server) startup(c net.Conn) (net.Conn, *startup, error) {
+	var buf [256]byte
+	tlsDone := false
+	for {
+		b, err := readStartupPacket(c, buf[:0])
+		if err != nil {
+			return c, nil, err
+		}
+		st, err := parseStartup(b)
+		if err != nil {
+			return c, nil, err
+		}
+		switch st.kind {
+		case startupSSL:
+			if tlsDone {
+				return c, nil, &ProtocolError{Code: "08P01", Msg: "SSLRequest after TLS was established"}
+			}
+			if s.cfg.TLS == nil {
+				if _, err := c.Write([]byte{'N'}); err != nil {
+					return c, nil, err
+				}
+				continue
+			}
+			if _, err := c.Write([]byte{'S'}); err != nil {
+				return c, nil, err
+			}
+			tc := tls.Server(c, s.cfg.TLS)
+			if err := tc.Handshake(); err != nil {
+				return c, nil, fmt.Errorf("tls handshake: %w", err)
+			}
+			c, tlsDone = tc, true
+		case startupGSSENC:
+			if _, err := c.Write([]byte{'N'}); err != nil {
+				return c, nil, err
+			}
+		case startupCancel:
+			s.cancel(st)
+			return c, nil, nil
+		default:
+			return c, st, nil
+		}
+	}
+}
+
+var errUpstream = errors.New("upstream connection failed")
+
+// open connects upstream for an authenticated client, finishes the
+// client's startup (ParameterStatus, our BackendKeyData, ReadyForQuery)
+// and returns the session.
+func (s *Server) open(raw, c net.Conn, st *startup, log *zap.Logger) (*Session, error) {
+	user, db := st.params["user"], st.params["database"]
+	pc := s.primary.Copy()
+	pc.User, pc.Database = user, db
+	if pw, ok := s.cfg.UpstreamPasswords[user]; ok {
+		pc.Password = pw
+	}
+	rp := make(map[string]string, len(pc.RuntimeParams)+len(st.params))
+	for k, v := range pc.RuntimeParams {
+		rp[k] = v
+	}
+	for k, v := range st.params {
+		if k != "user" && k != "database" {
+			rp[k] = v
+		}
+	}
+	pc.RuntimeParams = rp
+	if pc.ConnectTimeout == 0 {
+		pc.ConnectTimeout = s.cfg.ConnectTimeout
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), pc.ConnectTimeout)
+	defer cancel()
+	up, err := pgconn.ConnectConfig(ctx, pc)
+	if err != nil {
+		var pg *pgconn.PgError
+		if errors.As(err, &pg) {
+			log.Info("upstream refused connection", zap.Error(err))
+			return nil, pg
+		}
+		log.Warn("upstream connect failed", zap.Error(err))
+		return nil, fmt.Errorf("%w: %w", errUpstream, err)
+	}
+	hj, err := up.Hijack()
+	if err != nil {
+		up.Close(ctx)
+		return nil, fmt.Errorf("%w: hijack: %w", errUpstream, err)
+	}
+	sess := &Session{
+		srv:        s,
+		User:       user,
+		Database:   db,
+		ClientAddr: c.RemoteAddr(),
+		Params:     st.params,
+		BackendPID: hj.PID,
+		client:     c,
+		server:     hj.Conn,
+		log:        log.With(zap.Uint32("backend_pid", hj.PID)),
+	}
+	sess.txStatus.Store(uint32(hj.TxStatus))
+	size := s.cfg.BufferSize
+	sess.cw = bufio.NewWriterSize(c, size)
+	sess.sw = bufio.NewWriterSize(hj.Conn, size)
+	sess.cf = framer{r: bufio.NewReaderSize(c, size), max: s.cfg.MaxMessageSize, flush: sess.sw.Flush, from: "client"}
+	sess.sf = framer{r: bufio.NewReaderSize(hj.Conn, size), flush: sess.cw.Flush, from: "server"}
+
+	pid, secret := s.addCancelKey(hj)
+	var out []byte
+	names := make([]string, 0, len(hj.ParameterStatuses))
+	for k := range hj.ParameterStatuses {
+		names = append(names, k)
+	}
+	sort.Strings(names)
+	for _, k := range names {
+		out = encode(out, &pgproto3.ParameterStatus{Name: k, Value: hj.ParameterStatuses[k]})
+	}
+	var key [4]byte
+	binary.BigEndian.PutUint32(key[:], secret)
+	out = encode(out, &pgproto3.BackendKeyData{ProcessID: pid, SecretKey: key[:]})
+	out = encode(out, &pgproto3.ReadyForQuery{TxStatus: hj.TxStatus})
+	sess.cancelPID = pid
+	if s.cfg.Interceptor != nil {
+		h, err := s.cfg.Interceptor.Open(sess)
+		if err != nil {
+			s.dropCancelKey(sess)
+			hj.Conn.Close()
+			return nil, err
+		}
+		sess.h = h
+	}
+	if !s.track(raw, sess) {
+		s.dropCancelKey(sess)
+		hj.Conn.Close()
+		return nil, &ProtocolError{Code: "57P01", Msg: "terminating connection: pgfence is shutting down"}
+	}
+	if _, err := c.Write(out); err != nil {
+		s.dropCancelKey(sess)
+		hj.Conn.Close()
+		return nil, fmt.Errorf("client: %w", err)
+	}
+	c.SetDeadline(time.Time{})
+	return sess, nil
+}
+
+// addCancelKey makes the BackendKeyData the client gets and remembers the
+// upstream backend it stands for.
+func (s *Server) addCancelKey(hj *pgconn.HijackedConn) (pid, secret uint32) {
+	var b [8]byte
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for {
+		rand.Read(b[:])
+		pid = binary.BigEndian.Uint32(b[:4]) & 0x7fffffff
+		secret = binary.BigEndian.Uint32(b[4:])
+		if _, dup := s.cancels[uint64(pid)]; !dup && pid != 0 {
+			break
+		}
+	}
+	addr := hj.Conn.RemoteAddr()
+	s.cancels[uint64(pid)] = cancelTarget{secret: secret, addr: addr, network: addr.Network(), pid: hj.PID, upKey: hj.SecretKey}
+	return pid, secret
+}
+
+func (s *Server) dropCancelKey(sess *Session) {
+	s.mu.Lock()
+	delete(s.cancels, uint64(sess.cancelPID))
+	s.mu.Unlock()
+}
+
+// cancel forwards a client's CancelRequest to the upstream backend that
+// serves it. Unknown keys are ignored, as PostgreSQL does.
+func (s *Server) cancel(st *startup) {
+	s.mu.Lock()
+	t, ok := s.cancels[uint64(st.cancelPID)]
+	s.mu.Unlock()
+	var want [4]byte
+	binary.BigEndian.PutUint32(want[:], t.secret)
+	if !ok || subtle.ConstantTimeCompare(want[:], st.cancelSecret) != 1 {
+		s.log.Info("cancel request with unknown key ignored")
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), s.cfg.ConnectTimeout)
+	defer cancel()
+	var d net.Dialer
+	c, err := d.DialContext(ctx, t.network, t.addr.String())
+	if err != nil {
+		s.log.Warn("cancel: dial upstream", zap.Error(err))
+		return
+	}
+	defer c.Close()
+	c.SetDeadline(time.Now().Add(s.cfg.ConnectTimeout))
+	pkt := make([]byte, 12, 12+len(t.upKey))
+	binary.BigEndian.PutUint32(pkt[0:], uint32(12+len(t.upKey)))
+	binary.BigEndian.PutUint32(pkt[4:], codeCancel)
+	binary.BigEndian.PutUint32(pkt[8:], t.pid)
+	pkt = append(pkt, t.upKey...)
+	if _, err := c.Write(pkt); err != nil {
+		s.log.Warn("cancel: write upstream", zap.Error(err))
+		return
+	}
+	// PostgreSQL closes the connection once it has processed the request.
+	io.Copy(io.Discard, c)
+}

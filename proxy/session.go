@@ -1,0 +1,377 @@
+package proxy
+
+import (
+	"bufio"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"runtime/debug"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"go.uber.org/zap"
+)
+
+// closedMark is added to Session.pending when the session is closed for
+// shutdown; any later increment stays negative, so the client goroutine
+// knows not to forward.
+const closedMark = -1 << 40
+
+var errClientTerminate = errors.New("client sent Terminate")
+var errShutdown = errors.New("server shutting down")
+
+// Session is one client connection and its upstream connection. Its
+// exported methods are for Handlers (see Interceptor); each documents the
+// goroutine it may be called on.
+type Session struct {
+	srv *Server
+	log *zap.Logger
+
+	User       string
+	Database   string
+	ClientAddr net.Addr
+	// Params are the client's startup parameters (user and database
+	// included). Read-only.
+	Params map[string]string
+	// BackendPID is the upstream backend's process id.
+	BackendPID uint32
+
+	client net.Conn
+	server net.Conn
+	cf     framer // client → proxy
+	sf     framer // server → proxy
+	cw     *bufio.Writer
+	sw     *bufio.Writer
+
+	h       Handler
+	q       queue
+	scratch []byte // reassembly buffer for large client messages (interceptor only)
+
+	txStatus atomic.Uint32 // last ReadyForQuery status: 'I', 'T' or 'E'
+	// pending counts requests in flight (a Query, FunctionCall or an
+	// extended batch up to its Sync) whose ReadyForQuery has not arrived.
+	// Shutdown may close a session only while it is zero and txStatus is
+	// 'I'; closedMark marks that it did.
+	pending   atomic.Int64
+	cancelPID uint32
+	inBatch   bool // client goroutine: extended messages sent since the last Sync
+
+	closeOnce sync.Once
+}
+
+// TxStatus returns the transaction status of the last ReadyForQuery: 'I'
+// idle, 'T' in a transaction, 'E' in a failed transaction. Any goroutine.
+func (s *Session) TxStatus() byte { return byte(s.txStatus.Load()) }
+
+// Logger returns the session's logger (with client, user and database).
+func (s *Session) Logger() *zap.Logger { return s.log }
+
+// ForwardMessage sends a client-format message upstream as if the client
+// had sent it (it joins the outstanding queue as a client request, whose
+// responses reach the client). Client goroutine only (inside
+// ClientMessage).
+func (s *Session) ForwardMessage(msg []byte) error {
+	if !s.account(msg[0]) {
+		return errShutdown
+	}
+	if producesResponse(msg[0]) {
+		s.q.push(&Request{Type: msg[0]})
+	}
+	_, err := s.sw.Write(msg)
+	return err
+}
+
+// Inject sends a message upstream on the proxy's own behalf; its responses
+// are matched by the queue and swallowed, delivered to the Handler's
+// ServerMessage with the returned Request. For a message type without a
+// response (Flush) the Request is nil. Client goroutine only. The message
+// is buffered: call FlushServer before waiting on Done.
+func (s *Session) Inject(msg []byte, tag any) (*Request, error) {
+	if !s.account(msg[0]) {
+		return nil, errShutdown
+	}
+	var r *Request
+	if producesResponse(msg[0]) {
+		r = &Request{Type: msg[0], Injected: true, Tag: tag, done: make(chan struct{})}
+		s.q.push(r)
+	}
+	if _, err := s.sw.Write(msg); err != nil {
+		return nil, err
+	}
+	return r, nil
+}
+
+// FlushServer flushes messages buffered for the upstream. Client goroutine
+// only.
+func (s *Session) FlushServer() error { return s.sw.Flush() }
+
+// WriteClient sends a message to the client. Server goroutine only (inside
+// ServerMessage); it is flushed with the forwarded traffic.
+func (s *Session) WriteClient(msg []byte) error {
+	_, err := s.cw.Write(msg)
+	return err
+}
+
+// account tracks requests sent upstream whose ReadyForQuery is due, for
+// graceful shutdown; every message written upstream passes here. It reports
+// false when the session has been closed for shutdown.
+func (s *Session) account(t byte) bool {
+	var n int64
+	switch t {
+	case 'Q', 'F':
+		n = s.pending.Add(1)
+	case 'S':
+		if s.inBatch {
+			s.inBatch = false
+			return s.pending.Load() >= 0
+		}
+		n = s.pending.Add(1)
+	case 'P', 'B', 'D', 'E', 'C', 'H':
+		if s.inBatch {
+			return s.pending.Load() >= 0
+		}
+		s.inBatch = true
+		n = s.pending.Add(1)
+	default:
+		return s.pending.Load() >= 0
+	}
+	return n >= 0
+}
+
+// tryCloseIdle closes the session for shutdown if it is idle: not in a
+// transaction and nothing in flight. It is race-free against the client
+// goroutine through the CAS on pending.
+func (s *Session) tryCloseIdle() bool {
+	if s.TxStatus() != 'I' || !s.pending.CompareAndSwap(0, closedMark) {
+		return false
+	}
+	return true
+}
+
+// run pumps messages both ways until either side ends, then closes both
+// connections. It returns the error that ended the session (nil for a
+// clean client exit).
+func (s *Session) run() error {
+	errc := make(chan error, 2)
+	var wg sync.WaitGroup
+	wg.Add(2)
+	go func() { defer wg.Done(); errc <- s.guard("client", s.clientLoop) }()
+	go func() { defer wg.Done(); errc <- s.guard("server", s.serverLoop) }()
+
+	err := <-errc
+	// The first side to end decides; unblock the other.
+	s.closeServer()
+	s.client.SetReadDeadline(time.Now())
+	wg.Wait()
+	second := <-errc
+	if errors.Is(err, errShutdown) || errors.Is(second, errShutdown) || s.pending.Load() < 0 {
+		err = errShutdown
+	}
+	var pe *ProtocolError
+	if errors.As(err, &pe) || err == errShutdown {
+		if err == errShutdown {
+			err = &ProtocolError{Code: "57P01", Msg: "terminating connection: pgfence is shutting down", Err: errShutdown}
+		}
+		s.client.SetWriteDeadline(time.Now().Add(time.Second))
+		s.client.Write(encode(nil, errorResponse(err)))
+	}
+	s.client.Close()
+	if s.h != nil {
+		s.q.drain()
+		s.h.Close(s)
+	}
+	if errors.Is(err, errClientTerminate) || errors.Is(err, io.EOF) {
+		return nil
+	}
+	return err
+}
+
+// closeServer tells the backend to end (Terminate), then closes the
+// upstream socket. Closing is what matters: a backend whose client socket
+// is gone rolls back and exits.
+func (s *Session) closeServer() {
+	s.closeOnce.Do(func() {
+		s.server.SetWriteDeadline(time.Now().Add(100 * time.Millisecond))
+		s.server.Write([]byte{'X', 0, 0, 0, 4})
+		s.server.Close()
+	})
+}
+
+// guard turns a panic into an error, so one bad session never takes the
+// proxy down.
+func (s *Session) guard(side string, f func() error) (err error) {
+	defer func() {
+		if r := recover(); r != nil {
+			s.log.Error("panic in session", zap.String("side", side), zap.Any("panic", r), zap.ByteString("stack", debug.Stack()))
+			err = fmt.Errorf("%s loop panic: %v", side, r)
+		}
+	}()
+	return f()
+}
+
+// clientLoop forwards client messages upstream.
+func (s *Session) clientLoop() error {
+	size := s.cf.r.Size()
+	for {
+		typ, total, err := s.cf.next()
+		if err != nil {
+			return fmt.Errorf("client: %w", err)
+		}
+		if !frontendTypes[typ] {
+			return &ProtocolError{Code: "08P01", Msg: fmt.Sprintf("invalid frontend message type %d", typ)}
+		}
+		if s.h == nil {
+			// Pass-through: the hot path.
+			if !s.account(typ) {
+				return errShutdown
+			}
+			if total <= size {
+				msg, err := s.cf.whole(total)
+				if err != nil {
+					return fmt.Errorf("client: %w", err)
+				}
+				if _, err := s.sw.Write(msg); err != nil {
+					return fmt.Errorf("server: %w", err)
+				}
+				s.cf.discard(total)
+			} else if err := s.cf.stream(s.sw, total); err != nil {
+				return fmt.Errorf("client: %w", err)
+			}
+		} else if err := s.interceptClient(total, size); err != nil {
+			return err
+		}
+		if typ == 'X' {
+			s.sw.Flush()
+			return errClientTerminate
+		}
+	}
+}
+
+func (s *Session) interceptClient(total, size int) error {
+	var msg []byte
+	var err error
+	if total <= size {
+		msg, err = s.cf.whole(total)
+	} else {
+		s.scratch, err = s.cf.readInto(s.scratch[:0], total)
+		msg = s.scratch
+	}
+	if err != nil {
+		return fmt.Errorf("client: %w", err)
+	}
+	v, err := s.h.ClientMessage(s, msg)
+	if err != nil {
+		return err
+	}
+	if v == Forward {
+		if !s.account(msg[0]) {
+			return errShutdown
+		}
+		if producesResponse(msg[0]) {
+			s.q.push(&Request{Type: msg[0]})
+		}
+		if _, err := s.sw.Write(msg); err != nil {
+			return fmt.Errorf("server: %w", err)
+		}
+	}
+	if total <= size {
+		s.cf.discard(total)
+	} else if cap(s.scratch) > 4*size {
+		s.scratch = nil // do not pin a large buffer
+	}
+	return nil
+}
+
+// serverLoop forwards server messages to the client, watching
+// ReadyForQuery for the transaction status.
+func (s *Session) serverLoop() error {
+	size := s.sf.r.Size()
+	for {
+		typ, total, err := s.sf.next()
+		if err != nil {
+			s.cw.Flush()
+			return fmt.Errorf("server: %w", err)
+		}
+		if total > size {
+			if s.h != nil {
+				h, _ := s.sf.whole(headerLen)
+				fwd, err := s.interceptServer(h)
+				if err != nil {
+					return err
+				}
+				if !fwd {
+					if err := s.sf.stream(io.Discard, total); err != nil {
+						return fmt.Errorf("server: %w", err)
+					}
+					continue
+				}
+			}
+			if err := s.sf.stream(s.cw, total); err != nil {
+				return fmt.Errorf("server: %w", err)
+			}
+			continue
+		}
+		msg, err := s.sf.whole(total)
+		if err != nil {
+			return fmt.Errorf("server: %w", err)
+		}
+		fwd := true
+		if s.h != nil {
+			if fwd, err = s.interceptServer(msg); err != nil {
+				return err
+			}
+		}
+		if fwd {
+			if _, err := s.cw.Write(msg); err != nil {
+				return fmt.Errorf("client: %w", err)
+			}
+		}
+		if typ == 'Z' && total == headerLen+1 {
+			s.txStatus.Store(uint32(msg[headerLen]))
+			s.sf.discard(total)
+			if s.pending.Add(-1) == 0 && s.srv.draining.Load() && s.tryCloseIdle() {
+				s.cw.Flush()
+				return errShutdown
+			}
+			continue
+		}
+		s.sf.discard(total)
+	}
+}
+
+// interceptServer matches msg against the outstanding queue and asks the
+// handler; it reports whether to forward msg.
+func (s *Session) interceptServer(msg []byte) (bool, error) {
+	head := s.q.front()
+	var ht byte
+	if head != nil {
+		ht = head.Type
+	}
+	m := match(ht, msg[0])
+	req := head
+	if m == matchAsync {
+		req = nil
+	}
+	if req != nil && msg[0] == 'E' && req.Injected && len(msg) >= headerLen {
+		req.Error = append([]byte(nil), msg...)
+	}
+	v, err := s.h.ServerMessage(s, msg, req)
+	if err != nil {
+		return false, err
+	}
+	fwd := v == Forward && (req == nil || !req.Injected)
+	switch m {
+	case matchComplete:
+		s.q.pop()
+	case matchError:
+		s.q.pop()
+		s.q.skipToSync()
+	}
+	return fwd, nil
+}
+
+// MessageLen returns the length field of a message header.
+func MessageLen(msg []byte) uint32 { return binary.BigEndian.Uint32(msg[1:5]) }
