@@ -1,0 +1,987 @@
+package rewrite
+
+import (
+	"fmt"
+	"strconv"
+	"strings"
+	"sync"
+
+	pg_query "github.com/pganalyze/pg_query_go/v6"
+	"google.golang.org/protobuf/reflect/protoreflect"
+)
+
+// Kind is what a statement does, as far as the proxy cares.
+type Kind uint8
+
+// Statement kinds.
+const (
+	Other              Kind = iota // DDL, utility statements, SHOW, FETCH, ...
+	Read                           // SELECT, VALUES, TABLE, plain EXPLAIN, DECLARE CURSOR
+	Write                          // INSERT, UPDATE, DELETE, MERGE, TRUNCATE, writable CTE, SELECT INTO, CREATE TABLE AS, EXPLAIN ANALYZE of a write
+	Begin                          // BEGIN, START TRANSACTION
+	Commit                         // COMMIT, END (Chain for AND CHAIN)
+	Rollback                       // ROLLBACK, ABORT (Chain for AND CHAIN)
+	Savepoint                      // SAVEPOINT Name
+	RollbackTo                     // ROLLBACK TO [SAVEPOINT] Name
+	Release                        // RELEASE [SAVEPOINT] Name
+	PrepareTransaction             // PREPARE TRANSACTION GID
+	CommitPrepared                 // COMMIT PREPARED GID
+	RollbackPrepared               // ROLLBACK PREPARED GID
+	Set                            // SET [LOCAL] Name = value (GUCs[0])
+	Reset                          // RESET Name, SET Name TO DEFAULT (GUCs[0])
+	ResetAll                       // RESET ALL
+	Discard                        // DISCARD ALL|PLANS|TEMP|SEQUENCES (Name)
+	Prepare                        // SQL-level PREPARE Name AS Inner
+	Execute                        // SQL-level EXECUTE Name
+	Deallocate                     // DEALLOCATE Name, or DEALLOCATE ALL (Name empty, All)
+	CopyFrom                       // COPY table FROM
+	CopyTo                         // COPY table|(query) TO
+	Listen                         // LISTEN Name
+	Unlisten                       // UNLISTEN Name (All for UNLISTEN *)
+	Notify                         // NOTIFY Name
+	Call                           // CALL procedure (always Opaque)
+	Do                             // DO block (always Opaque)
+)
+
+var kindNames = [...]string{
+	Other: "Other", Read: "Read", Write: "Write", Begin: "Begin", Commit: "Commit",
+	Rollback: "Rollback", Savepoint: "Savepoint", RollbackTo: "RollbackTo",
+	Release: "Release", PrepareTransaction: "PrepareTransaction",
+	CommitPrepared: "CommitPrepared", RollbackPrepared: "RollbackPrepared",
+	Set: "Set", Reset: "Reset", ResetAll: "ResetAll", Discard: "Discard",
+	Prepare: "Prepare", Execute: "Execute", Deallocate: "Deallocate",
+	CopyFrom: "CopyFrom", CopyTo: "CopyTo", Listen: "Listen", Unlisten: "Unlisten",
+	Notify: "Notify", Call: "Call", Do: "Do",
+}
+
+func (k Kind) String() string {
+	if int(k) < len(kindNames) {
+		return kindNames[k]
+	}
+	return "Kind(" + strconv.Itoa(int(k)) + ")"
+}
+
+// RelName is a relation name as written in a statement, with identifiers
+// folded as PostgreSQL folds them (unquoted lowercased, quoted preserved).
+// Schema is empty when the name is unqualified.
+type RelName struct {
+	Schema string
+	Name   string
+}
+
+func (r RelName) String() string {
+	if r.Schema == "" {
+		return quoteIdent(r.Name)
+	}
+	return quoteIdent(r.Schema) + "." + quoteIdent(r.Name)
+}
+
+// quoteIdent quotes s unless it is a plain lowercase identifier. It is for
+// display; unlike PostgreSQL's quote_identifier it does not quote keywords.
+func quoteIdent(s string) string {
+	if s == "" {
+		return `""`
+	}
+	plain := true
+	for i := 0; i < len(s); i++ {
+		c := s[i]
+		if c >= 'a' && c <= 'z' || c == '_' || i > 0 && (c >= '0' && c <= '9' || c == '$') {
+			continue
+		}
+		plain = false
+		break
+	}
+	if plain {
+		return s
+	}
+	return `"` + strings.ReplaceAll(s, `"`, `""`) + `"`
+}
+
+// GUCOp is what a GUC effect does.
+type GUCOp uint8
+
+// GUC operations.
+const (
+	GUCSet      GUCOp = iota // set Name to Value
+	GUCReset                 // reset Name to its session default (RESET, SET TO DEFAULT, set_config(name, NULL, ...))
+	GUCResetAll              // RESET ALL
+	GUCCurrent               // SET Name FROM CURRENT: make the current value the Local/session value
+)
+
+// GUC is a change to a run-time parameter made by a statement: SET, SET
+// LOCAL, RESET, RESET ALL, or a set_config call found anywhere in it.
+//
+// Names are lowercased, as PostgreSQL compares parameter names without
+// regard to case. The caller decides which names it tracks.
+type GUC struct {
+	Op    GUCOp
+	Name  string // empty for GUCResetAll, or when NameParam or Unknown
+	Value string // for GUCSet: the value as PostgreSQL flattens the SET arguments
+	Local bool   // SET LOCAL, or set_config(..., true)
+	// NArgs is the number of comma-separated SET arguments; PostgreSQL
+	// rejects more than one for parameters that are not lists.
+	NArgs int
+
+	// Func marks a set_config(name, value, is_local) call. For those,
+	// NameParam, ValueParam and LocalParam are the $n index of an argument
+	// given as a parameter (0 when it is a literal).
+	Func       bool
+	NameParam  int
+	ValueParam int
+	LocalParam int
+	// Unknown: some argument of set_config is neither a literal nor a $n
+	// parameter, so its effect cannot be known before execution.
+	Unknown bool
+	// Conditional: the set_config call is not certain to run exactly once
+	// (it is not a direct output column of a plain SELECT without FROM,
+	// WHERE, GROUP BY, HAVING, LIMIT, set operations or WITH). Its effect
+	// cannot be tracked exactly.
+	Conditional bool
+}
+
+// Uncertain reports whether the effect cannot be tracked from the statement
+// text and bound parameters alone.
+func (g GUC) Uncertain() bool { return g.Unknown || g.Conditional }
+
+// Stmt is the classification of one statement. A Stmt is immutable after
+// Classify returns and safe to share between goroutines.
+type Stmt struct {
+	// SQL is the statement's own text within the query string.
+	SQL  string
+	Kind Kind
+	// Name is the object a statement kind names: the savepoint, the
+	// prepared statement (Prepare, Execute, Deallocate), the GUC (Set,
+	// Reset, and SHOW as Other), the DISCARD target (ALL, PLANS, TEMP,
+	// SEQUENCES), the notification channel, or the GID of a two-phase
+	// transaction.
+	Name string
+	// All: DEALLOCATE ALL, UNLISTEN *.
+	All bool
+	// Chain: COMMIT AND CHAIN, ROLLBACK AND CHAIN.
+	Chain bool
+
+	// Begin options (BEGIN / START TRANSACTION).
+	ReadOnly   bool
+	ReadWrite  bool   // READ WRITE given explicitly
+	Isolation  string // "serializable", "repeatable read", ... or empty
+	Deferrable bool
+
+	// WriteTargets are the relations the statement writes, in order of
+	// appearance, without duplicates. See Writes.
+	WriteTargets []RelName
+	// ReadRelations are the other relations the statement names (read,
+	// locked, or referenced by utility statements), without CTE names.
+	ReadRelations []RelName
+
+	Opaque           bool // CALL, DO, or a call of a function not known to be read-only
+	LockingRead      bool // FOR UPDATE / NO KEY UPDATE / SHARE / KEY SHARE anywhere
+	CallsFence       bool // calls a function in schema fence
+	PrimaryOnlyFuncs bool // calls a function that needs the primary (nextval, advisory locks, pg_notify, set_config, fence.*, ...)
+	UnknownGUCWrite  bool // a set_config call whose parameter name cannot be determined
+
+	// GUCs are the parameter changes the statement makes, in order.
+	GUCs []GUC
+
+	// Params is the highest $n parameter number used by the statement.
+	Params int
+
+	// Inner is the classification of the statement of a SQL-level PREPARE.
+	Inner *Stmt
+	// Executes names the SQL-level prepared statement this statement runs:
+	// EXECUTE name, EXPLAIN ANALYZE EXECUTE name, CREATE TABLE AS EXECUTE name.
+	Executes string
+	// Explain marks EXPLAIN; with Analyze the statement is executed and
+	// classified as what it executes.
+	Explain bool
+	Analyze bool
+
+	node       *pg_query.Node
+	version    int32 // parse tree version, required by the deparser
+	canonOnce  sync.Once
+	canonical  string
+	deparseErr error
+}
+
+// Writes reports whether the statement writes any relation. Use it, not
+// Kind, to decide whether a statement is gated: COPY (DELETE ... RETURNING)
+// TO and DDL with writable subqueries write too.
+func (s *Stmt) Writes() bool { return len(s.WriteTargets) > 0 }
+
+// Canonical returns the statement's canonical SQL for the v1 payload digest:
+// pg_query's deparse of its parse tree, so whitespace, comments, keyword case
+// and needless quoting do not change it. It is computed on first use and
+// kept. If deparsing fails (a construct the deparser does not support), the
+// statement's own text is used, which is still deterministic for a given
+// text.
+func (s *Stmt) Canonical() string {
+	s.canonOnce.Do(func() {
+		s.canonical = strings.TrimSpace(s.SQL)
+		if s.node == nil {
+			return
+		}
+		out, err := pg_query.Deparse(&pg_query.ParseResult{Version: s.version, Stmts: []*pg_query.RawStmt{{Stmt: s.node}}})
+		if err != nil {
+			s.deparseErr = err
+			return
+		}
+		s.canonical = out
+	})
+	return s.canonical
+}
+
+// Result is the classification of a whole query string.
+type Result struct {
+	Stmts []*Stmt
+}
+
+// Writes reports whether any statement writes a relation.
+func (r *Result) Writes() bool {
+	for _, s := range r.Stmts {
+		if s.Writes() {
+			return true
+		}
+	}
+	return false
+}
+
+// ParseError is returned when PostgreSQL's grammar rejects the text.
+type ParseError struct {
+	Err error
+}
+
+func (e *ParseError) Error() string { return "classify: " + e.Err.Error() }
+func (e *ParseError) Unwrap() error { return e.Err }
+
+// Classify parses sql (a simple-Query string with any number of statements,
+// or the single statement of a Parse message, with $n parameters) and
+// classifies each statement. It returns a *ParseError if the grammar rejects
+// the text. An empty or comment-only string yields a Result with no
+// statements.
+func Classify(sql string) (*Result, error) {
+	tree, err := pg_query.Parse(sql)
+	if err != nil {
+		return nil, &ParseError{Err: err}
+	}
+	res := &Result{Stmts: make([]*Stmt, 0, len(tree.Stmts))}
+	for _, raw := range tree.Stmts {
+		text := stmtText(sql, raw)
+		res.Stmts = append(res.Stmts, classifyNode(raw.Stmt, text, tree.Version))
+	}
+	return res, nil
+}
+
+// stmtText cuts a statement's own text out of the query string. Locations
+// are byte offsets; a length of 0 means "to the end".
+func stmtText(sql string, raw *pg_query.RawStmt) string {
+	start := int(raw.StmtLocation)
+	if start < 0 || start > len(sql) {
+		return sql
+	}
+	end := len(sql)
+	if raw.StmtLen > 0 && start+int(raw.StmtLen) <= len(sql) {
+		end = start + int(raw.StmtLen)
+	}
+	return strings.TrimSpace(sql[start:end])
+}
+
+func classifyNode(node *pg_query.Node, text string, version int32) *Stmt {
+	st := &Stmt{SQL: text, node: node, version: version}
+	w := walker{st: st}
+	switch n := node.GetNode().(type) {
+	case *pg_query.Node_SelectStmt:
+		w.markDefiniteSetConfig(n.SelectStmt)
+		w.walk(node)
+		st.Kind = Read
+		if st.Writes() {
+			st.Kind = Write
+		}
+	case *pg_query.Node_InsertStmt, *pg_query.Node_UpdateStmt, *pg_query.Node_DeleteStmt,
+		*pg_query.Node_MergeStmt, *pg_query.Node_TruncateStmt, *pg_query.Node_RefreshMatViewStmt:
+		w.walk(node)
+		st.Kind = Write
+	case *pg_query.Node_CreateTableAsStmt:
+		w.walk(node)
+		st.Kind = Write
+		if ex := n.CreateTableAsStmt.GetQuery().GetExecuteStmt(); ex != nil {
+			st.Executes = ex.Name
+		}
+	case *pg_query.Node_CopyStmt:
+		w.walk(node)
+		if n.CopyStmt.IsFrom {
+			st.Kind = CopyFrom
+		} else {
+			st.Kind = CopyTo
+		}
+		if r := n.CopyStmt.Relation; r != nil {
+			st.Name = rel(r).String()
+		}
+	case *pg_query.Node_ExplainStmt:
+		classifyExplain(st, &w, n.ExplainStmt)
+	case *pg_query.Node_DeclareCursorStmt:
+		w.walk(node)
+		st.Kind = Read
+		st.Name = n.DeclareCursorStmt.Portalname
+	case *pg_query.Node_TransactionStmt:
+		classifyTransaction(st, n.TransactionStmt)
+	case *pg_query.Node_VariableSetStmt:
+		classifySet(st, n.VariableSetStmt)
+	case *pg_query.Node_VariableShowStmt:
+		st.Kind = Other
+		st.Name = strings.ToLower(n.VariableShowStmt.Name)
+	case *pg_query.Node_DiscardStmt:
+		st.Kind = Discard
+		switch n.DiscardStmt.Target {
+		case pg_query.DiscardMode_DISCARD_ALL:
+			st.Name = "ALL"
+		case pg_query.DiscardMode_DISCARD_PLANS:
+			st.Name = "PLANS"
+		case pg_query.DiscardMode_DISCARD_SEQUENCES:
+			st.Name = "SEQUENCES"
+		case pg_query.DiscardMode_DISCARD_TEMP:
+			st.Name = "TEMP"
+		}
+	case *pg_query.Node_PrepareStmt:
+		st.Kind = Prepare
+		st.Name = n.PrepareStmt.Name
+		if q := n.PrepareStmt.Query; q != nil {
+			st.Inner = classifyNode(q, text, version)
+		}
+	case *pg_query.Node_ExecuteStmt:
+		w.walk(node) // parameters are expressions and may call functions
+		st.Kind = Execute
+		st.Name = n.ExecuteStmt.Name
+		st.Executes = n.ExecuteStmt.Name
+	case *pg_query.Node_DeallocateStmt:
+		st.Kind = Deallocate
+		st.Name = n.DeallocateStmt.Name
+		st.All = n.DeallocateStmt.Isall || n.DeallocateStmt.Name == ""
+	case *pg_query.Node_ListenStmt:
+		st.Kind = Listen
+		st.Name = n.ListenStmt.Conditionname
+	case *pg_query.Node_UnlistenStmt:
+		st.Kind = Unlisten
+		st.Name = n.UnlistenStmt.Conditionname
+		st.All = st.Name == ""
+	case *pg_query.Node_NotifyStmt:
+		st.Kind = Notify
+		st.Name = n.NotifyStmt.Conditionname
+		st.PrimaryOnlyFuncs = true
+	case *pg_query.Node_CallStmt:
+		w.walk(node)
+		st.Kind = Call
+		st.Opaque = true
+		if fc := n.CallStmt.Funccall; fc != nil {
+			st.Name = funcName(fc).String()
+		}
+	case *pg_query.Node_DoStmt:
+		st.Kind = Do
+		st.Opaque = true
+	default:
+		w.walk(node)
+		st.Kind = Other
+	}
+	return st
+}
+
+func classifyExplain(st *Stmt, w *walker, ex *pg_query.ExplainStmt) {
+	st.Explain = true
+	for _, o := range ex.Options {
+		if d := o.GetDefElem(); d != nil && d.Defname == "analyze" {
+			st.Analyze = defBool(d.Arg)
+		}
+	}
+	q := ex.Query
+	if !st.Analyze {
+		// Plain EXPLAIN plans the statement without running it: nothing
+		// is written, no function is called.
+		w.noexec++
+		w.walk(q)
+		w.noexec--
+		st.Kind = Read
+		return
+	}
+	switch n := q.GetNode().(type) {
+	case *pg_query.Node_ExecuteStmt:
+		w.walk(q)
+		st.Kind = Execute
+		st.Name = n.ExecuteStmt.Name
+		st.Executes = n.ExecuteStmt.Name
+		return
+	case *pg_query.Node_SelectStmt:
+		w.markDefiniteSetConfig(n.SelectStmt)
+	case *pg_query.Node_CreateTableAsStmt:
+		if e := n.CreateTableAsStmt.GetQuery().GetExecuteStmt(); e != nil {
+			st.Executes = e.Name
+		}
+	}
+	w.walk(q)
+	st.Kind = Read
+	if st.Writes() {
+		st.Kind = Write
+	}
+}
+
+// defBool interprets a DefElem argument as PostgreSQL's defGetBoolean
+// does. An argument it does not understand counts as true (executing), the
+// conservative reading for EXPLAIN ANALYZE.
+func defBool(arg *pg_query.Node) bool {
+	if arg == nil {
+		return true
+	}
+	switch a := arg.GetNode().(type) {
+	case *pg_query.Node_Integer:
+		return a.Integer.Ival != 0
+	case *pg_query.Node_Boolean:
+		return a.Boolean.Boolval
+	case *pg_query.Node_String_:
+		switch strings.ToLower(a.String_.Sval) {
+		case "false", "off", "0", "f", "n", "no":
+			return false
+		}
+	case *pg_query.Node_AConst:
+		switch v := a.AConst.Val.(type) {
+		case *pg_query.A_Const_Ival:
+			return v.Ival.GetIval() != 0
+		case *pg_query.A_Const_Boolval:
+			return v.Boolval.GetBoolval()
+		case *pg_query.A_Const_Sval:
+			switch strings.ToLower(v.Sval.GetSval()) {
+			case "false", "off", "0", "f", "n", "no":
+				return false
+			}
+		}
+	}
+	return true
+}
+
+func classifyTransaction(st *Stmt, t *pg_query.TransactionStmt) {
+	st.Chain = t.Chain
+	switch t.Kind {
+	case pg_query.TransactionStmtKind_TRANS_STMT_BEGIN, pg_query.TransactionStmtKind_TRANS_STMT_START:
+		st.Kind = Begin
+		for _, o := range t.Options {
+			d := o.GetDefElem()
+			if d == nil {
+				continue
+			}
+			switch d.Defname {
+			case "transaction_isolation":
+				st.Isolation = constString(d.Arg)
+			case "transaction_read_only":
+				if constInt(d.Arg) != 0 {
+					st.ReadOnly = true
+					st.ReadWrite = false
+				} else {
+					st.ReadOnly = false
+					st.ReadWrite = true
+				}
+			case "transaction_deferrable":
+				st.Deferrable = constInt(d.Arg) != 0
+			}
+		}
+	case pg_query.TransactionStmtKind_TRANS_STMT_COMMIT:
+		st.Kind = Commit
+	case pg_query.TransactionStmtKind_TRANS_STMT_ROLLBACK:
+		st.Kind = Rollback
+	case pg_query.TransactionStmtKind_TRANS_STMT_SAVEPOINT:
+		st.Kind = Savepoint
+		st.Name = t.SavepointName
+	case pg_query.TransactionStmtKind_TRANS_STMT_RELEASE:
+		st.Kind = Release
+		st.Name = t.SavepointName
+	case pg_query.TransactionStmtKind_TRANS_STMT_ROLLBACK_TO:
+		st.Kind = RollbackTo
+		st.Name = t.SavepointName
+	case pg_query.TransactionStmtKind_TRANS_STMT_PREPARE:
+		st.Kind = PrepareTransaction
+		st.Name = t.Gid
+	case pg_query.TransactionStmtKind_TRANS_STMT_COMMIT_PREPARED:
+		st.Kind = CommitPrepared
+		st.Name = t.Gid
+	case pg_query.TransactionStmtKind_TRANS_STMT_ROLLBACK_PREPARED:
+		st.Kind = RollbackPrepared
+		st.Name = t.Gid
+	default:
+		st.Kind = Other
+	}
+}
+
+func constString(n *pg_query.Node) string {
+	if n == nil {
+		return ""
+	}
+	if c := n.GetAConst(); c != nil {
+		switch v := c.Val.(type) {
+		case *pg_query.A_Const_Sval:
+			return v.Sval.GetSval()
+		case *pg_query.A_Const_Ival:
+			return strconv.Itoa(int(v.Ival.GetIval()))
+		case *pg_query.A_Const_Fval:
+			return v.Fval.GetFval()
+		case *pg_query.A_Const_Boolval:
+			return strconv.FormatBool(v.Boolval.GetBoolval())
+		}
+	}
+	if s := n.GetString_(); s != nil {
+		return s.Sval
+	}
+	return ""
+}
+
+func constInt(n *pg_query.Node) int {
+	if n == nil {
+		return 0
+	}
+	if c := n.GetAConst(); c != nil {
+		switch v := c.Val.(type) {
+		case *pg_query.A_Const_Ival:
+			return int(v.Ival.GetIval())
+		case *pg_query.A_Const_Boolval:
+			if v.Boolval.GetBoolval() {
+				return 1
+			}
+		}
+	}
+	return 0
+}
+
+func classifySet(st *Stmt, v *pg_query.VariableSetStmt) {
+	name := strings.ToLower(v.Name)
+	switch v.Kind {
+	case pg_query.VariableSetKind_VAR_SET_VALUE:
+		st.Kind = Set
+		st.Name = name
+		st.GUCs = []GUC{{Op: GUCSet, Name: name, Value: flattenSetArgs(name, v.Args), Local: v.IsLocal, NArgs: len(v.Args)}}
+	case pg_query.VariableSetKind_VAR_SET_DEFAULT:
+		st.Kind = Reset
+		st.Name = name
+		st.GUCs = []GUC{{Op: GUCReset, Name: name, Local: v.IsLocal}}
+	case pg_query.VariableSetKind_VAR_SET_CURRENT:
+		st.Kind = Set
+		st.Name = name
+		st.GUCs = []GUC{{Op: GUCCurrent, Name: name, Local: v.IsLocal}}
+	case pg_query.VariableSetKind_VAR_RESET:
+		st.Kind = Reset
+		st.Name = name
+		st.GUCs = []GUC{{Op: GUCReset, Name: name}}
+	case pg_query.VariableSetKind_VAR_RESET_ALL:
+		st.Kind = ResetAll
+		st.GUCs = []GUC{{Op: GUCResetAll}}
+	default:
+		// SET TRANSACTION ..., SET SESSION CHARACTERISTICS ...
+		st.Kind = Other
+		st.Name = name
+	}
+}
+
+// flattenSetArgs renders SET arguments as PostgreSQL's
+// flatten_set_variable_args does: integers and numerics as written, strings
+// as is, except that search_path (a GUC_LIST_QUOTE parameter) quotes each
+// element that is not a plain identifier.
+func flattenSetArgs(name string, args []*pg_query.Node) string {
+	var b strings.Builder
+	for i, a := range args {
+		if i > 0 {
+			b.WriteString(", ")
+		}
+		if tc := a.GetTypeCast(); tc != nil {
+			a = tc.Arg
+		}
+		c := a.GetAConst()
+		if c == nil {
+			continue
+		}
+		switch v := c.Val.(type) {
+		case *pg_query.A_Const_Ival:
+			b.WriteString(strconv.Itoa(int(v.Ival.GetIval())))
+		case *pg_query.A_Const_Fval:
+			b.WriteString(v.Fval.GetFval())
+		case *pg_query.A_Const_Sval:
+			if name == "search_path" {
+				b.WriteString(QuoteIdentifier(v.Sval.GetSval()))
+			} else {
+				b.WriteString(v.Sval.GetSval())
+			}
+		case *pg_query.A_Const_Boolval:
+			b.WriteString(strconv.FormatBool(v.Boolval.GetBoolval()))
+		}
+	}
+	return b.String()
+}
+
+// QuoteIdentifier quotes s as PostgreSQL's quote_identifier does: unless it
+// consists of lowercase letters, digits and underscores, starts with a
+// letter or underscore, and is not a keyword other than an unreserved one.
+func QuoteIdentifier(s string) string {
+	safe := s != "" && (s[0] >= 'a' && s[0] <= 'z' || s[0] == '_')
+	for i := 0; safe && i < len(s); i++ {
+		c := s[i]
+		safe = c >= 'a' && c <= 'z' || c >= '0' && c <= '9' || c == '_'
+	}
+	if safe {
+		if sc, err := pg_query.Scan(s); err == nil && len(sc.Tokens) == 1 {
+			k := sc.Tokens[0].KeywordKind
+			safe = k == pg_query.KeywordKind_NO_KEYWORD || k == pg_query.KeywordKind_UNRESERVED_KEYWORD
+		}
+	}
+	if safe {
+		return s
+	}
+	return `"` + strings.ReplaceAll(s, `"`, `""`) + `"`
+}
+
+func rel(r *pg_query.RangeVar) RelName {
+	return RelName{Schema: r.Schemaname, Name: r.Relname}
+}
+
+// funcName returns a function's (schema, name).
+func funcName(fc *pg_query.FuncCall) RelName {
+	var parts []string
+	for _, n := range fc.Funcname {
+		if s := n.GetString_(); s != nil {
+			parts = append(parts, s.Sval)
+		}
+	}
+	switch len(parts) {
+	case 0:
+		return RelName{}
+	case 1:
+		return RelName{Name: parts[0]}
+	default:
+		return RelName{Schema: parts[len(parts)-2], Name: parts[len(parts)-1]}
+	}
+}
+
+// walker visits every node of a statement's parse tree through protobuf
+// reflection, so no node type can be forgotten, and reacts to the few that
+// matter.
+type walker struct {
+	st *Stmt
+	// noexec > 0 inside subtrees that are not executed by the statement
+	// (plain EXPLAIN, function bodies, rule actions): their writes count
+	// as references only and their calls are not made.
+	noexec int
+	// targets are RangeVars already recorded as write targets.
+	targets map[*pg_query.RangeVar]bool
+	// ctes is the stack of CTE names in scope.
+	ctes []string
+	// definite are set_config calls certain to run exactly once.
+	definite map[*pg_query.FuncCall]bool
+}
+
+func (w *walker) markDefiniteSetConfig(s *pg_query.SelectStmt) {
+	if s.IntoClause != nil || len(s.FromClause) > 0 || s.WhereClause != nil || len(s.GroupClause) > 0 ||
+		s.HavingClause != nil || len(s.ValuesLists) > 0 || s.LimitCount != nil || s.LimitOffset != nil ||
+		s.WithClause != nil || s.Op != pg_query.SetOperation_SETOP_NONE || len(s.DistinctClause) > 0 {
+		return
+	}
+	for _, t := range s.TargetList {
+		rt := t.GetResTarget()
+		if rt == nil || rt.Val == nil {
+			continue
+		}
+		v := rt.Val
+		if tc := v.GetTypeCast(); tc != nil {
+			v = tc.Arg
+		}
+		if fc := v.GetFuncCall(); fc != nil {
+			if w.definite == nil {
+				w.definite = make(map[*pg_query.FuncCall]bool)
+			}
+			w.definite[fc] = true
+		}
+	}
+}
+
+func (w *walker) addWrite(r *pg_query.RangeVar) {
+	if r == nil {
+		return
+	}
+	if w.noexec > 0 {
+		w.addRead(r)
+		return
+	}
+	if w.targets == nil {
+		w.targets = make(map[*pg_query.RangeVar]bool)
+	}
+	w.targets[r] = true
+	w.st.WriteTargets = appendRel(w.st.WriteTargets, rel(r))
+}
+
+func (w *walker) addRead(r *pg_query.RangeVar) {
+	if r.Schemaname == "" {
+		for _, c := range w.ctes {
+			if c == r.Relname {
+				return
+			}
+		}
+	}
+	w.st.ReadRelations = appendRel(w.st.ReadRelations, rel(r))
+}
+
+func appendRel(list []RelName, r RelName) []RelName {
+	for _, x := range list {
+		if x == r {
+			return list
+		}
+	}
+	return append(list, r)
+}
+
+func (w *walker) pushCTEs(wc *pg_query.WithClause) int {
+	n := len(w.ctes)
+	if wc == nil {
+		return n
+	}
+	for _, c := range wc.Ctes {
+		if cte := c.GetCommonTableExpr(); cte != nil {
+			w.ctes = append(w.ctes, cte.Ctename)
+		}
+	}
+	return n
+}
+
+func (w *walker) walk(n *pg_query.Node) {
+	if n == nil {
+		return
+	}
+	w.walkMsg(n.ProtoReflect())
+}
+
+var nodeOneof = (&pg_query.Node{}).ProtoReflect().Descriptor().Oneofs().Get(0)
+
+func (w *walker) walkMsg(m protoreflect.Message) {
+	if !m.IsValid() {
+		return
+	}
+	if _, ok := m.Interface().(*pg_query.Node); ok {
+		fd := m.WhichOneof(nodeOneof)
+		if fd != nil {
+			w.walkMsg(m.Get(fd).Message())
+		}
+		return
+	}
+	depth := len(w.ctes)
+	noexec := w.noexec
+	switch n := m.Interface().(type) {
+	case *pg_query.InsertStmt:
+		w.pushCTEs(n.WithClause)
+		w.addWrite(n.Relation)
+	case *pg_query.UpdateStmt:
+		w.pushCTEs(n.WithClause)
+		w.addWrite(n.Relation)
+	case *pg_query.DeleteStmt:
+		w.pushCTEs(n.WithClause)
+		w.addWrite(n.Relation)
+	case *pg_query.MergeStmt:
+		w.pushCTEs(n.WithClause)
+		w.addWrite(n.Relation)
+	case *pg_query.SelectStmt:
+		w.pushCTEs(n.WithClause)
+		if n.IntoClause != nil {
+			w.addWrite(n.IntoClause.Rel)
+		}
+	case *pg_query.CreateTableAsStmt:
+		if n.Into != nil {
+			w.addWrite(n.Into.Rel)
+		}
+	case *pg_query.TruncateStmt:
+		for _, r := range n.Relations {
+			w.addWrite(r.GetRangeVar())
+		}
+	case *pg_query.CopyStmt:
+		if n.IsFrom {
+			w.addWrite(n.Relation)
+		}
+	case *pg_query.RefreshMatViewStmt:
+		w.addWrite(n.Relation)
+	case *pg_query.ExplainStmt:
+		// Nested EXPLAIN (only reachable through unusual trees): run
+		// only with ANALYZE.
+		analyze := false
+		for _, o := range n.Options {
+			if d := o.GetDefElem(); d != nil && d.Defname == "analyze" {
+				analyze = defBool(d.Arg)
+			}
+		}
+		if !analyze {
+			w.noexec++
+		}
+	case *pg_query.CreateFunctionStmt, *pg_query.RuleStmt:
+		w.noexec++
+	case *pg_query.PrepareStmt:
+		// The prepared statement runs only when executed; its writes
+		// are reported through Stmt.Inner when PREPARE is the
+		// statement itself.
+		w.noexec++
+	case *pg_query.RangeVar:
+		if !w.targets[n] {
+			w.addRead(n)
+		}
+	case *pg_query.LockingClause:
+		if w.noexec == 0 {
+			w.st.LockingRead = true
+		}
+	case *pg_query.ParamRef:
+		if int(n.Number) > w.st.Params && w.noexec == 0 {
+			w.st.Params = int(n.Number)
+		}
+	case *pg_query.FuncCall:
+		if w.noexec == 0 {
+			w.funcCall(n)
+		}
+	}
+
+	fields := m.Descriptor().Fields()
+	for i := 0; i < fields.Len(); i++ {
+		fd := fields.Get(i)
+		if fd.Kind() != protoreflect.MessageKind {
+			continue
+		}
+		if fd.IsList() {
+			l := m.Get(fd).List()
+			for j := 0; j < l.Len(); j++ {
+				w.walkMsg(l.Get(j).Message())
+			}
+			continue
+		}
+		if m.Has(fd) {
+			w.walkMsg(m.Get(fd).Message())
+		}
+	}
+	w.ctes = w.ctes[:depth]
+	w.noexec = noexec
+}
+
+func (w *walker) funcCall(fc *pg_query.FuncCall) {
+	fn := funcName(fc)
+	builtin := fn.Schema == "" || fn.Schema == "pg_catalog"
+	switch {
+	case fn.Schema == "fence":
+		w.st.CallsFence = true
+		w.st.PrimaryOnlyFuncs = true
+		w.st.Opaque = true
+	case builtin && primaryOnlyFuncs(fn.Name):
+		w.st.PrimaryOnlyFuncs = true
+		if fn.Name == "set_config" {
+			w.setConfig(fc)
+		}
+	case builtin && readOnlyFuncs[fn.Name]:
+	default:
+		w.st.Opaque = true
+	}
+}
+
+// setConfig records the effect of set_config(name, value, is_local).
+func (w *walker) setConfig(fc *pg_query.FuncCall) {
+	g := GUC{Func: true, Op: GUCSet, Conditional: !w.definite[fc]}
+	if len(fc.Args) != 3 {
+		// Not the built-in set_config (it takes three arguments): a
+		// user function of that name; nothing known.
+		w.st.Opaque = true
+		return
+	}
+	var null bool
+	switch a := argOf(fc.Args[0]); {
+	case a.param > 0:
+		g.NameParam = a.param
+	case a.literal && !a.null:
+		g.Name = strings.ToLower(a.value)
+	default:
+		g.Unknown = true
+		w.st.UnknownGUCWrite = true
+	}
+	switch a := argOf(fc.Args[1]); {
+	case a.param > 0:
+		g.ValueParam = a.param
+	case a.literal:
+		g.Value = a.value
+		null = a.null
+	default:
+		g.Unknown = true
+	}
+	switch a := argOf(fc.Args[2]); {
+	case a.param > 0:
+		g.LocalParam = a.param
+	case a.literal:
+		// A NULL is_local is false in set_config_by_name.
+		if !a.null {
+			b, ok := parseBool(a.value)
+			if !ok {
+				g.Unknown = true
+			}
+			g.Local = b
+		}
+	default:
+		g.Unknown = true
+	}
+	if null {
+		// set_config(name, NULL, ...) resets the parameter.
+		g.Op = GUCReset
+		g.Value = ""
+	}
+	g.NArgs = 1
+	w.st.GUCs = append(w.st.GUCs, g)
+}
+
+type arg struct {
+	literal bool
+	null    bool
+	value   string
+	param   int
+}
+
+// argOf reads a function argument that is a literal (possibly cast) or a $n
+// parameter (possibly cast).
+func argOf(n *pg_query.Node) arg {
+	for {
+		tc := n.GetTypeCast()
+		if tc == nil {
+			break
+		}
+		n = tc.Arg
+	}
+	if p := n.GetParamRef(); p != nil {
+		return arg{param: int(p.Number)}
+	}
+	c := n.GetAConst()
+	if c == nil {
+		return arg{}
+	}
+	if c.Isnull {
+		return arg{literal: true, null: true}
+	}
+	switch v := c.Val.(type) {
+	case *pg_query.A_Const_Sval:
+		return arg{literal: true, value: v.Sval.GetSval()}
+	case *pg_query.A_Const_Ival:
+		return arg{literal: true, value: strconv.Itoa(int(v.Ival.GetIval()))}
+	case *pg_query.A_Const_Fval:
+		return arg{literal: true, value: v.Fval.GetFval()}
+	case *pg_query.A_Const_Boolval:
+		return arg{literal: true, value: strconv.FormatBool(v.Boolval.GetBoolval())}
+	}
+	return arg{}
+}
+
+// parseBool accepts PostgreSQL's boolean input forms (boolin): any unique
+// prefix of true/false/yes/no, on/off, 1/0, ignoring case and surrounding
+// whitespace.
+func parseBool(s string) (bool, bool) {
+	s = strings.ToLower(strings.TrimSpace(s))
+	if s == "" {
+		return false, false
+	}
+	switch {
+	case strings.HasPrefix("true", s), strings.HasPrefix("yes", s), s == "on", s == "1":
+		return true, true
+	case strings.HasPrefix("false", s), strings.HasPrefix("no", s), s == "off", s == "of", s == "0":
+		return false, true
+	}
+	return false, false
+}
+
+// String renders a statement's classification on one line, for logs.
+func (s *Stmt) String() string {
+	return fmt.Sprintf("%s writes=%v reads=%v", s.Kind, s.WriteTargets, s.ReadRelations)
+}

@@ -1,0 +1,60 @@
+package rewrite
+
+import "strings"
+
+// primaryOnlyFuncs reports whether a built-in function (unqualified or in
+// pg_catalog) must run on the primary: it writes (sequences, notifications,
+// large objects), takes locks that others must see, assigns a transaction
+// id, or changes session state the proxy tracks.
+func primaryOnlyFuncs(name string) bool {
+	switch name {
+	case "nextval", "setval", "currval", "lastval",
+		"txid_current", "txid_current_if_assigned",
+		"pg_current_xact_id", "pg_current_xact_id_if_assigned",
+		"pg_notify", "set_config",
+		"pg_current_wal_lsn", "pg_current_wal_insert_lsn", "pg_current_wal_flush_lsn",
+		"pg_switch_wal", "pg_create_restore_point",
+		"lo_create", "lo_creat", "lo_import", "lo_unlink", "lo_put", "lo_from_bytea", "lo_open", "lo_truncate", "lo_truncate64", "lowrite":
+		return true
+	}
+	return strings.HasPrefix(name, "pg_advisory_") || strings.HasPrefix(name, "pg_try_advisory_")
+}
+
+// readOnlyFuncs are common built-in functions that cannot write anything, so
+// calling them does not make a statement Opaque. Anything not listed here
+// (user functions, unlisted built-ins) makes it Opaque: a conservative hint,
+// since the backstop trigger fences what functions write.
+var readOnlyFuncs = map[string]bool{}
+
+func init() {
+	for _, f := range strings.Fields(`
+		count sum avg min max array_agg string_agg json_agg jsonb_agg json_object_agg jsonb_object_agg
+		bool_and bool_or every bit_and bit_or stddev variance percentile_cont percentile_disc mode
+		row_number rank dense_rank percent_rank cume_dist ntile lag lead first_value last_value nth_value
+		now current_timestamp clock_timestamp statement_timestamp transaction_timestamp timeofday
+		date_trunc date_part extract age make_date make_time make_timestamp make_timestamptz make_interval
+		to_char to_date to_timestamp to_number
+		lower upper length char_length octet_length bit_length substr substring position strpos
+		trim btrim ltrim rtrim lpad rpad replace split_part concat concat_ws format left right reverse repeat
+		initcap md5 sha224 sha256 sha384 sha512 encode decode quote_ident quote_literal quote_nullable
+		regexp_replace regexp_match regexp_matches regexp_split_to_array regexp_split_to_table starts_with
+		abs ceil ceiling floor round trunc sign mod power sqrt exp ln log greatest least random gen_random_uuid
+		coalesce nullif
+		array_length array_position array_positions array_remove array_append array_prepend array_cat
+		array_to_string string_to_array unnest cardinality array_lower array_upper generate_series generate_subscripts
+		json_build_object jsonb_build_object json_build_array jsonb_build_array to_json to_jsonb row_to_json
+		jsonb_set jsonb_insert jsonb_strip_nulls jsonb_pretty json_extract_path jsonb_extract_path
+		json_extract_path_text jsonb_extract_path_text jsonb_array_elements json_array_elements
+		jsonb_array_elements_text json_array_elements_text jsonb_each json_each jsonb_each_text json_each_text
+		jsonb_object_keys json_object_keys jsonb_typeof json_typeof jsonb_array_length json_array_length
+		current_setting current_database current_schema current_schemas current_user session_user
+		version pg_backend_pid pg_is_in_recovery pg_last_wal_replay_lsn pg_last_wal_receive_lsn
+		pg_wal_lsn_diff pg_postmaster_start_time inet_server_addr inet_server_port
+		pg_typeof pg_column_size pg_relation_size pg_total_relation_size pg_size_pretty
+		has_table_privilege has_schema_privilege has_function_privilege pg_has_role
+		to_regclass to_regtype to_regproc pg_get_viewdef pg_get_indexdef pg_get_constraintdef pg_get_functiondef
+		obj_description col_description format_type
+	`) {
+		readOnlyFuncs[f] = true
+	}
+}
