@@ -1,0 +1,445 @@
+// Package runner runs a command while holding a pgfence lease: it is the
+// engine behind `pgfence run`.
+//
+// Run acquires the lease for a job key, starts the command with the lease's
+// fencing metadata in PGOPTIONS (so every libpq client the command starts,
+// psql included, presents it) and in PGFENCE_* variables, renews the lease
+// in the background, tells the command to stop when the lease is lost, and
+// releases the lease when the command exits.
+//
+// The runner is a courtesy, not the guarantee: a command that keeps running
+// after its lease was taken over cannot commit a write to a protected table,
+// because the gate (the proxy, or the backstop trigger on a direct
+// connection) refuses its stale token with FN001. Stopping the command early
+// only saves it wasted work.
+//
+// It is not a process supervisor: it runs one command once, never restarts
+// it, and signals only the command's own process (a shell script that starts
+// other programs should exec the last one, or trap TERM and pass it on).
+package runner
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"strconv"
+	"syscall"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"go.uber.org/zap"
+)
+
+// Exit codes of `pgfence run` other than the command's own.
+const (
+	// ExitUsage (EX_USAGE): invalid flags or configuration.
+	ExitUsage = 64
+	// ExitInternal (EX_SOFTWARE): pgfence itself failed, typically the
+	// database could not be reached to acquire the lease.
+	ExitInternal = 70
+	// ExitLeaseHeld (EX_TEMPFAIL): another holder has a live lease for the
+	// job (with --wait: still held when the wait timed out). The command
+	// did not run; try again later.
+	ExitLeaseHeld = 75
+	// ExitLeaseLost: the lease was taken over, or could not be renewed
+	// before it expired, while the command ran. The command was told to
+	// stop; its writes after the takeover were refused by the gate.
+	ExitLeaseLost = 76
+	// ExitCannotExecute: the command was found but could not be started.
+	ExitCannotExecute = 126
+	// ExitNotFound: the command was not found.
+	ExitNotFound = 127
+	// ExitSignalBase: a command killed by signal N makes run exit with
+	// ExitSignalBase+N, as a shell does; so does run itself when a signal
+	// interrupts it before the command started.
+	ExitSignalBase = 128
+)
+
+var (
+	// ErrLeaseHeld is returned when another holder has a live lease.
+	ErrLeaseHeld = errors.New("lease held by another holder")
+	// ErrLeaseLost is returned when the lease was lost while the command ran.
+	ErrLeaseLost = errors.New("lease lost")
+	// ErrInterrupted is returned when a signal arrived before the command
+	// started.
+	ErrInterrupted = errors.New("interrupted before the command started")
+)
+
+// Config describes one run. Zero values take the documented defaults.
+type Config struct {
+	// JobKey names the lease (required).
+	JobKey string
+	// TTL is the lease duration granted by each acquire and renew
+	// (required, positive).
+	TTL time.Duration
+	// Holder identifies this run in fence.leases. Zero means
+	// "hostname:pid".
+	Holder string
+	// DSN is the database connection string. Empty means libpq's
+	// environment variables (PGHOST, PGPORT, PGDATABASE, ...).
+	DSN string
+	// Wait retries acquisition while the lease is held by another (and
+	// while the database is unreachable) instead of failing fast.
+	Wait bool
+	// WaitTimeout bounds Wait; zero means wait until ctx ends.
+	WaitTimeout time.Duration
+	// WaitPoll is the pause between acquisition attempts while waiting.
+	// Zero means min(1s, TTL/4).
+	WaitPoll time.Duration
+	// RenewEvery is the renewal interval. Zero means TTL/3. It must be
+	// shorter than TTL.
+	RenewEvery time.Duration
+	// Grace is how long the command has to exit after KillSignal before it
+	// is killed with SIGKILL. Zero means 10s.
+	Grace time.Duration
+	// KillSignal tells the command its lease is lost. Zero means SIGTERM.
+	KillSignal syscall.Signal
+
+	// Command is the program and its arguments (required).
+	Command []string
+	// Dir is the command's working directory; empty means ours.
+	Dir string
+	// Env is the command's environment before the fence variables are
+	// added. Nil means os.Environ().
+	Env []string
+	// Stdin, Stdout and Stderr of the command. Nil means ours.
+	Stdin          io.Reader
+	Stdout, Stderr io.Writer
+	// Signals delivers the signals to forward to the command (the caller
+	// subscribes to SIGINT, SIGTERM, SIGHUP). A signal that arrives before
+	// the command started abandons the run with ErrInterrupted. Nil means
+	// no forwarding.
+	Signals <-chan os.Signal
+}
+
+func (c *Config) setDefaults() error {
+	if c.JobKey == "" {
+		return errors.New("a job key is required")
+	}
+	if c.TTL <= 0 {
+		return fmt.Errorf("ttl must be positive, got %s", c.TTL)
+	}
+	if len(c.Command) == 0 || c.Command[0] == "" {
+		return errors.New("a command is required")
+	}
+	if c.Holder == "" {
+		host, err := os.Hostname()
+		if err != nil || host == "" {
+			host = "localhost"
+		}
+		c.Holder = host + ":" + strconv.Itoa(os.Getpid())
+	}
+	if c.RenewEvery == 0 {
+		c.RenewEvery = c.TTL / 3
+	}
+	if c.RenewEvery <= 0 || c.RenewEvery >= c.TTL {
+		return fmt.Errorf("renew interval %s must be positive and shorter than the ttl %s", c.RenewEvery, c.TTL)
+	}
+	if c.WaitTimeout < 0 {
+		return fmt.Errorf("wait timeout must not be negative, got %s", c.WaitTimeout)
+	}
+	if c.WaitPoll <= 0 {
+		c.WaitPoll = min(time.Second, c.TTL/4)
+	}
+	if c.Grace == 0 {
+		c.Grace = 10 * time.Second
+	}
+	if c.Grace < 0 {
+		return fmt.Errorf("grace must not be negative, got %s", c.Grace)
+	}
+	if c.KillSignal == 0 {
+		c.KillSignal = syscall.SIGTERM
+	}
+	if c.Env == nil {
+		c.Env = os.Environ()
+	}
+	if c.Stdin == nil {
+		c.Stdin = os.Stdin
+	}
+	if c.Stdout == nil {
+		c.Stdout = os.Stdout
+	}
+	if c.Stderr == nil {
+		c.Stderr = os.Stderr
+	}
+	return nil
+}
+
+// Run acquires the lease, runs the command under it and releases it. It
+// returns the exit code `pgfence run` should exit with and, when that code
+// is pgfence's own rather than the command's, an error saying why
+// (ErrLeaseHeld, ErrLeaseLost, ErrInterrupted or another failure). A
+// command that ran and exited non-zero is not an error: the code is its own.
+//
+// Cancelling ctx before the command starts abandons the run; afterwards it
+// stops the command like a lost lease does (KillSignal, then SIGKILL after
+// Grace).
+func Run(ctx context.Context, cfg Config, log *zap.Logger) (int, error) {
+	if err := cfg.setDefaults(); err != nil {
+		return ExitUsage, err
+	}
+	log = log.With(zap.String("job_key", cfg.JobKey), zap.String("holder", cfg.Holder))
+	connCfg, err := pgx.ParseConfig(cfg.DSN)
+	if err != nil {
+		return ExitUsage, fmt.Errorf("parse database connection string: %w", err)
+	}
+	store := &leases{cfg: connCfg}
+	defer store.close()
+	r := &run{cfg: cfg, log: log, store: store}
+	return r.run(ctx)
+}
+
+type run struct {
+	cfg   Config
+	log   *zap.Logger
+	store *leases
+}
+
+func (r *run) run(ctx context.Context) (int, error) {
+	lease, sig, err := r.acquireInterruptibly(ctx)
+	if err != nil {
+		if sig != nil {
+			return signalCode(sig), fmt.Errorf("%w: %s", ErrInterrupted, sig)
+		}
+		if errors.Is(err, ErrLeaseHeld) {
+			return ExitLeaseHeld, err
+		}
+		return ExitInternal, err
+	}
+	r.log.Info("lease acquired",
+		zap.Int64("epoch", lease.Epoch), zap.Int64("token", lease.Token), zap.Time("expires_at", lease.ExpiresAt))
+	code, runErr, lostConfirmed := r.supervise(ctx, lease)
+	if !lostConfirmed {
+		r.release(ctx, lease)
+	}
+	return code, runErr
+}
+
+// acquireInterruptibly acquires the lease; a signal from cfg.Signals or the
+// end of ctx abandons the attempt. When a signal abandoned it, the signal
+// is returned.
+func (r *run) acquireInterruptibly(ctx context.Context) (Lease, os.Signal, error) {
+	actx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	got := make(chan os.Signal, 1)
+	stop := make(chan struct{})
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		select {
+		case s := <-r.cfg.Signals: // a nil channel never delivers
+			got <- s
+			cancel()
+		case <-stop:
+		}
+	}()
+	lease, err := r.acquire(actx)
+	close(stop)
+	<-done
+	select {
+	case s := <-got:
+		if err == nil {
+			r.release(ctx, lease)
+			err = ErrInterrupted
+		}
+		return Lease{}, s, err
+	default:
+	}
+	return lease, nil, err
+}
+
+// acquire tries once, or with cfg.Wait until acquired or timed out.
+func (r *run) acquire(ctx context.Context) (Lease, error) {
+	var deadline time.Time
+	if r.cfg.WaitTimeout > 0 {
+		deadline = time.Now().Add(r.cfg.WaitTimeout)
+	}
+	logged, lastHeld := false, false
+	for {
+		attemptCtx, cancel := ctx, context.CancelFunc(func() {})
+		if !deadline.IsZero() {
+			attemptCtx, cancel = context.WithDeadline(ctx, deadline)
+		}
+		sent := time.Now()
+		lease, err := r.store.acquire(attemptCtx, r.cfg.JobKey, r.cfg.Holder, r.cfg.TTL)
+		timedOut := attemptCtx.Err() != nil
+		cancel()
+		if err == nil {
+			// The database computed expires_at from a clock reading taken
+			// after we sent the request, so sent+TTL is never later.
+			lease.localDeadline = sent.Add(r.cfg.TTL)
+			return lease, nil
+		}
+		if ctx.Err() != nil {
+			return Lease{}, fmt.Errorf("acquire lease: %w", ctx.Err())
+		}
+		held := isLeaseHeld(err)
+		switch {
+		case timedOut && lastHeld:
+			return Lease{}, fmt.Errorf("%w: still held after waiting %s", ErrLeaseHeld, r.cfg.WaitTimeout)
+		case timedOut:
+			return Lease{}, fmt.Errorf("acquire lease: gave up after waiting %s: %w", r.cfg.WaitTimeout, err)
+		case held && !r.cfg.Wait:
+			return Lease{}, fmt.Errorf("%w: %w", ErrLeaseHeld, err)
+		case !held && !r.cfg.Wait:
+			return Lease{}, fmt.Errorf("acquire lease: %w", err)
+		case held && !logged:
+			r.log.Info("lease held by another holder; waiting", zap.Error(err))
+			logged = true
+		case !held:
+			r.log.Warn("acquire lease failed; retrying", zap.Error(err))
+		}
+		lastHeld = held
+		pause := r.cfg.WaitPoll
+		if !deadline.IsZero() {
+			left := time.Until(deadline)
+			if left <= 0 {
+				if held {
+					return Lease{}, fmt.Errorf("%w: still held after waiting %s: %w", ErrLeaseHeld, r.cfg.WaitTimeout, err)
+				}
+				return Lease{}, fmt.Errorf("acquire lease: gave up after waiting %s: %w", r.cfg.WaitTimeout, err)
+			}
+			pause = min(pause, left)
+		}
+		t := time.NewTimer(pause)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return Lease{}, fmt.Errorf("acquire lease: %w", ctx.Err())
+		case <-t.C:
+		}
+	}
+}
+
+// release gives the lease back; failures are logged only, since the lease
+// expires on its own anyway.
+func (r *run) release(ctx context.Context, l Lease) {
+	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+	defer cancel()
+	switch err := r.store.release(rctx, l.JobKey, l.Token); {
+	case err == nil:
+		r.log.Info("lease released", zap.Int64("epoch", l.Epoch), zap.Int64("token", l.Token))
+	case isStale(err):
+		r.log.Info("lease not released: no longer ours", zap.Int64("token", l.Token), zap.Error(err))
+	default:
+		r.log.Warn("release lease failed; it will expire on its own", zap.Int64("token", l.Token), zap.Error(err))
+	}
+}
+
+// supervise starts the command and renews the lease until the command
+// exits. lostConfirmed reports that the database said the lease is no
+// longer ours (so there is nothing to release).
+func (r *run) supervise(ctx context.Context, l Lease) (code int, err error, lostConfirmed bool) {
+	cmd := exec.Command(r.cfg.Command[0], r.cfg.Command[1:]...)
+	cmd.Dir = r.cfg.Dir
+	cmd.Env = childEnv(r.cfg.Env, l)
+	cmd.Stdin, cmd.Stdout, cmd.Stderr = r.cfg.Stdin, r.cfg.Stdout, r.cfg.Stderr
+	// Unblock Wait when grandchildren keep inherited pipes open.
+	cmd.WaitDelay = time.Second
+	if err := cmd.Start(); err != nil {
+		c := ExitCannotExecute
+		if errors.Is(err, exec.ErrNotFound) || errors.Is(err, os.ErrNotExist) {
+			c = ExitNotFound
+		}
+		return c, fmt.Errorf("start command: %w", err), false
+	}
+	log := r.log.With(zap.Int("pid", cmd.Process.Pid))
+	log.Debug("command started", zap.Strings("command", r.cfg.Command))
+
+	exited := make(chan error, 1)
+	go func() { exited <- cmd.Wait() }()
+
+	rctx, stopRenew := context.WithCancel(context.WithoutCancel(ctx))
+	lost := make(chan lossReport, 1)
+	renewDone := make(chan struct{})
+	rn := &renewer{store: r.store, cfg: &r.cfg, log: r.log, lease: l, deadline: l.localDeadline}
+	go func() {
+		defer close(renewDone)
+		rn.run(rctx, lost)
+	}()
+
+	var (
+		loss      *lossReport
+		killTimer <-chan time.Time
+		ctxDone   = ctx.Done()
+		stopping  bool
+	)
+	stopChild := func(why string) {
+		if stopping {
+			return
+		}
+		stopping = true
+		log.Info("stopping command", zap.String("reason", why), zap.Stringer("signal", r.cfg.KillSignal), zap.Duration("grace", r.cfg.Grace))
+		_ = cmd.Process.Signal(r.cfg.KillSignal)
+		killTimer = time.After(r.cfg.Grace)
+	}
+	var waitErr error
+loop:
+	for {
+		select {
+		case waitErr = <-exited:
+			break loop
+		case s := <-r.cfg.Signals:
+			log.Info("forwarding signal to command", zap.Stringer("signal", s))
+			_ = cmd.Process.Signal(s)
+		case rep := <-lost:
+			loss = &rep
+			log.Warn("lease lost", zap.Int64("token", l.Token), zap.Bool("taken_over", rep.confirmed), zap.Error(rep.err))
+			stopChild("lease lost")
+		case <-ctxDone:
+			ctxDone = nil
+			stopChild("run cancelled")
+		case <-killTimer:
+			killTimer = nil
+			log.Warn("command still running after grace; killing it", zap.Duration("grace", r.cfg.Grace))
+			_ = cmd.Process.Kill()
+		}
+	}
+	stopRenew()
+	<-renewDone
+	if loss == nil {
+		select {
+		case rep := <-lost:
+			loss = &rep
+			log.Warn("lease lost", zap.Int64("token", l.Token), zap.Bool("taken_over", rep.confirmed), zap.Error(rep.err))
+		default:
+		}
+	}
+
+	code = exitCode(cmd.ProcessState)
+	log.Info("command exited", zap.Int("exit_code", code), zap.NamedError("wait_error", waitErrOnly(waitErr)))
+	if loss != nil {
+		return ExitLeaseLost, fmt.Errorf("%w while the command ran (command exit code %d): %w", ErrLeaseLost, code, loss.err), loss.confirmed
+	}
+	return code, nil, false
+}
+
+// waitErrOnly keeps errors from Wait other than the command's exit status.
+func waitErrOnly(err error) error {
+	var ee *exec.ExitError
+	if errors.As(err, &ee) {
+		return nil
+	}
+	return err
+}
+
+// exitCode maps a finished process to a shell-style exit code.
+func exitCode(ps *os.ProcessState) int {
+	if ps == nil {
+		return ExitInternal
+	}
+	if ws, ok := ps.Sys().(syscall.WaitStatus); ok && ws.Signaled() {
+		return ExitSignalBase + int(ws.Signal())
+	}
+	return ps.ExitCode()
+}
+
+func signalCode(s os.Signal) int {
+	if ss, ok := s.(syscall.Signal); ok {
+		return ExitSignalBase + int(ss)
+	}
+	return ExitInternal
+}
