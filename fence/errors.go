@@ -1,0 +1,103 @@
+package fence
+
+import (
+	"errors"
+	"fmt"
+
+	"github.com/jackc/pgx/v5/pgconn"
+)
+
+// SQLSTATE codes of class FN raised by the fence functions and the proxy.
+const (
+	CodeStale            = "FN001" // token is not the fence's current token
+	CodeLeaseHeld        = "FN002" // another holder's lease is live
+	CodeConflict         = "FN003" // same generation and step, different payload
+	CodeRetired          = "FN004" // epoch retired
+	CodeUnknownJob       = "FN005" // job (or epoch) never issued
+	CodeExpired          = "FN006" // receipt pruned by gc: cannot confirm
+	CodePending          = "FN007" // generation pending on the replica
+	CodeFencingRequired  = "FN008" // protected write without fence metadata
+	CodeUnsupported      = "FN009" // unsupported in a gated transaction
+	CodeReplay           = "FN00R" // idempotent replay (internal)
+	sqlstateClassFencing = "FN"
+)
+
+// Error is a fence error reported by PostgreSQL (SQLSTATE class FN).
+type Error struct {
+	Code    string // SQLSTATE, one of the Code constants
+	Message string
+	Detail  string
+	Hint    string
+
+	err *pgconn.PgError
+}
+
+func (e *Error) Error() string {
+	if e.Hint != "" {
+		return fmt.Sprintf("%s (SQLSTATE %s; %s)", e.Message, e.Code, e.Hint)
+	}
+	return fmt.Sprintf("%s (SQLSTATE %s)", e.Message, e.Code)
+}
+
+// Unwrap returns the underlying *pgconn.PgError.
+func (e *Error) Unwrap() error { return e.err }
+
+// asError converts a PostgreSQL error of class FN into *Error and leaves
+// every other error as it is.
+func asError(err error) error {
+	var pg *pgconn.PgError
+	if errors.As(err, &pg) && len(pg.Code) == 5 && pg.Code[:2] == sqlstateClassFencing {
+		return &Error{Code: pg.Code, Message: pg.Message, Detail: pg.Detail, Hint: pg.Hint, err: pg}
+	}
+	return err
+}
+
+// Code returns the FN SQLSTATE of err, or "" when err is not a fence error.
+// It recognises both *Error and a raw *pgconn.PgError.
+func Code(err error) string {
+	var fe *Error
+	if errors.As(err, &fe) {
+		return fe.Code
+	}
+	var pg *pgconn.PgError
+	if errors.As(err, &pg) && len(pg.Code) == 5 && pg.Code[:2] == sqlstateClassFencing {
+		return pg.Code
+	}
+	return ""
+}
+
+// IsStale reports whether err is FN001: the token is not the current one.
+func IsStale(err error) bool { return Code(err) == CodeStale }
+
+// IsLeaseHeld reports whether err is FN002: another holder's lease is live.
+func IsLeaseHeld(err error) bool { return Code(err) == CodeLeaseHeld }
+
+// IsConflict reports whether err is FN003: the same generation and step
+// committed a different payload.
+func IsConflict(err error) bool { return Code(err) == CodeConflict }
+
+// IsRetired reports whether err is FN004: the epoch is retired.
+func IsRetired(err error) bool { return Code(err) == CodeRetired }
+
+// IsUnknownJob reports whether err is FN005: the job or epoch was never
+// issued.
+func IsUnknownJob(err error) bool { return Code(err) == CodeUnknownJob }
+
+// IsExpired reports whether err is FN006: the receipt was pruned, so the
+// outcome cannot be confirmed.
+func IsExpired(err error) bool { return Code(err) == CodeExpired }
+
+// IsPending reports whether err is FN007: the generation is not yet visible
+// on the replica.
+func IsPending(err error) bool { return Code(err) == CodePending }
+
+// IsFencingRequired reports whether err is FN008: a protected write without
+// (valid) fence metadata.
+func IsFencingRequired(err error) bool { return Code(err) == CodeFencingRequired }
+
+// IsUnsupported reports whether err is FN009.
+func IsUnsupported(err error) bool { return Code(err) == CodeUnsupported }
+
+// IsReplay reports whether err is FN00R: the transaction replays a committed
+// generation and cannot commit.
+func IsReplay(err error) bool { return Code(err) == CodeReplay }
