@@ -58,6 +58,7 @@ func newRootCmd() *cobra.Command {
 		newDevCmd(),
 		newServeCmd(),
 		newPasswdCmd(),
+		newRunCmd(),
 	)
 	return root
 }

@@ -712,3 +712,24 @@ func TestRunZombieTakeover(t *testing.T) {
 		t.Errorf("final result: got %+v, want the second run's %+v", final, second)
 	}
 }
+
+func TestParseSignal(t *testing.T) {
+	tests := []struct {
+		in   string
+		want syscall.Signal
+		ok   bool
+	}{
+		{"TERM", syscall.SIGTERM, true},
+		{"sigint", syscall.SIGINT, true},
+		{"SIGUSR1", syscall.SIGUSR1, true},
+		{"9", syscall.SIGKILL, true},
+		{"NOPE", 0, false},
+		{"0", 0, false},
+	}
+	for _, tt := range tests {
+		got, err := ParseSignal(tt.in)
+		if (err == nil) != tt.ok || got != tt.want {
+			t.Errorf("ParseSignal(%q) = %v, %v; want %v, ok=%v", tt.in, got, err, tt.want, tt.ok)
+		}
+	}
+}
