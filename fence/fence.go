@@ -327,4 +327,3 @@ func ProtectedTables(ctx context.Context, db DBTX) ([]ProtectedTable, error) {
 	}
 	return out, nil
 }
-

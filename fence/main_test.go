@@ -214,9 +214,13 @@ var isoLevels = []pgx.TxIsoLevel{pgx.ReadCommitted, pgx.RepeatableRead, pgx.Seri
 func isoName(l pgx.TxIsoLevel) string { return strings.ReplaceAll(string(l), " ", "_") }
 
 func setGUCs(ctx context.Context, db fence.DBTX, g fence.Generation) error {
-	_, err := db.Exec(ctx, fmt.Sprintf("set fence.job_key = %s; set fence.epoch = %d; set fence.token = %d; set fence.step = %s",
-		quoteLit(g.JobKey), g.Epoch, g.Token, quoteLit(g.Step)))
+	_, err := db.Exec(ctx, setSQL(g))
 	return err
+}
+
+func setSQL(g fence.Generation) string {
+	return fmt.Sprintf("set fence.job_key = %s; set fence.epoch = %d; set fence.token = %d; set fence.step = %s",
+		quoteLit(g.JobKey), g.Epoch, g.Token, quoteLit(g.Step))
 }
 
 func quoteLit(s string) string { return "'" + strings.ReplaceAll(s, "'", "''") + "'" }
