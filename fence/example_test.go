@@ -35,17 +35,17 @@ func Example() {
 	if err != nil {
 		panic(err)
 	}
-	write := func(l fence.Lease, payload string) (fence.CommitResult, error) {
-		return fence.RunTx(ctx, conn, l.Generation(""), []byte(payload), func(ctx context.Context, tx pgx.Tx) error {
+	write := func(l fence.Lease, step, payload string) (fence.CommitResult, error) {
+		return fence.RunTx(ctx, conn, l.Generation(step), []byte(payload), func(ctx context.Context, tx pgx.Tx) error {
 			_, err := tx.Exec(ctx, `insert into results values ($1, $2, $3)
 				on conflict (job_key) do update set payload = excluded.payload, token = excluded.token
 				where results.token < excluded.token`, l.JobKey, payload, l.Token)
 			return err
 		})
 	}
-	res, err := write(lease, "42 rows")
+	res, err := write(lease, "", "42 rows")
 	fmt.Println(res, err)
-	res, err = write(lease, "42 rows") // a retry after a lost response
+	res, err = write(lease, "", "42 rows") // a retry after a lost response
 	fmt.Println(res, err)
 
 	// worker-1 stalls; its lease expires and worker-2 takes over.
@@ -53,10 +53,16 @@ func Example() {
 	if _, err := fence.Acquire(ctx, conn, "nightly-report", "worker-2", 30*time.Second); err != nil {
 		panic(err)
 	}
-	_, err = write(lease, "41 rows") // worker-1 resumes with a new result
+	// worker-1 resumes and commits its next step: refused, nothing written.
+	_, err = write(lease, "totals", "41 rows")
 	fmt.Println(fence.IsStale(err))
+	// Re-sending the first step with other content is a conflict, not a
+	// silent overwrite.
+	_, err = write(lease, "", "41 rows")
+	fmt.Println(fence.IsConflict(err))
 	// Output:
 	// committed <nil>
 	// replayed <nil>
+	// true
 	// true
 }
