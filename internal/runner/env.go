@@ -23,7 +23,7 @@ func escapeOption(v string) string {
 
 // fenceOptions returns the "-c fence.job_key=… -c fence.epoch=… -c
 // fence.token=…" part of PGOPTIONS for lease l.
-func fenceOptions(l Lease) string {
+func fenceOptions(l held) string {
 	return "-c fence.job_key=" + escapeOption(l.JobKey) +
 		" -c fence.epoch=" + strconv.FormatInt(l.Epoch, 10) +
 		" -c fence.token=" + strconv.FormatInt(l.Token, 10)
@@ -32,7 +32,7 @@ func fenceOptions(l Lease) string {
 // appendPGOptions appends the fence options to an existing PGOPTIONS
 // value. Later -c options win in PostgreSQL, so a stale fence.* setting
 // already present in the environment is overridden.
-func appendPGOptions(existing string, l Lease) string {
+func appendPGOptions(existing string, l held) string {
 	if strings.TrimSpace(existing) == "" {
 		return fenceOptions(l)
 	}
@@ -42,7 +42,7 @@ func appendPGOptions(existing string, l Lease) string {
 // childEnv returns env (KEY=value entries) with PGOPTIONS extended and the
 // PGFENCE_* variables describing lease l set. Earlier definitions of these
 // variables are removed so the command sees exactly one of each.
-func childEnv(env []string, l Lease) []string {
+func childEnv(env []string, l held) []string {
 	var pgoptions string
 	out := make([]string, 0, len(env)+5)
 	for _, kv := range env {

@@ -2,22 +2,17 @@ package runner
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/pgfence/pgfence/fence"
 )
 
-// Lease is the lease a run holds while its command runs.
-type Lease struct {
-	JobKey    string
-	Holder    string
-	Epoch     int64
-	Token     int64
-	ExpiresAt time.Time // as of acquisition
-
+// held is the lease a run holds while its command runs.
+type held struct {
+	fence.Lease
 	// localDeadline is when the lease expires at the latest by our clock.
 	localDeadline time.Time
 }
@@ -54,28 +49,21 @@ func (s *leases) close() {
 	}
 }
 
-func (s *leases) acquire(ctx context.Context, jobKey, holder string, ttl time.Duration) (Lease, error) {
-	l := Lease{JobKey: jobKey, Holder: holder}
+func (s *leases) acquire(ctx context.Context, jobKey, holder string, ttl time.Duration) (held, error) {
 	db, err := s.db(ctx)
 	if err != nil {
-		return l, err
+		return held{}, err
 	}
-	err = db.QueryRow(ctx,
-		`SELECT epoch, token, expires_at FROM fence.acquire($1, $2, $3::bigint * interval '1 microsecond')`,
-		jobKey, holder, ttl.Microseconds()).Scan(&l.Epoch, &l.Token, &l.ExpiresAt)
-	return l, err
+	l, err := fence.Acquire(ctx, db, jobKey, holder, ttl)
+	return held{Lease: l}, err
 }
 
 func (s *leases) renew(ctx context.Context, jobKey string, token int64, ttl time.Duration) (time.Time, error) {
-	var exp time.Time
 	db, err := s.db(ctx)
 	if err != nil {
-		return exp, err
+		return time.Time{}, err
 	}
-	err = db.QueryRow(ctx,
-		`SELECT fence.renew($1, $2, $3::bigint * interval '1 microsecond')`,
-		jobKey, token, ttl.Microseconds()).Scan(&exp)
-	return exp, err
+	return fence.Renew(ctx, db, jobKey, token, ttl)
 }
 
 func (s *leases) release(ctx context.Context, jobKey string, token int64) error {
@@ -83,31 +71,12 @@ func (s *leases) release(ctx context.Context, jobKey string, token int64) error 
 	if err != nil {
 		return err
 	}
-	_, err = db.Exec(ctx, `SELECT fence.release($1, $2)`, jobKey, token)
-	return err
+	return fence.Release(ctx, db, jobKey, token)
 }
-
-func sqlState(err error) string {
-	var pe *pgconn.PgError
-	if errors.As(err, &pe) {
-		return pe.Code
-	}
-	return ""
-}
-
-// isLeaseHeld reports a live lease of another holder (FN002).
-func isLeaseHeld(err error) bool { return sqlState(err) == "FN002" }
-
-// isStale reports that our token is no longer current (FN001).
-func isStale(err error) bool { return sqlState(err) == "FN001" }
 
 // isGone reports that the database says the lease is not ours any more:
 // taken over or released (FN001), the job retired (FN004) or unknown
 // (FN005).
 func isGone(err error) bool {
-	switch sqlState(err) {
-	case "FN001", "FN004", "FN005":
-		return true
-	}
-	return false
+	return fence.IsStale(err) || fence.IsRetired(err) || fence.IsUnknownJob(err)
 }

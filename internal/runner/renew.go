@@ -22,7 +22,7 @@ type renewer struct {
 	store    *leases
 	cfg      *Config
 	log      *zap.Logger
-	lease    Lease
+	lease    held
 	deadline time.Time // the lease expires no later than this, by our clock
 }
 

@@ -31,6 +31,8 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"go.uber.org/zap"
+
+	"github.com/pgfence/pgfence/fence"
 )
 
 // Exit codes of `pgfence run` other than the command's own.
@@ -221,7 +223,7 @@ func (r *run) run(ctx context.Context) (int, error) {
 // acquireInterruptibly acquires the lease; a signal from cfg.Signals or the
 // end of ctx abandons the attempt. When a signal abandoned it, the signal
 // is returned.
-func (r *run) acquireInterruptibly(ctx context.Context) (Lease, os.Signal, error) {
+func (r *run) acquireInterruptibly(ctx context.Context) (held, os.Signal, error) {
 	actx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	got := make(chan os.Signal, 1)
@@ -245,14 +247,14 @@ func (r *run) acquireInterruptibly(ctx context.Context) (Lease, os.Signal, error
 			r.release(ctx, lease)
 			err = ErrInterrupted
 		}
-		return Lease{}, s, err
+		return held{}, s, err
 	default:
 	}
 	return lease, nil, err
 }
 
 // acquire tries once, or with cfg.Wait until acquired or timed out.
-func (r *run) acquire(ctx context.Context) (Lease, error) {
+func (r *run) acquire(ctx context.Context) (held, error) {
 	var deadline time.Time
 	if r.cfg.WaitTimeout > 0 {
 		deadline = time.Now().Add(r.cfg.WaitTimeout)
@@ -274,33 +276,33 @@ func (r *run) acquire(ctx context.Context) (Lease, error) {
 			return lease, nil
 		}
 		if ctx.Err() != nil {
-			return Lease{}, fmt.Errorf("acquire lease: %w", ctx.Err())
+			return held{}, fmt.Errorf("acquire lease: %w", ctx.Err())
 		}
-		held := isLeaseHeld(err)
+		isHeld := fence.IsLeaseHeld(err)
 		switch {
 		case timedOut && lastHeld:
-			return Lease{}, fmt.Errorf("%w: still held after waiting %s", ErrLeaseHeld, r.cfg.WaitTimeout)
+			return held{}, fmt.Errorf("%w: still held after waiting %s", ErrLeaseHeld, r.cfg.WaitTimeout)
 		case timedOut:
-			return Lease{}, fmt.Errorf("acquire lease: gave up after waiting %s: %w", r.cfg.WaitTimeout, err)
-		case held && !r.cfg.Wait:
-			return Lease{}, fmt.Errorf("%w: %w", ErrLeaseHeld, err)
-		case !held && !r.cfg.Wait:
-			return Lease{}, fmt.Errorf("acquire lease: %w", err)
-		case held && !logged:
+			return held{}, fmt.Errorf("acquire lease: gave up after waiting %s: %w", r.cfg.WaitTimeout, err)
+		case isHeld && !r.cfg.Wait:
+			return held{}, fmt.Errorf("%w: %w", ErrLeaseHeld, err)
+		case !isHeld && !r.cfg.Wait:
+			return held{}, fmt.Errorf("acquire lease: %w", err)
+		case isHeld && !logged:
 			r.log.Info("lease held by another holder; waiting", zap.Error(err))
 			logged = true
-		case !held:
+		case !isHeld:
 			r.log.Warn("acquire lease failed; retrying", zap.Error(err))
 		}
-		lastHeld = held
+		lastHeld = isHeld
 		pause := r.cfg.WaitPoll
 		if !deadline.IsZero() {
 			left := time.Until(deadline)
 			if left <= 0 {
-				if held {
-					return Lease{}, fmt.Errorf("%w: still held after waiting %s: %w", ErrLeaseHeld, r.cfg.WaitTimeout, err)
+				if isHeld {
+					return held{}, fmt.Errorf("%w: still held after waiting %s: %w", ErrLeaseHeld, r.cfg.WaitTimeout, err)
 				}
-				return Lease{}, fmt.Errorf("acquire lease: gave up after waiting %s: %w", r.cfg.WaitTimeout, err)
+				return held{}, fmt.Errorf("acquire lease: gave up after waiting %s: %w", r.cfg.WaitTimeout, err)
 			}
 			pause = min(pause, left)
 		}
@@ -308,7 +310,7 @@ func (r *run) acquire(ctx context.Context) (Lease, error) {
 		select {
 		case <-ctx.Done():
 			t.Stop()
-			return Lease{}, fmt.Errorf("acquire lease: %w", ctx.Err())
+			return held{}, fmt.Errorf("acquire lease: %w", ctx.Err())
 		case <-t.C:
 		}
 	}
@@ -316,13 +318,13 @@ func (r *run) acquire(ctx context.Context) (Lease, error) {
 
 // release gives the lease back; failures are logged only, since the lease
 // expires on its own anyway.
-func (r *run) release(ctx context.Context, l Lease) {
+func (r *run) release(ctx context.Context, l held) {
 	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
 	defer cancel()
 	switch err := r.store.release(rctx, l.JobKey, l.Token); {
 	case err == nil:
 		r.log.Info("lease released", zap.Int64("epoch", l.Epoch), zap.Int64("token", l.Token))
-	case isStale(err):
+	case fence.IsStale(err):
 		r.log.Info("lease not released: no longer ours", zap.Int64("token", l.Token), zap.Error(err))
 	default:
 		r.log.Warn("release lease failed; it will expire on its own", zap.Int64("token", l.Token), zap.Error(err))
@@ -332,7 +334,7 @@ func (r *run) release(ctx context.Context, l Lease) {
 // supervise starts the command and renews the lease until the command
 // exits. lostConfirmed reports that the database said the lease is no
 // longer ours (so there is nothing to release).
-func (r *run) supervise(ctx context.Context, l Lease) (code int, err error, lostConfirmed bool) {
+func (r *run) supervise(ctx context.Context, l held) (code int, err error, lostConfirmed bool) {
 	cmd := exec.Command(r.cfg.Command[0], r.cfg.Command[1:]...)
 	cmd.Dir = r.cfg.Dir
 	cmd.Env = childEnv(r.cfg.Env, l)

@@ -25,6 +25,7 @@ import (
 	"go.uber.org/zap/zaptest"
 	"go.uber.org/zap/zaptest/observer"
 
+	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/internal/pgtest"
 	"github.com/pgfence/pgfence/migrations"
 )
@@ -186,13 +187,11 @@ func (f *fixture) lease(job string) (leaseRow, bool) {
 // acquireAs takes the lease as another holder, directly in SQL.
 func (f *fixture) acquireAs(job, holder string, ttl time.Duration) int64 {
 	f.t.Helper()
-	var token int64
-	if err := f.db.QueryRow(context.Background(),
-		`SELECT token FROM fence.acquire($1, $2, $3::bigint * interval '1 microsecond')`,
-		job, holder, ttl.Microseconds()).Scan(&token); err != nil {
+	l, err := fence.Acquire(context.Background(), f.db, job, holder, ttl)
+	if err != nil {
 		f.t.Fatal(err)
 	}
-	return token
+	return l.Token
 }
 
 func (f *fixture) file(name string) string {
@@ -276,7 +275,7 @@ func TestEscapeOption(t *testing.T) {
 }
 
 func TestAppendPGOptions(t *testing.T) {
-	l := Lease{JobKey: "nightly report", Epoch: 3, Token: 17}
+	l := held{Lease: fence.Lease{JobKey: "nightly report", Epoch: 3, Token: 17}}
 	ours := `-c fence.job_key=nightly\ report -c fence.epoch=3 -c fence.token=17`
 	tests := []struct{ existing, want string }{
 		{"", ours},
@@ -292,7 +291,7 @@ func TestAppendPGOptions(t *testing.T) {
 }
 
 func TestChildEnvReplacesFenceVariables(t *testing.T) {
-	l := Lease{JobKey: "j", Epoch: 1, Token: 2, ExpiresAt: time.Date(2030, 1, 2, 3, 4, 5, 0, time.UTC)}
+	l := held{Lease: fence.Lease{JobKey: "j", Epoch: 1, Token: 2, ExpiresAt: time.Date(2030, 1, 2, 3, 4, 5, 0, time.UTC)}}
 	env := childEnv([]string{"A=1", "PGFENCE_TOKEN=99", "PGOPTIONS=-c x.y=1"}, l)
 	want := []string{"A=1", "PGOPTIONS=-c x.y=1 -c fence.job_key=j -c fence.epoch=1 -c fence.token=2",
 		"PGFENCE_JOB_KEY=j", "PGFENCE_EPOCH=1", "PGFENCE_TOKEN=2", "PGFENCE_LEASE_EXPIRES_AT=2030-01-02T03:04:05Z"}
@@ -394,7 +393,7 @@ func TestRunWaitsForRelease(t *testing.T) {
 	if f.exists("env") {
 		t.Fatal("the command started while the lease was held")
 	}
-	if _, err := f.db.Exec(context.Background(), `SELECT fence.release($1, $2)`, "nightly-report", other); err != nil {
+	if err := fence.Release(context.Background(), f.db, "nightly-report", other); err != nil {
 		t.Fatal(err)
 	}
 	r := await(t, done)
