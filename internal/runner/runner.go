@@ -15,7 +15,11 @@
 //
 // It is not a process supervisor: it runs one command once, never restarts
 // it, and signals only the command's own process (a shell script that starts
-// other programs should exec the last one, or trap TERM and pass it on).
+// other programs should exec the last one, or trap TERM and pass it on). The
+// command stays in the runner's process group, so a terminal's Ctrl-C
+// reaches it directly as well as forwarded. If the runner itself is killed
+// with SIGKILL, the command keeps running unrenewed: once the lease expires
+// and another holder takes over, the gate refuses its writes.
 package runner
 
 import (

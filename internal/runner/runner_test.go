@@ -732,3 +732,56 @@ func TestParseSignal(t *testing.T) {
 		}
 	}
 }
+
+// buildPgfence builds the pgfence binary for end-to-end tests.
+func buildPgfence(t *testing.T) string {
+	t.Helper()
+	bin := filepath.Join(t.TempDir(), "pgfence")
+	cmd := exec.Command("go", "build", "-o", bin, "github.com/pgfence/pgfence/cmd/pgfence")
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("build pgfence: %v\n%s", err, out)
+	}
+	return bin
+}
+
+// TestPgfenceRunCronLine runs the real binary the way a legacy cron job
+// would: only DATABASE_URL in the environment, no flags but --job.
+func TestPgfenceRunCronLine(t *testing.T) {
+	f := newFixture(t)
+	bin := buildPgfence(t)
+	pgfence := func(args ...string) (int, string) {
+		cmd := exec.Command(bin, args...)
+		cmd.Env = f.env() // DATABASE_URL, OUT; no PG* variables
+		out, err := cmd.CombinedOutput()
+		var ee *exec.ExitError
+		if err != nil && !errors.As(err, &ee) {
+			t.Fatalf("pgfence %q: %v", args, err)
+		}
+		t.Logf("pgfence %q:\n%s", args, out)
+		return cmd.ProcessState.ExitCode(), string(out)
+	}
+
+	code, _ := pgfence("run", "--job", "nightly-report", "--", "sh", script(t, "write.sh"), "cron", "7")
+	if code != 7 {
+		t.Fatalf("exit code: got %d, want 7 (the command's own)", code)
+	}
+	r, ok := f.result("nightly-report")
+	if !ok || r.payload != "cron" {
+		t.Fatalf("result: got %+v (present %v), want payload cron", r, ok)
+	}
+	if l, ok := f.lease("nightly-report"); ok {
+		t.Errorf("lease still held after the run: %+v", l)
+	}
+
+	other := f.acquireAs("nightly-report", "other-host:1", time.Minute)
+	code, out := pgfence("run", "--job", "nightly-report", "--", "sh", script(t, "write.sh"), "again")
+	if code != ExitLeaseHeld {
+		t.Fatalf("exit code while held: got %d, want %d", code, ExitLeaseHeld)
+	}
+	if !strings.Contains(out, "other-host:1") {
+		t.Errorf("output does not name the holder:\n%s", out)
+	}
+	if r, _ := f.result("nightly-report"); r.payload != "cron" {
+		t.Errorf("result changed while the lease was held by %d: %+v", other, r)
+	}
+}
