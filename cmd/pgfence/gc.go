@@ -1,17 +1,44 @@
 package main
 
 import (
-	"errors"
+	"fmt"
+	"time"
 
 	"github.com/spf13/cobra"
+
+	"github.com/pgfence/pgfence/fence"
 )
 
 func newGCCmd() *cobra.Command {
-	return &cobra.Command{
+	var (
+		dsn  string
+		keep time.Duration
+	)
+	cmd := &cobra.Command{
 		Use:   "gc",
-		Short: "(not implemented yet)",
+		Short: "Prune commit receipts of closed generations",
+		Long: `Delete commit receipts older than --keep, but only of closed generations
+(a token older than its job's current one, or a retired epoch), and advance
+the pruned-through watermark: a later retry of a pruned generation gets FN006
+(cannot confirm), never a second commit. Fence and epoch rows are never
+deleted. --keep should exceed the retry window plus the longest message delay.`,
+		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
-			return errors.New("gc: not implemented yet")
+			ctx := cmd.Context()
+			conn, err := connectDatabase(ctx, cmd, dsn)
+			if err != nil {
+				return err
+			}
+			defer conn.Close(ctx)
+			n, err := fence.GC(ctx, conn, keep)
+			if err != nil {
+				return err
+			}
+			fmt.Fprintf(cmd.OutOrStdout(), "pruned %d receipts older than %s\n", n, keep)
+			return nil
 		},
 	}
+	addDatabaseFlag(cmd, &dsn)
+	cmd.Flags().DurationVar(&keep, "keep", 168*time.Hour, "keep receipts committed within this long")
+	return cmd
 }

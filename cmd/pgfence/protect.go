@@ -1,17 +1,102 @@
 package main
 
 import (
-	"errors"
+	"fmt"
+	"text/tabwriter"
 
 	"github.com/spf13/cobra"
+
+	"github.com/pgfence/pgfence/fence"
 )
 
 func newProtectCmd() *cobra.Command {
-	return &cobra.Command{
+	var dsn string
+	cmd := &cobra.Command{
 		Use:   "protect",
-		Short: "(not implemented yet)",
+		Short: "Manage protected tables (the backstop trigger)",
+		Long: `A protected table refuses every write that does not carry a current fencing
+token in the session settings fence.job_key, fence.epoch and fence.token: from
+the proxy, direct connections, functions, DO blocks, views and FK cascades.
+Members of the role pgfence_bypass are exempt (and logged).`,
+	}
+	cmd.PersistentFlags().StringVar(&dsn, "database", "", "database URL or DSN (default $PGFENCE_DATABASE_URL, else $DATABASE_URL, else libpq's PG* variables)")
+
+	var column string
+	add := &cobra.Command{
+		Use:   "add TABLE",
+		Short: "Protect a table (a no-op if already protected the same way)",
+		Args:  cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			return errors.New("protect: not implemented yet")
+			ctx := cmd.Context()
+			conn, err := connectDatabase(ctx, cmd, dsn)
+			if err != nil {
+				return err
+			}
+			defer conn.Close(ctx)
+			if err := fence.Protect(ctx, conn, args[0], column); err != nil {
+				return err
+			}
+			fmt.Fprintf(cmd.OutOrStdout(), "protected %s\n", args[0])
+			return nil
 		},
 	}
+	add.Flags().StringVar(&column, "job-key-column", "", "also scope rows: a fenced session may only write rows whose COLUMN equals its fence.job_key")
+
+	remove := &cobra.Command{
+		Use:   "remove TABLE",
+		Short: "Remove the protection from a table (a no-op if not protected)",
+		Args:  cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			ctx := cmd.Context()
+			conn, err := connectDatabase(ctx, cmd, dsn)
+			if err != nil {
+				return err
+			}
+			defer conn.Close(ctx)
+			if err := fence.Unprotect(ctx, conn, args[0]); err != nil {
+				return err
+			}
+			fmt.Fprintf(cmd.OutOrStdout(), "unprotected %s\n", args[0])
+			return nil
+		},
+	}
+
+	list := &cobra.Command{
+		Use:   "list",
+		Short: "List protected tables",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			ctx := cmd.Context()
+			conn, err := connectDatabase(ctx, cmd, dsn)
+			if err != nil {
+				return err
+			}
+			defer conn.Close(ctx)
+			tables, err := fence.ProtectedTables(ctx, conn)
+			if err != nil {
+				return err
+			}
+			out := cmd.OutOrStdout()
+			if len(tables) == 0 {
+				fmt.Fprintln(out, "no protected tables")
+				return nil
+			}
+			w := tabwriter.NewWriter(out, 0, 4, 2, ' ', 0)
+			fmt.Fprintln(w, "SCHEMA\tTABLE\tJOB KEY COLUMN\tPROTECTED AT\tNOTE")
+			for _, t := range tables {
+				col := t.JobKeyColumn
+				if col == "" {
+					col = "-"
+				}
+				note := ""
+				if !t.Exists {
+					note = "table dropped; run protect remove"
+				}
+				fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%s\n", t.Schema, t.Table, col, t.ProtectedAt.UTC().Format("2006-01-02 15:04:05Z"), note)
+			}
+			return w.Flush()
+		},
+	}
+	cmd.AddCommand(add, remove, list)
+	return cmd
 }
