@@ -9,7 +9,6 @@ import (
 	"strings"
 	"testing"
 	"time"
-
 )
 
 // pgfence runs the CLI in-process and returns stdout and the error.
