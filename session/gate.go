@@ -1,0 +1,34 @@
+package session
+
+// Digester is the part of the payload digest (fence.Digest) the session
+// needs: ROLLBACK TO SAVEPOINT drops the statements made since the
+// savepoint.
+type Digester interface {
+	Mark() int
+	Rollback(mark int)
+}
+
+// Generation is the fence generation a transaction was gated with.
+type Generation struct {
+	JobKey string
+	Epoch  int64
+	Token  int64
+	Step   string
+}
+
+// Gate is the write-gate state of the current transaction, filled in by the
+// proxy. It is reset when the transaction ends, and restored by ROLLBACK TO
+// SAVEPOINT to what it was when the savepoint was made (the gate's row lock
+// taken inside a rolled-back savepoint is released by the server too); the
+// Digest is kept but rolled back to the savepoint's mark.
+type Gate struct {
+	Gated  bool       // the fence check has run in this transaction
+	Replay bool       // a receipt exists: the transaction's writes run but it never commits
+	Gen    Generation // the generation checked
+	Digest Digester   // accumulates the transaction's write statements; nil until gated
+}
+
+// Gate returns the current transaction's gate state for the proxy to read
+// and fill. The pointer stays valid for the State's lifetime; its contents
+// are reset at the end of each transaction.
+func (s *State) Gate() *Gate { return &s.gate }

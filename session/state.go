@@ -1,0 +1,652 @@
+package session
+
+import (
+	"fmt"
+	"sort"
+	"strings"
+
+	"github.com/pgfence/pgfence/rewrite"
+)
+
+// TxState is the transaction state, as ReadyForQuery reports it.
+type TxState uint8
+
+// Transaction states.
+const (
+	Idle   TxState = iota // 'I': no transaction
+	InTx                  // 'T' when explicit; an implicit transaction reports 'I' at its end
+	Failed                // 'E': an explicit transaction block that failed, waiting for ROLLBACK
+)
+
+func (t TxState) String() string {
+	switch t {
+	case Idle:
+		return "idle"
+	case InTx:
+		return "in transaction"
+	case Failed:
+		return "failed"
+	}
+	return fmt.Sprintf("TxState(%d)", uint8(t))
+}
+
+// value is a parameter value. known is false for a value the proxy cannot
+// know (search_path's server default). set records that the value came from
+// SET or set_config in this session (PostgreSQL's PGC_S_SESSION source): RESET
+// ALL skips parameters whose value did not, and a RESET or SET TO DEFAULT
+// clears it.
+type value struct {
+	s     string
+	known bool
+	set   bool
+}
+
+// gucState mirrors GucStackState in PostgreSQL's guc.c.
+type gucState uint8
+
+const (
+	gucSet      gucState = iota // a SET at this nest level
+	gucLocal                    // a SET LOCAL at this nest level
+	gucSetLocal                 // a SET then a SET LOCAL at this nest level
+)
+
+type stackEntry struct {
+	level  int
+	state  gucState
+	prior  value // value before this nest level changed it
+	masked value // SET value hidden by a later SET LOCAL (gucSetLocal)
+}
+
+type variable struct {
+	cur   value
+	reset value // session default: the startup value, else unknown/empty
+	stack []stackEntry
+}
+
+type savepoint struct {
+	name       string
+	level      int
+	gate       Gate
+	digestMark int
+}
+
+// State is one client connection's session state. Create it with New.
+type State struct {
+	user     string
+	vars     map[string]*variable
+	tx       TxState
+	explicit bool
+	level    int // GUC nest level: 0 outside a transaction, 1 in it, +1 per savepoint
+	sps      []savepoint
+	prepared map[string]*Prepared
+	portals  map[string]*Portal
+	gate     Gate
+}
+
+// New returns the state of a new connection from its startup parameters:
+// "user", "options" (-c name=value and --name=value switches, with
+// backslash escaping of spaces, as PGOPTIONS carries them) and any other
+// parameter, which the server treats as a GUC to set (search_path=...). The
+// values become the session defaults that RESET returns to. Malformed fence
+// values are refused with an *Error.
+func New(params map[string]string) (*State, error) {
+	s := &State{
+		user:     params["user"],
+		vars:     make(map[string]*variable),
+		prepared: make(map[string]*Prepared),
+		portals:  make(map[string]*Portal),
+	}
+	// Direct parameters first, then options, in a stable order; the
+	// server applies the options after the packet's other parameters.
+	keys := make([]string, 0, len(params))
+	for k := range params {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	for _, k := range keys {
+		switch k {
+		case "user", "database", "options", "replication", "application_name", "client_encoding":
+			continue
+		}
+		if err := s.setStartup(strings.ToLower(k), params[k]); err != nil {
+			return nil, err
+		}
+	}
+	opts, err := ParseOptions(params["options"])
+	if err != nil {
+		return nil, err
+	}
+	for _, o := range opts {
+		if err := s.setStartup(o[0], o[1]); err != nil {
+			return nil, err
+		}
+	}
+	return s, nil
+}
+
+func (s *State) setStartup(name, val string) error {
+	if !Tracked(name) {
+		return nil
+	}
+	if err := Validate(name, val); err != nil {
+		return err
+	}
+	v := value{s: val, known: true}
+	s.vars[name] = &variable{cur: v, reset: v}
+	return nil
+}
+
+// ParseOptions splits a startup "options" string the way the server does
+// (pg_split_opts, then the -c / --name=value switches of
+// process_postgres_switches) and returns the (name, value) settings, names
+// lowercased with '-' turned into '_'. Other switches are ignored.
+func ParseOptions(options string) ([][2]string, error) {
+	var args []string
+	var b strings.Builder
+	in, esc := false, false
+	for i := 0; i < len(options); i++ {
+		c := options[i]
+		if !esc && isSpace(c) {
+			if in {
+				args = append(args, b.String())
+				b.Reset()
+				in = false
+			}
+			continue
+		}
+		in = true
+		if !esc && c == '\\' {
+			esc = true
+			continue
+		}
+		esc = false
+		b.WriteByte(c)
+	}
+	if in {
+		args = append(args, b.String())
+	}
+	var out [][2]string
+	for i := 0; i < len(args); i++ {
+		a := args[i]
+		var opt string
+		switch {
+		case a == "-c" || a == "--":
+			if i+1 >= len(args) {
+				return nil, invalid("option %s requires a value", a)
+			}
+			i++
+			opt = args[i]
+		case strings.HasPrefix(a, "--"):
+			opt = a[2:]
+		case strings.HasPrefix(a, "-c"):
+			opt = a[2:]
+		default:
+			continue
+		}
+		name, val, ok := strings.Cut(opt, "=")
+		if !ok {
+			return nil, invalid("--%s requires a value", opt)
+		}
+		name = strings.ToLower(strings.ReplaceAll(name, "-", "_"))
+		out = append(out, [2]string{name, val})
+	}
+	return out, nil
+}
+
+func isSpace(c byte) bool {
+	return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v'
+}
+
+// User returns the session user from the startup packet.
+func (s *State) User() string { return s.user }
+
+// Tx returns the transaction state.
+func (s *State) Tx() TxState { return s.tx }
+
+// Explicit reports whether the current transaction is an explicit block
+// (BEGIN) rather than an implicit one (a lone statement, a multi-statement
+// simple query, an extended-protocol pipeline up to Sync).
+func (s *State) Explicit() bool { return s.tx != Idle && s.explicit }
+
+// Depth returns the number of open savepoints.
+func (s *State) Depth() int { return len(s.sps) }
+
+// Get returns the tracked parameter's current value; ok is false when it is
+// unset (or empty) or unknown.
+func (s *State) Get(name string) (string, bool) {
+	v, ok := s.vars[strings.ToLower(name)]
+	if !ok || !v.cur.known || v.cur.s == "" {
+		return "", false
+	}
+	return v.cur.s, true
+}
+
+// SearchPath returns the session's search_path as schema names, with
+// "$user" replaced by the session user, or nil when the proxy does not know
+// it (never set at startup or by SET: the server default, possibly changed
+// by ALTER ROLE/DATABASE, applies).
+func (s *State) SearchPath() []string {
+	v, ok := s.vars[SearchPath]
+	if !ok || !v.cur.known {
+		return nil
+	}
+	path := rewrite.ParseSearchPath(v.cur.s)
+	for i, p := range path {
+		if p == "$user" && s.user != "" {
+			path[i] = s.user
+		}
+	}
+	return path
+}
+
+// Generation returns the fence generation the session presents:
+// fence.job_key, fence.epoch, fence.token and fence.step. ok is false
+// unless job_key, epoch and token are all set (they were validated when
+// set).
+func (s *State) Generation() (jobKey string, epoch, token int64, step string, ok bool) {
+	jobKey, ok1 := s.Get(JobKey)
+	es, ok2 := s.Get(Epoch)
+	ts, ok3 := s.Get(Token)
+	step, _ = s.Get(Step)
+	if !ok1 || !ok2 || !ok3 {
+		return "", 0, 0, "", false
+	}
+	e, err1 := parsePositive(es)
+	t, err2 := parsePositive(ts)
+	if err1 != nil || err2 != nil {
+		return "", 0, 0, "", false
+	}
+	return jobKey, e, t, step, true
+}
+
+// variable returns the tracked variable, creating it with an empty (for
+// fence.*) or unknown (search_path) session default.
+func (s *State) variable(name string) *variable {
+	v, ok := s.vars[name]
+	if !ok {
+		d := value{known: name != SearchPath}
+		v = &variable{cur: d, reset: d}
+		s.vars[name] = v
+	}
+	return v
+}
+
+// ensureTx starts an implicit transaction if none is open: every statement
+// runs in a transaction.
+func (s *State) ensureTx() {
+	if s.tx == Idle {
+		s.tx = InTx
+		s.explicit = false
+		s.level = 1
+	}
+}
+
+// Set changes a tracked parameter as SET (local false) or SET LOCAL (local
+// true) does, after validating the value; untracked names are ignored. An
+// empty value clears a fence parameter. Outside a transaction it starts an
+// implicit one: a SET LOCAL made there ends with it.
+func (s *State) Set(name, val string, local bool) error {
+	name = strings.ToLower(name)
+	if !Tracked(name) {
+		return nil
+	}
+	if err := Validate(name, val); err != nil {
+		return err
+	}
+	if s.tx == Failed {
+		return errInFailed()
+	}
+	s.ensureTx()
+	s.assign(name, value{s: val, known: true, set: true}, local)
+	return nil
+}
+
+// Reset sets a tracked parameter back to its session default (RESET name,
+// SET name TO DEFAULT; local for SET LOCAL name TO DEFAULT).
+func (s *State) Reset(name string, local bool) error {
+	name = strings.ToLower(name)
+	if !Tracked(name) {
+		return nil
+	}
+	if s.tx == Failed {
+		return errInFailed()
+	}
+	s.ensureTx()
+	v := s.variable(name)
+	s.assign(name, v.reset, local)
+	return nil
+}
+
+// ResetAll resets every tracked parameter to its session default, as RESET
+// ALL does (transactionally, like a SET of each). Like PostgreSQL it skips
+// parameters whose current value was not set in the session (for example
+// after SET LOCAL ... TO DEFAULT, whose masked SET value then returns at
+// commit).
+func (s *State) ResetAll() error {
+	if s.tx == Failed {
+		return errInFailed()
+	}
+	s.ensureTx()
+	for _, name := range s.names() {
+		if v := s.vars[name]; v.cur.set {
+			s.assign(name, v.reset, false)
+		}
+	}
+	return nil
+}
+
+// FromCurrent applies SET name FROM CURRENT: the current value becomes the
+// session (or, with local, transaction) value.
+func (s *State) FromCurrent(name string, local bool) error {
+	name = strings.ToLower(name)
+	if !Tracked(name) {
+		return nil
+	}
+	if s.tx == Failed {
+		return errInFailed()
+	}
+	s.ensureTx()
+	v := s.variable(name)
+	cur := v.cur
+	cur.set = true
+	s.assign(name, cur, local)
+	return nil
+}
+
+// Discard applies DISCARD ALL: RESET ALL, DEALLOCATE ALL, CLOSE ALL.
+func (s *State) Discard() error {
+	if err := s.ResetAll(); err != nil {
+		return err
+	}
+	clear(s.prepared)
+	clear(s.portals)
+	return nil
+}
+
+func (s *State) names() []string {
+	names := make([]string, 0, len(s.vars))
+	for n := range s.vars {
+		names = append(names, n)
+	}
+	sort.Strings(names)
+	return names
+}
+
+// assign is set_config_option's value change at the current nest level,
+// with push_old_value's bookkeeping.
+func (s *State) assign(name string, nv value, local bool) {
+	v := s.variable(name)
+	if s.level > 0 {
+		n := len(v.stack)
+		if n > 0 && v.stack[n-1].level >= s.level {
+			e := &v.stack[n-1]
+			if !local {
+				e.state = gucSet // SET overrides any prior action at this level
+				e.masked = value{}
+			} else if e.state == gucSet {
+				e.masked = v.cur // SET then SET LOCAL: remember SET's value
+				e.state = gucSetLocal
+			}
+		} else {
+			st := gucSet
+			if local {
+				st = gucLocal
+			}
+			v.stack = append(v.stack, stackEntry{level: s.level, state: st, prior: v.cur})
+		}
+	}
+	v.cur = nv
+}
+
+// endLevel is AtEOXact_GUC(isCommit, nestLevel): pop every stack entry at
+// nestLevel or deeper, restoring or merging as PostgreSQL does.
+func (s *State) endLevel(commit bool, level int) {
+	for _, v := range s.vars {
+		for len(v.stack) > 0 && v.stack[len(v.stack)-1].level >= level {
+			n := len(v.stack)
+			e := v.stack[n-1]
+			var prev *stackEntry
+			if n > 1 {
+				prev = &v.stack[n-2]
+			}
+			restorePrior, restoreMasked := false, false
+			switch {
+			case !commit:
+				restorePrior = true
+			case e.level == 1:
+				switch e.state {
+				case gucSetLocal:
+					restoreMasked = true
+				case gucSet:
+					// keep the current value
+				default:
+					restorePrior = true
+				}
+			case prev == nil || prev.level < level-1:
+				// No entry at the next level down: this one
+				// becomes it.
+				v.stack[n-1].level--
+				continue
+			default:
+				switch e.state {
+				case gucSet:
+					prev.state = gucSet
+					prev.masked = value{}
+				case gucLocal:
+					if prev.state == gucSet {
+						prev.masked = e.prior
+						prev.state = gucSetLocal
+					}
+				case gucSetLocal:
+					prev.masked = e.masked
+					prev.state = gucSetLocal
+				}
+			}
+			if restoreMasked {
+				v.cur = e.masked
+			} else if restorePrior {
+				v.cur = e.prior
+			}
+			v.stack = v.stack[:n-1]
+		}
+	}
+}
+
+// Begin applies BEGIN / START TRANSACTION. Inside an implicit transaction
+// (earlier statements of the same simple query or pipeline) it turns that
+// transaction into the explicit block; inside a block it is a no-op (the
+// server warns).
+func (s *State) Begin() error {
+	switch s.tx {
+	case Failed:
+		return errInFailed()
+	case Idle:
+		s.ensureTx()
+	}
+	s.explicit = true
+	return nil
+}
+
+// Commit applies a successful COMMIT / END (tag "COMMIT"), or PREPARE
+// TRANSACTION: the transaction's SETs persist, SET LOCALs end. With chain
+// (COMMIT AND CHAIN) a new explicit transaction starts. Committing a failed
+// transaction rolls it back, as the server does (tag "ROLLBACK"). Outside a
+// transaction it is a no-op.
+func (s *State) Commit(chain bool) {
+	switch s.tx {
+	case Idle:
+		return
+	case Failed:
+		s.Rollback(chain)
+		return
+	}
+	// Open savepoints are committed one level at a time, innermost
+	// first, as CommitSubTransaction does for each.
+	for l := s.level; l >= 1; l-- {
+		s.endLevel(true, l)
+	}
+	s.endTx(chain)
+}
+
+// Rollback applies ROLLBACK / ABORT: every change made in the transaction is
+// undone. With chain a new explicit transaction starts.
+func (s *State) Rollback(chain bool) {
+	if s.tx == Idle {
+		return
+	}
+	s.endLevel(false, 1)
+	s.endTx(chain)
+}
+
+func (s *State) endTx(chain bool) {
+	s.level = 0
+	s.sps = s.sps[:0]
+	s.tx = Idle
+	s.explicit = false
+	s.gate = Gate{}
+	clear(s.portals)
+	if chain {
+		s.ensureTx()
+		s.explicit = true
+	}
+}
+
+// Savepoint applies SAVEPOINT name. Names may repeat.
+func (s *State) Savepoint(name string) error {
+	switch {
+	case s.tx == Failed:
+		return errInFailed()
+	case s.tx == Idle || !s.explicit:
+		return &Error{Code: CodeNoActiveTransaction, Message: "SAVEPOINT can only be used in transaction blocks"}
+	}
+	sp := savepoint{name: name, level: s.level + 1, gate: s.gate}
+	if s.gate.Digest != nil {
+		sp.digestMark = s.gate.Digest.Mark()
+	}
+	s.sps = append(s.sps, sp)
+	s.level++
+	return nil
+}
+
+func (s *State) findSavepoint(name string) int {
+	for i := len(s.sps) - 1; i >= 0; i-- {
+		if s.sps[i].name == name {
+			return i
+		}
+	}
+	return -1
+}
+
+// RollbackTo applies ROLLBACK TO SAVEPOINT name: everything since the most
+// recent savepoint of that name is undone (parameters, the gate state, the
+// digest's statements), the savepoint stays, and a failed transaction is
+// usable again.
+func (s *State) RollbackTo(name string) error {
+	if s.tx == Idle || !s.explicit {
+		return &Error{Code: CodeNoActiveTransaction, Message: "ROLLBACK TO SAVEPOINT can only be used in transaction blocks"}
+	}
+	i := s.findSavepoint(name)
+	if i < 0 {
+		return &Error{Code: CodeInvalidSavepoint, Message: fmt.Sprintf("savepoint %q does not exist", name)}
+	}
+	sp := s.sps[i]
+	s.endLevel(false, sp.level)
+	s.sps = s.sps[:i+1]
+	s.level = sp.level
+	digest := s.gate.Digest
+	s.gate = sp.gate
+	if digest != nil {
+		digest.Rollback(sp.digestMark)
+		s.gate.Digest = digest
+	}
+	s.tx = InTx
+	return nil
+}
+
+// Release applies RELEASE SAVEPOINT name: the most recent savepoint of that
+// name and every later one are merged into the enclosing level.
+func (s *State) Release(name string) error {
+	switch {
+	case s.tx == Failed:
+		return errInFailed()
+	case s.tx == Idle || !s.explicit:
+		return &Error{Code: CodeNoActiveTransaction, Message: "RELEASE SAVEPOINT can only be used in transaction blocks"}
+	}
+	i := s.findSavepoint(name)
+	if i < 0 {
+		return &Error{Code: CodeInvalidSavepoint, Message: fmt.Sprintf("savepoint %q does not exist", name)}
+	}
+	for l := s.level; l >= s.sps[i].level; l-- {
+		s.endLevel(true, l)
+	}
+	s.level = s.sps[i].level - 1
+	s.sps = s.sps[:i]
+	return nil
+}
+
+// Fail records that a statement failed (ErrorResponse). An implicit
+// transaction is rolled back and the session is idle again; in an explicit
+// block the innermost (sub)transaction is aborted and the block is Failed
+// until ROLLBACK or ROLLBACK TO SAVEPOINT.
+func (s *State) Fail() {
+	switch {
+	case s.tx == Idle:
+	case !s.explicit:
+		s.Rollback(false)
+	case s.tx == InTx:
+		s.endLevel(false, s.level)
+		s.tx = Failed
+	}
+}
+
+// TxStatus applies the transaction status of a ReadyForQuery message ('I',
+// 'T' or 'E'). At 'I' an implicit transaction ends with a commit (a failure
+// would have been reported through Fail). If the status contradicts the
+// tracked state, the state is forced to match (an explicit transaction the
+// server no longer has is taken as rolled back) and ErrOutOfSync is
+// returned.
+func (s *State) TxStatus(b byte) error {
+	switch b {
+	case 'I':
+		switch {
+		case s.tx == Idle:
+			return nil
+		case !s.explicit && s.tx == InTx:
+			s.Commit(false)
+			return nil
+		default:
+			s.Rollback(false)
+			return ErrOutOfSync
+		}
+	case 'T':
+		switch {
+		case s.tx == InTx && s.explicit:
+			return nil
+		case s.tx == Failed:
+			s.tx = InTx
+		default:
+			s.ensureTx()
+			s.explicit = true
+		}
+		return ErrOutOfSync
+	case 'E':
+		switch {
+		case s.tx == Failed:
+			return nil
+		case s.tx == InTx && s.explicit:
+			s.Fail()
+			return nil
+		default:
+			s.ensureTx()
+			s.explicit = true
+			s.Fail()
+			return ErrOutOfSync
+		}
+	}
+	return fmt.Errorf("session: unknown transaction status %q", b)
+}
+
+func errInFailed() *Error {
+	return &Error{Code: CodeInFailedTransaction,
+		Message: "current transaction is aborted, commands ignored until end of transaction block"}
+}
