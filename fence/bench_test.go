@@ -1,0 +1,132 @@
+package fence_test
+
+import (
+	"context"
+	"strconv"
+	"testing"
+	"time"
+
+	"github.com/pgfence/pgfence/fence"
+)
+
+// seedSchema is the hand-written protocol of the design discussion: a fence
+// row locked FOR UPDATE, a receipt insert and the conditional upsert, on
+// tables without any trigger.
+const seedSchema = `
+create table report_fences (job_key text primary key, max_issued_token bigint not null);
+create table report_results (job_key text primary key, payload text, applied_fencing_token bigint);
+create table report_commit_receipts (
+  job_key text not null, fencing_token bigint not null, step text not null,
+  payload_digest bytea not null, committed_at timestamptz not null default clock_timestamp(),
+  primary key (job_key, fencing_token, step));
+insert into report_fences values ('seed-job', 17);
+`
+
+// BenchmarkGateVsSeed measures one gated write cycle both ways, interleaved
+// on the same database and connection so they share conditions:
+//
+//   - fence: BEGIN; fence.Gate; the seed's upsert into a protected table
+//     (its backstop trigger runs the gate check again); fence.Commit with a
+//     v1 digest; COMMIT.
+//   - seed:  BEGIN; SELECT ... FOR UPDATE on the fence row; receipt INSERT;
+//     the same upsert into an unprotected table; COMMIT.
+//
+// Both are five round trips. The token is fixed and every iteration uses a
+// new step, so every cycle writes a receipt (the fair comparison: the
+// receipt insert is part of both protocols). ns/op is the sum of both
+// cycles; fence-ns/op, seed-ns/op and fence/seed are the figures to read.
+func BenchmarkGateVsSeed(b *testing.B) {
+	ctx := context.Background()
+	db := cluster.NewDatabase(b)
+	conn, err := cluster.Primary.Connect(ctx, db)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer conn.Close(ctx)
+	if _, err := conn.Exec(ctx, demoSchema+seedSchema); err != nil {
+		b.Fatal(err)
+	}
+	l, err := fence.Acquire(ctx, conn, "bench-job", "bench", time.Hour)
+	if err != nil {
+		b.Fatal(err)
+	}
+	const payload = "benchmark payload"
+	var d fence.Digest
+	params := []fence.Param{{TypeOID: 25, Value: []byte(l.JobKey)}, {TypeOID: 25, Value: []byte(payload)}, {TypeOID: 20, Value: []byte(strconv.FormatInt(l.Token, 10))}}
+	step := make([]byte, 0, 24)
+
+	fenceCycle := func(i int) {
+		g := l.Generation(string(strconv.AppendInt(step[:0], int64(i), 10)))
+		tx, err := conn.Begin(ctx)
+		if err != nil {
+			b.Fatal(err)
+		}
+		if r, err := fence.Gate(ctx, tx, g); err != nil || r != fence.GateOK {
+			b.Fatalf("gate: %v, %v", r, err)
+		}
+		if _, err := tx.Exec(ctx, upsertSQL, l.JobKey, payload, l.Token); err != nil {
+			b.Fatal(err)
+		}
+		d.Reset()
+		d.Statement(upsertSQL, params)
+		if r, err := fence.Commit(ctx, tx, g, d.Sum(), fence.DigestVersion); err != nil || r != fence.Committed {
+			b.Fatalf("commit: %v, %v", r, err)
+		}
+		if err := tx.Commit(ctx); err != nil {
+			b.Fatal(err)
+		}
+	}
+	seedCycle := func(i int) {
+		s := string(strconv.AppendInt(step[:0], int64(i), 10))
+		tx, err := conn.Begin(ctx)
+		if err != nil {
+			b.Fatal(err)
+		}
+		var max int64
+		if err := tx.QueryRow(ctx, `select max_issued_token from report_fences
+			where job_key = $1 and max_issued_token = $2 for update`, "seed-job", int64(17)).Scan(&max); err != nil {
+			b.Fatalf("seed fence check: %v", err)
+		}
+		d.Reset()
+		d.Statement(upsertSQL, params)
+		if _, err := tx.Exec(ctx, `insert into report_commit_receipts (job_key, fencing_token, step, payload_digest)
+			values ($1, $2, $3, $4) on conflict do nothing`, "seed-job", int64(17), s, d.Sum()); err != nil {
+			b.Fatal(err)
+		}
+		if _, err := tx.Exec(ctx, `insert into report_results (job_key, payload, applied_fencing_token) values ($1, $2, $3)
+			on conflict (job_key) do update set payload = excluded.payload, applied_fencing_token = excluded.applied_fencing_token
+			where report_results.applied_fencing_token < excluded.applied_fencing_token`, "seed-job", payload, int64(17)); err != nil {
+			b.Fatal(err)
+		}
+		if err := tx.Commit(ctx); err != nil {
+			b.Fatal(err)
+		}
+	}
+	// Warm up plans and caches for both.
+	for i := range 50 {
+		fenceCycle(-1 - i)
+		seedCycle(-1 - i)
+	}
+
+	var fenceTime, seedTime time.Duration
+	i := 0
+	for b.Loop() {
+		t0 := time.Now()
+		seedCycle(i)
+		t1 := time.Now()
+		fenceCycle(i)
+		t2 := time.Now()
+		seedTime += t1.Sub(t0)
+		fenceTime += t2.Sub(t1)
+		i++
+	}
+	if i == 0 {
+		return
+	}
+	fenceNs := float64(fenceTime.Nanoseconds()) / float64(i)
+	seedNs := float64(seedTime.Nanoseconds()) / float64(i)
+	b.ReportMetric(fenceNs, "fence-ns/op")
+	b.ReportMetric(seedNs, "seed-ns/op")
+	b.ReportMetric(fenceNs/seedNs, "fence/seed")
+	b.Logf("gate+upsert+commit: fence %.0f ns/op, seed %.0f ns/op, ratio %.2f (n=%d)", fenceNs, seedNs, fenceNs/seedNs, i)
+}
