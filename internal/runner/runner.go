@@ -217,7 +217,7 @@ func (r *run) run(ctx context.Context) (int, error) {
 	}
 	r.log.Info("lease acquired",
 		zap.Int64("epoch", lease.Epoch), zap.Int64("token", lease.Token), zap.Time("expires_at", lease.ExpiresAt))
-	code, runErr, lostConfirmed := r.supervise(ctx, lease)
+	code, lostConfirmed, runErr := r.supervise(ctx, lease)
 	if !lostConfirmed {
 		r.release(ctx, lease)
 	}
@@ -338,7 +338,7 @@ func (r *run) release(ctx context.Context, l held) {
 // supervise starts the command and renews the lease until the command
 // exits. lostConfirmed reports that the database said the lease is no
 // longer ours (so there is nothing to release).
-func (r *run) supervise(ctx context.Context, l held) (code int, err error, lostConfirmed bool) {
+func (r *run) supervise(ctx context.Context, l held) (code int, lostConfirmed bool, err error) {
 	cmd := exec.Command(r.cfg.Command[0], r.cfg.Command[1:]...)
 	cmd.Dir = r.cfg.Dir
 	cmd.Env = childEnv(r.cfg.Env, l)
@@ -350,7 +350,7 @@ func (r *run) supervise(ctx context.Context, l held) (code int, err error, lostC
 		if errors.Is(err, exec.ErrNotFound) || errors.Is(err, os.ErrNotExist) {
 			c = ExitNotFound
 		}
-		return c, fmt.Errorf("start command: %w", err), false
+		return c, false, fmt.Errorf("start command: %w", err)
 	}
 	log := r.log.With(zap.Int("pid", cmd.Process.Pid))
 	log.Debug("command started", zap.Strings("command", r.cfg.Command))
@@ -418,9 +418,9 @@ loop:
 	code = exitCode(cmd.ProcessState)
 	log.Info("command exited", zap.Int("exit_code", code), zap.NamedError("wait_error", waitErrOnly(waitErr)))
 	if loss != nil {
-		return ExitLeaseLost, fmt.Errorf("%w while the command ran (command exit code %d): %w", ErrLeaseLost, code, loss.err), loss.confirmed
+		return ExitLeaseLost, loss.confirmed, fmt.Errorf("%w while the command ran (command exit code %d): %w", ErrLeaseLost, code, loss.err)
 	}
-	return code, nil, false
+	return code, false, nil
 }
 
 // waitErrOnly keeps errors from Wait other than the command's exit status.
