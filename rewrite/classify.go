@@ -1,10 +1,12 @@
 package rewrite
 
 import (
+	"errors"
 	"fmt"
 	"strconv"
 	"strings"
 	"sync"
+	"unicode/utf8"
 
 	pg_query "github.com/pganalyze/pg_query_go/v6"
 	"google.golang.org/protobuf/reflect/protoreflect"
@@ -147,7 +149,12 @@ func (g GUC) Uncertain() bool { return g.Unknown || g.Conditional }
 // Classify returns and safe to share between goroutines.
 type Stmt struct {
 	// SQL is the statement's own text within the query string.
-	SQL  string
+	SQL string
+	// Offset is the byte offset in the query string where the statement's
+	// part begins: right after the previous statement's semicolon (so it
+	// may include leading whitespace and comments), or 0 for the first.
+	// The proxy splices its own statements in at these boundaries.
+	Offset int
 	Kind Kind
 	// Name is the object a statement kind names: the savepoint, the
 	// prepared statement (Prepare, Execute, Deallocate), the GUC (Set,
@@ -244,6 +251,11 @@ func (r *Result) Writes() bool {
 	return false
 }
 
+// ErrInvalidUTF8 is the ParseError cause for text that is not valid UTF-8.
+// A server whose encoding is UTF8 refuses such text too; a proxy in front of
+// a SQL_ASCII database should refuse it rather than forward it unclassified.
+var ErrInvalidUTF8 = errors.New("statement text is not valid UTF-8")
+
 // ParseError is returned when PostgreSQL's grammar rejects the text.
 type ParseError struct {
 	Err error
@@ -258,6 +270,9 @@ func (e *ParseError) Unwrap() error { return e.Err }
 // the text. An empty or comment-only string yields a Result with no
 // statements.
 func Classify(sql string) (*Result, error) {
+	if !utf8.ValidString(sql) {
+		return nil, &ParseError{Err: ErrInvalidUTF8}
+	}
 	tree, err := pg_query.Parse(sql)
 	if err != nil {
 		return nil, &ParseError{Err: err}
@@ -265,7 +280,9 @@ func Classify(sql string) (*Result, error) {
 	res := &Result{Stmts: make([]*Stmt, 0, len(tree.Stmts))}
 	for _, raw := range tree.Stmts {
 		text := stmtText(sql, raw)
-		res.Stmts = append(res.Stmts, classifyNode(raw.Stmt, text, tree.Version))
+		st := classifyNode(raw.Stmt, text, tree.Version)
+		st.Offset = int(raw.StmtLocation)
+		res.Stmts = append(res.Stmts, st)
 	}
 	return res, nil
 }
