@@ -155,7 +155,7 @@ type Stmt struct {
 	// may include leading whitespace and comments), or 0 for the first.
 	// The proxy splices its own statements in at these boundaries.
 	Offset int
-	Kind Kind
+	Kind   Kind
 	// Name is the object a statement kind names: the savepoint, the
 	// prepared statement (Prepare, Execute, Deallocate), the GUC (Set,
 	// Reset, and SHOW as Other), the DISCARD target (ALL, PLANS, TEMP,
