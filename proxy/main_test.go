@@ -3,6 +3,7 @@ package proxy
 import (
 	"context"
 	"errors"
+	"flag"
 	"fmt"
 	"net"
 	"os"
@@ -24,6 +25,11 @@ const (
 )
 
 func TestMain(m *testing.M) {
+	flag.Parse()
+	if fuzzing() {
+		// Fuzz targets are pure; do not start PostgreSQL in every worker.
+		os.Exit(m.Run())
+	}
 	os.Exit(pgtest.Run(m, pgtest.Options{
 		// The upstream demands SCRAM for this role, so tests prove the
 		// proxy authenticates upstream with the configured password.
@@ -32,6 +38,11 @@ func TestMain(m *testing.M) {
 		_, err := conn.Exec(ctx, fmt.Sprintf("CREATE ROLE %s LOGIN SUPERUSER PASSWORD '%s'", scramUser, scramPassword))
 		return err
 	}, &cluster))
+}
+
+func fuzzing() bool {
+	fz, w := flag.Lookup("test.fuzz"), flag.Lookup("test.fuzzworker")
+	return (fz != nil && fz.Value.String() != "") || (w != nil && w.Value.String() == "true")
 }
 
 // testProxy is a running proxy in front of the test cluster.
