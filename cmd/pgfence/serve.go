@@ -1,17 +1,257 @@
 package main
 
 import (
+	"context"
+	"crypto/tls"
 	"errors"
+	"fmt"
+	"net"
+	"os"
+	"strconv"
+	"strings"
+	"time"
 
+	"github.com/BurntSushi/toml"
 	"github.com/spf13/cobra"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+
+	"github.com/pgfence/pgfence/proxy"
 )
 
+// serveConfig is `pgfence serve`'s configuration. Each key can come from
+// the TOML file (key as tagged), the environment (PGFENCE_ + upper-case
+// key) or a flag (key with - for _); flags win over the environment, the
+// environment over the file, the file over the defaults.
+type serveConfig struct {
+	Listen            string            `toml:"listen"`
+	Primary           string            `toml:"primary"`
+	Replicas          []string          `toml:"replicas"`
+	TLSCert           string            `toml:"tls_cert"`
+	TLSKey            string            `toml:"tls_key"`
+	Auth              string            `toml:"auth"`
+	AuthFile          string            `toml:"auth_file"`
+	MaxClients        int               `toml:"max_clients"`
+	MaxMessageSize    string            `toml:"max_message_size"`
+	ShutdownTimeout   string            `toml:"shutdown_timeout"`
+	UpstreamPasswords map[string]string `toml:"upstream_passwords"`
+}
+
 func newServeCmd() *cobra.Command {
-	return &cobra.Command{
+	cmd := &cobra.Command{
 		Use:   "serve",
-		Short: "(not implemented yet)",
+		Short: "Run the PostgreSQL wire-protocol proxy",
+		Long: `Run the pgfence proxy: clients connect to --listen as they would to
+PostgreSQL; each session gets its own upstream connection to --primary as
+the client's user and database.
+
+Every flag has a PGFENCE_* environment variable and a key in the TOML
+--config file (same name, _ for -); flags beat the environment, which beats
+the file. The file may also hold an [upstream_passwords] table mapping a
+user to the password presented upstream for it. See docs/proxy.md.`,
+		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
-			return errors.New("serve: not implemented yet")
+			cfg, err := loadServeConfig(cmd)
+			if err != nil {
+				return &exitError{code: 2, msg: err.Error()}
+			}
+			log, err := serveLogger(cmd)
+			if err != nil {
+				return &exitError{code: 2, msg: err.Error()}
+			}
+			defer log.Sync()
+			return runServe(cmd.Context(), cfg, log)
 		},
 	}
+	f := cmd.Flags()
+	f.String("config", "", "TOML config file (PGFENCE_CONFIG)")
+	f.String("listen", "", "address to listen on (PGFENCE_LISTEN; default 127.0.0.1:6432)")
+	f.String("primary", "", "upstream primary DSN; the client's user and database replace its own (PGFENCE_PRIMARY)")
+	f.StringArray("replica", nil, "upstream replica DSN, repeatable; stored for read routing (PGFENCE_REPLICA, comma-separated)")
+	f.String("tls-cert", "", "PEM certificate offered to clients that ask for TLS (PGFENCE_TLS_CERT)")
+	f.String("tls-key", "", "PEM private key for --tls-cert (PGFENCE_TLS_KEY)")
+	f.String("auth", "", "client authentication: trust or scram (PGFENCE_AUTH; default trust)")
+	f.String("auth-file", "", `users file of "user" "SCRAM-SHA-256$..." lines, see pgfence passwd (PGFENCE_AUTH_FILE)`)
+	f.Int("max-clients", 0, fmt.Sprintf("maximum concurrent clients (PGFENCE_MAX_CLIENTS; default %d)", proxy.DefaultMaxClients))
+	f.String("max-message-size", "", "largest client message, e.g. 64MiB (PGFENCE_MAX_MESSAGE_SIZE; default 64MiB)")
+	f.String("shutdown-timeout", "", "how long open transactions may run after SIGTERM (PGFENCE_SHUTDOWN_TIMEOUT; default 30s)")
+	return cmd
+}
+
+// loadServeConfig merges defaults, file, environment and flags.
+func loadServeConfig(cmd *cobra.Command) (serveConfig, error) {
+	cfg := serveConfig{Listen: "127.0.0.1:6432"}
+	path, _ := cmd.Flags().GetString("config")
+	if path == "" {
+		path = os.Getenv("PGFENCE_CONFIG")
+	}
+	if path != "" {
+		md, err := toml.DecodeFile(path, &cfg)
+		if err != nil {
+			return cfg, fmt.Errorf("config %s: %w", path, err)
+		}
+		if und := md.Undecoded(); len(und) > 0 {
+			return cfg, fmt.Errorf("config %s: unknown key %q", path, und[0].String())
+		}
+	}
+	str := func(key string, dst *string) {
+		if v, ok := os.LookupEnv("PGFENCE_" + strings.ToUpper(strings.ReplaceAll(key, "-", "_"))); ok {
+			*dst = v
+		}
+		if cmd.Flags().Changed(key) {
+			*dst, _ = cmd.Flags().GetString(key)
+		}
+	}
+	str("listen", &cfg.Listen)
+	str("primary", &cfg.Primary)
+	str("tls-cert", &cfg.TLSCert)
+	str("tls-key", &cfg.TLSKey)
+	str("auth", &cfg.Auth)
+	str("auth-file", &cfg.AuthFile)
+	str("max-message-size", &cfg.MaxMessageSize)
+	str("shutdown-timeout", &cfg.ShutdownTimeout)
+	if v, ok := os.LookupEnv("PGFENCE_REPLICA"); ok {
+		cfg.Replicas = nil
+		for _, r := range strings.Split(v, ",") {
+			if r = strings.TrimSpace(r); r != "" {
+				cfg.Replicas = append(cfg.Replicas, r)
+			}
+		}
+	}
+	if cmd.Flags().Changed("replica") {
+		cfg.Replicas, _ = cmd.Flags().GetStringArray("replica")
+	}
+	if v, ok := os.LookupEnv("PGFENCE_MAX_CLIENTS"); ok {
+		n, err := strconv.Atoi(v)
+		if err != nil {
+			return cfg, fmt.Errorf("PGFENCE_MAX_CLIENTS: %w", err)
+		}
+		cfg.MaxClients = n
+	}
+	if cmd.Flags().Changed("max-clients") {
+		cfg.MaxClients, _ = cmd.Flags().GetInt("max-clients")
+	}
+	if cfg.Primary == "" {
+		return cfg, errors.New("serve: --primary (or PGFENCE_PRIMARY, or primary in the config file) is required")
+	}
+	return cfg, nil
+}
+
+// proxyConfig turns the merged settings into a proxy.Config.
+func (c serveConfig) proxyConfig() (proxy.Config, error) {
+	pc := proxy.Config{
+		Primary:           c.Primary,
+		Replicas:          c.Replicas,
+		MaxClients:        c.MaxClients,
+		UpstreamPasswords: c.UpstreamPasswords,
+	}
+	switch strings.ToLower(c.Auth) {
+	case "", "trust":
+		pc.Auth = proxy.AuthTrust
+	case "scram", "scram-sha-256":
+		pc.Auth = proxy.AuthSCRAM
+		if c.AuthFile == "" {
+			return pc, errors.New("auth scram needs --auth-file")
+		}
+		users, err := proxy.LoadUsers(c.AuthFile)
+		if err != nil {
+			return pc, err
+		}
+		pc.Users = users
+	default:
+		return pc, fmt.Errorf("unknown --auth %q: want trust or scram", c.Auth)
+	}
+	if (c.TLSCert == "") != (c.TLSKey == "") {
+		return pc, errors.New("--tls-cert and --tls-key go together")
+	}
+	if c.TLSCert != "" {
+		cert, err := tls.LoadX509KeyPair(c.TLSCert, c.TLSKey)
+		if err != nil {
+			return pc, fmt.Errorf("tls: %w", err)
+		}
+		pc.TLS = &tls.Config{Certificates: []tls.Certificate{cert}, MinVersion: tls.VersionTLS12}
+	}
+	if c.MaxMessageSize != "" {
+		n, err := parseSize(c.MaxMessageSize)
+		if err != nil {
+			return pc, fmt.Errorf("max message size: %w", err)
+		}
+		pc.MaxMessageSize = n
+	}
+	if c.ShutdownTimeout != "" {
+		d, err := time.ParseDuration(c.ShutdownTimeout)
+		if err != nil {
+			return pc, fmt.Errorf("shutdown timeout: %w", err)
+		}
+		pc.ShutdownTimeout = d
+	}
+	return pc, nil
+}
+
+// parseSize reads 1048576, 64kB, 64KiB, 64MB, 64MiB, 1GB (binary units, as
+// PostgreSQL's memory settings).
+func parseSize(s string) (int, error) {
+	s = strings.TrimSpace(s)
+	mult := 1
+	for _, u := range []struct {
+		suffix string
+		mult   int
+	}{{"kib", 1 << 10}, {"mib", 1 << 20}, {"gib", 1 << 30}, {"kb", 1 << 10}, {"mb", 1 << 20}, {"gb", 1 << 30}, {"b", 1}} {
+		if strings.HasSuffix(strings.ToLower(s), u.suffix) {
+			s, mult = strings.TrimSpace(s[:len(s)-len(u.suffix)]), u.mult
+			break
+		}
+	}
+	n, err := strconv.Atoi(s)
+	if err != nil || n <= 0 || n > (1<<30)/mult {
+		return 0, fmt.Errorf("invalid size %q (want e.g. 64MiB, at most 1GiB)", s)
+	}
+	return n * mult, nil
+}
+
+// runServe serves until ctx ends (SIGINT/SIGTERM), then shuts down
+// gracefully.
+func runServe(ctx context.Context, c serveConfig, log *zap.Logger) error {
+	pc, err := c.proxyConfig()
+	if err != nil {
+		return &exitError{code: 2, msg: err.Error()}
+	}
+	srv, err := proxy.New(pc, log)
+	if err != nil {
+		return &exitError{code: 2, msg: err.Error()}
+	}
+	ln, err := net.Listen("tcp", c.Listen)
+	if err != nil {
+		return fmt.Errorf("listen: %w", err)
+	}
+	log.Info("listening", zap.String("addr", ln.Addr().String()), zap.String("auth", string(pc.Auth)), zap.Bool("tls", pc.TLS != nil))
+	serveErr := make(chan error, 1)
+	go func() { serveErr <- srv.Serve(ctx, ln) }()
+	select {
+	case err := <-serveErr:
+		if ctx.Err() == nil {
+			return err
+		}
+	case <-ctx.Done():
+	}
+	log.Info("shutting down: waiting for open transactions")
+	if err := srv.Shutdown(context.Background()); err != nil {
+		return err
+	}
+	log.Info("shut down")
+	return nil
+}
+
+// serveLogger builds the JSON logger at the root --log-level.
+func serveLogger(cmd *cobra.Command) (*zap.Logger, error) {
+	lvl, _ := cmd.Flags().GetString("log-level")
+	level, err := zapcore.ParseLevel(lvl)
+	if err != nil {
+		return nil, fmt.Errorf("--log-level: %w", err)
+	}
+	zc := zap.NewProductionConfig()
+	zc.Level = zap.NewAtomicLevelAt(level)
+	zc.EncoderConfig.EncodeTime = zapcore.ISO8601TimeEncoder
+	zc.Sampling = nil
+	return zc.Build()
 }
