@@ -1,0 +1,250 @@
+// Command benchproxy measures pgfence's pass-through proxy against direct
+// connections (and PgBouncer in session mode, when installed) with
+// pgbench, alternating the targets in one run on one throwaway cluster, and
+// prints TPS, the ratio to direct and the latency added. `make bench` runs
+// it. It is a measuring tool, not a test: it fails only when it cannot run.
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"net"
+	"os"
+	"os/exec"
+	"os/user"
+	"path/filepath"
+	"regexp"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/pgfence/pgfence/internal/pgtest"
+	"github.com/pgfence/pgfence/proxy"
+)
+
+func main() {
+	dur := flag.Duration("t", 5*time.Second, "duration of each pgbench run")
+	scale := flag.Int("s", 2, "pgbench scale")
+	rounds := flag.Int("rounds", 1, "alternating rounds per cell (results are averaged)")
+	flag.Parse()
+	if err := run(*dur, *scale, *rounds); err != nil {
+		fmt.Fprintln(os.Stderr, "benchproxy:", err)
+		os.Exit(1)
+	}
+}
+
+type target struct {
+	name string
+	port int
+}
+
+type result struct{ tps, lat float64 }
+
+func run(dur time.Duration, scale, rounds int) error {
+	ctx := context.Background()
+	c, err := pgtest.Start(ctx, pgtest.Options{})
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	db := "bench"
+	if _, err := psqlExec(c.Primary.Port, "postgres", "CREATE DATABASE bench"); err != nil {
+		return err
+	}
+	if out, err := pgbench(c.Primary.Port, db, "-i", "-q", "-s", strconv.Itoa(scale)); err != nil {
+		return fmt.Errorf("pgbench -i: %w\n%s", err, out)
+	}
+
+	srv, err := proxy.New(proxy.Config{Primary: c.Primary.DSN("postgres")}, zap.NewNop())
+	if err != nil {
+		return err
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return err
+	}
+	go srv.Serve(ctx, ln)
+	defer srv.Shutdown(ctx)
+
+	targets := []target{{"direct", c.Primary.Port}, {"pgfence", ln.Addr().(*net.TCPAddr).Port}}
+	if port, stop, err := startPgBouncer(c.Primary.Port); err != nil {
+		fmt.Fprintf(os.Stderr, "benchproxy: PgBouncer column skipped: %v\n", err)
+	} else {
+		defer stop()
+		targets = append(targets, target{"pgbouncer", port})
+	}
+
+	type cell struct {
+		name    string
+		args    []string
+		clients int
+	}
+	var cells []cell
+	for _, w := range []struct {
+		name string
+		args []string
+	}{
+		{"select-only simple", []string{"-S"}},
+		{"select-only extended", []string{"-S", "-M", "extended"}},
+		{"tpcb-like simple", nil},
+	} {
+		for _, n := range []int{1, 8} {
+			cells = append(cells, cell{w.name, w.args, n})
+		}
+	}
+	fmt.Printf("pgbench -s %d, %v per run, %d round(s), %d CPUs; targets alternate within each cell\n\n", scale, dur, rounds, numCPU())
+	hdr := fmt.Sprintf("%-22s %7s", "workload", "clients")
+	for _, t := range targets {
+		hdr += fmt.Sprintf(" %14s", t.name+" tps")
+	}
+	for _, t := range targets[1:] {
+		hdr += fmt.Sprintf(" %17s %17s", t.name+"/direct", t.name+" +lat ms")
+	}
+	fmt.Println(hdr)
+	for _, cl := range cells {
+		sum := make([]result, len(targets))
+		for r := 0; r < rounds; r++ {
+			for i, t := range targets {
+				args := append([]string{"-n", "-T", strconv.Itoa(int(dur.Seconds())), "-c", strconv.Itoa(cl.clients), "-j", strconv.Itoa(min(cl.clients, 2))}, cl.args...)
+				res, err := bench(t.port, db, args...)
+				if err != nil {
+					return fmt.Errorf("%s %s c=%d: %w", t.name, cl.name, cl.clients, err)
+				}
+				sum[i].tps += res.tps / float64(rounds)
+				sum[i].lat += res.lat / float64(rounds)
+			}
+		}
+		row := fmt.Sprintf("%-22s %7d", cl.name, cl.clients)
+		for _, s := range sum {
+			row += fmt.Sprintf(" %14.0f", s.tps)
+		}
+		for _, s := range sum[1:] {
+			row += fmt.Sprintf(" %17.3f %17.3f", s.tps/sum[0].tps, s.lat-sum[0].lat)
+		}
+		fmt.Println(row)
+	}
+	return nil
+}
+
+var (
+	tpsRe = regexp.MustCompile(`tps = ([0-9.]+) \(without initial`)
+	latRe = regexp.MustCompile(`latency average = ([0-9.]+) ms`)
+)
+
+func bench(port int, db string, args ...string) (result, error) {
+	out, err := pgbench(port, db, args...)
+	if err != nil {
+		return result{}, fmt.Errorf("%w\n%s", err, out)
+	}
+	t, l := tpsRe.FindStringSubmatch(out), latRe.FindStringSubmatch(out)
+	if t == nil || l == nil {
+		return result{}, fmt.Errorf("cannot parse pgbench output:\n%s", out)
+	}
+	tps, _ := strconv.ParseFloat(t[1], 64)
+	lat, _ := strconv.ParseFloat(l[1], 64)
+	return result{tps, lat}, nil
+}
+
+func pgbench(port int, db string, args ...string) (string, error) {
+	args = append([]string{"-h", "127.0.0.1", "-p", strconv.Itoa(port), "-U", "postgres"}, args...)
+	cmd := exec.Command("pgbench", append(args, db)...)
+	cmd.Env = append(os.Environ(), "PGSSLMODE=disable")
+	out, err := cmd.CombinedOutput()
+	return string(out), err
+}
+
+func psqlExec(port int, db, sql string) (string, error) {
+	cmd := exec.Command("psql", "-X", "-h", "127.0.0.1", "-p", strconv.Itoa(port), "-U", "postgres", "-d", db, "-c", sql)
+	cmd.Env = append(os.Environ(), "PGSSLMODE=disable")
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		return "", fmt.Errorf("psql %s: %w\n%s", sql, err, out)
+	}
+	return string(out), nil
+}
+
+// startPgBouncer runs PgBouncer in session mode in front of the primary,
+// as an unprivileged user when we are root (it refuses to run as root).
+func startPgBouncer(pgPort int) (int, func(), error) {
+	bin, err := exec.LookPath("pgbouncer")
+	if err != nil {
+		for _, p := range []string{"/usr/sbin/pgbouncer", "/usr/bin/pgbouncer"} {
+			if _, err := os.Stat(p); err == nil {
+				bin = p
+			}
+		}
+		if bin == "" {
+			return 0, nil, errors.New("pgbouncer not installed (apt-get install -y pgbouncer)")
+		}
+	}
+	dir, err := os.MkdirTemp("", "pgfence-bench-pgbouncer-")
+	if err != nil {
+		return 0, nil, err
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return 0, nil, err
+	}
+	port := ln.Addr().(*net.TCPAddr).Port
+	ln.Close()
+	ini := fmt.Sprintf(`[databases]
+* = host=127.0.0.1 port=%d
+[pgbouncer]
+listen_addr = 127.0.0.1
+listen_port = %d
+unix_socket_dir =
+auth_type = trust
+auth_file = %s
+pool_mode = session
+max_client_conn = 200
+default_pool_size = 50
+logfile = %s
+`, pgPort, port, filepath.Join(dir, "users.txt"), filepath.Join(dir, "pgbouncer.log"))
+	os.WriteFile(filepath.Join(dir, "users.txt"), []byte(`"postgres" ""`+"\n"), 0o644)
+	os.WriteFile(filepath.Join(dir, "pgbouncer.ini"), []byte(ini), 0o644)
+	cmd := exec.Command(bin, filepath.Join(dir, "pgbouncer.ini"))
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGTERM}
+	if os.Geteuid() == 0 {
+		u, err := user.Lookup("postgres")
+		if err != nil {
+			return 0, nil, fmt.Errorf("pgbouncer refuses root and there is no postgres user: %w", err)
+		}
+		uid, _ := strconv.Atoi(u.Uid)
+		gid, _ := strconv.Atoi(u.Gid)
+		cmd.SysProcAttr.Credential = &syscall.Credential{Uid: uint32(uid), Gid: uint32(gid)}
+		os.Chown(dir, uid, gid)
+	}
+	if err := cmd.Start(); err != nil {
+		return 0, nil, err
+	}
+	stop := func() {
+		cmd.Process.Signal(syscall.SIGTERM)
+		cmd.Wait()
+		os.RemoveAll(dir)
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		if _, err := psqlExec(port, "postgres", "SELECT 1"); err == nil {
+			return port, stop, nil
+		} else if time.Now().After(deadline) {
+			log, _ := os.ReadFile(filepath.Join(dir, "pgbouncer.log"))
+			stop()
+			return 0, nil, fmt.Errorf("pgbouncer did not come up: %v\n%s", err, strings.TrimSpace(string(log)))
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+func numCPU() int {
+	out, err := exec.Command("nproc").Output()
+	if err != nil {
+		return 0
+	}
+	n, _ := strconv.Atoi(strings.TrimSpace(string(out)))
+	return n
+}
