@@ -217,13 +217,19 @@ func (s *Stmt) Writes() bool { return len(s.WriteTargets) > 0 }
 // Canonical returns the statement's canonical SQL for the v1 payload digest:
 // pg_query's deparse of its parse tree, so whitespace, comments, keyword case
 // and needless quoting do not change it. It is computed on first use and
-// kept. If deparsing fails (a construct the deparser does not support), the
-// statement's own text is used, which is still deterministic for a given
+// kept.
+//
+// Only statements that write (Writes) are deparsed; for any other statement
+// Canonical returns its trimmed text. The digest covers writes only, and the
+// C deparser is not robust against every tree the parser accepts (it
+// crashes the process on COMMIT PREPARED '', for one), so the proxy must not
+// feed it arbitrary client statements. If deparsing a write fails with an
+// error, the statement's text is used too, still deterministic for a given
 // text.
 func (s *Stmt) Canonical() string {
 	s.canonOnce.Do(func() {
 		s.canonical = strings.TrimSpace(s.SQL)
-		if s.node == nil {
+		if s.node == nil || !s.Writes() {
 			return
 		}
 		out, err := pg_query.Deparse(&pg_query.ParseResult{Version: s.version, Stmts: []*pg_query.RawStmt{{Stmt: s.node}}})

@@ -217,3 +217,18 @@ func TestProtectedMatches(t *testing.T) {
 		t.Errorf("nil Protected: got match, want none")
 	}
 }
+
+// TestCanonicalDoesNotDeparseNonWrites: the C deparser crashes on some
+// trees the parser accepts (COMMIT PREPARED ''); Canonical must only
+// deparse writes.
+func TestCanonicalDoesNotDeparseNonWrites(t *testing.T) {
+	for _, sql := range []string{"COMMIT PREPARED ''", "ROLLBACK PREPARED ''", "PREPARE TRANSACTION ''"} {
+		res, err := Classify(sql)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := res.Stmts[0].Canonical(); got != sql {
+			t.Errorf("Canonical(%q): got %q, want the text itself", sql, got)
+		}
+	}
+}

@@ -136,7 +136,9 @@ func renderStmt(b *strings.Builder, indent, label string, s *Stmt) {
 	for _, g := range s.GUCs {
 		fmt.Fprintf(b, indent+"   guc: %s\n", renderGUC(g))
 	}
-	fmt.Fprintf(b, indent+"   canonical: %s\n", s.Canonical())
+	if s.Writes() {
+		fmt.Fprintf(b, indent+"   canonical: %s\n", s.Canonical())
+	}
 	if s.deparseErr != nil {
 		fmt.Fprintf(b, indent+"   deparse error: %v\n", s.deparseErr)
 	}
