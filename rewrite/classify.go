@@ -222,7 +222,7 @@ func (s *Stmt) Writes() bool { return len(s.WriteTargets) > 0 }
 // Only statements that write (Writes) are deparsed; for any other statement
 // Canonical returns its trimmed text. The digest covers writes only, and the
 // C deparser is not robust against every tree the parser accepts (it
-// crashes the process on COMMIT PREPARED ”, for one), so the proxy must not
+// crashes the process on COMMIT PREPARED with an empty GID, for one), so the proxy must not
 // feed it arbitrary client statements. If deparsing a write fails with an
 // error, the statement's text is used too, still deterministic for a given
 // text.

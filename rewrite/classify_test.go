@@ -219,7 +219,7 @@ func TestProtectedMatches(t *testing.T) {
 }
 
 // TestCanonicalDoesNotDeparseNonWrites: the C deparser crashes on some
-// trees the parser accepts (COMMIT PREPARED ”); Canonical must only
+// trees the parser accepts (COMMIT PREPARED with an empty GID); Canonical must only
 // deparse writes.
 func TestCanonicalDoesNotDeparseNonWrites(t *testing.T) {
 	for _, sql := range []string{"COMMIT PREPARED ''", "ROLLBACK PREPARED ''", "PREPARE TRANSACTION ''"} {
