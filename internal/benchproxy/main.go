@@ -31,8 +31,14 @@ func main() {
 	dur := flag.Duration("t", 5*time.Second, "duration of each pgbench run")
 	scale := flag.Int("s", 2, "pgbench scale")
 	rounds := flag.Int("rounds", 1, "alternating rounds per cell (results are averaged)")
+	only := flag.String("only", "", "run only the cells whose \"workload c=N\" matches this regexp")
 	flag.Parse()
-	if err := run(*dur, *scale, *rounds); err != nil {
+	onlyRe, err := regexp.Compile(*only)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "benchproxy: -only:", err)
+		os.Exit(2)
+	}
+	if err := run(*dur, *scale, *rounds, onlyRe); err != nil {
 		fmt.Fprintln(os.Stderr, "benchproxy:", err)
 		os.Exit(1)
 	}
@@ -45,7 +51,7 @@ type target struct {
 
 type result struct{ tps, lat float64 }
 
-func run(dur time.Duration, scale, rounds int) error {
+func run(dur time.Duration, scale, rounds int, only *regexp.Regexp) error {
 	ctx := context.Background()
 	c, err := pgtest.Start(ctx, pgtest.Options{})
 	if err != nil {
@@ -94,6 +100,9 @@ func run(dur time.Duration, scale, rounds int) error {
 		{"tpcb-like simple", nil},
 	} {
 		for _, n := range []int{1, 8} {
+			if !only.MatchString(fmt.Sprintf("%s c=%d", w.name, n)) {
+				continue
+			}
 			cells = append(cells, cell{w.name, w.args, n})
 		}
 	}
