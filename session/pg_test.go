@@ -20,6 +20,12 @@ var cluster *pgtest.Cluster
 var diffSeqs = flag.Int("diffseqs", 60, "number of random sequences TestDifferentialRandom replays")
 
 func TestMain(m *testing.M) {
+	flag.Parse()
+	if f := flag.Lookup("test.fuzz"); f != nil && f.Value.String() != "" {
+		// Fuzzing (go test -run '^$' -fuzz FuzzTracker): every fuzz
+		// worker runs TestMain, and FuzzTracker needs no server.
+		os.Exit(m.Run())
+	}
 	os.Exit(pgtest.Run(m, pgtest.Options{}, nil, &cluster))
 }
 
