@@ -72,6 +72,11 @@ type Handler interface {
 type Request struct {
 	Type     byte // the request's message type: Q P B D E C S F
 	Injected bool // sent by the Handler; its responses are swallowed
+	// Visible marks an injected request whose responses reach the client
+	// as a client request's do (subject to the Handler's verdict): the
+	// Handler sent the client's own message on its behalf, to tag it or
+	// to wait for it.
+	Visible bool
 	// Tag is free for the Handler (e.g. which gate step this is).
 	Tag any
 

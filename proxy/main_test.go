@@ -15,6 +15,7 @@ import (
 	"go.uber.org/zap/zaptest"
 
 	"github.com/pgfence/pgfence/internal/pgtest"
+	"github.com/pgfence/pgfence/migrations"
 )
 
 var cluster *pgtest.Cluster
@@ -35,8 +36,11 @@ func TestMain(m *testing.M) {
 		// proxy authenticates upstream with the configured password.
 		HBA: []string{"host all " + scramUser + " 127.0.0.1/32 scram-sha-256"},
 	}, func(ctx context.Context, conn *pgx.Conn) error {
-		_, err := conn.Exec(ctx, fmt.Sprintf("CREATE ROLE %s LOGIN SUPERUSER PASSWORD '%s'", scramUser, scramPassword))
-		return err
+		if _, err := conn.Exec(ctx, fmt.Sprintf("CREATE ROLE %s LOGIN SUPERUSER PASSWORD '%s'", scramUser, scramPassword)); err != nil {
+			return err
+		}
+		// The write gate's tests need the fence schema.
+		return migrations.Prepare(ctx, conn)
 	}, &cluster))
 }
 

@@ -392,6 +392,7 @@ func (s *Server) open(raw, c net.Conn, st *startup, log *zap.Logger) (*Session, 
 		client:     c,
 		server:     hj.Conn,
 		log:        log.With(zap.Uint32("backend_pid", hj.PID)),
+		closing:    make(chan struct{}),
 	}
 	sess.txStatus.Store(uint32(hj.TxStatus))
 	size := s.cfg.BufferSize

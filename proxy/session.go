@@ -60,6 +60,9 @@ type Session struct {
 	inBatch   bool // client goroutine: extended messages sent since the last Sync
 
 	closeOnce sync.Once
+	// closing is closed when the session starts to end, so a Handler
+	// waiting on a Request can give up.
+	closing chan struct{}
 }
 
 // TxStatus returns the transaction status of the last ReadyForQuery: 'I'
@@ -163,6 +166,7 @@ func (s *Session) run() error {
 
 	err := <-errc
 	// The first side to end decides; unblock the other.
+	close(s.closing)
 	s.closeServer()
 	s.client.SetReadDeadline(time.Now())
 	wg.Wait()
@@ -362,7 +366,7 @@ func (s *Session) interceptServer(msg []byte) (bool, error) {
 	if err != nil {
 		return false, err
 	}
-	fwd := v == Forward && (req == nil || !req.Injected)
+	fwd := v == Forward && (req == nil || !req.Injected || req.Visible)
 	switch m {
 	case matchComplete:
 		s.q.pop()

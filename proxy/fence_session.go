@@ -1,0 +1,1336 @@
+package proxy
+
+import (
+	"encoding/binary"
+	"errors"
+	"encoding/hex"
+	"fmt"
+	"sort"
+	"strconv"
+	"strings"
+	"sync"
+
+	"github.com/jackc/pgx/v5/pgproto3"
+	"go.uber.org/zap"
+
+	"github.com/pgfence/pgfence/fence"
+	"github.com/pgfence/pgfence/rewrite"
+	"github.com/pgfence/pgfence/session"
+)
+
+// fenceSession is the write gate's Handler for one client session.
+//
+// The client goroutine decides: it classifies each Query and Execute, and
+// when a transaction is about to write a protected table it waits until
+// every earlier request has been answered (so the session state is
+// settled), then splices the fence steps in — into the query text for the
+// simple protocol, as named prepared statements for the extended one.
+// Everything it sends upstream goes through Session.Inject (visible for the
+// client's own requests, hidden for the gate's), tagged, so the server
+// goroutine knows what each response belongs to.
+//
+// The server goroutine follows: it applies every completed statement to the
+// session state (GUCs, transaction, prepared statements, gate, digest) and
+// turns the gate's outcomes into what the client sees.
+type fenceSession struct {
+	f   *Fence
+	cat *catalog
+
+	mu       sync.Mutex // guards st and prepared
+	st       *session.State
+	prepared bool // the gate's named statements exist upstream
+
+	// Client goroutine only.
+	last      *Request // the last request sent upstream
+	inBatch   bool     // extended-protocol messages sent since the last Sync
+	stmts     map[string]*cstmt
+	portals   map[string]*cportal
+	wrapped   bool       // extended: the gate opened a transaction around an implicit one
+	wrap      extWrap    // extended: what the wrapped batch's receipt needs
+	commitRB  bool       // extended: a gated COMMIT was sent; ROLLBACK after the Sync
+	copyTail  *copyState // simple protocol: a gated COPY FROM is streaming
+	copyGated bool       // CopyData goes into the digest
+	unsettled bool       // a request that changes session or gate state may be unanswered
+	buf       []byte
+
+	// Server goroutine only.
+	errShown bool // an error went to the client since its last ReadyForQuery
+}
+
+// extWrap follows a wrapped extended-protocol batch on the client side, so
+// its receipt step can be pipelined before the Sync without waiting: the
+// generation gated and the digest of the statements executed since.
+type extWrap struct {
+	gen     session.Generation
+	digest  fence.Digest
+	client  []byte // fence.payload_digest, when the client gives its own
+	marks   map[string][]int
+	written map[string]bool // portals already digested (suspended portals run again)
+}
+
+func (w *extWrap) add(st *rewrite.Stmt, portal string, cp *cportal) {
+	switch st.Kind {
+	case rewrite.Savepoint:
+		w.marks[st.Name] = append(w.marks[st.Name], w.digest.Mark())
+		return
+	case rewrite.RollbackTo:
+		if m := w.marks[st.Name]; len(m) > 0 {
+			w.digest.Rollback(m[len(m)-1])
+		}
+		return
+	}
+	if !isDigested(st) || w.written[portal] {
+		return
+	}
+	w.written[portal] = true
+	w.digest.Statement(st.Canonical(), cp.digestParams())
+}
+
+func (w *extWrap) sum() ([]byte, string) {
+	if w.client != nil {
+		return w.client, digestClient
+	}
+	return w.digest.Sum(), fence.DigestVersion
+}
+
+// cstmt is a statement the client parsed (speculatively: kept as soon as
+// the Parse is sent; a failed Parse makes the server skip to Sync anyway).
+type cstmt struct {
+	res  *rewrite.Result
+	oids []uint32
+}
+
+// cportal is a bound portal with its parameters (copied).
+type cportal struct {
+	stmt    *rewrite.Stmt
+	oids    []uint32
+	formats []int16
+	params  [][]byte
+}
+
+func (p *cportal) paramFunc() session.ParamFunc {
+	if p == nil {
+		return nil
+	}
+	return func(n int) (*string, bool) {
+		i := n - 1
+		if i < 0 || i >= len(p.params) {
+			return nil, false
+		}
+		if formatOf(p.formats, i) != 0 {
+			return nil, false
+		}
+		if p.params[i] == nil {
+			return nil, true
+		}
+		v := string(p.params[i])
+		return &v, true
+	}
+}
+
+func (p *cportal) digestParams() []fence.Param {
+	out := make([]fence.Param, len(p.params))
+	for i, v := range p.params {
+		var oid uint32
+		if i < len(p.oids) {
+			oid = p.oids[i]
+		}
+		out[i] = fence.Param{Format: formatOf(p.formats, i), TypeOID: oid, Value: v, Null: v == nil}
+	}
+	return out
+}
+
+func formatOf(formats []int16, i int) int16 {
+	switch len(formats) {
+	case 0:
+		return 0
+	case 1:
+		return formats[0]
+	}
+	if i < len(formats) {
+		return formats[i]
+	}
+	return 0
+}
+
+// copyState is what remains to send after a gated COPY FROM in a wrapped
+// simple query: the receipt step, COMMIT and the final ROLLBACK.
+type copyState struct {
+	gen session.Generation
+}
+
+// step says what a segment of a request is.
+type step uint8
+
+const (
+	stepClient   step = iota // the client's own statement
+	stepBegin                // BEGIN opening a transaction around an implicit one
+	stepGate                 // SELECT fence.gate(...)
+	stepCommit               // SELECT fence.commit(...)
+	stepCommitTx             // COMMIT closing the wrapped transaction
+	stepRaise                // a DO block raising the gate's own error
+	stepRollback             // ROLLBACK after a gated commit (no-op on success)
+	stepPrepare              // Parse of the gate's named statements
+	stepOther                // Describe, Close, Flush...: no state
+)
+
+// seg is one statement of a simple Query as sent upstream.
+type seg struct {
+	step step
+	stmt *rewrite.Stmt
+	gen  session.Generation
+	// explicitCommit: this commit step precedes the client's COMMIT, which
+	// on a replay must still be answered "COMMIT".
+	explicitCommit bool
+}
+
+// tag travels with each request upstream.
+type tag struct {
+	kind byte // the request's message type
+	step step
+
+	// Query
+	segs     []seg
+	cur      int
+	inserts  []insertion // where gate text was spliced in (error positions)
+	hideRFQ  bool
+	failed   bool
+	rfqShown bool
+
+	// Parse / Bind / Execute / Close
+	name    string
+	portal  string
+	res     *rewrite.Result
+	oids    []uint32
+	cp      *cportal
+	closeOf byte
+	gen     session.Generation
+	// explicitCommit as in seg, for the extended protocol.
+	explicitCommit bool
+	// prep: a Parse of the gate's statements; on success they exist.
+	prep bool
+}
+
+type insertion struct{ at, n int }
+
+// The gate's named statements, prepared once per upstream connection.
+const (
+	gateStmt     = "pgfence_gate"
+	commitStmt   = "pgfence_commit"
+	beginStmt    = "pgfence_begin"
+	commitTxStmt = "pgfence_commit_tx"
+	gatePortal   = "pgfence_p"
+	digestClient = "client"
+)
+
+var gateStatements = [][2]string{
+	{gateStmt, "SELECT fence.gate($1::text, $2::bigint, $3::bigint, $4::text)"},
+	{commitStmt, "SELECT fence.commit($1::text, $2::bigint, $3::bigint, $4::text, $5::bytea, $6::text)"},
+	{beginStmt, "BEGIN"},
+	{commitTxStmt, "COMMIT"},
+}
+
+// ---------------------------------------------------------------------------
+// Client goroutine
+
+func (h *fenceSession) ClientMessage(s *Session, msg []byte) (Verdict, error) {
+	body := msg[headerLen:]
+	switch msg[0] {
+	case 'Q':
+		return Drop, h.query(s, msg)
+	case 'P':
+		var m pgproto3.Parse
+		if err := m.Decode(body); err != nil {
+			return Forward, nil // the server will refuse it
+		}
+		res, err := h.f.classifier.Classify(m.Query)
+		if err != nil {
+			res = nil
+		}
+		h.stmts[m.Name] = &cstmt{res: res, oids: m.ParameterOIDs}
+		return Drop, h.send(s, msg, &tag{kind: 'P', name: m.Name, res: res, oids: m.ParameterOIDs}, true)
+	case 'B':
+		var m pgproto3.Bind
+		if err := m.Decode(body); err != nil {
+			return Forward, nil
+		}
+		cp := &cportal{formats: append([]int16(nil), m.ParameterFormatCodes...)}
+		cp.params = make([][]byte, len(m.Parameters))
+		for i, p := range m.Parameters {
+			if p != nil {
+				cp.params[i] = append(make([]byte, 0, len(p)), p...)
+			}
+		}
+		if cs := h.stmts[m.PreparedStatement]; cs != nil {
+			cp.oids = cs.oids
+			if cs.res != nil && len(cs.res.Stmts) == 1 {
+				cp.stmt = cs.res.Stmts[0]
+			}
+		}
+		h.portals[m.DestinationPortal] = cp
+		return Drop, h.send(s, msg, &tag{kind: 'B', name: m.PreparedStatement, portal: m.DestinationPortal}, true)
+	case 'E':
+		return Drop, h.execute(s, msg)
+	case 'S':
+		return Drop, h.sync(s, msg)
+	case 'C':
+		if len(body) >= 2 {
+			name := string(body[1 : len(body)-1])
+			if body[0] == 'S' {
+				delete(h.stmts, name)
+			} else {
+				delete(h.portals, name)
+			}
+			return Drop, h.send(s, msg, &tag{kind: 'C', closeOf: body[0], name: name}, true)
+		}
+		return Forward, nil
+	case 'D', 'F':
+		return Drop, h.send(s, msg, &tag{kind: msg[0]}, true)
+	case 'H':
+		return Forward, nil
+	case 'd':
+		if h.copyGated {
+			h.mu.Lock()
+			if d, ok := h.st.Gate().Digest.(*fence.Digest); ok {
+				d.CopyData(body)
+			}
+			h.mu.Unlock()
+		}
+		return Forward, nil
+	case 'c', 'f':
+		if h.copyGated {
+			h.copyGated = false
+			h.mu.Lock()
+			if d, ok := h.st.Gate().Digest.(*fence.Digest); ok {
+				d.EndCopy()
+			}
+			h.mu.Unlock()
+		}
+		if err := s.ForwardMessage(msg); err != nil {
+			return Drop, err
+		}
+		if t := h.copyTail; t != nil {
+			h.copyTail = nil
+			return Drop, h.finishWrapped(s, t.gen)
+		}
+		return Drop, nil
+	}
+	return Forward, nil
+}
+
+// send passes a message upstream through the queue with its tag; visible
+// requests' responses reach the client.
+func (h *fenceSession) send(s *Session, msg []byte, t *tag, visible bool) error {
+	switch msg[0] {
+	case 'P', 'B', 'E', 'D', 'C', 'H':
+		h.inBatch = true
+	case 'S':
+		h.inBatch = false
+	}
+	r, err := s.inject(msg, t, visible)
+	if err != nil {
+		return err
+	}
+	if r != nil {
+		h.last = r
+	}
+	return nil
+}
+
+// barrier waits until every request sent so far has been answered, so the
+// session state the server goroutine keeps is settled.
+func (h *fenceSession) barrier(s *Session) error {
+	if h.last == nil {
+		h.unsettled = false
+		return nil
+	}
+	select {
+	case <-h.last.Done():
+		h.unsettled = false
+		return nil
+	default:
+	}
+	if h.inBatch {
+		// Make the server flush what it has for the batch so far.
+		if _, err := s.Inject([]byte{'H', 0, 0, 0, 4}, nil); err != nil {
+			return err
+		}
+	}
+	if err := s.FlushServer(); err != nil {
+		return err
+	}
+	select {
+	case <-h.last.Done():
+		h.unsettled = false
+		return nil
+	case <-s.closing:
+		return errSessionClosing
+	}
+}
+
+// protectedWrite reports whether st may write a protected table. Callers
+// hold h.mu.
+func (h *fenceSession) protectedWrite(st *rewrite.Stmt) bool {
+	if st == nil {
+		return false
+	}
+	p := h.cat.prot.Load()
+	if p.Len() == 0 {
+		return false
+	}
+	sp := h.st.SearchPath()
+	if len(p.ProtectedWrites(st, sp)) > 0 {
+		return true
+	}
+	if st.Executes != "" {
+		if ps, ok := h.st.Statement(st.Executes); ok && ps.Stmt != nil {
+			return len(p.ProtectedWrites(ps.Stmt, sp)) > 0
+		}
+	}
+	return false
+}
+
+// query handles a simple Query.
+func (h *fenceSession) query(s *Session, msg []byte) error {
+	sql := string(msg[headerLen : len(msg)-1])
+	res, err := h.f.classifier.Classify(sql)
+	if err != nil || len(res.Stmts) == 0 {
+		// The server reports the syntax error (or the empty query).
+		return h.send(s, msg, &tag{kind: 'Q', segs: clientSegs(res)}, true)
+	}
+	h.f.Stats.Classified.Add(int64(len(res.Stmts)))
+	if h.unsettled && mayNeedGate(res.Stmts...) {
+		if err := h.barrier(s); err != nil {
+			return err
+		}
+	}
+
+	// Refuse malformed fence parameters at SET time, before anything runs.
+	h.mu.Lock()
+	var bad error
+	needGate := false
+	for _, st := range res.Stmts {
+		if bad == nil && len(st.GUCs) > 0 {
+			bad = h.st.Check(st, nil)
+		}
+		if h.protectedWrite(st) || (h.st.Gate().Gated && (st.Kind == rewrite.Commit || st.Kind == rewrite.PrepareTransaction)) {
+			needGate = true
+		}
+	}
+	h.mu.Unlock()
+	if bad != nil {
+		return h.refuseQuery(s, bad)
+	}
+	if !needGate {
+		if changesState(res.Stmts...) {
+			h.unsettled = true
+		}
+		return h.send(s, msg, &tag{kind: 'Q', segs: clientSegs(res)}, true)
+	}
+	if err := h.barrier(s); err != nil {
+		return err
+	}
+	return h.gatedQuery(s, sql, res)
+}
+
+// mayNeedGate reports whether a statement could need the gate's attention
+// with the session state as it will be: a write, a commit, or something
+// that may run a prepared or opaque write.
+func mayNeedGate(stmts ...*rewrite.Stmt) bool {
+	for _, st := range stmts {
+		switch {
+		case st.Writes(), st.Executes != "":
+			return true
+		}
+		switch st.Kind {
+		case rewrite.Commit, rewrite.PrepareTransaction, rewrite.CopyFrom, rewrite.Execute:
+			return true
+		}
+	}
+	return false
+}
+
+// changesState reports whether statements change what the gate decides
+// from: tracked parameters, the transaction, prepared statements.
+func changesState(stmts ...*rewrite.Stmt) bool {
+	for _, st := range stmts {
+		if len(st.GUCs) > 0 || st.UnknownGUCWrite {
+			return true
+		}
+		switch st.Kind {
+		case rewrite.Read, rewrite.Write, rewrite.Other, rewrite.CopyTo, rewrite.CopyFrom, rewrite.Listen, rewrite.Unlisten, rewrite.Notify:
+		default:
+			return true
+		}
+	}
+	return false
+}
+
+func clientSegs(res *rewrite.Result) []seg {
+	if res == nil {
+		return nil
+	}
+	segs := make([]seg, len(res.Stmts))
+	for i, st := range res.Stmts {
+		segs[i] = seg{step: stepClient, stmt: st}
+	}
+	return segs
+}
+
+// gatedQuery rewrites a simple query that writes a protected table (or
+// commits a gated transaction): the gate goes right before the first
+// protected write, the receipt step right before the client's COMMIT, and
+// an implicit transaction is wrapped in BEGIN ... receipt; COMMIT. It runs
+// with the session state settled (after barrier).
+func (h *fenceSession) gatedQuery(s *Session, sql string, res *rewrite.Result) error {
+	h.mu.Lock()
+	if h.st.Tx() == session.Failed {
+		// The server refuses everything but ROLLBACK; nothing to gate.
+		h.mu.Unlock()
+		return h.send(s, queryMsg(h.buf[:0], sql), &tag{kind: 'Q', segs: clientSegs(res)}, true)
+	}
+	p := h.plan(sql, res)
+	h.mu.Unlock()
+	h.unsettled = true
+	h.copyGated = p.copy
+	h.copyTail = p.tail
+	if err := h.send(s, queryMsg(h.buf[:0], p.text), p.tag, true); err != nil {
+		return err
+	}
+	if p.rollback {
+		return h.sendRollback(s)
+	}
+	return nil
+}
+
+// qplan is a rewritten simple query.
+type qplan struct {
+	text     string
+	tag      *tag
+	rollback bool       // send ROLLBACK after it (its ReadyForQuery is the client's)
+	tail     *copyState // a gated COPY FROM in a wrapped transaction: finish at CopyDone
+	copy     bool       // a COPY FROM in a gated transaction: its data goes into the digest
+}
+
+// item is a piece of the rewritten query: the client's statement i
+// (text == "") or injected text at byte offset at.
+type item struct {
+	at   int
+	text string
+	seg  seg
+}
+
+// plan splices the gate's steps into sql. Callers hold h.mu, with the
+// session state settled.
+func (h *fenceSession) plan(sql string, res *rewrite.Result) qplan {
+	g := h.st.Gate()
+	gated, gen := g.Gated, g.Gen
+	explicit := h.st.Tx() == session.InTx && h.st.Explicit()
+	blockStart := 0 // where the current implicit transaction began
+	ov := overlay{}
+
+	// The receipt step's digest must cover this query's own writes, which
+	// have not run yet: follow them on the live digest and undo that at
+	// the end (the server goroutine adds them for real as they complete).
+	var d *fence.Digest
+	restore := -1
+	if live, ok := g.Digest.(*fence.Digest); ok && gated {
+		d, restore = live, live.Mark()
+	}
+	marks := map[string][]int{}
+	digestNow := func() ([]byte, string) {
+		if v := ov.value(h.st, session.PayloadDigest); v != "" {
+			if b, err := hex.DecodeString(v); err == nil {
+				return b, digestClient
+			}
+		}
+		if d == nil {
+			d = &fence.Digest{}
+		}
+		return d.Sum(), fence.DigestVersion
+	}
+
+	var items []item
+	inject := func(at int, text string, sg seg) { items = append(items, item{at: at, text: text, seg: sg}) }
+	wrapped, hasCopy, explicitCommit := false, false, false
+loop:
+	for i, st := range res.Stmts {
+		switch {
+		case !gated && h.protectedWrite(st):
+			cur, ok := ov.generation(h.st)
+			if !ok {
+				h.f.Stats.Unfenced.Add(1)
+				h.f.Stats.Refused.Add(1)
+				inject(st.Offset, raiseSQL(fencingRequired(st, h.cat, h.st))+";", seg{step: stepRaise})
+				items = append(items, item{at: st.Offset, seg: seg{step: stepClient, stmt: st}})
+				break loop
+			}
+			if !explicit {
+				// Make the implicit transaction explicit from its start.
+				inject(blockStart, "BEGIN;", seg{step: stepBegin})
+				wrapped, explicit = true, true
+			}
+			inject(st.Offset, gateSQL(cur)+";", seg{step: stepGate, gen: cur})
+			gated, gen = true, cur
+			if d == nil || restore < 0 {
+				d = &fence.Digest{}
+			}
+		case gated && st.Kind == rewrite.PrepareTransaction:
+			h.f.Stats.Refused.Add(1)
+			inject(st.Offset, raiseSQL(&session.Error{Code: fence.CodeUnsupported,
+				Message: fmt.Sprintf("PREPARE TRANSACTION is not supported in a fenced transaction (job %q, token %d)", gen.JobKey, gen.Token),
+				Hint:    "commit the transaction with COMMIT: pgfence writes the commit receipt in the same transaction"})+";", seg{step: stepRaise})
+			items = append(items, item{at: st.Offset, seg: seg{step: stepClient, stmt: st}})
+			break loop
+		case gated && st.Kind == rewrite.Commit:
+			sum, version := digestNow()
+			inject(st.Offset, commitSQL(gen, sum, version)+";", seg{step: stepCommit, gen: gen, explicitCommit: true})
+			explicitCommit = true
+		}
+		if gated && d != nil {
+			switch st.Kind {
+			case rewrite.Savepoint:
+				marks[st.Name] = append(marks[st.Name], d.Mark())
+			case rewrite.RollbackTo:
+				if m := marks[st.Name]; len(m) > 0 {
+					d.Rollback(m[len(m)-1])
+				}
+			default:
+				if isDigested(st) {
+					d.Statement(st.Canonical(), nil)
+				}
+			}
+		}
+		switch st.Kind {
+		case rewrite.Begin:
+			explicit = true
+		case rewrite.Commit, rewrite.Rollback:
+			if !st.Chain {
+				explicit = false
+			}
+			gated, wrapped = false, false
+			d, restore = nil, -1
+			if i+1 < len(res.Stmts) {
+				blockStart = res.Stmts[i+1].Offset
+			}
+		case rewrite.CopyFrom:
+			if gated {
+				hasCopy = true
+			}
+		}
+		ov.apply(st)
+		items = append(items, item{at: st.Offset, seg: seg{step: stepClient, stmt: st}})
+	}
+	// Injected text goes before the client statement at the same offset;
+	// items are in order except a BEGIN placed back at blockStart.
+	sort.SliceStable(items, func(a, b int) bool { return items[a].at < items[b].at })
+
+	var b strings.Builder
+	b.Grow(len(sql) + 256)
+	t := &tag{kind: 'Q'}
+	prev := 0
+	for _, it := range items {
+		if it.text == "" {
+			t.segs = append(t.segs, it.seg)
+			continue
+		}
+		b.WriteString(sql[prev:it.at])
+		prev = it.at
+		t.inserts = append(t.inserts, insertion{at: it.at, n: len(it.text)})
+		b.WriteString(it.text)
+		t.segs = append(t.segs, it.seg)
+	}
+	b.WriteString(sql[prev:])
+	p := qplan{tag: t, copy: hasCopy}
+	switch {
+	case wrapped && hasCopy:
+		// The receipt covers the COPY data: it is sent at CopyDone.
+		p.tail = &copyState{gen: gen}
+		t.hideRFQ = true
+	case wrapped:
+		// Close the wrapped transaction in the same query. A newline
+		// first: the client's text may end in a -- comment.
+		sum, version := digestNow()
+		b.WriteString("\n;")
+		b.WriteString(commitSQL(gen, sum, version))
+		b.WriteString(";COMMIT")
+		t.segs = append(t.segs, seg{step: stepCommit, gen: gen}, seg{step: stepCommitTx})
+		t.hideRFQ, p.rollback = true, true
+	case explicitCommit:
+		t.hideRFQ, p.rollback = true, true
+	}
+	if restore >= 0 && d != nil {
+		d.Rollback(restore)
+	}
+	p.text = b.String()
+	return p
+}
+
+// finishWrapped ends a wrapped transaction whose receipt step could not be
+// spliced into the query text (COPY FROM: the digest covers its data). It
+// waits for the COPY to complete so the digest is whole.
+func (h *fenceSession) finishWrapped(s *Session, gen session.Generation) error {
+	if err := h.barrier(s); err != nil {
+		return err
+	}
+	h.mu.Lock()
+	sum, version := h.digest()
+	h.mu.Unlock()
+	text := commitSQL(gen, sum, version) + ";COMMIT"
+	t := &tag{kind: 'Q', segs: []seg{{step: stepCommit, gen: gen}, {step: stepCommitTx}}, hideRFQ: true}
+	if err := h.send(s, queryMsg(nil, text), t, false); err != nil {
+		return err
+	}
+	return h.sendRollback(s)
+}
+
+// sendRollback sends a ROLLBACK whose ReadyForQuery is the one the client
+// sees: after a successful commit it is a no-op (its warning is hidden);
+// after a failed gate step it ends the failed transaction, so the client
+// is idle and usable as the protocol promised.
+func (h *fenceSession) sendRollback(s *Session) error {
+	return h.send(s, queryMsg(nil, "ROLLBACK"), &tag{kind: 'Q', step: stepRollback, segs: []seg{{step: stepRollback}}}, true)
+}
+
+// refuseQuery answers a query with err without running any of it.
+func (h *fenceSession) refuseQuery(s *Session, err error) error {
+	return h.send(s, queryMsg(nil, raiseSQL(asSessionError(err))), &tag{kind: 'Q', segs: []seg{{step: stepRaise}}}, true)
+}
+
+func asSessionError(err error) *session.Error {
+	var se *session.Error
+	if errors.As(err, &se) {
+		return se
+	}
+	return &session.Error{Code: "22023", Message: err.Error()}
+}
+
+// commitSQL is the receipt step for a digest.
+func commitSQL(gen session.Generation, digest []byte, version string) string {
+	return fmt.Sprintf("SELECT fence.commit(%s, %d, %d, %s, '\\x%s'::bytea, %s)",
+		literal(gen.JobKey), gen.Epoch, gen.Token, literal(gen.Step), hex.EncodeToString(digest), literal(version))
+}
+
+// digest returns the transaction's payload digest: the client's own
+// (fence.payload_digest) or the proxy's v1 digest. Callers hold h.mu.
+func (h *fenceSession) digest() ([]byte, string) {
+	if v, ok := h.st.Get(session.PayloadDigest); ok && v != "" {
+		if d, err := hex.DecodeString(v); err == nil {
+			return d, digestClient
+		}
+	}
+	if d, ok := h.st.Gate().Digest.(*fence.Digest); ok {
+		return d.Sum(), fence.DigestVersion
+	}
+	return (&fence.Digest{}).Sum(), fence.DigestVersion
+}
+
+func gateSQL(g session.Generation) string {
+	return fmt.Sprintf("SELECT fence.gate(%s, %d, %d, %s)", literal(g.JobKey), g.Epoch, g.Token, literal(g.Step))
+}
+
+// raiseSQL is a statement that fails with e, so the server aborts the
+// transaction exactly as it would for its own error.
+func raiseSQL(e *session.Error) string {
+	s := "DO $pgfence$BEGIN RAISE EXCEPTION USING ERRCODE = " + literal(e.Code) + ", MESSAGE = " + literal(e.Message)
+	if e.Hint != "" {
+		s += ", HINT = " + literal(e.Hint)
+	}
+	return s + "; END$pgfence$"
+}
+
+// literal quotes s as an escape-string literal, correct whatever
+// standard_conforming_strings is.
+func literal(s string) string {
+	var b strings.Builder
+	b.WriteString("E'")
+	for _, r := range s {
+		switch r {
+		case '\'':
+			b.WriteString("''")
+		case '\\':
+			b.WriteString(`\\`)
+		default:
+			b.WriteRune(r)
+		}
+	}
+	b.WriteByte('\'')
+	return b.String()
+}
+
+func fencingRequired(st *rewrite.Stmt, cat *catalog, ss *session.State) *session.Error {
+	rels := cat.prot.Load().ProtectedWrites(st, ss.SearchPath())
+	what := "a protected table"
+	if len(rels) > 0 {
+		what = "protected table " + rels[0].String()
+	}
+	return &session.Error{Code: fence.CodeFencingRequired,
+		Message: fmt.Sprintf("fencing required: this statement writes %s but the session has no fence generation (fence.job_key, fence.epoch, fence.token)", what),
+		Hint:    "take a lease with fence.acquire (or run the job under `pgfence run`) and set fence.job_key, fence.epoch and fence.token, e.g. PGOPTIONS='-c fence.job_key=... -c fence.epoch=... -c fence.token=...'"}
+}
+
+// overlay follows the fence parameters a query's own SETs change before a
+// later statement of the same query runs.
+type overlay map[string]*string
+
+func (o overlay) apply(st *rewrite.Stmt) {
+	for _, g := range st.GUCs {
+		switch g.Op {
+		case rewrite.GUCSet:
+			if session.Tracked(g.Name) && g.ValueParam == 0 && !g.Unknown {
+				v := g.Value
+				o[g.Name] = &v
+			}
+		case rewrite.GUCReset:
+			if session.Tracked(g.Name) {
+				o[g.Name] = nil
+			}
+		case rewrite.GUCResetAll:
+			clear(o)
+			o["*reset"] = nil
+		}
+	}
+}
+
+func (o overlay) value(ss *session.State, name string) string {
+	if v, ok := o[name]; ok {
+		if v == nil {
+			return ""
+		}
+		return *v
+	}
+	if _, reset := o["*reset"]; reset {
+		return ""
+	}
+	v, _ := ss.Get(name)
+	return v
+}
+
+func (o overlay) generation(ss *session.State) (session.Generation, bool) {
+	get := func(name string) string {
+		if v, ok := o[name]; ok {
+			if v == nil {
+				return ""
+			}
+			return *v
+		}
+		if _, reset := o["*reset"]; reset {
+			return ""
+		}
+		v, _ := ss.Get(name)
+		return v
+	}
+	if len(o) == 0 {
+		k, e, t, step, ok := ss.Generation()
+		return session.Generation{JobKey: k, Epoch: e, Token: t, Step: step}, ok
+	}
+	k := get(session.JobKey)
+	e, err1 := strconv.ParseInt(strings.TrimSpace(get(session.Epoch)), 10, 64)
+	t, err2 := strconv.ParseInt(strings.TrimSpace(get(session.Token)), 10, 64)
+	if k == "" || err1 != nil || err2 != nil || e <= 0 || t <= 0 {
+		return session.Generation{}, false
+	}
+	return session.Generation{JobKey: k, Epoch: e, Token: t, Step: get(session.Step)}, true
+}
+
+// execute handles an extended-protocol Execute.
+func (h *fenceSession) execute(s *Session, msg []byte) error {
+	var m pgproto3.Execute
+	if err := m.Decode(msg[headerLen:]); err != nil {
+		return h.send(s, msg, &tag{kind: 'E'}, true)
+	}
+	cp := h.portals[m.Portal]
+	var st *rewrite.Stmt
+	if cp != nil {
+		st = cp.stmt
+	}
+	t := &tag{kind: 'E', portal: m.Portal, cp: cp}
+	if st == nil {
+		return h.send(s, msg, t, true)
+	}
+	if h.unsettled && mayNeedGate(st) {
+		if err := h.barrier(s); err != nil {
+			return err
+		}
+	}
+	h.mu.Lock()
+	var bad error
+	if len(st.GUCs) > 0 {
+		bad = h.st.Check(st, cp.paramFunc())
+	}
+	g := h.st.Gate()
+	need := h.protectedWrite(st) && !g.Gated
+	commit := g.Gated && st.Kind == rewrite.Commit
+	prepTx := g.Gated && st.Kind == rewrite.PrepareTransaction
+	h.mu.Unlock()
+	if bad != nil {
+		if err := h.raiseExt(s, asSessionError(bad)); err != nil {
+			return err
+		}
+		return h.send(s, msg, t, true)
+	}
+	if !need && !commit && !prepTx {
+		if changesState(st) {
+			h.unsettled = true
+		}
+		return h.send(s, msg, t, true)
+	}
+	h.unsettled = true
+	if err := h.barrier(s); err != nil {
+		return err
+	}
+	h.mu.Lock()
+	g = h.st.Gate()
+	failed := h.st.Tx() == session.Failed
+	explicit := h.st.Tx() == session.InTx && h.st.Explicit()
+	k, e, tok, step, ok := h.st.Generation()
+	gen := session.Generation{JobKey: k, Epoch: e, Token: tok, Step: step}
+	var fr *session.Error
+	if !ok {
+		fr = fencingRequired(st, h.cat, h.st)
+	}
+	h.mu.Unlock()
+	switch {
+	case failed || h.batchFailed():
+		// The server discards it; nothing to gate.
+	case need && !g.Gated && !ok:
+		h.f.Stats.Unfenced.Add(1)
+		h.f.Stats.Refused.Add(1)
+		if err := h.raiseExt(s, fr); err != nil {
+			return err
+		}
+	case need && !g.Gated:
+		if err := h.prepareExt(s); err != nil {
+			return err
+		}
+		if !explicit {
+			if err := h.execNamed(s, beginStmt, nil, &tag{kind: 'E', step: stepBegin}); err != nil {
+				return err
+			}
+			h.wrapped = true
+			h.wrap = extWrap{gen: gen, marks: map[string][]int{}, written: map[string]bool{}}
+			h.mu.Lock()
+			if v, ok := h.st.Get(session.PayloadDigest); ok && v != "" {
+				h.wrap.client, _ = hex.DecodeString(v)
+			}
+			h.mu.Unlock()
+		}
+		if err := h.execNamed(s, gateStmt, gateArgs(gen), &tag{kind: 'E', step: stepGate, gen: gen}); err != nil {
+			return err
+		}
+	case prepTx:
+		h.f.Stats.Refused.Add(1)
+		if err := h.raiseExt(s, &session.Error{Code: fence.CodeUnsupported,
+			Message: fmt.Sprintf("PREPARE TRANSACTION is not supported in a fenced transaction (job %q, token %d)", g.Gen.JobKey, g.Gen.Token),
+			Hint:    "commit the transaction with COMMIT"}); err != nil {
+			return err
+		}
+	case commit:
+		if err := h.prepareExt(s); err != nil {
+			return err
+		}
+		h.mu.Lock()
+		sum, version := h.digest()
+		h.mu.Unlock()
+		args := commitArgs(g.Gen, sum, version)
+		if err := h.execNamed(s, commitStmt, args, &tag{kind: 'E', step: stepCommit, gen: g.Gen, explicitCommit: true}); err != nil {
+			return err
+		}
+		h.commitRB = true
+	}
+	if h.wrapped {
+		h.wrap.add(st, m.Portal, cp)
+	}
+	return h.send(s, msg, t, true)
+}
+
+// batchFailed reports whether the server is discarding the current
+// extended batch after an error.
+func (h *fenceSession) batchFailed() bool {
+	return h.last != nil && (h.last.Skipped || h.last.Error != nil) && h.inBatch
+}
+
+// sync handles an extended-protocol Sync: a wrapped implicit transaction
+// ends here with the receipt step and COMMIT.
+func (h *fenceSession) sync(s *Session, msg []byte) error {
+	if h.wrapped {
+		h.wrapped = false
+		gen := h.wrap.gen
+		sum, version := h.wrap.sum()
+		args := commitArgs(gen, sum, version)
+		if err := h.execNamed(s, commitStmt, args, &tag{kind: 'E', step: stepCommit, gen: gen}); err != nil {
+			return err
+		}
+		if err := h.execNamed(s, commitTxStmt, nil, &tag{kind: 'E', step: stepCommitTx}); err != nil {
+			return err
+		}
+		h.commitRB = true
+	}
+	if h.commitRB {
+		h.commitRB = false
+		if err := h.send(s, msg, &tag{kind: 'S', hideRFQ: true}, true); err != nil {
+			return err
+		}
+		return h.sendRollback(s)
+	}
+	return h.send(s, msg, &tag{kind: 'S'}, true)
+}
+
+func commitArgs(gen session.Generation, d []byte, v string) [][]byte {
+	return [][]byte{[]byte(gen.JobKey), []byte(strconv.FormatInt(gen.Epoch, 10)), []byte(strconv.FormatInt(gen.Token, 10)),
+		[]byte(gen.Step), []byte(`\x` + hex.EncodeToString(d)), []byte(v)}
+}
+
+func gateArgs(g session.Generation) [][]byte {
+	return [][]byte{[]byte(g.JobKey), []byte(strconv.FormatInt(g.Epoch, 10)), []byte(strconv.FormatInt(g.Token, 10)), []byte(g.Step)}
+}
+
+// prepareExt parses the gate's named statements once per upstream
+// connection (again after DISCARD ALL / DEALLOCATE ALL).
+func (h *fenceSession) prepareExt(s *Session) error {
+	h.mu.Lock()
+	done := h.prepared
+	h.prepared = true
+	h.mu.Unlock()
+	if done {
+		return nil
+	}
+	var buf []byte
+	for i, gs := range gateStatements {
+		buf, _ = (&pgproto3.Parse{Name: gs[0], Query: gs[1]}).Encode(buf[:0])
+		if err := h.send(s, buf, &tag{kind: 'P', step: stepPrepare, prep: i == len(gateStatements)-1}, false); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// execNamed runs one of the gate's named statements in the current batch:
+// Bind to the gate's portal, Execute, Close the portal.
+func (h *fenceSession) execNamed(s *Session, stmt string, args [][]byte, t *tag) error {
+	buf, _ := (&pgproto3.Bind{DestinationPortal: gatePortal, PreparedStatement: stmt, Parameters: args}).Encode(nil)
+	if err := h.send(s, buf, &tag{kind: 'B', step: t.step}, false); err != nil {
+		return err
+	}
+	buf, _ = (&pgproto3.Execute{Portal: gatePortal}).Encode(buf[:0])
+	if err := h.send(s, buf, t, false); err != nil {
+		return err
+	}
+	buf, _ = (&pgproto3.Close{ObjectType: 'P', Name: gatePortal}).Encode(buf[:0])
+	return h.send(s, buf, &tag{kind: 'C', step: t.step}, false)
+}
+
+// raiseExt fails the current extended batch with e: a DO block raising
+// it, parsed and executed through the gate's portal (the client's unnamed
+// statement is left alone). The server then skips to Sync.
+func (h *fenceSession) raiseExt(s *Session, e *session.Error) error {
+	const name = "pgfence_raise"
+	buf, _ := (&pgproto3.Parse{Name: name, Query: raiseSQL(e)}).Encode(nil)
+	if err := h.send(s, buf, &tag{kind: 'P', step: stepRaise}, false); err != nil {
+		return err
+	}
+	buf, _ = (&pgproto3.Bind{DestinationPortal: gatePortal, PreparedStatement: name}).Encode(buf[:0])
+	if err := h.send(s, buf, &tag{kind: 'B', step: stepRaise}, false); err != nil {
+		return err
+	}
+	// Close the statement before executing: after the error the server
+	// skips everything up to Sync, and the portal dies with the
+	// transaction.
+	buf, _ = (&pgproto3.Close{ObjectType: 'S', Name: name}).Encode(buf[:0])
+	if err := h.send(s, buf, &tag{kind: 'C', step: stepRaise}, false); err != nil {
+		return err
+	}
+	buf, _ = (&pgproto3.Execute{Portal: gatePortal}).Encode(buf[:0])
+	return h.send(s, buf, &tag{kind: 'E', step: stepRaise}, false)
+}
+
+func queryMsg(dst []byte, sql string) []byte {
+	dst = append(dst, 'Q', 0, 0, 0, 0)
+	dst = append(dst, sql...)
+	dst = append(dst, 0)
+	binary.BigEndian.PutUint32(dst[1:5], uint32(len(dst)-1))
+	return dst
+}
+
+// ---------------------------------------------------------------------------
+// Server goroutine
+
+func (h *fenceSession) ServerMessage(s *Session, msg []byte, req *Request) (Verdict, error) {
+	if req == nil {
+		// Notices raised by the gate's own statements stay hidden.
+		if msg[0] == 'N' {
+			if head := s.head(); head != nil {
+				if t, ok := head.Tag.(*tag); ok && h.hidden(t) {
+					return Drop, nil
+				}
+			}
+		}
+		return Forward, nil
+	}
+	t, _ := req.Tag.(*tag)
+	if t == nil {
+		return Forward, nil
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if msg[0] == 'Z' {
+		if err := h.st.TxStatus(msg[headerLen]); err != nil && t.step != stepRollback {
+			s.Logger().Debug("session state resynchronised", zap.Error(err))
+		}
+		if t.hideRFQ || !req.Visible {
+			return Drop, nil
+		}
+		h.errShown = false
+		return Forward, nil
+	}
+	if msg[0] == 'E' {
+		return h.onError(s, msg, t)
+	}
+	switch t.kind {
+	case 'Q':
+		return h.queryResponse(s, msg, t)
+	case 'P':
+		if msg[0] == '1' && t.step == stepClient {
+			h.st.Parse(t.name, t.res, t.oids)
+		}
+	case 'B':
+		if msg[0] == '2' && t.step == stepClient {
+			h.st.Bind(t.portal, t.name)
+		}
+	case 'C':
+		if msg[0] == '3' && t.step == stepClient {
+			if t.closeOf == 'S' {
+				h.st.CloseStatement(t.name)
+			} else {
+				h.st.ClosePortal(t.name)
+			}
+		}
+	case 'E':
+		return h.executeResponse(s, msg, t)
+	}
+	if t.step != stepClient {
+		return Drop, nil
+	}
+	return Forward, nil
+}
+
+// hidden reports whether the current responses of t belong to a gate step
+// the client must not see.
+func (h *fenceSession) hidden(t *tag) bool {
+	if t.kind == 'Q' {
+		return t.cur < len(t.segs) && t.segs[t.cur].step != stepClient
+	}
+	return t.step != stepClient
+}
+
+func (h *fenceSession) queryResponse(s *Session, msg []byte, t *tag) (Verdict, error) {
+	sg := seg{step: stepClient}
+	if t.cur < len(t.segs) {
+		sg = t.segs[t.cur]
+	}
+	switch msg[0] {
+	case 'C':
+		t.cur++
+		return h.complete(s, sg, msg, nil)
+	case 'I':
+		t.cur++
+		return Forward, nil
+	case 'D':
+		if sg.step == stepGate {
+			h.gateResult(sg.gen, msg)
+		}
+	}
+	if sg.step != stepClient {
+		return Drop, nil
+	}
+	return Forward, nil
+}
+
+func (h *fenceSession) executeResponse(s *Session, msg []byte, t *tag) (Verdict, error) {
+	switch msg[0] {
+	case 'C':
+		sg := seg{step: t.step, gen: t.gen, explicitCommit: t.explicitCommit}
+		if t.step == stepClient && t.cp != nil {
+			sg.stmt = t.cp.stmt
+		}
+		return h.complete(s, sg, msg, t.cp)
+	case 'D':
+		if t.step == stepGate {
+			h.gateResult(t.gen, msg)
+		}
+	}
+	if t.step != stepClient {
+		return Drop, nil
+	}
+	return Forward, nil
+}
+
+// complete handles the CommandComplete of a segment.
+func (h *fenceSession) complete(s *Session, sg seg, msg []byte, cp *cportal) (Verdict, error) {
+	switch sg.step {
+	case stepClient:
+		if sg.stmt != nil {
+			h.applyClient(sg.stmt, msg, cp)
+		}
+		return Forward, nil
+	case stepBegin:
+		h.st.Begin()
+	case stepCommit:
+		h.f.Stats.Committed.Add(1)
+	case stepCommitTx:
+		h.st.Commit(false)
+	case stepRollback:
+		h.st.Rollback(false)
+	}
+	return Drop, nil
+}
+
+// onError handles an ErrorResponse: it fails the session state and decides
+// what the client sees. The client sees at most one error per
+// ReadyForQuery: a gate step's error stands for the statement it guards,
+// and the errors that follow it (the aborted transaction refusing the rest)
+// are hidden.
+func (h *fenceSession) onError(s *Session, msg []byte, t *tag) (Verdict, error) {
+	st := t.step
+	var sg seg
+	if t.kind == 'Q' {
+		sg = seg{step: stepClient}
+		if t.cur < len(t.segs) {
+			sg = t.segs[t.cur]
+		}
+		t.cur = len(t.segs) // the server skips the rest of the query
+		st = sg.step
+	} else {
+		sg = seg{step: st, gen: t.gen, explicitCommit: t.explicitCommit}
+	}
+	h.st.Fail()
+	if st == stepPrepare {
+		h.prepared = false
+		s.Logger().Warn("cannot prepare the gate's statements", zap.ByteString("error", msg))
+	}
+	if h.errShown || st == stepRollback {
+		return Drop, nil
+	}
+	var e pgproto3.ErrorResponse
+	if err := e.Decode(msg[headerLen:]); err != nil {
+		h.errShown = true
+		if st == stepClient {
+			return Forward, nil
+		}
+		s.WriteClient(msg)
+		return Drop, nil
+	}
+	if st == stepCommit && e.Code == fence.CodeReplay {
+		h.f.Stats.Replayed.Add(1)
+		g := h.st.Gate()
+		if sg.explicitCommit {
+			s.WriteClient(encode(nil, &pgproto3.CommandComplete{CommandTag: []byte("COMMIT")}))
+		}
+		s.WriteClient(encode(nil, &pgproto3.NoticeResponse{Severity: "NOTICE", SeverityUnlocalized: "NOTICE", Code: fence.CodeReplay,
+			Message: fmt.Sprintf("pgfence: idempotent replay: job %q epoch %d token %d step %q was already committed with the same payload; nothing was applied twice",
+				g.Gen.JobKey, g.Gen.Epoch, g.Gen.Token, g.Gen.Step),
+			Detail: e.Detail}))
+		// The rest of the batch is skipped; its errors stay hidden.
+		h.errShown = true
+		return Drop, nil
+	}
+	h.errShown = true
+	if strings.HasPrefix(e.Code, "FN") {
+		h.f.Stats.Refused.Add(1)
+	}
+	switch st {
+	case stepClient:
+		if len(t.inserts) == 0 || e.Position == 0 {
+			return Forward, nil
+		}
+		e.Position = unshift(e.Position, t.inserts)
+	case stepRaise:
+		e.Where = "" // our own DO block: its PL/pgSQL context means nothing to the client
+	}
+	s.WriteClient(encode(nil, &e))
+	return Drop, nil
+}
+
+// unshift moves an error position (1-based, in characters) in the
+// rewritten query back to the client's text. The inserted text is ASCII.
+func unshift(pos int32, ins []insertion) int32 {
+	p := int(pos) - 1
+	shift := 0
+	for _, in := range ins {
+		if p >= in.at+shift+in.n {
+			shift += in.n
+		} else if p >= in.at+shift {
+			return int32(in.at + 1) // inside our text: point at the client's statement
+		}
+	}
+	return int32(p - shift + 1)
+}
+
+// applyClient applies a client statement the server completed.
+func (h *fenceSession) applyClient(st *rewrite.Stmt, msg []byte, cp *cportal) {
+	ctag := commandTag(msg)
+	g := h.st.Gate()
+	if g.Gated && isDigested(st) {
+		if d, ok := g.Digest.(*fence.Digest); ok {
+			var params []fence.Param
+			if cp != nil {
+				params = cp.digestParams()
+			}
+			d.Statement(st.Canonical(), params)
+		}
+	}
+	if st.Kind == rewrite.Discard && st.Name == "ALL" || st.Kind == rewrite.Deallocate && st.All {
+		h.prepared = false
+	}
+	var pf session.ParamFunc
+	if cp != nil {
+		pf = cp.paramFunc()
+	}
+	if err := h.st.Apply(st, ctag, pf); err != nil {
+		h.f.log.Debug("session state could not follow a statement", zap.Error(err))
+	}
+}
+
+func isDigested(st *rewrite.Stmt) bool {
+	switch st.Kind {
+	case rewrite.Write, rewrite.CopyFrom, rewrite.Call, rewrite.Do, rewrite.Execute:
+		return true
+	}
+	return false
+}
+
+// gateResult records the gate's answer ('ok' or 'replay').
+func (h *fenceSession) gateResult(gen session.Generation, msg []byte) {
+	g := h.st.Gate()
+	g.Gated = true
+	g.Gen = gen
+	g.Replay = rowValue(msg) == "replay"
+	if g.Digest == nil {
+		g.Digest = &fence.Digest{}
+	}
+	h.f.Stats.Gated.Add(1)
+}
+
+func (h *fenceSession) Close(s *Session) {}
+
+// commandTag returns a CommandComplete's tag.
+func commandTag(msg []byte) string {
+	b := msg[headerLen:]
+	if n := len(b); n > 0 && b[n-1] == 0 {
+		b = b[:n-1]
+	}
+	return string(b)
+}
+
+// rowValue returns the first column of a DataRow as text.
+func rowValue(msg []byte) string {
+	b := msg[headerLen:]
+	if len(b) < 6 {
+		return ""
+	}
+	n := int32(binary.BigEndian.Uint32(b[2:6]))
+	if n < 0 || int(n) > len(b)-6 {
+		return ""
+	}
+	return string(b[6 : 6+n])
+}

@@ -1,0 +1,198 @@
+package proxy
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"go.uber.org/zap/zaptest"
+
+	"github.com/pgfence/pgfence/fence"
+)
+
+// fenceEnv is a fresh database with a protected results table, an
+// unprotected audit table, and a proxy with the write gate in front.
+type fenceEnv struct {
+	db    string
+	proxy *testProxy
+	gate  *Fence
+}
+
+const fenceSchema = `
+CREATE TABLE results (job_key text PRIMARY KEY, payload text NOT NULL, token bigint NOT NULL);
+CREATE TABLE audit (id bigserial PRIMARY KEY, note text NOT NULL);
+SELECT fence.protect('results');
+`
+
+// upsert is the seed's conditional upsert (L1).
+const upsert = `INSERT INTO results (job_key, payload, token) VALUES ($1, $2, $3)
+ON CONFLICT (job_key) DO UPDATE SET payload = excluded.payload, token = excluded.token
+WHERE results.token < excluded.token`
+
+func newFenceEnv(t *testing.T) *fenceEnv {
+	t.Helper()
+	ctx := ctxT(t)
+	db := cluster.NewDatabase(t)
+	conn, err := cluster.Primary.Connect(ctx, db)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(ctx)
+	if _, err := conn.Exec(ctx, fenceSchema); err != nil {
+		t.Fatal(err)
+	}
+	gate, err := NewFence(FenceConfig{Primary: cluster.Primary.DSN("postgres")}, zaptest.NewLogger(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(gate.Close)
+	p := startProxy(t, Config{Interceptor: gate})
+	return &fenceEnv{db: db, proxy: p, gate: gate}
+}
+
+// direct is a connection straight to the primary (not through pgfence).
+func (e *fenceEnv) direct(t *testing.T) *pgx.Conn {
+	t.Helper()
+	ctx := ctxT(t)
+	c, err := cluster.Primary.Connect(ctx, e.db)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close(context.Background()) })
+	return c
+}
+
+func (e *fenceEnv) acquire(t *testing.T, job, holder string, ttl time.Duration) fence.Lease {
+	t.Helper()
+	l, err := fence.Acquire(ctxT(t), e.direct(t), job, holder, ttl)
+	if err != nil {
+		t.Fatalf("acquire %s for %s: %v", job, holder, err)
+	}
+	return l
+}
+
+// takeover ends the current lease of job and acquires a new one.
+func (e *fenceEnv) takeover(t *testing.T, job, holder string, old fence.Lease) fence.Lease {
+	t.Helper()
+	if err := fence.Release(ctxT(t), e.direct(t), job, old.Token); err != nil {
+		t.Fatalf("release: %v", err)
+	}
+	return e.acquire(t, job, holder, time.Minute)
+}
+
+// worker connects through the proxy carrying l's generation in the
+// startup packet, as PGOPTIONS would.
+func (e *fenceEnv) worker(t *testing.T, l *fence.Lease, extra ...string) *pgx.Conn {
+	t.Helper()
+	cfg, err := pgx.ParseConfig(e.proxy.dsn(e.db))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if l != nil {
+		opts := fmt.Sprintf("-c fence.job_key=%s -c fence.epoch=%d -c fence.token=%d", l.JobKey, l.Epoch, l.Token)
+		if len(extra) > 0 {
+			opts += " " + strings.Join(extra, " ")
+		}
+		cfg.RuntimeParams["options"] = opts
+	}
+	c, err := pgx.ConnectConfig(ctxT(t), cfg)
+	if err != nil {
+		t.Fatalf("connect through proxy: %v", err)
+	}
+	t.Cleanup(func() { c.Close(context.Background()) })
+	return c
+}
+
+func sqlstate(err error) string {
+	var pg *pgconn.PgError
+	if errors.As(err, &pg) {
+		return pg.Code
+	}
+	return ""
+}
+
+func wantCode(t *testing.T, err error, code string) {
+	t.Helper()
+	if got := sqlstate(err); got != code {
+		t.Fatalf("got error %v (SQLSTATE %q), want SQLSTATE %s", err, got, code)
+	}
+}
+
+func (e *fenceEnv) count(t *testing.T, q string, args ...any) int {
+	t.Helper()
+	var n int
+	if err := e.direct(t).QueryRow(ctxT(t), q, args...).Scan(&n); err != nil {
+		t.Fatalf("%s: %v", q, err)
+	}
+	return n
+}
+
+func TestGateSmoke(t *testing.T) {
+	e := newFenceEnv(t)
+	ctx := ctxT(t)
+	l := e.acquire(t, "job1", "a", time.Minute)
+	w := e.worker(t, &l)
+
+	// Lone autocommit write: wrapped, gated, one receipt.
+	if _, err := w.Exec(ctx, upsert, "job1", "first", l.Token); err != nil {
+		t.Fatalf("gated upsert: %v", err)
+	}
+	if n := e.count(t, "SELECT count(*) FROM fence.receipts WHERE job_key = 'job1'"); n != 1 {
+		t.Fatalf("got %d receipts, want 1", n)
+	}
+	// Simple protocol, as a second step of the same token.
+	if _, err := w.Exec(ctx, "SET fence.step = 'two'"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := w.Exec(ctx, "INSERT INTO audit (note) VALUES ('x'); UPDATE results SET payload = 'second' WHERE job_key = 'job1'", pgx.QueryExecModeSimpleProtocol); err != nil {
+		t.Fatalf("gated simple query: %v", err)
+	}
+	// Explicit transaction, a third step.
+	if _, err := w.Exec(ctx, "SET fence.step = 'three'"); err != nil {
+		t.Fatal(err)
+	}
+	tx, err := w.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := tx.Exec(ctx, "UPDATE results SET payload = 'third' WHERE job_key = $1", "job1"); err != nil {
+		t.Fatalf("update in tx: %v", err)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatalf("commit: %v", err)
+	}
+	var payload string
+	if err := e.direct(t).QueryRow(ctx, "SELECT payload FROM results WHERE job_key = 'job1'").Scan(&payload); err != nil || payload != "third" {
+		t.Fatalf("got payload %q (%v), want third", payload, err)
+	}
+	if n := e.count(t, "SELECT count(*) FROM fence.receipts WHERE job_key = 'job1'"); n != 3 {
+		t.Fatalf("got %d receipts, want 3", n)
+	}
+	if n := e.count(t, "SELECT count(*) FROM audit"); n != 1 {
+		t.Fatalf("got %d audit rows, want 1", n)
+	}
+	// No metadata: FN008 from the proxy itself.
+	anon := e.worker(t, nil)
+	_, err = anon.Exec(ctx, "DELETE FROM results")
+	wantCode(t, err, fence.CodeFencingRequired)
+	if n := e.count(t, "SELECT count(*) FROM results"); n != 1 {
+		t.Fatalf("got %d rows, want 1", n)
+	}
+	// Stale token after a takeover: FN001, session usable after.
+	l2 := e.takeover(t, "job1", "b", l)
+	if _, err := w.Exec(ctx, "SET fence.step = 'four'"); err != nil {
+		t.Fatal(err)
+	}
+	_, err = w.Exec(ctx, "UPDATE results SET payload = 'zombie' WHERE job_key = 'job1'")
+	wantCode(t, err, fence.CodeStale)
+	var one int
+	if err := w.QueryRow(ctx, "SELECT 1").Scan(&one); err != nil {
+		t.Fatalf("session unusable after FN001: %v", err)
+	}
+	_ = l2
+}
