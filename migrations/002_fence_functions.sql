@@ -249,34 +249,90 @@ begin
 end
 $$;
 
+-- Plans. The hot entry points (gate, commit, the backstop's check,
+-- accept_event) run plan_cache_mode = force_generic_plan: their statements
+-- are fixed-shape primary-key lookups, and under the default (auto) mode
+-- PostgreSQL kept choosing custom plans for them, that is re-planning every
+-- statement on every call, which was most of the cost of a gated write.
+-- The setting is inherited by gate_core, which they call.
+--
+-- Collation. A PL/pgSQL function's text parameters take the collation of
+-- the call's arguments: called with a name (say tg_table_schema) or with an
+-- explicit COLLATE, job_key would compare as "C" and no index on the
+-- default-collation key columns could be used (a sequential scan of
+-- fence.receipts on every write). The hot functions copy their keys into
+-- locals declared COLLATE "default", so their lookups are index scans
+-- whatever the caller passes.
+
+-- gate_core is the fence check shared by fence.gate and the backstop: lock
+-- the fence row, consult the receipt before the fence (L3), then compare the
+-- generation. It is a plain function (not SECURITY DEFINER, no SET): it runs
+-- only inside the definer entry points fence.gate and fence.backstop_check,
+-- which pin search_path, and it is not executable by PUBLIC. Everything in
+-- it is schema-qualified anyway. The happy path is one index lookup that
+-- re-locks the fence row (free when this transaction already holds it) and
+-- probes the receipt; fence.epochs and fence.gc_watermarks are read only on
+-- the error path (check_generation).
+create function fence.gate_core(p_job_key pg_catalog.text, p_epoch pg_catalog.int8, p_token pg_catalog.int8, p_step pg_catalog.text)
+returns pg_catalog.text
+language plpgsql
+as $$
+declare
+  v_key pg_catalog.text collate pg_catalog."default" := p_job_key;
+  v_step pg_catalog.text collate pg_catalog."default" := coalesce(p_step, '');
+  f fence.fences;
+  v_replay pg_catalog.bool;
+begin
+  -- Serialise with takeovers and other commits of this job. The row lock is
+  -- held until the transaction (or the savepoint that took it) ends.
+  select fe.*, exists (select 1 from fence.receipts r
+                        where r.job_key operator(pg_catalog.=) v_key
+                          and r.epoch operator(pg_catalog.=) p_epoch
+                          and r.token operator(pg_catalog.=) p_token
+                          and r.step operator(pg_catalog.=) v_step)
+    into f.job_key, f.epoch, f.max_issued_token, f.retired_at, v_replay
+    from fence.fences fe
+   where fe.job_key operator(pg_catalog.=) v_key
+     for update of fe;
+  if not found then
+    -- No fence row: no receipt can exist either (fence.commit refuses an
+    -- unknown job), so this is FN005.
+    v_replay := false;
+  end if;
+  if v_replay then
+    -- A retry of a committed generation is a replay even after a takeover.
+    -- The guard row makes the transaction impossible to commit; the
+    -- setting lets the pgfence_replay row triggers skip its writes (see
+    -- fence.protect).
+    insert into fence.replay_guards (job_key, epoch, token, step)
+    values (v_key, p_epoch, p_token, v_step);
+    perform pg_catalog.set_config('pgfence.replay', pg_catalog.pg_current_xact_id()::pg_catalog.text, true);
+    return 'replay';
+  end if;
+  if f.epoch operator(pg_catalog.=) p_epoch and f.retired_at is null
+     and f.max_issued_token operator(pg_catalog.=) p_token then
+    return 'ok';
+  end if;
+  -- Not the current generation: raises the precise error.
+  perform fence.check_generation(f, v_key, p_epoch, p_token);
+  raise exception 'job "%": fence check failed for epoch % token %', v_key, p_epoch, p_token
+    using errcode = 'XX000';
+end
+$$;
+
 create function fence.gate(job_key text, epoch bigint, token bigint, step text default '') returns text
 language plpgsql
 security definer
 set search_path = pg_catalog, fence
+set plan_cache_mode = force_generic_plan
 as $$
-#variable_conflict use_column
-declare
-  f fence.fences;
-  v_step text := coalesce(gate.step, '');
 begin
   if gate.job_key is null or gate.epoch is null or gate.token is null then
     raise exception 'fence.gate needs a job key, an epoch and a token (got %, %, %)',
         coalesce(gate.job_key, 'null'), coalesce(gate.epoch::text, 'null'), coalesce(gate.token::text, 'null')
       using errcode = '22023';
   end if;
-  -- Serialise with takeovers and other commits of this job.
-  select * into f from fence.fences fe where fe.job_key = gate.job_key for update;
-  -- The receipt is consulted before the fence (L3): a retry of a committed
-  -- generation is a replay even after a takeover.
-  if exists (select 1 from fence.receipts r
-              where r.job_key = gate.job_key and r.epoch = gate.epoch
-                and r.token = gate.token and r.step = v_step) then
-    insert into fence.replay_guards (job_key, epoch, token, step)
-    values (gate.job_key, gate.epoch, gate.token, v_step);
-    return 'replay';
-  end if;
-  perform fence.check_generation(f, gate.job_key, gate.epoch, gate.token);
-  return 'ok';
+  return fence.gate_core(gate.job_key, gate.epoch, gate.token, gate.step);
 end
 $$;
 
@@ -285,12 +341,15 @@ returns text
 language plpgsql
 security definer
 set search_path = pg_catalog, fence
+set plan_cache_mode = force_generic_plan
 as $$
 #variable_conflict use_column
 declare
   f fence.fences;
   rc fence.receipts;
-  v_step text := coalesce(commit.step, '');
+  v_key text collate pg_catalog."default" := commit.job_key;
+  v_step text collate pg_catalog."default" := coalesce(commit.step, '');
+  v_inserted boolean;
 begin
   if commit.job_key is null or commit.epoch is null or commit.token is null then
     raise exception 'fence.commit needs a job key, an epoch and a token (got %, %, %)',
@@ -301,19 +360,33 @@ begin
     raise exception 'job "%": fence.commit needs a payload digest and its version', commit.job_key
       using errcode = '22023';
   end if;
-  select * into f from fence.fences fe where fe.job_key = commit.job_key for update;
-  insert into fence.receipts as r (job_key, epoch, token, step, payload_digest, digest_version)
-  values (commit.job_key, commit.epoch, commit.token, v_step, commit.digest, commit.digest_version)
-  on conflict (job_key, epoch, token, step) do nothing
-  returning r.* into rc;
-  if found then
+  -- One statement: lock the fence row (free when fence.gate already holds
+  -- it) and insert the receipt. No fence row means an unknown job: nothing
+  -- is inserted and check_generation raises FN005.
+  with fl as (
+    select fe.job_key, fe.epoch, fe.max_issued_token, fe.retired_at
+      from fence.fences fe where fe.job_key = v_key for update
+  ), ins as (
+    insert into fence.receipts as r (job_key, epoch, token, step, payload_digest, digest_version)
+    select v_key, commit.epoch, commit.token, v_step, commit.digest, commit.digest_version from fl
+    on conflict (job_key, epoch, token, step) do nothing
+    returning 1
+  )
+  select fl.job_key, fl.epoch, fl.max_issued_token, fl.retired_at, exists (select 1 from ins)
+    into f.job_key, f.epoch, f.max_issued_token, f.retired_at, v_inserted
+    from fl;
+  if not found or v_inserted then
     -- First commit of this generation and step: it must hold the fence.
     -- An error here undoes the receipt with the statement.
-    perform fence.check_generation(f, commit.job_key, commit.epoch, commit.token);
-    return 'committed';
+    if f.epoch = commit.epoch and f.retired_at is null and f.max_issued_token = commit.token then
+      return 'committed';
+    end if;
+    perform fence.check_generation(f, v_key, commit.epoch, commit.token);
+    raise exception 'job "%": fence check failed for epoch % token %', v_key, commit.epoch, commit.token
+      using errcode = 'XX000';
   end if;
   select * into rc from fence.receipts r
-   where r.job_key = commit.job_key and r.epoch = commit.epoch and r.token = commit.token and r.step = v_step;
+   where r.job_key = v_key and r.epoch = commit.epoch and r.token = commit.token and r.step = v_step;
   if rc.payload_digest = commit.digest and rc.digest_version = commit.digest_version then
     raise exception 'job "%": epoch % token % step "%" already committed at % with the same payload: idempotent replay',
         commit.job_key, commit.epoch, commit.token, v_step, rc.committed_at
@@ -375,6 +448,7 @@ create function fence.accept_event(consumer text, job_key text, epoch bigint, to
 language plpgsql
 security definer
 set search_path = pg_catalog, fence
+set plan_cache_mode = force_generic_plan
 as $$
 #variable_conflict use_column
 declare

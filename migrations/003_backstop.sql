@@ -26,12 +26,18 @@ as $$
   )
 $$;
 
+-- backstop_check is the trigger's only SECURITY DEFINER hop: it validates
+-- the settings and runs fence.gate_core directly (not through fence.gate,
+-- which would be a second definer call with its own search_path switch).
+-- Its text parameters are text, not name: a name argument would give the
+-- call the "C" input collation (see gate_core).
 create function fence.backstop_check(p_job_key text, p_epoch text, p_token text, p_step text,
-                                     p_schema name, p_table name, p_op text)
-returns void
+                                     p_schema text, p_table text, p_op text)
+returns text
 language plpgsql
 security definer
 set search_path = pg_catalog, fence
+set plan_cache_mode = force_generic_plan
 as $$
 begin
   if pg_trigger_depth() < 1 then
@@ -52,30 +58,53 @@ begin
       using errcode = 'FN008',
             hint = 'set fence.epoch and fence.token to the values returned by fence.acquire';
   end if;
-  perform fence.gate(p_job_key, trim(p_epoch)::bigint, trim(p_token)::bigint, coalesce(p_step, ''));
+  -- An assignment, not PERFORM: a simple expression skips the executor.
+  return fence.gate_core(p_job_key, trim(p_epoch)::bigint, trim(p_token)::bigint, p_step);
 end
 $$;
 
+-- backstop is the statement-level trigger. It runs in the writer's rights
+-- (it must see the writer's current_user to honour pgfence_bypass) and is
+-- on every protected write, so it has no SET search_path (a SET clause
+-- saves and restores the setting and invalidates the cached search path on
+-- every call). It is safe without one because every name in it is
+-- schema-qualified, types and operators included (operator(pg_catalog.=)),
+-- so nothing a writer or another role puts on the search path can be
+-- resolved in its place; the fence check itself runs in the SECURITY DEFINER
+-- fence.backstop_check, which pins search_path.
 create function fence.backstop() returns trigger
 language plpgsql
-set search_path = pg_catalog, fence
 as $$
 declare
-  v_key text := nullif(current_setting('fence.job_key', true), '');
+  v_key pg_catalog.text := pg_catalog.current_setting('fence.job_key', true);
+  v_res pg_catalog.text;
 begin
-  if v_key is null then
+  if v_key is null or v_key operator(pg_catalog.=) '' then
     if fence.is_bypass(current_user) then
       raise log 'pgfence: role % bypassed the fence backstop: % on %.%',
-        current_user, tg_op, quote_ident(tg_table_schema), quote_ident(tg_table_name);
+        current_user, tg_op, pg_catalog.quote_ident(tg_table_schema), pg_catalog.quote_ident(tg_table_name);
       return null;
     end if;
     raise exception 'fencing required: % on protected table %.% without fence metadata (role %)',
-        tg_op, quote_ident(tg_table_schema), quote_ident(tg_table_name), current_user
+        tg_op, pg_catalog.quote_ident(tg_table_schema), pg_catalog.quote_ident(tg_table_name), current_user
       using errcode = 'FN008',
             hint = 'set fence.job_key, fence.epoch and fence.token to a generation from fence.acquire (or connect through pgfence); DBAs repairing data need membership in pgfence_bypass';
   end if;
-  perform fence.backstop_check(v_key, current_setting('fence.epoch', true), current_setting('fence.token', true),
-                               current_setting('fence.step', true), tg_table_schema, tg_table_name, tg_op);
+  -- An assignment, not PERFORM: a simple expression skips the executor.
+  v_res := fence.backstop_check(v_key, pg_catalog.current_setting('fence.epoch', true),
+                               pg_catalog.current_setting('fence.token', true),
+                               pg_catalog.current_setting('fence.step', true),
+                               tg_table_schema::pg_catalog.text, tg_table_name::pg_catalog.text, tg_op);
+  return null;
+end
+$$;
+
+-- replay_skip is the pgfence_replay row trigger (see fence.protect): a
+-- BEFORE ROW trigger that returns NULL skips the row.
+create function fence.replay_skip() returns trigger
+language plpgsql
+as $$
+begin
   return null;
 end
 $$;
@@ -183,6 +212,37 @@ begin
 
   execute format('create trigger pgfence_backstop before insert or update or delete or truncate on %s '
                  'for each statement execute function fence.backstop()', tbl);
+  -- Replay mode (DESIGN.md §4 step 2): when fence.gate answers 'replay' the
+  -- transaction can never commit (its fence.replay_guards row fails at
+  -- commit), so its writes are pointless; worse, a retried plain INSERT
+  -- would fail with unique_violation before the client reaches COMMIT and
+  -- get an error instead of the replay answer. gate_core sets
+  -- pgfence.replay to the transaction's id, and this trigger then skips
+  -- every row (returns NULL). The WHEN clause is a plain expression, so an
+  -- ordinary write pays no PL/pgSQL call per row, only a comparison (kept
+  -- small: PostgreSQL rebuilds a trigger's WHEN expression for every
+  -- statement). pg_current_xact_id() assigns no id that the row write would
+  -- not assign anyway.
+  --
+  -- The marker is a setting, which any client can set, and that is safe:
+  -- forging it only suppresses the forger's own writes in its own
+  -- transaction (a setting is per session, and the value must equal the
+  -- current transaction id). It grants nothing: the statement-level
+  -- backstop still checks the fence on every write, and a genuine replay
+  -- still cannot commit, because that is decided by the replay guard row,
+  -- which only the definer functions can write. Clearing the setting in a
+  -- replaying transaction only lets its writes run again (as they did
+  -- before this trigger existed), and they still cannot commit.
+  --
+  -- Note: for UPDATE and DELETE, PostgreSQL locks each target row before a
+  -- BEFORE ROW trigger runs, so a replayed UPDATE still takes (and may wait
+  -- for) row locks. A newer holder of the same job cannot be holding them:
+  -- its gated transaction holds the fence row, which the replay's gate
+  -- waited for.
+  execute format('create trigger pgfence_replay before insert or update or delete on %s for each row '
+                 'when (pg_catalog.current_setting(''pgfence.replay'', true) operator(pg_catalog.=) '
+                 'pg_catalog.pg_current_xact_id()::pg_catalog.text) '
+                 'execute function fence.replay_skip()', tbl);
   if job_key_column is not null then
     execute format('create trigger pgfence_job_key before insert or update or delete on %s '
                    'for each row execute function fence.backstop_row(%L)', tbl, job_key_column);
@@ -217,6 +277,7 @@ begin
   end if;
   execute format('drop trigger if exists pgfence_backstop on %s', tbl);
   execute format('drop trigger if exists pgfence_job_key on %s', tbl);
+  execute format('drop trigger if exists pgfence_replay on %s', tbl);
   if v.relid is not null then
     perform pg_notify('pgfence_protected', format('%I.%I', v_schema, v_name));
   end if;
@@ -240,5 +301,5 @@ grant execute on function
   to pgfence_worker;
 grant select on fence.fences, fence.leases, fence.protected_tables to pgfence_worker;
 -- Called by the backstop trigger in the writer's rights.
-grant execute on function fence.is_bypass(name), fence.backstop_check(text, text, text, text, name, name, text),
-  fence.backstop(), fence.backstop_row() to public;
+grant execute on function fence.is_bypass(name), fence.backstop_check(text, text, text, text, text, text, text),
+  fence.backstop(), fence.backstop_row(), fence.replay_skip() to public;
