@@ -2,8 +2,8 @@ package proxy
 
 import (
 	"encoding/binary"
-	"errors"
 	"encoding/hex"
+	"errors"
 	"fmt"
 	"sort"
 	"strconv"
