@@ -35,6 +35,10 @@ type serveConfig struct {
 	MaxMessageSize    string            `toml:"max_message_size"`
 	ShutdownTimeout   string            `toml:"shutdown_timeout"`
 	UpstreamPasswords map[string]string `toml:"upstream_passwords"`
+	// NoGate turns the write gate off: a plain pass-through proxy (for
+	// measuring the proxy alone). Protected tables then rely on their
+	// backstop trigger only, without commit receipts.
+	NoGate bool `toml:"no_gate"`
 }
 
 func newServeCmd() *cobra.Command {
@@ -74,6 +78,7 @@ user to the password presented upstream for it. See docs/proxy.md.`,
 	f.String("auth-file", "", `users file of "user" "SCRAM-SHA-256$..." lines, see pgfence passwd (PGFENCE_AUTH_FILE)`)
 	f.Int("max-clients", 0, fmt.Sprintf("maximum concurrent clients (PGFENCE_MAX_CLIENTS; default %d)", proxy.DefaultMaxClients))
 	f.String("max-message-size", "", "largest client message, e.g. 64MiB (PGFENCE_MAX_MESSAGE_SIZE; default 64MiB)")
+	f.Bool("no-gate", false, "turn the write gate off: a plain pass-through proxy, protected tables guarded by their backstop trigger only (PGFENCE_NO_GATE)")
 	f.String("shutdown-timeout", "", "how long open transactions may run after SIGTERM (PGFENCE_SHUTDOWN_TIMEOUT; default 30s)")
 	return cmd
 }
@@ -130,6 +135,16 @@ func loadServeConfig(cmd *cobra.Command) (serveConfig, error) {
 	}
 	if cmd.Flags().Changed("max-clients") {
 		cfg.MaxClients, _ = cmd.Flags().GetInt("max-clients")
+	}
+	if v, ok := os.LookupEnv("PGFENCE_NO_GATE"); ok {
+		b, err := strconv.ParseBool(v)
+		if err != nil {
+			return cfg, fmt.Errorf("PGFENCE_NO_GATE: %w", err)
+		}
+		cfg.NoGate = b
+	}
+	if cmd.Flags().Changed("no-gate") {
+		cfg.NoGate, _ = cmd.Flags().GetBool("no-gate")
 	}
 	if cfg.Primary == "" {
 		return cfg, errors.New("serve: --primary (or PGFENCE_PRIMARY, or primary in the config file) is required")
@@ -215,6 +230,14 @@ func runServe(ctx context.Context, c serveConfig, log *zap.Logger) error {
 	pc, err := c.proxyConfig()
 	if err != nil {
 		return &exitError{code: 2, msg: err.Error()}
+	}
+	if !c.NoGate {
+		gate, err := proxy.NewFence(proxy.FenceConfig{Primary: pc.Primary}, log.Named("gate"))
+		if err != nil {
+			return &exitError{code: 2, msg: err.Error()}
+		}
+		defer gate.Close()
+		pc.Interceptor = gate
 	}
 	srv, err := proxy.New(pc, log)
 	if err != nil {
