@@ -82,8 +82,9 @@ func (p *Protected) Matches(r RelName, searchPath []string) bool {
 }
 
 // ProtectedWrites returns the statement's write targets that may be
-// protected tables (see Matches), including those of a PREPAREd inner
-// statement.
+// protected tables (see Matches). A SQL-level PREPARE writes nothing itself;
+// its Inner statement is what a later EXECUTE runs, which the caller
+// resolves through the session's prepared statements (Stmt.Executes).
 func (p *Protected) ProtectedWrites(s *Stmt, searchPath []string) []RelName {
 	var out []RelName
 	for _, r := range s.WriteTargets {
