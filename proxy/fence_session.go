@@ -1244,8 +1244,10 @@ func (h *fenceSession) onError(s *Session, msg []byte, t *tag) (Verdict, error) 
 			return Forward, nil
 		}
 		e.Position = unshift(e.Position, t.inserts)
-	case stepRaise:
-		e.Where = "" // our own DO block: its PL/pgSQL context means nothing to the client
+	default:
+		// A gate step's PL/pgSQL context names pgfence's internals, not
+		// anything of the client's.
+		e.Where = ""
 	}
 	s.WriteClient(encode(nil, &e))
 	return Drop, nil

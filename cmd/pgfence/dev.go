@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"io"
+	"net"
 	"os"
 	"path/filepath"
 	"text/template"
@@ -11,9 +12,11 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/spf13/cobra"
+	"go.uber.org/zap"
 
 	"github.com/pgfence/pgfence/internal/pgtest"
 	"github.com/pgfence/pgfence/migrations"
+	"github.com/pgfence/pgfence/proxy"
 )
 
 // devDatabase is the database pgfence dev creates for the walkthrough.
@@ -33,6 +36,7 @@ SELECT fence.protect('results');
 
 func newDevCmd() *cobra.Command {
 	var noReplica bool
+	var listen string
 	cmd := &cobra.Command{
 		Use:   "dev",
 		Short: "Start a throwaway primary + replica with pgfence and print psql lines to try",
@@ -44,10 +48,11 @@ second terminal, watch the stale write get refused with FN001.
 Everything (processes and files) is removed on Ctrl-C.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
-			return runDev(cmd.Context(), cmd.OutOrStdout(), !noReplica)
+			return runDev(cmd.Context(), cmd.OutOrStdout(), !noReplica, listen)
 		},
 	}
 	cmd.Flags().BoolVar(&noReplica, "no-replica", false, "start the primary only")
+	cmd.Flags().StringVar(&listen, "listen", "127.0.0.1:6432", "address of the pgfence proxy (port 0 picks a free one)")
 	return cmd
 }
 
@@ -60,7 +65,7 @@ type devEnv struct {
 	Job      string
 }
 
-func runDev(ctx context.Context, out io.Writer, replica bool) error {
+func runDev(ctx context.Context, out io.Writer, replica bool, listen string) error {
 	fmt.Fprintln(out, "pgfence dev: starting a throwaway PostgreSQL cluster...")
 	c, err := pgtest.Start(ctx, pgtest.Options{Replica: replica})
 	if err != nil {
@@ -83,11 +88,36 @@ func runDev(ctx context.Context, out io.Writer, replica bool) error {
 	if c.Replica != nil {
 		env.Replica = c.Replica.DSN(devDatabase)
 	}
-	env.Entry = env.Primary
+	log := zap.NewNop()
+	gate, err := proxy.NewFence(proxy.FenceConfig{Primary: c.Primary.DSN("postgres")}, log)
+	if err != nil {
+		return err
+	}
+	defer gate.Close()
+	srv, err := proxy.New(proxy.Config{Primary: c.Primary.DSN("postgres"), Interceptor: gate}, log)
+	if err != nil {
+		return err
+	}
+	ln, err := net.Listen("tcp", listen)
+	if err != nil {
+		return fmt.Errorf("listen: %w", err)
+	}
+	served := make(chan error, 1)
+	go func() { served <- srv.Serve(ctx, ln) }()
+	port := ln.Addr().(*net.TCPAddr).Port
+	env.Entry = fmt.Sprintf("postgres://postgres@127.0.0.1:%d/%s?sslmode=disable", port, devDatabase)
 	if err := devWalkthrough.Execute(out, env); err != nil {
 		return err
 	}
-	<-ctx.Done()
+	select {
+	case <-ctx.Done():
+	case err := <-served:
+		return err
+	}
+	sctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	srv.Shutdown(sctx)
+	<-served
 	return nil
 }
 
@@ -139,27 +169,39 @@ pgfence dev is running. Press Ctrl-C to stop; everything is removed.
   primary:  {{.Primary}}
 {{- if .Replica}}
   replica:  {{.Replica}}{{end}}
-  workers connect to: {{.Entry}}
+  pgfence:  {{.Entry}}   (workers connect here)
 
 A protected table "results" exists in database "{{.Database}}".
-Walk through a takeover in a shell (bash):
+Walk through a takeover in two shells (bash). Terminal A is alice, a worker
+that takes the lease and then stalls; terminal B is bob, who takes over.
 
-  # 1. terminal A: take the lease for 15 seconds and write with its token
-  eval "$({{.Bin}} lease acquire --database '{{.Primary}}' --job {{.Job}} --holder alice --ttl 15s)"
+  # A: alice takes the lease for 10 seconds ... and stalls before writing
+  eval "$({{.Bin}} lease acquire --database '{{.Primary}}' --job {{.Job}} --holder alice --ttl 10s)"
   export PGOPTIONS="-c fence.job_key={{.Job}} -c fence.epoch=$epoch -c fence.token=$token"
+
+  # B, once alice's 10 s have passed: bob takes over and writes his result
+  eval "$({{.Bin}} lease acquire --database '{{.Primary}}' --job {{.Job}} --holder bob --ttl 5m)"
+  export PGOPTIONS="-c fence.job_key={{.Job}} -c fence.epoch=$epoch -c fence.token=$token"
+  psql '{{.Entry}}' -c "INSERT INTO results VALUES ('{{.Job}}', 'from bob', $token)
+      ON CONFLICT (job_key) DO UPDATE SET payload = excluded.payload, token = excluded.token
+      WHERE results.token < excluded.token"
+
+  # A: alice wakes up and writes with her old token: refused, FN001 (stale token)
   psql '{{.Entry}}' -c "INSERT INTO results VALUES ('{{.Job}}', 'from alice', $token)
-        ON CONFLICT (job_key) DO UPDATE SET payload = excluded.payload, token = excluded.token
-        WHERE results.token < excluded.token"
+      ON CONFLICT (job_key) DO UPDATE SET payload = excluded.payload, token = excluded.token"
 
-  # 2. terminal B, after alice's 15 s have passed: take over
-  eval "$({{.Bin}} lease acquire --database '{{.Primary}}' --job {{.Job}} --holder bob --ttl 60s)"
+  # B: bob lost the answer to his commit and retries the same write:
+  #    NOTICE ... idempotent replay, nothing applied twice
+  psql '{{.Entry}}' -c "INSERT INTO results VALUES ('{{.Job}}', 'from bob', $token)
+      ON CONFLICT (job_key) DO UPDATE SET payload = excluded.payload, token = excluded.token
+      WHERE results.token < excluded.token"
 
-  # 3. terminal A again: alice's token is stale, her write is refused (FN001)
-  psql '{{.Entry}}' -c "UPDATE results SET payload = 'zombie alice' WHERE job_key = '{{.Job}}'"
+  # B: the same token with different content is a conflict, FN003
+  psql '{{.Entry}}' -c "UPDATE results SET payload = 'something else' WHERE job_key = '{{.Job}}'"
 
-  # 4. writing without a token at all is refused too (FN008)
+  # anyone: writing a protected table without a token is refused, FN008
   PGOPTIONS= psql '{{.Entry}}' -c "DELETE FROM results"
 
-  # look at the fence
-  psql '{{.Primary}}' -c "SELECT * FROM fence.fences" -c "SELECT * FROM results"
+  # the state: the fence, the receipts, the result
+  PGOPTIONS= psql '{{.Entry}}' -c "SELECT * FROM fence.fences" -c "SELECT job_key, epoch, token, step, committed_at FROM fence.receipts" -c "SELECT * FROM results"
 `))
