@@ -9,6 +9,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"time"
 
 	"github.com/jackc/pgx/v5/pgproto3"
 	"go.uber.org/zap"
@@ -209,6 +210,10 @@ type tag struct {
 	explicitCommit bool
 	// prep: a Parse of the gate's statements; on success they exist.
 	prep bool
+	// sent: when the request (a gate or commit step, or a query holding
+	// one) went upstream, for the latency histograms; in a query, moved
+	// on at each statement's completion. Zero: not timed.
+	sent time.Time
 }
 
 type insertion struct{ at, n int }
@@ -494,6 +499,7 @@ func (h *fenceSession) gatedQuery(s *Session, sql string, res *rewrite.Result) e
 	h.unsettled = true
 	h.copyGated = p.copy
 	h.copyTail = p.tail
+	p.tag.sent = time.Now() // metrics: step latency
 	if err := h.send(s, queryMsg(h.buf[:0], p.text), p.tag, true); err != nil {
 		return err
 	}
@@ -560,7 +566,6 @@ loop:
 			cur, ok := ov.generation(h.st)
 			if !ok {
 				h.f.Stats.Unfenced.Add(1)
-				h.f.Stats.Refused.Add(1)
 				inject(st.Offset, raiseSQL(fencingRequired(st, h.cat, h.st))+";", seg{step: stepRaise})
 				items = append(items, item{at: st.Offset, seg: seg{step: stepClient, stmt: st}})
 				break loop
@@ -576,7 +581,6 @@ loop:
 				d = &fence.Digest{}
 			}
 		case gated && st.Kind == rewrite.PrepareTransaction:
-			h.f.Stats.Refused.Add(1)
 			inject(st.Offset, raiseSQL(&session.Error{Code: fence.CodeUnsupported,
 				Message: fmt.Sprintf("PREPARE TRANSACTION is not supported in a fenced transaction (job %q, token %d)", gen.JobKey, gen.Token),
 				Hint:    "commit the transaction with COMMIT: pgfence writes the commit receipt in the same transaction"})+";", seg{step: stepRaise})
@@ -677,7 +681,7 @@ func (h *fenceSession) finishWrapped(s *Session, gen session.Generation) error {
 	sum, version := h.digest()
 	h.mu.Unlock()
 	text := commitSQL(gen, sum, version) + ";COMMIT"
-	t := &tag{kind: 'Q', segs: []seg{{step: stepCommit, gen: gen}, {step: stepCommitTx}}, hideRFQ: true}
+	t := &tag{kind: 'Q', segs: []seg{{step: stepCommit, gen: gen}, {step: stepCommitTx}}, hideRFQ: true, sent: time.Now()}
 	if err := h.send(s, queryMsg(nil, text), t, false); err != nil {
 		return err
 	}
@@ -895,7 +899,6 @@ func (h *fenceSession) execute(s *Session, msg []byte) error {
 		// The server discards it; nothing to gate.
 	case need && !g.Gated && !ok:
 		h.f.Stats.Unfenced.Add(1)
-		h.f.Stats.Refused.Add(1)
 		if err := h.raiseExt(s, fr); err != nil {
 			return err
 		}
@@ -919,7 +922,6 @@ func (h *fenceSession) execute(s *Session, msg []byte) error {
 			return err
 		}
 	case prepTx:
-		h.f.Stats.Refused.Add(1)
 		if err := h.raiseExt(s, &session.Error{Code: fence.CodeUnsupported,
 			Message: fmt.Sprintf("PREPARE TRANSACTION is not supported in a fenced transaction (job %q, token %d)", g.Gen.JobKey, g.Gen.Token),
 			Hint:    "commit the transaction with COMMIT"}); err != nil {
@@ -1013,6 +1015,9 @@ func (h *fenceSession) execNamed(s *Session, stmt string, args [][]byte, t *tag)
 		return err
 	}
 	buf, _ = (&pgproto3.Execute{Portal: gatePortal}).Encode(buf[:0])
+	if t.step == stepGate || t.step == stepCommit {
+		t.sent = time.Now() // metrics: step latency
+	}
 	if err := h.send(s, buf, t, false); err != nil {
 		return err
 	}
@@ -1131,6 +1136,7 @@ func (h *fenceSession) queryResponse(s *Session, msg []byte, t *tag) (Verdict, e
 	switch msg[0] {
 	case 'C':
 		t.cur++
+		h.timeStep(t, sg.step)
 		return h.complete(s, sg, msg, nil)
 	case 'I':
 		t.cur++
@@ -1149,6 +1155,7 @@ func (h *fenceSession) queryResponse(s *Session, msg []byte, t *tag) (Verdict, e
 func (h *fenceSession) executeResponse(s *Session, msg []byte, t *tag) (Verdict, error) {
 	switch msg[0] {
 	case 'C':
+		h.timeStep(t, t.step)
 		sg := seg{step: t.step, gen: t.gen, explicitCommit: t.explicitCommit}
 		if t.step == stepClient && t.cp != nil {
 			sg.stmt = t.cp.stmt
@@ -1203,6 +1210,7 @@ func (h *fenceSession) onError(s *Session, msg []byte, t *tag) (Verdict, error) 
 	} else {
 		sg = seg{step: st, gen: t.gen, explicitCommit: t.explicitCommit}
 	}
+	h.timeStep(t, st)
 	h.st.Fail()
 	if st == stepPrepare {
 		h.prepared = false
@@ -1237,6 +1245,7 @@ func (h *fenceSession) onError(s *Session, msg []byte, t *tag) (Verdict, error) 
 	h.errShown = true
 	if strings.HasPrefix(e.Code, "FN") {
 		h.f.Stats.Refused.Add(1)
+		h.f.Stats.Codes.Add(e.Code) // metrics: refusals by SQLSTATE
 	}
 	switch st {
 	case stepClient:
