@@ -140,11 +140,12 @@ func QuoteUserLine(user, verifier string) string {
 // returned error to the client.
 func (s *Server) authenticate(c net.Conn, user string) error {
 	var out []byte
-	if s.cfg.Auth == AuthTrust {
+	live := s.live()
+	if live.auth == AuthTrust {
 		_, err := c.Write(encode(out, &pgproto3.AuthenticationOk{}))
 		return err
 	}
-	verifier, known := s.cfg.Users[user]
+	verifier, known := live.users[user]
 	// Run the exchange even for unknown users, with a dummy verifier, so
 	// that the response does not reveal which users exist.
 	sc, err := parseVerifier(verifier)

@@ -96,6 +96,33 @@ type Config struct {
 	// Interceptor, when non-nil, is given every session's messages; see
 	// Interceptor. Nil means pure pass-through.
 	Interceptor Interceptor
+
+	// AdminUsers may use the admin console (the virtual database
+	// AdminDatabase), after the normal client authentication. Nil means
+	// nobody: every console connection is refused.
+	AdminUsers []string
+
+	// HealthInterval is how often the primary is pinged for /readyz once
+	// MetricsHandler is in use. Zero means DefaultHealthInterval.
+	HealthInterval time.Duration
+
+	// Reload, when non-nil, re-reads the configuration source (file,
+	// environment) for ReloadFromSource: the admin console's RELOAD and
+	// SIGHUP. It returns the new Config and what it applied or could not
+	// apply itself (settings the proxy does not know, e.g. log level).
+	// Nil means RELOAD answers that there is nothing to reload.
+	Reload func() (Config, *ReloadReport, error)
+
+	// ExtraSettings are shown by SHOW CONFIG after the proxy's own
+	// (settings of the program around the proxy: metrics address, log
+	// level). Not interpreted.
+	ExtraSettings []Setting
+}
+
+// Setting is a SHOW CONFIG line.
+type Setting struct {
+	Key, Value string
+	Reloadable bool
 }
 
 func (c Config) withDefaults() (Config, error) {
@@ -140,6 +167,14 @@ func (c Config) withDefaults() (Config, error) {
 	}
 	if c.BufferSize < 1024 {
 		c.BufferSize = 1024
+	}
+	if c.HealthInterval <= 0 {
+		c.HealthInterval = DefaultHealthInterval
+	}
+	for _, u := range c.AdminUsers {
+		if u == "" {
+			return c, fmt.Errorf("config: empty admin user name")
+		}
 	}
 	return c, nil
 }

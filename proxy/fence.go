@@ -34,6 +34,11 @@ type FenceStats struct {
 	Refused    atomic.Int64 // gate or commit refusals (FN001, FN003-FN006, FN008, FN009)
 	Unfenced   atomic.Int64 // protected writes without fence metadata (FN008)
 	Classified atomic.Int64 // statements classified
+
+	// For SHOW STATS and the metrics (metrics.go).
+	Codes         CodeCounts // FN errors the clients got, by SQLSTATE
+	GateLatency   Latency    // gate step: sent upstream → its response
+	CommitLatency Latency    // receipt step: sent upstream → its response
 }
 
 // FenceConfig configures NewFence.

@@ -40,6 +40,8 @@ type Server struct {
 	cancels   map[uint64]cancelTarget
 	wg        sync.WaitGroup
 	idle      chan struct{} // signalled when a connection ends during shutdown
+
+	ops ops // admin console, metrics, reload: admin.go, metrics.go
 }
 
 // cancelTarget is where a client's CancelRequest goes.
@@ -81,6 +83,7 @@ func New(cfg Config, log *zap.Logger) (*Server, error) {
 	if cfg.Auth == AuthSCRAM {
 		s.dummy = dummyCredentials()
 	}
+	s.initOps() // admin.go
 	return s, nil
 }
 
@@ -242,7 +245,7 @@ func (s *Server) handle(c net.Conn) {
 		s.refuse(conn, &ProtocolError{Code: "0A000", Msg: "pgfence does not proxy replication connections; connect to PostgreSQL directly for replication"}, log, "replication refused")
 		return
 	}
-	if n := s.clients.Add(1); s.cfg.MaxClients > 0 && n > int64(s.cfg.MaxClients) {
+	if n, limit := s.clients.Add(1), s.live().maxClients; limit > 0 && n > int64(limit) {
 		s.clients.Add(-1)
 		s.refuse(conn, &ProtocolError{Code: "53300", Msg: "sorry, too many clients already", Err: ErrTooManyClients}, log, "client refused")
 		return
@@ -259,12 +262,17 @@ func (s *Server) handle(c net.Conn) {
 		s.refuse(conn, err, log, "authentication failed")
 		return
 	}
+	if db == AdminDatabase { // the admin console: admin.go
+		s.serveAdmin(conn, user, log)
+		return
+	}
 	start := time.Now()
 	sess, err := s.open(c, conn, st, log)
 	if err != nil {
 		s.refuse(conn, err, log, "upstream connect failed")
 		return
 	}
+	s.ops.stats.SessionsTotal.Add(1)
 	log = sess.log
 	log.Info("session open", zap.Uint32("backend_pid", sess.BackendPID))
 	err = sess.run()
@@ -279,6 +287,7 @@ func (s *Server) handle(c net.Conn) {
 // refuse reports err to the client where the protocol allows, logs it
 // and closes.
 func (s *Server) refuse(c net.Conn, err error, log *zap.Logger, what string) {
+	s.countRefusal(err)
 	var pe *ProtocolError
 	var pg *pgconn.PgError
 	if errors.As(err, &pe) || errors.As(err, &pg) || errors.Is(err, errUpstream) {
@@ -313,7 +322,8 @@ func (s *Server) startup(c net.Conn) (net.Conn, *startup, error) {
 			if tlsDone {
 				return c, nil, &ProtocolError{Code: "08P01", Msg: "SSLRequest after TLS was established"}
 			}
-			if s.cfg.TLS == nil {
+			tlsCfg := s.live().tls
+			if tlsCfg == nil {
 				if _, err := c.Write([]byte{'N'}); err != nil {
 					return c, nil, err
 				}
@@ -322,7 +332,7 @@ func (s *Server) startup(c net.Conn) (net.Conn, *startup, error) {
 			if _, err := c.Write([]byte{'S'}); err != nil {
 				return c, nil, err
 			}
-			tc := tls.Server(c, s.cfg.TLS)
+			tc := tls.Server(c, tlsCfg)
 			if err := tc.Handshake(); err != nil {
 				return c, nil, fmt.Errorf("tls handshake: %w", err)
 			}
@@ -349,7 +359,7 @@ func (s *Server) open(raw, c net.Conn, st *startup, log *zap.Logger) (*Session, 
 	user, db := st.params["user"], st.params["database"]
 	pc := s.primary.Copy()
 	pc.User, pc.Database = user, db
-	if pw, ok := s.cfg.UpstreamPasswords[user]; ok {
+	if pw, ok := s.live().upstreamPasswords[user]; ok {
 		pc.Password = pw
 	}
 	rp := make(map[string]string, len(pc.RuntimeParams)+len(st.params))
@@ -393,6 +403,7 @@ func (s *Server) open(raw, c net.Conn, st *startup, log *zap.Logger) (*Session, 
 		server:     hj.Conn,
 		log:        log.With(zap.Uint32("backend_pid", hj.PID)),
 		closing:    make(chan struct{}),
+		info:       sessionInfo{connectedAt: time.Now()},
 	}
 	sess.txStatus.Store(uint32(hj.TxStatus))
 	size := s.cfg.BufferSize

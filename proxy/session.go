@@ -63,6 +63,8 @@ type Session struct {
 	// closing is closed when the session starts to end, so a Handler
 	// waiting on a Request can give up.
 	closing chan struct{}
+
+	info sessionInfo // admin console: connected_at, upstream (admin.go)
 }
 
 // TxStatus returns the transaction status of the last ReadyForQuery: 'I'

@@ -1,0 +1,378 @@
+package proxy
+
+import (
+	"context"
+	"fmt"
+	"net/http"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"go.uber.org/zap"
+)
+
+// This file holds the counters the admin console (SHOW STATS) and the
+// Prometheus endpoint both read, the endpoint itself, and the health check
+// behind /readyz and SHOW UPSTREAMS. The counters are plain atomics
+// updated on the gate's path; Prometheus reads them at scrape time through
+// a collector, so the wire loop never calls into the client library.
+
+// gateCodes are the SQLSTATEs of the gate counted one by one; anything
+// else in class FN is counted as "FN other".
+var gateCodes = [...]string{"FN001", "FN002", "FN003", "FN004", "FN005", "FN006", "FN007", "FN008", "FN009"}
+
+// CodeCounts counts errors by SQLSTATE of class FN. The zero value is
+// ready; safe for concurrent use.
+type CodeCounts struct {
+	n [len(gateCodes) + 1]atomic.Int64
+}
+
+// Add counts one error with code.
+func (c *CodeCounts) Add(code string) {
+	for i, k := range gateCodes {
+		if k == code {
+			c.n[i].Add(1)
+			return
+		}
+	}
+	c.n[len(gateCodes)].Add(1)
+}
+
+// Get returns the count for code ("FN other" for the rest).
+func (c *CodeCounts) Get(code string) int64 {
+	for i, k := range gateCodes {
+		if k == code {
+			return c.n[i].Load()
+		}
+	}
+	return c.n[len(gateCodes)].Load()
+}
+
+// each calls f for every code, in order, with its count.
+func (c *CodeCounts) each(f func(code string, n int64)) {
+	for i, k := range gateCodes {
+		f(k, c.n[i].Load())
+	}
+	f("FN other", c.n[len(gateCodes)].Load())
+}
+
+// latencyBuckets are the upper bounds, in seconds, of Latency's buckets:
+// a gate or commit step is a round trip plus a row lock, normally well
+// under a millisecond on a LAN, seconds when it waits for a takeover.
+var latencyBuckets = [...]float64{.0001, .00025, .0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10}
+
+// Latency is a fixed-bucket histogram updated with atomics (no lock, no
+// allocation). The zero value is ready.
+type Latency struct {
+	buckets [len(latencyBuckets) + 1]atomic.Uint64 // last: above every bound
+	count   atomic.Uint64
+	nanos   atomic.Int64
+}
+
+// Observe records one duration.
+func (l *Latency) Observe(d time.Duration) {
+	s := d.Seconds()
+	i := 0
+	for i < len(latencyBuckets) && s > latencyBuckets[i] {
+		i++
+	}
+	l.buckets[i].Add(1)
+	l.nanos.Add(int64(d))
+	l.count.Add(1)
+}
+
+// Count returns how many durations were observed.
+func (l *Latency) Count() uint64 { return l.count.Load() }
+
+// Mean returns the mean duration (0 when nothing was observed).
+func (l *Latency) Mean() time.Duration {
+	n := l.count.Load()
+	if n == 0 {
+		return 0
+	}
+	return time.Duration(l.nanos.Load() / int64(n))
+}
+
+// snapshot returns the count, the sum in seconds and the cumulative bucket
+// counts as Prometheus wants them.
+func (l *Latency) snapshot() (uint64, float64, map[float64]uint64) {
+	cum := make(map[float64]uint64, len(latencyBuckets))
+	var run uint64
+	for i, ub := range latencyBuckets {
+		run += l.buckets[i].Load()
+		cum[ub] = run
+	}
+	n := run + l.buckets[len(latencyBuckets)].Load()
+	return n, float64(l.nanos.Load()) / 1e9, cum
+}
+
+// ServerStats are the server's counters since start. The routing code
+// increments ReadsPrimary/ReadsReplica for each read it routes.
+type ServerStats struct {
+	SessionsTotal  atomic.Int64 // proxied sessions opened
+	AdminSessions  atomic.Int64 // admin console sessions opened
+	UpstreamErrors atomic.Int64 // upstream connections that failed (not refusals by PostgreSQL)
+	ReadsPrimary   atomic.Int64 // reads routed to the primary (read routing)
+	ReadsReplica   atomic.Int64 // reads routed to a replica (read routing)
+
+	mu      sync.Mutex
+	refused map[string]int64 // clients refused, by SQLSTATE
+}
+
+// refusedClient counts a client refused with SQLSTATE code.
+func (st *ServerStats) refusedClient(code string) {
+	st.mu.Lock()
+	if st.refused == nil {
+		st.refused = make(map[string]int64)
+	}
+	st.refused[code]++
+	st.mu.Unlock()
+}
+
+// Refused returns the clients refused so far, by SQLSTATE.
+func (st *ServerStats) Refused() map[string]int64 {
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	out := make(map[string]int64, len(st.refused))
+	for k, v := range st.refused {
+		out[k] = v
+	}
+	return out
+}
+
+// UpstreamStatus is one upstream as SHOW UPSTREAMS and the metrics report
+// it.
+type UpstreamStatus struct {
+	Role    string // "primary" or "replica"
+	Addr    string // host:port
+	Healthy bool
+	// Error says why the upstream is unhealthy.
+	Error string
+	// ReplayLag is how far a replica's replay is behind the primary, when
+	// known (LagKnown).
+	ReplayLag time.Duration
+	// LagBytes is the replay lag in WAL bytes, when known (LagKnown).
+	LagBytes int64
+	LagKnown bool
+	// Checked is when the status was last measured.
+	Checked time.Time
+}
+
+// health follows the primary's reachability with a cheap periodic
+// connection, for /readyz.
+type health struct {
+	once    sync.Once
+	mu      sync.Mutex
+	primary UpstreamStatus
+}
+
+// DefaultHealthInterval is how often the primary is pinged for /readyz
+// once the metrics endpoint is in use.
+const DefaultHealthInterval = 5 * time.Second
+
+// ping connects to the upstream pc describes (with its own user and
+// database) and closes the connection.
+func (s *Server) ping(ctx context.Context, role string, pc *pgconn.Config) UpstreamStatus {
+	st := UpstreamStatus{Role: role, Addr: fmt.Sprintf("%s:%d", pc.Host, pc.Port), Checked: time.Now()}
+	c := pc.Copy()
+	if c.ConnectTimeout == 0 || c.ConnectTimeout > s.cfg.ConnectTimeout {
+		c.ConnectTimeout = s.cfg.ConnectTimeout
+	}
+	ctx, cancel := context.WithTimeout(ctx, c.ConnectTimeout)
+	defer cancel()
+	conn, err := pgconn.ConnectConfig(ctx, c)
+	if err != nil {
+		st.Error = err.Error()
+		return st
+	}
+	conn.Close(ctx)
+	st.Healthy = true
+	return st
+}
+
+// checkPrimary pings the primary and records the outcome.
+func (s *Server) checkPrimary(ctx context.Context) UpstreamStatus {
+	st := s.ping(ctx, "primary", s.primary)
+	s.ops.health.mu.Lock()
+	was := s.ops.health.primary
+	s.ops.health.primary = st
+	s.ops.health.mu.Unlock()
+	if was.Healthy != st.Healthy && !was.Checked.IsZero() {
+		if st.Healthy {
+			s.log.Info("primary reachable again", zap.String("addr", st.Addr))
+		} else {
+			s.log.Warn("primary unreachable", zap.String("addr", st.Addr), zap.String("error", st.Error))
+		}
+	}
+	return st
+}
+
+// startHealth starts the periodic primary check once; it ends when the
+// server shuts down.
+func (s *Server) startHealth() {
+	s.ops.health.once.Do(func() {
+		interval := s.cfg.HealthInterval
+		go func() {
+			t := time.NewTicker(interval)
+			defer t.Stop()
+			for !s.draining.Load() {
+				s.checkPrimary(context.Background())
+				<-t.C
+			}
+		}()
+	})
+}
+
+// Ready reports whether the server is serving (a listener is open, not
+// shutting down) and its last check found the primary reachable, with a
+// reason when it is not.
+func (s *Server) Ready() (bool, string) {
+	if s.draining.Load() {
+		return false, "shutting down"
+	}
+	s.mu.Lock()
+	serving := len(s.listeners) > 0
+	s.mu.Unlock()
+	if !serving {
+		return false, "not serving yet"
+	}
+	s.ops.health.mu.Lock()
+	p := s.ops.health.primary
+	s.ops.health.mu.Unlock()
+	switch {
+	case p.Checked.IsZero():
+		return false, "primary not checked yet"
+	case !p.Healthy:
+		return false, "primary unreachable: " + p.Error
+	}
+	return true, "ready"
+}
+
+// MetricsHandler returns the HTTP handler for /metrics (Prometheus, from
+// the server's own registry), /healthz (200 while the process runs) and
+// /readyz (200 while serving with the primary reachable, else 503). It
+// starts the primary's periodic health check.
+func (s *Server) MetricsHandler() http.Handler {
+	s.startHealth()
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(
+		collectors.NewGoCollector(),
+		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
+		&collector{s: s},
+	)
+	mux := http.NewServeMux()
+	mux.Handle("/metrics", promhttp.HandlerFor(reg, promhttp.HandlerOpts{ErrorLog: zap.NewStdLog(s.log), Registry: reg}))
+	mux.HandleFunc("/healthz", func(w http.ResponseWriter, r *http.Request) {
+		fmt.Fprintln(w, "ok")
+	})
+	mux.HandleFunc("/readyz", func(w http.ResponseWriter, r *http.Request) {
+		ok, why := s.Ready()
+		if !ok {
+			w.WriteHeader(http.StatusServiceUnavailable)
+		}
+		fmt.Fprintln(w, why)
+	})
+	return mux
+}
+
+// collector exports the server's and the gate's counters at scrape time.
+type collector struct{ s *Server }
+
+var (
+	descSessions    = prometheus.NewDesc("pgfence_sessions", "Open proxied client sessions.", nil, nil)
+	descSessionsTot = prometheus.NewDesc("pgfence_sessions_opened_total", "Proxied client sessions opened.", nil, nil)
+	descAdminTot    = prometheus.NewDesc("pgfence_admin_sessions_opened_total", "Admin console sessions opened.", nil, nil)
+	descRefused     = prometheus.NewDesc("pgfence_clients_refused_total", "Clients refused before their session started, by SQLSTATE.", []string{"code"}, nil)
+	descUpErrors    = prometheus.NewDesc("pgfence_upstream_connection_errors_total", "Upstream connections that could not be opened (network, TLS, timeouts; not refusals by PostgreSQL).", nil, nil)
+	descReads       = prometheus.NewDesc("pgfence_read_routes_total", "Reads routed, by route.", []string{"route"}, nil)
+	descGate        = prometheus.NewDesc("pgfence_gate_transactions_total", "Gated transactions by outcome: gated (passed the fence check), committed (new receipt), replayed (idempotent replay).", []string{"outcome"}, nil)
+	descGateErr     = prometheus.NewDesc("pgfence_gate_errors_total", "Errors of class FN the clients got, by SQLSTATE (FN001 stale, FN003 conflict, FN004 retired, FN005 unknown job, FN006 receipt pruned, FN008 fencing required, FN009 unsupported).", []string{"code"}, nil)
+	descClassified  = prometheus.NewDesc("pgfence_statements_classified_total", "Statements classified by the gate.", nil, nil)
+	descLatency     = prometheus.NewDesc("pgfence_gate_step_duration_seconds", "Time from sending a gate step upstream to its response, by step (gate: fence check; commit: receipt).", []string{"step"}, nil)
+	descUp          = prometheus.NewDesc("pgfence_upstream_up", "1 when the upstream was reachable at its last check.", []string{"role", "addr"}, nil)
+	descLag         = prometheus.NewDesc("pgfence_replica_lag_seconds", "Replay lag of each replica, when known.", []string{"addr"}, nil)
+	descLagBytes    = prometheus.NewDesc("pgfence_replica_lag_bytes", "Replay lag of each replica in WAL bytes, when known.", []string{"addr"}, nil)
+)
+
+func (c *collector) Describe(ch chan<- *prometheus.Desc) {
+	for _, d := range []*prometheus.Desc{descSessions, descSessionsTot, descAdminTot, descRefused, descUpErrors, descReads,
+		descGate, descGateErr, descClassified, descLatency, descUp, descLag, descLagBytes} {
+		ch <- d
+	}
+}
+
+func (c *collector) Collect(ch chan<- prometheus.Metric) {
+	s := c.s
+	st := &s.ops.stats
+	counter := func(d *prometheus.Desc, v int64, labels ...string) {
+		ch <- prometheus.MustNewConstMetric(d, prometheus.CounterValue, float64(v), labels...)
+	}
+	ch <- prometheus.MustNewConstMetric(descSessions, prometheus.GaugeValue, float64(len(s.sessions())))
+	counter(descSessionsTot, st.SessionsTotal.Load())
+	counter(descAdminTot, st.AdminSessions.Load())
+	for code, n := range st.Refused() {
+		counter(descRefused, n, code)
+	}
+	counter(descUpErrors, st.UpstreamErrors.Load())
+	counter(descReads, st.ReadsPrimary.Load(), "primary")
+	counter(descReads, st.ReadsReplica.Load(), "replica")
+	if f := s.fence(); f != nil {
+		counter(descGate, f.Stats.Gated.Load(), "gated")
+		counter(descGate, f.Stats.Committed.Load(), "committed")
+		counter(descGate, f.Stats.Replayed.Load(), "replayed")
+		f.Stats.Codes.each(func(code string, n int64) { counter(descGateErr, n, code) })
+		counter(descClassified, f.Stats.Classified.Load())
+		for _, l := range []struct {
+			step string
+			h    *Latency
+		}{{"gate", &f.Stats.GateLatency}, {"commit", &f.Stats.CommitLatency}} {
+			n, sum, b := l.h.snapshot()
+			ch <- prometheus.MustNewConstHistogram(descLatency, n, sum, b, l.step)
+		}
+	}
+	s.ops.health.mu.Lock()
+	p := s.ops.health.primary
+	s.ops.health.mu.Unlock()
+	if !p.Checked.IsZero() {
+		ch <- prometheus.MustNewConstMetric(descUp, prometheus.GaugeValue, b2f(p.Healthy), "primary", p.Addr)
+	}
+	if f := s.replicaStatusFunc(); f != nil {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+		defer cancel()
+		for _, r := range f(ctx) {
+			ch <- prometheus.MustNewConstMetric(descUp, prometheus.GaugeValue, b2f(r.Healthy), "replica", r.Addr)
+			if r.LagKnown {
+				ch <- prometheus.MustNewConstMetric(descLag, prometheus.GaugeValue, r.ReplayLag.Seconds(), r.Addr)
+				ch <- prometheus.MustNewConstMetric(descLagBytes, prometheus.GaugeValue, float64(r.LagBytes), r.Addr)
+			}
+		}
+	}
+}
+
+func b2f(b bool) float64 {
+	if b {
+		return 1
+	}
+	return 0
+}
+
+// timeStep records the latency of a gate or commit step that just got its
+// response, and moves a query's clock on to the next statement. Server
+// goroutine.
+func (h *fenceSession) timeStep(t *tag, st step) {
+	if t.sent.IsZero() {
+		return
+	}
+	now := time.Now()
+	switch st {
+	case stepGate:
+		h.f.Stats.GateLatency.Observe(now.Sub(t.sent))
+	case stepCommit:
+		h.f.Stats.CommitLatency.Observe(now.Sub(t.sent))
+	}
+	t.sent = now
+}
