@@ -450,7 +450,7 @@ func (s *Server) adminCommand(stmt string, log *zap.Logger) (*adminTable, *pgpro
 	if len(words) > 1 {
 		what = strings.ToUpper(words[1])
 	}
-	unknown := adminError("42601", fmt.Sprintf("unknown pgfence admin command %q", stmt), "SHOW HELP lists the commands")
+	unknown := adminError("42601", fmt.Sprintf("unknown pgfence admin command %q: SHOW HELP lists the commands", stmt), "")
 	switch {
 	case verb == "SHOW" && len(words) == 2 && what == "HELP":
 		t := &adminTable{cols: []string{"command", "description"}}
