@@ -39,6 +39,16 @@ type serveConfig struct {
 	// measuring the proxy alone). Protected tables then rely on their
 	// backstop trigger only, without commit receipts.
 	NoGate bool `toml:"no_gate"`
+	// AdminUsers may use the admin console (psql ... pgfence).
+	AdminUsers []string `toml:"admin_users"`
+	// MetricsListen serves /metrics, /healthz and /readyz when set.
+	MetricsListen string `toml:"metrics_listen"`
+	// LogLevel as the root --log-level (PGFENCE_LOG_LEVEL); reloadable.
+	LogLevel string `toml:"log_level"`
+
+	// Set by the serve command for SIGHUP / RELOAD (reload.go).
+	reload func() (serveConfig, error)
+	level  *zap.AtomicLevel
 }
 
 func newServeCmd() *cobra.Command {
@@ -59,11 +69,13 @@ user to the password presented upstream for it. See docs/proxy.md.`,
 			if err != nil {
 				return &exitError{code: 2, msg: err.Error()}
 			}
-			log, err := serveLogger(cmd)
+			log, level, err := serveLogger(cfg.LogLevel)
 			if err != nil {
 				return &exitError{code: 2, msg: err.Error()}
 			}
 			defer log.Sync()
+			cfg.level = &level
+			cfg.reload = func() (serveConfig, error) { return loadServeConfig(cmd) }
 			return runServe(cmd.Context(), cfg, log)
 		},
 	}
@@ -80,6 +92,8 @@ user to the password presented upstream for it. See docs/proxy.md.`,
 	f.String("max-message-size", "", "largest client message, e.g. 64MiB (PGFENCE_MAX_MESSAGE_SIZE; default 64MiB)")
 	f.Bool("no-gate", false, "turn the write gate off: a plain pass-through proxy, protected tables guarded by their backstop trigger only (PGFENCE_NO_GATE)")
 	f.String("shutdown-timeout", "", "how long open transactions may run after SIGTERM (PGFENCE_SHUTDOWN_TIMEOUT; default 30s)")
+	f.StringSlice("admin-users", nil, "users allowed into the admin console, the virtual database pgfence (PGFENCE_ADMIN_USERS, comma-separated)")
+	f.String("metrics-listen", "", "address serving Prometheus /metrics, /healthz and /readyz, e.g. 127.0.0.1:9187 (PGFENCE_METRICS_LISTEN; default off)")
 	return cmd
 }
 
@@ -146,6 +160,9 @@ func loadServeConfig(cmd *cobra.Command) (serveConfig, error) {
 	if cmd.Flags().Changed("no-gate") {
 		cfg.NoGate, _ = cmd.Flags().GetBool("no-gate")
 	}
+	if err := loadOpsConfig(cmd, &cfg); err != nil { // reload.go
+		return cfg, err
+	}
 	if cfg.Primary == "" {
 		return cfg, errors.New("serve: --primary (or PGFENCE_PRIMARY, or primary in the config file) is required")
 	}
@@ -159,6 +176,7 @@ func (c serveConfig) proxyConfig() (proxy.Config, error) {
 		Replicas:          c.Replicas,
 		MaxClients:        c.MaxClients,
 		UpstreamPasswords: c.UpstreamPasswords,
+		AdminUsers:        c.AdminUsers,
 	}
 	switch strings.ToLower(c.Auth) {
 	case "", "trust":
@@ -239,10 +257,17 @@ func runServe(ctx context.Context, c serveConfig, log *zap.Logger) error {
 		defer gate.Close()
 		pc.Interceptor = gate
 	}
+	pc.ExtraSettings = c.extraSettings()
+	pc.Reload = c.reloader(log) // reload.go
 	srv, err := proxy.New(pc, log)
 	if err != nil {
 		return &exitError{code: 2, msg: err.Error()}
 	}
+	stopOps, err := c.startOps(srv, log) // reload.go: SIGHUP, metrics endpoint
+	if err != nil {
+		return err
+	}
+	defer stopOps()
 	ln, err := net.Listen("tcp", c.Listen)
 	if err != nil {
 		return fmt.Errorf("listen: %w", err)
@@ -265,16 +290,17 @@ func runServe(ctx context.Context, c serveConfig, log *zap.Logger) error {
 	return nil
 }
 
-// serveLogger builds the JSON logger at the root --log-level.
-func serveLogger(cmd *cobra.Command) (*zap.Logger, error) {
-	lvl, _ := cmd.Flags().GetString("log-level")
+// serveLogger builds the JSON logger at lvl (the root --log-level, or
+// log_level in the config file); the level can change on reload.
+func serveLogger(lvl string) (*zap.Logger, zap.AtomicLevel, error) {
 	level, err := zapcore.ParseLevel(lvl)
 	if err != nil {
-		return nil, fmt.Errorf("--log-level: %w", err)
+		return nil, zap.AtomicLevel{}, fmt.Errorf("--log-level: %w", err)
 	}
 	zc := zap.NewProductionConfig()
 	zc.Level = zap.NewAtomicLevelAt(level)
 	zc.EncoderConfig.EncodeTime = zapcore.ISO8601TimeEncoder
 	zc.Sampling = nil
-	return zc.Build()
+	log, err := zc.Build()
+	return log, zc.Level, err
 }

@@ -1,0 +1,180 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/http"
+	"os"
+	"os/signal"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/spf13/cobra"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+
+	"github.com/pgfence/pgfence/proxy"
+)
+
+// loadOpsConfig merges the operations settings (admin users, metrics
+// address, log level) from the environment and flags over the file's.
+func loadOpsConfig(cmd *cobra.Command, cfg *serveConfig) error {
+	if v, ok := os.LookupEnv("PGFENCE_ADMIN_USERS"); ok {
+		cfg.AdminUsers = splitList(v)
+	}
+	if f := cmd.Flags().Lookup("admin-users"); f != nil && f.Changed {
+		cfg.AdminUsers, _ = cmd.Flags().GetStringSlice("admin-users")
+	}
+	if v, ok := os.LookupEnv("PGFENCE_METRICS_LISTEN"); ok {
+		cfg.MetricsListen = v
+	}
+	if f := cmd.Flags().Lookup("metrics-listen"); f != nil && f.Changed {
+		cfg.MetricsListen = f.Value.String()
+	}
+	if v, ok := os.LookupEnv("PGFENCE_LOG_LEVEL"); ok {
+		cfg.LogLevel = v
+	}
+	if f := cmd.Flag("log-level"); f != nil && f.Changed {
+		cfg.LogLevel = f.Value.String()
+	}
+	if cfg.LogLevel == "" {
+		cfg.LogLevel = "info"
+	}
+	if _, err := zapcore.ParseLevel(cfg.LogLevel); err != nil {
+		return fmt.Errorf("log level: %w", err)
+	}
+	return nil
+}
+
+func splitList(v string) []string {
+	var out []string
+	for _, s := range strings.Split(v, ",") {
+		if s = strings.TrimSpace(s); s != "" {
+			out = append(out, s)
+		}
+	}
+	return out
+}
+
+// extraSettings are the settings SHOW CONFIG shows besides the proxy's.
+func (c serveConfig) extraSettings() []proxy.Setting {
+	lvl := c.LogLevel
+	if c.level != nil {
+		lvl = c.level.Level().String()
+	}
+	return []proxy.Setting{
+		{Key: "listen", Value: c.Listen},
+		{Key: "metrics_listen", Value: c.MetricsListen},
+		{Key: "no_gate", Value: strconv.FormatBool(c.NoGate)},
+		{Key: "log_level", Value: lvl, Reloadable: true},
+	}
+}
+
+// reloader returns the proxy's Config.Reload: it re-reads the file and the
+// environment (flags stay as given), applies the log level itself, and
+// reports the serve settings that need a restart. Nil when c has no source
+// to reload.
+func (c serveConfig) reloader(log *zap.Logger) func() (proxy.Config, *proxy.ReloadReport, error) {
+	if c.reload == nil {
+		return nil
+	}
+	return func() (proxy.Config, *proxy.ReloadReport, error) {
+		next, err := c.reload()
+		if err != nil {
+			return proxy.Config{}, nil, err
+		}
+		pc, err := next.proxyConfig()
+		if err != nil {
+			return proxy.Config{}, nil, err
+		}
+		rep := &proxy.ReloadReport{}
+		for _, r := range []struct {
+			name    string
+			changed bool
+		}{
+			{"listen", next.Listen != c.Listen},
+			{"metrics_listen", next.MetricsListen != c.MetricsListen},
+			{"no_gate", next.NoGate != c.NoGate},
+		} {
+			if r.changed {
+				rep.Restart = append(rep.Restart, r.name)
+			}
+		}
+		// Check everything before applying anything: a reload applies
+		// whole or not at all (the proxy validates its part first).
+		lvl, err := zapcore.ParseLevel(next.LogLevel)
+		if err != nil {
+			return proxy.Config{}, nil, fmt.Errorf("log level: %w", err)
+		}
+		if c.level != nil && c.level.Level() != lvl {
+			c.level.SetLevel(lvl)
+			rep.Applied = append(rep.Applied, "log_level")
+		}
+		shown := c // what runs: only the log level changes without a restart
+		shown.LogLevel = lvl.String()
+		pc.ExtraSettings = shown.extraSettings()
+		return pc, rep, nil
+	}
+}
+
+// startOps starts what runs beside the proxy: SIGHUP reloads and the
+// metrics endpoint. The returned function stops them.
+func (c serveConfig) startOps(srv *proxy.Server, log *zap.Logger) (func(), error) {
+	var stops []func()
+	stop := func() {
+		for i := len(stops) - 1; i >= 0; i-- {
+			stops[i]()
+		}
+	}
+	if c.reload != nil {
+		hup := make(chan os.Signal, 1)
+		signal.Notify(hup, syscall.SIGHUP)
+		done := make(chan struct{})
+		exited := make(chan struct{})
+		go func() {
+			defer close(exited)
+			for {
+				select {
+				case <-hup:
+					if _, err := srv.ReloadFromSource(); err != nil {
+						log.Error("reload on SIGHUP failed; the running configuration is unchanged", zap.Error(err))
+					}
+				case <-done:
+					return
+				}
+			}
+		}()
+		stops = append(stops, func() {
+			signal.Stop(hup)
+			close(done)
+			<-exited
+		})
+	}
+	if c.MetricsListen != "" {
+		ln, err := net.Listen("tcp", c.MetricsListen)
+		if err != nil {
+			stop()
+			return nil, fmt.Errorf("metrics listen: %w", err)
+		}
+		hs := &http.Server{Handler: srv.MetricsHandler(), ReadHeaderTimeout: 10 * time.Second}
+		served := make(chan struct{})
+		go func() {
+			defer close(served)
+			if err := hs.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
+				log.Error("metrics endpoint failed", zap.Error(err))
+			}
+		}()
+		log.Info("metrics listening", zap.String("addr", ln.Addr().String()))
+		stops = append(stops, func() {
+			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+			defer cancel()
+			hs.Shutdown(ctx)
+			<-served
+		})
+	}
+	return stop, nil
+}
