@@ -59,6 +59,7 @@ func newRootCmd() *cobra.Command {
 		newServeCmd(),
 		newPasswdCmd(),
 		newRunCmd(),
+		newAuditCmd(),
 	)
 	return root
 }

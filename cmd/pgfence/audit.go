@@ -1,0 +1,156 @@
+package main
+
+import (
+	"encoding/json"
+	"fmt"
+	"strings"
+	"time"
+
+	"github.com/spf13/cobra"
+
+	"github.com/pgfence/pgfence/audit"
+)
+
+// Exit codes of pgfence audit.
+const (
+	auditExitViolations = 1  // the history violates a guarantee
+	auditExitError      = 70 // the audit could not run (EX_SOFTWARE)
+)
+
+func newAuditCmd() *cobra.Command {
+	var (
+		dsn, since, until string
+		results           []string
+		asJSON            bool
+		maxViolations     int
+	)
+	cmd := &cobra.Command{
+		Use:   "audit",
+		Short: "Check a live pgfence history for violations of the guarantees",
+		Long: `Read the history kept in PostgreSQL (commit receipts, the token issuance
+log, epochs, fences, the consumer log and the result tables named with
+--result) in one read-only REPEATABLE READ snapshot, and report violations of:
+
+  1. no commit under a token after a larger token of the same job had been
+     issued and committed (L2), ordered by PostgreSQL's commit timestamps
+     (track_commit_timestamp; without it, a weaker clock comparison);
+  2. one receipt per (job_key, epoch, token, step), and no orphans: every
+     --result row's (job, token) has a receipt (and, on request, every
+     receipt its row);
+  5. no consumer applied an event older than one it had already applied;
+  6. no token reused across epochs of a key (L5).
+
+Checks 3 and 4 need clients' records and run only in the chaos run.
+
+--since and --until (RFC 3339, a date, or a duration meaning that long ago)
+audit a window: receipts by committed_at, tokens and result rows by the
+time their token was issued, the consumer log by time. --result
+TABLE:JOBCOL:TOKENCOL names a table whose rows carry their job key and token
+(repeat it for several tables): each row needs a receipt. Append :every when
+every commit of the default step writes a row with its token, or :upsert when
+it writes the job's single row that a larger token overwrites; then each such
+receipt also needs its row. Do not use them for a table only some jobs write.
+
+Exit status: 0 with no violation, 1 with violations, 70 when the audit could
+not run (bad flags, connection or query errors).`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, args []string) error {
+			ctx := cmd.Context()
+			fail := func(err error) error { return &exitError{code: auditExitError, msg: err.Error()} }
+			opts := audit.Options{MaxViolations: maxViolations}
+			now := time.Now()
+			var err error
+			if opts.Since, err = parseAuditTime(since, now); err != nil {
+				return fail(fmt.Errorf("--since: %w", err))
+			}
+			if opts.Until, err = parseAuditTime(until, now); err != nil {
+				return fail(fmt.Errorf("--until: %w", err))
+			}
+			for _, r := range results {
+				t, err := parseResultTable(r)
+				if err != nil {
+					return fail(fmt.Errorf("--result: %w", err))
+				}
+				opts.Results = append(opts.Results, t)
+			}
+			conn, err := connectDatabase(ctx, cmd, dsn)
+			if err != nil {
+				return fail(err)
+			}
+			defer conn.Close(ctx)
+			rep, err := audit.Run(ctx, conn, opts)
+			if err != nil {
+				return fail(err)
+			}
+			out := cmd.OutOrStdout()
+			if asJSON {
+				enc := json.NewEncoder(out)
+				enc.SetIndent("", "  ")
+				err = enc.Encode(rep)
+			} else {
+				err = rep.WriteText(out)
+			}
+			if err != nil {
+				return fail(fmt.Errorf("write report: %w", err))
+			}
+			if !rep.OK() {
+				return &exitError{code: auditExitViolations}
+			}
+			return nil
+		},
+	}
+	cmd.SetFlagErrorFunc(func(_ *cobra.Command, err error) error {
+		return &exitError{code: auditExitError, msg: err.Error()}
+	})
+	addDatabaseFlag(cmd, &dsn)
+	cmd.Flags().StringVar(&since, "since", "", "audit history from this time on (RFC 3339, YYYY-MM-DD, or a duration ago such as 24h)")
+	cmd.Flags().StringVar(&until, "until", "", "audit history before this time (same forms as --since)")
+	cmd.Flags().StringArrayVar(&results, "result", nil, "TABLE:JOBCOL:TOKENCOL[:rows|every|upsert], a table whose rows carry their generation (repeatable)")
+	cmd.Flags().BoolVar(&asJSON, "json", false, "print the report as JSON")
+	cmd.Flags().IntVar(&maxViolations, "max-violations", 100, "violations shown per check (the rest are counted)")
+	return cmd
+}
+
+// parseAuditTime reads an RFC 3339 time, a date, or a duration meaning
+// that long before now. "" is the zero time (unbounded).
+func parseAuditTime(s string, now time.Time) (time.Time, error) {
+	if s == "" {
+		return time.Time{}, nil
+	}
+	if t, err := time.Parse(time.RFC3339Nano, s); err == nil {
+		return t, nil
+	}
+	if t, err := time.ParseInLocation(time.DateOnly, s, time.Local); err == nil {
+		return t, nil
+	}
+	if d, err := time.ParseDuration(strings.TrimPrefix(s, "-")); err == nil {
+		return now.Add(-d), nil
+	}
+	return time.Time{}, fmt.Errorf("%q is not an RFC 3339 time, a date (YYYY-MM-DD) or a duration (24h)", s)
+}
+
+// parseResultTable reads TABLE:JOBCOL:TOKENCOL[:MODE]. Mode "rows" (the
+// default) checks rows → receipts only; "every" also requires a row with
+// the same token for every receipt of the default step; "upsert" requires
+// a row of the job with a token at least the receipt's (one row per job,
+// overwritten by larger tokens).
+func parseResultTable(s string) (audit.ResultTable, error) {
+	parts := strings.Split(s, ":")
+	if len(parts) == 3 {
+		parts = append(parts, "rows")
+	}
+	if len(parts) != 4 || parts[0] == "" || parts[1] == "" || parts[2] == "" {
+		return audit.ResultTable{}, fmt.Errorf("%q is not TABLE:JOBCOL:TOKENCOL[:rows|every|upsert]", s)
+	}
+	t := audit.ResultTable{Table: parts[0], JobKeyColumn: parts[1], TokenColumn: parts[2]}
+	switch parts[3] {
+	case "rows":
+	case "every":
+		t.Steps = []string{""}
+	case "upsert":
+		t.Steps, t.Upsert = []string{""}, true
+	default:
+		return audit.ResultTable{}, fmt.Errorf("%q: mode %q is not rows, every or upsert", s, parts[3])
+	}
+	return t, nil
+}
