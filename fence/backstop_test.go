@@ -230,11 +230,16 @@ func TestPrivileges(t *testing.T) {
 		"select fence.unprotect('results')",
 		"select fence.protect('audit')",
 		"select fence.gc('0')",
-		"select fence.backstop_check('report', '1', '1', '', 'public', 'results', 'INSERT')",
+		"select fence.gate_slow('report', 1, 1, '')",
+		"select fence.check_generation(null, 'report', 1, 1)",
 	} {
 		_, err := c.Exec(ctx, sql)
 		wantCode(t, err, "42501")
 	}
+	// The backstop's SECURITY DEFINER check is the trigger function itself,
+	// which PostgreSQL runs only as a trigger.
+	_, err = c.Exec(ctx, "select fence.backstop()")
+	wantCode(t, err, "0A000")
 	// A role that is not a worker cannot call the protocol, but the
 	// backstop still fences its writes.
 	e.exec("create role plain login; grant select, insert on results to plain")

@@ -249,74 +249,51 @@ begin
 end
 $$;
 
--- Plans. The hot entry points (gate, commit, the backstop's check,
--- accept_event) run plan_cache_mode = force_generic_plan: their statements
--- are fixed-shape primary-key lookups, and under the default (auto) mode
--- PostgreSQL kept choosing custom plans for them, that is re-planning every
--- statement on every call, which was most of the cost of a gated write.
--- The setting is inherited by gate_core, which they call.
+-- Cost. A gated write runs fence.gate once, the backstop trigger once per
+-- statement (twice for INSERT ... ON CONFLICT DO UPDATE, which fires both
+-- the INSERT and the UPDATE statement triggers) and fence.commit once, so
+-- their happy paths are kept to one statement each and one PL/pgSQL call
+-- (no nested SECURITY DEFINER functions; the error paths are in helpers).
 --
 -- Collation. A PL/pgSQL function's text parameters take the collation of
 -- the call's arguments: called with a name (say tg_table_schema) or with an
 -- explicit COLLATE, job_key would compare as "C" and no index on the
--- default-collation key columns could be used (a sequential scan of
--- fence.receipts on every write). The hot functions copy their keys into
--- locals declared COLLATE "default", so their lookups are index scans
--- whatever the caller passes.
+-- default-collation key columns could be used (this once made every
+-- protected write a sequential scan of fence.receipts). The hot functions
+-- copy their keys into locals declared COLLATE "default", so their lookups
+-- are index scans whatever the caller passes.
 
--- gate_core is the fence check shared by fence.gate and the backstop: lock
--- the fence row, consult the receipt before the fence (L3), then compare the
--- generation. It is a plain function (not SECURITY DEFINER, no SET): it runs
--- only inside the definer entry points fence.gate and fence.backstop_check,
--- which pin search_path, and it is not executable by PUBLIC. Everything in
--- it is schema-qualified anyway. The happy path is one index lookup that
--- re-locks the fence row (free when this transaction already holds it) and
--- probes the receipt; fence.epochs and fence.gc_watermarks are read only on
--- the error path (check_generation).
-create function fence.gate_core(p_job_key pg_catalog.text, p_epoch pg_catalog.int8, p_token pg_catalog.int8, p_step pg_catalog.text)
-returns pg_catalog.text
+-- gate_slow is the rest of the gate when the one-statement fast check (in
+-- fence.gate and fence.backstop) did not say 'ok': lock the fence row,
+-- consult the receipt before the fence (L3): a retry of a committed
+-- generation is a replay even after a takeover; otherwise raise the precise
+-- fence error. It is a plain function (not SECURITY DEFINER): it runs only
+-- inside those definer functions, which pin search_path, and it is not
+-- executable by PUBLIC.
+create function fence.gate_slow(p_job_key text, p_epoch bigint, p_token bigint, p_step text) returns text
 language plpgsql
+set search_path = pg_catalog, fence
 as $$
 declare
-  v_key pg_catalog.text collate pg_catalog."default" := p_job_key;
-  v_step pg_catalog.text collate pg_catalog."default" := coalesce(p_step, '');
+  v_key text collate pg_catalog."default" := p_job_key;
+  v_step text collate pg_catalog."default" := coalesce(p_step, '');
   f fence.fences;
-  v_replay pg_catalog.bool;
 begin
-  -- Serialise with takeovers and other commits of this job. The row lock is
-  -- held until the transaction (or the savepoint that took it) ends.
-  select fe.*, exists (select 1 from fence.receipts r
-                        where r.job_key operator(pg_catalog.=) v_key
-                          and r.epoch operator(pg_catalog.=) p_epoch
-                          and r.token operator(pg_catalog.=) p_token
-                          and r.step operator(pg_catalog.=) v_step)
-    into f.job_key, f.epoch, f.max_issued_token, f.retired_at, v_replay
-    from fence.fences fe
-   where fe.job_key operator(pg_catalog.=) v_key
-     for update of fe;
-  if not found then
-    -- No fence row: no receipt can exist either (fence.commit refuses an
-    -- unknown job), so this is FN005.
-    v_replay := false;
-  end if;
-  if v_replay then
-    -- A retry of a committed generation is a replay even after a takeover.
+  select * into f from fence.fences fe where fe.job_key = v_key for update;
+  if exists (select 1 from fence.receipts r
+              where r.job_key = v_key and r.epoch = p_epoch and r.token = p_token and r.step = v_step) then
     -- The guard row makes the transaction impossible to commit; the
     -- setting lets the pgfence_replay row triggers skip its writes (see
-    -- fence.protect).
+    -- fence.protect). The guard is inserted every time, never skipped on
+    -- the strength of the setting: a client can forge the setting.
     insert into fence.replay_guards (job_key, epoch, token, step)
     values (v_key, p_epoch, p_token, v_step);
-    perform pg_catalog.set_config('pgfence.replay', pg_catalog.pg_current_xact_id()::pg_catalog.text, true);
+    perform set_config('pgfence.replay', pg_current_xact_id()::text, true);
     return 'replay';
   end if;
-  if f.epoch operator(pg_catalog.=) p_epoch and f.retired_at is null
-     and f.max_issued_token operator(pg_catalog.=) p_token then
-    return 'ok';
-  end if;
-  -- Not the current generation: raises the precise error.
+  -- Raises unless (p_epoch, p_token) is the current generation.
   perform fence.check_generation(f, v_key, p_epoch, p_token);
-  raise exception 'job "%": fence check failed for epoch % token %', v_key, p_epoch, p_token
-    using errcode = 'XX000';
+  return 'ok';
 end
 $$;
 
@@ -324,15 +301,33 @@ create function fence.gate(job_key text, epoch bigint, token bigint, step text d
 language plpgsql
 security definer
 set search_path = pg_catalog, fence
-set plan_cache_mode = force_generic_plan
 as $$
+#variable_conflict use_column
+declare
+  v_key text collate pg_catalog."default" := gate.job_key;
+  v_step text collate pg_catalog."default" := coalesce(gate.step, '');
+  f fence.fences;
+  v_replay boolean;
 begin
   if gate.job_key is null or gate.epoch is null or gate.token is null then
     raise exception 'fence.gate needs a job key, an epoch and a token (got %, %, %)',
         coalesce(gate.job_key, 'null'), coalesce(gate.epoch::text, 'null'), coalesce(gate.token::text, 'null')
       using errcode = '22023';
   end if;
-  return fence.gate_core(gate.job_key, gate.epoch, gate.token, gate.step);
+  -- Serialise with takeovers and other commits of this job: the row lock is
+  -- held until the transaction (or the savepoint that took it) ends. One
+  -- statement locks the row and probes the receipt. (Keep in step with
+  -- fence.backstop.)
+  select fe.epoch, fe.max_issued_token, fe.retired_at,
+         exists (select 1 from fence.receipts r
+                  where r.job_key = v_key and r.epoch = gate.epoch and r.token = gate.token and r.step = v_step)
+    into f.epoch, f.max_issued_token, f.retired_at, v_replay
+    from fence.fences fe where fe.job_key = v_key
+     for update of fe;
+  if not v_replay and f.epoch = gate.epoch and f.retired_at is null and f.max_issued_token = gate.token then
+    return 'ok';
+  end if;
+  return fence.gate_slow(v_key, gate.epoch, gate.token, v_step);
 end
 $$;
 
@@ -341,7 +336,6 @@ returns text
 language plpgsql
 security definer
 set search_path = pg_catalog, fence
-set plan_cache_mode = force_generic_plan
 as $$
 #variable_conflict use_column
 declare
@@ -349,7 +343,6 @@ declare
   rc fence.receipts;
   v_key text collate pg_catalog."default" := commit.job_key;
   v_step text collate pg_catalog."default" := coalesce(commit.step, '');
-  v_inserted boolean;
 begin
   if commit.job_key is null or commit.epoch is null or commit.token is null then
     raise exception 'fence.commit needs a job key, an epoch and a token (got %, %, %)',
@@ -360,33 +353,31 @@ begin
     raise exception 'job "%": fence.commit needs a payload digest and its version', commit.job_key
       using errcode = '22023';
   end if;
-  -- One statement: lock the fence row (free when fence.gate already holds
-  -- it) and insert the receipt. No fence row means an unknown job: nothing
-  -- is inserted and check_generation raises FN005.
-  with fl as (
-    select fe.job_key, fe.epoch, fe.max_issued_token, fe.retired_at
-      from fence.fences fe where fe.job_key = v_key for update
-  ), ins as (
-    insert into fence.receipts as r (job_key, epoch, token, step, payload_digest, digest_version)
-    select v_key, commit.epoch, commit.token, v_step, commit.digest, commit.digest_version from fl
-    on conflict (job_key, epoch, token, step) do nothing
-    returning 1
-  )
-  select fl.job_key, fl.epoch, fl.max_issued_token, fl.retired_at, exists (select 1 from ins)
-    into f.job_key, f.epoch, f.max_issued_token, f.retired_at, v_inserted
-    from fl;
-  if not found or v_inserted then
-    -- First commit of this generation and step: it must hold the fence.
-    -- An error here undoes the receipt with the statement.
-    if f.epoch = commit.epoch and f.retired_at is null and f.max_issued_token = commit.token then
-      return 'committed';
-    end if;
-    perform fence.check_generation(f, v_key, commit.epoch, commit.token);
-    raise exception 'job "%": fence check failed for epoch % token %', v_key, commit.epoch, commit.token
-      using errcode = 'XX000';
+  -- Fast path, one statement: the receipt is inserted only if the fence row
+  -- (locked here, free when fence.gate already holds it) says this is the
+  -- current generation. In READ COMMITTED a concurrent takeover is waited
+  -- for and the condition rechecked on the new row version.
+  insert into fence.receipts (job_key, epoch, token, step, payload_digest, digest_version)
+  select v_key, commit.epoch, commit.token, v_step, commit.digest, commit.digest_version
+    from fence.fences fe
+   where fe.job_key = v_key and fe.epoch = commit.epoch and fe.retired_at is null
+     and fe.max_issued_token = commit.token
+     for update of fe
+  on conflict (job_key, epoch, token, step) do nothing;
+  if found then
+    return 'committed';
   end if;
+  -- Nothing inserted: a receipt exists (replay or conflict, answered first:
+  -- L3) or the generation does not hold the fence.
+  select * into f from fence.fences fe where fe.job_key = v_key for update;
   select * into rc from fence.receipts r
    where r.job_key = v_key and r.epoch = commit.epoch and r.token = commit.token and r.step = v_step;
+  if not found then
+    -- Raises the precise error: unknown, retired, pruned or stale.
+    perform fence.check_generation(f, v_key, commit.epoch, commit.token);
+    raise exception 'job "%": fence.commit could not record epoch % token % step "%"', v_key, commit.epoch, commit.token, v_step
+      using errcode = 'XX000';
+  end if;
   if rc.payload_digest = commit.digest and rc.digest_version = commit.digest_version then
     raise exception 'job "%": epoch % token % step "%" already committed at % with the same payload: idempotent replay',
         commit.job_key, commit.epoch, commit.token, v_step, rc.committed_at
@@ -448,7 +439,6 @@ create function fence.accept_event(consumer text, job_key text, epoch bigint, to
 language plpgsql
 security definer
 set search_path = pg_catalog, fence
-set plan_cache_mode = force_generic_plan
 as $$
 #variable_conflict use_column
 declare

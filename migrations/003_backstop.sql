@@ -4,10 +4,11 @@
 -- the proxy cannot see: functions, DO blocks, updatable views, rules, FK
 -- cascades and direct connections.
 --
--- The trigger functions run with the writer's rights (they must see the
--- writer's current_user to honour pgfence_bypass), so every role needs USAGE
--- on schema fence; the tables stay private, and the check itself runs in the
--- SECURITY DEFINER fence.backstop_check.
+-- Every role needs USAGE on schema fence to fire the triggers; the tables
+-- stay private. The check for writers with fence metadata runs in the
+-- SECURITY DEFINER trigger function fence.backstop; writers without it go
+-- to fence.backstop_nometa, which runs in the writer's rights (it must see
+-- the writer's current_user to honour pgfence_bypass).
 
 -- is_bypass: explicit (direct or indirect) membership of pgfence_bypass.
 -- Superusers are not exempt unless they are members: pg_has_role would say
@@ -26,76 +27,81 @@ as $$
   )
 $$;
 
--- backstop_check is the trigger's only SECURITY DEFINER hop: it validates
--- the settings and runs fence.gate_core directly (not through fence.gate,
--- which would be a second definer call with its own search_path switch).
--- Its text parameters are text, not name: a name argument would give the
--- call the "C" input collation (see gate_core).
-create function fence.backstop_check(p_job_key text, p_epoch text, p_token text, p_step text,
-                                     p_schema text, p_table text, p_op text)
-returns text
+-- backstop is the statement-level trigger for writers that carry fence
+-- metadata (the trigger's WHEN clause: fence.job_key is set). It is the
+-- whole check in one SECURITY DEFINER call: validate the settings, then the
+-- same one-statement fast check as fence.gate (keep the two in step), and
+-- fence.gate_slow for replays and errors. PostgreSQL refuses to call a
+-- trigger function other than as a trigger.
+create function fence.backstop() returns trigger
 language plpgsql
 security definer
 set search_path = pg_catalog, fence
-set plan_cache_mode = force_generic_plan
 as $$
+declare
+  v_key text collate pg_catalog."default" := current_setting('fence.job_key', true);
+  v_epoch_s text := current_setting('fence.epoch', true);
+  v_token_s text := current_setting('fence.token', true);
+  v_step text collate pg_catalog."default" := coalesce(current_setting('fence.step', true), '');
+  v_epoch bigint;
+  v_token bigint;
+  f fence.fences;
+  v_replay boolean;
 begin
-  if pg_trigger_depth() < 1 then
-    raise exception 'fence.backstop_check may only be called by the backstop trigger'
-      using errcode = '42501';
+  if v_key is null or v_key = '' then
+    -- Not reached through the WHEN clause (backstop_nometa handles it).
+    raise exception 'fencing required: % on protected table %.% without fence metadata',
+        tg_op, quote_ident(tg_table_schema), quote_ident(tg_table_name)
+      using errcode = 'FN008',
+            hint = 'set fence.job_key, fence.epoch and fence.token to a generation from fence.acquire (or connect through pgfence)';
   end if;
-  if p_epoch is null or p_epoch !~ '^\s*-?[0-9]{1,18}\s*$' then
+  if v_epoch_s is null or v_epoch_s !~ '^\s*-?[0-9]{1,18}\s*$' then
     raise exception 'fencing required: % on protected table %.% with fence.job_key "%" but fence.epoch is %',
-        p_op, quote_ident(p_schema), quote_ident(p_table), p_job_key,
-        case when p_epoch is null or p_epoch = '' then 'not set' else format('not an integer (%L)', p_epoch) end
+        tg_op, quote_ident(tg_table_schema), quote_ident(tg_table_name), v_key,
+        case when v_epoch_s is null or v_epoch_s = '' then 'not set' else format('not an integer (%L)', v_epoch_s) end
       using errcode = 'FN008',
             hint = 'set fence.epoch and fence.token to the values returned by fence.acquire';
   end if;
-  if p_token is null or p_token !~ '^\s*-?[0-9]{1,18}\s*$' then
+  if v_token_s is null or v_token_s !~ '^\s*-?[0-9]{1,18}\s*$' then
     raise exception 'fencing required: % on protected table %.% with fence.job_key "%" but fence.token is %',
-        p_op, quote_ident(p_schema), quote_ident(p_table), p_job_key,
-        case when p_token is null or p_token = '' then 'not set' else format('not an integer (%L)', p_token) end
+        tg_op, quote_ident(tg_table_schema), quote_ident(tg_table_name), v_key,
+        case when v_token_s is null or v_token_s = '' then 'not set' else format('not an integer (%L)', v_token_s) end
       using errcode = 'FN008',
             hint = 'set fence.epoch and fence.token to the values returned by fence.acquire';
   end if;
-  -- An assignment, not PERFORM: a simple expression skips the executor.
-  return fence.gate_core(p_job_key, trim(p_epoch)::bigint, trim(p_token)::bigint, p_step);
+  v_epoch := trim(v_epoch_s)::bigint;
+  v_token := trim(v_token_s)::bigint;
+  select fe.epoch, fe.max_issued_token, fe.retired_at,
+         exists (select 1 from fence.receipts r
+                  where r.job_key = v_key and r.epoch = v_epoch and r.token = v_token and r.step = v_step)
+    into f.epoch, f.max_issued_token, f.retired_at, v_replay
+    from fence.fences fe where fe.job_key = v_key
+     for update of fe;
+  if not v_replay and f.epoch = v_epoch and f.retired_at is null and f.max_issued_token = v_token then
+    return null;
+  end if;
+  perform fence.gate_slow(v_key, v_epoch, v_token, v_step);
+  return null;
 end
 $$;
 
--- backstop is the statement-level trigger. It runs in the writer's rights
--- (it must see the writer's current_user to honour pgfence_bypass) and is
--- on every protected write, so it has no SET search_path (a SET clause
--- saves and restores the setting and invalidates the cached search path on
--- every call). It is safe without one because every name in it is
--- schema-qualified, types and operators included (operator(pg_catalog.=)),
--- so nothing a writer or another role puts on the search path can be
--- resolved in its place; the fence check itself runs in the SECURITY DEFINER
--- fence.backstop_check, which pins search_path.
-create function fence.backstop() returns trigger
+-- backstop_nometa is the statement-level trigger for writers without fence
+-- metadata. It runs in the writer's rights: it must see the writer's
+-- current_user to honour pgfence_bypass.
+create function fence.backstop_nometa() returns trigger
 language plpgsql
+set search_path = pg_catalog, fence
 as $$
-declare
-  v_key pg_catalog.text := pg_catalog.current_setting('fence.job_key', true);
-  v_res pg_catalog.text;
 begin
-  if v_key is null or v_key operator(pg_catalog.=) '' then
-    if fence.is_bypass(current_user) then
-      raise log 'pgfence: role % bypassed the fence backstop: % on %.%',
-        current_user, tg_op, pg_catalog.quote_ident(tg_table_schema), pg_catalog.quote_ident(tg_table_name);
-      return null;
-    end if;
-    raise exception 'fencing required: % on protected table %.% without fence metadata (role %)',
-        tg_op, pg_catalog.quote_ident(tg_table_schema), pg_catalog.quote_ident(tg_table_name), current_user
-      using errcode = 'FN008',
-            hint = 'set fence.job_key, fence.epoch and fence.token to a generation from fence.acquire (or connect through pgfence); DBAs repairing data need membership in pgfence_bypass';
+  if fence.is_bypass(current_user) then
+    raise log 'pgfence: role % bypassed the fence backstop: % on %.%',
+      current_user, tg_op, quote_ident(tg_table_schema), quote_ident(tg_table_name);
+    return null;
   end if;
-  -- An assignment, not PERFORM: a simple expression skips the executor.
-  v_res := fence.backstop_check(v_key, pg_catalog.current_setting('fence.epoch', true),
-                               pg_catalog.current_setting('fence.token', true),
-                               pg_catalog.current_setting('fence.step', true),
-                               tg_table_schema::pg_catalog.text, tg_table_name::pg_catalog.text, tg_op);
-  return null;
+  raise exception 'fencing required: % on protected table %.% without fence metadata (role %)',
+      tg_op, quote_ident(tg_table_schema), quote_ident(tg_table_name), current_user
+    using errcode = 'FN008',
+          hint = 'set fence.job_key, fence.epoch and fence.token to a generation from fence.acquire (or connect through pgfence); DBAs repairing data need membership in pgfence_bypass';
 end
 $$;
 
@@ -210,8 +216,15 @@ begin
       using errcode = '55000', hint = 'unprotect it first (fence.unprotect), then protect it with the new column';
   end if;
 
+  -- Exactly one of the two statement triggers fires for a statement: the
+  -- WHEN clauses (plain expressions, no function call) split on whether
+  -- the session carries fence.job_key.
   execute format('create trigger pgfence_backstop before insert or update or delete or truncate on %s '
-                 'for each statement execute function fence.backstop()', tbl);
+                 'for each statement when (pg_catalog.current_setting(''fence.job_key'', true) operator(pg_catalog.<>) '''') '
+                 'execute function fence.backstop()', tbl);
+  execute format('create trigger pgfence_backstop_nometa before insert or update or delete or truncate on %s '
+                 'for each statement when (coalesce(pg_catalog.current_setting(''fence.job_key'', true), '''') operator(pg_catalog.=) '''') '
+                 'execute function fence.backstop_nometa()', tbl);
   -- Replay mode (DESIGN.md §4 step 2): when fence.gate answers 'replay' the
   -- transaction can never commit (its fence.replay_guards row fails at
   -- commit), so its writes are pointless; worse, a retried plain INSERT
@@ -276,6 +289,7 @@ begin
     raise notice '% is not protected; nothing to do', tbl;
   end if;
   execute format('drop trigger if exists pgfence_backstop on %s', tbl);
+  execute format('drop trigger if exists pgfence_backstop_nometa on %s', tbl);
   execute format('drop trigger if exists pgfence_job_key on %s', tbl);
   execute format('drop trigger if exists pgfence_replay on %s', tbl);
   if v.relid is not null then
@@ -301,5 +315,5 @@ grant execute on function
   to pgfence_worker;
 grant select on fence.fences, fence.leases, fence.protected_tables to pgfence_worker;
 -- Called by the backstop trigger in the writer's rights.
-grant execute on function fence.is_bypass(name), fence.backstop_check(text, text, text, text, text, text, text),
-  fence.backstop(), fence.backstop_row(), fence.replay_skip() to public;
+grant execute on function fence.is_bypass(name), fence.backstop(), fence.backstop_nometa(),
+  fence.backstop_row(), fence.replay_skip() to public;
