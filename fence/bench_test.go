@@ -130,3 +130,87 @@ func BenchmarkGateVsSeed(b *testing.B) {
 	b.ReportMetric(fenceNs/seedNs, "fence/seed")
 	b.Logf("gate+upsert+commit: fence %.0f ns/op, seed %.0f ns/op, ratio %.2f (n=%d)", fenceNs, seedNs, fenceNs/seedNs, i)
 }
+
+// BenchmarkReplayTrigger measures what the pgfence_replay row trigger costs
+// an ordinary (non-replay) write: the same 100-row UPDATE and single-row
+// upsert on two protected tables, one with the trigger disabled, interleaved
+// in one gated transaction per iteration. with-ns/op and without-ns/op are
+// the two tables' statement times, overhead the ratio.
+func BenchmarkReplayTrigger(b *testing.B) {
+	ctx := context.Background()
+	db := cluster.NewDatabase(b)
+	conn, err := cluster.Primary.Connect(ctx, db)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer conn.Close(ctx)
+	if _, err := conn.Exec(ctx, demoSchema+`
+create table rt_on (k int primary key, job_key text not null, token bigint not null);
+create table rt_off (k int primary key, job_key text not null, token bigint not null);
+insert into rt_on select g, 'bench-job', 0 from generate_series(1, 100) g;
+insert into rt_off select g, 'bench-job', 0 from generate_series(1, 100) g;
+select fence.protect('rt_on'), fence.protect('rt_off');
+alter table rt_off disable trigger pgfence_replay;
+`); err != nil {
+		b.Fatal(err)
+	}
+	l, err := fence.Acquire(ctx, conn, "bench-job", "bench", time.Hour)
+	if err != nil {
+		b.Fatal(err)
+	}
+	stmts := func(tbl string) []string {
+		return []string{
+			"update " + tbl + " set token = $1",
+			"insert into " + tbl + " values (1, 'bench-job', $1) on conflict (k) do update set token = excluded.token",
+		}
+	}
+	on, off := stmts("rt_on"), stmts("rt_off")
+	var withTime, withoutTime time.Duration
+	run := func(i int, measure bool) {
+		tx, err := conn.Begin(ctx)
+		if err != nil {
+			b.Fatal(err)
+		}
+		defer tx.Rollback(ctx)
+		if r, err := fence.Gate(ctx, tx, l.Generation(strconv.Itoa(i))); err != nil || r != fence.GateOK {
+			b.Fatalf("gate: %v, %v", r, err)
+		}
+		for j := range on {
+			// alternate which table goes first
+			first, second, ft, st := on[j], off[j], &withTime, &withoutTime
+			if i%2 == 1 {
+				first, second, ft, st = off[j], on[j], &withoutTime, &withTime
+			}
+			t0 := time.Now()
+			if _, err := tx.Exec(ctx, first, l.Token); err != nil {
+				b.Fatal(err)
+			}
+			t1 := time.Now()
+			if _, err := tx.Exec(ctx, second, l.Token); err != nil {
+				b.Fatal(err)
+			}
+			t2 := time.Now()
+			if measure {
+				*ft += t1.Sub(t0)
+				*st += t2.Sub(t1)
+			}
+		}
+	}
+	for i := range 50 {
+		run(-1-i, false)
+	}
+	i := 0
+	for b.Loop() {
+		run(i, true)
+		i++
+	}
+	if i == 0 {
+		return
+	}
+	w := float64(withTime.Nanoseconds()) / float64(i)
+	wo := float64(withoutTime.Nanoseconds()) / float64(i)
+	b.ReportMetric(w, "with-ns/op")
+	b.ReportMetric(wo, "without-ns/op")
+	b.ReportMetric(w/wo, "overhead")
+	b.Logf("100-row update + upsert: with pgfence_replay %.0f ns/op, without %.0f ns/op, ratio %.3f (n=%d)", w, wo, w/wo, i)
+}
