@@ -197,6 +197,9 @@ type tag struct {
 	hideRFQ  bool
 	failed   bool
 	rfqShown bool
+	// copyIn, for a wrapped COPY FROM (qplan.tail), is closed when the
+	// server starts the COPY (CopyInResponse).
+	copyIn chan struct{}
 
 	// Parse / Bind / Execute / Close
 	name    string
@@ -499,6 +502,9 @@ func (h *fenceSession) gatedQuery(s *Session, sql string, res *rewrite.Result) e
 	h.unsettled = true
 	h.copyGated = p.copy
 	h.copyTail = p.tail
+	if p.tail != nil {
+		p.tag.copyIn = make(chan struct{})
+	}
 	p.tag.sent = time.Now() // metrics: step latency
 	if err := h.send(s, queryMsg(h.buf[:0], p.text), p.tag, true); err != nil {
 		return err
@@ -506,7 +512,41 @@ func (h *fenceSession) gatedQuery(s *Session, sql string, res *rewrite.Result) e
 	if p.rollback {
 		return h.sendRollback(s)
 	}
+	if p.tail != nil {
+		return h.awaitCopy(s, p.tag)
+	}
 	return nil
+}
+
+// awaitCopy waits until the server either starts a wrapped COPY FROM or
+// answers the whole query without starting it (the gate, or a statement
+// before the COPY, failed). In the second case the client gets no
+// CopyInResponse and will send no CopyDone, so the receipt step that
+// waits for it must not: the wrapped transaction, failed and holding the
+// fence row lock if the gate took it, is rolled back at once, and that
+// ROLLBACK's ReadyForQuery answers the client's query (the query's own
+// was hidden). A client that sends its COPY data without waiting for
+// CopyInResponse is fine too: the server ignores CopyData and CopyDone
+// outside COPY.
+func (h *fenceSession) awaitCopy(s *Session, t *tag) error {
+	if err := s.FlushServer(); err != nil {
+		return err
+	}
+	select {
+	case <-t.copyIn:
+		return nil
+	case <-h.last.Done():
+	case <-s.closing:
+		return errSessionClosing
+	}
+	select {
+	case <-t.copyIn:
+		// Started and already finished: the client still sends CopyDone.
+		return nil
+	default:
+	}
+	h.copyTail, h.copyGated = nil, false
+	return h.sendRollback(s)
 }
 
 // qplan is a rewritten simple query.
@@ -1144,6 +1184,11 @@ func (h *fenceSession) queryResponse(s *Session, msg []byte, t *tag) (Verdict, e
 	case 'D':
 		if sg.step == stepGate {
 			h.gateResult(sg.gen, msg)
+		}
+	case 'G':
+		if t.copyIn != nil {
+			close(t.copyIn)
+			t.copyIn = nil
 		}
 	}
 	if sg.step != stepClient {
