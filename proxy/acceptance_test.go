@@ -1,0 +1,1520 @@
+package proxy
+
+import (
+	"bufio"
+	"context"
+	"encoding/binary"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/pgfence/pgfence/fence"
+	"github.com/pgfence/pgfence/internal/pgtest"
+)
+
+// TestAcceptance proves the proxy-level cases of ACCEPTANCE.md (issue 4)
+// with clients that know nothing of pgfence but the session GUCs.
+func TestAcceptance(t *testing.T) {
+	t.Run("A01_stale_holder_write_refused", testA01)
+	t.Run("A02_holder_commits_first_takeover_waits", testA02)
+	t.Run("A03_takeover_first_stale_commit_rolls_back", testA03)
+	t.Run("A04_lost_commit_response_retry_is_replay", testA04)
+	t.Run("A05_same_step_different_payload_conflict", testA05)
+	t.Run("A06_retry_after_takeover_is_replay", testA06)
+	t.Run("A07_no_receipt_after_takeover_is_stale", testA07)
+	t.Run("A10_request_from_retired_lifecycle_rejected", testA10)
+	t.Run("A11_pruned_receipt_cannot_confirm", testA11)
+	t.Run("A13_every_path_without_metadata_refused", testA13)
+	t.Run("A14_implicit_transactions_gated_once", testA14)
+	t.Run("A15_disconnect_or_kill_inside_gated_tx", testA15)
+	t.Run("A16_metadata_follows_postgres_semantics", testA16)
+	t.Run("FN009_prepare_transaction_refused", testPrepareTransaction)
+	t.Run("psql", testPsql)
+}
+
+// ---------------------------------------------------------------------------
+// Harness
+
+// execModes are the two protocols a receipt path must work through.
+var execModes = []struct {
+	name string
+	mode pgx.QueryExecMode
+}{
+	{"extended", pgx.QueryExecModeCacheStatement},
+	{"simple", pgx.QueryExecModeSimpleProtocol},
+}
+
+var isoLevels = []struct {
+	name string
+	iso  pgx.TxIsoLevel
+}{
+	{"read_committed", ""},
+	{"repeatable_read", pgx.RepeatableRead},
+	{"serializable", pgx.Serializable},
+}
+
+// notices collects the notices a client receives.
+type notices struct {
+	mu   sync.Mutex
+	list []*pgconn.Notice
+}
+
+func (n *notices) add(_ *pgconn.PgConn, x *pgconn.Notice) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	n.list = append(n.list, x)
+}
+
+// codes returns the SQLSTATEs received so far and forgets them.
+func (n *notices) take() []string {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	var out []string
+	for _, x := range n.list {
+		out = append(out, x.Code)
+	}
+	n.list = nil
+	return out
+}
+
+// client describes how a test client connects.
+type client struct {
+	lease   *fence.Lease
+	mode    pgx.QueryExecMode
+	notices *notices
+	addr    string // host:port instead of the proxy's
+	db      string // instead of the env's
+	extra   []string
+}
+
+// connect opens a pgx connection through the proxy (or c.addr) carrying
+// the lease's generation in the startup options, as PGOPTIONS would.
+func (e *fenceEnv) connect(t *testing.T, c client) (*pgx.Conn, error) {
+	t.Helper()
+	addr := c.addr
+	if addr == "" {
+		addr = e.proxy.addr.String()
+	}
+	db := c.db
+	if db == "" {
+		db = e.db
+	}
+	cfg, err := pgx.ParseConfig(fmt.Sprintf("postgres://postgres@%s/%s?sslmode=disable", addr, db))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c.mode != 0 {
+		cfg.DefaultQueryExecMode = c.mode
+	}
+	var opts []string
+	if c.lease != nil {
+		opts = append(opts, fmt.Sprintf("-c fence.job_key=%s -c fence.epoch=%d -c fence.token=%d", c.lease.JobKey, c.lease.Epoch, c.lease.Token))
+	}
+	opts = append(opts, c.extra...)
+	if len(opts) > 0 {
+		cfg.RuntimeParams["options"] = strings.Join(opts, " ")
+	}
+	if c.notices != nil {
+		cfg.OnNotice = c.notices.add
+	}
+	conn, err := pgx.ConnectConfig(ctxT(t), cfg)
+	if err != nil {
+		return nil, err
+	}
+	t.Cleanup(func() { conn.Close(context.Background()) })
+	return conn, nil
+}
+
+func (e *fenceEnv) mustConnect(t *testing.T, c client) *pgx.Conn {
+	t.Helper()
+	conn, err := e.connect(t, c)
+	if err != nil {
+		t.Fatalf("connect: %v", err)
+	}
+	return conn
+}
+
+// writeTx is a worker's result transaction: a note in the unprotected
+// audit table, then the conditional upsert of the result.
+func writeTx(ctx context.Context, c *pgx.Conn, iso pgx.TxIsoLevel, job, payload string, token int64) error {
+	tx, err := c.BeginTx(ctx, pgx.TxOptions{IsoLevel: iso})
+	if err != nil {
+		return err
+	}
+	defer tx.Rollback(ctx)
+	if _, err := tx.Exec(ctx, "INSERT INTO audit (note) VALUES ($1)", payload); err != nil {
+		return err
+	}
+	if _, err := tx.Exec(ctx, upsert, job, payload, token); err != nil {
+		return err
+	}
+	return tx.Commit(ctx)
+}
+
+// result returns the job's result row (payload, token), or "", 0.
+func (e *fenceEnv) result(t *testing.T, job string) (string, int64) {
+	t.Helper()
+	var p string
+	var tok int64
+	err := e.direct(t).QueryRow(ctxT(t), "SELECT payload, token FROM results WHERE job_key = $1", job).Scan(&p, &tok)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return "", 0
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	return p, tok
+}
+
+func (e *fenceEnv) wantResult(t *testing.T, job, payload string, token int64) {
+	t.Helper()
+	if p, tok := e.result(t, job); p != payload || tok != token {
+		t.Fatalf("result of %s: got (%q, %d), want (%q, %d)", job, p, tok, payload, token)
+	}
+}
+
+func (e *fenceEnv) wantCount(t *testing.T, want int, q string, args ...any) {
+	t.Helper()
+	if n := e.count(t, q, args...); n != want {
+		t.Fatalf("%s: got %d, want %d", q, n, want)
+	}
+}
+
+func backendPID(t *testing.T, c *pgx.Conn) uint32 {
+	t.Helper()
+	var pid uint32
+	if err := c.QueryRow(ctxT(t), "SELECT pg_backend_pid()").Scan(&pid); err != nil {
+		t.Fatalf("pg_backend_pid: %v", err)
+	}
+	return pid
+}
+
+// waitLockWait waits until backend pid waits for a lock it has not been
+// granted, as pg_locks and pg_stat_activity show it.
+func (e *fenceEnv) waitLockWait(t *testing.T, pid uint32) {
+	t.Helper()
+	obs := e.direct(t)
+	err := pgtest.Poll(ctxT(t), func() (bool, error) {
+		var waiting bool
+		err := obs.QueryRow(ctxT(t), `SELECT EXISTS (SELECT 1 FROM pg_locks l JOIN pg_stat_activity a USING (pid)
+			WHERE l.pid = $1 AND NOT l.granted AND a.wait_event_type = 'Lock')`, pid).Scan(&waiting)
+		return waiting, err
+	})
+	if err != nil {
+		t.Fatalf("backend %d never waited for a lock: %v", pid, err)
+	}
+}
+
+// waitGone waits until backend pid has ended.
+func (e *fenceEnv) waitGone(t *testing.T, pid uint32) {
+	t.Helper()
+	obs := e.direct(t)
+	err := pgtest.Poll(ctxT(t), func() (bool, error) {
+		var alive bool
+		err := obs.QueryRow(ctxT(t), "SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = $1)", pid).Scan(&alive)
+		return !alive, err
+	})
+	if err != nil {
+		t.Fatalf("backend %d still there: %v", pid, err)
+	}
+}
+
+// fenceRowFree reports whether the job's fence row can be locked right now
+// (FOR UPDATE NOWAIT): a row lock is not listed in pg_locks by row, so it
+// is probed instead.
+func (e *fenceEnv) fenceRowFree(t *testing.T, job string) bool {
+	t.Helper()
+	ctx := ctxT(t)
+	c := e.direct(t)
+	tx, err := c.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(ctx)
+	_, err = tx.Exec(ctx, "SELECT 1 FROM fence.fences WHERE job_key = $1 FOR UPDATE NOWAIT", job)
+	if sqlstate(err) == "55P03" {
+		return false
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	return true
+}
+
+// ---------------------------------------------------------------------------
+// A01–A07, A10, A11
+
+func testA01(t *testing.T) {
+	for _, m := range execModes {
+		t.Run(m.name, func(t *testing.T) {
+			e := newFenceEnv(t)
+			ctx := ctxT(t)
+			la := e.acquire(t, "job", "a", time.Minute)
+			lb := e.takeover(t, "job", "b", la) // B holds 18 and has not written
+			a := e.mustConnect(t, client{lease: &la, mode: m.mode})
+			err := writeTx(ctx, a, "", "job", "from A", la.Token)
+			wantCode(t, err, fence.CodeStale)
+			e.wantResult(t, "job", "", 0)
+			e.wantCount(t, 0, "SELECT count(*) FROM audit")
+			e.wantCount(t, 0, "SELECT count(*) FROM fence.receipts")
+			// A's session is usable and still refused.
+			_, err = a.Exec(ctx, upsert, "job", "from A again", la.Token)
+			wantCode(t, err, fence.CodeStale)
+			// B commits normally.
+			b := e.mustConnect(t, client{lease: &lb, mode: m.mode})
+			if err := writeTx(ctx, b, "", "job", "from B", lb.Token); err != nil {
+				t.Fatalf("B's commit: %v", err)
+			}
+			e.wantResult(t, "job", "from B", lb.Token)
+			e.wantCount(t, 1, "SELECT count(*) FROM fence.receipts WHERE token = $1", lb.Token)
+		})
+	}
+}
+
+func testA02(t *testing.T) {
+	for _, m := range execModes {
+		t.Run(m.name, func(t *testing.T) {
+			e := newFenceEnv(t)
+			ctx := ctxT(t)
+			la := e.acquire(t, "job", "a", time.Minute)
+			// A's lease ends (it is still the fence's current token), so B
+			// may take over; A is in the middle of its result transaction.
+			if err := fence.Release(ctx, e.direct(t), "job", la.Token); err != nil {
+				t.Fatal(err)
+			}
+			a := e.mustConnect(t, client{lease: &la, mode: m.mode})
+			tx, err := a.Begin(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if _, err := tx.Exec(ctx, upsert, "job", "from A", la.Token); err != nil {
+				t.Fatalf("A's gated write: %v", err)
+			}
+			// B's takeover waits for A's fence row lock.
+			bconn := e.direct(t)
+			bpid := bconn.PgConn().PID()
+			type res struct {
+				l   fence.Lease
+				err error
+			}
+			done := make(chan res, 1)
+			go func() {
+				l, err := fence.Acquire(ctx, bconn, "job", "b", time.Minute)
+				done <- res{l, err}
+			}()
+			e.waitLockWait(t, bpid)
+			select {
+			case r := <-done:
+				t.Fatalf("B's acquire returned while A holds the fence: %+v", r)
+			default:
+			}
+			if err := tx.Commit(ctx); err != nil {
+				t.Fatalf("A's commit while B waits: %v", err)
+			}
+			r := <-done
+			if r.err != nil {
+				t.Fatalf("B's acquire: %v", r.err)
+			}
+			if r.l.Token <= la.Token {
+				t.Fatalf("B got token %d, want > %d", r.l.Token, la.Token)
+			}
+			// A's result stands (committed with the old token, legitimately).
+			e.wantResult(t, "job", "from A", la.Token)
+			e.wantCount(t, 1, "SELECT count(*) FROM fence.receipts WHERE token = $1", la.Token)
+			// B's write supersedes it.
+			b := e.mustConnect(t, client{lease: &r.l, mode: m.mode})
+			if err := writeTx(ctx, b, "", "job", "from B", r.l.Token); err != nil {
+				t.Fatalf("B's write: %v", err)
+			}
+			e.wantResult(t, "job", "from B", r.l.Token)
+			// And A is fenced off now: a new commit of its token (a new
+			// step; the committed one would be answered from its receipt)
+			// is stale.
+			if _, err := a.Exec(ctx, "SET fence.step = 'late'"); err != nil {
+				t.Fatal(err)
+			}
+			_, err = a.Exec(ctx, upsert, "job", "from A late", la.Token)
+			wantCode(t, err, fence.CodeStale)
+		})
+	}
+}
+
+func testA03(t *testing.T) {
+	for _, m := range execModes {
+		t.Run(m.name, func(t *testing.T) {
+			e := newFenceEnv(t)
+			ctx := ctxT(t)
+			la := e.acquire(t, "job", "a", time.Minute)
+			if err := fence.Release(ctx, e.direct(t), "job", la.Token); err != nil {
+				t.Fatal(err)
+			}
+			a := e.mustConnect(t, client{lease: &la, mode: m.mode})
+			apid := backendPID(t, a)
+			tx, err := a.Begin(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			// A writes an unprotected table first: not gated yet.
+			if _, err := tx.Exec(ctx, "INSERT INTO audit (note) VALUES ($1)", "A was here"); err != nil {
+				t.Fatal(err)
+			}
+			// B's takeover is in progress: its acquire holds the fence row.
+			b := e.direct(t)
+			btx, err := b.Begin(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer btx.Rollback(ctx)
+			var lb fence.Lease
+			if err := btx.QueryRow(ctx, "SELECT epoch, token FROM fence.acquire('job', 'b', '1 minute')").Scan(&lb.Epoch, &lb.Token); err != nil {
+				t.Fatal(err)
+			}
+			lb.JobKey = "job"
+			// A's first protected write: its gate waits for the takeover.
+			werr := make(chan error, 1)
+			go func() {
+				_, err := tx.Exec(ctx, upsert, "job", "from A", la.Token)
+				werr <- err
+			}()
+			e.waitLockWait(t, apid)
+			if err := btx.Commit(ctx); err != nil {
+				t.Fatal(err)
+			}
+			wantCode(t, <-werr, fence.CodeStale)
+			err = tx.Commit(ctx)
+			if !errors.Is(err, pgx.ErrTxCommitRollback) && sqlstate(err) != fence.CodeStale {
+				t.Fatalf("A's COMMIT after FN001: got %v, want a rollback", err)
+			}
+			// Nothing of A's transaction is visible, not even the audit row.
+			e.wantCount(t, 0, "SELECT count(*) FROM audit")
+			e.wantResult(t, "job", "", 0)
+			e.wantCount(t, 0, "SELECT count(*) FROM fence.receipts")
+			// B commits normally; A's session is idle and usable.
+			bw := e.mustConnect(t, client{lease: &lb, mode: m.mode})
+			if err := writeTx(ctx, bw, "", "job", "from B", lb.Token); err != nil {
+				t.Fatalf("B's write: %v", err)
+			}
+			e.wantResult(t, "job", "from B", lb.Token)
+			var one int
+			if err := a.QueryRow(ctx, "SELECT 1").Scan(&one); err != nil {
+				t.Fatalf("A's session after FN001: %v", err)
+			}
+		})
+	}
+}
+
+// cutRelay is a TCP relay in front of the proxy that loses a response: once
+// the client has sent a message matching cut, it forwards that message, then
+// drops every byte the proxy answers and closes both sides when the answer
+// is complete (at ReadyForQuery), so the server has finished the request
+// but the client never learns its outcome.
+type cutRelay struct {
+	ln     net.Listener
+	target string
+	cut    func(typ byte, body []byte) bool
+	fired  chan struct{}
+	once   sync.Once
+}
+
+func startCutRelay(t *testing.T, target string, cut func(typ byte, body []byte) bool) *cutRelay {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := &cutRelay{ln: ln, target: target, cut: cut, fired: make(chan struct{})}
+	var wg sync.WaitGroup
+	t.Cleanup(func() { ln.Close(); wg.Wait() })
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			wg.Add(1)
+			go func() { defer wg.Done(); r.relay(c) }()
+		}
+	}()
+	return r
+}
+
+func (r *cutRelay) relay(c net.Conn) {
+	defer c.Close()
+	s, err := net.Dial("tcp", r.target)
+	if err != nil {
+		return
+	}
+	defer s.Close()
+	var armed atomic.Bool
+	go func() {
+		// client → proxy: the startup packet, then typed messages.
+		defer s.Close()
+		cr := bufio.NewReader(c)
+		var hdr [4]byte
+		if _, err := io.ReadFull(cr, hdr[:]); err != nil {
+			return
+		}
+		body := make([]byte, binary.BigEndian.Uint32(hdr[:])-4)
+		if _, err := io.ReadFull(cr, body); err != nil {
+			return
+		}
+		if _, err := s.Write(append(hdr[:], body...)); err != nil {
+			return
+		}
+		for {
+			typ, msg, err := readMsg(cr)
+			if err != nil {
+				return
+			}
+			if !armed.Load() && r.cut(typ, msg[5:]) {
+				armed.Store(true)
+			}
+			if _, err := s.Write(msg); err != nil {
+				return
+			}
+		}
+	}()
+	// proxy → client.
+	sr := bufio.NewReader(s)
+	for {
+		typ, msg, err := readMsg(sr)
+		if err != nil {
+			return
+		}
+		if armed.Load() {
+			if typ == 'Z' {
+				r.once.Do(func() { close(r.fired) })
+				return // closes both sides
+			}
+			continue
+		}
+		if _, err := c.Write(msg); err != nil {
+			return
+		}
+	}
+}
+
+func readMsg(r *bufio.Reader) (byte, []byte, error) {
+	msg := make([]byte, 5)
+	if _, err := io.ReadFull(r, msg); err != nil {
+		return 0, nil, err
+	}
+	n := int(binary.BigEndian.Uint32(msg[1:5])) - 4
+	if n < 0 {
+		return 0, nil, errors.New("bad length")
+	}
+	msg = append(msg, make([]byte, n)...)
+	if _, err := io.ReadFull(r, msg[5:]); err != nil {
+		return 0, nil, err
+	}
+	return msg[0], msg, nil
+}
+
+// isCommitQuery matches a simple Query whose text is COMMIT.
+func isCommitQuery(typ byte, body []byte) bool {
+	return typ == 'Q' && strings.EqualFold(strings.TrimSpace(strings.TrimRight(string(body), "\x00; ")), "commit")
+}
+
+func testA04(t *testing.T) {
+	for _, m := range execModes {
+		for _, iso := range isoLevels {
+			t.Run(m.name+"/"+iso.name, func(t *testing.T) {
+				e := newFenceEnv(t)
+				ctx := ctxT(t)
+				l := e.acquire(t, "job", "a", time.Minute)
+				relay := startCutRelay(t, e.proxy.addr.String(), isCommitQuery)
+				a := e.mustConnect(t, client{lease: &l, mode: m.mode, addr: relay.ln.Addr().String()})
+				err := writeTx(ctx, a, iso.iso, "job", "payload", l.Token)
+				if err == nil {
+					t.Fatal("the COMMIT response reached the client; the relay did not cut")
+				}
+				<-relay.fired
+				// The commit went through: the receipt and the rows exist.
+				e.wantCount(t, 1, "SELECT count(*) FROM fence.receipts WHERE job_key = 'job' AND token = $1", l.Token)
+				e.wantResult(t, "job", "payload", l.Token)
+				// The client reconnects and retries the same payload.
+				var ns notices
+				a2 := e.mustConnect(t, client{lease: &l, mode: m.mode, notices: &ns})
+				if err := writeTx(ctx, a2, iso.iso, "job", "payload", l.Token); err != nil {
+					t.Fatalf("retry after the lost response: %v", err)
+				}
+				if got := ns.take(); len(got) != 1 || got[0] != fence.CodeReplay {
+					t.Fatalf("retry notices: got %v, want [%s]", got, fence.CodeReplay)
+				}
+				e.wantResult(t, "job", "payload", l.Token)
+				e.wantCount(t, 1, "SELECT count(*) FROM audit")
+				e.wantCount(t, 1, "SELECT count(*) FROM fence.receipts")
+				// The session is idle and usable after the replay.
+				var one int
+				if err := a2.QueryRow(ctx, "SELECT 1").Scan(&one); err != nil {
+					t.Fatalf("session after replay: %v", err)
+				}
+			})
+		}
+	}
+	// A lone autocommit write (an implicit transaction the proxy wraps)
+	// whose response is lost after its Sync.
+	for _, m := range execModes {
+		t.Run("implicit_"+m.name, func(t *testing.T) {
+			e := newFenceEnv(t)
+			ctx := ctxT(t)
+			l := e.acquire(t, "job", "a", time.Minute)
+			var sawWrite atomic.Bool
+			relay := startCutRelay(t, e.proxy.addr.String(), func(typ byte, body []byte) bool {
+				switch typ {
+				case 'Q':
+					return strings.Contains(string(body), "INSERT INTO results")
+				case 'P':
+					if strings.Contains(string(body), "INSERT INTO results") {
+						sawWrite.Store(true)
+					}
+				case 'B':
+					return sawWrite.Load()
+				}
+				return false
+			})
+			a := e.mustConnect(t, client{lease: &l, mode: m.mode, addr: relay.ln.Addr().String()})
+			if _, err := a.Exec(ctx, upsert, "job", "payload", l.Token); err == nil {
+				t.Fatal("the response reached the client; the relay did not cut")
+			}
+			<-relay.fired
+			e.wantCount(t, 1, "SELECT count(*) FROM fence.receipts WHERE job_key = 'job' AND token = $1", l.Token)
+			e.wantResult(t, "job", "payload", l.Token)
+			var ns notices
+			a2 := e.mustConnect(t, client{lease: &l, mode: m.mode, notices: &ns})
+			if _, err := a2.Exec(ctx, upsert, "job", "payload", l.Token); err != nil {
+				t.Fatalf("retry: %v", err)
+			}
+			if got := ns.take(); len(got) != 1 || got[0] != fence.CodeReplay {
+				t.Fatalf("retry notices: got %v, want [%s]", got, fence.CodeReplay)
+			}
+			e.wantCount(t, 1, "SELECT count(*) FROM fence.receipts")
+		})
+	}
+}
+
+func testA05(t *testing.T) {
+	for _, m := range execModes {
+		for _, iso := range isoLevels {
+			t.Run(m.name+"/"+iso.name, func(t *testing.T) {
+				e := newFenceEnv(t)
+				ctx := ctxT(t)
+				l := e.acquire(t, "job", "a", time.Minute)
+				var ns notices
+				a := e.mustConnect(t, client{lease: &l, mode: m.mode, notices: &ns})
+				if err := writeTx(ctx, a, iso.iso, "job", "first", l.Token); err != nil {
+					t.Fatalf("first commit: %v", err)
+				}
+				err := writeTx(ctx, a, iso.iso, "job", "second", l.Token)
+				wantCode(t, err, fence.CodeConflict)
+				if got := ns.take(); len(got) != 0 {
+					t.Fatalf("notices: got %v, want none", got)
+				}
+				e.wantResult(t, "job", "first", l.Token)
+				e.wantCount(t, 1, "SELECT count(*) FROM audit")
+				e.wantCount(t, 1, "SELECT count(*) FROM fence.receipts")
+				// Idle and usable: a different step commits.
+				if _, err := a.Exec(ctx, "SET fence.step = 'next'"); err != nil {
+					t.Fatalf("SET after FN003: %v", err)
+				}
+				if err := writeTx(ctx, a, iso.iso, "job", "second", l.Token); err != nil {
+					t.Fatalf("next step: %v", err)
+				}
+				e.wantResult(t, "job", "first", l.Token) // same token: the upsert keeps the first
+				e.wantCount(t, 2, "SELECT count(*) FROM fence.receipts")
+			})
+		}
+	}
+}
+
+func testA06(t *testing.T) {
+	for _, m := range execModes {
+		t.Run(m.name, func(t *testing.T) {
+			e := newFenceEnv(t)
+			ctx := ctxT(t)
+			la := e.acquire(t, "job", "a", time.Minute)
+			a := e.mustConnect(t, client{lease: &la, mode: m.mode})
+			if err := writeTx(ctx, a, "", "job", "payload", la.Token); err != nil {
+				t.Fatalf("A's commit: %v", err)
+			}
+			lb := e.takeover(t, "job", "b", la)
+			var ns notices
+			a2 := e.mustConnect(t, client{lease: &la, mode: m.mode, notices: &ns})
+			if err := writeTx(ctx, a2, "", "job", "payload", la.Token); err != nil {
+				t.Fatalf("A's retry after the takeover: got %v, want replay success", err)
+			}
+			if got := ns.take(); len(got) != 1 || got[0] != fence.CodeReplay {
+				t.Fatalf("notices: got %v, want [%s]", got, fence.CodeReplay)
+			}
+			e.wantResult(t, "job", "payload", la.Token)
+			e.wantCount(t, 1, "SELECT count(*) FROM audit")
+			e.wantCount(t, 1, "SELECT count(*) FROM fence.receipts")
+			_ = lb
+		})
+	}
+}
+
+func testA07(t *testing.T) {
+	for _, m := range execModes {
+		t.Run(m.name, func(t *testing.T) {
+			e := newFenceEnv(t)
+			ctx := ctxT(t)
+			la := e.acquire(t, "job", "a", time.Minute)
+			e.takeover(t, "job", "b", la)
+			var ns notices
+			a := e.mustConnect(t, client{lease: &la, mode: m.mode, notices: &ns})
+			err := writeTx(ctx, a, "", "job", "payload", la.Token)
+			wantCode(t, err, fence.CodeStale)
+			if got := ns.take(); len(got) != 0 {
+				t.Fatalf("notices: got %v, want none", got)
+			}
+			e.wantResult(t, "job", "", 0)
+			e.wantCount(t, 0, "SELECT count(*) FROM audit")
+			e.wantCount(t, 0, "SELECT count(*) FROM fence.receipts")
+		})
+	}
+}
+
+func testA10(t *testing.T) {
+	for _, m := range execModes {
+		t.Run(m.name, func(t *testing.T) {
+			e := newFenceEnv(t)
+			ctx := ctxT(t)
+			old := e.acquire(t, "job", "a", time.Minute)
+			a := e.mustConnect(t, client{lease: &old, mode: m.mode})
+			if err := writeTx(ctx, a, "", "job", "old lifecycle", old.Token); err != nil {
+				t.Fatal(err)
+			}
+			// Clean up: retire, collect receipts, delete the business row.
+			if err := fence.Retire(ctx, e.direct(t), "job"); err != nil {
+				t.Fatal(err)
+			}
+			if n, err := fence.GC(ctx, e.direct(t), 0); err != nil || n != 1 {
+				t.Fatalf("gc: %d, %v; want 1 receipt", n, err)
+			}
+			// A DBA (member of pgfence_bypass) deletes the business row.
+			dba := pgx.Identifier{"dba_" + e.db}.Sanitize()
+			if _, err := e.direct(t).Exec(ctx, fmt.Sprintf("CREATE ROLE %[1]s IN ROLE pgfence_bypass; GRANT DELETE ON results TO %[1]s; SET ROLE %[1]s; DELETE FROM results; RESET ROLE", dba)); err != nil {
+				t.Fatal(err)
+			}
+			e.wantResult(t, "job", "", 0)
+			// The same business key again: a new lifecycle.
+			nl := e.acquire(t, "job", "b", time.Minute)
+			if nl.Epoch == old.Epoch || nl.Token <= old.Token {
+				t.Fatalf("new lifecycle (epoch %d, token %d) does not supersede the old (epoch %d, token %d)", nl.Epoch, nl.Token, old.Epoch, old.Token)
+			}
+			var maxOld int64
+			if err := e.direct(t).QueryRow(ctx, "SELECT max(token) FROM fence.issuance WHERE epoch = $1", old.Epoch).Scan(&maxOld); err != nil || nl.Token <= maxOld {
+				t.Fatalf("new token %d not larger than every old one (%d, %v)", nl.Token, maxOld, err)
+			}
+			b := e.mustConnect(t, client{lease: &nl, mode: m.mode})
+			if err := writeTx(ctx, b, "", "job", "new lifecycle", nl.Token); err != nil {
+				t.Fatal(err)
+			}
+			// A request saved from before the clean-up: the same payload,
+			// and a different one.
+			for _, payload := range []string{"old lifecycle", "late write"} {
+				stale := e.mustConnect(t, client{lease: &old, mode: m.mode})
+				err := writeTx(ctx, stale, "", "job", payload, old.Token)
+				wantCode(t, err, fence.CodeRetired)
+			}
+			e.wantResult(t, "job", "new lifecycle", nl.Token)
+			e.wantCount(t, 2, "SELECT count(*) FROM audit")
+			e.wantCount(t, 0, "SELECT count(*) FROM fence.receipts WHERE epoch = $1", old.Epoch)
+		})
+	}
+}
+
+func testA11(t *testing.T) {
+	for _, m := range execModes {
+		t.Run(m.name, func(t *testing.T) {
+			e := newFenceEnv(t)
+			ctx := ctxT(t)
+			la := e.acquire(t, "job", "a", time.Minute)
+			a := e.mustConnect(t, client{lease: &la, mode: m.mode})
+			if err := writeTx(ctx, a, "", "job", "payload", la.Token); err != nil {
+				t.Fatal(err)
+			}
+			lb := e.takeover(t, "job", "b", la)
+			if n, err := fence.GC(ctx, e.direct(t), 0); err != nil || n != 1 {
+				t.Fatalf("gc: %d, %v; want 1 receipt", n, err)
+			}
+			var ns notices
+			a2 := e.mustConnect(t, client{lease: &la, mode: m.mode, notices: &ns})
+			err := writeTx(ctx, a2, "", "job", "payload", la.Token)
+			wantCode(t, err, fence.CodeExpired)
+			if got := ns.take(); len(got) != 0 {
+				t.Fatalf("notices: got %v, want none", got)
+			}
+			e.wantCount(t, 1, "SELECT count(*) FROM audit")
+			e.wantCount(t, 0, "SELECT count(*) FROM fence.receipts")
+			e.wantResult(t, "job", "payload", la.Token)
+			_ = lb
+		})
+	}
+}
+
+// ---------------------------------------------------------------------------
+// A13: every path to a protected table without valid metadata
+
+const a13Schema = `
+CREATE FUNCTION write_results(k text) RETURNS void LANGUAGE sql AS
+  $$ INSERT INTO results (job_key, payload, token) VALUES (k, 'via function', 999) $$;
+CREATE VIEW results_view AS SELECT job_key, payload, token FROM results;
+CREATE TABLE staging (job_key text, payload text, token bigint);
+INSERT INTO staging VALUES ('merged', 'via merge', 999);
+`
+
+func testA13(t *testing.T) {
+	e := newFenceEnv(t)
+	ctx := ctxT(t)
+	if _, err := e.direct(t).Exec(ctx, a13Schema); err != nil {
+		t.Fatal(err)
+	}
+	l := e.acquire(t, "job", "a", time.Minute)
+	w := e.mustConnect(t, client{lease: &l})
+	if _, err := w.Exec(ctx, upsert, "job", "legit", l.Token); err != nil {
+		t.Fatalf("legitimate write: %v", err)
+	}
+	stale := l
+	e.takeover(t, "job", "b", l) // l's token is stale from now on
+
+	type path struct {
+		name string
+		run  func(c *pgx.Conn) error
+	}
+	simple := pgx.QueryExecModeSimpleProtocol
+	paths := []path{
+		{"insert_extended", func(c *pgx.Conn) error {
+			_, err := c.Exec(ctx, upsert, "x", "plain", 999)
+			return err
+		}},
+		{"update_simple", func(c *pgx.Conn) error {
+			_, err := c.Exec(ctx, "UPDATE results SET payload = 'plain'", simple)
+			return err
+		}},
+		{"delete_extended", func(c *pgx.Conn) error {
+			_, err := c.Exec(ctx, "DELETE FROM results WHERE token > $1", 0)
+			return err
+		}},
+		{"multi_statement_simple", func(c *pgx.Conn) error {
+			_, err := c.Exec(ctx, "INSERT INTO audit (note) VALUES ('multi'); INSERT INTO results VALUES ('m', 'multi', 999); INSERT INTO audit (note) VALUES ('after')")
+			return err
+		}},
+		{"pipeline", func(c *pgx.Conn) error {
+			p := c.PgConn().StartPipeline(ctx)
+			p.SendQueryParams("INSERT INTO audit (note) VALUES ($1)", [][]byte{[]byte("pipelined")}, nil, nil, nil)
+			p.SendQueryParams("INSERT INTO results VALUES ($1, 'pipelined', 999)", [][]byte{[]byte("p")}, nil, nil, nil)
+			p.SendQueryParams("INSERT INTO audit (note) VALUES ($1)", [][]byte{[]byte("after")}, nil, nil, nil)
+			p.SendPipelineSync()
+			if err := p.Flush(); err != nil {
+				return err
+			}
+			var first error
+			for {
+				r, err := p.GetResults()
+				if err != nil {
+					if first == nil {
+						first = err
+					}
+					continue
+				}
+				if r == nil {
+					break
+				}
+				switch r := r.(type) {
+				case *pgconn.ResultReader:
+					if _, err := r.Close(); err != nil && first == nil {
+						first = err
+					}
+				case *pgconn.PipelineSync:
+					if err := p.Close(); err != nil && first == nil {
+						first = err
+					}
+					return first
+				}
+			}
+			if err := p.Close(); err != nil && first == nil {
+				first = err
+			}
+			return first
+		}},
+		{"writable_cte", func(c *pgx.Conn) error {
+			_, err := c.Exec(ctx, "WITH w AS (INSERT INTO results VALUES ($1, 'cte', 999) RETURNING *) SELECT count(*) FROM w", "cte")
+			return err
+		}},
+		{"merge", func(c *pgx.Conn) error {
+			_, err := c.Exec(ctx, `MERGE INTO results r USING staging s ON r.job_key = s.job_key
+				WHEN MATCHED THEN UPDATE SET payload = s.payload WHEN NOT MATCHED THEN INSERT VALUES (s.job_key, s.payload, s.token)`)
+			return err
+		}},
+		{"copy_from", func(c *pgx.Conn) error {
+			_, err := c.CopyFrom(ctx, pgx.Identifier{"results"}, []string{"job_key", "payload", "token"},
+				pgx.CopyFromRows([][]any{{"c1", "copied", int64(999)}, {"c2", "copied", int64(999)}}))
+			return err
+		}},
+		// COPY FROM STDIN from a client that waits for CopyInResponse
+		// before sending data (as psql does; pgconn answers an unexpected
+		// CopyInResponse with CopyFail): a refusal must answer the query.
+		{"copy_from_waiting_client", func(c *pgx.Conn) error {
+			_, err := c.Exec(ctx, "COPY results (job_key, payload, token) FROM STDIN")
+			return err
+		}},
+		{"truncate", func(c *pgx.Conn) error {
+			_, err := c.Exec(ctx, "TRUNCATE results")
+			return err
+		}},
+		{"function", func(c *pgx.Conn) error {
+			_, err := c.Exec(ctx, "SELECT write_results($1)", "f")
+			return err
+		}},
+		{"updatable_view", func(c *pgx.Conn) error {
+			_, err := c.Exec(ctx, "INSERT INTO results_view VALUES ($1, 'via view', 999)", "v")
+			return err
+		}},
+		{"do_block", func(c *pgx.Conn) error {
+			_, err := c.Exec(ctx, "DO $$BEGIN DELETE FROM results; END$$")
+			return err
+		}},
+	}
+	direct := cluster.Primary.Addr()
+	sessions := []struct {
+		name  string
+		c     client
+		codes []string
+	}{
+		{"no_metadata", client{}, []string{fence.CodeFencingRequired}},
+		// A stale token for a step it never committed (the committed step
+		// would be answered from its receipt: replay or conflict).
+		{"stale_token", client{lease: &stale, extra: []string{"-c fence.step=other"}}, []string{fence.CodeStale}},
+		{"job_key_only", client{extra: []string{"-c fence.job_key=job"}}, []string{fence.CodeFencingRequired}},
+		{"direct_no_metadata", client{addr: direct}, []string{fence.CodeFencingRequired}},
+		{"direct_stale_token", client{addr: direct, lease: &stale, extra: []string{"-c fence.step=other"}}, []string{fence.CodeStale}},
+	}
+	for _, s := range sessions {
+		for _, p := range paths {
+			t.Run(s.name+"/"+p.name, func(t *testing.T) {
+				c := e.mustConnect(t, s.c)
+				err := p.run(c)
+				if got := sqlstate(err); !contains(s.codes, got) {
+					t.Fatalf("got %v (SQLSTATE %q), want SQLSTATE %v", err, got, s.codes)
+				}
+				e.wantResult(t, "job", "legit", l.Token)
+				e.wantCount(t, 1, "SELECT count(*) FROM results")
+				e.wantCount(t, 0, "SELECT count(*) FROM audit")
+				e.wantCount(t, 1, "SELECT count(*) FROM fence.receipts")
+				// The session is idle and usable after the refusal.
+				var one int
+				if err := c.QueryRow(ctx, "SELECT 1").Scan(&one); err != nil {
+					t.Fatalf("session after refusal: %v", err)
+				}
+			})
+		}
+	}
+}
+
+func contains(list []string, s string) bool {
+	for _, x := range list {
+		if x == s {
+			return true
+		}
+	}
+	return false
+}
+
+// ---------------------------------------------------------------------------
+// A14
+
+func testA14(t *testing.T) {
+	for _, m := range execModes {
+		t.Run("lone_write_"+m.name, func(t *testing.T) {
+			e := newFenceEnv(t)
+			ctx := ctxT(t)
+			l := e.acquire(t, "job", "a", time.Minute)
+			w := e.mustConnect(t, client{lease: &l, mode: m.mode})
+			if _, err := w.Exec(ctx, upsert, "job", "lone", l.Token); err != nil {
+				t.Fatal(err)
+			}
+			e.wantResult(t, "job", "lone", l.Token)
+			e.wantCount(t, 1, "SELECT count(*) FROM fence.receipts")
+			// One transaction: the result row and the receipt share an xid.
+			e.wantCount(t, 1, `SELECT count(DISTINCT x) FROM (SELECT xmin::text x FROM results
+				UNION ALL SELECT xmin::text FROM fence.receipts) s`)
+			e.wantCount(t, 0, "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND state LIKE 'idle in transaction%'")
+		})
+	}
+	t.Run("multi_statement_simple", func(t *testing.T) {
+		e := newFenceEnv(t)
+		ctx := ctxT(t)
+		l := e.acquire(t, "job", "a", time.Minute)
+		w := e.mustConnect(t, client{lease: &l})
+		q := fmt.Sprintf("INSERT INTO audit (note) VALUES ('one'); INSERT INTO results VALUES ('job', 'multi', %d); INSERT INTO audit (note) VALUES ('two'); UPDATE results SET payload = 'multi2'", l.Token)
+		if _, err := w.Exec(ctx, q); err != nil {
+			t.Fatal(err)
+		}
+		e.wantResult(t, "job", "multi2", l.Token)
+		e.wantCount(t, 2, "SELECT count(*) FROM audit")
+		e.wantCount(t, 1, "SELECT count(*) FROM fence.receipts")
+		e.wantCount(t, 1, `SELECT count(DISTINCT x) FROM (SELECT xmin::text x FROM results
+			UNION ALL SELECT xmin::text FROM audit UNION ALL SELECT xmin::text FROM fence.receipts) s`)
+		// A failure late in the query undoes all of it, the receipt too.
+		if _, err := w.Exec(ctx, "SET fence.step = 'two'"); err != nil {
+			t.Fatal(err)
+		}
+		_, err := w.Exec(ctx, "INSERT INTO audit (note) VALUES ('three'); UPDATE results SET payload = 'multi3'; SELECT 1/0")
+		wantCode(t, err, "22012")
+		e.wantResult(t, "job", "multi2", l.Token)
+		e.wantCount(t, 2, "SELECT count(*) FROM audit")
+		e.wantCount(t, 1, "SELECT count(*) FROM fence.receipts")
+		// The same step retried succeeds as a first commit.
+		if _, err := w.Exec(ctx, "INSERT INTO audit (note) VALUES ('three'); UPDATE results SET payload = 'multi3'"); err != nil {
+			t.Fatal(err)
+		}
+		e.wantResult(t, "job", "multi3", l.Token)
+		e.wantCount(t, 2, "SELECT count(*) FROM fence.receipts")
+	})
+}
+
+// ---------------------------------------------------------------------------
+// A15
+
+func testA15(t *testing.T) {
+	for _, m := range execModes {
+		t.Run("client_disconnects_"+m.name, func(t *testing.T) {
+			e := newFenceEnv(t)
+			ctx := ctxT(t)
+			l := e.acquire(t, "job", "a", time.Minute)
+			if err := fence.Release(ctx, e.direct(t), "job", l.Token); err != nil {
+				t.Fatal(err)
+			}
+			other := e.mustConnect(t, client{lease: &l, mode: m.mode, extra: []string{"-c fence.step=other"}})
+			a := e.mustConnect(t, client{lease: &l, mode: m.mode})
+			pid := backendPID(t, a)
+			tx, err := a.Begin(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if _, err := tx.Exec(ctx, "INSERT INTO audit (note) VALUES ('a')"); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := tx.Exec(ctx, upsert, "job", "from A", l.Token); err != nil {
+				t.Fatal(err)
+			}
+			if e.fenceRowFree(t, "job") {
+				t.Fatal("the fence row is not locked inside the gated transaction")
+			}
+			// The client vanishes without a word.
+			a.PgConn().Conn().Close()
+			e.waitGone(t, pid)
+			if !e.fenceRowFree(t, "job") {
+				t.Fatal("the fence row is still locked after the client left")
+			}
+			e.wantResult(t, "job", "", 0)
+			e.wantCount(t, 0, "SELECT count(*) FROM audit")
+			e.wantCount(t, 0, "SELECT count(*) FROM fence.receipts")
+			// The other session of the same proxy continues.
+			if _, err := other.Exec(ctx, upsert, "job", "from other", l.Token); err != nil {
+				t.Fatalf("other session: %v", err)
+			}
+			// A takeover does not wait.
+			c := e.direct(t)
+			if _, err := c.Exec(ctx, "SET lock_timeout = '2s'"); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := fence.Acquire(ctx, c, "job", "b", time.Minute); err != nil {
+				t.Fatalf("takeover after the disconnect: %v", err)
+			}
+		})
+	}
+	t.Run("proxy_killed", func(t *testing.T) {
+		e := newFenceEnv(t)
+		ctx := ctxT(t)
+		addr := startFenceServe(t)
+		l := e.acquire(t, "job", "a", time.Minute)
+		if err := fence.Release(ctx, e.direct(t), "job", l.Token); err != nil {
+			t.Fatal(err)
+		}
+		a := e.mustConnect(t, client{lease: &l, addr: addr.String()})
+		pid := backendPID(t, a)
+		tx, err := a.Begin(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := tx.Exec(ctx, "INSERT INTO audit (note) VALUES ('a')"); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := tx.Exec(ctx, upsert, "job", "from A", l.Token); err != nil {
+			t.Fatal(err)
+		}
+		if e.fenceRowFree(t, "job") {
+			t.Fatal("the fence row is not locked inside the gated transaction")
+		}
+		addr.kill(t)
+		if err := tx.Commit(ctx); err == nil {
+			t.Fatal("COMMIT succeeded through a killed proxy")
+		}
+		e.waitGone(t, pid)
+		if !e.fenceRowFree(t, "job") {
+			t.Fatal("the fence row is still locked after the proxy died")
+		}
+		e.wantResult(t, "job", "", 0)
+		e.wantCount(t, 0, "SELECT count(*) FROM audit")
+		e.wantCount(t, 0, "SELECT count(*) FROM fence.receipts")
+		// Other sessions (through the in-process proxy) continue.
+		w := e.mustConnect(t, client{lease: &l})
+		if _, err := w.Exec(ctx, upsert, "job", "after", l.Token); err != nil {
+			t.Fatalf("other session: %v", err)
+		}
+		e.wantResult(t, "job", "after", l.Token)
+		c := e.direct(t)
+		if _, err := c.Exec(ctx, "SET lock_timeout = '2s'"); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := fence.Acquire(ctx, c, "job", "b", time.Minute); err != nil {
+			t.Fatalf("takeover after the kill: %v", err)
+		}
+	})
+}
+
+var (
+	pgfenceOnce sync.Once
+	pgfenceBin  string
+	pgfenceErr  error
+)
+
+// serveProc is a `pgfence serve` process (with the write gate).
+type serveProc struct {
+	net.Addr
+	cmd *exec.Cmd
+}
+
+func (p *serveProc) kill(t *testing.T) {
+	t.Helper()
+	if err := p.cmd.Process.Signal(syscall.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	p.cmd.Wait()
+}
+
+// startFenceServe builds the pgfence binary (once per test run) and starts
+// `pgfence serve` in front of the test cluster on a free port.
+func startFenceServe(t *testing.T) *serveProc {
+	t.Helper()
+	pgfenceOnce.Do(func() {
+		dir, err := os.MkdirTemp("", "pgfence-bin")
+		if err != nil {
+			pgfenceErr = err
+			return
+		}
+		pgfenceBin = filepath.Join(dir, "pgfence")
+		out, err := exec.Command("go", "build", "-o", pgfenceBin, "../cmd/pgfence").CombinedOutput()
+		if err != nil {
+			pgfenceErr = fmt.Errorf("go build ../cmd/pgfence: %v\n%s", err, out)
+		}
+	})
+	if pgfenceErr != nil {
+		t.Fatal(pgfenceErr)
+	}
+	t.Cleanup(func() { os.RemoveAll(filepath.Dir(pgfenceBin)) })
+	cmd := exec.Command(pgfenceBin, "serve", "--listen", "127.0.0.1:0", "--primary", cluster.Primary.DSN("postgres"))
+	cmd.Env = os.Environ()
+	logs, err := cmd.StderrPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd.Stdout = cmd.Stderr
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	p := &serveProc{cmd: cmd}
+	t.Cleanup(func() {
+		if p.cmd.ProcessState == nil {
+			p.cmd.Process.Kill()
+			p.cmd.Wait()
+		}
+	})
+	// The "listening" log line names the address.
+	sc := bufio.NewScanner(logs)
+	for sc.Scan() {
+		var entry struct {
+			Msg  string `json:"msg"`
+			Addr string `json:"addr"`
+		}
+		if json.Unmarshal(sc.Bytes(), &entry) != nil || entry.Msg != "listening" {
+			continue
+		}
+		a, err := net.ResolveTCPAddr("tcp", entry.Addr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		p.Addr = a
+		go io.Copy(io.Discard, logs)
+		return p
+	}
+	t.Fatalf("pgfence serve exited before listening: %v", sc.Err())
+	return nil
+}
+
+// ---------------------------------------------------------------------------
+// A16
+
+func testA16(t *testing.T) {
+	for _, m := range execModes {
+		t.Run(m.name, func(t *testing.T) { testA16Mode(t, m.mode) })
+	}
+}
+
+func testA16Mode(t *testing.T, mode pgx.QueryExecMode) {
+	e := newFenceEnv(t)
+	ctx := ctxT(t)
+	old := e.acquire(t, "job", "a", time.Minute)
+	cur := e.takeover(t, "job", "b", old)
+	setCur := fmt.Sprintf("SET fence.token = %d", cur.Token)
+	step := 0
+	var lastErr error
+	// write does one gated write as its own step; it reports the SQLSTATE.
+	write := func(c *pgx.Conn) string {
+		t.Helper()
+		step++
+		if _, err := c.Exec(ctx, fmt.Sprintf("SET fence.step = 's%d'", step)); err != nil {
+			t.Fatalf("SET fence.step: %v", err)
+		}
+		_, err := c.Exec(ctx, upsert, "job", fmt.Sprintf("write %d", step), cur.Token)
+		lastErr = err
+		if err != nil && sqlstate(err) == "" {
+			t.Fatalf("write: %v", err)
+		}
+		return sqlstate(err)
+	}
+	want := func(c *pgx.Conn, what, code string) {
+		t.Helper()
+		if got := write(c); got != code {
+			t.Fatalf("%s: write got SQLSTATE %q (%v), want %q", what, got, lastErr, code)
+		}
+	}
+	exec := func(c *pgx.Conn, sql string) {
+		t.Helper()
+		if _, err := c.Exec(ctx, sql); err != nil {
+			t.Fatalf("%s: %v", sql, err)
+		}
+	}
+
+	t.Run("set_in_rolled_back_tx", func(t *testing.T) {
+		c := e.mustConnect(t, client{lease: &old, mode: mode})
+		exec(c, "BEGIN")
+		exec(c, setCur)
+		exec(c, "ROLLBACK")
+		want(c, "after SET undone by ROLLBACK", fence.CodeStale)
+		exec(c, "BEGIN")
+		exec(c, setCur)
+		exec(c, "COMMIT")
+		want(c, "after SET committed", "")
+	})
+	t.Run("set_in_rolled_back_savepoint", func(t *testing.T) {
+		c := e.mustConnect(t, client{lease: &old, mode: mode})
+		exec(c, "BEGIN")
+		exec(c, "SAVEPOINT s")
+		exec(c, setCur)
+		exec(c, "ROLLBACK TO SAVEPOINT s")
+		exec(c, "COMMIT")
+		want(c, "after SET undone by ROLLBACK TO", fence.CodeStale)
+	})
+	t.Run("set_local", func(t *testing.T) {
+		c := e.mustConnect(t, client{lease: &old, mode: mode})
+		step++
+		exec(c, fmt.Sprintf("SET fence.step = 's%d'", step))
+		tx, err := c.Begin(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := tx.Exec(ctx, fmt.Sprintf("SET LOCAL fence.token = %d", cur.Token)); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := tx.Exec(ctx, upsert, "job", "set local", cur.Token); err != nil {
+			t.Fatalf("write under SET LOCAL: %v", err)
+		}
+		if err := tx.Commit(ctx); err != nil {
+			t.Fatalf("commit under SET LOCAL: %v", err)
+		}
+		e.wantCount(t, 1, "SELECT count(*) FROM fence.receipts WHERE token = $1 AND step = $2", cur.Token, fmt.Sprintf("s%d", step))
+		want(c, "after SET LOCAL ended", fence.CodeStale)
+	})
+	t.Run("reset_all", func(t *testing.T) {
+		// Startup values come back (RESET restores the session default).
+		c := e.mustConnect(t, client{lease: &old, mode: mode})
+		exec(c, setCur)
+		want(c, "after SET", "")
+		exec(c, "RESET ALL")
+		want(c, "after RESET ALL to the startup token", fence.CodeStale)
+		// Without startup metadata RESET ALL leaves none.
+		n := e.mustConnect(t, client{mode: mode})
+		exec(n, fmt.Sprintf("SET fence.job_key = 'job'; SET fence.epoch = %d; SET fence.token = %d", cur.Epoch, cur.Token))
+		want(n, "after SET of a generation", "")
+		exec(n, "RESET ALL")
+		want(n, "after RESET ALL", fence.CodeFencingRequired)
+		exec(n, fmt.Sprintf("SET fence.job_key = 'job'; SET fence.epoch = %d; SET fence.token = %d", cur.Epoch, cur.Token))
+		exec(n, "RESET fence.token")
+		want(n, "after RESET fence.token", fence.CodeFencingRequired)
+	})
+	t.Run("discard_all", func(t *testing.T) {
+		// DISCARD ALL drops the client's own prepared statements too, so
+		// pgx's statement cache cannot be used across it (directly to
+		// PostgreSQL either): describe each statement instead, still with
+		// the extended protocol.
+		mode := mode
+		if mode == pgx.QueryExecModeCacheStatement {
+			mode = pgx.QueryExecModeDescribeExec
+		}
+		c := e.mustConnect(t, client{lease: &old, mode: mode})
+		exec(c, setCur)
+		want(c, "after SET", "")
+		exec(c, "DISCARD ALL")
+		want(c, "after DISCARD ALL to the startup token", fence.CodeStale)
+		n := e.mustConnect(t, client{mode: mode})
+		exec(n, fmt.Sprintf("SET fence.job_key = 'job'; SET fence.epoch = %d; SET fence.token = %d", cur.Epoch, cur.Token))
+		want(n, "after SET of a generation", "")
+		exec(n, "DISCARD ALL")
+		want(n, "after DISCARD ALL", fence.CodeFencingRequired)
+		// The gate's own prepared statements are gone with DISCARD ALL;
+		// gating again must still work.
+		exec(n, fmt.Sprintf("SET fence.job_key = 'job'; SET fence.epoch = %d; SET fence.token = %d", cur.Epoch, cur.Token))
+		want(n, "after DISCARD ALL and a new SET", "")
+	})
+	t.Run("set_config", func(t *testing.T) {
+		c := e.mustConnect(t, client{lease: &old, mode: mode})
+		if _, err := c.Exec(ctx, "SELECT set_config('fence.token', $1, false)", fmt.Sprint(cur.Token)); err != nil {
+			t.Fatal(err)
+		}
+		want(c, "after set_config", "")
+	})
+	t.Run("malformed_token", func(t *testing.T) {
+		c := e.mustConnect(t, client{lease: &cur, mode: mode})
+		for _, q := range []string{"SET fence.token = 'abc'", "SET fence.token = '-5'", "SET fence.epoch = 'x1'", "SET LOCAL fence.token = '1.5'"} {
+			_, err := c.Exec(ctx, q)
+			wantCode(t, err, "22023")
+		}
+		_, err := c.Exec(ctx, "SELECT set_config('fence.token', $1, false)", "seventeen")
+		wantCode(t, err, "22023")
+		// Refused before anything runs: the rest of the query too.
+		_, err = c.Exec(ctx, "INSERT INTO audit (note) VALUES ('before'); SET fence.token = 'abc'")
+		wantCode(t, err, "22023")
+		e.wantCount(t, 0, "SELECT count(*) FROM audit")
+		// The setting is untouched, upstream and in the gate.
+		var v string
+		if err := c.QueryRow(ctx, "SELECT current_setting('fence.token')").Scan(&v); err != nil || v != fmt.Sprint(cur.Token) {
+			t.Fatalf("fence.token after refused SETs: got %q (%v), want %d", v, err, cur.Token)
+		}
+		want(c, "after refused SETs", "")
+		// In the startup packet: the connection is refused.
+		_, err = e.connect(t, client{mode: mode, extra: []string{"-c fence.job_key=job -c fence.epoch=1 -c fence.token=abc"}})
+		if sqlstate(err) != "22023" {
+			t.Fatalf("malformed token in the startup options: got %v, want SQLSTATE 22023", err)
+		}
+	})
+}
+
+// ---------------------------------------------------------------------------
+// FN009
+
+func testPrepareTransaction(t *testing.T) {
+	for _, m := range execModes {
+		t.Run(m.name, func(t *testing.T) {
+			e := newFenceEnv(t)
+			ctx := ctxT(t)
+			l := e.acquire(t, "job", "a", time.Minute)
+			c := e.mustConnect(t, client{lease: &l, mode: m.mode})
+			tx, err := c.Begin(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if _, err := tx.Exec(ctx, upsert, "job", "2pc", l.Token); err != nil {
+				t.Fatal(err)
+			}
+			_, err = tx.Exec(ctx, "PREPARE TRANSACTION 'pgfence_test'")
+			wantCode(t, err, fence.CodeUnsupported)
+			tx.Rollback(ctx)
+			e.wantCount(t, 0, "SELECT count(*) FROM pg_prepared_xacts")
+			e.wantResult(t, "job", "", 0)
+			e.wantCount(t, 0, "SELECT count(*) FROM fence.receipts")
+			if _, err := c.Exec(ctx, upsert, "job", "after", l.Token); err != nil {
+				t.Fatalf("session after FN009: %v", err)
+			}
+		})
+	}
+}
+
+// ---------------------------------------------------------------------------
+// psql: an unmodified legacy client
+
+// runPsqlScript runs a script from testdata/psql with PGOPTIONS and returns its
+// output (stdout and stderr).
+func runPsqlScript(t *testing.T, port int, db, script, pgoptions string, vars ...string) string {
+	t.Helper()
+	cmd := psqlCmd(port, db, script, pgoptions, vars...)
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		t.Fatalf("psql %s: %v\n%s", script, err, out)
+	}
+	return string(out)
+}
+
+func psqlCmd(port int, db, script, pgoptions string, vars ...string) *exec.Cmd {
+	args := []string{"-X", "-v", "ON_ERROR_STOP=0", "-h", "127.0.0.1", "-p", fmt.Sprint(port), "-U", "postgres", "-d", db,
+		"-f", filepath.Join("testdata", "psql", script)}
+	for _, v := range vars {
+		args = append(args, "-v", v)
+	}
+	cmd := exec.Command("psql", args...)
+	cmd.Env = append(os.Environ(), "PGOPTIONS="+pgoptions, "PGAPPNAME=psql_"+strings.TrimSuffix(script, ".sql"), "PGSSLMODE=disable")
+	return cmd
+}
+
+func pgoptions(l fence.Lease) string {
+	return fmt.Sprintf("-c fence.job_key=%s -c fence.epoch=%d -c fence.token=%d", l.JobKey, l.Epoch, l.Token)
+}
+
+// wantLines checks that each marker line appears in out, in order.
+func wantLines(t *testing.T, out string, lines ...string) {
+	t.Helper()
+	rest := out
+	for _, l := range lines {
+		i := strings.Index(rest, l+"\n")
+		if i < 0 {
+			t.Fatalf("psql output lacks %q (in order):\n%s", l, out)
+		}
+		rest = rest[i+len(l):]
+	}
+}
+
+func testPsql(t *testing.T) {
+	if _, err := exec.LookPath("psql"); err != nil {
+		t.Fatalf("psql not found: %v", err)
+	}
+	t.Run("A01", func(t *testing.T) {
+		e := newFenceEnv(t)
+		la := e.acquire(t, "job", "a", time.Minute)
+		lb := e.takeover(t, "job", "b", la)
+		out := runPsqlScript(t, e.proxy.addr.Port, e.db, "a01.sql", pgoptions(la), fmt.Sprintf("token=%d", la.Token))
+		wantLines(t, out, "write FN001", "commit 00000", "state 00000")
+		if !strings.Contains(out, "FN001") || !strings.Contains(out, "stale") {
+			t.Fatalf("psql output lacks the stale-token error:\n%s", out)
+		}
+		e.wantResult(t, "job", "", 0)
+		e.wantCount(t, 0, "SELECT count(*) FROM audit")
+		out = runPsqlScript(t, e.proxy.addr.Port, e.db, "a01.sql", pgoptions(lb), fmt.Sprintf("token=%d", lb.Token))
+		wantLines(t, out, "write 00000", "commit 00000", "state 00000")
+		e.wantResult(t, "job", "from psql", lb.Token)
+	})
+	t.Run("A03", func(t *testing.T) {
+		e := newFenceEnv(t)
+		ctx := ctxT(t)
+		la := e.acquire(t, "job", "a", time.Minute)
+		if err := fence.Release(ctx, e.direct(t), "job", la.Token); err != nil {
+			t.Fatal(err)
+		}
+		// B's takeover holds the fence row while psql's write waits for it.
+		btx, err := e.direct(t).Begin(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer btx.Rollback(ctx)
+		if _, err := btx.Exec(ctx, "SELECT fence.acquire('job', 'b', '1 minute')"); err != nil {
+			t.Fatal(err)
+		}
+		cmd := psqlCmd(e.proxy.addr.Port, e.db, "a03.sql", pgoptions(la), fmt.Sprintf("token=%d", la.Token))
+		var buf strings.Builder
+		cmd.Stdout, cmd.Stderr = &buf, &buf
+		if err := cmd.Start(); err != nil {
+			t.Fatal(err)
+		}
+		defer cmd.Process.Kill()
+		var pid uint32
+		obs := e.direct(t)
+		if err := pgtest.Poll(ctx, func() (bool, error) {
+			err := obs.QueryRow(ctx, `SELECT a.pid FROM pg_stat_activity a JOIN pg_locks l USING (pid)
+				WHERE a.application_name = 'psql_a03' AND NOT l.granted AND a.wait_event_type = 'Lock' LIMIT 1`).Scan(&pid)
+			if errors.Is(err, pgx.ErrNoRows) {
+				return false, nil
+			}
+			return err == nil, err
+		}); err != nil {
+			t.Fatalf("psql's write never waited for the fence row: %v", err)
+		}
+		if err := btx.Commit(ctx); err != nil {
+			t.Fatal(err)
+		}
+		if err := cmd.Wait(); err != nil {
+			t.Fatalf("psql: %v\n%s", err, buf.String())
+		}
+		out := buf.String()
+		wantLines(t, out, "audit 00000", "write FN001", "commit 00000", "state 00000")
+		e.wantCount(t, 0, "SELECT count(*) FROM audit")
+		e.wantResult(t, "job", "", 0)
+	})
+	t.Run("A05", func(t *testing.T) {
+		e := newFenceEnv(t)
+		l := e.acquire(t, "job", "a", time.Minute)
+		out := runPsqlScript(t, e.proxy.addr.Port, e.db, "a05.sql", pgoptions(l), fmt.Sprintf("token=%d", l.Token))
+		wantLines(t, out, "first 00000", "replay 00000", "second FN003", "state 00000")
+		if !strings.Contains(out, "FN00R") {
+			t.Fatalf("psql output lacks the replay notice:\n%s", out)
+		}
+		e.wantResult(t, "job", "first", l.Token)
+		e.wantCount(t, 1, "SELECT count(*) FROM audit")
+		e.wantCount(t, 1, "SELECT count(*) FROM fence.receipts")
+	})
+	t.Run("A13", func(t *testing.T) {
+		e := newFenceEnv(t)
+		ctx := ctxT(t)
+		if _, err := e.direct(t).Exec(ctx, a13Schema); err != nil {
+			t.Fatal(err)
+		}
+		l := e.acquire(t, "job", "a", time.Minute)
+		w := e.mustConnect(t, client{lease: &l})
+		if _, err := w.Exec(ctx, upsert, "job", "legit", l.Token); err != nil {
+			t.Fatal(err)
+		}
+		stale := l
+		e.takeover(t, "job", "b", l)
+		paths := []string{"insert", "update", "delete", "multi", "cte", "merge", "copy", "truncate", "function", "view", "do"}
+		for _, target := range []struct {
+			name string
+			port int
+			opts string
+			code string
+		}{
+			{"proxy_no_metadata", e.proxy.addr.Port, "", fence.CodeFencingRequired},
+			{"proxy_stale", e.proxy.addr.Port, pgoptions(stale) + " -c fence.step=other", fence.CodeStale},
+			{"direct_no_metadata", cluster.Primary.Port, "", fence.CodeFencingRequired},
+			{"direct_stale", cluster.Primary.Port, pgoptions(stale) + " -c fence.step=other", fence.CodeStale},
+		} {
+			t.Run(target.name, func(t *testing.T) {
+				out := runPsqlScript(t, target.port, e.db, "a13.sql", target.opts)
+				var want []string
+				for _, p := range paths {
+					want = append(want, p+" "+target.code)
+				}
+				wantLines(t, out, append(want, "state 00000")...)
+				e.wantResult(t, "job", "legit", l.Token)
+				e.wantCount(t, 1, "SELECT count(*) FROM results")
+				e.wantCount(t, 0, "SELECT count(*) FROM audit")
+			})
+		}
+	})
+}

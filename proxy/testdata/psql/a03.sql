@@ -1,0 +1,16 @@
+-- A03: the write waits for a takeover in progress (the test holds the
+-- fence row in B's acquire, observes this session waiting in pg_locks,
+-- then commits the takeover): the gate answers FN001 and the whole
+-- transaction, the unprotected audit row included, rolls back.
+\set VERBOSITY verbose
+BEGIN;
+INSERT INTO audit (note) VALUES ('psql was here');
+\echo audit :SQLSTATE
+INSERT INTO results (job_key, payload, token) VALUES ('job', 'from psql', :token)
+  ON CONFLICT (job_key) DO UPDATE SET payload = excluded.payload, token = excluded.token
+  WHERE results.token < excluded.token;
+\echo write :SQLSTATE
+COMMIT;
+\echo commit :SQLSTATE
+SELECT 1 AS alive;
+\echo state :SQLSTATE
