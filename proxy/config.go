@@ -40,9 +40,25 @@ type Config struct {
 	// the ones each client asks for. Required.
 	Primary string
 
-	// Replicas are streaming replicas (DSNs as for Primary). They are
-	// validated and stored; read routing arrives in a later release.
+	// Replicas are streaming replicas (DSNs as for Primary). With the
+	// write gate as Interceptor, replica-eligible reads go to them (read
+	// routing, DESIGN §6, docs/reads.md); without it they are unused.
 	Replicas []string
+
+	// NoReplicaReads keeps every read on the primary even with Replicas
+	// configured (--read-replicas=false). False means reads may use them.
+	NoReplicaReads bool
+
+	// ReplicaPoll is how often each replica's replay position (and the
+	// primary's WAL position) is polled. Zero means DefaultReplicaPoll
+	// (50ms).
+	ReplicaPoll time.Duration
+
+	// ReplicaMaxLag takes a replica out of rotation while its replay is
+	// more than this far behind the primary (in time: how long ago the
+	// primary was at the first position it has not replayed). Zero means
+	// DefaultReplicaMaxLag (10s).
+	ReplicaMaxLag time.Duration
 
 	// Auth is the client authentication method. Zero means AuthTrust.
 	Auth AuthMethod
@@ -167,6 +183,12 @@ func (c Config) withDefaults() (Config, error) {
 	}
 	if c.BufferSize < 1024 {
 		c.BufferSize = 1024
+	}
+	if c.ReplicaPoll <= 0 {
+		c.ReplicaPoll = DefaultReplicaPoll
+	}
+	if c.ReplicaMaxLag <= 0 {
+		c.ReplicaMaxLag = DefaultReplicaMaxLag
 	}
 	if c.HealthInterval <= 0 {
 		c.HealthInterval = DefaultHealthInterval

@@ -35,6 +35,8 @@ type catalog struct {
 	prot  atomic.Pointer[rewrite.Protected]
 	ready chan struct{} // closed after the first load (successful or not)
 	err   atomic.Pointer[error]
+
+	tk takeovers // takeovers seen on pgfence_takeover (lsn.go)
 }
 
 func newCatalogs(base *pgconn.Config, log *zap.Logger) *catalogs {
@@ -116,7 +118,24 @@ func (cs *catalogs) listen(c *catalog, loaded func()) error {
 	cfg := cs.base.Copy()
 	cfg.Database = c.db
 	var reload atomic.Bool
-	cfg.OnNotification = func(_ *pgconn.PgConn, n *pgconn.Notification) { reload.Store(true) }
+	var notesMu sync.Mutex
+	var notes []string // pgfence_takeover payloads not yet stamped with a position
+	cfg.OnNotification = func(_ *pgconn.PgConn, n *pgconn.Notification) {
+		if n.Channel == takeoverChannel {
+			notesMu.Lock()
+			notes = append(notes, n.Payload)
+			notesMu.Unlock()
+			return
+		}
+		reload.Store(true)
+	}
+	takeNotes := func() []string {
+		notesMu.Lock()
+		defer notesMu.Unlock()
+		n := notes
+		notes = nil
+		return n
+	}
 	ctx, cancel := context.WithTimeout(cs.ctx, 10*time.Second)
 	conn, err := pgconn.ConnectConfig(ctx, cfg)
 	cancel()
@@ -124,23 +143,41 @@ func (cs *catalogs) listen(c *catalog, loaded func()) error {
 		return err
 	}
 	defer conn.Close(context.Background())
-	if err := conn.Exec(cs.ctx, "LISTEN pgfence_protected").Close(); err != nil {
+	if _, err := conn.Exec(cs.ctx, "LISTEN pgfence_protected; LISTEN "+takeoverChannel).ReadAll(); err != nil {
 		return err
 	}
 	if err := cs.load(c, conn); err != nil {
 		return err
 	}
+	// Every takeover before this position is covered by it; every one
+	// after is notified (read routing, lsn.go).
+	floor, err := currentLSN(cs.ctx, conn)
+	if err != nil {
+		return err
+	}
+	if floor > LSN(c.tk.floor.Load()) {
+		c.tk.floor.Store(uint64(floor))
+	}
 	c.err.Store(nil)
 	loaded()
 	for {
-		if err := conn.WaitForNotification(cs.ctx); err != nil {
-			return err
+		// Notifications may arrive while a query runs: handle them
+		// before waiting for more.
+		if n := takeNotes(); len(n) > 0 {
+			if err := c.tk.recordNotes(cs.ctx, conn, n, cs.log.With(zap.String("database", c.db))); err != nil {
+				return err
+			}
+			continue
 		}
 		// Coalesce a burst of notifications into one reload.
 		if reload.Swap(false) {
 			if err := cs.load(c, conn); err != nil {
 				return err
 			}
+			continue
+		}
+		if err := conn.WaitForNotification(cs.ctx); err != nil {
+			return err
 		}
 	}
 }

@@ -56,6 +56,8 @@ type fenceSession struct {
 
 	// Server goroutine only.
 	errShown bool // an error went to the client since its last ReadyForQuery
+
+	rt routeState // read routing (route.go)
 }
 
 // extWrap follows a wrapped extended-protocol batch on the client side, so
@@ -243,6 +245,11 @@ var gateStatements = [][2]string{
 
 func (h *fenceSession) ClientMessage(s *Session, msg []byte) (Verdict, error) {
 	body := msg[headerLen:]
+	if msg[0] != 'Q' && s.OnReplica() { // read routing: back to the primary when idle (route.go)
+		if err := h.routeOther(s); err != nil {
+			return Drop, err
+		}
+	}
 	switch msg[0] {
 	case 'Q':
 		return Drop, h.query(s, msg)
@@ -404,7 +411,7 @@ func (h *fenceSession) query(s *Session, msg []byte) error {
 	res, err := h.f.classifier.Classify(sql)
 	if err != nil || len(res.Stmts) == 0 {
 		// The server reports the syntax error (or the empty query).
-		return h.send(s, msg, &tag{kind: 'Q', segs: clientSegs(res)}, true)
+		return h.routeQuery(s, msg, nil) // route.go
 	}
 	h.f.Stats.Classified.Add(int64(len(res.Stmts)))
 	if h.unsettled && mayNeedGate(res.Stmts...) {
@@ -433,9 +440,12 @@ func (h *fenceSession) query(s *Session, msg []byte) error {
 		if changesState(res.Stmts...) {
 			h.unsettled = true
 		}
-		return h.send(s, msg, &tag{kind: 'Q', segs: clientSegs(res)}, true)
+		return h.routeQuery(s, msg, res) // replica or primary: route.go
 	}
 	if err := h.barrier(s); err != nil {
+		return err
+	}
+	if err := h.routeGated(s); err != nil { // route.go
 		return err
 	}
 	return h.gatedQuery(s, sql, res)
@@ -1184,6 +1194,8 @@ func (h *fenceSession) queryResponse(s *Session, msg []byte, t *tag) (Verdict, e
 	case 'D':
 		if sg.step == stepGate {
 			h.gateResult(sg.gen, msg)
+		} else if sg.step > stepRoute {
+			h.routeRow(s, sg, msg) // route.go
 		}
 	case 'G':
 		if t.copyIn != nil {
@@ -1254,6 +1266,9 @@ func (h *fenceSession) onError(s *Session, msg []byte, t *tag) (Verdict, error) 
 		st = sg.step
 	} else {
 		sg = seg{step: st, gen: t.gen, explicitCommit: t.explicitCommit}
+	}
+	if st > stepRoute {
+		return Drop, nil // a routing query's failure is the router's business (route.go)
 	}
 	h.timeStep(t, st)
 	h.st.Fail()

@@ -32,6 +32,9 @@ func TestMain(m *testing.M) {
 		os.Exit(m.Run())
 	}
 	os.Exit(pgtest.Run(m, pgtest.Options{
+		// Read routing's tests need a streaming replica (route_test.go);
+		// everything else uses the primary.
+		Replica: true,
 		// The upstream demands SCRAM for this role, so tests prove the
 		// proxy authenticates upstream with the configured password.
 		HBA: []string{"host all " + scramUser + " 127.0.0.1/32 scram-sha-256"},

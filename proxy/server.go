@@ -42,6 +42,8 @@ type Server struct {
 	idle      chan struct{} // signalled when a connection ends during shutdown
 
 	ops ops // admin console, metrics, reload: admin.go, metrics.go
+
+	rs *replicas // read routing: replica positions and health (lsn.go); nil without
 }
 
 // cancelTarget is where a client's CancelRequest goes.
@@ -83,7 +85,8 @@ func New(cfg Config, log *zap.Logger) (*Server, error) {
 	if cfg.Auth == AuthSCRAM {
 		s.dummy = dummyCredentials()
 	}
-	s.initOps() // admin.go
+	s.initOps()      // admin.go
+	s.initReplicas() // route.go
 	return s, nil
 }
 
@@ -168,6 +171,7 @@ func (s *Server) untrack(c net.Conn) {
 // ended gracefully.
 func (s *Server) Shutdown(ctx context.Context) error {
 	s.draining.Store(true)
+	defer s.closeReplicas() // route.go
 	s.mu.Lock()
 	for ln := range s.listeners {
 		ln.Close()
@@ -407,9 +411,13 @@ func (s *Server) open(raw, c net.Conn, st *startup, log *zap.Logger) (*Session, 
 	}
 	sess.txStatus.Store(uint32(hj.TxStatus))
 	size := s.cfg.BufferSize
-	sess.cw = bufio.NewWriterSize(c, size)
+	sess.cw = newClientWriter(c, size, s.rs != nil)
 	sess.sw = bufio.NewWriterSize(hj.Conn, size)
 	sess.cf = framer{r: bufio.NewReaderSize(c, size), max: s.cfg.MaxMessageSize, flush: sess.sw.Flush, from: "client"}
+	if s.rs != nil {
+		// sw switches between primary and replica (replica.go).
+		sess.cf.flush = func() error { return sess.sw.Flush() }
+	}
 	sess.sf = framer{r: bufio.NewReaderSize(hj.Conn, size), flush: sess.cw.Flush, from: "server"}
 
 	pid, secret := s.addCancelKey(hj)
@@ -487,6 +495,7 @@ func (s *Server) cancel(st *startup) {
 		s.log.Info("cancel request with unknown key ignored")
 		return
 	}
+	t = s.cancelRoute(st.cancelPID, t) // the replica, while the session reads there (route.go)
 	ctx, cancel := context.WithTimeout(context.Background(), s.cfg.ConnectTimeout)
 	defer cancel()
 	var d net.Dialer

@@ -41,10 +41,10 @@ type Session struct {
 
 	client net.Conn
 	server net.Conn
-	cf     framer // client → proxy
-	sf     framer // server → proxy
-	cw     *bufio.Writer
-	sw     *bufio.Writer
+	cf     framer        // client → proxy
+	sf     framer        // server → proxy
+	cw     *clientWriter // locks when a replica connection may write too (replica.go)
+	sw     *bufio.Writer // the upstream requests go to: the primary, or the replica (replica.go)
 
 	h       Handler
 	q       queue
@@ -63,6 +63,8 @@ type Session struct {
 	// closing is closed when the session starts to end, so a Handler
 	// waiting on a Request can give up.
 	closing chan struct{}
+
+	rt sessionRoute // read routing: the replica connection (replica.go)
 
 	info sessionInfo // admin console: connected_at, upstream (admin.go)
 }
@@ -170,11 +172,14 @@ func (s *Session) run() error {
 	// The first side to end decides; unblock the other.
 	close(s.closing)
 	s.closeServer()
+	s.closeReplica() // replica.go
 	s.client.SetReadDeadline(time.Now())
 	wg.Wait()
 	second := <-errc
 	if errors.Is(err, errShutdown) || errors.Is(second, errShutdown) || s.pending.Load() < 0 {
 		err = errShutdown
+	} else if pe := s.rt.fatal.Load(); pe != nil {
+		err = pe // the replica failed mid-request (replica.go)
 	}
 	var pe *ProtocolError
 	if errors.As(err, &pe) || err == errShutdown {

@@ -1,0 +1,414 @@
+package proxy
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgconn"
+	"go.uber.org/zap"
+
+	"github.com/pgfence/pgfence/session"
+)
+
+// LSN is a WAL position (pg_lsn) as its 64-bit value.
+type LSN uint64
+
+func (l LSN) String() string { return fmt.Sprintf("%X/%X", uint64(l)>>32, uint32(l)) }
+
+// parseLSN reads "X/Y"; the empty string (NULL) is 0.
+func parseLSN(s string) (LSN, error) {
+	if s == "" {
+		return 0, nil
+	}
+	v, err := session.ParseLSN(s)
+	if err != nil {
+		return 0, fmt.Errorf("parse lsn %q: %w", s, err)
+	}
+	return LSN(v), nil
+}
+
+// takeoverChannel is the channel fence.acquire and fence.retire notify.
+const takeoverChannel = "pgfence_takeover"
+
+// takeover is the latest generation of one job the proxy knows, with a
+// primary WAL position at or after the end of its commit record.
+type takeover struct {
+	epoch, token int64
+	lsn          LSN
+}
+
+// takeovers is what one database's watcher learned from pgfence_takeover
+// (DESIGN §6): per job the latest takeover and its position, the largest
+// takeover position, and the floor: the primary's position when the
+// watcher last (re)connected, which covers every takeover before it.
+// Readers need no lock for the hot path: floor and max are atomics.
+type takeovers struct {
+	floor atomic.Uint64
+	max   atomic.Uint64
+	seen  atomic.Int64 // notifications recorded (tests observe it)
+
+	mu   sync.RWMutex
+	jobs map[string]takeover
+}
+
+// lookup returns the latest takeover of job known.
+func (t *takeovers) lookup(job string) (takeover, bool) {
+	t.mu.RLock()
+	tk, ok := t.jobs[job]
+	t.mu.RUnlock()
+	return tk, ok
+}
+
+// record keeps tk for job when it is newer than what is known. fromNotify
+// says it came from a notification (it then raises max).
+func (t *takeovers) record(job string, tk takeover, fromNotify bool) {
+	t.mu.Lock()
+	if t.jobs == nil {
+		t.jobs = map[string]takeover{}
+	}
+	if old, ok := t.jobs[job]; !ok || tk.token > old.token || tk.token == old.token && tk.lsn < old.lsn {
+		t.jobs[job] = tk
+	}
+	t.mu.Unlock()
+	if fromNotify {
+		for {
+			m := t.max.Load()
+			if uint64(tk.lsn) <= m || t.max.CompareAndSwap(m, uint64(tk.lsn)) {
+				break
+			}
+		}
+		t.seen.Add(1)
+	}
+}
+
+// all is the position a reader without fence metadata needs: every
+// takeover seen, and everything before the watcher started.
+func (t *takeovers) all() LSN { return LSN(max(t.floor.Load(), t.max.Load())) }
+
+// takeoverNote is a pgfence_takeover payload.
+type takeoverNote struct {
+	JobKey  string `json:"job_key"`
+	Epoch   int64  `json:"epoch"`
+	Token   int64  `json:"token"`
+	Retired bool   `json:"retired"`
+}
+
+// currentLSN asks the primary for its WAL write position. After a
+// notification has been delivered the notifying transaction has committed
+// (and, with synchronous_commit on, flushed), so the position is at or
+// after the end of its commit record.
+func currentLSN(ctx context.Context, conn *pgconn.PgConn) (LSN, error) {
+	var v string
+	rr := conn.ExecParams(ctx, "SELECT pg_current_wal_lsn()::text", nil, nil, nil, nil)
+	for rr.NextRow() {
+		v = string(rr.Values()[0])
+	}
+	if _, err := rr.Close(); err != nil {
+		return 0, fmt.Errorf("pg_current_wal_lsn: %w", err)
+	}
+	return parseLSN(v)
+}
+
+// recordTakeovers stamps the pending notifications with the primary's
+// position, now that they have been delivered.
+func (t *takeovers) recordNotes(ctx context.Context, conn *pgconn.PgConn, notes []string, log *zap.Logger) error {
+	if len(notes) == 0 {
+		return nil
+	}
+	lsn, err := currentLSN(ctx, conn)
+	if err != nil {
+		return err
+	}
+	for _, p := range notes {
+		var n takeoverNote
+		if err := json.Unmarshal([]byte(p), &n); err != nil || n.JobKey == "" {
+			log.Warn("ignoring malformed takeover notification", zap.String("payload", p), zap.Error(err))
+			continue
+		}
+		t.record(n.JobKey, takeover{epoch: n.Epoch, token: n.Token, lsn: lsn}, true)
+		log.Debug("takeover seen", zap.String("job_key", n.JobKey), zap.Int64("token", n.Token), zap.Stringer("lsn", lsn))
+	}
+	return nil
+}
+
+// ---------------------------------------------------------------------------
+// Replica positions and health
+
+// Defaults for read routing.
+const (
+	DefaultReplicaPoll   = 50 * time.Millisecond
+	DefaultReplicaMaxLag = 10 * time.Second
+	DefaultReadWait      = time.Second
+)
+
+// replica is one configured replica: its control connection's latest
+// observations. The poller goroutine writes; sessions read atomics only.
+type replica struct {
+	idx  int
+	cfg  *pgconn.Config
+	addr string
+
+	healthy atomic.Bool
+	replay  atomic.Uint64 // pg_last_wal_replay_lsn()
+	lagNs   atomic.Int64  // replay lag in time (see poll)
+	lagB    atomic.Int64  // replay lag in bytes behind the primary's last sample
+	errMsg  atomic.Pointer[string]
+
+	kick    chan struct{}                 // ask for a poll now
+	sampled atomic.Pointer[chan struct{}] // closed after the next poll
+}
+
+// replicas polls every replica's replay position and the primary's WAL
+// position, and decides health: up, in recovery, and replay lag under
+// maxLag.
+type replicas struct {
+	stats   RouteStats
+	list    []*replica
+	primary *pgconn.Config
+	poll    time.Duration
+	maxLag  time.Duration
+	log     *zap.Logger
+
+	next atomic.Uint32 // round robin for new replica connections
+
+	primaryLSN atomic.Uint64
+	samplesMu  sync.Mutex
+	samples    []lsnSample // recent (time, primary LSN), oldest first
+
+	ctx    context.Context
+	cancel context.CancelFunc
+	wg     sync.WaitGroup
+}
+
+type lsnSample struct {
+	at  time.Time
+	lsn LSN
+}
+
+func newReplicas(primary *pgconn.Config, cfgs []*pgconn.Config, poll, maxLag time.Duration, log *zap.Logger) *replicas {
+	ctx, cancel := context.WithCancel(context.Background())
+	rs := &replicas{primary: primary, poll: poll, maxLag: maxLag, log: log, ctx: ctx, cancel: cancel}
+	for i, c := range cfgs {
+		r := &replica{idx: i, cfg: c, addr: fmt.Sprintf("%s:%d", c.Host, c.Port), kick: make(chan struct{}, 1)}
+		ch := make(chan struct{})
+		r.sampled.Store(&ch)
+		msg := "not polled yet"
+		r.errMsg.Store(&msg)
+		rs.list = append(rs.list, r)
+	}
+	rs.wg.Add(1 + len(rs.list))
+	go func() { defer rs.wg.Done(); rs.pollPrimary() }()
+	for _, r := range rs.list {
+		go func() { defer rs.wg.Done(); rs.pollReplica(r) }()
+	}
+	return rs
+}
+
+func (rs *replicas) close() {
+	rs.cancel()
+	rs.wg.Wait()
+}
+
+// pick returns a healthy replica for a new connection, round robin, or nil.
+func (rs *replicas) pick() *replica {
+	n := len(rs.list)
+	start := int(rs.next.Add(1))
+	for i := range n {
+		if r := rs.list[(start+i)%n]; r.healthy.Load() {
+			return r
+		}
+	}
+	return nil
+}
+
+// refresh asks r for a new poll and waits for it (or ctx). It reports the
+// replay position then.
+func (r *replica) refresh(ctx context.Context) (LSN, error) {
+	ch := *r.sampled.Load()
+	select {
+	case r.kick <- struct{}{}:
+	default:
+	}
+	select {
+	case <-ch:
+		return LSN(r.replay.Load()), nil
+	case <-ctx.Done():
+		return LSN(r.replay.Load()), ctx.Err()
+	}
+}
+
+func (rs *replicas) pollPrimary() {
+	cfg := rs.primary.Copy()
+	var conn *pgconn.PgConn
+	defer func() {
+		if conn != nil {
+			conn.Close(context.Background())
+		}
+	}()
+	t := time.NewTicker(rs.poll)
+	defer t.Stop()
+	for {
+		if conn == nil {
+			ctx, cancel := context.WithTimeout(rs.ctx, 5*time.Second)
+			c, err := pgconn.ConnectConfig(ctx, cfg)
+			cancel()
+			if err == nil {
+				conn = c
+			} else if rs.ctx.Err() == nil {
+				rs.log.Debug("replica lag: cannot reach the primary", zap.Error(err))
+			}
+		}
+		if conn != nil {
+			ctx, cancel := context.WithTimeout(rs.ctx, 5*time.Second)
+			lsn, err := currentLSN(ctx, conn)
+			cancel()
+			if err != nil {
+				conn.Close(context.Background())
+				conn = nil
+			} else {
+				now := time.Now()
+				rs.primaryLSN.Store(uint64(lsn))
+				rs.samplesMu.Lock()
+				rs.samples = append(rs.samples, lsnSample{now, lsn})
+				// Keep twice the lag bound of history.
+				cut := 0
+				for cut < len(rs.samples)-1 && now.Sub(rs.samples[cut].at) > 2*rs.maxLag {
+					cut++
+				}
+				rs.samples = append(rs.samples[:0], rs.samples[cut:]...)
+				rs.samplesMu.Unlock()
+			}
+		}
+		select {
+		case <-rs.ctx.Done():
+			return
+		case <-t.C:
+		}
+	}
+}
+
+// lag is how long ago the primary was at a position the replica has not
+// replayed yet (0 when it has replayed the latest sample), and the bytes
+// behind the latest sample.
+func (rs *replicas) lag(replay LSN, now time.Time) (time.Duration, int64) {
+	rs.samplesMu.Lock()
+	defer rs.samplesMu.Unlock()
+	if len(rs.samples) == 0 {
+		return 0, 0
+	}
+	last := rs.samples[len(rs.samples)-1]
+	var bytes int64
+	if last.lsn > replay {
+		bytes = int64(last.lsn - replay)
+	}
+	for _, s := range rs.samples {
+		if s.lsn > replay {
+			return now.Sub(s.at), bytes
+		}
+	}
+	return 0, bytes
+}
+
+func (rs *replicas) pollReplica(r *replica) {
+	log := rs.log.With(zap.String("replica", r.addr))
+	var conn *pgconn.PgConn
+	defer func() {
+		if conn != nil {
+			conn.Close(context.Background())
+		}
+	}()
+	setDown := func(why string) {
+		if r.healthy.Swap(false) {
+			log.Warn("replica out of rotation", zap.String("reason", why))
+		}
+		r.errMsg.Store(&why)
+	}
+	t := time.NewTicker(rs.poll)
+	defer t.Stop()
+	failures := 0
+	for {
+		if conn == nil && failures%max(1, int(time.Second/rs.poll)) == 0 {
+			ctx, cancel := context.WithTimeout(rs.ctx, 5*time.Second)
+			c, err := pgconn.ConnectConfig(ctx, r.cfg.Copy())
+			cancel()
+			if err != nil {
+				setDown("cannot connect: " + err.Error())
+			} else {
+				conn = c
+			}
+		}
+		if conn != nil {
+			ctx, cancel := context.WithTimeout(rs.ctx, 5*time.Second)
+			rr := conn.ExecParams(ctx, "SELECT coalesce(pg_last_wal_replay_lsn()::text, ''), pg_is_in_recovery()::text", nil, nil, nil, nil)
+			var lsnText, rec string
+			for rr.NextRow() {
+				lsnText, rec = string(rr.Values()[0]), string(rr.Values()[1])
+			}
+			_, err := rr.Close()
+			cancel()
+			var lsn LSN
+			if err == nil {
+				lsn, err = parseLSN(lsnText)
+			}
+			switch {
+			case err != nil:
+				conn.Close(context.Background())
+				conn = nil
+				failures = 1
+				setDown("poll failed: " + err.Error())
+			case rec != "true":
+				setDown("not in recovery (promoted?)")
+			default:
+				failures = 0
+				for {
+					old := r.replay.Load()
+					if uint64(lsn) <= old || r.replay.CompareAndSwap(old, uint64(lsn)) {
+						break
+					}
+				}
+				lag, bytes := rs.lag(lsn, time.Now())
+				r.lagNs.Store(int64(lag))
+				r.lagB.Store(bytes)
+				if lag > rs.maxLag {
+					setDown(fmt.Sprintf("replay lag %s over the bound %s", lag.Round(time.Millisecond), rs.maxLag))
+				} else if !r.healthy.Swap(true) {
+					log.Info("replica in rotation", zap.Stringer("replay_lsn", lsn))
+					ok := ""
+					r.errMsg.Store(&ok)
+				}
+			}
+		} else {
+			failures++
+		}
+		// Wake the waiters of this poll.
+		ch := make(chan struct{})
+		close(*r.sampled.Swap(&ch))
+		select {
+		case <-rs.ctx.Done():
+			return
+		case <-t.C:
+		case <-r.kick:
+		}
+	}
+}
+
+// status reports the replicas for SHOW UPSTREAMS and the metrics.
+func (rs *replicas) status(context.Context) []UpstreamStatus {
+	out := make([]UpstreamStatus, 0, len(rs.list))
+	for _, r := range rs.list {
+		us := UpstreamStatus{Role: "replica", Addr: r.addr, Healthy: r.healthy.Load(),
+			ReplayLag: time.Duration(r.lagNs.Load()), LagBytes: r.lagB.Load(), LagKnown: r.replay.Load() != 0}
+		if e := r.errMsg.Load(); e != nil {
+			us.Error = *e
+		}
+		out = append(out, us)
+	}
+	return out
+}
+
+func formatToken(t int64) string { return strconv.FormatInt(t, 10) }

@@ -1,0 +1,569 @@
+package proxy
+
+import (
+	"context"
+	"fmt"
+	"strconv"
+	"strings"
+	"sync/atomic"
+
+	"github.com/jackc/pgx/v5/pgproto3"
+
+	"github.com/pgfence/pgfence/fence"
+	"github.com/pgfence/pgfence/rewrite"
+	"github.com/pgfence/pgfence/session"
+)
+
+// Read routing (DESIGN §6): the write gate's handler decides, for each
+// simple Query, whether it may run on a replica, and whether the replica
+// has replayed every takeover the read could depend on. The mechanism (a
+// session's replica connection) is in replica.go; takeover and replay
+// positions in lsn.go.
+//
+// What may go to a replica: a simple Query made only of plain reads
+// (SELECT/VALUES/TABLE/COPY TO without locking clauses, without functions
+// that need the primary or may write, without parameter changes), run in
+// autocommit, and a transaction begun with BEGIN READ ONLY (it then stays
+// on the replica until it ends). Everything else, the extended protocol
+// included, goes to the primary. A session that changed a parameter other
+// than fence.* (SET, RESET, set_config) or created temporary objects is
+// pinned to the primary until DISCARD ALL, since its replica connection
+// would not have them; fence.read_replicas=off pins a session too.
+//
+// A read of a protected table, and every read-only transaction when the
+// database has protected tables, needs the replica to have replayed: the
+// takeover of the session's own generation (fence.job_key, fence.token),
+// fence.min_lsn, and, without fence metadata, every takeover the proxy has
+// seen plus everything before its watcher started. When the proxy does not
+// know the session's token (a takeover it has not been told of yet), the
+// replica's own fence row decides. Otherwise fence.read_policy says what
+// happens: primary, wait (up to fence.read_wait), or pending (FN007).
+
+// RouteStats count read-routing decisions.
+type RouteStats struct {
+	Replica     atomic.Int64 // queries sent to a replica
+	Primary     atomic.Int64 // replica-eligible queries sent to the primary (behind, unhealthy, pinned)
+	Waits       atomic.Int64 // reads that waited for a replica (policy wait)
+	Waiting     atomic.Int64 // reads waiting right now
+	Pending     atomic.Int64 // FN007 answers
+	Retries     atomic.Int64 // routed reads retried on the primary after a replica failure
+	FenceChecks atomic.Int64 // generation checks against a replica's fence row
+	CommitLSN   atomic.Int64 // fence.commit_lsn reports sent
+}
+
+// steps of the routing's own requests (fenceSession tags).
+const (
+	stepRoute      step = 100 + iota // marker: steps from here on are routing's
+	stepFenceCheck                   // SELECT the replica's fence row
+	stepLSN                          // SELECT pg_current_wal_lsn() after a fence.* call
+)
+
+// routeState is a fenceSession's routing state. Client goroutine, except
+// row (written by a server goroutine under h.mu).
+type routeState struct {
+	pinned  bool   // a SET or temporary object made the primary session special
+	fenceTx bool   // a fence.* function ran in the open transaction
+	row     string // the answer of the last routing query
+}
+
+// ParamCommitLSN is the ParameterStatus pgfence sends after a transaction
+// that called a fence.* function (fence.acquire, fence.retire, ...) ends
+// through it: the primary's WAL position after the commit. Readers may pass
+// it as fence.min_lsn.
+const ParamCommitLSN = "fence.commit_lsn"
+
+// readKind is what a query is for routing.
+type readKind int
+
+const (
+	notRead  readKind = iota
+	autoRead          // plain reads in autocommit
+	roTx              // BEGIN READ ONLY ...
+)
+
+func plainRead(st *rewrite.Stmt) bool {
+	return (st.Kind == rewrite.Read || st.Kind == rewrite.CopyTo) && !st.LockingRead && !st.CallsFence &&
+		!st.PrimaryOnlyFuncs && !st.Opaque && len(st.GUCs) == 0 && !st.UnknownGUCWrite && st.Executes == "" && !st.Analyze
+}
+
+func classifyRead(stmts []*rewrite.Stmt) readKind {
+	if len(stmts) == 0 {
+		return notRead
+	}
+	if stmts[0].Kind == rewrite.Begin {
+		if !stmts[0].ReadOnly {
+			return notRead
+		}
+		for i, st := range stmts[1:] {
+			switch st.Kind {
+			case rewrite.Savepoint, rewrite.Release, rewrite.RollbackTo:
+			case rewrite.Commit, rewrite.Rollback:
+				if st.Chain || i+2 != len(stmts) {
+					return notRead
+				}
+			default:
+				if !plainRead(st) {
+					return notRead
+				}
+			}
+		}
+		return roTx
+	}
+	for _, st := range stmts {
+		if !plainRead(st) {
+			return notRead
+		}
+	}
+	return autoRead
+}
+
+// pins reports whether st leaves the primary session with state a replica
+// connection would not have.
+func pins(st *rewrite.Stmt) bool {
+	if st.UnknownGUCWrite {
+		return true
+	}
+	for _, g := range st.GUCs {
+		if g.Unknown || !g.Local && !strings.HasPrefix(g.Name, "fence.") {
+			return true
+		}
+	}
+	if st.Kind == rewrite.Other && strings.Contains(strings.ToUpper(st.SQL), "TEMP") {
+		return true
+	}
+	return false
+}
+
+// routeQuery sends a client Query that needs no gate: to the replica when
+// it may, else to the primary. Client goroutine.
+func (h *fenceSession) routeQuery(s *Session, msg []byte, res *rewrite.Result) error {
+	rs := s.srv.rs
+	if rs == nil {
+		return h.sendClient(s, msg, res)
+	}
+	var stmts []*rewrite.Stmt
+	if res != nil {
+		stmts = res.Stmts
+	}
+	onRep := s.OnReplica()
+	if onRep {
+		if s.q.front() != nil {
+			if err := h.barrier(s); err != nil {
+				return err
+			}
+		}
+		if h.tx() != session.Idle {
+			// The read-only transaction continues on the replica.
+			return h.sendClient(s, msg, res)
+		}
+	}
+	kind := classifyRead(stmts)
+	if kind == notRead || h.rt.pinned || !h.replicaReads() {
+		if onRep {
+			s.usePrimary()
+		}
+		h.notePins(stmts)
+		return h.sendClient(s, msg, res)
+	}
+	if !onRep && (s.q.front() != nil || h.tx() != session.Idle) {
+		// Requests in flight on the primary (their transaction state is
+		// unknown yet), or a transaction open there.
+		rs.stats.Primary.Add(1)
+		return h.sendClient(s, msg, res)
+	}
+	r := rs.pick()
+	if rc := s.rt.rep; rc != nil && rc.r.healthy.Load() {
+		r = rc.r
+	}
+	if r == nil {
+		rs.stats.Primary.Add(1)
+		return h.toPrimary(s, msg, res)
+	}
+	ok, err := h.replicaCurrent(s, r, stmts, kind)
+	if err != nil || !ok {
+		if err != nil {
+			if pe, isPending := err.(*pendingError); isPending {
+				rs.stats.Pending.Add(1)
+				if err := s.usePrimary(); err != nil {
+					return err
+				}
+				return h.refuseQuery(s, pe.e)
+			}
+			return err
+		}
+		rs.stats.Primary.Add(1)
+		return h.toPrimary(s, msg, res)
+	}
+	if err := s.useReplica(r); err != nil {
+		rs.stats.Primary.Add(1)
+		return h.toPrimary(s, msg, res)
+	}
+	rs.stats.Replica.Add(1)
+	s.rt.rep.forwarded.Store(false)
+	s.rt.waiting.Store(true)
+	if err := h.sendClient(s, msg, res); err != nil {
+		s.rt.waiting.Store(false)
+		return err
+	}
+	retry, err := s.routeWait(h.last)
+	if err != nil || !retry {
+		return err
+	}
+	rs.stats.Retries.Add(1)
+	h.mu.Lock()
+	h.st.TxStatus('I')
+	h.mu.Unlock()
+	return h.sendClient(s, msg, res)
+}
+
+func (h *fenceSession) toPrimary(s *Session, msg []byte, res *rewrite.Result) error {
+	if err := s.usePrimary(); err != nil {
+		return err
+	}
+	return h.sendClient(s, msg, res)
+}
+
+// routeOther keeps the extended protocol (and everything but a Query) on
+// the primary, except inside a transaction open on the replica. A batch
+// (up to Sync) stays on the upstream where it began. Client goroutine.
+func (h *fenceSession) routeOther(s *Session) error {
+	if !s.OnReplica() || h.inBatch {
+		return nil
+	}
+	if s.q.front() != nil {
+		if err := h.barrier(s); err != nil {
+			return err
+		}
+	}
+	if h.tx() != session.Idle {
+		return nil
+	}
+	return s.usePrimary()
+}
+
+func (h *fenceSession) tx() session.TxState {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.st.Tx()
+}
+
+func (h *fenceSession) get(name string) string {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	v, _ := h.st.Get(name)
+	return v
+}
+
+// replicaReads reports whether the session may read from replicas.
+func (h *fenceSession) replicaReads() bool {
+	switch strings.ToLower(h.get("fence.read_replicas")) {
+	case "off", "false", "0", "no":
+		return false
+	}
+	return true
+}
+
+func (h *fenceSession) notePins(stmts []*rewrite.Stmt) {
+	for _, st := range stmts {
+		switch {
+		case st.Kind == rewrite.Discard && st.Name == "ALL":
+			h.rt.pinned = false
+		case pins(st):
+			h.rt.pinned = true
+		}
+	}
+}
+
+// requirement is what a replica must have replayed to serve a read.
+type requirement struct {
+	lsn   LSN
+	job   string // with check: verify token on the replica's fence row
+	token int64
+	check bool
+	what  string // for messages
+}
+
+// require works out what the read needs; protected is false when it
+// touches no protected table (any healthy replica will do).
+func (h *fenceSession) require(stmts []*rewrite.Stmt, kind readKind) (req requirement, protected bool) {
+	prot := h.cat.prot.Load()
+	if prot.Len() == 0 {
+		return req, false
+	}
+	h.mu.Lock()
+	sp := h.st.SearchPath()
+	job, _ := h.st.Get(session.JobKey)
+	tokText, _ := h.st.Get(session.Token)
+	minText, _ := h.st.Get(session.MinLSN)
+	h.mu.Unlock()
+	protected = kind == roTx // a read-only transaction may read anything later
+	for _, st := range stmts {
+		for _, rel := range st.ReadRelations {
+			if prot.Matches(rel, sp) {
+				protected = true
+			}
+		}
+	}
+	if !protected {
+		return req, false
+	}
+	tk := &h.cat.tk
+	token, terr := strconv.ParseInt(strings.TrimSpace(tokText), 10, 64)
+	if job != "" && terr == nil && token > 0 {
+		req.what = fmt.Sprintf("job %q token %d", job, token)
+		if t, ok := tk.lookup(job); ok && t.token >= token {
+			req.lsn = t.lsn
+		} else {
+			req.job, req.token, req.check = job, token, true
+		}
+	} else {
+		req.lsn = tk.all()
+		req.what = "every takeover seen so far"
+	}
+	if minText != "" {
+		if m, err := parseLSN(minText); err == nil && m > req.lsn {
+			req.lsn = m
+			req.what += fmt.Sprintf(" and fence.min_lsn %s", m)
+		}
+	}
+	return req, true
+}
+
+// pendingError carries the FN007 answer.
+type pendingError struct{ e *session.Error }
+
+func (p *pendingError) Error() string { return p.e.Message }
+
+// replicaCurrent decides whether r may serve the read now, waiting when
+// the session's policy says so. It returns a *pendingError for policy
+// pending. It may leave the session on the replica (after a fence-row
+// check); the caller switches as it decides.
+func (h *fenceSession) replicaCurrent(s *Session, r *replica, stmts []*rewrite.Stmt, kind readKind) (bool, error) {
+	req, protected := h.require(stmts, kind)
+	if !protected {
+		return true, nil
+	}
+	rs := s.srv.rs
+	ok, err := h.replayed(s, r, req)
+	if ok || err != nil {
+		return ok, err
+	}
+	switch strings.ToLower(h.get(session.ReadPolicy)) {
+	case "wait":
+		wait := DefaultReadWait
+		if v := h.get(session.ReadWait); v != "" {
+			if d, err := session.ParseDuration(v); err == nil {
+				wait = d
+			}
+		}
+		rs.stats.Waits.Add(1)
+		rs.stats.Waiting.Add(1)
+		defer rs.stats.Waiting.Add(-1)
+		ctx, cancel := context.WithTimeout(context.Background(), wait)
+		defer cancel()
+		go func() {
+			select {
+			case <-s.closing:
+				cancel()
+			case <-ctx.Done():
+			}
+		}()
+		for ctx.Err() == nil {
+			if _, err := r.refresh(ctx); err != nil {
+				break
+			}
+			if !r.healthy.Load() {
+				continue
+			}
+			if ok, err := h.replayed(s, r, req); ok || err != nil {
+				return ok, err
+			}
+		}
+		return false, nil
+	case "pending":
+		replay := LSN(r.replay.Load())
+		msg := fmt.Sprintf("generation pending on replica: %s is not yet visible on replica %s", req.what, r.addr)
+		if req.check {
+			msg += fmt.Sprintf(" (its fence row there is behind; replayed up to %s)", replay)
+		} else {
+			msg += fmt.Sprintf(" (needs WAL position %s, replayed %s)", req.lsn, replay)
+		}
+		return false, &pendingError{&session.Error{Code: fence.CodePending, Message: "pgfence: " + msg,
+			Hint: "retry shortly, or read from the primary with SET fence.read_policy = 'primary' (or 'wait')"}}
+	}
+	return false, nil
+}
+
+// replayed checks req against r's cached replay position, and against its
+// fence row when the proxy does not know the session's token.
+func (h *fenceSession) replayed(s *Session, r *replica, req requirement) (bool, error) {
+	if LSN(r.replay.Load()) < req.lsn {
+		return false, nil
+	}
+	if !req.check {
+		return true, nil
+	}
+	return h.fenceRowCheck(s, r, req)
+}
+
+// fenceRowCheck asks the replica whether its fence row for req.job has
+// reached req.token, on the session's replica connection. The answer also
+// teaches the takeover tracker a position for that token.
+func (h *fenceSession) fenceRowCheck(s *Session, r *replica, req requirement) (bool, error) {
+	if err := s.useReplica(r); err != nil {
+		return false, nil
+	}
+	s.srv.rs.stats.FenceChecks.Add(1)
+	q := "SELECT coalesce((SELECT max_issued_token FROM fence.fences WHERE job_key = " + literal(req.job) +
+		"), 0)::text || ' ' || coalesce(pg_last_wal_replay_lsn()::text, '0/0')"
+	h.mu.Lock()
+	h.rt.row = ""
+	h.mu.Unlock()
+	s.rt.waiting.Store(true)
+	if err := h.send(s, queryMsg(nil, q), &tag{kind: 'Q', segs: []seg{{step: stepFenceCheck}}}, false); err != nil {
+		s.rt.waiting.Store(false)
+		return false, err
+	}
+	retry, err := s.routeWait(h.last)
+	if err != nil {
+		return false, err
+	}
+	if retry {
+		h.mu.Lock()
+		h.st.TxStatus('I')
+		h.mu.Unlock()
+		return false, nil
+	}
+	h.mu.Lock()
+	row := h.rt.row
+	h.mu.Unlock()
+	tokText, lsnText, _ := strings.Cut(row, " ")
+	tok, err1 := strconv.ParseInt(tokText, 10, 64)
+	lsn, err2 := parseLSN(lsnText)
+	if err1 != nil || err2 != nil {
+		return false, nil
+	}
+	if tok > 0 && lsn > 0 {
+		h.cat.tk.record(req.job, takeover{token: tok, lsn: lsn}, false)
+	}
+	return tok >= req.token, nil
+}
+
+// routeRow takes the DataRow of a routing query. Server goroutine, under
+// h.mu.
+func (h *fenceSession) routeRow(s *Session, sg seg, msg []byte) {
+	switch sg.step {
+	case stepFenceCheck:
+		h.rt.row = rowValue(msg)
+	case stepLSN:
+		if h.st.Tx() != session.Idle {
+			return
+		}
+		v := rowValue(msg)
+		if v == "" {
+			return
+		}
+		if rs := s.srv.rs; rs != nil {
+			rs.stats.CommitLSN.Add(1)
+		}
+		s.WriteClient(encode(nil, &pgproto3.ParameterStatus{Name: ParamCommitLSN, Value: v}))
+	}
+}
+
+// sendClient sends the client's Query as it is. After a query that called
+// a fence.* function and left no transaction open (or the COMMIT of a
+// transaction that did), the query's ReadyForQuery is held back and sent
+// after the ParameterStatus fence.commit_lsn.
+func (h *fenceSession) sendClient(s *Session, msg []byte, res *rewrite.Result) error {
+	t := &tag{kind: 'Q', segs: clientSegs(res)}
+	tail, ends, begins := false, false, false
+	if res != nil && !s.OnReplica() {
+		for _, st := range res.Stmts {
+			switch {
+			case st.CallsFence:
+				h.rt.fenceTx, tail = true, true
+			case st.Kind == rewrite.Commit || st.Kind == rewrite.Rollback:
+				tail, ends = tail || h.rt.fenceTx, true
+			case st.Kind == rewrite.Begin:
+				begins = true
+			}
+		}
+	}
+	if !tail {
+		return h.send(s, msg, t, true)
+	}
+	t.hideRFQ = true
+	if err := h.send(s, msg, t, true); err != nil {
+		return err
+	}
+	// Visible, so its ReadyForQuery is the client's; its rows are hidden.
+	if err := h.send(s, queryMsg(nil, "SELECT pg_current_wal_lsn()::text"), &tag{kind: 'Q', segs: []seg{{step: stepLSN}}}, true); err != nil {
+		return err
+	}
+	if ends || !begins && h.tx() == session.Idle {
+		h.rt.fenceTx = false
+	}
+	return nil
+}
+
+// initReplicas sets up read routing when replicas are configured, reads
+// may use them, and the write gate classifies statements. The pollers
+// start at once; they connect in the background.
+func (s *Server) initReplicas() {
+	if len(s.replicas) == 0 || s.cfg.NoReplicaReads || s.cfg.Interceptor == nil {
+		return
+	}
+	if _, ok := s.cfg.Interceptor.(*Fence); !ok {
+		return
+	}
+	s.rs = newReplicas(s.primary, s.replicas, s.cfg.ReplicaPoll, s.cfg.ReplicaMaxLag, s.log.Named("replicas"))
+	s.SetReplicaStatus(s.rs.status)
+}
+
+func (s *Server) closeReplicas() {
+	if s.rs != nil {
+		s.rs.close()
+	}
+}
+
+// RouteStats returns the read-routing counters (nil without read routing).
+func (s *Server) RouteStats() *RouteStats {
+	if s.rs == nil {
+		return nil
+	}
+	return &s.rs.stats
+}
+
+// cancelRoute redirects a CancelRequest to the session's replica backend
+// while the session's requests run there.
+func (s *Server) cancelRoute(pid uint32, t cancelTarget) cancelTarget {
+	if s.rs == nil {
+		return t
+	}
+	s.mu.Lock()
+	var sess *Session
+	for _, ss := range s.conns {
+		if ss != nil && ss.cancelPID == pid {
+			sess = ss
+			break
+		}
+	}
+	s.mu.Unlock()
+	if sess == nil {
+		return t
+	}
+	if rt, ok := sess.replicaCancelTarget(); ok {
+		return rt
+	}
+	return t
+}
+
+// routeGated: a query the gate rewrites goes to the primary (it writes),
+// unless a read-only transaction is open on the replica, where it fails as
+// it would on the primary. Called after barrier.
+func (h *fenceSession) routeGated(s *Session) error {
+	if !s.OnReplica() || h.tx() != session.Idle {
+		return nil
+	}
+	return s.usePrimary()
+}

@@ -1,0 +1,536 @@
+package proxy
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"go.uber.org/zap/zaptest"
+
+	"github.com/pgfence/pgfence/fence"
+	"github.com/pgfence/pgfence/internal/pgtest"
+)
+
+// routeEnv is a fenceEnv whose proxy routes reads to the test cluster's
+// streaming replica.
+type routeEnv struct {
+	*fenceEnv
+}
+
+func newRouteEnv(t *testing.T) *routeEnv {
+	t.Helper()
+	ctx := ctxT(t)
+	db := cluster.NewDatabase(t)
+	conn, err := cluster.Primary.Connect(ctx, db)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(ctx)
+	if _, err := conn.Exec(ctx, fenceSchema); err != nil {
+		t.Fatal(err)
+	}
+	if err := cluster.WaitReplicaCaughtUp(ctx); err != nil {
+		t.Fatal(err)
+	}
+	e := &routeEnv{&fenceEnv{db: db}}
+	e.proxy, e.gate = startRouteProxy(t)
+	return e
+}
+
+// startRouteProxy starts a gated proxy with the replica configured.
+func startRouteProxy(t *testing.T) (*testProxy, *Fence) {
+	t.Helper()
+	gate, err := NewFence(FenceConfig{Primary: cluster.Primary.DSN("postgres")}, zaptest.NewLogger(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(gate.Close)
+	p := startProxy(t, Config{Interceptor: gate, Replicas: []string{cluster.Replica.DSN("postgres")},
+		ReplicaPoll: 10 * time.Millisecond, ReplicaMaxLag: time.Minute})
+	waitHealthy(t, p)
+	return p, gate
+}
+
+func waitHealthy(t *testing.T, p *testProxy) {
+	t.Helper()
+	if err := pgtest.Poll(ctxT(t), func() (bool, error) { return p.srv.rs.list[0].healthy.Load(), nil }); err != nil {
+		t.Fatalf("replica never healthy: %v", err)
+	}
+}
+
+// reader connects through the proxy with startup options.
+func (e *routeEnv) reader(t *testing.T, p *testProxy, opts ...string) *pgconn.PgConn {
+	t.Helper()
+	if p == nil {
+		p = e.proxy
+	}
+	cfg, err := pgconn.ParseConfig(p.dsn(e.db))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(opts) > 0 {
+		cfg.RuntimeParams["options"] = strings.Join(opts, " ")
+	}
+	c, err := pgconn.ConnectConfig(ctxT(t), cfg)
+	if err != nil {
+		t.Fatalf("connect: %v", err)
+	}
+	t.Cleanup(func() { c.Close(context.Background()) })
+	return c
+}
+
+// where runs a simple query whose last column is pg_is_in_recovery() and
+// reports the first row's other columns and whether a replica answered.
+func where(t *testing.T, c *pgconn.PgConn, sql string) ([]string, bool, error) {
+	t.Helper()
+	rs, err := c.Exec(ctxT(t), sql).ReadAll()
+	if err != nil {
+		return nil, false, err
+	}
+	for _, r := range rs {
+		if len(r.Rows) == 0 {
+			continue
+		}
+		row := r.Rows[0]
+		var vals []string
+		for _, v := range row[:len(row)-1] {
+			vals = append(vals, string(v))
+		}
+		return vals, string(row[len(row)-1]) == "t", nil
+	}
+	return nil, false, fmt.Errorf("%s: no rows", sql)
+}
+
+func mustWhere(t *testing.T, c *pgconn.PgConn, sql string, replica bool) []string {
+	t.Helper()
+	vals, onReplica, err := where(t, c, sql)
+	if err != nil {
+		t.Fatalf("%s: %v", sql, err)
+	}
+	if onReplica != replica {
+		t.Fatalf("%s: answered by replica=%v, want replica=%v", sql, onReplica, replica)
+	}
+	return vals
+}
+
+func opts(job string, token int64, extra ...string) []string {
+	return append([]string{fmt.Sprintf("-c fence.job_key=%s -c fence.token=%d", job, token)}, extra...)
+}
+
+// waitTakeover waits until the proxy's watcher has recorded job's token.
+func (e *routeEnv) waitTakeover(t *testing.T, g *Fence, job string, token int64) {
+	t.Helper()
+	cat, err := g.cats.get(ctxT(t), e.db)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := pgtest.Poll(ctxT(t), func() (bool, error) {
+		tk, ok := cat.tk.lookup(job)
+		return ok && tk.token >= token, nil
+	}); err != nil {
+		t.Fatalf("the proxy never saw token %d of %s: %v", token, job, err)
+	}
+}
+
+func pauseReplay(t *testing.T) {
+	t.Helper()
+	if err := cluster.PauseReplay(ctxT(t)); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { cluster.ResumeReplay(context.Background()) })
+}
+
+func resumeAndCatchUp(t *testing.T) {
+	t.Helper()
+	ctx := ctxT(t)
+	if err := cluster.ResumeReplay(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := cluster.WaitReplicaCaughtUp(ctx); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// scenario: A (token 17's holder) commits its result and the replica has
+// it; then replay pauses, B takes over and commits its own result on the
+// primary. It returns B's lease.
+func (e *routeEnv) scenario(t *testing.T) fence.Lease {
+	t.Helper()
+	ctx := ctxT(t)
+	a := e.acquire(t, "job", "a", time.Minute)
+	wa := e.worker(t, &a)
+	if _, err := wa.Exec(ctx, upsert, "job", "A", a.Token); err != nil {
+		t.Fatalf("A's commit: %v", err)
+	}
+	if err := cluster.WaitReplicaCaughtUp(ctx); err != nil {
+		t.Fatal(err)
+	}
+	pauseReplay(t)
+	b := e.takeover(t, "job", "b", a)
+	wb := e.worker(t, &b)
+	if _, err := wb.Exec(ctx, upsert, "job", "B", b.Token); err != nil {
+		t.Fatalf("B's commit: %v", err)
+	}
+	return b
+}
+
+const readResult = "SELECT payload, token, pg_is_in_recovery() FROM results WHERE job_key = 'job'"
+
+func TestAcceptanceReads(t *testing.T) {
+	t.Run("A08_reader_with_new_generation", func(t *testing.T) {
+		e := newRouteEnv(t)
+		b := e.scenario(t)
+		e.waitTakeover(t, e.gate, "job", b.Token)
+		want := []string{"B", fmt.Sprint(b.Token)}
+		check := func(got []string) {
+			t.Helper()
+			if strings.Join(got, " ") != strings.Join(want, " ") {
+				t.Fatalf("read %v, want %v (never the previous generation)", got, want)
+			}
+		}
+
+		// primary (the default): answered by the primary.
+		rp := e.reader(t, nil, opts("job", b.Token)...)
+		check(mustWhere(t, rp, readResult, false))
+
+		// pending: FN007 naming the generation.
+		rpend := e.reader(t, nil, opts("job", b.Token, "-c fence.read_policy=pending")...)
+		_, _, err := where(t, rpend, readResult)
+		wantCode(t, err, fence.CodePending)
+		if !strings.Contains(err.Error(), fmt.Sprintf("token %d", b.Token)) {
+			t.Fatalf("FN007 message does not name the generation: %v", err)
+		}
+		// The session is usable after FN007.
+		mustWhere(t, rpend, "SELECT 1, pg_is_in_recovery()", true)
+
+		// wait: blocks until replay resumes, then the replica answers.
+		rw := e.reader(t, nil, opts("job", b.Token, "-c fence.read_policy=wait", "-c fence.read_wait=30s")...)
+		type answer struct {
+			vals    []string
+			replica bool
+			err     error
+		}
+		done := make(chan answer, 1)
+		go func() {
+			v, r, err := where(t, rw, readResult)
+			done <- answer{v, r, err}
+		}()
+		stats := e.proxy.srv.RouteStats()
+		if err := pgtest.Poll(ctxT(t), func() (bool, error) {
+			select {
+			case a := <-done:
+				return false, fmt.Errorf("wait policy answered before replay resumed: %+v", a)
+			default:
+			}
+			return stats.Waiting.Load() == 1, nil
+		}); err != nil {
+			t.Fatal(err)
+		}
+		if err := cluster.ResumeReplay(ctxT(t)); err != nil {
+			t.Fatal(err)
+		}
+		a := <-done
+		if a.err != nil {
+			t.Fatalf("wait policy: %v", a.err)
+		}
+		check(a.vals)
+		if !a.replica {
+			t.Fatalf("wait policy answered from the primary, want the replica after replay resumed")
+		}
+
+		// After resume the replica serves every policy again.
+		if err := cluster.WaitReplicaCaughtUp(ctxT(t)); err != nil {
+			t.Fatal(err)
+		}
+		if err := pgtest.Poll(ctxT(t), func() (bool, error) {
+			_, r, err := where(t, rp, readResult)
+			return r, err
+		}); err != nil {
+			t.Fatalf("the replica never served the primary-policy reader again: %v", err)
+		}
+		check(mustWhere(t, rp, readResult, true))
+		check(mustWhere(t, rpend, readResult, true))
+	})
+
+	t.Run("A08_unknown_token_checks_replica_fence_row", func(t *testing.T) {
+		// The proxy has not been told of the takeover (another proxy made
+		// it, or the notification is still on its way): the replica's own
+		// fence row decides, never the result's token column.
+		e := newRouteEnv(t)
+		b := e.scenario(t)
+		e.waitTakeover(t, e.gate, "job", b.Token)
+		cat, _ := e.gate.cats.get(ctxT(t), e.db)
+		cat.tk.mu.Lock()
+		delete(cat.tk.jobs, "job")
+		cat.tk.mu.Unlock()
+		stats := e.proxy.srv.RouteStats()
+		checks := stats.FenceChecks.Load()
+
+		rpend := e.reader(t, nil, opts("job", b.Token, "-c fence.read_policy=pending")...)
+		_, _, err := where(t, rpend, readResult)
+		wantCode(t, err, fence.CodePending)
+		rp := e.reader(t, nil, opts("job", b.Token)...)
+		if got := mustWhere(t, rp, readResult, false); got[0] != "B" {
+			t.Fatalf("read %v, want B's result", got)
+		}
+		if stats.FenceChecks.Load() == checks {
+			t.Fatal("no fence-row check was made on the replica")
+		}
+		resumeAndCatchUp(t)
+		if got := mustWhere(t, rp, readResult, true); got[0] != "B" {
+			t.Fatalf("read %v after replay, want B's result from the replica", got)
+		}
+	})
+
+	t.Run("A09_reader_without_metadata", func(t *testing.T) {
+		e := newRouteEnv(t)
+		b := e.scenario(t)
+		e.waitTakeover(t, e.gate, "job", b.Token)
+		r := e.reader(t, nil)
+		if got := mustWhere(t, r, readResult, false); got[0] != "B" {
+			t.Fatalf("read %v, want B's result from the primary", got)
+		}
+		// Unprotected tables are still read from the (lagging) replica.
+		mustWhere(t, r, "SELECT count(*), pg_is_in_recovery() FROM audit", true)
+		resumeAndCatchUp(t)
+		if err := pgtest.Poll(ctxT(t), func() (bool, error) {
+			_, rep, err := where(t, r, readResult)
+			return rep, err
+		}); err != nil {
+			t.Fatalf("the replica never served the protected read after replay: %v", err)
+		}
+		if got := mustWhere(t, r, readResult, true); got[0] != "B" {
+			t.Fatalf("read %v, want B's result", got)
+		}
+	})
+}
+
+func TestReadRouting(t *testing.T) {
+	e := newRouteEnv(t)
+	ctx := ctxT(t)
+
+	t.Run("autocommit_read_on_replica", func(t *testing.T) {
+		r := e.reader(t, nil)
+		mustWhere(t, r, "SELECT 1, pg_is_in_recovery()", true)
+		mustWhere(t, r, "SELECT count(*), pg_is_in_recovery() FROM audit", true)
+		// Writes and primary-only functions go to the primary.
+		if _, err := r.Exec(ctx, "INSERT INTO audit (note) VALUES ('w')").ReadAll(); err != nil {
+			t.Fatal(err)
+		}
+		mustWhere(t, r, "SELECT nextval('audit_id_seq'), pg_is_in_recovery()", false)
+		mustWhere(t, r, "SELECT 1 FROM audit FOR UPDATE", false)
+		mustWhere(t, r, "SELECT 1, pg_is_in_recovery()", true)
+	})
+	t.Run("read_then_write_transaction_stays_on_primary", func(t *testing.T) {
+		r := e.reader(t, nil)
+		for _, q := range []string{"BEGIN"} {
+			if _, err := r.Exec(ctx, q).ReadAll(); err != nil {
+				t.Fatal(err)
+			}
+		}
+		mustWhere(t, r, "SELECT 1, pg_is_in_recovery()", false)
+		if _, err := r.Exec(ctx, "INSERT INTO audit (note) VALUES ('tx')").ReadAll(); err != nil {
+			t.Fatal(err)
+		}
+		mustWhere(t, r, "SELECT count(*), pg_is_in_recovery() FROM audit WHERE note = 'tx'", false)
+		if _, err := r.Exec(ctx, "COMMIT").ReadAll(); err != nil {
+			t.Fatal(err)
+		}
+	})
+	t.Run("begin_read_only_on_replica", func(t *testing.T) {
+		r := e.reader(t, nil)
+		if _, err := r.Exec(ctx, "BEGIN READ ONLY").ReadAll(); err != nil {
+			t.Fatal(err)
+		}
+		mustWhere(t, r, "SELECT 1, pg_is_in_recovery()", true)
+		mustWhere(t, r, "SELECT 2, pg_is_in_recovery()", true)
+		if _, err := r.Exec(ctx, "COMMIT").ReadAll(); err != nil {
+			t.Fatal(err)
+		}
+		// Back on the primary for a write, then reads go to the replica.
+		if _, err := r.Exec(ctx, "INSERT INTO audit (note) VALUES ('after ro')").ReadAll(); err != nil {
+			t.Fatal(err)
+		}
+		mustWhere(t, r, "BEGIN READ ONLY; SELECT 3, pg_is_in_recovery(); COMMIT", true)
+	})
+	t.Run("extended_protocol_on_primary", func(t *testing.T) {
+		c, err := pgx.Connect(ctx, e.proxy.dsn(e.db))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close(ctx)
+		var rec bool
+		if err := c.QueryRow(ctx, "SELECT pg_is_in_recovery()").Scan(&rec); err != nil || rec {
+			t.Fatalf("extended read: recovery=%v, %v; want the primary", rec, err)
+		}
+		if err := c.QueryRow(ctx, "SELECT pg_is_in_recovery()", pgx.QueryExecModeSimpleProtocol).Scan(&rec); err != nil || !rec {
+			t.Fatalf("simple read: recovery=%v, %v; want the replica", rec, err)
+		}
+		if err := c.QueryRow(ctx, "SELECT pg_is_in_recovery()").Scan(&rec); err != nil || rec {
+			t.Fatalf("extended read after a replica read: recovery=%v, %v; want the primary", rec, err)
+		}
+		// A read-only transaction through pgx: its simple BEGIN goes to
+		// the replica, and its extended statements follow it there.
+		tx, err := c.BeginTx(ctx, pgx.TxOptions{AccessMode: pgx.ReadOnly})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := tx.QueryRow(ctx, "SELECT pg_is_in_recovery()", pgx.QueryExecModeSimpleProtocol).Scan(&rec); err != nil || !rec {
+			t.Fatalf("read-only tx: recovery=%v, %v; want the replica", rec, err)
+		}
+		if err := tx.Commit(ctx); err != nil {
+			t.Fatal(err)
+		}
+	})
+	t.Run("session_set_pins_to_primary", func(t *testing.T) {
+		r := e.reader(t, nil)
+		if _, err := r.Exec(ctx, "SET statement_timeout = '5min'").ReadAll(); err != nil {
+			t.Fatal(err)
+		}
+		mustWhere(t, r, "SELECT current_setting('statement_timeout'), pg_is_in_recovery()", false)
+		if _, err := r.Exec(ctx, "DISCARD ALL").ReadAll(); err != nil {
+			t.Fatal(err)
+		}
+		mustWhere(t, r, "SELECT 1, pg_is_in_recovery()", true)
+		// fence.* parameters do not pin.
+		if _, err := r.Exec(ctx, "SET fence.read_policy = 'wait'").ReadAll(); err != nil {
+			t.Fatal(err)
+		}
+		mustWhere(t, r, "SELECT 1, pg_is_in_recovery()", true)
+		if _, err := r.Exec(ctx, "SET fence.read_replicas = off").ReadAll(); err != nil {
+			t.Fatal(err)
+		}
+		mustWhere(t, r, "SELECT 1, pg_is_in_recovery()", false)
+	})
+	t.Run("commit_lsn_after_acquire", func(t *testing.T) {
+		r := e.reader(t, nil)
+		if _, err := r.Exec(ctx, "SELECT * FROM fence.acquire('lsnjob', 'w', interval '1 minute')").ReadAll(); err != nil {
+			t.Fatal(err)
+		}
+		v := r.ParameterStatus(ParamCommitLSN)
+		if v == "" {
+			t.Fatal("no fence.commit_lsn after fence.acquire")
+		}
+		got, err := parseLSN(v)
+		if err != nil {
+			t.Fatal(err)
+		}
+		cur, _ := cluster.CurrentLSN(ctx)
+		now, _ := parseLSN(cur)
+		if got == 0 || got > now {
+			t.Fatalf("fence.commit_lsn %s, want a position up to the current %s", got, now)
+		}
+		// In an explicit transaction it comes with the COMMIT.
+		for _, q := range []string{"BEGIN", "SELECT * FROM fence.acquire('lsnjob2', 'w', interval '1 minute')"} {
+			if _, err := r.Exec(ctx, q).ReadAll(); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if r.ParameterStatus(ParamCommitLSN) != v {
+			t.Fatalf("fence.commit_lsn changed before COMMIT")
+		}
+		if _, err := r.Exec(ctx, "COMMIT").ReadAll(); err != nil {
+			t.Fatal(err)
+		}
+		v2, _ := parseLSN(r.ParameterStatus(ParamCommitLSN))
+		if v2 <= got {
+			t.Fatalf("fence.commit_lsn after COMMIT %s, want past %s", v2, got)
+		}
+		// A reader demanding that position is pinned until the replica has it.
+		pauseReplay(t)
+		if _, err := e.direct(t).Exec(ctx, "SELECT * FROM fence.acquire('lsnjob3', 'w', interval '1 minute')"); err != nil {
+			t.Fatal(err)
+		}
+		cur, _ = cluster.CurrentLSN(ctx)
+		rm := e.reader(t, nil, "-c fence.min_lsn="+cur)
+		mustWhere(t, rm, readResult+" UNION ALL SELECT 'x', 0, pg_is_in_recovery()", false)
+		resumeAndCatchUp(t)
+		if err := pgtest.Poll(ctx, func() (bool, error) {
+			_, rep, err := where(t, rm, readResult+" UNION ALL SELECT 'x', 0, pg_is_in_recovery()")
+			return rep, err
+		}); err != nil {
+			t.Fatal(err)
+		}
+	})
+	t.Run("replica_down_reads_from_primary", func(t *testing.T) {
+		r := e.reader(t, nil)
+		mustWhere(t, r, "SELECT 1, pg_is_in_recovery()", true)
+		if err := cluster.Replica.Stop(); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() {
+			if !cluster.Replica.Running() {
+				cluster.Replica.Start(context.Background())
+			}
+		})
+		for i := range 5 {
+			mustWhere(t, r, fmt.Sprintf("SELECT %d, pg_is_in_recovery()", i), false)
+		}
+		r2 := e.reader(t, nil)
+		mustWhere(t, r2, "SELECT 1, pg_is_in_recovery()", false)
+		if err := cluster.Replica.Start(ctx); err != nil {
+			t.Fatal(err)
+		}
+		waitHealthy(t, e.proxy)
+		mustWhere(t, r, "SELECT 1, pg_is_in_recovery()", true)
+		mustWhere(t, r2, "SELECT 1, pg_is_in_recovery()", true)
+	})
+}
+
+func TestReadRoutingTwoProxies(t *testing.T) {
+	e := newRouteEnv(t)
+	ctx := ctxT(t)
+	p2, g2 := startRouteProxy(t)
+	// Both proxies watch the database before the takeover.
+	e.reader(t, p2)
+
+	a := e.acquire(t, "job", "a", time.Minute)
+	if _, err := e.worker(t, &a).Exec(ctx, upsert, "job", "A", a.Token); err != nil {
+		t.Fatal(err)
+	}
+	if err := cluster.WaitReplicaCaughtUp(ctx); err != nil {
+		t.Fatal(err)
+	}
+	pauseReplay(t)
+	// The takeover goes through proxy 1.
+	c1 := e.reader(t, nil)
+	if _, err := c1.Exec(ctx, fmt.Sprintf("SELECT fence.release('job', %d)", a.Token)).ReadAll(); err != nil {
+		t.Fatal(err)
+	}
+	rs, err := c1.Exec(ctx, "SELECT token FROM fence.acquire('job', 'b', interval '1 minute')").ReadAll()
+	if err != nil {
+		t.Fatal(err)
+	}
+	token := string(rs[0].Rows[0][0])
+	if c1.ParameterStatus(ParamCommitLSN) == "" {
+		t.Fatal("no fence.commit_lsn after the takeover")
+	}
+	// Readers of the new generation on proxy 2 never see A's result as current.
+	r2 := e.reader(t, p2, "-c fence.job_key=job -c fence.token="+token)
+	if got := mustWhere(t, r2, readResult, false); got[0] != "A" || got[1] != fmt.Sprint(a.Token) {
+		// B has not written: the primary still holds A's result, and
+		// says so with A's token, but the read came from the primary.
+		t.Logf("read %v", got)
+	}
+	rp := e.reader(t, p2, "-c fence.job_key=job -c fence.token="+token+" -c fence.read_policy=pending")
+	_, _, err = where(t, rp, readResult)
+	wantCode(t, err, fence.CodePending)
+	// Proxy 2 learns the takeover from its own LISTEN.
+	var tok int64
+	fmt.Sscan(token, &tok)
+	e.waitTakeover(t, g2, "job", tok)
+	noMeta := e.reader(t, p2)
+	mustWhere(t, noMeta, readResult, false)
+	resumeAndCatchUp(t)
+	if err := pgtest.Poll(ctx, func() (bool, error) {
+		_, rep, err := where(t, r2, readResult)
+		return rep, err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	mustWhere(t, noMeta, readResult, true)
+}
