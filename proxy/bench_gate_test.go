@@ -1,0 +1,213 @@
+package proxy
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"strconv"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"go.uber.org/zap"
+
+	"github.com/pgfence/pgfence/fence"
+)
+
+// benchSchema adds, beside fenceSchema's protected results table, the
+// same table unprotected (for the unfenced baseline) and the seed's
+// hand-written protocol tables (no triggers).
+const benchSchema = `
+CREATE TABLE results_plain (job_key text PRIMARY KEY, payload text NOT NULL, token bigint NOT NULL);
+CREATE TABLE report_fences (job_key text PRIMARY KEY, max_issued_token bigint NOT NULL);
+CREATE TABLE report_results (job_key text PRIMARY KEY, payload text, applied_fencing_token bigint);
+CREATE TABLE report_commit_receipts (
+  job_key text NOT NULL, fencing_token bigint NOT NULL, step text NOT NULL,
+  payload_digest bytea NOT NULL, committed_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+  PRIMARY KEY (job_key, fencing_token, step));
+INSERT INTO report_fences VALUES ('seed-job', 17);
+`
+
+const upsertPlain = `INSERT INTO results_plain (job_key, payload, token) VALUES ($1, $2, $3)
+ON CONFLICT (job_key) DO UPDATE SET payload = excluded.payload, token = excluded.token
+WHERE results_plain.token < excluded.token`
+
+// BenchmarkGatedWrite measures one result transaction three ways,
+// interleaved in the same run on the same cluster so they share
+// conditions (pgx, extended protocol, one connection each):
+//
+//   - gated: through the proxy with the write gate, a worker that knows
+//     only the session GUCs (generation in the startup options, acquired
+//     once): "BEGIN; SET LOCAL fence.step = 'n'" as one simple query, the
+//     upsert into the protected table, COMMIT. The proxy splices the gate
+//     before the upsert and the receipt before COMMIT. Every commit writes
+//     a receipt keyed by its step, so each iteration needs a new step; it
+//     rides in the BEGIN's query, costing no round trip (a separate SET
+//     would add one; SET LOCAL keeps it to the transaction).
+//   - direct: the same transaction straight to PostgreSQL without fencing
+//     (BEGIN, upsert into an unprotected twin table, COMMIT).
+//   - seed: the seed's hand-written fence SQL straight to PostgreSQL:
+//     BEGIN, SELECT ... FOR UPDATE on the fence row, receipt INSERT,
+//     conditional upsert, COMMIT (five round trips).
+//
+// All three are three (five for seed) client round trips. ns/op is the
+// sum of the three cycles; gated-ns/op, direct-ns/op, seed-ns/op and the
+// ratios gated/direct (target ≤ 1.5) and gated/seed (target ≤ 1) are the
+// figures to read.
+func BenchmarkGatedWrite(b *testing.B) {
+	ctx := context.Background()
+	db := cluster.NewDatabase(b)
+	conn, err := cluster.Primary.Connect(ctx, db)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer conn.Close(ctx)
+	if _, err := conn.Exec(ctx, fenceSchema+benchSchema); err != nil {
+		b.Fatal(err)
+	}
+	l, err := fence.Acquire(ctx, conn, "bench-job", "bench", time.Hour)
+	if err != nil {
+		b.Fatal(err)
+	}
+	gate, err := NewFence(FenceConfig{Primary: cluster.Primary.DSN("postgres")}, zap.NewNop())
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer gate.Close()
+	p := startProxyLog(b, Config{Interceptor: gate}, zap.NewNop())
+
+	cfg, err := pgx.ParseConfig(p.dsn(db))
+	if err != nil {
+		b.Fatal(err)
+	}
+	cfg.RuntimeParams["options"] = fmt.Sprintf("-c fence.job_key=%s -c fence.epoch=%d -c fence.token=%d", l.JobKey, l.Epoch, l.Token)
+	gated, err := pgx.ConnectConfig(ctx, cfg)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer gated.Close(ctx)
+	direct, err := cluster.Primary.Connect(ctx, db)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer direct.Close(ctx)
+
+	const payload = "benchmark payload"
+	var d fence.Digest
+	params := []fence.Param{{TypeOID: 25, Value: []byte(l.JobKey)}, {TypeOID: 25, Value: []byte(payload)}, {TypeOID: 20, Value: []byte(strconv.FormatInt(l.Token, 10))}}
+	begin := make([]byte, 0, 64)
+
+	gatedCycle := func(i int) {
+		begin = append(append(begin[:0], "BEGIN; SET LOCAL fence.step = 's"...), strconv.Itoa(i)...)
+		begin = append(begin, '\'')
+		if _, err := gated.Exec(ctx, string(begin)); err != nil {
+			b.Fatal(err)
+		}
+		if _, err := gated.Exec(ctx, upsert, l.JobKey, payload, l.Token); err != nil {
+			b.Fatal(err)
+		}
+		if _, err := gated.Exec(ctx, "COMMIT"); err != nil {
+			b.Fatal(err)
+		}
+	}
+	directCycle := func(int) {
+		tx, err := direct.Begin(ctx)
+		if err != nil {
+			b.Fatal(err)
+		}
+		if _, err := tx.Exec(ctx, upsertPlain, l.JobKey, payload, l.Token); err != nil {
+			b.Fatal(err)
+		}
+		if err := tx.Commit(ctx); err != nil {
+			b.Fatal(err)
+		}
+	}
+	seedCycle := func(i int) {
+		s := "s" + strconv.Itoa(i)
+		tx, err := direct.Begin(ctx)
+		if err != nil {
+			b.Fatal(err)
+		}
+		var max int64
+		if err := tx.QueryRow(ctx, `SELECT max_issued_token FROM report_fences
+			WHERE job_key = $1 AND max_issued_token = $2 FOR UPDATE`, "seed-job", int64(17)).Scan(&max); err != nil {
+			b.Fatalf("seed fence check: %v", err)
+		}
+		d.Reset()
+		d.Statement(upsert, params)
+		if _, err := tx.Exec(ctx, `INSERT INTO report_commit_receipts (job_key, fencing_token, step, payload_digest)
+			VALUES ($1, $2, $3, $4) ON CONFLICT DO NOTHING`, "seed-job", int64(17), s, d.Sum()); err != nil {
+			b.Fatal(err)
+		}
+		if _, err := tx.Exec(ctx, `INSERT INTO report_results (job_key, payload, applied_fencing_token) VALUES ($1, $2, $3)
+			ON CONFLICT (job_key) DO UPDATE SET payload = excluded.payload, applied_fencing_token = excluded.applied_fencing_token
+			WHERE report_results.applied_fencing_token < excluded.applied_fencing_token`, "seed-job", payload, int64(17)); err != nil {
+			b.Fatal(err)
+		}
+		if err := tx.Commit(ctx); err != nil {
+			b.Fatal(err)
+		}
+	}
+	// Warm up plans and caches for all three.
+	for i := range 50 {
+		gatedCycle(-1 - i)
+		directCycle(-1 - i)
+		seedCycle(-1 - i)
+	}
+	var gatedT, directT, seedT time.Duration
+	i := 0
+	for b.Loop() {
+		t0 := time.Now()
+		directCycle(i)
+		t1 := time.Now()
+		gatedCycle(i)
+		t2 := time.Now()
+		seedCycle(i)
+		t3 := time.Now()
+		directT += t1.Sub(t0)
+		gatedT += t2.Sub(t1)
+		seedT += t3.Sub(t2)
+		i++
+	}
+	if i == 0 {
+		return
+	}
+	n := float64(i)
+	g, dn, s := float64(gatedT.Nanoseconds())/n, float64(directT.Nanoseconds())/n, float64(seedT.Nanoseconds())/n
+	b.ReportMetric(g, "gated-ns/op")
+	b.ReportMetric(dn, "direct-ns/op")
+	b.ReportMetric(s, "seed-ns/op")
+	b.ReportMetric(g/dn, "gated/direct")
+	b.ReportMetric(g/s, "gated/seed")
+	b.Logf("gated %.0f ns/op, direct %.0f ns/op, seed %.0f ns/op; gated/direct %.2f (target ≤ 1.5), gated/seed %.2f (target ≤ 1) (n=%d)",
+		g, dn, s, g/dn, g/s, i)
+	if got := gate.Stats.Committed.Load(); got < int64(i) {
+		b.Fatalf("gate committed %d receipts, want at least %d", got, i)
+	}
+}
+
+// startProxyLog is startProxy with the given logger (benchmarks keep the
+// per-message debug logging of zaptest out of their figures).
+func startProxyLog(tb testing.TB, cfg Config, log *zap.Logger) *testProxy {
+	tb.Helper()
+	if cfg.Primary == "" {
+		cfg.Primary = cluster.Primary.DSN("postgres")
+	}
+	srv, err := New(cfg, log)
+	if err != nil {
+		tb.Fatalf("New: %v", err)
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		tb.Fatal(err)
+	}
+	p := &testProxy{srv: srv, addr: ln.Addr().(*net.TCPAddr), done: make(chan error, 1)}
+	go func() { p.done <- srv.Serve(context.Background(), ln) }()
+	tb.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		srv.Shutdown(ctx)
+		<-p.done
+	})
+	return p
+}
