@@ -245,8 +245,8 @@ var gateStatements = [][2]string{
 
 func (h *fenceSession) ClientMessage(s *Session, msg []byte) (Verdict, error) {
 	body := msg[headerLen:]
-	if msg[0] != 'Q' && s.OnReplica() { // read routing: back to the primary when idle (route.go)
-		if err := h.routeOther(s); err != nil {
+	if msg[0] != 'Q' && s.srv.rs != nil { // read routing: upstream and named statements (route.go)
+		if err := h.routeMsg(s, msg); err != nil {
 			return Drop, err
 		}
 	}

@@ -56,6 +56,7 @@ const (
 	stepRoute      step = 100 + iota // marker: steps from here on are routing's
 	stepFenceCheck                   // SELECT the replica's fence row
 	stepLSN                          // SELECT pg_current_wal_lsn() after a fence.* call
+	stepStmtCopy                     // Parse/Close of a named statement on the other upstream
 )
 
 // routeState is a fenceSession's routing state. Client goroutine, except
@@ -64,6 +65,7 @@ type routeState struct {
 	pinned  bool   // a SET or temporary object made the primary session special
 	fenceTx bool   // a fence.* function ran in the open transaction
 	row     string // the answer of the last routing query
+	stmts   stmtCopies
 }
 
 // ParamCommitLSN is the ParameterStatus pgfence sends after a transaction
@@ -162,7 +164,7 @@ func (h *fenceSession) routeQuery(s *Session, msg []byte, res *rewrite.Result) e
 		if onRep {
 			s.usePrimary()
 		}
-		h.notePins(stmts)
+		h.notePins(s, stmts)
 		return h.sendClient(s, msg, res)
 	}
 	if !onRep && (s.q.front() != nil || h.tx() != session.Idle) {
@@ -263,11 +265,14 @@ func (h *fenceSession) replicaReads() bool {
 	return true
 }
 
-func (h *fenceSession) notePins(stmts []*rewrite.Stmt) {
+func (h *fenceSession) notePins(s *Session, stmts []*rewrite.Stmt) {
 	for _, st := range stmts {
 		switch {
 		case st.Kind == rewrite.Discard && st.Name == "ALL":
 			h.rt.pinned = false
+			h.forgetStatements(s)
+		case st.Kind == rewrite.Deallocate && st.All:
+			h.forgetStatements(s)
 		case pins(st):
 			h.rt.pinned = true
 		}
@@ -566,4 +571,122 @@ func (h *fenceSession) routeGated(s *Session) error {
 		return nil
 	}
 	return s.usePrimary()
+}
+
+// Named prepared statements live on the upstream that parsed them. A
+// session whose read-only transaction runs on the replica may parse a
+// statement there and bind it later on the primary (pgx's statement cache
+// does), or the other way round. So the router keeps a copy of every named
+// Parse, which upstream has which version, and parses a statement on the
+// current upstream (hidden, ahead of the client's message) before a Bind,
+// Describe or Close names it there. A version left behind on the other
+// upstream is closed before a newer one is parsed there.
+
+const (
+	onPrimary uint8 = 1 << iota
+	onReplica
+)
+
+type stmtCopies struct {
+	text  map[string][]byte // name → the client's Parse message
+	on    map[string]uint8  // where the current version exists
+	stale map[string]uint8  // where an older version exists
+}
+
+// routeMsg follows an extended-protocol message: back to the primary when
+// idle, and the named statement it needs on the current upstream. Client
+// goroutine.
+func (h *fenceSession) routeMsg(s *Session, msg []byte) error {
+	if s.srv.rs == nil {
+		return nil
+	}
+	if s.OnReplica() {
+		if err := h.routeOther(s); err != nil {
+			return err
+		}
+	}
+	up, other := onPrimary, onReplica
+	if s.OnReplica() {
+		up, other = onReplica, onPrimary
+	}
+	body := msg[headerLen:]
+	var name string
+	switch msg[0] {
+	case 'P':
+		name, _, _ = cstring(body)
+		if name == "" {
+			return nil
+		}
+		sc := h.stmtCopies()
+		if sc.on[name]&other != 0 || sc.stale[name]&other != 0 {
+			sc.stale[name] |= other
+		}
+		if sc.stale[name]&up != 0 {
+			// An older version here: close it first.
+			if err := h.closeCopy(s, name); err != nil {
+				return err
+			}
+			sc.stale[name] &^= up
+		}
+		sc.text[name] = append([]byte(nil), msg...)
+		sc.on[name] = up
+		return nil
+	case 'B':
+		_, rest, _ := cstring(body)
+		name, _, _ = cstring(rest)
+	case 'D', 'C':
+		if len(body) > 1 && body[0] == 'S' {
+			name, _, _ = cstring(body[1:])
+		}
+	}
+	if name == "" || h.rt.stmts.text == nil {
+		return nil
+	}
+	sc := &h.rt.stmts
+	if p := sc.text[name]; p != nil && sc.on[name]&up == 0 {
+		if sc.stale[name]&up != 0 {
+			if err := h.closeCopy(s, name); err != nil {
+				return err
+			}
+			sc.stale[name] &^= up
+		}
+		if err := h.send(s, p, &tag{kind: 'P', step: stepStmtCopy}, false); err != nil {
+			return err
+		}
+		sc.on[name] |= up
+	}
+	if msg[0] == 'C' {
+		if sc.on[name]&other != 0 {
+			sc.stale[name] |= other
+		}
+		delete(sc.text, name)
+		delete(sc.on, name)
+	}
+	return nil
+}
+
+func (h *fenceSession) stmtCopies() *stmtCopies {
+	sc := &h.rt.stmts
+	if sc.text == nil {
+		sc.text, sc.on, sc.stale = map[string][]byte{}, map[string]uint8{}, map[string]uint8{}
+	}
+	return sc
+}
+
+func (h *fenceSession) closeCopy(s *Session, name string) error {
+	buf, _ := (&pgproto3.Close{ObjectType: 'S', Name: name}).Encode(nil)
+	return h.send(s, buf, &tag{kind: 'C', step: stepStmtCopy}, false)
+}
+
+// forgetStatements: DISCARD ALL / DEALLOCATE ALL ran on the current
+// upstream.
+func (h *fenceSession) forgetStatements(s *Session) {
+	up := onPrimary
+	if s.OnReplica() {
+		up = onReplica
+	}
+	for n := range h.rt.stmts.on {
+		h.rt.stmts.on[n] &^= up
+		h.rt.stmts.stale[n] &^= up
+	}
 }

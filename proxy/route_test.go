@@ -534,3 +534,73 @@ func TestReadRoutingTwoProxies(t *testing.T) {
 	}
 	mustWhere(t, noMeta, readResult, true)
 }
+
+// TestReadRoutingPreparedStatements: pgx's statement cache prepares named
+// statements wherever the session is; they must work on both upstreams.
+func TestReadRoutingPreparedStatements(t *testing.T) {
+	e := newRouteEnv(t)
+	ctx := ctxT(t)
+	c, err := pgx.Connect(ctx, e.proxy.dsn(e.db))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close(ctx)
+	const q = "SELECT pg_is_in_recovery(), count(*) FROM audit WHERE id > $1"
+	run := func(want bool, what string, tx pgx.Tx) {
+		t.Helper()
+		var rec bool
+		var n int
+		var err error
+		if tx != nil {
+			err = tx.QueryRow(ctx, q, 0).Scan(&rec, &n)
+		} else {
+			err = c.QueryRow(ctx, q, 0).Scan(&rec, &n)
+		}
+		if err != nil || rec != want {
+			t.Fatalf("%s: recovery=%v, %v; want recovery=%v", what, rec, err, want)
+		}
+	}
+	// Prepared inside a read-only transaction on the replica first.
+	tx, err := c.BeginTx(ctx, pgx.TxOptions{AccessMode: pgx.ReadOnly})
+	if err != nil {
+		t.Fatal(err)
+	}
+	run(true, "in read-only tx", tx)
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	run(false, "after the tx, on the primary", nil)
+	tx, err = c.BeginTx(ctx, pgx.TxOptions{AccessMode: pgx.ReadOnly})
+	if err != nil {
+		t.Fatal(err)
+	}
+	run(true, "in a second read-only tx", tx)
+	const q2 = "SELECT pg_is_in_recovery(), $1::int"
+	var rec bool
+	var n int
+	if err := tx.QueryRow(ctx, q2, 7).Scan(&rec, &n); err != nil || !rec || n != 7 {
+		t.Fatalf("new statement in tx: %v %d %v", rec, n, err)
+	}
+	if err := tx.Rollback(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.QueryRow(ctx, q2, 8).Scan(&rec, &n); err != nil || rec || n != 8 {
+		t.Fatalf("statement from the replica tx on the primary: %v %d %v", rec, n, err)
+	}
+	// DEALLOCATE of a cached statement (pgx's own cleanup) and a new
+	// Parse of the same name where the old version lives on the replica.
+	if err := c.Deallocate(ctx, q2); err != nil {
+		t.Fatal(err)
+	}
+	tx, err = c.BeginTx(ctx, pgx.TxOptions{AccessMode: pgx.ReadOnly})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := tx.QueryRow(ctx, q2, 9).Scan(&rec, &n); err != nil || !rec || n != 9 {
+		t.Fatalf("re-prepared statement in a read-only tx: %v %d %v", rec, n, err)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	run(false, "the first statement again on the primary", nil)
+}
