@@ -49,6 +49,10 @@ type serveConfig struct {
 	// Set by the serve command for SIGHUP / RELOAD (reload.go).
 	reload func() (serveConfig, error)
 	level  *zap.AtomicLevel
+	// Read routing (serve_replicas.go, docs/reads.md).
+	ReadReplicas  *bool  `toml:"read_replicas"`
+	ReplicaPoll   string `toml:"replica_poll"`
+	ReplicaMaxLag string `toml:"replica_max_lag"`
 }
 
 func newServeCmd() *cobra.Command {
@@ -83,7 +87,8 @@ user to the password presented upstream for it. See docs/proxy.md.`,
 	f.String("config", "", "TOML config file (PGFENCE_CONFIG)")
 	f.String("listen", "", "address to listen on (PGFENCE_LISTEN; default 127.0.0.1:6432)")
 	f.String("primary", "", "upstream primary DSN; the client's user and database replace its own (PGFENCE_PRIMARY)")
-	f.StringArray("replica", nil, "upstream replica DSN, repeatable; stored for read routing (PGFENCE_REPLICA, comma-separated)")
+	f.StringArray("replica", nil, "upstream replica DSN, repeatable; replica-eligible reads go there, see docs/reads.md (PGFENCE_REPLICA, comma-separated)")
+	addReplicaFlags(f) // serve_replicas.go
 	f.String("tls-cert", "", "PEM certificate offered to clients that ask for TLS (PGFENCE_TLS_CERT)")
 	f.String("tls-key", "", "PEM private key for --tls-cert (PGFENCE_TLS_KEY)")
 	f.String("auth", "", "client authentication: trust or scram (PGFENCE_AUTH; default trust)")
@@ -163,6 +168,9 @@ func loadServeConfig(cmd *cobra.Command) (serveConfig, error) {
 	if err := loadOpsConfig(cmd, &cfg); err != nil { // reload.go
 		return cfg, err
 	}
+	if err := loadReplicaConfig(cmd, &cfg); err != nil { // serve_replicas.go
+		return cfg, err
+	}
 	if cfg.Primary == "" {
 		return cfg, errors.New("serve: --primary (or PGFENCE_PRIMARY, or primary in the config file) is required")
 	}
@@ -177,6 +185,9 @@ func (c serveConfig) proxyConfig() (proxy.Config, error) {
 		MaxClients:        c.MaxClients,
 		UpstreamPasswords: c.UpstreamPasswords,
 		AdminUsers:        c.AdminUsers,
+	}
+	if err := c.applyReplicaConfig(&pc); err != nil { // serve_replicas.go
+		return pc, err
 	}
 	switch strings.ToLower(c.Auth) {
 	case "", "trust":
