@@ -5,10 +5,12 @@
 // CancelRequest forwarding, limits and graceful shutdown.
 //
 // It is session mode: one upstream connection per client, opened after the
-// client authenticates and closed when it leaves. It is not a pooler, it
-// does not parse SQL, and it does not (yet) route reads to replicas; the
-// write gate, SQL classification and session GUC tracking live in other
-// packages and plug in through Interceptor.
+// client authenticates and closed when it leaves, plus, with the write gate
+// and Config.Replicas, a lazily opened connection to a streaming replica for
+// reads the gate routes there (replica.go, route.go, lsn.go; docs/reads.md).
+// It is not a pooler and does not parse SQL itself; the write gate, SQL
+// classification and session GUC tracking live in other packages and plug in
+// through Interceptor.
 //
 // # The wire loop
 //
