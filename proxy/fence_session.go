@@ -51,7 +51,7 @@ type fenceSession struct {
 	commitRB  bool       // extended: a gated COMMIT was sent; ROLLBACK after the Sync
 	copyTail  *copyState // simple protocol: a gated COPY FROM is streaming
 	copyGated bool       // CopyData goes into the digest
-	unsettled bool       // a request that changes session or gate state may be unanswered
+	stateReq  *Request   // the last request sent that changes session or gate state
 	buf       []byte
 
 	// Server goroutine only.
@@ -352,16 +352,51 @@ func (h *fenceSession) send(s *Session, msg []byte, t *tag, visible bool) error 
 	return nil
 }
 
-// barrier waits until every request sent so far has been answered, so the
-// session state the server goroutine keeps is settled.
+// settle waits until every request sent so far that changes the session
+// state (tracked parameters, the transaction, prepared statements, the
+// gate) has been answered, so the state the server goroutine keeps is what
+// the next statement will run with. A client's plain reads and writes in
+// flight are not waited for: the common path costs no round trip.
+func (h *fenceSession) settle(s *Session) error {
+	if err := h.wait(s, h.stateReq); err != nil {
+		return err
+	}
+	h.stateReq = nil
+	return nil
+}
+
+// unsettled reports whether a state-changing request is unanswered.
+func (h *fenceSession) unsettled() bool {
+	if h.stateReq == nil {
+		return false
+	}
+	select {
+	case <-h.stateReq.Done():
+		return false
+	default:
+		return true
+	}
+}
+
+// markState records that the request just sent changes the session state.
+func (h *fenceSession) markState() { h.stateReq = h.last }
+
+// barrier waits until every request sent so far has been answered.
 func (h *fenceSession) barrier(s *Session) error {
-	if h.last == nil {
-		h.unsettled = false
+	if err := h.wait(s, h.last); err != nil {
+		return err
+	}
+	h.stateReq = nil
+	return nil
+}
+
+// wait waits until r has been answered.
+func (h *fenceSession) wait(s *Session, r *Request) error {
+	if r == nil {
 		return nil
 	}
 	select {
-	case <-h.last.Done():
-		h.unsettled = false
+	case <-r.Done():
 		return nil
 	default:
 	}
@@ -375,8 +410,7 @@ func (h *fenceSession) barrier(s *Session) error {
 		return err
 	}
 	select {
-	case <-h.last.Done():
-		h.unsettled = false
+	case <-r.Done():
 		return nil
 	case <-s.closing:
 		return errSessionClosing
@@ -414,8 +448,8 @@ func (h *fenceSession) query(s *Session, msg []byte) error {
 		return h.routeQuery(s, msg, nil) // route.go
 	}
 	h.f.Stats.Classified.Add(int64(len(res.Stmts)))
-	if h.unsettled && mayNeedGate(res.Stmts...) {
-		if err := h.barrier(s); err != nil {
+	if mayNeedGate(res.Stmts...) && h.unsettled() {
+		if err := h.settle(s); err != nil {
 			return err
 		}
 	}
@@ -437,12 +471,15 @@ func (h *fenceSession) query(s *Session, msg []byte) error {
 		return h.refuseQuery(s, bad)
 	}
 	if !needGate {
-		if changesState(res.Stmts...) {
-			h.unsettled = true
+		if err := h.routeQuery(s, msg, res); err != nil { // replica or primary: route.go
+			return err
 		}
-		return h.routeQuery(s, msg, res) // replica or primary: route.go
+		if changesState(res.Stmts...) {
+			h.markState()
+		}
+		return nil
 	}
-	if err := h.barrier(s); err != nil {
+	if err := h.settle(s); err != nil {
 		return err
 	}
 	if err := h.routeGated(s); err != nil { // route.go
@@ -509,7 +546,7 @@ func (h *fenceSession) gatedQuery(s *Session, sql string, res *rewrite.Result) e
 	}
 	p := h.plan(sql, res)
 	h.mu.Unlock()
-	h.unsettled = true
+	defer h.markState()
 	h.copyGated = p.copy
 	h.copyTail = p.tail
 	if p.tail != nil {
@@ -518,6 +555,9 @@ func (h *fenceSession) gatedQuery(s *Session, sql string, res *rewrite.Result) e
 	p.tag.sent = time.Now() // metrics: step latency
 	if err := h.send(s, queryMsg(h.buf[:0], p.text), p.tag, true); err != nil {
 		return err
+	}
+	if p.then != nil {
+		return h.send(s, queryMsg(h.buf[:0], p.then.text), p.then.tag, true)
 	}
 	if p.rollback {
 		return h.sendRollback(s)
@@ -564,6 +604,7 @@ type qplan struct {
 	text     string
 	tag      *tag
 	rollback bool       // send ROLLBACK after it (its ReadyForQuery is the client's)
+	then     *qplan     // a second query after it (COMMIT; its ReadyForQuery is the client's)
 	tail     *copyState // a gated COPY FROM in a wrapped transaction: finish at CopyDone
 	copy     bool       // a COPY FROM in a gated transaction: its data goes into the digest
 }
@@ -702,14 +743,27 @@ loop:
 		p.tail = &copyState{gen: gen}
 		t.hideRFQ = true
 	case wrapped:
-		// Close the wrapped transaction in the same query. A newline
-		// first: the client's text may end in a -- comment.
+		// The receipt step ends this query (a newline first: the client's
+		// text may end in a -- comment), and COMMIT goes as a query of
+		// its own, so it runs — committing, or ending the transaction a
+		// failed step aborted — whatever happened before it.
 		sum, version := digestNow()
 		b.WriteString("\n;")
 		b.WriteString(commitSQL(gen, sum, version))
-		b.WriteString(";COMMIT")
-		t.segs = append(t.segs, seg{step: stepCommit, gen: gen}, seg{step: stepCommitTx})
-		t.hideRFQ, p.rollback = true, true
+		t.segs = append(t.segs, seg{step: stepCommit, gen: gen})
+		t.hideRFQ = true
+		p.then = &qplan{text: "COMMIT", tag: &tag{kind: 'Q', segs: []seg{{step: stepCommitTx}}}}
+	case explicitCommit && lastCommit(res, t.segs):
+		// The client's COMMIT ends the query: send it as a query of its
+		// own after the receipt step, for the same reason.
+		cut := res.Stmts[len(res.Stmts)-1].Offset
+		text := b.String()
+		at := cut + (len(text) - len(sql))
+		t.segs = t.segs[:len(t.segs)-1]
+		t.hideRFQ = true
+		p.then = &qplan{text: text[at:], tag: &tag{kind: 'Q', segs: []seg{{step: stepClient, stmt: res.Stmts[len(res.Stmts)-1]}}}}
+		b.Reset()
+		b.WriteString(text[:at])
 	case explicitCommit:
 		t.hideRFQ, p.rollback = true, true
 	}
@@ -718,6 +772,14 @@ loop:
 	}
 	p.text = b.String()
 	return p
+}
+
+// lastCommit reports whether the query's last statement is a COMMIT that
+// the plan kept as its last segment (nothing of the gate's after it).
+func lastCommit(res *rewrite.Result, segs []seg) bool {
+	n := len(segs)
+	last := res.Stmts[len(res.Stmts)-1]
+	return n > 0 && last.Kind == rewrite.Commit && !last.Chain && segs[n-1].step == stepClient && segs[n-1].stmt == last
 }
 
 // finishWrapped ends a wrapped transaction whose receipt step could not be
@@ -730,12 +792,19 @@ func (h *fenceSession) finishWrapped(s *Session, gen session.Generation) error {
 	h.mu.Lock()
 	sum, version := h.digest()
 	h.mu.Unlock()
-	text := commitSQL(gen, sum, version) + ";COMMIT"
-	t := &tag{kind: 'Q', segs: []seg{{step: stepCommit, gen: gen}, {step: stepCommitTx}}, hideRFQ: true, sent: time.Now()}
-	if err := h.send(s, queryMsg(nil, text), t, false); err != nil {
+	t := &tag{kind: 'Q', segs: []seg{{step: stepCommit, gen: gen}}, hideRFQ: true, sent: time.Now()}
+	if err := h.send(s, queryMsg(nil, commitSQL(gen, sum, version)), t, false); err != nil {
 		return err
 	}
-	return h.sendRollback(s)
+	defer h.markState()
+	return h.sendCommit(s)
+}
+
+// sendCommit sends COMMIT as a query of its own, whose ReadyForQuery is
+// the one the client sees: it commits the wrapped transaction, or ends it
+// when a gate step failed.
+func (h *fenceSession) sendCommit(s *Session) error {
+	return h.send(s, queryMsg(nil, "COMMIT"), &tag{kind: 'Q', segs: []seg{{step: stepCommitTx}}}, true)
 }
 
 // sendRollback sends a ROLLBACK whose ReadyForQuery is the one the client
@@ -902,8 +971,8 @@ func (h *fenceSession) execute(s *Session, msg []byte) error {
 	if st == nil {
 		return h.send(s, msg, t, true)
 	}
-	if h.unsettled && mayNeedGate(st) {
-		if err := h.barrier(s); err != nil {
+	if mayNeedGate(st) && h.unsettled() {
+		if err := h.settle(s); err != nil {
 			return err
 		}
 	}
@@ -924,15 +993,18 @@ func (h *fenceSession) execute(s *Session, msg []byte) error {
 		return h.send(s, msg, t, true)
 	}
 	if !need && !commit && !prepTx {
-		if changesState(st) {
-			h.unsettled = true
+		if err := h.send(s, msg, t, true); err != nil {
+			return err
 		}
-		return h.send(s, msg, t, true)
+		if changesState(st) {
+			h.markState()
+		}
+		return nil
 	}
-	h.unsettled = true
-	if err := h.barrier(s); err != nil {
+	if err := h.settle(s); err != nil {
 		return err
 	}
+	defer h.markState()
 	h.mu.Lock()
 	g = h.st.Gate()
 	failed := h.st.Tx() == session.Failed
@@ -945,8 +1017,10 @@ func (h *fenceSession) execute(s *Session, msg []byte) error {
 	}
 	h.mu.Unlock()
 	switch {
-	case failed || h.batchFailed():
-		// The server discards it; nothing to gate.
+	case failed:
+		// The server refuses it; nothing to gate. (In a batch an earlier
+		// error already made the server skip to Sync, the gate's steps
+		// with it: harmless.)
 	case need && !g.Gated && !ok:
 		h.f.Stats.Unfenced.Add(1)
 		if err := h.raiseExt(s, fr); err != nil {
@@ -996,12 +1070,6 @@ func (h *fenceSession) execute(s *Session, msg []byte) error {
 	return h.send(s, msg, t, true)
 }
 
-// batchFailed reports whether the server is discarding the current
-// extended batch after an error.
-func (h *fenceSession) batchFailed() bool {
-	return h.last != nil && (h.last.Skipped || h.last.Error != nil) && h.inBatch
-}
-
 // sync handles an extended-protocol Sync: a wrapped implicit transaction
 // ends here with the receipt step and COMMIT.
 func (h *fenceSession) sync(s *Session, msg []byte) error {
@@ -1013,10 +1081,14 @@ func (h *fenceSession) sync(s *Session, msg []byte) error {
 		if err := h.execNamed(s, commitStmt, args, &tag{kind: 'E', step: stepCommit, gen: gen}); err != nil {
 			return err
 		}
-		if err := h.execNamed(s, commitTxStmt, nil, &tag{kind: 'E', step: stepCommitTx}); err != nil {
+		// COMMIT after the Sync, as a query of its own: it runs even when
+		// the batch failed (the server skips to Sync), ending the
+		// transaction either way; its ReadyForQuery is the client's.
+		if err := h.send(s, msg, &tag{kind: 'S', hideRFQ: true}, true); err != nil {
 			return err
 		}
-		h.commitRB = true
+		defer h.markState()
+		return h.sendCommit(s)
 	}
 	if h.commitRB {
 		h.commitRB = false
@@ -1235,6 +1307,12 @@ func (h *fenceSession) complete(s *Session, sg seg, msg []byte, cp *cportal) (Ve
 	case stepClient:
 		if sg.stmt != nil {
 			h.applyClient(sg.stmt, msg, cp)
+			if sg.stmt.Kind == rewrite.Commit && h.errShown {
+				// The receipt step failed before this COMMIT, which
+				// therefore rolled back: the client already has the
+				// step's error (or, for a replay, its COMMIT and NOTICE).
+				return Drop, nil
+			}
 		}
 		return Forward, nil
 	case stepBegin:
@@ -1242,7 +1320,11 @@ func (h *fenceSession) complete(s *Session, sg seg, msg []byte, cp *cportal) (Ve
 	case stepCommit:
 		h.f.Stats.Committed.Add(1)
 	case stepCommitTx:
-		h.st.Commit(false)
+		if commandTag(msg) == "ROLLBACK" {
+			h.st.Rollback(false)
+		} else {
+			h.st.Commit(false)
+		}
 	case stepRollback:
 		h.st.Rollback(false)
 	}

@@ -97,10 +97,24 @@ type queue struct {
 	mu   sync.Mutex
 	reqs []*Request
 	head int
+	// skipping: an extended-protocol error was answered before the
+	// client goroutine had queued the batch's Sync, so requests pushed
+	// until that Sync were written after the failed one and PostgreSQL
+	// discards them: they complete at once, skipped.
+	skipping bool
 }
 
 func (q *queue) push(r *Request) {
 	q.mu.Lock()
+	if q.skipping {
+		if r.Type != 'S' {
+			q.mu.Unlock()
+			r.Skipped = true
+			finish(r)
+			return
+		}
+		q.skipping = false
+	}
 	if q.head > 0 && q.head == len(q.reqs) {
 		q.reqs, q.head = q.reqs[:0], 0
 	}
@@ -136,6 +150,7 @@ func (q *queue) skipToSync() {
 		q.reqs[q.head] = nil
 		q.head++
 	}
+	q.skipping = q.head == len(q.reqs)
 	q.mu.Unlock()
 	for _, r := range skipped {
 		r.Skipped = true
