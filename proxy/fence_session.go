@@ -553,7 +553,21 @@ func (h *fenceSession) gatedQuery(s *Session, sql string, res *rewrite.Result) e
 		p.tag.copyIn = make(chan struct{})
 	}
 	p.tag.sent = time.Now() // metrics: step latency
-	if err := h.send(s, queryMsg(h.buf[:0], p.text), p.tag, true); err != nil {
+	if c := p.commit; c != nil {
+		// A lone COMMIT: the receipt step as the gate's prepared
+		// statement (parsed once per connection, not per commit), a Sync
+		// whose ReadyForQuery is hidden, then the client's COMMIT.
+		if err := h.prepareExt(s); err != nil {
+			return err
+		}
+		if err := h.execNamed(s, commitStmt, commitArgs(c.gen, c.sum, c.version),
+			&tag{kind: 'E', step: stepCommit, gen: c.gen, explicitCommit: true, sent: time.Now()}); err != nil {
+			return err
+		}
+		if err := h.send(s, []byte{'S', 0, 0, 0, 4}, &tag{kind: 'S', step: stepCommit, hideRFQ: true}, false); err != nil {
+			return err
+		}
+	} else if err := h.send(s, queryMsg(h.buf[:0], p.text), p.tag, true); err != nil {
 		return err
 	}
 	if p.then != nil {
@@ -605,8 +619,16 @@ type qplan struct {
 	tag      *tag
 	rollback bool       // send ROLLBACK after it (its ReadyForQuery is the client's)
 	then     *qplan     // a second query after it (COMMIT; its ReadyForQuery is the client's)
+	commit   *commitStep // instead of text: the receipt step as a prepared statement
 	tail     *copyState // a gated COPY FROM in a wrapped transaction: finish at CopyDone
 	copy     bool       // a COPY FROM in a gated transaction: its data goes into the digest
+}
+
+// commitStep is a receipt step's arguments.
+type commitStep struct {
+	gen     session.Generation
+	sum     []byte
+	version string
 }
 
 // item is a piece of the rewritten query: the client's statement i
@@ -650,6 +672,7 @@ func (h *fenceSession) plan(sql string, res *rewrite.Result) qplan {
 	var items []item
 	inject := func(at int, text string, sg seg) { items = append(items, item{at: at, text: text, seg: sg}) }
 	wrapped, hasCopy, explicitCommit := false, false, false
+	var lastStep commitStep // the receipt step spliced before the client's COMMIT
 loop:
 	for i, st := range res.Stmts {
 		switch {
@@ -681,6 +704,7 @@ loop:
 			sum, version := digestNow()
 			inject(st.Offset, commitSQL(gen, sum, version)+";", seg{step: stepCommit, gen: gen, explicitCommit: true})
 			explicitCommit = true
+			lastStep = commitStep{gen: gen, sum: sum, version: version}
 		}
 		if gated && d != nil {
 			switch st.Kind {
@@ -753,6 +777,9 @@ loop:
 		t.segs = append(t.segs, seg{step: stepCommit, gen: gen})
 		t.hideRFQ = true
 		p.then = &qplan{text: "COMMIT", tag: &tag{kind: 'Q', segs: []seg{{step: stepCommitTx}}}}
+	case explicitCommit && len(res.Stmts) == 1 && lastCommit(res, t.segs):
+		p.commit = &lastStep
+		p.then = &qplan{text: sql, tag: &tag{kind: 'Q', segs: []seg{{step: stepClient, stmt: res.Stmts[0]}}}}
 	case explicitCommit && lastCommit(res, t.segs):
 		// The client's COMMIT ends the query: send it as a query of its
 		// own after the receipt step, for the same reason.
