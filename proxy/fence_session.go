@@ -617,11 +617,11 @@ func (h *fenceSession) awaitCopy(s *Session, t *tag) error {
 type qplan struct {
 	text     string
 	tag      *tag
-	rollback bool       // send ROLLBACK after it (its ReadyForQuery is the client's)
-	then     *qplan     // a second query after it (COMMIT; its ReadyForQuery is the client's)
+	rollback bool        // send ROLLBACK after it (its ReadyForQuery is the client's)
+	then     *qplan      // a second query after it (COMMIT; its ReadyForQuery is the client's)
 	commit   *commitStep // instead of text: the receipt step as a prepared statement
-	tail     *copyState // a gated COPY FROM in a wrapped transaction: finish at CopyDone
-	copy     bool       // a COPY FROM in a gated transaction: its data goes into the digest
+	tail     *copyState  // a gated COPY FROM in a wrapped transaction: finish at CopyDone
+	copy     bool        // a COPY FROM in a gated transaction: its data goes into the digest
 }
 
 // commitStep is a receipt step's arguments.
