@@ -26,8 +26,11 @@ test-race: deps ## run the tests with the race detector
 
 bench: deps build ## benchmarks: pgfence vs direct connections, printed as ratios
 	$(GO) test -run '^$$' -bench . -benchtime 2000x -count 1 -timeout 20m ./fence/...
+	$(GO) test -run '^$$' -bench 'Classify|Canonical' -benchmem ./rewrite/
 	$(GO) test -run '^$$' -bench PassThrough -benchmem ./proxy/
+	$(GO) test -run '^$$' -bench GatedWrite -benchtime 2000x ./proxy/
 	$(GO) run ./internal/benchproxy
+	$(GO) run ./internal/benchreplica
 
 lint: ## go vet and gofmt
 	$(GO) vet $(PKGS)
