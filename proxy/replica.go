@@ -189,24 +189,7 @@ func (s *Session) closeReplica() {
 // startup parameters, as Server.open dials the primary.
 func (s *Session) openReplica(r *replica) (*replicaConn, error) {
 	srv := s.srv
-	pc := r.cfg.Copy()
-	pc.User, pc.Database = s.User, s.Database
-	if pw, ok := srv.cfg.UpstreamPasswords[s.User]; ok {
-		pc.Password = pw
-	}
-	rp := make(map[string]string, len(pc.RuntimeParams)+len(s.Params))
-	for k, v := range pc.RuntimeParams {
-		rp[k] = v
-	}
-	for k, v := range s.Params {
-		if k != "user" && k != "database" {
-			rp[k] = v
-		}
-	}
-	pc.RuntimeParams = rp
-	if pc.ConnectTimeout == 0 {
-		pc.ConnectTimeout = srv.cfg.ConnectTimeout
-	}
+	pc := srv.upstreamConfig(r.cfg, s.User, s.Database, s.Params)
 	ctx, cancel := context.WithTimeout(context.Background(), pc.ConnectTimeout)
 	defer cancel()
 	up, err := pgconn.ConnectConfig(ctx, pc)

@@ -356,21 +356,20 @@ func (s *Server) startup(c net.Conn) (net.Conn, *startup, error) {
 
 var errUpstream = errors.New("upstream connection failed")
 
-// open connects upstream for an authenticated client, finishes the
-// client's startup (ParameterStatus, our BackendKeyData, ReadyForQuery)
-// and returns the session.
-func (s *Server) open(raw, c net.Conn, st *startup, log *zap.Logger) (*Session, error) {
-	user, db := st.params["user"], st.params["database"]
-	pc := s.primary.Copy()
+// upstreamConfig is base (the primary's or a replica's settings) for a
+// client: its user and database, its startup parameters, and the password
+// configured for that user.
+func (s *Server) upstreamConfig(base *pgconn.Config, user, db string, params map[string]string) *pgconn.Config {
+	pc := base.Copy()
 	pc.User, pc.Database = user, db
 	if pw, ok := s.live().upstreamPasswords[user]; ok {
 		pc.Password = pw
 	}
-	rp := make(map[string]string, len(pc.RuntimeParams)+len(st.params))
+	rp := make(map[string]string, len(pc.RuntimeParams)+len(params))
 	for k, v := range pc.RuntimeParams {
 		rp[k] = v
 	}
-	for k, v := range st.params {
+	for k, v := range params {
 		if k != "user" && k != "database" {
 			rp[k] = v
 		}
@@ -379,6 +378,15 @@ func (s *Server) open(raw, c net.Conn, st *startup, log *zap.Logger) (*Session, 
 	if pc.ConnectTimeout == 0 {
 		pc.ConnectTimeout = s.cfg.ConnectTimeout
 	}
+	return pc
+}
+
+// open connects upstream for an authenticated client, finishes the
+// client's startup (ParameterStatus, our BackendKeyData, ReadyForQuery)
+// and returns the session.
+func (s *Server) open(raw, c net.Conn, st *startup, log *zap.Logger) (*Session, error) {
+	user, db := st.params["user"], st.params["database"]
+	pc := s.upstreamConfig(s.primary, user, db, st.params)
 	ctx, cancel := context.WithTimeout(context.Background(), pc.ConnectTimeout)
 	defer cancel()
 	up, err := pgconn.ConnectConfig(ctx, pc)
