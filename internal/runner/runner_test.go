@@ -28,6 +28,7 @@ import (
 	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/internal/pgtest"
 	"github.com/pgfence/pgfence/migrations"
+	"github.com/pgfence/pgfence/proxy"
 )
 
 var cluster *pgtest.Cluster
@@ -637,8 +638,50 @@ func waitExit(t *testing.T, cmd *exec.Cmd, out *bytes.Buffer, name string) int {
 // lease expires, another run takes over and writes, and when the first
 // resumes its wrapper learns the lease is gone, tells its command, whose
 // last write is refused, and exits with ExitLeaseLost. The second's
-// result stands.
+// result stands. It runs twice: with the commands writing directly to
+// the primary, where the backstop trigger refuses the late write, and
+// through the proxy, where its write gate does.
 func TestRunZombieTakeover(t *testing.T) {
+	t.Run("direct", func(t *testing.T) { testZombieTakeover(t, false) })
+	t.Run("through_proxy", func(t *testing.T) { testZombieTakeover(t, true) })
+}
+
+// startGatedProxy starts an in-process proxy with the write gate in front
+// of the test cluster and returns it and the gate.
+func startGatedProxy(t *testing.T) (net.Addr, *proxy.Fence) {
+	t.Helper()
+	log := zaptest.NewLogger(t)
+	gate, err := proxy.NewFence(proxy.FenceConfig{Primary: cluster.Primary.DSN("postgres")}, log.Named("gate"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv, err := proxy.New(proxy.Config{Primary: cluster.Primary.DSN("postgres"), Interceptor: gate}, log.Named("proxy"))
+	if err != nil {
+		gate.Close()
+		t.Fatal(err)
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		gate.Close()
+		t.Fatal(err)
+	}
+	served := make(chan error, 1)
+	go func() { served <- srv.Serve(context.Background(), ln) }()
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		if err := srv.Shutdown(ctx); err != nil {
+			t.Logf("proxy shutdown: %v", err)
+		}
+		if err := <-served; !errors.Is(err, proxy.ErrServerClosed) {
+			t.Errorf("proxy Serve returned %v, want ErrServerClosed", err)
+		}
+		gate.Close()
+	})
+	return ln.Addr(), gate
+}
+
+func testZombieTakeover(t *testing.T, throughProxy bool) {
 	f := newFixture(t)
 	const job = "nightly-report"
 	outA := filepath.Join(f.out, "a")
@@ -648,10 +691,19 @@ func TestRunZombieTakeover(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
+	// The wrappers' own connection (--database) is always the primary;
+	// the commands' psql uses DATABASE_URL, the proxy when throughProxy.
+	var gate *proxy.Fence
+	var childEnv []string
+	if throughProxy {
+		var addr net.Addr
+		addr, gate = startGatedProxy(t)
+		childEnv = []string{fmt.Sprintf("DATABASE_URL=postgres://postgres@%s/%s?sslmode=disable", addr, mustDatabase(t, f.dsn))}
+	}
 	a, aOut := f.startHelper(helperConfig{
 		JobKey: job, TTL: 2 * time.Second, Grace: 10 * time.Second, DSN: f.dsn,
 		Command: []string{"sh", script(t, "zombie.sh")},
-	}, "OUT="+outA)
+	}, append([]string{"OUT=" + outA}, childEnv...)...)
 	eventually(t, 30*time.Second, "the first worker to write and report ready", func() bool {
 		_, err := os.Stat(filepath.Join(outA, "ready"))
 		return err == nil
@@ -663,6 +715,11 @@ func TestRunZombieTakeover(t *testing.T) {
 	leaseA, ok := f.lease(job)
 	if !ok || leaseA.token != first.token {
 		t.Fatalf("lease: got %+v (present %v), want token %d", leaseA, ok, first.token)
+	}
+	if gate != nil {
+		if n := gate.Stats.Committed.Load(); n != 1 {
+			t.Fatalf("gate: %d gated commits after the first worker's write, want 1 (did it go through the proxy?)", n)
+		}
 	}
 
 	// Pause the first wrapper and its command together.
@@ -683,13 +740,18 @@ func TestRunZombieTakeover(t *testing.T) {
 	b, bOut := f.startHelper(helperConfig{
 		JobKey: job, TTL: 30 * time.Second, DSN: f.dsn,
 		Command: []string{"sh", script(t, "write.sh"), "second"},
-	}, "OUT="+outB)
+	}, append([]string{"OUT=" + outB}, childEnv...)...)
 	if code := waitExit(t, b, bOut, "second run"); code != 0 {
 		t.Fatalf("second run: got exit code %d, want 0", code)
 	}
 	second, ok := f.result(job)
 	if !ok || second.payload != "second" || second.token <= leaseA.token {
 		t.Fatalf("second run's write: got %+v (present %v), want payload second with a token above %d", second, ok, leaseA.token)
+	}
+	if gate != nil {
+		if n := gate.Stats.Committed.Load(); n != 2 {
+			t.Fatalf("gate: %d gated commits after the second run's write, want 2", n)
+		}
 	}
 
 	continued = true
@@ -704,8 +766,27 @@ func TestRunZombieTakeover(t *testing.T) {
 		t.Fatalf("the first worker was not told to stop (no SIGTERM handled): %v", err)
 	}
 	termRC, _ := os.ReadFile(filepath.Join(outA, "term.rc"))
+	t.Logf("the zombie's last write (psql status %s):\n%s", bytes.TrimSpace(termRC), termOut)
 	if strings.TrimSpace(string(termRC)) == "0" || !strings.Contains(string(termOut), "FN001") {
 		t.Errorf("the zombie's last write: got psql status %q, output %q; want a failure with FN001", termRC, termOut)
+	}
+	if gate == nil {
+		// The backstop trigger refused it: its PL/pgSQL context is the
+		// client's error's.
+		if !strings.Contains(string(termOut), "CONTEXT:") {
+			t.Errorf("the zombie's last write: output %q has no CONTEXT from the backstop trigger", termOut)
+		}
+	} else {
+		// The gate refused it, before the INSERT reached the backstop
+		// trigger: the proxy counted the refusal, and the error has no
+		// CONTEXT, which the proxy drops from its own steps' errors only
+		// (a trigger's refusal of the client's statement keeps it).
+		if n := gate.Stats.Codes.Get("FN001"); n != 1 {
+			t.Errorf("gate: %d FN001 refusals, want 1 (the zombie's write)", n)
+		}
+		if strings.Contains(string(termOut), "CONTEXT:") {
+			t.Errorf("the zombie's last write: output %q carries a PL/pgSQL context: refused by the backstop trigger, not the proxy's gate", termOut)
+		}
 	}
 	if final, _ := f.result(job); final != second {
 		t.Errorf("final result: got %+v, want the second run's %+v", final, second)

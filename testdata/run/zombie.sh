@@ -4,9 +4,14 @@
 # told to stop (SIGTERM) it makes one last write, as a worker that does not
 # know it lost its lease would, recording psql's output and status in
 # $OUT/term.out and $OUT/term.rc, then exits 143.
+#
+# Each write is its own commit within the one token, so each names its
+# step (fence.step, the payload): through the proxy's write gate a second
+# commit with the default step would be refused as a conflicting replay
+# of the first (FN003), whatever the lease, and hide the stale token.
 set -u
 write() {
-  psql -X -q -v ON_ERROR_STOP=1 -v VERBOSITY=verbose -v payload="$1" "$DATABASE_URL" <<'SQL'
+  PGOPTIONS="$PGOPTIONS -c fence.step=$1" psql -X -q -v ON_ERROR_STOP=1 -v VERBOSITY=verbose -v payload="$1" "$DATABASE_URL" <<'SQL'
 INSERT INTO results (job_key, payload, token)
 VALUES (current_setting('fence.job_key'), :'payload', current_setting('fence.token')::bigint)
 ON CONFLICT (job_key) DO UPDATE SET payload = excluded.payload, token = excluded.token;
