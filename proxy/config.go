@@ -4,8 +4,6 @@ import (
 	"crypto/tls"
 	"fmt"
 	"time"
-
-	"github.com/jackc/pgx/v5/pgconn"
 )
 
 // AuthMethod is how the proxy authenticates its clients.
@@ -199,13 +197,4 @@ func (c Config) withDefaults() (Config, error) {
 		}
 	}
 	return c, nil
-}
-
-// parseUpstream parses a DSN and checks it is usable as an upstream.
-func parseUpstream(dsn string) (*pgconn.Config, error) {
-	pc, err := pgconn.ParseConfig(dsn)
-	if err != nil {
-		return nil, err
-	}
-	return pc, nil
 }

@@ -52,7 +52,6 @@ type fenceSession struct {
 	copyTail  *copyState // simple protocol: a gated COPY FROM is streaming
 	copyGated bool       // CopyData goes into the digest
 	stateReq  *Request   // the last request sent that changes session or gate state
-	buf       []byte
 
 	// Server goroutine only.
 	errShown bool // an error went to the client since its last ReadyForQuery
@@ -174,7 +173,6 @@ const (
 	stepRaise                // a DO block raising the gate's own error
 	stepRollback             // ROLLBACK after a gated commit (no-op on success)
 	stepPrepare              // Parse of the gate's named statements
-	stepOther                // Describe, Close, Flush...: no state
 )
 
 // seg is one statement of a simple Query as sent upstream.
@@ -193,12 +191,10 @@ type tag struct {
 	step step
 
 	// Query
-	segs     []seg
-	cur      int
-	inserts  []insertion // where gate text was spliced in (error positions)
-	hideRFQ  bool
-	failed   bool
-	rfqShown bool
+	segs    []seg
+	cur     int
+	inserts []insertion // where gate text was spliced in (error positions)
+	hideRFQ bool
 	// copyIn, for a wrapped COPY FROM (qplan.tail), is closed when the
 	// server starts the COPY (CopyInResponse).
 	copyIn chan struct{}
@@ -228,7 +224,6 @@ const (
 	gateStmt     = "pgfence_gate"
 	commitStmt   = "pgfence_commit"
 	beginStmt    = "pgfence_begin"
-	commitTxStmt = "pgfence_commit_tx"
 	gatePortal   = "pgfence_p"
 	digestClient = "client"
 )
@@ -237,7 +232,6 @@ var gateStatements = [][2]string{
 	{gateStmt, "SELECT fence.gate($1::text, $2::bigint, $3::bigint, $4::text)"},
 	{commitStmt, "SELECT fence.commit($1::text, $2::bigint, $3::bigint, $4::text, $5::bytea, $6::text)"},
 	{beginStmt, "BEGIN"},
-	{commitTxStmt, "COMMIT"},
 }
 
 // ---------------------------------------------------------------------------
@@ -542,7 +536,7 @@ func (h *fenceSession) gatedQuery(s *Session, sql string, res *rewrite.Result) e
 	if h.st.Tx() == session.Failed {
 		// The server refuses everything but ROLLBACK; nothing to gate.
 		h.mu.Unlock()
-		return h.send(s, queryMsg(h.buf[:0], sql), &tag{kind: 'Q', segs: clientSegs(res)}, true)
+		return h.send(s, queryMsg(nil, sql), &tag{kind: 'Q', segs: clientSegs(res)}, true)
 	}
 	p := h.plan(sql, res)
 	h.mu.Unlock()
@@ -567,11 +561,11 @@ func (h *fenceSession) gatedQuery(s *Session, sql string, res *rewrite.Result) e
 		if err := h.send(s, []byte{'S', 0, 0, 0, 4}, &tag{kind: 'S', step: stepCommit, hideRFQ: true}, false); err != nil {
 			return err
 		}
-	} else if err := h.send(s, queryMsg(h.buf[:0], p.text), p.tag, true); err != nil {
+	} else if err := h.send(s, queryMsg(nil, p.text), p.tag, true); err != nil {
 		return err
 	}
 	if p.then != nil {
-		return h.send(s, queryMsg(h.buf[:0], p.then.text), p.then.tag, true)
+		return h.send(s, queryMsg(nil, p.then.text), p.then.tag, true)
 	}
 	if p.rollback {
 		return h.sendRollback(s)

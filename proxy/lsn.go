@@ -4,7 +4,6 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
-	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -410,5 +409,3 @@ func (rs *replicas) status(context.Context) []UpstreamStatus {
 	}
 	return out
 }
-
-func formatToken(t int64) string { return strconv.FormatInt(t, 10) }
