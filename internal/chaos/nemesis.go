@@ -1,0 +1,416 @@
+package chaos
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"go.uber.org/zap"
+
+	"github.com/pgfence/pgfence/audit"
+)
+
+// Fault is a kind of fault the nemesis injects.
+type Fault string
+
+const (
+	// FaultZombie stops a worker and its `pgfence run` (SIGSTOP) until its
+	// lease expired and another worker took the job over, then continues
+	// the worker alone, which tries to commit with its old token, and
+	// then its runner, which finds the lease lost and stops the worker.
+	FaultZombie Fault = "zombie"
+	// FaultProxyKill kills a `pgfence serve` with SIGKILL and starts it
+	// again on the same address.
+	FaultProxyKill Fault = "proxy-kill"
+	// FaultTerminate runs pg_terminate_backend on workers' connections.
+	FaultTerminate Fault = "terminate-backend"
+	// FaultCutCommit cuts a worker's connection after its COMMIT reached
+	// the proxy and before the answer came back (a lost commit response).
+	FaultCutCommit Fault = "cut-commit"
+	// FaultReplayPause pauses WAL replay on the replica, and resumes it
+	// one to four seconds later.
+	FaultReplayPause Fault = "replay-pause"
+	// FaultPrimaryRestart restarts the primary with a fast shutdown
+	// (pg_ctl restart -m fast): every session and transaction is ended.
+	FaultPrimaryRestart Fault = "primary-restart"
+)
+
+// AllFaults is every fault kind, in the order the summary prints them.
+var AllFaults = []Fault{FaultZombie, FaultProxyKill, FaultTerminate, FaultCutCommit, FaultReplayPause, FaultPrimaryRestart}
+
+// ParseFaults parses a comma-separated list of fault kinds.
+func ParseFaults(s string) ([]Fault, error) {
+	var out []Fault
+	for _, f := range strings.Split(s, ",") {
+		f = strings.TrimSpace(f)
+		ok := false
+		for _, k := range AllFaults {
+			if Fault(f) == k {
+				out, ok = append(out, k), true
+			}
+		}
+		if !ok {
+			return nil, fmt.Errorf("unknown fault %q (kinds: %v)", f, AllFaults)
+		}
+	}
+	return out, nil
+}
+
+// nemesis injects faults on a seeded schedule: the kinds in a shuffled
+// rotation (so that each kind comes once in every len(Faults) faults),
+// separated by random gaps. A fault that cannot be injected at its turn
+// (no worker holds a lease, no worker is connected) is tried again at the
+// next turn and is not counted.
+type nemesis struct {
+	h   *harness
+	db  *db
+	rng *rand.Rand
+
+	wg       sync.WaitGroup
+	mu       sync.Mutex
+	zombie   bool          // a zombie is in progress
+	paused   bool          // replay is paused
+	zombies  []zombieEvent // with their outcome known
+	failures int
+}
+
+type zombieEvent struct {
+	holder  string
+	job     string
+	token   int64
+	resumed time.Time // zero: no worker process to continue
+}
+
+func (n *nemesis) run(ctx context.Context) {
+	defer n.wg.Wait()
+	kinds := n.h.cfg.Faults
+	var queue []Fault
+	gap := n.h.cfg.FaultGap
+	for {
+		sleepCtx(ctx, gap/2+time.Duration(n.rng.Int64N(int64(gap)+1)))
+		if ctx.Err() != nil {
+			return
+		}
+		if len(queue) == 0 {
+			queue = append([]Fault{}, kinds...)
+			n.rng.Shuffle(len(queue), func(i, j int) { queue[i], queue[j] = queue[j], queue[i] })
+		}
+		f := queue[0]
+		ok, err := n.inject(ctx, f)
+		if err != nil && ctx.Err() == nil {
+			n.h.log.Warn("fault failed", zap.String("fault", string(f)), zap.Error(err))
+			n.mu.Lock()
+			n.failures++
+			n.mu.Unlock()
+		}
+		queue = queue[1:]
+		if !ok {
+			// Its turn comes again after the others.
+			queue = append(queue, f)
+		}
+	}
+}
+
+// inject injects one fault; ok means it was injected (or, for the
+// asynchronous ones, started).
+func (n *nemesis) inject(ctx context.Context, f Fault) (bool, error) {
+	h := n.h
+	switch f {
+	case FaultZombie:
+		return n.startZombie(ctx)
+	case FaultProxyKill:
+		p := h.proxies[n.rng.IntN(len(h.proxies))]
+		p.kill()
+		h.count(func(s *Summary) { s.Faults[f]++ })
+		// Stays down for a moment, long enough for clients to notice.
+		sleepCtx(ctx, time.Duration(100+n.rng.IntN(400))*time.Millisecond)
+		return true, p.start(context.WithoutCancel(ctx))
+	case FaultTerminate:
+		var k int
+		err := n.db.do(ctx, func(c *pgx.Conn) error {
+			return c.QueryRow(ctx, `SELECT count(pg_terminate_backend(pid)) FROM (
+			SELECT pid FROM pg_stat_activity
+			 WHERE datname = current_database() AND application_name = 'chaos-worker' AND pid <> pg_backend_pid()
+			 ORDER BY random() LIMIT $1) w`, 1+n.rng.IntN(3)).Scan(&k)
+		})
+		if err != nil || k == 0 {
+			return false, err
+		}
+		h.count(func(s *Summary) { s.Faults[f]++ })
+		return true, nil
+	case FaultCutCommit:
+		s := h.slots[n.rng.IntN(len(h.slots))]
+		s.relay.armed.Store(true)
+		t := time.NewTimer(3 * time.Second)
+		defer t.Stop()
+		select {
+		case <-s.relay.fired:
+			h.count(func(s *Summary) { s.Faults[f]++ })
+			return true, nil
+		case <-t.C:
+		case <-ctx.Done():
+		}
+		if !s.relay.armed.CompareAndSwap(true, false) {
+			// Fired just now.
+			<-s.relay.fired
+			h.count(func(s *Summary) { s.Faults[f]++ })
+			return true, nil
+		}
+		return false, nil
+	case FaultReplayPause:
+		n.mu.Lock()
+		if n.paused {
+			n.mu.Unlock()
+			return false, nil
+		}
+		n.paused = true
+		n.mu.Unlock()
+		if err := h.c.PauseReplay(ctx); err != nil {
+			n.mu.Lock()
+			n.paused = false
+			n.mu.Unlock()
+			return false, err
+		}
+		h.count(func(s *Summary) { s.Faults[f]++ })
+		d := time.Second + time.Duration(n.rng.Int64N(int64(3*time.Second)))
+		n.wg.Add(1)
+		go func() {
+			defer n.wg.Done()
+			sleepCtx(ctx, d)
+			n.resumeReplay(context.WithoutCancel(ctx))
+		}()
+		return true, nil
+	case FaultPrimaryRestart:
+		if err := h.c.Primary.Restart(context.WithoutCancel(ctx)); err != nil {
+			return false, err
+		}
+		h.count(func(s *Summary) { s.Faults[f]++ })
+		return true, nil
+	}
+	return false, fmt.Errorf("unknown fault %q", f)
+}
+
+func (n *nemesis) resumeReplay(ctx context.Context) error {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if !n.paused {
+		return nil
+	}
+	if err := n.h.c.ResumeReplay(ctx); err != nil {
+		return err
+	}
+	n.paused = false
+	return nil
+}
+
+// heal undoes what the nemesis left broken at the end of the run: replay
+// paused, a proxy down (every proxy must answer for the readers' last
+// reads to have been possible; they are stopped right after).
+func (n *nemesis) heal(ctx context.Context) error {
+	n.wg.Wait()
+	return n.resumeReplay(ctx)
+}
+
+// startZombie stops a worker holding a live lease, with its runner, and
+// continues it in the background once another worker took the job over.
+// It waits up to three seconds for such a worker.
+func (n *nemesis) startZombie(ctx context.Context) (bool, error) {
+	n.mu.Lock()
+	busy := n.zombie
+	n.mu.Unlock()
+	if busy {
+		return false, nil
+	}
+	wctx, cancel := context.WithTimeout(ctx, 3*time.Second)
+	defer cancel()
+	started := false
+	err := poll(wctx, 50*time.Millisecond, func() (bool, error) {
+		started = n.tryZombie(wctx)
+		return started, nil
+	})
+	if !started && wctx.Err() != nil {
+		return false, nil
+	}
+	return started, err
+}
+
+func (n *nemesis) tryZombie(ctx context.Context) bool {
+	h := n.h
+	for _, i := range n.rng.Perm(len(h.slots)) {
+		sp := h.slots[i].current()
+		if sp == nil || sp.exited() || len(sp.children()) == 0 {
+			continue
+		}
+		var job string
+		var token int64
+		err := n.db.do(ctx, func(c *pgx.Conn) error {
+			return c.QueryRow(ctx, `SELECT job_key, token FROM fence.leases
+				WHERE holder = $1 AND expires_at > clock_timestamp()`, sp.holder).Scan(&job, &token)
+		})
+		if err != nil {
+			continue
+		}
+		if err := sp.signalGroup(syscall.SIGSTOP); err != nil {
+			continue
+		}
+		n.mu.Lock()
+		n.zombie = true
+		n.mu.Unlock()
+		n.wg.Add(1)
+		go func() {
+			defer n.wg.Done()
+			n.zombieLife(ctx, sp, zombieEvent{holder: sp.holder, job: job, token: token})
+		}()
+		return true
+	}
+	return false
+}
+
+func (n *nemesis) zombieLife(ctx context.Context, sp *slotProc, z zombieEvent) {
+	h := n.h
+	defer func() {
+		sp.signalGroup(syscall.SIGCONT)
+		n.mu.Lock()
+		n.zombie = false
+		n.mu.Unlock()
+	}()
+	// Past its lease: until the job's fence has moved on (another worker
+	// took over). The run's end does not cut this short: the zombie is
+	// the point. Bounded, in case no one wants the job.
+	wctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 20*time.Second)
+	defer cancel()
+	err := poll(wctx, 20*time.Millisecond, func() (bool, error) {
+		var max int64
+		err := n.db.do(wctx, func(c *pgx.Conn) error {
+			return c.QueryRow(wctx, "SELECT max_issued_token FROM fence.fences WHERE job_key = $1", z.job).Scan(&max)
+		})
+		return err == nil && max > z.token, nil
+	})
+	if err != nil {
+		h.log.Info("zombie: no takeover", zap.String("holder", z.holder), zap.Error(err))
+		return
+	}
+	// Continue the worker alone: its runner, still stopped, cannot stop
+	// it. Then wait until it has recorded an attempt, or exited.
+	kids := sp.children()
+	size := fileSize(sp.records)
+	z.resumed = time.Now()
+	for _, pid := range kids {
+		syscall.Kill(pid, syscall.SIGCONT)
+	}
+	if len(kids) > 0 {
+		// Until its first definite answer (a connection error is retried).
+		poll(wctx, 10*time.Millisecond, func() (bool, error) {
+			for _, a := range attemptsFrom(sp.records, size) {
+				if a.Outcome != audit.OutcomeError && a.Outcome != audit.OutcomeUnknown {
+					return true, nil
+				}
+			}
+			return !alive(kids[0]), nil
+		})
+	} else {
+		z.resumed = time.Time{}
+	}
+	n.mu.Lock()
+	n.zombies = append(n.zombies, z)
+	n.mu.Unlock()
+	h.count(func(s *Summary) { s.Faults[FaultZombie]++; s.Zombies++ })
+}
+
+// zombieStats counts, from the records, the zombies that tried to commit
+// again after they were continued, and those that were refused.
+func (n *nemesis) zombieStats(attempts []Attempt) {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	s := n.h.sum
+	for _, z := range n.zombies {
+		if z.resumed.IsZero() {
+			continue
+		}
+		tried, refused, committed := false, false, false
+		for _, a := range attempts {
+			if a.Worker != z.holder || a.Token != z.token || a.At.Before(z.resumed) {
+				continue
+			}
+			tried = true
+			switch a.Outcome {
+			case audit.OutcomeStale:
+				refused = true
+			case audit.OutcomeCommitted:
+				committed = true
+			}
+		}
+		if tried {
+			s.ZombiesResumed++
+		}
+		if refused && !committed {
+			s.ZombiesRefused++
+		}
+	}
+	if n.failures > 0 {
+		s.FaultErrors = n.failures
+	}
+}
+
+// attemptsFrom reads the attempts recorded in path from byte offset on.
+func attemptsFrom(path string, offset int64) []Attempt {
+	b, err := os.ReadFile(path)
+	if err != nil || int64(len(b)) <= offset {
+		return nil
+	}
+	var out []Attempt
+	for _, line := range strings.Split(string(b[offset:]), "\n") {
+		var a Attempt
+		if json.Unmarshal([]byte(line), &a) == nil {
+			out = append(out, a)
+		}
+	}
+	return out
+}
+
+func fileSize(path string) int64 {
+	fi, err := os.Stat(path)
+	if err != nil {
+		return 0
+	}
+	return fi.Size()
+}
+
+// alive reports whether pid runs (an exited child its stopped parent has
+// not reaped yet is not alive).
+func alive(pid int) bool {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return false
+	}
+	i := strings.LastIndexByte(string(b), ')')
+	return i > 0 && i+2 < len(b) && b[i+2] != 'Z'
+}
+
+// poll calls cond every interval until it is true or ctx ends.
+func poll(ctx context.Context, interval time.Duration, cond func() (bool, error)) error {
+	t := time.NewTicker(interval)
+	defer t.Stop()
+	for {
+		ok, err := cond()
+		if err != nil {
+			return err
+		}
+		if ok {
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return errors.New("condition not met: " + ctx.Err().Error())
+		case <-t.C:
+		}
+	}
+}

@@ -1,0 +1,105 @@
+package chaos
+
+import (
+	"bufio"
+	"encoding/hex"
+	"encoding/json"
+	"fmt"
+	"os"
+	"path/filepath"
+	"sort"
+	"time"
+
+	"github.com/pgfence/pgfence/audit"
+)
+
+// Attempt is one line of a worker's record file: one attempt at one commit,
+// and the outcome the worker saw (audit.Outcome*).
+type Attempt struct {
+	Worker  string    `json:"worker"`
+	Job     string    `json:"job"`
+	Epoch   int64     `json:"epoch"`
+	Token   int64     `json:"token"`
+	Step    string    `json:"step"`
+	Digest  string    `json:"digest,omitempty"` // hex; empty when the proxy computed it
+	Outcome string    `json:"outcome"`
+	Code    string    `json:"code,omitempty"` // SQLSTATE of the error, if any
+	Probe   bool      `json:"probe,omitempty"`
+	Retry   int       `json:"retry"` // 0 for the first attempt of a commit
+	Detail  string    `json:"detail,omitempty"`
+	At      time.Time `json:"at"`
+}
+
+// recorder appends attempts to a JSON-lines file, one write per line, so a
+// worker killed at any moment leaves only whole lines behind.
+type recorder struct {
+	f *os.File
+}
+
+func openRecorder(path string) (*recorder, error) {
+	f, err := os.OpenFile(path, os.O_CREATE|os.O_APPEND|os.O_WRONLY, 0o644)
+	if err != nil {
+		return nil, fmt.Errorf("open records: %w", err)
+	}
+	return &recorder{f: f}, nil
+}
+
+func (r *recorder) add(a Attempt) error {
+	b, err := json.Marshal(a)
+	if err != nil {
+		return err
+	}
+	if _, err := r.f.Write(append(b, '\n')); err != nil {
+		return fmt.Errorf("write record: %w", err)
+	}
+	return nil
+}
+
+func (r *recorder) close() error { return r.f.Close() }
+
+// readAttempts reads every *.jsonl file in dir, in time order. A torn last
+// line (a worker killed mid-write) is skipped.
+func readAttempts(dir string) ([]Attempt, error) {
+	files, err := filepath.Glob(filepath.Join(dir, "*.jsonl"))
+	if err != nil {
+		return nil, err
+	}
+	var out []Attempt
+	for _, name := range files {
+		f, err := os.Open(name)
+		if err != nil {
+			return nil, err
+		}
+		sc := bufio.NewScanner(f)
+		sc.Buffer(make([]byte, 64<<10), 1<<20)
+		for sc.Scan() {
+			var a Attempt
+			if json.Unmarshal(sc.Bytes(), &a) == nil {
+				out = append(out, a)
+			}
+		}
+		err = sc.Err()
+		f.Close()
+		if err != nil {
+			return nil, fmt.Errorf("read %s: %w", name, err)
+		}
+	}
+	sort.SliceStable(out, func(i, j int) bool { return out[i].At.Before(out[j].At) })
+	return out, nil
+}
+
+// clientRecords turns attempts into the checker's client records.
+func clientRecords(as []Attempt) []audit.ClientRecord {
+	out := make([]audit.ClientRecord, 0, len(as))
+	for _, a := range as {
+		var d []byte
+		if a.Digest != "" {
+			d, _ = hex.DecodeString(a.Digest)
+		}
+		out = append(out, audit.ClientRecord{
+			Job: a.Job, Epoch: a.Epoch, Token: a.Token, Step: a.Step,
+			Digest: d, Outcome: a.Outcome, At: a.At,
+		})
+	}
+	return out
+}
