@@ -611,6 +611,7 @@ func (s *Server) showStats() *adminTable {
 	st := &s.ops.stats
 	n("sessions_open", int64(len(s.sessions())))
 	n("sessions_total", st.SessionsTotal.Load())
+	n("sessions_event_loop_total", st.SessionsLoop.Load())
 	n("admin_sessions_total", st.AdminSessions.Load())
 	refused := st.Refused()
 	var total int64

@@ -107,6 +107,12 @@ type Config struct {
 	// write buffers. Zero means DefaultBufferSize (32 KiB).
 	BufferSize int
 
+	// DisableEventLoop relays pass-through sessions (no Interceptor, no
+	// read routing, no TLS) with two goroutines each instead of the
+	// shared epoll loop thread (Linux only; see evloop_linux.go). For
+	// diagnosis: both paths behave the same; the loop is faster.
+	DisableEventLoop bool
+
 	// Interceptor, when non-nil, is given every session's messages; see
 	// Interceptor. Nil means pure pass-through.
 	Interceptor Interceptor

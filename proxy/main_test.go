@@ -7,6 +7,8 @@ import (
 	"fmt"
 	"net"
 	"os"
+	"runtime"
+	"sync"
 	"testing"
 	"time"
 
@@ -74,6 +76,7 @@ func startProxy(t testing.TB, cfg Config) *testProxy {
 		t.Fatal(err)
 	}
 	p := &testProxy{srv: srv, addr: ln.Addr().(*net.TCPAddr), done: make(chan error, 1)}
+	started.Store(t, p)
 	go func() { p.done <- srv.Serve(context.Background(), ln) }()
 	t.Cleanup(func() {
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
@@ -86,6 +89,41 @@ func startProxy(t testing.TB, cfg Config) *testProxy {
 		}
 	})
 	return p
+}
+
+// started is the last proxy each test started (bothRelays checks it).
+var started sync.Map // testing.TB → *testProxy
+
+// bothRelays runs f twice: with pass-through sessions relayed by the event
+// loop thread (the default) and by goroutines (Config.DisableEventLoop),
+// checking that each mode was really the one used. f must build its
+// proxy's Config with withRelay.
+func bothRelays(t *testing.T, f func(t *testing.T, relay Config)) {
+	for _, mode := range []struct {
+		name string
+		cfg  Config
+	}{{"event_loop", Config{}}, {"goroutines", Config{DisableEventLoop: true}}} {
+		t.Run(mode.name, func(t *testing.T) {
+			f(t, mode.cfg)
+			v, ok := started.LoadAndDelete(t)
+			if !ok {
+				t.Fatal("the test did not start a proxy with startProxy")
+			}
+			looped := v.(*testProxy).srv.ops.stats.SessionsLoop.Load()
+			switch {
+			case mode.cfg.DisableEventLoop && looped != 0:
+				t.Errorf("%d sessions used the event loop with DisableEventLoop", looped)
+			case !mode.cfg.DisableEventLoop && runtime.GOOS == "linux" && looped == 0:
+				t.Error("no session used the event loop")
+			}
+		})
+	}
+}
+
+// withRelay is cfg with the relay mode of bothRelays.
+func withRelay(relay, cfg Config) Config {
+	cfg.DisableEventLoop = relay.DisableEventLoop
+	return cfg
 }
 
 // dsn is a connection string for db through the proxy as postgres.

@@ -114,6 +114,7 @@ func (l *Latency) snapshot() (uint64, float64, map[float64]uint64) {
 // increments ReadsPrimary/ReadsReplica for each read it routes.
 type ServerStats struct {
 	SessionsTotal  atomic.Int64 // proxied sessions opened
+	SessionsLoop   atomic.Int64 // of those, relayed by the event loop thread
 	AdminSessions  atomic.Int64 // admin console sessions opened
 	UpstreamErrors atomic.Int64 // upstream connections that failed (not refusals by PostgreSQL)
 	ReadsPrimary   atomic.Int64 // reads routed to the primary (read routing)
@@ -283,23 +284,24 @@ func (s *Server) MetricsHandler() http.Handler {
 type collector struct{ s *Server }
 
 var (
-	descSessions    = prometheus.NewDesc("pgfence_sessions", "Open proxied client sessions.", nil, nil)
-	descSessionsTot = prometheus.NewDesc("pgfence_sessions_opened_total", "Proxied client sessions opened.", nil, nil)
-	descAdminTot    = prometheus.NewDesc("pgfence_admin_sessions_opened_total", "Admin console sessions opened.", nil, nil)
-	descRefused     = prometheus.NewDesc("pgfence_clients_refused_total", "Clients refused before their session started, by SQLSTATE.", []string{"code"}, nil)
-	descUpErrors    = prometheus.NewDesc("pgfence_upstream_connection_errors_total", "Upstream connections that could not be opened (network, TLS, timeouts; not refusals by PostgreSQL).", nil, nil)
-	descReads       = prometheus.NewDesc("pgfence_read_routes_total", "Reads routed, by route.", []string{"route"}, nil)
-	descGate        = prometheus.NewDesc("pgfence_gate_transactions_total", "Gated transactions by outcome: gated (passed the fence check), committed (new receipt), replayed (idempotent replay).", []string{"outcome"}, nil)
-	descGateErr     = prometheus.NewDesc("pgfence_gate_errors_total", "Errors of class FN the clients got, by SQLSTATE (FN001 stale, FN003 conflict, FN004 retired, FN005 unknown job, FN006 receipt pruned, FN008 fencing required, FN009 unsupported).", []string{"code"}, nil)
-	descClassified  = prometheus.NewDesc("pgfence_statements_classified_total", "Statements classified by the gate.", nil, nil)
-	descLatency     = prometheus.NewDesc("pgfence_gate_step_duration_seconds", "Time from sending a gate step upstream to its response, by step (gate: fence check; commit: receipt).", []string{"step"}, nil)
-	descUp          = prometheus.NewDesc("pgfence_upstream_up", "1 when the upstream was reachable at its last check.", []string{"role", "addr"}, nil)
-	descLag         = prometheus.NewDesc("pgfence_replica_lag_seconds", "Replay lag of each replica, when known.", []string{"addr"}, nil)
-	descLagBytes    = prometheus.NewDesc("pgfence_replica_lag_bytes", "Replay lag of each replica in WAL bytes, when known.", []string{"addr"}, nil)
+	descSessions     = prometheus.NewDesc("pgfence_sessions", "Open proxied client sessions.", nil, nil)
+	descSessionsTot  = prometheus.NewDesc("pgfence_sessions_opened_total", "Proxied client sessions opened.", nil, nil)
+	descSessionsLoop = prometheus.NewDesc("pgfence_sessions_event_loop_total", "Proxied client sessions relayed by the event loop thread (pass-through sessions without TLS).", nil, nil)
+	descAdminTot     = prometheus.NewDesc("pgfence_admin_sessions_opened_total", "Admin console sessions opened.", nil, nil)
+	descRefused      = prometheus.NewDesc("pgfence_clients_refused_total", "Clients refused before their session started, by SQLSTATE.", []string{"code"}, nil)
+	descUpErrors     = prometheus.NewDesc("pgfence_upstream_connection_errors_total", "Upstream connections that could not be opened (network, TLS, timeouts; not refusals by PostgreSQL).", nil, nil)
+	descReads        = prometheus.NewDesc("pgfence_read_routes_total", "Reads routed, by route.", []string{"route"}, nil)
+	descGate         = prometheus.NewDesc("pgfence_gate_transactions_total", "Gated transactions by outcome: gated (passed the fence check), committed (new receipt), replayed (idempotent replay).", []string{"outcome"}, nil)
+	descGateErr      = prometheus.NewDesc("pgfence_gate_errors_total", "Errors of class FN the clients got, by SQLSTATE (FN001 stale, FN003 conflict, FN004 retired, FN005 unknown job, FN006 receipt pruned, FN008 fencing required, FN009 unsupported).", []string{"code"}, nil)
+	descClassified   = prometheus.NewDesc("pgfence_statements_classified_total", "Statements classified by the gate.", nil, nil)
+	descLatency      = prometheus.NewDesc("pgfence_gate_step_duration_seconds", "Time from sending a gate step upstream to its response, by step (gate: fence check; commit: receipt).", []string{"step"}, nil)
+	descUp           = prometheus.NewDesc("pgfence_upstream_up", "1 when the upstream was reachable at its last check.", []string{"role", "addr"}, nil)
+	descLag          = prometheus.NewDesc("pgfence_replica_lag_seconds", "Replay lag of each replica, when known.", []string{"addr"}, nil)
+	descLagBytes     = prometheus.NewDesc("pgfence_replica_lag_bytes", "Replay lag of each replica in WAL bytes, when known.", []string{"addr"}, nil)
 )
 
 func (c *collector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{descSessions, descSessionsTot, descAdminTot, descRefused, descUpErrors, descReads,
+	for _, d := range []*prometheus.Desc{descSessions, descSessionsTot, descSessionsLoop, descAdminTot, descRefused, descUpErrors, descReads,
 		descGate, descGateErr, descClassified, descLatency, descUp, descLag, descLagBytes} {
 		ch <- d
 	}
@@ -313,6 +315,7 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 	}
 	ch <- prometheus.MustNewConstMetric(descSessions, prometheus.GaugeValue, float64(len(s.sessions())))
 	counter(descSessionsTot, st.SessionsTotal.Load())
+	counter(descSessionsLoop, st.SessionsLoop.Load())
 	counter(descAdminTot, st.AdminSessions.Load())
 	for code, n := range st.Refused() {
 		counter(descRefused, n, code)

@@ -129,8 +129,10 @@ func TestUpstreamRefusalReachesClient(t *testing.T) {
 	}
 }
 
-func TestTooManyClients(t *testing.T) {
-	p := startProxy(t, Config{MaxClients: 2})
+func TestTooManyClients(t *testing.T) { bothRelays(t, testTooManyClients) }
+
+func testTooManyClients(t *testing.T, relay Config) {
+	p := startProxy(t, withRelay(relay, Config{MaxClients: 2}))
 	db := cluster.NewDatabase(t)
 	a := connect(t, p.dsn(db))
 	connect(t, p.dsn(db))
@@ -146,8 +148,10 @@ func TestTooManyClients(t *testing.T) {
 	connect(t, p.dsn(db))
 }
 
-func TestOversizeMessage(t *testing.T) {
-	p := startProxy(t, Config{MaxMessageSize: 4096})
+func TestOversizeMessage(t *testing.T) { bothRelays(t, testOversizeMessage) }
+
+func testOversizeMessage(t *testing.T, relay Config) {
+	p := startProxy(t, withRelay(relay, Config{MaxMessageSize: 4096}))
 	db := cluster.NewDatabase(t)
 	c := connect(t, p.dsn(db))
 	other := connect(t, p.dsn(db))
@@ -186,7 +190,11 @@ func backendGone(t *testing.T, pid uint32, d time.Duration) {
 }
 
 func TestClientDisconnectMidTransaction(t *testing.T) {
-	p := startProxy(t, Config{})
+	bothRelays(t, testClientDisconnectMidTransaction)
+}
+
+func testClientDisconnectMidTransaction(t *testing.T, relay Config) {
+	p := startProxy(t, withRelay(relay, Config{}))
 	db := cluster.NewDatabase(t)
 	c := connect(t, p.dsn(db))
 	ctx := ctxT(t)
@@ -256,8 +264,10 @@ func readErrorResponse(t *testing.T, c net.Conn) string {
 	}
 }
 
-func TestBadInput(t *testing.T) {
-	p := startProxy(t, Config{})
+func TestBadInput(t *testing.T) { bothRelays(t, testBadInput) }
+
+func testBadInput(t *testing.T, relay Config) {
+	p := startProxy(t, withRelay(relay, Config{}))
 	db := cluster.NewDatabase(t)
 	survivor := connect(t, p.dsn(db))
 	cases := []struct {
@@ -365,8 +375,10 @@ func TestStartupNegotiation(t *testing.T) {
 	})
 }
 
-func TestGracefulShutdown(t *testing.T) {
-	p := startProxy(t, Config{})
+func TestGracefulShutdown(t *testing.T) { bothRelays(t, testGracefulShutdown) }
+
+func testGracefulShutdown(t *testing.T, relay Config) {
+	p := startProxy(t, withRelay(relay, Config{}))
 	db := cluster.NewDatabase(t)
 	ctx := ctxT(t)
 	idle := connect(t, p.dsn(db))
@@ -418,7 +430,11 @@ func TestGracefulShutdown(t *testing.T) {
 }
 
 func TestShutdownTimeoutClosesOpenTransactions(t *testing.T) {
-	p := startProxy(t, Config{ShutdownTimeout: 200 * time.Millisecond})
+	bothRelays(t, testShutdownTimeoutClosesOpenTransactions)
+}
+
+func testShutdownTimeoutClosesOpenTransactions(t *testing.T, relay Config) {
+	p := startProxy(t, withRelay(relay, Config{ShutdownTimeout: 200 * time.Millisecond}))
 	db := cluster.NewDatabase(t)
 	ctx := ctxT(t)
 	busy := connect(t, p.dsn(db))

@@ -17,8 +17,10 @@ import (
 	"github.com/pgfence/pgfence/internal/pgtest"
 )
 
-func TestSimpleQueryMultiStatement(t *testing.T) {
-	p := startProxy(t, Config{})
+func TestSimpleQueryMultiStatement(t *testing.T) { bothRelays(t, testSimpleQueryMultiStatement) }
+
+func testSimpleQueryMultiStatement(t *testing.T, relay Config) {
+	p := startProxy(t, withRelay(relay, Config{}))
 	db := cluster.NewDatabase(t)
 	c := connect(t, p.dsn(db))
 	res, err := c.Exec(ctxT(t), "CREATE TABLE t(a int); INSERT INTO t VALUES (1),(2),(3); SELECT a FROM t ORDER BY a; SELECT 'x'").ReadAll()
@@ -103,8 +105,10 @@ func copyMsg(m pgproto3.BackendMessage) pgproto3.BackendMessage {
 	return m
 }
 
-func TestPipelineWithErrorAndRecovery(t *testing.T) {
-	p := startProxy(t, Config{})
+func TestPipelineWithErrorAndRecovery(t *testing.T) { bothRelays(t, testPipelineWithErrorAndRecovery) }
+
+func testPipelineWithErrorAndRecovery(t *testing.T, relay Config) {
+	p := startProxy(t, withRelay(relay, Config{}))
 	db := cluster.NewDatabase(t)
 	c := connect(t, p.dsn(db))
 	ctx := ctxT(t)
@@ -182,7 +186,11 @@ func mustSync(t *testing.T, pl *pgconn.Pipeline) {
 }
 
 func TestExtendedProtocolStatementsPortalsSuspension(t *testing.T) {
-	p := startProxy(t, Config{})
+	bothRelays(t, testExtendedProtocolStatementsPortalsSuspension)
+}
+
+func testExtendedProtocolStatementsPortalsSuspension(t *testing.T, relay Config) {
+	p := startProxy(t, withRelay(relay, Config{}))
 	db := cluster.NewDatabase(t)
 	fe, _ := raw(t, p.dsn(db))
 	// Named statement, named portal, Describe both, Execute with a row
@@ -239,8 +247,10 @@ func TestExtendedProtocolStatementsPortalsSuspension(t *testing.T) {
 	}
 }
 
-func TestCopyBothWays(t *testing.T) {
-	p := startProxy(t, Config{})
+func TestCopyBothWays(t *testing.T) { bothRelays(t, testCopyBothWays) }
+
+func testCopyBothWays(t *testing.T, relay Config) {
+	p := startProxy(t, withRelay(relay, Config{}))
 	db := cluster.NewDatabase(t)
 	c := connect(t, p.dsn(db))
 	ctx := ctxT(t)
@@ -277,8 +287,10 @@ func TestCopyBothWays(t *testing.T) {
 	}
 }
 
-func TestCancelRequest(t *testing.T) {
-	p := startProxy(t, Config{})
+func TestCancelRequest(t *testing.T) { bothRelays(t, testCancelRequest) }
+
+func testCancelRequest(t *testing.T, relay Config) {
+	p := startProxy(t, withRelay(relay, Config{}))
 	db := cluster.NewDatabase(t)
 	c := connect(t, p.dsn(db))
 	ctx := ctxT(t)
@@ -325,7 +337,11 @@ func TestCancelRequest(t *testing.T) {
 }
 
 func TestListenNotifyNoticeParameterStatus(t *testing.T) {
-	p := startProxy(t, Config{})
+	bothRelays(t, testListenNotifyNoticeParameterStatus)
+}
+
+func testListenNotifyNoticeParameterStatus(t *testing.T, relay Config) {
+	p := startProxy(t, withRelay(relay, Config{}))
 	db := cluster.NewDatabase(t)
 	ctx := ctxT(t)
 	cfg, err := pgconn.ParseConfig(p.dsn(db))
@@ -375,8 +391,10 @@ func TestListenNotifyNoticeParameterStatus(t *testing.T) {
 	}
 }
 
-func TestFunctionCall(t *testing.T) {
-	p := startProxy(t, Config{})
+func TestFunctionCall(t *testing.T) { bothRelays(t, testFunctionCall) }
+
+func testFunctionCall(t *testing.T, relay Config) {
+	p := startProxy(t, withRelay(relay, Config{}))
 	db := cluster.NewDatabase(t)
 	fe, _ := raw(t, p.dsn(db))
 	fe.Send(&pgproto3.Query{String: "SELECT 'int4abs'::regproc::oid"})
@@ -403,8 +421,10 @@ func TestFunctionCall(t *testing.T) {
 	}
 }
 
-func TestLargeRows(t *testing.T) {
-	p := startProxy(t, Config{})
+func TestLargeRows(t *testing.T) { bothRelays(t, testLargeRows) }
+
+func testLargeRows(t *testing.T, relay Config) {
+	p := startProxy(t, withRelay(relay, Config{}))
 	db := cluster.NewDatabase(t)
 	c := connect(t, p.dsn(db))
 	ctx := ctxT(t)

@@ -60,6 +60,11 @@ type Session struct {
 	inBatch   bool // client goroutine: extended messages sent since the last Sync
 
 	closeOnce sync.Once
+	// connMu orders moving the session onto the event loop against
+	// closeServer (graceful shutdown runs it from another goroutine).
+	connMu       sync.Mutex
+	serverClosed bool
+	fast         *relay // set when the event loop relays the session (evloop_linux.go)
 	// closing is closed when the session starts to end, so a Handler
 	// waiting on a Request can give up.
 	closing chan struct{}
@@ -162,6 +167,9 @@ func (s *Session) tryCloseIdle() bool {
 // connections. It returns the error that ended the session (nil for a
 // clean client exit).
 func (s *Session) run() error {
+	if err, ok := s.runFast(); ok {
+		return err
+	}
 	errc := make(chan error, 2)
 	var wg sync.WaitGroup
 	wg.Add(2)
@@ -175,35 +183,53 @@ func (s *Session) run() error {
 	s.closeReplica() // replica.go
 	s.client.SetReadDeadline(time.Now())
 	wg.Wait()
-	second := <-errc
-	if errors.Is(err, errShutdown) || errors.Is(second, errShutdown) || s.pending.Load() < 0 {
-		err = errShutdown
-	} else if pe := s.rt.fatal.Load(); pe != nil {
-		err = pe // the replica failed mid-request (replica.go)
-	}
-	var pe *ProtocolError
-	if errors.As(err, &pe) || err == errShutdown {
-		if err == errShutdown {
-			err = &ProtocolError{Code: "57P01", Msg: "terminating connection: pgfence is shutting down", Err: errShutdown}
-		}
+	msg, err := s.endReason(err, <-errc)
+	if msg != nil {
 		s.client.SetWriteDeadline(time.Now().Add(time.Second))
-		s.client.Write(encode(nil, errorResponse(err)))
+		s.client.Write(msg)
 	}
 	s.client.Close()
 	if s.h != nil {
 		s.q.drain()
 		s.h.Close(s)
 	}
-	if errors.Is(err, errClientTerminate) || errors.Is(err, io.EOF) {
-		return nil
-	}
 	return err
+}
+
+// endReason turns the error that ended the session (and the other side's,
+// if any) into what the client is told (nil: nothing) and what run
+// returns (nil for a clean client exit).
+func (s *Session) endReason(err, second error) ([]byte, error) {
+	if errors.Is(err, errShutdown) || errors.Is(second, errShutdown) || s.pending.Load() < 0 {
+		err = errShutdown
+	} else if pe := s.rt.fatal.Load(); pe != nil {
+		err = pe // the replica failed mid-request (replica.go)
+	}
+	var msg []byte
+	var pe *ProtocolError
+	if errors.As(err, &pe) || err == errShutdown {
+		if err == errShutdown {
+			err = &ProtocolError{Code: "57P01", Msg: "terminating connection: pgfence is shutting down", Err: errShutdown}
+		}
+		msg = encode(nil, errorResponse(err))
+	}
+	if errors.Is(err, errClientTerminate) || errors.Is(err, io.EOF) {
+		return msg, nil
+	}
+	return msg, err
 }
 
 // closeServer tells the backend to end (Terminate), then closes the
 // upstream socket. Closing is what matters: a backend whose client socket
 // is gone rolls back and exits.
 func (s *Session) closeServer() {
+	s.connMu.Lock()
+	defer s.connMu.Unlock()
+	if s.fast != nil {
+		s.fast.shutdownServer()
+		return
+	}
+	s.serverClosed = true
 	s.closeOnce.Do(func() {
 		s.server.SetWriteDeadline(time.Now().Add(100 * time.Millisecond))
 		s.server.Write([]byte{'X', 0, 0, 0, 4})
