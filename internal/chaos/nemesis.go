@@ -233,7 +233,7 @@ func (n *nemesis) startZombie(ctx context.Context) (bool, error) {
 	defer cancel()
 	started := false
 	err := poll(wctx, 50*time.Millisecond, func() (bool, error) {
-		started = n.tryZombie(wctx)
+		started = n.tryZombie(ctx, wctx)
 		return started, nil
 	})
 	if !started && wctx.Err() != nil {
@@ -242,7 +242,9 @@ func (n *nemesis) startZombie(ctx context.Context) (bool, error) {
 	return started, err
 }
 
-func (n *nemesis) tryZombie(ctx context.Context) bool {
+// tryZombie stops a worker if one holds a live lease; its zombie lives on
+// in ctx, the run's.
+func (n *nemesis) tryZombie(ctx, probe context.Context) bool {
 	h := n.h
 	for _, i := range n.rng.Perm(len(h.slots)) {
 		sp := h.slots[i].current()
@@ -251,11 +253,12 @@ func (n *nemesis) tryZombie(ctx context.Context) bool {
 		}
 		var job string
 		var token int64
-		err := n.db.do(ctx, func(c *pgx.Conn) error {
-			return c.QueryRow(ctx, `SELECT job_key, token FROM fence.leases
+		err := n.db.do(probe, func(c *pgx.Conn) error {
+			return c.QueryRow(probe, `SELECT job_key, token FROM fence.leases
 				WHERE holder = $1 AND expires_at > clock_timestamp()`, sp.holder).Scan(&job, &token)
 		})
 		if err != nil {
+			n.h.log.Debug("zombie candidate without a live lease", zap.String("holder", sp.holder), zap.Error(err))
 			continue
 		}
 		if err := sp.signalGroup(syscall.SIGSTOP); err != nil {
@@ -283,14 +286,14 @@ func (n *nemesis) zombieLife(ctx context.Context, sp *slotProc, z zombieEvent) {
 		n.mu.Unlock()
 	}()
 	// Past its lease: until the job's fence has moved on (another worker
-	// took over). The run's end does not cut this short: the zombie is
-	// the point. Bounded, in case no one wants the job.
-	wctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 20*time.Second)
+	// took over), unless the workload ends first. Bounded, in case no one
+	// wants the job.
+	tctx, cancel := context.WithTimeout(ctx, 20*time.Second)
 	defer cancel()
-	err := poll(wctx, 20*time.Millisecond, func() (bool, error) {
+	err := poll(tctx, 20*time.Millisecond, func() (bool, error) {
 		var max int64
-		err := n.db.do(wctx, func(c *pgx.Conn) error {
-			return c.QueryRow(wctx, "SELECT max_issued_token FROM fence.fences WHERE job_key = $1", z.job).Scan(&max)
+		err := n.db.do(tctx, func(c *pgx.Conn) error {
+			return c.QueryRow(tctx, "SELECT max_issued_token FROM fence.fences WHERE job_key = $1", z.job).Scan(&max)
 		})
 		return err == nil && max > z.token, nil
 	})
@@ -299,7 +302,10 @@ func (n *nemesis) zombieLife(ctx context.Context, sp *slotProc, z zombieEvent) {
 		return
 	}
 	// Continue the worker alone: its runner, still stopped, cannot stop
-	// it. Then wait until it has recorded an attempt, or exited.
+	// it. Then wait until it has recorded a definite answer, or exited;
+	// this part runs to its end even when the workload ends meanwhile.
+	wctx, cancel2 := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+	defer cancel2()
 	kids := sp.children()
 	size := fileSize(sp.records)
 	z.resumed = time.Now()

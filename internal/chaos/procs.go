@@ -7,6 +7,7 @@ import (
 	"net"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"sync"
@@ -146,17 +147,20 @@ type slotProc struct {
 	done    chan struct{}
 }
 
-// children returns the pids of the runner's children (the worker).
+// children returns the pids of the runner's children (the worker). Each
+// thread lists the children it forked, and the Go runtime forks from any.
 func (sp *slotProc) children() []int {
-	pid := sp.cmd.Process.Pid
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/task/%d/children", pid, pid))
-	if err != nil {
-		return nil
-	}
+	tasks, _ := filepath.Glob(fmt.Sprintf("/proc/%d/task/*/children", sp.cmd.Process.Pid))
 	var out []int
-	for _, f := range strings.Fields(string(b)) {
-		if n, err := strconv.Atoi(f); err == nil {
-			out = append(out, n)
+	for _, t := range tasks {
+		b, err := os.ReadFile(t)
+		if err != nil {
+			continue
+		}
+		for _, f := range strings.Fields(string(b)) {
+			if n, err := strconv.Atoi(f); err == nil {
+				out = append(out, n)
+			}
 		}
 	}
 	return out
