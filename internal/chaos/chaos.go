@@ -463,7 +463,7 @@ type Summary struct {
 	Zombies, ZombiesResumed, ZombiesRefused int
 	Faults                                  map[Fault]int
 	// FaultErrors counts faults the nemesis failed to inject or undo.
-	FaultErrors int
+	FaultErrors []string
 	Reads       ReadStats
 	Consumer    ConsumerStats
 	// Anomalies are answers a careful client must never get, found by the
@@ -509,12 +509,15 @@ func (s *Summary) WriteText(w io.Writer) error {
 		p(" %s %d,", f, s.Faults[f])
 	}
 	b = b[:len(b)-1]
-	if s.FaultErrors > 0 {
-		p(" (%d failed to inject)", s.FaultErrors)
+	if len(s.FaultErrors) > 0 {
+		p(" (%d failed to inject)", len(s.FaultErrors))
 	}
 	p("\nreads %d: replica %d, primary %d, pending (FN007) %d, errors %d\n",
 		s.Reads.Recorded, s.Reads.Replica, s.Reads.Primary, s.Reads.Pending, s.Reads.Errors)
 	p("consumer: events accepted %d, rejected %d\n", s.Consumer.Accepted, s.Consumer.Rejected)
+	for _, e := range s.FaultErrors {
+		p("fault failed: %s\n", e)
+	}
 	for _, a := range s.Anomalies {
 		p("anomaly: %s\n", a)
 	}

@@ -173,7 +173,7 @@ func (cs *consumer) run(ctx context.Context, seed uint64) {
 	rng := rand.New(rand.NewPCG(seed, 7))
 	for ctx.Err() == nil {
 		// Let events pile up so that a batch mixes generations.
-		sleepCtx(ctx, time.Duration(100+rng.IntN(700))*time.Millisecond)
+		sleepCtx(ctx, time.Duration(500+rng.IntN(2000))*time.Millisecond)
 		cs.batch(ctx, rng)
 	}
 }

@@ -79,7 +79,7 @@ type nemesis struct {
 	zombie   bool          // a zombie is in progress
 	paused   bool          // replay is paused
 	zombies  []zombieEvent // with their outcome known
-	failures int
+	failures []string
 }
 
 type zombieEvent struct {
@@ -108,7 +108,7 @@ func (n *nemesis) run(ctx context.Context) {
 		if err != nil && ctx.Err() == nil {
 			n.h.log.Warn("fault failed", zap.String("fault", string(f)), zap.Error(err))
 			n.mu.Lock()
-			n.failures++
+			n.failures = append(n.failures, fmt.Sprintf("%s: %v", f, err))
 			n.mu.Unlock()
 		}
 		queue = queue[1:]
@@ -361,9 +361,7 @@ func (n *nemesis) zombieStats(attempts []Attempt) {
 			s.ZombiesRefused++
 		}
 	}
-	if n.failures > 0 {
-		s.FaultErrors = n.failures
-	}
+	s.FaultErrors = append(s.FaultErrors, n.failures...)
 }
 
 // attemptsFrom reads the attempts recorded in path from byte offset on.
