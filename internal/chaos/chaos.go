@@ -59,7 +59,7 @@ type Config struct {
 	// Database is a migrated database of Cluster; empty creates "chaos".
 	Database string
 	// Dir keeps the records and logs; empty means a temporary directory,
-	// removed when the run is clean.
+	// removed when the run found no violation.
 	Dir string
 	// Log receives progress; nil means none.
 	Log *zap.Logger
@@ -130,7 +130,8 @@ func Run(ctx context.Context, cfg Config) (_ *Summary, err error) {
 		return nil, err
 	}
 	log := cfg.Log
-	if cfg.Dir == "" {
+	ownDir := cfg.Dir == ""
+	if ownDir {
 		if cfg.Dir, err = os.MkdirTemp("", "pgfence-chaos-"); err != nil {
 			return nil, err
 		}
@@ -240,6 +241,11 @@ func Run(ctx context.Context, cfg Config) (_ *Summary, err error) {
 	}
 	if err := h.finish(fctx, rd, cons, nem); err != nil {
 		return nil, err
+	}
+	if ownDir && h.sum.OK() {
+		os.RemoveAll(cfg.Dir)
+	} else {
+		h.sum.Dir = cfg.Dir
 	}
 	return h.sum, nil
 }
@@ -470,6 +476,9 @@ type Summary struct {
 	// harness itself (the checker cannot see them in the database).
 	Anomalies []string
 	Report    *audit.Report
+	// Dir holds the records and the logs of the processes, when kept (a
+	// Config.Dir given, or violations found).
+	Dir string
 }
 
 // OK reports whether the checker found no violation and the harness no
@@ -526,6 +535,11 @@ func (s *Summary) WriteText(w io.Writer) error {
 	}
 	if s.Report != nil {
 		if err := s.Report.WriteText(w); err != nil {
+			return err
+		}
+	}
+	if s.Dir != "" {
+		if _, err := fmt.Fprintf(w, "records and logs: %s\n", s.Dir); err != nil {
 			return err
 		}
 	}

@@ -83,6 +83,9 @@ func Work(ctx context.Context, cfg WorkerConfig) (int, error) {
 	w := &worker{cfg: cfg, g: g, rec: rec, rng: rng}
 	defer w.closeConn()
 	for i := 0; i < steps; i++ {
+		// Think before each commit, not after the last: a worker stopped
+		// while it holds a lease has a commit still to make.
+		sleepCtx(ctx, time.Duration(30+rng.IntN(200))*time.Millisecond)
 		step := ""
 		if i > 0 {
 			step = "s" + strconv.Itoa(i)
@@ -107,7 +110,6 @@ func Work(ctx context.Context, cfg WorkerConfig) (int, error) {
 				return ExitGaveUp, err
 			}
 		}
-		sleepCtx(ctx, time.Duration(30+rng.IntN(200))*time.Millisecond)
 	}
 	return 0, nil
 }
