@@ -2,8 +2,10 @@
 GO       ?= go
 PKGS     ?= ./...
 TESTFLAGS ?=
+DURATION ?= 5m
+SEED     ?=
 
-.PHONY: help dev test test-race bench lint build deps
+.PHONY: help dev test test-race bench lint build deps chaos
 
 help: ## show this help
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -31,6 +33,10 @@ bench: deps build ## benchmarks: pgfence vs direct connections, printed as ratio
 	$(GO) test -run '^$$' -bench GatedWrite -benchtime 2000x ./proxy/
 	$(GO) run ./internal/benchproxy
 	$(GO) run ./internal/benchreplica
+
+chaos: deps build ## chaos run with a nemesis, then the checker (DURATION=5m, SEED=N)
+	$(GO) build -o bin/chaos ./internal/chaos/cmd
+	./bin/chaos --pgfence bin/pgfence --duration $(DURATION) $(if $(SEED),--seed $(SEED))
 
 lint: ## go vet and gofmt
 	$(GO) vet $(PKGS)
