@@ -90,7 +90,7 @@ func runChaos(t *testing.T, cfg Config) *Summary {
 // TestChaosShort is the chaos run in make test: every fault kind at least
 // once, real work done, and the checker finds nothing.
 func TestChaosShort(t *testing.T) {
-	sum := runChaos(t, Config{Duration: 25 * time.Second, Seed: 7, FaultGap: 1500 * time.Millisecond})
+	sum := runChaos(t, Config{Duration: 25 * time.Second, Seed: 7, FaultGap: 1200 * time.Millisecond})
 	if !sum.OK() {
 		t.Errorf("got %d violations, want none", sum.Violations())
 	}

@@ -36,8 +36,9 @@ type WorkerConfig struct {
 
 // Worker exit codes other than 0 (all commits done).
 const (
-	ExitStale  = 3 // the token was refused: another holder took over
-	ExitGaveUp = 4
+	ExitStale   = 3   // the token was refused: another holder took over
+	ExitGaveUp  = 4   // no definite outcome within a minute of retries
+	ExitStopped = 143 // SIGTERM (from pgfence run) before the work was done
 )
 
 // generation is the worker's lease, from the environment pgfence run set.
@@ -92,6 +93,10 @@ func Work(ctx context.Context, cfg WorkerConfig) (int, error) {
 		}
 		payload := fmt.Sprintf("%s/%d/%s/%08x", g.job, g.token, step, rng.Uint32())
 		out, err := w.commit(ctx, step, payload, false)
+		if ctx.Err() != nil {
+			// Told to stop (pgfence run lost the lease, or the run ends).
+			return ExitStopped, nil
+		}
 		if err != nil {
 			return ExitGaveUp, err
 		}
@@ -107,6 +112,9 @@ func Work(ctx context.Context, cfg WorkerConfig) (int, error) {
 		if rng.IntN(8) == 0 {
 			// A careless retry with other content: must be FN003.
 			if _, err := w.commit(ctx, step, payload+"/changed", true); err != nil {
+				if ctx.Err() != nil {
+					return ExitStopped, nil
+				}
 				return ExitGaveUp, err
 			}
 		}
