@@ -1,14 +1,30 @@
 package rewrite
 
 import (
+	"strings"
+	"unicode/utf8"
+
 	lru "github.com/hashicorp/golang-lru/v2"
 )
 
-// Classifier classifies statements through an LRU cache keyed by the exact
-// statement text, shared by all sessions. Parse errors are cached too. It is
-// safe for concurrent use.
+// Classifier classifies statements through two LRU caches shared by all
+// sessions, and is safe for concurrent use:
+//
+//   - by the exact statement text (parse errors are cached too);
+//   - by the statement's shape — its text with every numeric and string
+//     literal replaced by a placeholder and unquoted words lowercased — for
+//     single reads without session effects (see shareable). Clients that
+//     put values into the text instead of parameters (pgbench -S, ORMs
+//     without prepared statements, psql users) send a new text for every
+//     query; parsing each cost 40–80 µs, several times the proxy's own
+//     relay cost. Literals cannot change what such a statement is (its
+//     kind, the relations it reads, its locking, its function calls), so
+//     one parse serves every query of the shape. Texts whose shape the
+//     scanner cannot be sure of (dollar quotes, block comments,
+//     backslashes in strings, set_config calls) are never shared.
 type Classifier struct {
-	cache *lru.Cache[string, entry]
+	cache  *lru.Cache[string, entry]
+	shapes *lru.Cache[string, *Result]
 }
 
 type entry struct {
@@ -16,8 +32,8 @@ type entry struct {
 	err error
 }
 
-// NewClassifier returns a Classifier caching up to size query strings
-// (at least 1).
+// NewClassifier returns a Classifier caching up to size query strings and
+// size shapes (at least 1 each).
 func NewClassifier(size int) *Classifier {
 	if size < 1 {
 		size = 1
@@ -26,19 +42,152 @@ func NewClassifier(size int) *Classifier {
 	if err != nil {
 		panic("rewrite: " + err.Error()) // unreachable: size > 0
 	}
-	return &Classifier{cache: c}
+	s, err := lru.New[string, *Result](size)
+	if err != nil {
+		panic("rewrite: " + err.Error()) // unreachable: size > 0
+	}
+	return &Classifier{cache: c, shapes: s}
 }
 
 // Classify returns the cached classification of sql, classifying and
 // caching it on a miss. The returned Result is shared: do not modify it.
+// A Result found by shape comes from another text of that shape: its
+// Stmt.SQL is that text (its Offset is the same, as no literal precedes a
+// statement's start); only reads without session effects are shared, and
+// for those only the structural fields matter.
 func (c *Classifier) Classify(sql string) (*Result, error) {
 	if e, ok := c.cache.Get(sql); ok {
 		return e.res, e.err
 	}
+	key, keyed := ShapeKey(sql)
+	if keyed {
+		if res, ok := c.shapes.Get(key); ok {
+			return res, nil
+		}
+	}
 	res, err := Classify(sql)
+	if keyed && err == nil && shareable(res) {
+		c.shapes.Add(key, res)
+		return res, nil
+	}
 	c.cache.Add(sql, entry{res: res, err: err})
 	return res, err
 }
 
-// Len returns the number of cached query strings.
-func (c *Classifier) Len() int { return c.cache.Len() }
+// Len returns the number of cached query strings and shapes.
+func (c *Classifier) Len() int { return c.cache.Len() + c.shapes.Len() }
+
+// shareable reports whether res may serve every text of its shape: one
+// plain read (SELECT, VALUES, TABLE, DECLARE CURSOR) that sets no GUC,
+// calls nothing in schema fence and is not an EXECUTE or EXPLAIN.
+func shareable(res *Result) bool {
+	if len(res.Stmts) != 1 {
+		return false
+	}
+	st := res.Stmts[0]
+	return st.Kind == Read && len(st.GUCs) == 0 && !st.UnknownGUCWrite && !st.CallsFence &&
+		!st.Writes() && st.Inner == nil && st.Executes == "" && !st.Explain
+}
+
+// ShapeKey returns sql's shape: numeric and string literals replaced by
+// '?', unquoted text lowercased, quoted identifiers, $n parameters and
+// line comments kept. ok is false when the text is not valid UTF-8 or has
+// something the scanner does not model exactly (dollar quoting, block
+// comments, a backslash in a string or outside one, an unterminated
+// literal) or calls set_config, whose literal arguments name a GUC.
+func ShapeKey(sql string) (key string, ok bool) {
+	if !utf8.ValidString(sql) {
+		return "", false
+	}
+	b := make([]byte, 0, len(sql))
+	n := len(sql)
+	for i := 0; i < n; {
+		c := sql[i]
+		switch {
+		case c == '\'':
+			if len(b) > 0 && (b[len(b)-1] == 'e') && (len(b) < 2 || !identByte(b[len(b)-2])) {
+				return "", false // E'...' escape string
+			}
+			j := i + 1
+			for {
+				if j >= n {
+					return "", false
+				}
+				if sql[j] == '\\' {
+					return "", false // standard_conforming_strings off would make it an escape
+				}
+				if sql[j] == '\'' {
+					if j+1 < n && sql[j+1] == '\'' {
+						j += 2
+						continue
+					}
+					break
+				}
+				j++
+			}
+			b = append(b, '?')
+			i = j + 1
+		case c == '"':
+			j := i + 1
+			for {
+				if j >= n {
+					return "", false
+				}
+				if sql[j] == '"' {
+					if j+1 < n && sql[j+1] == '"' {
+						j += 2
+						continue
+					}
+					break
+				}
+				j++
+			}
+			b = append(b, sql[i:j+1]...)
+			i = j + 1
+		case c == '$':
+			if i+1 >= n || sql[i+1] < '0' || sql[i+1] > '9' || len(b) > 0 && identByte(b[len(b)-1]) {
+				return "", false // dollar quote, or $ inside a word
+			}
+			j := i + 1
+			for j < n && sql[j] >= '0' && sql[j] <= '9' {
+				j++
+			}
+			b = append(b, sql[i:j]...)
+			i = j
+		case c == '-' && i+1 < n && sql[i+1] == '-':
+			j := strings.IndexByte(sql[i:], '\n')
+			if j < 0 {
+				j = n - i
+			}
+			b = append(b, sql[i:i+j]...)
+			i += j
+		case c == '/' && i+1 < n && sql[i+1] == '*', c == '\\':
+			return "", false
+		case c >= '0' && c <= '9' && (len(b) == 0 || !identByte(b[len(b)-1])):
+			j := i
+			for j < n && (sql[j] >= '0' && sql[j] <= '9' || sql[j] == '.' || sql[j] == '_') {
+				j++
+			}
+			b = append(b, '?')
+			i = j
+		case c >= 'A' && c <= 'Z':
+			b = append(b, c+'a'-'A')
+			i++
+		default:
+			b = append(b, c)
+			i++
+		}
+	}
+	key = string(b)
+	if strings.Contains(key, "set_config") {
+		return "", false
+	}
+	return key, true
+}
+
+// identByte reports whether c can continue an identifier (a letter
+// lowercased by ShapeKey, a digit, _, $ or a byte of a multi-byte
+// character).
+func identByte(c byte) bool {
+	return c >= 'a' && c <= 'z' || c >= '0' && c <= '9' || c == '_' || c == '$' || c >= 0x80
+}

@@ -60,6 +60,7 @@ func FuzzClassify(f *testing.F) {
 		if err := json.Unmarshal([]byte(js), &tree); err != nil {
 			t.Fatalf("unmarshal parse tree: %v", err)
 		}
+		checkShapeShared(t, sql, res)
 		if len(tree.Stmts) != len(res.Stmts) {
 			t.Fatalf("got %d statements, parse tree has %d", len(res.Stmts), len(tree.Stmts))
 		}
