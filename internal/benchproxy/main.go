@@ -1,5 +1,7 @@
 // Command benchproxy measures pgfence's pass-through proxy against direct
-// connections (and PgBouncer in session mode, when installed) with
+// connections (and PgBouncer in session mode, when installed; and pgfence
+// with its write gate intercepting every message, as `pgfence serve` runs,
+// with no table protected) with
 // pgbench, alternating the targets in one run on one throwaway cluster, and
 // prints TPS, the ratio to direct and the latency added. `make bench` runs
 // it. It is a measuring tool, not a test: it fails only when it cannot run.
@@ -16,6 +18,7 @@ import (
 	"os/user"
 	"path/filepath"
 	"regexp"
+	"runtime/pprof"
 	"strconv"
 	"strings"
 	"syscall"
@@ -24,6 +27,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/pgfence/pgfence/internal/pgtest"
+	"github.com/pgfence/pgfence/migrations"
 	"github.com/pgfence/pgfence/proxy"
 )
 
@@ -32,14 +36,29 @@ func main() {
 	scale := flag.Int("s", 2, "pgbench scale")
 	rounds := flag.Int("rounds", 1, "alternating rounds per cell (results are averaged)")
 	only := flag.String("only", "", "run only the cells whose \"workload c=N\" matches this regexp")
+	goroutines := flag.Bool("goroutines", false, "relay pass-through sessions with goroutines instead of the event loop (proxy.Config.DisableEventLoop)")
+	gated := flag.Bool("gate", true, "add a column for pgfence with the write gate (as pgfence serve runs; no table protected, so it measures the interception cost alone)")
+	cpuprofile := flag.String("cpuprofile", "", "write a CPU profile of the proxies (this process) to this file")
 	flag.Parse()
+	if *cpuprofile != "" {
+		f, err := os.Create(*cpuprofile)
+		if err == nil {
+			err = pprof.StartCPUProfile(f)
+		}
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "benchproxy: -cpuprofile:", err)
+			os.Exit(2)
+		}
+		defer pprof.StopCPUProfile()
+	}
 	onlyRe, err := regexp.Compile(*only)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "benchproxy: -only:", err)
 		os.Exit(2)
 	}
-	if err := run(*dur, *scale, *rounds, onlyRe); err != nil {
+	if err := run(*dur, *scale, *rounds, onlyRe, *goroutines, *gated); err != nil {
 		fmt.Fprintln(os.Stderr, "benchproxy:", err)
+		pprof.StopCPUProfile()
 		os.Exit(1)
 	}
 }
@@ -51,13 +70,14 @@ type target struct {
 
 type result struct{ tps, lat float64 }
 
-func run(dur time.Duration, scale, rounds int, only *regexp.Regexp) error {
+func run(dur time.Duration, scale, rounds int, only *regexp.Regexp, goroutines, gated bool) error {
 	ctx := context.Background()
 	c, err := pgtest.Start(ctx, pgtest.Options{})
 	if err != nil {
 		return err
 	}
 	defer c.Close()
+	var stops []func()
 	db := "bench"
 	if _, err := psqlExec(c.Primary.Port, "postgres", "CREATE DATABASE bench"); err != nil {
 		return err
@@ -66,18 +86,52 @@ func run(dur time.Duration, scale, rounds int, only *regexp.Regexp) error {
 		return fmt.Errorf("pgbench -i: %w\n%s", err, out)
 	}
 
-	srv, err := proxy.New(proxy.Config{Primary: c.Primary.DSN("postgres")}, zap.NewNop())
+	start := func(cfg proxy.Config) (int, error) {
+		cfg.Primary = c.Primary.DSN("postgres")
+		cfg.DisableEventLoop = goroutines
+		srv, err := proxy.New(cfg, zap.NewNop())
+		if err != nil {
+			return 0, err
+		}
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			return 0, err
+		}
+		go srv.Serve(ctx, ln)
+		stops = append(stops, func() { srv.Shutdown(ctx) })
+		return ln.Addr().(*net.TCPAddr).Port, nil
+	}
+	defer func() {
+		for _, f := range stops {
+			f()
+		}
+	}()
+	port, err := start(proxy.Config{})
 	if err != nil {
 		return err
 	}
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return err
+	targets := []target{{"direct", c.Primary.Port}, {"pgfence", port}}
+	if gated {
+		conn, err := c.Primary.Connect(ctx, db)
+		if err != nil {
+			return err
+		}
+		err = migrations.Apply(ctx, conn)
+		conn.Close(ctx)
+		if err != nil {
+			return err
+		}
+		gate, err := proxy.NewFence(proxy.FenceConfig{Primary: c.Primary.DSN("postgres")}, zap.NewNop())
+		if err != nil {
+			return err
+		}
+		port, err := start(proxy.Config{Interceptor: gate})
+		stops = append(stops, gate.Close)
+		if err != nil {
+			return err
+		}
+		targets = append(targets, target{"pgfence+gate", port})
 	}
-	go srv.Serve(ctx, ln)
-	defer srv.Shutdown(ctx)
-
-	targets := []target{{"direct", c.Primary.Port}, {"pgfence", ln.Addr().(*net.TCPAddr).Port}}
 	if port, stop, err := startPgBouncer(c.Primary.Port); err != nil {
 		fmt.Fprintf(os.Stderr, "benchproxy: PgBouncer column skipped: %v\n", err)
 	} else {
