@@ -210,9 +210,11 @@ func (w *worker) commit(ctx context.Context, step, payload string, probe bool) (
 		}
 		switch out {
 		case audit.OutcomeError, audit.OutcomeUnknown:
-			// The same step, the same payload, on a new connection.
+			// The same step, the same payload, on a new connection, after
+			// a pause that grows while the proxy or the primary is down.
 			w.closeConn()
-			sleepCtx(ctx, time.Duration(20+w.rng.IntN(80))*time.Millisecond)
+			pause := min(20*time.Millisecond<<min(retry, 5), 500*time.Millisecond)
+			sleepCtx(ctx, pause+time.Duration(w.rng.Int64N(int64(pause))))
 			continue
 		}
 		return out, nil
