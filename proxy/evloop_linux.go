@@ -236,6 +236,16 @@ func epollWait(epfd int, events []syscall.EpollEvent) (int, syscall.Errno) {
 	return int(n), errno
 }
 
+// rawIO reads or writes a non-blocking socket. It never blocks, so it
+// skips the runtime's system call bookkeeping, as epollWait does.
+func rawIO(trap uintptr, fd int, b []byte) (int, error) {
+	r, _, errno := syscall.RawSyscall(trap, uintptr(fd), uintptr(unsafe.Pointer(&b[0])), uintptr(len(b)))
+	if errno != 0 {
+		return -1, errno
+	}
+	return int(r), nil
+}
+
 const readable = syscall.EPOLLIN | syscall.EPOLLRDHUP | syscall.EPOLLHUP | syscall.EPOLLERR
 
 func (l *evloop) event(r *relay, fd int, ev uint32) {
@@ -304,7 +314,7 @@ func (r *relay) pump(p *pipe) error {
 	if p.end == len(p.buf) {
 		return nil // full: the destination is slow; EPOLLOUT resumes us
 	}
-	n, err := syscall.Read(p.src, p.buf[p.end:])
+	n, err := rawIO(syscall.SYS_READ, p.src, p.buf[p.end:])
 	if err == syscall.EAGAIN || err == syscall.EINTR {
 		return nil
 	}
@@ -329,7 +339,7 @@ func (r *relay) pump(p *pipe) error {
 // flush writes p's waiting bytes as far as the destination takes them.
 func (r *relay) flush(p *pipe) error {
 	for p.start < p.end {
-		n, err := syscall.Write(p.dst, p.buf[p.start:p.end])
+		n, err := rawIO(syscall.SYS_WRITE, p.dst, p.buf[p.start:p.end])
 		if err == syscall.EAGAIN {
 			return nil
 		}
@@ -403,7 +413,9 @@ func (r *relay) scan(p *pipe, b []byte) (int, error) {
 		}
 		p.left = total - headerLen
 		if typ == 'X' {
-			return min(i+p.left, len(b)), errClientTerminate
+			// Not passed on: finish sends the server a Terminate of its
+			// own (whatever length the client's claimed).
+			return start, errClientTerminate
 		}
 	}
 	return i, nil
