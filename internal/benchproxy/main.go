@@ -66,9 +66,36 @@ func main() {
 type target struct {
 	name string
 	port int
+	cpu  func() time.Duration // CPU time used so far by the process serving it; nil for direct
 }
 
-type result struct{ tps, lat float64 }
+type result struct{ tps, lat, cpuPerTxn float64 }
+
+// selfCPU is this process's CPU time (the in-process proxies; the harness
+// itself idles while pgbench runs).
+func selfCPU() time.Duration {
+	var ru syscall.Rusage
+	syscall.Getrusage(syscall.RUSAGE_SELF, &ru)
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+}
+
+// procCPU is the CPU time of process pid, from /proc (clock ticks of 10 ms).
+func procCPU(pid int) func() time.Duration {
+	return func() time.Duration {
+		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+		if err != nil {
+			return 0
+		}
+		s := string(b)
+		f := strings.Fields(s[strings.LastIndexByte(s, ')')+2:])
+		if len(f) < 13 {
+			return 0
+		}
+		u, _ := strconv.ParseInt(f[11], 10, 64)
+		k, _ := strconv.ParseInt(f[12], 10, 64)
+		return time.Duration(u+k) * 10 * time.Millisecond
+	}
+}
 
 func run(dur time.Duration, scale, rounds int, only *regexp.Regexp, goroutines, gated bool) error {
 	ctx := context.Background()
@@ -110,7 +137,7 @@ func run(dur time.Duration, scale, rounds int, only *regexp.Regexp, goroutines, 
 	if err != nil {
 		return err
 	}
-	targets := []target{{"direct", c.Primary.Port}, {"pgfence", port}}
+	targets := []target{{"direct", c.Primary.Port, nil}, {"pgfence", port, selfCPU}}
 	if gated {
 		conn, err := c.Primary.Connect(ctx, db)
 		if err != nil {
@@ -130,13 +157,13 @@ func run(dur time.Duration, scale, rounds int, only *regexp.Regexp, goroutines, 
 		if err != nil {
 			return err
 		}
-		targets = append(targets, target{"pgfence+gate", port})
+		targets = append(targets, target{"pgfence+gate", port, selfCPU})
 	}
-	if port, stop, err := startPgBouncer(c.Primary.Port); err != nil {
+	if port, pid, stop, err := startPgBouncer(c.Primary.Port); err != nil {
 		fmt.Fprintf(os.Stderr, "benchproxy: PgBouncer column skipped: %v\n", err)
 	} else {
 		defer stop()
-		targets = append(targets, target{"pgbouncer", port})
+		targets = append(targets, target{"pgbouncer", port, procCPU(pid)})
 	}
 
 	type cell struct {
@@ -166,7 +193,7 @@ func run(dur time.Duration, scale, rounds int, only *regexp.Regexp, goroutines, 
 		hdr += fmt.Sprintf(" %14s", t.name+" tps")
 	}
 	for _, t := range targets[1:] {
-		hdr += fmt.Sprintf(" %17s %17s", t.name+"/direct", t.name+" +lat ms")
+		hdr += fmt.Sprintf(" %17s %17s %19s", t.name+"/direct", t.name+" +lat ms", t.name+" cpu µs/tx")
 	}
 	fmt.Println(hdr)
 	for _, cl := range cells {
@@ -174,10 +201,18 @@ func run(dur time.Duration, scale, rounds int, only *regexp.Regexp, goroutines, 
 		for r := 0; r < rounds; r++ {
 			for i, t := range targets {
 				args := append([]string{"-n", "-T", strconv.Itoa(int(dur.Seconds())), "-c", strconv.Itoa(cl.clients), "-j", strconv.Itoa(min(cl.clients, 2))}, cl.args...)
+				var cpu0 time.Duration
+				if t.cpu != nil {
+					cpu0 = t.cpu()
+				}
 				res, err := bench(t.port, db, args...)
 				if err != nil {
 					return fmt.Errorf("%s %s c=%d: %w", t.name, cl.name, cl.clients, err)
 				}
+				if t.cpu != nil && res.tps > 0 {
+					res.cpuPerTxn = float64((t.cpu() - cpu0).Microseconds()) / (res.tps * dur.Seconds())
+				}
+				sum[i].cpuPerTxn += res.cpuPerTxn / float64(rounds)
 				sum[i].tps += res.tps / float64(rounds)
 				sum[i].lat += res.lat / float64(rounds)
 			}
@@ -187,7 +222,7 @@ func run(dur time.Duration, scale, rounds int, only *regexp.Regexp, goroutines, 
 			row += fmt.Sprintf(" %14.0f", s.tps)
 		}
 		for _, s := range sum[1:] {
-			row += fmt.Sprintf(" %17.3f %17.3f", s.tps/sum[0].tps, s.lat-sum[0].lat)
+			row += fmt.Sprintf(" %17.3f %17.3f %19.1f", s.tps/sum[0].tps, s.lat-sum[0].lat, s.cpuPerTxn)
 		}
 		fmt.Println(row)
 	}
@@ -210,7 +245,7 @@ func bench(port int, db string, args ...string) (result, error) {
 	}
 	tps, _ := strconv.ParseFloat(t[1], 64)
 	lat, _ := strconv.ParseFloat(l[1], 64)
-	return result{tps, lat}, nil
+	return result{tps: tps, lat: lat}, nil
 }
 
 func pgbench(port int, db string, args ...string) (string, error) {
@@ -233,7 +268,7 @@ func psqlExec(port int, db, sql string) (string, error) {
 
 // startPgBouncer runs PgBouncer in session mode in front of the primary,
 // as an unprivileged user when we are root (it refuses to run as root).
-func startPgBouncer(pgPort int) (int, func(), error) {
+func startPgBouncer(pgPort int) (int, int, func(), error) {
 	bin, err := exec.LookPath("pgbouncer")
 	if err != nil {
 		for _, p := range []string{"/usr/sbin/pgbouncer", "/usr/bin/pgbouncer"} {
@@ -242,16 +277,16 @@ func startPgBouncer(pgPort int) (int, func(), error) {
 			}
 		}
 		if bin == "" {
-			return 0, nil, errors.New("pgbouncer not installed (apt-get install -y pgbouncer)")
+			return 0, 0, nil, errors.New("pgbouncer not installed (apt-get install -y pgbouncer)")
 		}
 	}
 	dir, err := os.MkdirTemp("", "pgfence-bench-pgbouncer-")
 	if err != nil {
-		return 0, nil, err
+		return 0, 0, nil, err
 	}
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
-		return 0, nil, err
+		return 0, 0, nil, err
 	}
 	port := ln.Addr().(*net.TCPAddr).Port
 	ln.Close()
@@ -275,7 +310,7 @@ logfile = %s
 	if os.Geteuid() == 0 {
 		u, err := user.Lookup("postgres")
 		if err != nil {
-			return 0, nil, fmt.Errorf("pgbouncer refuses root and there is no postgres user: %w", err)
+			return 0, 0, nil, fmt.Errorf("pgbouncer refuses root and there is no postgres user: %w", err)
 		}
 		uid, _ := strconv.Atoi(u.Uid)
 		gid, _ := strconv.Atoi(u.Gid)
@@ -283,7 +318,7 @@ logfile = %s
 		os.Chown(dir, uid, gid)
 	}
 	if err := cmd.Start(); err != nil {
-		return 0, nil, err
+		return 0, 0, nil, err
 	}
 	stop := func() {
 		cmd.Process.Signal(syscall.SIGTERM)
@@ -293,11 +328,11 @@ logfile = %s
 	deadline := time.Now().Add(10 * time.Second)
 	for {
 		if _, err := psqlExec(port, "postgres", "SELECT 1"); err == nil {
-			return port, stop, nil
+			return port, cmd.Process.Pid, stop, nil
 		} else if time.Now().After(deadline) {
 			log, _ := os.ReadFile(filepath.Join(dir, "pgbouncer.log"))
 			stop()
-			return 0, nil, fmt.Errorf("pgbouncer did not come up: %v\n%s", err, strings.TrimSpace(string(log)))
+			return 0, 0, nil, fmt.Errorf("pgbouncer did not come up: %v\n%s", err, strings.TrimSpace(string(log)))
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
