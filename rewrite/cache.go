@@ -59,14 +59,14 @@ func (c *Classifier) Classify(sql string) (*Result, error) {
 	if e, ok := c.cache.Get(sql); ok {
 		return e.res, e.err
 	}
-	key, keyed := ShapeKey(sql)
-	if keyed {
+	key, keyed, literals := shapeKey(sql)
+	if keyed && literals {
 		if res, ok := c.shapes.Get(key); ok {
 			return res, nil
 		}
 	}
 	res, err := Classify(sql)
-	if keyed && err == nil && shareable(res) {
+	if keyed && literals && err == nil && shareable(res) {
 		c.shapes.Add(key, res)
 		return res, nil
 	}
@@ -96,8 +96,17 @@ func shareable(res *Result) bool {
 // comments, a backslash in a string or outside one, an unterminated
 // literal) or calls set_config, whose literal arguments name a GUC.
 func ShapeKey(sql string) (key string, ok bool) {
+	key, ok, _ = shapeKey(sql)
+	return key, ok
+}
+
+// shapeKey is ShapeKey, also reporting whether sql has a literal. A text
+// without one is its own shape: the Classifier caches it by its text, as a
+// hot statement (a prepared one, typically) is looked up without building
+// a key.
+func shapeKey(sql string) (key string, ok, literals bool) {
 	if !utf8.ValidString(sql) {
-		return "", false
+		return "", false, false
 	}
 	b := make([]byte, 0, len(sql))
 	n := len(sql)
@@ -106,15 +115,15 @@ func ShapeKey(sql string) (key string, ok bool) {
 		switch {
 		case c == '\'':
 			if len(b) > 0 && (b[len(b)-1] == 'e') && (len(b) < 2 || !identByte(b[len(b)-2])) {
-				return "", false // E'...' escape string
+				return "", false, false // E'...' escape string
 			}
 			j := i + 1
 			for {
 				if j >= n {
-					return "", false
+					return "", false, false
 				}
 				if sql[j] == '\\' {
-					return "", false // standard_conforming_strings off would make it an escape
+					return "", false, false // standard_conforming_strings off would make it an escape
 				}
 				if sql[j] == '\'' {
 					if j+1 < n && sql[j+1] == '\'' {
@@ -126,12 +135,13 @@ func ShapeKey(sql string) (key string, ok bool) {
 				j++
 			}
 			b = append(b, '?')
+			literals = true
 			i = j + 1
 		case c == '"':
 			j := i + 1
 			for {
 				if j >= n {
-					return "", false
+					return "", false, false
 				}
 				if sql[j] == '"' {
 					if j+1 < n && sql[j+1] == '"' {
@@ -146,7 +156,7 @@ func ShapeKey(sql string) (key string, ok bool) {
 			i = j + 1
 		case c == '$':
 			if i+1 >= n || sql[i+1] < '0' || sql[i+1] > '9' || len(b) > 0 && identByte(b[len(b)-1]) {
-				return "", false // dollar quote, or $ inside a word
+				return "", false, false // dollar quote, or $ inside a word
 			}
 			j := i + 1
 			for j < n && sql[j] >= '0' && sql[j] <= '9' {
@@ -162,13 +172,14 @@ func ShapeKey(sql string) (key string, ok bool) {
 			b = append(b, sql[i:i+j]...)
 			i += j
 		case c == '/' && i+1 < n && sql[i+1] == '*', c == '\\':
-			return "", false
+			return "", false, false
 		case c >= '0' && c <= '9' && (len(b) == 0 || !identByte(b[len(b)-1])):
 			j := i
 			for j < n && (sql[j] >= '0' && sql[j] <= '9' || sql[j] == '.' || sql[j] == '_') {
 				j++
 			}
 			b = append(b, '?')
+			literals = true
 			i = j
 		case c >= 'A' && c <= 'Z':
 			b = append(b, c+'a'-'A')
@@ -180,9 +191,9 @@ func ShapeKey(sql string) (key string, ok bool) {
 	}
 	key = string(b)
 	if strings.Contains(key, "set_config") {
-		return "", false
+		return "", false, false
 	}
-	return key, true
+	return key, true, literals
 }
 
 // identByte reports whether c can continue an identifier (a letter
