@@ -3,7 +3,6 @@ package proxy
 import (
 	"bufio"
 	"context"
-	"encoding/binary"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -23,6 +22,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/pgfence/pgfence/fence"
+	"github.com/pgfence/pgfence/internal/cutrelay"
 	"github.com/pgfence/pgfence/internal/pgtest"
 )
 
@@ -417,118 +417,17 @@ func testA03(t *testing.T) {
 	}
 }
 
-// cutRelay is a TCP relay in front of the proxy that loses a response: once
-// the client has sent a message matching cut, it forwards that message, then
-// drops every byte the proxy answers and closes both sides when the answer
-// is complete (at ReadyForQuery), so the server has finished the request
-// but the client never learns its outcome.
-type cutRelay struct {
-	ln     net.Listener
-	target string
-	cut    func(typ byte, body []byte) bool
-	fired  chan struct{}
-	once   sync.Once
-}
-
-func startCutRelay(t *testing.T, target string, cut func(typ byte, body []byte) bool) *cutRelay {
+// startCutRelay puts a cutrelay in front of the proxy: once the client has
+// sent a message matching cut, the proxy's answer is lost and both sides
+// closed at its ReadyForQuery.
+func startCutRelay(t *testing.T, target string, cut func(typ byte, body []byte) bool) *cutrelay.Relay {
 	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	r, err := cutrelay.Start(target, cut)
 	if err != nil {
 		t.Fatal(err)
 	}
-	r := &cutRelay{ln: ln, target: target, cut: cut, fired: make(chan struct{})}
-	var wg sync.WaitGroup
-	t.Cleanup(func() { ln.Close(); wg.Wait() })
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			wg.Add(1)
-			go func() { defer wg.Done(); r.relay(c) }()
-		}
-	}()
+	t.Cleanup(r.Close)
 	return r
-}
-
-func (r *cutRelay) relay(c net.Conn) {
-	defer c.Close()
-	s, err := net.Dial("tcp", r.target)
-	if err != nil {
-		return
-	}
-	defer s.Close()
-	var armed atomic.Bool
-	go func() {
-		// client → proxy: the startup packet, then typed messages.
-		defer s.Close()
-		cr := bufio.NewReader(c)
-		var hdr [4]byte
-		if _, err := io.ReadFull(cr, hdr[:]); err != nil {
-			return
-		}
-		body := make([]byte, binary.BigEndian.Uint32(hdr[:])-4)
-		if _, err := io.ReadFull(cr, body); err != nil {
-			return
-		}
-		if _, err := s.Write(append(hdr[:], body...)); err != nil {
-			return
-		}
-		for {
-			typ, msg, err := readMsg(cr)
-			if err != nil {
-				return
-			}
-			if !armed.Load() && r.cut(typ, msg[5:]) {
-				armed.Store(true)
-			}
-			if _, err := s.Write(msg); err != nil {
-				return
-			}
-		}
-	}()
-	// proxy → client.
-	sr := bufio.NewReader(s)
-	for {
-		typ, msg, err := readMsg(sr)
-		if err != nil {
-			return
-		}
-		if armed.Load() {
-			if typ == 'Z' {
-				r.once.Do(func() { close(r.fired) })
-				return // closes both sides
-			}
-			continue
-		}
-		if _, err := c.Write(msg); err != nil {
-			return
-		}
-	}
-}
-
-func readMsg(r *bufio.Reader) (byte, []byte, error) {
-	msg := make([]byte, 5)
-	if _, err := io.ReadFull(r, msg); err != nil {
-		return 0, nil, err
-	}
-	n := int(binary.BigEndian.Uint32(msg[1:5])) - 4
-	if n < 0 {
-		return 0, nil, errors.New("bad length")
-	}
-	msg = append(msg, make([]byte, n)...)
-	if _, err := io.ReadFull(r, msg[5:]); err != nil {
-		return 0, nil, err
-	}
-	return msg[0], msg, nil
-}
-
-// isCommitQuery matches a simple Query whose text is COMMIT.
-func isCommitQuery(typ byte, body []byte) bool {
-	return typ == 'Q' && strings.EqualFold(strings.TrimSpace(strings.TrimRight(string(body), "\x00; ")), "commit")
 }
 
 func testA04(t *testing.T) {
@@ -538,13 +437,13 @@ func testA04(t *testing.T) {
 				e := newFenceEnv(t)
 				ctx := ctxT(t)
 				l := e.acquire(t, "job", "a", time.Minute)
-				relay := startCutRelay(t, e.proxy.addr.String(), isCommitQuery)
-				a := e.mustConnect(t, client{lease: &l, mode: m.mode, addr: relay.ln.Addr().String()})
+				relay := startCutRelay(t, e.proxy.addr.String(), cutrelay.IsCommitQuery)
+				a := e.mustConnect(t, client{lease: &l, mode: m.mode, addr: relay.Addr()})
 				err := writeTx(ctx, a, iso.iso, "job", "payload", l.Token)
 				if err == nil {
 					t.Fatal("the COMMIT response reached the client; the relay did not cut")
 				}
-				<-relay.fired
+				<-relay.Fired()
 				// The commit went through: the receipt and the rows exist.
 				e.wantCount(t, 1, "SELECT count(*) FROM fence.receipts WHERE job_key = 'job' AND token = $1", l.Token)
 				e.wantResult(t, "job", "payload", l.Token)
@@ -589,11 +488,11 @@ func testA04(t *testing.T) {
 				}
 				return false
 			})
-			a := e.mustConnect(t, client{lease: &l, mode: m.mode, addr: relay.ln.Addr().String()})
+			a := e.mustConnect(t, client{lease: &l, mode: m.mode, addr: relay.Addr()})
 			if _, err := a.Exec(ctx, upsert, "job", "payload", l.Token); err == nil {
 				t.Fatal("the response reached the client; the relay did not cut")
 			}
-			<-relay.fired
+			<-relay.Fired()
 			e.wantCount(t, 1, "SELECT count(*) FROM fence.receipts WHERE job_key = 'job' AND token = $1", l.Token)
 			e.wantResult(t, "job", "payload", l.Token)
 			var ns notices

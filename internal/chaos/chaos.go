@@ -11,6 +11,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -18,6 +19,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/pgfence/pgfence/audit"
+	"github.com/pgfence/pgfence/internal/cutrelay"
 	"github.com/pgfence/pgfence/internal/pgtest"
 	"github.com/pgfence/pgfence/migrations"
 )
@@ -183,12 +185,17 @@ func Run(ctx context.Context, cfg Config) (_ *Summary, err error) {
 		}
 	}
 	for i := 0; i < cfg.Workers; i++ {
-		r, err := startRelay(h.proxies[i%2].addr)
+		sl := &slot{id: i}
+		// Armed by the nemesis, the relay cuts the next COMMIT's answer.
+		r, err := cutrelay.Start(h.proxies[i%2].addr, func(typ byte, body []byte) bool {
+			return cutrelay.IsCommitQuery(typ, body) && sl.armed.CompareAndSwap(true, false)
+		})
 		if err != nil {
 			return nil, err
 		}
-		defer r.close()
-		h.slots = append(h.slots, &slot{id: i, relay: r})
+		defer r.Close()
+		sl.relay = r
+		h.slots = append(h.slots, sl)
 	}
 	log.Info("running", zap.Uint64("seed", cfg.Seed), zap.Duration("duration", cfg.Duration),
 		zap.String("dir", cfg.Dir))
@@ -317,7 +324,8 @@ func (h *harness) count(f func(s *Summary)) {
 // and again, every worker connecting through the slot's relay.
 type slot struct {
 	id    int
-	relay *relay
+	relay *cutrelay.Relay
+	armed atomic.Bool // the relay cuts the next COMMIT (cut-commit fault)
 
 	mu  sync.Mutex
 	cur *slotProc
@@ -345,7 +353,7 @@ func (h *harness) runSlot(ctx context.Context, s *slot, seed uint64) {
 		holder := fmt.Sprintf("w%d.%d", s.id, s.n)
 		s.mu.Unlock()
 		records := filepath.Join(h.recDir, holder+".jsonl")
-		dsn := fmt.Sprintf("postgres://postgres@%s/%s?sslmode=disable&application_name=chaos-worker", s.relay.addr(), h.db)
+		dsn := fmt.Sprintf("postgres://postgres@%s/%s?sslmode=disable&application_name=chaos-worker", s.relay.Addr(), h.db)
 		cmd := exec.Command(h.cfg.Pgfence, "run", "--job", job, "--ttl", h.cfg.TTL.String(), "--holder", holder,
 			"--database", h.c.Primary.DSN(h.db), "--grace", "2s", "--log-level", "error", "--",
 			h.cfg.Self, "worker", "--name", holder, "--records", records,

@@ -148,19 +148,19 @@ func (n *nemesis) inject(ctx context.Context, f Fault) (bool, error) {
 		return true, nil
 	case FaultCutCommit:
 		s := h.slots[n.rng.IntN(len(h.slots))]
-		s.relay.armed.Store(true)
+		s.armed.Store(true)
 		t := time.NewTimer(3 * time.Second)
 		defer t.Stop()
 		select {
-		case <-s.relay.fired:
+		case <-s.relay.Fired():
 			h.count(func(s *Summary) { s.Faults[f]++ })
 			return true, nil
 		case <-t.C:
 		case <-ctx.Done():
 		}
-		if !s.relay.armed.CompareAndSwap(true, false) {
+		if !s.armed.CompareAndSwap(true, false) {
 			// Fired just now.
-			<-s.relay.fired
+			<-s.relay.Fired()
 			h.count(func(s *Summary) { s.Faults[f]++ })
 			return true, nil
 		}

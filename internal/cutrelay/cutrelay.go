@@ -1,4 +1,11 @@
-package chaos
+// Package cutrelay is a TCP relay for PostgreSQL connections that loses a
+// response on purpose: once a client message matches Cut, the relay still
+// forwards it, then swallows everything the server side answers and closes
+// both connections when the answer is complete (at ReadyForQuery). The
+// server has finished the request; the client never learns its outcome.
+// Acceptance case A04 and the chaos run's cut-commit fault use it to lose
+// a COMMIT's answer for real.
+package cutrelay
 
 import (
 	"bufio"
@@ -11,24 +18,25 @@ import (
 	"sync/atomic"
 )
 
-// relay is a TCP relay between one worker slot and its proxy. Armed, it
-// cuts the next connection that sends a COMMIT: the COMMIT reaches the
-// proxy, its answer never reaches the worker (the way A04 of the acceptance
-// tests loses a commit response).
-type relay struct {
+// Relay relays every connection accepted on its address to Target.
+type Relay struct {
 	ln     net.Listener
 	target string
-	armed  atomic.Bool
-	fired  chan struct{} // receives when an armed cut happened
+	cut    func(typ byte, body []byte) bool
+	fired  chan struct{}
 	wg     sync.WaitGroup
 }
 
-func startRelay(target string) (*relay, error) {
+// Start listens on a free loopback port and relays to target. cut is
+// asked about every client message after the startup packet (type and
+// body); the first it matches on a connection makes the relay lose that
+// connection's answer. It may be called from several connections at once.
+func Start(target string, cut func(typ byte, body []byte) bool) (*Relay, error) {
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		return nil, err
 	}
-	r := &relay{ln: ln, target: target, fired: make(chan struct{}, 1)}
+	r := &Relay{ln: ln, target: target, cut: cut, fired: make(chan struct{}, 1)}
 	r.wg.Add(1)
 	go func() {
 		defer r.wg.Done()
@@ -44,14 +52,20 @@ func startRelay(target string) (*relay, error) {
 	return r, nil
 }
 
-func (r *relay) addr() string { return r.ln.Addr().String() }
+// Addr is the address clients connect to.
+func (r *Relay) Addr() string { return r.ln.Addr().String() }
 
-func (r *relay) close() {
+// Fired receives when a cut connection has been closed after the server
+// finished the request (at most one pending signal).
+func (r *Relay) Fired() <-chan struct{} { return r.fired }
+
+// Close stops accepting and waits for the relayed connections to end.
+func (r *Relay) Close() {
 	r.ln.Close()
 	r.wg.Wait()
 }
 
-func (r *relay) serve(c net.Conn) {
+func (r *Relay) serve(c net.Conn) {
 	defer c.Close()
 	s, err := net.Dial("tcp", r.target)
 	if err != nil {
@@ -61,7 +75,7 @@ func (r *relay) serve(c net.Conn) {
 	var cut atomic.Bool
 	done := make(chan struct{})
 	go func() {
-		// worker → proxy: the startup packet, then typed messages.
+		// client → server: the startup packet, then typed messages.
 		defer close(done)
 		defer s.Close()
 		cr := bufio.NewReader(c)
@@ -85,7 +99,7 @@ func (r *relay) serve(c net.Conn) {
 			if err != nil {
 				return
 			}
-			if !cut.Load() && isCommitQuery(typ, msg[5:]) && r.armed.CompareAndSwap(true, false) {
+			if !cut.Load() && r.cut(typ, msg[5:]) {
 				cut.Store(true)
 			}
 			if _, err := s.Write(msg); err != nil {
@@ -93,8 +107,8 @@ func (r *relay) serve(c net.Conn) {
 			}
 		}
 	}()
-	// proxy → worker: once cut, swallow the answer to the COMMIT and drop
-	// both connections at its ReadyForQuery.
+	// server → client: once cut, swallow the answer and drop both
+	// connections at its ReadyForQuery.
 	sr := bufio.NewReader(s)
 	for {
 		typ, msg, err := readMsg(sr)
@@ -127,7 +141,7 @@ func readMsg(r *bufio.Reader) (byte, []byte, error) {
 	}
 	n := int(binary.BigEndian.Uint32(msg[1:5])) - 4
 	if n < 0 || n > 1<<30 {
-		return 0, nil, errors.New("bad message length")
+		return 0, nil, errors.New("cutrelay: bad message length")
 	}
 	msg = append(msg, make([]byte, n)...)
 	if _, err := io.ReadFull(r, msg[5:]); err != nil {
@@ -136,8 +150,8 @@ func readMsg(r *bufio.Reader) (byte, []byte, error) {
 	return msg[0], msg, nil
 }
 
-// isCommitQuery matches a simple Query whose text is COMMIT (what pgx's
-// Tx.Commit sends).
-func isCommitQuery(typ byte, body []byte) bool {
+// IsCommitQuery matches a simple Query whose text is COMMIT (what pgx's
+// Tx.Commit and psql send).
+func IsCommitQuery(typ byte, body []byte) bool {
 	return typ == 'Q' && strings.EqualFold(strings.TrimSpace(strings.TrimRight(string(body), "\x00; ")), "commit")
 }
