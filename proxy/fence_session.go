@@ -433,10 +433,29 @@ func (h *fenceSession) protectedWrite(st *rewrite.Stmt) bool {
 	return false
 }
 
+// needsOwnText reports whether a write classified from another text of
+// its shape (rewrite.Classifier.ClassifyShared) must be classified from
+// its own: when it is digested — it writes a protected table, or runs in a
+// gated transaction — the digest needs its own canonical text. Other
+// writes need only the structure, which the shape shares.
+func (h *fenceSession) needsOwnText(res *rewrite.Result) bool {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.st.Gate().Gated {
+		return true
+	}
+	for _, st := range res.Stmts {
+		if h.protectedWrite(st) {
+			return true
+		}
+	}
+	return false
+}
+
 // query handles a simple Query.
 func (h *fenceSession) query(s *Session, msg []byte) error {
 	sql := string(msg[headerLen : len(msg)-1])
-	res, err := h.f.classifier.Classify(sql)
+	res, shared, err := h.f.classifier.ClassifyShared(sql)
 	if err != nil || len(res.Stmts) == 0 {
 		// The server reports the syntax error (or the empty query).
 		return h.routeQuery(s, msg, nil) // route.go
@@ -445,6 +464,12 @@ func (h *fenceSession) query(s *Session, msg []byte) error {
 	if mayNeedGate(res.Stmts...) && h.unsettled() {
 		if err := h.settle(s); err != nil {
 			return err
+		}
+	}
+	// Settled: whether the transaction is gated is known.
+	if shared && h.needsOwnText(res) {
+		if res, err = h.f.classifier.Classify(sql); err != nil {
+			return h.routeQuery(s, msg, nil) // unreachable: its shape parsed
 		}
 	}
 

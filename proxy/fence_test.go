@@ -196,3 +196,45 @@ func TestGateSmoke(t *testing.T) {
 	}
 	_ = l2
 }
+
+// TestSharedShapeWritesDigestTheirOwnText: unprotected writes with inlined
+// values share one parse by shape (rewrite.Classifier.ClassifyShared), but
+// inside a gated transaction each is digested with its own text: after a
+// commit, the same transaction again is a replay, and one whose
+// unprotected write differs only in a literal is a conflict (FN003). If the
+// shared parse's text were digested, both would digest alike.
+func TestSharedShapeWritesDigestTheirOwnText(t *testing.T) {
+	e := newFenceEnv(t)
+	ctx := ctxT(t)
+	l := e.acquire(t, "job", "a", time.Minute)
+	w := e.worker(t, &l)
+	// Teach the classifier the shape, outside any gated transaction.
+	for _, note := range []string{"warm-1", "warm-2"} {
+		if _, err := w.Exec(ctx, "INSERT INTO audit (note) VALUES ('"+note+"')", pgx.QueryExecModeSimpleProtocol); err != nil {
+			t.Fatal(err)
+		}
+	}
+	tx := func(note string) error {
+		for _, q := range []string{
+			"BEGIN",
+			fmt.Sprintf("INSERT INTO results (job_key, payload, token) VALUES ('job', 'p', %d)", l.Token),
+			"INSERT INTO audit (note) VALUES ('" + note + "')",
+		} {
+			if _, err := w.Exec(ctx, q, pgx.QueryExecModeSimpleProtocol); err != nil {
+				w.Exec(ctx, "ROLLBACK")
+				return err
+			}
+		}
+		_, err := w.Exec(ctx, "COMMIT", pgx.QueryExecModeSimpleProtocol)
+		return err
+	}
+	if err := tx("first"); err != nil {
+		t.Fatalf("first commit: %v", err)
+	}
+	if err := tx("first"); err != nil {
+		t.Fatalf("the same transaction again: %v, want a replay (COMMIT)", err)
+	}
+	wantCode(t, tx("other"), fence.CodeConflict)
+	e.wantCount(t, 1, "SELECT count(*) FROM audit WHERE note = 'first'")
+	e.wantCount(t, 0, "SELECT count(*) FROM audit WHERE note = 'other'")
+}

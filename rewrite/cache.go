@@ -23,8 +23,9 @@ import (
 //     scanner cannot be sure of (dollar quotes, block comments,
 //     backslashes in strings, set_config calls) are never shared.
 type Classifier struct {
-	cache  *lru.Cache[string, entry]
-	shapes *lru.Cache[string, *Result]
+	cache   *lru.Cache[string, entry]
+	shapes  *lru.Cache[string, *Result]
+	wshapes *lru.Cache[string, *Result] // writes, for ClassifyShared only
 }
 
 type entry struct {
@@ -46,7 +47,11 @@ func NewClassifier(size int) *Classifier {
 	if err != nil {
 		panic("rewrite: " + err.Error()) // unreachable: size > 0
 	}
-	return &Classifier{cache: c, shapes: s}
+	w, err := lru.New[string, *Result](size)
+	if err != nil {
+		panic("rewrite: " + err.Error()) // unreachable: size > 0
+	}
+	return &Classifier{cache: c, shapes: s, wshapes: w}
 }
 
 // Classify returns the cached classification of sql, classifying and
@@ -74,8 +79,42 @@ func (c *Classifier) Classify(sql string) (*Result, error) {
 	return res, err
 }
 
+// ClassifyShared is Classify that also shares one parse among single
+// writes that differ only in literals (an UPDATE with inlined values, say),
+// reporting shared when the Result may come from another text. A shared
+// write's structure (kind, write targets, relations read, function calls)
+// is right for sql, but its Stmt.SQL and Canonical() are another text's:
+// a caller that needs the statement's own text — for a payload digest —
+// must classify it with Classify.
+func (c *Classifier) ClassifyShared(sql string) (res *Result, shared bool, err error) {
+	if e, ok := c.cache.Get(sql); ok {
+		return e.res, false, e.err
+	}
+	key, keyed, literals := shapeKey(sql)
+	if !keyed || !literals {
+		res, err := c.Classify(sql)
+		return res, false, err
+	}
+	if res, ok := c.shapes.Get(key); ok {
+		return res, false, nil
+	}
+	if res, ok := c.wshapes.Get(key); ok {
+		return res, true, nil
+	}
+	res, err = Classify(sql)
+	switch {
+	case err == nil && shareable(res):
+		c.shapes.Add(key, res)
+	case err == nil && shareableWrite(res):
+		c.wshapes.Add(key, res)
+	default:
+		c.cache.Add(sql, entry{res: res, err: err})
+	}
+	return res, false, err
+}
+
 // Len returns the number of cached query strings and shapes.
-func (c *Classifier) Len() int { return c.cache.Len() + c.shapes.Len() }
+func (c *Classifier) Len() int { return c.cache.Len() + c.shapes.Len() + c.wshapes.Len() }
 
 // shareable reports whether res may serve every text of its shape: one
 // plain read (SELECT, VALUES, TABLE, DECLARE CURSOR) that sets no GUC,
@@ -87,6 +126,19 @@ func shareable(res *Result) bool {
 	st := res.Stmts[0]
 	return st.Kind == Read && len(st.GUCs) == 0 && !st.UnknownGUCWrite && !st.CallsFence &&
 		!st.Writes() && st.Inner == nil && st.Executes == "" && !st.Explain
+}
+
+// shareableWrite reports whether res may serve ClassifyShared for every
+// text of its shape: one INSERT, UPDATE, DELETE or MERGE (or SELECT INTO)
+// that sets no GUC, calls nothing in schema fence and is not an EXECUTE or
+// EXPLAIN.
+func shareableWrite(res *Result) bool {
+	if len(res.Stmts) != 1 {
+		return false
+	}
+	st := res.Stmts[0]
+	return st.Kind == Write && len(st.GUCs) == 0 && !st.UnknownGUCWrite && !st.CallsFence &&
+		st.Inner == nil && st.Executes == "" && !st.Explain
 }
 
 // ShapeKey returns sql's shape: numeric and string literals replaced by

@@ -140,7 +140,7 @@ func lower(c byte) byte {
 // reports itself).
 func checkShapeShared(t *testing.T, sql string, res *Result) {
 	key, ok := ShapeKey(sql)
-	if !ok || !shareable(res) || strings.Contains(sql, "--") {
+	if !ok || !(shareable(res) || shareableWrite(res)) || strings.Contains(sql, "--") {
 		return
 	}
 	other := mutateLiterals(sql)
@@ -152,9 +152,42 @@ func checkShapeShared(t *testing.T, sql string, res *Result) {
 		return
 	}
 	a, b := res.Stmts[0], res2.Stmts[0]
-	if !shareable(res2) || a.Kind != b.Kind || !slices.Equal(a.ReadRelations, b.ReadRelations) ||
+	if shareable(res2) != shareable(res) || shareableWrite(res2) != shareableWrite(res) ||
+		a.Kind != b.Kind || !slices.Equal(a.ReadRelations, b.ReadRelations) || !slices.Equal(a.WriteTargets, b.WriteTargets) ||
 		a.LockingRead != b.LockingRead || a.Opaque != b.Opaque || a.PrimaryOnlyFuncs != b.PrimaryOnlyFuncs ||
 		a.Params != b.Params || a.Offset != b.Offset {
 		t.Fatalf("%q and %q have one shape but classify differently: %+v vs %+v", sql, other, a, b)
+	}
+}
+
+// TestClassifySharedWrites: writes that differ only in literals share one
+// parse through ClassifyShared, flagged shared; Classify still parses
+// each from its own text.
+func TestClassifySharedWrites(t *testing.T) {
+	c := NewClassifier(64)
+	a, shared, err := c.ClassifyShared("UPDATE pgbench_accounts SET abalance = abalance + -4017 WHERE aid = 71833")
+	if err != nil || shared {
+		t.Fatalf("first write of a shape: shared %v, err %v", shared, err)
+	}
+	b, shared, err := c.ClassifyShared("UPDATE pgbench_accounts SET abalance = abalance + -12 WHERE aid = 5")
+	if err != nil || !shared || a != b {
+		t.Fatalf("second write of the shape: shared %v, same Result %v, err %v; want the first's, flagged shared", shared, a == b, err)
+	}
+	if got := b.Stmts[0].WriteTargets; !slices.Equal(got, []RelName{{Name: "pgbench_accounts"}}) {
+		t.Errorf("shared write targets %v", got)
+	}
+	own, err := c.Classify("UPDATE pgbench_accounts SET abalance = abalance + -12 WHERE aid = 5")
+	if err != nil || own == a || !strings.Contains(own.Stmts[0].Canonical(), "12") {
+		t.Errorf("Classify of a shared write's text: got the shared Result or a wrong canonical text (%v)", err)
+	}
+	r1, _, _ := c.ClassifyShared("SELECT 1 FROM t WHERE k = 'a'")
+	r2, shared, _ := c.ClassifyShared("SELECT 1 FROM t WHERE k = 'b'")
+	if r1 != r2 || shared {
+		t.Errorf("reads through ClassifyShared: same Result %v, shared %v; want the read shape, not flagged", r1 == r2, shared)
+	}
+	x, _, _ := c.ClassifyShared("SET fence.token = '1'")
+	y, shared, _ := c.ClassifyShared("SET fence.token = '2'")
+	if x == y || shared {
+		t.Error("SET statements must never share a parse")
 	}
 }
