@@ -26,7 +26,7 @@ import (
 // thread that blocks in epoll_wait itself and does the reads and writes
 // inline has no hand-off at all.
 //
-// The loop thread calls epoll_wait as a raw system call, so the runtime
+// The loop calls epoll_wait as a raw system call, so the runtime
 // does not hand its P to another thread on every wait (measured: calling
 // it through syscall.Syscall6 loses most of the gain). The loop therefore
 // keeps one P busy; the process's GOMAXPROCS is raised by one when the loop
@@ -198,12 +198,26 @@ func (l *evloop) forget(r *relay) {
 	l.mu.Unlock()
 }
 
-// run is the loop thread.
+// yieldEvery is how often the loop yields to the scheduler. A goroutine
+// that has not been rescheduled for 10 ms is preempted by the runtime's
+// monitor thread (a signal, and a hand-off), which also keeps that thread
+// polling every 20 µs — thousands of wake-ups a second that compete with
+// PostgreSQL and the clients for the CPUs. Yielding first (cheap: the
+// same thread picks the loop up again) avoids both; the wait's timeout
+// makes an idle loop yield too.
+const yieldEvery = 5 * time.Millisecond
+
+// run is the loop. It is not locked to an OS thread: whichever thread
+// runs it blocks in epoll_wait, holding its P.
 func (l *evloop) run() {
-	runtime.LockOSThread()
 	events := make([]syscall.EpollEvent, 256)
+	last := time.Now()
 	for {
-		n, errno := epollWait(l.epfd, events)
+		n, errno := epollWait(l.epfd, events, int(yieldEvery/time.Millisecond))
+		if now := time.Now(); now.Sub(last) >= yieldEvery {
+			runtime.Gosched()
+			last = now
+		}
 		if errno != 0 {
 			if errno == syscall.EINTR {
 				continue
@@ -226,13 +240,13 @@ func (l *evloop) run() {
 	}
 }
 
-// epollWait waits without a timeout. It is a raw system call (see the
-// comment at the top); it is a separate function so the loop passes a
-// preemption check after every wake-up.
+// epollWait waits up to msec milliseconds. It is a raw system call (see
+// the comment at the top); it is a separate function so the loop passes
+// a preemption check after every wake-up.
 //
 //go:noinline
-func epollWait(epfd int, events []syscall.EpollEvent) (int, syscall.Errno) {
-	n, _, errno := syscall.RawSyscall6(syscall.SYS_EPOLL_WAIT, uintptr(epfd), uintptr(unsafe.Pointer(&events[0])), uintptr(len(events)), ^uintptr(0), 0, 0)
+func epollWait(epfd int, events []syscall.EpollEvent, msec int) (int, syscall.Errno) {
+	n, _, errno := syscall.RawSyscall6(syscall.SYS_EPOLL_WAIT, uintptr(epfd), uintptr(unsafe.Pointer(&events[0])), uintptr(len(events)), uintptr(msec), 0, 0)
 	return int(n), errno
 }
 
