@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"os"
+	"slices"
 	"strings"
 	"sync"
 	"syscall"
@@ -65,7 +66,8 @@ func ParseFaults(s string) ([]Fault, error) {
 }
 
 // nemesis injects faults on a seeded schedule: the kinds in a shuffled
-// rotation (so that each kind comes once in every len(Faults) faults),
+// rotation (so that each kind comes once in every len(Faults) faults; the
+// first is a zombie),
 // separated by random gaps. A fault that cannot be injected at its turn
 // (no worker holds a lease, no worker is connected) is tried again at the
 // next turn and is not counted.
@@ -94,6 +96,7 @@ func (n *nemesis) run(ctx context.Context) {
 	kinds := n.h.cfg.Faults
 	var queue []Fault
 	gap := n.h.cfg.FaultGap
+	first := true
 	for {
 		sleepCtx(ctx, gap/2+time.Duration(n.rng.Int64N(int64(gap)+1)))
 		if ctx.Err() != nil {
@@ -102,6 +105,15 @@ func (n *nemesis) run(ctx context.Context) {
 		if len(queue) == 0 {
 			queue = append([]Fault{}, kinds...)
 			n.rng.Shuffle(len(queue), func(i, j int) { queue[i], queue[j] = queue[j], queue[i] })
+			if first {
+				// The run opens with a zombie, the fault it exists for: a
+				// zombie needs a takeover while workers still compete, so
+				// one started near the end of a short run may find none.
+				if i := slices.Index(queue, FaultZombie); i > 0 {
+					queue[0], queue[i] = queue[i], queue[0]
+				}
+				first = false
+			}
 		}
 		f := queue[0]
 		ok, err := n.inject(ctx, f)
