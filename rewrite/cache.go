@@ -116,29 +116,34 @@ func (c *Classifier) ClassifyShared(sql string) (res *Result, shared bool, err e
 // Len returns the number of cached query strings and shapes.
 func (c *Classifier) Len() int { return c.cache.Len() + c.shapes.Len() + c.wshapes.Len() }
 
-// shareable reports whether res may serve every text of its shape: one
-// plain read (SELECT, VALUES, TABLE, DECLARE CURSOR) that sets no GUC,
-// calls nothing in schema fence and is not an EXECUTE or EXPLAIN.
-func shareable(res *Result) bool {
+// plainSingle returns res's statement when res is one statement without
+// session effects — it sets no GUC, calls nothing in schema fence and is
+// not an EXECUTE, a PREPARE or an EXPLAIN — and nil otherwise.
+func plainSingle(res *Result) *Stmt {
 	if len(res.Stmts) != 1 {
-		return false
+		return nil
 	}
 	st := res.Stmts[0]
-	return st.Kind == Read && len(st.GUCs) == 0 && !st.UnknownGUCWrite && !st.CallsFence &&
-		!st.Writes() && st.Inner == nil && st.Executes == "" && !st.Explain
+	if len(st.GUCs) > 0 || st.UnknownGUCWrite || st.CallsFence || st.Inner != nil || st.Executes != "" || st.Explain {
+		return nil
+	}
+	return st
+}
+
+// shareable reports whether res may serve every text of its shape: one
+// plain read (SELECT, VALUES, TABLE, DECLARE CURSOR) without session
+// effects.
+func shareable(res *Result) bool {
+	st := plainSingle(res)
+	return st != nil && st.Kind == Read && !st.Writes()
 }
 
 // shareableWrite reports whether res may serve ClassifyShared for every
 // text of its shape: one INSERT, UPDATE, DELETE or MERGE (or SELECT INTO)
-// that sets no GUC, calls nothing in schema fence and is not an EXECUTE or
-// EXPLAIN.
+// without session effects.
 func shareableWrite(res *Result) bool {
-	if len(res.Stmts) != 1 {
-		return false
-	}
-	st := res.Stmts[0]
-	return st.Kind == Write && len(st.GUCs) == 0 && !st.UnknownGUCWrite && !st.CallsFence &&
-		st.Inner == nil && st.Executes == "" && !st.Explain
+	st := plainSingle(res)
+	return st != nil && st.Kind == Write
 }
 
 // ShapeKey returns sql's shape: numeric and string literals replaced by
