@@ -99,6 +99,7 @@ type relay struct {
 	cEv, sEv uint32 // epoll interest registered for cfd and sfd
 	max      int
 	done     chan error
+	ended    sync.Once
 
 	mu     sync.Mutex // guards closed against shutdownServer
 	closed bool
@@ -149,14 +150,9 @@ func (l *evloop) attach(s *Session) (*relay, bool) {
 	l.fds[int32(sfd)] = r
 	l.mu.Unlock()
 	if err := l.ctl(syscall.EPOLL_CTL_ADD, cfd, r.cEv); err != nil {
-		r.done <- err
-		l.forget(r)
-		return r, true
-	}
-	if err := l.ctl(syscall.EPOLL_CTL_ADD, sfd, r.sEv); err != nil {
-		l.ctl(syscall.EPOLL_CTL_DEL, cfd, 0)
-		r.done <- err
-		l.forget(r)
+		l.end(r, err)
+	} else if err := l.ctl(syscall.EPOLL_CTL_ADD, sfd, r.sEv); err != nil {
+		l.end(r, err)
 	}
 	return r, true
 }
@@ -283,11 +279,19 @@ func (l *evloop) event(r *relay, fd int, ev uint32) {
 		err = l.interest(r)
 	}
 	if err != nil {
+		l.end(r, err)
+	}
+}
+
+// end takes r off the loop and hands it to its session goroutine with the
+// reason, once.
+func (l *evloop) end(r *relay, err error) {
+	r.ended.Do(func() {
 		l.ctl(syscall.EPOLL_CTL_DEL, r.cfd, 0)
 		l.ctl(syscall.EPOLL_CTL_DEL, r.sfd, 0)
 		l.forget(r)
 		r.done <- err
-	}
+	})
 }
 
 // interest keeps the epoll registration in step with the buffers: read a
