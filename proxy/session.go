@@ -59,9 +59,9 @@ type Session struct {
 	cancelPID uint32
 	inBatch   bool // client goroutine: extended messages sent since the last Sync
 
-	closeOnce sync.Once
-	// connMu orders moving the session onto the event loop against
-	// closeServer (graceful shutdown runs it from another goroutine).
+	// connMu orders closeServer (graceful shutdown runs it from another
+	// goroutine) against itself and against moving the session onto the
+	// event loop.
 	connMu       sync.Mutex
 	serverClosed bool
 	fast         *relay // set when the event loop relays the session (evloop_linux.go)
@@ -229,12 +229,13 @@ func (s *Session) closeServer() {
 		s.fast.shutdownServer()
 		return
 	}
+	if s.serverClosed {
+		return
+	}
 	s.serverClosed = true
-	s.closeOnce.Do(func() {
-		s.server.SetWriteDeadline(time.Now().Add(100 * time.Millisecond))
-		s.server.Write([]byte{'X', 0, 0, 0, 4})
-		s.server.Close()
-	})
+	s.server.SetWriteDeadline(time.Now().Add(100 * time.Millisecond))
+	s.server.Write([]byte{'X', 0, 0, 0, 4})
+	s.server.Close()
 }
 
 // guard turns a panic into an error, so one bad session never takes the
