@@ -145,15 +145,22 @@ func (l *evloop) attach(s *Session) (*relay, bool) {
 		done: make(chan error, 1),
 	}
 	s.fast = r
+	// Both sockets are registered before the loop can find the relay: an
+	// event that comes first finds no relay and, level-triggered, is
+	// reported again once it can.
+	ev := r.cEv // r.sEv is the same; the loop owns both once r is published
+	if err := l.ctl(syscall.EPOLL_CTL_ADD, cfd, ev); err != nil {
+		l.end(r, err)
+		return r, true
+	}
+	if err := l.ctl(syscall.EPOLL_CTL_ADD, sfd, ev); err != nil {
+		l.end(r, err)
+		return r, true
+	}
 	l.mu.Lock()
 	l.fds[int32(cfd)] = r
 	l.fds[int32(sfd)] = r
 	l.mu.Unlock()
-	if err := l.ctl(syscall.EPOLL_CTL_ADD, cfd, r.cEv); err != nil {
-		l.end(r, err)
-	} else if err := l.ctl(syscall.EPOLL_CTL_ADD, sfd, r.sEv); err != nil {
-		l.end(r, err)
-	}
 	return r, true
 }
 
