@@ -7,20 +7,8 @@ import (
 	"time"
 
 	"github.com/pgfence/pgfence/fence"
+	"github.com/pgfence/pgfence/internal/seedbench"
 )
-
-// seedSchema is the hand-written protocol of the design discussion: a fence
-// row locked FOR UPDATE, a receipt insert and the conditional upsert, on
-// tables without any trigger.
-const seedSchema = `
-create table report_fences (job_key text primary key, max_issued_token bigint not null);
-create table report_results (job_key text primary key, payload text, applied_fencing_token bigint);
-create table report_commit_receipts (
-  job_key text not null, fencing_token bigint not null, step text not null,
-  payload_digest bytea not null, committed_at timestamptz not null default clock_timestamp(),
-  primary key (job_key, fencing_token, step));
-insert into report_fences values ('seed-job', 17);
-`
 
 // BenchmarkGateVsSeed measures one gated write cycle both ways, interleaved
 // on the same database and connection so they share conditions:
@@ -43,7 +31,7 @@ func BenchmarkGateVsSeed(b *testing.B) {
 		b.Fatal(err)
 	}
 	defer conn.Close(ctx)
-	if _, err := conn.Exec(ctx, demoSchema+seedSchema); err != nil {
+	if _, err := conn.Exec(ctx, demoSchema+seedbench.Schema); err != nil {
 		b.Fatal(err)
 	}
 	l, err := fence.Acquire(ctx, conn, "bench-job", "bench", time.Hour)
@@ -77,28 +65,9 @@ func BenchmarkGateVsSeed(b *testing.B) {
 		}
 	}
 	seedCycle := func(i int) {
-		s := string(strconv.AppendInt(step[:0], int64(i), 10))
-		tx, err := conn.Begin(ctx)
-		if err != nil {
-			b.Fatal(err)
-		}
-		var max int64
-		if err := tx.QueryRow(ctx, `select max_issued_token from report_fences
-			where job_key = $1 and max_issued_token = $2 for update`, "seed-job", int64(17)).Scan(&max); err != nil {
-			b.Fatalf("seed fence check: %v", err)
-		}
 		d.Reset()
 		d.Statement(upsertSQL, params)
-		if _, err := tx.Exec(ctx, `insert into report_commit_receipts (job_key, fencing_token, step, payload_digest)
-			values ($1, $2, $3, $4) on conflict do nothing`, "seed-job", int64(17), s, d.Sum()); err != nil {
-			b.Fatal(err)
-		}
-		if _, err := tx.Exec(ctx, `insert into report_results (job_key, payload, applied_fencing_token) values ($1, $2, $3)
-			on conflict (job_key) do update set payload = excluded.payload, applied_fencing_token = excluded.applied_fencing_token
-			where report_results.applied_fencing_token < excluded.applied_fencing_token`, "seed-job", payload, int64(17)); err != nil {
-			b.Fatal(err)
-		}
-		if err := tx.Commit(ctx); err != nil {
+		if err := seedbench.Cycle(ctx, conn, string(strconv.AppendInt(step[:0], int64(i), 10)), d.Sum(), payload); err != nil {
 			b.Fatal(err)
 		}
 	}

@@ -12,6 +12,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/pgfence/pgfence/fence"
+	"github.com/pgfence/pgfence/internal/seedbench"
 )
 
 // benchSchema adds, beside fenceSchema's protected results table, the
@@ -19,14 +20,7 @@ import (
 // hand-written protocol tables (no triggers).
 const benchSchema = `
 CREATE TABLE results_plain (job_key text PRIMARY KEY, payload text NOT NULL, token bigint NOT NULL);
-CREATE TABLE report_fences (job_key text PRIMARY KEY, max_issued_token bigint NOT NULL);
-CREATE TABLE report_results (job_key text PRIMARY KEY, payload text, applied_fencing_token bigint);
-CREATE TABLE report_commit_receipts (
-  job_key text NOT NULL, fencing_token bigint NOT NULL, step text NOT NULL,
-  payload_digest bytea NOT NULL, committed_at timestamptz NOT NULL DEFAULT clock_timestamp(),
-  PRIMARY KEY (job_key, fencing_token, step));
-INSERT INTO report_fences VALUES ('seed-job', 17);
-`
+` + seedbench.Schema
 
 const upsertPlain = `INSERT INTO results_plain (job_key, payload, token) VALUES ($1, $2, $3)
 ON CONFLICT (job_key) DO UPDATE SET payload = excluded.payload, token = excluded.token
@@ -126,28 +120,9 @@ func BenchmarkGatedWrite(b *testing.B) {
 		}
 	}
 	seedCycle := func(i int) {
-		s := "s" + strconv.Itoa(i)
-		tx, err := direct.Begin(ctx)
-		if err != nil {
-			b.Fatal(err)
-		}
-		var max int64
-		if err := tx.QueryRow(ctx, `SELECT max_issued_token FROM report_fences
-			WHERE job_key = $1 AND max_issued_token = $2 FOR UPDATE`, "seed-job", int64(17)).Scan(&max); err != nil {
-			b.Fatalf("seed fence check: %v", err)
-		}
 		d.Reset()
 		d.Statement(upsert, params)
-		if _, err := tx.Exec(ctx, `INSERT INTO report_commit_receipts (job_key, fencing_token, step, payload_digest)
-			VALUES ($1, $2, $3, $4) ON CONFLICT DO NOTHING`, "seed-job", int64(17), s, d.Sum()); err != nil {
-			b.Fatal(err)
-		}
-		if _, err := tx.Exec(ctx, `INSERT INTO report_results (job_key, payload, applied_fencing_token) VALUES ($1, $2, $3)
-			ON CONFLICT (job_key) DO UPDATE SET payload = excluded.payload, applied_fencing_token = excluded.applied_fencing_token
-			WHERE report_results.applied_fencing_token < excluded.applied_fencing_token`, "seed-job", payload, int64(17)); err != nil {
-			b.Fatal(err)
-		}
-		if err := tx.Commit(ctx); err != nil {
+		if err := seedbench.Cycle(ctx, direct, "s"+strconv.Itoa(i), d.Sum(), payload); err != nil {
 			b.Fatal(err)
 		}
 	}
