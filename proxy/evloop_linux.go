@@ -215,8 +215,18 @@ const yieldEvery = 5 * time.Millisecond
 func (l *evloop) run() {
 	events := make([]syscall.EpollEvent, 256)
 	last := time.Now()
+	idle := false
 	for {
-		n, errno := epollWait(l.epfd, events, int(yieldEvery/time.Millisecond))
+		var n int
+		var errno syscall.Errno
+		if idle {
+			// Nothing for a while: wait as an ordinary system call,
+			// giving the P back, so an idle proxy costs nothing.
+			n, errno = epollWaitIdle(l.epfd, events)
+		} else {
+			n, errno = epollWait(l.epfd, events, int(yieldEvery/time.Millisecond))
+		}
+		idle = errno == 0 && n == 0
 		if now := time.Now(); now.Sub(last) >= yieldEvery {
 			runtime.Gosched()
 			last = now
@@ -250,6 +260,13 @@ func (l *evloop) run() {
 //go:noinline
 func epollWait(epfd int, events []syscall.EpollEvent, msec int) (int, syscall.Errno) {
 	n, _, errno := syscall.RawSyscall6(syscall.SYS_EPOLL_WAIT, uintptr(epfd), uintptr(unsafe.Pointer(&events[0])), uintptr(len(events)), uintptr(msec), 0, 0)
+	return int(n), errno
+}
+
+// epollWaitIdle waits without a timeout through the runtime's system
+// call path, which releases the P while blocked.
+func epollWaitIdle(epfd int, events []syscall.EpollEvent) (int, syscall.Errno) {
+	n, _, errno := syscall.Syscall6(syscall.SYS_EPOLL_WAIT, uintptr(epfd), uintptr(unsafe.Pointer(&events[0])), uintptr(len(events)), ^uintptr(0), 0, 0)
 	return int(n), errno
 }
 
