@@ -3,7 +3,6 @@ package chaos
 import (
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"math/rand/v2"
 	"os"
@@ -17,6 +16,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/pgfence/pgfence/audit"
+	"github.com/pgfence/pgfence/internal/pgtest"
 )
 
 // Fault is a kind of fault the nemesis injects.
@@ -413,20 +413,5 @@ func alive(pid int) bool {
 
 // poll calls cond every interval until it is true or ctx ends.
 func poll(ctx context.Context, interval time.Duration, cond func() (bool, error)) error {
-	t := time.NewTicker(interval)
-	defer t.Stop()
-	for {
-		ok, err := cond()
-		if err != nil {
-			return err
-		}
-		if ok {
-			return nil
-		}
-		select {
-		case <-ctx.Done():
-			return errors.New("condition not met: " + ctx.Err().Error())
-		case <-t.C:
-		}
-	}
+	return pgtest.PollEvery(ctx, interval, cond)
 }

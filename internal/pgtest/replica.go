@@ -102,12 +102,17 @@ func (c *Cluster) WaitReplicaCaughtUp(ctx context.Context) error {
 }
 
 // poll calls cond every few milliseconds until it returns true, an error,
-// or ctx ends (bounded to one minute). It observes state; it is not a
-// substitute for synchronisation.
+// or ctx ends (bounded to one minute).
 func poll(ctx context.Context, cond func() (bool, error)) error {
 	ctx, cancel := context.WithTimeout(ctx, time.Minute)
 	defer cancel()
-	t := time.NewTicker(5 * time.Millisecond)
+	return PollEvery(ctx, 5*time.Millisecond, cond)
+}
+
+// PollEvery calls cond every interval until it returns true, an error, or
+// ctx ends. It observes state; it is not a substitute for synchronisation.
+func PollEvery(ctx context.Context, interval time.Duration, cond func() (bool, error)) error {
+	t := time.NewTicker(interval)
 	defer t.Stop()
 	for {
 		ok, err := cond()
