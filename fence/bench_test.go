@@ -71,29 +71,11 @@ func BenchmarkGateVsSeed(b *testing.B) {
 			b.Fatal(err)
 		}
 	}
-	// Warm up plans and caches for both.
-	for i := range 50 {
-		fenceCycle(-1 - i)
-		seedCycle(-1 - i)
-	}
-
-	var fenceTime, seedTime time.Duration
-	i := 0
-	for b.Loop() {
-		t0 := time.Now()
-		seedCycle(i)
-		t1 := time.Now()
-		fenceCycle(i)
-		t2 := time.Now()
-		seedTime += t1.Sub(t0)
-		fenceTime += t2.Sub(t1)
-		i++
-	}
+	ns, i := seedbench.Interleave(b, seedCycle, fenceCycle)
 	if i == 0 {
 		return
 	}
-	fenceNs := float64(fenceTime.Nanoseconds()) / float64(i)
-	seedNs := float64(seedTime.Nanoseconds()) / float64(i)
+	seedNs, fenceNs := ns[0], ns[1]
 	b.ReportMetric(fenceNs, "fence-ns/op")
 	b.ReportMetric(seedNs, "seed-ns/op")
 	b.ReportMetric(fenceNs/seedNs, "fence/seed")

@@ -155,36 +155,11 @@ func BenchmarkGatedWrite(b *testing.B) {
 			b.Fatal(err)
 		}
 	}
-	// Warm up plans and caches for all four.
-	for i := range 50 {
-		gatedCycle(-1 - i)
-		directCycle(-1 - i)
-		seedCycle(-1 - i)
-		fencedCycle(-1 - i)
-	}
-	var gatedT, directT, seedT, fencedT time.Duration
-	i := 0
-	for b.Loop() {
-		t0 := time.Now()
-		directCycle(i)
-		t1 := time.Now()
-		gatedCycle(i)
-		t2 := time.Now()
-		seedCycle(i)
-		t3 := time.Now()
-		fencedCycle(i)
-		t4 := time.Now()
-		directT += t1.Sub(t0)
-		gatedT += t2.Sub(t1)
-		seedT += t3.Sub(t2)
-		fencedT += t4.Sub(t3)
-		i++
-	}
+	ns, i := seedbench.Interleave(b, directCycle, gatedCycle, seedCycle, fencedCycle)
 	if i == 0 {
 		return
 	}
-	n := float64(i)
-	g, dn, s, f := float64(gatedT.Nanoseconds())/n, float64(directT.Nanoseconds())/n, float64(seedT.Nanoseconds())/n, float64(fencedT.Nanoseconds())/n
+	dn, g, s, f := ns[0], ns[1], ns[2], ns[3]
 	b.ReportMetric(g, "gated-ns/op")
 	b.ReportMetric(dn, "direct-ns/op")
 	b.ReportMetric(s, "seed-ns/op")

@@ -7,6 +7,8 @@ package seedbench
 import (
 	"context"
 	"fmt"
+	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 )
@@ -53,4 +55,34 @@ func Cycle(ctx context.Context, conn *pgx.Conn, step string, digest []byte, payl
 		return err
 	}
 	return tx.Commit(ctx)
+}
+
+// Interleave warms each cycle up 50 times, then runs them in turn once per
+// benchmark iteration (so they share the machine's conditions) and returns
+// each one's mean ns per call, in order, and the number of iterations
+// (ns is nil when there was none). Cycle i is called with the iteration
+// number, negative while warming up.
+func Interleave(b *testing.B, cycles ...func(i int)) (ns []float64, n int) {
+	for i := range 50 {
+		for _, c := range cycles {
+			c(-1 - i)
+		}
+	}
+	total := make([]time.Duration, len(cycles))
+	for b.Loop() {
+		for k, c := range cycles {
+			t0 := time.Now()
+			c(n)
+			total[k] += time.Since(t0)
+		}
+		n++
+	}
+	if n == 0 {
+		return nil, 0
+	}
+	ns = make([]float64, len(cycles))
+	for k, t := range total {
+		ns[k] = float64(t.Nanoseconds()) / float64(n)
+	}
+	return ns, n
 }
