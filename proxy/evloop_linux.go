@@ -6,12 +6,15 @@ import (
 	"fmt"
 	"io"
 	"runtime"
+	"runtime/debug"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 	"unsafe"
 
 	"go.uber.org/zap"
+	"golang.org/x/sys/unix"
 )
 
 // The event loop relays the bytes of pass-through sessions (no Handler,
@@ -103,6 +106,10 @@ type relay struct {
 
 	mu     sync.Mutex // guards closed against shutdownServer
 	closed bool
+
+	// half is set for an intercepted session, of which the loop relays
+	// only the server→client direction (see attachHalf).
+	half *half
 }
 
 // attach moves s onto the loop. It reports false, leaving s untouched,
@@ -283,6 +290,10 @@ func rawIO(trap uintptr, fd int, b []byte) (int, error) {
 const readable = syscall.EPOLLIN | syscall.EPOLLRDHUP | syscall.EPOLLHUP | syscall.EPOLLERR
 
 func (l *evloop) event(r *relay, fd int, ev uint32) {
+	if r.half != nil {
+		l.halfEvent(r, fd, ev)
+		return
+	}
 	var err error
 	if fd == r.cfd {
 		if ev&syscall.EPOLLOUT != 0 {
@@ -515,13 +526,16 @@ func blockingWrite(fd int, b []byte, d time.Duration) {
 // runFast runs s on the loop until it ends; it returns false (having done
 // nothing) when s must use the goroutine path.
 func (s *Session) runFast() (error, bool) {
-	if s.srv.cfg.DisableEventLoop || s.h != nil || s.srv.rs != nil {
+	if s.srv.cfg.DisableEventLoop || s.srv.rs != nil {
 		return nil, false
 	}
 	l, err := sharedLoop()
 	if err != nil {
 		s.log.Warn("event loop unavailable; relaying with goroutines", zap.Error(err))
 		return nil, false
+	}
+	if s.h != nil {
+		return s.runHalf(l)
 	}
 	r, ok := l.attach(s)
 	if !ok {
@@ -532,5 +546,319 @@ func (s *Session) runFast() (error, bool) {
 	close(s.closing)
 	msg, err := s.endReason(err, nil)
 	r.finish(msg)
+	return err, true
+}
+
+// An intercepted session (one with a Handler) cannot be relayed wholly on
+// the loop: its client side blocks (a Handler may wait for the answer to
+// an injected request before it goes on). Its server side never blocks,
+// so the loop takes that half: the server socket leaves Go's netpoller,
+// and the loop reads it, frames it, calls the Handler's ServerMessage
+// and writes to the client inline (Session.serverMessage, the same code
+// as the server goroutine). The client goroutine stays: it reads the
+// client and writes the server through their net.Conns as before. Each
+// query then costs one goroutine wake-up instead of two.
+//
+// The Handler's ServerMessage runs on the loop thread, so it must not
+// block (fenceSession's holds its mutex only for short bookkeeping); a
+// panic in it ends that session only.
+
+// half is the loop's state for the server side of an intercepted session.
+type half struct {
+	big   bigMessage
+	armed bool   // the server socket may be read (once) in this event
+	out   []byte // bytes for the client its socket has not taken yet
+	sEv   uint32 // epoll interest registered for the server socket
+	cReg  bool   // the client socket is registered (for EPOLLOUT)
+	// paused: the server is not read until the client takes what waits
+	// (for observation: tests).
+	paused atomic.Bool
+}
+
+// loopReader is the server framer's reader on the loop: one read per
+// readable event, errWouldBlock otherwise.
+type loopReader struct{ r *relay }
+
+func (lr loopReader) Read(b []byte) (int, error) {
+	h := lr.r.half
+	if !h.armed {
+		return 0, errWouldBlock
+	}
+	h.armed = false
+	n, err := rawIO(syscall.SYS_READ, lr.r.sfd, b)
+	if err == syscall.EAGAIN || err == syscall.EINTR {
+		return 0, errWouldBlock
+	}
+	if err != nil {
+		return 0, err
+	}
+	if n == 0 {
+		return 0, io.EOF
+	}
+	return n, nil
+}
+
+// loopWriter is the client writer's destination on the loop: it writes
+// what the socket takes and keeps the rest in out, never blocking.
+type loopWriter struct{ r *relay }
+
+func (lw loopWriter) Write(b []byte) (int, error) {
+	h := lw.r.half
+	n := len(b)
+	if len(h.out) == 0 {
+		for len(b) > 0 {
+			k, err := rawIO(syscall.SYS_WRITE, lw.r.cfd, b)
+			if err == syscall.EINTR {
+				continue
+			}
+			if err == syscall.EAGAIN {
+				break
+			}
+			if err != nil {
+				return 0, err
+			}
+			b = b[k:]
+		}
+	}
+	h.out = append(h.out, b...)
+	return n, nil
+}
+
+// serverWriter is the client goroutine's writer to the server once the
+// server socket has left Go's netpoller: it writes what the socket takes
+// and, when it is full, waits for room in poll(2), as a blocking system
+// call (releasing its P).
+type serverWriter struct{ r *relay }
+
+func (sw serverWriter) Write(b []byte) (int, error) {
+	n := 0
+	for len(b) > 0 {
+		k, err := rawIO(syscall.SYS_WRITE, sw.r.sfd, b)
+		if err == syscall.EINTR {
+			continue
+		}
+		if err == syscall.EAGAIN {
+			fds := []unix.PollFd{{Fd: int32(sw.r.sfd), Events: unix.POLLOUT}}
+			if _, err := unix.Poll(fds, -1); err != nil && err != unix.EINTR {
+				return n, err
+			}
+			continue
+		}
+		if err != nil {
+			return n, err
+		}
+		b, n = b[k:], n+k
+	}
+	return n, nil
+}
+
+// terminateServer ends an intercepted session's upstream connection from
+// any goroutine: a Terminate if the socket takes it at once, then
+// shutdown, which the loop sees (and which ends a wait for room in
+// serverWriter).
+func (r *relay) terminateServer() {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if !r.closed {
+		rawIO(syscall.SYS_WRITE, r.sfd, []byte{'X', 0, 0, 0, 4})
+		syscall.Shutdown(r.sfd, syscall.SHUT_RDWR)
+	}
+}
+
+// attachHalf moves the server side of s onto the loop. It reports false,
+// leaving s untouched, when it cannot (TLS, or server bytes already
+// buffered).
+func (l *evloop) attachHalf(s *Session) (*relay, bool) {
+	if s.sf.r.Buffered() > 0 || s.cw.Buffered() > 0 || s.sw.Buffered() > 0 {
+		return nil, false
+	}
+	cc, ok1 := s.client.(syscall.Conn)
+	sc, ok2 := s.server.(syscall.Conn)
+	if !ok1 || !ok2 {
+		return nil, false
+	}
+	s.connMu.Lock()
+	defer s.connMu.Unlock()
+	if s.serverClosed {
+		return nil, false
+	}
+	cfd, err := dupConn(cc)
+	if err != nil {
+		return nil, false
+	}
+	sfd, err := dupConn(sc)
+	if err != nil {
+		syscall.Close(cfd)
+		return nil, false
+	}
+	r := &relay{
+		s: s, cfd: cfd, sfd: sfd,
+		half: &half{sEv: syscall.EPOLLIN | syscall.EPOLLRDHUP},
+		max:  s.srv.cfg.MaxMessageSize,
+		done: make(chan error, 1),
+	}
+	// The server socket leaves Go's netpoller, or every response would
+	// wake it as well as the loop. The client goroutine keeps reading the
+	// client's net.Conn and writes the server through serverWriter; the
+	// loop reads the server and writes the client through duplicates.
+	s.server.Close()
+	s.sf.r.Reset(loopReader{r})
+	s.cw.Reset(loopWriter{r})
+	s.sw.Reset(serverWriter{r})
+	s.fast = r
+	if err := l.ctl(syscall.EPOLL_CTL_ADD, sfd, r.half.sEv); err != nil {
+		l.end(r, err)
+		return r, true
+	}
+	l.mu.Lock()
+	l.fds[int32(cfd)] = r
+	l.fds[int32(sfd)] = r
+	l.mu.Unlock()
+	return r, true
+}
+
+// halfEvent handles an event of an intercepted session: the server
+// socket is readable (or closed), or the client socket has room for what
+// waits in out.
+func (l *evloop) halfEvent(r *relay, fd int, ev uint32) {
+	err := func() (err error) {
+		defer func() {
+			if p := recover(); p != nil {
+				r.s.log.Error("panic in session", zap.String("side", "server"), zap.Any("panic", p), zap.ByteString("stack", debug.Stack()))
+				err = fmt.Errorf("server loop panic: %v", p)
+			}
+		}()
+		h := r.half
+		if fd == r.cfd {
+			if err := r.drainOut(); err != nil {
+				return err
+			}
+			if len(h.out) >= r.s.sf.r.Size() {
+				return nil
+			}
+			return r.serverSteps(false) // messages held while out was full
+		}
+		h.armed = true
+		// The server closed (or shutdown closed it): take what is left
+		// even if the client is slow, so the end is seen.
+		return r.serverSteps(ev&(syscall.EPOLLRDHUP|syscall.EPOLLHUP|syscall.EPOLLERR) != 0)
+	}()
+	if err == nil {
+		err = l.halfInterest(r)
+	}
+	if err != nil {
+		l.end(r, err)
+	}
+}
+
+// serverSteps forwards the server messages that have arrived, while the
+// client keeps up (or always, with force), then flushes.
+func (r *relay) serverSteps(force bool) error {
+	s, h := r.s, r.half
+	limit := s.sf.r.Size()
+	for force || len(h.out) < limit {
+		if err := s.serverMessage(&h.big); err != nil {
+			if err == errWouldBlock {
+				break
+			}
+			return err
+		}
+	}
+	h.armed = false
+	return s.cw.Flush()
+}
+
+// drainOut writes what waits in out as far as the client takes it.
+func (r *relay) drainOut() error {
+	h := r.half
+	b := h.out
+	for len(b) > 0 {
+		n, err := rawIO(syscall.SYS_WRITE, r.cfd, b)
+		if err == syscall.EINTR {
+			continue
+		}
+		if err == syscall.EAGAIN {
+			break
+		}
+		if err != nil {
+			return fmt.Errorf("client: %w", err)
+		}
+		b = b[n:]
+	}
+	if len(b) == 0 {
+		h.out = h.out[:0]
+		if cap(h.out) > 4*r.s.sf.r.Size() {
+			h.out = nil // do not pin a large buffer
+		}
+	} else {
+		h.out = append(h.out[:0], b...)
+	}
+	return nil
+}
+
+// halfInterest keeps the registrations in step with out: the server is
+// read while out has room, the client socket is watched while out holds
+// bytes.
+func (l *evloop) halfInterest(r *relay) error {
+	h := r.half
+	var sEv uint32 = syscall.EPOLLRDHUP
+	if len(h.out) < r.s.sf.r.Size() {
+		sEv |= syscall.EPOLLIN
+	}
+	if sEv != h.sEv {
+		if err := l.ctl(syscall.EPOLL_CTL_MOD, r.sfd, sEv); err != nil {
+			return err
+		}
+		h.sEv = sEv
+		h.paused.Store(sEv&syscall.EPOLLIN == 0)
+	}
+	if want := len(h.out) > 0; want != h.cReg {
+		op := syscall.EPOLL_CTL_DEL
+		if want {
+			op = syscall.EPOLL_CTL_ADD
+		}
+		if err := l.ctl(op, r.cfd, syscall.EPOLLOUT); err != nil {
+			return err
+		}
+		h.cReg = want
+	}
+	return nil
+}
+
+// runHalf runs an intercepted session with its server side on the loop
+// (the client side on a goroutine); it returns false, having done
+// nothing, when the session must use goroutines for both.
+func (s *Session) runHalf(l *evloop) (error, bool) {
+	r, ok := l.attachHalf(s)
+	if !ok {
+		return nil, false
+	}
+	s.srv.ops.stats.SessionsLoop.Add(1)
+	errc := make(chan error, 2)
+	var wg sync.WaitGroup
+	wg.Add(2)
+	go func() { defer wg.Done(); errc <- s.guard("client", s.clientLoop) }()
+	go func() { defer wg.Done(); errc <- <-r.done }()
+	err := <-errc
+	close(s.closing)
+	s.closeServer()
+	s.client.SetReadDeadline(time.Now())
+	wg.Wait()
+	msg, err := s.endReason(err, <-errc)
+	// The loop has let go of r: what is still buffered for the client is
+	// passed on here, blocking.
+	r.mu.Lock()
+	r.closed = true
+	r.mu.Unlock()
+	s.cw.Flush()
+	blockingWrite(r.cfd, r.half.out, time.Second)
+	if msg != nil {
+		blockingWrite(r.cfd, msg, time.Second)
+	}
+	syscall.Close(r.sfd)
+	syscall.Close(r.cfd)
+	s.client.Close()
+	s.q.drain()
+	s.h.Close(s)
 	return err, true
 }

@@ -3,8 +3,18 @@
 package proxy
 
 import (
+	"context"
 	"errors"
+	"io"
+	"strings"
 	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgproto3"
+	"go.uber.org/zap/zaptest"
+
+	"github.com/pgfence/pgfence/internal/pgtest"
 )
 
 // FuzzLoopFraming: the event loop's incremental framing check (relay.scan),
@@ -77,4 +87,171 @@ func FuzzLoopFraming(f *testing.F) {
 			t.Fatalf("session ends at the message at %d (%v): passed %d bytes", wantN, wantEnd, passed)
 		}
 	})
+}
+
+// halfRelay returns the relay of the only session of p whose server side
+// is on the event loop (an intercepted session), once there is one.
+func halfRelay(t *testing.T, p *testProxy) *relay {
+	t.Helper()
+	var r *relay
+	err := pgtest.Poll(ctxT(t), func() (bool, error) {
+		p.srv.mu.Lock()
+		defer p.srv.mu.Unlock()
+		for _, s := range p.srv.conns {
+			if s == nil {
+				continue
+			}
+			s.connMu.Lock()
+			f := s.fast
+			s.connMu.Unlock()
+			if f != nil && f.half != nil {
+				r = f
+				return true, nil
+			}
+		}
+		return false, nil
+	})
+	if err != nil {
+		t.Fatalf("no intercepted session on the event loop: %v", err)
+	}
+	return r
+}
+
+// bigResult is a query whose result (20 MB) is far larger than the
+// socket buffers and the session's buffer.
+const bigResult = "SELECT repeat('x', 1000) FROM generate_series(1, 20000)"
+
+// sendRaw writes a simple Query on c's socket behind pgconn's back.
+func sendRaw(t *testing.T, c *pgconn.PgConn, sql string) {
+	t.Helper()
+	msg, err := (&pgproto3.Query{String: sql}).Encode(nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Conn().Write(msg); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestHalfLoopSlowClient: an intercepted session whose client does not
+// read makes the loop stop reading that server (its buffer for the client
+// is full) without holding up other sessions; once the client reads, it
+// gets every row, in order, and the session goes on.
+func TestHalfLoopSlowClient(t *testing.T) {
+	gate, err := NewFence(FenceConfig{Primary: cluster.Primary.DSN("postgres")}, zaptest.NewLogger(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(gate.Close)
+	p := startProxy(t, Config{Interceptor: gate, BufferSize: 4096})
+	db := cluster.NewDatabase(t)
+	ctx := ctxT(t)
+	slow := connect(t, p.dsn(db))
+	r := halfRelay(t, p)
+
+	sendRaw(t, slow, bigResult)
+	if err := pgtest.Poll(ctx, func() (bool, error) { return r.half.paused.Load(), nil }); err != nil {
+		t.Fatalf("the loop never paused the server of a client that does not read: %v", err)
+	}
+	// Another session is served meanwhile.
+	other := connect(t, p.dsn(db))
+	if res, err := other.Exec(ctx, "SELECT 'other'").ReadAll(); err != nil || string(res[0].Rows[0][0]) != "other" {
+		t.Fatalf("another session while one is paused: %v %v", res, err)
+	}
+
+	fe := pgproto3.NewFrontend(slow.Conn(), slow.Conn())
+	slow.Conn().SetReadDeadline(time.Now().Add(30 * time.Second))
+	rows := 0
+	for {
+		m, err := fe.Receive()
+		if err != nil {
+			t.Fatalf("after %d rows: %v", rows, err)
+		}
+		switch m := m.(type) {
+		case *pgproto3.DataRow:
+			if len(m.Values) != 1 || len(m.Values[0]) != 1000 {
+				t.Fatalf("row %d is %d values, %d bytes", rows, len(m.Values), len(m.Values[0]))
+			}
+			rows++
+		case *pgproto3.ErrorResponse:
+			t.Fatalf("error after %d rows: %s", rows, m.Message)
+		}
+		if _, ok := m.(*pgproto3.ReadyForQuery); ok {
+			break
+		}
+	}
+	slow.Conn().SetReadDeadline(time.Time{})
+	if rows != 20000 {
+		t.Fatalf("got %d rows, want 20000", rows)
+	}
+	if r.half.paused.Load() {
+		t.Fatal("still paused after the client read everything")
+	}
+	if res, err := slow.Exec(ctx, "SELECT 'again'").ReadAll(); err != nil || string(res[0].Rows[0][0]) != "again" {
+		t.Fatalf("the session after its big result: %v %v", res, err)
+	}
+}
+
+// TestHalfLoopShutdownWhilePaused: graceful shutdown ends an intercepted
+// session stalled on a client that does not read (the loop is not waiting
+// for that server, yet sees it closed), and Shutdown returns.
+func TestHalfLoopShutdownWhilePaused(t *testing.T) {
+	gate, err := NewFence(FenceConfig{Primary: cluster.Primary.DSN("postgres")}, zaptest.NewLogger(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(gate.Close)
+	p := startProxy(t, Config{Interceptor: gate, BufferSize: 4096})
+	db := cluster.NewDatabase(t)
+	slow := connect(t, p.dsn(db))
+	r := halfRelay(t, p)
+	sendRaw(t, slow, bigResult)
+	if err := pgtest.Poll(ctxT(t), func() (bool, error) { return r.half.paused.Load(), nil }); err != nil {
+		t.Fatalf("not paused: %v", err)
+	}
+	sctx, cancel := context.WithTimeout(context.Background(), 500*time.Millisecond)
+	defer cancel()
+	err = p.srv.Shutdown(sctx)
+	if err == nil {
+		t.Fatal("Shutdown reported no busy session; the paused session was mid-query")
+	}
+	// The client's socket ends (after whatever was on its way).
+	slow.Conn().SetReadDeadline(time.Now().Add(10 * time.Second))
+	if _, err := io.Copy(io.Discard, slow.Conn()); err != nil {
+		t.Fatalf("the paused session's client was not closed: %v", err)
+	}
+}
+
+// panicky panics in ServerMessage on a row reading "boom".
+type panicky struct{}
+
+func (panicky) Open(s *Session) (Handler, error)                      { return panicky{}, nil }
+func (panicky) Close(s *Session)                                      {}
+func (panicky) ClientMessage(s *Session, msg []byte) (Verdict, error) { return Forward, nil }
+func (panicky) ServerMessage(s *Session, msg []byte, req *Request) (Verdict, error) {
+	if msg[0] == 'D' && strings.Contains(string(msg), "boom") {
+		panic("boom")
+	}
+	return Forward, nil
+}
+
+// TestHalfLoopHandlerPanic: a Handler that panics on the loop thread ends
+// its own session only; the loop and the other sessions go on.
+func TestHalfLoopHandlerPanic(t *testing.T) {
+	p := startProxy(t, Config{Interceptor: panicky{}})
+	db := cluster.NewDatabase(t)
+	ctx := ctxT(t)
+	other := connect(t, p.dsn(db))
+	bad := connect(t, p.dsn(db))
+	if _, err := bad.Exec(ctx, "SELECT 'boom'").ReadAll(); err == nil {
+		t.Fatal("the panicking session answered")
+	}
+	if p.srv.ops.stats.SessionsLoop.Load() != 2 {
+		t.Fatalf("%d sessions on the loop, want 2", p.srv.ops.stats.SessionsLoop.Load())
+	}
+	for _, c := range []*pgconn.PgConn{other, connect(t, p.dsn(db))} {
+		if res, err := c.Exec(ctx, "SELECT 'fine'").ReadAll(); err != nil || string(res[0].Rows[0][0]) != "fine" {
+			t.Fatalf("a session after another's panic: %v %v", res, err)
+		}
+	}
 }

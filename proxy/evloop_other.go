@@ -3,9 +3,10 @@
 package proxy
 
 // relay is the event loop's session state; the loop exists on Linux only.
-type relay struct{}
+type relay struct{ half *struct{} }
 
-func (r *relay) shutdownServer() {}
+func (r *relay) shutdownServer()  {}
+func (r *relay) terminateServer() {}
 
 // runFast reports false: elsewhere sessions always use goroutines.
 func (s *Session) runFast() (error, bool) { return nil, false }

@@ -226,7 +226,11 @@ func (s *Session) closeServer() {
 	s.connMu.Lock()
 	defer s.connMu.Unlock()
 	if s.fast != nil {
-		s.fast.shutdownServer()
+		if s.fast.half != nil {
+			s.fast.terminateServer()
+		} else {
+			s.fast.shutdownServer()
+		}
 		return
 	}
 	if s.serverClosed {
@@ -326,59 +330,128 @@ func (s *Session) interceptClient(total, size int) error {
 // serverLoop forwards server messages to the client, watching
 // ReadyForQuery for the transaction status.
 func (s *Session) serverLoop() error {
-	size := s.sf.r.Size()
 	for {
-		typ, total, err := s.sf.next()
-		if err != nil {
-			s.cw.Flush()
-			return fmt.Errorf("server: %w", err)
+		if err := s.serverMessage(nil); err != nil {
+			return err
 		}
-		if total > size {
-			if s.h != nil {
-				h, _ := s.sf.whole(headerLen)
-				fwd, err := s.interceptServer(h)
-				if err != nil {
-					return err
-				}
-				if !fwd {
-					if err := s.sf.stream(io.Discard, total); err != nil {
-						return fmt.Errorf("server: %w", err)
-					}
-					continue
-				}
-			}
-			if err := s.sf.stream(s.cw, total); err != nil {
-				return fmt.Errorf("server: %w", err)
-			}
-			continue
+	}
+}
+
+// serverMessage forwards one server message to the client (through the
+// Handler, if any). On the goroutine path (big nil) it blocks until the
+// message has been read. On the event loop (big non-nil) the server
+// socket is non-blocking: it returns errWouldBlock, having consumed
+// nothing, when the message has not arrived whole, and a message larger
+// than the buffer is passed on (or dropped) in pieces as they come,
+// tracked in big.
+func (s *Session) serverMessage(big *bigMessage) error {
+	if big != nil && big.left > 0 {
+		return s.serverPiece(big)
+	}
+	size := s.sf.r.Size()
+	typ, total, err := s.sf.next()
+	if err != nil {
+		if err == errWouldBlock {
+			return err
 		}
-		msg, err := s.sf.whole(total)
-		if err != nil {
-			return fmt.Errorf("server: %w", err)
-		}
+		s.cw.Flush()
+		return fmt.Errorf("server: %w", err)
+	}
+	if total > size {
 		fwd := true
 		if s.h != nil {
-			if fwd, err = s.interceptServer(msg); err != nil {
+			h, _ := s.sf.whole(headerLen)
+			if fwd, err = s.interceptServer(h); err != nil {
 				return err
 			}
 		}
-		if fwd {
-			if _, err := s.cw.Write(msg); err != nil {
+		if big != nil {
+			h, _ := s.sf.whole(headerLen)
+			if fwd {
+				if _, err := s.cw.Write(h); err != nil {
+					return fmt.Errorf("client: %w", err)
+				}
+			}
+			s.sf.discard(headerLen)
+			big.left, big.fwd = total-headerLen, fwd
+			return s.serverPiece(big)
+		}
+		w := io.Writer(s.cw)
+		if !fwd {
+			w = io.Discard
+		}
+		if err := s.sf.stream(w, total); err != nil {
+			return fmt.Errorf("server: %w", err)
+		}
+		return nil
+	}
+	msg, err := s.sf.whole(total)
+	if err != nil {
+		if err == errWouldBlock {
+			return err
+		}
+		return fmt.Errorf("server: %w", err)
+	}
+	fwd := true
+	if s.h != nil {
+		if fwd, err = s.interceptServer(msg); err != nil {
+			return err
+		}
+	}
+	if fwd {
+		if _, err := s.cw.Write(msg); err != nil {
+			return fmt.Errorf("client: %w", err)
+		}
+	}
+	if typ == 'Z' && total == headerLen+1 {
+		s.txStatus.Store(uint32(msg[headerLen]))
+		s.sf.discard(total)
+		if s.pending.Add(-1) == 0 && s.srv.draining.Load() && s.tryCloseIdle() {
+			s.cw.Flush()
+			return errShutdown
+		}
+		return nil
+	}
+	s.sf.discard(total)
+	return nil
+}
+
+// bigMessage is the part of a large server message (larger than the
+// buffer) still to be passed on by the event loop.
+type bigMessage struct {
+	left int
+	fwd  bool // false: dropped (a response to an injected request)
+}
+
+// serverPiece passes on (or drops) what has arrived of big's message.
+func (s *Session) serverPiece(big *bigMessage) error {
+	for big.left > 0 {
+		n := s.sf.r.Buffered()
+		if n == 0 {
+			if _, err := s.sf.fill(1); err != nil {
+				if err == errWouldBlock {
+					return err
+				}
+				return fmt.Errorf("server: %w", err)
+			}
+			n = s.sf.r.Buffered()
+		}
+		n = min(n, big.left)
+		if big.fwd {
+			b, _ := s.sf.r.Peek(n)
+			if _, err := s.cw.Write(b); err != nil {
 				return fmt.Errorf("client: %w", err)
 			}
 		}
-		if typ == 'Z' && total == headerLen+1 {
-			s.txStatus.Store(uint32(msg[headerLen]))
-			s.sf.discard(total)
-			if s.pending.Add(-1) == 0 && s.srv.draining.Load() && s.tryCloseIdle() {
-				s.cw.Flush()
-				return errShutdown
-			}
-			continue
-		}
-		s.sf.discard(total)
+		s.sf.discard(n)
+		big.left -= n
 	}
+	return nil
 }
+
+// errWouldBlock is what the event loop's non-blocking server reader
+// returns when nothing more has arrived.
+var errWouldBlock = errors.New("would block")
 
 // interceptServer matches msg against the outstanding queue and asks the
 // handler; it reports whether to forward msg.
