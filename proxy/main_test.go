@@ -94,22 +94,45 @@ func startProxy(t testing.TB, cfg Config) *testProxy {
 // started is the last proxy each test started (bothRelays checks it).
 var started sync.Map // testing.TB → *testProxy
 
-// bothRelays runs f twice: with pass-through sessions relayed by the event
-// loop thread (the default) and by goroutines (Config.DisableEventLoop),
-// checking that each mode was really the one used. f must build its
-// proxy's Config with withRelay.
+// bothRelays runs f four times: pass-through sessions relayed by the
+// event loop thread (the default) and by goroutines
+// (Config.DisableEventLoop); then the same with the write gate
+// intercepting every message, as pgfence serve runs (no table is
+// protected, so the gate must be invisible), whose sessions have their
+// server side on the loop or on a goroutine. It checks that each mode
+// was really the one used. f must build its proxy's Config with
+// withRelay.
 func bothRelays(t *testing.T, f func(t *testing.T, relay Config)) {
 	for _, mode := range []struct {
 		name string
 		cfg  Config
-	}{{"event_loop", Config{}}, {"goroutines", Config{DisableEventLoop: true}}} {
+		gate bool
+	}{
+		{"event_loop", Config{}, false},
+		{"goroutines", Config{DisableEventLoop: true}, false},
+		{"gate_event_loop", Config{}, true},
+		{"gate_goroutines", Config{DisableEventLoop: true}, true},
+	} {
 		t.Run(mode.name, func(t *testing.T) {
-			f(t, mode.cfg)
+			cfg := mode.cfg
+			if mode.gate {
+				gate, err := NewFence(FenceConfig{Primary: cluster.Primary.DSN("postgres")}, zaptest.NewLogger(t))
+				if err != nil {
+					t.Fatal(err)
+				}
+				t.Cleanup(gate.Close)
+				cfg.Interceptor = gate
+			}
+			f(t, cfg)
 			v, ok := started.LoadAndDelete(t)
 			if !ok {
 				t.Fatal("the test did not start a proxy with startProxy")
 			}
-			looped := v.(*testProxy).srv.ops.stats.SessionsLoop.Load()
+			tp := v.(*testProxy)
+			if tp.srv.cfg.Interceptor != cfg.Interceptor {
+				t.Fatal("the test's proxy does not have the mode's interceptor (build its Config with withRelay)")
+			}
+			looped := tp.srv.ops.stats.SessionsLoop.Load()
 			switch {
 			case mode.cfg.DisableEventLoop && looped != 0:
 				t.Errorf("%d sessions used the event loop with DisableEventLoop", looped)
@@ -120,9 +143,13 @@ func bothRelays(t *testing.T, f func(t *testing.T, relay Config)) {
 	}
 }
 
-// withRelay is cfg with the relay mode of bothRelays.
+// withRelay is cfg with the relay mode of bothRelays (and its write gate,
+// unless cfg has an Interceptor of its own).
 func withRelay(relay, cfg Config) Config {
 	cfg.DisableEventLoop = relay.DisableEventLoop
+	if cfg.Interceptor == nil {
+		cfg.Interceptor = relay.Interceptor
+	}
 	return cfg
 }
 
