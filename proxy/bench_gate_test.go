@@ -72,6 +72,9 @@ func BenchmarkGatedWrite(b *testing.B) {
 	}
 	defer gate.Close()
 	p := startProxyLog(b, Config{Interceptor: gate}, zap.NewNop())
+	// The same gate behind a proxy without the event loop: both halves of
+	// the session on goroutines.
+	pg := startProxyLog(b, Config{Interceptor: gate, DisableEventLoop: true}, zap.NewNop())
 
 	cfg, err := pgx.ParseConfig(p.dsn(db))
 	if err != nil {
@@ -83,6 +86,13 @@ func BenchmarkGatedWrite(b *testing.B) {
 		b.Fatal(err)
 	}
 	defer gated.Close(ctx)
+	cfgG := cfg.Copy()
+	cfgG.Port = uint16(pg.addr.Port)
+	gatedG, err := pgx.ConnectConfig(ctx, cfgG)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer gatedG.Close(ctx)
 	direct, err := cluster.Primary.Connect(ctx, db)
 	if err != nil {
 		b.Fatal(err)
@@ -94,19 +104,22 @@ func BenchmarkGatedWrite(b *testing.B) {
 	params := []fence.Param{{TypeOID: 25, Value: []byte(l.JobKey)}, {TypeOID: 25, Value: []byte(payload)}, {TypeOID: 20, Value: []byte(strconv.FormatInt(l.Token, 10))}}
 	begin := make([]byte, 0, 64)
 
-	gatedCycle := func(i int) {
-		begin = append(append(begin[:0], "BEGIN; SET LOCAL fence.step = 's"...), strconv.Itoa(i)...)
-		begin = append(begin, '\'')
-		if _, err := gated.Exec(ctx, string(begin)); err != nil {
-			b.Fatal(err)
-		}
-		if _, err := gated.Exec(ctx, upsert, l.JobKey, payload, l.Token); err != nil {
-			b.Fatal(err)
-		}
-		if _, err := gated.Exec(ctx, "COMMIT"); err != nil {
-			b.Fatal(err)
+	gatedOn := func(conn *pgx.Conn, prefix string) func(int) {
+		return func(i int) {
+			begin = append(append(begin[:0], "BEGIN; SET LOCAL fence.step = '"+prefix...), strconv.Itoa(i)...)
+			begin = append(begin, '\'')
+			if _, err := conn.Exec(ctx, string(begin)); err != nil {
+				b.Fatal(err)
+			}
+			if _, err := conn.Exec(ctx, upsert, l.JobKey, payload, l.Token); err != nil {
+				b.Fatal(err)
+			}
+			if _, err := conn.Exec(ctx, "COMMIT"); err != nil {
+				b.Fatal(err)
+			}
 		}
 	}
+	gatedCycle, gatedGCycle := gatedOn(gated, "s"), gatedOn(gatedG, "g")
 	directCycle := func(int) {
 		tx, err := direct.Begin(ctx)
 		if err != nil {
@@ -155,11 +168,12 @@ func BenchmarkGatedWrite(b *testing.B) {
 			b.Fatal(err)
 		}
 	}
-	ns, i := seedbench.Interleave(b, directCycle, gatedCycle, seedCycle, fencedCycle)
+	ns, i := seedbench.Interleave(b, directCycle, gatedCycle, seedCycle, fencedCycle, gatedGCycle)
 	if i == 0 {
 		return
 	}
-	dn, g, s, f := ns[0], ns[1], ns[2], ns[3]
+	dn, g, s, f, gg := ns[0], ns[1], ns[2], ns[3], ns[4]
+	b.ReportMetric(gg/dn, "goroutines/direct")
 	b.ReportMetric(g, "gated-ns/op")
 	b.ReportMetric(dn, "direct-ns/op")
 	b.ReportMetric(s, "seed-ns/op")
@@ -167,10 +181,13 @@ func BenchmarkGatedWrite(b *testing.B) {
 	b.ReportMetric(g/dn, "gated/direct")
 	b.ReportMetric(g/s, "gated/seed")
 	b.ReportMetric(g/f, "gated/fenced")
-	b.Logf("gated %.0f ns/op, direct %.0f ns/op, seed %.0f ns/op, fenced SQL direct %.0f ns/op; gated/direct %.2f (target ≤ 1.5), gated/seed %.2f (target ≤ 1), gated/fenced %.2f (the proxy's share) (n=%d)",
-		g, dn, s, f, g/dn, g/s, g/f, i)
-	if got := gate.Stats.Committed.Load(); got < int64(i) {
-		b.Fatalf("gate committed %d receipts, want at least %d", got, i)
+	b.Logf("gated %.0f ns/op, direct %.0f ns/op, seed %.0f ns/op, fenced SQL direct %.0f ns/op; gated/direct %.2f (target ≤ 1.5), gated/seed %.2f (target ≤ 1), gated/fenced %.2f (the proxy's share); without the event loop: %.0f ns/op, %.2f of direct (n=%d)",
+		g, dn, s, f, g/dn, g/s, g/f, gg, gg/dn, i)
+	if got := gate.Stats.Committed.Load(); got < 2*int64(i) {
+		b.Fatalf("gate committed %d receipts, want at least %d", got, 2*i)
+	}
+	if n := p.srv.ops.stats.SessionsLoop.Load(); n != 1 {
+		b.Fatalf("%d gated sessions on the event loop, want 1", n)
 	}
 }
 

@@ -26,7 +26,9 @@ import (
 
 	"go.uber.org/zap"
 
+	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/internal/pgtest"
+	"github.com/pgfence/pgfence/internal/seedbench"
 	"github.com/pgfence/pgfence/migrations"
 	"github.com/pgfence/pgfence/proxy"
 )
@@ -38,6 +40,7 @@ func main() {
 	only := flag.String("only", "", "run only the cells whose \"workload c=N\" matches this regexp")
 	goroutines := flag.Bool("goroutines", false, "relay pass-through sessions with goroutines instead of the event loop (proxy.Config.DisableEventLoop)")
 	gated := flag.Bool("gate", true, "add a column for pgfence with the write gate (as pgfence serve runs; no table protected, so it measures the interception cost alone)")
+	gatedWrite := flag.Bool("gated-write", true, "with -gate, also time a gated write transaction with pgbench against the same transaction direct, the seed's hand-written fence SQL and the protocol's SQL by hand")
 	cpuprofile := flag.String("cpuprofile", "", "write a CPU profile of the proxies (this process) to this file")
 	flag.Parse()
 	if *cpuprofile != "" {
@@ -56,7 +59,7 @@ func main() {
 		fmt.Fprintln(os.Stderr, "benchproxy: -only:", err)
 		os.Exit(2)
 	}
-	if err := run(*dur, *scale, *rounds, onlyRe, *goroutines, *gated); err != nil {
+	if err := run(*dur, *scale, *rounds, onlyRe, *goroutines, *gated, *gated && *gatedWrite); err != nil {
 		fmt.Fprintln(os.Stderr, "benchproxy:", err)
 		pprof.StopCPUProfile()
 		os.Exit(1)
@@ -97,7 +100,7 @@ func procCPU(pid int) func() time.Duration {
 	}
 }
 
-func run(dur time.Duration, scale, rounds int, only *regexp.Regexp, goroutines, gated bool) error {
+func run(dur time.Duration, scale, rounds int, only *regexp.Regexp, goroutines, gated, gatedWrite bool) (err error) {
 	ctx := context.Background()
 	c, err := pgtest.Start(ctx, pgtest.Options{})
 	if err != nil {
@@ -158,6 +161,13 @@ func run(dur time.Duration, scale, rounds int, only *regexp.Regexp, goroutines, 
 			return err
 		}
 		targets = append(targets, target{"pgfence+gate", port, selfCPU})
+		if gatedWrite {
+			defer func() {
+				if err == nil {
+					err = benchGatedWrite(ctx, c, db, port, dur, rounds)
+				}
+			}()
+		}
 	}
 	if port, pid, stop, err := startPgBouncer(c.Primary.Port); err != nil {
 		fmt.Fprintf(os.Stderr, "benchproxy: PgBouncer column skipped: %v\n", err)
@@ -249,9 +259,13 @@ func bench(port int, db string, args ...string) (result, error) {
 }
 
 func pgbench(port int, db string, args ...string) (string, error) {
+	return pgbenchEnv(nil, port, db, args...)
+}
+
+func pgbenchEnv(env []string, port int, db string, args ...string) (string, error) {
 	args = append([]string{"-h", "127.0.0.1", "-p", strconv.Itoa(port), "-U", "postgres"}, args...)
 	cmd := exec.Command("pgbench", append(args, db)...)
-	cmd.Env = append(os.Environ(), "PGSSLMODE=disable")
+	cmd.Env = append(append(os.Environ(), "PGSSLMODE=disable"), env...)
 	out, err := cmd.CombinedOutput()
 	return string(out), err
 }
@@ -345,4 +359,106 @@ func numCPU() int {
 	}
 	n, _ := strconv.Atoi(strings.TrimSpace(string(out)))
 	return n
+}
+
+// benchGatedWrite times one write transaction of a worker that knows only
+// its generation (PGOPTIONS), with pgbench (libpq, simple protocol, one
+// client), four ways in alternation:
+//
+//   - direct: BEGIN; the conditional upsert into an unprotected table;
+//     COMMIT — three round trips straight to PostgreSQL.
+//   - gated: the same three round trips through pgfence with the write
+//     gate, into a protected table; the step rides in the BEGIN's query
+//     (SET LOCAL fence.step), so every commit writes its own receipt.
+//   - fenced SQL: what the proxy sends, typed by hand straight to
+//     PostgreSQL in the same three round trips: the protocol's own
+//     server-side cost. gated/fenced is the proxy's share.
+//   - seed: the seed's hand-written fence SQL, straight to PostgreSQL:
+//     BEGIN, the fence row FOR UPDATE, the receipt, the upsert, COMMIT.
+//
+// Latency ratios are printed (the issue's targets: gated/direct ≤ 1.5,
+// gated/seed ≤ 1).
+func benchGatedWrite(ctx context.Context, c *pgtest.Cluster, db string, gatePort int, dur time.Duration, rounds int) error {
+	conn, err := c.Primary.Connect(ctx, db)
+	if err != nil {
+		return err
+	}
+	defer conn.Close(ctx)
+	if _, err := conn.Exec(ctx, `
+CREATE TABLE gw_results (job_key text PRIMARY KEY, payload text NOT NULL, token bigint NOT NULL);
+CREATE TABLE gw_plain (job_key text PRIMARY KEY, payload text NOT NULL, token bigint NOT NULL);
+SELECT fence.protect('gw_results');
+`+seedbench.Schema); err != nil {
+		return err
+	}
+	l, err := fence.Acquire(ctx, conn, "bench-job", "benchproxy", time.Hour)
+	if err != nil {
+		return err
+	}
+	dir, err := os.MkdirTemp("", "pgfence-bench-gw-")
+	if err != nil {
+		return err
+	}
+	defer os.RemoveAll(dir)
+	upsert := func(table string, token int64) string {
+		return fmt.Sprintf("INSERT INTO %[1]s (job_key, payload, token) VALUES ('bench-job', 'benchmark payload', %[2]d) "+
+			"ON CONFLICT (job_key) DO UPDATE SET payload = excluded.payload, token = excluded.token WHERE %[1]s.token < excluded.token;\n", table, token)
+	}
+	step := "\\set s random(1, 1000000000000)\n"
+	scripts := map[string]string{
+		"direct": "BEGIN;\n" + upsert("gw_plain", l.Token) + "COMMIT;\n",
+		"gated":  step + "BEGIN\\; SET LOCAL fence.step = 'g:s';\n" + upsert("gw_results", l.Token) + "COMMIT;\n",
+		"fenced": step + fmt.Sprintf("BEGIN\\; SET LOCAL fence.step = 'f:s'\\; SELECT fence.gate('bench-job', %d, %d, 'f:s');\n", l.Epoch, l.Token) +
+			upsert("gw_results", l.Token) +
+			fmt.Sprintf("SELECT fence.commit('bench-job', %d, %d, 'f:s', '\\x00'::bytea, 'v1')\\; COMMIT;\n", l.Epoch, l.Token),
+		"seed": step + "BEGIN;\n" +
+			fmt.Sprintf("SELECT max_issued_token FROM report_fences WHERE job_key = '%s' AND max_issued_token = %d FOR UPDATE;\n", seedbench.JobKey, seedbench.Token) +
+			fmt.Sprintf("INSERT INTO report_commit_receipts (job_key, fencing_token, step, payload_digest) VALUES ('%s', %d, ':s', sha256('benchmark payload')) ON CONFLICT DO NOTHING;\n", seedbench.JobKey, seedbench.Token) +
+			fmt.Sprintf("INSERT INTO report_results (job_key, payload, applied_fencing_token) VALUES ('%s', 'benchmark payload', %d) "+
+				"ON CONFLICT (job_key) DO UPDATE SET payload = excluded.payload, applied_fencing_token = excluded.applied_fencing_token "+
+				"WHERE report_results.applied_fencing_token < excluded.applied_fencing_token;\n", seedbench.JobKey, seedbench.Token) +
+			"COMMIT;\n",
+	}
+	gen := fmt.Sprintf("PGOPTIONS=-c fence.job_key=bench-job -c fence.epoch=%d -c fence.token=%d", l.Epoch, l.Token)
+	order := []struct {
+		name string
+		port int
+		env  []string
+	}{
+		{"direct", c.Primary.Port, nil},
+		{"gated", gatePort, []string{gen}},
+		{"fenced", c.Primary.Port, []string{gen}},
+		{"seed", c.Primary.Port, nil},
+	}
+	lat := map[string]float64{}
+	for r := 0; r < rounds; r++ {
+		for _, o := range order {
+			f := filepath.Join(dir, o.name+".sql")
+			if err := os.WriteFile(f, []byte(scripts[o.name]), 0o644); err != nil {
+				return err
+			}
+			out, err := pgbenchEnv(o.env, o.port, db, "-n", "-M", "simple", "-c", "1", "-T", strconv.Itoa(int(dur.Seconds())), "-f", f)
+			if err != nil {
+				return fmt.Errorf("gated write, %s: %w\n%s", o.name, err, out)
+			}
+			m := latRe.FindStringSubmatch(out)
+			if m == nil {
+				return fmt.Errorf("gated write, %s: cannot parse pgbench output:\n%s", o.name, out)
+			}
+			v, _ := strconv.ParseFloat(m[1], 64)
+			lat[o.name] += v / float64(rounds)
+		}
+	}
+	var receipts int
+	if err := conn.QueryRow(ctx, "SELECT count(*) FROM fence.receipts WHERE job_key = 'bench-job' AND step LIKE 'g%'").Scan(&receipts); err != nil {
+		return err
+	}
+	if receipts == 0 {
+		return errors.New("gated write: the gated runs left no receipt; the gate did not act")
+	}
+	fmt.Printf("\ngated write transaction, pgbench -c 1 -M simple (mean latency, ms): direct %.3f, gated %.3f, fenced SQL by hand %.3f, seed %.3f\n",
+		lat["direct"], lat["gated"], lat["fenced"], lat["seed"])
+	fmt.Printf("gated/direct %.2f (target ≤ 1.5), gated/seed %.2f (target ≤ 1), gated/fenced %.2f (the proxy's share), fenced/direct %.2f (the protocol's SQL)\n",
+		lat["gated"]/lat["direct"], lat["gated"]/lat["seed"], lat["gated"]/lat["fenced"], lat["fenced"]/lat["direct"])
+	return nil
 }
