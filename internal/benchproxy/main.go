@@ -100,7 +100,7 @@ func procCPU(pid int) func() time.Duration {
 	}
 }
 
-func run(dur time.Duration, scale, rounds int, only *regexp.Regexp, goroutines, gated, gatedWrite bool) (err error) {
+func run(dur time.Duration, scale, rounds int, only *regexp.Regexp, goroutines, gated, gatedWrite bool) error {
 	ctx := context.Background()
 	c, err := pgtest.Start(ctx, pgtest.Options{})
 	if err != nil {
@@ -108,6 +108,7 @@ func run(dur time.Duration, scale, rounds int, only *regexp.Regexp, goroutines, 
 	}
 	defer c.Close()
 	var stops []func()
+	var gw func(relays map[string]int) error // the gated write, run after the table
 	db := "bench"
 	if _, err := psqlExec(c.Primary.Port, "postgres", "CREATE DATABASE bench"); err != nil {
 		return err
@@ -118,7 +119,7 @@ func run(dur time.Duration, scale, rounds int, only *regexp.Regexp, goroutines, 
 
 	start := func(cfg proxy.Config) (int, error) {
 		cfg.Primary = c.Primary.DSN("postgres")
-		cfg.DisableEventLoop = goroutines
+		cfg.DisableEventLoop = cfg.DisableEventLoop || goroutines
 		srv, err := proxy.New(cfg, zap.NewNop())
 		if err != nil {
 			return 0, err
@@ -162,11 +163,17 @@ func run(dur time.Duration, scale, rounds int, only *regexp.Regexp, goroutines, 
 		}
 		targets = append(targets, target{"pgfence+gate", port, selfCPU})
 		if gatedWrite {
-			defer func() {
-				if err == nil {
-					err = benchGatedWrite(ctx, c, db, port, dur, rounds)
+			gport := 0
+			if !goroutines {
+				// The gate with both halves of its sessions on goroutines,
+				// for comparison.
+				if gport, err = start(proxy.Config{Interceptor: gate, DisableEventLoop: true}); err != nil {
+					return err
 				}
-			}()
+			}
+			gw = func(relays map[string]int) error {
+				return benchGatedWrite(ctx, c, db, port, gport, relays, dur, rounds)
+			}
 		}
 	}
 	if port, pid, stop, err := startPgBouncer(c.Primary.Port); err != nil {
@@ -235,6 +242,13 @@ func run(dur time.Duration, scale, rounds int, only *regexp.Regexp, goroutines, 
 			row += fmt.Sprintf(" %17.3f %17.3f %19.1f", s.tps/sum[0].tps, s.lat-sum[0].lat, s.cpuPerTxn)
 		}
 		fmt.Println(row)
+	}
+	if gw != nil {
+		relays := map[string]int{}
+		for _, t := range targets {
+			relays[t.name] = t.port
+		}
+		return gw(relays)
 	}
 	return nil
 }
@@ -378,7 +392,7 @@ func numCPU() int {
 //
 // Latency ratios are printed (the targets: gated/direct ≤ 1.5,
 // gated/seed ≤ 1).
-func benchGatedWrite(ctx context.Context, c *pgtest.Cluster, db string, gatePort int, dur time.Duration, rounds int) error {
+func benchGatedWrite(ctx context.Context, c *pgtest.Cluster, db string, gatePort, goroutinePort int, relays map[string]int, dur time.Duration, rounds int) error {
 	conn, err := c.Primary.Connect(ctx, db)
 	if err != nil {
 		return err
@@ -430,6 +444,32 @@ SELECT fence.protect('gw_results');
 		{"fenced", c.Primary.Port, []string{gen}},
 		{"seed", c.Primary.Port, nil},
 	}
+	// The protocol's SQL by hand through a pass-through relay (PgBouncer
+	// passes no startup options: the generation rides in the BEGIN's
+	// query as SET LOCALs), against the same script direct.
+	local := step + fmt.Sprintf("BEGIN\\; SET LOCAL fence.job_key = 'bench-job'\\; SET LOCAL fence.epoch = %d\\; SET LOCAL fence.token = %d\\; SET LOCAL fence.step = 'P:s'\\; SELECT fence.gate('bench-job', %d, %d, 'P:s');\n", l.Epoch, l.Token, l.Epoch, l.Token) +
+		upsert("gw_results", l.Token) +
+		fmt.Sprintf("SELECT fence.commit('bench-job', %d, %d, 'P:s', '\\x00'::bytea, 'v1')\\; COMMIT;\n", l.Epoch, l.Token)
+	for _, name := range []string{"direct", "pgfence", "pgbouncer"} {
+		port, ok := relays[name]
+		if !ok {
+			continue
+		}
+		order = append(order, struct {
+			name string
+			port int
+			env  []string
+		}{"local via " + name, port, nil})
+		scripts["local via "+name] = strings.ReplaceAll(local, "'P:s'", "'"+name[:3]+":s'")
+	}
+	if goroutinePort != 0 {
+		order = append(order, struct {
+			name string
+			port int
+			env  []string
+		}{"goroutines", goroutinePort, []string{gen}})
+		scripts["goroutines"] = strings.ReplaceAll(scripts["gated"], "'g:s'", "'r:s'")
+	}
 	lat := map[string]float64{}
 	for r := 0; r < rounds; r++ {
 		for _, o := range order {
@@ -460,5 +500,13 @@ SELECT fence.protect('gw_results');
 		lat["direct"], lat["gated"], lat["fenced"], lat["seed"])
 	fmt.Printf("gated/direct %.2f (target ≤ 1.5), gated/seed %.2f (target ≤ 1), gated/fenced %.2f (the proxy's share), fenced/direct %.2f (the protocol's SQL)\n",
 		lat["gated"]/lat["direct"], lat["gated"]/lat["seed"], lat["gated"]/lat["fenced"], lat["fenced"]/lat["direct"])
+	for _, name := range []string{"pgfence", "pgbouncer"} {
+		if v, ok := lat["local via "+name]; ok {
+			fmt.Printf("the protocol's SQL by hand through %s (pass-through): %.3f ms, %.2f of the same direct (%.3f ms)\n", name, v, v/lat["local via direct"], lat["local via direct"])
+		}
+	}
+	if g := lat["goroutines"]; g > 0 {
+		fmt.Printf("the gate without the event loop: %.3f ms, %.2f of direct, %.2f of fenced\n", g, g/lat["direct"], g/lat["fenced"])
+	}
 	return nil
 }
