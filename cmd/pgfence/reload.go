@@ -70,6 +70,7 @@ func (c serveConfig) extraSettings() []proxy.Setting {
 		{Key: "listen", Value: c.Listen},
 		{Key: "metrics_listen", Value: c.MetricsListen},
 		{Key: "no_gate", Value: strconv.FormatBool(c.NoGate)},
+		{Key: "no_event_loop", Value: strconv.FormatBool(c.NoEventLoop)},
 		{Key: "log_level", Value: lvl, Reloadable: true},
 	}
 }
@@ -99,6 +100,7 @@ func (c serveConfig) reloader(log *zap.Logger) func() (proxy.Config, *proxy.Relo
 			{"listen", next.Listen != c.Listen},
 			{"metrics_listen", next.MetricsListen != c.MetricsListen},
 			{"no_gate", next.NoGate != c.NoGate},
+			{"no_event_loop", next.NoEventLoop != c.NoEventLoop},
 		} {
 			if r.changed {
 				rep.Restart = append(rep.Restart, r.name)

@@ -39,6 +39,9 @@ type serveConfig struct {
 	// measuring the proxy alone). Protected tables then rely on their
 	// backstop trigger only, without commit receipts.
 	NoGate bool `toml:"no_gate"`
+	// NoEventLoop relays every session with goroutines instead of the
+	// event loop thread (docs/proxy.md, "The event loop").
+	NoEventLoop bool `toml:"no_event_loop"`
 	// AdminUsers may use the admin console (psql ... pgfence).
 	AdminUsers []string `toml:"admin_users"`
 	// MetricsListen serves /metrics, /healthz and /readyz when set.
@@ -96,6 +99,7 @@ user to the password presented upstream for it. See docs/proxy.md.`,
 	f.Int("max-clients", 0, fmt.Sprintf("maximum concurrent clients (PGFENCE_MAX_CLIENTS; default %d)", proxy.DefaultMaxClients))
 	f.String("max-message-size", "", "largest client message, e.g. 64MiB (PGFENCE_MAX_MESSAGE_SIZE; default 64MiB)")
 	f.Bool("no-gate", false, "turn the write gate off: a plain pass-through proxy, protected tables guarded by their backstop trigger only (PGFENCE_NO_GATE)")
+	f.Bool("no-event-loop", false, "relay every session with goroutines instead of the event loop thread; see docs/proxy.md (PGFENCE_NO_EVENT_LOOP)")
 	f.String("shutdown-timeout", "", "how long open transactions may run after SIGTERM (PGFENCE_SHUTDOWN_TIMEOUT; default 30s)")
 	f.StringSlice("admin-users", nil, "users allowed into the admin console, the virtual database pgfence (PGFENCE_ADMIN_USERS, comma-separated)")
 	f.String("metrics-listen", "", "address serving Prometheus /metrics, /healthz and /readyz, e.g. 127.0.0.1:9187 (PGFENCE_METRICS_LISTEN; default off)")
@@ -155,15 +159,18 @@ func loadServeConfig(cmd *cobra.Command) (serveConfig, error) {
 	if cmd.Flags().Changed("max-clients") {
 		cfg.MaxClients, _ = cmd.Flags().GetInt("max-clients")
 	}
-	if v, ok := os.LookupEnv("PGFENCE_NO_GATE"); ok {
-		b, err := strconv.ParseBool(v)
-		if err != nil {
-			return cfg, fmt.Errorf("PGFENCE_NO_GATE: %w", err)
+	for key, dst := range map[string]*bool{"no-gate": &cfg.NoGate, "no-event-loop": &cfg.NoEventLoop} {
+		env := "PGFENCE_" + strings.ToUpper(strings.ReplaceAll(key, "-", "_"))
+		if v, ok := os.LookupEnv(env); ok {
+			b, err := strconv.ParseBool(v)
+			if err != nil {
+				return cfg, fmt.Errorf("%s: %w", env, err)
+			}
+			*dst = b
 		}
-		cfg.NoGate = b
-	}
-	if cmd.Flags().Changed("no-gate") {
-		cfg.NoGate, _ = cmd.Flags().GetBool("no-gate")
+		if cmd.Flags().Changed(key) {
+			*dst, _ = cmd.Flags().GetBool(key)
+		}
 	}
 	if err := loadOpsConfig(cmd, &cfg); err != nil { // reload.go
 		return cfg, err
@@ -185,6 +192,7 @@ func (c serveConfig) proxyConfig() (proxy.Config, error) {
 		MaxClients:        c.MaxClients,
 		UpstreamPasswords: c.UpstreamPasswords,
 		AdminUsers:        c.AdminUsers,
+		DisableEventLoop:  c.NoEventLoop,
 	}
 	if err := c.applyReplicaConfig(&pc); err != nil { // serve_replicas.go
 		return pc, err

@@ -24,6 +24,7 @@ primary = "postgres://file@localhost/db"
 max_clients = 5
 max_message_size = "1MiB"
 shutdown_timeout = "3s"
+no_event_loop = true
 [upstream_passwords]
 alice = "pw"
 `), 0o600)
@@ -45,8 +46,18 @@ alice = "pw"
 	if err != nil {
 		t.Fatal(err)
 	}
-	if pc.MaxMessageSize != 1<<20 || pc.ShutdownTimeout != 3*time.Second {
-		t.Fatalf("got size %d timeout %v, want 1MiB 3s", pc.MaxMessageSize, pc.ShutdownTimeout)
+	if pc.MaxMessageSize != 1<<20 || pc.ShutdownTimeout != 3*time.Second || !pc.DisableEventLoop {
+		t.Fatalf("got size %d timeout %v event loop off %v, want 1MiB 3s true", pc.MaxMessageSize, pc.ShutdownTimeout, pc.DisableEventLoop)
+	}
+	t.Setenv("PGFENCE_NO_EVENT_LOOP", "false")
+	if cfg, err = loadServeConfig(cmd); err != nil || cfg.NoEventLoop {
+		t.Fatalf("PGFENCE_NO_EVENT_LOOP=false over the file: got %v %v", cfg.NoEventLoop, err)
+	}
+	if err := cmd.ParseFlags([]string{"--no-event-loop"}); err != nil {
+		t.Fatal(err)
+	}
+	if cfg, err = loadServeConfig(cmd); err != nil || !cfg.NoEventLoop {
+		t.Fatalf("--no-event-loop over the environment: got %v %v", cfg.NoEventLoop, err)
 	}
 	os.WriteFile(file, []byte("listne = \"x\"\n"), 0o600)
 	if _, err := loadServeConfig(cmd); err == nil || !strings.Contains(err.Error(), "listne") {
