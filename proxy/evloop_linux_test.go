@@ -3,6 +3,8 @@
 package proxy
 
 import (
+	"bufio"
+	"bytes"
 	"context"
 	"errors"
 	"io"
@@ -254,4 +256,105 @@ func TestHalfLoopHandlerPanic(t *testing.T) {
 			t.Fatalf("a session after another's panic: %v %v", res, err)
 		}
 	}
+}
+
+// chunkReader hands out its input one chunk per "readable event", as the
+// loop's server reader does: a chunk's bytes, then errWouldBlock until
+// the next chunk is armed, then io.EOF after the last.
+type chunkReader struct {
+	in    []byte
+	cuts  []byte
+	i     int // next chunk
+	left  []byte
+	armed bool
+}
+
+func (c *chunkReader) arm() bool {
+	if len(c.in) == 0 {
+		return false
+	}
+	n := len(c.in)
+	if c.i < len(c.cuts) {
+		n = min(n, int(c.cuts[c.i])+1)
+	}
+	c.i++
+	c.left, c.in = c.in[:n], c.in[n:]
+	return true
+}
+
+func (c *chunkReader) Read(b []byte) (int, error) {
+	if len(c.left) == 0 {
+		if len(c.in) == 0 {
+			return 0, io.EOF
+		}
+		return 0, errWouldBlock
+	}
+	n := copy(b, c.left)
+	c.left = c.left[n:]
+	return n, nil
+}
+
+// FuzzServerMessageResume: on the event loop the server side reads a
+// non-blocking socket, so Session.serverMessage returns errWouldBlock
+// whenever a message has not arrived whole and is called again when more
+// has. Fed a valid server stream cut at arbitrary points, with a buffer
+// smaller than some messages (which are passed on in pieces), it passes
+// on every byte unchanged and in order, and tracks ReadyForQuery.
+func FuzzServerMessageResume(f *testing.F) {
+	f.Add([]byte{'D', 10, 'C', 3, 'Z', 1, 'T', 0}, []byte{0, 3, 1}, uint16(3000))
+	f.Add([]byte{'Z', 0}, []byte{}, uint16(0))
+	f.Add([]byte{'D', 200, 'D', 255, 'Z', 9}, []byte{4, 4, 255, 0, 7}, uint16(65535))
+	f.Fuzz(func(t *testing.T, spec, cuts []byte, big uint16) {
+		// Build a valid stream: pairs of (type, body length) from spec, a
+		// ReadyForQuery with a status byte when the type is Z, and one
+		// message of big bytes (larger than the buffer when big > 1024).
+		var stream []byte
+		msg := func(typ byte, n int) {
+			stream = append(stream, typ, byte((n+4)>>24), byte((n+4)>>16), byte((n+4)>>8), byte(n+4))
+			for k := range n {
+				stream = append(stream, byte(k))
+			}
+		}
+		rfq := 0
+		for k := 0; k+1 < len(spec); k += 2 {
+			switch typ := spec[k]; typ {
+			case 'Z':
+				stream = append(stream, 'Z', 0, 0, 0, 5, "ITE"[int(spec[k+1])%3])
+				rfq++
+			default:
+				t := 'A' + typ%25 // A..Y: not Z, whose status byte is counted
+				msg(t, int(spec[k+1]))
+			}
+		}
+		msg('D', int(big))
+
+		var out bytes.Buffer
+		cr := &chunkReader{in: stream, cuts: cuts}
+		s := &Session{srv: &Server{}, cw: &clientWriter{Writer: bufio.NewWriterSize(&out, 1024)}}
+		s.sf = framer{r: bufio.NewReaderSize(cr, 1024), flush: s.cw.Flush, from: "server"}
+		var bm bigMessage
+		cr.arm()
+		for {
+			err := s.serverMessage(&bm)
+			if err == errWouldBlock {
+				if !cr.arm() {
+					t.Fatalf("would block with the whole stream read (%d bytes passed on of %d)", out.Len(), len(stream))
+				}
+				continue
+			}
+			if err != nil {
+				if !errors.Is(err, io.EOF) {
+					t.Fatalf("serverMessage: %v", err)
+				}
+				break
+			}
+		}
+		s.cw.Flush()
+		if !bytes.Equal(out.Bytes(), stream) {
+			t.Fatalf("passed on %d bytes, want the %d of the stream unchanged", out.Len(), len(stream))
+		}
+		if got := -s.pending.Load(); got != int64(rfq) {
+			t.Fatalf("counted %d ReadyForQuery, want %d", got, rfq)
+		}
+	})
 }
