@@ -89,3 +89,23 @@ func BenchmarkClassifyShape(b *testing.B) {
 		i++
 	}
 }
+
+// BenchmarkClassifyFenceStep: a worker's "BEGIN; SET LOCAL fence.step =
+// '...'", a new text every transaction, through ClassifyShared (the
+// gate's path): one parse per shape, then the value is put in.
+func BenchmarkClassifyFenceStep(b *testing.B) {
+	c := NewClassifier(1024)
+	texts := make([]string, 4096)
+	for i := range texts {
+		texts[i] = "BEGIN; SET LOCAL fence.step = 'nightly-" + strconv.Itoa(100000+i*7919) + "'"
+	}
+	c.ClassifyShared(texts[0])
+	b.ReportAllocs()
+	i := 0
+	for b.Loop() {
+		if _, _, err := c.ClassifyShared(texts[i%len(texts)]); err != nil {
+			b.Fatal(err)
+		}
+		i++
+	}
+}

@@ -26,6 +26,15 @@ type Classifier struct {
 	cache   *lru.Cache[string, entry]
 	shapes  *lru.Cache[string, *Result]
 	wshapes *lru.Cache[string, *Result] // writes, for ClassifyShared only
+	gshapes *lru.Cache[string, gshape]  // fence SETs, for ClassifyShared only (see fenceSetShape)
+}
+
+// gshape is a cached text whose only literal is the value its last
+// statement, a SET of a fence parameter, assigns.
+type gshape struct {
+	text string
+	res  *Result
+	lit  span // the literal in text
 }
 
 type entry struct {
@@ -51,7 +60,11 @@ func NewClassifier(size int) *Classifier {
 	if err != nil {
 		panic("rewrite: " + err.Error()) // unreachable: size > 0
 	}
-	return &Classifier{cache: c, shapes: s, wshapes: w}
+	g, err := lru.New[string, gshape](size)
+	if err != nil {
+		panic("rewrite: " + err.Error()) // unreachable: size > 0
+	}
+	return &Classifier{cache: c, shapes: s, wshapes: w, gshapes: g}
 }
 
 // Classify returns the cached classification of sql, classifying and
@@ -101,6 +114,11 @@ func (c *Classifier) ClassifyShared(sql string) (res *Result, shared bool, err e
 	if res, ok := c.wshapes.Get(key); ok {
 		return res, true, nil
 	}
+	if g, ok := c.gshapes.Get(key); ok {
+		if res := g.apply(sql); res != nil {
+			return res, true, nil
+		}
+	}
 	res, err = Classify(sql)
 	switch {
 	case err == nil && shareable(res):
@@ -108,13 +126,93 @@ func (c *Classifier) ClassifyShared(sql string) (res *Result, shared bool, err e
 	case err == nil && shareableWrite(res):
 		c.wshapes.Add(key, res)
 	default:
-		c.cache.Add(sql, entry{res: res, err: err})
+		if g, ok := fenceSetShape(sql, res); err == nil && ok {
+			c.gshapes.Add(key, g)
+		} else {
+			c.cache.Add(sql, entry{res: res, err: err})
+		}
 	}
 	return res, false, err
 }
 
+// fenceSetShape reports whether sql, classified as res, may serve
+// ClassifyShared for every text of its shape with its literal put in:
+// "SET [LOCAL] fence.x = '...'", alone or after BEGIN (what a worker sends
+// at the start of every transaction, with a new fence.step each time, so
+// each text is new). Its only literal is a string literal, inside the last
+// statement, a SET of a parameter in the fence namespace whose value
+// PostgreSQL takes as written (a placeholder parameter: no list quoting),
+// and the statements before it are BEGIN.
+func fenceSetShape(sql string, res *Result) (gshape, bool) {
+	var spans []span
+	if _, ok, _ := scanShape(sql, &spans); !ok || len(spans) != 1 || !spans[0].str || len(res.Stmts) == 0 {
+		return gshape{}, false
+	}
+	last := res.Stmts[len(res.Stmts)-1]
+	for _, st := range res.Stmts[:len(res.Stmts)-1] {
+		if st.Kind != Begin || st.Isolation != "" || st.ReadOnly || st.ReadWrite || st.Deferrable {
+			return gshape{}, false
+		}
+	}
+	lit := spans[0]
+	if lit.start < last.Offset || !plainSet(last) || last.GUCs[0].Value != unquote(sql[lit.start:lit.end]) {
+		return gshape{}, false
+	}
+	return gshape{text: sql, res: res, lit: lit}, true
+}
+
+// plainSet reports whether st is exactly what classifySet makes of
+// SET [LOCAL] fence.x = '...' and nothing else.
+func plainSet(st *Stmt) bool {
+	if st.Kind != Set || len(st.GUCs) != 1 || !strings.HasPrefix(st.Name, "fence.") {
+		return false
+	}
+	g := st.GUCs[0]
+	return g.Op == GUCSet && g.Name == st.Name && g.NArgs == 1 && !g.Func &&
+		!st.All && !st.Chain && st.WriteTargets == nil && st.ReadRelations == nil &&
+		!st.Opaque && !st.LockingRead && !st.CallsFence && !st.PrimaryOnlyFuncs && !st.UnknownGUCWrite &&
+		st.Params == 0 && st.Inner == nil && st.Executes == "" && !st.Explain
+}
+
+// unquote decodes a standard string literal ('it''s' → it's).
+func unquote(lit string) string {
+	return strings.ReplaceAll(lit[1:len(lit)-1], "''", "'")
+}
+
+// apply returns the Result for sql, a text of g's shape: g's statements
+// with sql's own text and value for the last one. It returns nil when
+// sql differs from g's text anywhere but in the last statement (the
+// statements before it must be byte for byte the same).
+func (g gshape) apply(sql string) *Result {
+	last := g.res.Stmts[len(g.res.Stmts)-1]
+	var spans []span
+	if _, ok, _ := scanShape(sql, &spans); !ok || len(spans) != 1 || !spans[0].str ||
+		len(sql) < last.Offset || sql[:last.Offset] != g.text[:last.Offset] {
+		return nil
+	}
+	lit := spans[0]
+	// The statement's own text: the literal changes length, what follows
+	// it (a semicolon, blanks) does not.
+	i := strings.Index(g.text[last.Offset:], last.SQL)
+	if i < 0 || lit.start < last.Offset {
+		return nil
+	}
+	start := last.Offset + i
+	end := len(sql) - (len(g.text) - (start + len(last.SQL)))
+	if end < start || lit.end > end {
+		return nil
+	}
+	gu := last.GUCs[0]
+	gu.Value = unquote(sql[lit.start:lit.end])
+	st := &Stmt{SQL: sql[start:end], Offset: last.Offset, Kind: Set, Name: last.Name, GUCs: []GUC{gu}}
+	res := &Result{Stmts: append(append(make([]*Stmt, 0, len(g.res.Stmts)), g.res.Stmts[:len(g.res.Stmts)-1]...), st)}
+	return res
+}
+
 // Len returns the number of cached query strings and shapes.
-func (c *Classifier) Len() int { return c.cache.Len() + c.shapes.Len() + c.wshapes.Len() }
+func (c *Classifier) Len() int {
+	return c.cache.Len() + c.shapes.Len() + c.wshapes.Len() + c.gshapes.Len()
+}
 
 // plainSingle returns res's statement when res is one statement without
 // session effects — it sets no GUC, calls nothing in schema fence and is
@@ -162,6 +260,19 @@ func ShapeKey(sql string) (key string, ok bool) {
 // hot statement (a prepared one, typically) is looked up without building
 // a key.
 func shapeKey(sql string) (key string, ok, literals bool) {
+	return scanShape(sql, nil)
+}
+
+// span is a literal's place in a text: [start, end), quotes included;
+// str marks a string literal (a numeric one otherwise).
+type span struct {
+	start, end int
+	str        bool
+}
+
+// scanShape is shapeKey, also appending every literal's span to spans when
+// spans is not nil.
+func scanShape(sql string, spans *[]span) (key string, ok, literals bool) {
 	if !utf8.ValidString(sql) {
 		return "", false, false
 	}
@@ -193,6 +304,9 @@ func shapeKey(sql string) (key string, ok, literals bool) {
 			}
 			b = append(b, '?')
 			literals = true
+			if spans != nil {
+				*spans = append(*spans, span{start: i, end: j + 1, str: true})
+			}
 			i = j + 1
 		case c == '"':
 			j := i + 1
@@ -237,6 +351,9 @@ func shapeKey(sql string) (key string, ok, literals bool) {
 			}
 			b = append(b, '?')
 			literals = true
+			if spans != nil {
+				*spans = append(*spans, span{start: i, end: j})
+			}
 			i = j
 		case c >= 'A' && c <= 'Z':
 			b = append(b, c+'a'-'A')

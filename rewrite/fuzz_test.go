@@ -31,6 +31,14 @@ func FuzzClassify(f *testing.F) {
 			}
 		}
 	}
+	for _, sql := range []string{
+		"BEGIN; SET LOCAL fence.step = 'a'",
+		"begin;set fence.token='1'; -- c\n",
+		"START TRANSACTION;\tSET LOCAL fence.payload_digest TO 'x''y'  ;",
+		"SET fence.job_key = 'k'",
+	} {
+		f.Add(sql)
+	}
 	f.Fuzz(func(t *testing.T, sql string) {
 		// A crash in the C parser or deparser kills the fuzz worker
 		// before Go can save the input; FUZZ_TRACE=file records each
@@ -61,6 +69,7 @@ func FuzzClassify(f *testing.F) {
 			t.Fatalf("unmarshal parse tree: %v", err)
 		}
 		checkShapeShared(t, sql, res)
+		checkFenceSetShape(t, sql, res)
 		if len(tree.Stmts) != len(res.Stmts) {
 			t.Fatalf("got %d statements, parse tree has %d", len(res.Stmts), len(tree.Stmts))
 		}

@@ -185,9 +185,107 @@ func TestClassifySharedWrites(t *testing.T) {
 	if r1 != r2 || shared {
 		t.Errorf("reads through ClassifyShared: same Result %v, shared %v; want the read shape, not flagged", r1 == r2, shared)
 	}
-	x, _, _ := c.ClassifyShared("SET fence.token = '1'")
-	y, shared, _ := c.ClassifyShared("SET fence.token = '2'")
+	x, _, _ := c.ClassifyShared("SET search_path = 'a'")
+	y, shared, _ := c.ClassifyShared("SET search_path = 'b'")
 	if x == y || shared {
-		t.Error("SET statements must never share a parse")
+		t.Error("SETs outside the fence namespace must never share a parse")
+	}
+}
+
+// TestFenceSetShapes: "BEGIN; SET LOCAL fence.step = '...'", new in every
+// transaction, is parsed once per shape; each text still gets its own
+// value and statement text, exactly as a parse of its own would give.
+func TestFenceSetShapes(t *testing.T) {
+	c := NewClassifier(64)
+	first := "BEGIN; SET LOCAL fence.step = 's1'"
+	if _, shared, err := c.ClassifyShared(first); err != nil || shared {
+		t.Fatalf("first text: shared %v, err %v", shared, err)
+	}
+	for _, sql := range []string{
+		"BEGIN; SET LOCAL fence.step = 'step-2 of ''the'' night'",
+		"BEGIN; SET LOCAL fence.step = ''",
+		"BEGIN; set local FENCE.STEP = 'x';",
+	} {
+		got, shared, err := c.ClassifyShared(sql)
+		if err != nil {
+			t.Fatal(err)
+		}
+		want, err := Classify(sql)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if k1, _ := ShapeKey(first); k1 == mustShape(t, sql) && !shared {
+			t.Errorf("%q: parsed again, want the shape of %q", sql, first)
+		}
+		sameSetResult(t, sql, got, want)
+	}
+	// Not shared: another namespace, a number, two literals, a statement
+	// other than BEGIN before the SET.
+	for _, pair := range [][2]string{
+		{"SET LOCAL search_path = 'a'", "SET LOCAL search_path = 'B'"},
+		{"SET fence.token = 5", "SET fence.token = 05"},
+		{"SET fence.step = 'a'; SET fence.token = '1'", "SET fence.step = 'b'; SET fence.token = '2'"},
+		{"SELECT 1; SET fence.step = 'a'", "SELECT 1; SET fence.step = 'b'"},
+		{"BEGIN ISOLATION LEVEL SERIALIZABLE; SET LOCAL fence.step = 'a'", "BEGIN ISOLATION LEVEL SERIALIZABLE; SET LOCAL fence.step = 'b'"},
+	} {
+		c.ClassifyShared(pair[0])
+		got, shared, err := c.ClassifyShared(pair[1])
+		if err != nil || shared {
+			t.Errorf("%q after %q: shared %v, err %v; want its own parse", pair[1], pair[0], shared, err)
+			continue
+		}
+		want, _ := Classify(pair[1])
+		sameSetResult(t, pair[1], got, want)
+	}
+}
+
+func mustShape(t *testing.T, sql string) string {
+	t.Helper()
+	k, ok := ShapeKey(sql)
+	if !ok {
+		t.Fatalf("no shape for %q", sql)
+	}
+	return k
+}
+
+// sameSetResult fails unless got classifies sql as want does, in every
+// field a SET or BEGIN carries.
+func sameSetResult(t *testing.T, sql string, got, want *Result) {
+	t.Helper()
+	if len(got.Stmts) != len(want.Stmts) {
+		t.Fatalf("%q: %d statements, want %d", sql, len(got.Stmts), len(want.Stmts))
+	}
+	for i, w := range want.Stmts {
+		g := got.Stmts[i]
+		if g.SQL != w.SQL || g.Offset != w.Offset || g.Kind != w.Kind || g.Name != w.Name ||
+			!slices.Equal(g.GUCs, w.GUCs) || g.Isolation != w.Isolation || g.ReadOnly != w.ReadOnly ||
+			g.Writes() != w.Writes() || g.PrimaryOnlyFuncs != w.PrimaryOnlyFuncs || g.CallsFence != w.CallsFence {
+			t.Fatalf("%q statement %d: got %+v, want %+v", sql, i+1, g, w)
+		}
+	}
+}
+
+// checkFenceSetShape (FuzzClassify): when sql may serve its shape as a
+// fence SET, a literal-mutated twin built from it classifies exactly as
+// the twin's own parse.
+func checkFenceSetShape(t *testing.T, sql string, res *Result) {
+	g, ok := fenceSetShape(sql, res)
+	if !ok {
+		return
+	}
+	for _, other := range []string{mutateLiterals(sql), sql} {
+		k1, _ := ShapeKey(sql)
+		if k2, ok := ShapeKey(other); !ok || k2 != k1 {
+			continue
+		}
+		got := g.apply(other)
+		if got == nil {
+			continue
+		}
+		want, err := Classify(other)
+		if err != nil {
+			t.Fatalf("%q classified through the shape of %q, but does not parse: %v", other, sql, err)
+		}
+		sameSetResult(t, other, got, want)
 	}
 }
