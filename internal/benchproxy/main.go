@@ -462,6 +462,12 @@ SELECT fence.protect('gw_results');
 		}{"local via " + name, port, nil})
 		scripts["local via "+name] = strings.ReplaceAll(local, "'P:s'", "'"+name[:3]+":s'")
 	}
+	order = append(order, struct {
+		name string
+		port int
+		env  []string
+	}{"ungated", gatePort, []string{gen}})
+	scripts["ungated"] = step + "BEGIN\\; SET LOCAL fence.step = 'u:s';\n" + upsert("gw_plain", l.Token) + "COMMIT;\n"
 	if goroutinePort != 0 {
 		order = append(order, struct {
 			name string
@@ -505,6 +511,7 @@ SELECT fence.protect('gw_results');
 			fmt.Printf("the protocol's SQL by hand through %s (pass-through): %.3f ms, %.2f of the same direct (%.3f ms)\n", name, v, v/lat["local via direct"], lat["local via direct"])
 		}
 	}
+	fmt.Printf("the same transaction on an unprotected table through the gate (classified, not gated): %.3f ms, %.2f of direct\n", lat["ungated"], lat["ungated"]/lat["direct"])
 	if g := lat["goroutines"]; g > 0 {
 		fmt.Printf("the gate without the event loop: %.3f ms, %.2f of direct, %.2f of fenced\n", g, g/lat["direct"], g/lat["fenced"])
 	}
