@@ -174,7 +174,7 @@ func plainSet(st *Stmt) bool {
 		st.Params == 0 && st.Inner == nil && st.Executes == "" && !st.Explain
 }
 
-// unquote decodes a standard string literal ('it''s' → it's).
+// unquote decodes a standard string literal ('it”s' → it's).
 func unquote(lit string) string {
 	return strings.ReplaceAll(lit[1:len(lit)-1], "''", "'")
 }
