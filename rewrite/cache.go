@@ -174,7 +174,8 @@ func plainSet(st *Stmt) bool {
 		st.Params == 0 && st.Inner == nil && st.Executes == "" && !st.Explain
 }
 
-// unquote decodes a standard string literal ('it”s' → it's).
+// unquote decodes a standard string literal: the quotes go, and each
+// doubled quote inside becomes one.
 func unquote(lit string) string {
 	return strings.ReplaceAll(lit[1:len(lit)-1], "''", "'")
 }
