@@ -116,26 +116,10 @@ type relay struct {
 // when s cannot be relayed there (a TLS connection, bytes already
 // buffered by the goroutine path, or the upstream already closed).
 func (l *evloop) attach(s *Session) (*relay, bool) {
-	if s.cf.r.Buffered() > 0 || s.sf.r.Buffered() > 0 || s.sw.Buffered() > 0 || s.cw.Buffered() > 0 {
-		return nil, false
-	}
-	cc, ok1 := s.client.(syscall.Conn)
-	sc, ok2 := s.server.(syscall.Conn)
-	if !ok1 || !ok2 {
-		return nil, false
-	}
 	s.connMu.Lock()
 	defer s.connMu.Unlock()
-	if s.serverClosed {
-		return nil, false
-	}
-	cfd, err := dupConn(cc)
-	if err != nil {
-		return nil, false
-	}
-	sfd, err := dupConn(sc)
-	if err != nil {
-		syscall.Close(cfd)
+	cfd, sfd, ok := dupSockets(s, true)
+	if !ok {
 		return nil, false
 	}
 	// Out of Go's netpoller: only the loop waits on these sockets now.
@@ -152,23 +136,50 @@ func (l *evloop) attach(s *Session) (*relay, bool) {
 		done: make(chan error, 1),
 	}
 	s.fast = r
-	// Both sockets are registered before the loop can find the relay: an
-	// event that comes first finds no relay and, level-triggered, is
-	// reported again once it can.
-	ev := r.cEv // r.sEv is the same; the loop owns both once r is published
-	if err := l.ctl(syscall.EPOLL_CTL_ADD, cfd, ev); err != nil {
-		l.end(r, err)
-		return r, true
-	}
-	if err := l.ctl(syscall.EPOLL_CTL_ADD, sfd, ev); err != nil {
-		l.end(r, err)
-		return r, true
+	return l.publish(r, r.cEv, cfd, sfd) // r.sEv is the same
+}
+
+// publish registers fds for events, then lets the loop find r by both of
+// its sockets (an event that comes first finds no relay and,
+// level-triggered, is reported again once it can). A registration that
+// fails ends r at once.
+func (l *evloop) publish(r *relay, events uint32, fds ...int) (*relay, bool) {
+	for _, fd := range fds {
+		if err := l.ctl(syscall.EPOLL_CTL_ADD, fd, events); err != nil {
+			l.end(r, err)
+			return r, true
+		}
 	}
 	l.mu.Lock()
-	l.fds[int32(cfd)] = r
-	l.fds[int32(sfd)] = r
+	l.fds[int32(r.cfd)] = r
+	l.fds[int32(r.sfd)] = r
 	l.mu.Unlock()
 	return r, true
+}
+
+// dupSockets duplicates s's client and server sockets for the loop. The
+// caller holds s.connMu. It reports false, having changed nothing, for a
+// TLS connection, an upstream already closed, or bytes buffered by the
+// goroutine path on a side the loop takes over (the client's reads only
+// with whole).
+func dupSockets(s *Session, whole bool) (cfd, sfd int, ok bool) {
+	if s.sf.r.Buffered() > 0 || s.sw.Buffered() > 0 || s.cw.Buffered() > 0 || whole && s.cf.r.Buffered() > 0 {
+		return -1, -1, false
+	}
+	cc, ok1 := s.client.(syscall.Conn)
+	sc, ok2 := s.server.(syscall.Conn)
+	if !ok1 || !ok2 || s.serverClosed {
+		return -1, -1, false
+	}
+	cfd, err := dupConn(cc)
+	if err != nil {
+		return -1, -1, false
+	}
+	if sfd, err = dupConn(sc); err != nil {
+		syscall.Close(cfd)
+		return -1, -1, false
+	}
+	return cfd, sfd, true
 }
 
 // dupConn returns a duplicate of c's file descriptor (non-blocking, like
@@ -669,26 +680,10 @@ func (r *relay) terminateServer() {
 // leaving s untouched, when it cannot (TLS, or server bytes already
 // buffered).
 func (l *evloop) attachHalf(s *Session) (*relay, bool) {
-	if s.sf.r.Buffered() > 0 || s.cw.Buffered() > 0 || s.sw.Buffered() > 0 {
-		return nil, false
-	}
-	cc, ok1 := s.client.(syscall.Conn)
-	sc, ok2 := s.server.(syscall.Conn)
-	if !ok1 || !ok2 {
-		return nil, false
-	}
 	s.connMu.Lock()
 	defer s.connMu.Unlock()
-	if s.serverClosed {
-		return nil, false
-	}
-	cfd, err := dupConn(cc)
-	if err != nil {
-		return nil, false
-	}
-	sfd, err := dupConn(sc)
-	if err != nil {
-		syscall.Close(cfd)
+	cfd, sfd, ok := dupSockets(s, false)
+	if !ok {
 		return nil, false
 	}
 	r := &relay{
@@ -706,15 +701,7 @@ func (l *evloop) attachHalf(s *Session) (*relay, bool) {
 	s.cw.Reset(loopWriter{r})
 	s.sw.Reset(serverWriter{r})
 	s.fast = r
-	if err := l.ctl(syscall.EPOLL_CTL_ADD, sfd, r.half.sEv); err != nil {
-		l.end(r, err)
-		return r, true
-	}
-	l.mu.Lock()
-	l.fds[int32(cfd)] = r
-	l.fds[int32(sfd)] = r
-	l.mu.Unlock()
-	return r, true
+	return l.publish(r, r.half.sEv, sfd) // the client's only while out holds bytes
 }
 
 // halfEvent handles an event of an intercepted session: the server

@@ -14,7 +14,6 @@ import (
 
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgproto3"
-	"go.uber.org/zap/zaptest"
 
 	"github.com/pgfence/pgfence/internal/pgtest"
 )
@@ -140,12 +139,7 @@ func sendRaw(t *testing.T, c *pgconn.PgConn, sql string) {
 // is full) without holding up other sessions; once the client reads, it
 // gets every row, in order, and the session goes on.
 func TestHalfLoopSlowClient(t *testing.T) {
-	gate, err := NewFence(FenceConfig{Primary: cluster.Primary.DSN("postgres")}, zaptest.NewLogger(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(gate.Close)
-	p := startProxy(t, Config{Interceptor: gate, BufferSize: 4096})
+	p := startProxy(t, Config{Interceptor: newGate(t), BufferSize: 4096})
 	db := cluster.NewDatabase(t)
 	ctx := ctxT(t)
 	slow := connect(t, p.dsn(db))
@@ -198,12 +192,7 @@ func TestHalfLoopSlowClient(t *testing.T) {
 // session stalled on a client that does not read (the loop is not waiting
 // for that server, yet sees it closed), and Shutdown returns.
 func TestHalfLoopShutdownWhilePaused(t *testing.T) {
-	gate, err := NewFence(FenceConfig{Primary: cluster.Primary.DSN("postgres")}, zaptest.NewLogger(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(gate.Close)
-	p := startProxy(t, Config{Interceptor: gate, BufferSize: 4096})
+	p := startProxy(t, Config{Interceptor: newGate(t), BufferSize: 4096})
 	db := cluster.NewDatabase(t)
 	slow := connect(t, p.dsn(db))
 	r := halfRelay(t, p)
@@ -213,8 +202,7 @@ func TestHalfLoopShutdownWhilePaused(t *testing.T) {
 	}
 	sctx, cancel := context.WithTimeout(context.Background(), 500*time.Millisecond)
 	defer cancel()
-	err = p.srv.Shutdown(sctx)
-	if err == nil {
+	if err := p.srv.Shutdown(sctx); err == nil {
 		t.Fatal("Shutdown reported no busy session; the paused session was mid-query")
 	}
 	// The client's socket ends (after whatever was on its way).

@@ -116,12 +116,7 @@ func bothRelays(t *testing.T, f func(t *testing.T, relay Config)) {
 		t.Run(mode.name, func(t *testing.T) {
 			cfg := mode.cfg
 			if mode.gate {
-				gate, err := NewFence(FenceConfig{Primary: cluster.Primary.DSN("postgres")}, zaptest.NewLogger(t))
-				if err != nil {
-					t.Fatal(err)
-				}
-				t.Cleanup(gate.Close)
-				cfg.Interceptor = gate
+				cfg.Interceptor = newGate(t)
 			}
 			f(t, cfg)
 			v, ok := started.LoadAndDelete(t)
@@ -141,6 +136,17 @@ func bothRelays(t *testing.T, f func(t *testing.T, relay Config)) {
 			}
 		})
 	}
+}
+
+// newGate is a write gate for the test cluster, closed at the end of t.
+func newGate(t *testing.T) *Fence {
+	t.Helper()
+	gate, err := NewFence(FenceConfig{Primary: cluster.Primary.DSN("postgres")}, zaptest.NewLogger(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(gate.Close)
+	return gate
 }
 
 // withRelay is cfg with the relay mode of bothRelays (and its write gate,
