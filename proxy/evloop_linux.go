@@ -137,23 +137,38 @@ func (l *evloop) attach(s *Session) (*relay, bool) {
 		done: make(chan error, 1),
 	}
 	s.fast = r
-	return l.publish(r, r.cEv, cfd, sfd) // r.sEv is the same
+	return l.publish(r, epollReg{cfd, r.cEv}, epollReg{sfd, r.sEv})
+}
+
+// epollReg is a socket and the events to watch it for.
+type epollReg struct {
+	fd     int
+	events uint32
+}
+
+// sockets are the file descriptors the loop finds r by.
+func (r *relay) sockets() []int {
+	if r.half != nil {
+		return []int{r.cfd, r.sfd, r.half.crfd}
+	}
+	return []int{r.cfd, r.sfd}
 }
 
 // publish registers fds for events, then lets the loop find r by both of
 // its sockets (an event that comes first finds no relay and,
 // level-triggered, is reported again once it can). A registration that
 // fails ends r at once.
-func (l *evloop) publish(r *relay, events uint32, fds ...int) (*relay, bool) {
-	for _, fd := range fds {
-		if err := l.ctl(syscall.EPOLL_CTL_ADD, fd, events); err != nil {
+func (l *evloop) publish(r *relay, regs ...epollReg) (*relay, bool) {
+	for _, g := range regs {
+		if err := l.ctl(syscall.EPOLL_CTL_ADD, g.fd, g.events); err != nil {
 			l.end(r, err)
 			return r, true
 		}
 	}
 	l.mu.Lock()
-	l.fds[int32(r.cfd)] = r
-	l.fds[int32(r.sfd)] = r
+	for _, fd := range r.sockets() {
+		l.fds[int32(fd)] = r
+	}
 	l.mu.Unlock()
 	return r, true
 }
@@ -214,8 +229,9 @@ func (l *evloop) ctl(op, fd int, events uint32) error {
 
 func (l *evloop) forget(r *relay) {
 	l.mu.Lock()
-	delete(l.fds, int32(r.cfd))
-	delete(l.fds, int32(r.sfd))
+	for _, fd := range r.sockets() {
+		delete(l.fds, int32(fd))
+	}
 	l.mu.Unlock()
 }
 
@@ -340,13 +356,8 @@ func (l *evloop) event(r *relay, fd int, ev uint32) {
 // reason, once.
 func (l *evloop) end(r *relay, err error) {
 	r.ended.Do(func() {
-		l.ctl(syscall.EPOLL_CTL_DEL, r.cfd, 0)
-		l.ctl(syscall.EPOLL_CTL_DEL, r.sfd, 0)
-		if r.half != nil {
-			l.ctl(syscall.EPOLL_CTL_DEL, r.half.crfd, 0)
-			l.mu.Lock()
-			delete(l.fds, int32(r.half.crfd))
-			l.mu.Unlock()
+		for _, fd := range r.sockets() {
+			l.ctl(syscall.EPOLL_CTL_DEL, fd, 0) // not registered: ENOENT, harmless
 		}
 		l.forget(r)
 		r.done <- err
@@ -415,25 +426,38 @@ func (r *relay) pump(p *pipe) error {
 
 // flush writes p's waiting bytes as far as the destination takes them.
 func (r *relay) flush(p *pipe) error {
-	for p.start < p.end {
-		n, err := rawIO(syscall.SYS_WRITE, p.dst, p.buf[p.start:p.end])
-		if err == syscall.EAGAIN {
-			return nil
+	n, err := writeAvail(p.dst, p.buf[p.start:p.end])
+	p.start += n
+	if err != nil {
+		side := "client"
+		if p.fromClient {
+			side = "server"
 		}
-		if err == syscall.EINTR {
-			continue
-		}
-		if err != nil {
-			side := "client"
-			if p.fromClient {
-				side = "server"
-			}
-			return fmt.Errorf("%s: %w", side, err)
-		}
-		p.start += n
+		return fmt.Errorf("%s: %w", side, err)
 	}
-	p.start, p.end = 0, 0
+	if p.start == p.end {
+		p.start, p.end = 0, 0
+	}
 	return nil
+}
+
+// writeAvail writes b to the non-blocking socket fd as far as it takes
+// it, returning how much it took; a full socket is not an error.
+func writeAvail(fd int, b []byte) (int, error) {
+	n := 0
+	for n < len(b) {
+		k, err := rawIO(syscall.SYS_WRITE, fd, b[n:])
+		switch err {
+		case nil:
+			n += k
+		case syscall.EINTR:
+		case syscall.EAGAIN:
+			return n, nil
+		default:
+			return n, err
+		}
+	}
+	return n, nil
 }
 
 // scan walks the message boundaries in b, newly read into p. It returns
@@ -679,19 +703,11 @@ func (lw loopWriter) Write(b []byte) (int, error) {
 	h := lw.r.half
 	n := len(b)
 	if len(h.out) == 0 {
-		for len(b) > 0 {
-			k, err := rawIO(syscall.SYS_WRITE, lw.r.cfd, b)
-			if err == syscall.EINTR {
-				continue
-			}
-			if err == syscall.EAGAIN {
-				break
-			}
-			if err != nil {
-				return 0, err
-			}
-			b = b[k:]
+		k, err := writeAvail(lw.r.cfd, b)
+		if err != nil {
+			return 0, err
 		}
+		b = b[k:]
 	}
 	h.out = append(h.out, b...)
 	return n, nil
@@ -705,24 +721,16 @@ type serverWriter struct{ r *relay }
 
 func (sw serverWriter) Write(b []byte) (int, error) {
 	n := 0
-	for len(b) > 0 {
-		k, err := rawIO(syscall.SYS_WRITE, sw.r.sfd, b)
-		if err == syscall.EINTR {
-			continue
-		}
-		if err == syscall.EAGAIN {
-			fds := []unix.PollFd{{Fd: int32(sw.r.sfd), Events: unix.POLLOUT}}
-			if _, err := unix.Poll(fds, -1); err != nil && err != unix.EINTR {
-				return n, err
-			}
-			continue
-		}
-		if err != nil {
+	for {
+		k, err := writeAvail(sw.r.sfd, b[n:])
+		if n += k; err != nil || n == len(b) {
 			return n, err
 		}
-		b, n = b[k:], n+k
+		fds := []unix.PollFd{{Fd: int32(sw.r.sfd), Events: unix.POLLOUT}}
+		if _, err := unix.Poll(fds, -1); err != nil && err != unix.EINTR {
+			return n, err
+		}
 	}
-	return n, nil
 }
 
 // terminateServer ends an intercepted session's upstream connection from
@@ -762,10 +770,10 @@ func (l *evloop) attachHalf(s *Session) (*relay, bool) {
 		max:  s.srv.cfg.MaxMessageSize,
 		done: make(chan error, 1),
 	}
-	// The server socket leaves Go's netpoller, or every response would
-	// wake it as well as the loop. The client goroutine keeps reading the
-	// client's net.Conn and writes the server through serverWriter; the
-	// loop reads the server and writes the client through duplicates.
+	// Both sockets leave Go's netpoller, or every response would wake it
+	// as well as the loop. The client goroutine reads the client
+	// (clientReader) and writes the server (serverWriter); the loop reads
+	// the server and writes the client; all through the duplicates.
 	s.server.Close()
 	s.client.Close()
 	s.cf.r.Reset(clientReader{l, r})
@@ -773,14 +781,8 @@ func (l *evloop) attachHalf(s *Session) (*relay, bool) {
 	s.cw.Reset(loopWriter{r})
 	s.sw.Reset(serverWriter{r})
 	s.fast = r
-	if err := l.ctl(syscall.EPOLL_CTL_ADD, crfd, clientWatch); err != nil {
-		l.end(r, err)
-		return r, true
-	}
-	l.mu.Lock()
-	l.fds[int32(crfd)] = r
-	l.mu.Unlock()
-	return l.publish(r, r.half.sEv, sfd) // the client's writes only while out holds bytes
+	// The client's writes are watched only while out holds bytes.
+	return l.publish(r, epollReg{crfd, clientWatch}, epollReg{sfd, r.half.sEv})
 }
 
 // halfEvent handles an event of an intercepted session: the server
@@ -845,20 +847,11 @@ func (r *relay) serverSteps(force bool) error {
 // drainOut writes what waits in out as far as the client takes it.
 func (r *relay) drainOut() error {
 	h := r.half
-	b := h.out
-	for len(b) > 0 {
-		n, err := rawIO(syscall.SYS_WRITE, r.cfd, b)
-		if err == syscall.EINTR {
-			continue
-		}
-		if err == syscall.EAGAIN {
-			break
-		}
-		if err != nil {
-			return fmt.Errorf("client: %w", err)
-		}
-		b = b[n:]
+	n, err := writeAvail(r.cfd, h.out)
+	if err != nil {
+		return fmt.Errorf("client: %w", err)
 	}
+	b := h.out[n:]
 	if len(b) == 0 {
 		h.out = h.out[:0]
 		if cap(h.out) > 4*r.s.sf.r.Size() {

@@ -358,15 +358,14 @@ func (s *Session) serverMessage(big *bigMessage) error {
 		return fmt.Errorf("server: %w", err)
 	}
 	if total > size {
+		h, _ := s.sf.whole(headerLen) // next has read it
 		fwd := true
 		if s.h != nil {
-			h, _ := s.sf.whole(headerLen)
 			if fwd, err = s.interceptServer(h); err != nil {
 				return err
 			}
 		}
 		if big != nil {
-			h, _ := s.sf.whole(headerLen)
 			if fwd {
 				if _, err := s.cw.Write(h); err != nil {
 					return fmt.Errorf("client: %w", err)
