@@ -3,6 +3,7 @@
 package proxy
 
 import (
+	"errors"
 	"fmt"
 	"io"
 	"runtime"
@@ -154,22 +155,33 @@ func (r *relay) sockets() []int {
 	return []int{r.cfd, r.sfd}
 }
 
-// publish registers fds for events, then lets the loop find r by both of
-// its sockets (an event that comes first finds no relay and,
-// level-triggered, is reported again once it can). A registration that
-// fails ends r at once.
+// publish registers fds for events and lets the loop find r by its
+// sockets. Level-triggered sockets are registered first: an event that
+// comes before r can be found is reported again. A one-shot event is
+// not, so those are registered last, once r can be found. A
+// registration that fails ends r at once.
 func (l *evloop) publish(r *relay, regs ...epollReg) (*relay, bool) {
-	for _, g := range regs {
-		if err := l.ctl(syscall.EPOLL_CTL_ADD, g.fd, g.events); err != nil {
-			l.end(r, err)
-			return r, true
+	add := func(oneshot bool) bool {
+		for _, g := range regs {
+			if (g.events&syscall.EPOLLONESHOT != 0) != oneshot {
+				continue
+			}
+			if err := l.ctl(syscall.EPOLL_CTL_ADD, g.fd, g.events); err != nil {
+				l.end(r, err)
+				return false
+			}
 		}
+		return true
+	}
+	if !add(false) {
+		return r, true
 	}
 	l.mu.Lock()
 	for _, fd := range r.sockets() {
 		l.fds[int32(fd)] = r
 	}
 	l.mu.Unlock()
+	add(true)
 	return r, true
 }
 
@@ -632,7 +644,30 @@ type half struct {
 	crfd   int
 	cready chan struct{}
 	stop   chan struct{}
+
+	// A LoopClient Handler's client messages are handled on the loop
+	// too (clientInline), until one must wait: then it and what follows
+	// go to the client goroutine (cwork), which hands the client back
+	// when the socket is empty. owner says who has the client side now;
+	// its atomic store and load order the hand-back.
+	inline bool        // a LoopClient: fixed when attached
+	owner  atomic.Bool // true: the client goroutine
+	cArmed bool        // the loop may read the client (once) in this event
+	block  bool        // client goroutine: wait for the client's bytes
+	sout   []byte      // bytes for the server its socket has not taken yet (inline)
+	// spaused: the client is not read until the server takes sout (for
+	// observation: tests).
+	spaused atomic.Bool
+	cwork   chan struct{}
 }
+
+// errHandoff ends clientSteps on the loop: the next message must be
+// handled on the client goroutine. errPaused ends it while the server
+// has not taken what waits in sout.
+var (
+	errHandoff = errors.New("client message handed to the client goroutine")
+	errPaused  = errors.New("client paused until the server takes what waits")
+)
 
 // clientReader is the client framer's reader once the client socket has
 // left Go's netpoller: the client goroutine reads the socket itself and,
@@ -644,12 +679,32 @@ type clientReader struct {
 
 func (cr clientReader) Read(b []byte) (int, error) {
 	h := cr.r.half
+	if cr.r.s.onLoop {
+		// On the loop: one read per readable event, as loopReader.
+		if !h.cArmed {
+			return 0, errWouldBlock
+		}
+		h.cArmed = false
+		n, err := rawIO(syscall.SYS_READ, h.crfd, b)
+		switch {
+		case err == syscall.EAGAIN || err == syscall.EINTR:
+			return 0, errWouldBlock
+		case err != nil:
+			return 0, err
+		case n == 0:
+			return 0, io.EOF
+		}
+		return n, nil
+	}
 	for {
 		n, err := rawIO(syscall.SYS_READ, h.crfd, b)
 		switch {
 		case err == syscall.EINTR:
 			continue
 		case err == syscall.EAGAIN:
+			if !h.block {
+				return 0, errWouldBlock // between messages: back to the loop
+			}
 			if err := cr.l.ctl(syscall.EPOLL_CTL_MOD, h.crfd, clientWatch); err != nil {
 				return 0, err
 			}
@@ -720,6 +775,20 @@ func (lw loopWriter) Write(b []byte) (int, error) {
 type serverWriter struct{ r *relay }
 
 func (sw serverWriter) Write(b []byte) (int, error) {
+	if sw.r.s.onLoop {
+		// On the loop: what the socket does not take waits in sout,
+		// and the client is not read until it has gone.
+		h, n := sw.r.half, len(b)
+		if len(h.sout) == 0 {
+			k, err := writeAvail(sw.r.sfd, b)
+			if err != nil {
+				return 0, err
+			}
+			b = b[k:]
+		}
+		h.sout = append(h.sout, b...)
+		return n, nil
+	}
 	n := 0
 	for {
 		k, err := writeAvail(sw.r.sfd, b[n:])
@@ -766,7 +835,7 @@ func (l *evloop) attachHalf(s *Session) (*relay, bool) {
 	r := &relay{
 		s: s, cfd: cfd, sfd: sfd,
 		half: &half{sEv: syscall.EPOLLIN | syscall.EPOLLRDHUP, crfd: crfd,
-			cready: make(chan struct{}, 1), stop: make(chan struct{})},
+			cready: make(chan struct{}, 1), stop: make(chan struct{}), cwork: make(chan struct{}, 1)},
 		max:  s.srv.cfg.MaxMessageSize,
 		done: make(chan error, 1),
 	}
@@ -781,6 +850,13 @@ func (l *evloop) attachHalf(s *Session) (*relay, bool) {
 	s.cw.Reset(loopWriter{r})
 	s.sw.Reset(serverWriter{r})
 	s.fast = r
+	if lc, ok := s.h.(LoopClient); ok && lc.LoopClient() {
+		r.half.inline = true
+	} else {
+		// The client side is the goroutine's for good, and it waits.
+		r.half.owner.Store(true)
+		r.half.block = true
+	}
 	// The client's writes are watched only while out holds bytes.
 	return l.publish(r, epollReg{crfd, clientWatch}, epollReg{sfd, r.half.sEv})
 }
@@ -798,12 +874,34 @@ func (l *evloop) halfEvent(r *relay, fd int, ev uint32) {
 		}()
 		h := r.half
 		if fd == h.crfd {
+			if !h.owner.Load() {
+				h.cArmed = true
+				err := l.clientInline(r)
+				h.cArmed = false
+				return err
+			}
 			select {
 			case h.cready <- struct{}{}:
 			default:
 			}
 			l.woke = true
 			return nil
+		}
+		if fd == r.sfd && ev&syscall.EPOLLOUT != 0 {
+			n, err := writeAvail(r.sfd, h.sout)
+			if err != nil {
+				return fmt.Errorf("server: %w", err)
+			}
+			h.sout = append(h.sout[:0], h.sout[n:]...)
+			if len(h.sout) == 0 && !h.owner.Load() {
+				// Go on with the client's messages held meanwhile.
+				if err := l.clientInline(r); err != nil {
+					return err
+				}
+			}
+			if ev&readable == 0 {
+				return nil
+			}
 		}
 		if fd == r.cfd {
 			if err := r.drainOut(); err != nil {
@@ -824,6 +922,109 @@ func (l *evloop) halfEvent(r *relay, fd int, ev uint32) {
 	}
 	if err != nil {
 		l.end(r, err)
+	}
+}
+
+// clientInline handles the client messages that have arrived on the loop
+// (a LoopClient Handler), until the client has no more, the server has
+// no room for more, or one must wait: that one goes to the client
+// goroutine.
+func (l *evloop) clientInline(r *relay) error {
+	s, h := r.s, r.half
+	s.onLoop = true
+	err := r.clientSteps()
+	s.onLoop = false
+	switch err {
+	case errWouldBlock:
+		if len(h.sout) > 0 {
+			return nil // read on once the server has taken it (halfEvent)
+		}
+		return l.ctl(syscall.EPOLL_CTL_MOD, h.crfd, clientWatch)
+	case errPaused:
+		return nil
+	case errHandoff:
+		s.srv.ops.stats.ClientHandoffs.Add(1)
+		h.owner.Store(true)
+		h.cwork <- struct{}{}
+		l.woke = true
+		return nil
+	}
+	return err
+}
+
+// clientSteps handles the client messages that have arrived, reading the
+// socket without blocking: on the loop (s.onLoop) or on the client
+// goroutine after a hand-off. It returns errWouldBlock when the client
+// has nothing more (a message may be partly read: it stays buffered).
+func (r *relay) clientSteps() error {
+	s, h := r.s, r.half
+	size := s.cf.r.Size()
+	for {
+		if s.onLoop && len(h.sout) > 0 {
+			return errPaused
+		}
+		typ, total, err := s.cf.next()
+		if err == errWouldBlock {
+			return err
+		}
+		if err != nil {
+			return fmt.Errorf("client: %w", err)
+		}
+		if !frontendTypes[typ] {
+			return &ProtocolError{Code: "08P01", Msg: fmt.Sprintf("invalid frontend message type %d", typ)}
+		}
+		if total > size {
+			// Larger than the buffer: read it whole, waiting for it.
+			if s.onLoop {
+				return errHandoff
+			}
+			h.block = true
+			err = s.interceptClient(total, size)
+			h.block = false
+			if err != nil {
+				return err
+			}
+		} else {
+			msg, err := s.cf.whole(total)
+			if err == errWouldBlock {
+				return err
+			}
+			if err != nil {
+				return fmt.Errorf("client: %w", err)
+			}
+			if err := s.handleClient(msg); err != nil {
+				if err == ErrWait && s.onLoop {
+					return errHandoff
+				}
+				return err
+			}
+			s.cf.discard(total)
+		}
+		if typ == 'X' {
+			s.sw.Flush()
+			return errClientTerminate
+		}
+	}
+}
+
+// halfClient is the client goroutine of a LoopClient session: it handles
+// the client's messages from a hand-off until the client has nothing
+// more, then gives the client back to the loop.
+func (r *relay) halfClient(l *evloop) error {
+	h := r.half
+	for {
+		select {
+		case <-h.cwork:
+		case <-h.stop:
+			return errSessionClosing
+		}
+		if err := r.clientSteps(); err != errWouldBlock {
+			return err
+		}
+		h.owner.Store(false)
+		if err := l.ctl(syscall.EPOLL_CTL_MOD, h.crfd, clientWatch); err != nil {
+			return err
+		}
 	}
 }
 
@@ -872,12 +1073,16 @@ func (l *evloop) halfInterest(r *relay) error {
 	if len(h.out) < r.s.sf.r.Size() {
 		sEv |= syscall.EPOLLIN
 	}
+	if len(h.sout) > 0 {
+		sEv |= syscall.EPOLLOUT
+	}
 	if sEv != h.sEv {
 		if err := l.ctl(syscall.EPOLL_CTL_MOD, r.sfd, sEv); err != nil {
 			return err
 		}
 		h.sEv = sEv
 		h.paused.Store(sEv&syscall.EPOLLIN == 0)
+		h.spaused.Store(sEv&syscall.EPOLLOUT != 0)
 	}
 	if want := len(h.out) > 0; want != h.cReg {
 		op := syscall.EPOLL_CTL_DEL
@@ -904,7 +1109,11 @@ func (s *Session) runHalf(l *evloop) (error, bool) {
 	errc := make(chan error, 2)
 	var wg sync.WaitGroup
 	wg.Add(2)
-	go func() { defer wg.Done(); errc <- s.guard("client", s.clientLoop) }()
+	client := s.clientLoop
+	if r.half.inline {
+		client = func() error { return r.halfClient(l) }
+	}
+	go func() { defer wg.Done(); errc <- s.guard("client", client) }()
 	go func() { defer wg.Done(); errc <- <-r.done }()
 	err := <-errc
 	close(s.closing)

@@ -7,7 +7,9 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"io"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -345,4 +347,150 @@ func FuzzServerMessageResume(f *testing.F) {
 			t.Fatalf("counted %d ReadyForQuery, want %d", got, rfq)
 		}
 	})
+}
+
+// TestHalfLoopInlineClient: a write gate session's client messages are
+// handled on the loop itself while the gate need not wait, and a message
+// that must wait (a write pipelined behind a SET that has not been
+// answered) goes to the client goroutine, in order, after which the
+// client returns to the loop.
+func TestHalfLoopInlineClient(t *testing.T) {
+	p := startProxy(t, Config{Interceptor: newGate(t)})
+	db := cluster.NewDatabase(t)
+	ctx := ctxT(t)
+	c := connect(t, p.dsn(db))
+	r := halfRelay(t, p)
+	handoffs := &p.srv.ops.stats.ClientHandoffs
+
+	for _, sql := range []string{
+		"CREATE TABLE t (v int)",
+		"SET fence.step = 'a'",
+		"BEGIN",
+		"INSERT INTO t VALUES (1)",
+		"COMMIT",
+	} {
+		if _, err := c.Exec(ctx, sql).ReadAll(); err != nil {
+			t.Fatalf("%s: %v", sql, err)
+		}
+	}
+	if n := handoffs.Load(); n != 0 {
+		t.Fatalf("%d client messages handed off in lockstep; the gate never had to wait", n)
+	}
+
+	// Both queries in one write: the INSERT arrives before the SET has
+	// even been sent, so the gate must wait for it (settle).
+	var raw []byte
+	for _, sql := range []string{"SET fence.step = 'b'", "INSERT INTO t VALUES (2)"} {
+		raw, _ = (&pgproto3.Query{String: sql}).Encode(raw)
+	}
+	if _, err := c.Conn().Write(raw); err != nil {
+		t.Fatal(err)
+	}
+	fe := pgproto3.NewFrontend(c.Conn(), c.Conn())
+	c.Conn().SetReadDeadline(time.Now().Add(30 * time.Second))
+	var tags []string
+	for rfq := 0; rfq < 2; {
+		m, err := fe.Receive()
+		if err != nil {
+			t.Fatalf("after %v: %v", tags, err)
+		}
+		switch m := m.(type) {
+		case *pgproto3.CommandComplete:
+			tags = append(tags, string(m.CommandTag))
+		case *pgproto3.ErrorResponse:
+			t.Fatalf("error after %v: %s", tags, m.Message)
+		case *pgproto3.ReadyForQuery:
+			rfq++
+		}
+	}
+	c.Conn().SetReadDeadline(time.Time{})
+	if strings.Join(tags, ",") != "SET,INSERT 0 1" {
+		t.Fatalf("command tags %v, want [SET INSERT 0 1]", tags)
+	}
+	if n := handoffs.Load(); n != 1 {
+		t.Fatalf("%d client messages handed off, want 1 (the pipelined INSERT)", n)
+	}
+	if err := pgtest.Poll(ctx, func() (bool, error) { return !r.half.owner.Load(), nil }); err != nil {
+		t.Fatalf("the client never returned to the loop: %v", err)
+	}
+	res, err := c.Exec(ctx, "SELECT count(*), current_setting('fence.step') FROM t").ReadAll()
+	if err != nil || string(res[0].Rows[0][0]) != "2" || string(res[0].Rows[0][1]) != "b" {
+		t.Fatalf("after the hand-off: %v %v", res, err)
+	}
+	if n := handoffs.Load(); n != 1 {
+		t.Fatalf("%d client messages handed off after the client returned to the loop, want still 1", n)
+	}
+}
+
+// TestHalfLoopSlowServer: when the upstream does not read (its backend
+// waits for a lock) the loop keeps what the server socket cannot take and
+// stops reading that client, without holding up other sessions; once the
+// lock goes, every query runs, in order.
+func TestHalfLoopSlowServer(t *testing.T) {
+	p := startProxy(t, Config{Interceptor: newGate(t)})
+	db := cluster.NewDatabase(t)
+	ctx := ctxT(t)
+	holder := connect(t, cluster.Primary.DSN(db))
+	if _, err := holder.Exec(ctx, "SELECT pg_advisory_lock(42)").ReadAll(); err != nil {
+		t.Fatal(err)
+	}
+	c := connect(t, p.dsn(db))
+	r := halfRelay(t, p)
+
+	// More than the sockets between the proxy and the backend hold
+	// (a few MB on loopback): about 12 MB of queries behind the lock.
+	const n = 12000
+	pad := strings.Repeat("x", 1000)
+	raw, _ := (&pgproto3.Query{String: "SELECT pg_advisory_lock(42)"}).Encode(nil)
+	for i := 1; i <= n; i++ {
+		raw, _ = (&pgproto3.Query{String: fmt.Sprintf("SELECT %d, '%s'", i, pad)}).Encode(raw)
+	}
+	werr := make(chan error, 1)
+	go func() { _, err := c.Conn().Write(raw); werr <- err }()
+	if err := pgtest.Poll(ctx, func() (bool, error) { return r.half.spaused.Load(), nil }); err != nil {
+		t.Fatalf("the loop never held a client whose server does not read: %v", err)
+	}
+	other := connect(t, p.dsn(db))
+	if res, err := other.Exec(ctx, "SELECT 'other'").ReadAll(); err != nil || string(res[0].Rows[0][0]) != "other" {
+		t.Fatalf("another session while one is held: %v %v", res, err)
+	}
+	if _, err := holder.Exec(ctx, "SELECT pg_advisory_unlock(42)").ReadAll(); err != nil {
+		t.Fatal(err)
+	}
+
+	fe := pgproto3.NewFrontend(c.Conn(), c.Conn())
+	c.Conn().SetReadDeadline(time.Now().Add(60 * time.Second))
+	next := 0 // the lock's row first, then 1..n
+	for rfq := 0; rfq <= n; {
+		m, err := fe.Receive()
+		if err != nil {
+			t.Fatalf("after row %d: %v", next, err)
+		}
+		switch m := m.(type) {
+		case *pgproto3.DataRow:
+			if rfq > 0 {
+				if got := string(m.Values[0]); got != strconv.Itoa(next) {
+					t.Fatalf("row %q after row %d", got, next-1)
+				}
+			}
+			next++
+		case *pgproto3.ErrorResponse:
+			t.Fatalf("error after row %d: %s", next, m.Message)
+		case *pgproto3.ReadyForQuery:
+			rfq++
+		}
+	}
+	c.Conn().SetReadDeadline(time.Time{})
+	if err := <-werr; err != nil {
+		t.Fatal(err)
+	}
+	if next != n+1 {
+		t.Fatalf("got %d rows, want %d", next, n+1)
+	}
+	if r.half.spaused.Load() {
+		t.Fatal("still holding the client after the server took everything")
+	}
+	if res, err := c.Exec(ctx, "SELECT 'again'").ReadAll(); err != nil || string(res[0].Rows[0][0]) != "again" {
+		t.Fatalf("the session afterwards: %v %v", res, err)
+	}
 }

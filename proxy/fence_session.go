@@ -307,6 +307,9 @@ func (h *fenceSession) ClientMessage(s *Session, msg []byte) (Verdict, error) {
 		}
 		return Forward, nil
 	case 'c', 'f':
+		if h.copyTail != nil && s.OnLoop() {
+			return Drop, ErrWait // finishWrapped waits for the COPY's end
+		}
 		if h.copyGated {
 			h.copyGated = false
 			h.mu.Lock()
@@ -325,6 +328,21 @@ func (h *fenceSession) ClientMessage(s *Session, msg []byte) (Verdict, error) {
 		return Drop, nil
 	}
 	return Forward, nil
+}
+
+// LoopClient: ClientMessage may run on the event loop. Where it would
+// wait (wait, awaitCopy, finishWrapped), it returns ErrWait on the loop
+// before it has sent anything.
+func (h *fenceSession) LoopClient() bool { return true }
+
+// hasKind reports whether res has a statement of kind k.
+func hasKind(res *rewrite.Result, k rewrite.Kind) bool {
+	for _, st := range res.Stmts {
+		if st.Kind == k {
+			return true
+		}
+	}
+	return false
 }
 
 // send passes a message upstream through the queue with its tag; visible
@@ -394,6 +412,9 @@ func (h *fenceSession) wait(s *Session, r *Request) error {
 		return nil
 	default:
 	}
+	if s.OnLoop() {
+		return ErrWait // nothing sent yet: again on the client goroutine
+	}
 	if h.inBatch {
 		// Make the server flush what it has for the batch so far.
 		if _, err := s.Inject([]byte{'H', 0, 0, 0, 4}, nil); err != nil {
@@ -460,12 +481,15 @@ func (h *fenceSession) query(s *Session, msg []byte) error {
 		// The server reports the syntax error (or the empty query).
 		return h.routeQuery(s, msg, nil) // route.go
 	}
-	h.f.Stats.Classified.Add(int64(len(res.Stmts)))
+	if s.OnLoop() && hasKind(res, rewrite.CopyFrom) {
+		return ErrWait // a wrapped COPY FROM waits for its CopyInResponse (awaitCopy)
+	}
 	if mayNeedGate(res.Stmts...) && h.unsettled() {
 		if err := h.settle(s); err != nil {
-			return err
+			return err // ErrWait on the loop: nothing done yet
 		}
 	}
+	h.f.Stats.Classified.Add(int64(len(res.Stmts)))
 	// Settled: whether the transaction is gated is known.
 	if shared && h.needsOwnText(res) {
 		if res, err = h.f.classifier.Classify(sql); err != nil {

@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"errors"
 	"sync"
 )
 
@@ -26,10 +27,11 @@ type Interceptor interface {
 	Open(s *Session) (Handler, error)
 }
 
-// Handler sees one session's messages. Each method is called on one fixed
-// goroutine: ClientMessage on the client→server goroutine, ServerMessage on
-// the server→client goroutine; they may run concurrently with each other,
-// so state shared between them needs synchronisation. A returned error ends
+// Handler sees one session's messages. ClientMessage calls never overlap
+// each other, nor do ServerMessage calls, but the two sides may run
+// concurrently (on the event loop, the server side runs on the loop's
+// thread; so may the client side, see LoopClient), so state shared
+// between them needs synchronisation. A returned error ends
 // the session (ProtocolError and pgconn.PgError values are reported to the
 // client).
 type Handler interface {
@@ -56,6 +58,25 @@ type Handler interface {
 	// Close is called once when the session ends.
 	Close(s *Session)
 }
+
+// LoopClient is implemented by a Handler whose ClientMessage may run on
+// the event loop. There it must not block: when handling a message needs
+// to wait (for the answer to an earlier request, or for room on a socket
+// it cannot buffer), it returns ErrWait before it has sent or changed
+// anything, and the same message is delivered again on a goroutine, where
+// it may wait. Session.OnLoop tells which case a call is. The session's
+// client messages then stay on that goroutine until the client has
+// nothing more to read, and return to the loop.
+//
+// A Handler that does not implement LoopClient (or returns false) always
+// gets ClientMessage on a goroutine.
+type LoopClient interface {
+	LoopClient() bool
+}
+
+// ErrWait is returned by a LoopClient's ClientMessage, called on the
+// event loop, that must wait: see LoopClient.
+var ErrWait = errors.New("proxy: client message must wait: handle it on a goroutine")
 
 // Request is one outstanding request in a session's queue: a client
 // message that produces a response, or an injected one. Responses are

@@ -58,6 +58,9 @@ type Session struct {
 	pending   atomic.Int64
 	cancelPID uint32
 	inBatch   bool // client goroutine: extended messages sent since the last Sync
+	// onLoop: the Handler's ClientMessage is running on the event loop,
+	// where it must not block (see LoopClient).
+	onLoop bool
 
 	// connMu orders closeServer (graceful shutdown runs it from another
 	// goroutine) against itself and against moving the session onto the
@@ -77,6 +80,11 @@ type Session struct {
 // TxStatus returns the transaction status of the last ReadyForQuery: 'I'
 // idle, 'T' in a transaction, 'E' in a failed transaction. Any goroutine.
 func (s *Session) TxStatus() byte { return byte(s.txStatus.Load()) }
+
+// OnLoop reports whether the current ClientMessage call runs on the event
+// loop, where it must not block: a Handler that would wait returns
+// ErrWait instead (see LoopClient). Client side only.
+func (s *Session) OnLoop() bool { return s.onLoop }
 
 // Logger returns the session's logger (with client, user and database).
 func (s *Session) Logger() *zap.Logger { return s.log }
@@ -304,25 +312,32 @@ func (s *Session) interceptClient(total, size int) error {
 	if err != nil {
 		return fmt.Errorf("client: %w", err)
 	}
-	v, err := s.h.ClientMessage(s, msg)
-	if err != nil {
+	if err := s.handleClient(msg); err != nil {
 		return err
-	}
-	if v == Forward {
-		if !s.account(msg[0]) {
-			return errShutdown
-		}
-		if producesResponse(msg[0]) {
-			s.q.push(&Request{Type: msg[0]})
-		}
-		if _, err := s.sw.Write(msg); err != nil {
-			return fmt.Errorf("server: %w", err)
-		}
 	}
 	if total <= size {
 		s.cf.discard(total)
 	} else if cap(s.scratch) > 4*size {
 		s.scratch = nil // do not pin a large buffer
+	}
+	return nil
+}
+
+// handleClient passes a whole client message to the Handler and forwards
+// it if the Handler says so.
+func (s *Session) handleClient(msg []byte) error {
+	v, err := s.h.ClientMessage(s, msg)
+	if err != nil || v != Forward {
+		return err
+	}
+	if !s.account(msg[0]) {
+		return errShutdown
+	}
+	if producesResponse(msg[0]) {
+		s.q.push(&Request{Type: msg[0]})
+	}
+	if _, err := s.sw.Write(msg); err != nil {
+		return fmt.Errorf("server: %w", err)
 	}
 	return nil
 }
