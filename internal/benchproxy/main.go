@@ -462,6 +462,16 @@ SELECT fence.protect('gw_results');
 		}{"local via " + name, port, nil})
 		scripts["local via "+name] = strings.ReplaceAll(local, "'P:s'", "'"+name[:3]+":s'")
 	}
+	if port, ok := relays["pgfence"]; ok {
+		// The unfenced transaction through the pass-through relay: what
+		// any proxy hop costs, against which the gate's rows compare.
+		order = append(order, struct {
+			name string
+			port int
+			env  []string
+		}{"direct via pgfence", port, nil})
+		scripts["direct via pgfence"] = scripts["direct"]
+	}
 	order = append(order, struct {
 		name string
 		port int
@@ -510,6 +520,9 @@ SELECT fence.protect('gw_results');
 		if v, ok := lat["local via "+name]; ok {
 			fmt.Printf("the protocol's SQL by hand through %s (pass-through): %.3f ms, %.2f of the same direct (%.3f ms)\n", name, v, v/lat["local via direct"], lat["local via direct"])
 		}
+	}
+	if v, ok := lat["direct via pgfence"]; ok {
+		fmt.Printf("the unfenced transaction through pgfence pass-through: %.3f ms, %.2f of direct\n", v, v/lat["direct"])
 	}
 	fmt.Printf("the same transaction on an unprotected table through the gate (classified, not gated): %.3f ms, %.2f of direct\n", lat["ungated"], lat["ungated"]/lat["direct"])
 	if g := lat["goroutines"]; g > 0 {

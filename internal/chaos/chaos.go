@@ -472,10 +472,12 @@ type Summary struct {
 	Runs map[int]int
 	// Zombies counts workers stopped past their lease until another took
 	// over; ZombiesResumed those that tried to commit again with the old
-	// token once continued; ZombiesRefused those whose attempts after the
-	// resumption were refused (stale) and none committed.
-	Zombies, ZombiesResumed, ZombiesRefused int
-	Faults                                  map[Fault]int
+	// token once continued; of those, ZombiesRefused were refused (stale),
+	// ZombiesFaulted only met errors of the faults injected meanwhile
+	// (neither refused nor committed), and ZombiesCommitted committed
+	// after the takeover: each is an anomaly, the fence failed.
+	Zombies, ZombiesResumed, ZombiesRefused, ZombiesFaulted, ZombiesCommitted int
+	Faults                                                                    map[Fault]int
 	// FaultErrors counts faults the nemesis failed to inject or undo.
 	FaultErrors []string
 	Reads       ReadStats
@@ -520,7 +522,8 @@ func (s *Summary) WriteText(w io.Writer) error {
 	for _, code := range sortedInts(s.Runs) {
 		p(" %d×%d", code, s.Runs[code])
 	}
-	p("\nzombies %d: resumed and tried again %d, refused %d\n", s.Zombies, s.ZombiesResumed, s.ZombiesRefused)
+	p("\nzombies %d: resumed and tried again %d: refused %d, only fault errors %d, committed %d (must be 0)\n",
+		s.Zombies, s.ZombiesResumed, s.ZombiesRefused, s.ZombiesFaulted, s.ZombiesCommitted)
 	p("faults:")
 	for _, f := range AllFaults {
 		p(" %s %d,", f, s.Faults[f])

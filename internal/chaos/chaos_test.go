@@ -97,6 +97,9 @@ func TestChaosShort(t *testing.T) {
 	if n := sum.Outcomes[audit.OutcomeCommitted]; n == 0 {
 		t.Errorf("got %d commits, want some", n)
 	}
+	if sum.ZombiesCommitted != 0 {
+		t.Errorf("%d resumed zombies committed with their old token", sum.ZombiesCommitted)
+	}
 	if sum.ZombiesRefused == 0 {
 		t.Errorf("got %d zombie resumptions refused (of %d zombies, %d resumed), want at least one",
 			sum.ZombiesRefused, sum.Zombies, sum.ZombiesResumed)

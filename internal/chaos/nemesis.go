@@ -369,8 +369,17 @@ func (n *nemesis) zombieStats(attempts []Attempt) {
 		if tried {
 			s.ZombiesResumed++
 		}
-		if refused && !committed {
+		switch {
+		case committed:
+			// The fence failed: a stopped holder committed with its old
+			// token after another took the job over.
+			s.ZombiesCommitted++
+			s.Anomalies = append(s.Anomalies, fmt.Sprintf("zombie %s of job %s committed with token %d after it was resumed at %s, past the takeover",
+				z.holder, z.job, z.token, z.resumed.Format(time.RFC3339Nano)))
+		case refused:
 			s.ZombiesRefused++
+		case tried:
+			s.ZombiesFaulted++
 		}
 	}
 	s.FaultErrors = append(s.FaultErrors, n.failures...)
