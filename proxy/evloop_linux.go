@@ -932,8 +932,10 @@ func (l *evloop) halfEvent(r *relay, fd int, ev uint32) {
 func (l *evloop) clientInline(r *relay) error {
 	s, h := r.s, r.half
 	s.onLoop = true
-	err := r.clientSteps()
-	s.onLoop = false
+	err := func() error {
+		defer func() { s.onLoop = false }() // a Handler's panic too
+		return r.clientSteps()
+	}()
 	switch err {
 	case errWouldBlock:
 		if len(h.sout) > 0 {
@@ -976,7 +978,7 @@ func (r *relay) clientSteps() error {
 		if total > size {
 			// Larger than the buffer: read it whole, waiting for it.
 			if s.onLoop {
-				return errHandoff
+				return r.handoff()
 			}
 			h.block = true
 			err = s.interceptClient(total, size)
@@ -994,7 +996,7 @@ func (r *relay) clientSteps() error {
 			}
 			if err := s.handleClient(msg); err != nil {
 				if err == ErrWait && s.onLoop {
-					return errHandoff
+					return r.handoff()
 				}
 				return err
 			}
@@ -1005,6 +1007,20 @@ func (r *relay) clientSteps() error {
 			return errClientTerminate
 		}
 	}
+}
+
+// handoff is what clientSteps returns on the loop for a message that
+// must go to the client goroutine. Not while bytes wait in sout: the
+// goroutine writes the server directly, which would pass them. (sout
+// only grows within a message's own writes, and clientSteps stops at the
+// next message then, so this is a guard for that invariant.) The message
+// stays unread (ErrWait: nothing was done) and is handled again once the
+// server has taken them.
+func (r *relay) handoff() error {
+	if len(r.half.sout) > 0 {
+		return errPaused
+	}
+	return errHandoff
 }
 
 // halfClient is the client goroutine of a LoopClient session: it handles

@@ -425,7 +425,8 @@ func TestHalfLoopInlineClient(t *testing.T) {
 // TestHalfLoopSlowServer: when the upstream does not read (its backend
 // waits for a lock) the loop keeps what the server socket cannot take and
 // stops reading that client, without holding up other sessions; once the
-// lock goes, every query runs, in order.
+// lock goes, every query runs, in order, the pipeline's last write (which
+// the gate must hand to the client goroutine) included.
 func TestHalfLoopSlowServer(t *testing.T) {
 	p := startProxy(t, Config{Interceptor: newGate(t)})
 	db := cluster.NewDatabase(t)
@@ -436,6 +437,9 @@ func TestHalfLoopSlowServer(t *testing.T) {
 	}
 	c := connect(t, p.dsn(db))
 	r := halfRelay(t, p)
+	if _, err := c.Exec(ctx, "CREATE TABLE t (v int)").ReadAll(); err != nil {
+		t.Fatal(err)
+	}
 
 	// More than the sockets between the proxy and the backend hold
 	// (a few MB on loopback): about 12 MB of queries behind the lock.
@@ -444,6 +448,9 @@ func TestHalfLoopSlowServer(t *testing.T) {
 	raw, _ := (&pgproto3.Query{String: "SELECT pg_advisory_lock(42)"}).Encode(nil)
 	for i := 1; i <= n; i++ {
 		raw, _ = (&pgproto3.Query{String: fmt.Sprintf("SELECT %d, '%s'", i, pad)}).Encode(raw)
+	}
+	for _, sql := range []string{"SET fence.step = 'z'", "INSERT INTO t VALUES (1)"} {
+		raw, _ = (&pgproto3.Query{String: sql}).Encode(raw)
 	}
 	werr := make(chan error, 1)
 	go func() { _, err := c.Conn().Write(raw); werr <- err }()
@@ -461,12 +468,17 @@ func TestHalfLoopSlowServer(t *testing.T) {
 	fe := pgproto3.NewFrontend(c.Conn(), c.Conn())
 	c.Conn().SetReadDeadline(time.Now().Add(60 * time.Second))
 	next := 0 // the lock's row first, then 1..n
-	for rfq := 0; rfq <= n; {
+	var tags []string
+	for rfq := 0; rfq <= n+2; {
 		m, err := fe.Receive()
 		if err != nil {
 			t.Fatalf("after row %d: %v", next, err)
 		}
 		switch m := m.(type) {
+		case *pgproto3.CommandComplete:
+			if rfq > n {
+				tags = append(tags, string(m.CommandTag))
+			}
 		case *pgproto3.DataRow:
 			if rfq > 0 {
 				if got := string(m.Values[0]); got != strconv.Itoa(next) {
@@ -486,6 +498,12 @@ func TestHalfLoopSlowServer(t *testing.T) {
 	}
 	if next != n+1 {
 		t.Fatalf("got %d rows, want %d", next, n+1)
+	}
+	if strings.Join(tags, ",") != "SET,INSERT 0 1" {
+		t.Fatalf("the pipeline ended with %v, want [SET INSERT 0 1]", tags)
+	}
+	if n := p.srv.ops.stats.ClientHandoffs.Load(); n != 1 {
+		t.Fatalf("%d client messages handed off, want 1 (the INSERT behind the SET)", n)
 	}
 	if r.half.spaused.Load() {
 		t.Fatal("still holding the client after the server took everything")
