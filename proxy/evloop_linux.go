@@ -609,24 +609,31 @@ func (s *Session) runFast() (error, bool) {
 	return err, true
 }
 
-// An intercepted session (one with a Handler) cannot be relayed wholly on
-// the loop: its client side blocks (a Handler may wait for the answer to
-// an injected request before it goes on). Its server side never blocks,
-// so the loop takes that half: it reads the server, frames it, calls the
-// Handler's ServerMessage and writes to the client inline
-// (Session.serverMessage, the same code as the server goroutine). The
-// client side stays on a goroutine, but both sockets leave Go's
-// netpoller: the goroutine reads the client itself and, when it is
-// empty, waits for the loop's one-shot watch on it (clientReader); the
-// loop wakes it and yields at once, so it runs on the loop's own thread
-// instead of waking another (on a small VM a thread's wake-up costs tens
-// of microseconds). It writes the server itself (serverWriter).
+// An intercepted session (one with a Handler) is relayed on the loop too,
+// message by message rather than byte by byte. Its server side never
+// blocks: the loop reads the server, frames it, calls the Handler's
+// ServerMessage and writes to the client inline (Session.serverMessage,
+// the same code as the server goroutine). Its client side may block (a
+// Handler may wait for the answer to an earlier request), so it has a
+// goroutine, but a LoopClient Handler's messages are handled on the loop
+// as well (clientInline) until one must wait: that one (ErrWait) and
+// those after it go to the goroutine (halfClient), which gives the client
+// back to the loop once its socket is empty. A Handler that is not a
+// LoopClient keeps its client side on the goroutine for good
+// (Session.clientLoop). Both sockets leave Go's netpoller: the goroutine
+// reads the client itself and, when it must wait for bytes, re-arms the
+// loop's one-shot watch (clientReader); the loop wakes it and yields at
+// once, so it runs on the loop's own thread instead of waking another (on
+// a small VM a thread's wake-up costs tens of microseconds). The goroutine
+// writes the server itself, blocking; the loop never blocks: what a socket
+// does not take waits (out for the client, sout for the server) and the
+// other side is not read until it has gone.
 //
 // The Handler's ServerMessage runs on the loop thread, so it must not
 // block (fenceSession's holds its mutex only for short bookkeeping); a
-// panic in it ends that session only.
+// panic in either handler ends that session only.
 
-// half is the loop's state for the server side of an intercepted session.
+// half is the loop's state for an intercepted session.
 type half struct {
 	big   bigMessage
 	armed bool   // the server socket may be read (once) in this event

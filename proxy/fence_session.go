@@ -28,7 +28,9 @@ import (
 // simple protocol, as named prepared statements for the extended one.
 // Everything it sends upstream goes through Session.Inject (visible for the
 // client's own requests, hidden for the gate's), tagged, so the server
-// goroutine knows what each response belongs to.
+// goroutine knows what each response belongs to. ("Client goroutine" is
+// the client side: on the event loop it runs on the loop's thread, and
+// where it would wait it returns ErrWait first; see LoopClient.)
 //
 // The server goroutine follows: it applies every completed statement to the
 // session state (GUCs, transaction, prepared statements, gate, digest) and
