@@ -687,21 +687,7 @@ type clientReader struct {
 func (cr clientReader) Read(b []byte) (int, error) {
 	h := cr.r.half
 	if cr.r.s.onLoop {
-		// On the loop: one read per readable event, as loopReader.
-		if !h.cArmed {
-			return 0, errWouldBlock
-		}
-		h.cArmed = false
-		n, err := rawIO(syscall.SYS_READ, h.crfd, b)
-		switch {
-		case err == syscall.EAGAIN || err == syscall.EINTR:
-			return 0, errWouldBlock
-		case err != nil:
-			return 0, err
-		case n == 0:
-			return 0, io.EOF
-		}
-		return n, nil
+		return armedRead(h.crfd, &h.cArmed, b) // as loopReader
 	}
 	for {
 		n, err := rawIO(syscall.SYS_READ, h.crfd, b)
@@ -739,19 +725,24 @@ const clientWatch = syscall.EPOLLIN | syscall.EPOLLRDHUP | syscall.EPOLLONESHOT
 type loopReader struct{ r *relay }
 
 func (lr loopReader) Read(b []byte) (int, error) {
-	h := lr.r.half
-	if !h.armed {
+	return armedRead(lr.r.sfd, &lr.r.half.armed, b)
+}
+
+// armedRead reads the non-blocking socket fd once if *armed (the loop
+// saw it readable in this event), disarming it; otherwise, or when it
+// has nothing, it returns errWouldBlock.
+func armedRead(fd int, armed *bool, b []byte) (int, error) {
+	if !*armed {
 		return 0, errWouldBlock
 	}
-	h.armed = false
-	n, err := rawIO(syscall.SYS_READ, lr.r.sfd, b)
-	if err == syscall.EAGAIN || err == syscall.EINTR {
+	*armed = false
+	n, err := rawIO(syscall.SYS_READ, fd, b)
+	switch {
+	case err == syscall.EAGAIN || err == syscall.EINTR:
 		return 0, errWouldBlock
-	}
-	if err != nil {
+	case err != nil:
 		return 0, err
-	}
-	if n == 0 {
+	case n == 0:
 		return 0, io.EOF
 	}
 	return n, nil
@@ -762,17 +753,25 @@ func (lr loopReader) Read(b []byte) (int, error) {
 type loopWriter struct{ r *relay }
 
 func (lw loopWriter) Write(b []byte) (int, error) {
-	h := lw.r.half
-	n := len(b)
-	if len(h.out) == 0 {
-		k, err := writeAvail(lw.r.cfd, b)
+	if err := writeOrHold(lw.r.cfd, &lw.r.half.out, b); err != nil {
+		return 0, err
+	}
+	return len(b), nil
+}
+
+// writeOrHold writes b to the non-blocking socket fd as far as it takes
+// it and appends the rest to *held; while bytes are held it writes
+// nothing, so they keep their order.
+func writeOrHold(fd int, held *[]byte, b []byte) error {
+	if len(*held) == 0 {
+		k, err := writeAvail(fd, b)
 		if err != nil {
-			return 0, err
+			return err
 		}
 		b = b[k:]
 	}
-	h.out = append(h.out, b...)
-	return n, nil
+	*held = append(*held, b...)
+	return nil
 }
 
 // serverWriter is the client goroutine's writer to the server once the
@@ -785,16 +784,10 @@ func (sw serverWriter) Write(b []byte) (int, error) {
 	if sw.r.s.onLoop {
 		// On the loop: what the socket does not take waits in sout,
 		// and the client is not read until it has gone.
-		h, n := sw.r.half, len(b)
-		if len(h.sout) == 0 {
-			k, err := writeAvail(sw.r.sfd, b)
-			if err != nil {
-				return 0, err
-			}
-			b = b[k:]
+		if err := writeOrHold(sw.r.sfd, &sw.r.half.sout, b); err != nil {
+			return 0, err
 		}
-		h.sout = append(h.sout, b...)
-		return n, nil
+		return len(b), nil
 	}
 	n := 0
 	for {
@@ -895,11 +888,9 @@ func (l *evloop) halfEvent(r *relay, fd int, ev uint32) {
 			return nil
 		}
 		if fd == r.sfd && ev&syscall.EPOLLOUT != 0 {
-			n, err := writeAvail(r.sfd, h.sout)
-			if err != nil {
+			if err := drainHeld(r.sfd, &h.sout, r.s.cf.r.Size()); err != nil {
 				return fmt.Errorf("server: %w", err)
 			}
-			h.sout = append(h.sout[:0], h.sout[n:]...)
 			if len(h.sout) == 0 && !h.owner.Load() {
 				// Go on with the client's messages held meanwhile.
 				if err := l.clientInline(r); err != nil {
@@ -911,8 +902,8 @@ func (l *evloop) halfEvent(r *relay, fd int, ev uint32) {
 			}
 		}
 		if fd == r.cfd {
-			if err := r.drainOut(); err != nil {
-				return err
+			if err := drainHeld(r.cfd, &h.out, r.s.sf.r.Size()); err != nil {
+				return fmt.Errorf("client: %w", err)
 			}
 			if len(h.out) >= r.s.sf.r.Size() {
 				return nil
@@ -1068,21 +1059,22 @@ func (r *relay) serverSteps(force bool) error {
 	return s.cw.Flush()
 }
 
-// drainOut writes what waits in out as far as the client takes it.
-func (r *relay) drainOut() error {
-	h := r.half
-	n, err := writeAvail(r.cfd, h.out)
+// drainHeld writes what waits in *held to the non-blocking socket fd as
+// far as it takes it, keeping the rest (and not pinning a buffer larger
+// than 4 × size once empty).
+func drainHeld(fd int, held *[]byte, size int) error {
+	n, err := writeAvail(fd, *held)
 	if err != nil {
-		return fmt.Errorf("client: %w", err)
+		return err
 	}
-	b := h.out[n:]
-	if len(b) == 0 {
-		h.out = h.out[:0]
-		if cap(h.out) > 4*r.s.sf.r.Size() {
-			h.out = nil // do not pin a large buffer
-		}
-	} else {
-		h.out = append(h.out[:0], b...)
+	b := (*held)[n:]
+	switch {
+	case len(b) > 0:
+		*held = append((*held)[:0], b...)
+	case cap(*held) > 4*size:
+		*held = nil
+	default:
+		*held = (*held)[:0]
 	}
 	return nil
 }
