@@ -963,42 +963,26 @@ func (r *relay) clientSteps() error {
 		if s.onLoop && len(h.sout) > 0 {
 			return errPaused
 		}
-		typ, total, err := s.cf.next()
-		if err == errWouldBlock {
+		typ, total, err := s.nextClient()
+		if err != nil {
 			return err
 		}
-		if err != nil {
-			return fmt.Errorf("client: %w", err)
+		if total > size && s.onLoop {
+			return r.handoff() // read whole, waiting for it, on the goroutine
 		}
-		if !frontendTypes[typ] {
-			return &ProtocolError{Code: "08P01", Msg: fmt.Sprintf("invalid frontend message type %d", typ)}
-		}
-		if total > size {
-			// Larger than the buffer: read it whole, waiting for it.
-			if s.onLoop {
-				return r.handoff()
-			}
-			h.block = true
-			err = s.interceptClient(total, size)
-			h.block = false
-			if err != nil {
-				return err
-			}
-		} else {
-			msg, err := s.cf.whole(total)
-			if err == errWouldBlock {
-				return err
-			}
-			if err != nil {
-				return fmt.Errorf("client: %w", err)
-			}
-			if err := s.handleClient(msg); err != nil {
-				if err == ErrWait && s.onLoop {
-					return r.handoff()
-				}
-				return err
-			}
-			s.cf.discard(total)
+		// A message larger than the buffer is read whole, waiting for
+		// it; a smaller one not yet whole stays buffered (errWouldBlock).
+		h.block = total > size
+		err = s.interceptClient(total, size)
+		h.block = false
+		switch {
+		case err == nil:
+		case errors.Is(err, errWouldBlock):
+			return errWouldBlock
+		case err == ErrWait && s.onLoop:
+			return r.handoff() // nothing was done: the message stays
+		default:
+			return err
 		}
 		if typ == 'X' {
 			s.sw.Flush()

@@ -266,12 +266,9 @@ func (s *Session) guard(side string, f func() error) (err error) {
 func (s *Session) clientLoop() error {
 	size := s.cf.r.Size()
 	for {
-		typ, total, err := s.cf.next()
+		typ, total, err := s.nextClient()
 		if err != nil {
-			return fmt.Errorf("client: %w", err)
-		}
-		if !frontendTypes[typ] {
-			return &ProtocolError{Code: "08P01", Msg: fmt.Sprintf("invalid frontend message type %d", typ)}
+			return err
 		}
 		if s.h == nil {
 			// Pass-through: the hot path.
@@ -300,6 +297,22 @@ func (s *Session) clientLoop() error {
 	}
 }
 
+// nextClient reads the header of the client's next message and checks
+// its type. errWouldBlock (the event loop's reader has nothing more) is
+// returned as is.
+func (s *Session) nextClient() (typ byte, total int, err error) {
+	typ, total, err = s.cf.next()
+	switch {
+	case err == errWouldBlock:
+		return 0, 0, err
+	case err != nil:
+		return 0, 0, fmt.Errorf("client: %w", err)
+	case !frontendTypes[typ]:
+		return 0, 0, &ProtocolError{Code: "08P01", Msg: fmt.Sprintf("invalid frontend message type %d", typ)}
+	}
+	return typ, total, nil
+}
+
 func (s *Session) interceptClient(total, size int) error {
 	var msg []byte
 	var err error
@@ -312,32 +325,25 @@ func (s *Session) interceptClient(total, size int) error {
 	if err != nil {
 		return fmt.Errorf("client: %w", err)
 	}
-	if err := s.handleClient(msg); err != nil {
-		return err
+	v, err := s.h.ClientMessage(s, msg)
+	if err != nil {
+		return err // the message stays unconsumed (ErrWait: handled again)
+	}
+	if v == Forward {
+		if !s.account(msg[0]) {
+			return errShutdown
+		}
+		if producesResponse(msg[0]) {
+			s.q.push(&Request{Type: msg[0]})
+		}
+		if _, err := s.sw.Write(msg); err != nil {
+			return fmt.Errorf("server: %w", err)
+		}
 	}
 	if total <= size {
 		s.cf.discard(total)
 	} else if cap(s.scratch) > 4*size {
 		s.scratch = nil // do not pin a large buffer
-	}
-	return nil
-}
-
-// handleClient passes a whole client message to the Handler and forwards
-// it if the Handler says so.
-func (s *Session) handleClient(msg []byte) error {
-	v, err := s.h.ClientMessage(s, msg)
-	if err != nil || v != Forward {
-		return err
-	}
-	if !s.account(msg[0]) {
-		return errShutdown
-	}
-	if producesResponse(msg[0]) {
-		s.q.push(&Request{Type: msg[0]})
-	}
-	if _, err := s.sw.Write(msg); err != nil {
-		return fmt.Errorf("server: %w", err)
 	}
 	return nil
 }
