@@ -690,29 +690,19 @@ func (cr clientReader) Read(b []byte) (int, error) {
 		return armedRead(h.crfd, &h.cArmed, b) // as loopReader
 	}
 	for {
-		n, err := rawIO(syscall.SYS_READ, h.crfd, b)
-		switch {
-		case err == syscall.EINTR:
-			continue
-		case err == syscall.EAGAIN:
-			if !h.block {
-				return 0, errWouldBlock // between messages: back to the loop
-			}
-			if err := cr.l.ctl(syscall.EPOLL_CTL_MOD, h.crfd, clientWatch); err != nil {
-				return 0, err
-			}
-			select {
-			case <-h.cready:
-				continue
-			case <-h.stop:
-				return 0, errSessionClosing
-			}
-		case err != nil:
-			return 0, err
-		case n == 0:
-			return 0, io.EOF
+		ready := true // the goroutine reads whenever it is asked to
+		n, err := armedRead(h.crfd, &ready, b)
+		if err != errWouldBlock || !h.block {
+			return n, err // errWouldBlock between messages: back to the loop
 		}
-		return n, nil
+		if err := cr.l.ctl(syscall.EPOLL_CTL_MOD, h.crfd, clientWatch); err != nil {
+			return 0, err
+		}
+		select {
+		case <-h.cready:
+		case <-h.stop:
+			return 0, errSessionClosing
+		}
 	}
 }
 
@@ -815,9 +805,9 @@ func (r *relay) terminateServer() {
 	}
 }
 
-// attachHalf moves the server side of s onto the loop. It reports false,
-// leaving s untouched, when it cannot (TLS, or server bytes already
-// buffered).
+// attachHalf moves an intercepted session s onto the loop (its client
+// side too, for a LoopClient Handler). It reports false, leaving s
+// untouched, when it cannot (TLS, or bytes already buffered).
 func (l *evloop) attachHalf(s *Session) (*relay, bool) {
 	s.connMu.Lock()
 	defer s.connMu.Unlock()
