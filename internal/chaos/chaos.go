@@ -353,10 +353,11 @@ func (h *harness) runSlot(ctx context.Context, s *slot, seed uint64) {
 		holder := fmt.Sprintf("w%d.%d", s.id, s.n)
 		s.mu.Unlock()
 		records := filepath.Join(h.recDir, holder+".jsonl")
+		steps := 1 + rng.IntN(len(workerSteps))
 		dsn := fmt.Sprintf("postgres://postgres@%s/%s?sslmode=disable&application_name=chaos-worker", s.relay.Addr(), h.db)
 		cmd := exec.Command(h.cfg.Pgfence, "run", "--job", job, "--ttl", h.cfg.TTL.String(), "--holder", holder,
 			"--database", h.c.Primary.DSN(h.db), "--grace", "2s", "--log-level", "error", "--",
-			h.cfg.Self, "worker", "--name", holder, "--records", records,
+			h.cfg.Self, "worker", "--name", holder, "--records", records, "--steps", strconv.Itoa(steps),
 			"--seed", strconv.FormatUint(rng.Uint64(), 10),
 			"--primary", h.c.Primary.DSN(h.db)+"&application_name=chaos-worker")
 		cmd.Env = append(os.Environ(), "DATABASE_URL="+dsn)
@@ -366,7 +367,7 @@ func (h *harness) runSlot(ctx context.Context, s *slot, seed uint64) {
 			h.log.Error("start pgfence run", zap.Error(err))
 			return
 		}
-		sp := &slotProc{holder: holder, records: records, cmd: cmd, done: make(chan struct{})}
+		sp := &slotProc{holder: holder, records: records, steps: steps, cmd: cmd, done: make(chan struct{})}
 		var code int
 		go func() {
 			err := cmd.Wait()

@@ -1,11 +1,13 @@
 package chaos
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
 	"math/rand/v2"
 	"os"
+	"path/filepath"
 	"slices"
 	"strings"
 	"sync"
@@ -276,6 +278,15 @@ func (n *nemesis) tryZombie(ctx, probe context.Context) bool {
 		if err := sp.signalGroup(syscall.SIGSTOP); err != nil {
 			continue
 		}
+		if !sp.betweenCommits(probe) {
+			// Stopped inside an attempt, or with its commits all made: its
+			// commit may land before the takeover (legitimately) and it
+			// may never try again, so it would show nothing about the
+			// fence. Another worker, or another turn.
+			sp.signalGroup(syscall.SIGCONT)
+			continue
+		}
+		n.h.log.Info("zombie: stopped", zap.String("holder", sp.holder), zap.String("job", job), zap.Int64("token", token))
 		n.mu.Lock()
 		n.zombie = true
 		n.mu.Unlock()
@@ -321,6 +332,7 @@ func (n *nemesis) zombieLife(ctx context.Context, sp *slotProc, z zombieEvent) {
 	kids := sp.children()
 	size := fileSize(sp.records)
 	z.resumed = time.Now()
+	h.log.Info("zombie: continued after the takeover", zap.String("holder", z.holder))
 	for _, pid := range kids {
 		syscall.Kill(pid, syscall.SIGCONT)
 	}
@@ -328,7 +340,7 @@ func (n *nemesis) zombieLife(ctx context.Context, sp *slotProc, z zombieEvent) {
 		// Until its first definite answer (a connection error is retried).
 		poll(wctx, 10*time.Millisecond, func() (bool, error) {
 			for _, a := range attemptsFrom(sp.records, size) {
-				if a.Outcome != audit.OutcomeError && a.Outcome != audit.OutcomeUnknown {
+				if definite(a.Outcome) {
 					return true, nil
 				}
 			}
@@ -355,7 +367,10 @@ func (n *nemesis) zombieStats(attempts []Attempt) {
 		}
 		tried, refused, committed := false, false, false
 		for _, a := range attempts {
-			if a.Worker != z.holder || a.Token != z.token || a.At.Before(z.resumed) {
+			// Only attempts begun once it was continued: the worker was
+			// stopped between attempts (betweenCommits), so any attempt of
+			// its token that commits now commits past the takeover.
+			if a.Worker != z.holder || a.Token != z.token || a.Began.Before(z.resumed) {
 				continue
 			}
 			tried = true
@@ -385,8 +400,69 @@ func (n *nemesis) zombieStats(attempts []Attempt) {
 	s.FaultErrors = append(s.FaultErrors, n.failures...)
 }
 
+// definite reports whether outcome is an answer the worker does not retry.
+func definite(outcome string) bool {
+	return outcome != "" && outcome != audit.OutcomeError && outcome != audit.OutcomeUnknown
+}
+
+// betweenCommits waits until every process of the stopped slot is stopped
+// and reports whether its worker is between two attempts with a commit
+// still to make: its last record line is a definite answer (or it has not
+// started), it was not refused, and it has fewer steps answered than it
+// makes. A worker stopped there begins its next attempt only once
+// continued, after the takeover, where it must be refused.
+func (sp *slotProc) betweenCommits(ctx context.Context) bool {
+	pids := append([]int{sp.cmd.Process.Pid}, sp.children()...)
+	if poll(ctx, time.Millisecond, func() (bool, error) { return stopped(pids), nil }) != nil {
+		return false
+	}
+	lines := recordLines(sp.records, 0, true)
+	if n := len(lines); n > 0 && !definite(lines[n-1].Outcome) {
+		return false
+	}
+	answered := map[string]bool{}
+	for _, a := range lines {
+		switch {
+		case a.Outcome == audit.OutcomeStale || a.Outcome == audit.OutcomeExpired:
+			return false
+		case definite(a.Outcome) && !a.Probe:
+			answered[a.Step] = true
+		}
+	}
+	return len(answered) < sp.steps
+}
+
+// stopped reports whether every thread of every live pid is stopped.
+func stopped(pids []int) bool {
+	for _, pid := range pids {
+		tasks, _ := filepath.Glob(fmt.Sprintf("/proc/%d/task/*/stat", pid))
+		for _, t := range tasks {
+			b, err := os.ReadFile(t)
+			if err != nil {
+				continue // gone
+			}
+			i := bytes.LastIndexByte(b, ')')
+			if i < 0 || i+2 >= len(b) {
+				continue
+			}
+			switch b[i+2] {
+			case 'T', 't', 'Z', 'X':
+			default:
+				return false
+			}
+		}
+	}
+	return true
+}
+
 // attemptsFrom reads the attempts recorded in path from byte offset on.
 func attemptsFrom(path string, offset int64) []Attempt {
+	return recordLines(path, offset, false)
+}
+
+// recordLines reads the lines of path from byte offset on, with the
+// markers written before each attempt if markers is set.
+func recordLines(path string, offset int64, markers bool) []Attempt {
 	b, err := os.ReadFile(path)
 	if err != nil || int64(len(b)) <= offset {
 		return nil
@@ -394,7 +470,7 @@ func attemptsFrom(path string, offset int64) []Attempt {
 	var out []Attempt
 	for _, line := range strings.Split(string(b[offset:]), "\n") {
 		var a Attempt
-		if json.Unmarshal([]byte(line), &a) == nil {
+		if json.Unmarshal([]byte(line), &a) == nil && (markers || !a.marker()) {
 			out = append(out, a)
 		}
 	}

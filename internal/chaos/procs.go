@@ -143,6 +143,7 @@ func (p *proxyProc) stop() {
 type slotProc struct {
 	holder  string
 	records string
+	steps   int // commits the worker makes under its token
 	cmd     *exec.Cmd
 	done    chan struct{}
 }

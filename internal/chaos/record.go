@@ -14,7 +14,10 @@ import (
 )
 
 // Attempt is one line of a worker's record file: one attempt at one commit,
-// and the outcome the worker saw (audit.Outcome*).
+// and the outcome the worker saw (audit.Outcome*). Before each attempt the
+// worker writes a marker line with no Outcome (only Began): the nemesis
+// reads it to tell a worker in the middle of an attempt from one between
+// attempts. readAttempts and attemptsFrom skip markers.
 type Attempt struct {
 	Worker  string    `json:"worker"`
 	Job     string    `json:"job"`
@@ -27,8 +30,12 @@ type Attempt struct {
 	Probe   bool      `json:"probe,omitempty"`
 	Retry   int       `json:"retry"` // 0 for the first attempt of a commit
 	Detail  string    `json:"detail,omitempty"`
-	At      time.Time `json:"at"`
+	Began   time.Time `json:"began"` // before the attempt's first message
+	At      time.Time `json:"at"`    // once its outcome was known
 }
+
+// marker reports whether a is the line written before an attempt.
+func (a Attempt) marker() bool { return a.Outcome == "" }
 
 // recorder appends attempts to a JSON-lines file, one write per line, so a
 // worker killed at any moment leaves only whole lines behind.
@@ -74,7 +81,7 @@ func readAttempts(dir string) ([]Attempt, error) {
 		sc.Buffer(make([]byte, 64<<10), 1<<20)
 		for sc.Scan() {
 			var a Attempt
-			if json.Unmarshal(sc.Bytes(), &a) == nil {
+			if json.Unmarshal(sc.Bytes(), &a) == nil && !a.marker() {
 				out = append(out, a)
 			}
 		}

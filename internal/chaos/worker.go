@@ -200,14 +200,19 @@ func (w *worker) commit(ctx context.Context, step, payload string, probe bool) (
 		if time.Now().After(deadline) {
 			return "", fmt.Errorf("step %q: no definite outcome after %d attempts", step, retry)
 		}
-		out, code, detail := w.attempt(ctx, step, payload, digest)
 		a := Attempt{
 			Worker: w.cfg.Name, Job: w.g.job, Epoch: w.g.epoch, Token: w.g.token, Step: step,
-			Digest: digest, Outcome: out, Code: code, Probe: probe, Retry: retry, Detail: detail, At: time.Now(),
+			Digest: digest, Probe: probe, Retry: retry, Began: time.Now(),
 		}
 		if err := w.rec.add(a); err != nil {
 			return "", err
 		}
+		a.Outcome, a.Code, a.Detail = w.attempt(ctx, step, payload, digest)
+		a.At = time.Now()
+		if err := w.rec.add(a); err != nil {
+			return "", err
+		}
+		out := a.Outcome
 		switch out {
 		case audit.OutcomeError, audit.OutcomeUnknown:
 			// The same step, the same payload, on a new connection, after
