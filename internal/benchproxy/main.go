@@ -183,6 +183,13 @@ func run(dur time.Duration, scale, rounds int, only *regexp.Regexp, goroutines, 
 		targets = append(targets, target{"pgbouncer", port, procCPU(pid)})
 	}
 
+	if port, pid, stop, err := startFloorRelay(c.Primary.Port); err != nil {
+		fmt.Fprintf(os.Stderr, "benchproxy: floor relay column skipped: %v\n", err)
+	} else {
+		defer stop()
+		targets = append(targets, target{"floor", port, procCPU(pid)})
+	}
+
 	type cell struct {
 		name    string
 		args    []string
@@ -450,7 +457,7 @@ SELECT fence.protect('gw_results');
 	local := step + fmt.Sprintf("BEGIN\\; SET LOCAL fence.job_key = 'bench-job'\\; SET LOCAL fence.epoch = %d\\; SET LOCAL fence.token = %d\\; SET LOCAL fence.step = 'P:s'\\; SELECT fence.gate('bench-job', %d, %d, 'P:s');\n", l.Epoch, l.Token, l.Epoch, l.Token) +
 		upsert("gw_results", l.Token) +
 		fmt.Sprintf("SELECT fence.commit('bench-job', %d, %d, 'P:s', '\\x00'::bytea, 'v1')\\; COMMIT;\n", l.Epoch, l.Token)
-	for _, name := range []string{"direct", "pgfence", "pgbouncer"} {
+	for _, name := range []string{"direct", "pgfence", "pgbouncer", "floor"} {
 		port, ok := relays[name]
 		if !ok {
 			continue
@@ -462,15 +469,20 @@ SELECT fence.protect('gw_results');
 		}{"local via " + name, port, nil})
 		scripts["local via "+name] = strings.ReplaceAll(local, "'P:s'", "'"+name[:3]+":s'")
 	}
-	if port, ok := relays["pgfence"]; ok {
-		// The unfenced transaction through the pass-through relay: what
-		// any proxy hop costs, against which the gate's rows compare.
+	for _, name := range []string{"pgfence", "floor"} {
+		// The unfenced transaction through the pass-through relay (and
+		// through the floor relay): what a proxy hop costs, against which
+		// the gate's rows compare.
+		port, ok := relays[name]
+		if !ok {
+			continue
+		}
 		order = append(order, struct {
 			name string
 			port int
 			env  []string
-		}{"direct via pgfence", port, nil})
-		scripts["direct via pgfence"] = scripts["direct"]
+		}{"direct via " + name, port, nil})
+		scripts["direct via "+name] = scripts["direct"]
 	}
 	order = append(order, struct {
 		name string
@@ -516,13 +528,16 @@ SELECT fence.protect('gw_results');
 		lat["direct"], lat["gated"], lat["fenced"], lat["seed"])
 	fmt.Printf("gated/direct %.2f (target ≤ 1.5), gated/seed %.2f (target ≤ 1), gated/fenced %.2f (the proxy's share), fenced/direct %.2f (the protocol's SQL)\n",
 		lat["gated"]/lat["direct"], lat["gated"]/lat["seed"], lat["gated"]/lat["fenced"], lat["fenced"]/lat["direct"])
-	for _, name := range []string{"pgfence", "pgbouncer"} {
+	for _, name := range []string{"pgfence", "pgbouncer", "floor"} {
 		if v, ok := lat["local via "+name]; ok {
 			fmt.Printf("the protocol's SQL by hand through %s (pass-through): %.3f ms, %.2f of the same direct (%.3f ms)\n", name, v, v/lat["local via direct"], lat["local via direct"])
 		}
 	}
 	if v, ok := lat["direct via pgfence"]; ok {
 		fmt.Printf("the unfenced transaction through pgfence pass-through: %.3f ms, %.2f of direct\n", v, v/lat["direct"])
+	}
+	if v, ok := lat["direct via floor"]; ok {
+		fmt.Printf("the unfenced transaction through the floor relay (one read and one write per message, no parsing): %.3f ms, %.2f of direct\n", v, v/lat["direct"])
 	}
 	fmt.Printf("the same transaction on an unprotected table through the gate (classified, not gated): %.3f ms, %.2f of direct\n", lat["ungated"], lat["ungated"]/lat["direct"])
 	if g := lat["goroutines"]; g > 0 {
