@@ -31,7 +31,7 @@ bench: deps build ## benchmarks: pgfence vs direct connections, printed as ratio
 	$(GO) test -run '^$$' -bench 'Classify|Canonical' -benchmem ./rewrite/
 	$(GO) test -run '^$$' -bench PassThrough -benchmem ./proxy/
 	$(GO) test -run '^$$' -bench GatedWrite -benchtime 2000x ./proxy/
-	$(GO) run ./internal/benchproxy
+	$(GO) run ./internal/benchproxy -pgfence bin/pgfence
 	$(GO) run ./internal/benchreplica
 
 chaos: deps build ## chaos run with a nemesis, then the checker (DURATION=5m, SEED=N)

@@ -1,10 +1,13 @@
 // Command benchproxy measures pgfence's pass-through proxy against direct
-// connections (and PgBouncer in session mode, when installed; and pgfence
-// with its write gate intercepting every message, as `pgfence serve` runs,
-// with no table protected) with
+// connections (and PgBouncer in session mode, when installed; pgfence with
+// its write gate intercepting every message, as `pgfence serve` runs, with
+// no table protected; and a floor relay that does nothing but relay) with
 // pgbench, alternating the targets in one run on one throwaway cluster, and
-// prints TPS, the ratio to direct and the latency added. `make bench` runs
-// it. It is a measuring tool, not a test: it fails only when it cannot run.
+// prints TPS, the ratio to direct, the latency added and each relay's CPU
+// per transaction. With -pgfence (as `make bench` runs it) the pgfence
+// columns are `pgfence serve` processes, like the other relays; without,
+// they run in this process (for -cpuprofile). It is a measuring tool, not
+// a test: it fails only when it cannot run.
 package main
 
 import (
@@ -41,8 +44,13 @@ func main() {
 	goroutines := flag.Bool("goroutines", false, "relay pass-through sessions with goroutines instead of the event loop (proxy.Config.DisableEventLoop)")
 	gated := flag.Bool("gate", true, "add a column for pgfence with the write gate (as pgfence serve runs; no table protected, so it measures the interception cost alone)")
 	gatedWrite := flag.Bool("gated-write", true, "with -gate, also time a gated write transaction with pgbench against the same transaction direct, the seed's hand-written fence SQL and the protocol's SQL by hand")
-	cpuprofile := flag.String("cpuprofile", "", "write a CPU profile of the proxies (this process) to this file")
+	cpuprofile := flag.String("cpuprofile", "", "write a CPU profile of the proxies (this process) to this file; needs -pgfence empty")
+	bin := flag.String("pgfence", "", "run the pgfence columns as `pgfence serve` processes of this binary, as users run it (empty: in this process)")
 	flag.Parse()
+	if *cpuprofile != "" && *bin != "" {
+		fmt.Fprintln(os.Stderr, "benchproxy: -cpuprofile profiles in-process proxies: leave -pgfence empty")
+		os.Exit(2)
+	}
 	if *cpuprofile != "" {
 		f, err := os.Create(*cpuprofile)
 		if err == nil {
@@ -59,7 +67,7 @@ func main() {
 		fmt.Fprintln(os.Stderr, "benchproxy: -only:", err)
 		os.Exit(2)
 	}
-	if err := run(*dur, *scale, *rounds, onlyRe, *goroutines, *gated, *gated && *gatedWrite); err != nil {
+	if err := run(*dur, *scale, *rounds, onlyRe, *goroutines, *gated, *gated && *gatedWrite, *bin); err != nil {
 		fmt.Fprintln(os.Stderr, "benchproxy:", err)
 		pprof.StopCPUProfile()
 		os.Exit(1)
@@ -100,7 +108,7 @@ func procCPU(pid int) func() time.Duration {
 	}
 }
 
-func run(dur time.Duration, scale, rounds int, only *regexp.Regexp, goroutines, gated, gatedWrite bool) error {
+func run(dur time.Duration, scale, rounds int, only *regexp.Regexp, goroutines, gated, gatedWrite bool, bin string) error {
 	ctx := context.Background()
 	c, err := pgtest.Start(ctx, pgtest.Options{})
 	if err != nil {
@@ -117,31 +125,49 @@ func run(dur time.Duration, scale, rounds int, only *regexp.Regexp, goroutines, 
 		return fmt.Errorf("pgbench -i: %w\n%s", err, out)
 	}
 
-	start := func(cfg proxy.Config) (int, error) {
+	// start runs a pgfence proxy: in this process (its CPU is this
+	// process's), or with -pgfence as a `pgfence serve` process of its own,
+	// the way PgBouncer and the floor relay run.
+	start := func(cfg proxy.Config) (int, func() time.Duration, error) {
 		cfg.Primary = c.Primary.DSN("postgres")
 		cfg.DisableEventLoop = cfg.DisableEventLoop || goroutines
+		if bin != "" {
+			args := []string{}
+			if cfg.Interceptor == nil {
+				args = append(args, "--no-gate")
+			}
+			if cfg.DisableEventLoop {
+				args = append(args, "--no-event-loop")
+			}
+			port, pid, stop, err := startServe(bin, cfg.Primary, args...)
+			if err != nil {
+				return 0, nil, err
+			}
+			stops = append(stops, stop)
+			return port, procCPU(pid), nil
+		}
 		srv, err := proxy.New(cfg, zap.NewNop())
 		if err != nil {
-			return 0, err
+			return 0, nil, err
 		}
 		ln, err := net.Listen("tcp", "127.0.0.1:0")
 		if err != nil {
-			return 0, err
+			return 0, nil, err
 		}
 		go srv.Serve(ctx, ln)
 		stops = append(stops, func() { srv.Shutdown(ctx) })
-		return ln.Addr().(*net.TCPAddr).Port, nil
+		return ln.Addr().(*net.TCPAddr).Port, selfCPU, nil
 	}
 	defer func() {
 		for _, f := range stops {
 			f()
 		}
 	}()
-	port, err := start(proxy.Config{})
+	port, cpu, err := start(proxy.Config{})
 	if err != nil {
 		return err
 	}
-	targets := []target{{"direct", c.Primary.Port, nil}, {"pgfence", port, selfCPU}}
+	targets := []target{{"direct", c.Primary.Port, nil}, {"pgfence", port, cpu}}
 	if gated {
 		conn, err := c.Primary.Connect(ctx, db)
 		if err != nil {
@@ -156,18 +182,18 @@ func run(dur time.Duration, scale, rounds int, only *regexp.Regexp, goroutines, 
 		if err != nil {
 			return err
 		}
-		port, err := start(proxy.Config{Interceptor: gate})
+		port, cpu, err := start(proxy.Config{Interceptor: gate})
 		stops = append(stops, gate.Close)
 		if err != nil {
 			return err
 		}
-		targets = append(targets, target{"pgfence+gate", port, selfCPU})
+		targets = append(targets, target{"pgfence+gate", port, cpu})
 		if gatedWrite {
 			gport := 0
 			if !goroutines {
 				// The gate with both halves of its sessions on goroutines,
 				// for comparison.
-				if gport, err = start(proxy.Config{Interceptor: gate, DisableEventLoop: true}); err != nil {
+				if gport, _, err = start(proxy.Config{Interceptor: gate, DisableEventLoop: true}); err != nil {
 					return err
 				}
 			}
