@@ -290,7 +290,8 @@ func (l *evloop) run() {
 		// that timed out, not on every wake-up: on this VM reading it
 		// was 5 % of the loop's CPU samples (perf record, pgbench -S,
 		// one client), 1–2 µs per transaction.
-		if work += n + 1; work >= yieldCheck || idle {
+		work += max(n, 0) + 1 // n is -1 after an error such as EINTR
+		if work >= yieldCheck || idle {
 			work = 0
 			if now := time.Now(); now.Sub(last) >= yieldEvery {
 				runtime.Gosched()
