@@ -467,15 +467,22 @@ SELECT fence.protect('gw_results');
 			"COMMIT;\n",
 	}
 	gen := fmt.Sprintf("PGOPTIONS=-c fence.job_key=bench-job -c fence.epoch=%d -c fence.token=%d", l.Epoch, l.Token)
-	order := []struct {
+	// A row: a pgbench script, the port it runs against and its
+	// environment (the generation in PGOPTIONS, for rows through the gate).
+	type row struct {
 		name string
 		port int
 		env  []string
-	}{
+	}
+	order := []row{
 		{"direct", c.Primary.Port, nil},
 		{"gated", gatePort, []string{gen}},
 		{"fenced", c.Primary.Port, []string{gen}},
 		{"seed", c.Primary.Port, nil},
+	}
+	add := func(r row, script string) {
+		order = append(order, r)
+		scripts[r.name] = script
 	}
 	// The protocol's SQL by hand through a pass-through relay (PgBouncer
 	// passes no startup options: the generation rides in the BEGIN's
@@ -484,45 +491,21 @@ SELECT fence.protect('gw_results');
 		upsert("gw_results", l.Token) +
 		fmt.Sprintf("SELECT fence.commit('bench-job', %d, %d, 'P:s', '\\x00'::bytea, 'v1')\\; COMMIT;\n", l.Epoch, l.Token)
 	for _, name := range []string{"direct", "pgfence", "pgbouncer", "floor"} {
-		port, ok := relays[name]
-		if !ok {
-			continue
+		if port, ok := relays[name]; ok {
+			add(row{"local via " + name, port, nil}, strings.ReplaceAll(local, "'P:s'", "'"+name[:3]+":s'"))
 		}
-		order = append(order, struct {
-			name string
-			port int
-			env  []string
-		}{"local via " + name, port, nil})
-		scripts["local via "+name] = strings.ReplaceAll(local, "'P:s'", "'"+name[:3]+":s'")
 	}
+	// The unfenced transaction through the pass-through relay and the
+	// floor relay: what a proxy hop costs, against which the gate's rows
+	// compare.
 	for _, name := range []string{"pgfence", "floor"} {
-		// The unfenced transaction through the pass-through relay (and
-		// through the floor relay): what a proxy hop costs, against which
-		// the gate's rows compare.
-		port, ok := relays[name]
-		if !ok {
-			continue
+		if port, ok := relays[name]; ok {
+			add(row{"direct via " + name, port, nil}, scripts["direct"])
 		}
-		order = append(order, struct {
-			name string
-			port int
-			env  []string
-		}{"direct via " + name, port, nil})
-		scripts["direct via "+name] = scripts["direct"]
 	}
-	order = append(order, struct {
-		name string
-		port int
-		env  []string
-	}{"ungated", gatePort, []string{gen}})
-	scripts["ungated"] = step + "BEGIN\\; SET LOCAL fence.step = 'u:s';\n" + upsert("gw_plain", l.Token) + "COMMIT;\n"
+	add(row{"ungated", gatePort, []string{gen}}, step+"BEGIN\\; SET LOCAL fence.step = 'u:s';\n"+upsert("gw_plain", l.Token)+"COMMIT;\n")
 	if goroutinePort != 0 {
-		order = append(order, struct {
-			name string
-			port int
-			env  []string
-		}{"goroutines", goroutinePort, []string{gen}})
-		scripts["goroutines"] = strings.ReplaceAll(scripts["gated"], "'g:s'", "'r:s'")
+		add(row{"goroutines", goroutinePort, []string{gen}}, strings.ReplaceAll(scripts["gated"], "'g:s'", "'r:s'"))
 	}
 	lat := map[string]float64{}
 	for r := 0; r < rounds; r++ {
