@@ -3,7 +3,6 @@ package chaos
 import (
 	"bytes"
 	"context"
-	"encoding/json"
 	"fmt"
 	"math/rand/v2"
 	"os"
@@ -467,14 +466,7 @@ func recordLines(path string, offset int64, markers bool) []Attempt {
 	if err != nil || int64(len(b)) <= offset {
 		return nil
 	}
-	var out []Attempt
-	for _, line := range strings.Split(string(b[offset:]), "\n") {
-		var a Attempt
-		if json.Unmarshal([]byte(line), &a) == nil && (markers || !a.marker()) {
-			out = append(out, a)
-		}
-	}
-	return out
+	return parseRecords(b[offset:], markers)
 }
 
 func fileSize(path string) int64 {

@@ -1,7 +1,7 @@
 package chaos
 
 import (
-	"bufio"
+	"bytes"
 	"encoding/hex"
 	"encoding/json"
 	"fmt"
@@ -73,26 +73,27 @@ func readAttempts(dir string) ([]Attempt, error) {
 	}
 	var out []Attempt
 	for _, name := range files {
-		f, err := os.Open(name)
-		if err != nil {
-			return nil, err
-		}
-		sc := bufio.NewScanner(f)
-		sc.Buffer(make([]byte, 64<<10), 1<<20)
-		for sc.Scan() {
-			var a Attempt
-			if json.Unmarshal(sc.Bytes(), &a) == nil && !a.marker() {
-				out = append(out, a)
-			}
-		}
-		err = sc.Err()
-		f.Close()
+		b, err := os.ReadFile(name)
 		if err != nil {
 			return nil, fmt.Errorf("read %s: %w", name, err)
 		}
+		out = append(out, parseRecords(b, false)...)
 	}
 	sort.SliceStable(out, func(i, j int) bool { return out[i].At.Before(out[j].At) })
 	return out, nil
+}
+
+// parseRecords parses the lines of a record file, skipping a torn line,
+// and the markers written before each attempt unless markers is set.
+func parseRecords(b []byte, markers bool) []Attempt {
+	var out []Attempt
+	for line := range bytes.Lines(b) {
+		var a Attempt
+		if json.Unmarshal(line, &a) == nil && (markers || !a.marker()) {
+			out = append(out, a)
+		}
+	}
+	return out
 }
 
 // clientRecords turns attempts into the checker's client records.
