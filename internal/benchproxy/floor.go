@@ -5,7 +5,6 @@ import (
 	_ "embed"
 	"errors"
 	"fmt"
-	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -41,12 +40,10 @@ func startFloorRelay(pgPort int) (int, int, func(), error) {
 		os.RemoveAll(dir)
 		return 0, 0, nil, fmt.Errorf("build the floor relay: %v\n%s", err, out)
 	}
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	port, err := freePort()
 	if err != nil {
 		return 0, 0, nil, err
 	}
-	port := ln.Addr().(*net.TCPAddr).Port
-	ln.Close()
 	cmd := exec.Command(bin, strconv.Itoa(port), strconv.Itoa(pgPort))
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	out, err := cmd.StdoutPipe()

@@ -345,12 +345,10 @@ func startPgBouncer(pgPort int) (int, int, func(), error) {
 	if err != nil {
 		return 0, 0, nil, err
 	}
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	port, err := freePort()
 	if err != nil {
 		return 0, 0, nil, err
 	}
-	port := ln.Addr().(*net.TCPAddr).Port
-	ln.Close()
 	ini := fmt.Sprintf(`[databases]
 * = host=127.0.0.1 port=%d
 [pgbouncer]
@@ -386,17 +384,12 @@ logfile = %s
 		cmd.Wait()
 		os.RemoveAll(dir)
 	}
-	deadline := time.Now().Add(10 * time.Second)
-	for {
-		if _, err := psqlExec(port, "postgres", "SELECT 1"); err == nil {
-			return port, cmd.Process.Pid, stop, nil
-		} else if time.Now().After(deadline) {
-			log, _ := os.ReadFile(filepath.Join(dir, "pgbouncer.log"))
-			stop()
-			return 0, 0, nil, fmt.Errorf("pgbouncer did not come up: %v\n%s", err, strings.TrimSpace(string(log)))
-		}
-		time.Sleep(50 * time.Millisecond)
+	if err := waitReady(port, 10*time.Second); err != nil {
+		log, _ := os.ReadFile(filepath.Join(dir, "pgbouncer.log"))
+		stop()
+		return 0, 0, nil, fmt.Errorf("pgbouncer did not come up: %v\n%s", err, strings.TrimSpace(string(log)))
 	}
+	return port, cmd.Process.Pid, stop, nil
 }
 
 func numCPU() int {

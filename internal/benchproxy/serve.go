@@ -14,12 +14,10 @@ import (
 // process of its own, and waits until it answers. It returns its port, its
 // pid and a stop function.
 func startServe(bin, primary string, args ...string) (int, int, func(), error) {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	port, err := freePort()
 	if err != nil {
 		return 0, 0, nil, err
 	}
-	port := ln.Addr().(*net.TCPAddr).Port
-	ln.Close()
 	cmd := exec.Command(bin, append([]string{"serve", "--listen", "127.0.0.1:" + strconv.Itoa(port),
 		"--primary", primary, "--log-level", "error"}, args...)...)
 	cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
@@ -31,13 +29,31 @@ func startServe(bin, primary string, args ...string) (int, int, func(), error) {
 		cmd.Process.Signal(syscall.SIGTERM)
 		cmd.Wait()
 	}
-	deadline := time.Now().Add(20 * time.Second)
+	if err := waitReady(port, 20*time.Second); err != nil {
+		stop()
+		return 0, 0, nil, fmt.Errorf("%s serve did not answer on port %d: %w", bin, port, err)
+	}
+	return port, cmd.Process.Pid, stop, nil
+}
+
+// freePort returns a TCP port on 127.0.0.1 that was free a moment ago.
+func freePort() (int, error) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return 0, err
+	}
+	defer ln.Close()
+	return ln.Addr().(*net.TCPAddr).Port, nil
+}
+
+// waitReady waits until a PostgreSQL-speaking relay on port answers a
+// query, or for at most limit; it returns the last error then.
+func waitReady(port int, limit time.Duration) error {
+	deadline := time.Now().Add(limit)
 	for {
-		if _, err := psqlExec(port, "postgres", "SELECT 1"); err == nil {
-			return port, cmd.Process.Pid, stop, nil
-		} else if time.Now().After(deadline) {
-			stop()
-			return 0, 0, nil, fmt.Errorf("%s serve did not answer on port %d: %w", bin, port, err)
+		_, err := psqlExec(port, "postgres", "SELECT 1")
+		if err == nil || time.Now().After(deadline) {
+			return err
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
