@@ -3,7 +3,6 @@ package proxy
 import (
 	"context"
 	"fmt"
-	"net"
 	"strconv"
 	"testing"
 	"time"
@@ -189,30 +188,4 @@ func BenchmarkGatedWrite(b *testing.B) {
 	if n := p.srv.ops.stats.SessionsLoop.Load(); n != 1 {
 		b.Fatalf("%d gated sessions on the event loop, want 1", n)
 	}
-}
-
-// startProxyLog is startProxy with the given logger (benchmarks keep the
-// per-message debug logging of zaptest out of their figures).
-func startProxyLog(tb testing.TB, cfg Config, log *zap.Logger) *testProxy {
-	tb.Helper()
-	if cfg.Primary == "" {
-		cfg.Primary = cluster.Primary.DSN("postgres")
-	}
-	srv, err := New(cfg, log)
-	if err != nil {
-		tb.Fatalf("New: %v", err)
-	}
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		tb.Fatal(err)
-	}
-	p := &testProxy{srv: srv, addr: ln.Addr().(*net.TCPAddr), done: make(chan error, 1)}
-	go func() { p.done <- srv.Serve(context.Background(), ln) }()
-	tb.Cleanup(func() {
-		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-		defer cancel()
-		srv.Shutdown(ctx)
-		<-p.done
-	})
-	return p
 }

@@ -14,6 +14,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"go.uber.org/zap"
 	"go.uber.org/zap/zaptest"
 
 	"github.com/pgfence/pgfence/internal/pgtest"
@@ -64,10 +65,17 @@ type testProxy struct {
 // startProxy starts a proxy with cfg (Primary filled in when empty).
 func startProxy(t testing.TB, cfg Config) *testProxy {
 	t.Helper()
+	return startProxyLog(t, cfg, zaptest.NewLogger(t))
+}
+
+// startProxyLog is startProxy logging to log (benchmarks keep the
+// per-message debug logging of zaptest out of their figures).
+func startProxyLog(t testing.TB, cfg Config, log *zap.Logger) *testProxy {
+	t.Helper()
 	if cfg.Primary == "" {
 		cfg.Primary = cluster.Primary.DSN("postgres")
 	}
-	srv, err := New(cfg, zaptest.NewLogger(t))
+	srv, err := New(cfg, log)
 	if err != nil {
 		t.Fatalf("New: %v", err)
 	}

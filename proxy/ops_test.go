@@ -14,12 +14,15 @@ import (
 	"io"
 	"math/big"
 	"net"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgproto3"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zaptest/observer"
 
 	"github.com/pgfence/pgfence/internal/pgtest"
 )
@@ -447,4 +450,55 @@ func testShutdownTimeoutClosesOpenTransactions(t *testing.T, relay Config) {
 		t.Fatalf("shutdown: got %v, want deadline exceeded", err)
 	}
 	backendGone(t, pid, 5*time.Second)
+}
+
+// TestSessionLogFields: a session's open and close are logged once each,
+// with the client's address, user, database and backend pid (each field
+// once: a field repeated in one entry is ambiguous to log processors), and
+// the close with the session's duration.
+func TestSessionLogFields(t *testing.T) {
+	core, logs := observer.New(zap.InfoLevel)
+	p := startProxyLog(t, Config{}, zap.New(core))
+	c := connect(t, p.dsn("postgres"))
+	// The upstream backend's pid (the client's key data is the proxy's).
+	rows, err := c.Exec(ctxT(t), "SELECT pg_backend_pid()").ReadAll()
+	if err != nil {
+		t.Fatal(err)
+	}
+	pid, err := strconv.ParseUint(string(rows[0].Rows[0][0]), 10, 32)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := c.Close(ctxT(t)); err != nil {
+		t.Fatal(err)
+	}
+	// Shutdown waits for the session to end, so its close is logged.
+	ctx, cancel := context.WithTimeout(ctxT(t), 10*time.Second)
+	defer cancel()
+	if err := p.srv.Shutdown(ctx); err != nil {
+		t.Fatal(err)
+	}
+	for _, msg := range []string{"session open", "session closed"} {
+		entries := logs.FilterMessage(msg).All()
+		if len(entries) != 1 {
+			t.Fatalf("%d %q entries, want 1", len(entries), msg)
+		}
+		seen := map[string]int{}
+		for _, f := range entries[0].Context {
+			seen[f.Key]++
+		}
+		want := []string{"client", "user", "database", "backend_pid"}
+		if msg == "session closed" {
+			want = append(want, "duration")
+		}
+		for _, k := range want {
+			if seen[k] != 1 {
+				t.Errorf("%q: field %q appears %d times, want once (fields %v)", msg, k, seen[k], entries[0].Context)
+			}
+		}
+		m := entries[0].ContextMap()
+		if m["user"] != "postgres" || m["database"] != "postgres" || m["backend_pid"] != uint32(pid) {
+			t.Errorf("%q: fields %v, want user and database postgres, backend_pid %d", msg, m, pid)
+		}
+	}
 }

@@ -277,8 +277,8 @@ func (s *Server) handle(c net.Conn) {
 		return
 	}
 	s.ops.stats.SessionsTotal.Add(1)
-	log = sess.log
-	log.Info("session open", zap.Uint32("backend_pid", sess.BackendPID))
+	log = sess.log // carries backend_pid
+	log.Info("session open")
 	err = sess.run()
 	s.dropCancelKey(sess)
 	fields := []zap.Field{zap.Duration("duration", time.Since(start))}
