@@ -457,9 +457,18 @@ func TestHalfLoopSlowServer(t *testing.T) {
 	if err := pgtest.Poll(ctx, func() (bool, error) { return r.half.spaused.Load(), nil }); err != nil {
 		t.Fatalf("the loop never held a client whose server does not read: %v", err)
 	}
+	// While held, the client's socket is not watched: its unread bytes
+	// must not wake the loop again and again (a level-triggered watch
+	// left on would). Another session's round trips pass meanwhile.
+	events := r.half.cEvents.Load()
 	other := connect(t, p.dsn(db))
-	if res, err := other.Exec(ctx, "SELECT 'other'").ReadAll(); err != nil || string(res[0].Rows[0][0]) != "other" {
-		t.Fatalf("another session while one is held: %v %v", res, err)
+	for range 20 {
+		if res, err := other.Exec(ctx, "SELECT 'other'").ReadAll(); err != nil || string(res[0].Rows[0][0]) != "other" {
+			t.Fatalf("another session while one is held: %v %v", res, err)
+		}
+	}
+	if d := r.half.cEvents.Load() - events; d > 0 || !r.half.spaused.Load() {
+		t.Errorf("while the client was held (%v): %d events for its socket, want 0", r.half.spaused.Load(), d)
 	}
 	if _, err := holder.Exec(ctx, "SELECT pg_advisory_unlock(42)").ReadAll(); err != nil {
 		t.Fatal(err)
@@ -507,6 +516,84 @@ func TestHalfLoopSlowServer(t *testing.T) {
 	}
 	if r.half.spaused.Load() {
 		t.Fatal("still holding the client after the server took everything")
+	}
+	if res, err := c.Exec(ctx, "SELECT 'again'").ReadAll(); err != nil || string(res[0].Rows[0][0]) != "again" {
+		t.Fatalf("the session afterwards: %v %v", res, err)
+	}
+}
+
+// TestHalfLoopHandoffUnwatched: while the client goroutine owns a
+// session's client side (a handed-off write waits for an answer held up
+// by a lock), the loop does not watch the client's socket: bytes the
+// client sends meanwhile must not wake the loop again and again (a
+// level-triggered watch left on would). Once the lock goes, everything
+// is answered in order and the client returns to the loop.
+func TestHalfLoopHandoffUnwatched(t *testing.T) {
+	p := startProxy(t, Config{Interceptor: newGate(t)})
+	db := cluster.NewDatabase(t)
+	ctx := ctxT(t)
+	holder := connect(t, cluster.Primary.DSN(db))
+	if _, err := holder.Exec(ctx, "SELECT pg_advisory_lock(42)").ReadAll(); err != nil {
+		t.Fatal(err)
+	}
+	c := connect(t, p.dsn(db))
+	r := halfRelay(t, p)
+	if _, err := c.Exec(ctx, "CREATE TABLE t (v int)").ReadAll(); err != nil {
+		t.Fatal(err)
+	}
+	// The INSERT must wait for the SET's answer, which waits behind the
+	// lock: it goes to the client goroutine, which blocks.
+	var raw []byte
+	for _, sql := range []string{"SELECT pg_advisory_lock(42)", "SET fence.step = 'b'", "INSERT INTO t VALUES (1)"} {
+		raw, _ = (&pgproto3.Query{String: sql}).Encode(raw)
+	}
+	if _, err := c.Conn().Write(raw); err != nil {
+		t.Fatal(err)
+	}
+	if err := pgtest.Poll(ctx, func() (bool, error) { return r.half.owner.Load(), nil }); err != nil {
+		t.Fatalf("the write was never handed to the client goroutine: %v", err)
+	}
+	// More bytes from the client, which nobody reads until the lock goes.
+	raw, _ = (&pgproto3.Query{String: "SELECT 'after'"}).Encode(nil)
+	if _, err := c.Conn().Write(raw); err != nil {
+		t.Fatal(err)
+	}
+	events := r.half.cEvents.Load()
+	other := connect(t, p.dsn(db))
+	for range 20 {
+		if res, err := other.Exec(ctx, "SELECT 'other'").ReadAll(); err != nil || string(res[0].Rows[0][0]) != "other" {
+			t.Fatalf("another session meanwhile: %v %v", res, err)
+		}
+	}
+	if d := r.half.cEvents.Load() - events; d > 0 || !r.half.owner.Load() {
+		t.Errorf("while the client goroutine waited (owner %v): %d events for the client's socket, want 0", r.half.owner.Load(), d)
+	}
+	if _, err := holder.Exec(ctx, "SELECT pg_advisory_unlock(42)").ReadAll(); err != nil {
+		t.Fatal(err)
+	}
+	fe := pgproto3.NewFrontend(c.Conn(), c.Conn())
+	c.Conn().SetReadDeadline(time.Now().Add(30 * time.Second))
+	var tags []string
+	for rfq := 0; rfq < 4; {
+		m, err := fe.Receive()
+		if err != nil {
+			t.Fatalf("after %v: %v", tags, err)
+		}
+		switch m := m.(type) {
+		case *pgproto3.CommandComplete:
+			tags = append(tags, string(m.CommandTag))
+		case *pgproto3.ErrorResponse:
+			t.Fatalf("error after %v: %s", tags, m.Message)
+		case *pgproto3.ReadyForQuery:
+			rfq++
+		}
+	}
+	c.Conn().SetReadDeadline(time.Time{})
+	if got := strings.Join(tags, ","); got != "SELECT 1,SET,INSERT 0 1,SELECT 1" {
+		t.Fatalf("command tags %s, want SELECT 1,SET,INSERT 0 1,SELECT 1", got)
+	}
+	if err := pgtest.Poll(ctx, func() (bool, error) { return !r.half.owner.Load(), nil }); err != nil {
+		t.Fatalf("the client never returned to the loop: %v", err)
 	}
 	if res, err := c.Exec(ctx, "SELECT 'again'").ReadAll(); err != nil || string(res[0].Rows[0][0]) != "again" {
 		t.Fatalf("the session afterwards: %v %v", res, err)
