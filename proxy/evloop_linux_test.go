@@ -599,3 +599,38 @@ func TestHalfLoopHandoffUnwatched(t *testing.T) {
 		t.Fatalf("the session afterwards: %v %v", res, err)
 	}
 }
+
+// TestHalfLoopCopyFrom: a COPY FROM STDIN the gate leaves alone (an
+// unprotected table, no gated transaction) is relayed on the loop; one
+// into a protected table is gated, which may wait for its
+// CopyInResponse, so it goes to the client goroutine, and commits with
+// its receipt. Both with psql's way (the data after CopyInResponse).
+func TestHalfLoopCopyFrom(t *testing.T) {
+	e := newFenceEnv(t)
+	ctx := ctxT(t)
+	l := e.acquire(t, "copyjob", "a", time.Minute)
+	w := e.worker(t, &l)
+	handoffs := &e.proxy.srv.ops.stats.ClientHandoffs
+	halfRelay(t, e.proxy)
+
+	tag, err := w.PgConn().CopyFrom(ctx, strings.NewReader("one\ntwo\n"), "COPY audit (note) FROM STDIN")
+	if err != nil || tag.RowsAffected() != 2 {
+		t.Fatalf("COPY into the unprotected table: %v %v", tag, err)
+	}
+	if n := handoffs.Load(); n != 0 {
+		t.Fatalf("%d client messages handed off for a COPY the gate leaves alone, want 0", n)
+	}
+	tag, err = w.PgConn().CopyFrom(ctx, strings.NewReader(fmt.Sprintf("copyjob\tcopied\t%d\n", l.Token)), "COPY results (job_key, payload, token) FROM STDIN")
+	if err != nil || tag.RowsAffected() != 1 {
+		t.Fatalf("COPY into the protected table: %v %v", tag, err)
+	}
+	if n := handoffs.Load(); n < 1 {
+		t.Fatal("the gated COPY was relayed on the loop, want it handed to the client goroutine")
+	}
+	if n := e.count(t, "SELECT count(*) FROM fence.receipts WHERE job_key = 'copyjob'"); n != 1 {
+		t.Fatalf("%d receipts for the gated COPY, want 1", n)
+	}
+	if n := e.count(t, "SELECT count(*) FROM audit"); n != 2 {
+		t.Fatalf("%d audit rows, want 2", n)
+	}
+}

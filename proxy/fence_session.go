@@ -483,15 +483,11 @@ func (h *fenceSession) query(s *Session, msg []byte) error {
 		// The server reports the syntax error (or the empty query).
 		return h.routeQuery(s, msg, nil) // route.go
 	}
-	if s.OnLoop() && hasKind(res, rewrite.CopyFrom) {
-		return ErrWait // a wrapped COPY FROM waits for its CopyInResponse (awaitCopy)
-	}
 	if mayNeedGate(res.Stmts...) && h.unsettled() {
 		if err := h.settle(s); err != nil {
 			return err // ErrWait on the loop: nothing done yet
 		}
 	}
-	h.f.Stats.Classified.Add(int64(len(res.Stmts)))
 	// Settled: whether the transaction is gated is known.
 	if shared && h.needsOwnText(res) {
 		if res, err = h.f.classifier.Classify(sql); err != nil {
@@ -512,6 +508,13 @@ func (h *fenceSession) query(s *Session, msg []byte) error {
 		}
 	}
 	h.mu.Unlock()
+	if bad == nil && needGate && s.OnLoop() && hasKind(res, rewrite.CopyFrom) {
+		// A gated COPY FROM may wait for its CopyInResponse (awaitCopy):
+		// the client goroutine sends it. Nothing is done yet. A COPY FROM
+		// the gate leaves alone stays on the loop.
+		return ErrWait
+	}
+	h.f.Stats.Classified.Add(int64(len(res.Stmts)))
 	if bad != nil {
 		return h.refuseQuery(s, bad)
 	}
