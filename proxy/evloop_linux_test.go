@@ -379,31 +379,8 @@ func TestHalfLoopInlineClient(t *testing.T) {
 
 	// Both queries in one write: the INSERT arrives before the SET has
 	// even been sent, so the gate must wait for it (settle).
-	var raw []byte
-	for _, sql := range []string{"SET fence.step = 'b'", "INSERT INTO t VALUES (2)"} {
-		raw, _ = (&pgproto3.Query{String: sql}).Encode(raw)
-	}
-	if _, err := c.Conn().Write(raw); err != nil {
-		t.Fatal(err)
-	}
-	fe := pgproto3.NewFrontend(c.Conn(), c.Conn())
-	c.Conn().SetReadDeadline(time.Now().Add(30 * time.Second))
-	var tags []string
-	for rfq := 0; rfq < 2; {
-		m, err := fe.Receive()
-		if err != nil {
-			t.Fatalf("after %v: %v", tags, err)
-		}
-		switch m := m.(type) {
-		case *pgproto3.CommandComplete:
-			tags = append(tags, string(m.CommandTag))
-		case *pgproto3.ErrorResponse:
-			t.Fatalf("error after %v: %s", tags, m.Message)
-		case *pgproto3.ReadyForQuery:
-			rfq++
-		}
-	}
-	c.Conn().SetReadDeadline(time.Time{})
+	sendQueries(t, c, "SET fence.step = 'b'", "INSERT INTO t VALUES (2)")
+	tags := commandTags(t, c, 2)
 	if strings.Join(tags, ",") != "SET,INSERT 0 1" {
 		t.Fatalf("command tags %v, want [SET INSERT 0 1]", tags)
 	}
@@ -543,21 +520,12 @@ func TestHalfLoopHandoffUnwatched(t *testing.T) {
 	}
 	// The INSERT must wait for the SET's answer, which waits behind the
 	// lock: it goes to the client goroutine, which blocks.
-	var raw []byte
-	for _, sql := range []string{"SELECT pg_advisory_lock(42)", "SET fence.step = 'b'", "INSERT INTO t VALUES (1)"} {
-		raw, _ = (&pgproto3.Query{String: sql}).Encode(raw)
-	}
-	if _, err := c.Conn().Write(raw); err != nil {
-		t.Fatal(err)
-	}
+	sendQueries(t, c, "SELECT pg_advisory_lock(42)", "SET fence.step = 'b'", "INSERT INTO t VALUES (1)")
 	if err := pgtest.Poll(ctx, func() (bool, error) { return r.half.owner.Load(), nil }); err != nil {
 		t.Fatalf("the write was never handed to the client goroutine: %v", err)
 	}
 	// More bytes from the client, which nobody reads until the lock goes.
-	raw, _ = (&pgproto3.Query{String: "SELECT 'after'"}).Encode(nil)
-	if _, err := c.Conn().Write(raw); err != nil {
-		t.Fatal(err)
-	}
+	sendQueries(t, c, "SELECT 'after'")
 	events := r.half.cEvents.Load()
 	other := connect(t, p.dsn(db))
 	for range 20 {
@@ -571,25 +539,7 @@ func TestHalfLoopHandoffUnwatched(t *testing.T) {
 	if _, err := holder.Exec(ctx, "SELECT pg_advisory_unlock(42)").ReadAll(); err != nil {
 		t.Fatal(err)
 	}
-	fe := pgproto3.NewFrontend(c.Conn(), c.Conn())
-	c.Conn().SetReadDeadline(time.Now().Add(30 * time.Second))
-	var tags []string
-	for rfq := 0; rfq < 4; {
-		m, err := fe.Receive()
-		if err != nil {
-			t.Fatalf("after %v: %v", tags, err)
-		}
-		switch m := m.(type) {
-		case *pgproto3.CommandComplete:
-			tags = append(tags, string(m.CommandTag))
-		case *pgproto3.ErrorResponse:
-			t.Fatalf("error after %v: %s", tags, m.Message)
-		case *pgproto3.ReadyForQuery:
-			rfq++
-		}
-	}
-	c.Conn().SetReadDeadline(time.Time{})
-	if got := strings.Join(tags, ","); got != "SELECT 1,SET,INSERT 0 1,SELECT 1" {
+	if got := strings.Join(commandTags(t, c, 4), ","); got != "SELECT 1,SET,INSERT 0 1,SELECT 1" {
 		t.Fatalf("command tags %s, want SELECT 1,SET,INSERT 0 1,SELECT 1", got)
 	}
 	if err := pgtest.Poll(ctx, func() (bool, error) { return !r.half.owner.Load(), nil }); err != nil {
@@ -633,4 +583,42 @@ func TestHalfLoopCopyFrom(t *testing.T) {
 	if n := e.count(t, "SELECT count(*) FROM audit"); n != 2 {
 		t.Fatalf("%d audit rows, want 2", n)
 	}
+}
+
+// sendQueries writes simple queries to c's socket in one write, without
+// waiting for their answers (a pipeline, as some clients send).
+func sendQueries(t *testing.T, c *pgconn.PgConn, sqls ...string) {
+	t.Helper()
+	var raw []byte
+	for _, sql := range sqls {
+		raw, _ = (&pgproto3.Query{String: sql}).Encode(raw)
+	}
+	if _, err := c.Conn().Write(raw); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// commandTags reads c's answers up to the n-th ReadyForQuery and returns
+// their command tags; an ErrorResponse fails the test.
+func commandTags(t *testing.T, c *pgconn.PgConn, n int) []string {
+	t.Helper()
+	fe := pgproto3.NewFrontend(c.Conn(), c.Conn())
+	c.Conn().SetReadDeadline(time.Now().Add(30 * time.Second))
+	defer c.Conn().SetReadDeadline(time.Time{})
+	var tags []string
+	for rfq := 0; rfq < n; {
+		m, err := fe.Receive()
+		if err != nil {
+			t.Fatalf("after %v: %v", tags, err)
+		}
+		switch m := m.(type) {
+		case *pgproto3.CommandComplete:
+			tags = append(tags, string(m.CommandTag))
+		case *pgproto3.ErrorResponse:
+			t.Fatalf("error after %v: %s", tags, m.Message)
+		case *pgproto3.ReadyForQuery:
+			rfq++
+		}
+	}
+	return tags
 }
