@@ -405,18 +405,8 @@ func TestHalfLoopInlineClient(t *testing.T) {
 // lock goes, every query runs, in order, the pipeline's last write (which
 // the gate must hand to the client goroutine) included.
 func TestHalfLoopSlowServer(t *testing.T) {
-	p := startProxy(t, Config{Interceptor: newGate(t)})
-	db := cluster.NewDatabase(t)
+	p, db, holder, c, r := lockedGateSession(t)
 	ctx := ctxT(t)
-	holder := connect(t, cluster.Primary.DSN(db))
-	if _, err := holder.Exec(ctx, "SELECT pg_advisory_lock(42)").ReadAll(); err != nil {
-		t.Fatal(err)
-	}
-	c := connect(t, p.dsn(db))
-	r := halfRelay(t, p)
-	if _, err := c.Exec(ctx, "CREATE TABLE t (v int)").ReadAll(); err != nil {
-		t.Fatal(err)
-	}
 
 	// More than the sockets between the proxy and the backend hold
 	// (a few MB on loopback): about 12 MB of queries behind the lock.
@@ -437,14 +427,7 @@ func TestHalfLoopSlowServer(t *testing.T) {
 	// While held, the client's socket is not watched: its unread bytes
 	// must not wake the loop again and again (a level-triggered watch
 	// left on would). Another session's round trips pass meanwhile.
-	events := r.half.cEvents.Load()
-	other := connect(t, p.dsn(db))
-	for range 20 {
-		if res, err := other.Exec(ctx, "SELECT 'other'").ReadAll(); err != nil || string(res[0].Rows[0][0]) != "other" {
-			t.Fatalf("another session while one is held: %v %v", res, err)
-		}
-	}
-	if d := r.half.cEvents.Load() - events; d > 0 || !r.half.spaused.Load() {
+	if d := clientEventsMeanwhile(t, p, db, r); d > 0 || !r.half.spaused.Load() {
 		t.Errorf("while the client was held (%v): %d events for its socket, want 0", r.half.spaused.Load(), d)
 	}
 	if _, err := holder.Exec(ctx, "SELECT pg_advisory_unlock(42)").ReadAll(); err != nil {
@@ -506,18 +489,8 @@ func TestHalfLoopSlowServer(t *testing.T) {
 // level-triggered watch left on would). Once the lock goes, everything
 // is answered in order and the client returns to the loop.
 func TestHalfLoopHandoffUnwatched(t *testing.T) {
-	p := startProxy(t, Config{Interceptor: newGate(t)})
-	db := cluster.NewDatabase(t)
+	p, db, holder, c, r := lockedGateSession(t)
 	ctx := ctxT(t)
-	holder := connect(t, cluster.Primary.DSN(db))
-	if _, err := holder.Exec(ctx, "SELECT pg_advisory_lock(42)").ReadAll(); err != nil {
-		t.Fatal(err)
-	}
-	c := connect(t, p.dsn(db))
-	r := halfRelay(t, p)
-	if _, err := c.Exec(ctx, "CREATE TABLE t (v int)").ReadAll(); err != nil {
-		t.Fatal(err)
-	}
 	// The INSERT must wait for the SET's answer, which waits behind the
 	// lock: it goes to the client goroutine, which blocks.
 	sendQueries(t, c, "SELECT pg_advisory_lock(42)", "SET fence.step = 'b'", "INSERT INTO t VALUES (1)")
@@ -526,14 +499,7 @@ func TestHalfLoopHandoffUnwatched(t *testing.T) {
 	}
 	// More bytes from the client, which nobody reads until the lock goes.
 	sendQueries(t, c, "SELECT 'after'")
-	events := r.half.cEvents.Load()
-	other := connect(t, p.dsn(db))
-	for range 20 {
-		if res, err := other.Exec(ctx, "SELECT 'other'").ReadAll(); err != nil || string(res[0].Rows[0][0]) != "other" {
-			t.Fatalf("another session meanwhile: %v %v", res, err)
-		}
-	}
-	if d := r.half.cEvents.Load() - events; d > 0 || !r.half.owner.Load() {
+	if d := clientEventsMeanwhile(t, p, db, r); d > 0 || !r.half.owner.Load() {
 		t.Errorf("while the client goroutine waited (owner %v): %d events for the client's socket, want 0", r.half.owner.Load(), d)
 	}
 	if _, err := holder.Exec(ctx, "SELECT pg_advisory_unlock(42)").ReadAll(); err != nil {
@@ -621,4 +587,39 @@ func commandTags(t *testing.T, c *pgconn.PgConn, n int) []string {
 		}
 	}
 	return tags
+}
+
+// lockedGateSession starts a proxy with the write gate and a session
+// through it on the loop (c, relayed by r) in a new database db with a
+// table t; holder, a direct connection, holds advisory lock 42.
+func lockedGateSession(t *testing.T) (p *testProxy, db string, holder, c *pgconn.PgConn, r *relay) {
+	t.Helper()
+	p = startProxy(t, Config{Interceptor: newGate(t)})
+	db = cluster.NewDatabase(t)
+	ctx := ctxT(t)
+	holder = connect(t, cluster.Primary.DSN(db))
+	if _, err := holder.Exec(ctx, "SELECT pg_advisory_lock(42)").ReadAll(); err != nil {
+		t.Fatal(err)
+	}
+	c = connect(t, p.dsn(db))
+	r = halfRelay(t, p)
+	if _, err := c.Exec(ctx, "CREATE TABLE t (v int)").ReadAll(); err != nil {
+		t.Fatal(err)
+	}
+	return p, db, holder, c, r
+}
+
+// clientEventsMeanwhile runs 20 round trips of another session through p
+// and returns how many events the loop had for r's client socket
+// meanwhile.
+func clientEventsMeanwhile(t *testing.T, p *testProxy, db string, r *relay) uint64 {
+	t.Helper()
+	events := r.half.cEvents.Load()
+	other := connect(t, p.dsn(db))
+	for range 20 {
+		if res, err := other.Exec(ctxT(t), "SELECT 'other'").ReadAll(); err != nil || string(res[0].Rows[0][0]) != "other" {
+			t.Fatalf("another session meanwhile: %v %v", res, err)
+		}
+	}
+	return r.half.cEvents.Load() - events
 }
