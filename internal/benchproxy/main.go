@@ -500,12 +500,13 @@ SELECT fence.protect('gw_results');
 	}
 	// The protocol's SQL in two round trips through pass-through
 	// pgfence: BEGIN rides with the gate and the write, the receipt with
-	// COMMIT. A lockstep client sends three messages, so no gate can do
+	// COMMIT; the generation in PGOPTIONS (pass-through forwards the
+	// startup options), as the fenced row has it. A lockstep client sends three messages, so no gate can do
 	// less than this through a relay (answering BEGIN itself would still
 	// cost the client's hop to the proxy); it bounds what any such
 	// change could reach against the seed.
 	if port, ok := relays["pgfence"]; ok {
-		add(row{"two trips via pgfence", port, nil}, step+fmt.Sprintf("BEGIN\\; SET LOCAL fence.job_key = 'bench-job'\\; SET LOCAL fence.epoch = %d\\; SET LOCAL fence.token = %d\\; SET LOCAL fence.step = 'T:s'\\; SELECT fence.gate('bench-job', %d, %d, 'T:s')\\; ", l.Epoch, l.Token, l.Epoch, l.Token)+
+		add(row{"two trips via pgfence", port, []string{gen}}, step+fmt.Sprintf("BEGIN\\; SET LOCAL fence.step = 'T:s'\\; SELECT fence.gate('bench-job', %d, %d, 'T:s')\\; ", l.Epoch, l.Token)+
 			upsert("gw_results", l.Token)+
 			fmt.Sprintf("SELECT fence.commit('bench-job', %d, %d, 'T:s', '\\x00'::bytea, 'v1')\\; COMMIT;\n", l.Epoch, l.Token))
 	}
