@@ -198,8 +198,12 @@ type tag struct {
 	inserts []insertion // where gate text was spliced in (error positions)
 	hideRFQ bool
 	// copyIn, for a wrapped COPY FROM (qplan.tail), is closed when the
-	// server starts the COPY (CopyInResponse).
-	copyIn chan struct{}
+	// server starts the COPY (CopyInResponse). It is set before the tag
+	// is sent and never changed: the client side waits on it while the
+	// server side closes it, so the server side marks the close in
+	// copyInClosed (its own) rather than clearing the field.
+	copyIn       chan struct{}
+	copyInClosed bool
 
 	// Parse / Bind / Execute / Close
 	name    string
@@ -1345,9 +1349,9 @@ func (h *fenceSession) queryResponse(s *Session, msg []byte, t *tag) (Verdict, e
 			h.routeRow(s, sg, msg) // route.go
 		}
 	case 'G':
-		if t.copyIn != nil {
+		if t.copyIn != nil && !t.copyInClosed {
 			close(t.copyIn)
-			t.copyIn = nil
+			t.copyInClosed = true
 		}
 	}
 	if sg.step != stepClient {
