@@ -455,12 +455,28 @@ SELECT fence.protect('gw_results');
 			"ON CONFLICT (job_key) DO UPDATE SET payload = excluded.payload, token = excluded.token WHERE %[1]s.token < excluded.token;\n", table, token)
 	}
 	step := "\\set s random(1, 1000000000000)\n"
+	// protocol is the protocol's SQL typed by hand, for step tag (a
+	// prefix and the random :s): the gate in the BEGIN's query, the
+	// upsert, the receipt with COMMIT, three round trips. With setGen the
+	// generation rides in the BEGIN's query as SET LOCALs (for a relay
+	// that passes no startup options); with twoTrips the upsert rides
+	// there too.
+	protocol := func(tag string, setGen, twoTrips bool) string {
+		set, sep := "", ";\n"
+		if setGen {
+			set = fmt.Sprintf("SET LOCAL fence.job_key = 'bench-job'\\; SET LOCAL fence.epoch = %d\\; SET LOCAL fence.token = %d\\; ", l.Epoch, l.Token)
+		}
+		if twoTrips {
+			sep = "\\; "
+		}
+		return step + fmt.Sprintf("BEGIN\\; %sSET LOCAL fence.step = '%s'\\; SELECT fence.gate('bench-job', %d, %d, '%s')%s", set, tag, l.Epoch, l.Token, tag, sep) +
+			upsert("gw_results", l.Token) +
+			fmt.Sprintf("SELECT fence.commit('bench-job', %d, %d, '%s', '\\x00'::bytea, 'v1')\\; COMMIT;\n", l.Epoch, l.Token, tag)
+	}
 	scripts := map[string]string{
 		"direct": "BEGIN;\n" + upsert("gw_plain", l.Token) + "COMMIT;\n",
 		"gated":  step + "BEGIN\\; SET LOCAL fence.step = 'g:s';\n" + upsert("gw_results", l.Token) + "COMMIT;\n",
-		"fenced": step + fmt.Sprintf("BEGIN\\; SET LOCAL fence.step = 'f:s'\\; SELECT fence.gate('bench-job', %d, %d, 'f:s');\n", l.Epoch, l.Token) +
-			upsert("gw_results", l.Token) +
-			fmt.Sprintf("SELECT fence.commit('bench-job', %d, %d, 'f:s', '\\x00'::bytea, 'v1')\\; COMMIT;\n", l.Epoch, l.Token),
+		"fenced": protocol("f:s", false, false),
 		"seed": step + "BEGIN;\n" +
 			fmt.Sprintf("SELECT max_issued_token FROM report_fences WHERE job_key = '%s' AND max_issued_token = %d FOR UPDATE;\n", seedbench.JobKey, seedbench.Token) +
 			fmt.Sprintf("INSERT INTO report_commit_receipts (job_key, fencing_token, step, payload_digest) VALUES ('%s', %d, ':s', sha256('benchmark payload')) ON CONFLICT DO NOTHING;\n", seedbench.JobKey, seedbench.Token) +
@@ -490,25 +506,20 @@ SELECT fence.protect('gw_results');
 	// The protocol's SQL by hand through a pass-through relay (PgBouncer
 	// passes no startup options: the generation rides in the BEGIN's
 	// query as SET LOCALs), against the same script direct.
-	local := step + fmt.Sprintf("BEGIN\\; SET LOCAL fence.job_key = 'bench-job'\\; SET LOCAL fence.epoch = %d\\; SET LOCAL fence.token = %d\\; SET LOCAL fence.step = 'P:s'\\; SELECT fence.gate('bench-job', %d, %d, 'P:s');\n", l.Epoch, l.Token, l.Epoch, l.Token) +
-		upsert("gw_results", l.Token) +
-		fmt.Sprintf("SELECT fence.commit('bench-job', %d, %d, 'P:s', '\\x00'::bytea, 'v1')\\; COMMIT;\n", l.Epoch, l.Token)
 	for _, name := range []string{"direct", "pgfence", "pgbouncer", "floor"} {
 		if port, ok := relays[name]; ok {
-			add(row{"local via " + name, port, nil}, strings.ReplaceAll(local, "'P:s'", "'"+name[:3]+":s'"))
+			add(row{"local via " + name, port, nil}, protocol(name[:3]+":s", true, false))
 		}
 	}
 	// The protocol's SQL in two round trips through pass-through
-	// pgfence: BEGIN rides with the gate and the write, the receipt with
-	// COMMIT; the generation in PGOPTIONS (pass-through forwards the
-	// startup options), as the fenced row has it. A lockstep client sends three messages, so no gate can do
-	// less than this through a relay (answering BEGIN itself would still
-	// cost the client's hop to the proxy); it bounds what any such
-	// change could reach against the seed.
+	// pgfence, the generation in PGOPTIONS as the fenced row has it
+	// (pass-through forwards startup options). A lockstep client sends
+	// three messages, so no gate can use fewer round trips through a
+	// relay (answering BEGIN itself would still cost the client's hop to
+	// the proxy): this bounds what any such change could reach against
+	// the seed.
 	if port, ok := relays["pgfence"]; ok {
-		add(row{"two trips via pgfence", port, []string{gen}}, step+fmt.Sprintf("BEGIN\\; SET LOCAL fence.step = 'T:s'\\; SELECT fence.gate('bench-job', %d, %d, 'T:s')\\; ", l.Epoch, l.Token)+
-			upsert("gw_results", l.Token)+
-			fmt.Sprintf("SELECT fence.commit('bench-job', %d, %d, 'T:s', '\\x00'::bytea, 'v1')\\; COMMIT;\n", l.Epoch, l.Token))
+		add(row{"two trips via pgfence", port, []string{gen}}, protocol("T:s", false, true))
 	}
 	// The unfenced transaction through the pass-through relay and the
 	// floor relay: what a proxy hop costs, against which the gate's rows
