@@ -32,27 +32,29 @@ func startFloorRelay(pgPort int) (int, int, func(), error) {
 	if err != nil {
 		return 0, 0, nil, err
 	}
-	src, bin := filepath.Join(dir, "floorrelay.c"), filepath.Join(dir, "floorrelay")
-	if err := os.WriteFile(src, floorRelaySource, 0o644); err != nil {
+	fail := func(err error) (int, int, func(), error) {
+		os.RemoveAll(dir)
 		return 0, 0, nil, err
 	}
+	src, bin := filepath.Join(dir, "floorrelay.c"), filepath.Join(dir, "floorrelay")
+	if err := os.WriteFile(src, floorRelaySource, 0o644); err != nil {
+		return fail(err)
+	}
 	if out, err := exec.Command(cc, "-O2", "-o", bin, src).CombinedOutput(); err != nil {
-		os.RemoveAll(dir)
-		return 0, 0, nil, fmt.Errorf("build the floor relay: %v\n%s", err, out)
+		return fail(fmt.Errorf("build the floor relay: %v\n%s", err, out))
 	}
 	port, err := freePort()
 	if err != nil {
-		return 0, 0, nil, err
+		return fail(err)
 	}
 	cmd := exec.Command(bin, strconv.Itoa(port), strconv.Itoa(pgPort))
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	out, err := cmd.StdoutPipe()
 	if err != nil {
-		return 0, 0, nil, err
+		return fail(err)
 	}
 	if err := cmd.Start(); err != nil {
-		os.RemoveAll(dir)
-		return 0, 0, nil, err
+		return fail(err)
 	}
 	stop := func() {
 		cmd.Process.Kill()
