@@ -338,7 +338,7 @@ func (n *nemesis) zombieLife(ctx context.Context, sp *slotProc, z zombieEvent) {
 	if len(kids) > 0 {
 		// Until its first definite answer (a connection error is retried).
 		poll(wctx, 10*time.Millisecond, func() (bool, error) {
-			for _, a := range attemptsFrom(sp.records, size) {
+			for _, a := range recordLines(sp.records, size, false) {
 				if definite(a.Outcome) {
 					return true, nil
 				}
@@ -452,11 +452,6 @@ func stopped(pids []int) bool {
 		}
 	}
 	return true
-}
-
-// attemptsFrom reads the attempts recorded in path from byte offset on.
-func attemptsFrom(path string, offset int64) []Attempt {
-	return recordLines(path, offset, false)
 }
 
 // recordLines reads the lines of path from byte offset on, with the

@@ -17,7 +17,7 @@ import (
 // and the outcome the worker saw (audit.Outcome*). Before each attempt the
 // worker writes a marker line with no Outcome (only Began): the nemesis
 // reads it to tell a worker in the middle of an attempt from one between
-// attempts. readAttempts and attemptsFrom skip markers.
+// attempts. readAttempts skips markers; recordLines keeps them on request.
 type Attempt struct {
 	Worker  string    `json:"worker"`
 	Job     string    `json:"job"`
