@@ -516,6 +516,22 @@ func TestHalfLoopHandoffUnwatched(t *testing.T) {
 	}
 }
 
+// TestHandoffWaitsForSout: a message is not handed to the client
+// goroutine while bytes for the server wait in sout (the goroutine writes
+// the server directly and would pass them): the loop pauses the client
+// instead, and hands off once sout is empty. clientSteps keeps sout empty
+// at every hand-off today; this pins the guard for that invariant.
+func TestHandoffWaitsForSout(t *testing.T) {
+	r := &relay{half: &half{sout: []byte("Q")}}
+	if err := r.handoff(); err != errPaused {
+		t.Errorf("hand-off with %d bytes in sout: %v, want errPaused", len(r.half.sout), err)
+	}
+	r.half.sout = r.half.sout[:0]
+	if err := r.handoff(); err != errHandoff {
+		t.Errorf("hand-off with sout empty: %v, want errHandoff", err)
+	}
+}
+
 // TestHalfLoopCopyFrom: a COPY FROM STDIN the gate leaves alone (an
 // unprotected table, no gated transaction) is relayed on the loop; one
 // into a protected table is gated, which may wait for its
