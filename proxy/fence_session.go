@@ -50,10 +50,12 @@ type fenceSession struct {
 	portals   map[string]*cportal
 	wrapped   bool       // extended: the gate opened a transaction around an implicit one
 	wrap      extWrap    // extended: what the wrapped batch's receipt needs
-	commitRB  bool       // extended: a gated COMMIT was sent; ROLLBACK after the Sync
+	commitRB  bool       // extended: a gated COMMIT was sent; restore after the Sync
+	commitReq *Request   // extended: that COMMIT, while commitRB
 	copyTail  *copyState // simple protocol: a gated COPY FROM is streaming
 	copyGated bool       // CopyData goes into the digest
 	stateReq  *Request   // the last request sent that changes session or gate state
+	prepReq   *Request   // the last Parse of the gate's statements, until known done
 
 	// Server goroutine only.
 	errShown bool // an error went to the client since its last ReadyForQuery
@@ -167,15 +169,20 @@ type copyState struct {
 type step uint8
 
 const (
-	stepClient   step = iota // the client's own statement
-	stepBegin                // BEGIN opening a transaction around an implicit one
-	stepGate                 // SELECT fence.gate(...)
-	stepCommit               // SELECT fence.commit(...)
-	stepCommitTx             // COMMIT closing the wrapped transaction
-	stepRaise                // a DO block raising the gate's own error
-	stepRollback             // ROLLBACK after a gated commit (no-op on success)
-	stepPrepare              // Parse of the gate's named statements
+	stepClient    step = iota // the client's own statement
+	stepBegin                 // BEGIN opening a transaction around an implicit one
+	stepGate                  // SELECT fence.gate(...)
+	stepCommit                // SELECT fence.commit(...)
+	stepCommitTx              // COMMIT closing the wrapped transaction
+	stepRaise                 // a DO block raising the gate's own error
+	stepRollback              // ROLLBACK after a gated commit (no-op on success)
+	stepPrepare               // Parse of the gate's named statements
+	stepSavepoint             // SAVEPOINT before the receipt step in a client's query
+	stepRestore               // ROLLBACK TO that savepoint after a failed receipt step
 )
+
+// receiptSavepoint is the savepoint stepSavepoint makes.
+const receiptSavepoint = "pgfence_receipt"
 
 // seg is one statement of a simple Query as sent upstream.
 type seg struct {
@@ -215,8 +222,6 @@ type tag struct {
 	gen     session.Generation
 	// explicitCommit as in seg, for the extended protocol.
 	explicitCommit bool
-	// prep: a Parse of the gate's statements; on success they exist.
-	prep bool
 	// sent: when the request (a gate or commit step, or a query holding
 	// one) went upstream, for the latency histograms; in a query, moved
 	// on at each statement's completion. Zero: not timed.
@@ -227,17 +232,17 @@ type insertion struct{ at, n int }
 
 // The gate's named statements, prepared once per upstream connection.
 const (
-	gateStmt     = "pgfence_gate"
-	commitStmt   = "pgfence_commit"
-	beginStmt    = "pgfence_begin"
-	gatePortal   = "pgfence_p"
-	digestClient = "client"
+	gateStmt      = "pgfence_gate"
+	commitStmt    = "pgfence_commit"
+	savepointStmt = "pgfence_savepoint"
+	gatePortal    = "pgfence_p"
+	digestClient  = "client"
 )
 
 var gateStatements = [][2]string{
 	{gateStmt, "SELECT fence.gate($1::text, $2::bigint, $3::bigint, $4::text)"},
 	{commitStmt, "SELECT fence.commit($1::text, $2::bigint, $3::bigint, $4::text, $5::bytea, $6::text)"},
-	{beginStmt, "BEGIN"},
+	{savepointStmt, "SAVEPOINT " + receiptSavepoint},
 }
 
 // ---------------------------------------------------------------------------
@@ -724,6 +729,7 @@ func (h *fenceSession) plan(sql string, res *rewrite.Result) qplan {
 	var items []item
 	inject := func(at int, text string, sg seg) { items = append(items, item{at: at, text: text, seg: sg}) }
 	wrapped, hasCopy, explicitCommit := false, false, false
+	wrapStart := 0          // where the wrapped implicit transaction began
 	var lastStep commitStep // the receipt step spliced before the client's COMMIT
 loop:
 	for i, st := range res.Stmts {
@@ -737,9 +743,10 @@ loop:
 				break loop
 			}
 			if !explicit {
-				// Make the implicit transaction explicit from its start.
-				inject(blockStart, "BEGIN;", seg{step: stepBegin})
-				wrapped, explicit = true, true
+				// An implicit transaction: the receipt step ends it (see
+				// below), and PostgreSQL commits it only if every
+				// statement, the gate and the receipt succeeded.
+				wrapped, wrapStart = true, blockStart
 			}
 			inject(st.Offset, gateSQL(cur)+";", seg{step: stepGate, gen: cur})
 			gated, gen = true, cur
@@ -754,9 +761,22 @@ loop:
 			break loop
 		case gated && st.Kind == rewrite.Commit:
 			sum, version := digestNow()
+			if explicit && i > 0 && i == len(res.Stmts)-1 && !st.Chain {
+				// See the plan's end: the receipt in a savepoint, so that
+				// what follows the query can tell its failure from an
+				// earlier statement's.
+				inject(st.Offset, "SAVEPOINT "+receiptSavepoint+";", seg{step: stepSavepoint})
+			}
 			inject(st.Offset, commitSQL(gen, sum, version)+";", seg{step: stepCommit, gen: gen, explicitCommit: true})
-			explicitCommit = true
-			lastStep = commitStep{gen: gen, sum: sum, version: version}
+			if explicit {
+				// The client's own transaction: its COMMIT must run
+				// whatever the receipt step did (below). A COMMIT ending
+				// an implicit one is skipped with the rest of the query
+				// when the step fails, as PostgreSQL would after any
+				// error, and the transaction rolls back all the same.
+				explicitCommit = true
+				lastStep = commitStep{gen: gen, sum: sum, version: version}
+			}
 		}
 		if gated && d != nil {
 			switch st.Kind {
@@ -774,7 +794,11 @@ loop:
 		}
 		switch st.Kind {
 		case rewrite.Begin:
-			explicit = true
+			// In an implicit transaction, BEGIN makes it the client's
+			// explicit one (as PostgreSQL does, without a warning): it
+			// goes on after this query, and the receipt step waits for
+			// the client's COMMIT.
+			explicit, wrapped = true, false
 		case rewrite.Commit, rewrite.Rollback:
 			if !st.Chain {
 				explicit = false
@@ -792,8 +816,15 @@ loop:
 		ov.apply(st)
 		items = append(items, item{at: st.Offset, seg: seg{step: stepClient, stmt: st}})
 	}
+	if wrapped && hasCopy {
+		// The receipt covers the COPY data, so it can only be sent after
+		// CopyDone, in a query of its own: the transaction must outlast
+		// this query. Make it explicit from its start (first among the
+		// items there: the sort below keeps their order).
+		items = append([]item{{at: wrapStart, text: "BEGIN;", seg: seg{step: stepBegin}}}, items...)
+	}
 	// Injected text goes before the client statement at the same offset;
-	// items are in order except a BEGIN placed back at blockStart.
+	// items are in order except a BEGIN placed back at wrapStart.
 	sort.SliceStable(items, func(a, b int) bool { return items[a].at < items[b].at })
 
 	var b strings.Builder
@@ -819,30 +850,30 @@ loop:
 		p.tail = &copyState{gen: gen}
 		t.hideRFQ = true
 	case wrapped:
-		// The receipt step ends this query (a newline first: the client's
-		// text may end in a -- comment), and COMMIT goes as a query of
-		// its own, so it runs — committing, or ending the transaction a
-		// failed step aborted — whatever happened before it.
+		// The receipt step is the implicit transaction's last statement
+		// (a newline first: the client's text may end in a -- comment).
+		// The transaction stays PostgreSQL's implicit one, so the
+		// client's statements in it behave as they would straight to
+		// PostgreSQL (SAVEPOINT refused, BEGIN turning it explicit),
+		// and it commits at the end of the query only if nothing failed.
 		sum, version := digestNow()
 		b.WriteString("\n;")
 		b.WriteString(commitSQL(gen, sum, version))
 		t.segs = append(t.segs, seg{step: stepCommit, gen: gen})
-		t.hideRFQ = true
-		p.then = &qplan{text: "COMMIT", tag: &tag{kind: 'Q', segs: []seg{{step: stepCommitTx}}}}
 	case explicitCommit && len(res.Stmts) == 1 && lastCommit(res, t.segs):
 		p.commit = &lastStep
 		p.then = &qplan{text: sql, tag: &tag{kind: 'Q', segs: []seg{{step: stepClient, stmt: res.Stmts[0]}}}}
 	case explicitCommit && lastCommit(res, t.segs):
-		// The client's COMMIT ends the query: send it as a query of its
-		// own after the receipt step, for the same reason.
-		cut := res.Stmts[len(res.Stmts)-1].Offset
-		text := b.String()
-		at := cut + (len(text) - len(sql))
-		t.segs = t.segs[:len(t.segs)-1]
+		// The client's statements, the receipt step in a savepoint and
+		// the client's COMMIT, then a query that ends the transaction
+		// only if the receipt step failed (the COMMIT was skipped): it
+		// returns to the savepoint and rolls back. When a statement of
+		// the client's failed before, there is no savepoint: the
+		// transaction stays failed, as it would straight to PostgreSQL,
+		// until the client rolls it back. After a COMMIT there is no
+		// transaction. Either way the query fails at once, unseen.
 		t.hideRFQ = true
-		p.then = &qplan{text: text[at:], tag: &tag{kind: 'Q', segs: []seg{{step: stepClient, stmt: res.Stmts[len(res.Stmts)-1]}}}}
-		b.Reset()
-		b.WriteString(text[:at])
+		p.then = &qplan{text: restoreSQL, tag: restoreTag()}
 	case explicitCommit:
 		t.hideRFQ, p.rollback = true, true
 	}
@@ -892,6 +923,20 @@ func (h *fenceSession) sendCommit(s *Session) error {
 // is idle and usable as the protocol promised.
 func (h *fenceSession) sendRollback(s *Session) error {
 	return h.send(s, queryMsg(nil, "ROLLBACK"), &tag{kind: 'Q', step: stepRollback, segs: []seg{{step: stepRollback}}}, true)
+}
+
+// sendRestore sends, after a client's query or batch whose COMMIT had the
+// receipt step in a savepoint before it, a query that ends the
+// transaction only if that step failed (see plan). Its ReadyForQuery is
+// the one the client sees.
+func (h *fenceSession) sendRestore(s *Session) error {
+	return h.send(s, queryMsg(nil, restoreSQL), restoreTag(), true)
+}
+
+const restoreSQL = "ROLLBACK TO SAVEPOINT " + receiptSavepoint + "; ROLLBACK"
+
+func restoreTag() *tag {
+	return &tag{kind: 'Q', step: stepRollback, segs: []seg{{step: stepRestore}, {step: stepRollback}}}
 }
 
 // refuseQuery answers a query with err without running any of it.
@@ -1046,6 +1091,20 @@ func (h *fenceSession) execute(s *Session, msg []byte) error {
 	if cp != nil {
 		st = cp.stmt
 	}
+	if r := h.commitReq; r != nil && h.commitRB {
+		// The client goes on after a gated COMMIT, before its Sync. Once
+		// the COMMIT is known to have committed, nothing is left to end
+		// after the Sync (and a transaction the client opens meanwhile
+		// must not be touched). If it failed, the server skips to the
+		// Sync anyway.
+		if err := h.wait(s, r); err != nil {
+			return err // ErrWait on the loop: nothing done yet
+		}
+		h.commitReq = nil
+		if !r.Skipped && r.Error == nil {
+			h.commitRB = false
+		}
+	}
 	t := &tag{kind: 'E', portal: m.Portal, cp: cp}
 	if st == nil {
 		return h.send(s, msg, t, true)
@@ -1061,6 +1120,7 @@ func (h *fenceSession) execute(s *Session, msg []byte) error {
 		bad = h.st.Check(st, cp.paramFunc())
 	}
 	g := h.st.Gate()
+	failed0 := h.st.Tx() == session.Failed
 	need := h.protectedWrite(st) && !g.Gated
 	commit := g.Gated && st.Kind == rewrite.Commit
 	prepTx := g.Gated && st.Kind == rewrite.PrepareTransaction
@@ -1070,6 +1130,16 @@ func (h *fenceSession) execute(s *Session, msg []byte) error {
 			return err
 		}
 		return h.send(s, msg, t, true)
+	}
+	if h.wrapped && !failed0 {
+		switch st.Kind {
+		case rewrite.Begin:
+			// PostgreSQL makes the implicit transaction the client's
+			// explicit one: the receipt step waits for its COMMIT.
+			h.wrapped = false
+		case rewrite.Rollback:
+			h.wrapped = false
+		}
 	}
 	if !need && !commit && !prepTx {
 		if err := h.send(s, msg, t, true); err != nil {
@@ -1110,9 +1180,9 @@ func (h *fenceSession) execute(s *Session, msg []byte) error {
 			return err
 		}
 		if !explicit {
-			if err := h.execNamed(s, beginStmt, nil, &tag{kind: 'E', step: stepBegin}); err != nil {
-				return err
-			}
+			// An implicit transaction (up to Sync): the receipt step
+			// ends it at the Sync, and PostgreSQL commits it only if
+			// nothing before failed.
 			h.wrapped = true
 			h.wrap = extWrap{gen: gen, marks: map[string][]int{}, written: map[string]bool{}}
 			h.mu.Lock()
@@ -1138,19 +1208,37 @@ func (h *fenceSession) execute(s *Session, msg []byte) error {
 		sum, version := h.digest()
 		h.mu.Unlock()
 		args := commitArgs(g.Gen, sum, version)
+		if explicit {
+			// The receipt step in a savepoint: after the Sync, the
+			// transaction is ended only if the step failed (sync).
+			if err := h.execNamed(s, savepointStmt, nil, &tag{kind: 'E', step: stepSavepoint}); err != nil {
+				return err
+			}
+		}
 		if err := h.execNamed(s, commitStmt, args, &tag{kind: 'E', step: stepCommit, gen: g.Gen, explicitCommit: true}); err != nil {
 			return err
 		}
-		h.commitRB = true
+		// An implicit transaction (the client's COMMIT ends it, with
+		// PostgreSQL's warning) rolls back by itself at the Sync when
+		// the step fails.
+		h.commitRB = explicit
+		h.wrapped = false
 	}
 	if h.wrapped {
 		h.wrap.add(st, m.Portal, cp)
 	}
-	return h.send(s, msg, t, true)
+	if err := h.send(s, msg, t, true); err != nil {
+		return err
+	}
+	if commit && h.commitRB {
+		h.commitReq = h.last
+	}
+	return nil
 }
 
 // sync handles an extended-protocol Sync: a wrapped implicit transaction
-// ends here with the receipt step and COMMIT.
+// ends here with the receipt step, which PostgreSQL skips when anything
+// before it in the batch failed (the transaction then rolls back).
 func (h *fenceSession) sync(s *Session, msg []byte) error {
 	if h.wrapped {
 		h.wrapped = false
@@ -1160,21 +1248,14 @@ func (h *fenceSession) sync(s *Session, msg []byte) error {
 		if err := h.execNamed(s, commitStmt, args, &tag{kind: 'E', step: stepCommit, gen: gen}); err != nil {
 			return err
 		}
-		// COMMIT after the Sync, as a query of its own: it runs even when
-		// the batch failed (the server skips to Sync), ending the
-		// transaction either way; its ReadyForQuery is the client's.
-		if err := h.send(s, msg, &tag{kind: 'S', hideRFQ: true}, true); err != nil {
-			return err
-		}
 		defer h.markState()
-		return h.sendCommit(s)
 	}
 	if h.commitRB {
-		h.commitRB = false
+		h.commitRB, h.commitReq = false, nil
 		if err := h.send(s, msg, &tag{kind: 'S', hideRFQ: true}, true); err != nil {
 			return err
 		}
-		return h.sendRollback(s)
+		return h.sendRestore(s)
 	}
 	return h.send(s, msg, &tag{kind: 'S'}, true)
 }
@@ -1191,6 +1272,20 @@ func gateArgs(g session.Generation) [][]byte {
 // prepareExt parses the gate's named statements once per upstream
 // connection (again after DISCARD ALL / DEALLOCATE ALL).
 func (h *fenceSession) prepareExt(s *Session) error {
+	if r := h.prepReq; r != nil {
+		// The last Parse of them: PostgreSQL skips it, without a word,
+		// when an earlier message of its batch failed. (Settled by now:
+		// the gate step that followed it changed the state.)
+		if err := h.wait(s, r); err != nil {
+			return err
+		}
+		h.prepReq = nil
+		if r.Skipped || r.Error != nil {
+			h.mu.Lock()
+			h.prepared = false
+			h.mu.Unlock()
+		}
+	}
 	h.mu.Lock()
 	done := h.prepared
 	h.prepared = true
@@ -1199,12 +1294,13 @@ func (h *fenceSession) prepareExt(s *Session) error {
 		return nil
 	}
 	var buf []byte
-	for i, gs := range gateStatements {
+	for _, gs := range gateStatements {
 		buf, _ = (&pgproto3.Parse{Name: gs[0], Query: gs[1]}).Encode(buf[:0])
-		if err := h.send(s, buf, &tag{kind: 'P', step: stepPrepare, prep: i == len(gateStatements)-1}, false); err != nil {
+		if err := h.send(s, buf, &tag{kind: 'P', step: stepPrepare}, false); err != nil {
 			return err
 		}
 	}
+	h.prepReq = h.last
 	return nil
 }
 
@@ -1437,7 +1533,7 @@ func (h *fenceSession) onError(s *Session, msg []byte, t *tag) (Verdict, error) 
 		h.prepared = false
 		s.Logger().Warn("cannot prepare the gate's statements", zap.ByteString("error", msg))
 	}
-	if h.errShown || st == stepRollback {
+	if h.errShown || st == stepRollback || st == stepRestore {
 		return Drop, nil
 	}
 	var e pgproto3.ErrorResponse
