@@ -204,6 +204,8 @@ type tag struct {
 	cur     int
 	inserts []insertion // where gate text was spliced in (error positions)
 	hideRFQ bool
+	// stepFailed: a gate step of this query failed (set by onError).
+	stepFailed bool
 	// copyIn, for a wrapped COPY FROM (qplan.tail), is closed when the
 	// server starts the COPY (CopyInResponse). It is set before the tag
 	// is sent and never changed: the client side waits on it while the
@@ -517,10 +519,11 @@ func (h *fenceSession) query(s *Session, msg []byte) error {
 		}
 	}
 	h.mu.Unlock()
-	if bad == nil && needGate && s.OnLoop() && hasKind(res, rewrite.CopyFrom) {
-		// A gated COPY FROM may wait for its CopyInResponse (awaitCopy):
-		// the client goroutine sends it. Nothing is done yet. A COPY FROM
-		// the gate leaves alone stays on the loop.
+	if bad == nil && needGate && s.OnLoop() && (hasKind(res, rewrite.CopyFrom) || commitInside(res)) {
+		// A gated COPY FROM may wait for its CopyInResponse (awaitCopy),
+		// a COMMIT with statements after it for its answer
+		// (settleCommit): the client goroutine sends them. Nothing is
+		// done yet. A COPY FROM the gate leaves alone stays on the loop.
 		return ErrWait
 	}
 	h.f.Stats.Classified.Add(int64(len(res.Stmts)))
@@ -543,6 +546,17 @@ func (h *fenceSession) query(s *Session, msg []byte) error {
 		return err
 	}
 	return h.gatedQuery(s, sql, res)
+}
+
+// commitInside reports whether a COMMIT of the query is not its last
+// statement, or chains.
+func commitInside(res *rewrite.Result) bool {
+	for i, st := range res.Stmts {
+		if st.Kind == rewrite.Commit && (st.Chain || i < len(res.Stmts)-1) {
+			return true
+		}
+	}
+	return false
 }
 
 // mayNeedGate reports whether a statement could need the gate's attention
@@ -630,8 +644,8 @@ func (h *fenceSession) gatedQuery(s *Session, sql string, res *rewrite.Result) e
 	if p.then != nil {
 		return h.send(s, queryMsg(nil, p.then.text), p.then.tag, true)
 	}
-	if p.rollback {
-		return h.sendRollback(s)
+	if p.settle {
+		return h.settleCommit(s, p.tag)
 	}
 	if p.tail != nil {
 		return h.awaitCopy(s, p.tag)
@@ -672,13 +686,13 @@ func (h *fenceSession) awaitCopy(s *Session, t *tag) error {
 
 // qplan is a rewritten simple query.
 type qplan struct {
-	text     string
-	tag      *tag
-	rollback bool        // send ROLLBACK after it (its ReadyForQuery is the client's)
-	then     *qplan      // a second query after it (COMMIT; its ReadyForQuery is the client's)
-	commit   *commitStep // instead of text: the receipt step as a prepared statement
-	tail     *copyState  // a gated COPY FROM in a wrapped transaction: finish at CopyDone
-	copy     bool        // a COPY FROM in a gated transaction: its data goes into the digest
+	text   string
+	tag    *tag
+	settle bool        // a gated COMMIT inside it: wait for it, then end as settleCommit does
+	then   *qplan      // a second query after it (COMMIT; its ReadyForQuery is the client's)
+	commit *commitStep // instead of text: the receipt step as a prepared statement
+	tail   *copyState  // a gated COPY FROM in a wrapped transaction: finish at CopyDone
+	copy   bool        // a COPY FROM in a gated transaction: its data goes into the digest
 }
 
 // commitStep is a receipt step's arguments.
@@ -875,7 +889,10 @@ loop:
 		t.hideRFQ = true
 		p.then = &qplan{text: restoreSQL, tag: restoreTag()}
 	case explicitCommit:
-		t.hideRFQ, p.rollback = true, true
+		// The client's COMMIT with statements after it (or AND CHAIN):
+		// whatever follows must see the transaction as PostgreSQL left
+		// it, so the proxy waits for the answer (settleCommit).
+		t.hideRFQ, p.settle = true, true
 	}
 	if restore >= 0 && d != nil {
 		d.Rollback(restore)
@@ -923,6 +940,28 @@ func (h *fenceSession) sendCommit(s *Session) error {
 // is idle and usable as the protocol promised.
 func (h *fenceSession) sendRollback(s *Session) error {
 	return h.send(s, queryMsg(nil, "ROLLBACK"), &tag{kind: 'Q', step: stepRollback, segs: []seg{{step: stepRollback}}}, true)
+}
+
+// settleCommit ends a client's query whose gated COMMIT had statements
+// after it, once the query is answered. If the receipt step failed, the
+// COMMIT and everything after it was skipped and the transaction is
+// aborted: ROLLBACK ends it (the client has the step's error, or COMMIT
+// and the replay NOTICE). Otherwise the transaction is as the client's
+// statements left it (committed and maybe a new one begun, or failed by a
+// statement of the client's before the COMMIT), and an empty query gives
+// the client the ReadyForQuery that says so. It runs on the client
+// goroutine (query hands such a query off).
+func (h *fenceSession) settleCommit(s *Session, t *tag) error {
+	if err := h.barrier(s); err != nil {
+		return err
+	}
+	h.mu.Lock()
+	failed := t.stepFailed
+	h.mu.Unlock()
+	if failed {
+		return h.sendRollback(s)
+	}
+	return h.send(s, queryMsg(nil, ""), &tag{kind: 'Q', segs: []seg{{step: stepRestore}}}, true)
 }
 
 // sendRestore sends, after a client's query or batch whose COMMIT had the
@@ -1437,6 +1476,9 @@ func (h *fenceSession) queryResponse(s *Session, msg []byte, t *tag) (Verdict, e
 		return h.complete(s, sg, msg, nil)
 	case 'I':
 		t.cur++
+		if sg.step != stepClient {
+			return Drop, nil // settleCommit's empty query
+		}
 		return Forward, nil
 	case 'D':
 		if sg.step == stepGate {
@@ -1521,6 +1563,7 @@ func (h *fenceSession) onError(s *Session, msg []byte, t *tag) (Verdict, error) 
 		}
 		t.cur = len(t.segs) // the server skips the rest of the query
 		st = sg.step
+		t.stepFailed = st == stepGate || st == stepCommit || st == stepSavepoint
 	} else {
 		sg = seg{step: st, gen: t.gen, explicitCommit: t.explicitCommit}
 	}

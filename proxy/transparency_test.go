@@ -103,6 +103,7 @@ type op struct {
 type extStmt struct {
 	sql  string
 	args []string
+	p    bool // writes p (every generated write is one when its table is p)
 }
 
 func (o *op) String() string {
@@ -129,13 +130,27 @@ type sessionGen struct {
 	seed  int
 	n     int
 	idle  bool // the last operation left the session idle
+	fresh bool // the last operation ended a transaction: the next sets a step
 	steps int
 }
 
 func (g *sessionGen) key() int { return g.rng.IntN(6) + 1 }
 
-// stmt returns a statement; with a key placeholder ($1) when ext.
-func (g *sessionGen) stmt(ext bool) extStmt {
+// stmt returns a statement; with a key placeholder ($1) when ext. With
+// after (statements that follow a COMMIT or ROLLBACK in the same
+// operation) it neither writes p, nor makes a savepoint, nor ends a
+// transaction: the transaction it may open has no step of its own until
+// the next operation sets one, before any savepoint could undo that.
+func (g *sessionGen) stmt(ext, after bool) extStmt {
+	for {
+		s := g.anyStmt(ext, after)
+		if !after || !(s.p || s.sql == "SAVEPOINT s1" || ends(s.sql)) {
+			return s
+		}
+	}
+}
+
+func (g *sessionGen) anyStmt(ext, after bool) extStmt {
 	k := strconv.Itoa(g.key())
 	kv := k
 	var args []string
@@ -143,56 +158,62 @@ func (g *sessionGen) stmt(ext bool) extStmt {
 		kv, args = "$1", []string{k}
 	}
 	tbl := "p"
-	if g.rng.IntN(3) == 0 {
+	if after || g.rng.IntN(3) == 0 {
 		tbl = "u"
 	}
+	s := g.pick(tbl, kv, args)
+	s.p = s.p && (tbl == "p" || strings.Contains(s.sql, " p "))
+	return s
+}
+
+func (g *sessionGen) pick(tbl, kv string, args []string) extStmt {
 	switch g.rng.IntN(20) {
 	case 0, 1, 2:
-		return extStmt{fmt.Sprintf("INSERT INTO %s VALUES (%s, 'i')", tbl, kv), args}
+		return extStmt{sql: fmt.Sprintf("INSERT INTO %s VALUES (%s, 'i')", tbl, kv), args: args, p: true}
 	case 3, 4:
-		return extStmt{fmt.Sprintf("INSERT INTO %s VALUES (%s, 'o') ON CONFLICT (k) DO UPDATE SET v = excluded.v || %s.v", tbl, kv, tbl), args}
+		return extStmt{sql: fmt.Sprintf("INSERT INTO %s VALUES (%s, 'o') ON CONFLICT (k) DO UPDATE SET v = excluded.v || %s.v", tbl, kv, tbl), args: args, p: true}
 	case 5:
-		return extStmt{fmt.Sprintf("UPDATE %s SET v = v || 'u' WHERE k = %s", tbl, kv), args}
+		return extStmt{sql: fmt.Sprintf("UPDATE %s SET v = v || 'u' WHERE k = %s", tbl, kv), args: args, p: true}
 	case 6:
-		return extStmt{fmt.Sprintf("DELETE FROM %s WHERE k = %s", tbl, kv), args}
+		return extStmt{sql: fmt.Sprintf("DELETE FROM %s WHERE k = %s", tbl, kv), args: args, p: true}
 	case 7:
-		return extStmt{fmt.Sprintf("WITH w AS (INSERT INTO %s VALUES (%s, 'w') ON CONFLICT DO NOTHING RETURNING k) SELECT count(*) FROM w", tbl, kv), args}
+		return extStmt{sql: fmt.Sprintf("WITH w AS (INSERT INTO %s VALUES (%s, 'w') ON CONFLICT DO NOTHING RETURNING k) SELECT count(*) FROM w", tbl, kv), args: args, p: true}
 	case 8:
-		return extStmt{fmt.Sprintf("SELECT k, v FROM %s WHERE k <= %s ORDER BY k", tbl, kv), args}
+		return extStmt{sql: fmt.Sprintf("SELECT k, v FROM %s WHERE k <= %s ORDER BY k", tbl, kv), args: args}
 	case 9:
-		return extStmt{"SELECT 1/0", nil}
+		return extStmt{sql: "SELECT 1/0"}
 	case 10:
-		return extStmt{"SELECT nosuchcolumn FROM " + tbl, nil}
+		return extStmt{sql: "SELECT nosuchcolumn FROM " + tbl}
 	case 11:
-		return extStmt{"BEGIN", nil}
+		return extStmt{sql: "BEGIN"}
 	case 12:
-		return extStmt{"START TRANSACTION ISOLATION LEVEL REPEATABLE READ", nil}
+		return extStmt{sql: "START TRANSACTION ISOLATION LEVEL REPEATABLE READ"}
 	case 13:
-		return extStmt{"SAVEPOINT s1", nil}
+		return extStmt{sql: "SAVEPOINT s1"}
 	case 14:
-		return extStmt{"ROLLBACK TO SAVEPOINT s1", nil}
+		return extStmt{sql: "ROLLBACK TO SAVEPOINT s1"}
 	case 15:
-		return extStmt{"RELEASE SAVEPOINT s1", nil}
+		return extStmt{sql: "RELEASE SAVEPOINT s1"}
 	case 16:
-		return extStmt{"COMMIT", nil}
+		return extStmt{sql: "COMMIT"}
 	case 17:
-		return extStmt{"ROLLBACK", nil}
+		return extStmt{sql: "ROLLBACK"}
 	case 18:
-		return extStmt{"UPDATE p SET v = v || 'n' WHERE k > 100", nil} // writes no row
+		return extStmt{sql: "UPDATE p SET v = v || 'n' WHERE k > 100", p: true} // writes no row
 	default:
-		return extStmt{"SELECT count(*) FROM " + tbl, nil}
+		return extStmt{sql: "SELECT count(*) FROM " + tbl}
 	}
 }
 
-// ends reports whether s ends a transaction (the transaction after it
-// would need a step of its own: the generator stops the operation there).
+// ends reports whether s ends a transaction (a transaction after it
+// needs a step of its own).
 func ends(s string) bool {
 	return s == "COMMIT" || s == "ROLLBACK"
 }
 
 func (g *sessionGen) next() *op {
 	o := &op{}
-	if g.idle || g.n == 0 {
+	if g.idle || g.fresh || g.n == 0 {
 		g.steps++
 		o.step = fmt.Sprintf("s%d-%d", g.seed, g.steps)
 	}
@@ -204,15 +225,20 @@ func (g *sessionGen) next() *op {
 	} else {
 		o.simple = []string{}
 	}
+	g.fresh = false
 	for i := 0; i < n; i++ {
-		s := g.stmt(ext)
+		s := g.stmt(ext, g.fresh)
 		if ext {
 			o.ext = append(o.ext, s)
 		} else {
 			o.simple = append(o.simple, s.sql)
 		}
 		if ends(s.sql) {
-			break
+			g.fresh = true
+			if g.rng.IntN(2) == 0 {
+				break
+			}
+			n = i + 1 + g.rng.IntN(3) // go on after it, sometimes
 		}
 	}
 	return o
