@@ -54,6 +54,8 @@ type fenceSession struct {
 	commitReq *Request   // extended: that COMMIT, while commitRB
 	copyTail  *copyState // simple protocol: a gated COPY FROM is streaming
 	copyGated bool       // CopyData goes into the digest
+	copyLeft  int        // COPY FROM statements of the current query not yet done
+	copyTag   *tag       // the current query's, while copyTail
 	stateReq  *Request   // the last request sent that changes session or gate state
 	prepReq   *Request   // the last Parse of the gate's statements, until known done
 
@@ -206,13 +208,12 @@ type tag struct {
 	hideRFQ bool
 	// stepFailed: a gate step of this query failed (set by onError).
 	stepFailed bool
-	// copyIn, for a wrapped COPY FROM (qplan.tail), is closed when the
-	// server starts the COPY (CopyInResponse). It is set before the tag
-	// is sent and never changed: the client side waits on it while the
-	// server side closes it, so the server side marks the close in
-	// copyInClosed (its own) rather than clearing the field.
-	copyIn       chan struct{}
-	copyInClosed bool
+	// copyIn, for a wrapped COPY FROM (qplan.tail), gets a token each
+	// time the server starts one of the query's COPYs (CopyInResponse);
+	// it has room for all of them. It is set before the tag is sent and
+	// never changed: the client side waits on it while the server side
+	// sends.
+	copyIn chan struct{}
 
 	// Parse / Bind / Execute / Close
 	name    string
@@ -312,30 +313,33 @@ func (h *fenceSession) ClientMessage(s *Session, msg []byte) (Verdict, error) {
 		return Forward, nil
 	case 'd':
 		if h.copyGated {
-			h.mu.Lock()
-			if d, ok := h.st.Gate().Digest.(*fence.Digest); ok {
-				d.CopyData(body)
-			}
-			h.mu.Unlock()
+			h.copyDigest(func(d *fence.Digest) { d.CopyData(body) })
 		}
 		return Forward, nil
 	case 'c', 'f':
 		if h.copyTail != nil && s.OnLoop() {
 			return Drop, ErrWait // finishWrapped waits for the COPY's end
 		}
+		if h.copyLeft > 0 {
+			h.copyLeft--
+		}
 		if h.copyGated {
-			h.copyGated = false
-			h.mu.Lock()
-			if d, ok := h.st.Gate().Digest.(*fence.Digest); ok {
-				d.EndCopy()
-			}
-			h.mu.Unlock()
+			h.copyGated = h.copyLeft > 0 // the query's next COPY too
+			h.copyDigest((*fence.Digest).EndCopy)
 		}
 		if err := s.ForwardMessage(msg); err != nil {
 			return Drop, err
 		}
 		if t := h.copyTail; t != nil {
-			h.copyTail = nil
+			if h.copyLeft > 0 {
+				// The query has another COPY FROM: the receipt waits
+				// for it, unless the query ends first (an error).
+				started, err := h.nextCopy(s)
+				if err != nil || started {
+					return Drop, err
+				}
+			}
+			h.copyTail, h.copyGated = nil, false
 			return Drop, h.finishWrapped(s, t.gen)
 		}
 		return Drop, nil
@@ -548,6 +552,25 @@ func (h *fenceSession) query(s *Session, msg []byte) error {
 	return h.gatedQuery(s, sql, res)
 }
 
+// refusedImplicit names st as PostgreSQL's error does when st is refused
+// outside a transaction block ("SAVEPOINT can only be used in transaction
+// blocks"), or returns "".
+func refusedImplicit(st *rewrite.Stmt) string {
+	switch {
+	case st.Kind == rewrite.Savepoint:
+		return "SAVEPOINT"
+	case st.Kind == rewrite.Release:
+		return "RELEASE SAVEPOINT"
+	case st.Kind == rewrite.RollbackTo:
+		return "ROLLBACK TO SAVEPOINT"
+	case st.Kind == rewrite.Commit && st.Chain:
+		return "COMMIT AND CHAIN"
+	case st.Kind == rewrite.Rollback && st.Chain:
+		return "ROLLBACK AND CHAIN"
+	}
+	return ""
+}
+
 // commitInside reports whether a COMMIT of the query is not its last
 // statement, or chains.
 func commitInside(res *rewrite.Result) bool {
@@ -620,8 +643,10 @@ func (h *fenceSession) gatedQuery(s *Session, sql string, res *rewrite.Result) e
 	defer h.markState()
 	h.copyGated = p.copy
 	h.copyTail = p.tail
+	h.copyLeft = countKind(res, rewrite.CopyFrom)
+	h.copyTag = p.tag
 	if p.tail != nil {
-		p.tag.copyIn = make(chan struct{})
+		p.tag.copyIn = make(chan struct{}, h.copyLeft)
 	}
 	p.tag.sent = time.Now() // metrics: step latency
 	if c := p.commit; c != nil {
@@ -684,6 +709,64 @@ func (h *fenceSession) awaitCopy(s *Session, t *tag) error {
 	return h.sendRollback(s)
 }
 
+// copyDigest applies f to the digest a gated COPY's data goes into: the
+// wrapped batch's (extended protocol, outside a transaction), else the
+// transaction's.
+func (h *fenceSession) copyDigest(f func(*fence.Digest)) {
+	if h.wrapped {
+		f(&h.wrap.digest)
+		return
+	}
+	h.mu.Lock()
+	if d, ok := h.st.Gate().Digest.(*fence.Digest); ok {
+		f(d)
+	}
+	h.mu.Unlock()
+}
+
+// nextCopy waits, after a CopyDone, until the server starts the query's
+// next COPY FROM (true) or answers the whole query (false).
+func (h *fenceSession) nextCopy(s *Session) (bool, error) {
+	if err := s.FlushServer(); err != nil {
+		return false, err
+	}
+	t := h.copyTag
+	select {
+	case <-t.copyIn:
+		return true, nil
+	case <-h.last.Done():
+	case <-s.closing:
+		return false, errSessionClosing
+	}
+	select {
+	case <-t.copyIn:
+		return true, nil
+	default:
+		return false, nil
+	}
+}
+
+// copyAfter reports whether a COPY FROM follows statement i.
+func copyAfter(res *rewrite.Result, i int) bool {
+	for _, st := range res.Stmts[i+1:] {
+		if st.Kind == rewrite.CopyFrom {
+			return true
+		}
+	}
+	return false
+}
+
+// countKind counts the statements of kind k.
+func countKind(res *rewrite.Result, k rewrite.Kind) int {
+	n := 0
+	for _, st := range res.Stmts {
+		if st.Kind == k {
+			n++
+		}
+	}
+	return n
+}
+
 // qplan is a rewritten simple query.
 type qplan struct {
 	text   string
@@ -743,8 +826,13 @@ func (h *fenceSession) plan(sql string, res *rewrite.Result) qplan {
 	var items []item
 	inject := func(at int, text string, sg seg) { items = append(items, item{at: at, text: text, seg: sg}) }
 	wrapped, hasCopy, explicitCommit := false, false, false
+	copyInTx := false       // a gated COPY FROM in the current transaction, in this query
 	wrapStart := 0          // where the wrapped implicit transaction began
 	var lastStep commitStep // the receipt step spliced before the client's COMMIT
+	// blockOnly: the items index and statement of the first statement of
+	// the current implicit transaction that PostgreSQL refuses outside a
+	// transaction block (see the end).
+	blockOnly, blockOnlyStmt := -1, (*rewrite.Stmt)(nil)
 loop:
 	for i, st := range res.Stmts {
 		switch {
@@ -771,6 +859,25 @@ loop:
 			inject(st.Offset, raiseSQL(&session.Error{Code: fence.CodeUnsupported,
 				Message: fmt.Sprintf("PREPARE TRANSACTION is not supported in a fenced transaction (job %q, token %d)", gen.JobKey, gen.Token),
 				Hint:    "commit the transaction with COMMIT: pgfence writes the commit receipt in the same transaction"})+";", seg{step: stepRaise})
+			items = append(items, item{at: st.Offset, seg: seg{step: stepClient, stmt: st}})
+			break loop
+		case gated && st.Kind == rewrite.Commit && copyAfter(res, i):
+			// What follows the COMMIT is settled once the query is
+			// answered (settleCommit), which a COPY FROM after it would
+			// hold up waiting for the client's data: refused before the
+			// COMMIT runs.
+			inject(st.Offset, raiseSQL(&session.Error{Code: fence.CodeUnsupported,
+				Message: fmt.Sprintf("COMMIT followed by COPY FROM in one query is not supported in a fenced transaction (job %q, token %d)", gen.JobKey, gen.Token),
+				Hint:    "send the COPY as a query of its own after the COMMIT"})+";", seg{step: stepRaise})
+			items = append(items, item{at: st.Offset, seg: seg{step: stepClient, stmt: st}})
+			break loop
+		case gated && st.Kind == rewrite.Commit && copyInTx:
+			// The receipt must cover the COPY's data, which only comes
+			// after this query's text has gone: the COMMIT is refused,
+			// and the transaction aborts with nothing of it committed.
+			inject(st.Offset, raiseSQL(&session.Error{Code: fence.CodeUnsupported,
+				Message: fmt.Sprintf("COPY FROM and COMMIT in one query are not supported in a fenced transaction (job %q, token %d): the commit receipt must cover the COPY data", gen.JobKey, gen.Token),
+				Hint:    "send COMMIT as a query of its own after the COPY"})+";", seg{step: stepRaise})
 			items = append(items, item{at: st.Offset, seg: seg{step: stepClient, stmt: st}})
 			break loop
 		case gated && st.Kind == rewrite.Commit:
@@ -806,6 +913,9 @@ loop:
 				}
 			}
 		}
+		if !explicit && blockOnly < 0 && refusedImplicit(st) != "" {
+			blockOnly, blockOnlyStmt = len(items), st
+		}
 		switch st.Kind {
 		case rewrite.Begin:
 			// In an implicit transaction, BEGIN makes it the client's
@@ -817,14 +927,15 @@ loop:
 			if !st.Chain {
 				explicit = false
 			}
-			gated, wrapped = false, false
+			gated, wrapped, copyInTx = false, false, false
 			d, restore = nil, -1
 			if i+1 < len(res.Stmts) {
 				blockStart = res.Stmts[i+1].Offset
 			}
+			blockOnly = -1
 		case rewrite.CopyFrom:
 			if gated {
-				hasCopy = true
+				hasCopy, copyInTx = true, true
 			}
 		}
 		ov.apply(st)
@@ -834,7 +945,15 @@ loop:
 		// The receipt covers the COPY data, so it can only be sent after
 		// CopyDone, in a query of its own: the transaction must outlast
 		// this query. Make it explicit from its start (first among the
-		// items there: the sort below keeps their order).
+		// items there: the sort below keeps their order). A statement
+		// PostgreSQL refuses in the implicit transaction (SAVEPOINT, AND
+		// CHAIN) would pass in the explicit one: it fails as it would
+		// have, with PostgreSQL's error, and the query stops there.
+		if blockOnly >= 0 {
+			raise := item{at: blockOnlyStmt.Offset, text: raiseSQL(&session.Error{Code: "25P01",
+				Message: refusedImplicit(blockOnlyStmt) + " can only be used in transaction blocks"}) + ";", seg: seg{step: stepRaise}}
+			items = append(items[:blockOnly], append([]item{raise}, items[blockOnly:]...)...)
+		}
 		items = append([]item{{at: wrapStart, text: "BEGIN;", seg: seg{step: stepBegin}}}, items...)
 	}
 	// Injected text goes before the client statement at the same offset;
@@ -1266,6 +1385,10 @@ func (h *fenceSession) execute(s *Session, msg []byte) error {
 	if h.wrapped {
 		h.wrap.add(st, m.Portal, cp)
 	}
+	if st.Kind == rewrite.CopyFrom && !failed && (g.Gated || need && ok) {
+		// Its data goes into the digest (copyDigest), up to CopyDone.
+		h.copyGated, h.copyLeft = true, 1
+	}
 	if err := h.send(s, msg, t, true); err != nil {
 		return err
 	}
@@ -1487,9 +1610,11 @@ func (h *fenceSession) queryResponse(s *Session, msg []byte, t *tag) (Verdict, e
 			h.routeRow(s, sg, msg) // route.go
 		}
 	case 'G':
-		if t.copyIn != nil && !t.copyInClosed {
-			close(t.copyIn)
-			t.copyInClosed = true
+		if t.copyIn != nil {
+			select {
+			case t.copyIn <- struct{}{}:
+			default: // more COPYs started than planned: unreachable
+			}
 		}
 	}
 	if sg.step != stepClient {
@@ -1590,13 +1715,16 @@ func (h *fenceSession) onError(s *Session, msg []byte, t *tag) (Verdict, error) 
 	}
 	if st == stepCommit && e.Code == fence.CodeReplay {
 		h.f.Stats.Replayed.Add(1)
-		g := h.st.Gate()
+		gen := sg.gen // the generation the receipt step ran with
+		if gen.JobKey == "" {
+			gen = h.st.Gate().Gen
+		}
 		if sg.explicitCommit {
 			s.WriteClient(encode(nil, &pgproto3.CommandComplete{CommandTag: []byte("COMMIT")}))
 		}
 		s.WriteClient(encode(nil, &pgproto3.NoticeResponse{Severity: "NOTICE", SeverityUnlocalized: "NOTICE", Code: fence.CodeReplay,
 			Message: fmt.Sprintf("pgfence: idempotent replay: job %q epoch %d token %d step %q was already committed with the same payload; nothing was applied twice",
-				g.Gen.JobKey, g.Gen.Epoch, g.Gen.Token, g.Gen.Step),
+				gen.JobKey, gen.Epoch, gen.Token, gen.Step),
 			Detail: e.Detail}))
 		// The rest of the batch is skipped; its errors stay hidden.
 		h.errShown = true

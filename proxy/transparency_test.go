@@ -53,13 +53,16 @@ CREATE TABLE u (k int PRIMARY KEY, v text NOT NULL);`
 	}
 	for seed := 1; seed <= seeds; seed++ {
 		t.Run("seed="+strconv.Itoa(seed), func(t *testing.T) {
-			direct := transcriptConn(t, cluster.Primary.DSN(plainDB), opts)
-			gated := transcriptConn(t, env.proxy.dsn(env.db), opts)
+			direct := transcriptConn(t, "direct", cluster.Primary.DSN(plainDB), opts)
+			gated := transcriptConn(t, "through pgfence", env.proxy.dsn(env.db), opts)
 			g := &sessionGen{rng: rand.New(rand.NewPCG(uint64(seed), 0x5eed)), seed: seed}
 			var trail []string
 			for i := 0; i < 120; i++ {
 				op := g.next()
 				trail = append(trail, op.String())
+				if testing.Verbose() {
+					t.Logf("operation %d: %s", i, op)
+				}
 				want, got := direct.run(t, op), gated.run(t, op)
 				if want != got {
 					if len(trail) > 10 {
@@ -96,6 +99,7 @@ CREATE TABLE u (k int PRIMARY KEY, v text NOT NULL);`
 // one Sync.
 type op struct {
 	step   string // a SET fence.step sent first when idle (its own exchange)
+	copy   string // the data for a COPY FROM STDIN in it
 	simple []string
 	ext    []extStmt
 }
@@ -113,6 +117,9 @@ func (o *op) String() string {
 	}
 	if o.simple != nil {
 		b.WriteString("Q: " + strings.Join(o.simple, "; "))
+		if strings.Contains(b.String(), "COPY") {
+			fmt.Fprintf(&b, " [copy %q]", o.copy)
+		}
 		return b.String()
 	}
 	b.WriteString("pipeline:")
@@ -144,6 +151,12 @@ func (g *sessionGen) key() int { return g.rng.IntN(6) + 1 }
 func (g *sessionGen) stmt(ext, after bool) extStmt {
 	for {
 		s := g.anyStmt(ext, after)
+		if ext && strings.HasPrefix(s.sql, "COPY") {
+			continue // a pipeline's messages after COPY's Execute would go into the COPY
+		}
+		if after && strings.HasPrefix(s.sql, "COPY") {
+			continue // refused after a fenced COMMIT (FN009): not a transparent case
+		}
 		if !after || !(s.p || s.sql == "SAVEPOINT s1" || ends(s.sql)) {
 			return s
 		}
@@ -162,12 +175,25 @@ func (g *sessionGen) anyStmt(ext, after bool) extStmt {
 		tbl = "u"
 	}
 	s := g.pick(tbl, kv, args)
-	s.p = s.p && (tbl == "p" || strings.Contains(s.sql, " p "))
+	s.p = s.p && (tbl == "p" || strings.Contains(s.sql, " p ") || strings.Contains(s.sql, "w_p"))
 	return s
 }
 
 func (g *sessionGen) pick(tbl, kv string, args []string) extStmt {
-	switch g.rng.IntN(20) {
+	switch n := g.rng.IntN(26); n {
+	case 20:
+		return extStmt{sql: fmt.Sprintf("MERGE INTO %[1]s USING (SELECT %[2]s::int AS k) s ON %[1]s.k = s.k WHEN MATCHED THEN UPDATE SET v = %[1]s.v || 'm' WHEN NOT MATCHED THEN INSERT VALUES (s.k, 'm')", tbl, kv), args: args, p: true}
+	case 21:
+		return extStmt{sql: fmt.Sprintf("PREPARE w_%s AS INSERT INTO %s VALUES ($1, 'x') ON CONFLICT (k) DO UPDATE SET v = excluded.v", tbl, tbl)}
+	case 22:
+		// EXECUTE of a statement that may not exist (26000, both ways).
+		return extStmt{sql: fmt.Sprintf("EXECUTE w_%s(%d)", tbl, g.key()), p: true}
+	case 23:
+		return extStmt{sql: fmt.Sprintf("DEALLOCATE w_%s", tbl)}
+	case 24:
+		return extStmt{sql: fmt.Sprintf("COPY %s (k, v) FROM STDIN", tbl), p: true}
+	case 25:
+		return extStmt{sql: fmt.Sprintf("DO $$BEGIN INSERT INTO %s VALUES (%d, 'd') ON CONFLICT (k) DO NOTHING; END$$", tbl, g.key()), p: true}
 	case 0, 1, 2:
 		return extStmt{sql: fmt.Sprintf("INSERT INTO %s VALUES (%s, 'i')", tbl, kv), args: args, p: true}
 	case 3, 4:
@@ -226,8 +252,19 @@ func (g *sessionGen) next() *op {
 		o.simple = []string{}
 	}
 	g.fresh = false
+	o.copy = fmt.Sprintf("%d\tc\n", g.key())
+	if g.rng.IntN(2) == 0 {
+		o.copy += fmt.Sprintf("%d\tc\n", g.key())
+	}
+	copied := false
 	for i := 0; i < n; i++ {
 		s := g.stmt(ext, g.fresh)
+		for copied && s.sql == "COMMIT" {
+			// Refused by the gate in a fenced transaction (FN009: the
+			// receipt must cover the COPY data): not a transparent case.
+			s = g.stmt(ext, g.fresh)
+		}
+		copied = copied || strings.HasPrefix(s.sql, "COPY")
 		if ext {
 			o.ext = append(o.ext, s)
 		} else {
@@ -247,11 +284,17 @@ func (g *sessionGen) next() *op {
 // transcript is a raw protocol connection whose answers are written down
 // message by message.
 type transcript struct {
-	c  *pgconn.PgConn
-	fe *pgproto3.Frontend
+	name string
+	c    *pgconn.PgConn
+	fe   *pgproto3.Frontend
+	copy []byte // COPY FROM STDIN data: sent at each CopyInResponse
+	// copies, when set, is the data for each COPY in turn (then copy).
+	copies [][]byte
+	// syncCopy: send Sync after CopyDone (a COPY run by Execute).
+	syncCopy bool
 }
 
-func transcriptConn(t *testing.T, dsn, opts string) *transcript {
+func transcriptConn(t *testing.T, name, dsn, opts string) *transcript {
 	t.Helper()
 	cfg, err := pgconn.ParseConfig(dsn)
 	if err != nil {
@@ -263,13 +306,14 @@ func transcriptConn(t *testing.T, dsn, opts string) *transcript {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { c.Close(ctxT(t)) })
-	return &transcript{c: c, fe: pgproto3.NewFrontend(c.Conn(), c.Conn())}
+	return &transcript{name: name, c: c, fe: pgproto3.NewFrontend(c.Conn(), c.Conn())}
 }
 
 // run sends o and returns what came back, one line per message.
 func (tc *transcript) run(t *testing.T, o *op) string {
 	t.Helper()
 	var b strings.Builder
+	tc.copy = []byte(o.copy)
 	if o.step != "" {
 		tc.fe.Send(&pgproto3.Query{String: "SET fence.step = '" + o.step + "'"})
 		tc.read(t, &b, 1)
@@ -303,9 +347,23 @@ func (tc *transcript) read(t *testing.T, b *strings.Builder, rfqs int) {
 	for rfqs > 0 {
 		m, err := tc.fe.Receive()
 		if err != nil {
-			t.Fatalf("receive (so far:\n%s): %v", b.String(), err)
+			t.Fatalf("%s: receive (so far:\n%s): %v", tc.name, b.String(), err)
 		}
 		switch m := m.(type) {
+		case *pgproto3.CopyInResponse:
+			b.WriteString("G\n")
+			data := tc.copy
+			if len(tc.copies) > 0 {
+				data, tc.copies = tc.copies[0], tc.copies[1:]
+			}
+			tc.fe.Send(&pgproto3.CopyData{Data: data})
+			tc.fe.Send(&pgproto3.CopyDone{})
+			if tc.syncCopy {
+				tc.fe.Send(&pgproto3.Sync{})
+			}
+			if err := tc.fe.Flush(); err != nil {
+				t.Fatal(err)
+			}
 		case *pgproto3.ReadyForQuery:
 			fmt.Fprintf(b, "Z %c\n", m.TxStatus)
 			rfqs--
@@ -340,5 +398,123 @@ func (tc *transcript) read(t *testing.T, b *strings.Builder, rfqs int) {
 		default:
 			fmt.Fprintf(b, "%T\n", m)
 		}
+	}
+}
+
+// TestGateTwoCopies: a query with two COPY FROM STDIN into a protected
+// table, outside a transaction: the gate wraps it, the receipt waits for
+// the second COPY's end and its digest covers both streams. The same
+// step again with the same data is a replay; with the second stream
+// changed, a conflict. (Before, the receipt went out at the first
+// CopyDone while the server waited in the second COPY: the session hung.)
+func TestGateTwoCopies(t *testing.T) {
+	e := newFenceEnv(t)
+	if _, err := e.direct(t).Exec(ctxT(t), "CREATE TABLE pl (v text); SELECT fence.protect('pl')"); err != nil {
+		t.Fatal(err)
+	}
+	l := e.acquire(t, "copies", "a", time.Hour)
+	opts := fmt.Sprintf("-c fence.job_key=%s -c fence.epoch=%d -c fence.token=%d -c fence.step=two", l.JobKey, l.Epoch, l.Token)
+	q := &op{simple: []string{"COPY pl (v) FROM STDIN", "COPY pl (v) FROM STDIN"}}
+	attempt := func(first, second string) string {
+		tc := transcriptConn(t, "through pgfence", e.proxy.dsn(e.db), opts)
+		tc.copies = [][]byte{[]byte(first), []byte(second)}
+		return tc.run(t, q)
+	}
+	if got, want := attempt("a\n", "b\n"), "G\nC COPY 1\nG\nC COPY 1\nZ I\n"; got != want {
+		t.Fatalf("first attempt:\n%s\nwant:\n%s", got, want)
+	}
+	if got := attempt("a\n", "b\n"); !strings.Contains(got, "N NOTICE FN00R") || !strings.HasSuffix(got, "Z I\n") {
+		t.Fatalf("the same again, want a replay:\n%s", got)
+	}
+	if got := attempt("a\n", "c\n"); !strings.Contains(got, "E ERROR ERROR FN003") || !strings.HasSuffix(got, "Z I\n") {
+		t.Fatalf("the second COPY's data changed, want a conflict:\n%s", got)
+	}
+	if n := e.count(t, "SELECT count(*) FROM pl"); n != 2 {
+		t.Fatalf("%d rows in pl, want the first attempt's 2", n)
+	}
+}
+
+// TestGateCopyThenCommit: COPY FROM STDIN and COMMIT in one query, in a
+// fenced transaction, are refused with FN009 at the COMMIT (the receipt
+// could not cover the COPY's data; a COPY after the COMMIT would hold up
+// the proxy's wait for the query's answer): nothing is committed, in the
+// client's transaction and in an implicit one.
+func TestGateCopyThenCommit(t *testing.T) {
+	e := newFenceEnv(t)
+	if _, err := e.direct(t).Exec(ctxT(t), "CREATE TABLE pl (v text); SELECT fence.protect('pl')"); err != nil {
+		t.Fatal(err)
+	}
+	l := e.acquire(t, "copycommit", "a", time.Hour)
+	opts := fmt.Sprintf("-c fence.job_key=%s -c fence.epoch=%d -c fence.token=%d", l.JobKey, l.Epoch, l.Token)
+	tc := transcriptConn(t, "through pgfence", e.proxy.dsn(e.db), opts)
+	tc.copy = []byte("x\n")
+	if got := tc.run(t, &op{simple: []string{"BEGIN"}}); got != "C BEGIN\nZ T\n" {
+		t.Fatalf("BEGIN: %s", got)
+	}
+	got := tc.run(t, &op{simple: []string{"INSERT INTO pl VALUES ('y')", "COPY pl (v) FROM STDIN", "COMMIT"}})
+	if !strings.Contains(got, "E ERROR ERROR FN009") || !strings.HasSuffix(got, "Z E\n") {
+		t.Fatalf("in a transaction, want FN009 and the transaction failed:\n%s", got)
+	}
+	if got := tc.run(t, &op{simple: []string{"ROLLBACK"}}); got != "C ROLLBACK\nZ I\n" {
+		t.Fatalf("ROLLBACK: %s", got)
+	}
+	got = tc.run(t, &op{simple: []string{"COPY pl (v) FROM STDIN", "COMMIT"}})
+	if !strings.Contains(got, "E ERROR ERROR FN009") || !strings.HasSuffix(got, "Z I\n") {
+		t.Fatalf("outside a transaction, want FN009:\n%s", got)
+	}
+	// The other way round: the COPY after the COMMIT would hold up what
+	// the proxy does once the query is answered. Refused at the COMMIT.
+	if got := tc.run(t, &op{simple: []string{"BEGIN", "INSERT INTO pl VALUES ('z')"}}); got != "C BEGIN\nC INSERT 0 1\nZ T\n" {
+		t.Fatalf("BEGIN; INSERT: %s", got)
+	}
+	got = tc.run(t, &op{simple: []string{"COMMIT", "COPY pl (v) FROM STDIN"}})
+	if !strings.Contains(got, "E ERROR ERROR FN009") || !strings.HasSuffix(got, "Z E\n") {
+		t.Fatalf("COMMIT; COPY, want FN009 and the transaction failed:\n%s", got)
+	}
+	if got := tc.run(t, &op{simple: []string{"ROLLBACK"}}); got != "C ROLLBACK\nZ I\n" {
+		t.Fatalf("ROLLBACK: %s", got)
+	}
+	if n := e.count(t, "SELECT count(*) FROM pl"); n != 0 {
+		t.Fatalf("%d rows in pl, want none", n)
+	}
+	if n := e.count(t, "SELECT count(*) FROM fence.receipts WHERE job_key = 'copycommit'"); n != 0 {
+		t.Fatalf("%d receipts, want none", n)
+	}
+}
+
+// TestGateCopyExtended: a COPY FROM STDIN into a protected table through
+// the extended protocol (Parse, Bind, Execute; the data; Sync), outside a
+// transaction: its receipt's digest covers the data, so the same step
+// with the same data is a replay and with other data a conflict.
+func TestGateCopyExtended(t *testing.T) {
+	e := newFenceEnv(t)
+	if _, err := e.direct(t).Exec(ctxT(t), "CREATE TABLE pl (v text); SELECT fence.protect('pl')"); err != nil {
+		t.Fatal(err)
+	}
+	l := e.acquire(t, "copyext", "a", time.Hour)
+	opts := fmt.Sprintf("-c fence.job_key=%s -c fence.epoch=%d -c fence.token=%d -c fence.step=x", l.JobKey, l.Epoch, l.Token)
+	attempt := func(data string) string {
+		tc := transcriptConn(t, "through pgfence", e.proxy.dsn(e.db), opts)
+		tc.copy = []byte(data)
+		tc.syncCopy = true
+		tc.fe.Send(&pgproto3.Parse{Query: "COPY pl (v) FROM STDIN"})
+		tc.fe.Send(&pgproto3.Bind{})
+		tc.fe.Send(&pgproto3.Execute{})
+		tc.fe.Send(&pgproto3.Flush{})
+		var b strings.Builder
+		tc.read(t, &b, 1)
+		return b.String()
+	}
+	if got, want := attempt("a\n"), "1\n2\nG\nC COPY 1\nZ I\n"; got != want {
+		t.Fatalf("first attempt:\n%s\nwant:\n%s", got, want)
+	}
+	if got := attempt("a\n"); !strings.Contains(got, `N NOTICE FN00R: pgfence: idempotent replay: job "copyext" epoch`) || !strings.HasSuffix(got, "Z I\n") {
+		t.Fatalf("the same again, want a replay naming the job:\n%s", got)
+	}
+	if got := attempt("b\n"); !strings.Contains(got, "E ERROR ERROR FN003") || !strings.HasSuffix(got, "Z I\n") {
+		t.Fatalf("other data, want a conflict:\n%s", got)
+	}
+	if n := e.count(t, "SELECT count(*) FROM pl"); n != 1 {
+		t.Fatalf("%d rows in pl, want the first attempt's 1", n)
 	}
 }
