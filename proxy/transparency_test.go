@@ -408,12 +408,7 @@ func (tc *transcript) read(t *testing.T, b *strings.Builder, rfqs int) {
 // changed, a conflict. (Before, the receipt went out at the first
 // CopyDone while the server waited in the second COPY: the session hung.)
 func TestGateTwoCopies(t *testing.T) {
-	e := newFenceEnv(t)
-	if _, err := e.direct(t).Exec(ctxT(t), "CREATE TABLE pl (v text); SELECT fence.protect('pl')"); err != nil {
-		t.Fatal(err)
-	}
-	l := e.acquire(t, "copies", "a", time.Hour)
-	opts := fmt.Sprintf("-c fence.job_key=%s -c fence.epoch=%d -c fence.token=%d -c fence.step=two", l.JobKey, l.Epoch, l.Token)
+	e, opts := plEnv(t, "copies", "-c fence.step=two")
 	q := &op{simple: []string{"COPY pl (v) FROM STDIN", "COPY pl (v) FROM STDIN"}}
 	attempt := func(first, second string) string {
 		tc := transcriptConn(t, "through pgfence", e.proxy.dsn(e.db), opts)
@@ -423,12 +418,7 @@ func TestGateTwoCopies(t *testing.T) {
 	if got, want := attempt("a\n", "b\n"), "G\nC COPY 1\nG\nC COPY 1\nZ I\n"; got != want {
 		t.Fatalf("first attempt:\n%s\nwant:\n%s", got, want)
 	}
-	if got := attempt("a\n", "b\n"); !strings.Contains(got, "N NOTICE FN00R") || !strings.HasSuffix(got, "Z I\n") {
-		t.Fatalf("the same again, want a replay:\n%s", got)
-	}
-	if got := attempt("a\n", "c\n"); !strings.Contains(got, "E ERROR ERROR FN003") || !strings.HasSuffix(got, "Z I\n") {
-		t.Fatalf("the second COPY's data changed, want a conflict:\n%s", got)
-	}
+	wantRetries(t, "copies", attempt("a\n", "b\n"), attempt("a\n", "c\n"))
 	if n := e.count(t, "SELECT count(*) FROM pl"); n != 2 {
 		t.Fatalf("%d rows in pl, want the first attempt's 2", n)
 	}
@@ -440,12 +430,7 @@ func TestGateTwoCopies(t *testing.T) {
 // the proxy's wait for the query's answer): nothing is committed, in the
 // client's transaction and in an implicit one.
 func TestGateCopyThenCommit(t *testing.T) {
-	e := newFenceEnv(t)
-	if _, err := e.direct(t).Exec(ctxT(t), "CREATE TABLE pl (v text); SELECT fence.protect('pl')"); err != nil {
-		t.Fatal(err)
-	}
-	l := e.acquire(t, "copycommit", "a", time.Hour)
-	opts := fmt.Sprintf("-c fence.job_key=%s -c fence.epoch=%d -c fence.token=%d", l.JobKey, l.Epoch, l.Token)
+	e, opts := plEnv(t, "copycommit", "")
 	tc := transcriptConn(t, "through pgfence", e.proxy.dsn(e.db), opts)
 	tc.copy = []byte("x\n")
 	if got := tc.run(t, &op{simple: []string{"BEGIN"}}); got != "C BEGIN\nZ T\n" {
@@ -487,12 +472,7 @@ func TestGateCopyThenCommit(t *testing.T) {
 // transaction: its receipt's digest covers the data, so the same step
 // with the same data is a replay and with other data a conflict.
 func TestGateCopyExtended(t *testing.T) {
-	e := newFenceEnv(t)
-	if _, err := e.direct(t).Exec(ctxT(t), "CREATE TABLE pl (v text); SELECT fence.protect('pl')"); err != nil {
-		t.Fatal(err)
-	}
-	l := e.acquire(t, "copyext", "a", time.Hour)
-	opts := fmt.Sprintf("-c fence.job_key=%s -c fence.epoch=%d -c fence.token=%d -c fence.step=x", l.JobKey, l.Epoch, l.Token)
+	e, opts := plEnv(t, "copyext", "-c fence.step=x")
 	attempt := func(data string) string {
 		tc := transcriptConn(t, "through pgfence", e.proxy.dsn(e.db), opts)
 		tc.copy = []byte(data)
@@ -508,13 +488,33 @@ func TestGateCopyExtended(t *testing.T) {
 	if got, want := attempt("a\n"), "1\n2\nG\nC COPY 1\nZ I\n"; got != want {
 		t.Fatalf("first attempt:\n%s\nwant:\n%s", got, want)
 	}
-	if got := attempt("a\n"); !strings.Contains(got, `N NOTICE FN00R: pgfence: idempotent replay: job "copyext" epoch`) || !strings.HasSuffix(got, "Z I\n") {
-		t.Fatalf("the same again, want a replay naming the job:\n%s", got)
-	}
-	if got := attempt("b\n"); !strings.Contains(got, "E ERROR ERROR FN003") || !strings.HasSuffix(got, "Z I\n") {
-		t.Fatalf("other data, want a conflict:\n%s", got)
-	}
+	wantRetries(t, "copyext", attempt("a\n"), attempt("b\n"))
 	if n := e.count(t, "SELECT count(*) FROM pl"); n != 1 {
 		t.Fatalf("%d rows in pl, want the first attempt's 1", n)
+	}
+}
+
+// plEnv is a fenced environment with a protected table pl (v text) and
+// a lease for job, and the startup options that carry its generation
+// (and extra).
+func plEnv(t *testing.T, job, extra string) (*fenceEnv, string) {
+	e := newFenceEnv(t)
+	if _, err := e.direct(t).Exec(ctxT(t), "CREATE TABLE pl (v text); SELECT fence.protect('pl')"); err != nil {
+		t.Fatal(err)
+	}
+	l := e.acquire(t, job, "a", time.Hour)
+	return e, strings.TrimSpace(fmt.Sprintf("-c fence.job_key=%s -c fence.epoch=%d -c fence.token=%d %s", l.JobKey, l.Epoch, l.Token, extra))
+}
+
+// wantRetries checks the answers to a committed step's retries: with the
+// same data a replay (a NOTICE naming the job), with other data a
+// conflict; the session idle after each.
+func wantRetries(t *testing.T, job, same, other string) {
+	t.Helper()
+	if !strings.Contains(same, fmt.Sprintf("N NOTICE FN00R: pgfence: idempotent replay: job %q epoch", job)) || !strings.HasSuffix(same, "Z I\n") {
+		t.Errorf("the same again, want a replay naming the job:\n%s", same)
+	}
+	if !strings.Contains(other, "E ERROR ERROR FN003") || !strings.HasSuffix(other, "Z I\n") {
+		t.Errorf("other data, want a conflict:\n%s", other)
 	}
 }
