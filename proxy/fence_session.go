@@ -48,7 +48,7 @@ type fenceSession struct {
 	inBatch   bool     // extended-protocol messages sent since the last Sync
 	stmts     map[string]*cstmt
 	portals   map[string]*cportal
-	wrapped   bool       // extended: the gate opened a transaction around an implicit one
+	wrapped   bool       // extended: a gated write in an implicit transaction; the receipt goes before its Sync
 	wrap      extWrap    // extended: what the wrapped batch's receipt needs
 	commitRB  bool       // extended: a gated COMMIT was sent; restore after the Sync
 	commitReq *Request   // extended: that COMMIT, while commitRB
@@ -172,7 +172,7 @@ type step uint8
 
 const (
 	stepClient    step = iota // the client's own statement
-	stepBegin                 // BEGIN opening a transaction around an implicit one
+	stepBegin                 // BEGIN opening a transaction around an implicit one (gated COPY FROM)
 	stepGate                  // SELECT fence.gate(...)
 	stepCommit                // SELECT fence.commit(...)
 	stepCommitTx              // COMMIT closing the wrapped transaction
@@ -629,7 +629,7 @@ func clientSegs(res *rewrite.Result) []seg {
 // gatedQuery rewrites a simple query that writes a protected table (or
 // commits a gated transaction): the gate goes right before the first
 // protected write, the receipt step right before the client's COMMIT, and
-// an implicit transaction is wrapped in BEGIN ... receipt; COMMIT. It runs
+// an implicit transaction ends with the receipt step (see plan). It runs
 // with the session state settled (after barrier).
 func (h *fenceSession) gatedQuery(s *Session, sql string, res *rewrite.Result) error {
 	h.mu.Lock()
