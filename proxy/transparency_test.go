@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"fmt"
+	"hash/crc32"
 	"math/rand/v2"
 	"os"
 	"strconv"
@@ -108,6 +109,10 @@ type extStmt struct {
 	sql  string
 	args []string
 	p    bool // writes p (every generated write is one when its table is p)
+	// named: a named prepared statement (one name per text): Close and
+	// Parse it first, or with reuse Bind it as it is (when an earlier
+	// Parse of it was skipped or closed, both sides answer 26000).
+	named, reuse bool
 }
 
 func (o *op) String() string {
@@ -124,7 +129,13 @@ func (o *op) String() string {
 	}
 	b.WriteString("pipeline:")
 	for _, s := range o.ext {
-		fmt.Fprintf(&b, " {%s %v}", s.sql, s.args)
+		mode := ""
+		if s.reuse {
+			mode = "(named, bound again) "
+		} else if s.named {
+			mode = "(named) "
+		}
+		fmt.Fprintf(&b, " {%s%s %v}", mode, s.sql, s.args)
 	}
 	b.WriteString(" Sync")
 	return b.String()
@@ -266,6 +277,8 @@ func (g *sessionGen) next() *op {
 		}
 		copied = copied || strings.HasPrefix(s.sql, "COPY")
 		if ext {
+			s.named = g.rng.IntN(3) == 0
+			s.reuse = s.named && g.rng.IntN(2) == 0
 			o.ext = append(o.ext, s)
 		} else {
 			o.simple = append(o.simple, s.sql)
@@ -326,8 +339,17 @@ func (tc *transcript) run(t *testing.T, o *op) string {
 			for i, a := range s.args {
 				params[i] = []byte(a)
 			}
-			tc.fe.Send(&pgproto3.Parse{Query: s.sql})
-			tc.fe.Send(&pgproto3.Bind{Parameters: params})
+			name := ""
+			if s.named {
+				name = fmt.Sprintf("n%08x", crc32.ChecksumIEEE([]byte(s.sql)))
+			}
+			if !s.reuse {
+				if name != "" {
+					tc.fe.Send(&pgproto3.Close{ObjectType: 'S', Name: name})
+				}
+				tc.fe.Send(&pgproto3.Parse{Name: name, Query: s.sql})
+			}
+			tc.fe.Send(&pgproto3.Bind{PreparedStatement: name, Parameters: params})
 			tc.fe.Send(&pgproto3.Describe{ObjectType: 'P'})
 			tc.fe.Send(&pgproto3.Execute{})
 		}
