@@ -352,9 +352,9 @@ func (h *fenceSession) ClientMessage(s *Session, msg []byte) (Verdict, error) {
 // before it has sent anything.
 func (h *fenceSession) LoopClient() bool { return true }
 
-// hasKind reports whether res has a statement of kind k.
-func hasKind(res *rewrite.Result, k rewrite.Kind) bool {
-	for _, st := range res.Stmts {
+// hasKind reports whether one of stmts is of kind k.
+func hasKind(stmts []*rewrite.Stmt, k rewrite.Kind) bool {
+	for _, st := range stmts {
 		if st.Kind == k {
 			return true
 		}
@@ -523,7 +523,7 @@ func (h *fenceSession) query(s *Session, msg []byte) error {
 		}
 	}
 	h.mu.Unlock()
-	if bad == nil && needGate && s.OnLoop() && (hasKind(res, rewrite.CopyFrom) || commitInside(res)) {
+	if bad == nil && needGate && s.OnLoop() && (hasKind(res.Stmts, rewrite.CopyFrom) || commitInside(res)) {
 		// A gated COPY FROM may wait for its CopyInResponse (awaitCopy),
 		// a COMMIT with statements after it for its answer
 		// (settleCommit): the client goroutine sends them. Nothing is
@@ -746,16 +746,6 @@ func (h *fenceSession) nextCopy(s *Session) (bool, error) {
 	}
 }
 
-// copyAfter reports whether a COPY FROM follows statement i.
-func copyAfter(res *rewrite.Result, i int) bool {
-	for _, st := range res.Stmts[i+1:] {
-		if st.Kind == rewrite.CopyFrom {
-			return true
-		}
-	}
-	return false
-}
-
 // countKind counts the statements of kind k.
 func countKind(res *rewrite.Result, k rewrite.Kind) int {
 	n := 0
@@ -825,6 +815,12 @@ func (h *fenceSession) plan(sql string, res *rewrite.Result) qplan {
 
 	var items []item
 	inject := func(at int, text string, sg seg) { items = append(items, item{at: at, text: text, seg: sg}) }
+	// refuse fails the query at st with e, as PostgreSQL would fail st:
+	// the rest is not sent (the caller breaks the loop).
+	refuse := func(st *rewrite.Stmt, e *session.Error) {
+		inject(st.Offset, raiseSQL(e)+";", seg{step: stepRaise})
+		items = append(items, item{at: st.Offset, seg: seg{step: stepClient, stmt: st}})
+	}
 	wrapped, hasCopy, explicitCommit := false, false, false
 	copyInTx := false       // a gated COPY FROM in the current transaction, in this query
 	wrapStart := 0          // where the wrapped implicit transaction began
@@ -840,8 +836,7 @@ loop:
 			cur, ok := ov.generation(h.st)
 			if !ok {
 				h.f.Stats.Unfenced.Add(1)
-				inject(st.Offset, raiseSQL(fencingRequired(st, h.cat, h.st))+";", seg{step: stepRaise})
-				items = append(items, item{at: st.Offset, seg: seg{step: stepClient, stmt: st}})
+				refuse(st, fencingRequired(st, h.cat, h.st))
 				break loop
 			}
 			if !explicit {
@@ -856,29 +851,26 @@ loop:
 				d = &fence.Digest{}
 			}
 		case gated && st.Kind == rewrite.PrepareTransaction:
-			inject(st.Offset, raiseSQL(&session.Error{Code: fence.CodeUnsupported,
+			refuse(st, &session.Error{Code: fence.CodeUnsupported,
 				Message: fmt.Sprintf("PREPARE TRANSACTION is not supported in a fenced transaction (job %q, token %d)", gen.JobKey, gen.Token),
-				Hint:    "commit the transaction with COMMIT: pgfence writes the commit receipt in the same transaction"})+";", seg{step: stepRaise})
-			items = append(items, item{at: st.Offset, seg: seg{step: stepClient, stmt: st}})
+				Hint:    "commit the transaction with COMMIT: pgfence writes the commit receipt in the same transaction"})
 			break loop
-		case gated && st.Kind == rewrite.Commit && copyAfter(res, i):
+		case gated && st.Kind == rewrite.Commit && hasKind(res.Stmts[i+1:], rewrite.CopyFrom):
 			// What follows the COMMIT is settled once the query is
 			// answered (settleCommit), which a COPY FROM after it would
 			// hold up waiting for the client's data: refused before the
 			// COMMIT runs.
-			inject(st.Offset, raiseSQL(&session.Error{Code: fence.CodeUnsupported,
+			refuse(st, &session.Error{Code: fence.CodeUnsupported,
 				Message: fmt.Sprintf("COMMIT followed by COPY FROM in one query is not supported in a fenced transaction (job %q, token %d)", gen.JobKey, gen.Token),
-				Hint:    "send the COPY as a query of its own after the COMMIT"})+";", seg{step: stepRaise})
-			items = append(items, item{at: st.Offset, seg: seg{step: stepClient, stmt: st}})
+				Hint:    "send the COPY as a query of its own after the COMMIT"})
 			break loop
 		case gated && st.Kind == rewrite.Commit && copyInTx:
 			// The receipt must cover the COPY's data, which only comes
 			// after this query's text has gone: the COMMIT is refused,
 			// and the transaction aborts with nothing of it committed.
-			inject(st.Offset, raiseSQL(&session.Error{Code: fence.CodeUnsupported,
+			refuse(st, &session.Error{Code: fence.CodeUnsupported,
 				Message: fmt.Sprintf("COPY FROM and COMMIT in one query are not supported in a fenced transaction (job %q, token %d): the commit receipt must cover the COPY data", gen.JobKey, gen.Token),
-				Hint:    "send COMMIT as a query of its own after the COPY"})+";", seg{step: stepRaise})
-			items = append(items, item{at: st.Offset, seg: seg{step: stepClient, stmt: st}})
+				Hint:    "send COMMIT as a query of its own after the COPY"})
 			break loop
 		case gated && st.Kind == rewrite.Commit:
 			sum, version := digestNow()
@@ -1278,7 +1270,6 @@ func (h *fenceSession) execute(s *Session, msg []byte) error {
 		bad = h.st.Check(st, cp.paramFunc())
 	}
 	g := h.st.Gate()
-	failed0 := h.st.Tx() == session.Failed
 	need := h.protectedWrite(st) && !g.Gated
 	commit := g.Gated && st.Kind == rewrite.Commit
 	prepTx := g.Gated && st.Kind == rewrite.PrepareTransaction
@@ -1289,15 +1280,12 @@ func (h *fenceSession) execute(s *Session, msg []byte) error {
 		}
 		return h.send(s, msg, t, true)
 	}
-	if h.wrapped && !failed0 {
-		switch st.Kind {
-		case rewrite.Begin:
-			// PostgreSQL makes the implicit transaction the client's
-			// explicit one: the receipt step waits for its COMMIT.
-			h.wrapped = false
-		case rewrite.Rollback:
-			h.wrapped = false
-		}
+	if h.wrapped && (st.Kind == rewrite.Begin || st.Kind == rewrite.Rollback) {
+		// No receipt step at the Sync: BEGIN makes the implicit
+		// transaction the client's explicit one (the step waits for its
+		// COMMIT), ROLLBACK ends it. (In a batch that already failed the
+		// server skips both, and the step would be skipped too.)
+		h.wrapped = false
 	}
 	if !need && !commit && !prepTx {
 		if err := h.send(s, msg, t, true); err != nil {
