@@ -162,11 +162,11 @@ func (g *sessionGen) key() int { return g.rng.IntN(6) + 1 }
 func (g *sessionGen) stmt(ext, after bool) extStmt {
 	for {
 		s := g.anyStmt(ext, after)
-		if ext && strings.HasPrefix(s.sql, "COPY") {
-			continue // a pipeline's messages after COPY's Execute would go into the COPY
-		}
-		if after && strings.HasPrefix(s.sql, "COPY") {
-			continue // refused after a fenced COMMIT (FN009): not a transparent case
+		if (ext || after) && strings.HasPrefix(s.sql, "COPY") {
+			// In a pipeline the messages after COPY's Execute would go
+			// into the COPY; after a fenced COMMIT the gate refuses it
+			// (FN009): not a transparent case.
+			continue
 		}
 		if !after || !(s.p || s.sql == "SAVEPOINT s1" || ends(s.sql)) {
 			return s
