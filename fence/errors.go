@@ -18,6 +18,11 @@ const (
 	CodePending          = "FN007" // generation pending on the replica
 	CodeFencingRequired  = "FN008" // protected write without fence metadata
 	CodeUnsupported      = "FN009" // unsupported in a gated transaction
+	CodeProtectionLocked = "FN010" // a change to a protected table that needs pgfence_bypass (DDL, unprotect)
+	CodeNotOwner         = "FN011" // the lease belongs to another role, or the role may not take this job
+	CodeGateTimeout      = "FN012" // the proxy ended a gated transaction its client left idle (gate_idle_timeout)
+	CodeReserved         = "FN013" // a name reserved for pgfence (the proxy's statements, pgfence.* settings)
+	CodeNotInstalled     = "FN014" // the database lacks the fence schema, or the role lacks pgfence_worker
 	CodeReplay           = "FN00R" // idempotent replay (internal)
 	sqlstateClassFencing = "FN"
 )
