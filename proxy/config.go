@@ -137,12 +137,21 @@ type Config struct {
 	// (settings of the program around the proxy: metrics address, log
 	// level). Not interpreted.
 	ExtraSettings []Setting
+
+	// Sources says where each setting's value came from, by its
+	// configuration key (the file key: "listen", "max_clients", ...):
+	// "flag", "env", "file" or "default". SHOW CONFIG shows it. Nil or a
+	// missing key shows as "".
+	Sources map[string]string
 }
 
 // Setting is a SHOW CONFIG line.
 type Setting struct {
 	Key, Value string
 	Reloadable bool
+	// Source is where the value came from: "flag", "env", "file",
+	// "default", or "" when unknown.
+	Source string
 }
 
 func (c Config) withDefaults() (Config, error) {
