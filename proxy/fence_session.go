@@ -58,6 +58,12 @@ type fenceSession struct {
 	copyTag   *tag       // the current query's, while copyTail
 	stateReq  *Request   // the last request sent that changes session or gate state
 	prepReq   *Request   // the last Parse of the gate's statements, until known done
+	// tainted: since the gate's statements were last parsed, the client
+	// ran something that can execute SQL the proxy cannot see (a DO
+	// block, a procedure, a user function: any of them may DEALLOCATE
+	// and PREPARE under the gate's names), so they are parsed again
+	// before their next use (prepareExt).
+	tainted bool
 
 	// Server goroutine only.
 	errShown bool // an error went to the client since its last ReadyForQuery
@@ -242,10 +248,77 @@ const (
 	digestClient  = "client"
 )
 
+// The gate's SQL names every type by its schema, so that no search_path
+// (which a client sets) can put a type or cast of its own in the gate's
+// arguments.
 var gateStatements = [][2]string{
-	{gateStmt, "SELECT fence.gate($1::text, $2::bigint, $3::bigint, $4::text)"},
-	{commitStmt, "SELECT fence.commit($1::text, $2::bigint, $3::bigint, $4::text, $5::bytea, $6::text)"},
+	{gateStmt, "SELECT fence.gate($1::pg_catalog.text, $2::pg_catalog.int8, $3::pg_catalog.int8, $4::pg_catalog.text)"},
+	{commitStmt, "SELECT fence.commit($1::pg_catalog.text, $2::pg_catalog.int8, $3::pg_catalog.int8, $4::pg_catalog.text, $5::pg_catalog.bytea, $6::pg_catalog.text)"},
 	{savepointStmt, "SAVEPOINT " + receiptSavepoint},
+}
+
+// reservedPrefix starts the names of the gate's own prepared statements
+// and portals (and pgfence_raise, pgfence_p); a client may not parse,
+// bind, describe, execute, close, PREPARE, EXECUTE or DEALLOCATE one, so
+// it cannot make the gate run SQL of its choosing. reservedGUCPrefix
+// starts the settings the backstop keeps for itself (pgfence.replay, ...).
+const (
+	reservedPrefix    = "pgfence_"
+	reservedGUCPrefix = "pgfence."
+)
+
+func reserved(name string) bool { return strings.HasPrefix(name, reservedPrefix) }
+
+// reservedError is the refusal of a client's use of a reserved name.
+func reservedError(what, name string) *session.Error {
+	return &session.Error{Code: fence.CodeReserved,
+		Message: fmt.Sprintf("%s %q: names beginning with %q are reserved for pgfence's own statements", what, name, reservedPrefix),
+		Hint:    "give the prepared statement or portal another name"}
+}
+
+// reservedStmt refuses a statement that names one of the gate's
+// statements or sets one of the backstop's own settings.
+func reservedStmt(st *rewrite.Stmt) *session.Error {
+	switch {
+	case (st.Kind == rewrite.Prepare || st.Kind == rewrite.Deallocate || st.Kind == rewrite.Execute) && reserved(st.Name):
+		return reservedError("prepared statement", st.Name)
+	case reserved(st.Executes):
+		return reservedError("prepared statement", st.Executes)
+	case st.Kind == rewrite.Read && reserved(st.Name):
+		return reservedError("cursor", st.Name) // DECLARE: a cursor is a portal
+	}
+	for _, g := range st.GUCs {
+		if strings.HasPrefix(g.Name, reservedGUCPrefix) {
+			return &session.Error{Code: fence.CodeReserved,
+				Message: fmt.Sprintf("parameter %q: settings beginning with %q are reserved for pgfence's backstop", g.Name, reservedGUCPrefix),
+				Hint:    "fence metadata is set with fence.job_key, fence.epoch, fence.token and fence.step"}
+		}
+	}
+	return nil
+}
+
+// taints reports whether a client request can run SQL the proxy cannot
+// see (see fenceSession.tainted).
+func taints(t *tag) bool {
+	opaque := func(st *rewrite.Stmt) bool {
+		return st == nil || st.Opaque || st.Kind == rewrite.Do || st.Kind == rewrite.Call || st.Executes != ""
+	}
+	switch t.kind {
+	case 'Q':
+		if len(t.segs) == 0 {
+			return true // not classified
+		}
+		for _, sg := range t.segs {
+			if sg.step == stepClient && opaque(sg.stmt) {
+				return true
+			}
+		}
+	case 'E':
+		return t.cp == nil || opaque(t.cp.stmt)
+	case 'F':
+		return true
+	}
+	return false
 }
 
 // ---------------------------------------------------------------------------
@@ -266,6 +339,9 @@ func (h *fenceSession) ClientMessage(s *Session, msg []byte) (Verdict, error) {
 		if err := m.Decode(body); err != nil {
 			return Forward, nil // the server will refuse it
 		}
+		if reserved(m.Name) {
+			return Drop, h.raiseExt(s, reservedError("prepared statement", m.Name))
+		}
 		res, err := h.f.classifier.Classify(m.Query)
 		if err != nil {
 			res = nil
@@ -276,6 +352,12 @@ func (h *fenceSession) ClientMessage(s *Session, msg []byte) (Verdict, error) {
 		var m pgproto3.Bind
 		if err := m.Decode(body); err != nil {
 			return Forward, nil
+		}
+		if reserved(m.PreparedStatement) {
+			return Drop, h.raiseExt(s, reservedError("prepared statement", m.PreparedStatement))
+		}
+		if reserved(m.DestinationPortal) {
+			return Drop, h.raiseExt(s, reservedError("portal", m.DestinationPortal))
 		}
 		cp := &cportal{formats: append([]int16(nil), m.ParameterFormatCodes...)}
 		cp.params = make([][]byte, len(m.Parameters))
@@ -299,6 +381,9 @@ func (h *fenceSession) ClientMessage(s *Session, msg []byte) (Verdict, error) {
 	case 'C':
 		if len(body) >= 2 {
 			name := string(body[1 : len(body)-1])
+			if reserved(name) {
+				return Drop, h.raiseExt(s, reservedError(closeWhat(body[0]), name))
+			}
 			if body[0] == 'S' {
 				delete(h.stmts, name)
 			} else {
@@ -308,6 +393,11 @@ func (h *fenceSession) ClientMessage(s *Session, msg []byte) (Verdict, error) {
 		}
 		return Forward, nil
 	case 'D', 'F':
+		if msg[0] == 'D' && len(body) >= 2 {
+			if name := string(body[1 : len(body)-1]); reserved(name) {
+				return Drop, h.raiseExt(s, reservedError(closeWhat(body[0]), name))
+			}
+		}
 		return Drop, h.send(s, msg, &tag{kind: msg[0]}, true)
 	case 'H':
 		return Forward, nil
@@ -347,6 +437,14 @@ func (h *fenceSession) ClientMessage(s *Session, msg []byte) (Verdict, error) {
 	return Forward, nil
 }
 
+// closeWhat names the object a Close or Describe of type typ refers to.
+func closeWhat(typ byte) string {
+	if typ == 'S' {
+		return "prepared statement"
+	}
+	return "portal"
+}
+
 // LoopClient: ClientMessage may run on the event loop. Where it would
 // wait (wait, awaitCopy, finishWrapped), it returns ErrWait on the loop
 // before it has sent anything.
@@ -377,6 +475,9 @@ func (h *fenceSession) send(s *Session, msg []byte, t *tag, visible bool) error 
 	}
 	if r != nil {
 		h.last = r
+	}
+	if visible && t != nil && !h.tainted && taints(t) {
+		h.tainted = true
 	}
 	return nil
 }
@@ -515,6 +616,11 @@ func (h *fenceSession) query(s *Session, msg []byte) error {
 	var bad error
 	needGate := false
 	for _, st := range res.Stmts {
+		if bad == nil {
+			if e := reservedStmt(st); e != nil {
+				bad = e
+			}
+		}
 		if bad == nil && len(st.GUCs) > 0 {
 			bad = h.st.Check(st, nil)
 		}
@@ -1104,7 +1210,7 @@ func asSessionError(err error) *session.Error {
 
 // commitSQL is the receipt step for a digest.
 func commitSQL(gen session.Generation, digest []byte, version string) string {
-	return fmt.Sprintf("SELECT fence.commit(%s, %d, %d, %s, '\\x%s'::bytea, %s)",
+	return fmt.Sprintf("SELECT fence.commit(%s, %d, %d, %s, '\\x%s'::pg_catalog.bytea, %s)",
 		literal(gen.JobKey), gen.Epoch, gen.Token, literal(gen.Step), hex.EncodeToString(digest), literal(version))
 }
 
@@ -1236,6 +1342,9 @@ func (h *fenceSession) execute(s *Session, msg []byte) error {
 	if err := m.Decode(msg[headerLen:]); err != nil {
 		return h.send(s, msg, &tag{kind: 'E'}, true)
 	}
+	if reserved(m.Portal) {
+		return h.raiseExt(s, reservedError("portal", m.Portal))
+	}
 	cp := h.portals[m.Portal]
 	var st *rewrite.Stmt
 	if cp != nil {
@@ -1266,7 +1375,9 @@ func (h *fenceSession) execute(s *Session, msg []byte) error {
 	}
 	h.mu.Lock()
 	var bad error
-	if len(st.GUCs) > 0 {
+	if e := reservedStmt(st); e != nil {
+		bad = e
+	} else if len(st.GUCs) > 0 {
 		bad = h.st.Check(st, cp.paramFunc())
 	}
 	g := h.st.Gate()
@@ -1440,11 +1551,19 @@ func (h *fenceSession) prepareExt(s *Session) error {
 	done := h.prepared
 	h.prepared = true
 	h.mu.Unlock()
-	if done {
+	if done && !h.tainted {
 		return nil
 	}
+	h.tainted = false
+	// Close first (closing a statement that does not exist is not an
+	// error): after a DO block, say, a statement of that name may be a
+	// client's stand-in.
 	var buf []byte
 	for _, gs := range gateStatements {
+		buf, _ = (&pgproto3.Close{ObjectType: 'S', Name: gs[0]}).Encode(buf[:0])
+		if err := h.send(s, buf, &tag{kind: 'C', step: stepPrepare}, false); err != nil {
+			return err
+		}
 		buf, _ = (&pgproto3.Parse{Name: gs[0], Query: gs[1]}).Encode(buf[:0])
 		if err := h.send(s, buf, &tag{kind: 'P', step: stepPrepare}, false); err != nil {
 			return err
@@ -1477,7 +1596,11 @@ func (h *fenceSession) execNamed(s *Session, stmt string, args [][]byte, t *tag)
 // statement is left alone). The server then skips to Sync.
 func (h *fenceSession) raiseExt(s *Session, e *session.Error) error {
 	const name = "pgfence_raise"
-	buf, _ := (&pgproto3.Parse{Name: name, Query: raiseSQL(e)}).Encode(nil)
+	buf, _ := (&pgproto3.Close{ObjectType: 'S', Name: name}).Encode(nil)
+	if err := h.send(s, buf, &tag{kind: 'C', step: stepRaise}, false); err != nil {
+		return err
+	}
+	buf, _ = (&pgproto3.Parse{Name: name, Query: raiseSQL(e)}).Encode(buf[:0])
 	if err := h.send(s, buf, &tag{kind: 'P', step: stepRaise}, false); err != nil {
 		return err
 	}
