@@ -2,6 +2,7 @@ package session
 
 import (
 	"fmt"
+	"strings"
 
 	"github.com/pgfence/pgfence/rewrite"
 )
@@ -23,8 +24,9 @@ type effect struct {
 // resolve turns a classified GUC effect into a concrete one. tracked is
 // false when the effect is certainly on a parameter the session does not
 // track. An effect on a tracked (or possibly tracked) parameter that cannot
-// be known is an error with SQLSTATE 0A000: the proxy must refuse the
-// statement rather than lose track of the fence parameters.
+// be known is an error with SQLSTATE 0A000 marked uncertain: the proxy lets
+// the statement run and reads the settings back from the server before it
+// next depends on them (see State.Uncertain).
 func resolve(g rewrite.GUC, params ParamFunc) (e effect, tracked bool, err error) {
 	e = effect{op: g.Op, name: g.Name, value: g.Value, local: g.Local}
 	if g.Op == rewrite.GUCResetAll {
@@ -95,17 +97,28 @@ func untrackable(g rewrite.GUC, why string) *Error {
 		name = "a parameter"
 	}
 	return &Error{Code: CodeFeatureNotSupported,
-		Message: fmt.Sprintf("pgfence cannot track this %s of %s: %s", what, name, why),
-		Hint:    "set fence parameters with SET, SET LOCAL, or SELECT set_config('fence.token', '18', false) with literal or bound arguments"}
+		Message:   fmt.Sprintf("pgfence cannot track this %s of %s: %s", what, name, why),
+		Hint:      "set fence parameters with SET, SET LOCAL, or SELECT set_config('fence.token', '18', false) with literal or bound arguments",
+		uncertain: true}
+}
+
+// isUncertain reports whether err is resolve's "cannot be known".
+func isUncertain(err error) bool {
+	e, ok := err.(*Error)
+	return ok && e.uncertain
 }
 
 // Check validates a statement before the proxy forwards it: every fence
-// parameter it sets must have a well-formed value (22023 otherwise), and its
-// effect on tracked parameters must be knowable (0A000 otherwise). A
-// statement failing Check must not be forwarded.
+// parameter it sets to a value known from its text or parameters must be
+// well-formed (22023 otherwise). A statement failing Check must not be
+// forwarded. Effects that cannot be known are not Check's business (see
+// Uncertain).
 func (s *State) Check(st *rewrite.Stmt, params ParamFunc) error {
 	for _, g := range s.effects(st) {
 		e, tracked, err := resolve(g, params)
+		if isUncertain(err) {
+			continue
+		}
 		if err != nil {
 			return err
 		}
@@ -117,6 +130,46 @@ func (s *State) Check(st *rewrite.Stmt, params ParamFunc) error {
 		}
 	}
 	return nil
+}
+
+// Uncertain reports whether the statement may change a tracked parameter
+// in a way its text and parameters do not tell (set_config with a name or
+// value that is neither a literal nor a bound text parameter, or that may
+// run any number of times). Apply leaves such effects out; the proxy reads
+// the settings back from the server (Resync) before it next depends on
+// them.
+func (s *State) Uncertain(st *rewrite.Stmt, params ParamFunc) bool {
+	if st.UnknownGUCWrite {
+		return true
+	}
+	for _, g := range s.effects(st) {
+		if _, _, err := resolve(g, params); isUncertain(err) {
+			return true
+		}
+	}
+	return false
+}
+
+// Resync sets a tracked parameter to the value the server reports for it
+// now (set false: the server has no such setting, which for fence.* means
+// unset), as a SET at the current nest level would, so that a rollback
+// returns to the value before. Untracked names are ignored. After a Resync
+// inside a transaction the tracked values at its end are not known (a SET
+// LOCAL the proxy could not see would revert, a SET would not): the proxy
+// reads them again after the transaction.
+func (s *State) Resync(name, val string, set bool) {
+	name = strings.ToLower(name)
+	if !Tracked(name) {
+		return
+	}
+	nv := value{s: val, known: true, set: true}
+	if !set {
+		nv = value{known: true}
+	}
+	if cur := s.variable(name).cur; cur.known && cur.s == nv.s {
+		return
+	}
+	s.assign(name, nv, false)
 }
 
 // Apply records the effect of a statement the server completed successfully
@@ -180,8 +233,13 @@ func (s *State) Apply(st *rewrite.Stmt, tag string, params ParamFunc) error {
 		return errInFailed()
 	}
 	s.ensureTx()
+	var uncertain error
 	for _, g := range s.effects(st) {
 		e, tracked, err := resolve(g, params)
+		if isUncertain(err) {
+			uncertain = err // left out: the proxy reads the settings back
+			continue
+		}
 		if err != nil {
 			return err
 		}
@@ -202,7 +260,7 @@ func (s *State) Apply(st *rewrite.Stmt, tag string, params ParamFunc) error {
 			return err
 		}
 	}
-	return nil
+	return uncertain
 }
 
 // effects returns the GUC effects of a statement, including those of the

@@ -21,6 +21,8 @@ type Error struct {
 	Code    string
 	Message string
 	Hint    string
+
+	uncertain bool // resolve: the effect cannot be known (Check lets it pass)
 }
 
 func (e *Error) Error() string {
