@@ -92,6 +92,32 @@ func (c *Classifier) Classify(sql string) (*Result, error) {
 	return res, err
 }
 
+// ClassifyWith is Classify under the session settings o. Settings that
+// do not change how sql reads (see Options.Affects) share Classify's cache.
+func (c *Classifier) ClassifyWith(sql string, o Options) (*Result, error) {
+	if !o.Affects(sql) {
+		return c.Classify(sql)
+	}
+	key := o.key() + sql
+	if e, ok := c.cache.Get(key); ok {
+		return e.res, e.err
+	}
+	res, err := ClassifyWith(sql, o)
+	c.cache.Add(key, entry{res: res, err: err})
+	return res, err
+}
+
+// ClassifySharedWith is ClassifyShared under the session settings o. A
+// text whose reading o changes is never shared (its shape has a
+// backslash, which shapes refuse anyway).
+func (c *Classifier) ClassifySharedWith(sql string, o Options) (*Result, bool, error) {
+	if o.Affects(sql) {
+		res, err := c.ClassifyWith(sql, o)
+		return res, false, err
+	}
+	return c.ClassifyShared(sql)
+}
+
 // ClassifyShared is Classify that also shares one parse among single
 // writes that differ only in literals (an UPDATE with inlined values, say),
 // reporting shared when the Result may come from another text. A shared

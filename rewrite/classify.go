@@ -275,11 +275,39 @@ func (e *ParseError) Unwrap() error { return e.Err }
 // classifies each statement. It returns a *ParseError if the grammar rejects
 // the text. An empty or comment-only string yields a Result with no
 // statements.
-func Classify(sql string) (*Result, error) {
+func Classify(sql string) (*Result, error) { return ClassifyWith(sql, Options{}) }
+
+// Options are the session settings that change how PostgreSQL reads a
+// statement's text. The zero value is PostgreSQL's default.
+type Options struct {
+	// NonStandardStrings: standard_conforming_strings is off, so a
+	// backslash in an ordinary string literal is an escape.
+	NonStandardStrings bool
+}
+
+// Affects reports whether o makes sql read differently from PostgreSQL's
+// default: standard_conforming_strings matters only where a backslash is.
+func (o Options) Affects(sql string) bool {
+	return o.NonStandardStrings && strings.IndexByte(sql, '\\') >= 0
+}
+
+// key prefixes cache keys of texts o affects (a NUL never occurs in query
+// text).
+func (o Options) key() string { return "\x00scs=off\x00" }
+
+// ClassifyWith is Classify under the session settings o.
+func ClassifyWith(sql string, o Options) (*Result, error) {
 	if !utf8.ValidString(sql) {
 		return nil, &ParseError{Err: ErrInvalidUTF8}
 	}
-	tree, err := pg_query.Parse(sql)
+	var tree *pg_query.ParseResult
+	var err error
+	if o.Affects(sql) {
+		tree, err = parseSCSOff(sql)
+	} else {
+		// Without a backslash the setting makes no difference.
+		tree, err = pg_query.Parse(sql)
+	}
 	if err != nil {
 		return nil, &ParseError{Err: err}
 	}
