@@ -91,6 +91,7 @@ func (f *Fence) Open(s *Session) (Handler, error) {
 		f:       f,
 		cat:     cat,
 		st:      st,
+		text:    newTextState(s.ServerParams, s.Logger()),
 		stmts:   map[string]*cstmt{},
 		portals: map[string]*cportal{},
 	}, nil

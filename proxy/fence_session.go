@@ -10,11 +10,13 @@ import (
 	"strings"
 	"sync"
 	"time"
+	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5/pgproto3"
 	"go.uber.org/zap"
 
 	"github.com/pgfence/pgfence/fence"
+	"github.com/pgfence/pgfence/internal/clientenc"
 	"github.com/pgfence/pgfence/rewrite"
 	"github.com/pgfence/pgfence/session"
 )
@@ -39,9 +41,10 @@ type fenceSession struct {
 	f   *Fence
 	cat *catalog
 
-	mu       sync.Mutex // guards st and prepared
+	mu       sync.Mutex // guards st, prepared and text
 	st       *session.State
-	prepared bool // the gate's named statements exist upstream
+	prepared bool      // the gate's named statements exist upstream
+	text     textState // how the server reads the client's text (fence_text.go)
 
 	// Client goroutine only.
 	last      *Request // the last request sent upstream
@@ -64,6 +67,13 @@ type fenceSession struct {
 	// and PREPARE under the gate's names), so they are parsed again
 	// before their next use (prepareExt).
 	tainted bool
+	// seq numbers the requests sent (tag.seq); encSeq is the last that
+	// may have changed how the server reads the client's text, gucSeq the
+	// last that may have changed the tracked settings unseen, resyncInTx
+	// that they were read back inside the current transaction
+	// (fence_text.go).
+	seq, encSeq, gucSeq uint64
+	resyncInTx          bool
 
 	// Server goroutine only.
 	errShown bool // an error went to the client since its last ReadyForQuery
@@ -122,7 +132,10 @@ type cportal struct {
 	params  [][]byte
 }
 
-func (p *cportal) paramFunc() session.ParamFunc {
+// paramFunc gives the session state p's text parameters as the server
+// reads them: decoded from the client's encoding with c (the session's
+// codec: callers hold h.mu to read it; nil reads them as they are).
+func paramFunc(p *cportal, c *clientenc.Codec) session.ParamFunc {
 	if p == nil {
 		return nil
 	}
@@ -137,7 +150,14 @@ func (p *cportal) paramFunc() session.ParamFunc {
 		if p.params[i] == nil {
 			return nil, true
 		}
-		v := string(p.params[i])
+		if c == nil || c.IsUTF8() {
+			v := string(p.params[i])
+			return &v, true
+		}
+		v, err := c.Decode(p.params[i])
+		if err != nil {
+			return nil, false
+		}
 		return &v, true
 	}
 }
@@ -187,6 +207,7 @@ const (
 	stepPrepare               // Parse of the gate's named statements
 	stepSavepoint             // SAVEPOINT before the receipt step in a client's query
 	stepRestore               // ROLLBACK TO that savepoint after a failed receipt step
+	stepSettings              // the settings read back (fence_text.go)
 )
 
 // receiptSavepoint is the savepoint stepSavepoint makes.
@@ -206,6 +227,7 @@ type seg struct {
 type tag struct {
 	kind byte // the request's message type
 	step step
+	seq  uint64 // fenceSession.seq when sent
 
 	// Query
 	segs    []seg
@@ -297,30 +319,6 @@ func reservedStmt(st *rewrite.Stmt) *session.Error {
 	return nil
 }
 
-// taints reports whether a client request can run SQL the proxy cannot
-// see (see fenceSession.tainted).
-func taints(t *tag) bool {
-	opaque := func(st *rewrite.Stmt) bool {
-		return st == nil || st.Opaque || st.Kind == rewrite.Do || st.Kind == rewrite.Call || st.Executes != ""
-	}
-	switch t.kind {
-	case 'Q':
-		if len(t.segs) == 0 {
-			return true // not classified
-		}
-		for _, sg := range t.segs {
-			if sg.step == stepClient && opaque(sg.stmt) {
-				return true
-			}
-		}
-	case 'E':
-		return t.cp == nil || opaque(t.cp.stmt)
-	case 'F':
-		return true
-	}
-	return false
-}
-
 // ---------------------------------------------------------------------------
 // Client goroutine
 
@@ -342,9 +340,19 @@ func (h *fenceSession) ClientMessage(s *Session, msg []byte) (Verdict, error) {
 		if reserved(m.Name) {
 			return Drop, h.raiseExt(s, reservedError("prepared statement", m.Name))
 		}
-		res, err := h.f.classifier.Classify(m.Query)
+		sql, opts, err := h.decodeText(s, []byte(m.Query))
+		if err != nil && !isTextError(err) {
+			return Drop, err
+		}
+		var res *rewrite.Result
+		if err == nil {
+			res, err = h.f.classifier.ClassifyWith(sql, opts)
+		}
 		if err != nil {
-			res = nil
+			if h.strict(true) {
+				return Drop, h.raiseExt(s, textError(err))
+			}
+			res = nil // the server refuses it
 		}
 		h.stmts[m.Name] = &cstmt{res: res, oids: m.ParameterOIDs}
 		return Drop, h.send(s, msg, &tag{kind: 'P', name: m.Name, res: res, oids: m.ParameterOIDs}, true)
@@ -469,6 +477,10 @@ func (h *fenceSession) send(s *Session, msg []byte, t *tag, visible bool) error 
 	case 'S':
 		h.inBatch = false
 	}
+	h.seq++
+	if t != nil {
+		t.seq = h.seq
+	}
 	r, err := s.inject(msg, t, visible)
 	if err != nil {
 		return err
@@ -476,8 +488,8 @@ func (h *fenceSession) send(s *Session, msg []byte, t *tag, visible bool) error 
 	if r != nil {
 		h.last = r
 	}
-	if visible && t != nil && !h.tainted && taints(t) {
-		h.tainted = true
+	if visible && t != nil {
+		h.noteSent(t)
 	}
 	return nil
 }
@@ -591,22 +603,55 @@ func (h *fenceSession) needsOwnText(res *rewrite.Result) bool {
 	return false
 }
 
+// strict reports whether text the gate cannot read must be refused rather
+// than forwarded for the server to judge: on a fenced session (it has a
+// generation, or its transaction is gated), and, for text invalid in the
+// client's encoding (decoding: the server would refuse it too), in a
+// database with protected tables.
+func (h *fenceSession) strict(decoding bool) bool {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if _, _, _, _, ok := h.st.Generation(); ok || h.st.Gate().Gated {
+		return true
+	}
+	return decoding && h.cat.prot.Load().Len() > 0
+}
+
 // query handles a simple Query.
 func (h *fenceSession) query(s *Session, msg []byte) error {
-	sql := string(msg[headerLen : len(msg)-1])
-	res, shared, err := h.f.classifier.ClassifyShared(sql)
+	sql, opts, err := h.decodeText(s, msg[headerLen:len(msg)-1]) // fence_text.go
+	if err != nil && !isTextError(err) {
+		return err // ErrWait on the loop: nothing done yet
+	}
+	if err != nil {
+		if h.strict(true) {
+			return h.refuseQuery(s, textError(err))
+		}
+		return h.routeQuery(s, msg, nil) // the server refuses it too
+	}
+	res, shared, err := h.f.classifier.ClassifySharedWith(sql, opts)
 	if err != nil || len(res.Stmts) == 0 {
+		if err != nil && h.strict(false) {
+			// Never forwarded unread on a fenced session: it could hide
+			// a COMMIT or a write from the gate.
+			return h.refuseQuery(s, textError(err))
+		}
 		// The server reports the syntax error (or the empty query).
 		return h.routeQuery(s, msg, nil) // route.go
 	}
-	if mayNeedGate(res.Stmts...) && h.unsettled() {
-		if err := h.settle(s); err != nil {
-			return err // ErrWait on the loop: nothing done yet
+	if mayNeedGate(res.Stmts...) {
+		if h.unsettled() {
+			if err := h.settle(s); err != nil {
+				return err // ErrWait on the loop: nothing done yet
+			}
+		}
+		if err := h.settleSettings(s); err != nil {
+			return err
 		}
 	}
 	// Settled: whether the transaction is gated is known.
 	if shared && h.needsOwnText(res) {
-		if res, err = h.f.classifier.Classify(sql); err != nil {
+		if res, err = h.f.classifier.ClassifyWith(sql, opts); err != nil {
 			return h.routeQuery(s, msg, nil) // unreachable: its shape parsed
 		}
 	}
@@ -742,7 +787,7 @@ func (h *fenceSession) gatedQuery(s *Session, sql string, res *rewrite.Result) e
 	if h.st.Tx() == session.Failed {
 		// The server refuses everything but ROLLBACK; nothing to gate.
 		h.mu.Unlock()
-		return h.send(s, queryMsg(nil, sql), &tag{kind: 'Q', segs: clientSegs(res)}, true)
+		return h.send(s, h.qmsg(sql), &tag{kind: 'Q', segs: clientSegs(res)}, true)
 	}
 	p := h.plan(sql, res)
 	h.mu.Unlock()
@@ -769,11 +814,11 @@ func (h *fenceSession) gatedQuery(s *Session, sql string, res *rewrite.Result) e
 		if err := h.send(s, []byte{'S', 0, 0, 0, 4}, &tag{kind: 'S', step: stepCommit, hideRFQ: true}, false); err != nil {
 			return err
 		}
-	} else if err := h.send(s, queryMsg(nil, p.text), p.tag, true); err != nil {
+	} else if err := h.send(s, h.qmsg(p.text), p.tag, true); err != nil {
 		return err
 	}
 	if p.then != nil {
-		return h.send(s, queryMsg(nil, p.then.text), p.then.tag, true)
+		return h.send(s, h.qmsg(p.then.text), p.then.tag, true)
 	}
 	if p.settle {
 		return h.settleCommit(s, p.tag)
@@ -1069,7 +1114,8 @@ loop:
 		}
 		b.WriteString(sql[prev:it.at])
 		prev = it.at
-		t.inserts = append(t.inserts, insertion{at: it.at, n: len(it.text)})
+		// In characters: PostgreSQL reports error positions so.
+		t.inserts = append(t.inserts, insertion{at: utf8.RuneCountInString(sql[:it.at]), n: utf8.RuneCountInString(it.text)})
 		b.WriteString(it.text)
 		t.segs = append(t.segs, it.seg)
 	}
@@ -1137,7 +1183,7 @@ func (h *fenceSession) finishWrapped(s *Session, gen session.Generation) error {
 	sum, version := h.digest()
 	h.mu.Unlock()
 	t := &tag{kind: 'Q', segs: []seg{{step: stepCommit, gen: gen}}, hideRFQ: true, sent: time.Now()}
-	if err := h.send(s, queryMsg(nil, commitSQL(gen, sum, version)), t, false); err != nil {
+	if err := h.send(s, h.qmsg(commitSQL(gen, sum, version)), t, false); err != nil {
 		return err
 	}
 	defer h.markState()
@@ -1148,7 +1194,7 @@ func (h *fenceSession) finishWrapped(s *Session, gen session.Generation) error {
 // the one the client sees: it commits the wrapped transaction, or ends it
 // when a gate step failed.
 func (h *fenceSession) sendCommit(s *Session) error {
-	return h.send(s, queryMsg(nil, "COMMIT"), &tag{kind: 'Q', segs: []seg{{step: stepCommitTx}}}, true)
+	return h.send(s, h.qmsg("COMMIT"), &tag{kind: 'Q', segs: []seg{{step: stepCommitTx}}}, true)
 }
 
 // sendRollback sends a ROLLBACK whose ReadyForQuery is the one the client
@@ -1156,7 +1202,7 @@ func (h *fenceSession) sendCommit(s *Session) error {
 // after a failed gate step it ends the failed transaction, so the client
 // is idle and usable as the protocol promised.
 func (h *fenceSession) sendRollback(s *Session) error {
-	return h.send(s, queryMsg(nil, "ROLLBACK"), &tag{kind: 'Q', step: stepRollback, segs: []seg{{step: stepRollback}}}, true)
+	return h.send(s, h.qmsg("ROLLBACK"), &tag{kind: 'Q', step: stepRollback, segs: []seg{{step: stepRollback}}}, true)
 }
 
 // settleCommit ends a client's query whose gated COMMIT had statements
@@ -1178,7 +1224,7 @@ func (h *fenceSession) settleCommit(s *Session, t *tag) error {
 	if failed {
 		return h.sendRollback(s)
 	}
-	return h.send(s, queryMsg(nil, ""), &tag{kind: 'Q', segs: []seg{{step: stepRestore}}}, true)
+	return h.send(s, h.qmsg(""), &tag{kind: 'Q', segs: []seg{{step: stepRestore}}}, true)
 }
 
 // sendRestore sends, after a client's query or batch whose COMMIT had the
@@ -1186,7 +1232,7 @@ func (h *fenceSession) settleCommit(s *Session, t *tag) error {
 // transaction only if that step failed (see plan). Its ReadyForQuery is
 // the one the client sees.
 func (h *fenceSession) sendRestore(s *Session) error {
-	return h.send(s, queryMsg(nil, restoreSQL), restoreTag(), true)
+	return h.send(s, h.qmsg(restoreSQL), restoreTag(), true)
 }
 
 const restoreSQL = "ROLLBACK TO SAVEPOINT " + receiptSavepoint + "; ROLLBACK"
@@ -1197,7 +1243,7 @@ func restoreTag() *tag {
 
 // refuseQuery answers a query with err without running any of it.
 func (h *fenceSession) refuseQuery(s *Session, err error) error {
-	return h.send(s, queryMsg(nil, raiseSQL(asSessionError(err))), &tag{kind: 'Q', segs: []seg{{step: stepRaise}}}, true)
+	return h.send(s, h.qmsg(raiseSQL(asSessionError(err))), &tag{kind: 'Q', segs: []seg{{step: stepRaise}}}, true)
 }
 
 func asSessionError(err error) *session.Error {
@@ -1210,7 +1256,9 @@ func asSessionError(err error) *session.Error {
 
 // commitSQL is the receipt step for a digest.
 func commitSQL(gen session.Generation, digest []byte, version string) string {
-	return fmt.Sprintf("SELECT fence.commit(%s, %d, %d, %s, '\\x%s'::pg_catalog.bytea, %s)",
+	// E'' for the digest too: with standard_conforming_strings off a
+	// plain '\x..' would be read as escapes.
+	return fmt.Sprintf("SELECT fence.commit(%s, %d, %d, %s, E'\\\\x%s'::pg_catalog.bytea, %s)",
 		literal(gen.JobKey), gen.Epoch, gen.Token, literal(gen.Step), hex.EncodeToString(digest), literal(version))
 }
 
@@ -1368,8 +1416,13 @@ func (h *fenceSession) execute(s *Session, msg []byte) error {
 	if st == nil {
 		return h.send(s, msg, t, true)
 	}
-	if mayNeedGate(st) && h.unsettled() {
-		if err := h.settle(s); err != nil {
+	if mayNeedGate(st) {
+		if h.unsettled() {
+			if err := h.settle(s); err != nil {
+				return err
+			}
+		}
+		if err := h.settleSettings(s); err != nil {
 			return err
 		}
 	}
@@ -1378,7 +1431,7 @@ func (h *fenceSession) execute(s *Session, msg []byte) error {
 	if e := reservedStmt(st); e != nil {
 		bad = e
 	} else if len(st.GUCs) > 0 {
-		bad = h.st.Check(st, cp.paramFunc())
+		bad = h.st.Check(st, paramFunc(cp, h.text.codec))
 	}
 	g := h.st.Gate()
 	need := h.protectedWrite(st) && !g.Gated
@@ -1576,6 +1629,9 @@ func (h *fenceSession) prepareExt(s *Session) error {
 // execNamed runs one of the gate's named statements in the current batch:
 // Bind to the gate's portal, Execute, Close the portal.
 func (h *fenceSession) execNamed(s *Session, stmt string, args [][]byte, t *tag) error {
+	for i, a := range args {
+		args[i] = h.encode(string(a)) // text parameters are in the client's encoding
+	}
 	buf, _ := (&pgproto3.Bind{DestinationPortal: gatePortal, PreparedStatement: stmt, Parameters: args}).Encode(nil)
 	if err := h.send(s, buf, &tag{kind: 'B', step: t.step}, false); err != nil {
 		return err
@@ -1600,7 +1656,7 @@ func (h *fenceSession) raiseExt(s *Session, e *session.Error) error {
 	if err := h.send(s, buf, &tag{kind: 'C', step: stepRaise}, false); err != nil {
 		return err
 	}
-	buf, _ = (&pgproto3.Parse{Name: name, Query: raiseSQL(e)}).Encode(buf[:0])
+	buf, _ = (&pgproto3.Parse{Name: name, Query: string(h.encode(raiseSQL(e)))}).Encode(buf[:0])
 	if err := h.send(s, buf, &tag{kind: 'P', step: stepRaise}, false); err != nil {
 		return err
 	}
@@ -1632,6 +1688,12 @@ func queryMsg(dst []byte, sql string) []byte {
 
 func (h *fenceSession) ServerMessage(s *Session, msg []byte, req *Request) (Verdict, error) {
 	if req == nil {
+		if msg[0] == 'S' {
+			h.mu.Lock()
+			h.paramStatus(s, msg)
+			h.mu.Unlock()
+			return Forward, nil
+		}
 		// Notices raised by the gate's own statements stay hidden.
 		if msg[0] == 'N' {
 			if head := s.head(); head != nil {
@@ -1651,6 +1713,9 @@ func (h *fenceSession) ServerMessage(s *Session, msg []byte, req *Request) (Verd
 	if msg[0] == 'Z' {
 		if err := h.st.TxStatus(msg[headerLen]); err != nil && t.step != stepRollback {
 			s.Logger().Debug("session state resynchronised", zap.Error(err))
+		}
+		if t.seq > h.text.knownSeq {
+			h.text.knownSeq = t.seq // every ParameterStatus before it is in
 		}
 		if t.hideRFQ || !req.Visible {
 			return Drop, nil
@@ -1744,8 +1809,11 @@ func (h *fenceSession) executeResponse(s *Session, msg []byte, t *tag) (Verdict,
 		}
 		return h.complete(s, sg, msg, t.cp)
 	case 'D':
-		if t.step == stepGate {
+		switch t.step {
+		case stepGate:
 			h.gateResult(t.gen, msg)
+		case stepSettings:
+			h.applySettings(s, msg, t)
 		}
 	}
 	if t.step != stepClient {
@@ -1862,7 +1930,8 @@ func (h *fenceSession) onError(s *Session, msg []byte, t *tag) (Verdict, error) 
 }
 
 // unshift moves an error position (1-based, in characters) in the
-// rewritten query back to the client's text. The inserted text is ASCII.
+// rewritten query back to the client's text (insertions are counted in
+// characters too).
 func unshift(pos int32, ins []insertion) int32 {
 	p := int(pos) - 1
 	shift := 0
@@ -1894,7 +1963,7 @@ func (h *fenceSession) applyClient(st *rewrite.Stmt, msg []byte, cp *cportal) {
 	}
 	var pf session.ParamFunc
 	if cp != nil {
-		pf = cp.paramFunc()
+		pf = paramFunc(cp, h.text.codec)
 	}
 	if err := h.st.Apply(st, ctag, pf); err != nil {
 		h.f.log.Debug("session state could not follow a statement", zap.Error(err))

@@ -405,17 +405,18 @@ func (s *Server) open(raw, c net.Conn, st *startup, log *zap.Logger) (*Session, 
 		return nil, fmt.Errorf("%w: hijack: %w", errUpstream, err)
 	}
 	sess := &Session{
-		srv:        s,
-		User:       user,
-		Database:   db,
-		ClientAddr: c.RemoteAddr(),
-		Params:     st.params,
-		BackendPID: hj.PID,
-		client:     c,
-		server:     hj.Conn,
-		log:        log.With(zap.Uint32("backend_pid", hj.PID)),
-		closing:    make(chan struct{}),
-		info:       sessionInfo{connectedAt: time.Now()},
+		srv:          s,
+		User:         user,
+		Database:     db,
+		ClientAddr:   c.RemoteAddr(),
+		Params:       st.params,
+		ServerParams: hj.ParameterStatuses,
+		BackendPID:   hj.PID,
+		client:       c,
+		server:       hj.Conn,
+		log:          log.With(zap.Uint32("backend_pid", hj.PID)),
+		closing:      make(chan struct{}),
+		info:         sessionInfo{connectedAt: time.Now()},
 	}
 	sess.txStatus.Store(uint32(hj.TxStatus))
 	size := s.cfg.BufferSize

@@ -36,6 +36,10 @@ type Session struct {
 	// Params are the client's startup parameters (user and database
 	// included). Read-only.
 	Params map[string]string
+	// ServerParams are the parameters the upstream reported at startup
+	// (ParameterStatus: client_encoding, server_encoding,
+	// standard_conforming_strings, ...).
+	ServerParams map[string]string
 	// BackendPID is the upstream backend's process id.
 	BackendPID uint32
 

@@ -1,0 +1,447 @@
+package proxy
+
+import (
+	"encoding/binary"
+	"fmt"
+	"strings"
+
+	"github.com/jackc/pgx/v5/pgproto3"
+	"go.uber.org/zap"
+
+	"github.com/pgfence/pgfence/internal/clientenc"
+	"github.com/pgfence/pgfence/rewrite"
+	"github.com/pgfence/pgfence/session"
+)
+
+// How the gate reads the client's text, and how it keeps its view of the
+// session's settings equal to the server's.
+//
+// Text: the client writes SQL in its client_encoding, which PostgreSQL
+// reads with standard_conforming_strings deciding what a backslash in a
+// string means. Both change what the statements are, so the gate decodes
+// the text as the server will (clientenc) and parses it with the same
+// setting before it classifies it. Its view of the two is the server's:
+// the startup's ParameterStatus, every later ParameterStatus (the server
+// reports a change of either before the next ReadyForQuery), and a read
+// of the settings (resync) where a change may have happened since the
+// last ReadyForQuery in an extended-protocol batch. A request that may
+// change them (a SET of either, RESET ALL, DISCARD ALL, transaction
+// control, anything opaque) makes the view uncertain until a later
+// ReadyForQuery or resync; text that does not depend on them (ASCII
+// without backslashes reads alike in every client encoding PostgreSQL
+// has) is read at once; other text waits for the view to be certain.
+//
+// Settings the gate tracks (fence.*, search_path): session.State follows
+// them from the statements' text. A statement whose effect its text does
+// not tell (set_config with a name that is not a literal, as pg_dump
+// sends; a DO block or function that may call set_config) is let through,
+// and before the gate next decides anything from them it reads them back
+// from the server (resync). After a resync inside a transaction, the end
+// of the transaction is uncertain again (a SET LOCAL it could not see
+// reverts, a SET does not).
+
+// settingsSQL reads what the gate keeps of the session's settings. Its
+// columns are settingNames, in order.
+var (
+	settingNames = []string{session.JobKey, session.Epoch, session.Token, session.Step,
+		session.PayloadDigest, session.ReadPolicy, session.ReadWait, session.MinLSN,
+		session.SearchPath, "client_encoding", "standard_conforming_strings"}
+	settingsSQL = func() string {
+		var b strings.Builder
+		b.WriteString("SELECT ")
+		for i, n := range settingNames {
+			if i > 0 {
+				b.WriteString(", ")
+			}
+			fmt.Fprintf(&b, "pg_catalog.current_setting('%s', true)", n)
+		}
+		return b.String()
+	}()
+)
+
+// settingsStmt is the gate's statement for settingsSQL.
+const settingsStmt = "pgfence_settings"
+
+// textState is the gate's view of how the server reads the client's text.
+// Written by the server side, read by the client side, under
+// fenceSession.mu.
+type textState struct {
+	codec     *clientenc.Codec
+	scsOff    bool   // standard_conforming_strings off
+	serverEnc string // server_encoding, fixed for the session
+	// knownSeq: the requests up to this one (fenceSession.seq) have been
+	// answered through a ReadyForQuery or a resync, so codec and scsOff
+	// are the server's as of then. gucSeq: likewise for the tracked
+	// settings (a resync only: they are not reported).
+	knownSeq, gucKnown uint64
+}
+
+func newTextState(params map[string]string, log *zap.Logger) textState {
+	ts := textState{serverEnc: params["server_encoding"], scsOff: params["standard_conforming_strings"] == "off"}
+	if ts.serverEnc == "" {
+		ts.serverEnc = "UTF8"
+	}
+	ce := params["client_encoding"]
+	if ce == "" {
+		ce = "UTF8"
+	}
+	ts.setEncoding(ce, log)
+	return ts
+}
+
+// setEncoding follows a client_encoding the server reported. An encoding
+// clientenc does not know (none of PostgreSQL's is missing) leaves the
+// codec nil, which refuses every text that is not plain ASCII.
+func (ts *textState) setEncoding(name string, log *zap.Logger) {
+	c, err := clientenc.New(name, ts.serverEnc)
+	if err != nil {
+		log.Warn("cannot read this client_encoding; refusing non-ASCII text", zap.String("client_encoding", name), zap.Error(err))
+		ts.codec = nil
+		return
+	}
+	ts.codec = c
+}
+
+// paramStatus follows a ParameterStatus from the server. Callers hold h.mu.
+func (h *fenceSession) paramStatus(s *Session, msg []byte) {
+	var ps pgproto3.ParameterStatus
+	if err := ps.Decode(msg[headerLen:]); err != nil {
+		return
+	}
+	switch ps.Name {
+	case "client_encoding":
+		h.text.setEncoding(ps.Value, s.Logger())
+	case "standard_conforming_strings":
+		h.text.scsOff = ps.Value == "off"
+	}
+}
+
+// sensitive reports whether text may read differently under another
+// client_encoding or standard_conforming_strings: it has a byte above
+// 0x7F or a backslash.
+func sensitive(raw []byte) bool {
+	for _, c := range raw {
+		if c >= 0x80 || c == '\\' {
+			return true
+		}
+	}
+	return false
+}
+
+// decodeText returns the client's text as the server will read it, with
+// the parse options that go with it, after making sure the gate's view of
+// the client's encoding is current where the text depends on it.
+func (h *fenceSession) decodeText(s *Session, raw []byte) (string, rewrite.Options, error) {
+	if sensitive(raw) {
+		h.mu.Lock()
+		uncertain := h.encSeq > h.text.knownSeq
+		h.mu.Unlock()
+		if uncertain {
+			if err := h.knowText(s); err != nil {
+				return "", rewrite.Options{}, err
+			}
+		}
+	}
+	h.mu.Lock()
+	c, opts := h.text.codec, rewrite.Options{NonStandardStrings: h.text.scsOff}
+	h.mu.Unlock()
+	if c == nil {
+		for _, b := range raw {
+			if b >= 0x80 {
+				return "", opts, &clientenc.Error{Code: "22021", Message: "pgfence cannot read this session's client_encoding; send ASCII text or use a client_encoding PostgreSQL reports"}
+			}
+		}
+		return string(raw), opts, nil
+	}
+	sql, err := c.Decode(raw)
+	return sql, opts, err
+}
+
+// knowText waits until the gate knows the client_encoding and
+// standard_conforming_strings the next text is read with: outside an
+// extended-protocol batch every request sent so far ends in a
+// ReadyForQuery, before which the server reports any change; inside one
+// it reads them (resync). In a failed transaction it does neither (the
+// server refuses everything but the end of the transaction, and a read
+// would fail the batch): the current view stands.
+func (h *fenceSession) knowText(s *Session) error {
+	if h.inBatch {
+		return h.resync(s)
+	}
+	return h.barrier(s)
+}
+
+// encode returns text the gate sends upstream (a rewritten query, an
+// injected statement, a parameter) in the client's encoding, which the
+// server reads it in. Text the gate sends came from the client's own (a
+// job key, a statement) or is ASCII, so it is encodable; a character that
+// is not becomes '?', and a statement using it fails rather than running
+// with another value.
+func (h *fenceSession) encode(text string) []byte {
+	h.mu.Lock()
+	c := h.text.codec
+	h.mu.Unlock()
+	if c == nil || c.IsUTF8() {
+		return []byte(text)
+	}
+	b, err := c.Encode(text)
+	if err == nil {
+		return b
+	}
+	var sb strings.Builder
+	for _, r := range text {
+		if e, err := c.Encode(string(r)); err == nil {
+			sb.Write(e)
+		} else {
+			sb.WriteByte('?')
+		}
+	}
+	return []byte(sb.String())
+}
+
+// qmsg is a Query message for sql, in the client's encoding.
+func (h *fenceSession) qmsg(sql string) []byte {
+	return queryMsg(nil, string(h.encode(sql)))
+}
+
+// resync reads the tracked settings and the text settings back from the
+// server and waits for the answer (see the file comment). It is sent
+// where the stream is: inside a batch as Parse/Bind/Execute without a
+// Sync; outside, with a hidden Sync of its own. Not in a failed
+// transaction: its Parse would fail and take the client's next messages
+// with it.
+func (h *fenceSession) resync(s *Session) error {
+	h.mu.Lock()
+	failed := h.st.Tx() == session.Failed
+	inTx := h.st.Tx() != session.Idle
+	h.mu.Unlock()
+	if failed {
+		return nil
+	}
+	if s.OnLoop() {
+		return ErrWait // nothing sent yet: again on the client goroutine
+	}
+	batch := h.inBatch
+	var buf []byte
+	send := func(m pgproto3.FrontendMessage, t *tag) error {
+		buf, _ = m.Encode(buf[:0])
+		return h.send(s, buf, t, false)
+	}
+	if err := send(&pgproto3.Close{ObjectType: 'S', Name: settingsStmt}, &tag{kind: 'C', step: stepSettings}); err != nil {
+		return err
+	}
+	if err := send(&pgproto3.Parse{Name: settingsStmt, Query: settingsSQL}, &tag{kind: 'P', step: stepSettings}); err != nil {
+		return err
+	}
+	if err := send(&pgproto3.Bind{DestinationPortal: gatePortal, PreparedStatement: settingsStmt}, &tag{kind: 'B', step: stepSettings}); err != nil {
+		return err
+	}
+	if err := send(&pgproto3.Execute{Portal: gatePortal}, &tag{kind: 'E', step: stepSettings}); err != nil {
+		return err
+	}
+	exec := h.last
+	if err := send(&pgproto3.Close{ObjectType: 'P', Name: gatePortal}, &tag{kind: 'C', step: stepSettings}); err != nil {
+		return err
+	}
+	if !batch {
+		if err := send(&pgproto3.Sync{}, &tag{kind: 'S', step: stepSettings, hideRFQ: true}); err != nil {
+			return err
+		}
+	}
+	if err := h.wait(s, exec); err != nil {
+		return err
+	}
+	h.resyncInTx = inTx
+	return nil
+}
+
+// applySettings takes the row resync read. Callers hold h.mu.
+func (h *fenceSession) applySettings(s *Session, msg []byte, t *tag) {
+	vals := rowValues(msg)
+	if len(vals) != len(settingNames) {
+		return
+	}
+	for i, n := range settingNames {
+		v := vals[i]
+		switch n {
+		case "client_encoding":
+			if v != nil {
+				h.text.setEncoding(*v, s.Logger())
+			}
+		case "standard_conforming_strings":
+			h.text.scsOff = v != nil && *v == "off"
+		default:
+			if v == nil {
+				h.st.Resync(n, "", false)
+			} else {
+				h.st.Resync(n, *v, true)
+			}
+		}
+	}
+	if t.seq > h.text.knownSeq {
+		h.text.knownSeq = t.seq
+	}
+	if t.seq > h.text.gucKnown {
+		h.text.gucKnown = t.seq
+	}
+}
+
+// rowValues decodes a DataRow's columns as text (nil for NULL).
+func rowValues(msg []byte) []*string {
+	b := msg[headerLen:]
+	if len(b) < 2 {
+		return nil
+	}
+	n := int(binary.BigEndian.Uint16(b))
+	b = b[2:]
+	out := make([]*string, 0, n)
+	for i := 0; i < n; i++ {
+		if len(b) < 4 {
+			return nil
+		}
+		l := int32(binary.BigEndian.Uint32(b))
+		b = b[4:]
+		if l < 0 {
+			out = append(out, nil)
+			continue
+		}
+		if int(l) > len(b) {
+			return nil
+		}
+		v := string(b[:l])
+		out = append(out, &v)
+		b = b[l:]
+	}
+	return out
+}
+
+// noteSent records what a client request sent upstream may have changed
+// that the gate cannot see from its text (see the file comment and
+// fenceSession.tainted).
+func (h *fenceSession) noteSent(t *tag) {
+	var stmts []*rewrite.Stmt
+	var pf session.ParamFunc
+	unknown := false
+	switch t.kind {
+	case 'Q':
+		if len(t.segs) == 0 {
+			unknown = true
+		}
+		for _, sg := range t.segs {
+			if sg.step == stepClient {
+				if sg.stmt == nil {
+					unknown = true
+				} else {
+					stmts = append(stmts, sg.stmt)
+				}
+			}
+		}
+	case 'E':
+		if t.cp == nil || t.cp.stmt == nil {
+			unknown = true
+		} else {
+			stmts = append(stmts, t.cp.stmt)
+			h.mu.Lock()
+			pf = paramFunc(t.cp, h.text.codec)
+			h.mu.Unlock()
+		}
+	case 'F':
+		unknown = true
+	default:
+		return
+	}
+	taint, enc, guc, txEnd := unknown, unknown, unknown, false
+	for _, st := range stmts {
+		op := opaque(st)
+		taint = taint || op
+		enc = enc || op || changesText(st)
+		if !guc {
+			h.mu.Lock()
+			guc = op || h.st.Uncertain(st, pf)
+			h.mu.Unlock()
+		}
+		switch st.Kind {
+		case rewrite.Commit, rewrite.Rollback, rewrite.RollbackTo, rewrite.Release, rewrite.PrepareTransaction:
+			txEnd = true
+		}
+	}
+	if taint {
+		h.tainted = true
+	}
+	if enc {
+		h.encSeq = t.seq
+	}
+	if guc || txEnd && h.resyncInTx {
+		h.gucSeq = t.seq
+		if txEnd {
+			h.resyncInTx = false
+		}
+	}
+}
+
+// opaque reports whether st can run SQL the gate cannot see.
+func opaque(st *rewrite.Stmt) bool {
+	return st.Opaque || st.Kind == rewrite.Do || st.Kind == rewrite.Call || st.Executes != ""
+}
+
+// changesText reports whether st may change how the server reads the
+// client's text: client_encoding (SET NAMES too), standard_conforming_strings,
+// RESET ALL, DISCARD ALL, an effect on a parameter it cannot name, or the
+// end of a transaction or savepoint that undoes such a change.
+func changesText(st *rewrite.Stmt) bool {
+	if st.UnknownGUCWrite {
+		return true
+	}
+	switch st.Kind {
+	case rewrite.Commit, rewrite.Rollback, rewrite.RollbackTo, rewrite.Release, rewrite.PrepareTransaction:
+		return true
+	case rewrite.Discard:
+		return st.Name == "ALL"
+	}
+	for _, g := range st.GUCs {
+		switch {
+		case g.Op == rewrite.GUCResetAll, g.Name == "", g.Uncertain(),
+			g.Name == "client_encoding", g.Name == "standard_conforming_strings":
+			return true
+		}
+	}
+	return false
+}
+
+// settleSettings reads the tracked settings back before the gate decides
+// from them, when a request since the last read may have changed them in
+// a way its text does not tell.
+func (h *fenceSession) settleSettings(s *Session) error {
+	h.mu.Lock()
+	uncertain := h.gucSeq > h.text.gucKnown
+	h.mu.Unlock()
+	if !uncertain {
+		return nil
+	}
+	return h.resync(s)
+}
+
+// isTextError reports whether err is decodeText's verdict on the text
+// (not a failure to wait).
+func isTextError(err error) bool {
+	_, ok := err.(*clientenc.Error)
+	return ok
+}
+
+// textError is the refusal of text the gate cannot read safely: invalid
+// in the client's encoding, or rejected by the parser.
+func textError(err error) *session.Error {
+	if ce, ok := err.(*clientenc.Error); ok {
+		return &session.Error{Code: ce.Code, Message: ce.Message,
+			Hint: "send text valid in the session's client_encoding, or set client_encoding to the encoding the client really uses"}
+	}
+	var pe *rewrite.ParseError
+	if e, ok := err.(*rewrite.ParseError); ok {
+		pe = e
+	}
+	if pe != nil {
+		return &session.Error{Code: "42601", Message: strings.TrimPrefix(pe.Err.Error(), "classify: "),
+			Hint: "pgfence could not parse this statement, so it was not sent: on a fenced session every statement must be one PostgreSQL's grammar accepts"}
+	}
+	return &session.Error{Code: "42601", Message: err.Error()}
+}
