@@ -21,6 +21,7 @@ type Fence struct {
 	classifier *rewrite.Classifier
 	cats       *catalogs
 	log        *zap.Logger
+	idle       *watchdog // fence_idle.go
 
 	// Stats counts gate outcomes; read with Snapshot.
 	Stats FenceStats
@@ -50,6 +51,12 @@ type FenceConfig struct {
 	// ClassifierCacheSize is the number of statement texts whose
 	// classification is cached. Zero means 10000.
 	ClassifierCacheSize int
+	// GateIdleTimeout bounds how long a client may stay silent while its
+	// transaction holds (or may hold) a fence row: past it the session is
+	// ended, its transaction rolled back, and the client told FN012 (see
+	// fence_idle.go). Keep it under the shortest lease TTL. Zero means
+	// DefaultGateIdleTimeout (10s); negative means no bound.
+	GateIdleTimeout time.Duration
 }
 
 // NewFence returns a write gate.
@@ -61,15 +68,22 @@ func NewFence(cfg FenceConfig, log *zap.Logger) (*Fence, error) {
 	if cfg.ClassifierCacheSize == 0 {
 		cfg.ClassifierCacheSize = 10000
 	}
+	if cfg.GateIdleTimeout == 0 {
+		cfg.GateIdleTimeout = DefaultGateIdleTimeout
+	}
 	return &Fence{
 		classifier: rewrite.NewClassifier(cfg.ClassifierCacheSize),
 		cats:       newCatalogs(pc, log.Named("catalog")),
 		log:        log,
+		idle:       newWatchdog(cfg.GateIdleTimeout, log.Named("gate")),
 	}, nil
 }
 
-// Close stops the gate's control connections.
-func (f *Fence) Close() { f.cats.close() }
+// Close stops the gate's control connections and its watchdog.
+func (f *Fence) Close() {
+	f.idle.close()
+	f.cats.close()
+}
 
 // Open implements Interceptor.
 func (f *Fence) Open(s *Session) (Handler, error) {
@@ -87,12 +101,14 @@ func (f *Fence) Open(s *Session) (Handler, error) {
 		}
 		return nil, &ProtocolError{Code: "22023", Msg: err.Error(), Err: err}
 	}
-	return &fenceSession{
+	h := &fenceSession{
 		f:       f,
 		cat:     cat,
 		st:      st,
 		text:    newTextState(s.ServerParams, s.Logger()),
 		stmts:   map[string]*cstmt{},
 		portals: map[string]*cportal{},
-	}, nil
+	}
+	f.idle.add(h, s)
+	return h, nil
 }

@@ -79,6 +79,8 @@ type fenceSession struct {
 	errShown bool // an error went to the client since its last ReadyForQuery
 
 	rt routeState // read routing (route.go)
+
+	idle idleClock // the idle watchdog's view (fence_idle.go)
 }
 
 // extWrap follows a wrapped extended-protocol batch on the client side, so
@@ -323,6 +325,7 @@ func reservedStmt(st *rewrite.Stmt) *session.Error {
 // Client goroutine
 
 func (h *fenceSession) ClientMessage(s *Session, msg []byte) (Verdict, error) {
+	h.idle.clientMsgs.Add(1)
 	body := msg[headerLen:]
 	if msg[0] != 'Q' && s.srv.rs != nil { // read routing: upstream and named statements (route.go)
 		if err := h.routeMsg(s, msg); err != nil {
@@ -1708,9 +1711,18 @@ func (h *fenceSession) ServerMessage(s *Session, msg []byte, req *Request) (Verd
 	if t == nil {
 		return Forward, nil
 	}
+	switch msg[0] {
+	case 'G':
+		h.idle.copyWait.Store(true) // the server waits for the client's data
+	case 'C', 'E', 'Z':
+		h.idle.copyWait.Store(false)
+	}
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	if msg[0] == 'Z' {
+		if v := h.idle.fenceCall.Load(); v != 0 && t.seq >= v && msg[headerLen] == 'I' {
+			h.idle.fenceCall.CompareAndSwap(v, 0)
+		}
 		if err := h.st.TxStatus(msg[headerLen]); err != nil && t.step != stepRollback {
 			s.Logger().Debug("session state resynchronised", zap.Error(err))
 		}
@@ -1990,7 +2002,7 @@ func (h *fenceSession) gateResult(gen session.Generation, msg []byte) {
 	h.f.Stats.Gated.Add(1)
 }
 
-func (h *fenceSession) Close(s *Session) {}
+func (h *fenceSession) Close(s *Session) { h.f.idle.remove(h) }
 
 // commandTag returns a CommandComplete's tag.
 func commandTag(msg []byte) string {

@@ -352,6 +352,9 @@ func (h *fenceSession) noteSent(t *tag) {
 	}
 	taint, enc, guc, txEnd := unknown, unknown, unknown, false
 	for _, st := range stmts {
+		if st.CallsFence {
+			h.idle.fenceCall.Store(t.seq) // fence.gate, fence.acquire...: may lock a fence row
+		}
 		op := opaque(st)
 		taint = taint || op
 		enc = enc || op || changesText(st)

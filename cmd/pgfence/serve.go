@@ -34,6 +34,7 @@ type serveConfig struct {
 	MaxClients        int               `toml:"max_clients"`
 	MaxMessageSize    string            `toml:"max_message_size"`
 	ShutdownTimeout   string            `toml:"shutdown_timeout"`
+	GateIdleTimeout   string            `toml:"gate_idle_timeout"`
 	UpstreamPasswords map[string]string `toml:"upstream_passwords"`
 	// NoGate turns the write gate off: a plain pass-through proxy (for
 	// measuring the proxy alone). Protected tables then rely on their
@@ -101,6 +102,7 @@ user to the password presented upstream for it. See docs/proxy.md.`,
 	f.Bool("no-gate", false, "turn the write gate off: a plain pass-through proxy, protected tables guarded by their backstop trigger only (PGFENCE_NO_GATE)")
 	f.Bool("no-event-loop", false, "relay every session with goroutines instead of the event loop thread; see docs/proxy.md (PGFENCE_NO_EVENT_LOOP)")
 	f.String("shutdown-timeout", "", "how long open transactions may run after SIGTERM (PGFENCE_SHUTDOWN_TIMEOUT; default 30s)")
+	f.String("gate-idle-timeout", "", "end a session silent this long while its transaction holds a fence row (PGFENCE_GATE_IDLE_TIMEOUT; default 10s; keep it under the lease TTL; 0 means no bound)")
 	f.StringSlice("admin-users", nil, "users allowed into the admin console, the virtual database pgfence (PGFENCE_ADMIN_USERS, comma-separated)")
 	f.String("metrics-listen", "", "address serving Prometheus /metrics, /healthz and /readyz, e.g. 127.0.0.1:9187 (PGFENCE_METRICS_LISTEN; default off)")
 	return cmd
@@ -138,6 +140,7 @@ func loadServeConfig(cmd *cobra.Command) (serveConfig, error) {
 	str("auth-file", &cfg.AuthFile)
 	str("max-message-size", &cfg.MaxMessageSize)
 	str("shutdown-timeout", &cfg.ShutdownTimeout)
+	str("gate-idle-timeout", &cfg.GateIdleTimeout)
 	if v, ok := os.LookupEnv("PGFENCE_REPLICA"); ok {
 		cfg.Replicas = nil
 		for _, r := range strings.Split(v, ",") {
@@ -269,7 +272,18 @@ func runServe(ctx context.Context, c serveConfig, log *zap.Logger) error {
 		return &exitError{code: 2, msg: err.Error()}
 	}
 	if !c.NoGate {
-		gate, err := proxy.NewFence(proxy.FenceConfig{Primary: pc.Primary}, log.Named("gate"))
+		fc := proxy.FenceConfig{Primary: pc.Primary}
+		if c.GateIdleTimeout != "" {
+			d, err := time.ParseDuration(c.GateIdleTimeout)
+			if err != nil || d < 0 {
+				return &exitError{code: 2, msg: fmt.Sprintf("gate_idle_timeout: want a duration such as 10s, got %q", c.GateIdleTimeout)}
+			}
+			fc.GateIdleTimeout = d
+			if d == 0 {
+				fc.GateIdleTimeout = -1 // no bound
+			}
+		}
+		gate, err := proxy.NewFence(fc, log.Named("gate"))
 		if err != nil {
 			return &exitError{code: 2, msg: err.Error()}
 		}

@@ -1,0 +1,193 @@
+package proxy
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgproto3"
+	"go.uber.org/zap/zaptest"
+
+	"github.com/pgfence/pgfence/fence"
+	"github.com/pgfence/pgfence/internal/pgtest"
+)
+
+// Nobody pins the fence row (issue 18 §4): a client that falls silent
+// while its transaction holds its job's fence row has the session ended
+// after GateIdleTimeout, the transaction rolled back, and FN012 when it
+// next reads; a takeover waiting behind it goes on.
+func init() { registerBypass("idle", bypassIdle) }
+
+const idleBound = 400 * time.Millisecond
+
+// newIdleEnv is newReservedEnv with a gate whose idle bound is short.
+func newIdleEnv(t *testing.T) *reservedEnv {
+	t.Helper()
+	ctx := ctxT(t)
+	db := cluster.NewDatabase(t)
+	conn, err := cluster.Primary.Connect(ctx, db)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(ctx)
+	if _, err := conn.Exec(ctx, fenceSchema); err != nil {
+		t.Fatal(err)
+	}
+	gate, err := NewFence(FenceConfig{Primary: cluster.Primary.DSN("postgres"), GateIdleTimeout: idleBound}, zaptest.NewLogger(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(gate.Close)
+	e := &fenceEnv{db: db, proxy: startProxy(t, Config{Interceptor: gate}), gate: gate}
+	return &reservedEnv{fenceEnv: e, lease: e.acquire(t, "r", "w1", time.Minute)}
+}
+
+// waitRowFree waits until job r's fence row can be locked (the holder's
+// transaction is gone), or fails after a generous deadline.
+func (e *reservedEnv) waitRowFree(t *testing.T) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 20*idleBound+10*time.Second)
+	defer cancel()
+	if err := pgtest.Poll(ctx, func() (bool, error) { return e.fenceRowFree(t, "r"), nil }); err != nil {
+		t.Fatalf("the fence row is still held: %v", err)
+	}
+}
+
+// wantHeld checks the holder has the fence row right now.
+func (e *reservedEnv) wantHeld(t *testing.T) {
+	t.Helper()
+	if e.fenceRowFree(t, "r") {
+		t.Fatal("the holder does not hold the fence row")
+	}
+}
+
+func bypassIdle(t *testing.T) {
+	ins := func(e *reservedEnv) string {
+		return fmt.Sprintf("INSERT INTO results (job_key, payload, token) VALUES ('r', 'idle', %d)", e.lease.Token)
+	}
+	// Each case leaves the holder silent while it holds the row; then
+	// the row must come free, nothing be committed, and the holder's
+	// next request fail with FN012.
+	cases := []struct {
+		name string
+		hold func(t *testing.T, e *reservedEnv, c *pgx.Conn)
+	}{
+		{"idle_in_transaction_simple", func(t *testing.T, e *reservedEnv, c *pgx.Conn) {
+			mustExec(t, c, pgx.QueryExecModeSimpleProtocol, "BEGIN", ins(e))
+		}},
+		{"idle_in_transaction_extended", func(t *testing.T, e *reservedEnv, c *pgx.Conn) {
+			mustExec(t, c, pgx.QueryExecModeCacheStatement, "BEGIN", ins(e))
+		}},
+		{"execute_without_sync", func(t *testing.T, e *reservedEnv, c *pgx.Conn) {
+			rawUntil(t, c, 'C', &pgproto3.Parse{Query: ins(e)}, &pgproto3.Bind{}, &pgproto3.Execute{}, &pgproto3.Flush{})
+		}},
+		{"suspended_portal_without_sync", func(t *testing.T, e *reservedEnv, c *pgx.Conn) {
+			mustExec(t, c, pgx.QueryExecModeSimpleProtocol, "BEGIN", ins(e))
+			rawUntil(t, c, 's', &pgproto3.Parse{Query: "SELECT generate_series(1, 10)"}, &pgproto3.Bind{}, &pgproto3.Execute{MaxRows: 1}, &pgproto3.Flush{})
+		}},
+		{"copy_from_without_data", func(t *testing.T, e *reservedEnv, c *pgx.Conn) {
+			mustExec(t, c, pgx.QueryExecModeSimpleProtocol, "BEGIN", ins(e))
+			rawUntil(t, c, 'G', &pgproto3.Query{String: "COPY results (job_key, payload, token) FROM STDIN"})
+		}},
+		{"gated_copy_from_partial_data", func(t *testing.T, e *reservedEnv, c *pgx.Conn) {
+			rawUntil(t, c, 'G', &pgproto3.Query{String: "COPY results (job_key, payload, token) FROM STDIN"})
+			fe := c.PgConn().Frontend()
+			fe.Send(&pgproto3.CopyData{Data: []byte(fmt.Sprintf("r\tcopy\t%d\n", e.lease.Token))})
+			if err := fe.Flush(); err != nil {
+				t.Fatal(err)
+			}
+		}},
+		{"fence_gate_called_without_metadata", func(t *testing.T, e *reservedEnv, c *pgx.Conn) {
+			mustExec(t, c, pgx.QueryExecModeSimpleProtocol, "BEGIN",
+				fmt.Sprintf("SELECT fence.gate('r', %d, %d, '')", e.lease.Epoch, e.lease.Token))
+		}},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			t.Parallel()
+			e := newIdleEnv(t)
+			lease := &e.lease
+			if strings.HasPrefix(c.name, "fence_gate_called") {
+				lease = nil
+			}
+			conn := e.mustConnect(t, client{lease: lease})
+			before := e.snapshot(t)
+			c.hold(t, e, conn)
+			e.wantHeld(t)
+			e.waitRowFree(t)
+			e.unchanged(t, before)
+			// Its next request gets the reason.
+			_, err := conn.Exec(ctxT(t), "SELECT 1")
+			wantCode(t, err, fence.CodeGateTimeout)
+		})
+	}
+
+	// Not ended: a holder whose server is working (a slow statement), and
+	// a holder that keeps talking.
+	t.Run("busy_server_not_ended", func(t *testing.T) {
+		t.Parallel()
+		e := newIdleEnv(t)
+		c := e.mustConnect(t, client{lease: &e.lease, mode: pgx.QueryExecModeSimpleProtocol})
+		mustExec(t, c, pgx.QueryExecModeSimpleProtocol, "BEGIN", ins(e),
+			fmt.Sprintf("SELECT pg_sleep(%f)", (3 * idleBound).Seconds()), "COMMIT")
+		e.wantCommittedWithReceipt(t, "idle")
+	})
+	t.Run("talking_client_not_ended", func(t *testing.T) {
+		t.Parallel()
+		e := newIdleEnv(t)
+		c := e.mustConnect(t, client{lease: &e.lease, mode: pgx.QueryExecModeSimpleProtocol})
+		mustExec(t, c, pgx.QueryExecModeSimpleProtocol, "BEGIN", ins(e))
+		for end := time.Now().Add(3 * idleBound); time.Now().Before(end); {
+			time.Sleep(idleBound / 4) // pacing the client's own traffic, not ordering events
+			mustExec(t, c, pgx.QueryExecModeSimpleProtocol, "SELECT 1")
+		}
+		mustExec(t, c, pgx.QueryExecModeSimpleProtocol, "COMMIT")
+		e.wantCommittedWithReceipt(t, "idle")
+	})
+}
+
+func mustExec(t *testing.T, c *pgx.Conn, mode pgx.QueryExecMode, sqls ...string) {
+	t.Helper()
+	for _, q := range sqls {
+		if _, err := c.Exec(ctxT(t), q, mode); err != nil {
+			t.Fatalf("%s: %v", q, err)
+		}
+	}
+}
+
+// rawUntil sends msgs on c's connection and reads until a message of type
+// want (ParseComplete '1', CommandComplete 'C', PortalSuspended 's',
+// CopyInResponse 'G'), failing on an error.
+func rawUntil(t *testing.T, c *pgx.Conn, want byte, msgs ...pgproto3.FrontendMessage) {
+	t.Helper()
+	fe := c.PgConn().Frontend()
+	for _, m := range msgs {
+		fe.Send(m)
+	}
+	if err := fe.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	for {
+		m, err := fe.Receive()
+		if err != nil {
+			t.Fatal(err)
+		}
+		var got byte
+		switch m := m.(type) {
+		case *pgproto3.ErrorResponse:
+			t.Fatalf("error %s: %s", m.Code, m.Message)
+		case *pgproto3.CommandComplete:
+			got = 'C'
+		case *pgproto3.PortalSuspended:
+			got = 's'
+		case *pgproto3.CopyInResponse:
+			got = 'G'
+		}
+		if got == want {
+			return
+		}
+	}
+}
