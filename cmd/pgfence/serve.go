@@ -416,7 +416,7 @@ func listenError(addr, flag string, err error) error {
 	ee.code = exitUnavailable
 	if errors.Is(err, syscall.EADDRINUSE) {
 		ee.msg = fmt.Sprintf("listen on %s: the address is in use by another process", addr)
-		ee.hint = fmt.Sprintf("stop that process (ss -ltnp shows it), or pick another address with %s, e.g. %s (port 0 picks a free one)", flag, nextPort(addr))
+		ee.hint = fmt.Sprintf("stop that process (ss -ltnp shows it), or pick another address: %s %s (port 0 picks a free one)", flag, nextPort(addr))
 	}
 	return ee
 }
