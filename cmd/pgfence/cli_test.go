@@ -16,6 +16,8 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
+
+	"github.com/pgfence/pgfence/internal/runner"
 )
 
 func TestParseDuration(t *testing.T) {
@@ -429,5 +431,19 @@ func TestVersionFromMakefileLdflags(t *testing.T) {
 	}
 	if bv.Version != "v9.9.9" || bv.Commit != strings.TrimSpace(string(commit)) || !bv.Modified {
 		t.Errorf("version --json: %+v, want v9.9.9, commit %s, modified", bv, commit)
+	}
+}
+
+// docs/cli.md's exit code table lists every code the commands use.
+func TestExitCodesDocumented(t *testing.T) {
+	b, err := os.ReadFile(filepath.Join("..", "..", "docs", "cli.md"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, code := range []int{exitOK, exitViolations, exitUsage, exitDataErr, exitUnavailable, exitSoftware, exitTempFail, exitLeaseLost,
+		exitNoPerm, exitConfig, runner.ExitMaxRuntime, runner.ExitCannotExecute, runner.ExitNotFound} {
+		if !strings.Contains(string(b), fmt.Sprintf("\n| %d |", code)) {
+			t.Errorf("docs/cli.md's exit code table has no row for %d", code)
+		}
 	}
 }
