@@ -290,6 +290,18 @@ func connectDatabase(ctx context.Context, cmd *cobra.Command, dsn string) (*pgx.
 	return conn, nil
 }
 
+// withDatabase runs f with a connection to the command's database (dsn
+// from --database, or the chain), closed after.
+func withDatabase(cmd *cobra.Command, dsn string, f func(ctx context.Context, conn *pgx.Conn) error) error {
+	ctx := cmd.Context()
+	conn, err := connectDatabase(ctx, cmd, dsn)
+	if err != nil {
+		return err
+	}
+	defer conn.Close(ctx)
+	return f(ctx, conn)
+}
+
 func databaseConfig(cmd *cobra.Command, dsn string) (*pgx.ConnConfig, error) {
 	dsn = resolveDatabase(cmd, dsn)
 	cfg, err := pgx.ParseConfig(dsn)

@@ -69,17 +69,13 @@ func newLeaseCmd() *cobra.Command {
 	// key=value result.
 	withConn := func(f func(ctx context.Context, conn *pgx.Conn) (map[string]any, []string, error)) func(*cobra.Command, []string) error {
 		return func(cmd *cobra.Command, args []string) error {
-			ctx := cmd.Context()
-			conn, err := connectDatabase(ctx, cmd, dsn)
-			if err != nil {
-				return err
-			}
-			defer conn.Close(ctx)
-			out, keys, err := f(ctx, conn)
-			if err != nil {
-				return err
-			}
-			return printKV(cmd.OutOrStdout(), jsonFlag(cmd), out, keys)
+			return withDatabase(cmd, dsn, func(ctx context.Context, conn *pgx.Conn) error {
+				out, keys, err := f(ctx, conn)
+				if err != nil {
+					return err
+				}
+				return printKV(cmd.OutOrStdout(), jsonFlag(cmd), out, keys)
+			})
 		}
 	}
 
@@ -308,13 +304,11 @@ func newLeaseListCmd(dsn *string) *cobra.Command {
 		Short: "List every job: its state (held, expired, free, retired), holder, epoch, token, expiry",
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
-			ctx := cmd.Context()
-			conn, err := connectDatabase(ctx, cmd, *dsn)
-			if err != nil {
+			var infos []leaseInfo
+			err := withDatabase(cmd, *dsn, func(ctx context.Context, conn *pgx.Conn) (err error) {
+				infos, err = queryLeases(ctx, conn, nil)
 				return err
-			}
-			defer conn.Close(ctx)
-			infos, err := queryLeases(ctx, conn, nil)
+			})
 			if err != nil {
 				return err
 			}
@@ -346,13 +340,11 @@ func newLeaseShowCmd(dsn *string) *cobra.Command {
 		Short: "Show one job's lease: state, holder, epoch, token, expiry, when it was taken, time held",
 		Args:  cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			ctx := cmd.Context()
-			conn, err := connectDatabase(ctx, cmd, *dsn)
-			if err != nil {
+			var infos []leaseInfo
+			err := withDatabase(cmd, *dsn, func(ctx context.Context, conn *pgx.Conn) (err error) {
+				infos, err = queryLeases(ctx, conn, &args[0])
 				return err
-			}
-			defer conn.Close(ctx)
-			infos, err := queryLeases(ctx, conn, &args[0])
+			})
 			if err != nil {
 				return err
 			}
