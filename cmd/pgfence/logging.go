@@ -57,7 +57,6 @@ func newLogger(level zap.AtomicLevel, format string, w io.Writer) *zap.Logger {
 	var enc zapcore.Encoder
 	if format == "text" {
 		ec.EncodeLevel = zapcore.CapitalLevelEncoder
-		ec.EncodeTime = zapcore.TimeEncoderOfLayout("15:04:05.000")
 		ec.ConsoleSeparator = "  "
 		enc = zapcore.NewConsoleEncoder(ec)
 	} else {

@@ -153,7 +153,7 @@ func mustRead(t *testing.T, path string) string {
 }
 
 // textEntry is the start of a text log line: time, level, message.
-var textEntry = regexp.MustCompile(`^\d\d:\d\d:\d\d\.\d{3}  (DEBUG|INFO|WARN|ERROR)  \S`)
+var textEntry = regexp.MustCompile(`^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}(Z|[+-]\d{4})  (DEBUG|INFO|WARN|ERROR)  \S`)
 
 // lockedBuffer is a bytes.Buffer safe for a logger and a test to share.
 type lockedBuffer struct {

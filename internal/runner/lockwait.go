@@ -192,7 +192,7 @@ func watchedAcquire(ctx context.Context, db *pgx.Conn, cfg *pgx.ConnConfig, log 
 			if len(last) == 0 {
 				return fence.Lease{}, fmt.Errorf("%w: no answer from the database within %s: %w", ErrLockTimeout, lockTimeout, r.err)
 			}
-			return fence.Lease{}, fmt.Errorf("%w: job %q's fence row is still locked after %s by %s; end that transaction (or SELECT pg_terminate_backend(%d)) and try again",
+			return fence.Lease{}, fmt.Errorf("%w: job %q: still locked after %s by %s; end that transaction (or SELECT pg_terminate_backend(%d)) and try again",
 				ErrLockTimeout, jobKey, lockTimeout, blockerList(last), last[0].PID)
 		}
 	}
