@@ -4,8 +4,15 @@ PKGS     ?= ./...
 TESTFLAGS ?=
 DURATION ?= 5m
 SEED     ?=
+PORT     ?= 6432
+PREFIX   ?= $(HOME)/.local
+# The version and commit pgfence version prints (main.version, main.commit).
+VERSION  ?= $(shell git describe --tags --dirty 2>/dev/null || echo devel)
+COMMIT   ?= $(shell git rev-parse HEAD 2>/dev/null)$(shell git diff --quiet HEAD 2>/dev/null || echo -dirty)
+GO_LDFLAGS ?= -X main.version=$(VERSION) -X main.commit=$(COMMIT)
+export GO GO_LDFLAGS
 
-.PHONY: help dev test test-race bench lint build deps chaos
+.PHONY: help dev test test-race bench lint build install deps chaos
 
 help: ## show this help
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -14,11 +21,17 @@ deps: ## install PostgreSQL if missing and download Go modules
 	@./scripts/ensure-postgres.sh
 	@$(GO) mod download
 
-build: ## build bin/pgfence
-	$(GO) build -o bin/pgfence ./cmd/pgfence
+build: ## build bin/pgfence, with this checkout's version and commit
+	@./scripts/build.sh bin/pgfence
 
-dev: deps build ## throwaway primary + replica + proxy, with psql lines to try
-	./bin/pgfence dev
+install: build ## install bin/pgfence as $(PREFIX)/bin/pgfence (PREFIX=~/.local by default)
+	@install -d "$(DESTDIR)$(PREFIX)/bin"
+	@install -m 0755 bin/pgfence "$(DESTDIR)$(PREFIX)/bin/pgfence"
+	@echo "installed $(DESTDIR)$(PREFIX)/bin/pgfence"
+	@case ":$$PATH:" in *":$(PREFIX)/bin:"*) ;; *) echo "note: $(PREFIX)/bin is not on your PATH: export PATH=\"$(PREFIX)/bin:\$$PATH\"";; esac
+
+dev: deps ## throwaway primary + replica + proxy, with psql lines to try (PORT=6432)
+	@./scripts/dev.sh $(PORT)
 
 # The proxy package (the wire loop, its goroutines and the gate) runs
 # with the race detector in make test too: it costs it little (its tests

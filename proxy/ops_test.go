@@ -489,7 +489,7 @@ func TestSessionLogFields(t *testing.T) {
 		}
 		want := []string{"client", "user", "database", "backend_pid"}
 		if msg == "session closed" {
-			want = append(want, "duration")
+			want = append(want, "duration_ms")
 		}
 		for _, k := range want {
 			if seen[k] != 1 {

@@ -124,7 +124,7 @@ func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
 			var ne net.Error
 			if errors.As(err, &ne) && ne.Timeout() {
 				delay = min(max(2*delay, 5*time.Millisecond), time.Second)
-				s.log.Warn("accept failed; retrying", zap.Error(err), zap.Duration("delay", delay))
+				s.log.Warn("accept failed; retrying", zap.Error(err), zap.Int64("delay_ms", delay.Milliseconds()))
 				time.Sleep(delay)
 				continue
 			}
@@ -281,7 +281,7 @@ func (s *Server) handle(c net.Conn) {
 	log.Info("session open")
 	err = sess.run()
 	s.dropCancelKey(sess)
-	fields := []zap.Field{zap.Duration("duration", time.Since(start))}
+	fields := []zap.Field{zap.Float64("duration_ms", float64(time.Since(start).Microseconds())/1000)}
 	if err != nil {
 		fields = append(fields, zap.NamedError("reason", err))
 	}

@@ -11,17 +11,10 @@ import (
 	"github.com/pgfence/pgfence/audit"
 )
 
-// Exit codes of pgfence audit.
-const (
-	auditExitViolations = 1  // the history violates a guarantee
-	auditExitError      = 70 // the audit could not run (EX_SOFTWARE)
-)
-
 func newAuditCmd() *cobra.Command {
 	var (
 		dsn, since, until string
 		results           []string
-		asJSON            bool
 		maxViolations     int
 	)
 	cmd := &cobra.Command{
@@ -51,12 +44,12 @@ every commit of the default step writes a row with its token, or :upsert when
 it writes the job's single row that a larger token overwrites; then each such
 receipt also needs its row. Do not use them for a table only some jobs write.
 
-Exit status: 0 with no violation, 1 with violations, 70 when the audit could
-not run (bad flags, connection or query errors).`,
+Exit status: 0 with no violation, 1 with violations; when the audit could not
+run, the codes of docs/cli.md (64 bad flags, 69 database unreachable, ...).`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			ctx := cmd.Context()
-			fail := func(err error) error { return &exitError{code: auditExitError, msg: err.Error()} }
+			fail := func(err error) error { return usageError(err.Error()) }
 			opts := audit.Options{MaxViolations: maxViolations}
 			now := time.Now()
 			var err error
@@ -75,15 +68,15 @@ not run (bad flags, connection or query errors).`,
 			}
 			conn, err := connectDatabase(ctx, cmd, dsn)
 			if err != nil {
-				return fail(err)
+				return err
 			}
 			defer conn.Close(ctx)
 			rep, err := audit.Run(ctx, conn, opts)
 			if err != nil {
-				return fail(err)
+				return err
 			}
 			out := cmd.OutOrStdout()
-			if asJSON {
+			if jsonFlag(cmd) {
 				enc := json.NewEncoder(out)
 				enc.SetIndent("", "  ")
 				err = enc.Encode(rep)
@@ -91,22 +84,18 @@ not run (bad flags, connection or query errors).`,
 				err = rep.WriteText(out)
 			}
 			if err != nil {
-				return fail(fmt.Errorf("write report: %w", err))
+				return fmt.Errorf("write report: %w", err)
 			}
 			if !rep.OK() {
-				return &exitError{code: auditExitViolations}
+				return &exitError{code: exitViolations}
 			}
 			return nil
 		},
 	}
-	cmd.SetFlagErrorFunc(func(_ *cobra.Command, err error) error {
-		return &exitError{code: auditExitError, msg: err.Error()}
-	})
-	addDatabaseFlag(cmd, &dsn)
-	cmd.Flags().StringVar(&since, "since", "", "audit history from this time on (RFC 3339, YYYY-MM-DD, or a duration ago such as 24h)")
+	cmd.Flags().StringVar(&dsn, "database", "", databaseHelp)
+	cmd.Flags().StringVar(&since, "since", "", "audit history from this time on (RFC 3339, YYYY-MM-DD, or a duration ago such as 24h or 7d)")
 	cmd.Flags().StringVar(&until, "until", "", "audit history before this time (same forms as --since)")
 	cmd.Flags().StringArrayVar(&results, "result", nil, "TABLE:JOBCOL:TOKENCOL[:rows|every|upsert], a table whose rows carry their generation (repeatable)")
-	cmd.Flags().BoolVar(&asJSON, "json", false, "print the report as JSON")
 	cmd.Flags().IntVar(&maxViolations, "max-violations", 100, "violations shown per check (the rest are counted)")
 	return cmd
 }
@@ -123,7 +112,7 @@ func parseAuditTime(s string, now time.Time) (time.Time, error) {
 	if t, err := time.ParseInLocation(time.DateOnly, s, time.Local); err == nil {
 		return t, nil
 	}
-	if d, err := time.ParseDuration(strings.TrimPrefix(s, "-")); err == nil {
+	if d, err := parseDuration(strings.TrimPrefix(s, "-")); err == nil {
 		return now.Add(-d), nil
 	}
 	return time.Time{}, fmt.Errorf("%q is not an RFC 3339 time, a date (YYYY-MM-DD) or a duration (24h)", s)

@@ -90,16 +90,19 @@ func TestAuditCLI(t *testing.T) {
 		t.Fatalf("text report: got\n%s\nwant the forged row under check 2", out)
 	}
 
-	for _, args := range [][]string{
-		{"--since", "yesterday-ish"},
-		{"--result", "results:job_key"},
-		{"--result", "results:job_key:token:sometimes"},
-		{"--result", "no_such_table:a:b"},
-		{"--no-such-flag"},
+	for _, tt := range []struct {
+		args []string
+		code int
+	}{
+		{[]string{"--since", "yesterday-ish"}, exitUsage},
+		{[]string{"--result", "results:job_key"}, exitUsage},
+		{[]string{"--result", "results:job_key:token:sometimes"}, exitUsage},
+		{[]string{"--no-such-flag"}, exitUsage},
+		{[]string{"--result", "no_such_table:a:b"}, exitDataErr},
 	} {
-		_, err := pgfence(t, append([]string{"audit", "--database", dsn}, args...)...)
-		wantExit(t, err, 70)
+		_, err := pgfence(t, append([]string{"audit", "--database", dsn}, tt.args...)...)
+		wantExit(t, err, tt.code)
 	}
 	_, err = pgfence(t, "audit", "--database", "postgres://127.0.0.1:1/x?connect_timeout=2")
-	wantExit(t, err, 70)
+	wantExit(t, err, exitUnavailable)
 }

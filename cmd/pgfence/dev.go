@@ -2,11 +2,14 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"net"
 	"os"
 	"path/filepath"
+	"strings"
+	"syscall"
 	"text/template"
 	"time"
 
@@ -45,36 +48,62 @@ PostgreSQL binaries, installs the fence schema and a demo protected table
 "results", and prints a walkthrough: acquire a lease, write, take over from a
 second terminal, watch the stale write get refused with FN001.
 
+The proxy runs as pgfence serve would: it logs to stderr (text on a
+terminal), and its admin console answers user postgres in the virtual
+database pgfence. With --json, the addresses are printed as one JSON object
+instead of the walkthrough.
+
 Everything (processes and files) is removed on Ctrl-C.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
-			return runDev(cmd.Context(), cmd.OutOrStdout(), !noReplica, listen)
+			log, err := commandLogger(cmd)
+			if err != nil {
+				return usageError(err.Error())
+			}
+			return runDev(cmd.Context(), cmd.OutOrStdout(), !noReplica, listen, log, jsonFlag(cmd))
 		},
 	}
 	cmd.Flags().BoolVar(&noReplica, "no-replica", false, "start the primary only")
-	cmd.Flags().StringVar(&listen, "listen", "127.0.0.1:6432", "address of the pgfence proxy (port 0 picks a free one)")
+	cmd.Flags().StringVar(&listen, "listen", "127.0.0.1:6432", "address of the pgfence proxy (port 0 picks a free one; make dev PORT=N sets it)")
 	return cmd
 }
 
 type devEnv struct {
-	Bin      string
-	Primary  string
-	Replica  string
-	Entry    string // the DSN workers use: the proxy when it runs, else the primary
-	Database string
-	Job      string
+	Bin      string `json:"-"`
+	Primary  string `json:"primary"`
+	Replica  string `json:"replica,omitempty"`
+	Entry    string `json:"pgfence"` // the DSN workers use: the proxy when it runs, else the primary
+	Console  string `json:"console"` // the proxy's admin console
+	Database string `json:"database"`
+	Job      string `json:"job_key"`
 }
 
-func runDev(ctx context.Context, out io.Writer, replica bool, listen string) error {
-	fmt.Fprintln(out, "pgfence dev: starting a throwaway PostgreSQL cluster...")
+func runDev(ctx context.Context, out io.Writer, replica bool, listen string, log *zap.Logger, asJSON bool) error {
+	// Listen first: a busy port is found before the cluster starts.
+	ln, err := net.Listen("tcp", listen)
+	if err != nil {
+		ee := exitWith(listenError(listen, "--listen", err))
+		if errors.Is(err, syscall.EADDRINUSE) {
+			ee.hint += "; with make: make dev PORT=" + portOf(nextPort(listen))
+		}
+		return ee
+	}
+	defer ln.Close()
+	if !asJSON {
+		fmt.Fprintln(out, "pgfence dev: starting a throwaway PostgreSQL cluster...")
+	}
 	c, err := pgtest.Start(ctx, pgtest.Options{Replica: replica})
 	if err != nil {
 		return err
 	}
 	defer func() {
-		fmt.Fprintln(out, "\npgfence dev: stopping and removing the cluster...")
+		if !asJSON {
+			fmt.Fprintln(out, "\npgfence dev: stopping and removing the cluster...")
+		}
 		c.Close()
-		fmt.Fprintln(out, "pgfence dev: done")
+		if !asJSON {
+			fmt.Fprintln(out, "pgfence dev: done")
+		}
 	}()
 	if err := devSetup(ctx, c); err != nil {
 		return err
@@ -88,25 +117,27 @@ func runDev(ctx context.Context, out io.Writer, replica bool, listen string) err
 	if c.Replica != nil {
 		env.Replica = c.Replica.DSN(devDatabase)
 	}
-	log := zap.NewNop()
-	gate, err := proxy.NewFence(proxy.FenceConfig{Primary: c.Primary.DSN("postgres")}, log)
+	gate, err := proxy.NewFence(proxy.FenceConfig{Primary: c.Primary.DSN("postgres")}, log.Named("gate"))
 	if err != nil {
 		return err
 	}
 	defer gate.Close()
-	srv, err := proxy.New(proxy.Config{Primary: c.Primary.DSN("postgres"), Interceptor: gate}, log)
+	srv, err := proxy.New(proxy.Config{Primary: c.Primary.DSN("postgres"), Interceptor: gate, AdminUsers: []string{"postgres"}}, log)
 	if err != nil {
 		return err
-	}
-	ln, err := net.Listen("tcp", listen)
-	if err != nil {
-		return fmt.Errorf("listen: %w", err)
 	}
 	served := make(chan error, 1)
 	go func() { served <- srv.Serve(ctx, ln) }()
 	port := ln.Addr().(*net.TCPAddr).Port
+	log.Info("listening", zap.String("addr", ln.Addr().String()), zap.String("auth", string(proxy.AuthTrust)), zap.Bool("tls", false))
 	env.Entry = fmt.Sprintf("postgres://postgres@127.0.0.1:%d/%s?sslmode=disable", port, devDatabase)
-	if err := devWalkthrough.Execute(out, env); err != nil {
+	env.Console = fmt.Sprintf("postgres://postgres@127.0.0.1:%d/%s?sslmode=disable", port, proxy.AdminDatabase)
+	if asJSON {
+		err = printJSON(out, env)
+	} else {
+		err = devWalkthrough.Execute(out, env)
+	}
+	if err != nil {
 		return err
 	}
 	select {
@@ -152,6 +183,14 @@ func devSetup(ctx context.Context, c *pgtest.Cluster) error {
 	return nil
 }
 
+// portOf is the port of addr.
+func portOf(addr string) string {
+	if i := strings.LastIndexByte(addr, ':'); i >= 0 {
+		return addr[i+1:]
+	}
+	return addr
+}
+
 func executablePath() string {
 	p, err := os.Executable()
 	if err != nil {
@@ -170,10 +209,13 @@ pgfence dev is running. Press Ctrl-C to stop; everything is removed.
 {{- if .Replica}}
   replica:  {{.Replica}}{{end}}
   pgfence:  {{.Entry}}   (workers connect here)
+  console:  psql '{{.Console}}' -c 'SHOW HELP'
 
 A protected table "results" exists in database "{{.Database}}".
 Walk through a takeover in two shells (bash). Terminal A is alice, a worker
 that takes the lease and then stalls; terminal B is bob, who takes over.
+(VERBOSITY=verbose makes psql show each error's SQLSTATE; the proxy's log
+on this terminal's stderr says what it refused.)
 
   # A: alice takes the lease for 10 seconds ... and stalls before writing
   eval "$({{.Bin}} lease acquire --database '{{.Primary}}' --job {{.Job}} --holder alice --ttl 10s)"
@@ -182,26 +224,26 @@ that takes the lease and then stalls; terminal B is bob, who takes over.
   # B, once alice's 10 s have passed: bob takes over and writes his result
   eval "$({{.Bin}} lease acquire --database '{{.Primary}}' --job {{.Job}} --holder bob --ttl 5m)"
   export PGOPTIONS="-c fence.job_key={{.Job}} -c fence.epoch=$epoch -c fence.token=$token"
-  psql '{{.Entry}}' -c "INSERT INTO results VALUES ('{{.Job}}', 'from bob', $token)
+  psql -v VERBOSITY=verbose '{{.Entry}}' -c "INSERT INTO results VALUES ('{{.Job}}', 'from bob', $token)
       ON CONFLICT (job_key) DO UPDATE SET payload = excluded.payload, token = excluded.token
       WHERE results.token < excluded.token"
 
   # A: alice wakes up and writes with her old token: refused, FN001 (stale token)
-  psql '{{.Entry}}' -c "INSERT INTO results VALUES ('{{.Job}}', 'from alice', $token)
+  psql -v VERBOSITY=verbose '{{.Entry}}' -c "INSERT INTO results VALUES ('{{.Job}}', 'from alice', $token)
       ON CONFLICT (job_key) DO UPDATE SET payload = excluded.payload, token = excluded.token"
 
   # B: bob lost the answer to his commit and retries the same write:
   #    NOTICE ... idempotent replay, nothing applied twice
-  psql '{{.Entry}}' -c "INSERT INTO results VALUES ('{{.Job}}', 'from bob', $token)
+  psql -v VERBOSITY=verbose '{{.Entry}}' -c "INSERT INTO results VALUES ('{{.Job}}', 'from bob', $token)
       ON CONFLICT (job_key) DO UPDATE SET payload = excluded.payload, token = excluded.token
       WHERE results.token < excluded.token"
 
   # B: the same token with different content is a conflict, FN003
-  psql '{{.Entry}}' -c "UPDATE results SET payload = 'something else' WHERE job_key = '{{.Job}}'"
+  psql -v VERBOSITY=verbose '{{.Entry}}' -c "UPDATE results SET payload = 'something else' WHERE job_key = '{{.Job}}'"
 
   # anyone: writing a protected table without a token is refused, FN008
-  PGOPTIONS= psql '{{.Entry}}' -c "DELETE FROM results"
+  PGOPTIONS= psql -v VERBOSITY=verbose '{{.Entry}}' -c "DELETE FROM results"
 
   # the state: the fence, the receipts, the result
-  PGOPTIONS= psql '{{.Entry}}' -c "SELECT * FROM fence.fences" -c "SELECT job_key, epoch, token, step, committed_at FROM fence.receipts" -c "SELECT * FROM results"
+  PGOPTIONS= psql -v VERBOSITY=verbose '{{.Entry}}' -c "SELECT * FROM fence.fences" -c "SELECT job_key, epoch, token, step, committed_at FROM fence.receipts" -c "SELECT * FROM results"
 `))

@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -30,6 +31,7 @@ type devSection struct {
 // devWalk is what the test learns from pgfence dev's stdout.
 type devWalk struct {
 	primary, replica, entry string
+	console                 string // the printed psql line for the admin console
 	sections                []devSection
 }
 
@@ -136,14 +138,11 @@ func TestDevWalkthrough(t *testing.T) {
 
 	// The terminals: each step's lines run in a new bash that first loads
 	// what its terminal's earlier steps left in the shell (eval of the lease
-	// output, export PGOPTIONS) and saves it afterwards. PSQLRC turns on
-	// VERBOSITY verbose so psql prints the SQLSTATE; the printed lines are run
+	// output, export PGOPTIONS) and saves it afterwards. No psqlrc is read
+	// (HOME is the test's directory): the printed lines themselves must
+	// make psql show the SQLSTATEs the walkthrough promises. They are run
 	// unchanged.
-	rc := filepath.Join(dir, "psqlrc")
-	if err := os.WriteFile(rc, []byte("\\set VERBOSITY verbose\n"), 0o644); err != nil {
-		t.Fatal(err)
-	}
-	termEnv := cleanEnv([]string{"PSQLRC=" + rc, "HOME=" + dir})
+	termEnv := cleanEnv([]string{"HOME=" + dir})
 	term := func(name, script string) string {
 		t.Helper()
 		state := filepath.Join(dir, "terminal-"+name+".sh")
@@ -256,6 +255,13 @@ func TestDevWalkthrough(t *testing.T) {
 		t.Errorf("results has %s rows, want 1", got)
 	}
 
+	// The admin console answers, as pgfence serve's does.
+	if walk.console == "" {
+		t.Error("pgfence dev printed no console line")
+	} else if out := term("console", walk.console); !strings.Contains(out, "SHOW") {
+		t.Errorf("console line %q: got\n%s\nwant the console's help", walk.console, out)
+	}
+
 	// Ctrl-C.
 	if err := syscall.Kill(-dev.Process.Pid, syscall.SIGINT); err != nil {
 		t.Fatal(err)
@@ -280,6 +286,10 @@ func TestDevWalkthrough(t *testing.T) {
 	}
 	if tail := strings.Join(rest, "\n"); !strings.Contains(tail, "pgfence dev: done") {
 		t.Errorf("pgfence dev did not report it was done after SIGINT:\n%s", tail)
+	}
+	// The proxy logged as pgfence serve does: JSON, as stderr is no terminal.
+	if logs := stderr.String(); !strings.Contains(logs, `"msg":"listening"`) || !strings.Contains(logs, `"msg":"session open"`) {
+		t.Errorf("pgfence dev's proxy did not log its listener and sessions; stderr:\n%s", logs)
 	}
 
 	// Nothing left behind.
@@ -330,6 +340,8 @@ func readWalkthrough(t *testing.T, lines <-chan string, stderr *bytes.Buffer) (d
 			// Inside a quoted string: part of the current command.
 			cur.script += "\n" + strings.TrimPrefix(line, "  ")
 			q.feed(line)
+		case cur == nil && strings.HasPrefix(line, "  console:"):
+			w.console = strings.TrimSpace(strings.TrimPrefix(line, "  console:"))
 		case strings.HasPrefix(line, "  primary:"), strings.HasPrefix(line, "  replica:"), strings.HasPrefix(line, "  pgfence:"):
 			f := strings.Fields(line)
 			if len(f) < 2 {
@@ -489,4 +501,58 @@ func processesMentioning(t *testing.T, s string) []string {
 		}
 	}
 	return procs
+}
+
+// A busy port is reported before anything starts, naming the address and
+// how to pick another, by pgfence dev and by make dev's script (which
+// checks before the build).
+func TestDevPortInUse(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	addr := ln.Addr().String()
+	_, port, _ := net.SplitHostPort(addr)
+	next := strconv.Itoa(mustAtoi(t, port) + 1)
+	before := pgtestDirs(t)
+	code, stdout, stderr := pgfenceExit(t, nil, "dev", "--listen", addr)
+	if code != exitUnavailable || stdout != "" {
+		t.Errorf("pgfence dev on a busy port: exit %d, stdout %q; want %d and nothing", code, stdout, exitUnavailable)
+	}
+	for _, want := range []string{addr + ": the address is in use", "--listen 127.0.0.1:" + next, "make dev PORT=" + next} {
+		if !strings.Contains(stderr, want) {
+			t.Errorf("stderr lacks %q:\n%s", want, stderr)
+		}
+	}
+	for d := range pgtestDirs(t) {
+		if !before[d] {
+			t.Errorf("a cluster was started (%s) although the port was busy", d)
+		}
+	}
+
+	cmd := exec.Command("./scripts/dev.sh", port)
+	cmd.Dir = filepath.Join("..", "..")
+	out, err := cmd.CombinedOutput()
+	var ee *exec.ExitError
+	if !errors.As(err, &ee) || ee.ExitCode() != exitUnavailable {
+		t.Fatalf("scripts/dev.sh %s: %v, want exit %d\n%s", port, err, exitUnavailable, out)
+	}
+	for _, want := range []string{"port " + port + " on 127.0.0.1 is in use", "make dev PORT=" + next} {
+		if !strings.Contains(string(out), want) {
+			t.Errorf("scripts/dev.sh output lacks %q:\n%s", want, out)
+		}
+	}
+	if strings.Contains(string(out), "building") {
+		t.Errorf("scripts/dev.sh built before finding the port busy:\n%s", out)
+	}
+}
+
+func mustAtoi(t *testing.T, s string) int {
+	t.Helper()
+	n, err := strconv.Atoi(s)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return n
 }

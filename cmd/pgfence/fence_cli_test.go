@@ -11,7 +11,8 @@ import (
 	"time"
 )
 
-// pgfence runs the CLI in-process and returns stdout and the error.
+// pgfence runs the CLI in-process and returns stdout and the error,
+// classified as the process would exit with it.
 func pgfence(t *testing.T, args ...string) (string, error) {
 	t.Helper()
 	t.Setenv("PGFENCE_DATABASE_URL", "")
@@ -23,8 +24,24 @@ func pgfence(t *testing.T, args ...string) (string, error) {
 	root.SetErr(&errOut)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	err := root.ExecuteContext(ctx)
+	err := runRoot(ctx, root)
 	return out.String(), err
+}
+
+// pgfenceExit runs the CLI in-process as main does: it returns the exit
+// code, stdout and stderr.
+func pgfenceExit(t *testing.T, env map[string]string, args ...string) (int, string, string) {
+	t.Helper()
+	t.Setenv("PGFENCE_DATABASE_URL", "")
+	t.Setenv("DATABASE_URL", "")
+	for k, v := range env {
+		t.Setenv(k, v)
+	}
+	var out, errOut bytes.Buffer
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	code := execute(ctx, args, &out, &errOut)
+	return code, out.String(), errOut.String()
 }
 
 func mustRun(t *testing.T, args ...string) string {
@@ -125,9 +142,9 @@ func TestFenceCLI(t *testing.T) {
 	if _, err := time.Parse(time.RFC3339Nano, a["expires_at"]); err != nil {
 		t.Fatalf("expires_at %q: %v", a["expires_at"], err)
 	}
-	// bob is refused while alice's lease is live: exit 3.
+	// bob is refused while alice's lease is live: exit 75.
 	_, err = pgfence(t, "lease", "acquire", "--database", dsn, "--job", "nightly report", "--holder", "bob")
-	wantExit(t, err, exitLeaseHeld)
+	wantExit(t, err, exitTempFail)
 
 	r := kv(t, mustRun(t, "lease", "renew", "--database", dsn, "--job", "nightly report", "--token", a["token"], "--ttl", "1m"))
 	if r["token"] != a["token"] {
@@ -144,11 +161,11 @@ func TestFenceCLI(t *testing.T) {
 	if err := json.Unmarshal([]byte(out), &b); err != nil || b.Token <= tokA {
 		t.Fatalf("acquire --json: %q, %v", out, err)
 	}
-	// alice's token is stale now: exit 4.
+	// alice's token is stale now: exit 76, lease lost.
 	_, err = pgfence(t, "lease", "renew", "--database", dsn, "--job", "nightly report", "--token", a["token"])
-	wantExit(t, err, exitStale)
+	wantExit(t, err, exitLeaseLost)
 	_, err = pgfence(t, "lease", "release", "--database", dsn, "--job", "nightly report", "--token", a["token"])
-	wantExit(t, err, exitStale)
+	wantExit(t, err, exitLeaseLost)
 	bt := strconv.FormatInt(b.Token, 10)
 
 	// bob writes a result with a receipt, then releases and retires.
@@ -192,13 +209,7 @@ func TestFenceCLI(t *testing.T) {
 		t.Fatalf("fence after retire: %v, %v", retired, err)
 	}
 	_, err = pgfence(t, "lease", "acquire", "--database", dsn, "--job", "", "--holder", "x")
-	if err == nil {
-		t.Fatal("acquire with an empty job key succeeded")
-	}
-	var ee *exitError
-	if errors.As(err, &ee) {
-		t.Fatalf("bad input must exit 1, got exit %d", ee.code)
-	}
+	wantExit(t, err, exitUsage)
 
 	if out := mustRun(t, "protect", "remove", "results", "--database", dsn); !strings.Contains(out, "unprotected results") {
 		t.Fatalf("protect remove: %q", out)
@@ -207,7 +218,7 @@ func TestFenceCLI(t *testing.T) {
 		t.Fatalf("protect list after remove: %q", out)
 	}
 	help := mustRun(t, "lease", "acquire", "--help")
-	if !strings.Contains(help, "3  the lease is held") || !strings.Contains(help, "4  the token is stale") {
+	if !strings.Contains(help, "75  the lease is held") || !strings.Contains(help, "76  the token is stale") {
 		t.Fatalf("lease acquire --help does not document the exit codes:\n%s", help)
 	}
 }

@@ -34,11 +34,14 @@ deleted. --keep should exceed the retry window plus the longest message delay.`,
 			if err != nil {
 				return err
 			}
-			fmt.Fprintf(cmd.OutOrStdout(), "pruned %d receipts older than %s\n", n, keep)
+			if jsonFlag(cmd) {
+				return printJSON(cmd.OutOrStdout(), map[string]any{"pruned": n, "keep_ms": keep.Milliseconds()})
+			}
+			fmt.Fprintf(cmd.OutOrStdout(), "pruned %d receipts older than %s\n", n, formatDuration(keep))
 			return nil
 		},
 	}
-	addDatabaseFlag(cmd, &dsn)
-	cmd.Flags().DurationVar(&keep, "keep", 168*time.Hour, "keep receipts committed within this long")
+	cmd.Flags().StringVar(&dsn, "database", "", databaseHelp)
+	cmd.Flags().Var(newDuration(&keep, 7*24*time.Hour), "keep", "keep receipts committed within this long, e.g. 7d, 720h")
 	return cmd
 }

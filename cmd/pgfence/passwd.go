@@ -23,7 +23,9 @@ of stdin) and print a line for the --auth-file of pgfence serve:
 
   "USER" "SCRAM-SHA-256$4096:<salt>$<StoredKey>:<ServerKey>"
 
-The file never holds the password itself, only the verifier.`,
+The file never holds the password itself, only the verifier. In a script:
+
+  pgfence passwd app <<<"$APP_PASSWORD" >>users.txt`,
 		Args: cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			pw, err := readPassword(cmd.InOrStdin(), cmd.ErrOrStderr())
@@ -34,7 +36,11 @@ The file never holds the password itself, only the verifier.`,
 			if err != nil {
 				return err
 			}
-			_, err = fmt.Fprintln(cmd.OutOrStdout(), proxy.QuoteUserLine(args[0], v))
+			line := proxy.QuoteUserLine(args[0], v)
+			if jsonFlag(cmd) {
+				return printJSON(cmd.OutOrStdout(), map[string]string{"user": args[0], "verifier": v, "line": line})
+			}
+			_, err = fmt.Fprintln(cmd.OutOrStdout(), line)
 			return err
 		},
 	}

@@ -3,6 +3,7 @@ package main
 import (
 	"fmt"
 	"text/tabwriter"
+	"time"
 
 	"github.com/spf13/cobra"
 
@@ -11,15 +12,18 @@ import (
 
 func newProtectCmd() *cobra.Command {
 	var dsn string
-	cmd := &cobra.Command{
+	cmd := groupCmd(&cobra.Command{
 		Use:   "protect",
 		Short: "Manage protected tables (the backstop trigger)",
 		Long: `A protected table refuses every write that does not carry a current fencing
 token in the session settings fence.job_key, fence.epoch and fence.token: from
 the proxy, direct connections, functions, DO blocks, views and FK cascades.
-Members of the role pgfence_bypass are exempt (and logged).`,
-	}
-	cmd.PersistentFlags().StringVar(&dsn, "database", "", "database URL or DSN (default $PGFENCE_DATABASE_URL, else $DATABASE_URL, else libpq's PG* variables)")
+Members of the role pgfence_bypass are exempt (and logged).
+
+Run it as a DBA (the table's owner) on the database itself, not through the
+proxy.`,
+	})
+	addDatabaseFlag(cmd, &dsn)
 
 	var column string
 	add := &cobra.Command{
@@ -35,6 +39,9 @@ Members of the role pgfence_bypass are exempt (and logged).`,
 			defer conn.Close(ctx)
 			if err := fence.Protect(ctx, conn, args[0], column); err != nil {
 				return err
+			}
+			if jsonFlag(cmd) {
+				return printJSON(cmd.OutOrStdout(), map[string]any{"table": args[0], "protected": true})
 			}
 			fmt.Fprintf(cmd.OutOrStdout(), "protected %s\n", args[0])
 			return nil
@@ -55,6 +62,9 @@ Members of the role pgfence_bypass are exempt (and logged).`,
 			defer conn.Close(ctx)
 			if err := fence.Unprotect(ctx, conn, args[0]); err != nil {
 				return err
+			}
+			if jsonFlag(cmd) {
+				return printJSON(cmd.OutOrStdout(), map[string]any{"table": args[0], "protected": false})
 			}
 			fmt.Fprintf(cmd.OutOrStdout(), "unprotected %s\n", args[0])
 			return nil
@@ -77,6 +87,20 @@ Members of the role pgfence_bypass are exempt (and logged).`,
 				return err
 			}
 			out := cmd.OutOrStdout()
+			if jsonFlag(cmd) {
+				type row struct {
+					Schema       string    `json:"schema"`
+					Table        string    `json:"table"`
+					JobKeyColumn string    `json:"job_key_column,omitempty"`
+					ProtectedAt  time.Time `json:"protected_at"`
+					Exists       bool      `json:"exists"`
+				}
+				rows := []row{}
+				for _, t := range tables {
+					rows = append(rows, row{t.Schema, t.Table, t.JobKeyColumn, t.ProtectedAt, t.Exists})
+				}
+				return printJSON(out, rows)
+			}
 			if len(tables) == 0 {
 				fmt.Fprintln(out, "no protected tables")
 				return nil

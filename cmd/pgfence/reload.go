@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"net"
 	"net/http"
 	"os"
@@ -21,31 +22,51 @@ import (
 )
 
 // loadOpsConfig merges the operations settings (admin users, metrics
-// address, log level) from the environment and flags over the file's.
+// address, log level and format) from the environment and flags over the
+// file's.
 func loadOpsConfig(cmd *cobra.Command, cfg *serveConfig) error {
 	if v, ok := os.LookupEnv("PGFENCE_ADMIN_USERS"); ok {
 		cfg.AdminUsers = splitList(v)
+		cfg.from("admin_users", "env")
 	}
 	if f := cmd.Flags().Lookup("admin-users"); f != nil && f.Changed {
 		cfg.AdminUsers, _ = cmd.Flags().GetStringSlice("admin-users")
+		cfg.from("admin_users", "flag")
 	}
 	if v, ok := os.LookupEnv("PGFENCE_METRICS_LISTEN"); ok {
 		cfg.MetricsListen = v
+		cfg.from("metrics_listen", "env")
 	}
 	if f := cmd.Flags().Lookup("metrics-listen"); f != nil && f.Changed {
 		cfg.MetricsListen = f.Value.String()
+		cfg.from("metrics_listen", "flag")
 	}
-	if v, ok := os.LookupEnv("PGFENCE_LOG_LEVEL"); ok {
-		cfg.LogLevel = v
-	}
-	if f := cmd.Flag("log-level"); f != nil && f.Changed {
-		cfg.LogLevel = f.Value.String()
+	// The root flags' defaults come from the environment; they are
+	// recorded as "env" when the variable is set, "flag" when given.
+	for _, k := range []struct {
+		key string
+		dst *string
+	}{{"log-level", &cfg.LogLevel}, {"log-format", &cfg.LogFormat}} {
+		if v, ok := os.LookupEnv("PGFENCE_" + envName(k.key)); ok {
+			*k.dst = v
+			cfg.from(k.key, "env")
+		}
+		if f := cmd.Flag(k.key); f != nil && f.Changed {
+			*k.dst = f.Value.String()
+			cfg.from(k.key, "flag")
+		}
 	}
 	if cfg.LogLevel == "" {
 		cfg.LogLevel = "info"
 	}
 	if _, err := zapcore.ParseLevel(cfg.LogLevel); err != nil {
 		return fmt.Errorf("log level: %w", err)
+	}
+	if cfg.LogFormat == "" {
+		cfg.LogFormat = "auto"
+	}
+	if _, err := logFormat(cfg.LogFormat, false, nil); err != nil {
+		return err
 	}
 	return nil
 }
@@ -66,13 +87,18 @@ func (c serveConfig) extraSettings() []proxy.Setting {
 	if c.level != nil {
 		lvl = c.level.Level().String()
 	}
-	return []proxy.Setting{
+	set := []proxy.Setting{
 		{Key: "listen", Value: c.Listen},
 		{Key: "metrics_listen", Value: c.MetricsListen},
 		{Key: "no_gate", Value: strconv.FormatBool(c.NoGate)},
 		{Key: "no_event_loop", Value: strconv.FormatBool(c.NoEventLoop)},
 		{Key: "log_level", Value: lvl, Reloadable: true},
+		{Key: "log_format", Value: c.LogFormat},
 	}
+	for i := range set {
+		set[i].Source = c.sources[set[i].Key]
+	}
+	return set
 }
 
 // reloader returns the proxy's Config.Reload: it re-reads the file and the
@@ -118,7 +144,20 @@ func (c serveConfig) reloader(log *zap.Logger) func() (proxy.Config, *proxy.Relo
 		}
 		shown := c // what runs: only the log level changes without a restart
 		shown.LogLevel = lvl.String()
+		// Where the running values came from: the new sources, except for
+		// the settings that keep their old value until a restart.
+		shown.sources = maps.Clone(next.sources)
+		if shown.sources == nil {
+			shown.sources = map[string]string{}
+		}
+		for _, k := range rep.Restart {
+			shown.sources[k] = c.sources[k]
+		}
+		for _, k := range []string{"log_format", "primary", "max_message_size", "shutdown_timeout"} {
+			shown.sources[k] = c.sources[k]
+		}
 		pc.ExtraSettings = shown.extraSettings()
+		pc.Sources = shown.sources
 		return pc, rep, nil
 	}
 }
@@ -143,7 +182,7 @@ func (c serveConfig) startOps(srv *proxy.Server, log *zap.Logger) (func(), error
 				select {
 				case <-hup:
 					if _, err := srv.ReloadFromSource(); err != nil {
-						log.Error("reload on SIGHUP failed; the running configuration is unchanged", zap.Error(err))
+						log.Error("reload on SIGHUP failed; the running configuration is unchanged", zap.String("error", oneLine(err)))
 					}
 				case <-done:
 					return

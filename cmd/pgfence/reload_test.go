@@ -1,6 +1,7 @@
 package main
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -10,7 +11,9 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -147,4 +150,90 @@ func mustRead(t *testing.T, path string) string {
 		t.Fatal(err)
 	}
 	return string(b)
+}
+
+// textEntry is the start of a text log line: time, level, message.
+var textEntry = regexp.MustCompile(`^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}(Z|[+-]\d{4})  (DEBUG|INFO|WARN|ERROR)  \S`)
+
+// lockedBuffer is a bytes.Buffer safe for a logger and a test to share.
+type lockedBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (l *lockedBuffer) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+func (l *lockedBuffer) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.String()
+}
+
+// A reload that fails on SIGHUP logs the reason on one line, in the text
+// format a terminal gets, without a stack trace.
+func TestReloadFailureIsOneLine(t *testing.T) {
+	clearServeEnv(t)
+	addr := freeAddr(t)
+	file := filepath.Join(t.TempDir(), "pgfence.toml")
+	if err := os.WriteFile(file, []byte(fmt.Sprintf("listen = %q\nprimary = %q\n", addr, cluster.Primary.DSN("postgres"))), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	cmd := serveCommand(t, "--config", file)
+	cfg, err := loadServeConfig(cmd)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var logs lockedBuffer
+	log, level, err := serveLogger("info", "text", false, &logs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.level = &level
+	cfg.reload = func() (serveConfig, error) { return loadServeConfig(cmd) }
+	ctx, stop := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- runServe(ctx, cfg, log) }()
+	t.Cleanup(func() {
+		stop()
+		if err := <-done; err != nil {
+			t.Errorf("serve: %v", err)
+		}
+	})
+	tctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	if err := pgtest.Poll(tctx, func() (bool, error) { return strings.Contains(logs.String(), "listening"), nil }); err != nil {
+		t.Fatalf("serve never listened; logs:\n%s", logs.String())
+	}
+	// A TOML syntax error spanning lines, and a bad value.
+	if err := os.WriteFile(file, []byte("listen = \"unterminated\nmax_clients = [\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := syscall.Kill(os.Getpid(), syscall.SIGHUP); err != nil {
+		t.Fatal(err)
+	}
+	if err := pgtest.Poll(tctx, func() (bool, error) { return strings.Contains(logs.String(), "reload on SIGHUP failed"), nil }); err != nil {
+		t.Fatalf("no reload failure logged:\n%s", logs.String())
+	}
+	out := logs.String()
+	var failed []string
+	for _, line := range strings.Split(strings.TrimSpace(out), "\n") {
+		if !textEntry.MatchString(line) {
+			t.Errorf("a log line that is not an entry (a continuation, a stack frame?): %q", line)
+		}
+		if strings.Contains(line, "reload on SIGHUP failed") {
+			failed = append(failed, line)
+		}
+	}
+	if len(failed) != 1 || !strings.Contains(failed[0], file) || strings.Fields(failed[0])[1] != "ERROR" {
+		t.Errorf("want one ERROR line naming %s, got %q", file, failed)
+	}
+	for _, bad := range []string{"stacktrace", "goroutine", ".go:"} {
+		if strings.Contains(out, bad) {
+			t.Errorf("the log has %q:\n%s", bad, out)
+		}
+	}
 }

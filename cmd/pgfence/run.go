@@ -2,7 +2,6 @@ package main
 
 import (
 	"context"
-	"fmt"
 	"os"
 	"os/signal"
 	"syscall"
@@ -10,7 +9,6 @@ import (
 
 	"github.com/spf13/cobra"
 	"go.uber.org/zap"
-	"go.uber.org/zap/zapcore"
 
 	"github.com/pgfence/pgfence/internal/runner"
 )
@@ -30,24 +28,35 @@ COMMAND gets the lease's fencing metadata in its environment:
 
 The lease is renewed every --renew-every (default ttl/3). When a renewal finds
 the lease taken over, or renewals keep failing until the lease would have
-expired, COMMAND is sent --kill-signal and, --grace later, SIGKILL. Its writes
-to protected tables after a takeover are refused (FN001) by the gate anyway.
-SIGINT, SIGTERM and SIGHUP sent to pgfence run are forwarded to COMMAND. Only
-COMMAND's own process is signalled: a shell script should exec its last
-program or trap TERM and pass it on.
+expired, or COMMAND runs longer than --max-runtime, COMMAND is sent
+--kill-signal and, --grace later, SIGKILL. Its writes to protected tables
+after a takeover are refused (FN001) by the gate anyway. SIGINT, SIGTERM and
+SIGHUP sent to pgfence run are forwarded to COMMAND. Only COMMAND's own
+process is signalled: a shell script should exec its last program or trap
+TERM and pass it on.
+
+The acquire waits for the job's fence row while an open transaction holds it
+(see pgfence lease acquire --help): the blocking session is logged after a
+second, and named in the error after --lock-timeout.
 
 The database is --database, else PGFENCE_DATABASE_URL, else DATABASE_URL, else
 libpq's environment variables (PGHOST, PGPORT, PGDATABASE, PGUSER, ...).
 
-Exit codes:
+Exit codes (docs/cli.md has the whole table):
     N      COMMAND ran and exited with N (its own code)
     128+N  COMMAND was killed by signal N (or run was interrupted by signal N
            before COMMAND started)
     64     usage error
-    70     pgfence failed, e.g. the database could not be reached
+    69     the database could not be reached: COMMAND did not run
+    70     pgfence failed otherwise
     75     the lease is held by another holder: COMMAND did not run
-           (with --wait: still held when --wait-timeout ran out)
-    76     the lease was lost while COMMAND ran; COMMAND was told to stop
+           (with --wait: still held when --wait-timeout ran out; or the fence
+           row stayed locked past --lock-timeout)
+    76     the lease was lost while COMMAND ran, or release found it taken
+           over; COMMAND was told to stop
+    77     permission denied (the role lacks pgfence_worker)
+    78     the fence schema is not installed (run pgfence migrate)
+    124    COMMAND ran longer than --max-runtime and was stopped
     126    COMMAND could not be executed
     127    COMMAND was not found`
 
@@ -56,29 +65,14 @@ type runFunc func(ctx context.Context, cfg runner.Config, log *zap.Logger) (int,
 
 // newRunCmd is `pgfence run`: hold a lease while a command runs. The work
 // is done by internal/runner; this file only maps flags and the environment
-// to a runner.Config and the result to an exit code.
-//
-// Exit codes:
-//
-//	N        the command ran and exited with N (its own code)
-//	128+N    the command was killed by signal N (or run was interrupted by
-//	         signal N before the command started)
-//	64       usage error: bad flags or arguments
-//	70       pgfence failed, e.g. the database could not be reached
-//	75       the lease is held by another holder (EX_TEMPFAIL); the command
-//	         did not run. With --wait: still held when the wait timed out
-//	76       the lease was lost while the command ran (taken over, or not
-//	         renewable before it expired); the command was told to stop
-//	126      the command could not be executed
-//	127      the command was not found
+// to a runner.Config and the result to an exit code (runLong lists them).
 func newRunCmd() *cobra.Command { return newRunCmdWith(runner.Run) }
 
 func newRunCmdWith(run runFunc) *cobra.Command {
 	var (
-		job, holder, database, killSignal string
-		ttl, waitTimeout, renewEvery      time.Duration
-		grace                             time.Duration
-		wait                              bool
+		job, holder, database, killSignal  string
+		ttl, renewEvery, grace, maxRuntime time.Duration
+		w                                  waitFlags
 	)
 	cmd := &cobra.Command{
 		Use:   "run --job KEY [flags] -- COMMAND [ARGS...]",
@@ -98,14 +92,18 @@ func newRunCmdWith(run runFunc) *cobra.Command {
 			if err != nil {
 				return usageError("run: --kill-signal: " + err.Error())
 			}
-			if !cmd.Flags().Changed("database") {
-				database = firstEnv("PGFENCE_DATABASE_URL", "DATABASE_URL")
+			connCfg, err := databaseConfig(cmd, database)
+			if err != nil {
+				return err
 			}
-			log, err := runLogger(cmd)
+			log, err := commandLogger(cmd)
 			if err != nil {
 				return usageError("run: " + err.Error())
 			}
 			defer log.Sync() //nolint:errcheck // stderr
+			if holder == "" {
+				holder = defaultHolder(os.Getpid())
+			}
 			sigs := make(chan os.Signal, 4)
 			signal.Notify(sigs, syscall.SIGINT, syscall.SIGTERM, syscall.SIGHUP)
 			defer signal.Stop(sigs)
@@ -113,12 +111,15 @@ func newRunCmdWith(run runFunc) *cobra.Command {
 				JobKey:      job,
 				TTL:         ttl,
 				Holder:      holder,
-				DSN:         database,
-				Wait:        wait || waitTimeout > 0,
-				WaitTimeout: waitTimeout,
+				DSN:         resolveDatabase(cmd, database),
+				ConnConfig:  connCfg,
+				Wait:        w.waiting(),
+				WaitTimeout: w.waitTimeout,
+				LockTimeout: w.lockTimeout,
 				RenewEvery:  renewEvery,
 				Grace:       grace,
 				KillSignal:  sig,
+				MaxRuntime:  maxRuntime,
 				Command:     args,
 				Signals:     sigs,
 			}
@@ -127,7 +128,9 @@ func newRunCmdWith(run runFunc) *cobra.Command {
 			code, err := run(context.WithoutCancel(cmd.Context()), cfg, log)
 			switch {
 			case err != nil:
-				return &exitError{code: code, msg: "run: " + err.Error()}
+				ee := runnerExit(code, err)
+				ee.msg = "run: " + ee.msg
+				return ee
 			case code != 0:
 				return &exitError{code: code}
 			}
@@ -138,45 +141,16 @@ func newRunCmdWith(run runFunc) *cobra.Command {
 	// Everything after COMMAND belongs to COMMAND, even without "--".
 	f.SetInterspersed(false)
 	f.StringVar(&job, "job", "", "job key naming the lease (required)")
-	f.DurationVar(&ttl, "ttl", 30*time.Second, "lease duration granted by each acquire and renewal")
-	f.StringVar(&holder, "holder", "", "holder name recorded with the lease (default hostname:pid)")
-	f.StringVar(&database, "database", "", "database URL or DSN (default $PGFENCE_DATABASE_URL, else $DATABASE_URL, else libpq's PG* variables)")
-	f.BoolVar(&wait, "wait", false, "wait while the lease is held by another holder instead of exiting 75")
-	f.DurationVar(&waitTimeout, "wait-timeout", 0, "wait at most this long for the lease, then exit 75 (implies --wait)")
-	f.DurationVar(&renewEvery, "renew-every", 0, "renewal interval (default ttl/3)")
-	f.DurationVar(&grace, "grace", 10*time.Second, "time COMMAND has to exit after --kill-signal before SIGKILL")
-	f.StringVar(&killSignal, "kill-signal", "TERM", "signal telling COMMAND its lease was lost")
+	f.Var(newDuration(&ttl, 30*time.Second), "ttl", "lease duration granted by each acquire and renewal, e.g. 30s, 5m, 1d")
+	f.StringVar(&holder, "holder", "", holderHelp)
+	f.StringVar(&database, "database", "", databaseHelp)
+	w.add(cmd, "75")
+	f.Var(newDuration(&renewEvery, 0), "renew-every", "renewal interval (default ttl/3)")
+	f.Var(newDuration(&grace, 10*time.Second), "grace", "time COMMAND has to exit after --kill-signal before SIGKILL")
+	f.Var(newDuration(&maxRuntime, 0), "max-runtime", "stop COMMAND (--kill-signal, then SIGKILL after --grace) once it has run this long, and exit 124 (default no limit)")
+	f.StringVar(&killSignal, "kill-signal", "TERM", "signal telling COMMAND to stop (lease lost, --max-runtime)")
 	cmd.SetFlagErrorFunc(func(_ *cobra.Command, err error) error {
 		return usageError("run: " + err.Error())
 	})
 	return cmd
-}
-
-func usageError(msg string) error { return &exitError{code: runner.ExitUsage, msg: msg} }
-
-func firstEnv(keys ...string) string {
-	for _, k := range keys {
-		if v := os.Getenv(k); v != "" {
-			return v
-		}
-	}
-	return ""
-}
-
-// runLogger logs to stderr at the root --log-level.
-func runLogger(cmd *cobra.Command) (*zap.Logger, error) {
-	level := zap.NewAtomicLevel()
-	if f := cmd.Flag("log-level"); f != nil {
-		if err := level.UnmarshalText([]byte(f.Value.String())); err != nil {
-			return nil, fmt.Errorf("--log-level: %w", err)
-		}
-	}
-	cfg := zap.NewProductionConfig()
-	cfg.Level = level
-	cfg.Encoding = "console"
-	cfg.EncoderConfig.EncodeTime = zapcore.ISO8601TimeEncoder
-	cfg.DisableStacktrace = true
-	cfg.OutputPaths = []string{"stderr"}
-	cfg.ErrorOutputPaths = []string{"stderr"}
-	return cfg.Build()
 }

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"os"
 	"slices"
 	"syscall"
 	"testing"
@@ -45,8 +46,9 @@ func TestRunFlags(t *testing.T) {
 	}{
 		{"cron line defaults", []string{"--job", "nightly-report", "--", "./report.sh"}, func(t *testing.T, c *runner.Config) {
 			if c.JobKey != "nightly-report" || c.TTL != 30*time.Second || c.Grace != 10*time.Second ||
-				c.KillSignal != syscall.SIGTERM || c.Wait || c.RenewEvery != 0 || c.Holder != "" {
-				t.Errorf("got %+v, want job nightly-report, ttl 30s, grace 10s, SIGTERM, no wait, default renewal and holder", c)
+				c.KillSignal != syscall.SIGTERM || c.Wait || c.RenewEvery != 0 || c.Holder != defaultHolder(os.Getpid()) ||
+				c.LockTimeout != 30*time.Second || c.MaxRuntime != 0 {
+				t.Errorf("got %+v, want job nightly-report, ttl 30s, grace 10s, SIGTERM, no wait, default renewal and holder, lock timeout 30s, no max runtime", c)
 			}
 			if c.DSN != "postgres://from-database-url/app" {
 				t.Errorf("DSN: got %q, want the DATABASE_URL value", c.DSN)

@@ -5,11 +5,13 @@ import (
 	"crypto/tls"
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"os"
+	"reflect"
 	"strconv"
 	"strings"
-	"time"
+	"syscall"
 
 	"github.com/BurntSushi/toml"
 	"github.com/spf13/cobra"
@@ -49,10 +51,16 @@ type serveConfig struct {
 	MetricsListen string `toml:"metrics_listen"`
 	// LogLevel as the root --log-level (PGFENCE_LOG_LEVEL); reloadable.
 	LogLevel string `toml:"log_level"`
+	// LogFormat as the root --log-format (PGFENCE_LOG_FORMAT): text, json
+	// or auto (text on a terminal).
+	LogFormat string `toml:"log_format"`
 
 	// Set by the serve command for SIGHUP / RELOAD (reload.go).
 	reload func() (serveConfig, error)
 	level  *zap.AtomicLevel
+	// sources says where each key's value came from: "flag", "env",
+	// "file" or "default" (SHOW CONFIG).
+	sources map[string]string
 	// Read routing (serve_replicas.go, docs/reads.md).
 	ReadReplicas  *bool  `toml:"read_replicas"`
 	ReplicaPoll   string `toml:"replica_poll"`
@@ -64,22 +72,26 @@ func newServeCmd() *cobra.Command {
 		Use:   "serve",
 		Short: "Run the PostgreSQL wire-protocol proxy",
 		Long: `Run the pgfence proxy: clients connect to --listen as they would to
-PostgreSQL; each session gets its own upstream connection to --primary as
+PostgreSQL; each session gets its own upstream connection to the primary as
 the client's user and database.
+
+The primary is --database (or --primary), else PGFENCE_PRIMARY, else primary
+in the config file, else $PGFENCE_DATABASE_URL or $DATABASE_URL, else libpq's
+PG* variables (PGHOST, PGPORT, ...): the same chain as every other command.
 
 Every flag has a PGFENCE_* environment variable and a key in the TOML
 --config file (same name, _ for -); flags beat the environment, which beats
 the file. The file may also hold an [upstream_passwords] table mapping a
-user to the password presented upstream for it. See docs/proxy.md.`,
+user to the password presented upstream for it. See docs/configuration.md.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			cfg, err := loadServeConfig(cmd)
 			if err != nil {
-				return &exitError{code: 2, msg: err.Error()}
+				return &exitError{code: exitConfig, msg: err.Error()}
 			}
-			log, level, err := serveLogger(cfg.LogLevel)
+			log, level, err := serveLogger(cfg.LogLevel, cfg.LogFormat, jsonFlag(cmd), cmd.ErrOrStderr())
 			if err != nil {
-				return &exitError{code: 2, msg: err.Error()}
+				return &exitError{code: exitConfig, msg: err.Error()}
 			}
 			defer log.Sync()
 			cfg.level = &level
@@ -90,7 +102,8 @@ user to the password presented upstream for it. See docs/proxy.md.`,
 	f := cmd.Flags()
 	f.String("config", "", "TOML config file (PGFENCE_CONFIG)")
 	f.String("listen", "", "address to listen on (PGFENCE_LISTEN; default 127.0.0.1:6432)")
-	f.String("primary", "", "upstream primary DSN; the client's user and database replace its own (PGFENCE_PRIMARY)")
+	f.String("primary", "", "upstream primary DSN; the client's user and database replace its own (PGFENCE_PRIMARY; default $PGFENCE_DATABASE_URL, else $DATABASE_URL, else libpq's PG* variables)")
+	f.String("database", "", "the same as --primary, as every other command names the database")
 	f.StringArray("replica", nil, "upstream replica DSN, repeatable; replica-eligible reads go there, see docs/reads.md (PGFENCE_REPLICA, comma-separated)")
 	addReplicaFlags(f) // serve_replicas.go
 	f.String("tls-cert", "", "PEM certificate offered to clients that ask for TLS (PGFENCE_TLS_CERT)")
@@ -108,9 +121,10 @@ user to the password presented upstream for it. See docs/proxy.md.`,
 	return cmd
 }
 
-// loadServeConfig merges defaults, file, environment and flags.
+// loadServeConfig merges defaults, file, environment and flags, and
+// records where each key's value came from in cfg.sources.
 func loadServeConfig(cmd *cobra.Command) (serveConfig, error) {
-	cfg := serveConfig{Listen: "127.0.0.1:6432"}
+	cfg := serveConfig{Listen: "127.0.0.1:6432", sources: map[string]string{}}
 	path, _ := cmd.Flags().GetString("config")
 	if path == "" {
 		path = os.Getenv("PGFENCE_CONFIG")
@@ -118,22 +132,36 @@ func loadServeConfig(cmd *cobra.Command) (serveConfig, error) {
 	if path != "" {
 		md, err := toml.DecodeFile(path, &cfg)
 		if err != nil {
-			return cfg, fmt.Errorf("config %s: %w", path, err)
+			return cfg, fmt.Errorf("config %s: %s", path, oneLine(err))
 		}
 		if und := md.Undecoded(); len(und) > 0 {
 			return cfg, fmt.Errorf("config %s: unknown key %q", path, und[0].String())
+		}
+		for _, k := range md.Keys() {
+			if len(k) == 1 {
+				cfg.sources[k[0]] = "file"
+			}
 		}
 	}
 	str := func(key string, dst *string) {
 		if v, ok := os.LookupEnv("PGFENCE_" + strings.ToUpper(strings.ReplaceAll(key, "-", "_"))); ok {
 			*dst = v
+			cfg.from(key, "env")
 		}
 		if cmd.Flags().Changed(key) {
 			*dst, _ = cmd.Flags().GetString(key)
+			cfg.from(key, "flag")
 		}
 	}
 	str("listen", &cfg.Listen)
 	str("primary", &cfg.Primary)
+	if cmd.Flags().Changed("database") {
+		if cmd.Flags().Changed("primary") {
+			return cfg, errors.New("serve: --database and --primary name the same setting: give one")
+		}
+		cfg.Primary, _ = cmd.Flags().GetString("database")
+		cfg.from("primary", "flag")
+	}
 	str("tls-cert", &cfg.TLSCert)
 	str("tls-key", &cfg.TLSKey)
 	str("auth", &cfg.Auth)
@@ -142,15 +170,12 @@ func loadServeConfig(cmd *cobra.Command) (serveConfig, error) {
 	str("shutdown-timeout", &cfg.ShutdownTimeout)
 	str("gate-idle-timeout", &cfg.GateIdleTimeout)
 	if v, ok := os.LookupEnv("PGFENCE_REPLICA"); ok {
-		cfg.Replicas = nil
-		for _, r := range strings.Split(v, ",") {
-			if r = strings.TrimSpace(r); r != "" {
-				cfg.Replicas = append(cfg.Replicas, r)
-			}
-		}
+		cfg.Replicas = splitList(v)
+		cfg.from("replicas", "env")
 	}
 	if cmd.Flags().Changed("replica") {
 		cfg.Replicas, _ = cmd.Flags().GetStringArray("replica")
+		cfg.from("replicas", "flag")
 	}
 	if v, ok := os.LookupEnv("PGFENCE_MAX_CLIENTS"); ok {
 		n, err := strconv.Atoi(v)
@@ -158,9 +183,11 @@ func loadServeConfig(cmd *cobra.Command) (serveConfig, error) {
 			return cfg, fmt.Errorf("PGFENCE_MAX_CLIENTS: %w", err)
 		}
 		cfg.MaxClients = n
+		cfg.from("max_clients", "env")
 	}
 	if cmd.Flags().Changed("max-clients") {
 		cfg.MaxClients, _ = cmd.Flags().GetInt("max-clients")
+		cfg.from("max_clients", "flag")
 	}
 	for key, dst := range map[string]*bool{"no-gate": &cfg.NoGate, "no-event-loop": &cfg.NoEventLoop} {
 		env := "PGFENCE_" + strings.ToUpper(strings.ReplaceAll(key, "-", "_"))
@@ -170,9 +197,11 @@ func loadServeConfig(cmd *cobra.Command) (serveConfig, error) {
 				return cfg, fmt.Errorf("%s: %w", env, err)
 			}
 			*dst = b
+			cfg.from(key, "env")
 		}
 		if cmd.Flags().Changed(key) {
 			*dst, _ = cmd.Flags().GetBool(key)
+			cfg.from(key, "flag")
 		}
 	}
 	if err := loadOpsConfig(cmd, &cfg); err != nil { // reload.go
@@ -182,9 +211,64 @@ func loadServeConfig(cmd *cobra.Command) (serveConfig, error) {
 		return cfg, err
 	}
 	if cfg.Primary == "" {
-		return cfg, errors.New("serve: --primary (or PGFENCE_PRIMARY, or primary in the config file) is required")
+		// The chain every command uses for its database.
+		if v, _ := databaseFromEnv(); v != "" {
+			cfg.Primary = v
+			cfg.from("primary", "env")
+		} else if dsn := libpqEnvDSN(); dsn != "" {
+			cfg.Primary = dsn
+			cfg.from("primary", "env")
+		} else {
+			return cfg, errors.New("serve: no primary: give --database (or --primary), PGFENCE_PRIMARY, primary in the config file, DATABASE_URL, or libpq's PGHOST/PGPORT")
+		}
+	}
+	for _, k := range serveKeys() {
+		if cfg.sources[k] == "" {
+			cfg.sources[k] = "default"
+		}
 	}
 	return cfg, nil
+}
+
+// from records that key (a flag name or a file key) got its value from
+// source.
+func (c *serveConfig) from(key, source string) {
+	if c.sources == nil {
+		c.sources = map[string]string{}
+	}
+	c.sources[strings.ReplaceAll(key, "-", "_")] = source
+}
+
+// serveKeys are the configuration keys: the TOML keys of serveConfig.
+func serveKeys() []string {
+	t := reflect.TypeOf(serveConfig{})
+	var keys []string
+	for i := range t.NumField() {
+		if k := t.Field(i).Tag.Get("toml"); k != "" {
+			keys = append(keys, k)
+		}
+	}
+	return keys
+}
+
+// libpqEnvDSN is a keyword/value DSN naming the server libpq's PGHOST,
+// PGHOSTADDR, PGPORT and PGSERVICE variables point at, or "" when none is
+// set (the other PG* variables, PGPASSWORD, PGSSLMODE, ..., are read when
+// the proxy connects).
+func libpqEnvDSN() string {
+	var parts []string
+	for _, kv := range []struct{ env, key string }{{"PGHOST", "host"}, {"PGHOSTADDR", "hostaddr"}, {"PGPORT", "port"}, {"PGSERVICE", "service"}} {
+		if v := os.Getenv(kv.env); v != "" {
+			parts = append(parts, kv.key+"='"+strings.NewReplacer(`\`, `\\`, `'`, `\'`).Replace(v)+"'")
+		}
+	}
+	return strings.Join(parts, " ")
+}
+
+// oneLine is err's message on one line (TOML parse errors can span
+// several).
+func oneLine(err error) string {
+	return strings.Join(strings.Fields(err.Error()), " ")
 }
 
 // proxyConfig turns the merged settings into a proxy.Config.
@@ -234,7 +318,7 @@ func (c serveConfig) proxyConfig() (proxy.Config, error) {
 		pc.MaxMessageSize = n
 	}
 	if c.ShutdownTimeout != "" {
-		d, err := time.ParseDuration(c.ShutdownTimeout)
+		d, err := parseDuration(c.ShutdownTimeout)
 		if err != nil {
 			return pc, fmt.Errorf("shutdown timeout: %w", err)
 		}
@@ -269,7 +353,7 @@ func parseSize(s string) (int, error) {
 func runServe(ctx context.Context, c serveConfig, log *zap.Logger) error {
 	pc, err := c.proxyConfig()
 	if err != nil {
-		return &exitError{code: 2, msg: err.Error()}
+		return &exitError{code: exitConfig, msg: err.Error()}
 	}
 	if !c.NoGate {
 		fc := proxy.FenceConfig{Primary: pc.Primary}
@@ -285,16 +369,17 @@ func runServe(ctx context.Context, c serveConfig, log *zap.Logger) error {
 		}
 		gate, err := proxy.NewFence(fc, log.Named("gate"))
 		if err != nil {
-			return &exitError{code: 2, msg: err.Error()}
+			return &exitError{code: exitConfig, msg: err.Error()}
 		}
 		defer gate.Close()
 		pc.Interceptor = gate
 	}
 	pc.ExtraSettings = c.extraSettings()
+	pc.Sources = c.sources
 	pc.Reload = c.reloader(log) // reload.go
 	srv, err := proxy.New(pc, log)
 	if err != nil {
-		return &exitError{code: 2, msg: err.Error()}
+		return &exitError{code: exitConfig, msg: err.Error()}
 	}
 	stopOps, err := c.startOps(srv, log) // reload.go: SIGHUP, metrics endpoint
 	if err != nil {
@@ -303,7 +388,7 @@ func runServe(ctx context.Context, c serveConfig, log *zap.Logger) error {
 	defer stopOps()
 	ln, err := net.Listen("tcp", c.Listen)
 	if err != nil {
-		return fmt.Errorf("listen: %w", err)
+		return listenError(c.Listen, "--listen", err)
 	}
 	log.Info("listening", zap.String("addr", ln.Addr().String()), zap.String("auth", string(pc.Auth)), zap.Bool("tls", pc.TLS != nil))
 	serveErr := make(chan error, 1)
@@ -323,17 +408,42 @@ func runServe(ctx context.Context, c serveConfig, log *zap.Logger) error {
 	return nil
 }
 
-// serveLogger builds the JSON logger at lvl (the root --log-level, or
-// log_level in the config file); the level can change on reload.
-func serveLogger(lvl string) (*zap.Logger, zap.AtomicLevel, error) {
+// serveLogger builds the logger at lvl (the root --log-level, or
+// log_level in the config file; the level can change on reload) in format
+// (text, json or auto: text on a terminal, JSON otherwise or with --json).
+func serveLogger(lvl, format string, asJSON bool, w io.Writer) (*zap.Logger, zap.AtomicLevel, error) {
 	level, err := zapcore.ParseLevel(lvl)
 	if err != nil {
 		return nil, zap.AtomicLevel{}, fmt.Errorf("--log-level: %w", err)
 	}
-	zc := zap.NewProductionConfig()
-	zc.Level = zap.NewAtomicLevelAt(level)
-	zc.EncoderConfig.EncodeTime = zapcore.ISO8601TimeEncoder
-	zc.Sampling = nil
-	log, err := zc.Build()
-	return log, zc.Level, err
+	f, err := logFormat(format, asJSON, w)
+	if err != nil {
+		return nil, zap.AtomicLevel{}, err
+	}
+	al := zap.NewAtomicLevelAt(level)
+	return newLogger(al, f, w), al, nil
+}
+
+// listenError says which address is busy and how to pick another.
+func listenError(addr, flag string, err error) error {
+	ee := exitWith(fmt.Errorf("listen on %s: %w", addr, err))
+	ee.code = exitUnavailable
+	if errors.Is(err, syscall.EADDRINUSE) {
+		ee.msg = fmt.Sprintf("listen on %s: the address is in use by another process", addr)
+		ee.hint = fmt.Sprintf("stop that process (ss -ltnp shows it), or pick another address: %s %s (port 0 picks a free one)", flag, nextPort(addr))
+	}
+	return ee
+}
+
+// nextPort is addr with its port plus one.
+func nextPort(addr string) string {
+	host, port, err := net.SplitHostPort(addr)
+	if err != nil {
+		return addr
+	}
+	n, err := strconv.Atoi(port)
+	if err != nil || n == 0 || n >= 65535 {
+		return addr
+	}
+	return net.JoinHostPort(host, strconv.Itoa(n+1))
 }

@@ -4,7 +4,6 @@ import (
 	"fmt"
 	"os"
 	"strconv"
-	"time"
 
 	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
@@ -28,10 +27,12 @@ func loadReplicaConfig(cmd *cobra.Command, cfg *serveConfig) error {
 			return fmt.Errorf("PGFENCE_READ_REPLICAS: %w", err)
 		}
 		cfg.ReadReplicas = &b
+		cfg.from("read_replicas", "env")
 	}
 	if cmd.Flags().Changed("read-replicas") {
 		b, _ := cmd.Flags().GetBool("read-replicas")
 		cfg.ReadReplicas = &b
+		cfg.from("read_replicas", "flag")
 	}
 	for _, k := range []struct {
 		key string
@@ -39,9 +40,11 @@ func loadReplicaConfig(cmd *cobra.Command, cfg *serveConfig) error {
 	}{{"replica-poll", &cfg.ReplicaPoll}, {"replica-max-lag", &cfg.ReplicaMaxLag}} {
 		if v, ok := os.LookupEnv("PGFENCE_" + envName(k.key)); ok {
 			*k.dst = v
+			cfg.from(k.key, "env")
 		}
 		if cmd.Flags().Changed(k.key) {
 			*k.dst, _ = cmd.Flags().GetString(k.key)
+			cfg.from(k.key, "flag")
 		}
 	}
 	return nil
@@ -64,14 +67,14 @@ func envName(key string) string {
 func (c serveConfig) applyReplicaConfig(pc *proxy.Config) error {
 	pc.NoReplicaReads = c.ReadReplicas != nil && !*c.ReadReplicas
 	if c.ReplicaPoll != "" {
-		d, err := time.ParseDuration(c.ReplicaPoll)
+		d, err := parseDuration(c.ReplicaPoll)
 		if err != nil || d <= 0 {
 			return fmt.Errorf("replica poll %q: want a positive duration such as 50ms", c.ReplicaPoll)
 		}
 		pc.ReplicaPoll = d
 	}
 	if c.ReplicaMaxLag != "" {
-		d, err := time.ParseDuration(c.ReplicaMaxLag)
+		d, err := parseDuration(c.ReplicaMaxLag)
 		if err != nil || d <= 0 {
 			return fmt.Errorf("replica max lag %q: want a positive duration such as 10s", c.ReplicaMaxLag)
 		}

@@ -391,8 +391,9 @@ func (h *harness) runSlot(ctx context.Context, s *slot, seed uint64) {
 			}
 			sum.Runs[code]++
 		})
-		if code == 75 || code == 70 {
-			// Lease held by another, or the database unreachable.
+		if code == 75 || code == 69 || code == 70 {
+			// Lease held by another, the database unreachable (69), or
+			// another failure to start.
 			sleepCtx(ctx, time.Duration(50+rng.IntN(200))*time.Millisecond)
 		}
 	}

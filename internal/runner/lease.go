@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"go.uber.org/zap"
 
 	"github.com/pgfence/pgfence/fence"
 )
@@ -23,6 +24,10 @@ type held struct {
 type leases struct {
 	cfg  *pgx.ConnConfig
 	conn *pgx.Conn
+	log  *zap.Logger
+	// lockTimeout bounds an acquire's wait for the fence row (zero: no
+	// limit); see watchedAcquire.
+	lockTimeout time.Duration
 }
 
 // db returns the open connection, connecting when there is none.
@@ -54,7 +59,7 @@ func (s *leases) acquire(ctx context.Context, jobKey, holder string, ttl time.Du
 	if err != nil {
 		return held{}, err
 	}
-	l, err := fence.Acquire(ctx, db, jobKey, holder, ttl)
+	l, err := watchedAcquire(ctx, db, s.cfg, s.log, jobKey, holder, ttl, s.lockTimeout)
 	return held{Lease: l}, err
 }
 

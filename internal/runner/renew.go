@@ -78,7 +78,7 @@ func (rn *renewer) run(ctx context.Context, lost chan<- lossReport) {
 				return
 			}
 			rn.log.Warn("lease renewal failed; retrying until it expires",
-				zap.Int("failures", failures), zap.Duration("left", left), zap.Error(err))
+				zap.Int("failures", failures), zap.Int64("left_ms", left.Milliseconds()), zap.Error(err))
 			next = min(rn.retryEvery(), left)
 		}
 	}

@@ -34,6 +34,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"go.uber.org/zap"
 
 	"github.com/pgfence/pgfence/fence"
@@ -43,6 +44,9 @@ import (
 const (
 	// ExitUsage (EX_USAGE): invalid flags or configuration.
 	ExitUsage = 64
+	// ExitUnavailable (EX_UNAVAILABLE): the database could not be reached
+	// to acquire the lease. The command did not run.
+	ExitUnavailable = 69
 	// ExitInternal (EX_SOFTWARE): pgfence itself failed, typically the
 	// database could not be reached to acquire the lease.
 	ExitInternal = 70
@@ -54,6 +58,10 @@ const (
 	// before it expired, while the command ran. The command was told to
 	// stop; its writes after the takeover were refused by the gate.
 	ExitLeaseLost = 76
+	// ExitMaxRuntime: the command ran longer than Config.MaxRuntime and
+	// was stopped (KillSignal, then SIGKILL after Grace), as timeout(1)
+	// exits.
+	ExitMaxRuntime = 124
 	// ExitCannotExecute: the command was found but could not be started.
 	ExitCannotExecute = 126
 	// ExitNotFound: the command was not found.
@@ -72,6 +80,8 @@ var (
 	// ErrInterrupted is returned when a signal arrived before the command
 	// started.
 	ErrInterrupted = errors.New("interrupted before the command started")
+	// ErrMaxRuntime is returned when the command ran past MaxRuntime.
+	ErrMaxRuntime = errors.New("command ran longer than its maximum runtime")
 )
 
 // Config describes one run. Zero values take the documented defaults.
@@ -87,6 +97,8 @@ type Config struct {
 	// DSN is the database connection string. Empty means libpq's
 	// environment variables (PGHOST, PGPORT, PGDATABASE, ...).
 	DSN string
+	// ConnConfig, when set, is used instead of DSN.
+	ConnConfig *pgx.ConnConfig
 	// Wait retries acquisition while the lease is held by another (and
 	// while the database is unreachable) instead of failing fast.
 	Wait bool
@@ -95,6 +107,15 @@ type Config struct {
 	// WaitPoll is the pause between acquisition attempts while waiting.
 	// Zero means min(1s, TTL/4).
 	WaitPoll time.Duration
+	// LockTimeout bounds each acquisition attempt's wait for the job's
+	// fence row while another session's open transaction holds it (a
+	// gated write that has not committed); the blocking sessions are
+	// logged after a second and named in ErrLockTimeout. Zero means no
+	// limit.
+	LockTimeout time.Duration
+	// MaxRuntime, when positive, stops the command once it has run that
+	// long, as a lost lease does, and Run returns ExitMaxRuntime.
+	MaxRuntime time.Duration
 	// RenewEvery is the renewal interval. Zero means TTL/3. It must be
 	// shorter than TTL.
 	RenewEvery time.Duration
@@ -121,15 +142,13 @@ type Config struct {
 	Signals <-chan os.Signal
 }
 
-func (c *Config) setDefaults() error {
+// setAcquireDefaults checks and defaults what acquiring needs.
+func (c *Config) setAcquireDefaults() error {
 	if c.JobKey == "" {
 		return errors.New("a job key is required")
 	}
 	if c.TTL <= 0 {
 		return fmt.Errorf("ttl must be positive, got %s", c.TTL)
-	}
-	if len(c.Command) == 0 || c.Command[0] == "" {
-		return errors.New("a command is required")
 	}
 	if c.Holder == "" {
 		host, err := os.Hostname()
@@ -138,17 +157,33 @@ func (c *Config) setDefaults() error {
 		}
 		c.Holder = host + ":" + strconv.Itoa(os.Getpid())
 	}
+	if c.WaitTimeout < 0 {
+		return fmt.Errorf("wait timeout must not be negative, got %s", c.WaitTimeout)
+	}
+	if c.LockTimeout < 0 {
+		return fmt.Errorf("lock timeout must not be negative, got %s", c.LockTimeout)
+	}
+	if c.WaitPoll <= 0 {
+		c.WaitPoll = min(time.Second, c.TTL/4)
+	}
+	return nil
+}
+
+func (c *Config) setDefaults() error {
+	if err := c.setAcquireDefaults(); err != nil {
+		return err
+	}
+	if len(c.Command) == 0 || c.Command[0] == "" {
+		return errors.New("a command is required")
+	}
+	if c.MaxRuntime < 0 {
+		return fmt.Errorf("max runtime must not be negative, got %s", c.MaxRuntime)
+	}
 	if c.RenewEvery == 0 {
 		c.RenewEvery = c.TTL / 3
 	}
 	if c.RenewEvery <= 0 || c.RenewEvery >= c.TTL {
 		return fmt.Errorf("renew interval %s must be positive and shorter than the ttl %s", c.RenewEvery, c.TTL)
-	}
-	if c.WaitTimeout < 0 {
-		return fmt.Errorf("wait timeout must not be negative, got %s", c.WaitTimeout)
-	}
-	if c.WaitPoll <= 0 {
-		c.WaitPoll = min(time.Second, c.TTL/4)
 	}
 	if c.Grace == 0 {
 		c.Grace = 10 * time.Second
@@ -188,14 +223,60 @@ func Run(ctx context.Context, cfg Config, log *zap.Logger) (int, error) {
 		return ExitUsage, err
 	}
 	log = log.With(zap.String("job_key", cfg.JobKey), zap.String("holder", cfg.Holder))
-	connCfg, err := pgx.ParseConfig(cfg.DSN)
+	store, err := newLeases(cfg, log)
 	if err != nil {
-		return ExitUsage, fmt.Errorf("parse database connection string: %w", err)
+		return ExitUsage, err
 	}
-	store := &leases{cfg: connCfg}
 	defer store.close()
 	r := &run{cfg: cfg, log: log, store: store}
 	return r.run(ctx)
+}
+
+// Acquire takes the lease as Run does before it starts the command (with
+// cfg's Wait, WaitTimeout and LockTimeout; Command and the renewal fields
+// are ignored) and returns it with the exit code for a failure: ExitUsage,
+// ExitUnavailable, ExitLeaseHeld (held by another holder, or a wait ran
+// out) or ExitInternal. The lease is not renewed: the caller renews and
+// releases it.
+func Acquire(ctx context.Context, cfg Config, log *zap.Logger) (fence.Lease, int, error) {
+	if err := cfg.setAcquireDefaults(); err != nil {
+		return fence.Lease{}, ExitUsage, err
+	}
+	log = log.With(zap.String("job_key", cfg.JobKey), zap.String("holder", cfg.Holder))
+	store, err := newLeases(cfg, log)
+	if err != nil {
+		return fence.Lease{}, ExitUsage, err
+	}
+	defer store.close()
+	r := &run{cfg: cfg, log: log, store: store}
+	l, err := r.acquire(ctx)
+	if err != nil {
+		return fence.Lease{}, acquireExitCode(err), err
+	}
+	return l.Lease, 0, nil
+}
+
+func newLeases(cfg Config, log *zap.Logger) (*leases, error) {
+	connCfg := cfg.ConnConfig
+	if connCfg == nil {
+		var err error
+		if connCfg, err = pgx.ParseConfig(cfg.DSN); err != nil {
+			return nil, fmt.Errorf("parse database connection string: %w", err)
+		}
+	}
+	return &leases{cfg: connCfg, log: log, lockTimeout: cfg.LockTimeout}, nil
+}
+
+// acquireExitCode is the exit code for an acquisition that failed with err.
+func acquireExitCode(err error) int {
+	var ce *pgconn.ConnectError
+	switch {
+	case errors.Is(err, ErrLeaseHeld), errors.Is(err, ErrLockTimeout):
+		return ExitLeaseHeld
+	case errors.As(err, &ce):
+		return ExitUnavailable
+	}
+	return ExitInternal
 }
 
 type run struct {
@@ -210,16 +291,17 @@ func (r *run) run(ctx context.Context) (int, error) {
 		if sig != nil {
 			return signalCode(sig), fmt.Errorf("%w: %s", ErrInterrupted, sig)
 		}
-		if errors.Is(err, ErrLeaseHeld) {
-			return ExitLeaseHeld, err
-		}
-		return ExitInternal, err
+		return acquireExitCode(err), err
 	}
 	r.log.Info("lease acquired",
 		zap.Int64("epoch", lease.Epoch), zap.Int64("token", lease.Token), zap.Time("expires_at", lease.ExpiresAt))
 	code, lostConfirmed, runErr := r.supervise(ctx, lease)
 	if !lostConfirmed {
-		r.release(ctx, lease)
+		if err := r.release(ctx, lease); isGone(err) && !errors.Is(runErr, ErrLeaseLost) {
+			// Taken over after the last renewal: the command's last writes
+			// may have been refused. Say so whatever the command exited with.
+			return ExitLeaseLost, fmt.Errorf("%w: release found it taken over (command exit code %d): %w", ErrLeaseLost, code, err)
+		}
 	}
 	return code, runErr
 }
@@ -320,19 +402,22 @@ func (r *run) acquire(ctx context.Context) (held, error) {
 	}
 }
 
-// release gives the lease back; failures are logged only, since the lease
-// expires on its own anyway.
-func (r *run) release(ctx context.Context, l held) {
+// release gives the lease back and returns the database's answer. A
+// failure is only logged here: the lease expires on its own anyway; the
+// caller looks for a lease that was no longer ours (isGone).
+func (r *run) release(ctx context.Context, l held) error {
 	rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
 	defer cancel()
-	switch err := r.store.release(rctx, l.JobKey, l.Token); {
+	err := r.store.release(rctx, l.JobKey, l.Token)
+	switch {
 	case err == nil:
 		r.log.Info("lease released", zap.Int64("epoch", l.Epoch), zap.Int64("token", l.Token))
-	case fence.IsStale(err):
-		r.log.Info("lease not released: no longer ours", zap.Int64("token", l.Token), zap.Error(err))
+	case isGone(err):
+		r.log.Warn("lease not released: another holder took it over", zap.Int64("token", l.Token), zap.Error(err))
 	default:
 		r.log.Warn("release lease failed; it will expire on its own", zap.Int64("token", l.Token), zap.Error(err))
 	}
+	return err
 }
 
 // supervise starts the command and renews the lease until the command
@@ -372,13 +457,20 @@ func (r *run) supervise(ctx context.Context, l held) (code int, lostConfirmed bo
 		killTimer <-chan time.Time
 		ctxDone   = ctx.Done()
 		stopping  bool
+		maxRun    <-chan time.Time
+		overran   bool
 	)
+	if r.cfg.MaxRuntime > 0 {
+		t := time.NewTimer(r.cfg.MaxRuntime)
+		defer t.Stop()
+		maxRun = t.C
+	}
 	stopChild := func(why string) {
 		if stopping {
 			return
 		}
 		stopping = true
-		log.Info("stopping command", zap.String("reason", why), zap.Stringer("signal", r.cfg.KillSignal), zap.Duration("grace", r.cfg.Grace))
+		log.Info("stopping command", zap.String("reason", why), zap.Stringer("signal", r.cfg.KillSignal), zap.Int64("grace_ms", r.cfg.Grace.Milliseconds()))
 		_ = cmd.Process.Signal(r.cfg.KillSignal)
 		killTimer = time.After(r.cfg.Grace)
 	}
@@ -398,9 +490,13 @@ loop:
 		case <-ctxDone:
 			ctxDone = nil
 			stopChild("run cancelled")
+		case <-maxRun:
+			maxRun = nil
+			overran = true
+			stopChild(fmt.Sprintf("ran longer than the maximum runtime %s", r.cfg.MaxRuntime))
 		case <-killTimer:
 			killTimer = nil
-			log.Warn("command still running after grace; killing it", zap.Duration("grace", r.cfg.Grace))
+			log.Warn("command still running after grace; killing it", zap.Int64("grace_ms", r.cfg.Grace.Milliseconds()))
 			_ = cmd.Process.Kill()
 		}
 	}
@@ -419,6 +515,9 @@ loop:
 	log.Info("command exited", zap.Int("exit_code", code), zap.NamedError("wait_error", waitErrOnly(waitErr)))
 	if loss != nil {
 		return ExitLeaseLost, loss.confirmed, fmt.Errorf("%w while the command ran (command exit code %d): %w", ErrLeaseLost, code, loss.err)
+	}
+	if overran {
+		return ExitMaxRuntime, false, fmt.Errorf("%w %s; it was stopped (command exit code %d)", ErrMaxRuntime, r.cfg.MaxRuntime, code)
 	}
 	return code, false, nil
 }

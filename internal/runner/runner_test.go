@@ -866,3 +866,49 @@ func TestPgfenceRunCronLine(t *testing.T) {
 		t.Errorf("result changed while the lease was held by %d: %+v", other, r)
 	}
 }
+
+// A command that runs past MaxRuntime is stopped like one that lost its
+// lease, run exits 124, and the lease is released.
+func TestRunMaxRuntime(t *testing.T) {
+	f := newFixture(t)
+	cfg := f.config("nightly-report", "sh", script(t, "wait_go.sh")) // waits for $OUT/go, which never comes
+	cfg.MaxRuntime = 300 * time.Millisecond
+	start := time.Now()
+	code, err := Run(context.Background(), cfg, zaptest.NewLogger(t))
+	if code != ExitMaxRuntime || !errors.Is(err, ErrMaxRuntime) {
+		t.Fatalf("got code %d, err %v; want %d, ErrMaxRuntime", code, err, ExitMaxRuntime)
+	}
+	if d := time.Since(start); d < cfg.MaxRuntime {
+		t.Errorf("stopped after %s, before the maximum runtime %s", d, cfg.MaxRuntime)
+	}
+	if !f.exists("ready") {
+		t.Error("the command never started")
+	}
+	if l, ok := f.lease("nightly-report"); ok {
+		t.Errorf("lease still held after the run: %+v", l)
+	}
+}
+
+// A takeover after the last renewal is found when the run releases the
+// lease: run exits 76 (lease lost) although the command exited 0, since
+// the command's last writes may have been refused.
+func TestRunReleaseFindsTheLeaseTakenOver(t *testing.T) {
+	f := newFixture(t)
+	cfg := f.config("nightly-report", "sh", script(t, "wait_go.sh"))
+	cfg.TTL = time.Hour
+	cfg.RenewEvery = 59 * time.Minute // no renewal during the test: only the release can notice
+	done := runAsync(cfg, zaptest.NewLogger(t))
+	eventually(t, 30*time.Second, "the command to start", func() bool { return f.exists("ready") })
+	if _, err := f.db.Exec(context.Background(), "UPDATE fence.leases SET expires_at = now() - interval '1s' WHERE job_key = 'nightly-report'"); err != nil {
+		t.Fatal(err)
+	}
+	bob := f.acquireAs("nightly-report", "bob", time.Minute)
+	f.touch("go")
+	r := await(t, done)
+	if r.code != ExitLeaseLost || !errors.Is(r.err, ErrLeaseLost) || !strings.Contains(r.err.Error(), "release found it taken over") {
+		t.Fatalf("got code %d, err %v; want %d, ErrLeaseLost found at release", r.code, r.err, ExitLeaseLost)
+	}
+	if l, ok := f.lease("nightly-report"); !ok || l.holder != "bob" || l.token != bob {
+		t.Errorf("bob's lease: got %+v (present %v), want token %d", l, ok, bob)
+	}
+}
