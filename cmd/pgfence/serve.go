@@ -358,9 +358,9 @@ func runServe(ctx context.Context, c serveConfig, log *zap.Logger) error {
 	if !c.NoGate {
 		fc := proxy.FenceConfig{Primary: pc.Primary}
 		if c.GateIdleTimeout != "" {
-			d, err := time.ParseDuration(c.GateIdleTimeout)
+			d, err := parseDuration(c.GateIdleTimeout)
 			if err != nil || d < 0 {
-				return &exitError{code: 2, msg: fmt.Sprintf("gate_idle_timeout: want a duration such as 10s, got %q", c.GateIdleTimeout)}
+				return &exitError{code: exitConfig, msg: fmt.Sprintf("gate_idle_timeout: want a duration such as 10s, got %q", c.GateIdleTimeout)}
 			}
 			fc.GateIdleTimeout = d
 			if d == 0 {
