@@ -87,6 +87,7 @@ var configSamples = map[string]struct {
 	"max_clients":        {`5`, ptr("7")},
 	"max_message_size":   {`"1MiB"`, ptr("2MiB")},
 	"shutdown_timeout":   {`"3s"`, ptr("1d")},
+	"gate_idle_timeout":  {`"2s"`, ptr("1d")},
 	"no_gate":            {`true`, ptr("true")},
 	"no_event_loop":      {`true`, ptr("true")},
 	"metrics_listen":     {`"127.0.0.1:9187"`, ptr("127.0.0.1:9188")},
