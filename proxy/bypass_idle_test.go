@@ -132,7 +132,7 @@ func bypassIdle(t *testing.T) {
 		e := newIdleEnv(t)
 		c := e.mustConnect(t, client{lease: &e.lease, mode: pgx.QueryExecModeSimpleProtocol})
 		mustExec(t, c, pgx.QueryExecModeSimpleProtocol, "BEGIN", ins(e),
-			fmt.Sprintf("SELECT pg_sleep(%f)", (3 * idleBound).Seconds()), "COMMIT")
+			fmt.Sprintf("SELECT pg_sleep(%f)", (3*idleBound).Seconds()), "COMMIT")
 		e.wantCommittedWithReceipt(t, "idle")
 	})
 	t.Run("talking_client_not_ended", func(t *testing.T) {

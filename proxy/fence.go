@@ -3,6 +3,7 @@ package proxy
 import (
 	"context"
 	"fmt"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -21,7 +22,9 @@ type Fence struct {
 	classifier *rewrite.Classifier
 	cats       *catalogs
 	log        *zap.Logger
-	idle       *watchdog // fence_idle.go
+	idle       *watchdog   // fence_idle.go
+	refusals   *zap.Logger // sampled (fence_log.go)
+	warned     sync.Map    // warnOnce's keys
 
 	// Stats counts gate outcomes; read with Snapshot.
 	Stats FenceStats
@@ -35,6 +38,8 @@ type FenceStats struct {
 	Refused    atomic.Int64 // gate or commit refusals (FN001, FN003-FN006, FN008, FN009)
 	Unfenced   atomic.Int64 // protected writes without fence metadata (FN008)
 	Classified atomic.Int64 // statements classified
+
+	RefusalsNotLogged atomic.Int64 // refusal lines the log's sampler left out (fence_log.go)
 
 	// For SHOW STATS and the metrics (metrics.go).
 	Codes         CodeCounts // FN errors the clients got, by SQLSTATE
@@ -71,12 +76,14 @@ func NewFence(cfg FenceConfig, log *zap.Logger) (*Fence, error) {
 	if cfg.GateIdleTimeout == 0 {
 		cfg.GateIdleTimeout = DefaultGateIdleTimeout
 	}
-	return &Fence{
+	f := &Fence{
 		classifier: rewrite.NewClassifier(cfg.ClassifierCacheSize),
 		cats:       newCatalogs(pc, log.Named("catalog")),
 		log:        log,
 		idle:       newWatchdog(cfg.GateIdleTimeout, log.Named("gate")),
-	}, nil
+	}
+	f.refusals = refusalLogger(log, &f.Stats.RefusalsNotLogged)
+	return f, nil
 }
 
 // Close stops the gate's control connections and its watchdog.
@@ -106,6 +113,7 @@ func (f *Fence) Open(s *Session) (Handler, error) {
 		cat:     cat,
 		st:      st,
 		text:    newTextState(s.ServerParams, s.Logger()),
+		appName: s.ServerParams["application_name"],
 		stmts:   map[string]*cstmt{},
 		portals: map[string]*cportal{},
 	}

@@ -45,6 +45,7 @@ type fenceSession struct {
 	st       *session.State
 	prepared bool      // the gate's named statements exist upstream
 	text     textState // how the server reads the client's text (fence_text.go)
+	appName  string    // application_name as the server last reported it (for the log)
 
 	// Client goroutine only.
 	last      *Request // the last request sent upstream
@@ -255,6 +256,8 @@ type tag struct {
 	gen     session.Generation
 	// explicitCommit as in seg, for the extended protocol.
 	explicitCommit bool
+	// about is the client statement a gate step guards (for the log).
+	about *rewrite.Stmt
 	// sent: when the request (a gate or commit step, or a query holding
 	// one) went upstream, for the latency histograms; in a query, moved
 	// on at each statement's completion. Zero: not timed.
@@ -972,7 +975,7 @@ func (h *fenceSession) plan(sql string, res *rewrite.Result) qplan {
 	// refuse fails the query at st with e, as PostgreSQL would fail st:
 	// the rest is not sent (the caller breaks the loop).
 	refuse := func(st *rewrite.Stmt, e *session.Error) {
-		inject(st.Offset, raiseSQL(e)+";", seg{step: stepRaise})
+		inject(st.Offset, raiseSQL(e)+";", seg{step: stepRaise, stmt: st})
 		items = append(items, item{at: st.Offset, seg: seg{step: stepClient, stmt: st}})
 	}
 	wrapped, hasCopy, explicitCommit := false, false, false
@@ -990,7 +993,7 @@ loop:
 			cur, ok := ov.generation(h.st)
 			if !ok {
 				h.f.Stats.Unfenced.Add(1)
-				refuse(st, fencingRequired(st, h.cat, h.st))
+				refuse(st, fencingRequired(st, h.cat, h.st, ov))
 				break loop
 			}
 			if !explicit {
@@ -999,7 +1002,7 @@ loop:
 				// statement, the gate and the receipt succeeded.
 				wrapped, wrapStart = true, blockStart
 			}
-			inject(st.Offset, gateSQL(cur)+";", seg{step: stepGate, gen: cur})
+			inject(st.Offset, gateSQL(cur)+";", seg{step: stepGate, gen: cur, stmt: st})
 			gated, gen = true, cur
 			if d == nil || restore < 0 {
 				d = &fence.Digest{}
@@ -1312,15 +1315,37 @@ func literal(s string) string {
 	return b.String()
 }
 
-func fencingRequired(st *rewrite.Stmt, cat *catalog, ss *session.State) *session.Error {
+// fencingRequired is FN008 for st, naming what of the generation the
+// session lacks (ov: the query's own SETs before st).
+func fencingRequired(st *rewrite.Stmt, cat *catalog, ss *session.State, ov overlay) *session.Error {
 	rels := cat.prot.Load().ProtectedWrites(st, ss.SearchPath())
 	what := "a protected table"
 	if len(rels) > 0 {
 		what = "protected table " + rels[0].String()
 	}
 	return &session.Error{Code: fence.CodeFencingRequired,
-		Message: fmt.Sprintf("fencing required: this statement writes %s but the session has no fence generation (fence.job_key, fence.epoch, fence.token)", what),
+		Message: fmt.Sprintf("fencing required: this statement writes %s but %s", what, strings.Join(ov.missing(ss), " and ")),
 		Hint:    "take a lease with fence.acquire (or run the job under `pgfence run`) and set fence.job_key, fence.epoch and fence.token, e.g. PGOPTIONS='-c fence.job_key=... -c fence.epoch=... -c fence.token=...'"}
+}
+
+// missing names what of the fence generation is not set, or not usable.
+func (o overlay) missing(ss *session.State) []string {
+	var out []string
+	for _, n := range []string{session.JobKey, session.Epoch, session.Token} {
+		v := strings.TrimSpace(o.value(ss, n))
+		switch {
+		case v == "":
+			out = append(out, n+" is not set")
+		case n != session.JobKey:
+			if x, err := strconv.ParseInt(v, 10, 64); err != nil || x <= 0 {
+				out = append(out, fmt.Sprintf("%s (%q) is not a positive integer", n, v))
+			}
+		}
+	}
+	if len(out) == 0 {
+		out = append(out, "its fence generation is not complete")
+	}
+	return out
 }
 
 // overlay follows the fence parameters a query's own SETs change before a
@@ -1475,7 +1500,7 @@ func (h *fenceSession) execute(s *Session, msg []byte) error {
 	gen := session.Generation{JobKey: k, Epoch: e, Token: tok, Step: step}
 	var fr *session.Error
 	if !ok {
-		fr = fencingRequired(st, h.cat, h.st)
+		fr = fencingRequired(st, h.cat, h.st, overlay{})
 	}
 	h.mu.Unlock()
 	switch {
@@ -1504,7 +1529,7 @@ func (h *fenceSession) execute(s *Session, msg []byte) error {
 			}
 			h.mu.Unlock()
 		}
-		if err := h.execNamed(s, gateStmt, gateArgs(gen), &tag{kind: 'E', step: stepGate, gen: gen}); err != nil {
+		if err := h.execNamed(s, gateStmt, gateArgs(gen), &tag{kind: 'E', step: stepGate, gen: gen, about: st}); err != nil {
 			return err
 		}
 	case prepTx:
@@ -1881,7 +1906,10 @@ func (h *fenceSession) onError(s *Session, msg []byte, t *tag) (Verdict, error) 
 		st = sg.step
 		t.stepFailed = st == stepGate || st == stepCommit || st == stepSavepoint
 	} else {
-		sg = seg{step: st, gen: t.gen, explicitCommit: t.explicitCommit}
+		sg = seg{step: st, gen: t.gen, explicitCommit: t.explicitCommit, stmt: t.about}
+		if st == stepClient && t.cp != nil {
+			sg.stmt = t.cp.stmt
+		}
 	}
 	if st > stepRoute {
 		return Drop, nil // a routing query's failure is the router's business (route.go)
@@ -1917,18 +1945,23 @@ func (h *fenceSession) onError(s *Session, msg []byte, t *tag) (Verdict, error) 
 			Message: fmt.Sprintf("pgfence: idempotent replay: job %q epoch %d token %d step %q was already committed with the same payload; nothing was applied twice",
 				gen.JobKey, gen.Epoch, gen.Token, gen.Step),
 			Detail: e.Detail}))
+		h.logRefusal(s, &e, nil, "replayed") // fence_log.go
 		// The rest of the batch is skipped; its errors stay hidden.
 		h.errShown = true
 		return Drop, nil
 	}
 	h.errShown = true
+	setup := st != stepRaise && h.setupError(s, &e, st != stepClient || sg.stmt != nil && sg.stmt.CallsFence) // fence_log.go
 	if strings.HasPrefix(e.Code, "FN") {
 		h.f.Stats.Refused.Add(1)
 		h.f.Stats.Codes.Add(e.Code) // metrics: refusals by SQLSTATE
 	}
+	if strings.HasPrefix(e.Code, "FN") || st == stepRaise {
+		h.logRefusal(s, &e, sg.stmt, "refused")
+	}
 	switch st {
 	case stepClient:
-		if len(t.inserts) == 0 || e.Position == 0 {
+		if !setup && (len(t.inserts) == 0 || e.Position == 0) {
 			return Forward, nil
 		}
 		e.Position = unshift(e.Position, t.inserts)

@@ -113,6 +113,8 @@ func (h *fenceSession) paramStatus(s *Session, msg []byte) {
 		h.text.setEncoding(ps.Value, s.Logger())
 	case "standard_conforming_strings":
 		h.text.scsOff = ps.Value == "off"
+	case "application_name":
+		h.appName = ps.Value
 	}
 }
 
