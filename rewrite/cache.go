@@ -152,7 +152,9 @@ func (c *Classifier) ClassifyShared(sql string) (res *Result, shared bool, err e
 	case err == nil && shareableWrite(res):
 		c.wshapes.Add(key, res)
 	default:
-		if g, ok := fenceSetShape(sql, res); err == nil && ok {
+		if err != nil {
+			c.cache.Add(sql, entry{res: res, err: err})
+		} else if g, ok := fenceSetShape(sql, res); ok {
 			c.gshapes.Add(key, g)
 		} else {
 			c.cache.Add(sql, entry{res: res, err: err})

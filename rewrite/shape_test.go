@@ -289,3 +289,15 @@ func checkFenceSetShape(t *testing.T, sql string, res *Result) {
 		sameSetResult(t, other, got, want)
 	}
 }
+
+// A text that does not parse and has a literal in it (so it has a shape)
+// is an error, not a panic (a session's simple Query "SELEC 'x'" once
+// ended in one).
+func TestClassifySharedParseError(t *testing.T) {
+	c := NewClassifier(16)
+	for i := 0; i < 2; i++ {
+		if _, _, err := c.ClassifyShared("SELEC 'x'"); err == nil {
+			t.Fatal("SELEC 'x' classified")
+		}
+	}
+}
