@@ -189,6 +189,7 @@ func (tg target) Env() []string {
 		"PGSSLMODE=disable",
 		"PGCONNECT_TIMEOUT=10",
 		"PGFENCE_TARGET="+tg.Name,
+		"PYTHONDONTWRITEBYTECODE=1",
 		fmt.Sprintf("PGFENCE_OBSERVER_PORT=%d", cluster.Primary.Port),
 	)
 }

@@ -326,6 +326,17 @@ var pgxChecks = []pgxCheck{
 			return first(want(sqlstate(err), "42601", "syntax error"), err2, want(n, 1, "rows"))
 		})
 	}},
+	{"syntax_error", func(ctx context.Context, x *pgxEnv) (string, error) {
+		// A typo in a statement with one string literal (its text unique to
+		// the variant: the proxy caches classifications by text).
+		return "", x.withConn(ctx, func(c *pgx.Conn) error {
+			_, err := c.Exec(ctx, "SELEC '"+x.variant+"'")
+			_, err2 := c.Exec(ctx, "SELEC '"+x.variant+"', $1::int", 1)
+			n, err3 := queryInt(ctx, c, "SELECT 1")
+			return first(want(sqlstate(err), "42601", "a syntax error"), want(sqlstate(err2), "42601", "a syntax error with a parameter"),
+				err3, want(n, 1, "after the syntax errors"))
+		})
+	}},
 	{"notice", func(ctx context.Context, x *pgxEnv) (string, error) {
 		cfg, err := x.config()
 		if err != nil {

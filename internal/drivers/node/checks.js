@@ -39,6 +39,9 @@ function expectEq(got, want, what) {
 
 async function connect(config = {}) {
   const c = new pg.Client(config)
+  // A connection that ends under a query fails the query; without a
+  // listener its 'error' event would end the process.
+  c.on('error', () => {})
   await c.connect()
   return c
 }
@@ -170,6 +173,16 @@ const checks = {
       expectEq(await sqlstateOf(c.query('SELECT $1::int', ['nope'])), '22P02', 'a bad parameter')
       expectEq(await sqlstateOf(c.query('SELEC 1')), '42601', 'a syntax error')
       expectEq((await c.query('SELECT count(*)::int AS n FROM er')).rows[0].n, 1, 'rows')
+    })
+  },
+
+  async syntax_error() {
+    // A typo in a statement with one string literal, simple and extended
+    // (its text unique to the driver: the proxy caches classifications by text).
+    await withClients([{}], async (c) => {
+      expectEq(await sqlstateOf(c.query(`SELEC '${VARIANT}'`)), '42601', 'a syntax error')
+      expectEq(await sqlstateOf(c.query(`SELEC '${VARIANT}', $1::int`, [1])), '42601', 'a syntax error with a parameter')
+      expectEq((await c.query('SELECT 1 AS v')).rows[0].v, 1, 'after the syntax errors')
     })
   },
 

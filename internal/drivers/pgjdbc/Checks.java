@@ -265,6 +265,17 @@ public class Checks {
         return "";
     }
 
+    // syntaxError: a typo in a statement with one string literal (its text
+    // unique to the variant: the proxy caches classifications by text).
+    static String syntaxError() throws Exception {
+        try (Connection c = connect(); Statement s = c.createStatement()) {
+            expectEq(sqlstateOf(() -> s.execute("SELEC '" + variant + "'")), "42601", "a syntax error");
+            expectEq(sqlstateOf(() -> one(c, "SELEC '" + variant + "', CAST(? AS int)", 1)), "42601", "a syntax error with a parameter");
+            expectEq(one(c, "SELECT 1"), 1, "after the syntax errors");
+        }
+        return "";
+    }
+
     static String notice() throws Exception {
         try (Connection c = connect(); Statement s = c.createStatement()) {
             s.execute("DO $$ BEGIN RAISE NOTICE 'hello %', 42; RAISE WARNING 'careful' USING ERRCODE = '01XYZ'; END $$");
@@ -706,6 +717,7 @@ public class Checks {
         {"transaction", (Check) Checks::transaction},
         {"savepoint", (Check) Checks::savepoint},
         {"error_recovery", (Check) Checks::errorRecovery},
+        {"syntax_error", (Check) Checks::syntaxError},
         {"notice", (Check) Checks::notice},
         {"listen_notify", (Check) Checks::listenNotify},
         {"copy_out", (Check) Checks::copyOut},

@@ -159,6 +159,19 @@ def check_error_recovery():
         conn.close()
 
 
+def check_syntax_error():
+    # A typo in a statement with one string literal (its text unique to
+    # the variant: the proxy caches classifications by text).
+    conn = connect(autocommit=True)
+    try:
+        with conn.cursor() as cur:
+            expect_eq(sqlstate_of(lambda: cur.execute(f"SELEC '{VARIANT}'")), "42601", "a syntax error")
+            cur.execute("SELECT 1")
+            expect_eq(cur.fetchone()[0], 1, "after the syntax error")
+    finally:
+        conn.close()
+
+
 def check_notice():
     conn = connect(autocommit=True)
     try:

@@ -166,6 +166,16 @@ def check_error_recovery():
         expect_eq(conn.execute("SELECT count(*) FROM er").fetchone()[0], 1, "rows")
 
 
+def check_syntax_error():
+    # A typo in a statement with one string literal, without and with a
+    # parameter (its text unique to the variant: the proxy caches
+    # classifications by text).
+    with connect(autocommit=True) as conn:
+        expect_eq(sqlstate_of(lambda: conn.execute(f"SELEC '{VARIANT}'")), "42601", "a syntax error")
+        expect_eq(sqlstate_of(lambda: conn.execute(f"SELEC '{VARIANT}', %s", (1,))), "42601", "a syntax error with a parameter")
+        expect_eq(conn.execute("SELECT 1").fetchone()[0], 1, "after the syntax errors")
+
+
 def check_notice():
     got = []
     with connect(autocommit=True) as conn:
