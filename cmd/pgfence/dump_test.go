@@ -71,7 +71,7 @@ type dumpEnv struct {
 	meta      string // PGOPTIONS carrying a live generation of the source database
 	// Dumps of the source taken straight from PostgreSQL, for the restores.
 	plain, custom, directory string
-	logs      *observer.ObservedLogs
+	logs                     *observer.ObservedLogs
 }
 
 // serveInProcess runs `pgfence serve` (runServe, write gate on, trust on
@@ -422,4 +422,3 @@ func dirFiles(t *testing.T, dir string) string {
 	sort.Strings(out)
 	return strings.Join(out, "\n")
 }
-

@@ -685,28 +685,16 @@ var pgxChecks = []pgxCheck{
 		return "", first(err, x.wantRow(ctx, job, "", 0))
 	}},
 	{"fence_autocommit", func(ctx context.Context, x *pgxEnv) (string, error) {
-		job := x.jobKey("autocommit")
-		epoch, token, err := x.acquire(ctx, job)
-		if err != nil {
-			return "", err
-		}
-		err = x.withConn(ctx, func(c *pgx.Conn) error {
+		return "", x.fencedWrite(ctx, "autocommit", "auto", func(c *pgx.Conn, job string, token int64) error {
 			_, err := c.Exec(ctx, pgxUpsert, job, "auto", token)
 			return err
-		}, fenceParams(job, epoch, token)...)
-		return "", first(err, x.wantRow(ctx, job, "auto", token), x.wantReceipts(ctx, job, x.receiptsIfProxy()))
+		})
 	}},
 	{"fence_copy", func(ctx context.Context, x *pgxEnv) (string, error) {
-		job := x.jobKey("copy")
-		epoch, token, err := x.acquire(ctx, job)
-		if err != nil {
-			return "", err
-		}
-		err = x.withConn(ctx, func(c *pgx.Conn) error {
+		return "CopyFrom (binary COPY)", x.fencedWrite(ctx, "copy", "copied", func(c *pgx.Conn, job string, token int64) error {
 			_, err := c.CopyFrom(ctx, pgx.Identifier{"results"}, []string{"job_key", "payload", "token"}, pgx.CopyFromRows([][]any{{job, "copied", token}}))
 			return err
-		}, fenceParams(job, epoch, token)...)
-		return "CopyFrom (binary COPY)", first(err, x.wantRow(ctx, job, "copied", token), x.wantReceipts(ctx, job, x.receiptsIfProxy()))
+		})
 	}},
 	{"fence_no_metadata", func(ctx context.Context, x *pgxEnv) (string, error) {
 		job := x.jobKey("nometa")
@@ -717,20 +705,27 @@ var pgxChecks = []pgxCheck{
 		return "", first(err, x.wantRow(ctx, job, "", 0))
 	}},
 	{"fence_pipeline", func(ctx context.Context, x *pgxEnv) (string, error) {
-		job := x.jobKey("pipeline")
-		epoch, token, err := x.acquire(ctx, job)
-		if err != nil {
-			return "", err
-		}
-		err = x.withConn(ctx, func(c *pgx.Conn) error {
+		return "SendBatch (one implicit transaction)", x.fencedWrite(ctx, "pipeline", "batch", func(c *pgx.Conn, job string, token int64) error {
 			b := &pgx.Batch{}
 			b.Queue("SELECT 1")
 			b.Queue(pgxUpsert, job, "batch", token)
 			b.Queue(pgxUpsert, job, "batch", token)
 			return c.SendBatch(ctx, b).Close()
-		}, fenceParams(job, epoch, token)...)
-		return "SendBatch (one implicit transaction)", first(err, x.wantRow(ctx, job, "batch", token), x.wantReceipts(ctx, job, x.receiptsIfProxy()))
+		})
 	}},
+}
+
+// fencedWrite acquires a new generation of the check's job, runs write on
+// a connection carrying it, and checks that the result row holds payload
+// and that the proxy (only) left one receipt.
+func (x *pgxEnv) fencedWrite(ctx context.Context, check, payload string, write func(c *pgx.Conn, job string, token int64) error) error {
+	job := x.jobKey(check)
+	epoch, token, err := x.acquire(ctx, job)
+	if err != nil {
+		return err
+	}
+	err = x.withConn(ctx, func(c *pgx.Conn) error { return write(c, job, token) }, fenceParams(job, epoch, token)...)
+	return first(err, x.wantRow(ctx, job, payload, token), x.wantReceipts(ctx, job, x.receiptsIfProxy()))
 }
 
 func fenceParams(job string, epoch, token int64) []string {

@@ -74,5 +74,61 @@ def wait_until(what, cond, timeout=10.0):
         time.sleep(0.01)
 
 
+def run_threads(n, worker):
+    """Runs worker(i) for i in range(n) in threads at once; returns what
+    they raised, as strings."""
+    import threading
+    errs = []
+
+    def run(i):
+        try:
+            worker(i)
+        except Exception as e:  # noqa: BLE001
+            errs.append(repr(e))
+
+    ths = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for th in ths:
+        th.start()
+    for th in ths:
+        th.join(60)
+    return errs
+
+
 def fence_options(job_key, epoch, token):
     return f"-c fence.job_key={job_key} -c fence.epoch={epoch} -c fence.token={token}"
+
+
+class Observer:
+    """The fencing flows' view from a separate connection straight to
+    PostgreSQL. connect is the driver's connect to the observer port, in
+    autocommit; each call opens a connection and closes it."""
+
+    def __init__(self, connect):
+        self.connect = connect
+
+    def one(self, sql, args=()):
+        conn = self.connect()
+        try:
+            cur = conn.cursor()
+            cur.execute(sql, args)
+            row = cur.fetchone()
+            cur.close()
+            return row
+        finally:
+            conn.close()
+
+    def acquire(self, job, holder="h1"):
+        """A new generation of job: (epoch, token)."""
+        return tuple(self.one("SELECT epoch, token FROM fence.acquire(%s, %s, interval '5 minutes')", (job, holder)))
+
+    def take_over(self, job, token):
+        """Another holder takes job over from token; returns its token."""
+        self.one("SELECT fence.release(%s, %s)", (job, token))
+        return self.one("SELECT token FROM fence.acquire(%s, 'h2', interval '5 minutes')", (job,))[0]
+
+    def receipts(self, job):
+        return self.one("SELECT count(*) FROM fence.receipts WHERE job_key = %s", (job,))[0]
+
+    def result_row(self, job):
+        row = self.one("SELECT payload, token FROM results WHERE job_key = %s", (job,))
+        return tuple(row) if row is not None else None

@@ -21,8 +21,8 @@ import psycopg2.extras  # noqa: E402
 import psycopg2.pool  # noqa: E402
 
 from checklib import (  # noqa: E402
-    PROXY, OBSERVER_PORT, UPSERT, NotApplicable, CheckFailed,
-    expect, expect_eq, fence_options, run, wait_until,
+    PROXY, OBSERVER_PORT, UPSERT, NotApplicable, CheckFailed, Observer,
+    expect, expect_eq, fence_options, run, run_threads, wait_until,
 )
 
 VARIANT = "psycopg2"
@@ -306,30 +306,21 @@ def check_server_cursor():
 
 def check_pool():
     pool = psycopg2.pool.ThreadedConnectionPool(1, 4)  # raises when exhausted: 4 workers
-    errors = []
 
     def worker(i):
-        try:
-            for j in range(5):
-                c = pool.getconn()
-                try:
-                    with c.cursor() as cur:
-                        cur.execute("SELECT %s::int + %s", (i, j))
-                        if cur.fetchone()[0] != i + j:
-                            errors.append("wrong answer")
-                    c.rollback()
-                finally:
-                    pool.putconn(c)
-        except Exception as e:  # noqa: BLE001
-            errors.append(repr(e))
+        for j in range(5):
+            c = pool.getconn()
+            try:
+                with c.cursor() as cur:
+                    cur.execute("SELECT %s::int + %s", (i, j))
+                    expect_eq(cur.fetchone()[0], i + j, "answer")
+                c.rollback()
+            finally:
+                pool.putconn(c)
 
-    ths = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
-    for th in ths:
-        th.start()
-    for th in ths:
-        th.join(60)
+    errs = run_threads(4, worker)
     pool.closeall()
-    expect_eq(errors, [], "errors")
+    expect_eq(errs, [], "errors")
 
 
 def check_pipeline():
@@ -412,30 +403,12 @@ def check_backend_pid():
 
 # --- fencing flows -----------------------------------------------------------
 
-def acquire(job, holder="h1"):
-    with observer() as obs, obs.cursor() as cur:
-        cur.execute("SELECT epoch, token FROM fence.acquire(%s, %s, interval '5 minutes')", (job, holder))
-        return cur.fetchone()
+OBS = Observer(observer)
+acquire, receipts, result_row = OBS.acquire, OBS.receipts, OBS.result_row
 
 
 def fenced(job, epoch, token, autocommit=False):
     return connect(autocommit=autocommit, options=fence_options(job, epoch, token))
-
-
-def receipts(job):
-    obs = observer()
-    try:
-        return one(obs, "SELECT count(*) FROM fence.receipts WHERE job_key = %s", (job,))[0]
-    finally:
-        obs.close()
-
-
-def result_row(job):
-    obs = observer()
-    try:
-        return one(obs, "SELECT payload, token FROM results WHERE job_key = %s", (job,))
-    finally:
-        obs.close()
 
 
 def job_key(check):
@@ -511,10 +484,7 @@ def check_fence_conflict():
 def check_fence_stale():
     job = job_key("stale")
     epoch, old = acquire(job)
-    with observer() as obs, obs.cursor() as cur:
-        cur.execute("SELECT fence.release(%s, %s)", (job, old))
-        cur.execute("SELECT token FROM fence.acquire(%s, 'h2', interval '5 minutes')", (job,))
-        new = cur.fetchone()[0]
+    new = OBS.take_over(job, old)
     conn = fenced(job, epoch, old)
     try:
         with conn.cursor() as cur:

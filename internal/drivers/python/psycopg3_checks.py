@@ -23,8 +23,8 @@ from psycopg import errors, pq  # noqa: E402
 from psycopg.types.json import Jsonb  # noqa: E402
 
 from checklib import (  # noqa: E402
-    PROXY, OBSERVER_PORT, UPSERT, NotApplicable, CheckFailed,
-    expect, expect_eq, fence_options, run, wait_until,
+    PROXY, OBSERVER_PORT, UPSERT, NotApplicable, CheckFailed, Observer,
+    expect, expect_eq, fence_options, run, run_threads, wait_until,
 )
 
 VARIANT = "psycopg"
@@ -285,21 +285,12 @@ def check_server_cursor():
 
 
 def check_pool():
-    errs = []
     with psycopg_pool.ConnectionPool("", min_size=1, max_size=3, kwargs={"autocommit": True}, timeout=20) as pool:
         def worker(i):
-            try:
-                for j in range(5):
-                    with pool.connection() as c:
-                        if c.execute("SELECT %s::int + %s", (i, j)).fetchone()[0] != i + j:
-                            errs.append("wrong answer")
-            except Exception as e:  # noqa: BLE001
-                errs.append(repr(e))
-        ths = [threading.Thread(target=worker, args=(i,)) for i in range(6)]
-        for th in ths:
-            th.start()
-        for th in ths:
-            th.join(60)
+            for j in range(5):
+                with pool.connection() as c:
+                    expect_eq(c.execute("SELECT %s::int + %s", (i, j)).fetchone()[0], i + j, "answer")
+        errs = run_threads(6, worker)
         pool.check()
     expect_eq(errs, [], "errors")
 
@@ -384,23 +375,12 @@ def job_key(check):
     return f"{tag()}:{check}"
 
 
-def acquire(job, holder="h1"):
-    with observer() as obs:
-        return obs.execute("SELECT epoch, token FROM fence.acquire(%s, %s, interval '5 minutes')", (job, holder)).fetchone()
+OBS = Observer(observer)
+acquire, receipts, result_row = OBS.acquire, OBS.receipts, OBS.result_row
 
 
 def fenced(job, epoch, token, autocommit=False):
     return connect(autocommit=autocommit, options=fence_options(job, epoch, token))
-
-
-def receipts(job):
-    with observer() as obs:
-        return obs.execute("SELECT count(*) FROM fence.receipts WHERE job_key = %s", (job,)).fetchone()[0]
-
-
-def result_row(job):
-    with observer() as obs:
-        return obs.execute("SELECT payload, token FROM results WHERE job_key = %s", (job,)).fetchone()
 
 
 def check_fence_acquire():
@@ -460,9 +440,7 @@ def check_fence_conflict():
 def check_fence_stale():
     job = job_key("stale")
     epoch, old = acquire(job)
-    with observer() as obs:
-        obs.execute("SELECT fence.release(%s, %s)", (job, old))
-        new = obs.execute("SELECT token FROM fence.acquire(%s, 'h2', interval '5 minutes')", (job,)).fetchone()[0]
+    new = OBS.take_over(job, old)
     with fenced(job, epoch, old) as conn:
         code = sqlstate_of(lambda: conn.execute(UPSERT, (job, "zombie", old)))
         if code is None:
