@@ -5,7 +5,7 @@ TESTFLAGS ?=
 DURATION ?= 5m
 SEED     ?=
 
-.PHONY: help dev test test-race test-drivers test-pgx-suite bench lint build deps chaos
+.PHONY: help dev test test-race test-drivers test-pgx-suite test-node-pg-suite bench lint build deps chaos
 
 help: ## show this help
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -50,6 +50,12 @@ test-drivers: deps ## driver matrix: real drivers direct vs through pgfence serv
 # the proxy (internal/drivers/pgxsuite_test.go).
 test-pgx-suite: deps ## pgx's own test suite, direct vs through pgfence serve
 	$(GO) test -tags drivers -count=1 -timeout 30m -run 'TestPgxSuite$$' ./internal/drivers/ -v $(if $(WRITE_DOC),-args -write-doc)
+
+# node-postgres's own integration tests, direct vs through pgfence serve.
+# The npm package ships no tests: NODE_PG_SRC is a checkout of
+# github.com/brianc/node-postgres.
+test-node-pg-suite: deps ## node-postgres's own tests (NODE_PG_SRC=checkout), direct vs through pgfence serve
+	NODE_PG_SRC=$(NODE_PG_SRC) $(GO) test -tags drivers -count=1 -timeout 30m -run 'TestNodePgSuite$$' ./internal/drivers/ -v
 
 test-race: deps ## run the tests with the race detector
 	$(GO) test -count=1 -race -timeout 20m $(TESTFLAGS) $(PKGS)
