@@ -14,6 +14,7 @@ var checkOrder = []string{
 
 // variantOrder orders a driver's variants in the table.
 var variantOrder = []string{
+	"psycopg2", "psycopg", "psycopg prepare_threshold=0", "node-postgres",
 	"pgjdbc", "pgjdbc prepareThreshold=0", "pgjdbc prepareThreshold=1", "pgjdbc prepareThreshold=-1",
 	"pgjdbc preferQueryMode=simple", "pgjdbc preferQueryMode=extendedForPrepared", "pgjdbc binaryTransfer=false",
 	"pgx cache_statement", "pgx cache_describe", "pgx describe_exec", "pgx exec", "pgx simple_protocol",

@@ -190,8 +190,9 @@ func (m *matrix) add(tg string, r result) {
 	m.cells[k][tg] = r
 }
 
-// order sorts variants by driver (the order of drivers) then as the
-// scripts printed them, and checks in the canonical order of checkOrder.
+// order sorts variants by driver (the order of drivers), then as
+// variantOrder lists them, then by name; checks as checkOrder lists them,
+// then by name.
 func (m *matrix) order() (variants, checks []string) {
 	seenV, seenC := map[string]bool{}, map[string]bool{}
 	for k := range m.cells {
@@ -216,9 +217,17 @@ func (m *matrix) order() (variants, checks []string) {
 		if ri, rj := rank(variants[i]), rank(variants[j]); ri != rj {
 			return ri < rj
 		}
-		return variantIndex(variants[i]) < variantIndex(variants[j])
+		if vi, vj := variantIndex(variants[i]), variantIndex(variants[j]); vi != vj {
+			return vi < vj
+		}
+		return variants[i] < variants[j]
 	})
-	sort.SliceStable(checks, func(i, j int) bool { return checkIndex(checks[i]) < checkIndex(checks[j]) })
+	sort.SliceStable(checks, func(i, j int) bool {
+		if ci, cj := checkIndex(checks[i]), checkIndex(checks[j]); ci != cj {
+			return ci < cj
+		}
+		return checks[i] < checks[j]
+	})
 	return variants, checks
 }
 
