@@ -12,7 +12,7 @@ COMMIT   ?= $(shell git rev-parse HEAD 2>/dev/null)$(shell git diff --quiet HEAD
 GO_LDFLAGS ?= -X main.version=$(VERSION) -X main.commit=$(COMMIT)
 export GO GO_LDFLAGS
 
-.PHONY: help dev test test-race bench lint build install deps chaos
+.PHONY: help dev test test-race test-drivers test-pgx-suite test-node-pg-suite bench lint build install deps chaos
 
 help: ## show this help
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -48,6 +48,27 @@ else
 	$(GO) test -count=1 -timeout 15m $(TESTFLAGS) $$($(GO) list $(PKGS) | grep -v -x -F "$$($(GO) list $(RACEPKGS))")
 	$(GO) test -count=1 -race -timeout 15m $(TESTFLAGS) $(RACEPKGS)
 endif
+
+# The driver matrix (internal/drivers): psycopg2, psycopg 3, node-postgres,
+# pgjdbc in several modes and pgx in each query exec mode, each straight to
+# PostgreSQL and through pgfence serve. install.sh installs the drivers
+# that are missing (Debian packages, npm ci). WRITE_DOC=1 also rewrites the
+# table in docs/compatibility.md.
+test-drivers: deps ## driver matrix: real drivers direct vs through pgfence serve
+	./internal/drivers/install.sh
+	$(GO) test -tags drivers -count=1 -timeout 10m -run 'TestDrivers$$' ./internal/drivers/ -v $(if $(WRITE_DOC),-args -write-doc)
+
+# pgx v5's own test suite (the go.mod version) against PostgreSQL and
+# through pgfence serve: every test that passes direct must pass through
+# the proxy (internal/drivers/pgxsuite_test.go).
+test-pgx-suite: deps ## pgx's own test suite, direct vs through pgfence serve
+	$(GO) test -tags drivers -count=1 -timeout 30m -run 'TestPgxSuite$$' ./internal/drivers/ -v $(if $(WRITE_DOC),-args -write-doc)
+
+# node-postgres's own integration tests, direct vs through pgfence serve.
+# The npm package ships no tests: NODE_PG_SRC is a checkout of
+# github.com/brianc/node-postgres.
+test-node-pg-suite: deps ## node-postgres's own tests (NODE_PG_SRC=checkout), direct vs through pgfence serve
+	NODE_PG_SRC=$(NODE_PG_SRC) $(GO) test -tags drivers -count=1 -timeout 30m -run 'TestNodePgSuite$$' ./internal/drivers/ -v
 
 test-race: deps ## run the tests with the race detector
 	$(GO) test -count=1 -race -timeout 20m $(TESTFLAGS) $(PKGS)

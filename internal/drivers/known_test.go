@@ -1,0 +1,62 @@
+//go:build drivers
+
+package drivers
+
+// checkOrder is the table's row order; every driver prints a subset.
+var checkOrder = []string{
+	"connect", "simple_query", "extended_query", "prepared", "prepared_server", "binary",
+	"transaction", "savepoint", "error_recovery", "syntax_error", "notice", "listen_notify",
+	"copy_out", "copy_in", "cancel", "statement_timeout", "server_cursor", "pool",
+	"pipeline", "large_value", "large_result", "client_encoding", "backend_pid",
+	"fence_acquire", "fence_commit", "fence_replay", "fence_conflict", "fence_stale",
+	"fence_autocommit", "fence_copy", "fence_no_metadata", "fence_pipeline",
+}
+
+// variantOrder orders a driver's variants in the table.
+var variantOrder = []string{
+	"psycopg2", "psycopg", "psycopg prepare_threshold=0", "node-postgres",
+	"pgjdbc", "pgjdbc prepareThreshold=0", "pgjdbc prepareThreshold=1", "pgjdbc prepareThreshold=-1",
+	"pgjdbc preferQueryMode=simple", "pgjdbc preferQueryMode=extendedForPrepared", "pgjdbc binaryTransfer=false",
+	"pgx cache_statement", "pgx cache_describe", "pgx describe_exec", "pgx exec", "pgx simple_protocol",
+}
+
+// knownProxyFailures are the checks that pass straight to PostgreSQL and
+// fail through pgfence serve today, "variant/check" → why, with the part
+// of issue 19 that fixes it. Each is a bug of the proxy, not of the
+// check: the check stays as strict as it must be. The matrix fails when
+// one of these passes, so the list cannot go stale: delete the line with
+// the fix.
+//
+// A key is "variant/check", or "*/check" for every variant of every
+// driver (then each variant's pass is reported).
+var knownProxyFailures = map[string]string{
+	// BackendKeyData carries a random PID the proxy draws for its cancel
+	// key (proxy/server.go, addCancelKey), not the upstream backend's:
+	// pg_backend_pid(), pg_stat_activity and the PID of a
+	// self-notification disagree with what the driver was told.
+	"*/backend_pid": "the backend PID is the proxy's, issue 19 §4",
+
+	// A simple Query that does not parse and holds exactly one string
+	// literal ("SELEC 'x'") panics the session's loop: the client sees the
+	// connection close instead of 42601. rewrite/cache.go:129
+	// (ClassifyShared) calls fenceSetShape(sql, res) when Classify failed,
+	// with res nil, and fenceSetShape dereferences res.Stmts
+	// (rewrite/cache.go:148). The proxy logs "session closed" with reason
+	// "server loop panic: runtime error: invalid memory address or nil
+	// pointer dereference". The variants below send the check's first
+	// statement as a simple Query (proxy/fence_session.go:496); those that
+	// send it as a Parse pass (fence_session.go:269 classifies it with
+	// Classify, which does not call fenceSetShape).
+	"psycopg2/syntax_error":                                   syntaxErrorPanic,
+	"psycopg/syntax_error":                                    syntaxErrorPanic,
+	"node-postgres/syntax_error":                              syntaxErrorPanic,
+	"pgjdbc preferQueryMode=simple/syntax_error":              syntaxErrorPanic,
+	"pgjdbc preferQueryMode=extendedForPrepared/syntax_error": syntaxErrorPanic,
+	"pgx cache_statement/syntax_error":                        syntaxErrorPanic,
+	"pgx cache_describe/syntax_error":                         syntaxErrorPanic,
+	"pgx describe_exec/syntax_error":                          syntaxErrorPanic,
+	"pgx exec/syntax_error":                                   syntaxErrorPanic,
+	"pgx simple_protocol/syntax_error":                        syntaxErrorPanic,
+}
+
+const syntaxErrorPanic = "a syntax error with one string literal in a simple Query panics the session (rewrite/cache.go:129), the write gate's classifier, found by issue 19 §6"

@@ -1,0 +1,334 @@
+//go:build drivers
+
+package drivers
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"sort"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+)
+
+// pgxSuiteSetup is what pgx's own tests expect of their database
+// (testsetup/postgresql_setup.sql of the pgx module, less the roles for
+// authentication methods, TLS and OAuth that this suite does not set up:
+// those tests skip without their PGX_TEST_* variables).
+const pgxSuiteSetup = `
+CREATE EXTENSION hstore;
+CREATE EXTENSION ltree;
+CREATE DOMAIN uint64 AS numeric(20,0);
+`
+
+// pgxSuiteRoles are the cluster-wide roles pgx's tests use.
+const pgxSuiteRoles = `
+DO $$ BEGIN
+  IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = ' tricky, '' } " \ test user ') THEN
+    CREATE USER " tricky, ' } "" \ test user " SUPERUSER PASSWORD 'secret';
+  END IF;
+END $$;
+`
+
+// knownPgxSuiteFailures are pgx tests that pass straight to PostgreSQL
+// and fail through the proxy, "package TestName" → why. As in
+// knownProxyFailures, each is either a proxy bug (with the part of issue
+// 19 that fixes it) or a server-only feature the proxy refuses by design;
+// a listed test that passes fails the suite.
+var knownPgxSuiteFailures = map[string]string{
+	// pg_terminate_backend(conn.PgConn().PID()) terminates nothing: the
+	// PID in BackendKeyData is the proxy's (see knownProxyFailures'
+	// backend_pid), so the connection the test expects dead lives on.
+	"github.com/jackc/pgx/v5 TestFatalRxError":                       pgxBackendPID,
+	"github.com/jackc/pgx/v5 TestFatalTxError":                       pgxBackendPID,
+	"github.com/jackc/pgx/v5/pgconn TestConnCheckConn":               pgxBackendPID,
+	"github.com/jackc/pgx/v5/pgconn TestConnPing":                    pgxBackendPID,
+	"github.com/jackc/pgx/v5/pgxpool TestPoolAcquireChecksIdleConns": pgxBackendPID,
+	"github.com/jackc/pgx/v5/stdlib TestCheckIdleConn":               pgxBackendPID,
+
+	// pgx's simple protocol sends "selct $1;" with its argument inlined as
+	// a string literal: the session panics (knownProxyFailures'
+	// syntax_error), the client gets "conn closed", which pgconn calls
+	// safe to retry.
+	"github.com/jackc/pgx/v5 TestExecFailureWithArguments":                                          pgxSyntaxPanic,
+	"github.com/jackc/pgx/v5 TestExecFailureWithArguments/simple_protocol":                          pgxSyntaxPanic,
+	"github.com/jackc/pgx/v5 TestExecContextFailureWithoutCancelationWithArguments":                 pgxSyntaxPanic,
+	"github.com/jackc/pgx/v5 TestExecContextFailureWithoutCancelationWithArguments/simple_protocol": pgxSyntaxPanic,
+}
+
+const (
+	pgxBackendPID  = "pg_terminate_backend of the driver's PID: the PID is the proxy's, issue 19 §4"
+	pgxSyntaxPanic = "a syntax error with one string literal in a simple Query panics the session (rewrite/cache.go:129), the write gate's classifier"
+)
+
+// tempPath is a temporary directory in a test's name (pgconn's
+// TestParseConfigSSLCertMode names subtests after their service file),
+// different in every run.
+var tempPath = regexp.MustCompile(`/tmp/[^/']+/[0-9]+/`)
+
+// testEvent is a line of `go test -json`.
+type testEvent struct {
+	Action  string
+	Package string
+	Test    string
+	Output  string
+	Elapsed float64
+}
+
+// suiteResult is the outcome of each test ("pkg Test/sub" → pass, fail or
+// skip) and the output of the failed ones.
+type suiteResult struct {
+	outcome map[string]string
+	output  map[string]*strings.Builder
+	took    time.Duration
+}
+
+// pgxModuleCopy copies the pgx module of go.mod (its source with its
+// tests, from the module cache, where it is read-only) to a temporary
+// directory.
+func pgxModuleCopy(t *testing.T) (dir, version string) {
+	t.Helper()
+	out, err := exec.Command("go", "mod", "download", "-json", "github.com/jackc/pgx/v5").Output()
+	if err != nil {
+		t.Fatalf("go mod download github.com/jackc/pgx/v5: %v", err)
+	}
+	var mod struct{ Dir, Version string }
+	if err := json.Unmarshal(out, &mod); err != nil || mod.Dir == "" {
+		t.Fatalf("go mod download: %v (%s)", err, out)
+	}
+	dir = filepath.Join(t.TempDir(), "pgx")
+	if out, err := exec.Command("cp", "-R", mod.Dir, dir).CombinedOutput(); err != nil {
+		t.Fatalf("copy %s: %v\n%s", mod.Dir, err, out)
+	}
+	if out, err := exec.Command("chmod", "-R", "u+w", dir).CombinedOutput(); err != nil {
+		t.Fatalf("chmod: %v\n%s", err, out)
+	}
+	cmd := exec.Command("go", "mod", "download")
+	cmd.Dir = dir
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("go mod download in the pgx copy: %v\n%s", err, out)
+	}
+	return dir, mod.Version
+}
+
+// runPgxSuite runs the pgx module's tests against dsn.
+func runPgxSuite(ctx context.Context, dir, dsn string) (*suiteResult, error) {
+	start := time.Now()
+	cmd := exec.CommandContext(ctx, "go", "test", "-json", "-count=1", "-timeout", "20m", "./...")
+	cmd.Dir = dir
+	var env []string
+	for _, kv := range os.Environ() {
+		if k, _, _ := strings.Cut(kv, "="); !strings.HasPrefix(k, "PG") {
+			env = append(env, kv)
+		}
+	}
+	cmd.Env = append(env, "PGX_TEST_DATABASE="+dsn, "PGX_TEST_TCP_CONN_STRING="+dsn, "GOFLAGS=-mod=mod")
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		return nil, err
+	}
+	if err := cmd.Start(); err != nil {
+		return nil, err
+	}
+	res := &suiteResult{outcome: map[string]string{}, output: map[string]*strings.Builder{}}
+	sc := bufio.NewScanner(stdout)
+	sc.Buffer(make([]byte, 4<<20), 4<<20)
+	for sc.Scan() {
+		var ev testEvent
+		if json.Unmarshal(sc.Bytes(), &ev) != nil || ev.Test == "" {
+			continue
+		}
+		key := ev.Package + " " + tempPath.ReplaceAllString(ev.Test, "/tmp/…/")
+		switch ev.Action {
+		case "pass", "fail", "skip":
+			res.outcome[key] = ev.Action
+		case "output":
+			b := res.output[key]
+			if b == nil {
+				b = &strings.Builder{}
+				res.output[key] = b
+			}
+			if b.Len() < 8000 {
+				b.WriteString(ev.Output)
+			}
+		}
+	}
+	err = cmd.Wait()
+	res.took = time.Since(start)
+	if len(res.outcome) == 0 {
+		return res, fmt.Errorf("go test ran no test: %v\n%s", err, lastLines(stderr.String(), 30))
+	}
+	// A failing test makes go test exit 1: the outcomes say which.
+	return res, nil
+}
+
+// skipReasons lists the skipped tests with the message they skipped with.
+func (r *suiteResult) skipReasons() []string {
+	var out []string
+	for key, o := range r.outcome {
+		if o != "skip" {
+			continue
+		}
+		why := ""
+		if b := r.output[key]; b != nil {
+			for _, line := range strings.Split(b.String(), "\n") {
+				line = strings.TrimSpace(line)
+				if line != "" && !strings.HasPrefix(line, "===") && !strings.HasPrefix(line, "---") {
+					why = line
+				}
+			}
+		}
+		out = append(out, fmt.Sprintf("- `%s`: %s", key, why))
+	}
+	sort.Strings(out)
+	return out
+}
+
+// count returns how many tests (top-level and subtests) had outcome o.
+func (r *suiteResult) count(o string) int {
+	n := 0
+	for _, x := range r.outcome {
+		if x == o {
+			n++
+		}
+	}
+	return n
+}
+
+// TestPgxSuite runs pgx's own test suite straight to PostgreSQL and
+// through pgfence serve (issue 19 §7): every test that passes direct must
+// pass through the proxy, unless knownPgxSuiteFailures says why not.
+func TestPgxSuite(t *testing.T) {
+	dir, version := pgxModuleCopy(t)
+	srv := startServe(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 45*time.Minute)
+	defer cancel()
+	admin, err := cluster.Primary.Connect(ctx, "postgres")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := admin.Exec(ctx, pgxSuiteRoles); err != nil {
+		t.Fatal(err)
+	}
+	admin.Close(ctx)
+
+	// Both runs at once, each in a database of its own: the suite mostly
+	// waits (on pg_sleep, timeouts, PostgreSQL), so together they take
+	// little longer than one.
+	results := map[string]*suiteResult{}
+	var mu sync.Mutex
+	var wg sync.WaitGroup
+	for _, name := range []string{"direct", "proxy"} {
+		db := "pgx_test_" + name
+		if err := createPgxDatabase(ctx, db); err != nil {
+			t.Fatal(err)
+		}
+		port := cluster.Primary.Port
+		if name == "proxy" {
+			port = srv.Port
+		}
+		tg := target{Name: name, Port: port, Database: db}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			res, err := runPgxSuite(ctx, dir, tg.DSN())
+			if err != nil {
+				t.Errorf("pgx suite against %s: %v", name, err)
+				return
+			}
+			mu.Lock()
+			results[name] = res
+			mu.Unlock()
+			t.Logf("pgx %s suite against %s: %d passed, %d failed, %d skipped in %s", version, name,
+				res.count("pass"), res.count("fail"), res.count("skip"), res.took.Round(time.Second))
+		}()
+	}
+	wg.Wait()
+	if t.Failed() {
+		t.FailNow()
+	}
+	d, p := results["direct"], results["proxy"]
+	var broken, known, stale []string
+	for key, o := range d.outcome {
+		if o != "pass" {
+			continue
+		}
+		reason, isKnown := knownPgxSuiteFailures[key]
+		switch po := p.outcome[key]; {
+		case po == "pass" && isKnown:
+			stale = append(stale, fmt.Sprintf("%s: listed in knownPgxSuiteFailures (%s) but passes through the proxy: remove it", key, reason))
+		case po != "pass" && isKnown:
+			known = append(known, key)
+		case po != "pass":
+			out := ""
+			if b := p.output[key]; b != nil {
+				out = lastLines(b.String(), 15)
+			}
+			broken = append(broken, fmt.Sprintf("%s: passes direct, %s through the proxy:\n%s", key, outcomeWord(po), out))
+		}
+	}
+	for key := range knownPgxSuiteFailures {
+		if d.outcome[key] != "pass" {
+			stale = append(stale, fmt.Sprintf("%s: listed in knownPgxSuiteFailures but %s direct", key, outcomeWord(d.outcome[key])))
+		}
+	}
+	sort.Strings(broken)
+	sort.Strings(known)
+	sort.Strings(stale)
+	summary := fmt.Sprintf("pgx %s's own tests (top-level tests and subtests, `go test ./...` of the module): "+
+		"%d pass straight to PostgreSQL (%d fail, %d skip there); through pgfence serve %d of those pass, "+
+		"%d are known proxy failures, %d fail unexpectedly. Took %s direct, %s through the proxy.\n",
+		version, d.count("pass"), d.count("fail"), d.count("skip"),
+		d.count("pass")-len(broken)-len(known), len(known), len(broken),
+		d.took.Round(time.Second), p.took.Round(time.Second))
+	if skips := d.skipReasons(); len(skips) > 0 {
+		summary += "\nSkipped straight to PostgreSQL (and so not compared):\n\n" + strings.Join(skips, "\n") + "\n"
+	}
+	fmt.Printf("\n%s\n", summary)
+	for _, s := range append(broken, stale...) {
+		t.Error(s)
+	}
+	if *writeDoc {
+		if err := replaceSection("../../docs/compatibility.md", "pgx-suite", summary); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+func outcomeWord(o string) string {
+	if o == "" {
+		return "not run"
+	}
+	return map[string]string{"pass": "passes", "fail": "fails", "skip": "skips"}[o]
+}
+
+func createPgxDatabase(ctx context.Context, name string) error {
+	admin, err := cluster.Primary.Connect(ctx, "postgres")
+	if err != nil {
+		return err
+	}
+	defer admin.Close(context.Background())
+	if _, err := admin.Exec(ctx, fmt.Sprintf("DROP DATABASE IF EXISTS %q WITH (FORCE)", name)); err != nil {
+		return err
+	}
+	if _, err := admin.Exec(ctx, fmt.Sprintf("CREATE DATABASE %q TEMPLATE template0", name)); err != nil {
+		return err
+	}
+	conn, err := cluster.Primary.Connect(ctx, name)
+	if err != nil {
+		return err
+	}
+	defer conn.Close(context.Background())
+	_, err = conn.Exec(ctx, pgxSuiteSetup)
+	return err
+}
