@@ -33,12 +33,16 @@ import (
 //
 // Settings the gate tracks (fence.*, search_path): session.State follows
 // them from the statements' text. A statement whose effect its text does
-// not tell (set_config with a name that is not a literal, as pg_dump
-// sends; a DO block or function that may call set_config) is let through,
-// and before the gate next decides anything from them it reads them back
-// from the server (resync). After a resync inside a transaction, the end
-// of the transaction is uncertain again (a SET LOCAL it could not see
-// reverts, a SET does not).
+// not tell (set_config with a name or value that is neither a literal nor
+// a bound parameter, as pg_dump sends) is let through, and before the gate
+// next decides anything from them it reads them back from the server
+// (resync). After a resync inside a transaction, the end of the
+// transaction is uncertain again (a SET LOCAL it could not see reverts, a
+// SET does not). A function or DO block that calls set_config itself is
+// not followed (reading the settings back after every function call would
+// cost a round trip each): a client that changes its fence settings from
+// inside one can only get itself refused — the gate checks the generation
+// it knows and the backstop the one the server has, and both must hold.
 
 // settingsSQL reads what the gate keeps of the session's settings. Its
 // columns are settingNames, in order.
@@ -245,6 +249,10 @@ func (h *fenceSession) resync(s *Session) error {
 	if err := send(&pgproto3.Close{ObjectType: 'P', Name: gatePortal}, &tag{kind: 'C', step: stepSettings}); err != nil {
 		return err
 	}
+	// Not left behind for the client to find in pg_prepared_statements.
+	if err := send(&pgproto3.Close{ObjectType: 'S', Name: settingsStmt}, &tag{kind: 'C', step: stepSettings}); err != nil {
+		return err
+	}
 	if !batch {
 		if err := send(&pgproto3.Sync{}, &tag{kind: 'S', step: stepSettings, hideRFQ: true}); err != nil {
 			return err
@@ -362,7 +370,7 @@ func (h *fenceSession) noteSent(t *tag) {
 		enc = enc || op || changesText(st)
 		if !guc {
 			h.mu.Lock()
-			guc = op || h.st.Uncertain(st, pf)
+			guc = h.st.Uncertain(st, pf)
 			h.mu.Unlock()
 		}
 		switch st.Kind {

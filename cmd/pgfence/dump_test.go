@@ -50,19 +50,6 @@ SELECT fence.protect('results');
 SELECT fence.protect('ledger', 'job_key');
 `
 
-// knownProxyFailure stands where a check fails through the proxy today for
-// a reason another part of issue 19 fixes: err is the check's result. It
-// logs the failure and fails the test when the check passes, so a stale
-// call cannot hide: when the fix lands, replace the call with
-// `if err != nil { t.Fatal(err) }` (and delete this helper with the last).
-func knownProxyFailure(t *testing.T, reason string, err error) {
-	t.Helper()
-	if err == nil {
-		t.Fatalf("known proxy failure (%s) no longer fails: replace knownProxyFailure with a plain check", reason)
-	}
-	t.Logf("known proxy failure (%s):\n%v", reason, err)
-}
-
 // dumpEnv is the source database, a running pgfence serve and the tools.
 type dumpEnv struct {
 	bin       string // PostgreSQL's bin directory: tools of the server's version
@@ -284,9 +271,6 @@ func (e *dumpEnv) dumpOf(t *testing.T, db string) string {
 	return out
 }
 
-// pgDumpSetConfig is why every pg_dump through the proxy fails today.
-const pgDumpSetConfig = "pg_dump's SELECT set_config(name, …, false) FROM pg_settings is refused with 0A000 'parameter name is not a literal', issue 19 §1"
-
 func TestDumpRestoreThroughProxy(t *testing.T) {
 	e := newDumpEnv(t)
 	direct := side{name: "direct", port: fmt.Sprint(cluster.Primary.Port)}
@@ -310,7 +294,9 @@ func TestDumpRestoreThroughProxy(t *testing.T) {
 				if err == nil {
 					err = diff("pg_dump", want, got)
 				}
-				knownProxyFailure(t, pgDumpSetConfig, err)
+				if err != nil {
+					t.Fatal(err)
+				}
 			})
 			t.Run("pg_dump_custom", func(t *testing.T) {
 				dir := t.TempDir()
@@ -322,7 +308,9 @@ func TestDumpRestoreThroughProxy(t *testing.T) {
 				if err == nil {
 					err = diff("pg_dump -Fc", want, e.archiveText(t, filepath.Join(dir, "proxy.dump")))
 				}
-				knownProxyFailure(t, pgDumpSetConfig, err)
+				if err != nil {
+					t.Fatal(err)
+				}
 			})
 			t.Run("pg_dump_directory_j2", func(t *testing.T) {
 				dir := t.TempDir()
@@ -334,7 +322,9 @@ func TestDumpRestoreThroughProxy(t *testing.T) {
 				if err == nil {
 					err = diff("pg_dump -Fd -j 2", want, e.archiveText(t, filepath.Join(dir, "proxy"))+"\n-- files --\n"+dirFiles(t, filepath.Join(dir, "proxy")))
 				}
-				knownProxyFailure(t, pgDumpSetConfig, err)
+				if err != nil {
+					t.Fatal(err)
+				}
 			})
 			t.Run("pg_dumpall", func(t *testing.T) {
 				// The roles and the source database alone: the package's
@@ -352,7 +342,9 @@ func TestDumpRestoreThroughProxy(t *testing.T) {
 				if err == nil {
 					err = diff("pg_dumpall", want, got)
 				}
-				knownProxyFailure(t, pgDumpSetConfig, err)
+				if err != nil {
+					t.Fatal(err)
+				}
 			})
 			restores := []struct {
 				name string

@@ -35,28 +35,4 @@ var knownProxyFailures = map[string]string{
 	// pg_backend_pid(), pg_stat_activity and the PID of a
 	// self-notification disagree with what the driver was told.
 	"*/backend_pid": "the backend PID is the proxy's, issue 19 §4",
-
-	// A simple Query that does not parse and holds exactly one string
-	// literal ("SELEC 'x'") panics the session's loop: the client sees the
-	// connection close instead of 42601. rewrite/cache.go:129
-	// (ClassifyShared) calls fenceSetShape(sql, res) when Classify failed,
-	// with res nil, and fenceSetShape dereferences res.Stmts
-	// (rewrite/cache.go:148). The proxy logs "session closed" with reason
-	// "server loop panic: runtime error: invalid memory address or nil
-	// pointer dereference". The variants below send the check's first
-	// statement as a simple Query (proxy/fence_session.go:496); those that
-	// send it as a Parse pass (fence_session.go:269 classifies it with
-	// Classify, which does not call fenceSetShape).
-	"psycopg2/syntax_error":                                   syntaxErrorPanic,
-	"psycopg/syntax_error":                                    syntaxErrorPanic,
-	"node-postgres/syntax_error":                              syntaxErrorPanic,
-	"pgjdbc preferQueryMode=simple/syntax_error":              syntaxErrorPanic,
-	"pgjdbc preferQueryMode=extendedForPrepared/syntax_error": syntaxErrorPanic,
-	"pgx cache_statement/syntax_error":                        syntaxErrorPanic,
-	"pgx cache_describe/syntax_error":                         syntaxErrorPanic,
-	"pgx describe_exec/syntax_error":                          syntaxErrorPanic,
-	"pgx exec/syntax_error":                                   syntaxErrorPanic,
-	"pgx simple_protocol/syntax_error":                        syntaxErrorPanic,
 }
-
-const syntaxErrorPanic = "a syntax error with one string literal in a simple Query panics the session (rewrite/cache.go:129), the write gate's classifier, found by issue 19 §6"
