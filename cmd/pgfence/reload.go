@@ -29,6 +29,18 @@ func loadOpsConfig(cmd *cobra.Command, cfg *serveConfig) error {
 	if f := cmd.Flags().Lookup("admin-users"); f != nil && f.Changed {
 		cfg.AdminUsers, _ = cmd.Flags().GetStringSlice("admin-users")
 	}
+	if v, ok := os.LookupEnv("PGFENCE_STATS_USERS"); ok {
+		cfg.StatsUsers = splitList(v)
+	}
+	if f := cmd.Flags().Lookup("stats-users"); f != nil && f.Changed {
+		cfg.StatsUsers, _ = cmd.Flags().GetStringSlice("stats-users")
+	}
+	if v, ok := os.LookupEnv("PGFENCE_CONSOLE_AUTH_FILE"); ok {
+		cfg.ConsoleAuthFile = v
+	}
+	if f := cmd.Flags().Lookup("console-auth-file"); f != nil && f.Changed {
+		cfg.ConsoleAuthFile = f.Value.String()
+	}
 	if v, ok := os.LookupEnv("PGFENCE_METRICS_LISTEN"); ok {
 		cfg.MetricsListen = v
 	}

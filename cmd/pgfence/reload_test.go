@@ -20,6 +20,7 @@ import (
 	"go.uber.org/zap/zaptest"
 
 	"github.com/pgfence/pgfence/internal/pgtest"
+	"github.com/pgfence/pgfence/proxy"
 )
 
 func freeAddr(t *testing.T) string {
@@ -38,6 +39,19 @@ func freeAddr(t *testing.T) string {
 func TestReloadOnSIGHUP(t *testing.T) {
 	addr, metrics := freeAddr(t), freeAddr(t)
 	file := filepath.Join(t.TempDir(), "pgfence.toml")
+	// The console's users: ops's password is "ops-pw".
+	consoleUsers := filepath.Join(t.TempDir(), "console.txt")
+	var lines []string
+	for _, u := range []string{"admin", "ops", "nobody"} {
+		v, err := proxy.MakeVerifier(u, u+"-pw")
+		if err != nil {
+			t.Fatal(err)
+		}
+		lines = append(lines, proxy.QuoteUserLine(u, v))
+	}
+	if err := os.WriteFile(consoleUsers, []byte(strings.Join(lines, "\n")+"\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
 	write := func(maxClients int, admins, level string) {
 		t.Helper()
 		if err := os.WriteFile(file, []byte(fmt.Sprintf(`
@@ -46,8 +60,9 @@ primary = %q
 metrics_listen = %q
 max_clients = %d
 admin_users = [%s]
+console_auth_file = %q
 log_level = %q
-`, addr, cluster.Primary.DSN("postgres"), metrics, maxClients, admins, level)), 0o600); err != nil {
+`, addr, cluster.Primary.DSN("postgres"), metrics, maxClients, admins, consoleUsers, level)), 0o600); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -125,18 +140,33 @@ log_level = %q
 	if err := os.WriteFile(file, []byte(strings.Replace(mustRead(t, file), addr, "127.0.0.1:1", 1)), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	out, err := exec.CommandContext(tctx, "psql", "-X", "-At", "-F", "|", "-c", "RELOAD", "-c", "SHOW CONFIG", dsn("ops", "pgfence")).CombinedOutput()
+	psql := exec.CommandContext(tctx, "psql", "-X", "-At", "-F", "|", "-c", "RELOAD", "-c", "SHOW CONFIG", dsn("ops", "pgfence"))
+	psql.Env = append(os.Environ(), "PGPASSWORD=ops-pw")
+	out, err := psql.CombinedOutput()
 	if err != nil {
 		t.Fatalf("psql RELOAD: %v\n%s", err, out)
 	}
-	for _, want := range []string{"listen|changed; needs a restart", "listen|" + addr + "|no", "log_level|debug|yes", "max_clients|5|yes", "admin_users|admin,ops|yes"} {
-		if !strings.Contains(string(out), want) {
-			t.Errorf("psql RELOAD; SHOW CONFIG:\n%s\nwant %q", out, want)
+	if !strings.Contains(string(out), "listen|changed; needs a restart") {
+		t.Errorf("psql RELOAD:\n%s\nwant listen needing a restart", out)
+	}
+	// SHOW CONFIG: key|value|default|changeable|source.
+	conf := map[string][]string{}
+	for _, line := range strings.Split(string(out), "\n") {
+		if f := strings.Split(line, "|"); len(f) == 5 {
+			conf[f[0]] = f
+		}
+	}
+	for key, want := range map[string][2]string{"listen": {addr, "no"}, "log_level": {"debug", "yes"}, "max_clients": {"5", "yes"}, "admin_users": {"admin,ops", "yes"}} {
+		if f := conf[key]; f == nil || f[1] != want[0] || f[3] != want[1] {
+			t.Errorf("psql SHOW CONFIG %s: %v, want value %s, changeable %s\n%s", key, f, want[0], want[1], out)
 		}
 	}
 	var pg *pgconn.PgError
-	if _, err := pgconn.Connect(tctx, dsn("nobody", "pgfence")); !errors.As(err, &pg) || pg.Code != "42501" {
+	if _, err := pgconn.Connect(tctx, dsn("nobody:nobody-pw", "pgfence")); !errors.As(err, &pg) || pg.Code != "42501" {
 		t.Errorf("non-admin console user: got %v, want 42501", err)
+	}
+	if _, err := pgconn.Connect(tctx, dsn("admin", "pgfence")); !errors.As(err, &pg) || pg.Code != "28P01" {
+		t.Errorf("console user without a password: got %v, want 28P01", err)
 	}
 }
 
