@@ -48,11 +48,13 @@ var pgbouncerColumns = map[string]struct {
 	"DNS_ZONES":      {"sqi", "zonename serial count"},
 }
 
-// pgfenceColumns are the columns pgfence adds after PgBouncer's.
+// pgfenceColumns are the columns pgfence adds after PgBouncer's. None
+// for SHOW CONFIG: pgbouncer_exporter refuses a SHOW CONFIG of other than
+// three or four columns (its scrape fails: pgbouncer_up 0, measured), so
+// the source column is SHOW CONFIG_SOURCES'.
 var pgfenceColumns = map[string]string{
 	"CLIENTS": "job_key epoch token step tx_state gated replay upstream",
 	"SERVERS": "upstream tx_state",
-	"CONFIG":  "source",
 }
 
 var typeOIDs = map[byte]uint32{'s': 25, 'T': 25, 'i': 23, 'q': 20, 'N': 1700}
@@ -259,8 +261,14 @@ func TestConsoleShow(t *testing.T) {
 
 	t.Run("config, version, state, mem", func(t *testing.T) {
 		conf := map[string]map[string]string{}
-		for _, r := range table(t, adm, "SHOW CONFIG") {
+		for _, r := range table(t, adm, "SHOW CONFIG_SOURCES") {
 			conf[r["key"]] = r
+		}
+		if fds, _ := rawRows(t, adm, "SHOW CONFIG_SOURCES"); len(fds) != 5 || fds[4].Name != "source" {
+			t.Errorf("SHOW CONFIG_SOURCES columns: %v, want SHOW CONFIG's and source", fds)
+		}
+		if plain := table(t, adm, "SHOW CONFIG"); len(plain) != len(conf) {
+			t.Errorf("SHOW CONFIG: %d rows, SHOW CONFIG_SOURCES %d", len(plain), len(conf))
 		}
 		if r := conf["max_clients"]; r["value"] != strconv.Itoa(DefaultMaxClients) || r["default"] != strconv.Itoa(DefaultMaxClients) || r["changeable"] != "yes" || r["source"] != "file" {
 			t.Errorf("SHOW CONFIG max_clients: %v", r)

@@ -63,7 +63,9 @@ func (s *Server) adminShow(con *console, st adminStmt) (*adminTable, *pgproto3.E
 	case "STATE":
 		return s.showState(), nil
 	case "CONFIG":
-		return s.showConfig(), nil
+		return s.showConfig(false), nil
+	case "CONFIG_SOURCES":
+		return s.showConfig(true), nil
 	case "PEERS":
 		return newTable("isii", "peer_id", "host", "port", "pool_size"), nil
 	case "PEER_POOLS":
@@ -104,14 +106,13 @@ func fakeParam(name string) string {
 	return ""
 }
 
+// showHelp lists the commands as rows (PgBouncer sends them as a
+// notice).
 func showHelp() *adminTable {
 	t := newTable("ss", "command", "description")
-	var b strings.Builder
 	for _, c := range adminCommands {
 		t.add(c[0], c[1])
-		b.WriteString("\n\t" + c[0])
 	}
-	t.notice("Console usage", b.String())
 	return t
 }
 
@@ -570,8 +571,20 @@ type configRow struct {
 	changeable      bool
 }
 
-func (s *Server) showConfig() *adminTable {
-	t := newTable("sssss", "key", "value", "default", "changeable", "source")
+// showConfig is SHOW CONFIG: PgBouncer's four columns (its exporter
+// refuses a fifth), and with sources (SHOW CONFIG_SOURCES) pgfence's
+// fifth, where each value came from.
+func (s *Server) showConfig(sources bool) *adminTable {
+	t := newTable("ssss", "key", "value", "default", "changeable")
+	if sources {
+		t = newTable("sssss", "key", "value", "default", "changeable", "source")
+	}
+	row := func(vals ...any) {
+		if !sources {
+			vals = vals[:4]
+		}
+		t.add(vals...)
+	}
 	l := s.live()
 	c := s.cfg
 	var reps []string
@@ -606,13 +619,13 @@ func (s *Server) showConfig() *adminTable {
 	}
 	yn := map[bool]string{true: "yes", false: "no"}
 	for _, r := range rows {
-		t.add(r.key, r.value, r.def, yn[r.changeable], l.sources[r.key])
+		row(r.key, r.value, r.def, yn[r.changeable], l.sources[r.key])
 	}
 	for _, e := range l.extra {
-		t.add(e.Key, e.Value, e.Default, yn[e.Reloadable], sourceOf(e, l.sources))
+		row(e.Key, e.Value, e.Default, yn[e.Reloadable], sourceOf(e, l.sources))
 	}
-	// PgBouncer's name of max_clients, which its exporters read.
-	t.add("max_client_conn", strconv.Itoa(l.maxClients), strconv.Itoa(DefaultMaxClients), "yes", l.sources["max_clients"])
+	// PgBouncer's name of max_clients, which its exporter reads.
+	row("max_client_conn", strconv.Itoa(l.maxClients), strconv.Itoa(DefaultMaxClients), "yes", l.sources["max_clients"])
 	return t
 }
 

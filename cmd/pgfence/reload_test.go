@@ -140,7 +140,7 @@ log_level = %q
 	if err := os.WriteFile(file, []byte(strings.Replace(mustRead(t, file), addr, "127.0.0.1:1", 1)), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	psql := exec.CommandContext(tctx, "psql", "-X", "-At", "-F", "|", "-c", "RELOAD", "-c", "SHOW CONFIG", dsn("ops", "pgfence"))
+	psql := exec.CommandContext(tctx, "psql", "-X", "-At", "-F", "|", "-c", "RELOAD", "-c", "SHOW CONFIG_SOURCES", dsn("ops", "pgfence"))
 	psql.Env = append(os.Environ(), "PGPASSWORD=ops-pw")
 	out, err := psql.CombinedOutput()
 	if err != nil {
