@@ -297,8 +297,9 @@ func (s *Server) ReloadFromSource() (*ReloadReport, error) {
 }
 
 // Reload applies next's reloadable settings (auth, users, upstream
-// passwords, admin users, max clients, TLS certificate; replicas when read
-// routing supports it) and reports the others that differ from the running
+// passwords, the console's admin and stats users and users file, max
+// clients, TLS certificate, setting sources; replicas when read routing
+// supports it) and reports the others that differ from the running
 // configuration: they need a restart. Nothing is applied when next is
 // invalid.
 func (s *Server) Reload(next Config) (*ReloadReport, error) {

@@ -533,6 +533,64 @@ func TestConsoleShutdown(t *testing.T) {
 		if err == nil {
 			t.Error("the console still answers after SHUTDOWN")
 		}
-		_ = time.Second
 	})
+}
+
+// TestConsoleSwitchover is docs/console.md's switchover, with the gate
+// and a gated transaction: PAUSE app returns once the worker's gated
+// transaction committed (with its receipt); KILL app ends the sessions,
+// app staying paused: a new client waits; RESUME app lets it connect.
+func TestConsoleSwitchover(t *testing.T) {
+	e := newOpsEnv(t, Config{})
+	ctx := ctxT(t)
+	l := e.acquire(t, "sw", "w", time.Minute)
+	w := e.worker(t, &l)
+	tx, err := w.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := tx.Exec(ctx, upsert, "sw", "before", l.Token); err != nil {
+		t.Fatal(err)
+	}
+	adm, err := e.admin(t, "admin")
+	if err != nil {
+		t.Fatal(err)
+	}
+	paused := make(chan error, 1)
+	go func() { _, err := adm.Exec(ctx, "PAUSE "+e.db); paused <- err }()
+	if err := pgtest.Poll(ctx, func() (bool, error) { return e.proxy.srv.ops.ctl.paused(e.db), nil }); err != nil {
+		t.Fatal(err)
+	}
+	stillWaiting(t, paused, "PAUSE with a gated transaction open")
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatalf("the gated transaction's COMMIT while PAUSE waits: %v", err)
+	}
+	if err := <-paused; err != nil {
+		t.Fatal(err)
+	}
+	e.wantResult(t, "sw", "before", l.Token)
+	e.wantCount(t, 1, "SELECT count(*) FROM fence.receipts WHERE job_key = 'sw'")
+	if _, err := adm.Exec(ctx, "KILL "+e.db); err != nil {
+		t.Fatalf("KILL of a paused database: %v", err)
+	}
+	_, err = w.Exec(ctx, "SELECT 1")
+	wantCode(t, err, "57P01")
+	cDone := make(chan error, 1)
+	go func() {
+		c, err := pgconn.Connect(ctx, e.proxy.dsn(e.db))
+		if err == nil {
+			_, err = c.Exec(ctx, "SELECT 1").ReadAll()
+			c.Close(ctx)
+		}
+		cDone <- err
+	}()
+	if err := pgtest.Poll(ctx, func() (bool, error) { return poolWaiting(t, adm, e.db) == 1, nil }); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := adm.Exec(ctx, "RESUME "+e.db); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-cDone; err != nil {
+		t.Fatalf("new client after RESUME: %v", err)
+	}
 }
