@@ -65,7 +65,8 @@ type dbControl struct {
 	changed chan struct{}
 	// admitting are the new connections waiting for RESUME.
 	admitting map[*admission]struct{}
-	stop      chan struct{} // closed when the server shuts down
+	admitWG   sync.WaitGroup // the waiting new clients, until they are refused or go on
+	stop      chan struct{}  // closed when the server shuts down
 	stopped   bool
 }
 
@@ -252,28 +253,42 @@ func (s *Session) kill(why string) {
 
 // admit lets a new, authenticated client of db go on to connect
 // upstream: it refuses a disabled database and waits while db is paused.
-func (s *Server) admit(c net.Conn, st *startup, log *zap.Logger) error {
+// It reports false when it has refused the client (and closed c).
+func (s *Server) admit(c net.Conn, st *startup, log *zap.Logger) bool {
 	p := &s.ops.ctl
 	user, db := st.params["user"], st.params["database"]
+	refuse := func(err error) bool {
+		s.refuse(c, err, log, "client refused")
+		return false
+	}
 	if err := p.refuseDisabled(db); err != nil {
-		return err
+		return refuse(err)
 	}
 	if !p.paused(db) {
-		return nil
+		return true
 	}
 	a := &admission{id: s.ops.nextID.Add(1), user: user, db: db, addr: c.RemoteAddr(), self: c.LocalAddr(),
 		app: st.params["application_name"], since: time.Now(), mono: monoNow()}
+	shutdown := &ProtocolError{Code: "57P01", Msg: "terminating connection: pgfence is shutting down"}
 	p.mu.Lock()
+	if p.stopped {
+		p.mu.Unlock()
+		return refuse(shutdown)
+	}
 	if p.admitting == nil {
 		p.admitting = map[*admission]struct{}{}
 	}
 	p.admitting[a] = struct{}{}
+	// Shutdown waits for the refusal to be written (stopControl) before it
+	// closes the connections still in startup, this one among them.
+	p.admitWG.Add(1)
 	p.mu.Unlock()
 	defer func() {
 		p.mu.Lock()
 		delete(p.admitting, a)
 		p.mu.Unlock()
 		s.ops.dbStats.waited(db, monoNow()-a.mono)
+		p.admitWG.Done()
 	}()
 	log.Info("database paused: the new client waits for RESUME")
 	c.SetDeadline(time.Time{})
@@ -286,11 +301,14 @@ func (s *Server) admit(c net.Conn, st *startup, log *zap.Logger) error {
 		select {
 		case <-ch:
 		case <-stop:
-			return &ProtocolError{Code: "57P01", Msg: "terminating connection: pgfence is shutting down"}
+			return refuse(shutdown)
 		}
 	}
 	c.SetDeadline(time.Now().Add(s.cfg.StartupTimeout))
-	return p.refuseDisabled(db)
+	if err := p.refuseDisabled(db); err != nil {
+		return refuse(err)
+	}
+	return true
 }
 
 // refuseDisabled is the error for a new client of a disabled database.
@@ -311,7 +329,8 @@ func (s *Server) sessionEnded(sess *Session) {
 }
 
 // stopControl ends every wait of the console's commands and of new
-// clients: the server is shutting down.
+// clients: the server is shutting down. It returns once the new clients
+// that waited for RESUME have been told (57P01).
 func (s *Server) stopControl() {
 	p := &s.ops.ctl
 	p.mu.Lock()
@@ -324,6 +343,7 @@ func (s *Server) stopControl() {
 		}
 	}
 	p.mu.Unlock()
+	p.admitWG.Wait()
 }
 
 // ---------------------------------------------------------------------------

@@ -48,7 +48,8 @@ func rawSend(t *testing.T, c *pgconn.PgConn, sqls ...string) {
 }
 
 // rawAnswers reads c's answers up to the n-th ReadyForQuery (after
-// rawSend) and returns, per query, its first value or its SQLSTATE.
+// rawSend) or a FATAL error and returns, per query, its first value or
+// its SQLSTATE.
 func rawAnswers(t *testing.T, c *pgconn.PgConn, n int) []string {
 	t.Helper()
 	fe := pgproto3.NewFrontend(c.Conn(), c.Conn())
@@ -68,6 +69,9 @@ func rawAnswers(t *testing.T, c *pgconn.PgConn, n int) []string {
 			}
 		case *pgproto3.ErrorResponse:
 			cur = m.Code
+			if m.Severity == "FATAL" { // no ReadyForQuery follows
+				return append(out, cur)
+			}
 		case *pgproto3.ReadyForQuery:
 			out = append(out, cur)
 			cur = ""
@@ -593,4 +597,64 @@ func TestConsoleSwitchover(t *testing.T) {
 	if err := <-cDone; err != nil {
 		t.Fatalf("new client after RESUME: %v", err)
 	}
+}
+
+// TestConsolePauseShutdown: shutting down while paused ends every wait —
+// held sessions are idle, so they are closed (57P01), a new client waiting
+// for RESUME is refused (57P01), a PAUSE waiting for a transaction gets
+// 57P01 — and Shutdown returns once the open transaction has ended.
+func TestConsolePauseShutdown(t *testing.T) {
+	bothRelays(t, func(t *testing.T, relay Config) {
+		p := startProxy(t, withRelay(relay, withConsole(Config{})))
+		db, db2 := cluster.NewDatabase(t), cluster.NewDatabase(t)
+		ctx := ctxT(t)
+		a, b, open := connect(t, p.dsn(db)), connect(t, p.dsn(db)), connect(t, p.dsn(db2))
+		mustExec(t, open, "BEGIN")
+		adm, err := consoleConnect(t, p, "admin", consolePasswords["admin"])
+		if err != nil {
+			t.Fatal(err)
+		}
+		obs, err := consoleConnect(t, p, "watcher", consolePasswords["watcher"])
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := adm.Exec(ctx, "PAUSE "+db); err != nil {
+			t.Fatal(err)
+		}
+		adm2, err := consoleConnect(t, p, "ops", consolePasswords["ops"])
+		if err != nil {
+			t.Fatal(err)
+		}
+		paused := make(chan error, 1)
+		go func() { _, err := adm2.Exec(ctx, "PAUSE "+db2); paused <- err }() // waits for open's transaction
+		rawSend(t, a, "SELECT 1")
+		rawSend(t, b, "SELECT 2")
+		cDone := make(chan error, 1)
+		go func() {
+			c, err := pgconn.Connect(ctx, p.dsn(db))
+			if err == nil {
+				c.Close(ctx)
+			}
+			cDone <- err
+		}()
+		if err := pgtest.Poll(ctx, func() (bool, error) { return poolWaiting(t, obs, db) == 3, nil }); err != nil {
+			t.Fatalf("cl_waiting %d, want 3", poolWaiting(t, obs, db))
+		}
+		shut := make(chan error, 1)
+		go func() { shut <- p.srv.Shutdown(ctx) }()
+		for _, c := range []*pgconn.PgConn{a, b} {
+			if got := rawAnswers(t, c, 1); len(got) != 1 || got[0] != "57P01" {
+				t.Errorf("held client at shutdown: %v, want 57P01", got)
+			}
+		}
+		err = <-cDone
+		wantCode(t, err, "57P01")
+		err = <-paused
+		wantCode(t, err, "57P01")
+		stillWaiting(t, shut, "Shutdown with a transaction open")
+		mustExec(t, open, "COMMIT")
+		if err := <-shut; err != nil {
+			t.Fatalf("Shutdown: %v", err)
+		}
+	})
 }

@@ -272,8 +272,7 @@ func (s *Server) handle(c net.Conn) {
 		s.refuse(conn, err, log, "authentication failed")
 		return
 	}
-	if err := s.admit(conn, st, log); err != nil { // DISABLE, PAUSE: admin_pause.go
-		s.refuse(conn, err, log, "client refused")
+	if !s.admit(conn, st, log) { // DISABLE, PAUSE: admin_pause.go
 		return
 	}
 	start := time.Now()
