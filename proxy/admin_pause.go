@@ -172,7 +172,7 @@ func (s *Session) holdMessage(typ byte) bool {
 	}
 	p := &s.srv.ops.ctl
 	if p.active.Load() && s.TxStatus() == 'I' && p.paused(s.Database) {
-		s.releaseMessage()
+		s.releaseMessage(true)
 		return true
 	}
 	if hs := s.info.holdSince.Swap(0); hs != 0 {
@@ -182,10 +182,17 @@ func (s *Session) holdMessage(typ byte) bool {
 	return false
 }
 
-// releaseMessage ends what holdMessage counted.
-func (s *Session) releaseMessage() {
-	if s.pending.Add(-1) == 0 {
+// releaseMessage ends what holdMessage counted. handled is false when the
+// message stays to be handled again (the event loop hands it to the
+// client goroutine, or it has not arrived whole): its query goes on.
+func (s *Session) releaseMessage(handled bool) {
+	if s.pending.Add(-1) != 0 {
+		return
+	}
+	if handled {
 		s.idleNow()
+	} else {
+		s.srv.ops.ctl.notify()
 	}
 }
 

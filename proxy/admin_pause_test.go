@@ -35,14 +35,14 @@ func sessionOf(t *testing.T, p *testProxy, c *pgconn.PgConn) *Session {
 	return out
 }
 
-// rawSend writes Query messages for sqls on c's socket, bypassing pgconn.
+// rawSend sends Query messages for sqls on c at once, without waiting
+// for answers (read them with rawAnswers).
 func rawSend(t *testing.T, c *pgconn.PgConn, sqls ...string) {
 	t.Helper()
-	var raw []byte
 	for _, sql := range sqls {
-		raw, _ = (&pgproto3.Query{String: sql}).Encode(raw)
+		c.Frontend().Send(&pgproto3.Query{String: sql})
 	}
-	if _, err := c.Conn().Write(raw); err != nil {
+	if err := c.Frontend().Flush(); err != nil {
 		t.Fatal(err)
 	}
 }
@@ -52,13 +52,12 @@ func rawSend(t *testing.T, c *pgconn.PgConn, sqls ...string) {
 // its SQLSTATE.
 func rawAnswers(t *testing.T, c *pgconn.PgConn, n int) []string {
 	t.Helper()
-	fe := pgproto3.NewFrontend(c.Conn(), c.Conn())
 	c.Conn().SetReadDeadline(time.Now().Add(30 * time.Second))
 	defer c.Conn().SetReadDeadline(time.Time{})
 	var out []string
 	cur := ""
-	for rfq := 0; rfq < n; {
-		m, err := fe.Receive()
+	for len(out) < n {
+		m, err := c.Frontend().Receive()
 		if err != nil {
 			t.Fatalf("after %v: %v", out, err)
 		}
@@ -75,10 +74,33 @@ func rawAnswers(t *testing.T, c *pgconn.PgConn, n int) []string {
 		case *pgproto3.ReadyForQuery:
 			out = append(out, cur)
 			cur = ""
-			rfq++
 		}
 	}
 	return out
+}
+
+// connectAsync connects to dsn in the background and reports how that
+// went, closing the connection.
+func connectAsync(ctx context.Context, dsn string) <-chan error {
+	done := make(chan error, 1)
+	go func() {
+		c, err := pgconn.Connect(ctx, dsn)
+		if err == nil {
+			c.Close(ctx)
+		}
+		done <- err
+	}()
+	return done
+}
+
+// mustConsole connects to p's console as user with its password.
+func mustConsole(t *testing.T, p *testProxy, user string) *pgx.Conn {
+	t.Helper()
+	c, err := consoleConnect(t, p, user, consolePassword(user))
+	if err != nil {
+		t.Fatalf("console as %s: %v", user, err)
+	}
+	return c
 }
 
 // clientState returns the state column of SHOW CLIENTS for client c.
@@ -164,14 +186,8 @@ func TestConsolePause(t *testing.T) {
 		a, b := connect(t, p.dsn(db)), connect(t, p.dsn(db))
 		mustExec(t, a, "CREATE TABLE t (v int)")
 		mustExec(t, a, "BEGIN; INSERT INTO t VALUES (1)")
-		adm, err := consoleConnect(t, p, "admin", consolePasswords["admin"])
-		if err != nil {
-			t.Fatal(err)
-		}
-		obs, err := consoleConnect(t, p, "watcher", consolePasswords["watcher"])
-		if err != nil {
-			t.Fatal(err)
-		}
+		adm := mustConsole(t, p, "admin")
+		obs := mustConsole(t, p, "watcher")
 
 		paused := make(chan error, 1)
 		go func() { _, err := adm.Exec(ctx, "PAUSE"); paused <- err }()
@@ -230,7 +246,7 @@ func TestConsolePause(t *testing.T) {
 			t.Errorf("SHOW STATE while paused: %v", state)
 		}
 		// A stats user cannot RESUME.
-		_, err = obs.Exec(ctx, "RESUME")
+		_, err := obs.Exec(ctx, "RESUME")
 		wantCode(t, err, "42501")
 
 		if _, err := adm.Exec(ctx, "RESUME"); err != nil {
@@ -269,10 +285,7 @@ func TestConsolePauseDatabase(t *testing.T) {
 	db1, db2 := cluster.NewDatabase(t), cluster.NewDatabase(t)
 	ctx := ctxT(t)
 	c1, c2 := connect(t, p.dsn(db1)), connect(t, p.dsn(db2))
-	adm, err := consoleConnect(t, p, "admin", consolePasswords["admin"])
-	if err != nil {
-		t.Fatal(err)
-	}
+	adm := mustConsole(t, p, "admin")
 	if _, err := adm.Exec(ctx, "PAUSE "+db1); err != nil {
 		t.Fatal(err)
 	}
@@ -308,25 +321,19 @@ func TestConsolePauseCancel(t *testing.T) {
 	ctx := ctxT(t)
 	a, b := connect(t, p.dsn(db)), connect(t, p.dsn(db))
 	mustExec(t, a, "BEGIN")
-	adm, err := consoleConnect(t, p, "admin", consolePasswords["admin"])
-	if err != nil {
-		t.Fatal(err)
-	}
+	adm := mustConsole(t, p, "admin")
 	paused := make(chan error, 1)
 	go func() { _, err := adm.Exec(ctx, "PAUSE"); paused <- err }()
 	if err := pgtest.Poll(ctx, func() (bool, error) { return p.srv.ops.ctl.paused(db), nil }); err != nil {
 		t.Fatal(err)
 	}
 	held := execAsync(ctx, b, "SELECT 1")
-	obs, err := consoleConnect(t, p, "watcher", consolePasswords["watcher"])
-	if err != nil {
-		t.Fatal(err)
-	}
+	obs := mustConsole(t, p, "watcher")
 	waitClientState(t, obs, b, "waiting")
 	if err := adm.PgConn().CancelRequest(ctx); err != nil {
 		t.Fatal(err)
 	}
-	err = <-paused
+	err := <-paused
 	wantCode(t, err, "57014")
 	if err := resultErr(<-held); err != nil {
 		t.Fatalf("held query after the canceled PAUSE: %v", err)
@@ -348,10 +355,7 @@ func TestConsoleKill(t *testing.T) {
 		a, b, o := connect(t, p.dsn(db)), connect(t, p.dsn(db)), connect(t, p.dsn(other))
 		mustExec(t, a, "CREATE TABLE t (v int)")
 		mustExec(t, a, "BEGIN; INSERT INTO t VALUES (1)")
-		adm, err := consoleConnect(t, p, "admin", consolePasswords["admin"])
-		if err != nil {
-			t.Fatal(err)
-		}
+		adm := mustConsole(t, p, "admin")
 		pidA := sessionOf(t, p, a).BackendPID
 		if _, err := adm.Exec(ctx, "KILL "+db); err != nil {
 			t.Fatal(err)
@@ -372,14 +376,7 @@ func TestConsoleKill(t *testing.T) {
 			t.Fatalf("a's transaction was not rolled back: %v %v", res, err)
 		}
 		// Killed means paused: a new client waits.
-		cDone := make(chan error, 1)
-		go func() {
-			c, err := pgconn.Connect(ctx, p.dsn(db))
-			if err == nil {
-				c.Close(ctx)
-			}
-			cDone <- err
-		}()
+		cDone := connectAsync(ctx, p.dsn(db))
 		if err := pgtest.Poll(ctx, func() (bool, error) { return poolWaiting(t, adm, db) == 1, nil }); err != nil {
 			t.Fatal(err)
 		}
@@ -400,7 +397,7 @@ func TestConsoleKill(t *testing.T) {
 		if _, err := adm.Exec(ctx, "KILL_CLIENT "+id); err != nil {
 			t.Fatalf("KILL_CLIENT %s: %v", id, err)
 		}
-		_, err = o.Exec(ctx, "SELECT 1").ReadAll()
+		_, err := o.Exec(ctx, "SELECT 1").ReadAll()
 		wantCode(t, err, "57P01")
 		_, err = adm.Exec(ctx, "KILL_CLIENT "+id)
 		wantCode(t, err, "42704")
@@ -414,14 +411,11 @@ func TestConsoleDisable(t *testing.T) {
 	db := cluster.NewDatabase(t)
 	ctx := ctxT(t)
 	open := connect(t, p.dsn(db))
-	adm, err := consoleConnect(t, p, "admin", consolePasswords["admin"])
-	if err != nil {
-		t.Fatal(err)
-	}
+	adm := mustConsole(t, p, "admin")
 	if _, err := adm.Exec(ctx, "DISABLE "+db); err != nil {
 		t.Fatal(err)
 	}
-	_, err = pgconn.Connect(ctx, p.dsn(db))
+	_, err := pgconn.Connect(ctx, p.dsn(db))
 	wantCode(t, err, "55000")
 	mustExec(t, open, "SELECT 1")
 	for _, r := range table(t, adm, "SHOW DATABASES") {
@@ -448,10 +442,7 @@ func TestConsoleReconnect(t *testing.T) {
 	db := cluster.NewDatabase(t)
 	ctx := ctxT(t)
 	a := connect(t, p.dsn(db))
-	adm, err := consoleConnect(t, p, "admin", consolePasswords["admin"])
-	if err != nil {
-		t.Fatal(err)
-	}
+	adm := mustConsole(t, p, "admin")
 	if _, err := adm.Exec(ctx, "RECONNECT "+db); err != nil {
 		t.Fatal(err)
 	}
@@ -486,15 +477,9 @@ func TestConsoleShutdown(t *testing.T) {
 		a := connect(t, p.dsn(db))
 		mustExec(t, a, "CREATE TABLE t (v int)")
 		mustExec(t, a, "BEGIN; INSERT INTO t VALUES (1)")
-		adm, err := consoleConnect(t, p, "admin", consolePasswords["admin"])
-		if err != nil {
-			t.Fatal(err)
-		}
-		obs, err := consoleConnect(t, p, "watcher", consolePasswords["watcher"])
-		if err != nil {
-			t.Fatal(err)
-		}
-		_, err = obs.Exec(ctx, "SHUTDOWN")
+		adm := mustConsole(t, p, "admin")
+		obs := mustConsole(t, p, "watcher")
+		_, err := obs.Exec(ctx, "SHUTDOWN")
 		wantCode(t, err, "42501")
 		if _, err := adm.Exec(ctx, "SHUTDOWN WAIT_FOR_SERVERS"); err != nil {
 			t.Fatal(err)
@@ -520,10 +505,7 @@ func TestConsoleShutdown(t *testing.T) {
 		ctx := ctxT(t)
 		a := connect(t, p.dsn(db))
 		mustExec(t, a, "BEGIN")
-		adm, err := consoleConnect(t, p, "admin", consolePasswords["admin"])
-		if err != nil {
-			t.Fatal(err)
-		}
+		adm := mustConsole(t, p, "admin")
 		if _, err := adm.Exec(ctx, "SHUTDOWN"); err != nil {
 			t.Fatal(err)
 		}
@@ -531,7 +513,7 @@ func TestConsoleShutdown(t *testing.T) {
 			t.Fatalf("Serve: %v", err)
 		}
 		p.done <- ErrServerClosed
-		_, err = a.Exec(ctx, "SELECT 1").ReadAll()
+		_, err := a.Exec(ctx, "SELECT 1").ReadAll()
 		wantCode(t, err, "57P01")
 		_, err = adm.Exec(ctx, "SHOW STATE")
 		if err == nil {
@@ -556,10 +538,7 @@ func TestConsoleSwitchover(t *testing.T) {
 	if _, err := tx.Exec(ctx, upsert, "sw", "before", l.Token); err != nil {
 		t.Fatal(err)
 	}
-	adm, err := e.admin(t, "admin")
-	if err != nil {
-		t.Fatal(err)
-	}
+	adm := mustConsole(t, e.proxy, "admin")
 	paused := make(chan error, 1)
 	go func() { _, err := adm.Exec(ctx, "PAUSE "+e.db); paused <- err }()
 	if err := pgtest.Poll(ctx, func() (bool, error) { return e.proxy.srv.ops.ctl.paused(e.db), nil }); err != nil {
@@ -610,33 +589,17 @@ func TestConsolePauseShutdown(t *testing.T) {
 		ctx := ctxT(t)
 		a, b, open := connect(t, p.dsn(db)), connect(t, p.dsn(db)), connect(t, p.dsn(db2))
 		mustExec(t, open, "BEGIN")
-		adm, err := consoleConnect(t, p, "admin", consolePasswords["admin"])
-		if err != nil {
-			t.Fatal(err)
-		}
-		obs, err := consoleConnect(t, p, "watcher", consolePasswords["watcher"])
-		if err != nil {
-			t.Fatal(err)
-		}
+		adm := mustConsole(t, p, "admin")
+		obs := mustConsole(t, p, "watcher")
 		if _, err := adm.Exec(ctx, "PAUSE "+db); err != nil {
 			t.Fatal(err)
 		}
-		adm2, err := consoleConnect(t, p, "ops", consolePasswords["ops"])
-		if err != nil {
-			t.Fatal(err)
-		}
+		adm2 := mustConsole(t, p, "ops")
 		paused := make(chan error, 1)
 		go func() { _, err := adm2.Exec(ctx, "PAUSE "+db2); paused <- err }() // waits for open's transaction
 		rawSend(t, a, "SELECT 1")
 		rawSend(t, b, "SELECT 2")
-		cDone := make(chan error, 1)
-		go func() {
-			c, err := pgconn.Connect(ctx, p.dsn(db))
-			if err == nil {
-				c.Close(ctx)
-			}
-			cDone <- err
-		}()
+		cDone := connectAsync(ctx, p.dsn(db))
 		if err := pgtest.Poll(ctx, func() (bool, error) { return poolWaiting(t, obs, db) == 3, nil }); err != nil {
 			t.Fatalf("cl_waiting %d, want 3", poolWaiting(t, obs, db))
 		}
@@ -647,7 +610,7 @@ func TestConsolePauseShutdown(t *testing.T) {
 				t.Errorf("held client at shutdown: %v, want 57P01", got)
 			}
 		}
-		err = <-cDone
+		err := <-cDone
 		wantCode(t, err, "57P01")
 		err = <-paused
 		wantCode(t, err, "57P01")

@@ -134,36 +134,24 @@ func bypassConsole(t *testing.T) {
 		{"SUSPEND", "SUSPEND"}, {"quoted_verb", `"PAUSE"`}, {"lower_case", "pause"}, {"mixed_case", "ShUtDoWn"},
 	} {
 		attempt("stats_user_"+c[0], func(t *testing.T) {
-			w, err := e.admin(t, "watcher")
-			if err != nil {
-				t.Fatal(err)
-			}
+			w := mustConsole(t, e.proxy, "watcher")
 			_, err = w.Exec(ctxT(t), c[1])
 			wantCode(t, err, "42501")
 		})
 	}
 	attempt("stats_user_admin_command_after_show", func(t *testing.T) {
 		// A permitted command first, in the same query, changes nothing.
-		w, err := e.admin(t, "watcher")
-		if err != nil {
-			t.Fatal(err)
-		}
+		w := mustConsole(t, e.proxy, "watcher")
 		_, err = w.PgConn().Exec(ctxT(t), "SHOW STATE; PAUSE; SHOW STATE").ReadAll()
 		wantCode(t, err, "42501")
 	})
 	attempt("stats_user_extended_protocol", func(t *testing.T) {
-		w, err := e.admin(t, "watcher")
-		if err != nil {
-			t.Fatal(err)
-		}
+		w := mustConsole(t, e.proxy, "watcher")
 		_, err = w.PgConn().ExecParams(ctxT(t), "PAUSE", nil, nil, nil, nil).Close()
 		wantCode(t, err, "0A000")
 	})
 	attempt("stats_user_reads_tokens", func(t *testing.T) {
-		w, err := e.admin(t, "watcher")
-		if err != nil {
-			t.Fatal(err)
-		}
+		w := mustConsole(t, e.proxy, "watcher")
 		tok := strconv.FormatInt(e.lease.Token, 10)
 		for _, cmd := range []string{"SHOW SESSIONS", "SHOW CLIENTS", "SHOW FENCES", "SHOW FENCES " + e.db} {
 			fds, rows := rawRows(t, w, cmd)

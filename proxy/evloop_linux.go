@@ -596,7 +596,7 @@ func (r *relay) scan(p *pipe, b []byte) (int, error) {
 		}
 		if p.guard {
 			p.guard = false
-			s.releaseMessage()
+			s.releaseMessage(true)
 		}
 		p.left = total - headerLen
 		if typ == 'X' {
@@ -1097,7 +1097,7 @@ func (r *relay) clientSteps() error {
 		h.block = total > size
 		err = s.interceptClient(total, size)
 		h.block = false
-		s.releaseMessage()
+		s.releaseMessage(err == nil) // otherwise it is handled again
 		switch {
 		case err == nil:
 		case errors.Is(err, errWouldBlock):

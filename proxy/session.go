@@ -298,7 +298,7 @@ func (s *Session) clientLoop() error {
 		} else if err := s.interceptClient(total, size); err != nil {
 			return err
 		}
-		s.releaseMessage()
+		s.releaseMessage(true)
 		if typ == 'X' {
 			s.sw.Flush()
 			return errClientTerminate

@@ -17,23 +17,31 @@ import (
 	"github.com/pgfence/pgfence/proxy"
 )
 
-// TestServeConsole runs `pgfence serve` with the console's flags
-// (--console-auth-file, --admin-users, --stats-users, through the
-// environment): the stats user reads but may not SHUTDOWN, the admin's
-// SHUTDOWN ends serve cleanly (exit 0, as SIGTERM would).
-func TestServeConsole(t *testing.T) {
-	users := filepath.Join(t.TempDir(), "console.txt")
+// consoleUsersFile writes a console users file for users, each with the
+// password user + "-pw".
+func consoleUsersFile(t *testing.T, users ...string) string {
+	t.Helper()
+	path := filepath.Join(t.TempDir(), "console.txt")
 	var lines []string
-	for _, u := range []string{"dba", "grafana"} {
+	for _, u := range users {
 		v, err := proxy.MakeVerifier(u, u+"-pw")
 		if err != nil {
 			t.Fatal(err)
 		}
 		lines = append(lines, proxy.QuoteUserLine(u, v))
 	}
-	if err := os.WriteFile(users, []byte(strings.Join(lines, "\n")+"\n"), 0o600); err != nil {
+	if err := os.WriteFile(path, []byte(strings.Join(lines, "\n")+"\n"), 0o600); err != nil {
 		t.Fatal(err)
 	}
+	return path
+}
+
+// TestServeConsole runs `pgfence serve` with the console's flags
+// (--console-auth-file, --admin-users, --stats-users, through the
+// environment): the stats user reads but may not SHUTDOWN, the admin's
+// SHUTDOWN ends serve cleanly (exit 0, as SIGTERM would).
+func TestServeConsole(t *testing.T) {
+	users := consoleUsersFile(t, "dba", "grafana")
 	addr := freeAddr(t)
 	t.Setenv("PGFENCE_CONSOLE_AUTH_FILE", users)
 	t.Setenv("PGFENCE_STATS_USERS", "grafana")

@@ -20,7 +20,6 @@ import (
 	"go.uber.org/zap/zaptest"
 
 	"github.com/pgfence/pgfence/internal/pgtest"
-	"github.com/pgfence/pgfence/proxy"
 )
 
 func freeAddr(t *testing.T) string {
@@ -39,19 +38,7 @@ func freeAddr(t *testing.T) string {
 func TestReloadOnSIGHUP(t *testing.T) {
 	addr, metrics := freeAddr(t), freeAddr(t)
 	file := filepath.Join(t.TempDir(), "pgfence.toml")
-	// The console's users: ops's password is "ops-pw".
-	consoleUsers := filepath.Join(t.TempDir(), "console.txt")
-	var lines []string
-	for _, u := range []string{"admin", "ops", "nobody"} {
-		v, err := proxy.MakeVerifier(u, u+"-pw")
-		if err != nil {
-			t.Fatal(err)
-		}
-		lines = append(lines, proxy.QuoteUserLine(u, v))
-	}
-	if err := os.WriteFile(consoleUsers, []byte(strings.Join(lines, "\n")+"\n"), 0o600); err != nil {
-		t.Fatal(err)
-	}
+	consoleUsers := consoleUsersFile(t, "admin", "ops", "nobody") // ops's password: ops-pw
 	write := func(maxClients int, admins, level string) {
 		t.Helper()
 		if err := os.WriteFile(file, []byte(fmt.Sprintf(`
