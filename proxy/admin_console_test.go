@@ -519,3 +519,41 @@ func TestConsoleParse(t *testing.T) {
 		}
 	}
 }
+
+// TestConsolePsqlControl runs the control commands with psql, as a DBA
+// types them, and checks psql's output.
+func TestConsolePsqlControl(t *testing.T) {
+	e := newOpsEnv(t, Config{})
+	w := e.worker(t, nil)
+	for _, c := range []struct{ cmd, want string }{
+		{"PAUSE " + e.db, "PAUSE"},
+		{"SHOW DATABASES", "|1|0\n"}, // paused, not disabled
+		{"SHOW STATE", "paused|no"},  // a database paused, not everything
+		{"RESUME " + e.db, "RESUME"},
+		{"DISABLE " + e.db, "DISABLE"},
+		{"SHOW DATABASES", "|0|1\n"},
+		{"ENABLE " + e.db, "ENABLE"},
+		{"RECONNECT " + e.db, "RECONNECT"},
+		{"SHOW SERVERS", "|0|0|1|0x"}, // wait, wait_us, close_needed, ptr
+		{"SET max_clients = 50", "SET max_clients=50"},
+		{"SHOW CONFIG", "max_clients|50|1000|yes"},
+		{"KILL " + e.db, "KILL"},
+		{"RESUME " + e.db, "RESUME"},
+		{"WAIT_CLOSE " + e.db, "WAIT_CLOSE"}, // the marked session was killed
+		{"PAUSE", "PAUSE"},
+		{"SHOW STATE", "paused|yes"},
+		{"RESUME", "RESUME"},
+	} {
+		out, err := consolePsql(t, e.proxy, "admin", "-t", "-c", c.cmd)
+		if err != nil || !strings.Contains(out, c.want) {
+			t.Errorf("psql -c %q (%v):\n%s\nwant %q", c.cmd, err, out, c.want)
+		}
+	}
+	if _, err := w.Exec(ctxT(t), "SELECT 1"); sqlState(err) != "57P01" {
+		t.Errorf("the worker after KILL: %v, want 57P01", err)
+	}
+	out, err := consolePsql(t, e.proxy, "watcher", "-c", "PAUSE")
+	if err == nil || !strings.Contains(out, "ERROR:  admin access needed") {
+		t.Errorf("psql PAUSE as the stats user (%v):\n%s", err, out)
+	}
+}
