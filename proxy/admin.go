@@ -3,6 +3,7 @@ package proxy
 import (
 	"context"
 	"crypto/rand"
+	"crypto/subtle"
 	"crypto/tls"
 	"encoding/binary"
 	"errors"
@@ -35,7 +36,18 @@ type ops struct {
 	stats  ServerStats
 	health health
 
-	reloadMu sync.Mutex // one reload at a time
+	reloadMu sync.Mutex // one reload (or console SET) at a time
+
+	started time.Time
+	nextID  atomic.Uint64 // SHOW CLIENTS/SERVERS id of sessions and waiting clients
+	ctl     dbControl     // PAUSE, DISABLE, RECONNECT (admin_pause.go)
+	dbStats dbStats       // SHOW STATS (admin_stats.go)
+	// consoles are the open console sessions, by their cancel key.
+	consolesMu sync.Mutex
+	consoles   map[uint32]*console
+	// shutdownDone is closed when a shutdown the console started ends.
+	shutdownMu   sync.Mutex
+	shutdownDone chan struct{}
 
 	hookMu        sync.Mutex
 	replicaStatus func(context.Context) []UpstreamStatus
@@ -45,10 +57,13 @@ type ops struct {
 // liveConfig is the part of Config a reload may replace. It is swapped
 // whole; readers load it once per use.
 type liveConfig struct {
+	sources           map[string]string
 	auth              AuthMethod
 	users             map[string]string
 	upstreamPasswords map[string]string
 	admins            []string // sorted
+	stats             []string // sorted
+	consoleUsers      map[string]string
 	maxClients        int
 	tls               *tls.Config
 	replicas          []string
@@ -56,13 +71,14 @@ type liveConfig struct {
 }
 
 func newLive(c Config) *liveConfig {
-	admins := slices.Clone(c.AdminUsers)
-	sort.Strings(admins)
 	return &liveConfig{
+		sources:           c.Sources,
 		auth:              c.Auth,
 		users:             c.Users,
 		upstreamPasswords: c.UpstreamPasswords,
-		admins:            slices.Compact(admins),
+		admins:            sortedList(c.AdminUsers),
+		stats:             sortedList(c.StatsUsers),
+		consoleUsers:      c.ConsoleUsers,
 		maxClients:        c.MaxClients,
 		tls:               c.TLS,
 		replicas:          c.Replicas,
@@ -70,9 +86,20 @@ func newLive(c Config) *liveConfig {
 	}
 }
 
+// sortedList returns l sorted, without duplicates.
+func sortedList(l []string) []string {
+	l = slices.Clone(l)
+	sort.Strings(l)
+	return slices.Compact(l)
+}
+
 // initOps prepares the operations state from the validated config.
 func (s *Server) initOps() {
 	s.ops.live.Store(newLive(s.cfg))
+	s.ops.started = time.Now()
+	if len(s.cfg.ConsoleUsers) == 0 && len(s.cfg.AdminUsers)+len(s.cfg.StatsUsers) > 0 {
+		s.log.Warn("admin_users/stats_users are set but the console has no users file: every console connection is refused (set console_auth_file, see docs/console.md)")
+	}
 	if s.dummy.StoredKey == nil {
 		// A reload may turn SCRAM on.
 		s.dummy = dummyCredentials()
@@ -113,6 +140,41 @@ func (s *Server) replicaStatusFunc() func(context.Context) []UpstreamStatus {
 type sessionInfo struct {
 	connectedAt time.Time
 	upstream    atomic.Pointer[string]
+
+	id uint64 // SHOW CLIENTS/SERVERS id
+	// The four ends of the session's two connections, and their TLS.
+	clientLocal, serverAddr, serverLocal net.Addr
+	clientTLS, serverTLS                 string
+
+	stats       sessionStats                  // SHOW STATS (admin_stats.go)
+	holdSince   atomic.Int64                  // monoNow when PAUSE began to hold its message, 0: not held
+	killed      atomic.Pointer[ProtocolError] // why the console ended it (KILL, SHUTDOWN)
+	closeNeeded atomic.Bool                   // RECONNECT: close when released
+	ended       atomic.Bool                   // its relay has ended
+}
+
+// initSessionInfo fills in what the console shows of a session just
+// opened on client and server (the upstream connection), and makes its
+// framers count the bytes they pass.
+func (s *Server) initSessionInfo(sess *Session, client, server net.Conn) {
+	in := &sess.info
+	in.connectedAt = time.Now()
+	in.id = s.ops.nextID.Add(1)
+	in.clientLocal, in.serverAddr, in.serverLocal = client.LocalAddr(), server.RemoteAddr(), server.LocalAddr()
+	in.clientTLS, in.serverTLS = tlsInfo(client), tlsInfo(server)
+	sess.cf.count, sess.sf.count = &in.stats.recv, &in.stats.sent
+	s.ops.dbStats.assigned(sess.Database)
+}
+
+// tlsInfo describes c's TLS as PgBouncer's SHOW CLIENTS does
+// ("TLSv1.3/TLS_AES_256_GCM_SHA384"), "" without TLS.
+func tlsInfo(c net.Conn) string {
+	tc, ok := c.(*tls.Conn)
+	if !ok {
+		return ""
+	}
+	cs := tc.ConnectionState()
+	return tls.VersionName(cs.Version) + "/" + tls.CipherSuiteName(cs.CipherSuite)
 }
 
 // SetUpstream records what serves the session now, shown by SHOW
@@ -235,8 +297,9 @@ func (s *Server) ReloadFromSource() (*ReloadReport, error) {
 }
 
 // Reload applies next's reloadable settings (auth, users, upstream
-// passwords, admin users, max clients, TLS certificate; replicas when read
-// routing supports it) and reports the others that differ from the running
+// passwords, the console's admin and stats users and users file, max
+// clients, TLS certificate, setting sources; replicas when read routing
+// supports it) and reports the others that differ from the running
 // configuration: they need a restart. Nothing is applied when next is
 // invalid.
 func (s *Server) Reload(next Config) (*ReloadReport, error) {
@@ -267,6 +330,8 @@ func (s *Server) reload(next Config) (*ReloadReport, error) {
 	applied("auth_file", !maps.Equal(old.users, nl.users))
 	applied("upstream_passwords", !maps.Equal(old.upstreamPasswords, nl.upstreamPasswords))
 	applied("admin_users", !slices.Equal(old.admins, nl.admins))
+	applied("stats_users", !slices.Equal(old.stats, nl.stats))
+	applied("console_auth_file", !maps.Equal(old.consoleUsers, nl.consoleUsers))
 	applied("max_clients", old.maxClients != nl.maxClients)
 	applied("tls", old.tls != nil || nl.tls != nil)
 	if !slices.Equal(old.replicas, nl.replicas) {
@@ -298,15 +363,37 @@ func (s *Server) reload(next Config) (*ReloadReport, error) {
 // ---------------------------------------------------------------------------
 // The console
 
-// serveAdmin runs an admin console session for an authenticated user.
-func (s *Server) serveAdmin(c net.Conn, user string, log *zap.Logger) {
-	if !slices.Contains(s.live().admins, user) {
-		s.refuse(c, &ProtocolError{Code: "42501", Msg: fmt.Sprintf("permission denied: user %q is not a pgfence admin (see admin_users)", user)}, log, "admin console refused")
+// console is one admin console session.
+type console struct {
+	user string
+	role consoleRole
+	log  *zap.Logger
+	// As SHOW CLIENTS shows it.
+	id         uint64
+	addr, self net.Addr
+	since      time.Time
+	app, tls   string
+	// cancel receives the session's cancel requests (psql's ^C): they
+	// end a waiting PAUSE or WAIT_CLOSE.
+	cancel      chan struct{}
+	pid, secret uint32
+}
+
+// serveAdmin runs an admin console session: its own authentication
+// (consoleLogin), then commands until the client leaves.
+func (s *Server) serveAdmin(c net.Conn, st *startup, log *zap.Logger) {
+	user := st.params["user"]
+	role, err := s.consoleLogin(c, user)
+	if err != nil {
+		s.refuse(c, err, log, "admin console refused")
 		return
 	}
 	s.ops.stats.AdminSessions.Add(1)
-	log = log.Named("admin")
-	log.Info("admin session open")
+	con := &console{user: user, role: role, log: log.Named("admin").With(zap.Stringer("role", role)), cancel: make(chan struct{}, 1),
+		id: s.ops.nextID.Add(1), addr: c.RemoteAddr(), self: c.LocalAddr(), since: time.Now(), app: st.params["application_name"], tls: tlsInfo(c)}
+	s.addConsole(con)
+	defer s.dropConsole(con)
+	con.log.Info("admin session open")
 	var out []byte
 	for _, p := range [][2]string{
 		{"server_version", "16.0 (pgfence)"}, {"server_encoding", "UTF8"}, {"client_encoding", "UTF8"},
@@ -315,26 +402,77 @@ func (s *Server) serveAdmin(c net.Conn, user string, log *zap.Logger) {
 	} {
 		out = encode(out, &pgproto3.ParameterStatus{Name: p[0], Value: p[1]})
 	}
-	// A key no cancel request will match: the console runs nothing to cancel.
-	var key [8]byte
-	rand.Read(key[:])
-	out = encode(out, &pgproto3.BackendKeyData{ProcessID: binary.BigEndian.Uint32(key[:4]) & 0x7fffffff, SecretKey: key[4:]})
+	var key [4]byte
+	binary.BigEndian.PutUint32(key[:], con.secret)
+	out = encode(out, &pgproto3.BackendKeyData{ProcessID: con.pid, SecretKey: key[:]})
 	out = encode(out, &pgproto3.ReadyForQuery{TxStatus: 'I'})
 	if _, err := c.Write(out); err != nil {
 		c.Close()
 		return
 	}
 	c.SetDeadline(time.Time{})
-	err := s.adminLoop(c, log)
+	err = s.adminLoop(c, con)
 	c.Close()
 	if err != nil {
-		log.Debug("admin session closed", zap.Error(err))
+		con.log.Debug("admin session closed", zap.Error(err))
 	} else {
-		log.Info("admin session closed")
+		con.log.Info("admin session closed")
 	}
 }
 
-func (s *Server) adminLoop(c net.Conn, log *zap.Logger) error {
+// addConsole gives con a cancel key of its own.
+func (s *Server) addConsole(con *console) {
+	var b [8]byte
+	s.ops.consolesMu.Lock()
+	defer s.ops.consolesMu.Unlock()
+	if s.ops.consoles == nil {
+		s.ops.consoles = map[uint32]*console{}
+	}
+	for {
+		rand.Read(b[:])
+		con.pid, con.secret = binary.BigEndian.Uint32(b[:4])&0x7fffffff, binary.BigEndian.Uint32(b[4:])
+		if _, dup := s.ops.consoles[con.pid]; !dup && con.pid != 0 {
+			break
+		}
+	}
+	s.ops.consoles[con.pid] = con
+}
+
+func (s *Server) dropConsole(con *console) {
+	s.ops.consolesMu.Lock()
+	delete(s.ops.consoles, con.pid)
+	s.ops.consolesMu.Unlock()
+}
+
+// cancelConsole delivers a cancel request meant for a console session;
+// it reports false when the key is not a console's.
+func (s *Server) cancelConsole(st *startup) bool {
+	s.ops.consolesMu.Lock()
+	con := s.ops.consoles[st.cancelPID]
+	s.ops.consolesMu.Unlock()
+	if con == nil {
+		return false
+	}
+	var want [4]byte
+	binary.BigEndian.PutUint32(want[:], con.secret)
+	if subtle.ConstantTimeCompare(want[:], st.cancelSecret) != 1 {
+		return false
+	}
+	select {
+	case con.cancel <- struct{}{}:
+	default:
+	}
+	return true
+}
+
+// consoleCount returns the number of open console sessions.
+func (s *Server) consoleCount() int {
+	s.ops.consolesMu.Lock()
+	defer s.ops.consolesMu.Unlock()
+	return len(s.ops.consoles)
+}
+
+func (s *Server) adminLoop(c net.Conn, con *console) error {
 	be := pgproto3.NewBackend(c, c)
 	be.SetMaxBodyLen(1 << 20)
 	skipping := false // extended protocol: error sent, waiting for Sync
@@ -344,11 +482,16 @@ func (s *Server) adminLoop(c net.Conn, log *zap.Logger) error {
 			return err
 		}
 		var out []byte
+		var after func()
 		switch m := msg.(type) {
 		case *pgproto3.Terminate:
 			return nil
 		case *pgproto3.Query:
-			out = s.adminQuery(out, m.String, log)
+			select {
+			case <-con.cancel: // a cancel that came between commands
+			default:
+			}
+			out, after = s.adminQuery(out, m.String, con)
 			out = encode(out, &pgproto3.ReadyForQuery{TxStatus: 'I'})
 		case *pgproto3.Sync:
 			skipping = false
@@ -371,6 +514,9 @@ func (s *Server) adminLoop(c net.Conn, log *zap.Logger) error {
 				return err
 			}
 		}
+		if after != nil {
+			after()
+		}
 	}
 }
 
@@ -378,31 +524,85 @@ func adminError(code, msg, hint string) *pgproto3.ErrorResponse {
 	return &pgproto3.ErrorResponse{Severity: "ERROR", SeverityUnlocalized: "ERROR", Code: code, Message: msg, Hint: hint}
 }
 
-// adminTable is a result: every column text.
+// adminTable is a command's answer: a result set typed as PgBouncer
+// types its columns, or (cols nil) a command tag alone.
 type adminTable struct {
+	// types has a letter per column, as PgBouncer's tupdesc: s text, i
+	// int4, q int8, N numeric, T a timestamp sent as text.
+	types   string
 	cols    []string
-	rows    [][]string
-	tag     string // command tag; "SHOW" when empty
-	notices []string
+	rows    [][]any // per value: nil (NULL), string, int, int64, uint64 or time.Time (T)
+	tag     string  // command tag; "SHOW" when empty
+	notices []*pgproto3.NoticeResponse
 }
 
-func (t *adminTable) add(vals ...string) { t.rows = append(t.rows, vals) }
+// newTable starts a result set with PgBouncer's column types and names.
+func newTable(types string, cols ...string) *adminTable {
+	if len(types) != len(cols) {
+		panic("admin table: " + types + " does not describe " + strings.Join(cols, ","))
+	}
+	return &adminTable{types: types, cols: cols}
+}
+
+// done is the answer of a command without rows.
+func done(tag string) *adminTable { return &adminTable{tag: tag} }
+
+func (t *adminTable) add(vals ...any) {
+	if len(vals) != len(t.cols) {
+		panic(fmt.Sprintf("admin table: %d values for %d columns", len(vals), len(t.cols)))
+	}
+	t.rows = append(t.rows, vals)
+}
+
+func (t *adminTable) notice(msg, detail string) {
+	t.notices = append(t.notices, &pgproto3.NoticeResponse{Severity: "NOTICE", SeverityUnlocalized: "NOTICE", Code: "00000", Message: msg, Detail: detail})
+}
+
+// The OIDs and sizes of the column types.
+var adminTypes = map[byte]struct {
+	oid  uint32
+	size int16
+}{'s': {25, -1}, 'T': {25, -1}, 'i': {23, 4}, 'q': {20, 8}, 'N': {1700, -1}}
+
+// pgTime formats a timestamp as PgBouncer's 'T' columns do.
+func pgTime(t time.Time) string { return t.Local().Format("2006-01-02 15:04:05 MST") }
+
+func adminValue(v any) []byte {
+	switch v := v.(type) {
+	case nil:
+		return nil
+	case string:
+		return []byte(v)
+	case int:
+		return strconv.AppendInt(nil, int64(v), 10)
+	case int64:
+		return strconv.AppendInt(nil, v, 10)
+	case uint64:
+		return strconv.AppendUint(nil, v, 10)
+	case time.Time:
+		return []byte(pgTime(v))
+	}
+	panic(fmt.Sprintf("admin table: value of type %T", v))
+}
 
 func (t *adminTable) encode(out []byte) []byte {
 	for _, n := range t.notices {
-		out = encode(out, &pgproto3.NoticeResponse{Severity: "NOTICE", SeverityUnlocalized: "NOTICE", Code: "00000", Message: n})
+		out = encode(out, n)
 	}
-	fields := make([]pgproto3.FieldDescription, len(t.cols))
-	for i, c := range t.cols {
-		fields[i] = pgproto3.FieldDescription{Name: []byte(c), DataTypeOID: 25, DataTypeSize: -1, TypeModifier: -1}
-	}
-	out = encode(out, &pgproto3.RowDescription{Fields: fields})
-	for _, r := range t.rows {
-		vals := make([][]byte, len(r))
-		for i, v := range r {
-			vals[i] = []byte(v)
+	if t.cols != nil {
+		fields := make([]pgproto3.FieldDescription, len(t.cols))
+		for i, c := range t.cols {
+			ty := adminTypes[t.types[i]]
+			fields[i] = pgproto3.FieldDescription{Name: []byte(c), DataTypeOID: ty.oid, DataTypeSize: ty.size, TypeModifier: -1}
 		}
-		out = encode(out, &pgproto3.DataRow{Values: vals})
+		out = encode(out, &pgproto3.RowDescription{Fields: fields})
+		for _, r := range t.rows {
+			vals := make([][]byte, len(r))
+			for i, v := range r {
+				vals[i] = adminValue(v)
+			}
+			out = encode(out, &pgproto3.DataRow{Values: vals})
+		}
 	}
 	tag := t.tag
 	if tag == "" {
@@ -414,297 +614,152 @@ func (t *adminTable) encode(out []byte) []byte {
 // adminCommands are SHOW HELP's answer.
 var adminCommands = [][2]string{
 	{"SHOW HELP", "this list"},
-	{"SHOW SESSIONS", "open client sessions: job, token, transaction state, gated, upstream"},
-	{"SHOW FENCES [database]", "fences and leases of the databases with sessions (or the one named)"},
-	{"SHOW STATS", "gate outcomes by SQLSTATE, replays, conflicts, commits, reads by route, sessions, refusals"},
+	{"SHOW CLIENTS", "client connections, PgBouncer's columns, then job_key, epoch, token (admins only), step, tx_state, gated, replay, upstream"},
+	{"SHOW SERVERS", "upstream connections, PgBouncer's columns, then upstream and tx_state"},
+	{"SHOW POOLS", "per database and user: clients active and waiting (held by PAUSE), servers"},
+	{"SHOW DATABASES", "databases in use, paused, disabled"},
+	{"SHOW USERS", "users known and their connections"},
+	{"SHOW STATS", "per database: totals and averages of transactions, queries, bytes, times (also STATS_TOTALS, STATS_AVERAGES, TOTALS)"},
+	{"SHOW LISTS", "counts of databases, users, pools, clients, servers"},
+	{"SHOW MEM", "buffers and Go heap"},
+	{"SHOW VERSION", "pgfence's version"},
+	{"SHOW STATE", "active, paused"},
+	{"SHOW CONFIG", "every setting: value, default, changeable"},
+	{"SHOW CONFIG_SOURCES", "SHOW CONFIG and where each value came from: flag, env, file or default"},
+	{"SHOW SESSIONS", "open client sessions: job, token (admins only), transaction state, gated, upstream"},
+	{"SHOW FENCES [database]", "fences and leases of the databases with sessions (or the one named); tokens for admins only"},
+	{"SHOW FENCE_STATS", "gate outcomes by SQLSTATE, replays, conflicts, commits, reads by route, sessions, refusals"},
 	{"SHOW UPSTREAMS", "primary and replicas: health and replay lag"},
-	{"SHOW CONFIG", "effective settings (no secrets) and whether RELOAD can change them"},
-	{"RELOAD", "re-read the configuration file and environment (as SIGHUP)"},
+	{"PAUSE [db]", "new transactions wait, running ones finish; returns once none is open (admin)"},
+	{"RESUME [db]", "end PAUSE or KILL (admin)"},
+	{"KILL [db]", "close every session of db (all databases) now and pause it (admin)"},
+	{"KILL_CLIENT id", "close one session, by SHOW CLIENTS id (admin)"},
+	{"DISABLE db / ENABLE db", "refuse / accept new clients of db (admin)"},
+	{"RECONNECT [db]", "close the server connections once released: when their client leaves (admin)"},
+	{"WAIT_CLOSE [db]", "wait until the connections RECONNECT marked are closed (admin)"},
+	{"SET key = value", "change a reloadable setting until the next RELOAD (admin)"},
+	{"RELOAD", "re-read the configuration file and environment, as SIGHUP (admin)"},
+	{"SHUTDOWN [WAIT_FOR_SERVERS]", "close every session now / let transactions finish, as SIGTERM; then stop (admin)"},
 }
 
-// adminQuery answers one simple Query (statements separated by ;).
-func (s *Server) adminQuery(out []byte, sql string, log *zap.Logger) []byte {
-	var stmts []string
-	for _, part := range strings.Split(sql, ";") {
-		if part = strings.TrimSpace(part); part != "" {
-			stmts = append(stmts, part)
-		}
-	}
+// adminQuery answers one simple Query (statements separated by ;). after,
+// when non-nil, is run once the answer is written (SHUTDOWN).
+func (s *Server) adminQuery(out []byte, sql string, con *console) ([]byte, func()) {
+	stmts := splitAdmin(sql)
 	if len(stmts) == 0 {
-		return encode(out, &pgproto3.EmptyQueryResponse{})
+		return encode(out, &pgproto3.EmptyQueryResponse{}), nil
 	}
-	for _, st := range stmts {
-		t, err := s.adminCommand(st, log)
+	var after func()
+	for _, text := range stmts {
+		t, then, err := s.adminCommand(con, text)
 		if err != nil {
-			return encode(out, err)
+			return encode(out, err), after
+		}
+		if then != nil {
+			after = then
 		}
 		out = t.encode(out)
 	}
-	return out
+	return out, after
 }
 
-func (s *Server) adminCommand(stmt string, log *zap.Logger) (*adminTable, *pgproto3.ErrorResponse) {
-	words := strings.Fields(stmt)
-	verb := strings.ToUpper(words[0])
-	var what string
-	if len(words) > 1 {
-		what = strings.ToUpper(words[1])
+// adminOnly are the commands a stats user may not run.
+var adminOnly = map[string]bool{
+	"PAUSE": true, "RESUME": true, "KILL": true, "KILL_CLIENT": true, "DISABLE": true, "ENABLE": true, "RECONNECT": true,
+	"WAIT_CLOSE": true, "SHUTDOWN": true, "RELOAD": true, "SUSPEND": true, "SET": true,
+}
+
+func (s *Server) adminCommand(con *console, text string) (*adminTable, func(), *pgproto3.ErrorResponse) {
+	st, ok := parseAdmin(text)
+	if !ok {
+		return nil, nil, syntaxError(text)
 	}
-	unknown := adminError("42601", fmt.Sprintf("unknown pgfence admin command %q: SHOW HELP lists the commands", stmt), "")
-	switch {
-	case verb == "SHOW" && len(words) == 2 && what == "HELP":
-		t := &adminTable{cols: []string{"command", "description"}}
-		for _, c := range adminCommands {
-			t.add(c[0], c[1])
+	if st.verb == "SET" && fakeParam(st.key) != "" {
+		t := done("SET")
+		t.notice("SET ignored", "")
+		return t, nil, nil
+	}
+	if adminOnly[st.verb] && con.role != roleAdmin {
+		return nil, nil, errAdminOnly(text)
+	}
+	if st.arg2 != "" && !(st.verb == "SHOW" && st.argWord == "FENCES") {
+		return nil, nil, syntaxError(text)
+	}
+	var err *pgproto3.ErrorResponse
+	switch st.verb {
+	case "SHOW", "SELECT":
+		if st.arg == "" {
+			return nil, nil, syntaxError(text)
 		}
-		return t, nil
-	case verb == "SHOW" && len(words) == 2 && what == "SESSIONS":
-		return s.showSessions(), nil
-	case verb == "SHOW" && (len(words) == 2 || len(words) == 3) && what == "FENCES":
-		var db string
-		if len(words) == 3 {
-			db = strings.Trim(words[2], `"'`)
+		t, err := s.adminShow(con, st)
+		return t, nil, err
+	case "SET":
+		t, err := s.adminSet(con, st)
+		return t, nil, err
+	case "RELOAD":
+		if st.arg != "" {
+			return nil, nil, syntaxError(text)
 		}
-		return s.showFences(db)
-	case verb == "SHOW" && len(words) == 2 && what == "STATS":
-		return s.showStats(), nil
-	case verb == "SHOW" && len(words) == 2 && what == "UPSTREAMS":
-		return s.showUpstreams(), nil
-	case verb == "SHOW" && len(words) == 2 && what == "CONFIG":
-		return s.showConfig(), nil
-	case verb == "RELOAD" && len(words) == 1:
-		rep, err := s.ReloadFromSource()
+		t, err := s.adminReload(con)
+		return t, nil, err
+	case "SHUTDOWN":
+		then, err := s.cmdShutdown(con, st.argWord)
 		if err != nil {
-			log.Warn("reload failed", zap.Error(err))
-			code := "F0000"
-			if errors.Is(err, ErrNoReloadSource) {
-				code = "55000"
-			}
-			return nil, adminError(code, err.Error(), "the running configuration is unchanged")
+			return nil, nil, err
 		}
-		t := &adminTable{cols: []string{"setting", "result"}, tag: "RELOAD"}
-		for _, a := range rep.Applied {
-			t.add(a, "applied")
-		}
-		for _, r := range rep.Restart {
-			t.add(r, "changed; needs a restart, the running value stays")
-		}
-		if len(t.rows) == 0 {
-			t.notices = append(t.notices, "configuration reloaded: nothing changed")
-		}
-		return t, nil
+		return done("SHUTDOWN"), then, nil
+	case "SUSPEND":
+		return nil, nil, adminError("0A000", "SUSPEND is not supported by pgfence: it serves PgBouncer's online restart, which pgfence does not have",
+			"PAUSE drains transactions for a switchover")
+	case "PAUSE":
+		err = s.cmdPause(con, st.arg)
+	case "RESUME":
+		err = s.cmdResume(con, st.arg)
+	case "KILL":
+		err = s.cmdKill(con, st.arg)
+	case "KILL_CLIENT":
+		err = s.cmdKillClient(con, st.arg)
+	case "DISABLE", "ENABLE":
+		err = s.cmdDisable(con, st.arg, st.verb == "DISABLE")
+	case "RECONNECT":
+		err = s.cmdReconnect(con, st.arg)
+	case "WAIT_CLOSE":
+		err = s.cmdWaitClose(con, st.arg)
+	default:
+		return nil, nil, syntaxError(text)
 	}
-	return nil, unknown
+	if err != nil {
+		return nil, nil, err
+	}
+	return done(st.verb), nil, nil
 }
 
-func txName(b byte) string {
-	switch b {
-	case 'T':
-		return "in transaction"
-	case 'E':
-		return "failed"
-	}
-	return "idle"
+func syntaxError(text string) *pgproto3.ErrorResponse {
+	return adminError("42601", fmt.Sprintf("invalid command '%s', use SHOW HELP;", text), "SHOW HELP lists the pgfence admin console's commands")
 }
 
-func (s *Server) showSessions() *adminTable {
-	t := &adminTable{cols: []string{"client_addr", "user", "database", "job_key", "epoch", "token", "step",
-		"tx_state", "gated", "replay", "upstream", "connected_at", "backend_pid"}}
-	sess := s.sessions()
-	sort.Slice(sess, func(i, j int) bool { return sess[i].info.connectedAt.Before(sess[j].info.connectedAt) })
-	for _, ss := range sess {
-		var gi gateInfo
-		if r, ok := ss.h.(gateReporter); ok {
-			gi = r.gateInfo()
+// adminReload is RELOAD: PgBouncer answers the command tag alone; pgfence
+// adds a row per changed setting.
+func (s *Server) adminReload(con *console) (*adminTable, *pgproto3.ErrorResponse) {
+	rep, err := s.ReloadFromSource()
+	if err != nil {
+		con.log.Warn("reload failed", zap.Error(err))
+		code := "F0000"
+		if errors.Is(err, ErrNoReloadSource) {
+			code = "55000"
 		}
-		var epoch, token string
-		if gi.hasGen {
-			epoch, token = strconv.FormatInt(gi.epoch, 10), strconv.FormatInt(gi.token, 10)
-		}
-		t.add(ss.ClientAddr.String(), ss.User, ss.Database, gi.jobKey, epoch, token, gi.step,
-			txName(ss.TxStatus()), strconv.FormatBool(gi.gated), strconv.FormatBool(gi.replay), ss.Upstream(),
-			ss.info.connectedAt.UTC().Format(time.RFC3339), strconv.FormatUint(uint64(ss.BackendPID), 10))
+		return nil, adminError(code, err.Error(), "the running configuration is unchanged")
 	}
-	return t
-}
-
-const fencesSQL = `SELECT f.job_key, f.epoch::text, f.max_issued_token::text, l.holder, l.token::text,
- to_char(l.expires_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.MS"Z"'),
- (l.expires_at > now())::text, (f.retired_at IS NOT NULL)::text
-FROM fence.fences f LEFT JOIN fence.leases l USING (job_key) ORDER BY f.job_key`
-
-// showFences reads fence.fences and fence.leases of db, or of every
-// database with an open session, through control connections.
-func (s *Server) showFences(db string) (*adminTable, *pgproto3.ErrorResponse) {
-	t := &adminTable{cols: []string{"database", "job_key", "epoch", "max_issued_token", "lease_holder",
-		"lease_token", "lease_expires", "lease_live", "retired"}}
-	dbs := []string{db}
-	if db == "" {
-		seen := map[string]bool{}
-		dbs = dbs[:0]
-		for _, ss := range s.sessions() {
-			if !seen[ss.Database] {
-				seen[ss.Database] = true
-				dbs = append(dbs, ss.Database)
-			}
-		}
-		sort.Strings(dbs)
-		if len(dbs) == 0 {
-			t.notices = append(t.notices, "no open sessions: name a database, SHOW FENCES dbname")
-		}
+	t := newTable("ss", "setting", "result")
+	t.tag = "RELOAD"
+	for _, a := range rep.Applied {
+		t.add(a, "applied")
 	}
-	for _, d := range dbs {
-		rows, err := s.controlQuery(d, fencesSQL)
-		if err != nil {
-			var pg *pgconn.PgError
-			if errors.As(err, &pg) && pg.Code == "3F000" && db == "" {
-				continue // no fence schema in that database
-			}
-			if db != "" {
-				return nil, adminError("58000", fmt.Sprintf("cannot read the fences of database %q: %v", d, err), "")
-			}
-			t.notices = append(t.notices, fmt.Sprintf("database %q: %v", d, err))
-			continue
-		}
-		for _, r := range rows {
-			t.add(append([]string{d}, r...)...)
-		}
+	for _, r := range rep.Restart {
+		t.add(r, "changed; needs a restart, the running value stays")
+	}
+	if len(t.rows) == 0 {
+		t.notice("configuration reloaded: nothing changed", "")
 	}
 	return t, nil
-}
-
-// controlQuery runs sql on db with the primary DSN's credentials and
-// returns the rows as text (NULL as "").
-func (s *Server) controlQuery(db, sql string) ([][]string, error) {
-	pc := s.primary.Copy()
-	pc.Database = db
-	if pc.ConnectTimeout == 0 {
-		pc.ConnectTimeout = s.cfg.ConnectTimeout
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), pc.ConnectTimeout+10*time.Second)
-	defer cancel()
-	c, err := pgconn.ConnectConfig(ctx, pc)
-	if err != nil {
-		return nil, fmt.Errorf("connect: %w", err)
-	}
-	defer c.Close(context.Background())
-	res, err := c.Exec(ctx, sql).ReadAll()
-	if err != nil {
-		return nil, err
-	}
-	var out [][]string
-	for _, r := range res {
-		for _, row := range r.Rows {
-			vals := make([]string, len(row))
-			for i, v := range row {
-				vals[i] = string(v)
-			}
-			out = append(out, vals)
-		}
-	}
-	return out, nil
-}
-
-func (s *Server) showStats() *adminTable {
-	t := &adminTable{cols: []string{"stat", "value"}}
-	n := func(name string, v int64) { t.add(name, strconv.FormatInt(v, 10)) }
-	st := &s.ops.stats
-	n("sessions_open", int64(len(s.sessions())))
-	n("sessions_total", st.SessionsTotal.Load())
-	n("sessions_event_loop_total", st.SessionsLoop.Load())
-	n("client_handoffs_total", st.ClientHandoffs.Load())
-	n("admin_sessions_total", st.AdminSessions.Load())
-	refused := st.Refused()
-	var total int64
-	codes := slices.Sorted(maps.Keys(refused))
-	for _, c := range codes {
-		total += refused[c]
-	}
-	n("clients_refused", total)
-	for _, c := range codes {
-		n("clients_refused_"+c, refused[c])
-	}
-	n("upstream_connect_errors", st.UpstreamErrors.Load())
-	n("reads_primary", st.ReadsPrimary.Load())
-	n("reads_replica", st.ReadsReplica.Load())
-	if f := s.fence(); f != nil {
-		fs := &f.Stats
-		n("gate_passed", fs.Gated.Load())
-		n("commits", fs.Committed.Load())
-		n("replays", fs.Replayed.Load())
-		n("conflicts", fs.Codes.Get("FN003"))
-		n("refusals", fs.Refused.Load())
-		fs.Codes.each(func(code string, v int64) { n("errors_"+strings.ReplaceAll(code, " ", "_"), v) })
-		n("unfenced_writes", fs.Unfenced.Load())
-		n("statements_classified", fs.Classified.Load())
-		n("gate_step_count", int64(fs.GateLatency.Count()))
-		t.add("gate_step_avg_ms", fmt.Sprintf("%.3f", float64(fs.GateLatency.Mean())/1e6))
-		n("commit_step_count", int64(fs.CommitLatency.Count()))
-		t.add("commit_step_avg_ms", fmt.Sprintf("%.3f", float64(fs.CommitLatency.Mean())/1e6))
-	}
-	return t
-}
-
-func (s *Server) showUpstreams() *adminTable {
-	t := &adminTable{cols: []string{"role", "addr", "healthy", "replay_lag", "replay_lag_bytes", "error", "checked_at"}}
-	ctx, cancel := context.WithTimeout(context.Background(), s.cfg.ConnectTimeout)
-	defer cancel()
-	ups := []UpstreamStatus{s.checkPrimary(ctx)}
-	if f := s.replicaStatusFunc(); f != nil {
-		ups = append(ups, f(ctx)...)
-	} else {
-		for _, r := range s.replicas {
-			ups = append(ups, s.ping(ctx, "replica", r))
-		}
-	}
-	for _, u := range ups {
-		var lag, lagBytes string
-		if u.LagKnown {
-			lag, lagBytes = u.ReplayLag.String(), strconv.FormatInt(u.LagBytes, 10)
-		}
-		t.add(u.Role, u.Addr, strconv.FormatBool(u.Healthy), lag, lagBytes, u.Error, u.Checked.UTC().Format(time.RFC3339))
-	}
-	return t
-}
-
-// redactDSN shows where a DSN points, without its password.
-func redactDSN(dsn string) string {
-	pc, err := pgconn.ParseConfig(dsn)
-	if err != nil {
-		return "(unparsable)"
-	}
-	return fmt.Sprintf("host=%s port=%d user=%s dbname=%s", pc.Host, pc.Port, pc.User, pc.Database)
-}
-
-func (s *Server) showConfig() *adminTable {
-	t := &adminTable{cols: []string{"key", "value", "reloadable"}}
-	l := s.live()
-	c := s.cfg
-	yes, no := "yes", "no"
-	var reps []string
-	for _, r := range l.replicas {
-		reps = append(reps, redactDSN(r))
-	}
-	s.ops.hookMu.Lock()
-	replicasReload := s.ops.replicaReload != nil
-	s.ops.hookMu.Unlock()
-	t.add("primary", redactDSN(c.Primary), no)
-	t.add("replicas", strings.Join(reps, ", "), map[bool]string{true: yes, false: no}[replicasReload])
-	t.add("auth", string(l.auth), yes)
-	t.add("auth_file", fmt.Sprintf("%d users", len(l.users)), yes)
-	t.add("upstream_passwords", fmt.Sprintf("%d users", len(l.upstreamPasswords)), yes)
-	t.add("admin_users", strings.Join(l.admins, ","), yes)
-	t.add("max_clients", strconv.Itoa(l.maxClients), yes)
-	t.add("tls", strconv.FormatBool(l.tls != nil), yes)
-	t.add("max_message_size", strconv.Itoa(c.MaxMessageSize), no)
-	t.add("shutdown_timeout", c.ShutdownTimeout.String(), no)
-	t.add("startup_timeout", c.StartupTimeout.String(), no)
-	t.add("connect_timeout", c.ConnectTimeout.String(), no)
-	t.add("buffer_size", strconv.Itoa(c.BufferSize), no)
-	t.add("health_interval", c.HealthInterval.String(), no)
-	t.add("gate", strconv.FormatBool(s.fence() != nil), no)
-	for _, e := range l.extra {
-		t.add(e.Key, e.Value, map[bool]string{true: yes, false: no}[e.Reloadable])
-	}
-	return t
 }

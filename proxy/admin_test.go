@@ -3,6 +3,7 @@ package proxy
 import (
 	"context"
 	"fmt"
+	"os"
 	"os/exec"
 	"strconv"
 	"strings"
@@ -17,10 +18,41 @@ import (
 	"github.com/pgfence/pgfence/internal/pgtest"
 )
 
+// Console users and their passwords: admins admin and ops, stats user
+// watcher, norole with a verifier but in neither list (withConsole).
+var consolePasswords = map[string]string{"admin": "admin-pw", "ops": "ops-pw", "bob": "bob-pw", "watcher": "watcher-pw", "norole": "norole-pw"}
+
+// consoleVerifiers are consolePasswords' verifiers, made once.
+var consoleVerifiers = sync.OnceValue(func() map[string]string {
+	m := map[string]string{}
+	for u, pw := range consolePasswords {
+		v, err := MakeVerifier(u, pw)
+		if err != nil {
+			panic(err)
+		}
+		m[u] = v
+	}
+	return m
+})
+
+// withConsole gives cfg the console users (and, unless set, admin_users
+// admin and ops, stats_users watcher).
+func withConsole(cfg Config) Config {
+	cfg.ConsoleUsers = consoleVerifiers()
+	if cfg.AdminUsers == nil {
+		cfg.AdminUsers = []string{"admin", "ops"}
+	}
+	if cfg.StatsUsers == nil {
+		cfg.StatsUsers = []string{"watcher"}
+	}
+	return cfg
+}
+
 // newOpsEnv is newFenceEnv with cfg (AdminUsers, MaxClients...) for the
-// proxy.
+// proxy, and the console users (withConsole).
 func newOpsEnv(t *testing.T, cfg Config) *fenceEnv {
 	t.Helper()
+	cfg = withConsole(cfg)
 	ctx := ctxT(t)
 	db := cluster.NewDatabase(t)
 	conn, err := cluster.Primary.Connect(ctx, db)
@@ -40,13 +72,29 @@ func newOpsEnv(t *testing.T, cfg Config) *fenceEnv {
 	return &fenceEnv{db: db, proxy: startProxy(t, cfg), gate: gate}
 }
 
-// admin connects to the console as user, in the simple protocol.
+// admin connects to the console as user with its password (or a wrong
+// one for a user not in consolePasswords), in the simple protocol.
 func (e *fenceEnv) admin(t *testing.T, user string) (*pgx.Conn, error) {
 	t.Helper()
-	cfg, err := pgx.ParseConfig(fmt.Sprintf("postgres://%s@127.0.0.1:%d/%s?sslmode=disable", user, e.proxy.addr.Port, AdminDatabase))
+	return consoleConnect(t, e.proxy, user, consolePassword(user))
+}
+
+func consolePassword(user string) string {
+	if pw, ok := consolePasswords[user]; ok {
+		return pw
+	}
+	return "not-" + user + "-pw"
+}
+
+// consoleConnect connects to p's console as user with password, in the
+// simple protocol.
+func consoleConnect(t *testing.T, p *testProxy, user, password string) (*pgx.Conn, error) {
+	t.Helper()
+	cfg, err := pgx.ParseConfig(fmt.Sprintf("postgres://%s@127.0.0.1:%d/%s?sslmode=disable", user, p.addr.Port, AdminDatabase))
 	if err != nil {
 		t.Fatal(err)
 	}
+	cfg.Password = password
 	cfg.DefaultQueryExecMode = pgx.QueryExecModeSimpleProtocol
 	c, err := pgx.ConnectConfig(ctxT(t), cfg)
 	if err == nil {
@@ -80,11 +128,11 @@ func show(t *testing.T, c *pgx.Conn, cmd string) []map[string]string {
 	return out
 }
 
-// stats is SHOW STATS as a map.
+// stats is SHOW FENCE_STATS (pgfence's counters) as a map.
 func stats(t *testing.T, c *pgx.Conn) map[string]int64 {
 	t.Helper()
 	out := map[string]int64{}
-	for _, r := range show(t, c, "show stats;") {
+	for _, r := range show(t, c, "show fence_stats;") {
 		if n, err := strconv.ParseInt(r["value"], 10, 64); err == nil {
 			out[r["stat"]] = n
 		}
@@ -209,7 +257,7 @@ func TestAdminConsole(t *testing.T) {
 		}
 	})
 
-	t.Run("stats", func(t *testing.T) {
+	t.Run("fence_stats", func(t *testing.T) {
 		st := stats(t, adm)
 		for k, want := range map[string]int64{
 			"gate_passed": w.gated, "commits": w.commits, "replays": w.replays,
@@ -241,7 +289,7 @@ func TestAdminConsole(t *testing.T) {
 		for _, r := range show(t, adm, "SHOW CONFIG") {
 			conf[r["key"]] = r["value"]
 		}
-		if conf["admin_users"] != "admin,ops" || conf["max_clients"] != strconv.Itoa(DefaultMaxClients) || conf["gate"] != "true" {
+		if conf["admin_users"] != "admin,ops" || conf["stats_users"] != "watcher" || conf["max_clients"] != strconv.Itoa(DefaultMaxClients) || conf["gate"] != "true" {
 			t.Errorf("SHOW CONFIG: got %v", conf)
 		}
 		_, err := adm.Exec(ctx, "SHOW NONSENSE")
@@ -254,23 +302,27 @@ func TestAdminConsole(t *testing.T) {
 		// Extended protocol: a clear error, and the session stays usable.
 		_, err = adm.PgConn().ExecParams(ctx, "SHOW STATS", nil, nil, nil, nil).Close()
 		wantCode(t, err, "0A000")
-		if len(show(t, adm, "SHOW STATS")) == 0 {
+		if len(show(t, adm, "SHOW FENCE_STATS")) == 0 {
 			t.Error("console unusable after an extended-protocol query")
 		}
 	})
 
 	t.Run("non-admin refused", func(t *testing.T) {
-		_, err := e.admin(t, "postgres")
+		_, err := e.admin(t, "norole") // authenticates, but is in neither list
 		wantCode(t, err, "42501")
-		if got := stats(t, adm)["clients_refused_42501"]; got != 1 {
-			t.Errorf("clients_refused_42501: got %d, want 1", got)
+		_, err = e.admin(t, "postgres") // no console verifier
+		wantCode(t, err, "28P01")
+		if got := stats(t, adm); got["clients_refused_42501"] != 1 || got["clients_refused_28P01"] != 1 {
+			t.Errorf("clients_refused_42501, _28P01: got %d, %d, want 1, 1", got["clients_refused_42501"], got["clients_refused_28P01"])
 		}
 	})
 
 	t.Run("psql", func(t *testing.T) {
 		psql := func(cmd string) (string, error) {
-			out, err := exec.CommandContext(ctx, "psql", "-X", "-h", "127.0.0.1", "-p", strconv.Itoa(e.proxy.addr.Port),
-				"-U", "ops", "-At", "-F", "|", "-c", cmd, AdminDatabase).CombinedOutput()
+			c := exec.CommandContext(ctx, "psql", "-X", "-h", "127.0.0.1", "-p", strconv.Itoa(e.proxy.addr.Port),
+				"-U", "ops", "-At", "-F", "|", "-c", cmd, AdminDatabase)
+			c.Env = append(os.Environ(), "PGPASSWORD="+consolePasswords["ops"])
+			out, err := c.CombinedOutput()
 			return string(out), err
 		}
 		out, err := psql("SHOW SESSIONS")
@@ -281,9 +333,9 @@ func TestAdminConsole(t *testing.T) {
 		if !strings.Contains(out, want) {
 			t.Errorf("psql SHOW SESSIONS:\n%s\nwant a line with %q", out, want)
 		}
-		out, err = psql("show stats")
+		out, err = psql("show fence_stats")
 		if err != nil || !strings.Contains(out, fmt.Sprintf("replays|%d\n", w.replays)) {
-			t.Errorf("psql SHOW STATS (%v):\n%s\nwant replays|%d", err, out, w.replays)
+			t.Errorf("psql SHOW FENCE_STATS (%v):\n%s\nwant replays|%d", err, out, w.replays)
 		}
 		out, err = psql("SHOW FOO")
 		if err == nil || !strings.Contains(out, "SHOW HELP") {
@@ -296,7 +348,7 @@ func TestAdminConsole(t *testing.T) {
 // ReloadFromSource (what SIGHUP calls) and the console's RELOAD.
 func TestAdminReload(t *testing.T) {
 	var mu sync.Mutex
-	next := Config{Primary: cluster.Primary.DSN("postgres"), MaxClients: 2, AdminUsers: []string{"admin"}}
+	next := withConsole(Config{Primary: cluster.Primary.DSN("postgres"), MaxClients: 2, AdminUsers: []string{"admin"}, StatsUsers: []string{}})
 	source := func() (Config, *ReloadReport, error) {
 		mu.Lock()
 		defer mu.Unlock()

@@ -146,8 +146,18 @@ func (s *Server) authenticate(c net.Conn, user string) error {
 		return err
 	}
 	verifier, known := live.users[user]
-	// Run the exchange even for unknown users, with a dummy verifier, so
-	// that the response does not reveal which users exist.
+	return s.scramExchange(c, user, verifier, known)
+}
+
+// scramExchange runs a server-side SCRAM-SHA-256 exchange on c (no
+// read-ahead) for user against verifier, and sends AuthenticationOk when
+// it succeeds. For an unknown user (!known) it runs the whole exchange
+// against a dummy verifier and fails as a wrong password does, so the
+// answer does not reveal which users exist. The user name in the
+// client's SCRAM message is ignored, as PostgreSQL ignores it: user is
+// the startup packet's.
+func (s *Server) scramExchange(c net.Conn, user, verifier string, known bool) error {
+	var out []byte
 	sc, err := parseVerifier(verifier)
 	if !known || err != nil {
 		sc = s.dummy

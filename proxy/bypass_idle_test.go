@@ -76,20 +76,20 @@ func bypassIdle(t *testing.T) {
 		hold func(t *testing.T, e *reservedEnv, c *pgx.Conn)
 	}{
 		{"idle_in_transaction_simple", func(t *testing.T, e *reservedEnv, c *pgx.Conn) {
-			mustExec(t, c, pgx.QueryExecModeSimpleProtocol, "BEGIN", ins(e))
+			idleExec(t, c, pgx.QueryExecModeSimpleProtocol, "BEGIN", ins(e))
 		}},
 		{"idle_in_transaction_extended", func(t *testing.T, e *reservedEnv, c *pgx.Conn) {
-			mustExec(t, c, pgx.QueryExecModeCacheStatement, "BEGIN", ins(e))
+			idleExec(t, c, pgx.QueryExecModeCacheStatement, "BEGIN", ins(e))
 		}},
 		{"execute_without_sync", func(t *testing.T, e *reservedEnv, c *pgx.Conn) {
 			rawUntil(t, c, 'C', &pgproto3.Parse{Query: ins(e)}, &pgproto3.Bind{}, &pgproto3.Execute{}, &pgproto3.Flush{})
 		}},
 		{"suspended_portal_without_sync", func(t *testing.T, e *reservedEnv, c *pgx.Conn) {
-			mustExec(t, c, pgx.QueryExecModeSimpleProtocol, "BEGIN", ins(e))
+			idleExec(t, c, pgx.QueryExecModeSimpleProtocol, "BEGIN", ins(e))
 			rawUntil(t, c, 's', &pgproto3.Parse{Query: "SELECT generate_series(1, 10)"}, &pgproto3.Bind{}, &pgproto3.Execute{MaxRows: 1}, &pgproto3.Flush{})
 		}},
 		{"copy_from_without_data", func(t *testing.T, e *reservedEnv, c *pgx.Conn) {
-			mustExec(t, c, pgx.QueryExecModeSimpleProtocol, "BEGIN", ins(e))
+			idleExec(t, c, pgx.QueryExecModeSimpleProtocol, "BEGIN", ins(e))
 			rawUntil(t, c, 'G', &pgproto3.Query{String: "COPY results (job_key, payload, token) FROM STDIN"})
 		}},
 		{"gated_copy_from_partial_data", func(t *testing.T, e *reservedEnv, c *pgx.Conn) {
@@ -101,7 +101,7 @@ func bypassIdle(t *testing.T) {
 			}
 		}},
 		{"fence_gate_called_without_metadata", func(t *testing.T, e *reservedEnv, c *pgx.Conn) {
-			mustExec(t, c, pgx.QueryExecModeSimpleProtocol, "BEGIN",
+			idleExec(t, c, pgx.QueryExecModeSimpleProtocol, "BEGIN",
 				fmt.Sprintf("SELECT fence.gate('r', %d, %d, '')", e.lease.Epoch, e.lease.Token))
 		}},
 	}
@@ -131,7 +131,7 @@ func bypassIdle(t *testing.T) {
 		t.Parallel()
 		e := newIdleEnv(t)
 		c := e.mustConnect(t, client{lease: &e.lease, mode: pgx.QueryExecModeSimpleProtocol})
-		mustExec(t, c, pgx.QueryExecModeSimpleProtocol, "BEGIN", ins(e),
+		idleExec(t, c, pgx.QueryExecModeSimpleProtocol, "BEGIN", ins(e),
 			fmt.Sprintf("SELECT pg_sleep(%f)", (3*idleBound).Seconds()), "COMMIT")
 		e.wantCommittedWithReceipt(t, "idle")
 	})
@@ -139,17 +139,17 @@ func bypassIdle(t *testing.T) {
 		t.Parallel()
 		e := newIdleEnv(t)
 		c := e.mustConnect(t, client{lease: &e.lease, mode: pgx.QueryExecModeSimpleProtocol})
-		mustExec(t, c, pgx.QueryExecModeSimpleProtocol, "BEGIN", ins(e))
+		idleExec(t, c, pgx.QueryExecModeSimpleProtocol, "BEGIN", ins(e))
 		for end := time.Now().Add(3 * idleBound); time.Now().Before(end); {
 			time.Sleep(idleBound / 4) // pacing the client's own traffic, not ordering events
-			mustExec(t, c, pgx.QueryExecModeSimpleProtocol, "SELECT 1")
+			idleExec(t, c, pgx.QueryExecModeSimpleProtocol, "SELECT 1")
 		}
-		mustExec(t, c, pgx.QueryExecModeSimpleProtocol, "COMMIT")
+		idleExec(t, c, pgx.QueryExecModeSimpleProtocol, "COMMIT")
 		e.wantCommittedWithReceipt(t, "idle")
 	})
 }
 
-func mustExec(t *testing.T, c *pgx.Conn, mode pgx.QueryExecMode, sqls ...string) {
+func idleExec(t *testing.T, c *pgx.Conn, mode pgx.QueryExecMode, sqls ...string) {
 	t.Helper()
 	for _, q := range sqls {
 		if _, err := c.Exec(ctxT(t), q, mode); err != nil {

@@ -3,6 +3,7 @@ package proxy
 import (
 	"crypto/tls"
 	"fmt"
+	"slices"
 	"time"
 )
 
@@ -117,10 +118,24 @@ type Config struct {
 	// Interceptor. Nil means pure pass-through.
 	Interceptor Interceptor
 
-	// AdminUsers may use the admin console (the virtual database
-	// AdminDatabase), after the normal client authentication. Nil means
-	// nobody: every console connection is refused.
+	// AdminUsers may use every command of the admin console (the virtual
+	// database AdminDatabase), as PgBouncer's admin_users: PAUSE, KILL,
+	// SET, RELOAD, SHUTDOWN, and the SHOW commands with fencing tokens.
+	// They authenticate with SCRAM-SHA-256 against ConsoleUsers, whatever
+	// Auth is. Nil means nobody.
 	AdminUsers []string
+
+	// StatsUsers may use the console's SHOW commands, which show them
+	// everything but fencing tokens, as PgBouncer's stats_users. A user
+	// in both lists is an admin. Nil means nobody.
+	StatsUsers []string
+
+	// ConsoleUsers maps a console user to its SCRAM-SHA-256 verifier
+	// (the users file format of Users, see LoadUsers): the console's own
+	// authentication, independent of Auth and Users. A console user must
+	// also be listed in AdminUsers or StatsUsers. Nil means the console
+	// refuses every connection (28000), whatever the lists say.
+	ConsoleUsers map[string]string
 
 	// HealthInterval is how often the primary is pinged for /readyz once
 	// MetricsHandler is in use. Zero means DefaultHealthInterval.
@@ -152,6 +167,13 @@ type Setting struct {
 	// Source is where the value came from: "flag", "env", "file",
 	// "default", or "" when unknown.
 	Source string
+	// Default is the value used when the key is not set ("" when there
+	// is none), SHOW CONFIG's default column.
+	Default string
+	// Set, when non-nil, applies a new value at once: the console's
+	// SET key = value (until the next reload). Nil means SET refuses
+	// the key.
+	Set func(value string) error
 }
 
 func (c Config) withDefaults() (Config, error) {
@@ -206,9 +228,14 @@ func (c Config) withDefaults() (Config, error) {
 	if c.HealthInterval <= 0 {
 		c.HealthInterval = DefaultHealthInterval
 	}
-	for _, u := range c.AdminUsers {
+	for _, u := range append(slices.Clone(c.AdminUsers), c.StatsUsers...) {
 		if u == "" {
-			return c, fmt.Errorf("config: empty admin user name")
+			return c, fmt.Errorf("config: empty admin or stats user name")
+		}
+	}
+	for u, v := range c.ConsoleUsers {
+		if _, err := parseVerifier(v); err != nil {
+			return c, fmt.Errorf("config: console user %q: %w", u, err)
 		}
 	}
 	return c, nil

@@ -70,6 +70,8 @@ type evloop struct {
 
 	mu  sync.RWMutex
 	fds map[int32]*relay // both fds of every relay
+
+	tasks loopTasks // functions other goroutines run on the loop thread (admin_pause_linux.go)
 }
 
 func newEvloop() (*evloop, error) {
@@ -77,7 +79,12 @@ func newEvloop() (*evloop, error) {
 	if err != nil {
 		return nil, fmt.Errorf("epoll_create1: %w", err)
 	}
-	return &evloop{epfd: fd, fds: map[int32]*relay{}}, nil
+	l := &evloop{epfd: fd, fds: map[int32]*relay{}}
+	if err := l.tasks.init(l); err != nil {
+		syscall.Close(fd)
+		return nil, err
+	}
+	return l, nil
 }
 
 // pipe is one direction of a relay: bytes read from src wait in
@@ -93,6 +100,12 @@ type pipe struct {
 	left       int
 	status     bool // the next body byte is a ReadyForQuery status
 	fromClient bool
+	// held counts the bytes after end that were read but are held by
+	// PAUSE (admin_pause_linux.go): not passed on, the source not read.
+	held int
+	// guard: the message whose header is being read holds the
+	// in-flight count (Session.holdMessage) until it is accounted.
+	guard bool
 }
 
 // relay is one session on the loop. Its pipes are touched only by the
@@ -108,6 +121,9 @@ type relay struct {
 
 	mu     sync.Mutex // guards closed against shutdownServer
 	closed bool
+	// cEvents counts the loop's events for a pass-through relay's client
+	// socket (for observation: PAUSE must not make it spin).
+	cEvents atomic.Uint64
 
 	// half is set for an intercepted session, of which the loop relays
 	// only the server→client direction (see attachHalf).
@@ -309,6 +325,10 @@ func (l *evloop) run() {
 		}
 		for i := range n {
 			ev := &events[i]
+			if ev.Fd == int32(l.tasks.fd) {
+				l.tasks.run()
+				continue
+			}
 			l.mu.RLock()
 			r := l.fds[ev.Fd]
 			l.mu.RUnlock()
@@ -363,7 +383,11 @@ func (l *evloop) event(r *relay, fd int, ev uint32) {
 	}
 	var err error
 	if fd == r.cfd {
-		if ev&syscall.EPOLLOUT != 0 {
+		r.cEvents.Add(1)
+		if r.c2s.held > 0 && ev&(syscall.EPOLLHUP|syscall.EPOLLERR) != 0 {
+			err = fmt.Errorf("client: %w", io.EOF) // gone while PAUSE held it
+		}
+		if err == nil && ev&syscall.EPOLLOUT != 0 {
 			err = r.flush(&r.s2c)
 		}
 		if err == nil && ev&readable != 0 {
@@ -402,9 +426,12 @@ func (l *evloop) end(r *relay, err error) {
 // bytes wait for that side. On the common path nothing changes.
 func (l *evloop) interest(r *relay) error {
 	want := func(in *pipe, out *pipe) uint32 {
-		var e uint32 = syscall.EPOLLRDHUP
-		if in.end < len(in.buf) {
-			e |= syscall.EPOLLIN
+		var e uint32
+		if in.held == 0 { // PAUSE holds the client: do not read it
+			e = syscall.EPOLLRDHUP
+			if in.end < len(in.buf) {
+				e |= syscall.EPOLLIN
+			}
 		}
 		if out.start < out.end {
 			e |= syscall.EPOLLOUT
@@ -428,6 +455,9 @@ func (l *evloop) interest(r *relay) error {
 
 // pump reads what p's source has, checks its framing and writes it on.
 func (r *relay) pump(p *pipe) error {
+	if p.held > 0 {
+		return nil // PAUSE holds it; RESUME goes on (unhold)
+	}
 	if p.end == len(p.buf) && p.start > 0 {
 		p.end = copy(p.buf, p.buf[p.start:p.end])
 		p.start = 0
@@ -449,7 +479,17 @@ func (r *relay) pump(p *pipe) error {
 	if n == 0 {
 		return fmt.Errorf("%s: %w", side, io.EOF)
 	}
+	r.counted(p, n) // SHOW STATS: admin_pause_linux.go
+	return r.scanRead(p, n)
+}
+
+// scanRead scans the n bytes read after p.end and writes on what it
+// passes; bytes PAUSE holds stay after p.end (p.held).
+func (r *relay) scanRead(p *pipe, n int) error {
 	cut, stop := r.scan(p, p.buf[p.end:p.end+n])
+	if stop == errHold {
+		p.held, stop = n-cut, r.parkRelay()
+	}
 	p.end += cut
 	if err := r.flush(p); err != nil {
 		return err
@@ -468,7 +508,7 @@ func (r *relay) flush(p *pipe) error {
 		}
 		return fmt.Errorf("%s: %w", side, err)
 	}
-	if p.start == p.end {
+	if p.start == p.end && p.held == 0 {
 		p.start, p.end = 0, 0
 	}
 	return nil
@@ -507,7 +547,9 @@ func (r *relay) scan(p *pipe, b []byte) (int, error) {
 				s.txStatus.Store(uint32(b[i]))
 				p.left--
 				i++
-				if s.pending.Add(-1) == 0 && s.srv.draining.Load() && s.tryCloseIdle() {
+				n := s.pending.Add(-1)
+				s.readyForQuery(n) // admin_pause.go
+				if n == 0 && s.srv.draining.Load() && s.tryCloseIdle() {
 					return i, errShutdown
 				}
 				continue
@@ -518,6 +560,13 @@ func (r *relay) scan(p *pipe, b []byte) (int, error) {
 			continue
 		}
 		start := i
+		if p.fromClient && p.hdrN == 0 {
+			// A client message begins (PAUSE: admin_pause.go).
+			if s.holdMessage(b[i]) {
+				return start, errHold
+			}
+			p.guard = true
+		}
 		k := min(headerLen-p.hdrN, len(b)-i)
 		copy(p.hdr[p.hdrN:], b[i:i+k])
 		p.hdrN += k
@@ -544,6 +593,10 @@ func (r *relay) scan(p *pipe, b []byte) (int, error) {
 		}
 		if !s.account(typ) {
 			return start, errShutdown
+		}
+		if p.guard {
+			p.guard = false
+			s.releaseMessage(true)
 		}
 		p.left = total - headerLen
 		if typ == 'X' {
@@ -976,6 +1029,8 @@ func (l *evloop) clientInline(r *relay) error {
 		return l.watchClient(r, true)
 	case errPaused:
 		return l.watchClient(r, false)
+	case errHold:
+		return l.parkHalf(r) // admin_pause_linux.go
 	case errHandoff:
 		// The goroutine reads the client now and arms the one-shot
 		// watch itself when it must wait.
@@ -1028,11 +1083,21 @@ func (r *relay) clientSteps() error {
 		if total > size && s.onLoop {
 			return r.handoff() // read whole, waiting for it, on the goroutine
 		}
+		if s.holdMessage(typ) { // PAUSE: admin_pause.go
+			if s.onLoop {
+				return errHold
+			}
+			if err := s.waitResume(); err != nil {
+				return err
+			}
+			continue
+		}
 		// A message larger than the buffer is read whole, waiting for
 		// it; a smaller one not yet whole stays buffered (errWouldBlock).
 		h.block = total > size
 		err = s.interceptClient(total, size)
 		h.block = false
+		s.releaseMessage(err == nil) // otherwise it is handled again
 		switch {
 		case err == nil:
 		case errors.Is(err, errWouldBlock):

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"sync/atomic"
 )
 
 // headerLen is the size of a regular message header: a type byte and a
@@ -47,6 +48,9 @@ type framer struct {
 	max   int // largest body length accepted (excluding type byte); 0 = unbounded
 	flush func() error
 	from  string // "client" or "server", for errors
+	// count, when non-nil, counts the bytes consumed (the console's
+	// SHOW STATS).
+	count *atomic.Int64
 }
 
 // fill makes at least n bytes (n <= buffer size) available, flushing first
@@ -88,7 +92,12 @@ func parseHeader(h []byte, max int, from string) (typ byte, total int, err error
 // fit in the buffer. The caller consumes it with discard.
 func (f *framer) whole(total int) ([]byte, error) { return f.fill(total) }
 
-func (f *framer) discard(n int) { _, _ = f.r.Discard(n) }
+func (f *framer) discard(n int) {
+	_, _ = f.r.Discard(n)
+	if f.count != nil {
+		f.count.Add(int64(n))
+	}
+}
 
 // stream copies the next total bytes (a message larger than the buffer)
 // to w in buffer-sized pieces, so large messages never need their own

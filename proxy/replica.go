@@ -204,7 +204,7 @@ func (s *Session) openReplica(r *replica) (*replicaConn, error) {
 	size := srv.cfg.BufferSize
 	rc := &replicaConn{r: r, conn: hj.Conn, pid: hj.PID, key: hj.SecretKey, done: make(chan struct{}),
 		sw: bufio.NewWriterSize(hj.Conn, size)}
-	rc.sf = framer{r: bufio.NewReaderSize(hj.Conn, size), flush: s.cw.Flush, from: "replica"}
+	rc.sf = framer{r: bufio.NewReaderSize(hj.Conn, size), flush: s.cw.Flush, from: "replica", count: &s.info.stats.sent}
 	s.rt.mu.Lock()
 	s.rt.rep = rc
 	s.rt.mu.Unlock()
@@ -275,7 +275,9 @@ func (s *Session) replicaLoop(rc *replicaConn) error {
 		}
 		if typ == 'Z' && total == headerLen+1 {
 			s.txStatus.Store(uint32(msg[headerLen]))
-			if s.pending.Add(-1) == 0 && s.srv.draining.Load() && s.tryCloseIdle() {
+			n := s.pending.Add(-1)
+			s.readyForQuery(n) // admin_pause.go
+			if n == 0 && s.srv.draining.Load() && s.tryCloseIdle() {
 				s.cw.Flush()
 				s.closeServer()
 				return errShutdown

@@ -116,6 +116,7 @@ func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
 		c, err := ln.Accept()
 		if err != nil {
 			if s.draining.Load() {
+				s.waitConsoleShutdown() // admin_pause.go
 				return ErrServerClosed
 			}
 			if ctx.Err() != nil {
@@ -171,6 +172,7 @@ func (s *Server) untrack(c net.Conn) {
 // ended gracefully.
 func (s *Server) Shutdown(ctx context.Context) error {
 	s.draining.Store(true)
+	s.stopControl()         // admin_pause.go: ends PAUSE waits
 	defer s.closeReplicas() // route.go
 	s.mu.Lock()
 	for ln := range s.listeners {
@@ -262,12 +264,15 @@ func (s *Server) handle(c net.Conn) {
 			return
 		}
 	}
+	if db == AdminDatabase { // the admin console, with its own authentication: admin.go
+		s.serveAdmin(conn, st, log)
+		return
+	}
 	if err := s.authenticate(conn, user); err != nil {
 		s.refuse(conn, err, log, "authentication failed")
 		return
 	}
-	if db == AdminDatabase { // the admin console: admin.go
-		s.serveAdmin(conn, user, log)
+	if !s.admit(conn, st, log) { // DISABLE, PAUSE: admin_pause.go
 		return
 	}
 	start := time.Now()
@@ -281,6 +286,7 @@ func (s *Server) handle(c net.Conn) {
 	log.Info("session open")
 	err = sess.run()
 	s.dropCancelKey(sess)
+	s.sessionEnded(sess) // admin_pause.go
 	fields := []zap.Field{zap.Float64("duration_ms", float64(time.Since(start).Microseconds())/1000)}
 	if err != nil {
 		fields = append(fields, zap.NamedError("reason", err))
@@ -416,7 +422,6 @@ func (s *Server) open(raw, c net.Conn, st *startup, log *zap.Logger) (*Session, 
 		server:       hj.Conn,
 		log:          log.With(zap.Uint32("backend_pid", hj.PID)),
 		closing:      make(chan struct{}),
-		info:         sessionInfo{connectedAt: time.Now()},
 	}
 	sess.txStatus.Store(uint32(hj.TxStatus))
 	size := s.cfg.BufferSize
@@ -428,6 +433,7 @@ func (s *Server) open(raw, c net.Conn, st *startup, log *zap.Logger) (*Session, 
 		sess.cf.flush = func() error { return sess.sw.Flush() }
 	}
 	sess.sf = framer{r: bufio.NewReaderSize(hj.Conn, size), flush: sess.cw.Flush, from: "server"}
+	s.initSessionInfo(sess, c, hj.Conn) // admin.go
 
 	pid, secret := s.addCancelKey(hj)
 	var out []byte
@@ -495,6 +501,9 @@ func (s *Server) dropCancelKey(sess *Session) {
 // cancel forwards a client's CancelRequest to the upstream backend that
 // serves it. Unknown keys are ignored, as PostgreSQL does.
 func (s *Server) cancel(st *startup) {
+	if s.cancelConsole(st) { // a console's ^C: admin.go
+		return
+	}
 	s.mu.Lock()
 	t, ok := s.cancels[uint64(st.cancelPID)]
 	s.mu.Unlock()

@@ -212,7 +212,9 @@ func (s *Session) run() error {
 // if any) into what the client is told (nil: nothing) and what run
 // returns (nil for a clean client exit).
 func (s *Session) endReason(err, second error) ([]byte, error) {
-	if errors.Is(err, errShutdown) || errors.Is(second, errShutdown) || s.pending.Load() < 0 {
+	if pe := s.killedReason(); pe != nil {
+		err = pe // the admin console ended it (admin_pause.go)
+	} else if errors.Is(err, errShutdown) || errors.Is(second, errShutdown) || s.pending.Load() < 0 {
 		err = errShutdown
 	} else if pe := s.rt.fatal.Load(); pe != nil {
 		err = pe // the replica failed mid-request (replica.go)
@@ -274,6 +276,12 @@ func (s *Session) clientLoop() error {
 		if err != nil {
 			return err
 		}
+		if s.holdMessage(typ) { // PAUSE: admin_pause.go
+			if err := s.waitResume(); err != nil {
+				return err
+			}
+			continue
+		}
 		if s.h == nil {
 			// Pass-through: the hot path.
 			if !s.account(typ) {
@@ -294,6 +302,7 @@ func (s *Session) clientLoop() error {
 		} else if err := s.interceptClient(total, size); err != nil {
 			return err
 		}
+		s.releaseMessage(true)
 		if typ == 'X' {
 			s.sw.Flush()
 			return errClientTerminate
@@ -430,7 +439,9 @@ func (s *Session) serverMessage(big *bigMessage) error {
 	if typ == 'Z' && total == headerLen+1 {
 		s.txStatus.Store(uint32(msg[headerLen]))
 		s.sf.discard(total)
-		if s.pending.Add(-1) == 0 && s.srv.draining.Load() && s.tryCloseIdle() {
+		n := s.pending.Add(-1)
+		s.readyForQuery(n) // admin_pause.go
+		if n == 0 && s.srv.draining.Load() && s.tryCloseIdle() {
 			s.cw.Flush()
 			return errShutdown
 		}

@@ -33,6 +33,18 @@ func loadOpsConfig(cmd *cobra.Command, cfg *serveConfig) error {
 		cfg.AdminUsers, _ = cmd.Flags().GetStringSlice("admin-users")
 		cfg.from("admin_users", "flag")
 	}
+	if v, ok := os.LookupEnv("PGFENCE_STATS_USERS"); ok {
+		cfg.StatsUsers = splitList(v)
+	}
+	if f := cmd.Flags().Lookup("stats-users"); f != nil && f.Changed {
+		cfg.StatsUsers, _ = cmd.Flags().GetStringSlice("stats-users")
+	}
+	if v, ok := os.LookupEnv("PGFENCE_CONSOLE_AUTH_FILE"); ok {
+		cfg.ConsoleAuthFile = v
+	}
+	if f := cmd.Flags().Lookup("console-auth-file"); f != nil && f.Changed {
+		cfg.ConsoleAuthFile = f.Value.String()
+	}
 	if v, ok := os.LookupEnv("PGFENCE_METRICS_LISTEN"); ok {
 		cfg.MetricsListen = v
 		cfg.from("metrics_listen", "env")

@@ -41,6 +41,7 @@ func freeAddr(t *testing.T) string {
 func TestReloadOnSIGHUP(t *testing.T) {
 	addr, metrics := freeAddr(t), freeAddr(t)
 	file := filepath.Join(t.TempDir(), "pgfence.toml")
+	consoleUsers := consoleUsersFile(t, "admin", "ops", "nobody") // ops's password: ops-pw
 	write := func(maxClients int, admins, level string) {
 		t.Helper()
 		if err := os.WriteFile(file, []byte(fmt.Sprintf(`
@@ -49,8 +50,9 @@ primary = %q
 metrics_listen = %q
 max_clients = %d
 admin_users = [%s]
+console_auth_file = %q
 log_level = %q
-`, addr, cluster.Primary.DSN("postgres"), metrics, maxClients, admins, level)), 0o600); err != nil {
+`, addr, cluster.Primary.DSN("postgres"), metrics, maxClients, admins, consoleUsers, level)), 0o600); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -128,18 +130,33 @@ log_level = %q
 	if err := os.WriteFile(file, []byte(strings.Replace(mustRead(t, file), addr, "127.0.0.1:1", 1)), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	out, err := exec.CommandContext(tctx, "psql", "-X", "-At", "-F", "|", "-c", "RELOAD", "-c", "SHOW CONFIG", dsn("ops", "pgfence")).CombinedOutput()
+	psql := exec.CommandContext(tctx, "psql", "-X", "-At", "-F", "|", "-c", "RELOAD", "-c", "SHOW CONFIG_SOURCES", dsn("ops", "pgfence"))
+	psql.Env = append(os.Environ(), "PGPASSWORD=ops-pw")
+	out, err := psql.CombinedOutput()
 	if err != nil {
 		t.Fatalf("psql RELOAD: %v\n%s", err, out)
 	}
-	for _, want := range []string{"listen|changed; needs a restart", "listen|" + addr + "|no", "log_level|debug|yes", "max_clients|5|yes", "admin_users|admin,ops|yes"} {
-		if !strings.Contains(string(out), want) {
-			t.Errorf("psql RELOAD; SHOW CONFIG:\n%s\nwant %q", out, want)
+	if !strings.Contains(string(out), "listen|changed; needs a restart") {
+		t.Errorf("psql RELOAD:\n%s\nwant listen needing a restart", out)
+	}
+	// SHOW CONFIG: key|value|default|changeable|source.
+	conf := map[string][]string{}
+	for _, line := range strings.Split(string(out), "\n") {
+		if f := strings.Split(line, "|"); len(f) == 5 {
+			conf[f[0]] = f
+		}
+	}
+	for key, want := range map[string][2]string{"listen": {addr, "no"}, "log_level": {"debug", "yes"}, "max_clients": {"5", "yes"}, "admin_users": {"admin,ops", "yes"}} {
+		if f := conf[key]; f == nil || f[1] != want[0] || f[3] != want[1] {
+			t.Errorf("psql SHOW CONFIG %s: %v, want value %s, changeable %s\n%s", key, f, want[0], want[1], out)
 		}
 	}
 	var pg *pgconn.PgError
-	if _, err := pgconn.Connect(tctx, dsn("nobody", "pgfence")); !errors.As(err, &pg) || pg.Code != "42501" {
+	if _, err := pgconn.Connect(tctx, dsn("nobody:nobody-pw", "pgfence")); !errors.As(err, &pg) || pg.Code != "42501" {
 		t.Errorf("non-admin console user: got %v, want 42501", err)
+	}
+	if _, err := pgconn.Connect(tctx, dsn("admin", "pgfence")); !errors.As(err, &pg) || pg.Code != "28P01" {
+		t.Errorf("console user without a password: got %v, want 28P01", err)
 	}
 }
 

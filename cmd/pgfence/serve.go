@@ -47,6 +47,10 @@ type serveConfig struct {
 	NoEventLoop bool `toml:"no_event_loop"`
 	// AdminUsers may use the admin console (psql ... pgfence).
 	AdminUsers []string `toml:"admin_users"`
+	// StatsUsers may use its SHOW commands, without fencing tokens.
+	StatsUsers []string `toml:"stats_users"`
+	// ConsoleAuthFile holds the console users' SCRAM verifiers.
+	ConsoleAuthFile string `toml:"console_auth_file"`
 	// MetricsListen serves /metrics, /healthz and /readyz when set.
 	MetricsListen string `toml:"metrics_listen"`
 	// LogLevel as the root --log-level (PGFENCE_LOG_LEVEL); reloadable.
@@ -117,6 +121,8 @@ user to the password presented upstream for it. See docs/configuration.md.`,
 	f.String("shutdown-timeout", "", "how long open transactions may run after SIGTERM (PGFENCE_SHUTDOWN_TIMEOUT; default 30s)")
 	f.String("gate-idle-timeout", "", "end a session silent this long while its transaction holds a fence row (PGFENCE_GATE_IDLE_TIMEOUT; default 10s; keep it under the lease TTL; 0 means no bound)")
 	f.StringSlice("admin-users", nil, "users allowed into the admin console, the virtual database pgfence (PGFENCE_ADMIN_USERS, comma-separated)")
+	f.StringSlice("stats-users", nil, "users allowed the admin console's SHOW commands, without tokens (PGFENCE_STATS_USERS, comma-separated)")
+	f.String("console-auth-file", "", `users file of the admin console's users, "user" "SCRAM-SHA-256$..." lines (pgfence passwd); without it the console refuses everyone (PGFENCE_CONSOLE_AUTH_FILE)`)
 	f.String("metrics-listen", "", "address serving Prometheus /metrics, /healthz and /readyz, e.g. 127.0.0.1:9187 (PGFENCE_METRICS_LISTEN; default off)")
 	return cmd
 }
@@ -279,7 +285,15 @@ func (c serveConfig) proxyConfig() (proxy.Config, error) {
 		MaxClients:        c.MaxClients,
 		UpstreamPasswords: c.UpstreamPasswords,
 		AdminUsers:        c.AdminUsers,
+		StatsUsers:        c.StatsUsers,
 		DisableEventLoop:  c.NoEventLoop,
+	}
+	if c.ConsoleAuthFile != "" {
+		users, err := proxy.LoadUsers(c.ConsoleAuthFile)
+		if err != nil {
+			return pc, fmt.Errorf("console auth file: %w", err)
+		}
+		pc.ConsoleUsers = users
 	}
 	if err := c.applyReplicaConfig(&pc); err != nil { // serve_replicas.go
 		return pc, err
@@ -395,6 +409,10 @@ func runServe(ctx context.Context, c serveConfig, log *zap.Logger) error {
 	go func() { serveErr <- srv.Serve(ctx, ln) }()
 	select {
 	case err := <-serveErr:
+		if errors.Is(err, proxy.ErrServerClosed) {
+			log.Info("shut down by the admin console")
+			return nil
+		}
 		if ctx.Err() == nil {
 			return err
 		}
