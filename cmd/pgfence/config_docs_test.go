@@ -84,6 +84,8 @@ var configSamples = map[string]struct {
 	"auth_file":          {`"/etc/pgfence/users.txt"`, ptr("/etc/pgfence/users.txt")},
 	"upstream_passwords": {`{ worker = "secret" }`, nil},
 	"admin_users":        {`["dba"]`, ptr("dba,ops")},
+	"stats_users":        {`["grafana"]`, ptr("grafana,ops")},
+	"console_auth_file":  {`"/etc/pgfence/console-users.txt"`, ptr("/etc/pgfence/console-users.txt")},
 	"max_clients":        {`5`, ptr("7")},
 	"max_message_size":   {`"1MiB"`, ptr("2MiB")},
 	"shutdown_timeout":   {`"3s"`, ptr("1d")},
@@ -234,7 +236,7 @@ func TestConfigurationDocs(t *testing.T) {
 // proxyConfigNoFiles is proxyConfig without reading the TLS and users
 // files the samples name.
 func (c serveConfig) proxyConfigNoFiles() (any, error) {
-	c.TLSCert, c.TLSKey, c.AuthFile = "", "", ""
+	c.TLSCert, c.TLSKey, c.AuthFile, c.ConsoleAuthFile = "", "", "", ""
 	pc, err := c.proxyConfig()
 	return pc, err
 }

@@ -2,6 +2,8 @@ package main
 
 import (
 	"context"
+	"crypto/rand"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"io"
@@ -122,7 +124,18 @@ func runDev(ctx context.Context, out io.Writer, replica bool, listen string, log
 		return err
 	}
 	defer gate.Close()
-	srv, err := proxy.New(proxy.Config{Primary: c.Primary.DSN("postgres"), Interceptor: gate, AdminUsers: []string{"postgres"}}, log)
+	// The console authenticates its users itself (SCRAM), whatever the
+	// client auth: a throwaway password for the throwaway cluster.
+	consolePW, err := devPassword()
+	if err != nil {
+		return err
+	}
+	verifier, err := proxy.MakeVerifier("postgres", consolePW)
+	if err != nil {
+		return err
+	}
+	srv, err := proxy.New(proxy.Config{Primary: c.Primary.DSN("postgres"), Interceptor: gate,
+		AdminUsers: []string{"postgres"}, ConsoleUsers: map[string]string{"postgres": verifier}}, log)
 	if err != nil {
 		return err
 	}
@@ -131,7 +144,7 @@ func runDev(ctx context.Context, out io.Writer, replica bool, listen string, log
 	port := ln.Addr().(*net.TCPAddr).Port
 	log.Info("listening", zap.String("addr", ln.Addr().String()), zap.String("auth", string(proxy.AuthTrust)), zap.Bool("tls", false))
 	env.Entry = fmt.Sprintf("postgres://postgres@127.0.0.1:%d/%s?sslmode=disable", port, devDatabase)
-	env.Console = fmt.Sprintf("postgres://postgres@127.0.0.1:%d/%s?sslmode=disable", port, proxy.AdminDatabase)
+	env.Console = fmt.Sprintf("postgres://postgres:%s@127.0.0.1:%d/%s?sslmode=disable", consolePW, port, proxy.AdminDatabase)
 	if asJSON {
 		err = printJSON(out, env)
 	} else {
@@ -247,3 +260,12 @@ on this terminal's stderr says what it refused.)
   # the state: the fence, the receipts, the result
   PGOPTIONS= psql -v VERBOSITY=verbose '{{.Entry}}' -c "SELECT * FROM fence.fences" -c "SELECT job_key, epoch, token, step, committed_at FROM fence.receipts" -c "SELECT * FROM results"
 `))
+
+// devPassword is a random password for pgfence dev's console.
+func devPassword() (string, error) {
+	b := make([]byte, 9)
+	if _, err := rand.Read(b); err != nil {
+		return "", err
+	}
+	return hex.EncodeToString(b), nil
+}

@@ -35,15 +35,19 @@ func loadOpsConfig(cmd *cobra.Command, cfg *serveConfig) error {
 	}
 	if v, ok := os.LookupEnv("PGFENCE_STATS_USERS"); ok {
 		cfg.StatsUsers = splitList(v)
+		cfg.from("stats_users", "env")
 	}
 	if f := cmd.Flags().Lookup("stats-users"); f != nil && f.Changed {
 		cfg.StatsUsers, _ = cmd.Flags().GetStringSlice("stats-users")
+		cfg.from("stats_users", "flag")
 	}
 	if v, ok := os.LookupEnv("PGFENCE_CONSOLE_AUTH_FILE"); ok {
 		cfg.ConsoleAuthFile = v
+		cfg.from("console_auth_file", "env")
 	}
 	if f := cmd.Flags().Lookup("console-auth-file"); f != nil && f.Changed {
 		cfg.ConsoleAuthFile = f.Value.String()
+		cfg.from("console_auth_file", "flag")
 	}
 	if v, ok := os.LookupEnv("PGFENCE_METRICS_LISTEN"); ok {
 		cfg.MetricsListen = v
