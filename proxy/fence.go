@@ -50,6 +50,10 @@ type FenceConfig struct {
 	// ClassifierCacheSize is the number of statement texts whose
 	// classification is cached. Zero means 10000.
 	ClassifierCacheSize int
+	// CatalogRefresh is how often, with read routing, each watched
+	// database's catalog is re-read when nothing notified a change (see
+	// docs/reads.md). Zero means DefaultCatalogRefresh (5s).
+	CatalogRefresh time.Duration
 }
 
 // NewFence returns a write gate.
@@ -63,7 +67,7 @@ func NewFence(cfg FenceConfig, log *zap.Logger) (*Fence, error) {
 	}
 	return &Fence{
 		classifier: rewrite.NewClassifier(cfg.ClassifierCacheSize),
-		cats:       newCatalogs(pc, log.Named("catalog")),
+		cats:       newCatalogs(pc, cfg.CatalogRefresh, log.Named("catalog")),
 		log:        log,
 	}, nil
 }
@@ -82,6 +86,7 @@ func (f *Fence) Open(s *Session) (Handler, error) {
 	}
 	st, err := session.New(s.Params)
 	if err != nil {
+		f.cats.release(cat)
 		if se, ok := err.(*session.Error); ok {
 			return nil, &ProtocolError{Code: se.Code, Msg: se.Message, Err: err}
 		}

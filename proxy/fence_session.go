@@ -1798,7 +1798,7 @@ func (h *fenceSession) gateResult(gen session.Generation, msg []byte) {
 	h.f.Stats.Gated.Add(1)
 }
 
-func (h *fenceSession) Close(s *Session) {}
+func (h *fenceSession) Close(s *Session) { h.f.cats.release(h.cat) } // the watcher lives while its database has sessions
 
 // commandTag returns a CommandComplete's tag.
 func commandTag(msg []byte) string {
