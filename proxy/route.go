@@ -40,11 +40,13 @@ import (
 //
 // In a database with protected tables a read is protected unless every
 // relation it names is known not to reach protected data (readSet,
-// fence_catalog.go): a read of a protected table, of a view, materialized
-// view or table whose definition or policies reach one, of a name the
-// proxy does not know, and every read-only transaction (it may read
-// anything later). A read that names only safe relations still needs the
-// replica to have replayed the catalog as the proxy read it.
+// fence_catalog.go, kept only in a database that notifies DDL; without it
+// every read of a relation is protected): a read of a protected table, of
+// a view, materialized view or table whose definition or policies reach
+// one, of a name the proxy does not know, and every read-only transaction
+// (it may read anything later). A read that names only safe relations
+// still needs the replica to have replayed the catalog as the proxy read
+// it.
 
 // RouteStats count read-routing decisions.
 type RouteStats struct {
@@ -312,7 +314,7 @@ type requirement struct {
 // catalog as the proxy knows it will do: catalogLSN).
 //
 // A reader whose generation the proxy has not seen yet, or that demands
-// fence.min_lsn, is protected whatever it names: the catalog may have
+// fence.min_lsn, is protected whatever relation it names: the catalog may have
 // changed before that generation in a way the proxy has not heard of
 // (DDL is notified in commit order with takeovers, so a reader whose
 // takeover has been seen reads a catalog that is current up to it).
@@ -337,14 +339,15 @@ func (h *fenceSession) require(stmts []*rewrite.Stmt, kind readKind) (req requir
 		known = known && seen.token >= token
 	}
 	rd := h.cat.reads.Load()
-	// A read-only transaction may read anything later.
-	protected = kind == roTx || gen && !known || minText != ""
+	// A read-only transaction may read anything later; a read of no
+	// relation reads no protected data, whatever the catalog says.
+	protected = kind == roTx
 	for _, st := range stmts {
 		for _, rel := range st.ReadRelations {
 			if protected {
 				break
 			}
-			protected = rd.exposes(rel)
+			protected = gen && !known || minText != "" || rd.exposes(rel)
 		}
 	}
 	if !protected {
