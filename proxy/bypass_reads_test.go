@@ -91,24 +91,8 @@ type readsCase struct {
 
 func testBypassReads(t *testing.T, tracked bool) {
 	ctx := ctxT(t)
-	db := cluster.NewDatabase(t)
-	dconn, err := cluster.Primary.Connect(ctx, db)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer dconn.Close(context.Background())
-	mode := noDDLTriggerSQL
-	if tracked {
-		mode = ddlTriggerSQL
-	}
-	if _, err := dconn.Exec(ctx, mode+readsSchema); err != nil {
-		t.Fatal(err)
-	}
-	if err := cluster.WaitReplicaCaughtUp(ctx); err != nil {
-		t.Fatal(err)
-	}
-	e := &routeEnv{&fenceEnv{db: db}}
-	e.proxy, e.gate = startRouteProxy(t, db) // the catalog is loaded now
+	e := newRouteEnvMode(t, tracked, readsSchema) // the catalog is loaded now
+	db := e.db
 	direct := e.direct(t)
 
 	if cat := catalogOf(t, e.gate, db); cat.tracked.Load() != tracked {

@@ -258,20 +258,7 @@ func TestCatalogWatcherRestartFloor(t *testing.T) {
 		t.Fatal("the new watcher knows the takeover: the test is wrong")
 	}
 	pend := func(o ...string) *pgconn.PgConn {
-		cfg, err := pgconn.ParseConfig(p.dsn(e.db))
-		if err != nil {
-			t.Fatal(err)
-		}
-		cfg.RuntimeParams["options"] = "-c fence.read_policy=pending"
-		for _, x := range o {
-			cfg.RuntimeParams["options"] += " " + x
-		}
-		c, err := pgconn.ConnectConfig(ctx, cfg)
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { c.Close(context.Background()) })
-		return c
+		return e.reader(t, p, append([]string{"-c fence.read_policy=pending"}, o...)...)
 	}
 	_, _, err := where(t, pend(), readResult)
 	wantCode(t, err, fence.CodePending)

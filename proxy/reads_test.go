@@ -217,7 +217,7 @@ func TestReadRoutingTrackedCatalog(t *testing.T) {
 // tables every read is protected: a read of an unprotected table needs
 // the takeovers too (here: it is answered by the primary, or FN007).
 func TestReadRoutingUntrackedCatalog(t *testing.T) {
-	e := newRouteEnvMode(t, false)
+	e := newRouteEnvMode(t, false, fenceSchema)
 	b := e.scenario(t)
 	e.waitTakeover(t, e.gate, "job", b.Token)
 	if cat := catalogOf(t, e.gate, e.db); cat.tracked.Load() || cat.reads.Load() != nil {

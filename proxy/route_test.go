@@ -22,11 +22,11 @@ type routeEnv struct {
 	*fenceEnv
 }
 
-func newRouteEnv(t *testing.T) *routeEnv { return newRouteEnvMode(t, true) }
+func newRouteEnv(t *testing.T) *routeEnv { return newRouteEnvMode(t, true, fenceSchema) }
 
 // newRouteEnvMode is newRouteEnv with a database that notifies DDL
-// (tracked) or does not.
-func newRouteEnvMode(t *testing.T, tracked bool) *routeEnv {
+// (tracked) or does not, and schema instead of fenceSchema.
+func newRouteEnvMode(t *testing.T, tracked bool, schema string) *routeEnv {
 	t.Helper()
 	ctx := ctxT(t)
 	db := cluster.NewDatabase(t)
@@ -39,7 +39,7 @@ func newRouteEnvMode(t *testing.T, tracked bool) *routeEnv {
 	if tracked {
 		mode = ddlTriggerSQL
 	}
-	if _, err := conn.Exec(ctx, mode+fenceSchema); err != nil {
+	if _, err := conn.Exec(ctx, mode+schema); err != nil {
 		t.Fatal(err)
 	}
 	if err := cluster.WaitReplicaCaughtUp(ctx); err != nil {
