@@ -62,6 +62,10 @@ type FenceConfig struct {
 	// fence_idle.go). Keep it under the shortest lease TTL. Zero means
 	// DefaultGateIdleTimeout (10s); negative means no bound.
 	GateIdleTimeout time.Duration
+	// CatalogRefresh is how often, with read routing, each watched
+	// database's catalog is re-read when nothing notified a change (see
+	// docs/reads.md). Zero means DefaultCatalogRefresh (5s).
+	CatalogRefresh time.Duration
 }
 
 // NewFence returns a write gate.
@@ -78,7 +82,7 @@ func NewFence(cfg FenceConfig, log *zap.Logger) (*Fence, error) {
 	}
 	f := &Fence{
 		classifier: rewrite.NewClassifier(cfg.ClassifierCacheSize),
-		cats:       newCatalogs(pc, log.Named("catalog")),
+		cats:       newCatalogs(pc, cfg.CatalogRefresh, log.Named("catalog")),
 		log:        log,
 		idle:       newWatchdog(cfg.GateIdleTimeout, log.Named("gate")),
 	}
@@ -103,6 +107,7 @@ func (f *Fence) Open(s *Session) (Handler, error) {
 	}
 	st, err := session.New(s.Params)
 	if err != nil {
+		f.cats.release(cat)
 		if se, ok := err.(*session.Error); ok {
 			return nil, &ProtocolError{Code: se.Code, Msg: se.Message, Err: err}
 		}

@@ -2035,7 +2035,13 @@ func (h *fenceSession) gateResult(gen session.Generation, msg []byte) {
 	h.f.Stats.Gated.Add(1)
 }
 
-func (h *fenceSession) Close(s *Session) { h.f.idle.remove(h) }
+// Close gives back what the session held: its place in the idle watchdog
+// and its reference on the database's watcher (which lives while its
+// database has sessions).
+func (h *fenceSession) Close(s *Session) {
+	h.f.idle.remove(h)
+	h.f.cats.release(h.cat)
+}
 
 // commandTag returns a CommandComplete's tag.
 func commandTag(msg []byte) string {

@@ -97,29 +97,58 @@ type takeoverNote struct {
 	Retired bool   `json:"retired"`
 }
 
-// currentLSN asks the primary for its WAL write position. After a
-// notification has been delivered the notifying transaction has committed
-// (and, with synchronous_commit on, flushed), so the position is at or
-// after the end of its commit record.
-func currentLSN(ctx context.Context, conn *pgconn.PgConn) (LSN, error) {
+// insertLSNQuery is the primary's WAL insert position, the end of every
+// record inserted so far, committed or not. Once a pgfence_takeover
+// notification has been delivered, the notifying transaction's commit
+// record has been inserted (a listener reads a notification only after
+// its transaction is seen committed, which is after the commit record is
+// inserted), so the position is at or after the end of that record even
+// when the transaction ran with synchronous_commit off and nothing has
+// written or flushed it yet. The write position (pg_current_wal_lsn) gives
+// no such promise: it can precede an asynchronous commit's record.
+//
+// The insert position of an empty new page points past the page header,
+// where no record can end, while a replica that has replayed everything
+// reports the page boundary (the end of the last record). The query
+// reports the boundary then, or a replica that has replayed everything
+// would look one header behind until more WAL comes.
+const insertLSNQuery = `SELECT (CASE
+  WHEN (l - '0/0') % (SELECT setting::numeric FROM pg_catalog.pg_settings WHERE name = 'wal_segment_size') = 40 THEN l - 40
+  WHEN (l - '0/0') % current_setting('wal_block_size')::numeric = 24 THEN l - 24
+  ELSE l END)::text
+FROM pg_catalog.pg_current_wal_insert_lsn() AS l`
+
+// insertLSN runs insertLSNQuery.
+func insertLSN(ctx context.Context, conn *pgconn.PgConn) (LSN, error) {
+	return queryLSN(ctx, conn, insertLSNQuery)
+}
+
+// writeLSN asks the primary for its WAL write position: how far WAL can
+// have reached replicas, for the replay lag (not for takeovers: see
+// insertLSNQuery).
+func writeLSN(ctx context.Context, conn *pgconn.PgConn) (LSN, error) {
+	return queryLSN(ctx, conn, "SELECT pg_current_wal_lsn()::text")
+}
+
+func queryLSN(ctx context.Context, conn *pgconn.PgConn, sql string) (LSN, error) {
 	var v string
-	rr := conn.ExecParams(ctx, "SELECT pg_current_wal_lsn()::text", nil, nil, nil, nil)
+	rr := conn.ExecParams(ctx, sql, nil, nil, nil, nil)
 	for rr.NextRow() {
 		v = string(rr.Values()[0])
 	}
 	if _, err := rr.Close(); err != nil {
-		return 0, fmt.Errorf("pg_current_wal_lsn: %w", err)
+		return 0, fmt.Errorf("wal position: %w", err)
 	}
 	return parseLSN(v)
 }
 
-// recordTakeovers stamps the pending notifications with the primary's
-// position, now that they have been delivered.
+// recordNotes stamps the pending notifications with the primary's insert
+// position, now that they have been delivered (insertLSNQuery).
 func (t *takeovers) recordNotes(ctx context.Context, conn *pgconn.PgConn, notes []string, log *zap.Logger) error {
 	if len(notes) == 0 {
 		return nil
 	}
-	lsn, err := currentLSN(ctx, conn)
+	lsn, err := insertLSN(ctx, conn)
 	if err != nil {
 		return err
 	}
@@ -164,13 +193,18 @@ type replica struct {
 
 // replicas polls every replica's replay position and the primary's WAL
 // position, and decides health: up, in recovery, and replay lag under
-// maxLag.
+// maxLag. The pollers connect (with the DSNs' credentials) to a database
+// that has client sessions, db's choice, and hold no connection while no
+// database has any: the proxy never sits idle in a database nobody uses
+// through it, where it would block DROP DATABASE, ALTER DATABASE ...
+// RENAME and CREATE DATABASE ... TEMPLATE.
 type replicas struct {
 	stats   RouteStats
 	list    []*replica
 	primary *pgconn.Config
 	poll    time.Duration
 	maxLag  time.Duration
+	db      func(prev string, failed bool) string // catalogs.sessionDB
 	log     *zap.Logger
 
 	next atomic.Uint32 // round robin for new replica connections
@@ -189,9 +223,9 @@ type lsnSample struct {
 	lsn LSN
 }
 
-func newReplicas(primary *pgconn.Config, cfgs []*pgconn.Config, poll, maxLag time.Duration, log *zap.Logger) *replicas {
+func newReplicas(primary *pgconn.Config, cfgs []*pgconn.Config, poll, maxLag time.Duration, db func(prev string, failed bool) string, log *zap.Logger) *replicas {
 	ctx, cancel := context.WithCancel(context.Background())
-	rs := &replicas{primary: primary, poll: poll, maxLag: maxLag, log: log, ctx: ctx, cancel: cancel}
+	rs := &replicas{primary: primary, poll: poll, maxLag: maxLag, db: db, log: log, ctx: ctx, cancel: cancel}
 	for i, c := range cfgs {
 		r := &replica{idx: i, cfg: c, addr: fmt.Sprintf("%s:%d", c.Host, c.Port), kick: make(chan struct{}, 1)}
 		ch := make(chan struct{})
@@ -241,35 +275,70 @@ func (r *replica) refresh(ctx context.Context) (LSN, error) {
 	}
 }
 
+// pollConn is a poller's connection, kept in a database that has client
+// sessions (replicas.db) and moved or closed when that one has none.
+type pollConn struct {
+	cfg    *pgconn.Config
+	conn   *pgconn.PgConn
+	db     string
+	failed bool // the last connection attempt or poll failed
+}
+
+// use returns the connection to poll with, connecting when needed; nil
+// while no database has sessions or when connecting failed (err).
+func (pc *pollConn) use(rs *replicas) (*pgconn.PgConn, error) {
+	db := rs.db(pc.db, pc.failed)
+	if db != pc.db {
+		pc.close()
+		pc.db = db
+	}
+	if db == "" || pc.conn != nil {
+		return pc.conn, nil
+	}
+	cfg := pc.cfg.Copy()
+	cfg.Database = db
+	cfg.RuntimeParams["application_name"] = pollerAppName
+	ctx, cancel := context.WithTimeout(rs.ctx, 5*time.Second)
+	defer cancel()
+	c, err := pgconn.ConnectConfig(ctx, cfg)
+	if pc.failed = err != nil; err != nil {
+		return nil, err
+	}
+	pc.conn = c
+	return c, nil
+}
+
+// fail drops the connection after a failed poll.
+func (pc *pollConn) fail() {
+	pc.close()
+	pc.failed = true
+}
+
+func (pc *pollConn) close() {
+	if pc.conn != nil {
+		pc.conn.Close(context.Background())
+		pc.conn = nil
+	}
+}
+
 func (rs *replicas) pollPrimary() {
-	cfg := rs.primary.Copy()
-	var conn *pgconn.PgConn
-	defer func() {
-		if conn != nil {
-			conn.Close(context.Background())
-		}
-	}()
+	pc := &pollConn{cfg: rs.primary}
+	defer pc.close()
 	t := time.NewTicker(rs.poll)
 	defer t.Stop()
 	for {
-		if conn == nil {
-			ctx, cancel := context.WithTimeout(rs.ctx, 5*time.Second)
-			c, err := pgconn.ConnectConfig(ctx, cfg)
-			cancel()
-			if err == nil {
-				conn = c
-			} else if rs.ctx.Err() == nil {
-				rs.log.Debug("replica lag: cannot reach the primary", zap.Error(err))
-			}
+		conn, err := pc.use(rs)
+		if err != nil && rs.ctx.Err() == nil {
+			rs.log.Debug("replica lag: cannot reach the primary", zap.Error(err))
 		}
 		if conn != nil {
 			ctx, cancel := context.WithTimeout(rs.ctx, 5*time.Second)
-			lsn, err := currentLSN(ctx, conn)
+			lsn, err := writeLSN(ctx, conn)
 			cancel()
 			if err != nil {
-				conn.Close(context.Background())
-				conn = nil
+				pc.fail()
 			} else {
+				pc.failed = false
 				now := time.Now()
 				rs.primaryLSN.Store(uint64(lsn))
 				rs.samplesMu.Lock()
@@ -315,12 +384,8 @@ func (rs *replicas) lag(replay LSN, now time.Time) (time.Duration, int64) {
 
 func (rs *replicas) pollReplica(r *replica) {
 	log := rs.log.With(zap.String("replica", r.addr))
-	var conn *pgconn.PgConn
-	defer func() {
-		if conn != nil {
-			conn.Close(context.Background())
-		}
-	}()
+	pc := &pollConn{cfg: r.cfg}
+	defer pc.close()
 	setDown := func(why string) {
 		if r.healthy.Swap(false) {
 			log.Warn("replica out of rotation", zap.String("reason", why))
@@ -331,17 +396,15 @@ func (rs *replicas) pollReplica(r *replica) {
 	defer t.Stop()
 	failures := 0
 	for {
-		if conn == nil && failures%max(1, int(time.Second/rs.poll)) == 0 {
-			ctx, cancel := context.WithTimeout(rs.ctx, 5*time.Second)
-			c, err := pgconn.ConnectConfig(ctx, r.cfg.Copy())
-			cancel()
-			if err != nil {
+		var conn *pgconn.PgConn
+		if pc.conn != nil || failures%max(1, int(time.Second/rs.poll)) == 0 {
+			var err error
+			if conn, err = pc.use(rs); err != nil {
 				setDown("cannot connect: " + err.Error())
-			} else {
-				conn = c
 			}
 		}
-		if conn != nil {
+		switch {
+		case conn != nil:
 			ctx, cancel := context.WithTimeout(rs.ctx, 5*time.Second)
 			rr := conn.ExecParams(ctx, "SELECT coalesce(pg_last_wal_replay_lsn()::text, ''), pg_is_in_recovery()::text", nil, nil, nil, nil)
 			var lsnText, rec string
@@ -356,14 +419,14 @@ func (rs *replicas) pollReplica(r *replica) {
 			}
 			switch {
 			case err != nil:
-				conn.Close(context.Background())
-				conn = nil
+				pc.fail()
 				failures = 1
 				setDown("poll failed: " + err.Error())
 			case rec != "true":
 				setDown("not in recovery (promoted?)")
 			default:
 				failures = 0
+				pc.failed = false
 				for {
 					old := r.replay.Load()
 					if uint64(lsn) <= old || r.replay.CompareAndSwap(old, uint64(lsn)) {
@@ -381,7 +444,10 @@ func (rs *replicas) pollReplica(r *replica) {
 					r.errMsg.Store(&ok)
 				}
 			}
-		} else {
+		case pc.db == "":
+			// No client sessions: nobody reads; the last state stands.
+			failures = 0
+		default:
 			failures++
 		}
 		// Wake the waiters of this poll.

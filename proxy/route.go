@@ -30,14 +30,23 @@ import (
 // pinned to the primary until DISCARD ALL, since its replica connection
 // would not have them; fence.read_replicas=off pins a session too.
 //
-// A read of a protected table, and every read-only transaction when the
-// database has protected tables, needs the replica to have replayed: the
-// takeover of the session's own generation (fence.job_key, fence.token),
-// fence.min_lsn, and, without fence metadata, every takeover the proxy has
-// seen plus everything before its watcher started. When the proxy does not
-// know the session's token (a takeover it has not been told of yet), the
-// replica's own fence row decides. Otherwise fence.read_policy says what
-// happens: primary, wait (up to fence.read_wait), or pending (FN007).
+// A protected read needs the replica to have replayed: the takeover of the
+// session's own generation (fence.job_key, fence.token), fence.min_lsn,
+// and, without fence metadata, every takeover the proxy has seen plus
+// everything before its watcher started. When the proxy does not know the
+// session's token (a takeover it has not been told of yet), the replica's
+// own fence row decides. Otherwise fence.read_policy says what happens:
+// primary, wait (up to fence.read_wait), or pending (FN007).
+//
+// In a database with protected tables a read is protected unless every
+// relation it names is known not to reach protected data (readSet,
+// fence_catalog.go, kept only in a database that notifies DDL; without it
+// every read of a relation is protected): a read of a protected table, of
+// a view, materialized view or table whose definition or policies reach
+// one, of a name the proxy does not know, and every read-only transaction
+// (it may read anything later). A read that names only safe relations
+// still needs the replica to have replayed the catalog as the proxy read
+// it.
 
 // RouteStats count read-routing decisions.
 type RouteStats struct {
@@ -55,7 +64,7 @@ type RouteStats struct {
 const (
 	stepRoute      step = 100 + iota // marker: steps from here on are routing's
 	stepFenceCheck                   // SELECT the replica's fence row
-	stepLSN                          // SELECT pg_current_wal_lsn() after a fence.* call
+	stepLSN                          // the WAL insert position after a fence.* call (insertLSNQuery)
 	stepStmtCopy                     // Parse/Close of a named statement on the other upstream
 )
 
@@ -70,8 +79,9 @@ type routeState struct {
 
 // ParamCommitLSN is the ParameterStatus pgfence sends after a transaction
 // that called a fence.* function (fence.acquire, fence.retire, ...) ends
-// through it: the primary's WAL position after the commit. Readers may pass
-// it as fence.min_lsn.
+// through it: the primary's WAL insert position after the commit, at or
+// after the end of its commit record even with synchronous_commit off.
+// Readers may pass it as fence.min_lsn.
 const ParamCommitLSN = "fence.commit_lsn"
 
 // readKind is what a query is for routing.
@@ -85,8 +95,14 @@ const (
 
 func plainRead(st *rewrite.Stmt) bool {
 	return (st.Kind == rewrite.Read || st.Kind == rewrite.CopyTo) && !st.LockingRead && !st.CallsFence &&
-		!st.PrimaryOnlyFuncs && !st.Opaque && len(st.GUCs) == 0 && !st.UnknownGUCWrite && st.Executes == "" && !st.Analyze
+		!st.PrimaryOnlyFuncs && !st.Opaque && len(st.GUCs) == 0 && !st.UnknownGUCWrite && st.Executes == "" &&
+		!st.Analyze && !st.Temp
 }
+
+// declares reports whether st is DECLARE CURSOR: outside a transaction
+// only WITH HOLD runs, and its cursor must live where FETCH will run (the
+// primary).
+func declares(st *rewrite.Stmt) bool { return st.Kind == rewrite.Read && st.Name != "" }
 
 func classifyRead(stmts []*rewrite.Stmt) readKind {
 	if len(stmts) == 0 {
@@ -112,7 +128,7 @@ func classifyRead(stmts []*rewrite.Stmt) readKind {
 		return roTx
 	}
 	for _, st := range stmts {
-		if !plainRead(st) {
+		if !plainRead(st) || declares(st) {
 			return notRead
 		}
 	}
@@ -122,7 +138,7 @@ func classifyRead(stmts []*rewrite.Stmt) readKind {
 // pins reports whether st leaves the primary session with state a replica
 // connection would not have.
 func pins(st *rewrite.Stmt) bool {
-	if st.UnknownGUCWrite {
+	if st.UnknownGUCWrite || st.Temp {
 		return true
 	}
 	for _, g := range st.GUCs {
@@ -283,47 +299,73 @@ func (h *fenceSession) notePins(s *Session, stmts []*rewrite.Stmt) {
 type requirement struct {
 	lsn   LSN
 	job   string // with check: verify token on the replica's fence row
+	epoch int64  // the session's fence.epoch, 0 when not set
 	token int64
 	check bool
+	// blind: the proxy cannot tell which takeovers the read needs (its
+	// watcher is reconnecting and the reader carries no generation): no
+	// replica may serve it.
+	blind bool
 	what  string // for messages
 }
 
-// require works out what the read needs; protected is false when it
-// touches no protected table (any healthy replica will do).
-func (h *fenceSession) require(stmts []*rewrite.Stmt, kind readKind) (req requirement, protected bool) {
+// require works out what the read needs; protected is false when it can
+// reach no protected data (any healthy replica that has replayed the
+// catalog as the proxy knows it will do: catalogLSN).
+//
+// A reader whose generation the proxy has not seen yet, or that demands
+// fence.min_lsn, is protected whatever relation it names: the catalog may have
+// changed before that generation in a way the proxy has not heard of
+// (DDL is notified in commit order with takeovers, so a reader whose
+// takeover has been seen reads a catalog that is current up to it).
+func (h *fenceSession) require(stmts []*rewrite.Stmt, kind readKind) (req requirement, protected bool, catalogLSN LSN) {
 	prot := h.cat.prot.Load()
 	if prot.Len() == 0 {
-		return req, false
+		return req, false, 0
 	}
 	h.mu.Lock()
-	sp := h.st.SearchPath()
 	job, _ := h.st.Get(session.JobKey)
+	epochText, _ := h.st.Get(session.Epoch)
 	tokText, _ := h.st.Get(session.Token)
 	minText, _ := h.st.Get(session.MinLSN)
 	h.mu.Unlock()
-	protected = kind == roTx // a read-only transaction may read anything later
+	tk := &h.cat.tk
+	token, terr := strconv.ParseInt(strings.TrimSpace(tokText), 10, 64)
+	gen := job != "" && terr == nil && token > 0
+	var seen takeover
+	known := false
+	if gen {
+		seen, known = tk.lookup(job)
+		known = known && seen.token >= token
+	}
+	rd := h.cat.reads.Load()
+	// A read-only transaction may read anything later; a read of no
+	// relation reads no protected data, whatever the catalog says.
+	protected = kind == roTx
 	for _, st := range stmts {
 		for _, rel := range st.ReadRelations {
-			if prot.Matches(rel, sp) {
-				protected = true
+			if protected {
+				break
 			}
+			protected = gen && !known || minText != "" || rd.exposes(rel)
 		}
 	}
 	if !protected {
-		return req, false
+		return req, false, rd.position()
 	}
-	tk := &h.cat.tk
-	token, terr := strconv.ParseInt(strings.TrimSpace(tokText), 10, 64)
-	if job != "" && terr == nil && token > 0 {
+	switch {
+	case gen && known:
 		req.what = fmt.Sprintf("job %q token %d", job, token)
-		if t, ok := tk.lookup(job); ok && t.token >= token {
-			req.lsn = t.lsn
-		} else {
-			req.job, req.token, req.check = job, token, true
-		}
-	} else {
+		req.lsn = seen.lsn
+	case gen:
+		req.what = fmt.Sprintf("job %q token %d", job, token)
+		req.job, req.token, req.check = job, token, true
+		req.epoch, _ = strconv.ParseInt(strings.TrimSpace(epochText), 10, 64)
+	default:
 		req.lsn = tk.all()
 		req.what = "every takeover seen so far"
+		// Takeovers while the watcher reconnects are seen by nobody.
+		req.blind = !h.cat.live.Load()
 	}
 	if minText != "" {
 		if m, err := parseLSN(minText); err == nil && m > req.lsn {
@@ -331,7 +373,7 @@ func (h *fenceSession) require(stmts []*rewrite.Stmt, kind readKind) (req requir
 			req.what += fmt.Sprintf(" and fence.min_lsn %s", m)
 		}
 	}
-	return req, true
+	return req, true, 0
 }
 
 // pendingError carries the FN007 answer.
@@ -344,9 +386,13 @@ func (p *pendingError) Error() string { return p.e.Message }
 // pending. It may leave the session on the replica (after a fence-row
 // check); the caller switches as it decides.
 func (h *fenceSession) replicaCurrent(s *Session, r *replica, stmts []*rewrite.Stmt, kind readKind) (bool, error) {
-	req, protected := h.require(stmts, kind)
+	req, protected, catalogLSN := h.require(stmts, kind)
 	if !protected {
-		return true, nil
+		// Reads of unprotected data never wait and never get FN007.
+		return LSN(r.replay.Load()) >= catalogLSN, nil
+	}
+	if req.blind {
+		return false, nil
 	}
 	rs := s.srv.rs
 	ok, err := h.replayed(s, r, req)
@@ -419,8 +465,7 @@ func (h *fenceSession) fenceRowCheck(s *Session, r *replica, req requirement) (b
 		return false, nil
 	}
 	s.srv.rs.stats.FenceChecks.Add(1)
-	q := "SELECT coalesce((SELECT max_issued_token FROM fence.fences WHERE job_key = " + literal(req.job) +
-		"), 0)::text || ' ' || coalesce(pg_last_wal_replay_lsn()::text, '0/0')"
+	q := fenceCheckQuery(req, h.cat.reached.Load())
 	h.mu.Lock()
 	h.rt.row = ""
 	h.mu.Unlock()
@@ -452,6 +497,26 @@ func (h *fenceSession) fenceRowCheck(s *Session, r *replica, req requirement) (b
 		h.cat.tk.record(req.job, takeover{token: tok, lsn: lsn}, false)
 	}
 	return tok >= req.token, nil
+}
+
+// fenceCheckQuery asks a replica for "token replay_lsn": the largest token
+// its fence row of req.job shows, or with fence.replica_reached (reached,
+// a SECURITY DEFINER function that reveals no token) req.token when the
+// replica has replayed that generation and 0 when not. It runs as the
+// client's role on the session's replica connection: without the function
+// that role needs SELECT on fence.fences.
+func fenceCheckQuery(req requirement, reached bool) string {
+	lsn := " || ' ' || coalesce(pg_catalog.pg_last_wal_replay_lsn()::text, '0/0')"
+	if reached {
+		epoch := "NULL::bigint"
+		if req.epoch > 0 {
+			epoch = strconv.FormatInt(req.epoch, 10)
+		}
+		return fmt.Sprintf("SELECT (CASE WHEN fence.replica_reached(%s, %s, %d) THEN %d ELSE 0 END)::text",
+			literal(req.job), epoch, req.token, req.token) + lsn
+	}
+	return "SELECT coalesce((SELECT max_issued_token FROM fence.fences WHERE job_key = " + literal(req.job) +
+		"), 0)::text" + lsn
 }
 
 // routeRow takes the DataRow of a routing query. Server goroutine, under
@@ -502,7 +567,7 @@ func (h *fenceSession) sendClient(s *Session, msg []byte, res *rewrite.Result) e
 		return err
 	}
 	// Visible, so its ReadyForQuery is the client's; its rows are hidden.
-	if err := h.send(s, queryMsg(nil, "SELECT pg_current_wal_lsn()::text"), &tag{kind: 'Q', segs: []seg{{step: stepLSN}}}, true); err != nil {
+	if err := h.send(s, queryMsg(nil, insertLSNQuery), &tag{kind: 'Q', segs: []seg{{step: stepLSN}}}, true); err != nil {
 		return err
 	}
 	if ends || !begins && h.tx() == session.Idle {
@@ -518,10 +583,12 @@ func (s *Server) initReplicas() {
 	if len(s.replicas) == 0 || s.cfg.NoReplicaReads || s.cfg.Interceptor == nil {
 		return
 	}
-	if _, ok := s.cfg.Interceptor.(*Fence); !ok {
+	f, ok := s.cfg.Interceptor.(*Fence)
+	if !ok {
 		return
 	}
-	s.rs = newReplicas(s.primary, s.replicas, s.cfg.ReplicaPoll, s.cfg.ReplicaMaxLag, s.log.Named("replicas"))
+	f.cats.reads.Store(true)
+	s.rs = newReplicas(s.primary, s.replicas, s.cfg.ReplicaPoll, s.cfg.ReplicaMaxLag, f.cats.sessionDB, s.log.Named("replicas"))
 	s.SetReplicaStatus(s.rs.status)
 }
 

@@ -16,12 +16,17 @@ import (
 )
 
 // routeEnv is a fenceEnv whose proxy routes reads to the test cluster's
-// streaming replica.
+// streaming replica. Its database notifies DDL (ddlTriggerSQL), so reads
+// of unprotected tables may use a lagging replica.
 type routeEnv struct {
 	*fenceEnv
 }
 
-func newRouteEnv(t *testing.T) *routeEnv {
+func newRouteEnv(t *testing.T) *routeEnv { return newRouteEnvMode(t, true, fenceSchema) }
+
+// newRouteEnvMode is newRouteEnv with a database that notifies DDL
+// (tracked) or does not, and schema instead of fenceSchema.
+func newRouteEnvMode(t *testing.T, tracked bool, schema string) *routeEnv {
 	t.Helper()
 	ctx := ctxT(t)
 	db := cluster.NewDatabase(t)
@@ -30,19 +35,25 @@ func newRouteEnv(t *testing.T) *routeEnv {
 		t.Fatal(err)
 	}
 	defer conn.Close(ctx)
-	if _, err := conn.Exec(ctx, fenceSchema); err != nil {
+	mode := noDDLTriggerSQL
+	if tracked {
+		mode = ddlTriggerSQL
+	}
+	if _, err := conn.Exec(ctx, mode+schema); err != nil {
 		t.Fatal(err)
 	}
 	if err := cluster.WaitReplicaCaughtUp(ctx); err != nil {
 		t.Fatal(err)
 	}
 	e := &routeEnv{&fenceEnv{db: db}}
-	e.proxy, e.gate = startRouteProxy(t)
+	e.proxy, e.gate = startRouteProxy(t, db)
 	return e
 }
 
-// startRouteProxy starts a gated proxy with the replica configured.
-func startRouteProxy(t *testing.T) (*testProxy, *Fence) {
+// startRouteProxy starts a gated proxy with the replica configured, and
+// holds a session in db until the end of t: the proxy's pollers and the
+// database's catalog watcher live while it has sessions.
+func startRouteProxy(t *testing.T, db string) (*testProxy, *Fence) {
 	t.Helper()
 	gate, err := NewFence(FenceConfig{Primary: cluster.Primary.DSN("postgres")}, zaptest.NewLogger(t))
 	if err != nil {
@@ -51,6 +62,7 @@ func startRouteProxy(t *testing.T) (*testProxy, *Fence) {
 	t.Cleanup(gate.Close)
 	p := startProxy(t, Config{Interceptor: gate, Replicas: []string{cluster.Replica.DSN("postgres")},
 		ReplicaPoll: 10 * time.Millisecond, ReplicaMaxLag: time.Minute})
+	connect(t, p.dsn(db))
 	waitHealthy(t, p)
 	return p, gate
 }
@@ -60,6 +72,16 @@ func waitHealthy(t *testing.T, p *testProxy) {
 	if err := pgtest.Poll(ctxT(t), func() (bool, error) { return p.srv.rs.list[0].healthy.Load(), nil }); err != nil {
 		t.Fatalf("replica never healthy: %v", err)
 	}
+}
+
+// catalogOf is the catalog g's watcher keeps for db (a session must hold it).
+func catalogOf(t *testing.T, g *Fence, db string) *catalog {
+	t.Helper()
+	c := g.cats.lookup(db)
+	if c == nil {
+		t.Fatalf("no catalog watcher for %s: no session holds it", db)
+	}
+	return c
 }
 
 // reader connects through the proxy with startup options.
@@ -124,10 +146,7 @@ func opts(job string, token int64, extra ...string) []string {
 // waitTakeover waits until the proxy's watcher has recorded job's token.
 func (e *routeEnv) waitTakeover(t *testing.T, g *Fence, job string, token int64) {
 	t.Helper()
-	cat, err := g.cats.get(ctxT(t), e.db)
-	if err != nil {
-		t.Fatal(err)
-	}
+	cat := catalogOf(t, g, e.db)
 	if err := pgtest.Poll(ctxT(t), func() (bool, error) {
 		tk, ok := cat.tk.lookup(job)
 		return ok && tk.token >= token, nil
@@ -263,7 +282,7 @@ func TestAcceptanceReads(t *testing.T) {
 		e := newRouteEnv(t)
 		b := e.scenario(t)
 		e.waitTakeover(t, e.gate, "job", b.Token)
-		cat, _ := e.gate.cats.get(ctxT(t), e.db)
+		cat := catalogOf(t, e.gate, e.db)
 		cat.tk.mu.Lock()
 		delete(cat.tk.jobs, "job")
 		cat.tk.mu.Unlock()
@@ -484,7 +503,7 @@ func TestReadRouting(t *testing.T) {
 func TestReadRoutingTwoProxies(t *testing.T) {
 	e := newRouteEnv(t)
 	ctx := ctxT(t)
-	p2, g2 := startRouteProxy(t)
+	p2, g2 := startRouteProxy(t, e.db)
 	// Both proxies watch the database before the takeover.
 	e.reader(t, p2)
 

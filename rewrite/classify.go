@@ -185,6 +185,10 @@ type Stmt struct {
 	CallsFence       bool // calls a function in schema fence
 	PrimaryOnlyFuncs bool // calls a function that needs the primary (nextval, advisory locks, pg_notify, set_config, fence.*, ...)
 	UnknownGUCWrite  bool // a set_config call whose parameter name cannot be determined
+	// Temp: the statement names a temporary relation (CREATE TEMP ...,
+	// SELECT INTO TEMP, pg_temp.x): the session has, or will have,
+	// objects only its own backend sees.
+	Temp bool
 
 	// GUCs are the parameter changes the statement makes, in order.
 	GUCs []GUC
@@ -779,17 +783,41 @@ func appendRel(list []RelName, r RelName) []RelName {
 	return append(list, r)
 }
 
-func (w *walker) pushCTEs(wc *pg_query.WithClause) int {
-	n := len(w.ctes)
+// with walks a WITH clause's queries, each with the CTE names it can see
+// in scope, and leaves every name of the clause in scope for the rest of
+// the statement (the caller's walkMsg drops them at its end). Without
+// RECURSIVE a CTE sees only the CTEs before it: a name it uses that is
+// its own or a later sibling's is a relation (`WITH results AS (SELECT *
+// FROM results) ...` reads the table). With RECURSIVE every CTE sees all
+// of them. It returns wc (nil when there is none).
+func (w *walker) with(wc *pg_query.WithClause) *pg_query.WithClause {
 	if wc == nil {
-		return n
+		return nil
+	}
+	if wc.Recursive {
+		for _, c := range wc.Ctes {
+			if cte := c.GetCommonTableExpr(); cte != nil {
+				w.ctes = append(w.ctes, cte.Ctename)
+			}
+		}
+		for _, c := range wc.Ctes {
+			w.walk(c)
+		}
+		return wc
 	}
 	for _, c := range wc.Ctes {
+		w.walk(c)
 		if cte := c.GetCommonTableExpr(); cte != nil {
 			w.ctes = append(w.ctes, cte.Ctename)
 		}
 	}
-	return n
+	return wc
+}
+
+// isTempSchema reports whether a schema name is the session's temporary
+// schema (pg_temp, or its real name pg_temp_N).
+func isTempSchema(s string) bool {
+	return s == "pg_temp" || strings.HasPrefix(s, "pg_temp_")
 }
 
 func (w *walker) walk(n *pg_query.Node) {
@@ -814,21 +842,24 @@ func (w *walker) walkMsg(m protoreflect.Message) {
 	}
 	depth := len(w.ctes)
 	noexec := w.noexec
+	// with: the statement's WITH clause, walked first (its CTE names are
+	// in scope for the rest of the statement) and skipped below.
+	var with *pg_query.WithClause
 	switch n := m.Interface().(type) {
 	case *pg_query.InsertStmt:
-		w.pushCTEs(n.WithClause)
+		with = w.with(n.WithClause)
 		w.addWrite(n.Relation)
 	case *pg_query.UpdateStmt:
-		w.pushCTEs(n.WithClause)
+		with = w.with(n.WithClause)
 		w.addWrite(n.Relation)
 	case *pg_query.DeleteStmt:
-		w.pushCTEs(n.WithClause)
+		with = w.with(n.WithClause)
 		w.addWrite(n.Relation)
 	case *pg_query.MergeStmt:
-		w.pushCTEs(n.WithClause)
+		with = w.with(n.WithClause)
 		w.addWrite(n.Relation)
 	case *pg_query.SelectStmt:
-		w.pushCTEs(n.WithClause)
+		with = w.with(n.WithClause)
 		if n.IntoClause != nil {
 			w.addWrite(n.IntoClause.Rel)
 		}
@@ -866,6 +897,9 @@ func (w *walker) walkMsg(m protoreflect.Message) {
 		// statement itself.
 		w.noexec++
 	case *pg_query.RangeVar:
+		if n.Relpersistence == "t" || isTempSchema(n.Schemaname) {
+			w.st.Temp = true
+		}
 		if !w.targets[n] {
 			w.addRead(n)
 		}
@@ -887,6 +921,9 @@ func (w *walker) walkMsg(m protoreflect.Message) {
 	for i := 0; i < fields.Len(); i++ {
 		fd := fields.Get(i)
 		if fd.Kind() != protoreflect.MessageKind {
+			continue
+		}
+		if with != nil && fd.Name() == "with_clause" {
 			continue
 		}
 		if fd.IsList() {

@@ -109,6 +109,7 @@ func renderStmt(b *strings.Builder, indent, label string, s *Stmt) {
 		{s.Deferrable, "deferrable"}, {s.Explain, "explain"}, {s.Analyze, "analyze"},
 		{s.Opaque, "opaque"}, {s.LockingRead, "locking"}, {s.CallsFence, "calls-fence"},
 		{s.PrimaryOnlyFuncs, "primary-only"}, {s.UnknownGUCWrite, "unknown-guc-write"},
+		{s.Temp, "temp"},
 	} {
 		if a.on {
 			attrs = append(attrs, a.name)

@@ -1,0 +1,345 @@
+package proxy
+
+import (
+	"context"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/pgfence/pgfence/fence"
+	"github.com/pgfence/pgfence/internal/pgtest"
+)
+
+// readsWALWriterDelay keeps asynchronous commits unwritten for up to 10s
+// (the walwriter is what writes them) until the end of t.
+func readsWALWriterDelay(t *testing.T) {
+	t.Helper()
+	ctx := ctxT(t)
+	c, err := cluster.Primary.Connect(ctx, "postgres")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close(ctx)
+	for _, q := range []string{"ALTER SYSTEM SET wal_writer_delay = '10s'", "SELECT pg_reload_conf()"} {
+		if _, err := c.Exec(ctx, q); err != nil {
+			t.Fatal(err)
+		}
+	}
+	t.Cleanup(func() {
+		ctx := context.Background()
+		c, err := cluster.Primary.Connect(ctx, "postgres")
+		if err != nil {
+			t.Error(err)
+			return
+		}
+		defer c.Close(ctx)
+		for _, q := range []string{"ALTER SYSTEM RESET wal_writer_delay", "SELECT pg_reload_conf()"} {
+			if _, err := c.Exec(ctx, q); err != nil {
+				t.Error(err)
+			}
+		}
+	})
+}
+
+// commitEnd is the end of transaction xid's commit record, read from the
+// WAL from start on (pg_walinspect); it first flushes the WAL with a
+// synchronous commit of its own that writes.
+func commitEnd(t *testing.T, c *pgx.Conn, start, xid string) LSN {
+	t.Helper()
+	ctx := ctxT(t)
+	for _, q := range []string{"CREATE EXTENSION IF NOT EXISTS pg_walinspect", "INSERT INTO audit (note) VALUES ('flush')"} {
+		if _, err := c.Exec(ctx, q); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var end string
+	if err := c.QueryRow(ctx, `SELECT end_lsn::text FROM pg_get_wal_records_info($1::pg_lsn, pg_current_wal_flush_lsn())
+		WHERE resource_manager = 'Transaction' AND record_type = 'COMMIT' AND xid::text = $2`, start, xid).Scan(&end); err != nil {
+		t.Fatalf("commit record of %s: %v", xid, err)
+	}
+	l, err := parseLSN(end)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return l
+}
+
+// TestReadRoutingAsyncTakeover: a takeover committed with
+// synchronous_commit off (any user may) has its commit record inserted but
+// not written when its notification arrives. The position the proxy
+// records must still cover that record, or a replica paused before it
+// looks current and serves the previous generation. The same for the
+// fence.commit_lsn a client is handed.
+func TestReadRoutingAsyncTakeover(t *testing.T) {
+	e := newRouteEnv(t)
+	ctx := ctxT(t)
+	a := e.acquire(t, "job", "a", time.Minute)
+	if _, err := e.worker(t, &a).Exec(ctx, upsert, "job", "A", a.Token); err != nil {
+		t.Fatal(err)
+	}
+	if err := cluster.WaitReplicaCaughtUp(ctx); err != nil {
+		t.Fatal(err)
+	}
+	readsWALWriterDelay(t)
+	pauseReplay(t)
+
+	direct := e.direct(t)
+	var start, xid string
+	if err := direct.QueryRow(ctx, "SELECT pg_current_wal_insert_lsn()::text").Scan(&start); err != nil {
+		t.Fatal(err)
+	}
+	tx, err := direct.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b := fence.Lease{JobKey: "job"}
+	if _, err := tx.Exec(ctx, "SET LOCAL synchronous_commit = off"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := tx.Exec(ctx, "SELECT fence.release('job', $1)", a.Token); err != nil {
+		t.Fatal(err)
+	}
+	if err := tx.QueryRow(ctx, "SELECT epoch, token, pg_current_xact_id()::text FROM fence.acquire('job', 'b', interval '1 minute')").Scan(&b.Epoch, &b.Token, &xid); err != nil {
+		t.Fatal(err)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	e.waitTakeover(t, e.gate, "job", b.Token)
+	tk, _ := catalogOf(t, e.gate, e.db).tk.lookup("job")
+
+	// Readers of B's generation, and readers without any, never get
+	// A's result from the paused replica.
+	rg := e.reader(t, nil, opts("job", b.Token)...)
+	if got := mustWhere(t, rg, readResult, false); got[0] != "A" {
+		t.Fatalf("read %v from the primary, want A's result (B has not written)", got)
+	}
+	rp := e.reader(t, nil, opts("job", b.Token, "-c fence.read_policy=pending")...)
+	_, _, err = where(t, rp, readResult)
+	wantCode(t, err, fence.CodePending)
+	mustWhere(t, e.reader(t, nil), readResult, false)
+
+	// The recorded position is at or past the end of the commit record.
+	if end := commitEnd(t, direct, start, xid); tk.lsn < end {
+		t.Fatalf("the proxy recorded the takeover at %s, before the end of its commit record %s", tk.lsn, end)
+	}
+
+	// fence.commit_lsn of an asynchronous acquire through the proxy.
+	c := e.reader(t, nil)
+	rs, err := c.Exec(ctx, "SELECT pg_current_wal_insert_lsn()::text; BEGIN; SET LOCAL synchronous_commit = off; "+
+		"SELECT pg_current_xact_id()::text FROM fence.acquire('job2', 'c', interval '1 minute'); COMMIT").ReadAll()
+	if err != nil {
+		t.Fatal(err)
+	}
+	start2, xid2 := string(rs[0].Rows[0][0]), string(rs[3].Rows[0][0])
+	reported, err := parseLSN(c.ParameterStatus(ParamCommitLSN))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if end := commitEnd(t, direct, start2, xid2); reported < end {
+		t.Fatalf("fence.commit_lsn %s is before the end of the acquire's commit record %s", reported, end)
+	}
+}
+
+// TestReadRoutingTrackedCatalog: in a database that notifies DDL, reads of
+// unprotected relations use a lagging replica, and the proxy follows the
+// catalog: a view it had as safe that now reads a protected table, or a
+// user-defined operator written in SQL (it runs inside any expression),
+// makes those reads protected.
+func TestReadRoutingTrackedCatalog(t *testing.T) {
+	e := newRouteEnv(t)
+	ctx := ctxT(t)
+	direct := e.direct(t)
+	if _, err := direct.Exec(ctx, "CREATE VIEW v_audit AS SELECT id, note FROM audit"); err != nil {
+		t.Fatal(err)
+	}
+	b := e.scenario(t)
+	e.waitTakeover(t, e.gate, "job", b.Token)
+	cat := catalogOf(t, e.gate, e.db)
+	waitSet := func(what string) {
+		t.Helper()
+		if err := pgtest.Poll(ctx, func() (bool, error) { return cat.reads.Load() != nil, nil }); err != nil {
+			t.Fatalf("%s: the catalog was not read again: %v", what, err)
+		}
+	}
+	waitSet("after the scenario")
+	r := e.reader(t, nil, "-c fence.read_policy=pending")
+	for _, q := range []string{
+		"SELECT count(*), pg_is_in_recovery() FROM audit",
+		"SELECT count(*), pg_is_in_recovery() FROM public.v_audit",
+		"SELECT count(*), pg_is_in_recovery() FROM pg_class",
+		"SELECT count(*), pg_is_in_recovery() FROM information_schema.tables",
+	} {
+		mustWhere(t, r, q, true)
+	}
+	_, _, err := where(t, r, readResult)
+	wantCode(t, err, fence.CodePending)
+
+	// The replica has replayed up to the pause; DDL since is not there.
+	// A view redefined on the replica too (before the pause) is tested
+	// in TestBypass/reads_tracked; here: what the proxy knows changes.
+	seen := cat.ddlSeen.Load()
+	if _, err := direct.Exec(ctx, "CREATE FUNCTION same(int, int) RETURNS bool LANGUAGE sql IMMUTABLE AS 'SELECT $1 = $2'; "+
+		"CREATE OPERATOR === (leftarg = int, rightarg = int, function = same)"); err != nil {
+		t.Fatal(err)
+	}
+	if err := pgtest.Poll(ctx, func() (bool, error) { return cat.ddlSeen.Load() > seen && cat.reads.Load() != nil, nil }); err != nil {
+		t.Fatal(err)
+	}
+	if !cat.reads.Load().all {
+		t.Fatal("a SQL operator does not make every read protected")
+	}
+	_, _, err = where(t, r, "SELECT count(*), pg_is_in_recovery() FROM audit")
+	wantCode(t, err, fence.CodePending)
+	if _, err := direct.Exec(ctx, "DROP OPERATOR === (int, int)"); err != nil {
+		t.Fatal(err)
+	}
+	if err := pgtest.Poll(ctx, func() (bool, error) { rd := cat.reads.Load(); return rd != nil && !rd.all, nil }); err != nil {
+		t.Fatal(err)
+	}
+	// A new set has a new position, which the paused replica has not
+	// replayed: the catalog there may differ, so even safe reads wait.
+	mustWhere(t, e.reader(t, nil), "SELECT count(*), pg_is_in_recovery() FROM audit", false)
+	resumeAndCatchUp(t)
+	if err := pgtest.Poll(ctx, func() (bool, error) {
+		_, rep, err := where(t, r, "SELECT count(*), pg_is_in_recovery() FROM audit")
+		return rep, err
+	}); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestReadRoutingUntrackedCatalog: without the DDL event trigger the proxy
+// cannot know when a view is redefined, so in a database with protected
+// tables every read is protected: a read of an unprotected table needs
+// the takeovers too (here: it is answered by the primary, or FN007).
+func TestReadRoutingUntrackedCatalog(t *testing.T) {
+	e := newRouteEnvMode(t, false, fenceSchema)
+	b := e.scenario(t)
+	e.waitTakeover(t, e.gate, "job", b.Token)
+	if cat := catalogOf(t, e.gate, e.db); cat.tracked.Load() || cat.reads.Load() != nil {
+		t.Fatal("an untracked database has a read set")
+	}
+	mustWhere(t, e.reader(t, nil), "SELECT count(*), pg_is_in_recovery() FROM audit", false)
+	_, _, err := where(t, e.reader(t, nil, opts("job", b.Token, "-c fence.read_policy=pending")...), "SELECT count(*), pg_is_in_recovery() FROM audit")
+	wantCode(t, err, fence.CodePending)
+	// Reads that name no relation still use the replica.
+	mustWhere(t, e.reader(t, nil), "SELECT 1, pg_is_in_recovery()", true)
+	resumeAndCatchUp(t)
+	if err := pgtest.Poll(ctxT(t), func() (bool, error) {
+		_, rep, err := where(t, e.reader(t, nil), "SELECT count(*), pg_is_in_recovery() FROM audit")
+		return rep, err
+	}); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestReadRoutingCursorsAndTemp: a cursor declared WITH HOLD outside a
+// transaction, and temporary tables, live on the primary session: the
+// replica connection does not have them.
+func TestReadRoutingCursorsAndTemp(t *testing.T) {
+	e := newRouteEnv(t)
+	ctx := ctxT(t)
+	r := e.reader(t, nil)
+	mustWhere(t, r, "SELECT count(*), pg_is_in_recovery() FROM audit", true)
+	if _, err := r.Exec(ctx, "DECLARE c CURSOR WITH HOLD FOR SELECT count(*), pg_is_in_recovery() FROM audit").ReadAll(); err != nil {
+		t.Fatal(err)
+	}
+	mustWhere(t, r, "FETCH ALL FROM c", false)
+	for _, q := range []string{"CLOSE c", "CREATE TEMP TABLE tt AS SELECT * FROM audit"} {
+		if _, err := r.Exec(ctx, q).ReadAll(); err != nil {
+			t.Fatalf("%s: %v", q, err)
+		}
+	}
+	mustWhere(t, r, "SELECT count(*), pg_is_in_recovery() FROM tt", false)
+	mustWhere(t, r, "SELECT count(*), pg_is_in_recovery() FROM audit", false) // pinned
+	if _, err := r.Exec(ctx, "DISCARD ALL").ReadAll(); err != nil {
+		t.Fatal(err)
+	}
+	mustWhere(t, r, "SELECT count(*), pg_is_in_recovery() FROM audit", true)
+}
+
+// TestReadRoutingReplicaReached: the replica fence-row check runs on the
+// session's replica connection as the client's role. A role that may not
+// read fence.fences fails closed (the primary answers); with
+// fence.replica_reached, a SECURITY DEFINER function that reveals no
+// token, the replica serves the read once it has replayed the generation.
+func TestReadRoutingReplicaReached(t *testing.T) {
+	e := newRouteEnv(t)
+	ctx := ctxT(t)
+	direct := e.direct(t)
+	for _, q := range []string{
+		"DO $$ BEGIN CREATE ROLE reads_worker LOGIN IN ROLE pgfence_worker; EXCEPTION WHEN duplicate_object THEN NULL; END $$",
+		"GRANT SELECT ON results, audit TO reads_worker",
+		"REVOKE SELECT ON fence.fences FROM pgfence_worker",
+	} {
+		if _, err := direct.Exec(ctx, q); err != nil {
+			t.Fatal(err)
+		}
+	}
+	b := e.scenario(t)
+	e.waitTakeover(t, e.gate, "job", b.Token)
+	cat := catalogOf(t, e.gate, e.db)
+	forget := func() {
+		cat.tk.mu.Lock()
+		delete(cat.tk.jobs, "job")
+		cat.tk.mu.Unlock()
+	}
+	worker := func() *pgconn.PgConn {
+		cfg, err := pgconn.ParseConfig(strings.Replace(e.proxy.dsn(e.db), "postgres@", "reads_worker@", 1))
+		if err != nil {
+			t.Fatal(err)
+		}
+		cfg.RuntimeParams["options"] = strings.Join(opts("job", b.Token), " ")
+		c, err := pgconn.ConnectConfig(ctx, cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { c.Close(context.Background()) })
+		return c
+	}
+	resumeAndCatchUp(t)
+	stats := e.proxy.srv.RouteStats()
+
+	// Without the function: the check cannot read the fence row.
+	forget()
+	checks := stats.FenceChecks.Load()
+	if got := mustWhere(t, worker(), readResult, false); got[0] != "B" {
+		t.Fatalf("read %v, want B's result", got)
+	}
+	if stats.FenceChecks.Load() == checks {
+		t.Fatal("no fence-row check was made")
+	}
+
+	// With it (and the proxy told of it): the replica answers.
+	if _, err := direct.Exec(ctx, `CREATE FUNCTION fence.replica_reached(job_key text, epoch bigint, token bigint) RETURNS boolean
+		LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog
+		AS 'SELECT EXISTS (SELECT FROM fence.fences f WHERE f.job_key = $1 AND f.max_issued_token >= $3)';
+		GRANT EXECUTE ON FUNCTION fence.replica_reached(text, bigint, bigint) TO pgfence_worker;
+		SELECT pg_notify('pgfence_protected', 'replica_reached')`); err != nil {
+		t.Fatal(err)
+	}
+	if err := pgtest.Poll(ctx, func() (bool, error) { return cat.reached.Load(), nil }); err != nil {
+		t.Fatal(err)
+	}
+	if err := cluster.WaitReplicaCaughtUp(ctx); err != nil {
+		t.Fatal(err)
+	}
+	w := worker()
+	if err := pgtest.Poll(ctx, func() (bool, error) {
+		forget()
+		_, rep, err := where(t, w, readResult)
+		return rep, err
+	}); err != nil {
+		t.Fatalf("the replica never served the worker: %v", err)
+	}
+	// And a generation the replica has not replayed is refused there.
+	pauseReplay(t)
+	forget()
+	future := e.reader(t, nil, opts("job", b.Token+1000, "-c fence.read_policy=pending")...)
+	_, _, err := where(t, future, readResult)
+	wantCode(t, err, fence.CodePending)
+}
