@@ -214,11 +214,15 @@ func TestPrivileges(t *testing.T) {
 	if _, err := fence.Renew(ctx, c, "report", l.Token, time.Minute); err != nil {
 		t.Fatalf("worker renew: %v", err)
 	}
+	// Workers see the jobs, not the tokens (issue 17 §5).
 	var n int
-	if err := c.QueryRow(ctx, "select count(*) from fence.fences").Scan(&n); err != nil || n != 1 {
-		t.Fatalf("worker reads fence.fences: %d, %v", n, err)
+	if err := c.QueryRow(ctx, "select count(*) from fence.jobs where lease_live").Scan(&n); err != nil || n != 1 {
+		t.Fatalf("worker reads fence.jobs: %d, %v", n, err)
 	}
 	for _, sql := range []string{
+		"select * from fence.fences",
+		"select * from fence.leases",
+		"select * from fence.issuance",
 		"insert into fence.fences values ('x', 1, 1)",
 		"update fence.fences set max_issued_token = 1",
 		"update fence.receipts set payload_digest = ''",
@@ -282,7 +286,7 @@ func TestBadInput(t *testing.T) {
 	_, err := fence.Renew(ctx, db, "nope", 1, time.Minute)
 	wantFenceError(t, err, fence.CodeUnknownJob)
 	wantFenceError(t, fence.Release(ctx, db, "nope", 1), fence.CodeUnknownJob)
-	wantFenceError(t, fence.Retire(ctx, db, "nope"), fence.CodeUnknownJob)
+	wantFenceError(t, fence.Retire(ctx, db, "nope", fence.RetireOptions{Force: true}), fence.CodeUnknownJob)
 	g := fence.Generation{JobKey: "nope", Epoch: 1, Token: 1}
 	_, err = writeResult(ctx, e.connect(), pgx.ReadCommitted, g, "x")
 	wantFenceError(t, err, fence.CodeUnknownJob)

@@ -83,6 +83,9 @@ const (
 	// payload. The first commit stands; this transaction is aborted and
 	// must be rolled back.
 	Replayed
+	// NotWritten (CommitIfWritten only): the transaction changed no
+	// protected table under the generation; no receipt was written.
+	NotWritten
 )
 
 func (r CommitResult) String() string {
@@ -91,6 +94,8 @@ func (r CommitResult) String() string {
 		return "committed"
 	case Replayed:
 		return "replayed"
+	case NotWritten:
+		return "not written"
 	}
 	return "CommitResult(" + strconv.Itoa(int(r)) + ")"
 }
@@ -133,10 +138,29 @@ func Release(ctx context.Context, db DBTX, jobKey string, token int64) error {
 	return nil
 }
 
+// RetireOptions say whose retire it is.
+type RetireOptions struct {
+	// Token is the caller's current token: the holder ends its own job
+	// (its own live lease ends with it). It must be the job's current
+	// token (else CodeStale) and the caller the role that acquired it
+	// (else CodeNotOwner), unless the caller is an administrator. Zero
+	// retires without a token, which only an administrator may do
+	// (pgfence_bypass or a superuser; else CodeNotOwner).
+	Token int64
+	// Force, without a token, also ends a live lease; without it, a live
+	// lease gives CodeLeaseHeld.
+	Force bool
+}
+
 // Retire closes the job's current epoch. Requests naming it get
 // CodeRetired; the next Acquire opens a new epoch with a larger token.
-func Retire(ctx context.Context, db DBTX, jobKey string) error {
-	if _, err := db.Exec(ctx, "select fence.retire($1)", jobKey); err != nil {
+// Retiring a retired job is a no-op.
+func Retire(ctx context.Context, db DBTX, jobKey string, opts RetireOptions) error {
+	var token *int64
+	if opts.Token != 0 {
+		token = &opts.Token
+	}
+	if _, err := db.Exec(ctx, "select fence.retire($1, $2, $3)", jobKey, token, opts.Force); err != nil {
 		return fmt.Errorf("retire %q: %w", jobKey, asError(err))
 	}
 	return nil
@@ -186,6 +210,39 @@ func Commit(ctx context.Context, tx DBTX, g Generation, digest []byte, version s
 	}
 	return Committed, nil
 }
+
+// CommitIfWritten is Commit for a transaction whose writes the caller
+// cannot see (a function, a DO block, a trigger): it writes the receipt
+// for g, with Commit's checks and errors, only when the transaction
+// changed a protected table under g (the backstop marked it), and answers
+// NotWritten otherwise. A transaction that entered replay mode for g gives
+// Replayed or CodeConflict, as Commit does. Without either call, the
+// backstop writes the receipt of a marked transaction itself at COMMIT,
+// with digest version BackstopDigestVersion.
+func CommitIfWritten(ctx context.Context, tx DBTX, g Generation, digest []byte, version string) (CommitResult, error) {
+	var res string
+	err := tx.QueryRow(ctx, "select fence.commit_if_written($1, $2, $3, $4, $5, $6)",
+		g.JobKey, g.Epoch, g.Token, g.Step, digest, version).Scan(&res)
+	if err != nil {
+		err = asError(err)
+		if IsReplay(err) {
+			return Replayed, nil
+		}
+		return 0, fmt.Errorf("commit %s: %w", g, err)
+	}
+	switch res {
+	case "committed":
+		return Committed, nil
+	case "none":
+		return NotWritten, nil
+	}
+	return 0, fmt.Errorf("commit %s: unexpected answer %q", g, res)
+}
+
+// BackstopDigestVersion is the digest version of a receipt the backstop
+// wrote at COMMIT because nobody else did: SHA-256 of the text of the
+// statement that first changed a protected table under the generation.
+const BackstopDigestVersion = "backstop-v1"
 
 // PayloadDigestVersion is the digest version RunTx stores: SHA-256 of the
 // caller's payload bytes.
