@@ -2,11 +2,13 @@ package fence_test
 
 import (
 	"context"
+	"errors"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/pgfence/pgfence/fence"
 )
 
@@ -256,10 +258,13 @@ func TestPrivileges(t *testing.T) {
 	// replay and cannot commit.)
 	_, err = p.Exec(ctx, "begin; "+setSQL(l.Generation(""))+"; insert into results values ('p', 'p', 1); commit")
 	wantCode(t, err, fence.CodeReplay)
+	// A current generation acquired by another role is not the plain
+	// role's to write under (issue 17 §5).
 	p2 := e.acquire("plain-job", "admin")
 	_, err = p.Exec(ctx, "reset all; "+setSQL(p2.Generation(""))+"; insert into results values ('p', 'p', 1)")
-	if err != nil {
-		t.Fatalf("plain role with valid metadata: %v", err)
+	wantCode(t, err, fence.CodeNotOwner)
+	if n := e.count("select count(*) from results where job_key = 'p'"); n != 0 {
+		t.Fatalf("plain role's write under another role's generation: %d rows", n)
 	}
 }
 
@@ -311,8 +316,13 @@ func TestBadInput(t *testing.T) {
 	wantCode(t, fence.Protect(ctx, db, "audit", "token"), "42804")
 	e.exec("create view v as select * from audit")
 	wantCode(t, fence.Protect(ctx, db, "v", ""), "42809")
-	e.exec("create table parted (k text) partition by list (k)")
-	wantCode(t, fence.Protect(ctx, db, "parted", ""), "42809")
+	// A partition is not protected alone: its root is (issue 17 §1).
+	e.exec("create table parted (k text) partition by list (k); create table parted_a partition of parted for values in ('a')")
+	err = fence.Protect(ctx, db, "parted_a", "")
+	wantCode(t, err, "42809")
+	if pg := (*pgconn.PgError)(nil); !errors.As(err, &pg) || !strings.Contains(pg.Hint, "fence.protect('public.parted')") {
+		t.Fatalf("protect a partition: %v, want a hint naming its root", err)
+	}
 	var triggers int
 	if err := db.QueryRow(ctx, "select count(*) from pg_trigger where tgrelid = 'audit'::regclass").Scan(&triggers); err != nil {
 		t.Fatal(err)

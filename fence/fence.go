@@ -333,10 +333,13 @@ func AcceptEvent(ctx context.Context, db DBTX, consumer, jobKey string, epoch, t
 }
 
 // Protect installs the backstop trigger on table (a name as in SQL,
-// optionally schema-qualified and quoted). jobKeyColumn, when not empty,
-// also scopes rows: a fenced session may only write rows whose column
-// equals its fence.job_key. Protecting a protected table again with the same
-// column is a no-op; with another column it is an error.
+// optionally schema-qualified and quoted) and on its whole tree: every
+// partition and sub-partition, every inheritance child, now and later.
+// A partition or child is not protected alone: its root is (the error
+// names it). jobKeyColumn, when not empty, also scopes rows: a fenced
+// session may only write rows whose column equals its fence.job_key.
+// Protecting a protected table again with the same column is a no-op; with
+// another column it is an error.
 func Protect(ctx context.Context, db DBTX, table, jobKeyColumn string) error {
 	var col *string
 	if jobKeyColumn != "" {
@@ -348,8 +351,9 @@ func Protect(ctx context.Context, db DBTX, table, jobKeyColumn string) error {
 	return nil
 }
 
-// Unprotect removes the backstop from table; a table that is not protected
-// is left as it is.
+// Unprotect removes the backstop from table, a protected root, and its
+// whole tree; a table that is not protected is left as it is. It needs an
+// administrator (pgfence_bypass or a superuser): else CodeProtectionLocked.
 func Unprotect(ctx context.Context, db DBTX, table string) error {
 	if _, err := db.Exec(ctx, "select fence.unprotect($1::regclass)", table); err != nil {
 		return fmt.Errorf("unprotect %s: %w", table, asError(err))
@@ -357,26 +361,32 @@ func Unprotect(ctx context.Context, db DBTX, table string) error {
 	return nil
 }
 
-// ProtectedTable is one row of fence.protected_tables.
+// ProtectedTable is one member of a protected tree (fence.protected_tables).
 type ProtectedTable struct {
 	Schema       string
 	Table        string
+	Root         string // the protected table it is protected through, as SQL names it; Table's own name for a root
 	JobKeyColumn string // "" when rows are not scoped
 	ProtectedAt  time.Time
 	Exists       bool // false if the table was dropped after protecting
 }
 
-// ProtectedTables lists the protected tables by schema and name.
+// ProtectedTables lists the protected tables, every member of every
+// protected tree, by schema and name. Names are the tables' current ones:
+// protection follows the table, not its name.
 func ProtectedTables(ctx context.Context, db DBTX) ([]ProtectedTable, error) {
-	rows, err := db.Query(ctx, `select p.schema_name, p.table_name, coalesce(p.job_key_column, ''), p.protected_at,
-		exists (select 1 from pg_catalog.pg_class c where c.oid = p.relid)
-		from fence.protected_tables p order by 1, 2`)
+	rows, err := db.Query(ctx, `select coalesce(n.nspname, p.schema_name), coalesce(c.relname, p.table_name),
+		coalesce(p.root::text, ''), coalesce(p.job_key_column, ''), p.protected_at, c.oid is not null
+		from fence.protected_tables p
+		left join pg_catalog.pg_class c on c.oid = p.relid
+		left join pg_catalog.pg_namespace n on n.oid = c.relnamespace
+		order by 1, 2`)
 	if err != nil {
 		return nil, fmt.Errorf("list protected tables: %w", err)
 	}
 	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (ProtectedTable, error) {
 		var t ProtectedTable
-		err := r.Scan(&t.Schema, &t.Table, &t.JobKeyColumn, &t.ProtectedAt, &t.Exists)
+		err := r.Scan(&t.Schema, &t.Table, &t.Root, &t.JobKeyColumn, &t.ProtectedAt, &t.Exists)
 		return t, err
 	})
 	if err != nil {
