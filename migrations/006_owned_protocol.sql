@@ -699,10 +699,15 @@ grant execute on function
   fence.commit_if_written(text, bigint, bigint, text, bytea, text)
   to pgfence_worker;
 grant execute on function fence.has_generation(text, bigint) to public;
+-- Administrators (pgfence_bypass) retire, release and collect without being
+-- workers; the functions check the rest.
 grant execute on function
   fence.set_job_authorization(boolean),
   fence.grant_job(name, text),
-  fence.revoke_job(name, text)
+  fence.revoke_job(name, text),
+  fence.retire(text, bigint, boolean),
+  fence.release(text, bigint),
+  fence.gc(interval)
   to pgfence_bypass;
 grant select on fence.job_grants to pgfence_bypass;
 -- Trigger functions and the predicates the backstop calls in the writer's
