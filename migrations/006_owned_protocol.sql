@@ -709,7 +709,11 @@ grant execute on function
   fence.release(text, bigint),
   fence.gc(interval)
   to pgfence_bypass;
-grant select on fence.job_grants to pgfence_bypass;
+-- Administrators see everything (workers see fence.jobs).
+grant select on fence.fences, fence.leases, fence.epochs, fence.issuance, fence.receipts,
+  fence.gc_watermarks, fence.protected_tables, fence.consumer_watermarks, fence.consumer_log,
+  fence.settings, fence.job_grants
+  to pgfence_bypass;
 -- Trigger functions and the predicates the backstop calls in the writer's
 -- rights (003's grants, which the revoke above took back, and the new ones).
 grant execute on function fence.is_bypass(name), fence.member_of(name, name), fence.session_bypass(),
