@@ -16,25 +16,27 @@ func (e *env) role(suffix string) string {
 	return prefix + "_" + suffix
 }
 
-// trustEnv is newEnv with two worker roles of its own (issue 17 §5).
-func trustEnv(t *testing.T) (e *env, w1, w2 *pgx.Conn) {
+// trustEnv is newEnv with two worker roles of its own (issue 17 §5), the
+// first holding job "report".
+func trustEnv(t *testing.T) (e *env, w1, w2 *pgx.Conn, l fence.Lease) {
 	t.Helper()
 	e = newEnv(t)
 	r1, r2 := e.role("w1"), e.role("w2")
 	for _, r := range []string{r1, r2} {
 		e.exec(fmt.Sprintf("create role %s login in role pgfence_worker; grant select, insert, update, delete on results, audit to %[1]s", pgx.Identifier{r}.Sanitize()))
 	}
-	return e, e.connectAs(r1), e.connectAs(r2)
+	w1, w2 = e.connectAs(r1), e.connectAs(r2)
+	l, err := fence.Acquire(ctxT(t), w1, "report", "a", time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return e, w1, w2, l
 }
 
 func TestRetireOptions(t *testing.T) {
 	t.Parallel()
-	e, w1, w2 := trustEnv(t)
+	e, w1, w2, l := trustEnv(t)
 	ctx := ctxT(t)
-	l, err := fence.Acquire(ctx, w1, "report", "a", time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
 	wantFenceError(t, fence.Retire(ctx, w1, "report", fence.RetireOptions{}), fence.CodeNotOwner)
 	wantFenceError(t, fence.Retire(ctx, w2, "report", fence.RetireOptions{Token: l.Token}), fence.CodeNotOwner)
 	wantFenceError(t, fence.Retire(ctx, w1, "report", fence.RetireOptions{Token: l.Token + 1}), fence.CodeStale)
@@ -66,14 +68,10 @@ func TestRetireOptions(t *testing.T) {
 // holder do not work across roles.
 func TestOwnedGenerations(t *testing.T) {
 	t.Parallel()
-	e, w1, w2 := trustEnv(t)
+	e, w1, w2, l := trustEnv(t)
 	ctx := ctxT(t)
-	l, err := fence.Acquire(ctx, w1, "report", "a", time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
 	g := l.Generation("")
-	_, err = fence.Renew(ctx, w2, "report", l.Token, time.Minute)
+	_, err := fence.Renew(ctx, w2, "report", l.Token, time.Minute)
 	wantFenceError(t, err, fence.CodeNotOwner)
 	wantFenceError(t, fence.Release(ctx, w2, "report", l.Token), fence.CodeNotOwner)
 	_, err = fence.Acquire(ctx, w2, "report", "a", time.Minute)
@@ -108,12 +106,8 @@ func TestOwnedGenerations(t *testing.T) {
 // writes the caller's receipt instead, or nothing.
 func TestOpaqueWriteReceipt(t *testing.T) {
 	t.Parallel()
-	e, w1, _ := trustEnv(t)
+	e, w1, _, l := trustEnv(t)
 	ctx := ctxT(t)
-	l, err := fence.Acquire(ctx, w1, "report", "a", time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
 	do := fmt.Sprintf("do $$ begin insert into results values ('report', 'opaque', %d) on conflict (job_key) do update set payload = excluded.payload; end $$", l.Token)
 	if err := setGUCs(ctx, w1, l.Generation("")); err != nil {
 		t.Fatal(err)
@@ -125,7 +119,7 @@ func TestOpaqueWriteReceipt(t *testing.T) {
 	if err := e.admin.QueryRow(ctx, "select digest_version from fence.receipts where token = $1", l.Token).Scan(&version); err != nil || version != fence.BackstopDigestVersion {
 		t.Fatalf("receipt: %q, %v; want %s", version, err, fence.BackstopDigestVersion)
 	}
-	_, err = w1.Exec(ctx, do)
+	_, err := w1.Exec(ctx, do)
 	wantCode(t, err, fence.CodeReplay)
 	if n := e.count("select count(*) from fence.write_marks"); n != 0 {
 		t.Fatalf("marks left: %d", n)
@@ -173,12 +167,8 @@ func TestOpaqueWriteReceipt(t *testing.T) {
 // cluster allows prepared transactions, so only the backstop refuses it.
 func TestPrepareAfterOpaqueWrite(t *testing.T) {
 	t.Parallel()
-	e, w1, _ := trustEnv(t)
+	e, w1, _, l := trustEnv(t)
 	ctx := ctxT(t)
-	l, err := fence.Acquire(ctx, w1, "report", "a", time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
 	for _, q := range []string{
 		"begin; update results set payload = 'x'; prepare transaction 'p1'",
 		"begin; update results set payload = 'x'; /* the end */ PREPARE\n\tTRANSACTION 'p2'",
@@ -208,7 +198,7 @@ func TestPrepareAfterOpaqueWrite(t *testing.T) {
 // only saves work. Forging it skips the forger's own receipt, and no check.
 func TestForgedMarkCostsOnlyTheForger(t *testing.T) {
 	t.Parallel()
-	e, w1, _ := trustEnv(t)
+	e, w1, _, _ := trustEnv(t)
 	ctx := ctxT(t)
 	old, err := fence.Acquire(ctx, w1, "report", "a", time.Minute)
 	if err != nil {
@@ -289,12 +279,8 @@ func TestProtectTree(t *testing.T) {
 // caller's own generations only.
 func TestHasGeneration(t *testing.T) {
 	t.Parallel()
-	e, w1, w2 := trustEnv(t)
+	e, w1, w2, l := trustEnv(t)
 	ctx := ctxT(t)
-	l, err := fence.Acquire(ctx, w1, "report", "a", time.Minute)
-	if err != nil {
-		t.Fatal(err)
-	}
 	ask := func(c *pgx.Conn, token int64) bool {
 		t.Helper()
 		var ok bool

@@ -12,6 +12,17 @@
 -- first lookup that finds the command touches no protected table: DDL on
 -- other tables, and pgfence migrate itself, pay one or two index probes.
 
+-- guard_idle: nothing to guard (no table is protected), or the DDL is
+-- pgfence's own (fence.own_ddl).
+create function fence.guard_idle() returns boolean
+language sql stable
+set search_path = pg_catalog, fence
+as $$
+  select not exists (select 1 from fence.protected_tables)
+      or exists (select 1 from fence.own_ddl o where o.xid = pg_current_xact_id_if_assigned())
+$$;
+revoke all on function fence.guard_idle() from public;
+
 -- guard_ddl_end runs at ddl_command_end. PostgreSQL says which objects a
 -- command touched but not what an ALTER TABLE did, so the guard checks
 -- the protected trees the command touched as they are now: every member
@@ -34,10 +45,7 @@ declare
   v_allowed boolean;
   v_changed boolean := false;
 begin
-  if not exists (select 1 from fence.protected_tables) then
-    return;
-  end if;
-  if exists (select 1 from fence.own_ddl o where o.xid = pg_current_xact_id_if_assigned()) then
+  if fence.guard_idle() then
     return;
   end if;
   for r in select c.command_tag, c.classid, c.objid from pg_catalog.pg_event_trigger_ddl_commands() c loop
@@ -142,10 +150,7 @@ declare
   v_allowed boolean;
   v_changed boolean := false;
 begin
-  if not exists (select 1 from fence.protected_tables) then
-    return;
-  end if;
-  if exists (select 1 from fence.own_ddl o where o.xid = pg_current_xact_id_if_assigned()) then
+  if fence.guard_idle() then
     return;
   end if;
   for r in select d.classid, d.objid, d.object_type, d.object_identity, d.address_names
