@@ -1,6 +1,7 @@
 package fence_test
 
 import (
+	"context"
 	"fmt"
 	"strings"
 	"testing"
@@ -116,7 +117,7 @@ func TestOpaqueWriteReceipt(t *testing.T) {
 		t.Fatalf("opaque write: %v", err)
 	}
 	var version string
-	if err := e.admin.QueryRow(ctx, "select digest_version from fence.receipts where token = $1", l.Token).Scan(&version); err != nil || version != fence.BackstopDigestVersion {
+	if err := e.admin.QueryRow(ctx, "select digest_version from fence.receipts where token = $1 and step = ''", l.Token).Scan(&version); err != nil || version != fence.BackstopDigestVersion {
 		t.Fatalf("receipt: %q, %v; want %s", version, err, fence.BackstopDigestVersion)
 	}
 	_, err := w1.Exec(ctx, do)
@@ -159,6 +160,18 @@ func TestOpaqueWriteReceipt(t *testing.T) {
 	wantFenceError(t, err, fence.CodeConflict)
 	if n := e.count("select count(*) from fence.receipts where step in ('none', 'ciw')"); n != 1 {
 		t.Fatalf("receipts: %d, want 1", n)
+	}
+	// RunTx gates, so the backstop does not mark its opaque writes: its
+	// own receipt is the one.
+	res, err := fence.RunTx(ctx, w1, l.Generation("runtx"), []byte("p"), func(ctx context.Context, tx pgx.Tx) error {
+		_, err := tx.Exec(ctx, do)
+		return err
+	})
+	if err != nil || res != fence.Committed {
+		t.Fatalf("RunTx with an opaque write: %v, %v", res, err)
+	}
+	if err := e.admin.QueryRow(ctx, "select digest_version from fence.receipts where step = 'runtx'").Scan(&version); err != nil || version != fence.PayloadDigestVersion {
+		t.Fatalf("RunTx's receipt: %q, %v", version, err)
 	}
 }
 
@@ -224,8 +237,23 @@ func TestForgedMarkCostsOnlyTheForger(t *testing.T) {
 			t.Fatalf("current generation with a forged mark: %v", err)
 		}
 	}
+	// Gating is the same declaration: a transaction that gates writes its
+	// own receipt with fence.commit; one that then does not has none.
+	tx, err := w1.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r, err := fence.Gate(ctx, tx, cur.Generation("gated")); err != nil || r != fence.GateOK {
+		t.Fatalf("gate: %v, %v", r, err)
+	}
+	if _, err := tx.Exec(ctx, "update results set payload = 'gated'"); err != nil {
+		t.Fatal(err)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
 	if n := e.count("select count(*) from fence.receipts"); n != 0 {
-		t.Fatalf("receipts: %d; the forger skipped only its own", n)
+		t.Fatalf("receipts: %d; the forger (and the gater) skipped only its own", n)
 	}
 }
 

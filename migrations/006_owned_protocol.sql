@@ -343,11 +343,20 @@ begin
     into f.epoch, f.max_issued_token, f.retired_at, f.owner_role, v_replay
     from fence.fences fe where fe.job_key = v_key
      for update of fe;
-  if not v_replay and f.epoch = gate.epoch and f.retired_at is null and f.max_issued_token = gate.token
-     and f.owner_role = session_user then
-    return 'ok';
+  if (not v_replay and f.epoch = gate.epoch and f.retired_at is null and f.max_issued_token = gate.token
+      and f.owner_role = session_user) is not true then
+    if fence.gate_slow(v_key, gate.epoch, gate.token, v_step) = 'replay' then
+      return 'replay';
+    end if;
   end if;
-  return fence.gate_slow(v_key, gate.epoch, gate.token, v_step);
+  -- A transaction that gates a generation writes its receipt with
+  -- fence.commit (the proxy and fence.RunTx always do), so the backstop
+  -- need not mark it (§4): the setting is the backstop's own "already
+  -- marked" (keep the value in step with fence.backstop). A caller that
+  -- gates and then commits without fence.commit loses only its own
+  -- receipt, as if it had forged the setting.
+  perform set_config('pgfence.marked', format('%s %s %s %L %L', pg_current_xact_id(), gate.epoch, gate.token, v_key, v_step), true);
+  return 'ok';
 end
 $$;
 

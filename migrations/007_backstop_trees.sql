@@ -35,9 +35,11 @@ comment on table fence.own_ddl is 'in-flight: pgfence''s own DDL in this transac
 -- first statement of a transaction that changes a protected table under a
 -- generation records so in fence.write_marks, whose deferred trigger writes
 -- the receipt at COMMIT if nobody else did. The setting pgfence.marked only
--- saves the insert on the transaction's later statements; a client that
--- forges or clears it can only lose its own receipt or insert a second mark
--- (which the deferred trigger tolerates): it never skips the fence check.
+-- saves the insert on the transaction's later statements (and fence.gate
+-- sets it: a gated transaction writes its receipt with fence.commit); a
+-- client that forges or clears it can only lose its own receipt or insert a
+-- second mark (which the deferred trigger tolerates): it never skips the
+-- fence check. Keep the value in step with fence.gate.
 create or replace function fence.backstop() returns trigger
 language plpgsql
 security definer

@@ -72,6 +72,18 @@ func bypassOwner(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) { c.try(t, tc.a) })
 	}
 
+	t.Run("ordinary_schema_changes_pass", func(t *testing.T) {
+		// The guard is not a schema freeze: changes that leave the fence as
+		// it is stay the owner's.
+		c.as(t, o, `alter table app.ledger add column note text default 'n';
+			create index on app.ledger (note);
+			alter table app.ledger add constraint v_not_empty check (v <> '');
+			alter table app.ledger drop column note;
+			comment on table res is 'results';
+			create table res_5 partition of res for values from (500) to (600);
+			grant select on app.ledger to `+c.worker2)
+		c.try(t, attempt{role: c.worker, lease: &c.stale, sql: "insert into res_5 values (550, 'job', 'zombie')", code: fence.CodeStale, direct: true})
+	})
 	t.Run("bypass_member_may", func(t *testing.T) {
 		// The control: a DBA (pgfence_bypass, and in the owner role) may
 		// rename; protection follows the table, and its names follow.
