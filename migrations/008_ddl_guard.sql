@@ -153,9 +153,11 @@ begin
   if fence.guard_idle() then
     return;
   end if;
-  for r in select d.classid, d.objid, d.object_type, d.object_identity, d.address_names
+  for r in select d.classid, d.objid, d.objsubid, d.object_type, d.object_identity, d.address_names
              from pg_catalog.pg_event_trigger_dropped_objects() d loop
-    if r.classid = 'pg_catalog.pg_class'::regclass
+    -- (A column is dropped with objsubid its number: ddl_command_end
+    -- checks the job-key column.)
+    if r.classid = 'pg_catalog.pg_class'::regclass and r.objsubid = 0
        and exists (select 1 from fence.protected_tables q where q.relid = r.objid::regclass) then
       v_allowed := coalesce(v_allowed, fence.is_admin());
       if not v_allowed then

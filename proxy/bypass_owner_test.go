@@ -81,7 +81,8 @@ func bypassOwner(t *testing.T) {
 			alter table app.ledger drop column note;
 			comment on table res is 'results';
 			create table res_5 partition of res for values from (500) to (600);
-			grant select on app.ledger to `+c.worker2)
+			grant select on app.ledger to `+c.worker2+`;
+			grant insert on res_5 to `+c.worker)
 		c.try(t, attempt{role: c.worker, lease: &c.stale, sql: "insert into res_5 values (550, 'job', 'zombie')", code: fence.CodeStale, direct: true})
 	})
 	t.Run("bypass_member_may", func(t *testing.T) {
