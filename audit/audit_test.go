@@ -210,7 +210,7 @@ func cleanHistory(t *testing.T) *history {
 		audit.ReadRecord{Job: "report", GenerationToken: b.Token, SawToken: 0})
 
 	// Retire and re-create the key: a new epoch, tokens go on.
-	if err := fence.Retire(ctx, h.admin, "report"); err != nil {
+	if err := fence.Retire(ctx, h.admin, "report", fence.RetireOptions{Force: true}); err != nil {
 		t.Fatal(err)
 	}
 	h.accept("mailer", b, false) // closed epoch
@@ -326,7 +326,7 @@ func TestAuditReportsBrokenHistories(t *testing.T) {
 		t.Parallel()
 		h := cleanHistory(t)
 		c := h.leases["C"]
-		if err := fence.Retire(ctxT(t), h.admin, "report"); err != nil {
+		if err := fence.Retire(ctxT(t), h.admin, "report", fence.RetireOptions{Force: true}); err != nil {
 			t.Fatal(err)
 		}
 		h.execRaw("insert into fence.receipts (job_key, epoch, token, step, payload_digest, digest_version) values ($1, $2, $3, 'late', '\\x00', 'v1')",

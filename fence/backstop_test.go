@@ -2,11 +2,13 @@ package fence_test
 
 import (
 	"context"
+	"errors"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/pgfence/pgfence/fence"
 )
 
@@ -214,11 +216,15 @@ func TestPrivileges(t *testing.T) {
 	if _, err := fence.Renew(ctx, c, "report", l.Token, time.Minute); err != nil {
 		t.Fatalf("worker renew: %v", err)
 	}
+	// Workers see the jobs, not the tokens (issue 17 §5).
 	var n int
-	if err := c.QueryRow(ctx, "select count(*) from fence.fences").Scan(&n); err != nil || n != 1 {
-		t.Fatalf("worker reads fence.fences: %d, %v", n, err)
+	if err := c.QueryRow(ctx, "select count(*) from fence.jobs where lease_live").Scan(&n); err != nil || n != 1 {
+		t.Fatalf("worker reads fence.jobs: %d, %v", n, err)
 	}
 	for _, sql := range []string{
+		"select * from fence.fences",
+		"select * from fence.leases",
+		"select * from fence.issuance",
 		"insert into fence.fences values ('x', 1, 1)",
 		"update fence.fences set max_issued_token = 1",
 		"update fence.receipts set payload_digest = ''",
@@ -252,10 +258,13 @@ func TestPrivileges(t *testing.T) {
 	// replay and cannot commit.)
 	_, err = p.Exec(ctx, "begin; "+setSQL(l.Generation(""))+"; insert into results values ('p', 'p', 1); commit")
 	wantCode(t, err, fence.CodeReplay)
+	// A current generation acquired by another role is not the plain
+	// role's to write under (issue 17 §5).
 	p2 := e.acquire("plain-job", "admin")
 	_, err = p.Exec(ctx, "reset all; "+setSQL(p2.Generation(""))+"; insert into results values ('p', 'p', 1)")
-	if err != nil {
-		t.Fatalf("plain role with valid metadata: %v", err)
+	wantCode(t, err, fence.CodeNotOwner)
+	if n := e.count("select count(*) from results where job_key = 'p'"); n != 0 {
+		t.Fatalf("plain role's write under another role's generation: %d rows", n)
 	}
 }
 
@@ -282,7 +291,7 @@ func TestBadInput(t *testing.T) {
 	_, err := fence.Renew(ctx, db, "nope", 1, time.Minute)
 	wantFenceError(t, err, fence.CodeUnknownJob)
 	wantFenceError(t, fence.Release(ctx, db, "nope", 1), fence.CodeUnknownJob)
-	wantFenceError(t, fence.Retire(ctx, db, "nope"), fence.CodeUnknownJob)
+	wantFenceError(t, fence.Retire(ctx, db, "nope", fence.RetireOptions{Force: true}), fence.CodeUnknownJob)
 	g := fence.Generation{JobKey: "nope", Epoch: 1, Token: 1}
 	_, err = writeResult(ctx, e.connect(), pgx.ReadCommitted, g, "x")
 	wantFenceError(t, err, fence.CodeUnknownJob)
@@ -307,8 +316,13 @@ func TestBadInput(t *testing.T) {
 	wantCode(t, fence.Protect(ctx, db, "audit", "token"), "42804")
 	e.exec("create view v as select * from audit")
 	wantCode(t, fence.Protect(ctx, db, "v", ""), "42809")
-	e.exec("create table parted (k text) partition by list (k)")
-	wantCode(t, fence.Protect(ctx, db, "parted", ""), "42809")
+	// A partition is not protected alone: its root is (issue 17 §1).
+	e.exec("create table parted (k text) partition by list (k); create table parted_a partition of parted for values in ('a')")
+	err = fence.Protect(ctx, db, "parted_a", "")
+	wantCode(t, err, "42809")
+	if pg := (*pgconn.PgError)(nil); !errors.As(err, &pg) || !strings.Contains(pg.Hint, "fence.protect('public.parted')") {
+		t.Fatalf("protect a partition: %v, want a hint naming its root", err)
+	}
 	var triggers int
 	if err := db.QueryRow(ctx, "select count(*) from pg_trigger where tgrelid = 'audit'::regclass").Scan(&triggers); err != nil {
 		t.Fatal(err)

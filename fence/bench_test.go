@@ -2,9 +2,13 @@ package fence_test
 
 import (
 	"context"
+	"fmt"
 	"strconv"
+	"strings"
 	"testing"
 	"time"
+
+	"github.com/jackc/pgx/v5"
 
 	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/internal/seedbench"
@@ -164,4 +168,115 @@ alter table rt_off disable trigger pgfence_replay;
 	b.ReportMetric(wo, "without-ns/op")
 	b.ReportMetric(w/wo, "overhead")
 	b.Logf("100-row update + upsert: with pgfence_replay %.0f ns/op, without %.0f ns/op, ratio %.3f (n=%d)", w, wo, w/wo, i)
+}
+
+// BenchmarkPartitionedBackstop measures what the backstop costs a bulk
+// write into a partitioned table (issue 17 §1): 10,000 rows by INSERT …
+// SELECT and by COPY FROM, naming the root, into two identical trees of
+// four partitions (two of them under a sub-partitioned one), one protected,
+// one not, interleaved in one gated transaction each (rolled back, so the
+// tables stay empty). protected-ns/op and plain-ns/op are the two trees'
+// times, overhead their ratio.
+//
+// Versions before migration 005 refuse to protect a partitioned table
+// (42809): the benchmark then protects each leaf partition, the only
+// option they had, so the same benchmark measures both.
+func BenchmarkPartitionedBackstop(b *testing.B) {
+	ctx := context.Background()
+	db := cluster.NewDatabase(b)
+	conn, err := cluster.Primary.Connect(ctx, db)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer conn.Close(ctx)
+	for _, tree := range []string{"pt_on", "pt_off"} {
+		if _, err := conn.Exec(ctx, strings.ReplaceAll(`
+create table T (k int not null, job_key text not null, v text not null) partition by range (k);
+create table T_1 partition of T for values from (0) to (2500);
+create table T_2 partition of T for values from (2500) to (5000);
+create table T_3 partition of T for values from (5000) to (10001) partition by range (k);
+create table T_3a partition of T_3 for values from (5000) to (7500);
+create table T_3b partition of T_3 for values from (7500) to (10001);
+`, "T", tree)); err != nil {
+			b.Fatal(err)
+		}
+	}
+	if _, err := conn.Exec(ctx, "select fence.protect('pt_on')"); err != nil {
+		if pgCode(err) != "42809" {
+			b.Fatal(err)
+		}
+		if _, err := conn.Exec(ctx, "select fence.protect(t) from unnest(array['pt_on_1', 'pt_on_2', 'pt_on_3a', 'pt_on_3b']::regclass[]) t"); err != nil {
+			b.Fatal(err)
+		}
+		b.Log("protect: partitioned tables refused; protected the leaf partitions")
+	}
+	l, err := fence.Acquire(ctx, conn, "bench-job", "bench", time.Hour)
+	if err != nil {
+		b.Fatal(err)
+	}
+	rows := make([][]any, 10000)
+	for i := range rows {
+		rows[i] = []any{int32(i + 1), "bench-job", "v"}
+	}
+	for _, bc := range []struct {
+		name  string
+		write func(tx pgx.Tx, tree string) error
+	}{
+		{"insert_select", func(tx pgx.Tx, tree string) error {
+			_, err := tx.Exec(ctx, "insert into "+tree+" select g, 'bench-job', 'v' from generate_series(1, 10000) g")
+			return err
+		}},
+		{"copy", func(tx pgx.Tx, tree string) error {
+			n, err := tx.CopyFrom(ctx, pgx.Identifier{tree}, []string{"k", "job_key", "v"}, pgx.CopyFromRows(rows))
+			if err == nil && n != int64(len(rows)) {
+				err = fmt.Errorf("copied %d rows, want %d", n, len(rows))
+			}
+			return err
+		}},
+	} {
+		b.Run(bc.name, func(b *testing.B) {
+			cycle := func(tree string) func(i int) {
+				return func(i int) {
+					tx, err := conn.Begin(ctx)
+					if err != nil {
+						b.Fatal(err)
+					}
+					defer tx.Rollback(ctx)
+					if r, err := fence.Gate(ctx, tx, l.Generation("")); err != nil || r != fence.GateOK {
+						b.Fatalf("gate: %v, %v", r, err)
+					}
+					if err := bc.write(tx, tree); err != nil {
+						b.Fatal(err)
+					}
+				}
+			}
+			// Alternate which tree goes first: the second write of an
+			// iteration finds the other's pages in the cache.
+			on, off := cycle("pt_on"), cycle("pt_off")
+			for i := range 10 {
+				on(-1 - i)
+				off(-1 - i)
+			}
+			var ns [2]float64
+			i := 0
+			for b.Loop() {
+				for k := range 2 {
+					k := (k + i) % 2
+					t0 := time.Now()
+					[]func(int){on, off}[k](i)
+					ns[k] += float64(time.Since(t0).Nanoseconds())
+				}
+				i++
+			}
+			if i == 0 {
+				return
+			}
+			ns[0] /= float64(i)
+			ns[1] /= float64(i)
+			b.ReportMetric(ns[0], "protected-ns/op")
+			b.ReportMetric(ns[1], "plain-ns/op")
+			b.ReportMetric(ns[0]/ns[1], "overhead")
+			b.Logf("10,000 rows into a partitioned table by %s: protected %.0f ns/op, unprotected %.0f ns/op, ratio %.3f (n=%d)", bc.name, ns[0], ns[1], ns[0]/ns[1], i)
+		})
+	}
 }

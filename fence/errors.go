@@ -103,6 +103,15 @@ func IsFencingRequired(err error) bool { return Code(err) == CodeFencingRequired
 // IsUnsupported reports whether err is FN009.
 func IsUnsupported(err error) bool { return Code(err) == CodeUnsupported }
 
+// IsProtectionLocked reports whether err is FN010: a change to a
+// protected table (DDL, unprotect, attaching or detaching) that needs
+// pgfence_bypass.
+func IsProtectionLocked(err error) bool { return Code(err) == CodeProtectionLocked }
+
+// IsNotOwner reports whether err is FN011: the generation belongs to
+// another role, or the role may not take the job.
+func IsNotOwner(err error) bool { return Code(err) == CodeNotOwner }
+
 // IsReplay reports whether err is FN00R: the transaction replays a committed
 // generation and cannot commit.
 func IsReplay(err error) bool { return Code(err) == CodeReplay }

@@ -83,6 +83,9 @@ const (
 	// payload. The first commit stands; this transaction is aborted and
 	// must be rolled back.
 	Replayed
+	// NotWritten (CommitIfWritten only): the transaction changed no
+	// protected table under the generation; no receipt was written.
+	NotWritten
 )
 
 func (r CommitResult) String() string {
@@ -91,6 +94,8 @@ func (r CommitResult) String() string {
 		return "committed"
 	case Replayed:
 		return "replayed"
+	case NotWritten:
+		return "not written"
 	}
 	return "CommitResult(" + strconv.Itoa(int(r)) + ")"
 }
@@ -133,10 +138,29 @@ func Release(ctx context.Context, db DBTX, jobKey string, token int64) error {
 	return nil
 }
 
+// RetireOptions say whose retire it is.
+type RetireOptions struct {
+	// Token is the caller's current token: the holder ends its own job
+	// (its own live lease ends with it). It must be the job's current
+	// token (else CodeStale) and the caller the role that acquired it
+	// (else CodeNotOwner), unless the caller is an administrator. Zero
+	// retires without a token, which only an administrator may do
+	// (pgfence_bypass or a superuser; else CodeNotOwner).
+	Token int64
+	// Force, without a token, also ends a live lease; without it, a live
+	// lease gives CodeLeaseHeld.
+	Force bool
+}
+
 // Retire closes the job's current epoch. Requests naming it get
 // CodeRetired; the next Acquire opens a new epoch with a larger token.
-func Retire(ctx context.Context, db DBTX, jobKey string) error {
-	if _, err := db.Exec(ctx, "select fence.retire($1)", jobKey); err != nil {
+// Retiring a retired job is a no-op.
+func Retire(ctx context.Context, db DBTX, jobKey string, opts RetireOptions) error {
+	var token *int64
+	if opts.Token != 0 {
+		token = &opts.Token
+	}
+	if _, err := db.Exec(ctx, "select fence.retire($1, $2, $3)", jobKey, token, opts.Force); err != nil {
 		return fmt.Errorf("retire %q: %w", jobKey, asError(err))
 	}
 	return nil
@@ -186,6 +210,39 @@ func Commit(ctx context.Context, tx DBTX, g Generation, digest []byte, version s
 	}
 	return Committed, nil
 }
+
+// CommitIfWritten is Commit for a transaction whose writes the caller
+// cannot see (a function, a DO block, a trigger): it writes the receipt
+// for g, with Commit's checks and errors, only when the transaction
+// changed a protected table under g (the backstop marked it), and answers
+// NotWritten otherwise. A transaction that entered replay mode for g gives
+// Replayed or CodeConflict, as Commit does. Without either call, the
+// backstop writes the receipt of a marked transaction itself at COMMIT,
+// with digest version BackstopDigestVersion.
+func CommitIfWritten(ctx context.Context, tx DBTX, g Generation, digest []byte, version string) (CommitResult, error) {
+	var res string
+	err := tx.QueryRow(ctx, "select fence.commit_if_written($1, $2, $3, $4, $5, $6)",
+		g.JobKey, g.Epoch, g.Token, g.Step, digest, version).Scan(&res)
+	if err != nil {
+		err = asError(err)
+		if IsReplay(err) {
+			return Replayed, nil
+		}
+		return 0, fmt.Errorf("commit %s: %w", g, err)
+	}
+	switch res {
+	case "committed":
+		return Committed, nil
+	case "none":
+		return NotWritten, nil
+	}
+	return 0, fmt.Errorf("commit %s: unexpected answer %q", g, res)
+}
+
+// BackstopDigestVersion is the digest version of a receipt the backstop
+// wrote at COMMIT because nobody else did: SHA-256 of the text of the
+// statement that first changed a protected table under the generation.
+const BackstopDigestVersion = "backstop-v1"
 
 // PayloadDigestVersion is the digest version RunTx stores: SHA-256 of the
 // caller's payload bytes.
@@ -276,10 +333,13 @@ func AcceptEvent(ctx context.Context, db DBTX, consumer, jobKey string, epoch, t
 }
 
 // Protect installs the backstop trigger on table (a name as in SQL,
-// optionally schema-qualified and quoted). jobKeyColumn, when not empty,
-// also scopes rows: a fenced session may only write rows whose column
-// equals its fence.job_key. Protecting a protected table again with the same
-// column is a no-op; with another column it is an error.
+// optionally schema-qualified and quoted) and on its whole tree: every
+// partition and sub-partition, every inheritance child, now and later.
+// A partition or child is not protected alone: its root is (the error
+// names it). jobKeyColumn, when not empty, also scopes rows: a fenced
+// session may only write rows whose column equals its fence.job_key.
+// Protecting a protected table again with the same column is a no-op; with
+// another column it is an error.
 func Protect(ctx context.Context, db DBTX, table, jobKeyColumn string) error {
 	var col *string
 	if jobKeyColumn != "" {
@@ -291,8 +351,9 @@ func Protect(ctx context.Context, db DBTX, table, jobKeyColumn string) error {
 	return nil
 }
 
-// Unprotect removes the backstop from table; a table that is not protected
-// is left as it is.
+// Unprotect removes the backstop from table, a protected root, and its
+// whole tree; a table that is not protected is left as it is. It needs an
+// administrator (pgfence_bypass or a superuser): else CodeProtectionLocked.
 func Unprotect(ctx context.Context, db DBTX, table string) error {
 	if _, err := db.Exec(ctx, "select fence.unprotect($1::regclass)", table); err != nil {
 		return fmt.Errorf("unprotect %s: %w", table, asError(err))
@@ -300,26 +361,32 @@ func Unprotect(ctx context.Context, db DBTX, table string) error {
 	return nil
 }
 
-// ProtectedTable is one row of fence.protected_tables.
+// ProtectedTable is one member of a protected tree (fence.protected_tables).
 type ProtectedTable struct {
 	Schema       string
 	Table        string
+	Root         string // the protected table it is protected through, as SQL names it; Table's own name for a root
 	JobKeyColumn string // "" when rows are not scoped
 	ProtectedAt  time.Time
 	Exists       bool // false if the table was dropped after protecting
 }
 
-// ProtectedTables lists the protected tables by schema and name.
+// ProtectedTables lists the protected tables, every member of every
+// protected tree, by schema and name. Names are the tables' current ones:
+// protection follows the table, not its name.
 func ProtectedTables(ctx context.Context, db DBTX) ([]ProtectedTable, error) {
-	rows, err := db.Query(ctx, `select p.schema_name, p.table_name, coalesce(p.job_key_column, ''), p.protected_at,
-		exists (select 1 from pg_catalog.pg_class c where c.oid = p.relid)
-		from fence.protected_tables p order by 1, 2`)
+	rows, err := db.Query(ctx, `select coalesce(n.nspname, p.schema_name), coalesce(c.relname, p.table_name),
+		coalesce(p.root::text, ''), coalesce(p.job_key_column, ''), p.protected_at, c.oid is not null
+		from fence.protected_tables p
+		left join pg_catalog.pg_class c on c.oid = p.relid
+		left join pg_catalog.pg_namespace n on n.oid = c.relnamespace
+		order by 1, 2`)
 	if err != nil {
 		return nil, fmt.Errorf("list protected tables: %w", err)
 	}
 	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (ProtectedTable, error) {
 		var t ProtectedTable
-		err := r.Scan(&t.Schema, &t.Table, &t.JobKeyColumn, &t.ProtectedAt, &t.Exists)
+		err := r.Scan(&t.Schema, &t.Table, &t.Root, &t.JobKeyColumn, &t.ProtectedAt, &t.Exists)
 		return t, err
 	})
 	if err != nil {

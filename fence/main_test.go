@@ -19,7 +19,9 @@ import (
 var cluster *pgtest.Cluster
 
 func TestMain(m *testing.M) {
-	os.Exit(pgtest.Run(m, pgtest.Options{}, migrations.Prepare, &cluster))
+	// Prepared transactions are on, so that the backstop's refusal of
+	// PREPARE TRANSACTION after an unreceipted write is what stops it.
+	os.Exit(pgtest.Run(m, pgtest.Options{Settings: map[string]string{"max_prepared_transactions": "4"}}, migrations.Prepare, &cluster))
 }
 
 // demoSchema is the seed's result table, protected, plus an unprotected

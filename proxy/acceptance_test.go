@@ -601,7 +601,7 @@ func testA10(t *testing.T) {
 				t.Fatal(err)
 			}
 			// Clean up: retire, collect receipts, delete the business row.
-			if err := fence.Retire(ctx, e.direct(t), "job"); err != nil {
+			if err := fence.Retire(ctx, e.direct(t), "job", fence.RetireOptions{Force: true}); err != nil {
 				t.Fatal(err)
 			}
 			if n, err := fence.GC(ctx, e.direct(t), 0); err != nil || n != 1 {

@@ -111,21 +111,32 @@ func newLeaseCmd() *cobra.Command {
 	jobFlag(release)
 	tokenFlag(release)
 
+	var force bool
 	retire := &cobra.Command{
-		Use:   "retire --job K",
+		Use:   "retire --job K [--token T | --force]",
 		Short: "Close the job's current epoch",
 		Long: `Close the job's current epoch: its lease ends, requests naming the epoch get
 FN004 forever, and the next acquire opens a new epoch with a larger token.
+
+With --token, the holder ends its own job: the token must be the job's
+current one and the connection's role the one that acquired it. Without a
+token, only a member of pgfence_bypass (or a superuser) may retire, and a
+live lease is refused (exit 75) unless --force.
 ` + leaseOutput,
 		Args: cobra.NoArgs,
 		RunE: withConn(func(ctx context.Context, conn *pgx.Conn) (map[string]any, []string, error) {
-			if err := fence.Retire(ctx, conn, job); err != nil {
+			if err := fence.Retire(ctx, conn, job, fence.RetireOptions{Token: token, Force: force}); err != nil {
+				if fence.IsLeaseHeld(err) && !force {
+					err = fmt.Errorf("%w\nthe lease is live: pass --force to end it and retire the job anyway", err)
+				}
 				return nil, nil, err
 			}
 			return map[string]any{"job_key": job, "retired": true}, []string{"job_key", "retired"}, nil
 		}),
 	}
 	jobFlag(retire)
+	retire.Flags().Int64Var(&token, "token", 0, "your own current fencing token (the holder retiring its job)")
+	retire.Flags().BoolVar(&force, "force", false, "without --token: also end a live lease")
 
 	cmd.AddCommand(newLeaseAcquireCmd(&dsn), renew, release, retire, newLeaseListCmd(&dsn), newLeaseShowCmd(&dsn))
 	return cmd

@@ -18,7 +18,10 @@ func newProtectCmd() *cobra.Command {
 		Long: `A protected table refuses every write that does not carry a current fencing
 token in the session settings fence.job_key, fence.epoch and fence.token: from
 the proxy, direct connections, functions, DO blocks, views and FK cascades.
-Members of the role pgfence_bypass are exempt (and logged).
+Protecting a partitioned table or an inheritance parent protects its whole
+tree, including members added later. Members of the role pgfence_bypass are
+exempt (and logged); only they (and superusers) may unprotect, or change a
+protected table's triggers, rules, name, owner or members (docs/security.md).
 
 Run it as a DBA (the table's owner) on the database itself, not through the
 proxy.`,
@@ -28,7 +31,7 @@ proxy.`,
 	var column string
 	add := &cobra.Command{
 		Use:   "add TABLE",
-		Short: "Protect a table (a no-op if already protected the same way)",
+		Short: "Protect a table and its partitions or children (a no-op if already protected the same way)",
 		Args:  cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			ctx := cmd.Context()
@@ -51,7 +54,7 @@ proxy.`,
 
 	remove := &cobra.Command{
 		Use:   "remove TABLE",
-		Short: "Remove the protection from a table (a no-op if not protected)",
+		Short: "Remove the protection from a table and its tree (a no-op if not protected; needs pgfence_bypass)",
 		Args:  cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			ctx := cmd.Context()
@@ -106,7 +109,7 @@ proxy.`,
 				return nil
 			}
 			w := tabwriter.NewWriter(out, 0, 4, 2, ' ', 0)
-			fmt.Fprintln(w, "SCHEMA\tTABLE\tJOB KEY COLUMN\tPROTECTED AT\tNOTE")
+			fmt.Fprintln(w, "SCHEMA\tTABLE\tROOT\tJOB KEY COLUMN\tPROTECTED AT\tNOTE")
 			for _, t := range tables {
 				col := t.JobKeyColumn
 				if col == "" {
@@ -116,7 +119,7 @@ proxy.`,
 				if !t.Exists {
 					note = "table dropped; run protect remove"
 				}
-				fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%s\n", t.Schema, t.Table, col, t.ProtectedAt.UTC().Format("2006-01-02 15:04:05Z"), note)
+				fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%s\t%s\n", t.Schema, t.Table, t.Root, col, t.ProtectedAt.UTC().Format("2006-01-02 15:04:05Z"), note)
 			}
 			return w.Flush()
 		},

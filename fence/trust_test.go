@@ -1,0 +1,332 @@
+package fence_test
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/pgfence/pgfence/fence"
+)
+
+// role is a role name of the test's own: roles are cluster-wide.
+func (e *env) role(suffix string) string {
+	prefix, _, _ := strings.Cut(e.db, "_")
+	return prefix + "_" + suffix
+}
+
+// trustEnv is newEnv with two worker roles of its own (issue 17 §5), the
+// first holding job "report".
+func trustEnv(t *testing.T) (e *env, w1, w2 *pgx.Conn, l fence.Lease) {
+	t.Helper()
+	e = newEnv(t)
+	r1, r2 := e.role("w1"), e.role("w2")
+	for _, r := range []string{r1, r2} {
+		e.exec(fmt.Sprintf("create role %s login in role pgfence_worker; grant select, insert, update, delete on results, audit to %[1]s", pgx.Identifier{r}.Sanitize()))
+	}
+	w1, w2 = e.connectAs(r1), e.connectAs(r2)
+	l, err := fence.Acquire(ctxT(t), w1, "report", "a", time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return e, w1, w2, l
+}
+
+func TestRetireOptions(t *testing.T) {
+	t.Parallel()
+	e, w1, w2, l := trustEnv(t)
+	ctx := ctxT(t)
+	wantFenceError(t, fence.Retire(ctx, w1, "report", fence.RetireOptions{}), fence.CodeNotOwner)
+	wantFenceError(t, fence.Retire(ctx, w2, "report", fence.RetireOptions{Token: l.Token}), fence.CodeNotOwner)
+	wantFenceError(t, fence.Retire(ctx, w1, "report", fence.RetireOptions{Token: l.Token + 1}), fence.CodeStale)
+	wantFenceError(t, fence.Retire(ctx, e.admin, "report", fence.RetireOptions{}), fence.CodeLeaseHeld)
+	if n := e.count("select count(*) from fence.fences where retired_at is not null"); n != 0 {
+		t.Fatalf("refused retires retired the job: %d", n)
+	}
+	// The holder ends its own job, live lease and all.
+	if err := fence.Retire(ctx, w1, "report", fence.RetireOptions{Token: l.Token}); err != nil {
+		t.Fatalf("holder's retire: %v", err)
+	}
+	if err := fence.Retire(ctx, w1, "report", fence.RetireOptions{Token: l.Token}); err != nil {
+		t.Fatalf("retire of a retired job: %v, want a no-op", err)
+	}
+	// An administrator with force ends someone's live lease.
+	if _, err := fence.Acquire(ctx, w2, "report", "b", time.Minute); err != nil {
+		t.Fatal(err)
+	}
+	if err := fence.Retire(ctx, e.admin, "report", fence.RetireOptions{Force: true}); err != nil {
+		t.Fatalf("forced retire: %v", err)
+	}
+	if n := e.count("select count(*) from fence.leases"); n != 0 {
+		t.Fatalf("leases after the forced retire: %d", n)
+	}
+}
+
+// TestOwnedGenerations: only the acquiring role renews, releases, gates,
+// writes under and commits its generation (FN011); takeovers by naming the
+// holder do not work across roles.
+func TestOwnedGenerations(t *testing.T) {
+	t.Parallel()
+	e, w1, w2, l := trustEnv(t)
+	ctx := ctxT(t)
+	g := l.Generation("")
+	_, err := fence.Renew(ctx, w2, "report", l.Token, time.Minute)
+	wantFenceError(t, err, fence.CodeNotOwner)
+	wantFenceError(t, fence.Release(ctx, w2, "report", l.Token), fence.CodeNotOwner)
+	_, err = fence.Acquire(ctx, w2, "report", "a", time.Minute)
+	wantFenceError(t, err, fence.CodeLeaseHeld)
+	_, err = writeResult(ctx, w2, pgx.ReadCommitted, g, "pre-empted")
+	wantFenceError(t, err, fence.CodeNotOwner)
+	tx, err := w2.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, err = fence.Commit(ctx, tx, g, []byte("bogus"), "v1")
+	tx.Rollback(ctx)
+	wantFenceError(t, err, fence.CodeNotOwner)
+	if n := e.count("select count(*) from fence.receipts"); n != 0 {
+		t.Fatalf("receipts after the other role's attempts: %d", n)
+	}
+	if res, err := writeResult(ctx, w1, pgx.ReadCommitted, g, "mine"); err != nil || res != fence.Committed {
+		t.Fatalf("the owner's commit: %v, %v", res, err)
+	}
+	// An administrator may commit under any generation.
+	if res, err := writeResult(ctx, e.admin, pgx.ReadCommitted, l.Generation("repair"), "repair"); err != nil || res != fence.Committed {
+		t.Fatalf("an administrator's commit: %v, %v", res, err)
+	}
+	var role string
+	if err := e.admin.QueryRow(ctx, "select role from fence.issuance where token = $1", l.Token).Scan(&role); err != nil || role != e.role("w1") {
+		t.Fatalf("issuance role: %q, %v", role, err)
+	}
+}
+
+// TestOpaqueWriteReceipt: a fenced write the caller did not receipt gets
+// the backstop's receipt at COMMIT; its retry cannot commit; CommitIfWritten
+// writes the caller's receipt instead, or nothing.
+func TestOpaqueWriteReceipt(t *testing.T) {
+	t.Parallel()
+	e, w1, _, l := trustEnv(t)
+	ctx := ctxT(t)
+	do := fmt.Sprintf("do $$ begin insert into results values ('report', 'opaque', %d) on conflict (job_key) do update set payload = excluded.payload; end $$", l.Token)
+	if err := setGUCs(ctx, w1, l.Generation("")); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := w1.Exec(ctx, do); err != nil {
+		t.Fatalf("opaque write: %v", err)
+	}
+	var version string
+	if err := e.admin.QueryRow(ctx, "select digest_version from fence.receipts where token = $1 and step = ''", l.Token).Scan(&version); err != nil || version != fence.BackstopDigestVersion {
+		t.Fatalf("receipt: %q, %v; want %s", version, err, fence.BackstopDigestVersion)
+	}
+	_, err := w1.Exec(ctx, do)
+	wantCode(t, err, fence.CodeReplay)
+	if n := e.count("select count(*) from fence.write_marks"); n != 0 {
+		t.Fatalf("marks left: %d", n)
+	}
+
+	run := func(step string, write bool, digest string) (fence.CommitResult, error) {
+		g := l.Generation(step)
+		tx, err := w1.Begin(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer tx.Rollback(ctx)
+		if err := setGUCs(ctx, tx, g); err != nil {
+			t.Fatal(err)
+		}
+		if write {
+			if _, err := tx.Exec(ctx, do); err != nil {
+				return 0, err
+			}
+		}
+		res, err := fence.CommitIfWritten(ctx, tx, g, []byte(digest), "v1")
+		if err == nil && res != fence.Replayed {
+			err = tx.Commit(ctx)
+		}
+		return res, err
+	}
+	if res, err := run("none", false, "d"); err != nil || res != fence.NotWritten {
+		t.Fatalf("nothing written: %v, %v", res, err)
+	}
+	if res, err := run("ciw", true, "d"); err != nil || res != fence.Committed {
+		t.Fatalf("written: %v, %v", res, err)
+	}
+	if res, err := run("ciw", true, "d"); err != nil || res != fence.Replayed {
+		t.Fatalf("retry: %v, %v; want Replayed", res, err)
+	}
+	_, err = run("ciw", true, "other")
+	wantFenceError(t, err, fence.CodeConflict)
+	if n := e.count("select count(*) from fence.receipts where step in ('none', 'ciw')"); n != 1 {
+		t.Fatalf("receipts: %d, want 1", n)
+	}
+	// RunTx gates, so the backstop does not mark its opaque writes: its
+	// own receipt is the one.
+	res, err := fence.RunTx(ctx, w1, l.Generation("runtx"), []byte("p"), func(ctx context.Context, tx pgx.Tx) error {
+		_, err := tx.Exec(ctx, do)
+		return err
+	})
+	if err != nil || res != fence.Committed {
+		t.Fatalf("RunTx with an opaque write: %v, %v", res, err)
+	}
+	if err := e.admin.QueryRow(ctx, "select digest_version from fence.receipts where step = 'runtx'").Scan(&version); err != nil || version != fence.PayloadDigestVersion {
+		t.Fatalf("RunTx's receipt: %q, %v", version, err)
+	}
+}
+
+// TestPrepareAfterOpaqueWrite: PREPARE TRANSACTION after a write nobody
+// receipted is refused (FN009) and leaves the fence row free; this
+// cluster allows prepared transactions, so only the backstop refuses it.
+func TestPrepareAfterOpaqueWrite(t *testing.T) {
+	t.Parallel()
+	e, w1, _, l := trustEnv(t)
+	ctx := ctxT(t)
+	for _, q := range []string{
+		"begin; update results set payload = 'x'; prepare transaction 'p1'",
+		"begin; update results set payload = 'x'; /* the end */ PREPARE\n\tTRANSACTION 'p2'",
+	} {
+		if err := setGUCs(ctx, w1, l.Generation("")); err != nil {
+			t.Fatal(err)
+		}
+		_, err := w1.Exec(ctx, q, pgx.QueryExecModeSimpleProtocol)
+		wantCode(t, err, fence.CodeUnsupported)
+		w1.Exec(ctx, "rollback")
+	}
+	if n := e.count("select count(*) from pg_prepared_xacts"); n != 0 {
+		t.Fatalf("prepared transactions: %d", n)
+	}
+	if _, err := e.admin.Exec(ctx, "begin; select 1 from fence.fences for update nowait; rollback"); err != nil {
+		t.Fatalf("the fence row stays locked: %v", err)
+	}
+	// Without a protected write PREPARE works (prepared transactions are
+	// on in this cluster).
+	if _, err := w1.Exec(ctx, "begin; insert into audit values ('x', 1, 'y'); prepare transaction 'p3'", pgx.QueryExecModeSimpleProtocol); err != nil {
+		t.Fatalf("prepare without a protected write: %v", err)
+	}
+	e.exec("rollback prepared 'p3'")
+}
+
+// TestForgedMarkCostsOnlyTheForger: the backstop's pgfence.marked setting
+// only saves work. Forging it skips the forger's own receipt, and no check.
+func TestForgedMarkCostsOnlyTheForger(t *testing.T) {
+	t.Parallel()
+	e, w1, _, _ := trustEnv(t)
+	ctx := ctxT(t)
+	old, err := fence.Acquire(ctx, w1, "report", "a", time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	e.expireLease("report")
+	cur, err := fence.Acquire(ctx, w1, "report", "b", time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	forge := func(l fence.Lease) string {
+		return fmt.Sprintf("select set_config('pgfence.marked', format('%%s %%s %%s %%L %%L', pg_current_xact_id(), %d, %d, 'report', ''), true)", l.Epoch, l.Token)
+	}
+	for _, l := range []fence.Lease{old, cur} {
+		if err := setGUCs(ctx, w1, l.Generation("")); err != nil {
+			t.Fatal(err)
+		}
+		_, err := w1.Exec(ctx, "begin; "+forge(l)+"; update results set payload = 'forged'; commit", pgx.QueryExecModeSimpleProtocol)
+		if l == old {
+			wantCode(t, err, fence.CodeStale)
+			w1.Exec(ctx, "rollback")
+		} else if err != nil {
+			t.Fatalf("current generation with a forged mark: %v", err)
+		}
+	}
+	// Gating is the same declaration: a transaction that gates writes its
+	// own receipt with fence.commit; one that then does not has none.
+	tx, err := w1.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r, err := fence.Gate(ctx, tx, cur.Generation("gated")); err != nil || r != fence.GateOK {
+		t.Fatalf("gate: %v, %v", r, err)
+	}
+	if _, err := tx.Exec(ctx, "update results set payload = 'gated'"); err != nil {
+		t.Fatal(err)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if n := e.count("select count(*) from fence.receipts"); n != 0 {
+		t.Fatalf("receipts: %d; the forger (and the gater) skipped only its own", n)
+	}
+}
+
+// TestProtectTree: a whole tree is protected, listed with its root, and
+// unprotected as one.
+func TestProtectTree(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t)
+	ctx := ctxT(t)
+	e.exec(`create table pt (k int, v text) partition by range (k);
+		create table pt_1 partition of pt for values from (0) to (10);
+		create table pt_2 partition of pt for values from (10) to (20) partition by range (k);
+		create table pt_2a partition of pt_2 for values from (10) to (20)`)
+	if err := fence.Protect(ctx, e.admin, "pt", ""); err != nil {
+		t.Fatal(err)
+	}
+	tables, err := fence.ProtectedTables(ctx, e.admin)
+	if err != nil {
+		t.Fatal(err)
+	}
+	roots := map[string]string{}
+	for _, tb := range tables {
+		roots[tb.Table] = tb.Root
+	}
+	for _, m := range []string{"pt", "pt_1", "pt_2", "pt_2a"} {
+		if roots[m] != "pt" {
+			t.Fatalf("%s: root %q, want pt (all: %v)", m, roots[m], roots)
+		}
+	}
+	_, err = e.admin.Exec(ctx, "insert into pt values (15, 'x')")
+	wantCode(t, err, fence.CodeFencingRequired)
+	if err := fence.Protect(ctx, e.admin, "pt_2a", ""); err != nil {
+		t.Fatalf("protect a member again: %v, want a no-op", err)
+	}
+	wantCode(t, fence.Unprotect(ctx, e.admin, "pt_2"), "42809")
+	if err := fence.Unprotect(ctx, e.admin, "pt"); err != nil {
+		t.Fatal(err)
+	}
+	if n := e.count("select count(*) from pg_trigger where tgname like 'pgfence%' and tgrelid in ('pt'::regclass, 'pt_1'::regclass, 'pt_2'::regclass, 'pt_2a'::regclass)"); n != 0 {
+		t.Fatalf("triggers left after unprotect: %d", n)
+	}
+	if _, err := e.admin.Exec(ctx, "insert into pt values (15, 'x')"); err != nil {
+		t.Fatalf("write after unprotect: %v", err)
+	}
+	// Unprotecting needs an administrator even with EXECUTE.
+	e.exec(fmt.Sprintf("create role %[1]s login; grant execute on function fence.unprotect(regclass) to %[1]s", e.role("owner")))
+	wantFenceError(t, fence.Unprotect(ctx, e.connectAs(e.role("owner")), "results"), fence.CodeProtectionLocked)
+}
+
+// TestHasGeneration: read routing's replica question, answered for the
+// caller's own generations only.
+func TestHasGeneration(t *testing.T) {
+	t.Parallel()
+	e, w1, w2, l := trustEnv(t)
+	ctx := ctxT(t)
+	ask := func(c *pgx.Conn, token int64) bool {
+		t.Helper()
+		var ok bool
+		if err := c.QueryRow(ctx, "select fence.has_generation('report', $1)", token).Scan(&ok); err != nil {
+			t.Fatal(err)
+		}
+		return ok
+	}
+	if !ask(w1, l.Token) || !ask(e.admin, l.Token) {
+		t.Fatal("the holder or an administrator is told the generation is not there")
+	}
+	if ask(w2, l.Token) || ask(w1, l.Token+1) {
+		t.Fatal("has_generation answered for another role's token, or a token not yet issued")
+	}
+	// A bypass member sees the tokens themselves.
+	e.exec(fmt.Sprintf("create role %s login in role pgfence_bypass", e.role("dba")))
+	var max int64
+	if err := e.connectAs(e.role("dba")).QueryRow(ctx, "select max_issued_token from fence.fences where job_key = 'report'").Scan(&max); err != nil || max != l.Token {
+		t.Fatalf("bypass member reads fence.fences: %d, %v", max, err)
+	}
+}
