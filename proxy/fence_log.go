@@ -105,7 +105,9 @@ func (h *fenceSession) setupError(s *Session, e *pgproto3.ErrorResponse, fenceCa
 		e.Hint = fmt.Sprintf("a DBA runs: pgfence migrate --database 'postgres://<dba>@<host>/%s'", s.Database)
 		h.f.warnOnce("schema:"+s.Database, "database has no usable fence schema; fenced clients are refused until `pgfence migrate` runs",
 			zap.String("database", s.Database), zap.String("error", msg))
-	case e.Code == "42501" && (fenceCall || strings.Contains(msg, "fence")):
+	case e.Code == "42501" && (fenceCall || strings.Contains(msg, "schema fence")):
+		// (A table of the fence schema a worker may not read, fence.fences
+		// say, is no setup error: tokens are not the workers' to read.)
 		e.Message = fmt.Sprintf("pgfence: role %q may not use the fence schema in database %q: %s", s.User, s.Database, msg)
 		e.Hint = fmt.Sprintf("a DBA runs: GRANT pgfence_worker TO %s;", rewrite.QuoteIdentifier(s.User))
 		h.f.warnOnce("role:"+s.Database+"\x00"+s.User, "role lacks pgfence_worker; its fenced work is refused",

@@ -261,7 +261,7 @@ func TestLeaseListAndShow(t *testing.T) {
 	b := kv(t, mustRun(t, "lease", "acquire", "--database", dsn, "--job", "hourly", "--holder", "bob"))
 	mustRun(t, "lease", "release", "--database", dsn, "--job", "hourly", "--token", b["token"])
 	mustRun(t, "lease", "acquire", "--database", dsn, "--job", "weekly", "--holder", "carol")
-	mustRun(t, "lease", "retire", "--database", dsn, "--job", "weekly")
+	mustRun(t, "lease", "retire", "--database", dsn, "--job", "weekly", "--force") // carol's lease is live (issue 17 §5)
 
 	list := mustRun(t, "lease", "list", "--database", dsn)
 	for _, want := range []string{"JOB KEY", "nightly  held", "alice", "hourly   free", "weekly   retired"} {

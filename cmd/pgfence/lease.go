@@ -237,7 +237,7 @@ type leaseInfo struct {
 	JobKey       string     `json:"job_key"`
 	State        string     `json:"state"` // held, expired, free, retired
 	Epoch        int64      `json:"epoch"`
-	CurrentToken int64      `json:"current_token"` // the largest token issued
+	CurrentToken *int64     `json:"current_token"` // the largest token issued; nil for a role that may not read tokens
 	Holder       string     `json:"holder,omitempty"`
 	Token        *int64     `json:"token,omitempty"` // the lease's token
 	ExpiresAt    *time.Time `json:"expires_at,omitempty"`
@@ -251,27 +251,37 @@ type leaseInfo struct {
 
 const leaseQuery = `
 select f.job_key, f.epoch, f.max_issued_token, f.retired_at,
-       l.holder, l.token, l.expires_at, %s, clock_timestamp()
+       l.holder, l.token, l.expires_at, i.issued_at, clock_timestamp(),
+       coalesce(l.token = f.max_issued_token and l.expires_at > clock_timestamp(), false)
   from fence.fences f
   left join fence.leases l on l.job_key = f.job_key
-  %s
+  left join fence.issuance i on i.token = l.token
  where $1::text is null or f.job_key = $1
  order by f.job_key`
 
+// jobsQuery reads what fence.jobs shows every role: no tokens (a holder
+// learns its own from fence.acquire), no issuance times.
+const jobsQuery = `
+select j.job_key, j.epoch, null::bigint, j.retired_at,
+       j.lease_holder, null::bigint, j.lease_expires_at, null::timestamptz, clock_timestamp(), j.lease_live
+  from fence.jobs j
+ where $1::text is null or j.job_key = $1
+ order by j.job_key`
+
 // queryLeases reads the leases of every job, or of job when it is not nil.
-// The time a lease has been held comes from the token issuance log, which
-// only DBAs may read; for other roles it is left out.
+// Tokens and the time a lease has been held are for DBAs (pgfence_bypass)
+// only: other roles read fence.jobs, without them.
 func queryLeases(ctx context.Context, conn *pgx.Conn, job *string) ([]leaseInfo, error) {
-	infos, err := queryLeasesWith(ctx, conn, job, "i.issued_at", "left join fence.issuance i on i.token = l.token")
+	infos, err := queryLeasesWith(ctx, conn, job, leaseQuery)
 	var pg *pgconn.PgError
 	if errors.As(err, &pg) && pg.Code == "42501" {
-		infos, err = queryLeasesWith(ctx, conn, job, "null::timestamptz", "")
+		infos, err = queryLeasesWith(ctx, conn, job, jobsQuery)
 	}
 	return infos, err
 }
 
-func queryLeasesWith(ctx context.Context, conn *pgx.Conn, job *string, issued, join string) ([]leaseInfo, error) {
-	rows, err := conn.Query(ctx, fmt.Sprintf(leaseQuery, issued, join), job)
+func queryLeasesWith(ctx context.Context, conn *pgx.Conn, job *string, query string) ([]leaseInfo, error) {
+	rows, err := conn.Query(ctx, query, job)
 	if err != nil {
 		return nil, fmt.Errorf("read leases: %w", err)
 	}
@@ -280,7 +290,8 @@ func queryLeasesWith(ctx context.Context, conn *pgx.Conn, job *string, issued, j
 		var li leaseInfo
 		var holder *string
 		var now time.Time
-		if err := rows.Scan(&li.JobKey, &li.Epoch, &li.CurrentToken, &li.RetiredAt, &holder, &li.Token, &li.ExpiresAt, &li.HeldSince, &now); err != nil {
+		var live bool
+		if err := rows.Scan(&li.JobKey, &li.Epoch, &li.CurrentToken, &li.RetiredAt, &holder, &li.Token, &li.ExpiresAt, &li.HeldSince, &now, &live); err != nil {
 			rows.Close()
 			return nil, fmt.Errorf("read leases: %w", err)
 		}
@@ -290,10 +301,10 @@ func queryLeasesWith(ctx context.Context, conn *pgx.Conn, job *string, issued, j
 		switch {
 		case li.RetiredAt != nil:
 			li.State = "retired"
-		case li.Token == nil || *li.Token != li.CurrentToken:
-			li.State = "free"
-		case li.ExpiresAt.After(now):
+		case live:
 			li.State = "held"
+		case li.ExpiresAt == nil || li.CurrentToken != nil && (li.Token == nil || *li.Token != *li.CurrentToken):
+			li.State = "free" // released, or superseded by a newer token
 		default:
 			li.State = "expired"
 		}
@@ -337,7 +348,7 @@ func newLeaseListCmd(dsn *string) *cobra.Command {
 			tw := tabwriter.NewWriter(out, 0, 4, 2, ' ', 0)
 			fmt.Fprintln(tw, "JOB KEY\tSTATE\tHOLDER\tEPOCH\tTOKEN\tEXPIRES AT\tHELD FOR")
 			for _, li := range infos {
-				fmt.Fprintf(tw, "%s\t%s\t%s\t%d\t%d\t%s\t%s\n", li.JobKey, li.State, orDash(li.Holder), li.Epoch, li.CurrentToken,
+				fmt.Fprintf(tw, "%s\t%s\t%s\t%d\t%s\t%s\t%s\n", li.JobKey, li.State, orDash(li.Holder), li.Epoch, orDashInt(li.CurrentToken),
 					timeOrDash(li.ExpiresAt), msOrDash(li.HeldForMS))
 			}
 			return tw.Flush()
@@ -374,7 +385,7 @@ func newLeaseShowCmd(dsn *string) *cobra.Command {
 			row("state", li.State)
 			row("holder", orDash(li.Holder))
 			row("epoch", strconv.FormatInt(li.Epoch, 10))
-			row("current_token", strconv.FormatInt(li.CurrentToken, 10))
+			row("current_token", orDashInt(li.CurrentToken))
 			if li.Token != nil {
 				row("lease_token", strconv.FormatInt(*li.Token, 10))
 			}
@@ -437,4 +448,12 @@ func printKV(w io.Writer, asJSON bool, m map[string]any, keys []string) error {
 	}
 	_, err := io.WriteString(w, b.String())
 	return err
+}
+
+// orDashInt is n, or "-" when the role may not see it.
+func orDashInt(n *int64) string {
+	if n == nil {
+		return "-"
+	}
+	return strconv.FormatInt(*n, 10)
 }

@@ -6,7 +6,7 @@ import (
 )
 
 // TestLeaseRetire: retire of a live lease needs the holder's token or
-// --force; a stale token exits 4 (issue 17 §5).
+// --force; a stale token exits 76 (issue 17 §5).
 func TestLeaseRetire(t *testing.T) {
 	db := cluster.NewDatabase(t)
 	dsn := cluster.Primary.DSN(db)
@@ -15,7 +15,7 @@ func TestLeaseRetire(t *testing.T) {
 	}
 	a := acquire("alice")
 	_, err := pgfence(t, "lease", "retire", "--database", dsn, "--job", "report")
-	wantExit(t, err, exitLeaseHeld)
+	wantExit(t, err, exitTempFail)
 	if !strings.Contains(err.Error(), "--force") {
 		t.Fatalf("retire of a live lease: %v, want a hint at --force", err)
 	}
@@ -25,7 +25,7 @@ func TestLeaseRetire(t *testing.T) {
 	}
 	b := acquire("bob")
 	_, err = pgfence(t, "lease", "retire", "--database", dsn, "--job", "report", "--token", a["token"])
-	wantExit(t, err, exitStale)
+	wantExit(t, err, exitLeaseLost)
 	if out := mustRun(t, "lease", "retire", "--database", dsn, "--job", "report", "--force"); !strings.Contains(out, "retired=true") {
 		t.Fatalf("retire --force: %q", out)
 	}
