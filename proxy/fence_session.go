@@ -89,6 +89,7 @@ type fenceSession struct {
 // generation gated and the digest of the statements executed since.
 type extWrap struct {
 	gen     session.Generation
+	gated   bool // the gate step ran in the batch; else it is tentative (commit_if_written)
 	digest  fence.Digest
 	client  []byte // fence.payload_digest, when the client gives its own
 	marks   map[string][]int
@@ -193,7 +194,8 @@ func formatOf(formats []int16, i int) int16 {
 // copyState is what remains to send after a gated COPY FROM in a wrapped
 // simple query: the receipt step, COMMIT and the final ROLLBACK.
 type copyState struct {
-	gen session.Generation
+	gen   session.Generation
+	gated bool // else tentative: the receipt step is commit_if_written
 }
 
 // step says what a segment of a request is.
@@ -270,6 +272,7 @@ type insertion struct{ at, n int }
 const (
 	gateStmt      = "pgfence_gate"
 	commitStmt    = "pgfence_commit"
+	commitIfStmt  = "pgfence_commit_if"
 	savepointStmt = "pgfence_savepoint"
 	gatePortal    = "pgfence_p"
 	digestClient  = "client"
@@ -281,6 +284,7 @@ const (
 var gateStatements = [][2]string{
 	{gateStmt, "SELECT fence.gate($1::pg_catalog.text, $2::pg_catalog.int8, $3::pg_catalog.int8, $4::pg_catalog.text)"},
 	{commitStmt, "SELECT fence.commit($1::pg_catalog.text, $2::pg_catalog.int8, $3::pg_catalog.int8, $4::pg_catalog.text, $5::pg_catalog.bytea, $6::pg_catalog.text)"},
+	{commitIfStmt, "SELECT fence.commit_if_written($1::pg_catalog.text, $2::pg_catalog.int8, $3::pg_catalog.int8, $4::pg_catalog.text, $5::pg_catalog.bytea, $6::pg_catalog.text)"},
 	{savepointStmt, "SAVEPOINT " + receiptSavepoint},
 }
 
@@ -444,7 +448,7 @@ func (h *fenceSession) ClientMessage(s *Session, msg []byte) (Verdict, error) {
 				}
 			}
 			h.copyTail, h.copyGated = nil, false
-			return Drop, h.finishWrapped(s, t.gen)
+			return Drop, h.finishWrapped(s, t)
 		}
 		return Drop, nil
 	}
@@ -590,6 +594,35 @@ func (h *fenceSession) protectedWrite(st *rewrite.Stmt) bool {
 	return false
 }
 
+// maybeWrite reports whether st may write a protected table where the
+// gate cannot see (it is not one of protectedWrite's): a DO block, a
+// procedure, a function call, a write to a table whose triggers or rules
+// may write one, a COPY FROM. In a fenced session such a statement makes
+// the transaction tentative (session.Gate.Tentative). Callers hold h.mu.
+func (h *fenceSession) maybeWrite(st *rewrite.Stmt) bool {
+	if st == nil || h.cat.prot.Load().Len() == 0 {
+		return false
+	}
+	return st.Writes() || opaque(st) || st.Kind == rewrite.CopyFrom
+}
+
+// fencedQuery reports whether the session has a fence generation now, or
+// the query sets a fence parameter (its statements may then run fenced).
+// Callers hold h.mu.
+func (h *fenceSession) fencedQuery(stmts []*rewrite.Stmt) bool {
+	if _, _, _, _, ok := h.st.Generation(); ok {
+		return true
+	}
+	for _, st := range stmts {
+		for _, g := range st.GUCs {
+			if strings.HasPrefix(g.Name, "fence.") || g.Op == rewrite.GUCResetAll {
+				return true
+			}
+		}
+	}
+	return false
+}
+
 // needsOwnText reports whether a write classified from another text of
 // its shape (rewrite.Classifier.ClassifyShared) must be classified from
 // its own: when it is digested — it writes a protected table, or runs in a
@@ -666,6 +699,7 @@ func (h *fenceSession) query(s *Session, msg []byte) error {
 	h.mu.Lock()
 	var bad error
 	needGate := false
+	fenced := h.fencedQuery(res.Stmts)
 	for _, st := range res.Stmts {
 		if bad == nil {
 			if e := reservedStmt(st); e != nil {
@@ -675,7 +709,8 @@ func (h *fenceSession) query(s *Session, msg []byte) error {
 		if bad == nil && len(st.GUCs) > 0 {
 			bad = h.st.Check(st, nil)
 		}
-		if h.protectedWrite(st) || (h.st.Gate().Gated && (st.Kind == rewrite.Commit || st.Kind == rewrite.PrepareTransaction)) {
+		if h.protectedWrite(st) || fenced && h.maybeWrite(st) ||
+			h.st.Gate().Due() && (st.Kind == rewrite.Commit || st.Kind == rewrite.PrepareTransaction) {
 			needGate = true
 		}
 	}
@@ -745,7 +780,7 @@ func commitInside(res *rewrite.Result) bool {
 func mayNeedGate(stmts ...*rewrite.Stmt) bool {
 	for _, st := range stmts {
 		switch {
-		case st.Writes(), st.Executes != "":
+		case st.Writes(), opaque(st):
 			return true
 		}
 		switch st.Kind {
@@ -813,7 +848,7 @@ func (h *fenceSession) gatedQuery(s *Session, sql string, res *rewrite.Result) e
 		if err := h.prepareExt(s); err != nil {
 			return err
 		}
-		if err := h.execNamed(s, commitStmt, commitArgs(c.gen, c.sum, c.version),
+		if err := h.execNamed(s, commitStmtFor(c.gated), commitArgs(c.gen, c.sum, c.version),
 			&tag{kind: 'E', step: stepCommit, gen: c.gen, explicitCommit: true, sent: time.Now()}); err != nil {
 			return err
 		}
@@ -930,6 +965,7 @@ type commitStep struct {
 	gen     session.Generation
 	sum     []byte
 	version string
+	gated   bool // else tentative: commit_if_written
 }
 
 // item is a piece of the rewritten query: the client's statement i
@@ -944,7 +980,8 @@ type item struct {
 // session state settled.
 func (h *fenceSession) plan(sql string, res *rewrite.Result) qplan {
 	g := h.st.Gate()
-	gated, gen := g.Gated, g.Gen
+	gated, tentative, gen := g.Gated, g.Tentative, g.Gen
+	due := func() bool { return gated || tentative } // a receipt step is due at the commit
 	explicit := h.st.Tx() == session.InTx && h.st.Explicit()
 	blockStart := 0 // where the current implicit transaction began
 	ov := overlay{}
@@ -954,7 +991,7 @@ func (h *fenceSession) plan(sql string, res *rewrite.Result) qplan {
 	// the end (the server goroutine adds them for real as they complete).
 	var d *fence.Digest
 	restore := -1
-	if live, ok := g.Digest.(*fence.Digest); ok && gated {
+	if live, ok := g.Digest.(*fence.Digest); ok && due() {
 		d, restore = live, live.Mark()
 	}
 	marks := map[string][]int{}
@@ -1003,16 +1040,32 @@ loop:
 				wrapped, wrapStart = true, blockStart
 			}
 			inject(st.Offset, gateSQL(cur)+";", seg{step: stepGate, gen: cur, stmt: st})
+			if !due() && (d == nil || restore < 0) {
+				d = &fence.Digest{}
+			}
 			gated, gen = true, cur
+		case !due() && h.maybeWrite(st):
+			// It may write a protected table where the gate cannot see:
+			// the backstop checks it, and the commit writes a receipt if
+			// the backstop marked the transaction (tentative). Without a
+			// generation the backstop refuses it (FN008): nothing due.
+			cur, ok := ov.generation(h.st)
+			if !ok {
+				break
+			}
+			if !explicit {
+				wrapped, wrapStart = true, blockStart
+			}
+			tentative, gen = true, cur
 			if d == nil || restore < 0 {
 				d = &fence.Digest{}
 			}
-		case gated && st.Kind == rewrite.PrepareTransaction:
+		case due() && st.Kind == rewrite.PrepareTransaction:
 			refuse(st, &session.Error{Code: fence.CodeUnsupported,
 				Message: fmt.Sprintf("PREPARE TRANSACTION is not supported in a fenced transaction (job %q, token %d)", gen.JobKey, gen.Token),
 				Hint:    "commit the transaction with COMMIT: pgfence writes the commit receipt in the same transaction"})
 			break loop
-		case gated && st.Kind == rewrite.Commit && hasKind(res.Stmts[i+1:], rewrite.CopyFrom):
+		case due() && st.Kind == rewrite.Commit && hasKind(res.Stmts[i+1:], rewrite.CopyFrom):
 			// What follows the COMMIT is settled once the query is
 			// answered (settleCommit), which a COPY FROM after it would
 			// hold up waiting for the client's data: refused before the
@@ -1021,7 +1074,7 @@ loop:
 				Message: fmt.Sprintf("COMMIT followed by COPY FROM in one query is not supported in a fenced transaction (job %q, token %d)", gen.JobKey, gen.Token),
 				Hint:    "send the COPY as a query of its own after the COMMIT"})
 			break loop
-		case gated && st.Kind == rewrite.Commit && copyInTx:
+		case due() && st.Kind == rewrite.Commit && copyInTx:
 			// The receipt must cover the COPY's data, which only comes
 			// after this query's text has gone: the COMMIT is refused,
 			// and the transaction aborts with nothing of it committed.
@@ -1029,7 +1082,7 @@ loop:
 				Message: fmt.Sprintf("COPY FROM and COMMIT in one query are not supported in a fenced transaction (job %q, token %d): the commit receipt must cover the COPY data", gen.JobKey, gen.Token),
 				Hint:    "send COMMIT as a query of its own after the COPY"})
 			break loop
-		case gated && st.Kind == rewrite.Commit:
+		case due() && st.Kind == rewrite.Commit:
 			sum, version := digestNow()
 			if explicit && i > 0 && i == len(res.Stmts)-1 && !st.Chain {
 				// See the plan's end: the receipt in a savepoint, so that
@@ -1037,7 +1090,7 @@ loop:
 				// earlier statement's.
 				inject(st.Offset, "SAVEPOINT "+receiptSavepoint+";", seg{step: stepSavepoint})
 			}
-			inject(st.Offset, commitSQL(gen, sum, version)+";", seg{step: stepCommit, gen: gen, explicitCommit: true})
+			inject(st.Offset, commitSQL(gated, gen, sum, version)+";", seg{step: stepCommit, gen: gen, explicitCommit: true})
 			if explicit {
 				// The client's own transaction: its COMMIT must run
 				// whatever the receipt step did (below). A COMMIT ending
@@ -1045,10 +1098,10 @@ loop:
 				// when the step fails, as PostgreSQL would after any
 				// error, and the transaction rolls back all the same.
 				explicitCommit = true
-				lastStep = commitStep{gen: gen, sum: sum, version: version}
+				lastStep = commitStep{gen: gen, sum: sum, version: version, gated: gated}
 			}
 		}
-		if gated && d != nil {
+		if due() && d != nil {
 			switch st.Kind {
 			case rewrite.Savepoint:
 				marks[st.Name] = append(marks[st.Name], d.Mark())
@@ -1076,14 +1129,14 @@ loop:
 			if !st.Chain {
 				explicit = false
 			}
-			gated, wrapped, copyInTx = false, false, false
+			gated, tentative, wrapped, copyInTx = false, false, false, false
 			d, restore = nil, -1
 			if i+1 < len(res.Stmts) {
 				blockStart = res.Stmts[i+1].Offset
 			}
 			blockOnly = -1
 		case rewrite.CopyFrom:
-			if gated {
+			if due() {
 				hasCopy, copyInTx = true, true
 			}
 		}
@@ -1130,7 +1183,7 @@ loop:
 	switch {
 	case wrapped && hasCopy:
 		// The receipt covers the COPY data: it is sent at CopyDone.
-		p.tail = &copyState{gen: gen}
+		p.tail = &copyState{gen: gen, gated: gated}
 		t.hideRFQ = true
 	case wrapped:
 		// The receipt step is the implicit transaction's last statement
@@ -1141,7 +1194,7 @@ loop:
 		// and it commits at the end of the query only if nothing failed.
 		sum, version := digestNow()
 		b.WriteString("\n;")
-		b.WriteString(commitSQL(gen, sum, version))
+		b.WriteString(commitSQL(gated, gen, sum, version))
 		t.segs = append(t.segs, seg{step: stepCommit, gen: gen})
 	case explicitCommit && len(res.Stmts) == 1 && lastCommit(res, t.segs):
 		p.commit = &lastStep
@@ -1181,7 +1234,8 @@ func lastCommit(res *rewrite.Result, segs []seg) bool {
 // finishWrapped ends a wrapped transaction whose receipt step could not be
 // spliced into the query text (COPY FROM: the digest covers its data). It
 // waits for the COPY to complete so the digest is whole.
-func (h *fenceSession) finishWrapped(s *Session, gen session.Generation) error {
+func (h *fenceSession) finishWrapped(s *Session, cs *copyState) error {
+	gen := cs.gen
 	if err := h.barrier(s); err != nil {
 		return err
 	}
@@ -1189,7 +1243,7 @@ func (h *fenceSession) finishWrapped(s *Session, gen session.Generation) error {
 	sum, version := h.digest()
 	h.mu.Unlock()
 	t := &tag{kind: 'Q', segs: []seg{{step: stepCommit, gen: gen}}, hideRFQ: true, sent: time.Now()}
-	if err := h.send(s, h.qmsg(commitSQL(gen, sum, version)), t, false); err != nil {
+	if err := h.send(s, h.qmsg(commitSQL(cs.gated, gen, sum, version)), t, false); err != nil {
 		return err
 	}
 	defer h.markState()
@@ -1260,8 +1314,17 @@ func asSessionError(err error) *session.Error {
 	return &session.Error{Code: "22023", Message: err.Error()}
 }
 
-// commitSQL is the receipt step for a digest.
-func commitSQL(gen session.Generation, digest []byte, version string) string {
+// commitSQL is the receipt step for a digest: fence.commit after the
+// gate step, else (a tentative transaction) fence.commit_if_written,
+// which writes the receipt only if the backstop marked the transaction.
+func commitSQL(gated bool, gen session.Generation, digest []byte, version string) string {
+	if !gated {
+		return strings.Replace(commitSQLGated(gen, digest, version), "fence.commit(", "fence.commit_if_written(", 1)
+	}
+	return commitSQLGated(gen, digest, version)
+}
+
+func commitSQLGated(gen session.Generation, digest []byte, version string) string {
 	// E'' for the digest too: with standard_conforming_strings off a
 	// plain '\x..' would be read as escapes.
 	return fmt.Sprintf("SELECT fence.commit(%s, %d, %d, %s, E'\\\\x%s'::pg_catalog.bytea, %s)",
@@ -1463,8 +1526,10 @@ func (h *fenceSession) execute(s *Session, msg []byte) error {
 	}
 	g := h.st.Gate()
 	need := h.protectedWrite(st) && !g.Gated
-	commit := g.Gated && st.Kind == rewrite.Commit
-	prepTx := g.Gated && st.Kind == rewrite.PrepareTransaction
+	_, _, _, _, fencedNow := h.st.Generation()
+	tent := !need && !g.Due() && fencedNow && h.maybeWrite(st) && !(h.wrapped && !h.wrap.gated)
+	commit := g.Due() && st.Kind == rewrite.Commit
+	prepTx := g.Due() && st.Kind == rewrite.PrepareTransaction
 	h.mu.Unlock()
 	if bad != nil {
 		if err := h.raiseExt(s, asSessionError(bad)); err != nil {
@@ -1479,7 +1544,10 @@ func (h *fenceSession) execute(s *Session, msg []byte) error {
 		// server skips both, and the step would be skipped too.)
 		h.wrapped = false
 	}
-	if !need && !commit && !prepTx {
+	if !need && !tent && !commit && !prepTx {
+		if h.wrapped {
+			h.wrap.add(st, m.Portal, cp) // the receipt at the Sync covers every write of the batch
+		}
 		if err := h.send(s, msg, t, true); err != nil {
 			return err
 		}
@@ -1521,16 +1589,23 @@ func (h *fenceSession) execute(s *Session, msg []byte) error {
 			// An implicit transaction (up to Sync): the receipt step
 			// ends it at the Sync, and PostgreSQL commits it only if
 			// nothing before failed.
-			h.wrapped = true
-			h.wrap = extWrap{gen: gen, marks: map[string][]int{}, written: map[string]bool{}}
-			h.mu.Lock()
-			if v, ok := h.st.Get(session.PayloadDigest); ok && v != "" {
-				h.wrap.client, _ = hex.DecodeString(v)
-			}
-			h.mu.Unlock()
+			h.wrapBatch(gen)
+			h.wrap.gated = true
 		}
 		if err := h.execNamed(s, gateStmt, gateArgs(gen), &tag{kind: 'E', step: stepGate, gen: gen, about: st}); err != nil {
 			return err
+		}
+	case tent:
+		// May write a protected table unseen: the backstop fences it and
+		// marks the transaction; an implicit one ends with the receipt
+		// step that writes a receipt if it did (commit_if_written), an
+		// explicit one gets it at its COMMIT (the server side records
+		// the transaction as tentative).
+		if !explicit && !h.wrapped {
+			if err := h.prepareExt(s); err != nil {
+				return err
+			}
+			h.wrapBatch(gen)
 		}
 	case prepTx:
 		if err := h.raiseExt(s, &session.Error{Code: fence.CodeUnsupported,
@@ -1546,6 +1621,7 @@ func (h *fenceSession) execute(s *Session, msg []byte) error {
 		sum, version := h.digest()
 		h.mu.Unlock()
 		args := commitArgs(g.Gen, sum, version)
+		stmt := commitStmtFor(g.Gated)
 		if explicit {
 			// The receipt step in a savepoint: after the Sync, the
 			// transaction is ended only if the step failed (sync).
@@ -1553,7 +1629,7 @@ func (h *fenceSession) execute(s *Session, msg []byte) error {
 				return err
 			}
 		}
-		if err := h.execNamed(s, commitStmt, args, &tag{kind: 'E', step: stepCommit, gen: g.Gen, explicitCommit: true}); err != nil {
+		if err := h.execNamed(s, stmt, args, &tag{kind: 'E', step: stepCommit, gen: g.Gen, explicitCommit: true}); err != nil {
 			return err
 		}
 		// An implicit transaction (the client's COMMIT ends it, with
@@ -1565,7 +1641,7 @@ func (h *fenceSession) execute(s *Session, msg []byte) error {
 	if h.wrapped {
 		h.wrap.add(st, m.Portal, cp)
 	}
-	if st.Kind == rewrite.CopyFrom && !failed && (g.Gated || need && ok) {
+	if st.Kind == rewrite.CopyFrom && !failed && (g.Due() || need && ok || tent) {
 		// Its data goes into the digest (copyDigest), up to CopyDone.
 		h.copyGated, h.copyLeft = true, 1
 	}
@@ -1578,6 +1654,18 @@ func (h *fenceSession) execute(s *Session, msg []byte) error {
 	return nil
 }
 
+// wrapBatch starts following an implicit transaction of the extended
+// protocol (up to its Sync) whose receipt step goes before the Sync.
+func (h *fenceSession) wrapBatch(gen session.Generation) {
+	h.wrapped = true
+	h.wrap = extWrap{gen: gen, marks: map[string][]int{}, written: map[string]bool{}}
+	h.mu.Lock()
+	if v, ok := h.st.Get(session.PayloadDigest); ok && v != "" {
+		h.wrap.client, _ = hex.DecodeString(v)
+	}
+	h.mu.Unlock()
+}
+
 // sync handles an extended-protocol Sync: a wrapped implicit transaction
 // ends here with the receipt step, which PostgreSQL skips when anything
 // before it in the batch failed (the transaction then rolls back).
@@ -1587,7 +1675,7 @@ func (h *fenceSession) sync(s *Session, msg []byte) error {
 		gen := h.wrap.gen
 		sum, version := h.wrap.sum()
 		args := commitArgs(gen, sum, version)
-		if err := h.execNamed(s, commitStmt, args, &tag{kind: 'E', step: stepCommit, gen: gen}); err != nil {
+		if err := h.execNamed(s, commitStmtFor(h.wrap.gated), args, &tag{kind: 'E', step: stepCommit, gen: gen}); err != nil {
 			return err
 		}
 		defer h.markState()
@@ -1600,6 +1688,14 @@ func (h *fenceSession) sync(s *Session, msg []byte) error {
 		return h.sendRestore(s)
 	}
 	return h.send(s, msg, &tag{kind: 'S'}, true)
+}
+
+// commitStmtFor is the receipt step's prepared statement (see commitSQL).
+func commitStmtFor(gated bool) string {
+	if gated {
+		return commitStmt
+	}
+	return commitIfStmt
 }
 
 func commitArgs(gen session.Generation, d []byte, v string) [][]byte {
@@ -1819,6 +1915,8 @@ func (h *fenceSession) queryResponse(s *Session, msg []byte, t *tag) (Verdict, e
 	case 'D':
 		if sg.step == stepGate {
 			h.gateResult(sg.gen, msg)
+		} else if sg.step == stepCommit {
+			h.commitResult(msg)
 		} else if sg.step > stepRoute {
 			h.routeRow(s, sg, msg) // route.go
 		}
@@ -1849,6 +1947,8 @@ func (h *fenceSession) executeResponse(s *Session, msg []byte, t *tag) (Verdict,
 		switch t.step {
 		case stepGate:
 			h.gateResult(t.gen, msg)
+		case stepCommit:
+			h.commitResult(msg)
 		case stepSettings:
 			h.applySettings(s, msg, t)
 		}
@@ -1876,7 +1976,8 @@ func (h *fenceSession) complete(s *Session, sg seg, msg []byte, cp *cportal) (Ve
 	case stepBegin:
 		h.st.Begin()
 	case stepCommit:
-		h.f.Stats.Committed.Add(1)
+		// Counted by its row ('committed'; commit_if_written says 'none'
+		// when nothing was written).
 	case stepCommitTx:
 		if commandTag(msg) == "ROLLBACK" {
 			h.st.Rollback(false)
@@ -1994,7 +2095,16 @@ func unshift(pos int32, ins []insertion) int32 {
 func (h *fenceSession) applyClient(st *rewrite.Stmt, msg []byte, cp *cportal) {
 	ctag := commandTag(msg)
 	g := h.st.Gate()
-	if g.Gated && isDigested(st) {
+	if !g.Due() && h.maybeWrite(st) {
+		if k, e, t, step, ok := h.st.Generation(); ok {
+			g.Tentative = true
+			g.Gen = session.Generation{JobKey: k, Epoch: e, Token: t, Step: step}
+			if g.Digest == nil {
+				g.Digest = &fence.Digest{}
+			}
+		}
+	}
+	if g.Due() && isDigested(st) {
 		if d, ok := g.Digest.(*fence.Digest); ok {
 			var params []fence.Param
 			if cp != nil {
@@ -2020,7 +2130,14 @@ func isDigested(st *rewrite.Stmt) bool {
 	case rewrite.Write, rewrite.CopyFrom, rewrite.Call, rewrite.Do, rewrite.Execute:
 		return true
 	}
-	return false
+	return st.Opaque // a function call may write: its text is part of what the transaction did
+}
+
+// commitResult counts a receipt step's answer.
+func (h *fenceSession) commitResult(msg []byte) {
+	if rowValue(msg) == "committed" {
+		h.f.Stats.Committed.Add(1)
+	}
 }
 
 // gateResult records the gate's answer ('ok' or 'replay').

@@ -22,11 +22,21 @@ type Generation struct {
 // taken inside a rolled-back savepoint is released by the server too); the
 // Digest is kept but rolled back to the savepoint's mark.
 type Gate struct {
-	Gated  bool       // the fence check has run in this transaction
-	Replay bool       // a receipt exists: the transaction's writes run but it never commits
-	Gen    Generation // the generation checked
-	Digest Digester   // accumulates the transaction's write statements; nil until gated
+	Gated  bool // the fence check has run in this transaction
+	Replay bool // a receipt exists: the transaction's writes run but it never commits
+	// Tentative: not gated, but a fenced statement ran that may have
+	// written a protected table where the proxy cannot see (a DO block,
+	// a function, a write to a table with triggers or rules): the
+	// backstop fenced it and marked the transaction, and the commit runs
+	// the receipt step that writes a receipt if it did
+	// (fence.commit_if_written).
+	Tentative bool
+	Gen       Generation // the generation checked (or, tentative, presented)
+	Digest    Digester   // accumulates the transaction's write statements; nil until gated or tentative
 }
+
+// Due reports whether the transaction's commit needs a receipt step.
+func (g *Gate) Due() bool { return g.Gated || g.Tentative }
 
 // Gate returns the current transaction's gate state for the proxy to read
 // and fill. The pointer stays valid for the State's lifetime; its contents
