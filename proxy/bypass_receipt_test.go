@@ -1,22 +1,17 @@
 package proxy
 
 import (
+	"context"
 	"fmt"
 	"testing"
 	"time"
+
+	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/pgfence/pgfence/fence"
 )
 
 func init() { registerBypass("receipt", bypassReceipt) }
-
-// bypassNeedsProxyReceipts skips the through-proxy runs of the receipt
-// class until the proxy commits opaque writes with
-// fence.commit_if_written.
-func bypassNeedsProxyReceipts(t *testing.T) {
-	t.Helper()
-	t.Skip("needs the proxy's commit_if_written step (lead)")
-}
 
 // bypassReceipt: a fenced transaction that changes a protected table
 // through something no parser can see — a DO block, a function, a
@@ -76,7 +71,6 @@ grant select, insert, update, delete on res_view, parents, kids to `+c.worker+`;
 		}
 		c.try(t, attempt{role: w, lease: cur, sql: q, code: fence.CodeReplay, direct: true})
 		t.Run("through_proxy", func(t *testing.T) {
-			bypassNeedsProxyReceipts(t)
 			pq := fmt.Sprintf("set fence.step = '%s proxy'; %s", step, sql)
 			if err := castExec(ctxT(t), c.connect(t, "proxy", w, cur), pq, ""); err != nil {
 				t.Fatalf("first commit through the proxy: %v", err)
@@ -164,7 +158,6 @@ grant select, insert, update, delete on res_view, parents, kids to `+c.worker+`;
 			t.Fatalf("the fence row is locked after the refused PREPARE: %v", err)
 		}
 		t.Run("through_proxy", func(t *testing.T) {
-			bypassNeedsProxyReceipts(t)
 			c.try(t, attempt{role: w, lease: cur, code: fence.CodeUnsupported,
 				sql: "set fence.step = 'prepared'; begin; select owner_write('prepared'); prepare transaction 'pgfence_bypass'"})
 		})
@@ -182,7 +175,21 @@ grant select, insert, update, delete on res_view, parents, kids to `+c.worker+`;
 		if _, err := fence.Acquire(ctxT(t), conn, "job2", "d", time.Minute); err != nil {
 			t.Fatal(err)
 		}
-		c.try(t, attempt{role: c.worker2, lease: &old, sql: q, code: fence.CodeReplay})
+		c.try(t, attempt{role: c.worker2, lease: &old, sql: q, code: fence.CodeReplay, direct: true})
+		t.Run("proxy_replay_is_success", func(t *testing.T) {
+			// Through the proxy the replay is the COMMIT's success with an
+			// FN00R NOTICE, and nothing changes.
+			before := c.state(t)
+			var notices []string
+			conn := c.connectNotices(t, c.worker2, &old, &notices)
+			if err := castExec(ctxT(t), conn, q, ""); err != nil {
+				t.Fatalf("retry through the proxy: %v, want the replay's success", err)
+			}
+			if len(notices) != 1 || notices[0] != fence.CodeReplay {
+				t.Fatalf("notices %v, want one %s", notices, fence.CodeReplay)
+			}
+			c.unchanged(t, before)
+		})
 		c.try(t, attempt{role: c.worker2, lease: &old, code: fence.CodeStale,
 			sql: "set fence.step = 'late'; do $$ begin update app.ledger set v = 'zombie' where job_key = 'job2'; end $$"})
 	})
@@ -201,4 +208,18 @@ grant select, insert, update, delete on res_view, parents, kids to `+c.worker+`;
 			c.try(t, attempt{role: w, lease: cur, direct: true, sql: "set fence.step = 'tamper'; " + q, code: "42501"})
 		}
 	})
+}
+
+// connectNotices connects through the proxy, collecting the SQLSTATEs of
+// the notices the session receives into *codes.
+func (c *cast) connectNotices(t *testing.T, role string, l *fence.Lease, codes *[]string) *pgconn.PgConn {
+	t.Helper()
+	cfg := c.connConfig(t, "proxy", role, l)
+	cfg.OnNotice = func(_ *pgconn.PgConn, n *pgconn.Notice) { *codes = append(*codes, n.Code) }
+	conn, err := pgconn.ConnectConfig(ctxT(t), cfg)
+	if err != nil {
+		t.Fatalf("connect proxy as %s: %v", role, err)
+	}
+	t.Cleanup(func() { conn.Close(context.Background()) })
+	return conn
 }
