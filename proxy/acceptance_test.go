@@ -1031,7 +1031,7 @@ func startFenceServe(t *testing.T) *serveProc {
 		t.Fatal(pgfenceErr)
 	}
 	t.Cleanup(func() { os.RemoveAll(filepath.Dir(pgfenceBin)) })
-	cmd := exec.Command(pgfenceBin, "serve", "--listen", "127.0.0.1:0", "--primary", cluster.Primary.DSN("postgres"))
+	cmd := exec.Command(pgfenceBin, "serve", "--listen", "127.0.0.1:0", "--primary", cluster.Primary.DSN("postgres"), "--auth", "trust")
 	cmd.Env = os.Environ()
 	logs, err := cmd.StderrPipe()
 	if err != nil {

@@ -73,10 +73,6 @@ func newLive(c Config) *liveConfig {
 // initOps prepares the operations state from the validated config.
 func (s *Server) initOps() {
 	s.ops.live.Store(newLive(s.cfg))
-	if s.dummy.StoredKey == nil {
-		// A reload may turn SCRAM on.
-		s.dummy = dummyCredentials()
-	}
 }
 
 // live returns the current reloadable settings.

@@ -10,12 +10,19 @@ import (
 type AuthMethod string
 
 const (
+	// AuthPostgres authenticates each client against the password
+	// PostgreSQL stores for the role it names (looked up with
+	// Config.AuthQuery), with SCRAM-SHA-256 (md5 for an md5 verifier),
+	// and connects upstream as that role with what the client proved.
+	// A role without a password cannot log in. The default.
+	AuthPostgres AuthMethod = "postgres"
 	// AuthTrust accepts every client without a password. For local
 	// development only: anyone who can reach the listener can connect as
-	// any user the upstream credentials allow.
+	// any user the upstream lets the proxy connect as. Refused on a
+	// non-loopback listener unless Config.AllowRemoteTrust.
 	AuthTrust AuthMethod = "trust"
 	// AuthSCRAM requires SCRAM-SHA-256 against the verifiers in
-	// Config.Users.
+	// Config.Users (a users file).
 	AuthSCRAM AuthMethod = "scram-sha-256"
 )
 
@@ -58,8 +65,23 @@ type Config struct {
 	// DefaultReplicaMaxLag (10s).
 	ReplicaMaxLag time.Duration
 
-	// Auth is the client authentication method. Zero means AuthTrust.
+	// Auth is the client authentication method. Zero means
+	// AuthPostgres: never trust.
 	Auth AuthMethod
+
+	// AuthQuery looks up a role's stored password for AuthPostgres: it
+	// is run with the user name as $1 on a connection of the proxy's own,
+	// as the Primary DSN's user in the DSN's database, and returns one
+	// row (name, password) or none; a NULL password means the role cannot
+	// log in. Zero means DefaultAuthQuery (pg_shadow: the DSN's user must
+	// be a superuser; docs/proxy.md shows a SECURITY DEFINER function for
+	// another user).
+	AuthQuery string
+
+	// AllowRemoteTrust lets AuthTrust serve a listener on a non-loopback
+	// address. False means such a listener is refused by Serve, and a
+	// client reaching the proxy on a non-loopback address is refused.
+	AllowRemoteTrust bool
 
 	// Users maps a user name to its SCRAM-SHA-256 verifier (the format
 	// PostgreSQL stores in pg_authid.rolpassword, and that `pgfence
@@ -68,8 +90,10 @@ type Config struct {
 	Users map[string]string
 
 	// UpstreamPasswords maps a user name to the password the proxy
-	// presents upstream for that user. Nil or a missing user means the
-	// Primary DSN's password (or none, for trust/peer upstreams).
+	// presents upstream for that user. Nil or a missing user means none,
+	// except for the Primary DSN's own user, for whom the DSN's password
+	// is presented (never for another name). With AuthPostgres the proxy
+	// answers upstream with what the client proved and needs none.
 	UpstreamPasswords map[string]string
 
 	// TLS, when non-nil, is offered to clients that send SSLRequest.
@@ -159,10 +183,13 @@ func (c Config) withDefaults() (Config, error) {
 		return c, fmt.Errorf("config: primary DSN is required")
 	}
 	if c.Auth == "" {
-		c.Auth = AuthTrust
+		c.Auth = AuthPostgres
+	}
+	if c.AuthQuery == "" {
+		c.AuthQuery = DefaultAuthQuery
 	}
 	switch c.Auth {
-	case AuthTrust:
+	case AuthTrust, AuthPostgres:
 	case AuthSCRAM, "scram":
 		c.Auth = AuthSCRAM
 		if len(c.Users) == 0 {
@@ -174,7 +201,7 @@ func (c Config) withDefaults() (Config, error) {
 			}
 		}
 	default:
-		return c, fmt.Errorf("config: unknown auth method %q (want trust or scram-sha-256)", c.Auth)
+		return c, fmt.Errorf("config: unknown auth method %q (want postgres, scram-sha-256 or trust)", c.Auth)
 	}
 	if c.MaxClients == 0 {
 		c.MaxClients = DefaultMaxClients

@@ -22,7 +22,8 @@ var ErrMessageTooLarge = errors.New("message too large")
 type ProtocolError struct {
 	Code string // SQLSTATE sent to the client
 	Msg  string
-	Err  error // optional cause, for errors.Is
+	Hint string // optional: what the user can do
+	Err  error  // optional cause, for errors.Is
 }
 
 func (e *ProtocolError) Error() string {

@@ -40,7 +40,14 @@ func TestMain(m *testing.M) {
 		Replica: true,
 		// The upstream demands SCRAM for this role, so tests prove the
 		// proxy authenticates upstream with the configured password.
-		HBA: []string{"host all " + scramUser + " 127.0.0.1/32 scram-sha-256"},
+		// The auth tests' roles get what their group says
+		// (bypass_auth_test.go).
+		HBA: []string{
+			"host all " + scramUser + " 127.0.0.1/32 scram-sha-256",
+			"host all +" + authGroupSCRAM + " 127.0.0.1/32 scram-sha-256",
+			"host all +" + authGroupMD5 + " 127.0.0.1/32 md5",
+			"host all +" + authGroupPassword + " 127.0.0.1/32 password",
+		},
 	}, func(ctx context.Context, conn *pgx.Conn) error {
 		if _, err := conn.Exec(ctx, fmt.Sprintf("CREATE ROLE %s LOGIN SUPERUSER PASSWORD '%s'", scramUser, scramPassword)); err != nil {
 			return err
@@ -74,6 +81,12 @@ func startProxyLog(t testing.TB, cfg Config, log *zap.Logger) *testProxy {
 	t.Helper()
 	if cfg.Primary == "" {
 		cfg.Primary = cluster.Primary.DSN("postgres")
+	}
+	if cfg.Auth == "" {
+		// The tests connect as roles without passwords unless they test
+		// authentication, which they then name (the default is
+		// AuthPostgres).
+		cfg.Auth = AuthTrust
 	}
 	srv, err := New(cfg, log)
 	if err != nil {

@@ -36,7 +36,8 @@ type Session struct {
 	// Params are the client's startup parameters (user and database
 	// included). Read-only.
 	Params map[string]string
-	// BackendPID is the upstream backend's process id.
+	// BackendPID is the upstream backend's process id, which the client
+	// was given in BackendKeyData.
 	BackendPID uint32
 
 	client net.Conn
@@ -50,14 +51,19 @@ type Session struct {
 	q       queue
 	scratch []byte // reassembly buffer for large client messages (interceptor only)
 
+	// proof is what the client proved at login, presented upstream for
+	// its role (the replica connections are opened with it too).
+	proof *Proof
+
 	txStatus atomic.Uint32 // last ReadyForQuery status: 'I', 'T' or 'E'
 	// pending counts requests in flight (a Query, FunctionCall or an
 	// extended batch up to its Sync) whose ReadyForQuery has not arrived.
 	// Shutdown may close a session only while it is zero and txStatus is
 	// 'I'; closedMark marks that it did.
-	pending   atomic.Int64
-	cancelPID uint32
-	inBatch   bool // client goroutine: extended messages sent since the last Sync
+	pending      atomic.Int64
+	cancelPID    uint32 // the upstream backend's PID
+	cancelSecret uint32 // the proxy's own secret given with it
+	inBatch      bool   // client goroutine: extended messages sent since the last Sync
 	// onLoop: the Handler's ClientMessage is running on the event loop,
 	// where it must not block (see LoopClient).
 	onLoop bool

@@ -94,7 +94,9 @@ func runDev(ctx context.Context, out io.Writer, replica bool, listen string) err
 		return err
 	}
 	defer gate.Close()
-	srv, err := proxy.New(proxy.Config{Primary: c.Primary.DSN("postgres"), Interceptor: gate}, log)
+	// Trust, on loopback only (Serve refuses it elsewhere): a throwaway
+	// cluster whose roles have no passwords.
+	srv, err := proxy.New(proxy.Config{Primary: c.Primary.DSN("postgres"), Auth: proxy.AuthTrust, Interceptor: gate}, log)
 	if err != nil {
 		return err
 	}

@@ -31,6 +31,8 @@ type serveConfig struct {
 	TLSKey            string            `toml:"tls_key"`
 	Auth              string            `toml:"auth"`
 	AuthFile          string            `toml:"auth_file"`
+	AuthQuery         string            `toml:"auth_query"`
+	AllowRemoteTrust  bool              `toml:"allow_remote_trust"`
 	MaxClients        int               `toml:"max_clients"`
 	MaxMessageSize    string            `toml:"max_message_size"`
 	ShutdownTimeout   string            `toml:"shutdown_timeout"`
@@ -94,8 +96,10 @@ user to the password presented upstream for it. See docs/proxy.md.`,
 	addReplicaFlags(f) // serve_replicas.go
 	f.String("tls-cert", "", "PEM certificate offered to clients that ask for TLS (PGFENCE_TLS_CERT)")
 	f.String("tls-key", "", "PEM private key for --tls-cert (PGFENCE_TLS_KEY)")
-	f.String("auth", "", "client authentication: trust or scram (PGFENCE_AUTH; default trust)")
+	f.String("auth", "", "client authentication: postgres (the role's password stored in PostgreSQL), scram (a users file) or trust (PGFENCE_AUTH; default postgres)")
 	f.String("auth-file", "", `users file of "user" "SCRAM-SHA-256$..." lines, see pgfence passwd (PGFENCE_AUTH_FILE)`)
+	f.String("auth-query", "", "query returning (user, password verifier) for $1, for auth postgres; see docs/proxy.md (PGFENCE_AUTH_QUERY; default reads pg_shadow)")
+	f.Bool("allow-remote-trust", false, "let auth trust serve a non-loopback listen address: anyone who reaches it connects as any user (PGFENCE_ALLOW_REMOTE_TRUST)")
 	f.Int("max-clients", 0, fmt.Sprintf("maximum concurrent clients (PGFENCE_MAX_CLIENTS; default %d)", proxy.DefaultMaxClients))
 	f.String("max-message-size", "", "largest client message, e.g. 64MiB (PGFENCE_MAX_MESSAGE_SIZE; default 64MiB)")
 	f.Bool("no-gate", false, "turn the write gate off: a plain pass-through proxy, protected tables guarded by their backstop trigger only (PGFENCE_NO_GATE)")
@@ -136,6 +140,7 @@ func loadServeConfig(cmd *cobra.Command) (serveConfig, error) {
 	str("tls-key", &cfg.TLSKey)
 	str("auth", &cfg.Auth)
 	str("auth-file", &cfg.AuthFile)
+	str("auth-query", &cfg.AuthQuery)
 	str("max-message-size", &cfg.MaxMessageSize)
 	str("shutdown-timeout", &cfg.ShutdownTimeout)
 	if v, ok := os.LookupEnv("PGFENCE_REPLICA"); ok {
@@ -159,7 +164,7 @@ func loadServeConfig(cmd *cobra.Command) (serveConfig, error) {
 	if cmd.Flags().Changed("max-clients") {
 		cfg.MaxClients, _ = cmd.Flags().GetInt("max-clients")
 	}
-	for key, dst := range map[string]*bool{"no-gate": &cfg.NoGate, "no-event-loop": &cfg.NoEventLoop} {
+	for key, dst := range map[string]*bool{"no-gate": &cfg.NoGate, "no-event-loop": &cfg.NoEventLoop, "allow-remote-trust": &cfg.AllowRemoteTrust} {
 		env := "PGFENCE_" + strings.ToUpper(strings.ReplaceAll(key, "-", "_"))
 		if v, ok := os.LookupEnv(env); ok {
 			b, err := strconv.ParseBool(v)
@@ -193,12 +198,16 @@ func (c serveConfig) proxyConfig() (proxy.Config, error) {
 		UpstreamPasswords: c.UpstreamPasswords,
 		AdminUsers:        c.AdminUsers,
 		DisableEventLoop:  c.NoEventLoop,
+		AuthQuery:         c.AuthQuery,
+		AllowRemoteTrust:  c.AllowRemoteTrust,
 	}
 	if err := c.applyReplicaConfig(&pc); err != nil { // serve_replicas.go
 		return pc, err
 	}
 	switch strings.ToLower(c.Auth) {
-	case "", "trust":
+	case "", "postgres":
+		pc.Auth = proxy.AuthPostgres
+	case "trust":
 		pc.Auth = proxy.AuthTrust
 	case "scram", "scram-sha-256":
 		pc.Auth = proxy.AuthSCRAM
@@ -211,7 +220,7 @@ func (c serveConfig) proxyConfig() (proxy.Config, error) {
 		}
 		pc.Users = users
 	default:
-		return pc, fmt.Errorf("unknown --auth %q: want trust or scram", c.Auth)
+		return pc, fmt.Errorf("unknown --auth %q: want postgres, scram or trust", c.Auth)
 	}
 	if (c.TLSCert == "") != (c.TLSKey == "") {
 		return pc, errors.New("--tls-cert and --tls-key go together")
