@@ -30,6 +30,7 @@ const (
 const (
 	DefaultMaxClients      = 1000
 	DefaultMaxMessageSize  = 64 << 20
+	DefaultMemoryBudget    = 512 << 20
 	DefaultShutdownTimeout = 30 * time.Second
 	DefaultStartupTimeout  = 15 * time.Second
 	DefaultConnectTimeout  = 10 * time.Second
@@ -106,12 +107,32 @@ type Config struct {
 	MaxClients int
 
 	// MaxMessageSize bounds the length of one client message (excluding
-	// the type byte). A longer message gets ErrorResponse 08P01 and the
-	// session is closed. Messages from the server are not bounded (the
-	// server is trusted, and messages are streamed, not buffered). Zero
-	// means DefaultMaxMessageSize (64 MiB); PostgreSQL itself refuses
-	// messages over 1 GiB.
+	// the type byte). A longer Query, Parse, Bind, FunctionCall or
+	// CopyData is read and discarded (never held) and answered with an
+	// ErrorResponse 54000 in its place, as PostgreSQL answers a failed
+	// statement: a Query's session goes on, an extended-protocol message
+	// fails its batch up to the Sync, a CopyData fails the COPY. Any other
+	// message that long gets 08P01 and the session is closed. Messages
+	// from the server are not bounded (the server is trusted, and
+	// messages are streamed, not buffered). Zero means
+	// DefaultMaxMessageSize (64 MiB); PostgreSQL itself refuses messages
+	// over 1 GiB.
 	MaxMessageSize int
+
+	// MemoryBudget bounds the memory all sessions together spend on
+	// client messages held whole: with an Interceptor (the write gate), a
+	// Query, Parse, Bind or FunctionCall larger than BufferSize is read
+	// whole before it is forwarded, and classifying it costs a few times
+	// its size again, so each such message counts heldMessageCost (8)
+	// times its length against the budget while it is held (the budget
+	// bounds resident memory, garbage collection included). The budget is
+	// taken before the message body is read; a message that does not fit
+	// is read and dropped, its session gets ErrorResponse 53200 and is
+	// closed, and no other session is affected. CopyData is streamed, in
+	// pieces of at most BufferSize, and pass-through sessions stream
+	// everything: neither counts. Zero means DefaultMemoryBudget
+	// (512 MiB: one message of the default MaxMessageSize at a time).
+	MemoryBudget int
 
 	// ShutdownTimeout is how long Shutdown lets sessions in a transaction
 	// (or with a request in flight) finish before closing them, when the
@@ -208,6 +229,12 @@ func (c Config) withDefaults() (Config, error) {
 	}
 	if c.MaxMessageSize <= 0 {
 		c.MaxMessageSize = DefaultMaxMessageSize
+	}
+	if c.MemoryBudget <= 0 {
+		c.MemoryBudget = DefaultMemoryBudget
+	}
+	if c.MaxMessageSize > 1<<30-4 {
+		return c, fmt.Errorf("config: max message size %d is over PostgreSQL's own limit of 1GiB", c.MaxMessageSize)
 	}
 	if c.ShutdownTimeout <= 0 {
 		c.ShutdownTimeout = DefaultShutdownTimeout

@@ -232,6 +232,9 @@ func (s *Session) replicaLoop(rc *replicaConn) error {
 			s.replicaFailed(fmt.Errorf("replica: %w", err))
 			return err
 		}
+		if typ == 'E' && s.oversized.Load() {
+			msg = s.srv.oversizedError(msg) // limits.go
+		}
 		inUse := s.rt.onRep.Load() && (s.q.front() != nil || s.TxStatus() != 'I')
 		if !inUse || typ == 'E' && fatalError(msg) {
 			// Nothing of ours in flight here (a notice), or the

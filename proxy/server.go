@@ -7,6 +7,7 @@ import (
 	"crypto/subtle"
 	"crypto/tls"
 	"encoding/binary"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"io"
@@ -29,8 +30,12 @@ type Server struct {
 	primary  *pgconn.Config
 	replicas []*pgconn.Config
 	auth     *authLookup // AuthPostgres: the roles' passwords (auth.go)
+	mem      memBudget   // held client messages (session.go)
 	// mockSecret salts the dummy verifiers of unknown roles (auth.go).
 	mockSecret [32]byte
+	// oversizedTag names the substitutes for messages over the limit
+	// (limits.go).
+	oversizedTag string
 
 	clients  atomic.Int64 // sessions counted against MaxClients
 	draining atomic.Bool
@@ -84,7 +89,15 @@ func New(cfg Config, log *zap.Logger) (*Server, error) {
 		s.replicas = append(s.replicas, rc)
 	}
 	rand.Read(s.mockSecret[:])
+	var tag [8]byte
+	rand.Read(tag[:])
+	s.oversizedTag = oversizedPrefix + hex.EncodeToString(tag[:]) // limits.go
+	s.mem.limit = int64(cfg.MemoryBudget)
 	s.auth = &authLookup{cfg: s.primary, query: cfg.AuthQuery}
+	if heldCost(cfg.MaxMessageSize) > int64(cfg.MemoryBudget) && cfg.Interceptor != nil {
+		log.Warn("memory_budget cannot hold a message of max_message_size: such messages get 53200; raise memory_budget or lower max_message_size",
+			zap.Int("memory_budget", cfg.MemoryBudget), zap.Int("max_message_size", cfg.MaxMessageSize), zap.Int64("held_message_cost", heldCost(cfg.MaxMessageSize)))
+	}
 	if cfg.Auth == AuthTrust {
 		log.Warn("auth trust: every client is let in without a password, as any user it names; use it for local development only")
 	}

@@ -35,6 +35,7 @@ type serveConfig struct {
 	AllowRemoteTrust  bool              `toml:"allow_remote_trust"`
 	MaxClients        int               `toml:"max_clients"`
 	MaxMessageSize    string            `toml:"max_message_size"`
+	MemoryBudget      string            `toml:"memory_budget"`
 	ShutdownTimeout   string            `toml:"shutdown_timeout"`
 	UpstreamPasswords map[string]string `toml:"upstream_passwords"`
 	// NoGate turns the write gate off: a plain pass-through proxy (for
@@ -102,6 +103,7 @@ user to the password presented upstream for it. See docs/proxy.md.`,
 	f.Bool("allow-remote-trust", false, "let auth trust serve a non-loopback listen address: anyone who reaches it connects as any user (PGFENCE_ALLOW_REMOTE_TRUST)")
 	f.Int("max-clients", 0, fmt.Sprintf("maximum concurrent clients (PGFENCE_MAX_CLIENTS; default %d)", proxy.DefaultMaxClients))
 	f.String("max-message-size", "", "largest client message, e.g. 64MiB (PGFENCE_MAX_MESSAGE_SIZE; default 64MiB)")
+	f.String("memory-budget", "", "memory all sessions may spend on client messages held whole, e.g. 256MiB (PGFENCE_MEMORY_BUDGET; default 256MiB)")
 	f.Bool("no-gate", false, "turn the write gate off: a plain pass-through proxy, protected tables guarded by their backstop trigger only (PGFENCE_NO_GATE)")
 	f.Bool("no-event-loop", false, "relay every session with goroutines instead of the event loop thread; see docs/proxy.md (PGFENCE_NO_EVENT_LOOP)")
 	f.String("shutdown-timeout", "", "how long open transactions may run after SIGTERM (PGFENCE_SHUTDOWN_TIMEOUT; default 30s)")
@@ -142,6 +144,7 @@ func loadServeConfig(cmd *cobra.Command) (serveConfig, error) {
 	str("auth-file", &cfg.AuthFile)
 	str("auth-query", &cfg.AuthQuery)
 	str("max-message-size", &cfg.MaxMessageSize)
+	str("memory-budget", &cfg.MemoryBudget)
 	str("shutdown-timeout", &cfg.ShutdownTimeout)
 	if v, ok := os.LookupEnv("PGFENCE_REPLICA"); ok {
 		cfg.Replicas = nil
@@ -239,6 +242,13 @@ func (c serveConfig) proxyConfig() (proxy.Config, error) {
 		}
 		pc.MaxMessageSize = n
 	}
+	if c.MemoryBudget != "" {
+		n, err := parseSizeUpTo(c.MemoryBudget, 1<<40)
+		if err != nil {
+			return pc, fmt.Errorf("memory budget: %w", err)
+		}
+		pc.MemoryBudget = n
+	}
 	if c.ShutdownTimeout != "" {
 		d, err := time.ParseDuration(c.ShutdownTimeout)
 		if err != nil {
@@ -251,7 +261,11 @@ func (c serveConfig) proxyConfig() (proxy.Config, error) {
 
 // parseSize reads 1048576, 64kB, 64KiB, 64MB, 64MiB, 1GB (binary units, as
 // PostgreSQL's memory settings).
-func parseSize(s string) (int, error) {
+func parseSize(s string) (int, error) { return parseSizeUpTo(s, 1<<30) }
+
+// parseSizeUpTo is parseSize with another upper bound (the memory budget
+// may exceed 1GiB).
+func parseSizeUpTo(s string, limit int) (int, error) {
 	s = strings.TrimSpace(s)
 	mult := 1
 	for _, u := range []struct {
@@ -264,8 +278,8 @@ func parseSize(s string) (int, error) {
 		}
 	}
 	n, err := strconv.Atoi(s)
-	if err != nil || n <= 0 || n > (1<<30)/mult {
-		return 0, fmt.Errorf("invalid size %q (want e.g. 64MiB, at most 1GiB)", s)
+	if err != nil || n <= 0 || n > limit/mult {
+		return 0, fmt.Errorf("invalid size %q (want e.g. 64MiB, at most %dMiB)", s, limit>>20)
 	}
 	return n * mult, nil
 }
