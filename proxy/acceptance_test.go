@@ -1031,7 +1031,6 @@ func startFenceServe(t *testing.T, args ...string) *serveProc {
 	if pgfenceErr != nil {
 		t.Fatal(pgfenceErr)
 	}
-	t.Cleanup(func() { os.RemoveAll(filepath.Dir(pgfenceBin)) })
 	cmd := exec.Command(pgfenceBin, append([]string{"serve", "--listen", "127.0.0.1:0", "--primary", cluster.Primary.DSN("postgres"), "--auth", "trust"}, args...)...)
 	cmd.Env = os.Environ()
 	logs, err := cmd.StderrPipe()

@@ -205,7 +205,7 @@ type Proof struct {
 // authFailed is the error for a failed exchange: the same for a wrong
 // password, an unknown role and a role without a password.
 func authFailed(user string) error {
-	return &ProtocolError{Code: "28P01", Msg: fmt.Sprintf("password authentication failed for user %q", user), Hint: authHint, Err: ErrAuthFailed}
+	return &ProtocolError{Code: "28P01", Msg: fmt.Sprintf("password authentication failed for user %q", user), Err: ErrAuthFailed}
 }
 
 // NewAuthBackend returns a pgproto3 Backend for an authentication exchange
@@ -557,6 +557,10 @@ func (s *Server) authenticate(c net.Conn, st *startup, log *zap.Logger) (*Proof,
 				sc = s.dummyCredentials(user)
 			}
 			proof, err = SCRAMExchange(be, user, sc, known, s.channelBinding(c))
+		}
+		var pe *ProtocolError
+		if errors.As(err, &pe) && errors.Is(err, ErrAuthFailed) {
+			pe.Hint = authHint // whatever the reason, without saying which
 		}
 		if err != nil {
 			return nil, err

@@ -138,12 +138,7 @@ func (e *authEnv) noCanary(t *testing.T) {
 // after the server's AuthenticationSASL.
 func (e *authEnv) scramStart(t *testing.T, user string) *rawConn {
 	t.Helper()
-	c, err := net.Dial("tcp", e.p.addr.String())
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { c.Close() })
-	r := &rawConn{Conn: c, fe: pgproto3.NewFrontend(c, c)}
+	r := rawStart(t, e.p.addr.String())
 	r.fe.Send(&pgproto3.StartupMessage{ProtocolVersion: pgproto3.ProtocolVersionNumber, Parameters: map[string]string{"user": user, "database": e.db}})
 	if err := r.fe.Flush(); err != nil {
 		t.Fatal(err)
@@ -157,6 +152,23 @@ func (e *authEnv) scramStart(t *testing.T, user string) *rawConn {
 		t.Fatalf("got %T, want AuthenticationSASL", m)
 	}
 	return r
+}
+
+// scramProve starts a SCRAM exchange as role with a client that names
+// name and proves password, up to the client's final message (not sent).
+func (e *authEnv) scramProve(t *testing.T, role, name, password string) (r *rawConn, first, final string) {
+	t.Helper()
+	cl, err := scram.SHA256.NewClient(name, password, "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	conv := cl.NewConversation()
+	first, _ = conv.Step("")
+	r = e.scramStart(t, role)
+	if final, err = conv.Step(r.step(t, true, first)); err != nil {
+		t.Fatal(err)
+	}
+	return r, first, final
 }
 
 // step sends a SCRAM message (the first one as SASLInitialResponse) and
@@ -282,17 +294,7 @@ func testBypassAuth(t *testing.T) {
 	})
 	t.Run("replayed_proof", func(t *testing.T) {
 		// A recorded exchange replayed: the server nonce differs.
-		cl, err := scram.SHA256.NewClient("", "alice-pw", "")
-		if err != nil {
-			t.Fatal(err)
-		}
-		conv := cl.NewConversation()
-		first, _ := conv.Step("")
-		r := e.scramStart(t, "auth_alice")
-		final, err := conv.Step(r.step(t, true, first))
-		if err != nil {
-			t.Fatal(err)
-		}
+		r, first, final := e.scramProve(t, "auth_alice", "", "alice-pw")
 		if got := r.step(t, false, final); !strings.HasPrefix(got, "v=") {
 			t.Fatalf("the recorded exchange itself: got %s", got)
 		}
@@ -306,14 +308,7 @@ func testBypassAuth(t *testing.T) {
 	t.Run("scram_name_is_not_the_role", func(t *testing.T) {
 		// The SCRAM message names scram_user and proves its password; the
 		// startup names auth_alice, which is what counts.
-		cl, _ := scram.SHA256.NewClient(scramUser, scramPassword, "")
-		conv := cl.NewConversation()
-		first, _ := conv.Step("")
-		r := e.scramStart(t, "auth_alice")
-		final, err := conv.Step(r.step(t, true, first))
-		if err != nil {
-			t.Fatal(err)
-		}
+		r, _, final := e.scramProve(t, "auth_alice", scramUser, scramPassword)
 		if got := r.step(t, false, final); got != "E:28P01" {
 			t.Fatalf("proof for another role: got %s, want E:28P01", got)
 		}

@@ -4,7 +4,6 @@ import (
 	"context"
 	"encoding/binary"
 	"fmt"
-	"net"
 	"strings"
 	"testing"
 	"time"
@@ -40,12 +39,7 @@ func testBypassMemory(t *testing.T) {
 	// startup sends a raw startup packet for user to the auth proxy.
 	startup := func(t *testing.T, user string) *rawConn {
 		t.Helper()
-		c, err := net.Dial("tcp", ae.p.addr.String())
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { c.Close() })
-		r := &rawConn{Conn: c, fe: pgproto3.NewFrontend(c, c)}
+		r := rawStart(t, ae.p.addr.String())
 		if user != "" {
 			r.fe.Send(&pgproto3.StartupMessage{ProtocolVersion: pgproto3.ProtocolVersionNumber, Parameters: map[string]string{"user": user, "database": ae.db}})
 			r.fe.Flush()
@@ -79,12 +73,14 @@ func testBypassMemory(t *testing.T) {
 		ae.noCanary(t)
 	}
 
+	// hugeStartup is the start of a startup packet claiming 48 MiB.
+	hugeStartup := make([]byte, 8)
+	binary.BigEndian.PutUint32(hugeStartup, memoryHuge)
+	binary.BigEndian.PutUint32(hugeStartup[4:], protocol30)
+
 	t.Run("startup_packet_48MiB", func(t *testing.T) {
 		r := startup(t, "")
-		var pkt [8]byte
-		binary.BigEndian.PutUint32(pkt[:], memoryHuge)
-		binary.BigEndian.PutUint32(pkt[4:], protocol30)
-		r.Write(pkt[:])
+		r.Write(hugeStartup)
 		refusedUnread(t, r, "a 48 MiB startup packet")
 	})
 	t.Run("ssl_request_then_48MiB", func(t *testing.T) {
@@ -94,10 +90,7 @@ func testBypassMemory(t *testing.T) {
 		if _, err := r.Read(b[:]); err != nil || b[0] != 'N' {
 			t.Fatalf("SSLRequest: got %q %v, want N", b, err)
 		}
-		var pkt [8]byte
-		binary.BigEndian.PutUint32(pkt[:], memoryHuge)
-		binary.BigEndian.PutUint32(pkt[4:], protocol30)
-		r.Write(pkt[:])
+		r.Write(hugeStartup)
 		refusedUnread(t, r, "a 48 MiB startup packet after SSLRequest")
 	})
 	t.Run("sasl_initial_48MiB", func(t *testing.T) {

@@ -92,13 +92,7 @@ func testOversizeMessage(t *testing.T, relay Config) {
 
 	t.Run("copy", func(t *testing.T) {
 		r := rawConnect(t, p.dsn(db))
-		r.send(t, &pgproto3.Query{String: "COPY t FROM STDIN"})
-		r.SetReadDeadline(time.Now().Add(30 * time.Second))
-		if m, err := r.fe.Receive(); err != nil {
-			t.Fatal(err)
-		} else if _, ok := m.(*pgproto3.CopyInResponse); !ok {
-			t.Fatalf("got %T, want CopyInResponse", m)
-		}
+		r.copyIn(t, "COPY t FROM STDIN")
 		row := []byte("5\tsmall\n")
 		r.send(t, &pgproto3.CopyData{Data: row}, &pgproto3.CopyData{Data: bytes.Repeat(row, 1000)}, &pgproto3.CopyData{Data: row}, &pgproto3.CopyDone{})
 		got, errs := r.untilReady(t)
@@ -112,6 +106,30 @@ func testOversizeMessage(t *testing.T, relay Config) {
 		r.send(t, &pgproto3.Query{String: "SELECT 1"})
 		got, _ = r.untilReady(t)
 		want(t, "after the COPY", got, "RowDescription", "DataRow", "CommandComplete", "Z:I")
+	})
+
+	t.Run("behind_a_big_result", func(t *testing.T) {
+		// Sent while a 20 MB result is coming: on the event loop the
+		// session moves to goroutines in the middle of that result (of
+		// one of its messages, most likely), which must arrive whole and
+		// in order.
+		r := rawConnect(t, p.dsn(db))
+		r.send(t, &pgproto3.Query{String: "SELECT repeat('x', 1000) FROM generate_series(1, 20000)"})
+		r.SetReadDeadline(time.Now().Add(30 * time.Second))
+		for range 10 { // the result is streaming
+			if _, err := r.fe.Receive(); err != nil {
+				t.Fatal(err)
+			}
+		}
+		r.send(t, &pgproto3.Query{String: "SELECT " + big}, &pgproto3.Query{String: "SELECT 'after'"})
+		got, _ := r.untilReady(t)
+		if len(got) != 20003-10 || got[len(got)-2] != "CommandComplete" || got[len(got)-1] != "Z:I" {
+			t.Fatalf("the rest of the big result: %d messages, ... %v", len(got), got[max(0, len(got)-3):])
+		}
+		got, _ = r.untilReady(t)
+		want(t, "the oversized query behind it", got, "E:54000", "Z:I")
+		got, _ = r.untilReady(t)
+		want(t, "the query after", got, "RowDescription", "DataRow", "CommandComplete", "Z:I")
 	})
 
 	t.Run("sync", func(t *testing.T) {
@@ -155,13 +173,7 @@ func TestCopyStreamed(t *testing.T) {
 		r := rawConnect(t, p.dsn(db))
 		r.send(t, &pgproto3.Query{String: "CREATE TABLE t (a int, b text)"})
 		r.untilReady(t)
-		r.send(t, &pgproto3.Query{String: "COPY t FROM STDIN"})
-		r.SetReadDeadline(time.Now().Add(30 * time.Second))
-		if m, err := r.fe.Receive(); err != nil {
-			t.Fatal(err)
-		} else if _, ok := m.(*pgproto3.CopyInResponse); !ok {
-			t.Fatalf("got %T, want CopyInResponse", m)
-		}
+		r.copyIn(t, "COPY t FROM STDIN")
 		var data []byte
 		for i := range 30000 {
 			data = fmt.Appendf(data, "%d\t%s\n", i, strings.Repeat("v", 90))

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"net"
 	"os"
+	"path/filepath"
 	"runtime"
 	"sync"
 	"testing"
@@ -34,7 +35,7 @@ func TestMain(m *testing.M) {
 		// Fuzz targets are pure; do not start PostgreSQL in every worker.
 		os.Exit(m.Run())
 	}
-	os.Exit(pgtest.Run(m, pgtest.Options{
+	code := pgtest.Run(m, pgtest.Options{
 		// Read routing's tests need a streaming replica (route_test.go);
 		// everything else uses the primary.
 		Replica: true,
@@ -54,7 +55,13 @@ func TestMain(m *testing.M) {
 		}
 		// The write gate's tests need the fence schema.
 		return migrations.Prepare(ctx, conn)
-	}, &cluster))
+	}, &cluster)
+	if pgfenceBin != "" {
+		// Built once for the tests that run pgfence serve
+		// (startFenceServe), which may be several.
+		os.RemoveAll(filepath.Dir(pgfenceBin))
+	}
+	os.Exit(code)
 }
 
 func fuzzing() bool {

@@ -30,6 +30,29 @@ func rawConnect(t testing.TB, dsn string) *rawConn {
 	return &rawConn{Conn: hj.Conn, fe: pgproto3.NewFrontend(hj.Conn, hj.Conn)}
 }
 
+// rawStart opens a raw connection to addr, before any startup.
+func rawStart(t testing.TB, addr string) *rawConn {
+	t.Helper()
+	c, err := net.Dial("tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	return &rawConn{Conn: c, fe: pgproto3.NewFrontend(c, c)}
+}
+
+// copyIn sends a COPY FROM STDIN query and waits for CopyInResponse.
+func (r *rawConn) copyIn(t testing.TB, sql string) {
+	t.Helper()
+	r.send(t, &pgproto3.Query{String: sql})
+	r.SetReadDeadline(time.Now().Add(30 * time.Second))
+	if m, err := r.fe.Receive(); err != nil {
+		t.Fatal(err)
+	} else if _, ok := m.(*pgproto3.CopyInResponse); !ok {
+		t.Fatalf("got %T, want CopyInResponse", m)
+	}
+}
+
 // send writes messages, encoded, in one write.
 func (r *rawConn) send(t testing.TB, msgs ...pgproto3.FrontendMessage) {
 	t.Helper()

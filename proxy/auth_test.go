@@ -169,3 +169,16 @@ func TestAuthTLS(t *testing.T) {
 	})
 	e.noCanary(t)
 }
+
+// TestUpstreamHosts: the proxy's own startup keeps pgconn's handling of
+// the DSN's host list and target_session_attrs: with the replica listed
+// first and read-write asked for, sessions land on the primary.
+func TestUpstreamHosts(t *testing.T) {
+	dsn := fmt.Sprintf("postgres://postgres@%s,%s/postgres?sslmode=disable&target_session_attrs=read-write", cluster.Replica.Addr(), cluster.Primary.Addr())
+	p := startProxy(t, Config{Primary: dsn})
+	c := connect(t, p.dsn(cluster.NewDatabase(t)))
+	res, err := c.Exec(ctxT(t), "SELECT pg_is_in_recovery()").ReadAll()
+	if err != nil || string(res[0].Rows[0][0]) != "f" {
+		t.Fatalf("got %v %v, want a session on the primary", res, err)
+	}
+}
