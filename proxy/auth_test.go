@@ -1,11 +1,14 @@
 package proxy
 
 import (
+	"bytes"
 	"context"
 	"crypto/tls"
 	"crypto/x509"
+	"encoding/base64"
 	"encoding/pem"
 	"fmt"
+	"io"
 	"net"
 	"net/url"
 	"os"
@@ -17,6 +20,7 @@ import (
 
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgproto3"
+	"github.com/xdg-go/scram"
 
 	"github.com/pgfence/pgfence/internal/pgtest"
 )
@@ -180,5 +184,88 @@ func TestUpstreamHosts(t *testing.T) {
 	res, err := c.Exec(ctxT(t), "SELECT pg_is_in_recovery()").ReadAll()
 	if err != nil || string(res[0].Rows[0][0]) != "f" {
 		t.Fatalf("got %v %v, want a session on the primary", res, err)
+	}
+}
+
+// FuzzSCRAMExchange: whatever a client sends as its two SCRAM messages
+// (and whatever length it claims), the server side never panics, never
+// reads past the exchange's messages, and never lets it in without the
+// password; with the real messages of a client that knows it, it does,
+// and recovers the role's ClientKey.
+func FuzzSCRAMExchange(f *testing.F) {
+	f.Add([]byte("n,,n=,r=abc"), []byte("c=biws,r=abcdef,p=AAAA"), false)
+	f.Add([]byte("p=tls-server-end-point,,n=,r=abc"), []byte("c=cD10bHM=,r=abc,p="), true)
+	f.Add([]byte("y,,n=x,r=a"), []byte(""), false)
+	f.Add([]byte(""), []byte(",p="), true)
+	v, err := MakeVerifier("", "secret")
+	if err != nil {
+		f.Fatal(err)
+	}
+	sc, _ := parseVerifier(v)
+	f.Fuzz(func(t *testing.T, first, final []byte, plus bool) {
+		mech := "SCRAM-SHA-256"
+		if plus {
+			mech = "SCRAM-SHA-256-PLUS"
+		}
+		var in []byte
+		in, _ = (&pgproto3.SASLInitialResponse{AuthMechanism: mech, Data: first}).Encode(in)
+		in, _ = (&pgproto3.SASLResponse{Data: final}).Encode(in)
+		in = append(in, "next"...)
+		r := bytes.NewReader(in)
+		be := NewAuthBackend(struct {
+			io.Reader
+			io.Writer
+		}{r, io.Discard})
+		if _, err := SCRAMExchange(be, "u", sc, true, scram.ChannelBinding{}); err == nil {
+			t.Fatalf("a client without the password got in: %q %q", first, final)
+		}
+		if rest, _ := io.ReadAll(r); len(rest) < len("next") || !bytes.HasSuffix(rest, []byte("next")) {
+			t.Fatalf("the exchange read past its messages: %d bytes left", len(rest))
+		}
+	})
+}
+
+// TestSCRAMExchangeKey: a real client gets in, and the key the exchange
+// recovers is the role's ClientKey.
+func TestSCRAMExchangeKey(t *testing.T) {
+	v, err := MakeVerifier("", "secret")
+	if err != nil {
+		t.Fatal(err)
+	}
+	sc, _ := parseVerifier(v)
+	cl, _ := scram.SHA256.NewClient("", "secret", "")
+	conv := cl.NewConversation()
+	first, _ := conv.Step("")
+	cr, cw := io.Pipe()
+	sr, sw := io.Pipe()
+	done := make(chan *Proof, 1)
+	go func() {
+		p, err := SCRAMExchange(NewAuthBackend(struct {
+			io.Reader
+			io.Writer
+		}{cr, sw}), "u", sc, true, scram.ChannelBinding{})
+		if err != nil {
+			t.Error(err)
+		}
+		sw.Close()
+		done <- p
+	}()
+	fe := pgproto3.NewFrontend(sr, cw)
+	fe.Receive() // AuthenticationSASL
+	fe.Send(&pgproto3.SASLInitialResponse{AuthMechanism: "SCRAM-SHA-256", Data: []byte(first)})
+	fe.Flush()
+	m, _ := fe.Receive()
+	final, err := conv.Step(string(m.(*pgproto3.AuthenticationSASLContinue).Data))
+	if err != nil {
+		t.Fatal(err)
+	}
+	fe.Send(&pgproto3.SASLResponse{Data: []byte(final)})
+	fe.Flush()
+	go io.Copy(io.Discard, sr)
+	p := <-done
+	salt, _ := base64.StdEncoding.DecodeString(strings.Split(strings.Split(v, "$")[1], ":")[1])
+	key, _, err := scramKeys("secret", salt, DefaultSCRAMIterations)
+	if err != nil || p == nil || !bytes.Equal(p.ClientKey, key) || !bytes.Equal(p.ServerKey, sc.ServerKey) {
+		t.Fatalf("recovered %x, want the role's ClientKey %x", p, key)
 	}
 }
