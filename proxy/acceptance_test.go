@@ -1012,8 +1012,9 @@ func (p *serveProc) kill(t *testing.T) {
 }
 
 // startFenceServe builds the pgfence binary (once per test run) and starts
-// `pgfence serve` in front of the test cluster on a free port.
-func startFenceServe(t *testing.T) *serveProc {
+// `pgfence serve` in front of the test cluster on a free port, with auth
+// trust and the extra args.
+func startFenceServe(t *testing.T, args ...string) *serveProc {
 	t.Helper()
 	pgfenceOnce.Do(func() {
 		dir, err := os.MkdirTemp("", "pgfence-bin")
@@ -1030,8 +1031,7 @@ func startFenceServe(t *testing.T) *serveProc {
 	if pgfenceErr != nil {
 		t.Fatal(pgfenceErr)
 	}
-	t.Cleanup(func() { os.RemoveAll(filepath.Dir(pgfenceBin)) })
-	cmd := exec.Command(pgfenceBin, "serve", "--listen", "127.0.0.1:0", "--primary", cluster.Primary.DSN("postgres"))
+	cmd := exec.Command(pgfenceBin, append([]string{"serve", "--listen", "127.0.0.1:0", "--primary", cluster.Primary.DSN("postgres"), "--auth", "trust"}, args...)...)
 	cmd.Env = os.Environ()
 	logs, err := cmd.StderrPipe()
 	if err != nil {

@@ -100,10 +100,6 @@ func (s *Server) initOps() {
 	if len(s.cfg.ConsoleUsers) == 0 && len(s.cfg.AdminUsers)+len(s.cfg.StatsUsers) > 0 {
 		s.log.Warn("admin_users/stats_users are set but the console has no users file: every console connection is refused (set console_auth_file, see docs/console.md)")
 	}
-	if s.dummy.StoredKey == nil {
-		// A reload may turn SCRAM on.
-		s.dummy = dummyCredentials()
-	}
 }
 
 // live returns the current reloadable settings.

@@ -46,8 +46,16 @@ func (s *Server) consoleLogin(c net.Conn, user string) (consoleRole, error) {
 			Msg: "the pgfence admin console has no users: set console_auth_file (Config.ConsoleUsers) to a file of SCRAM verifiers (pgfence passwd) and list its users in admin_users or stats_users; see docs/console.md"}
 	}
 	verifier, known := live.consoleUsers[user]
-	// The one call to switch to a shared server-side SCRAM exchange.
-	if err := s.scramExchange(c, user, verifier, known); err != nil {
+	sc, err := parseVerifier(verifier)
+	if !known || err != nil {
+		sc, known = s.dummyCredentials(user), false
+	}
+	be := NewAuthBackend(c)
+	if _, err := SCRAMExchange(be, user, sc, known, s.channelBinding(c)); err != nil {
+		return 0, err
+	}
+	be.Send(&pgproto3.AuthenticationOk{})
+	if err := be.Flush(); err != nil {
 		return 0, err
 	}
 	switch {

@@ -110,7 +110,7 @@ func (l *evloop) onLoopThread(r *relay, f func() error) {
 }
 
 // parkRelay parks a pass-through relay whose client's message PAUSE
-// holds (its bytes are in c2s.held).
+// holds (its bytes wait in c2s's pend).
 func (r *relay) parkRelay() error {
 	l := theLoop
 	wake := func() { l.tasks.post(func() { l.onLoopThread(r, func() error { return l.unhold(r) }) }) }
@@ -123,13 +123,16 @@ func (r *relay) parkRelay() error {
 // unhold goes on with a parked pass-through relay's held bytes.
 func (l *evloop) unhold(r *relay) error {
 	p := &r.c2s
-	n := p.held
-	if n == 0 {
+	if !p.held {
 		return nil
 	}
-	p.held = 0
-	if err := r.scanRead(p, n); err != nil {
+	p.held = false
+	stop := r.take(p, 0)
+	if err := r.flush(p); err != nil {
 		return err
+	}
+	if stop != nil {
+		return stop
 	}
 	return l.interest(r)
 }

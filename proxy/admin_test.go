@@ -348,7 +348,7 @@ func TestAdminConsole(t *testing.T) {
 // ReloadFromSource (what SIGHUP calls) and the console's RELOAD.
 func TestAdminReload(t *testing.T) {
 	var mu sync.Mutex
-	next := withConsole(Config{Primary: cluster.Primary.DSN("postgres"), MaxClients: 2, AdminUsers: []string{"admin"}, StatsUsers: []string{}})
+	next := withConsole(Config{Primary: cluster.Primary.DSN("postgres"), Auth: AuthTrust, MaxClients: 2, AdminUsers: []string{"admin"}, StatsUsers: []string{}})
 	source := func() (Config, *ReloadReport, error) {
 		mu.Lock()
 		defer mu.Unlock()

@@ -2,19 +2,55 @@ package proxy
 
 import (
 	"bufio"
+	"bytes"
+	"context"
+	"crypto/hmac"
+	"crypto/md5"
+	"crypto/pbkdf2"
 	"crypto/rand"
+	"crypto/sha256"
+	"crypto/sha512"
+	"crypto/subtle"
+	"crypto/tls"
+	"crypto/x509"
 	"encoding/base64"
+	"encoding/binary"
+	"encoding/hex"
 	"errors"
 	"fmt"
+	"hash"
 	"io"
 	"net"
 	"os"
 	"strconv"
 	"strings"
+	"sync"
+	"time"
 
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgproto3"
 	"github.com/xdg-go/scram"
+	"github.com/xdg-go/stringprep"
+	"go.uber.org/zap"
 )
+
+// Client authentication (docs/proxy.md, "Who may connect").
+//
+// With AuthPostgres (the default) the proxy authenticates each client
+// against the password PostgreSQL itself stores for the role the client
+// names: it looks the verifier up with Config.AuthQuery on a connection of
+// its own (as the primary DSN's user), runs SCRAM-SHA-256 (or md5, for an
+// md5 verifier) with the client, and then authenticates upstream *as that
+// role* with what the exchange proved, never with a password of its own:
+// the SCRAM ClientKey, recovered from the client's proof
+// (ClientKey = ClientProof XOR HMAC(StoredKey, AuthMessage)), or the md5
+// hash. The upstream leg is a SCRAM exchange of its own, over its own TLS
+// and with its own channel binding, which is why the client's exchange is
+// not relayed: libpq on TLS, offered only SCRAM-SHA-256, signs the GS2 flag
+// "y" into its proof, and PostgreSQL on a TLS connection of its own refuses
+// that flag; a relay also cannot pre-authenticate server connections, which
+// transaction pooling will need. This is PgBouncer's auth_query with its
+// reuse of the client's SCRAM keys (src/scram.c).
 
 // ErrAuthFailed is the cause logged when a client fails authentication.
 var ErrAuthFailed = errors.New("authentication failed")
@@ -22,6 +58,14 @@ var ErrAuthFailed = errors.New("authentication failed")
 // DefaultSCRAMIterations is the iteration count MakeVerifier uses, as
 // PostgreSQL's scram_iterations default.
 const DefaultSCRAMIterations = 4096
+
+// DefaultAuthQuery is the query Config.AuthQuery defaults to: PgBouncer's
+// auth_query, with expired passwords left out as PostgreSQL refuses them.
+const DefaultAuthQuery = "SELECT usename, passwd FROM pg_catalog.pg_shadow WHERE usename = $1 AND (valuntil IS NULL OR valuntil > now())"
+
+// authHint is told to every client that fails authentication: it says
+// why without saying whether the role exists.
+const authHint = "pgfence checks the password PostgreSQL stores for the role (auth = postgres): a role without a password, or with an expired one, cannot log in through pgfence"
 
 // MakeVerifier returns a SCRAM-SHA-256 verifier for password, in the format
 // PostgreSQL stores: SCRAM-SHA-256$<iter>:<salt>$<StoredKey>:<ServerKey>.
@@ -68,6 +112,16 @@ func parseVerifier(v string) (scram.StoredCredentials, error) {
 	}
 	sc.Salt, sc.Iters, sc.StoredKey, sc.ServerKey = string(s), n, sk, vk
 	return sc, nil
+}
+
+// isMD5Hash reports whether v is an md5 password hash as PostgreSQL
+// stores it: "md5" and 32 lower-case hex digits.
+func isMD5Hash(v string) bool {
+	if len(v) != 35 || !strings.HasPrefix(v, "md5") {
+		return false
+	}
+	_, err := hex.DecodeString(v[3:])
+	return err == nil && strings.ToLower(v) == v
 }
 
 // LoadUsers reads a users file in PgBouncer's auth_file format: one
@@ -135,105 +189,709 @@ func QuoteUserLine(user, verifier string) string {
 	return q(user) + " " + q(verifier)
 }
 
-// authenticate runs client authentication on c (no read-ahead) for user.
-// It sends AuthenticationOk on success; on failure the caller reports the
-// returned error to the client.
-func (s *Server) authenticate(c net.Conn, user string) error {
-	var out []byte
-	live := s.live()
-	if live.auth == AuthTrust {
-		_, err := c.Write(encode(out, &pgproto3.AuthenticationOk{}))
-		return err
-	}
-	verifier, known := live.users[user]
-	return s.scramExchange(c, user, verifier, known)
+// ---------------------------------------------------------------------------
+// The client's exchange
+
+// Proof is what a client proved in its authentication exchange: the
+// credential the proxy may present upstream as that client's role.
+type Proof struct {
+	// ClientKey and ServerKey are the role's SCRAM keys (a SCRAM
+	// exchange); the proxy answers an upstream SCRAM exchange with them.
+	ClientKey, ServerKey []byte
+	// MD5 is the role's md5 hash ("md5..."), after an md5 exchange.
+	MD5 string
 }
 
-// scramExchange runs a server-side SCRAM-SHA-256 exchange on c (no
-// read-ahead) for user against verifier, and sends AuthenticationOk when
-// it succeeds. For an unknown user (!known) it runs the whole exchange
-// against a dummy verifier and fails as a wrong password does, so the
-// answer does not reveal which users exist. The user name in the
-// client's SCRAM message is ignored, as PostgreSQL ignores it: user is
-// the startup packet's.
-func (s *Server) scramExchange(c net.Conn, user, verifier string, known bool) error {
-	var out []byte
-	sc, err := parseVerifier(verifier)
-	if !known || err != nil {
-		sc = s.dummy
+// authFailed is the error for a failed exchange: the same for a wrong
+// password, an unknown role and a role without a password.
+func authFailed(user string) error {
+	return &ProtocolError{Code: "28P01", Msg: fmt.Sprintf("password authentication failed for user %q", user), Err: ErrAuthFailed}
+}
+
+// NewAuthBackend returns a pgproto3 Backend for an authentication exchange
+// on c. It reads one message at a time, never past its end (what follows
+// stays for the session), and refuses messages longer than a startup
+// packet: an unauthenticated client cannot make the proxy buffer more.
+func NewAuthBackend(c io.ReadWriter) *pgproto3.Backend {
+	be := pgproto3.NewBackend(&frameReader{r: c}, c)
+	be.SetMaxBodyLen(maxStartLen)
+	return be
+}
+
+// frameReader passes r's bytes on at most one message at a time: a read
+// never goes past the end of the current message's header or body.
+type frameReader struct {
+	r    io.Reader
+	hdr  [headerLen]byte
+	hn   int // header bytes passed on
+	left int // body bytes of the current message still to pass on
+}
+
+func (f *frameReader) Read(b []byte) (int, error) {
+	if len(b) == 0 {
+		return 0, nil
 	}
+	if f.left == 0 {
+		n, err := f.r.Read(b[:min(len(b), headerLen-f.hn)])
+		copy(f.hdr[f.hn:], b[:n])
+		if f.hn += n; f.hn == headerLen {
+			f.hn = 0
+			f.left = max(int(int32(binary.BigEndian.Uint32(f.hdr[1:])))-4, 0)
+		}
+		return n, err
+	}
+	n, err := f.r.Read(b[:min(len(b), f.left)])
+	f.left -= n
+	return n, err
+}
+
+// receiveAuth reads the client's next authentication message, expecting
+// a 'p' message decoded as authType says.
+func receiveAuth(be *pgproto3.Backend, authType uint32) (pgproto3.FrontendMessage, error) {
+	be.SetAuthType(authType)
+	m, err := be.Receive()
+	var tooBig *pgproto3.ExceededMaxBodyLenErr
+	switch {
+	case errors.As(err, &tooBig):
+		return nil, &ProtocolError{Code: "08P01", Msg: fmt.Sprintf("authentication message of %d bytes is over the limit of %d bytes before authentication", tooBig.ActualBodyLen, tooBig.MaxExpectedBodyLen)}
+	case err != nil && strings.HasPrefix(err.Error(), "unknown message type"):
+		return nil, &ProtocolError{Code: "08P01", Msg: "expected password response: " + err.Error()}
+	case err != nil:
+		return nil, err
+	}
+	switch m.(type) {
+	case *pgproto3.SASLInitialResponse, *pgproto3.SASLResponse, *pgproto3.PasswordMessage:
+		return m, nil
+	case *pgproto3.Terminate:
+		return nil, io.EOF
+	}
+	return nil, &ProtocolError{Code: "08P01", Msg: fmt.Sprintf("expected password response, got %T", m)}
+}
+
+// SCRAMExchange runs a SCRAM-SHA-256 exchange with a client over be, as
+// the server, against sc (known false: sc is a dummy and the exchange
+// fails at its end, like a wrong password). With cb supported (a TLS
+// connection), SCRAM-SHA-256-PLUS is offered too. It does not send
+// AuthenticationOk. On success it returns the role's SCRAM keys.
+func SCRAMExchange(be *pgproto3.Backend, user string, sc scram.StoredCredentials, known bool, cb scram.ChannelBinding) (*Proof, error) {
 	srv, err := scram.SHA256.NewServer(func(string) (scram.StoredCredentials, error) { return sc, nil })
 	if err != nil {
-		return fmt.Errorf("scram server: %w", err)
+		return nil, fmt.Errorf("scram server: %w", err)
 	}
+	mechs := []string{"SCRAM-SHA-256"}
 	conv := srv.NewConversation()
-	if _, err := c.Write(encode(out, &pgproto3.AuthenticationSASL{AuthMechanisms: []string{"SCRAM-SHA-256"}})); err != nil {
-		return err
+	if cb.IsSupported() {
+		mechs = []string{"SCRAM-SHA-256-PLUS", "SCRAM-SHA-256"}
+		conv = srv.NewConversationWithChannelBinding(cb)
 	}
-	var buf []byte
-	body, err := readAuthMessage(c, buf)
+	be.Send(&pgproto3.AuthenticationSASL{AuthMechanisms: mechs})
+	if err := be.Flush(); err != nil {
+		return nil, err
+	}
+	m, err := receiveAuth(be, pgproto3.AuthTypeSASL)
 	if err != nil {
-		return err
+		return nil, err
 	}
-	var init pgproto3.SASLInitialResponse
-	if err := init.Decode(body); err != nil {
-		return &ProtocolError{Code: "08P01", Msg: "malformed SASLInitialResponse"}
+	init, ok := m.(*pgproto3.SASLInitialResponse)
+	if !ok {
+		return nil, &ProtocolError{Code: "08P01", Msg: "expected SASLInitialResponse"}
 	}
-	if init.AuthMechanism != "SCRAM-SHA-256" {
-		return &ProtocolError{Code: "28000", Msg: fmt.Sprintf("client selected an invalid SASL authentication mechanism %q", init.AuthMechanism)}
+	if init.AuthMechanism != "SCRAM-SHA-256" && (init.AuthMechanism != "SCRAM-SHA-256-PLUS" || !cb.IsSupported()) {
+		return nil, &ProtocolError{Code: "28000", Msg: fmt.Sprintf("client selected an invalid SASL authentication mechanism %q", init.AuthMechanism)}
 	}
-	first, err := conv.Step(string(init.Data))
+	if (init.AuthMechanism == "SCRAM-SHA-256-PLUS") != bytes.HasPrefix(init.Data, []byte("p=")) {
+		return nil, &ProtocolError{Code: "08P01", Msg: "SCRAM channel binding negotiation error: the mechanism and the GS2 header disagree"}
+	}
+	clientFirst := string(init.Data) // copied: be reuses its buffer
+	first, err := conv.Step(clientFirst)
 	if err != nil {
-		return &ProtocolError{Code: "28P01", Msg: fmt.Sprintf("password authentication failed for user %q", user), Err: ErrAuthFailed}
+		return nil, authFailed(user)
 	}
-	if _, err := c.Write(encode(out, &pgproto3.AuthenticationSASLContinue{Data: []byte(first)})); err != nil {
-		return err
+	be.Send(&pgproto3.AuthenticationSASLContinue{Data: []byte(first)})
+	if err := be.Flush(); err != nil {
+		return nil, err
 	}
-	body, err = readAuthMessage(c, buf)
+	m, err = receiveAuth(be, pgproto3.AuthTypeSASLContinue)
 	if err != nil {
-		return err
+		return nil, err
 	}
-	final, err := conv.Step(string(body))
+	resp, ok := m.(*pgproto3.SASLResponse)
+	if !ok {
+		return nil, &ProtocolError{Code: "08P01", Msg: "expected SASLResponse"}
+	}
+	clientFinal := string(resp.Data)
+	final, err := conv.Step(clientFinal)
 	if err != nil || !conv.Valid() || !known {
-		return &ProtocolError{Code: "28P01", Msg: fmt.Sprintf("password authentication failed for user %q", user), Err: ErrAuthFailed}
+		return nil, authFailed(user)
 	}
-	out = encode(out, &pgproto3.AuthenticationSASLFinal{Data: []byte(final)})
-	out = encode(out, &pgproto3.AuthenticationOk{})
-	_, err = c.Write(out)
-	return err
+	key, err := recoverClientKey(sc, clientFirst, first, clientFinal)
+	if err != nil {
+		return nil, fmt.Errorf("recover client key: %w", err)
+	}
+	be.Send(&pgproto3.AuthenticationSASLFinal{Data: []byte(final)})
+	return &Proof{ClientKey: key, ServerKey: sc.ServerKey}, nil
 }
 
-// readAuthMessage reads one 'p' message body during authentication.
-func readAuthMessage(c net.Conn, buf []byte) ([]byte, error) {
-	var h [headerLen]byte
-	if _, err := io.ReadFull(c, h[:]); err != nil {
+// recoverClientKey computes the client's ClientKey from a successful
+// exchange: ClientKey = ClientProof XOR HMAC(StoredKey, AuthMessage), and
+// checks that it hashes to StoredKey.
+func recoverClientKey(sc scram.StoredCredentials, clientFirst, serverFirst, clientFinal string) ([]byte, error) {
+	// client-first-message is gs2-header client-first-message-bare; the
+	// header is "flag,[a=authzid]," (two commas).
+	i := strings.IndexByte(clientFirst, ',')
+	j := -1
+	if i >= 0 {
+		j = strings.IndexByte(clientFirst[i+1:], ',')
+	}
+	p := strings.LastIndex(clientFinal, ",p=")
+	if j < 0 || p < 0 {
+		return nil, errors.New("malformed SCRAM messages")
+	}
+	bare := clientFirst[i+1+j+1:]
+	proof, err := base64.StdEncoding.DecodeString(clientFinal[p+3:])
+	if err != nil || len(proof) != sha256.Size {
+		return nil, errors.New("malformed client proof")
+	}
+	sig := hmacSHA256(sc.StoredKey, bare+","+serverFirst+","+clientFinal[:p])
+	key := make([]byte, sha256.Size)
+	subtle.XORBytes(key, proof, sig)
+	if h := sha256.Sum256(key); subtle.ConstantTimeCompare(h[:], sc.StoredKey) != 1 {
+		return nil, errors.New("client key does not match the stored key")
+	}
+	return key, nil
+}
+
+func hmacSHA256(key []byte, msg string) []byte {
+	m := hmac.New(sha256.New, key)
+	m.Write([]byte(msg))
+	return m.Sum(nil)
+}
+
+// MD5Exchange runs an md5 password exchange with a client over be, as the
+// server, against the stored md5 hash (known false: always fails, like
+// a wrong password). It does not send AuthenticationOk.
+func MD5Exchange(be *pgproto3.Backend, user, stored string, known bool) (*Proof, error) {
+	var salt [4]byte
+	rand.Read(salt[:])
+	be.Send(&pgproto3.AuthenticationMD5Password{Salt: salt})
+	if err := be.Flush(); err != nil {
 		return nil, err
 	}
-	if h[0] != 'p' {
-		return nil, &ProtocolError{Code: "08P01", Msg: fmt.Sprintf("expected password response, got message type %q", h[0])}
-	}
-	_, total, err := parseHeader(h[:], maxStartLen, "client")
+	m, err := receiveAuth(be, pgproto3.AuthTypeMD5Password)
 	if err != nil {
 		return nil, err
 	}
-	n := total - headerLen
-	if cap(buf) < n {
-		buf = make([]byte, n)
+	pm, ok := m.(*pgproto3.PasswordMessage)
+	if !ok {
+		return nil, &ProtocolError{Code: "08P01", Msg: "expected PasswordMessage"}
 	}
-	buf = buf[:n]
-	if _, err := io.ReadFull(c, buf); err != nil {
-		return nil, err
+	if !known || len(stored) < 3 || subtle.ConstantTimeCompare([]byte(pm.Password), []byte(md5Salted(stored[3:], salt))) != 1 {
+		return nil, authFailed(user)
 	}
-	return buf, nil
+	return &Proof{MD5: stored}, nil
 }
 
-// dummyCredentials are used for unknown users so their exchange looks real.
-func dummyCredentials() scram.StoredCredentials {
-	v, err := MakeVerifier("", "pgfence-unknown-user")
-	if err == nil {
-		if sc, err := parseVerifier(v); err == nil {
-			return sc
+// md5Salted is the md5 exchange's answer for a stored hash's hex digits
+// (md5(password || user)) and the server's salt.
+func md5Salted(inner string, salt [4]byte) string {
+	h := md5.Sum(append([]byte(inner), salt[:]...))
+	return "md5" + hex.EncodeToString(h[:])
+}
+
+// dummyCredentials is the verifier an unknown role is checked against. As
+// PostgreSQL's mock authentication, its salt is derived from the user name
+// and a secret of the server, so that a role that does not exist gets
+// the same salt on every attempt, and a different one from other roles:
+// nothing tells it from a real one.
+func (s *Server) dummyCredentials(user string) scram.StoredCredentials {
+	m := hmac.New(sha256.New, s.mockSecret[:])
+	m.Write([]byte(user))
+	salt := m.Sum(nil)[:16]
+	keys := m.Sum(salt) // any 32 bytes: no client key hashes to them
+	return scram.StoredCredentials{
+		KeyFactors: scram.KeyFactors{Salt: string(salt), Iters: DefaultSCRAMIterations},
+		StoredKey:  keys[16:48], ServerKey: keys[16:48],
+	}
+}
+
+// serverEndPoint returns the tls-server-end-point channel binding of the
+// proxy's own certificate (RFC 5929: a hash of it, SHA-256 for MD5 and
+// SHA-1 signatures), or no binding when it cannot be computed.
+func serverEndPoint(cfg *tls.Config) scram.ChannelBinding {
+	if cfg == nil || len(cfg.Certificates) == 0 || len(cfg.Certificates[0].Certificate) == 0 {
+		return scram.ChannelBinding{}
+	}
+	cert := cfg.Certificates[0].Leaf
+	if cert == nil {
+		var err error
+		if cert, err = x509.ParseCertificate(cfg.Certificates[0].Certificate[0]); err != nil {
+			return scram.ChannelBinding{}
 		}
 	}
-	return scram.StoredCredentials{KeyFactors: scram.KeyFactors{Salt: "pgfence", Iters: DefaultSCRAMIterations}, StoredKey: make([]byte, 32), ServerKey: make([]byte, 32)}
+	var h hash.Hash
+	switch cert.SignatureAlgorithm {
+	case x509.SHA384WithRSA, x509.SHA384WithRSAPSS, x509.ECDSAWithSHA384:
+		h = sha512.New384()
+	case x509.SHA512WithRSA, x509.SHA512WithRSAPSS, x509.ECDSAWithSHA512:
+		h = sha512.New()
+	case x509.PureEd25519, x509.UnknownSignatureAlgorithm:
+		return scram.ChannelBinding{} // no hash to use (PostgreSQL offers no -PLUS either)
+	default:
+		h = sha256.New()
+	}
+	h.Write(cert.Raw)
+	return scram.ChannelBinding{Type: scram.ChannelBindingTLSServerEndpoint, Data: h.Sum(nil)}
+}
+
+// ---------------------------------------------------------------------------
+// The role's verifier, from PostgreSQL
+
+// authLookup runs Config.AuthQuery on a control connection of its own, as
+// the primary DSN's user, in the DSN's database. One connection, used by
+// one login at a time: logins are rare next to queries, and a login never
+// waits for more than one lookup.
+type authLookup struct {
+	cfg   *pgconn.Config
+	query string
+
+	mu   sync.Mutex
+	conn *pgconn.PgConn
+}
+
+// errAuthLookup marks a failure to look the role up: the client is
+// refused (fail closed) with 08006 and the reason is logged.
+var errAuthLookup = errors.New("cannot look up the role's password in PostgreSQL")
+
+// lookup returns the role's stored password (verifier or md5 hash), and
+// whether the query found the role with one. A role without a password
+// (NULL) is not found.
+func (l *authLookup) lookup(ctx context.Context, user string) (string, bool, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for attempt := 0; ; attempt++ {
+		if l.conn == nil {
+			c, err := pgconn.ConnectConfig(ctx, l.cfg.Copy())
+			if err != nil {
+				return "", false, fmt.Errorf("%w: connect: %w", errAuthLookup, err)
+			}
+			l.conn = c
+		}
+		res := l.conn.ExecParams(ctx, l.query, [][]byte{[]byte(user)}, nil, nil, nil).Read()
+		if res.Err == nil {
+			if len(res.Rows) == 0 || len(res.Rows[0]) < 2 || res.Rows[0][1] == nil {
+				return "", false, nil
+			}
+			return string(res.Rows[0][1]), true, nil
+		}
+		var pg *pgconn.PgError
+		if errors.As(res.Err, &pg) && !l.conn.IsClosed() {
+			// The query itself fails (a bad auth_query, no privilege):
+			// asking again would not help.
+			return "", false, fmt.Errorf("%w: auth query: %w", errAuthLookup, res.Err)
+		}
+		l.conn.Close(context.Background())
+		l.conn = nil
+		if attempt > 0 || ctx.Err() != nil {
+			return "", false, fmt.Errorf("%w: %w", errAuthLookup, res.Err)
+		}
+		// The connection broke (PostgreSQL restarted): one new one.
+	}
+}
+
+func (l *authLookup) close() {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.conn != nil {
+		l.conn.Close(context.Background())
+		l.conn = nil
+	}
+}
+
+// ---------------------------------------------------------------------------
+// Authenticating a client
+
+// authenticate runs client authentication on c for the startup st, as
+// Config.Auth says, and sends AuthenticationOk on success. It returns what
+// the proxy may present upstream for the client. On failure the caller
+// reports the error to the client.
+func (s *Server) authenticate(c net.Conn, st *startup, log *zap.Logger) (*Proof, error) {
+	user := st.params["user"]
+	live := s.live()
+	be := NewAuthBackend(c)
+	var proof *Proof
+	switch live.auth {
+	case AuthTrust:
+		if !s.cfg.AllowRemoteTrust && !isLoopback(c.LocalAddr()) {
+			return nil, &ProtocolError{Code: "28000", Msg: "pgfence: auth trust is refused on a non-loopback address (set allow_remote_trust to accept it)", Err: ErrAuthFailed}
+		}
+		proof = &Proof{}
+	case AuthSCRAM:
+		verifier, known := live.users[user]
+		sc, err := parseVerifier(verifier)
+		if !known || err != nil {
+			sc, known = s.dummyCredentials(user), false
+		}
+		if proof, err = SCRAMExchange(be, user, sc, known, s.channelBinding(c)); err != nil {
+			return nil, err
+		}
+	default: // AuthPostgres
+		ctx, cancel := context.WithTimeout(context.Background(), s.cfg.StartupTimeout)
+		defer cancel()
+		stored, found, err := s.auth.lookup(ctx, user)
+		if err != nil {
+			log.Warn("auth query failed", zap.Error(err))
+			return nil, &ProtocolError{Code: "08006", Msg: "pgfence: " + errAuthLookup.Error() + "; see the proxy's log", Err: err}
+		}
+		if !found {
+			log.Info("login refused: the role does not exist, or has no password or an expired one")
+		}
+		if found && isMD5Hash(stored) {
+			proof, err = MD5Exchange(be, user, stored, true)
+		} else {
+			sc, perr := parseVerifier(stored)
+			known := found && perr == nil
+			if found && perr != nil {
+				log.Warn("login refused: the role's stored password is neither SCRAM-SHA-256 nor md5")
+			}
+			if !known {
+				sc = s.dummyCredentials(user)
+			}
+			proof, err = SCRAMExchange(be, user, sc, known, s.channelBinding(c))
+		}
+		var pe *ProtocolError
+		if errors.As(err, &pe) && errors.Is(err, ErrAuthFailed) {
+			pe.Hint = authHint // whatever the reason, without saying which
+		}
+		if err != nil {
+			return nil, err
+		}
+	}
+	be.Send(&pgproto3.AuthenticationOk{})
+	if err := be.Flush(); err != nil {
+		return nil, err
+	}
+	return proof, nil
+}
+
+// channelBinding is what SCRAM-SHA-256-PLUS binds to on c: the proxy's
+// certificate, on a TLS connection.
+func (s *Server) channelBinding(c net.Conn) scram.ChannelBinding {
+	if _, ok := c.(*tls.Conn); !ok {
+		return scram.ChannelBinding{}
+	}
+	return serverEndPoint(s.live().tls)
+}
+
+// isLoopback reports whether addr is a loopback TCP address (or not TCP:
+// a Unix socket is local).
+func isLoopback(addr net.Addr) bool {
+	ta, ok := addr.(*net.TCPAddr)
+	if !ok {
+		return addr != nil && addr.Network() == "unix"
+	}
+	return ta.IP.IsLoopback()
+}
+
+// ---------------------------------------------------------------------------
+// Authenticating upstream as the client's role
+
+// upstreamAuth is what the proxy presents upstream for one client's role:
+// a configured password when there is one, else what the client proved
+// (with AuthSCRAM, a users file holding the role's verifier as
+// PostgreSQL stores it makes the client's keys good upstream too).
+type upstreamAuth struct {
+	proof    *Proof
+	password string // configured for the role (the DSN's own user's, or upstream_passwords)
+}
+
+// upstreamCredentials returns what may be presented upstream to base's
+// server for user: what the client proved, and a configured password —
+// upstream_passwords[user], or base's DSN password only when user is the
+// DSN's own user. Never the DSN's password for another name.
+func (s *Server) upstreamCredentials(base *pgconn.Config, user string, proof *Proof) upstreamAuth {
+	ua := upstreamAuth{proof: proof}
+	if pw, ok := s.live().upstreamPasswords[user]; ok {
+		ua.password = pw
+	} else if user == base.User {
+		ua.password = base.Password
+	}
+	if ua.proof == nil {
+		ua.proof = &Proof{}
+	}
+	return ua
+}
+
+// errConnected ends pgconn's connect once the startup done in
+// AfterNetConnect has succeeded (see dialUpstream).
+var errConnected = errors.New("connected")
+
+// dialUpstream opens an upstream connection for pc (its user, database and
+// startup parameters) and authenticates it with ua. pgconn does the
+// network part (host list, DNS, TLS as sslmode says, timeouts); the
+// startup and the authentication exchange are the proxy's own, so that it
+// can answer SCRAM with the client's keys. Errors from PostgreSQL are
+// *pgconn.PgError.
+func dialUpstream(ctx context.Context, pc *pgconn.Config, ua upstreamAuth) (*pgconn.HijackedConn, error) {
+	pc = pc.Copy()
+	validate := pc.ValidateConnect
+	pc.ValidateConnect, pc.AfterConnect = nil, nil
+	var got *pgconn.HijackedConn
+	pc.AfterNetConnect = func(ctx context.Context, cfg *pgconn.Config, conn net.Conn) (net.Conn, error) {
+		if got != nil {
+			return conn, errConnected // pgconn tries no further host once one is ours
+		}
+		hj, err := startUpstream(ctx, cfg, conn, ua)
+		if err != nil {
+			return conn, err // pgconn closes conn and tries the next host if it should
+		}
+		if validate != nil {
+			// target_session_attrs: pgconn's check needs a PgConn.
+			c, err := pgconn.Construct(hj)
+			if err == nil {
+				if err = validate(ctx, c); err == nil {
+					hj, err = c.Hijack()
+				}
+			}
+			if err != nil {
+				return conn, err
+			}
+		}
+		got = hj
+		return noClose{conn}, errConnected
+	}
+	_, err := pgconn.ConnectConfig(ctx, pc)
+	if got != nil {
+		return got, nil
+	}
+	var pg *pgconn.PgError
+	if errors.As(err, &pg) {
+		return nil, pg
+	}
+	return nil, err
+}
+
+// noClose is a connection pgconn may "close" after its AfterNetConnect
+// took it over.
+type noClose struct{ net.Conn }
+
+func (noClose) Close() error { return nil }
+
+// startUpstream sends the startup message on conn (network and TLS set
+// up by pgconn), authenticates with ua and reads up to ReadyForQuery.
+func startUpstream(ctx context.Context, cfg *pgconn.Config, conn net.Conn, ua upstreamAuth) (*pgconn.HijackedConn, error) {
+	if dl, ok := ctx.Deadline(); ok {
+		conn.SetDeadline(dl)
+		defer conn.SetDeadline(time.Time{})
+	}
+	fe := pgproto3.NewFrontend(conn, conn)
+	params := make(map[string]string, len(cfg.RuntimeParams)+2)
+	for k, v := range cfg.RuntimeParams {
+		params[k] = v
+	}
+	params["user"] = cfg.User
+	if cfg.Database != "" {
+		params["database"] = cfg.Database
+	}
+	fe.Send(&pgproto3.StartupMessage{ProtocolVersion: pgproto3.ProtocolVersionNumber, Parameters: params})
+	if err := fe.Flush(); err != nil {
+		return nil, fmt.Errorf("write startup message: %w", err)
+	}
+	hj := &pgconn.HijackedConn{Conn: conn, ParameterStatuses: map[string]string{}, Frontend: fe, Config: cfg, CustomData: map[string]any{}}
+	if _, ok := conn.(*tls.Conn); ok {
+		hj.TLSConfig = cfg.TLSConfig
+	}
+	for {
+		m, err := fe.Receive()
+		if err != nil {
+			return nil, fmt.Errorf("read startup response: %w", err)
+		}
+		switch m := m.(type) {
+		case *pgproto3.AuthenticationOk:
+		case *pgproto3.AuthenticationCleartextPassword:
+			if ua.password == "" {
+				return nil, noCredential(cfg.User, "a cleartext password")
+			}
+			fe.Send(&pgproto3.PasswordMessage{Password: ua.password})
+			if err := fe.Flush(); err != nil {
+				return nil, err
+			}
+		case *pgproto3.AuthenticationMD5Password:
+			var answer string
+			switch {
+			case ua.password != "":
+				inner := md5.Sum([]byte(ua.password + cfg.User))
+				answer = md5Salted(hex.EncodeToString(inner[:]), m.Salt)
+			case ua.proof.MD5 != "":
+				answer = md5Salted(ua.proof.MD5[3:], m.Salt)
+			default:
+				return nil, noCredential(cfg.User, "an md5 password")
+			}
+			fe.Send(&pgproto3.PasswordMessage{Password: answer})
+			if err := fe.Flush(); err != nil {
+				return nil, err
+			}
+		case *pgproto3.AuthenticationSASL:
+			if err := scramUpstream(fe, conn, cfg, m.AuthMechanisms, ua); err != nil {
+				return nil, err
+			}
+		case *pgproto3.ParameterStatus:
+			hj.ParameterStatuses[m.Name] = m.Value
+		case *pgproto3.BackendKeyData:
+			hj.PID, hj.SecretKey = m.ProcessID, append([]byte(nil), m.SecretKey...)
+		case *pgproto3.NoticeResponse:
+		case *pgproto3.NegotiateProtocolVersion:
+		case *pgproto3.ReadyForQuery:
+			hj.TxStatus = m.TxStatus
+			return hj, nil
+		case *pgproto3.ErrorResponse:
+			return nil, pgconn.ErrorResponseToPgError(m)
+		default:
+			return nil, fmt.Errorf("unexpected message %T during upstream startup", m)
+		}
+	}
+}
+
+// noCredential is the error for an upstream that asks for what the proxy
+// does not have for the role.
+func noCredential(user, what string) error {
+	return &ProtocolError{Code: "28000", Msg: fmt.Sprintf("pgfence: PostgreSQL asks for %s for user %q, which pgfence does not have (use scram-sha-256 in pg_hba.conf for pgfence's connections, or set upstream_passwords)", what, user), Err: ErrAuthFailed}
+}
+
+// scramUpstream runs SCRAM-SHA-256 (-PLUS on TLS when offered, as libpq's
+// channel_binding, which cfg.ChannelBinding follows) as the client, with
+// the configured password, or else the client's keys.
+func scramUpstream(fe *pgproto3.Frontend, conn net.Conn, cfg *pgconn.Config, mechs []string, ua upstreamAuth) error {
+	clientKey, serverKey := ua.proof.ClientKey, ua.proof.ServerKey
+	if ua.password != "" {
+		clientKey = nil // derived from it below
+	}
+	if clientKey == nil && ua.password == "" {
+		return noCredential(cfg.User, "a SCRAM-SHA-256 password")
+	}
+	var cbData []byte
+	if tc, ok := conn.(*tls.Conn); ok && cfg.ChannelBinding != "disable" {
+		state := tc.ConnectionState()
+		if b, err := scram.NewTLSServerEndpointBinding(&state); err == nil {
+			cbData = b.Data
+		}
+	}
+	has := func(m string) bool {
+		for _, x := range mechs {
+			if x == m {
+				return true
+			}
+		}
+		return false
+	}
+	plus := cbData != nil && has("SCRAM-SHA-256-PLUS")
+	switch {
+	case cfg.ChannelBinding == "require" && !plus:
+		return fmt.Errorf("channel binding required but the server does not offer SCRAM-SHA-256-PLUS")
+	case !plus && !has("SCRAM-SHA-256"):
+		return fmt.Errorf("the server offers no SASL mechanism pgfence supports: %v", mechs)
+	}
+	mech, gs2 := "SCRAM-SHA-256", "n,,"
+	switch {
+	case plus:
+		mech, gs2 = "SCRAM-SHA-256-PLUS", "p=tls-server-end-point,,"
+	case cbData != nil:
+		gs2 = "y,,"
+	}
+	var nb [18]byte
+	rand.Read(nb[:])
+	nonce := base64.RawStdEncoding.EncodeToString(nb[:])
+	bare := "n=,r=" + nonce
+	fe.Send(&pgproto3.SASLInitialResponse{AuthMechanism: mech, Data: []byte(gs2 + bare)})
+	if err := fe.Flush(); err != nil {
+		return err
+	}
+	m, err := fe.Receive()
+	if err != nil {
+		return err
+	}
+	cont, ok := m.(*pgproto3.AuthenticationSASLContinue)
+	if !ok {
+		return unexpectedAuth(m)
+	}
+	serverFirst := string(cont.Data)
+	rn, salt, iters, err := parseServerFirst(serverFirst)
+	if err != nil || !strings.HasPrefix(rn, nonce) || len(rn) == len(nonce) {
+		return fmt.Errorf("invalid SCRAM server-first-message")
+	}
+	if clientKey == nil {
+		clientKey, serverKey, err = scramKeys(ua.password, salt, iters)
+		if err != nil {
+			return err
+		}
+	}
+	cbind := base64.StdEncoding.EncodeToString(append([]byte(gs2), cbData...))
+	if !plus {
+		cbind = base64.StdEncoding.EncodeToString([]byte(gs2))
+	}
+	withoutProof := "c=" + cbind + ",r=" + rn
+	authMsg := bare + "," + serverFirst + "," + withoutProof
+	stored := sha256.Sum256(clientKey)
+	proof := make([]byte, sha256.Size)
+	subtle.XORBytes(proof, clientKey, hmacSHA256(stored[:], authMsg))
+	fe.Send(&pgproto3.SASLResponse{Data: []byte(withoutProof + ",p=" + base64.StdEncoding.EncodeToString(proof))})
+	if err := fe.Flush(); err != nil {
+		return err
+	}
+	if m, err = fe.Receive(); err != nil {
+		return err
+	}
+	fin, ok := m.(*pgproto3.AuthenticationSASLFinal)
+	if !ok {
+		return unexpectedAuth(m)
+	}
+	want := "v=" + base64.StdEncoding.EncodeToString(hmacSHA256(serverKey, authMsg))
+	if subtle.ConstantTimeCompare(fin.Data, []byte(want)) != 1 {
+		return errors.New("invalid SCRAM server signature: the upstream server does not know the role's password")
+	}
+	return nil
+}
+
+// unexpectedAuth turns what came instead of the next SCRAM step into an
+// error (PostgreSQL's own refusal, typically).
+func unexpectedAuth(m pgproto3.BackendMessage) error {
+	if e, ok := m.(*pgproto3.ErrorResponse); ok {
+		return pgconn.ErrorResponseToPgError(e)
+	}
+	return fmt.Errorf("unexpected message %T during SCRAM authentication", m)
+}
+
+// parseServerFirst reads r=,s=,i= from a SCRAM server-first-message.
+func parseServerFirst(s string) (nonce string, salt []byte, iters int, err error) {
+	for _, f := range strings.Split(s, ",") {
+		k, v, _ := strings.Cut(f, "=")
+		switch k {
+		case "r":
+			nonce = v
+		case "s":
+			salt, err = base64.StdEncoding.DecodeString(v)
+		case "i":
+			iters, err = strconv.Atoi(v)
+		}
+		if err != nil {
+			return "", nil, 0, err
+		}
+	}
+	if nonce == "" || len(salt) == 0 || iters <= 0 {
+		return "", nil, 0, errors.New("incomplete server-first-message")
+	}
+	return nonce, salt, iters, nil
+}
+
+// scramKeys derives a role's ClientKey and ServerKey from its password,
+// as PostgreSQL does (SASLprep, falling back to the raw bytes; PBKDF2
+// with HMAC-SHA-256).
+func scramKeys(password string, salt []byte, iters int) (clientKey, serverKey []byte, err error) {
+	if p, err := stringprep.SASLprep.Prepare(password); err == nil {
+		password = p
+	}
+	salted, err := pbkdf2.Key(sha256.New, password, salt, iters, sha256.Size)
+	if err != nil {
+		return nil, nil, fmt.Errorf("derive SCRAM keys: %w", err)
+	}
+	return hmacSHA256(salted, "Client Key"), hmacSHA256(salted, "Server Key"), nil
 }

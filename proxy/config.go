@@ -11,12 +11,19 @@ import (
 type AuthMethod string
 
 const (
+	// AuthPostgres authenticates each client against the password
+	// PostgreSQL stores for the role it names (looked up with
+	// Config.AuthQuery), with SCRAM-SHA-256 (md5 for an md5 verifier),
+	// and connects upstream as that role with what the client proved.
+	// A role without a password cannot log in. The default.
+	AuthPostgres AuthMethod = "postgres"
 	// AuthTrust accepts every client without a password. For local
 	// development only: anyone who can reach the listener can connect as
-	// any user the upstream credentials allow.
+	// any user the upstream lets the proxy connect as. Refused on a
+	// non-loopback listener unless Config.AllowRemoteTrust.
 	AuthTrust AuthMethod = "trust"
 	// AuthSCRAM requires SCRAM-SHA-256 against the verifiers in
-	// Config.Users.
+	// Config.Users (a users file).
 	AuthSCRAM AuthMethod = "scram-sha-256"
 )
 
@@ -24,6 +31,7 @@ const (
 const (
 	DefaultMaxClients      = 1000
 	DefaultMaxMessageSize  = 64 << 20
+	DefaultMemoryBudget    = 512 << 20
 	DefaultShutdownTimeout = 30 * time.Second
 	DefaultStartupTimeout  = 15 * time.Second
 	DefaultConnectTimeout  = 10 * time.Second
@@ -59,8 +67,23 @@ type Config struct {
 	// DefaultReplicaMaxLag (10s).
 	ReplicaMaxLag time.Duration
 
-	// Auth is the client authentication method. Zero means AuthTrust.
+	// Auth is the client authentication method. Zero means
+	// AuthPostgres: never trust.
 	Auth AuthMethod
+
+	// AuthQuery looks up a role's stored password for AuthPostgres: it
+	// is run with the user name as $1 on a connection of the proxy's own,
+	// as the Primary DSN's user in the DSN's database, and returns one
+	// row (name, password) or none; a NULL password means the role cannot
+	// log in. Zero means DefaultAuthQuery (pg_shadow: the DSN's user must
+	// be a superuser; docs/proxy.md shows a SECURITY DEFINER function for
+	// another user).
+	AuthQuery string
+
+	// AllowRemoteTrust lets AuthTrust serve a listener on a non-loopback
+	// address. False means such a listener is refused by Serve, and a
+	// client reaching the proxy on a non-loopback address is refused.
+	AllowRemoteTrust bool
 
 	// Users maps a user name to its SCRAM-SHA-256 verifier (the format
 	// PostgreSQL stores in pg_authid.rolpassword, and that `pgfence
@@ -69,8 +92,10 @@ type Config struct {
 	Users map[string]string
 
 	// UpstreamPasswords maps a user name to the password the proxy
-	// presents upstream for that user. Nil or a missing user means the
-	// Primary DSN's password (or none, for trust/peer upstreams).
+	// presents upstream for that user. Nil or a missing user means none,
+	// except for the Primary DSN's own user, for whom the DSN's password
+	// is presented (never for another name). With AuthPostgres the proxy
+	// answers upstream with what the client proved and needs none.
 	UpstreamPasswords map[string]string
 
 	// TLS, when non-nil, is offered to clients that send SSLRequest.
@@ -83,12 +108,32 @@ type Config struct {
 	MaxClients int
 
 	// MaxMessageSize bounds the length of one client message (excluding
-	// the type byte). A longer message gets ErrorResponse 08P01 and the
-	// session is closed. Messages from the server are not bounded (the
-	// server is trusted, and messages are streamed, not buffered). Zero
-	// means DefaultMaxMessageSize (64 MiB); PostgreSQL itself refuses
-	// messages over 1 GiB.
+	// the type byte). A longer Query, Parse, Bind, FunctionCall or
+	// CopyData is read and discarded (never held) and answered with an
+	// ErrorResponse 54000 in its place, as PostgreSQL answers a failed
+	// statement: a Query's session goes on, an extended-protocol message
+	// fails its batch up to the Sync, a CopyData fails the COPY. Any other
+	// message that long gets 08P01 and the session is closed. Messages
+	// from the server are not bounded (the server is trusted, and
+	// messages are streamed, not buffered). Zero means
+	// DefaultMaxMessageSize (64 MiB); PostgreSQL itself refuses messages
+	// over 1 GiB.
 	MaxMessageSize int
+
+	// MemoryBudget bounds the memory all sessions together spend on
+	// client messages held whole: with an Interceptor (the write gate), a
+	// Query, Parse, Bind or FunctionCall larger than BufferSize is read
+	// whole before it is forwarded, and classifying it costs a few times
+	// its size again, so each such message counts heldMessageCost (8)
+	// times its length against the budget while it is held (the budget
+	// bounds resident memory, garbage collection included). The budget is
+	// taken before the message body is read; a message that does not fit
+	// is read and dropped, its session gets ErrorResponse 53200 and is
+	// closed, and no other session is affected. CopyData is streamed, in
+	// pieces of at most BufferSize, and pass-through sessions stream
+	// everything: neither counts. Zero means DefaultMemoryBudget
+	// (512 MiB: one message of the default MaxMessageSize at a time).
+	MemoryBudget int
 
 	// ShutdownTimeout is how long Shutdown lets sessions in a transaction
 	// (or with a request in flight) finish before closing them, when the
@@ -181,10 +226,13 @@ func (c Config) withDefaults() (Config, error) {
 		return c, fmt.Errorf("config: primary DSN is required")
 	}
 	if c.Auth == "" {
-		c.Auth = AuthTrust
+		c.Auth = AuthPostgres
+	}
+	if c.AuthQuery == "" {
+		c.AuthQuery = DefaultAuthQuery
 	}
 	switch c.Auth {
-	case AuthTrust:
+	case AuthTrust, AuthPostgres:
 	case AuthSCRAM, "scram":
 		c.Auth = AuthSCRAM
 		if len(c.Users) == 0 {
@@ -196,13 +244,19 @@ func (c Config) withDefaults() (Config, error) {
 			}
 		}
 	default:
-		return c, fmt.Errorf("config: unknown auth method %q (want trust or scram-sha-256)", c.Auth)
+		return c, fmt.Errorf("config: unknown auth method %q (want postgres, scram-sha-256 or trust)", c.Auth)
 	}
 	if c.MaxClients == 0 {
 		c.MaxClients = DefaultMaxClients
 	}
 	if c.MaxMessageSize <= 0 {
 		c.MaxMessageSize = DefaultMaxMessageSize
+	}
+	if c.MemoryBudget <= 0 {
+		c.MemoryBudget = DefaultMemoryBudget
+	}
+	if c.MaxMessageSize > 1<<30-4 {
+		return c, fmt.Errorf("config: max message size %d is over PostgreSQL's own limit of 1GiB", c.MaxMessageSize)
 	}
 	if c.ShutdownTimeout <= 0 {
 		c.ShutdownTimeout = DefaultShutdownTimeout

@@ -26,7 +26,9 @@ func errorResponse(err error) *pgproto3.ErrorResponse {
 		// connections upstream): pass PostgreSQL's own words on.
 		return &pgproto3.ErrorResponse{Severity: "FATAL", SeverityUnlocalized: "FATAL", Code: pg.Code, Message: pg.Message, Detail: pg.Detail, Hint: pg.Hint}
 	case errors.As(err, &pe):
-		return fatal(pe.Code, pe.Msg)
+		e := fatal(pe.Code, pe.Msg)
+		e.Hint = pe.Hint
+		return e
 	default:
 		return fatal("08006", "pgfence: upstream connection failed")
 	}

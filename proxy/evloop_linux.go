@@ -3,9 +3,12 @@
 package proxy
 
 import (
+	"bytes"
 	"errors"
 	"fmt"
 	"io"
+	"net"
+	"os"
 	"runtime"
 	"runtime/debug"
 	"sync"
@@ -89,23 +92,22 @@ func newEvloop() (*evloop, error) {
 
 // pipe is one direction of a relay: bytes read from src wait in
 // buf[start:end] until written to dst. It tracks message framing across
-// reads without copying: hdr collects a header split between reads, left
-// counts the body bytes of the current message still to come.
+// reads without copying: left counts the body bytes of the current
+// message still to come; a header split between reads is held back in
+// buf[end:end+pend], not passed on, until it is whole, so that a message
+// the loop must not pass on (see scan) never leaves a piece behind it.
 type pipe struct {
 	src, dst   int
 	buf        []byte
 	start, end int
-	hdr        [headerLen]byte
-	hdrN       int
+	pend       int
 	left       int
 	status     bool // the next body byte is a ReadyForQuery status
 	fromClient bool
-	// held counts the bytes after end that were read but are held by
-	// PAUSE (admin_pause_linux.go): not passed on, the source not read.
-	held int
-	// guard: the message whose header is being read holds the
-	// in-flight count (Session.holdMessage) until it is accounted.
-	guard bool
+	// held: PAUSE holds the client's next message (admin_pause_linux.go):
+	// it and what follows wait in pend, not passed on, and the source is
+	// not read.
+	held bool
 }
 
 // relay is one session on the loop. Its pipes are touched only by the
@@ -118,6 +120,9 @@ type relay struct {
 	max      int
 	done     chan error
 	ended    sync.Once
+	// rest is what the client sent from a message over the limit on,
+	// when the session leaves the loop for it (leaveLoop).
+	rest []byte
 
 	mu     sync.Mutex // guards closed against shutdownServer
 	closed bool
@@ -384,7 +389,7 @@ func (l *evloop) event(r *relay, fd int, ev uint32) {
 	var err error
 	if fd == r.cfd {
 		r.cEvents.Add(1)
-		if r.c2s.held > 0 && ev&(syscall.EPOLLHUP|syscall.EPOLLERR) != 0 {
+		if r.c2s.held && ev&(syscall.EPOLLHUP|syscall.EPOLLERR) != 0 {
 			err = fmt.Errorf("client: %w", io.EOF) // gone while PAUSE held it
 		}
 		if err == nil && ev&syscall.EPOLLOUT != 0 {
@@ -427,9 +432,9 @@ func (l *evloop) end(r *relay, err error) {
 func (l *evloop) interest(r *relay) error {
 	want := func(in *pipe, out *pipe) uint32 {
 		var e uint32
-		if in.held == 0 { // PAUSE holds the client: do not read it
+		if !in.held { // PAUSE holds the client: do not read it
 			e = syscall.EPOLLRDHUP
-			if in.end < len(in.buf) {
+			if in.end+in.pend < len(in.buf) {
 				e |= syscall.EPOLLIN
 			}
 		}
@@ -455,17 +460,18 @@ func (l *evloop) interest(r *relay) error {
 
 // pump reads what p's source has, checks its framing and writes it on.
 func (r *relay) pump(p *pipe) error {
-	if p.held > 0 {
+	if p.held {
 		return nil // PAUSE holds it; RESUME goes on (unhold)
 	}
-	if p.end == len(p.buf) && p.start > 0 {
-		p.end = copy(p.buf, p.buf[p.start:p.end])
+	if p.end+p.pend == len(p.buf) && p.start > 0 {
+		copy(p.buf, p.buf[p.start:p.end+p.pend])
+		p.end -= p.start
 		p.start = 0
 	}
-	if p.end == len(p.buf) {
+	if p.end+p.pend == len(p.buf) {
 		return nil // full: the destination is slow; EPOLLOUT resumes us
 	}
-	n, err := rawIO(syscall.SYS_READ, p.src, p.buf[p.end:])
+	n, err := rawIO(syscall.SYS_READ, p.src, p.buf[p.end+p.pend:])
 	if err == syscall.EAGAIN || err == syscall.EINTR {
 		return nil
 	}
@@ -480,19 +486,29 @@ func (r *relay) pump(p *pipe) error {
 		return fmt.Errorf("%s: %w", side, io.EOF)
 	}
 	r.counted(p, n) // SHOW STATS: admin_pause_linux.go
-	return r.scanRead(p, n)
-}
-
-// scanRead scans the n bytes read after p.end and writes on what it
-// passes; bytes PAUSE holds stay after p.end (p.held).
-func (r *relay) scanRead(p *pipe, n int) error {
-	cut, stop := r.scan(p, p.buf[p.end:p.end+n])
-	if stop == errHold {
-		p.held, stop = n-cut, r.parkRelay()
-	}
-	p.end += cut
+	stop := r.take(p, n)
 	if err := r.flush(p); err != nil {
 		return err
+	}
+	return stop
+}
+
+// take scans the n bytes just read into p (after the pend bytes of a
+// header held back) and passes on what scan accepts. A partial header at
+// the end is held back; from a message the session must leave the loop
+// for, everything is kept in r.rest.
+func (r *relay) take(p *pipe, n int) error {
+	b := p.buf[p.end : p.end+p.pend+n]
+	cut, stop := r.scan(p, b)
+	p.end += cut
+	p.pend = len(b) - cut
+	switch stop {
+	case errLeaveLoop:
+		r.rest = append(r.rest[:0], b[cut:]...)
+		p.pend = 0
+	case errHold:
+		// The held message and what follows it wait in pend.
+		p.held, stop = true, r.parkRelay()
 	}
 	return stop
 }
@@ -508,7 +524,10 @@ func (r *relay) flush(p *pipe) error {
 		}
 		return fmt.Errorf("%s: %w", side, err)
 	}
-	if p.start == p.end && p.held == 0 {
+	if p.start == p.end {
+		if p.pend > 0 {
+			copy(p.buf, p.buf[p.end:p.end+p.pend])
+		}
 		p.start, p.end = 0, 0
 	}
 	return nil
@@ -533,10 +552,18 @@ func writeAvail(fd int, b []byte) (int, error) {
 	return n, nil
 }
 
+// errLeaveLoop ends a pass-through relay at a client message over the
+// limit: answering it needs the goroutine path (limits.go), to which the
+// session moves (leaveLoop).
+var errLeaveLoop = errors.New("client message over the limit: leaving the event loop")
+
 // scan walks the message boundaries in b, newly read into p. It returns
 // how many bytes of b to pass on and, when the session must end after
-// them, why: a protocol error, the client's Terminate, or the end of a
-// graceful shutdown after a ReadyForQuery.
+// them, why: a protocol error, the client's Terminate, the end of a
+// graceful shutdown after a ReadyForQuery, or a client message over the
+// limit (errLeaveLoop). A header not yet whole at the end of b is not
+// passed on. It checks what the goroutine path's framer checks
+// (parseHeader, frontendTypes, Session.nextClient): FuzzLoopFraming.
 func (r *relay) scan(p *pipe, b []byte) (int, error) {
 	s := r.s
 	i := 0
@@ -559,51 +586,46 @@ func (r *relay) scan(p *pipe, b []byte) (int, error) {
 			i += k
 			continue
 		}
-		start := i
-		if p.fromClient && p.hdrN == 0 {
-			// A client message begins (PAUSE: admin_pause.go).
-			if s.holdMessage(b[i]) {
-				return start, errHold
-			}
-			p.guard = true
+		if len(b)-i < headerLen {
+			break // held back until it is whole
 		}
-		k := min(headerLen-p.hdrN, len(b)-i)
-		copy(p.hdr[p.hdrN:], b[i:i+k])
-		p.hdrN += k
-		i += k
-		if p.hdrN < headerLen {
-			break
-		}
-		p.hdrN = 0
+		h := b[i : i+headerLen]
 		if !p.fromClient {
-			typ, total, err := parseHeader(p.hdr[:], 0, "server")
+			typ, total, err := parseHeader(h, 0, "server")
 			if err != nil {
-				return start, fmt.Errorf("server: %w", err)
+				return i, fmt.Errorf("server: %w", err)
 			}
 			p.left = total - headerLen
 			p.status = typ == 'Z' && total == headerLen+1
+			i += headerLen
 			continue
 		}
-		typ, total, err := parseHeader(p.hdr[:], r.max, "client")
-		if err != nil {
-			return start, fmt.Errorf("client: %w", err)
+		// A client message begins (PAUSE: admin_pause.go): it counts as
+		// in flight from here until it is accounted.
+		if s.holdMessage(h[0]) {
+			return i, errHold
 		}
-		if !frontendTypes[typ] {
-			return start, &ProtocolError{Code: "08P01", Msg: fmt.Sprintf("invalid frontend message type %d", typ)}
+		typ, total, err := parseHeader(h, r.max, "client")
+		switch {
+		case errors.Is(err, ErrMessageTooLarge) && answerable(typ):
+			s.releaseMessage(false) // handled again, on the goroutine path
+			return i, errLeaveLoop
+		case err != nil:
+			return i, fmt.Errorf("client: %w", err)
+		case !frontendTypes[typ]:
+			return i, &ProtocolError{Code: "08P01", Msg: fmt.Sprintf("invalid frontend message type %d", typ)}
 		}
 		if !s.account(typ) {
-			return start, errShutdown
+			return i, errShutdown
 		}
-		if p.guard {
-			p.guard = false
-			s.releaseMessage(true)
-		}
-		p.left = total - headerLen
+		s.releaseMessage(true)
 		if typ == 'X' {
 			// Not passed on: finish sends the server a Terminate of its
 			// own (whatever length the client's claimed).
-			return start, errClientTerminate
+			return i, errClientTerminate
 		}
+		p.left = total - headerLen
+		i += headerLen
 	}
 	return i, nil
 }
@@ -677,10 +699,53 @@ func (s *Session) runFast() (error, bool) {
 	}
 	s.srv.ops.stats.SessionsLoop.Add(1)
 	err = <-r.done
+	if err == errLeaveLoop {
+		if err = s.leaveLoop(r); err == nil {
+			return nil, false // on goroutines from here (Session.run)
+		}
+	}
 	close(s.closing)
 	msg, err := s.endReason(err, nil)
 	r.finish(msg)
 	return err, true
+}
+
+// leaveLoop moves a pass-through session, which the loop has let go of,
+// onto the goroutine path: its sockets back into Go's netpoller, what the
+// loop read and had not passed on in front of them, and where the server
+// stream stands for the server loop (resumeServer).
+func (s *Session) leaveLoop(r *relay) error {
+	s.connMu.Lock()
+	defer s.connMu.Unlock()
+	client, err := fdConn(r.cfd)
+	if err != nil {
+		return fmt.Errorf("leave the event loop: %w", err)
+	}
+	server, err := fdConn(r.sfd)
+	if err != nil {
+		client.Close()
+		return fmt.Errorf("leave the event loop: %w", err)
+	}
+	r.mu.Lock()
+	r.closed = true // the relay's own descriptors are closed
+	r.mu.Unlock()
+	c2s, s2c := &r.c2s, &r.s2c
+	s.fast, s.client, s.server = nil, client, server
+	s.cf.r.Reset(io.MultiReader(bytes.NewReader(r.rest), client))
+	s.sf.r.Reset(io.MultiReader(bytes.NewReader(s2c.buf[s2c.end:s2c.end+s2c.pend]), server))
+	s.sw.Reset(server)
+	s.cw.Reset(client)
+	s.sw.Write(c2s.buf[c2s.start:c2s.end])
+	s.cw.Write(s2c.buf[s2c.start:s2c.end])
+	s.resume.left, s.resume.status = s2c.left, s2c.status
+	return nil
+}
+
+// fdConn makes a net.Conn of a duplicate of fd, and closes fd.
+func fdConn(fd int) (net.Conn, error) {
+	f := os.NewFile(uintptr(fd), "")
+	defer f.Close()
+	return net.FileConn(f)
 }
 
 // An intercepted session (one with a Handler) is relayed on the loop too,
@@ -1080,8 +1145,9 @@ func (r *relay) clientSteps() error {
 		if err != nil {
 			return err
 		}
-		if total > size && s.onLoop {
-			return r.handoff() // read whole, waiting for it, on the goroutine
+		big := total > size || total-headerLen > s.cf.max
+		if big && s.onLoop {
+			return r.handoff() // read whole (or dropped), waiting for it, on the goroutine
 		}
 		if s.holdMessage(typ) { // PAUSE: admin_pause.go
 			if s.onLoop {
@@ -1094,8 +1160,8 @@ func (r *relay) clientSteps() error {
 		}
 		// A message larger than the buffer is read whole, waiting for
 		// it; a smaller one not yet whole stays buffered (errWouldBlock).
-		h.block = total > size
-		err = s.interceptClient(total, size)
+		h.block = big
+		err = s.clientMessage(typ, total, size)
 		h.block = false
 		s.releaseMessage(err == nil) // otherwise it is handled again
 		switch {

@@ -20,74 +20,80 @@ import (
 	"github.com/pgfence/pgfence/internal/pgtest"
 )
 
-// FuzzLoopFraming: the event loop's incremental framing check (relay.scan),
-// fed the input in arbitrary pieces, never panics and agrees with a
-// whole-input reference: every complete valid message before the first bad
-// one (invalid length, over the size limit, unknown frontend type) is
-// passed on, and the session ends at that message with a ProtocolError,
-// or at a Terminate.
+// FuzzLoopFraming: the event loop's incremental framing check (relay.take
+// and scan), fed the input in arbitrary pieces, never panics and agrees
+// with the goroutine path's framer (Session.nextClient) reading the whole
+// input: every complete valid message before the first one that ends the
+// relay is passed on, and nothing of that one — a bad message (invalid
+// length, unknown type, over the limit for a type that cannot be answered:
+// a ProtocolError), a Terminate, or a message over the limit that the
+// session leaves the loop to answer (errLeaveLoop, with everything from
+// it on kept for the goroutine path). A header not yet whole at the end of
+// the input is not passed on either.
 func FuzzLoopFraming(f *testing.F) {
 	f.Add(pipelineBytes(2), []byte{3, 200, 7}, uint16(0))
 	f.Add([]byte{'Q', 0, 0, 0, 9, 'S', 'E', 'L', 0, 'X', 0, 0, 0, 4, 'Q'}, []byte{1}, uint16(8))
 	f.Add([]byte{'Q', 0xff, 0xff, 0xff, 0xff}, []byte{2, 2}, uint16(64))
 	f.Add([]byte{'Q', 0, 0, 0, 5, 0, 'z', 0, 0, 0, 4}, []byte{}, uint16(0))
+	f.Add([]byte{'S', 0, 0, 0, 4, 'P', 0, 0, 0, 40, 1, 2, 3}, []byte{6, 1}, uint16(16))
+	f.Add([]byte{'S', 0, 0, 0, 4, 'E', 0, 0, 0, 40, 1, 2, 3}, []byte{0, 0, 0, 0, 0, 0}, uint16(16))
 	f.Fuzz(func(t *testing.T, in, cuts []byte, max uint16) {
-		// Reference: whole-input framing.
+		// Reference: the goroutine path's framer over the whole input.
+		ref := &Session{srv: &Server{}}
+		ref.cf = framer{r: bufio.NewReaderSize(bytes.NewReader(in), 1024), max: int(max), from: "client"}
 		wantN, wantEnd := len(in), error(nil)
 		for off := 0; off < len(in); {
-			if len(in)-off < headerLen {
-				break
-			}
-			typ, total, err := parseHeader(in[off:off+headerLen], int(max), "client")
-			if err == nil && !frontendTypes[typ] {
-				err = &ProtocolError{Code: "08P01", Msg: "invalid frontend message type"}
-			}
-			if err != nil {
+			typ, total, err := ref.nextClient()
+			switch {
+			case errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF):
+				wantN = off // a partial header
+			case err != nil:
 				wantN, wantEnd = off, err
-				break
-			}
-			if typ == 'X' {
+			case total-headerLen > int(max) && max > 0:
+				wantN, wantEnd = off, errLeaveLoop
+			case typ == 'X':
 				wantN, wantEnd = off, errClientTerminate
-				break
+			default:
+				ref.cf.stream(io.Discard, total) // a short body: the input ends in it
+				off += total
+				continue
 			}
-			off += total
+			break
 		}
 
 		r := &relay{s: &Session{srv: &Server{}}, max: int(max)}
-		p := &pipe{fromClient: true}
-		passed, off := 0, 0
+		p := &pipe{fromClient: true, buf: make([]byte, len(in)+headerLen)}
+		off := 0
 		var end error
 		for i := 0; off < len(in) && end == nil; i++ {
 			n := len(in) - off
 			if i < len(cuts) {
 				n = min(n, int(cuts[i])+1)
 			}
-			var cut int
-			cut, end = r.scan(p, in[off:off+n])
-			if cut < 0 || cut > n {
-				t.Fatalf("scan passed on %d of %d bytes", cut, n)
+			copy(p.buf[p.end+p.pend:], in[off:off+n])
+			before := p.end
+			end = r.take(p, n)
+			if p.end < before || p.end > off+n {
+				t.Fatalf("take passed on %d bytes of %d read", p.end, off+n)
 			}
-			passed += cut
 			off += n
 		}
 		var pe *ProtocolError
 		switch {
-		case wantEnd == nil:
-			if end != nil || passed != len(in) {
-				t.Fatalf("valid input: passed %d of %d bytes, ended with %v", passed, len(in), end)
-			}
+		case wantEnd == nil && end != nil:
+			t.Fatalf("valid input: ended with %v", end)
 		case errors.Is(wantEnd, errClientTerminate) && !errors.Is(end, errClientTerminate):
 			t.Fatalf("Terminate at %d: ended with %v", wantN, end)
-		case !errors.Is(wantEnd, errClientTerminate) && !errors.As(end, &pe):
-			t.Fatalf("bad message at %d: ended with %v, want a ProtocolError", wantN, end)
+		case errors.Is(wantEnd, errLeaveLoop) && !errors.Is(end, errLeaveLoop):
+			t.Fatalf("message over the limit at %d: ended with %v, want errLeaveLoop", wantN, end)
+		case errors.As(wantEnd, &pe) && !errors.As(end, &pe):
+			t.Fatalf("bad message at %d (%v): ended with %v, want a ProtocolError", wantN, wantEnd, end)
 		}
-		// The message that ends the session (a Terminate, which the
-		// relay replaces with its own, or a bad one) is not passed on,
-		// except the part of its header that arrived in earlier reads:
-		// the upstream connection is closed at once, so the server never
-		// acts on it.
-		if wantEnd != nil && (passed < wantN || passed >= wantN+headerLen) {
-			t.Fatalf("session ends at the message at %d (%v): passed %d bytes", wantN, wantEnd, passed)
+		if p.end != wantN {
+			t.Fatalf("passed on %d bytes, want %d (the relay ends at %d: %v)", p.end, wantN, wantN, wantEnd)
+		}
+		if errors.Is(end, errLeaveLoop) && !bytes.Equal(r.rest, in[wantN:off]) {
+			t.Fatalf("kept %d bytes for the goroutine path, want the %d read from the message over the limit on", len(r.rest), off-wantN)
 		}
 	})
 }

@@ -23,7 +23,8 @@ var ErrMessageTooLarge = errors.New("message too large")
 type ProtocolError struct {
 	Code string // SQLSTATE sent to the client
 	Msg  string
-	Err  error // optional cause, for errors.Is
+	Hint string // optional: what the user can do
+	Err  error  // optional cause, for errors.Is
 }
 
 func (e *ProtocolError) Error() string {
@@ -83,7 +84,8 @@ func parseHeader(h []byte, max int, from string) (typ byte, total int, err error
 		return typ, 0, &ProtocolError{Code: "08P01", Msg: fmt.Sprintf("invalid message length %d in %s message of type %q", int32(n), from, typ)}
 	}
 	if max > 0 && int(n)-4 > max {
-		return typ, 0, &ProtocolError{Code: "08P01", Msg: fmt.Sprintf("%s message of type %q is %d bytes, over the limit of %d bytes", from, typ, n-4, max), Err: ErrMessageTooLarge}
+		// total is returned too: a caller may read the message to drop it.
+		return typ, int(n) + 1, &ProtocolError{Code: "08P01", Msg: fmt.Sprintf("%s message of type %q is %d bytes, over max_message_size (%d bytes)", from, typ, n-4, max), Err: ErrMessageTooLarge}
 	}
 	return typ, int(n) + 1, nil
 }

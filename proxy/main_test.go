@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"net"
 	"os"
+	"path/filepath"
 	"runtime"
 	"sync"
 	"testing"
@@ -34,20 +35,33 @@ func TestMain(m *testing.M) {
 		// Fuzz targets are pure; do not start PostgreSQL in every worker.
 		os.Exit(m.Run())
 	}
-	os.Exit(pgtest.Run(m, pgtest.Options{
+	code := pgtest.Run(m, pgtest.Options{
 		// Read routing's tests need a streaming replica (route_test.go);
 		// everything else uses the primary.
 		Replica: true,
 		// The upstream demands SCRAM for this role, so tests prove the
 		// proxy authenticates upstream with the configured password.
-		HBA: []string{"host all " + scramUser + " 127.0.0.1/32 scram-sha-256"},
+		// The auth tests' roles get what their group says
+		// (bypass_auth_test.go).
+		HBA: []string{
+			"host all " + scramUser + " 127.0.0.1/32 scram-sha-256",
+			"host all +" + authGroupSCRAM + " 127.0.0.1/32 scram-sha-256",
+			"host all +" + authGroupMD5 + " 127.0.0.1/32 md5",
+			"host all +" + authGroupPassword + " 127.0.0.1/32 password",
+		},
 	}, func(ctx context.Context, conn *pgx.Conn) error {
 		if _, err := conn.Exec(ctx, fmt.Sprintf("CREATE ROLE %s LOGIN SUPERUSER PASSWORD '%s'", scramUser, scramPassword)); err != nil {
 			return err
 		}
 		// The write gate's tests need the fence schema.
 		return migrations.Prepare(ctx, conn)
-	}, &cluster))
+	}, &cluster)
+	if pgfenceBin != "" {
+		// Built once for the tests that run pgfence serve
+		// (startFenceServe), which may be several.
+		os.RemoveAll(filepath.Dir(pgfenceBin))
+	}
+	os.Exit(code)
 }
 
 func fuzzing() bool {
@@ -74,6 +88,12 @@ func startProxyLog(t testing.TB, cfg Config, log *zap.Logger) *testProxy {
 	t.Helper()
 	if cfg.Primary == "" {
 		cfg.Primary = cluster.Primary.DSN("postgres")
+	}
+	if cfg.Auth == "" {
+		// The tests connect as roles without passwords unless they test
+		// authentication, which they then name (the default is
+		// AuthPostgres).
+		cfg.Auth = AuthTrust
 	}
 	srv, err := New(cfg, log)
 	if err != nil {

@@ -151,27 +151,6 @@ func testTooManyClients(t *testing.T, relay Config) {
 	connect(t, p.dsn(db))
 }
 
-func TestOversizeMessage(t *testing.T) { bothRelays(t, testOversizeMessage) }
-
-func testOversizeMessage(t *testing.T, relay Config) {
-	p := startProxy(t, withRelay(relay, Config{MaxMessageSize: 4096}))
-	db := cluster.NewDatabase(t)
-	c := connect(t, p.dsn(db))
-	other := connect(t, p.dsn(db))
-	_, err := c.Exec(ctxT(t), "SELECT '"+strings.Repeat("x", 5000)+"'").ReadAll()
-	if sqlState(err) != "08P01" || !strings.Contains(err.Error(), "over the limit") {
-		t.Fatalf("got %v, want 08P01 over the limit", err)
-	}
-	select {
-	case <-c.CleanupDone():
-	case <-time.After(10 * time.Second):
-		t.Fatal("connection not closed after oversize message")
-	}
-	if _, err := other.Exec(ctxT(t), "SELECT 1").ReadAll(); err != nil {
-		t.Fatalf("other session affected: %v", err)
-	}
-}
-
 // backendGone polls pg_stat_activity until pid has left, or fails after d.
 func backendGone(t *testing.T, pid uint32, d time.Duration) {
 	t.Helper()

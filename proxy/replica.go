@@ -2,14 +2,12 @@ package proxy
 
 import (
 	"bufio"
-	"context"
 	"errors"
 	"fmt"
 	"net"
 	"sync"
 	"sync/atomic"
 
-	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgproto3"
 	"go.uber.org/zap"
 )
@@ -189,17 +187,9 @@ func (s *Session) closeReplica() {
 // startup parameters, as Server.open dials the primary.
 func (s *Session) openReplica(r *replica) (*replicaConn, error) {
 	srv := s.srv
-	pc := srv.upstreamConfig(r.cfg, s.User, s.Database, s.Params)
-	ctx, cancel := context.WithTimeout(context.Background(), pc.ConnectTimeout)
-	defer cancel()
-	up, err := pgconn.ConnectConfig(ctx, pc)
+	hj, err := srv.connectAs(r.cfg, s.User, s.Database, s.Params, s.proof) // as the primary's (server.go)
 	if err != nil {
 		return nil, err
-	}
-	hj, err := up.Hijack()
-	if err != nil {
-		up.Close(ctx)
-		return nil, fmt.Errorf("hijack: %w", err)
 	}
 	size := srv.cfg.BufferSize
 	rc := &replicaConn{r: r, conn: hj.Conn, pid: hj.PID, key: hj.SecretKey, done: make(chan struct{}),
@@ -241,6 +231,9 @@ func (s *Session) replicaLoop(rc *replicaConn) error {
 		if err != nil {
 			s.replicaFailed(fmt.Errorf("replica: %w", err))
 			return err
+		}
+		if typ == 'E' && s.oversized.Load() {
+			msg = s.srv.oversizedError(msg) // limits.go
 		}
 		inUse := s.rt.onRep.Load() && (s.q.front() != nil || s.TxStatus() != 'I')
 		if !inUse || typ == 'E' && fatalError(msg) {

@@ -7,6 +7,7 @@ import (
 	"crypto/subtle"
 	"crypto/tls"
 	"encoding/binary"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"io"
@@ -19,7 +20,6 @@ import (
 
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgproto3"
-	"github.com/xdg-go/scram"
 	"go.uber.org/zap"
 )
 
@@ -29,7 +29,13 @@ type Server struct {
 	log      *zap.Logger
 	primary  *pgconn.Config
 	replicas []*pgconn.Config
-	dummy    scram.StoredCredentials
+	auth     *authLookup // AuthPostgres: the roles' passwords (auth.go)
+	mem      memBudget   // held client messages (session.go)
+	// mockSecret salts the dummy verifiers of unknown roles (auth.go).
+	mockSecret [32]byte
+	// oversizedTag names the substitutes for messages over the limit
+	// (limits.go).
+	oversizedTag string
 
 	clients  atomic.Int64 // sessions counted against MaxClients
 	draining atomic.Bool
@@ -82,8 +88,18 @@ func New(cfg Config, log *zap.Logger) (*Server, error) {
 		}
 		s.replicas = append(s.replicas, rc)
 	}
-	if cfg.Auth == AuthSCRAM {
-		s.dummy = dummyCredentials()
+	rand.Read(s.mockSecret[:])
+	var tag [8]byte
+	rand.Read(tag[:])
+	s.oversizedTag = oversizedPrefix + hex.EncodeToString(tag[:]) // limits.go
+	s.mem.limit = int64(cfg.MemoryBudget)
+	s.auth = &authLookup{cfg: s.primary, query: cfg.AuthQuery}
+	if heldCost(cfg.MaxMessageSize) > int64(cfg.MemoryBudget) && cfg.Interceptor != nil {
+		log.Warn("memory_budget cannot hold a message of max_message_size: such messages get 53200; raise memory_budget or lower max_message_size",
+			zap.Int("memory_budget", cfg.MemoryBudget), zap.Int("max_message_size", cfg.MaxMessageSize), zap.Int64("held_message_cost", heldCost(cfg.MaxMessageSize)))
+	}
+	if cfg.Auth == AuthTrust {
+		log.Warn("auth trust: every client is let in without a password, as any user it names; use it for local development only")
 	}
 	s.initOps()      // admin.go
 	s.initReplicas() // route.go
@@ -100,6 +116,11 @@ func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
 		s.mu.Unlock()
 		ln.Close()
 		return ErrServerClosed
+	}
+	if s.live().auth == AuthTrust && !s.cfg.AllowRemoteTrust && !isLoopback(ln.Addr()) {
+		s.mu.Unlock()
+		ln.Close()
+		return fmt.Errorf("serve: auth trust on %s, a non-loopback address, would let anyone who can reach it in as any user; use auth postgres, or set allow_remote_trust if you mean it", ln.Addr())
 	}
 	s.listeners[ln] = struct{}{}
 	s.mu.Unlock()
@@ -174,6 +195,7 @@ func (s *Server) Shutdown(ctx context.Context) error {
 	s.draining.Store(true)
 	s.stopControl()         // admin_pause.go: ends PAUSE waits
 	defer s.closeReplicas() // route.go
+	defer s.auth.close()
 	s.mu.Lock()
 	for ln := range s.listeners {
 		ln.Close()
@@ -268,7 +290,8 @@ func (s *Server) handle(c net.Conn) {
 		s.serveAdmin(conn, st, log)
 		return
 	}
-	if err := s.authenticate(conn, user); err != nil {
+	proof, err := s.authenticate(conn, st, log)
+	if err != nil {
 		s.refuse(conn, err, log, "authentication failed")
 		return
 	}
@@ -276,7 +299,7 @@ func (s *Server) handle(c net.Conn) {
 		return
 	}
 	start := time.Now()
-	sess, err := s.open(c, conn, st, log)
+	sess, err := s.open(c, conn, st, proof, log)
 	if err != nil {
 		s.refuse(conn, err, log, "upstream connect failed")
 		return
@@ -363,14 +386,12 @@ func (s *Server) startup(c net.Conn) (net.Conn, *startup, error) {
 var errUpstream = errors.New("upstream connection failed")
 
 // upstreamConfig is base (the primary's or a replica's settings) for a
-// client: its user and database, its startup parameters, and the password
-// configured for that user.
+// client: its user and database and its startup parameters. The
+// credentials are upstreamCredentials' (auth.go).
 func (s *Server) upstreamConfig(base *pgconn.Config, user, db string, params map[string]string) *pgconn.Config {
 	pc := base.Copy()
 	pc.User, pc.Database = user, db
-	if pw, ok := s.live().upstreamPasswords[user]; ok {
-		pc.Password = pw
-	}
+	pc.Password = "" // presented only by upstreamCredentials' rules
 	rp := make(map[string]string, len(pc.RuntimeParams)+len(params))
 	for k, v := range pc.RuntimeParams {
 		rp[k] = v
@@ -387,28 +408,44 @@ func (s *Server) upstreamConfig(base *pgconn.Config, user, db string, params map
 	return pc
 }
 
-// open connects upstream for an authenticated client, finishes the
-// client's startup (ParameterStatus, our BackendKeyData, ReadyForQuery)
-// and returns the session.
-func (s *Server) open(raw, c net.Conn, st *startup, log *zap.Logger) (*Session, error) {
-	user, db := st.params["user"], st.params["database"]
-	pc := s.upstreamConfig(s.primary, user, db, st.params)
+// connectAs opens a connection to base's server as the client's role
+// (user, database and startup parameters of s), authenticated with what
+// the client proved (s.proof). The primary's and the replicas'
+// connections are opened the same way.
+func (s *Server) connectAs(base *pgconn.Config, user, db string, params map[string]string, proof *Proof) (*pgconn.HijackedConn, error) {
+	pc := s.upstreamConfig(base, user, db, params)
 	ctx, cancel := context.WithTimeout(context.Background(), pc.ConnectTimeout)
 	defer cancel()
-	up, err := pgconn.ConnectConfig(ctx, pc)
+	return dialUpstream(ctx, pc, s.upstreamCredentials(base, user, proof))
+}
+
+// open connects upstream for an authenticated client, finishes the
+// client's startup (ParameterStatus, BackendKeyData, ReadyForQuery) and
+// returns the session.
+//
+// BackendKeyData carries the upstream backend's real process id, so that
+// pg_backend_pid(), the PID of the session's own notifications and
+// pg_stat_activity agree with what the driver was told; the secret is the
+// proxy's own, so a cancel request still comes to the proxy, which checks
+// it and forwards the backend's real key (which the client never sees).
+// The session is bound to that backend for its life: when the backend
+// goes, the client's connection is closed, never moved to another one.
+func (s *Server) open(raw, c net.Conn, st *startup, proof *Proof, log *zap.Logger) (*Session, error) {
+	user, db := st.params["user"], st.params["database"]
+	hj, err := s.connectAs(s.primary, user, db, st.params, proof)
 	if err != nil {
 		var pg *pgconn.PgError
-		if errors.As(err, &pg) {
+		var pe *ProtocolError
+		switch {
+		case errors.As(err, &pg):
 			log.Info("upstream refused connection", zap.Error(err))
 			return nil, pg
+		case errors.As(err, &pe):
+			log.Info("upstream connection not authenticated", zap.Error(err))
+			return nil, pe
 		}
 		log.Warn("upstream connect failed", zap.Error(err))
 		return nil, fmt.Errorf("%w: %w", errUpstream, err)
-	}
-	hj, err := up.Hijack()
-	if err != nil {
-		up.Close(ctx)
-		return nil, fmt.Errorf("%w: hijack: %w", errUpstream, err)
 	}
 	sess := &Session{
 		srv:          s,
@@ -421,6 +458,7 @@ func (s *Server) open(raw, c net.Conn, st *startup, log *zap.Logger) (*Session, 
 		client:       c,
 		server:       hj.Conn,
 		log:          log.With(zap.Uint32("backend_pid", hj.PID)),
+		proof:        proof,
 		closing:      make(chan struct{}),
 	}
 	sess.txStatus.Store(uint32(hj.TxStatus))
@@ -435,7 +473,7 @@ func (s *Server) open(raw, c net.Conn, st *startup, log *zap.Logger) (*Session, 
 	sess.sf = framer{r: bufio.NewReaderSize(hj.Conn, size), flush: sess.cw.Flush, from: "server"}
 	s.initSessionInfo(sess, c, hj.Conn) // admin.go
 
-	pid, secret := s.addCancelKey(hj)
+	secret := s.addCancelKey(hj)
 	var out []byte
 	names := make([]string, 0, len(hj.ParameterStatuses))
 	for k := range hj.ParameterStatuses {
@@ -447,9 +485,9 @@ func (s *Server) open(raw, c net.Conn, st *startup, log *zap.Logger) (*Session, 
 	}
 	var key [4]byte
 	binary.BigEndian.PutUint32(key[:], secret)
-	out = encode(out, &pgproto3.BackendKeyData{ProcessID: pid, SecretKey: key[:]})
+	out = encode(out, &pgproto3.BackendKeyData{ProcessID: hj.PID, SecretKey: key[:]})
 	out = encode(out, &pgproto3.ReadyForQuery{TxStatus: hj.TxStatus})
-	sess.cancelPID = pid
+	sess.cancelPID, sess.cancelSecret = hj.PID, secret
 	if s.cfg.Interceptor != nil {
 		h, err := s.cfg.Interceptor.Open(sess)
 		if err != nil {
@@ -473,28 +511,28 @@ func (s *Server) open(raw, c net.Conn, st *startup, log *zap.Logger) (*Session, 
 	return sess, nil
 }
 
-// addCancelKey makes the BackendKeyData the client gets and remembers the
-// upstream backend it stands for.
-func (s *Server) addCancelKey(hj *pgconn.HijackedConn) (pid, secret uint32) {
-	var b [8]byte
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	for {
-		rand.Read(b[:])
-		pid = binary.BigEndian.Uint32(b[:4]) & 0x7fffffff
-		secret = binary.BigEndian.Uint32(b[4:])
-		if _, dup := s.cancels[uint64(pid)]; !dup && pid != 0 {
-			break
-		}
-	}
+// addCancelKey makes the cancel secret the client gets with the upstream
+// backend's PID, and remembers the backend's real key. A backend PID is
+// unique among the primary's live backends; an entry left by a session
+// whose backend has exited and whose PID was reused is replaced.
+func (s *Server) addCancelKey(hj *pgconn.HijackedConn) (secret uint32) {
+	var b [4]byte
+	rand.Read(b[:])
+	secret = binary.BigEndian.Uint32(b[:])
 	addr := hj.Conn.RemoteAddr()
-	s.cancels[uint64(pid)] = cancelTarget{secret: secret, addr: addr, network: addr.Network(), pid: hj.PID, upKey: hj.SecretKey}
-	return pid, secret
+	s.mu.Lock()
+	s.cancels[uint64(hj.PID)] = cancelTarget{secret: secret, addr: addr, network: addr.Network(), pid: hj.PID, upKey: hj.SecretKey}
+	s.mu.Unlock()
+	return secret
 }
 
+// dropCancelKey forgets sess's cancel key, unless a newer session with a
+// reused PID has replaced it.
 func (s *Server) dropCancelKey(sess *Session) {
 	s.mu.Lock()
-	delete(s.cancels, uint64(sess.cancelPID))
+	if t, ok := s.cancels[uint64(sess.cancelPID)]; ok && t.secret == sess.cancelSecret {
+		delete(s.cancels, uint64(sess.cancelPID))
+	}
 	s.mu.Unlock()
 }
 

@@ -40,7 +40,8 @@ type Session struct {
 	// (ParameterStatus: client_encoding, server_encoding,
 	// standard_conforming_strings, ...).
 	ServerParams map[string]string
-	// BackendPID is the upstream backend's process id.
+	// BackendPID is the upstream backend's process id, which the client
+	// was given in BackendKeyData.
 	BackendPID uint32
 
 	client net.Conn
@@ -54,14 +55,29 @@ type Session struct {
 	q       queue
 	scratch []byte // reassembly buffer for large client messages (interceptor only)
 
+	// proof is what the client proved at login, presented upstream for
+	// its role (the replica connections are opened with it too).
+	proof *Proof
+	// oversized is set once the client side has answered a message over
+	// MaxMessageSize with a substitute: the server side then turns the
+	// substitute's error into the proxy's 54000 (oversizedError).
+	oversized atomic.Bool
+	// resume is where the server stream stood when the session left the
+	// event loop in the middle of a server message (leaveLoop).
+	resume struct {
+		left   int
+		status bool
+	}
+
 	txStatus atomic.Uint32 // last ReadyForQuery status: 'I', 'T' or 'E'
 	// pending counts requests in flight (a Query, FunctionCall or an
 	// extended batch up to its Sync) whose ReadyForQuery has not arrived.
 	// Shutdown may close a session only while it is zero and txStatus is
 	// 'I'; closedMark marks that it did.
-	pending   atomic.Int64
-	cancelPID uint32
-	inBatch   bool // client goroutine: extended messages sent since the last Sync
+	pending      atomic.Int64
+	cancelPID    uint32 // the upstream backend's PID
+	cancelSecret uint32 // the proxy's own secret given with it
+	inBatch      bool   // client goroutine: extended messages sent since the last Sync
 	// onLoop: the Handler's ClientMessage is running on the event loop,
 	// where it must not block (see LoopClient).
 	onLoop bool
@@ -282,7 +298,7 @@ func (s *Session) clientLoop() error {
 			}
 			continue
 		}
-		if s.h == nil {
+		if s.h == nil && total-headerLen <= s.cf.max {
 			// Pass-through: the hot path.
 			if !s.account(typ) {
 				return errShutdown
@@ -299,7 +315,7 @@ func (s *Session) clientLoop() error {
 			} else if err := s.cf.stream(s.sw, total); err != nil {
 				return fmt.Errorf("client: %w", err)
 			}
-		} else if err := s.interceptClient(total, size); err != nil {
+		} else if err := s.clientMessage(typ, total, size); err != nil {
 			return err
 		}
 		s.releaseMessage(true)
@@ -310,14 +326,31 @@ func (s *Session) clientLoop() error {
 	}
 }
 
+// clientMessage handles a client message other than a pass-through one
+// within the limit: one over MaxMessageSize, a CopyData to stream in
+// pieces, or a message for the Handler.
+func (s *Session) clientMessage(typ byte, total, size int) error {
+	switch {
+	case total-headerLen > s.cf.max:
+		return s.oversize(typ, total)
+	case typ == 'd' && total > size:
+		return s.copyPieces(total, size)
+	}
+	return s.interceptClient(total, size)
+}
+
 // nextClient reads the header of the client's next message and checks
 // its type. errWouldBlock (the event loop's reader has nothing more) is
-// returned as is.
+// returned as is. A message over MaxMessageSize is returned (its caller
+// answers it, see oversize) when it is one of the types PostgreSQL answers
+// with an error and goes on; another one is a protocol error.
 func (s *Session) nextClient() (typ byte, total int, err error) {
 	typ, total, err = s.cf.next()
 	switch {
 	case err == errWouldBlock:
 		return 0, 0, err
+	case errors.Is(err, ErrMessageTooLarge) && answerable(typ):
+		return typ, total, nil
 	case err != nil:
 		return 0, 0, fmt.Errorf("client: %w", err)
 	case !frontendTypes[typ]:
@@ -326,21 +359,51 @@ func (s *Session) nextClient() (typ byte, total int, err error) {
 	return typ, total, nil
 }
 
+// interceptClient gives the client's next message, of total bytes, to the
+// Handler: whole, read into scratch when it is larger than the buffer,
+// which the memory budget must allow first (heldCost).
 func (s *Session) interceptClient(total, size int) error {
 	var msg []byte
 	var err error
 	if total <= size {
 		msg, err = s.cf.whole(total)
 	} else {
+		cost := heldCost(total - headerLen)
+		if !s.srv.mem.take(cost) {
+			// Read and drop the message, so that the client, done
+			// sending, reads why its session ends.
+			if err := s.cf.stream(io.Discard, total); err != nil {
+				return fmt.Errorf("client: %w", err)
+			}
+			return s.srv.overBudget(total)
+		}
+		defer s.srv.mem.give(cost)
+		if cap(s.scratch) < total {
+			s.scratch = make([]byte, 0, total) // one allocation of the size taken
+		}
 		s.scratch, err = s.cf.readInto(s.scratch[:0], total)
 		msg = s.scratch
 	}
 	if err != nil {
 		return fmt.Errorf("client: %w", err)
 	}
+	if err := s.deliver(msg); err != nil {
+		return err // the message stays unconsumed (ErrWait: handled again)
+	}
+	if total <= size {
+		s.cf.discard(total)
+	} else if cap(s.scratch) > 4*size {
+		s.scratch = nil // do not pin a large buffer
+	}
+	return nil
+}
+
+// deliver passes a whole client message to the Handler and forwards it
+// if the Handler says so.
+func (s *Session) deliver(msg []byte) error {
 	v, err := s.h.ClientMessage(s, msg)
 	if err != nil {
-		return err // the message stays unconsumed (ErrWait: handled again)
+		return err
 	}
 	if v == Forward {
 		if !s.account(msg[0]) {
@@ -353,10 +416,39 @@ func (s *Session) interceptClient(total, size int) error {
 			return fmt.Errorf("server: %w", err)
 		}
 	}
-	if total <= size {
-		s.cf.discard(total)
-	} else if cap(s.scratch) > 4*size {
-		s.scratch = nil // do not pin a large buffer
+	return nil
+}
+
+// copyPieces streams a CopyData larger than the buffer: it is passed on
+// (and to the Handler) as CopyData messages of at most the buffer's size,
+// so COPY data is never held whole. PostgreSQL reads COPY data as one
+// stream, whatever its message boundaries, and so does the gate's digest.
+func (s *Session) copyPieces(total, size int) error {
+	if cap(s.scratch) < size {
+		s.scratch = make([]byte, 0, size)
+	}
+	s.cf.discard(headerLen) // next has read it
+	for left := total - headerLen; left > 0; {
+		n := s.cf.r.Buffered()
+		if n == 0 {
+			if _, err := s.cf.fill(1); err != nil {
+				return fmt.Errorf("client: %w", err)
+			}
+			n = s.cf.r.Buffered()
+		}
+		n = min(n, left, size-headerLen)
+		b, _ := s.cf.r.Peek(n)
+		piece := append(s.scratch[:headerLen], b...)
+		putHeader(piece, 'd', n)
+		s.cf.discard(n)
+		left -= n
+		if s.h == nil {
+			if _, err := s.sw.Write(piece); err != nil {
+				return fmt.Errorf("server: %w", err)
+			}
+		} else if err := s.deliver(piece); err != nil {
+			return err
+		}
 	}
 	return nil
 }
@@ -364,11 +456,42 @@ func (s *Session) interceptClient(total, size int) error {
 // serverLoop forwards server messages to the client, watching
 // ReadyForQuery for the transaction status.
 func (s *Session) serverLoop() error {
+	if err := s.resumeServer(); err != nil {
+		return err
+	}
 	for {
 		if err := s.serverMessage(nil); err != nil {
 			return err
 		}
 	}
+}
+
+// resumeServer passes on the rest of the server message the event loop
+// was in the middle of when the session left it (leaveLoop), so that the
+// server loop starts at a message boundary.
+func (s *Session) resumeServer() error {
+	left, status := s.resume.left, s.resume.status
+	s.resume.left, s.resume.status = 0, false
+	if left == 0 {
+		return nil
+	}
+	if status { // the body of a ReadyForQuery: its status byte
+		b, err := s.sf.fill(1)
+		if err != nil {
+			return fmt.Errorf("server: %w", err)
+		}
+		s.txStatus.Store(uint32(b[0]))
+		if _, err := s.cw.Write(b[:1]); err != nil {
+			return fmt.Errorf("client: %w", err)
+		}
+		s.sf.discard(1)
+		s.pending.Add(-1)
+		return nil
+	}
+	if err := s.sf.stream(s.cw, left); err != nil {
+		return fmt.Errorf("server: %w", err)
+	}
+	return nil
 }
 
 // serverMessage forwards one server message to the client (through the
@@ -424,6 +547,9 @@ func (s *Session) serverMessage(big *bigMessage) error {
 			return err
 		}
 		return fmt.Errorf("server: %w", err)
+	}
+	if typ == 'E' && s.oversized.Load() {
+		msg = s.srv.oversizedError(msg)
 	}
 	fwd := true
 	if s.h != nil {

@@ -12,6 +12,7 @@ func primaryOnlyFuncs(name string) bool {
 		"txid_current", "txid_current_if_assigned",
 		"pg_current_xact_id", "pg_current_xact_id_if_assigned",
 		"pg_notify", "set_config",
+		"pg_backend_pid", // the session's backend is the primary's: BackendKeyData says so
 		"pg_current_wal_lsn", "pg_current_wal_insert_lsn", "pg_current_wal_flush_lsn",
 		"pg_switch_wal", "pg_create_restore_point",
 		"lo_create", "lo_creat", "lo_import", "lo_unlink", "lo_put", "lo_from_bytea", "lo_open", "lo_truncate", "lo_truncate64", "lowrite":

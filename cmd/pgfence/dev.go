@@ -134,7 +134,9 @@ func runDev(ctx context.Context, out io.Writer, replica bool, listen string, log
 	if err != nil {
 		return err
 	}
-	srv, err := proxy.New(proxy.Config{Primary: c.Primary.DSN("postgres"), Interceptor: gate,
+	// Clients: trust, on loopback only (Serve refuses it elsewhere): a
+	// throwaway cluster whose roles have no passwords.
+	srv, err := proxy.New(proxy.Config{Primary: c.Primary.DSN("postgres"), Auth: proxy.AuthTrust, Interceptor: gate,
 		AdminUsers: []string{"postgres"}, ConsoleUsers: map[string]string{"postgres": verifier}}, log)
 	if err != nil {
 		return err

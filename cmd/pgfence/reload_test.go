@@ -47,6 +47,7 @@ func TestReloadOnSIGHUP(t *testing.T) {
 		if err := os.WriteFile(file, []byte(fmt.Sprintf(`
 listen = %q
 primary = %q
+auth = "trust"
 metrics_listen = %q
 max_clients = %d
 admin_users = [%s]

@@ -33,8 +33,11 @@ type serveConfig struct {
 	TLSKey            string            `toml:"tls_key"`
 	Auth              string            `toml:"auth"`
 	AuthFile          string            `toml:"auth_file"`
+	AuthQuery         string            `toml:"auth_query"`
+	AllowRemoteTrust  bool              `toml:"allow_remote_trust"`
 	MaxClients        int               `toml:"max_clients"`
 	MaxMessageSize    string            `toml:"max_message_size"`
+	MemoryBudget      string            `toml:"memory_budget"`
 	ShutdownTimeout   string            `toml:"shutdown_timeout"`
 	GateIdleTimeout   string            `toml:"gate_idle_timeout"`
 	UpstreamPasswords map[string]string `toml:"upstream_passwords"`
@@ -112,10 +115,13 @@ user to the password presented upstream for it. See docs/configuration.md.`,
 	addReplicaFlags(f) // serve_replicas.go
 	f.String("tls-cert", "", "PEM certificate offered to clients that ask for TLS (PGFENCE_TLS_CERT)")
 	f.String("tls-key", "", "PEM private key for --tls-cert (PGFENCE_TLS_KEY)")
-	f.String("auth", "", "client authentication: trust or scram (PGFENCE_AUTH; default trust)")
+	f.String("auth", "", "client authentication: postgres (the role's password stored in PostgreSQL), scram (a users file) or trust (PGFENCE_AUTH; default postgres)")
 	f.String("auth-file", "", `users file of "user" "SCRAM-SHA-256$..." lines, see pgfence passwd (PGFENCE_AUTH_FILE)`)
+	f.String("auth-query", "", "query returning (user, password verifier) for $1, for auth postgres; see docs/proxy.md (PGFENCE_AUTH_QUERY; default reads pg_shadow)")
+	f.Bool("allow-remote-trust", false, "let auth trust serve a non-loopback listen address: anyone who reaches it connects as any user (PGFENCE_ALLOW_REMOTE_TRUST)")
 	f.Int("max-clients", 0, fmt.Sprintf("maximum concurrent clients (PGFENCE_MAX_CLIENTS; default %d)", proxy.DefaultMaxClients))
 	f.String("max-message-size", "", "largest client message, e.g. 64MiB (PGFENCE_MAX_MESSAGE_SIZE; default 64MiB)")
+	f.String("memory-budget", "", "memory all sessions may spend on client messages held whole, e.g. 256MiB (PGFENCE_MEMORY_BUDGET; default 256MiB)")
 	f.Bool("no-gate", false, "turn the write gate off: a plain pass-through proxy, protected tables guarded by their backstop trigger only (PGFENCE_NO_GATE)")
 	f.Bool("no-event-loop", false, "relay every session with goroutines instead of the event loop thread; see docs/proxy.md (PGFENCE_NO_EVENT_LOOP)")
 	f.String("shutdown-timeout", "", "how long open transactions may run after SIGTERM (PGFENCE_SHUTDOWN_TIMEOUT; default 30s)")
@@ -172,7 +178,9 @@ func loadServeConfig(cmd *cobra.Command) (serveConfig, error) {
 	str("tls-key", &cfg.TLSKey)
 	str("auth", &cfg.Auth)
 	str("auth-file", &cfg.AuthFile)
+	str("auth-query", &cfg.AuthQuery)
 	str("max-message-size", &cfg.MaxMessageSize)
+	str("memory-budget", &cfg.MemoryBudget)
 	str("shutdown-timeout", &cfg.ShutdownTimeout)
 	str("gate-idle-timeout", &cfg.GateIdleTimeout)
 	if v, ok := os.LookupEnv("PGFENCE_REPLICA"); ok {
@@ -195,7 +203,7 @@ func loadServeConfig(cmd *cobra.Command) (serveConfig, error) {
 		cfg.MaxClients, _ = cmd.Flags().GetInt("max-clients")
 		cfg.from("max_clients", "flag")
 	}
-	for key, dst := range map[string]*bool{"no-gate": &cfg.NoGate, "no-event-loop": &cfg.NoEventLoop} {
+	for key, dst := range map[string]*bool{"no-gate": &cfg.NoGate, "no-event-loop": &cfg.NoEventLoop, "allow-remote-trust": &cfg.AllowRemoteTrust} {
 		env := "PGFENCE_" + strings.ToUpper(strings.ReplaceAll(key, "-", "_"))
 		if v, ok := os.LookupEnv(env); ok {
 			b, err := strconv.ParseBool(v)
@@ -287,6 +295,8 @@ func (c serveConfig) proxyConfig() (proxy.Config, error) {
 		AdminUsers:        c.AdminUsers,
 		StatsUsers:        c.StatsUsers,
 		DisableEventLoop:  c.NoEventLoop,
+		AuthQuery:         c.AuthQuery,
+		AllowRemoteTrust:  c.AllowRemoteTrust,
 	}
 	if c.ConsoleAuthFile != "" {
 		users, err := proxy.LoadUsers(c.ConsoleAuthFile)
@@ -299,7 +309,9 @@ func (c serveConfig) proxyConfig() (proxy.Config, error) {
 		return pc, err
 	}
 	switch strings.ToLower(c.Auth) {
-	case "", "trust":
+	case "", "postgres":
+		pc.Auth = proxy.AuthPostgres
+	case "trust":
 		pc.Auth = proxy.AuthTrust
 	case "scram", "scram-sha-256":
 		pc.Auth = proxy.AuthSCRAM
@@ -312,7 +324,7 @@ func (c serveConfig) proxyConfig() (proxy.Config, error) {
 		}
 		pc.Users = users
 	default:
-		return pc, fmt.Errorf("unknown --auth %q: want trust or scram", c.Auth)
+		return pc, fmt.Errorf("unknown --auth %q: want postgres, scram or trust", c.Auth)
 	}
 	if (c.TLSCert == "") != (c.TLSKey == "") {
 		return pc, errors.New("--tls-cert and --tls-key go together")
@@ -331,6 +343,13 @@ func (c serveConfig) proxyConfig() (proxy.Config, error) {
 		}
 		pc.MaxMessageSize = n
 	}
+	if c.MemoryBudget != "" {
+		n, err := parseSizeUpTo(c.MemoryBudget, 1<<40)
+		if err != nil {
+			return pc, fmt.Errorf("memory budget: %w", err)
+		}
+		pc.MemoryBudget = n
+	}
 	if c.ShutdownTimeout != "" {
 		d, err := parseDuration(c.ShutdownTimeout)
 		if err != nil {
@@ -343,7 +362,11 @@ func (c serveConfig) proxyConfig() (proxy.Config, error) {
 
 // parseSize reads 1048576, 64kB, 64KiB, 64MB, 64MiB, 1GB (binary units, as
 // PostgreSQL's memory settings).
-func parseSize(s string) (int, error) {
+func parseSize(s string) (int, error) { return parseSizeUpTo(s, 1<<30) }
+
+// parseSizeUpTo is parseSize with another upper bound (the memory budget
+// may exceed 1GiB).
+func parseSizeUpTo(s string, limit int) (int, error) {
 	s = strings.TrimSpace(s)
 	mult := 1
 	for _, u := range []struct {
@@ -356,8 +379,8 @@ func parseSize(s string) (int, error) {
 		}
 	}
 	n, err := strconv.Atoi(s)
-	if err != nil || n <= 0 || n > (1<<30)/mult {
-		return 0, fmt.Errorf("invalid size %q (want e.g. 64MiB, at most 1GiB)", s)
+	if err != nil || n <= 0 || n > limit/mult {
+		return 0, fmt.Errorf("invalid size %q (want e.g. 64MiB, at most %dMiB)", s, limit>>20)
 	}
 	return n * mult, nil
 }

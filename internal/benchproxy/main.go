@@ -130,6 +130,7 @@ func run(dur time.Duration, scale, rounds int, only *regexp.Regexp, goroutines, 
 	// the way PgBouncer and the floor relay run.
 	start := func(cfg proxy.Config) (int, func() time.Duration, error) {
 		cfg.Primary = c.Primary.DSN("postgres")
+		cfg.Auth = proxy.AuthTrust // the throwaway cluster's roles have no passwords
 		cfg.DisableEventLoop = cfg.DisableEventLoop || goroutines
 		if bin != "" {
 			args := []string{}

@@ -19,7 +19,7 @@ func startServe(bin, primary string, args ...string) (int, int, func(), error) {
 		return 0, 0, nil, err
 	}
 	cmd := exec.Command(bin, append([]string{"serve", "--listen", "127.0.0.1:" + strconv.Itoa(port),
-		"--primary", primary, "--log-level", "error"}, args...)...)
+		"--primary", primary, "--auth", "trust", "--log-level", "error"}, args...)...)
 	cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	if err := cmd.Start(); err != nil {

@@ -85,7 +85,7 @@ func run(dur time.Duration, scale, rounds int, protected bool) error {
 		if err != nil {
 			return 0, nil, nil, err
 		}
-		srv, err := proxy.New(proxy.Config{Primary: c.Primary.DSN("postgres"), Replicas: []string{c.Replica.DSN("postgres")},
+		srv, err := proxy.New(proxy.Config{Primary: c.Primary.DSN("postgres"), Auth: proxy.AuthTrust, Replicas: []string{c.Replica.DSN("postgres")},
 			NoReplicaReads: noReads, Interceptor: gate}, log)
 		if err != nil {
 			return 0, nil, nil, err

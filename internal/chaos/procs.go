@@ -47,7 +47,7 @@ func newProxyProc(name, bin, primary, replica, db, logPath string) (*proxyProc, 
 	}
 	return &proxyProc{
 		name: name, bin: bin, addr: addr, logPath: logPath, db: db,
-		args: []string{"serve", "--listen", addr, "--primary", primary, "--replica", replica,
+		args: []string{"serve", "--listen", addr, "--primary", primary, "--replica", replica, "--auth", "trust",
 			"--replica-poll", "20ms", "--log-level", "warn"},
 	}, nil
 }

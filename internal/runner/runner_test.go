@@ -655,7 +655,7 @@ func startGatedProxy(t *testing.T) (net.Addr, *proxy.Fence) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	srv, err := proxy.New(proxy.Config{Primary: cluster.Primary.DSN("postgres"), Interceptor: gate}, log.Named("proxy"))
+	srv, err := proxy.New(proxy.Config{Primary: cluster.Primary.DSN("postgres"), Auth: proxy.AuthTrust, Interceptor: gate}, log.Named("proxy"))
 	if err != nil {
 		gate.Close()
 		t.Fatal(err)
