@@ -10,9 +10,11 @@
 --    replay guard fails its COMMIT whatever it wrote).
 --
 -- 2. fence.replica_reached(job_key, epoch, token): has this server (a
---    replica, for read routing) replayed the generation? It reveals no
---    more than fence.has_generation: true only for the caller's own
---    tokens (or an administrator's).
+--    replica, for read routing) replayed the generation? Any role may ask
+--    it about any token (a reader is often not the role that acquired
+--    the generation it depends on). That tells how far a job's tokens
+--    have gone, which no longer gives any power: a generation is usable
+--    only by the role that acquired it (006).
 --
 -- 3. The event trigger pgfence_catalog_changed notifies pgfence_protected
 --    on every DDL command, enabled ALWAYS, so the proxy knows its list of
@@ -80,10 +82,10 @@ stable
 security definer
 set search_path = pg_catalog, fence
 as $$
-  select fence.has_generation(replica_reached.job_key, replica_reached.token)
-     and (replica_reached.epoch is null
-          or exists (select 1 from fence.fences f
-                      where f.job_key = replica_reached.job_key and f.epoch >= replica_reached.epoch))
+  select exists (select 1 from fence.fences f
+                  where f.job_key = replica_reached.job_key
+                    and f.max_issued_token >= replica_reached.token
+                    and (replica_reached.epoch is null or f.epoch >= replica_reached.epoch))
 $$;
 revoke all on function fence.replica_reached(text, bigint, bigint) from public;
 grant execute on function fence.replica_reached(text, bigint, bigint) to public;

@@ -190,13 +190,26 @@ func TestConsoleShow(t *testing.T) {
 
 	t.Run("servers", func(t *testing.T) {
 		var jbServer map[string]string
+		var realPID string
+		if err := w.wb.QueryRow(ctxT(t), "SELECT pg_backend_pid()::text").Scan(&realPID); err != nil {
+			t.Fatal(err)
+		}
+		seen := false
 		for _, r := range table(t, adm, "SHOW SERVERS") {
+			// The client was told the backend's real PID (issue 19 §4):
+			// SHOW SERVERS shows that backend under it.
 			if r["database"] == e.db && r["remote_pid"] == strconv.FormatUint(uint64(w.wb.PgConn().PID()), 10) {
-				t.Errorf("SHOW SERVERS shows the client's (proxy's) pid %s as the backend's", r["remote_pid"])
+				seen = true
+				if r["remote_pid"] != realPID {
+					t.Errorf("SHOW SERVERS remote_pid %s, the backend says %s", r["remote_pid"], realPID)
+				}
 			}
 			if r["tx_state"] == "in transaction" {
 				jbServer = r
 			}
+		}
+		if !seen {
+			t.Errorf("SHOW SERVERS has no row for the backend pid %d the client was given", w.wb.PgConn().PID())
 		}
 		if jbServer == nil || jbServer["type"] != "S" || jbServer["addr"]+":"+jbServer["port"] != cluster.Primary.Addr() || jbServer["state"] != "active" ||
 			jbServer["close_needed"] != "0" || jbServer["remote_pid"] == "0" {

@@ -256,6 +256,10 @@ func receiveAuth(be *pgproto3.Backend, authType uint32) (pgproto3.FrontendMessag
 		return nil, &ProtocolError{Code: "08P01", Msg: fmt.Sprintf("authentication message of %d bytes is over the limit of %d bytes before authentication", tooBig.ActualBodyLen, tooBig.MaxExpectedBodyLen)}
 	case err != nil && strings.HasPrefix(err.Error(), "unknown message type"):
 		return nil, &ProtocolError{Code: "08P01", Msg: "expected password response: " + err.Error()}
+	case err != nil && !isConnError(err):
+		// A message that arrived whole but does not decode (an empty
+		// SASLInitialResponse, say): malformed, as PostgreSQL says.
+		return nil, &ProtocolError{Code: "08P01", Msg: "malformed authentication response: " + err.Error()}
 	case err != nil:
 		return nil, err
 	}
@@ -894,4 +898,11 @@ func scramKeys(password string, salt []byte, iters int) (clientKey, serverKey []
 		return nil, nil, fmt.Errorf("derive SCRAM keys: %w", err)
 	}
 	return hmacSHA256(salted, "Client Key"), hmacSHA256(salted, "Server Key"), nil
+}
+
+// isConnError reports whether err is the connection's (closed, reset,
+// timed out) rather than a message's.
+func isConnError(err error) bool {
+	var ne net.Error
+	return errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, net.ErrClosed) || errors.As(err, &ne)
 }

@@ -301,6 +301,15 @@ func TestReadRoutingReplicaReached(t *testing.T) {
 		t.Cleanup(func() { c.Close(context.Background()) })
 		return c
 	}
+	// The migrated fence.replica_reached, out of the way for the first
+	// part.
+	if _, err := direct.Exec(ctx, `ALTER FUNCTION fence.replica_reached(text, bigint, bigint) RENAME TO replica_reached_off;
+		SELECT pg_notify('pgfence_protected', 'replica_reached')`); err != nil {
+		t.Fatal(err)
+	}
+	if err := pgtest.Poll(ctx, func() (bool, error) { return !cat.reached.Load(), nil }); err != nil {
+		t.Fatal(err)
+	}
 	resumeAndCatchUp(t)
 	stats := e.proxy.srv.RouteStats()
 
@@ -315,10 +324,7 @@ func TestReadRoutingReplicaReached(t *testing.T) {
 	}
 
 	// With it (and the proxy told of it): the replica answers.
-	if _, err := direct.Exec(ctx, `CREATE FUNCTION fence.replica_reached(job_key text, epoch bigint, token bigint) RETURNS boolean
-		LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog
-		AS 'SELECT EXISTS (SELECT FROM fence.fences f WHERE f.job_key = $1 AND f.max_issued_token >= $3)';
-		GRANT EXECUTE ON FUNCTION fence.replica_reached(text, bigint, bigint) TO pgfence_worker;
+	if _, err := direct.Exec(ctx, `ALTER FUNCTION fence.replica_reached_off(text, bigint, bigint) RENAME TO replica_reached;
 		SELECT pg_notify('pgfence_protected', 'replica_reached')`); err != nil {
 		t.Fatal(err)
 	}

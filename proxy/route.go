@@ -342,13 +342,18 @@ func (h *fenceSession) require(stmts []*rewrite.Stmt, kind readKind) (req requir
 	// A read-only transaction may read anything later; a read of no
 	// relation reads no protected data, whatever the catalog says.
 	protected = kind == roTx
+	relations := false
 	for _, st := range stmts {
 		for _, rel := range st.ReadRelations {
+			relations = true
 			if protected {
 				break
 			}
 			protected = gen && !known || minText != "" || rd.exposes(rel)
 		}
+	}
+	if !protected && !relations {
+		return req, false, 0 // no catalog to agree on
 	}
 	if !protected {
 		return req, false, rd.position()

@@ -64,7 +64,22 @@ func startRouteProxy(t *testing.T, db string) (*testProxy, *Fence) {
 		ReplicaPoll: 10 * time.Millisecond, ReplicaMaxLag: time.Minute})
 	connect(t, p.dsn(db))
 	waitHealthy(t, p)
+	waitCatalogReplayed(t, p, gate, db)
 	return p, gate
+}
+
+// waitCatalogReplayed waits until the replica has replayed the position
+// of the catalog the gate loaded for db: before it, even a read of an
+// unprotected table goes to the primary (the replica's catalog could be
+// older than the one the gate judged it by).
+func waitCatalogReplayed(t *testing.T, p *testProxy, g *Fence, db string) {
+	t.Helper()
+	c := catalogOf(t, g, db)
+	if err := pgtest.Poll(ctxT(t), func() (bool, error) {
+		return LSN(p.srv.rs.list[0].replay.Load()) >= c.reads.Load().position(), nil
+	}); err != nil {
+		t.Fatalf("the replica never replayed the catalog's position: %v", err)
+	}
 }
 
 func waitHealthy(t *testing.T, p *testProxy) {

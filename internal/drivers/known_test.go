@@ -29,10 +29,4 @@ var variantOrder = []string{
 //
 // A key is "variant/check", or "*/check" for every variant of every
 // driver (then each variant's pass is reported).
-var knownProxyFailures = map[string]string{
-	// BackendKeyData carries a random PID the proxy draws for its cancel
-	// key (proxy/server.go, addCancelKey), not the upstream backend's:
-	// pg_backend_pid(), pg_stat_activity and the PID of a
-	// self-notification disagree with what the driver was told.
-	"*/backend_pid": "the backend PID is the proxy's, issue 19 §4",
-}
+var knownProxyFailures = map[string]string{}

@@ -43,31 +43,7 @@ END $$;
 // knownProxyFailures, each is either a proxy bug (with the part of issue
 // 19 that fixes it) or a server-only feature the proxy refuses by design;
 // a listed test that passes fails the suite.
-var knownPgxSuiteFailures = map[string]string{
-	// pg_terminate_backend(conn.PgConn().PID()) terminates nothing: the
-	// PID in BackendKeyData is the proxy's (see knownProxyFailures'
-	// backend_pid), so the connection the test expects dead lives on.
-	"github.com/jackc/pgx/v5 TestFatalRxError":                       pgxBackendPID,
-	"github.com/jackc/pgx/v5 TestFatalTxError":                       pgxBackendPID,
-	"github.com/jackc/pgx/v5/pgconn TestConnCheckConn":               pgxBackendPID,
-	"github.com/jackc/pgx/v5/pgconn TestConnPing":                    pgxBackendPID,
-	"github.com/jackc/pgx/v5/pgxpool TestPoolAcquireChecksIdleConns": pgxBackendPID,
-	"github.com/jackc/pgx/v5/stdlib TestCheckIdleConn":               pgxBackendPID,
-
-	// pgx's simple protocol sends "selct $1;" with its argument inlined as
-	// a string literal: the session panics (knownProxyFailures'
-	// syntax_error), the client gets "conn closed", which pgconn calls
-	// safe to retry.
-	"github.com/jackc/pgx/v5 TestExecFailureWithArguments":                                          pgxSyntaxPanic,
-	"github.com/jackc/pgx/v5 TestExecFailureWithArguments/simple_protocol":                          pgxSyntaxPanic,
-	"github.com/jackc/pgx/v5 TestExecContextFailureWithoutCancelationWithArguments":                 pgxSyntaxPanic,
-	"github.com/jackc/pgx/v5 TestExecContextFailureWithoutCancelationWithArguments/simple_protocol": pgxSyntaxPanic,
-}
-
-const (
-	pgxBackendPID  = "pg_terminate_backend of the driver's PID: the PID is the proxy's, issue 19 §4"
-	pgxSyntaxPanic = "a syntax error with one string literal in a simple Query panics the session (rewrite/cache.go:129), the write gate's classifier"
-)
+var knownPgxSuiteFailures = map[string]string{}
 
 // tempPath is a temporary directory in a test's name (pgconn's
 // TestParseConfigSSLCertMode names subtests after their service file),
