@@ -373,6 +373,11 @@ type console struct {
 	// end a waiting PAUSE or WAIT_CLOSE.
 	cancel      chan struct{}
 	pid, secret uint32
+	// conn and busy let Shutdown close an idle console at once but let
+	// a console answering a command (a PAUSE that the shutdown ends with
+	// 57P01) send its answer first.
+	conn net.Conn
+	busy atomic.Bool
 }
 
 // serveAdmin runs an admin console session: its own authentication
@@ -386,7 +391,7 @@ func (s *Server) serveAdmin(c net.Conn, st *startup, log *zap.Logger) {
 	}
 	s.ops.stats.AdminSessions.Add(1)
 	con := &console{user: user, role: role, log: log.Named("admin").With(zap.Stringer("role", role)), cancel: make(chan struct{}, 1),
-		id: s.ops.nextID.Add(1), addr: c.RemoteAddr(), self: c.LocalAddr(), since: time.Now(), app: st.params["application_name"], tls: tlsInfo(c)}
+		id: s.ops.nextID.Add(1), addr: c.RemoteAddr(), self: c.LocalAddr(), since: time.Now(), app: st.params["application_name"], tls: tlsInfo(c), conn: c}
 	s.addConsole(con)
 	defer s.dropConsole(con)
 	con.log.Info("admin session open")
@@ -487,6 +492,7 @@ func (s *Server) adminLoop(c net.Conn, con *console) error {
 			case <-con.cancel: // a cancel that came between commands
 			default:
 			}
+			con.busy.Store(true)
 			out, after = s.adminQuery(out, m.String, con)
 			out = encode(out, &pgproto3.ReadyForQuery{TxStatus: 'I'})
 		case *pgproto3.Sync:
@@ -506,14 +512,30 @@ func (s *Server) adminLoop(c net.Conn, con *console) error {
 			// CopyData and the like: nothing to answer.
 		}
 		if len(out) > 0 {
-			if _, err := c.Write(out); err != nil {
+			_, err := c.Write(out)
+			con.busy.Store(false)
+			if err != nil {
 				return err
 			}
 		}
+		con.busy.Store(false)
 		if after != nil {
 			after()
 		}
 	}
+}
+
+// consoleBusy reports whether c is an admin console in the middle of a
+// command.
+func (s *Server) consoleBusy(c net.Conn) bool {
+	s.ops.consolesMu.Lock()
+	defer s.ops.consolesMu.Unlock()
+	for _, con := range s.ops.consoles {
+		if con.conn == c {
+			return con.busy.Load()
+		}
+	}
+	return false
 }
 
 func adminError(code, msg, hint string) *pgproto3.ErrorResponse {

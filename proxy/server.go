@@ -208,7 +208,11 @@ func (s *Server) Shutdown(ctx context.Context) error {
 		n := 0
 		for c, sess := range s.conns {
 			switch {
-			case sess == nil: // still in startup: nothing to lose
+			case sess == nil && s.consoleBusy(c):
+				// An admin console answering: its waits end with the
+				// shutdown (57P01), then it is closed below.
+				n++
+			case sess == nil: // still in startup or an idle console: nothing to lose
 				c.Close()
 			case sess.tryCloseIdle():
 				// Ending the upstream ends the session, which then tells
@@ -497,14 +501,19 @@ func (s *Server) open(raw, c net.Conn, st *startup, proof *Proof, log *zap.Logge
 		}
 		sess.h = h
 	}
-	if !s.track(raw, sess) {
+	abandon := func() { // the session never runs: undo what Open did
 		s.dropCancelKey(sess)
+		if sess.h != nil {
+			sess.h.Close(sess)
+		}
 		hj.Conn.Close()
+	}
+	if !s.track(raw, sess) {
+		abandon()
 		return nil, &ProtocolError{Code: "57P01", Msg: "terminating connection: pgfence is shutting down"}
 	}
 	if _, err := c.Write(out); err != nil {
-		s.dropCancelKey(sess)
-		hj.Conn.Close()
+		abandon()
 		return nil, fmt.Errorf("client: %w", err)
 	}
 	c.SetDeadline(time.Time{})
