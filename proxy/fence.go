@@ -105,6 +105,12 @@ func (f *Fence) Open(s *Session) (Handler, error) {
 		s.Logger().Warn("cannot load protected tables; refusing the session", zap.Error(err))
 		return nil, &ProtocolError{Code: "58000", Msg: fmt.Sprintf("pgfence: cannot read the protected tables of database %q; try again shortly", s.Database), Err: err}
 	}
+	if !cat.schema.Load() {
+		// Said once per database, at its first session: its unfenced work
+		// passes, its fenced work is refused with FN014 (setupError).
+		f.warnOnce("schema:"+s.Database, "database has no usable fence schema; nothing in it is protected and fenced clients are refused until `pgfence migrate` runs",
+			zap.String("database", s.Database))
+	}
 	st, err := session.New(s.Params)
 	if err != nil {
 		f.cats.release(cat)

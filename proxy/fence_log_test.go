@@ -153,6 +153,10 @@ func TestSetupErrors(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	// Warned at the first connect, before anything fenced ran.
+	if n := len(logs.FilterMessageSnippet("no usable fence schema").All()); n != 1 {
+		t.Errorf("warned %d times about the missing schema at the first connect, want once", n)
+	}
 	for i := 0; i < 2; i++ {
 		_, err = c.Exec(ctx, "SELECT * FROM fence.acquire('j', 'w', '1 minute')")
 		wantCode(t, err, fence.CodeNotInstalled)
