@@ -615,7 +615,7 @@ var pgxChecks = []pgxCheck{
 	}},
 	{"fence_commit", func(ctx context.Context, x *pgxEnv) (string, error) {
 		job, _, token, err := x.committedGeneration(ctx, "commit")
-		return "", first(err, x.wantRow(ctx, job, "p1", token), x.wantReceipts(ctx, job, x.receiptsIfProxy()))
+		return "", first(err, x.wantRow(ctx, job, "p1", token), x.wantReceiptKinds(ctx, job))
 	}},
 	{"fence_replay", func(ctx context.Context, x *pgxEnv) (string, error) {
 		if !x.proxy() {
@@ -717,7 +717,7 @@ var pgxChecks = []pgxCheck{
 
 // fencedWrite acquires a new generation of the check's job, runs write on
 // a connection carrying it, and checks that the result row holds payload
-// and that the proxy (only) left one receipt.
+// and that it left one receipt: the proxy's, or direct the backstop's.
 func (x *pgxEnv) fencedWrite(ctx context.Context, check, payload string, write func(c *pgx.Conn, job string, token int64) error) error {
 	job := x.jobKey(check)
 	epoch, token, err := x.acquire(ctx, job)
@@ -725,18 +725,20 @@ func (x *pgxEnv) fencedWrite(ctx context.Context, check, payload string, write f
 		return err
 	}
 	err = x.withConn(ctx, func(c *pgx.Conn) error { return write(c, job, token) }, fenceParams(job, epoch, token)...)
-	return first(err, x.wantRow(ctx, job, payload, token), x.wantReceipts(ctx, job, x.receiptsIfProxy()))
+	return first(err, x.wantRow(ctx, job, payload, token), x.wantReceiptKinds(ctx, job))
 }
 
 func fenceParams(job string, epoch, token int64) []string {
 	return []string{"fence.job_key", job, "fence.epoch", fmt.Sprint(epoch), "fence.token", fmt.Sprint(token)}
 }
 
-func (x *pgxEnv) receiptsIfProxy() int64 {
+// receiptKind is the digest version of the one receipt a fenced write
+// leaves: the proxy's own, or straight to PostgreSQL the backstop's.
+func (x *pgxEnv) receiptKind() string {
 	if x.proxy() {
-		return 1
+		return "v1"
 	}
-	return 0
+	return "backstop-v1"
 }
 
 func (x *pgxEnv) acquire(ctx context.Context, job string) (epoch, token int64, err error) {
@@ -785,6 +787,15 @@ func (x *pgxEnv) wantRow(ctx context.Context, job, payload string, token int64) 
 			return want(payload, "", "the row (none)")
 		}
 		return first(err, want(p+" "+fmt.Sprint(tk), payload+" "+fmt.Sprint(token), "the row"))
+	})
+}
+
+// wantReceiptKinds checks that job has exactly one receipt, of receiptKind.
+func (x *pgxEnv) wantReceiptKinds(ctx context.Context, job string) error {
+	return x.withObserver(ctx, func(obs *pgx.Conn) error {
+		var got string
+		err := obs.QueryRow(ctx, "SELECT coalesce(string_agg(digest_version, ',' ORDER BY token), '') FROM fence.receipts WHERE job_key = $1", job).Scan(&got)
+		return first(err, want(got, x.receiptKind(), "receipts (digest versions)"))
 	})
 }
 

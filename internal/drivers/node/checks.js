@@ -371,7 +371,7 @@ const checks = {
   async fence_commit() {
     const [job, , token] = await committedGeneration('commit')
     expectEq(await resultRow(job), { payload: 'p1', token }, 'the committed row')
-    expectEq(await receipts(job), PROXY ? 1 : 0, 'receipts')
+    expectEq(await receiptKinds(job), PROXY ? 'v1' : 'backstop-v1', 'receipts (digest versions)')
   },
 
   async fence_replay() {
@@ -419,7 +419,7 @@ const checks = {
     const [epoch, token] = await acquire(job)
     await withClients([fencedConfig(job, epoch, token)], (c) => c.query(UPSERT, [job, 'auto', token]))
     expectEq(await resultRow(job), { payload: 'auto', token }, 'the row')
-    expectEq(await receipts(job), PROXY ? 1 : 0, 'receipts')
+    expectEq(await receiptKinds(job), PROXY ? 'v1' : 'backstop-v1', 'receipts (digest versions)')
   },
 
   async fence_copy() {
@@ -428,7 +428,7 @@ const checks = {
     await withClients([fencedConfig(job, epoch, token)], (c) =>
       streamPipeline(Readable.from([`${job}\tcopied\t${token}\n`]), c.query(copyStreams.from('COPY results (job_key, payload, token) FROM STDIN'))))
     expectEq(await resultRow(job), { payload: 'copied', token }, 'the row')
-    expectEq(await receipts(job), PROXY ? 1 : 0, 'receipts')
+    expectEq(await receiptKinds(job), PROXY ? 'v1' : 'backstop-v1', 'receipts (digest versions)')
   },
 
   async fence_no_metadata() {
@@ -446,7 +446,7 @@ const checks = {
       await Promise.all(qs)
     })
     expectEq(await resultRow(job), { payload: 'piped', token }, 'the row')
-    expectEq(await receipts(job), PROXY ? 1 : 0, 'receipts')
+    expectEq(await receiptKinds(job), PROXY ? 'v1' : 'backstop-v1', 'receipts (digest versions)')
     return 'pipeline: true, BEGIN … COMMIT'
   },
 }
@@ -464,6 +464,13 @@ async function acquire(job, holder = 'h1') {
     const r = await obs.query("SELECT epoch::int, token::int FROM fence.acquire($1, $2, interval '5 minutes')", [job, holder])
     return [r.rows[0].epoch, r.rows[0].token]
   })
+}
+
+// receiptKinds: the digest versions of job's receipts: the proxy's v1, or
+// straight to PostgreSQL the backstop's backstop-v1.
+async function receiptKinds(job) {
+  return withClients([{ port: OBSERVER_PORT }], async (obs) =>
+    (await obs.query("SELECT coalesce(string_agg(digest_version, ',' ORDER BY token), '') AS k FROM fence.receipts WHERE job_key = $1", [job])).rows[0].k)
 }
 
 async function receipts(job) {

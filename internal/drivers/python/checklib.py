@@ -126,6 +126,11 @@ class Observer:
         self.one("SELECT fence.release(%s, %s)", (job, token))
         return self.one("SELECT token FROM fence.acquire(%s, 'h2', interval '5 minutes')", (job,))[0]
 
+    def receipt_kinds(self, job):
+        """The digest versions of job's receipts: the proxy's v1, or straight
+        to PostgreSQL the backstop's backstop-v1."""
+        return self.one("SELECT coalesce(string_agg(digest_version, ',' ORDER BY token), '') FROM fence.receipts WHERE job_key = %s", (job,))[0]
+
     def receipts(self, job):
         return self.one("SELECT count(*) FROM fence.receipts WHERE job_key = %s", (job,))[0]
 
