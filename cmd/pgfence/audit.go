@@ -1,11 +1,12 @@
 package main
 
 import (
-	"encoding/json"
+	"context"
 	"fmt"
 	"strings"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/spf13/cobra"
 
 	"github.com/pgfence/pgfence/audit"
@@ -13,9 +14,10 @@ import (
 
 func newAuditCmd() *cobra.Command {
 	var (
-		dsn, since, until string
-		results           []string
-		maxViolations     int
+		db            database
+		since, until  string
+		results       []string
+		maxViolations int
 	)
 	cmd := &cobra.Command{
 		Use:   "audit",
@@ -48,42 +50,19 @@ Exit status: 0 with no violation, 1 with violations; when the audit could not
 run, the codes of docs/cli.md (64 bad flags, 69 database unreachable, ...).`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
-			ctx := cmd.Context()
-			fail := func(err error) error { return usageError(err.Error()) }
-			opts := audit.Options{MaxViolations: maxViolations}
-			now := time.Now()
-			var err error
-			if opts.Since, err = parseAuditTime(since, now); err != nil {
-				return fail(fmt.Errorf("--since: %w", err))
+			opts, err := auditOptions(since, until, results, maxViolations)
+			if err != nil {
+				return usageError(err.Error())
 			}
-			if opts.Until, err = parseAuditTime(until, now); err != nil {
-				return fail(fmt.Errorf("--until: %w", err))
-			}
-			for _, r := range results {
-				t, err := parseResultTable(r)
-				if err != nil {
-					return fail(fmt.Errorf("--result: %w", err))
-				}
-				opts.Results = append(opts.Results, t)
-			}
-			conn, err := connectDatabase(ctx, cmd, dsn)
+			var rep *audit.Report
+			err = db.with(cmd, func(ctx context.Context, conn *pgx.Conn) (err error) {
+				rep, err = audit.Run(ctx, conn, opts)
+				return err
+			})
 			if err != nil {
 				return err
 			}
-			defer conn.Close(ctx)
-			rep, err := audit.Run(ctx, conn, opts)
-			if err != nil {
-				return err
-			}
-			out := cmd.OutOrStdout()
-			if jsonFlag(cmd) {
-				enc := json.NewEncoder(out)
-				enc.SetIndent("", "  ")
-				err = enc.Encode(rep)
-			} else {
-				err = rep.WriteText(out)
-			}
-			if err != nil {
+			if err := printResult(cmd, output{json: rep, indent: true, text: rep.WriteText}); err != nil {
 				return fmt.Errorf("write report: %w", err)
 			}
 			if !rep.OK() {
@@ -92,12 +71,33 @@ run, the codes of docs/cli.md (64 bad flags, 69 database unreachable, ...).`,
 			return nil
 		},
 	}
-	cmd.Flags().StringVar(&dsn, "database", "", databaseHelp)
+	db.addFlag(cmd.Flags())
 	cmd.Flags().StringVar(&since, "since", "", "audit history from this time on (RFC 3339, YYYY-MM-DD, or a duration ago such as 24h or 7d)")
 	cmd.Flags().StringVar(&until, "until", "", "audit history before this time (same forms as --since)")
 	cmd.Flags().StringArrayVar(&results, "result", nil, "TABLE:JOBCOL:TOKENCOL[:rows|every|upsert], a table whose rows carry their generation (repeatable)")
 	cmd.Flags().IntVar(&maxViolations, "max-violations", 100, "violations shown per check (the rest are counted)")
 	return cmd
+}
+
+// auditOptions are the audit's options from its flags.
+func auditOptions(since, until string, results []string, maxViolations int) (audit.Options, error) {
+	opts := audit.Options{MaxViolations: maxViolations}
+	now := time.Now()
+	var err error
+	if opts.Since, err = parseAuditTime(since, now); err != nil {
+		return opts, fmt.Errorf("--since: %w", err)
+	}
+	if opts.Until, err = parseAuditTime(until, now); err != nil {
+		return opts, fmt.Errorf("--until: %w", err)
+	}
+	for _, r := range results {
+		t, err := parseResultTable(r)
+		if err != nil {
+			return opts, fmt.Errorf("--result: %w", err)
+		}
+		opts.Results = append(opts.Results, t)
+	}
+	return opts, nil
 }
 
 // parseAuditTime reads an RFC 3339 time, a date, or a duration meaning

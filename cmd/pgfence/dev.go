@@ -147,12 +147,8 @@ func runDev(ctx context.Context, out io.Writer, replica bool, listen string, log
 	log.Info("listening", zap.String("addr", ln.Addr().String()), zap.String("auth", string(proxy.AuthTrust)), zap.Bool("tls", false))
 	env.Entry = fmt.Sprintf("postgres://postgres@127.0.0.1:%d/%s?sslmode=disable", port, devDatabase)
 	env.Console = fmt.Sprintf("postgres://postgres:%s@127.0.0.1:%d/%s?sslmode=disable", consolePW, port, proxy.AdminDatabase)
-	if asJSON {
-		err = printJSON(out, env)
-	} else {
-		err = devWalkthrough.Execute(out, env)
-	}
-	if err != nil {
+	walkthrough := func(w io.Writer) error { return devWalkthrough.Execute(w, env) }
+	if err := (output{json: env, text: walkthrough}).print(out, asJSON); err != nil {
 		return err
 	}
 	select {

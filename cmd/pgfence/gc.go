@@ -1,9 +1,10 @@
 package main
 
 import (
-	"fmt"
+	"context"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/spf13/cobra"
 
 	"github.com/pgfence/pgfence/fence"
@@ -11,7 +12,7 @@ import (
 
 func newGCCmd() *cobra.Command {
 	var (
-		dsn  string
+		db   database
 		keep time.Duration
 	)
 	cmd := &cobra.Command{
@@ -23,25 +24,16 @@ the pruned-through watermark: a later retry of a pruned generation gets FN006
 (cannot confirm), never a second commit. Fence and epoch rows are never
 deleted. --keep should exceed the retry window plus the longest message delay.`,
 		Args: cobra.NoArgs,
-		RunE: func(cmd *cobra.Command, args []string) error {
-			ctx := cmd.Context()
-			conn, err := connectDatabase(ctx, cmd, dsn)
-			if err != nil {
-				return err
-			}
-			defer conn.Close(ctx)
+		RunE: db.runE(func(ctx context.Context, conn *pgx.Conn, _ []string) (output, error) {
 			n, err := fence.GC(ctx, conn, keep)
 			if err != nil {
-				return err
+				return output{}, err
 			}
-			if jsonFlag(cmd) {
-				return printJSON(cmd.OutOrStdout(), map[string]any{"pruned": n, "keep_ms": keep.Milliseconds()})
-			}
-			fmt.Fprintf(cmd.OutOrStdout(), "pruned %d receipts older than %s\n", n, formatDuration(keep))
-			return nil
-		},
+			return output{json: map[string]any{"pruned": n, "keep_ms": keep.Milliseconds()},
+				text: textf("pruned %d receipts older than %s", n, formatDuration(keep))}, nil
+		}),
 	}
-	cmd.Flags().StringVar(&dsn, "database", "", databaseHelp)
+	db.addFlag(cmd.Flags())
 	cmd.Flags().Var(newDuration(&keep, 7*24*time.Hour), "keep", "keep receipts committed within this long, e.g. 7d, 720h")
 	return cmd
 }

@@ -6,10 +6,7 @@ import (
 	"fmt"
 	"io"
 	"os"
-	"regexp"
 	"strconv"
-	"strings"
-	"text/tabwriter"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -43,13 +40,13 @@ Exit codes (docs/cli.md has the whole table):
   78  the fence schema is not installed (run pgfence migrate)`
 
 func newLeaseCmd() *cobra.Command {
-	var dsn string
+	db := new(database)
 	cmd := groupCmd(&cobra.Command{
 		Use:   "lease",
 		Short: "Acquire, renew, release, retire and inspect job leases",
 		Long:  "Acquire, renew, release and retire job leases and their fencing tokens; list and show them.\n" + leaseOutput,
 	})
-	addDatabaseFlag(cmd, &dsn)
+	db.addFlag(cmd.PersistentFlags())
 
 	var job string
 	var token int64
@@ -62,50 +59,34 @@ func newLeaseCmd() *cobra.Command {
 		c.Flags().Int64Var(&token, "token", 0, "fencing token held (required)")
 		c.MarkFlagRequired("token")
 	}
-	ttlFlag := func(c *cobra.Command) {
-		c.Flags().Var(newDuration(&ttl, 30*time.Second), "ttl", "lease duration, e.g. 30s, 5m, 1d")
-	}
-	// withConn runs f with a connection to the database and prints its
-	// key=value result.
-	withConn := func(f func(ctx context.Context, conn *pgx.Conn) (map[string]any, []string, error)) func(*cobra.Command, []string) error {
-		return func(cmd *cobra.Command, args []string) error {
-			return withDatabase(cmd, dsn, func(ctx context.Context, conn *pgx.Conn) error {
-				out, keys, err := f(ctx, conn)
-				if err != nil {
-					return err
-				}
-				return printKV(cmd.OutOrStdout(), jsonFlag(cmd), out, keys)
-			})
-		}
-	}
 
 	renew := &cobra.Command{
 		Use:   "renew --job K --token T [--ttl 30s]",
 		Short: "Extend the lease held with a token",
 		Long:  "Extend the lease held with a token by --ttl from now.\n" + leaseOutput,
 		Args:  cobra.NoArgs,
-		RunE: withConn(func(ctx context.Context, conn *pgx.Conn) (map[string]any, []string, error) {
+		RunE: db.runE(func(ctx context.Context, conn *pgx.Conn, _ []string) (output, error) {
 			exp, err := fence.Renew(ctx, conn, job, token, ttl)
 			if err != nil {
-				return nil, nil, err
+				return output{}, err
 			}
-			return map[string]any{"job_key": job, "token": token, "expires_at": exp}, []string{"job_key", "token", "expires_at"}, nil
+			return keyValues(field{"job_key", job}, field{"token", token}, field{"expires_at", exp}), nil
 		}),
 	}
 	jobFlag(renew)
 	tokenFlag(renew)
-	ttlFlag(renew)
+	renew.Flags().Var(newDuration(&ttl, 30*time.Second), "ttl", "lease duration, e.g. 30s, 5m, 1d")
 
 	release := &cobra.Command{
 		Use:   "release --job K --token T",
 		Short: "End the lease held with a token now",
 		Long:  "End the lease held with a token now. The token stays current until the next acquire.\n" + leaseOutput,
 		Args:  cobra.NoArgs,
-		RunE: withConn(func(ctx context.Context, conn *pgx.Conn) (map[string]any, []string, error) {
+		RunE: db.runE(func(ctx context.Context, conn *pgx.Conn, _ []string) (output, error) {
 			if err := fence.Release(ctx, conn, job, token); err != nil {
-				return nil, nil, err
+				return output{}, err
 			}
-			return map[string]any{"job_key": job, "released": true}, []string{"job_key", "released"}, nil
+			return keyValues(field{"job_key", job}, field{"released", true}), nil
 		}),
 	}
 	jobFlag(release)
@@ -124,51 +105,26 @@ token, only a member of pgfence_bypass (or a superuser) may retire, and a
 live lease is refused (exit 75) unless --force.
 ` + leaseOutput,
 		Args: cobra.NoArgs,
-		RunE: withConn(func(ctx context.Context, conn *pgx.Conn) (map[string]any, []string, error) {
+		RunE: db.runE(func(ctx context.Context, conn *pgx.Conn, _ []string) (output, error) {
 			if err := fence.Retire(ctx, conn, job, fence.RetireOptions{Token: token, Force: force}); err != nil {
 				if fence.IsLeaseHeld(err) && !force {
 					err = fmt.Errorf("%w\nthe lease is live: pass --force to end it and retire the job anyway", err)
 				}
-				return nil, nil, err
+				return output{}, err
 			}
-			return map[string]any{"job_key": job, "retired": true}, []string{"job_key", "retired"}, nil
+			return keyValues(field{"job_key", job}, field{"retired", true}), nil
 		}),
 	}
 	jobFlag(retire)
 	retire.Flags().Int64Var(&token, "token", 0, "your own current fencing token (the holder retiring its job)")
 	retire.Flags().BoolVar(&force, "force", false, "without --token: also end a live lease")
 
-	cmd.AddCommand(newLeaseAcquireCmd(&dsn), renew, release, retire, newLeaseListCmd(&dsn), newLeaseShowCmd(&dsn))
+	cmd.AddCommand(newLeaseAcquireCmd(db), renew, release, retire, newLeaseListCmd(db), newLeaseShowCmd(db))
 	return cmd
 }
 
-// waitFlags are the flags of lease acquire and run that say how long to
-// wait for a lease.
-type waitFlags struct {
-	wait, noWait bool
-	waitTimeout  time.Duration
-	lockTimeout  time.Duration
-}
-
-func (w *waitFlags) add(c *cobra.Command, heldExit string) {
-	f := c.Flags()
-	f.BoolVar(&w.wait, "wait", false, "wait while the lease is held by another holder (and while the database is unreachable)")
-	f.BoolVar(&w.noWait, "no-wait", false, "give up at once when the lease is held by another holder: exit "+heldExit+" (the default)")
-	f.Var(newDuration(&w.waitTimeout, 0), "wait-timeout", "wait at most this long for the lease, then exit 75 (implies --wait; default no limit)")
-	f.Var(newDuration(&w.lockTimeout, 30*time.Second), "lock-timeout",
-		"give up, naming the blocking session, after waiting this long for the job's fence row while an open transaction holds it (0: no limit)")
-	c.MarkFlagsMutuallyExclusive("wait", "no-wait")
-}
-
-// waiting reports whether to wait for a held lease.
-func (w *waitFlags) waiting() bool { return !w.noWait && (w.wait || w.waitTimeout > 0) }
-
-func newLeaseAcquireCmd(dsn *string) *cobra.Command {
-	var (
-		job, holder string
-		ttl         time.Duration
-		w           waitFlags
-	)
+func newLeaseAcquireCmd(db *database) *cobra.Command {
+	req := leaseRequest{db: db}
 	cmd := &cobra.Command{
 		Use:   "acquire --job K [--holder H] [--ttl 30s] [--wait]",
 		Short: "Take the lease and a new fencing token",
@@ -183,8 +139,9 @@ open forever (a stopped worker, an idle psql) shows there.
 ` + leaseOutput,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
-			ctx := cmd.Context()
-			connCfg, err := databaseConfig(cmd, *dsn)
+			// The holder is the parent: the script that goes on to renew
+			// and release the lease.
+			cfg, err := req.config(cmd, os.Getppid())
 			if err != nil {
 				return err
 			}
@@ -192,32 +149,16 @@ open forever (a stopped worker, an idle psql) shows there.
 			if err != nil {
 				return usageError(err.Error())
 			}
-			if holder == "" {
-				holder = defaultHolder(os.Getppid())
-			}
-			l, code, err := runner.Acquire(ctx, runner.Config{
-				JobKey:      job,
-				Holder:      holder,
-				TTL:         ttl,
-				ConnConfig:  connCfg,
-				Wait:        w.waiting(),
-				WaitTimeout: w.waitTimeout,
-				LockTimeout: w.lockTimeout,
-			}, log)
+			l, code, err := runner.Acquire(cmd.Context(), cfg, log)
 			if err != nil {
 				return runnerExit(code, err)
 			}
-			return printKV(cmd.OutOrStdout(), jsonFlag(cmd),
-				map[string]any{"job_key": l.JobKey, "holder": l.Holder, "epoch": l.Epoch, "token": l.Token, "expires_at": l.ExpiresAt},
-				[]string{"job_key", "holder", "epoch", "token", "expires_at"})
+			return printResult(cmd, keyValues(field{"job_key", l.JobKey}, field{"holder", l.Holder}, field{"epoch", l.Epoch},
+				field{"token", l.Token}, field{"expires_at", l.ExpiresAt}))
 		},
 	}
-	f := cmd.Flags()
-	f.StringVar(&job, "job", "", "job key (required)")
+	req.addFlags(cmd, "job key (required)", "lease duration, e.g. 30s, 5m, 1d")
 	cmd.MarkFlagRequired("job")
-	f.StringVar(&holder, "holder", "", holderHelp)
-	f.Var(newDuration(&ttl, 30*time.Second), "ttl", "lease duration, e.g. 30s, 5m, 1d")
-	w.add(cmd, "75")
 	return cmd
 }
 
@@ -320,140 +261,58 @@ func queryLeasesWith(ctx context.Context, conn *pgx.Conn, job *string, query str
 	return out, nil
 }
 
-func newLeaseListCmd(dsn *string) *cobra.Command {
+func newLeaseListCmd(db *database) *cobra.Command {
 	return &cobra.Command{
 		Use:   "list",
 		Short: "List every job: its state (held, expired, free, retired), holder, epoch, token, expiry",
 		Args:  cobra.NoArgs,
-		RunE: func(cmd *cobra.Command, args []string) error {
-			var infos []leaseInfo
-			err := withDatabase(cmd, *dsn, func(ctx context.Context, conn *pgx.Conn) (err error) {
-				infos, err = queryLeases(ctx, conn, nil)
-				return err
-			})
+		RunE: db.runE(func(ctx context.Context, conn *pgx.Conn, _ []string) (output, error) {
+			infos, err := queryLeases(ctx, conn, nil)
 			if err != nil {
-				return err
+				return output{}, err
 			}
-			out := cmd.OutOrStdout()
-			if jsonFlag(cmd) {
-				if infos == nil {
-					infos = []leaseInfo{}
-				}
-				return printJSON(out, infos)
-			}
-			if len(infos) == 0 {
-				fmt.Fprintln(out, "no jobs: no lease was ever acquired")
-				return nil
-			}
-			tw := tabwriter.NewWriter(out, 0, 4, 2, ' ', 0)
-			fmt.Fprintln(tw, "JOB KEY\tSTATE\tHOLDER\tEPOCH\tTOKEN\tEXPIRES AT\tHELD FOR")
-			for _, li := range infos {
-				fmt.Fprintf(tw, "%s\t%s\t%s\t%d\t%s\t%s\t%s\n", li.JobKey, li.State, orDash(li.Holder), li.Epoch, orDashInt(li.CurrentToken),
-					timeOrDash(li.ExpiresAt), msOrDash(li.HeldForMS))
-			}
-			return tw.Flush()
-		},
+			return listing(infos, "no jobs: no lease was ever acquired",
+				[]string{"JOB KEY", "STATE", "HOLDER", "EPOCH", "TOKEN", "EXPIRES AT", "HELD FOR"},
+				func(li leaseInfo) []string {
+					return []string{li.JobKey, li.State, orDash(li.Holder), strconv.FormatInt(li.Epoch, 10), intOrDash(li.CurrentToken),
+						timeOrDash(li.ExpiresAt), msOrDash(li.HeldForMS)}
+				}), nil
+		}),
 	}
 }
 
-func newLeaseShowCmd(dsn *string) *cobra.Command {
+func newLeaseShowCmd(db *database) *cobra.Command {
 	return &cobra.Command{
 		Use:   "show KEY",
 		Short: "Show one job's lease: state, holder, epoch, token, expiry, when it was taken, time held",
 		Args:  cobra.ExactArgs(1),
-		RunE: func(cmd *cobra.Command, args []string) error {
-			var infos []leaseInfo
-			err := withDatabase(cmd, *dsn, func(ctx context.Context, conn *pgx.Conn) (err error) {
-				infos, err = queryLeases(ctx, conn, &args[0])
-				return err
-			})
+		RunE: db.runE(func(ctx context.Context, conn *pgx.Conn, args []string) (output, error) {
+			infos, err := queryLeases(ctx, conn, &args[0])
 			if err != nil {
-				return err
+				return output{}, err
 			}
 			if len(infos) == 0 {
-				return &exitError{code: exitDataErr, msg: fmt.Sprintf("job %q is unknown: no lease was ever acquired for it", args[0]),
+				return output{}, &exitError{code: exitDataErr, msg: fmt.Sprintf("job %q is unknown: no lease was ever acquired for it", args[0]),
 					hint: "pgfence lease list shows the jobs there are"}
 			}
 			li := infos[0]
-			out := cmd.OutOrStdout()
-			if jsonFlag(cmd) {
-				return printJSON(out, li)
+			lines := [][]string{
+				{"job_key", li.JobKey},
+				{"state", li.State},
+				{"holder", orDash(li.Holder)},
+				{"epoch", strconv.FormatInt(li.Epoch, 10)},
+				{"current_token", intOrDash(li.CurrentToken)},
 			}
-			tw := tabwriter.NewWriter(out, 0, 4, 2, ' ', 0)
-			row := func(k, v string) { fmt.Fprintf(tw, "%s\t%s\n", k, v) }
-			row("job_key", li.JobKey)
-			row("state", li.State)
-			row("holder", orDash(li.Holder))
-			row("epoch", strconv.FormatInt(li.Epoch, 10))
-			row("current_token", orDashInt(li.CurrentToken))
 			if li.Token != nil {
-				row("lease_token", strconv.FormatInt(*li.Token, 10))
+				lines = append(lines, []string{"lease_token", strconv.FormatInt(*li.Token, 10)})
 			}
-			row("expires_at", timeOrDash(li.ExpiresAt))
-			row("held_since", timeOrDash(li.HeldSince))
-			row("held_for", msOrDash(li.HeldForMS))
-			row("last_renewal", "not recorded")
-			row("retired_at", timeOrDash(li.RetiredAt))
-			return tw.Flush()
-		},
+			lines = append(lines,
+				[]string{"expires_at", timeOrDash(li.ExpiresAt)},
+				[]string{"held_since", timeOrDash(li.HeldSince)},
+				[]string{"held_for", msOrDash(li.HeldForMS)},
+				[]string{"last_renewal", "not recorded"},
+				[]string{"retired_at", timeOrDash(li.RetiredAt)})
+			return output{json: li, text: func(w io.Writer) error { return writeTable(w, lines) }}, nil
+		}),
 	}
-}
-
-func orDash(s string) string {
-	if s == "" {
-		return "-"
-	}
-	return s
-}
-
-func timeOrDash(t *time.Time) string {
-	if t == nil {
-		return "-"
-	}
-	return t.UTC().Format(time.RFC3339)
-}
-
-func msOrDash(ms *int64) string {
-	if ms == nil {
-		return "-"
-	}
-	return (time.Duration(*ms) * time.Millisecond).Round(time.Second).String()
-}
-
-var shellSafe = regexp.MustCompile(`^[A-Za-z0-9_.:+@/-]*$`)
-
-// printKV prints key=value lines a shell can eval (values quoted when
-// needed; times in RFC 3339), or one JSON object.
-func printKV(w io.Writer, asJSON bool, m map[string]any, keys []string) error {
-	if asJSON {
-		return printJSON(w, m)
-	}
-	var b strings.Builder
-	for _, k := range keys {
-		var s string
-		switch v := m[k].(type) {
-		case time.Time:
-			s = v.UTC().Format(time.RFC3339Nano)
-		case int64:
-			s = strconv.FormatInt(v, 10)
-		case bool:
-			s = strconv.FormatBool(v)
-		default:
-			s = fmt.Sprint(v)
-		}
-		if !shellSafe.MatchString(s) {
-			s = "'" + strings.ReplaceAll(s, "'", `'\''`) + "'"
-		}
-		fmt.Fprintf(&b, "%s=%s\n", k, s)
-	}
-	_, err := io.WriteString(w, b.String())
-	return err
-}
-
-// orDashInt is n, or "-" when the role may not see it.
-func orDashInt(n *int64) string {
-	if n == nil {
-		return "-"
-	}
-	return strconv.FormatInt(*n, 10)
 }

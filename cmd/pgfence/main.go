@@ -59,10 +59,3 @@ see docs/cli.md.`,
 	)
 	return root
 }
-
-func envOr(key, def string) string {
-	if v, ok := os.LookupEnv(key); ok {
-		return v
-	}
-	return def
-}

@@ -1,15 +1,16 @@
 package main
 
 import (
-	"fmt"
+	"context"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/spf13/cobra"
 
 	"github.com/pgfence/pgfence/migrations"
 )
 
 func newMigrateCmd() *cobra.Command {
-	var dsn string
+	var db database
 	cmd := &cobra.Command{
 		Use:   "migrate",
 		Short: "Install or upgrade the fence schema in a database (a DBA, once)",
@@ -24,36 +25,25 @@ or writes protected tables:
 
     GRANT pgfence_worker TO app;`,
 		Args: cobra.NoArgs,
-		RunE: func(cmd *cobra.Command, args []string) error {
-			ctx := cmd.Context()
-			conn, err := connectDatabase(ctx, cmd, dsn)
-			if err != nil {
-				return err
-			}
-			defer conn.Close(ctx)
+		RunE: db.runE(func(ctx context.Context, conn *pgx.Conn, _ []string) (output, error) {
 			before, err := migrations.Current(ctx, conn)
 			if err != nil {
-				return err
+				return output{}, err
 			}
 			if err := migrations.Apply(ctx, conn); err != nil {
-				return err
+				return output{}, err
 			}
 			after, err := migrations.Current(ctx, conn)
 			if err != nil {
-				return err
+				return output{}, err
 			}
-			out := cmd.OutOrStdout()
-			switch {
-			case jsonFlag(cmd):
-				return printJSON(out, map[string]any{"from_version": before, "version": after, "migrated": before != after})
-			case before == after:
-				fmt.Fprintf(out, "fence schema is up to date (version %d)\n", after)
-			default:
-				fmt.Fprintf(out, "fence schema migrated from version %d to %d\n", before, after)
+			text := textf("fence schema migrated from version %d to %d", before, after)
+			if before == after {
+				text = textf("fence schema is up to date (version %d)", after)
 			}
-			return nil
-		},
+			return output{json: map[string]any{"from_version": before, "version": after, "migrated": before != after}, text: text}, nil
+		}),
 	}
-	cmd.Flags().StringVar(&dsn, "database", "", databaseHelp)
+	db.addFlag(cmd.Flags())
 	return cmd
 }

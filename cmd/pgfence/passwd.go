@@ -37,11 +37,7 @@ The file never holds the password itself, only the verifier. In a script:
 				return err
 			}
 			line := proxy.QuoteUserLine(args[0], v)
-			if jsonFlag(cmd) {
-				return printJSON(cmd.OutOrStdout(), map[string]string{"user": args[0], "verifier": v, "line": line})
-			}
-			_, err = fmt.Fprintln(cmd.OutOrStdout(), line)
-			return err
+			return printResult(cmd, output{json: map[string]string{"user": args[0], "verifier": v, "line": line}, text: textf("%s", line)})
 		},
 	}
 }

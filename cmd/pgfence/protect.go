@@ -1,17 +1,17 @@
 package main
 
 import (
-	"fmt"
-	"text/tabwriter"
+	"context"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/spf13/cobra"
 
 	"github.com/pgfence/pgfence/fence"
 )
 
 func newProtectCmd() *cobra.Command {
-	var dsn string
+	var db database
 	cmd := groupCmd(&cobra.Command{
 		Use:   "protect",
 		Short: "Manage protected tables (the backstop trigger)",
@@ -26,29 +26,16 @@ protected table's triggers, rules, name, owner or members (docs/security.md).
 Run it as a DBA (the table's owner) on the database itself, not through the
 proxy.`,
 	})
-	addDatabaseFlag(cmd, &dsn)
+	db.addFlag(cmd.PersistentFlags())
 
 	var column string
 	add := &cobra.Command{
 		Use:   "add TABLE",
 		Short: "Protect a table and its partitions or children (a no-op if already protected the same way)",
 		Args:  cobra.ExactArgs(1),
-		RunE: func(cmd *cobra.Command, args []string) error {
-			ctx := cmd.Context()
-			conn, err := connectDatabase(ctx, cmd, dsn)
-			if err != nil {
-				return err
-			}
-			defer conn.Close(ctx)
-			if err := fence.Protect(ctx, conn, args[0], column); err != nil {
-				return err
-			}
-			if jsonFlag(cmd) {
-				return printJSON(cmd.OutOrStdout(), map[string]any{"table": args[0], "protected": true})
-			}
-			fmt.Fprintf(cmd.OutOrStdout(), "protected %s\n", args[0])
-			return nil
-		},
+		RunE: db.runE(func(ctx context.Context, conn *pgx.Conn, args []string) (output, error) {
+			return protected(args[0], true, fence.Protect(ctx, conn, args[0], column))
+		}),
 	}
 	add.Flags().StringVar(&column, "job-key-column", "", "also scope rows: a fenced session may only write rows whose COLUMN equals its fence.job_key")
 
@@ -56,74 +43,58 @@ proxy.`,
 		Use:   "remove TABLE",
 		Short: "Remove the protection from a table and its tree (a no-op if not protected; needs pgfence_bypass)",
 		Args:  cobra.ExactArgs(1),
-		RunE: func(cmd *cobra.Command, args []string) error {
-			ctx := cmd.Context()
-			conn, err := connectDatabase(ctx, cmd, dsn)
-			if err != nil {
-				return err
-			}
-			defer conn.Close(ctx)
-			if err := fence.Unprotect(ctx, conn, args[0]); err != nil {
-				return err
-			}
-			if jsonFlag(cmd) {
-				return printJSON(cmd.OutOrStdout(), map[string]any{"table": args[0], "protected": false})
-			}
-			fmt.Fprintf(cmd.OutOrStdout(), "unprotected %s\n", args[0])
-			return nil
-		},
+		RunE: db.runE(func(ctx context.Context, conn *pgx.Conn, args []string) (output, error) {
+			return protected(args[0], false, fence.Unprotect(ctx, conn, args[0]))
+		}),
 	}
 
 	list := &cobra.Command{
 		Use:   "list",
 		Short: "List protected tables",
 		Args:  cobra.NoArgs,
-		RunE: func(cmd *cobra.Command, args []string) error {
-			ctx := cmd.Context()
-			conn, err := connectDatabase(ctx, cmd, dsn)
-			if err != nil {
-				return err
-			}
-			defer conn.Close(ctx)
+		RunE: db.runE(func(ctx context.Context, conn *pgx.Conn, _ []string) (output, error) {
 			tables, err := fence.ProtectedTables(ctx, conn)
 			if err != nil {
-				return err
+				return output{}, err
 			}
-			out := cmd.OutOrStdout()
-			if jsonFlag(cmd) {
-				type row struct {
-					Schema       string    `json:"schema"`
-					Table        string    `json:"table"`
-					JobKeyColumn string    `json:"job_key_column,omitempty"`
-					ProtectedAt  time.Time `json:"protected_at"`
-					Exists       bool      `json:"exists"`
-				}
-				rows := []row{}
-				for _, t := range tables {
-					rows = append(rows, row{t.Schema, t.Table, t.JobKeyColumn, t.ProtectedAt, t.Exists})
-				}
-				return printJSON(out, rows)
+			rows := make([]protectedTable, len(tables))
+			for i, t := range tables {
+				rows[i] = protectedTable(t)
 			}
-			if len(tables) == 0 {
-				fmt.Fprintln(out, "no protected tables")
-				return nil
-			}
-			w := tabwriter.NewWriter(out, 0, 4, 2, ' ', 0)
-			fmt.Fprintln(w, "SCHEMA\tTABLE\tROOT\tJOB KEY COLUMN\tPROTECTED AT\tNOTE")
-			for _, t := range tables {
-				col := t.JobKeyColumn
-				if col == "" {
-					col = "-"
-				}
-				note := ""
-				if !t.Exists {
-					note = "table dropped; run protect remove"
-				}
-				fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%s\t%s\n", t.Schema, t.Table, t.Root, col, t.ProtectedAt.UTC().Format("2006-01-02 15:04:05Z"), note)
-			}
-			return w.Flush()
-		},
+			return listing(rows, "no protected tables",
+				[]string{"SCHEMA", "TABLE", "ROOT", "JOB KEY COLUMN", "PROTECTED AT", "NOTE"},
+				func(t protectedTable) []string {
+					note := ""
+					if !t.Exists {
+						note = "table dropped; run protect remove"
+					}
+					return []string{t.Schema, t.Table, t.Root, orDash(t.JobKeyColumn), t.ProtectedAt.UTC().Format("2006-01-02 15:04:05Z"), note}
+				}), nil
+		}),
 	}
 	cmd.AddCommand(add, remove, list)
 	return cmd
+}
+
+// protected is the output of protect add (on) and remove, when err is nil.
+func protected(table string, on bool, err error) (output, error) {
+	if err != nil {
+		return output{}, err
+	}
+	text := textf("protected %s", table)
+	if !on {
+		text = textf("unprotected %s", table)
+	}
+	return output{json: map[string]any{"table": table, "protected": on}, text: text}, nil
+}
+
+// protectedTable is a fence.ProtectedTable as protect list --json prints
+// it (the root is for the text table only).
+type protectedTable struct {
+	Schema       string    `json:"schema"`
+	Table        string    `json:"table"`
+	Root         string    `json:"-"`
+	JobKeyColumn string    `json:"job_key_column,omitempty"`
+	ProtectedAt  time.Time `json:"protected_at"`
+	Exists       bool      `json:"exists"`
 }

@@ -70,9 +70,10 @@ func newRunCmd() *cobra.Command { return newRunCmdWith(runner.Run) }
 
 func newRunCmdWith(run runFunc) *cobra.Command {
 	var (
-		job, holder, database, killSignal  string
-		ttl, renewEvery, grace, maxRuntime time.Duration
-		w                                  waitFlags
+		db                            database
+		req                           = leaseRequest{db: &db}
+		killSignal                    string
+		renewEvery, grace, maxRuntime time.Duration
 	)
 	cmd := &cobra.Command{
 		Use:   "run --job KEY [flags] -- COMMAND [ARGS...]",
@@ -85,14 +86,14 @@ func newRunCmdWith(run runFunc) *cobra.Command {
 			return nil
 		},
 		RunE: func(cmd *cobra.Command, args []string) error {
-			if job == "" {
+			if req.job == "" {
 				return usageError("run: --job is required")
 			}
 			sig, err := runner.ParseSignal(killSignal)
 			if err != nil {
 				return usageError("run: --kill-signal: " + err.Error())
 			}
-			connCfg, err := databaseConfig(cmd, database)
+			cfg, err := req.config(cmd, os.Getpid()) // the holder is run itself
 			if err != nil {
 				return err
 			}
@@ -101,28 +102,11 @@ func newRunCmdWith(run runFunc) *cobra.Command {
 				return usageError("run: " + err.Error())
 			}
 			defer log.Sync() //nolint:errcheck // stderr
-			if holder == "" {
-				holder = defaultHolder(os.Getpid())
-			}
 			sigs := make(chan os.Signal, 4)
 			signal.Notify(sigs, syscall.SIGINT, syscall.SIGTERM, syscall.SIGHUP)
 			defer signal.Stop(sigs)
-			cfg := runner.Config{
-				JobKey:      job,
-				TTL:         ttl,
-				Holder:      holder,
-				DSN:         resolveDatabase(cmd, database),
-				ConnConfig:  connCfg,
-				Wait:        w.waiting(),
-				WaitTimeout: w.waitTimeout,
-				LockTimeout: w.lockTimeout,
-				RenewEvery:  renewEvery,
-				Grace:       grace,
-				KillSignal:  sig,
-				MaxRuntime:  maxRuntime,
-				Command:     args,
-				Signals:     sigs,
-			}
+			cfg.RenewEvery, cfg.Grace, cfg.KillSignal, cfg.MaxRuntime = renewEvery, grace, sig, maxRuntime
+			cfg.Command, cfg.Signals = args, sigs
 			// Signals are forwarded to the command, not used to cancel: the
 			// command decides when to stop, and the lease is released after.
 			code, err := run(context.WithoutCancel(cmd.Context()), cfg, log)
@@ -140,11 +124,8 @@ func newRunCmdWith(run runFunc) *cobra.Command {
 	f := cmd.Flags()
 	// Everything after COMMAND belongs to COMMAND, even without "--".
 	f.SetInterspersed(false)
-	f.StringVar(&job, "job", "", "job key naming the lease (required)")
-	f.Var(newDuration(&ttl, 30*time.Second), "ttl", "lease duration granted by each acquire and renewal, e.g. 30s, 5m, 1d")
-	f.StringVar(&holder, "holder", "", holderHelp)
-	f.StringVar(&database, "database", "", databaseHelp)
-	w.add(cmd, "75")
+	req.addFlags(cmd, "job key naming the lease (required)", "lease duration granted by each acquire and renewal, e.g. 30s, 5m, 1d")
+	db.addFlag(f)
 	f.Var(newDuration(&renewEvery, 0), "renew-every", "renewal interval (default ttl/3)")
 	f.Var(newDuration(&grace, 10*time.Second), "grace", "time COMMAND has to exit after --kill-signal before SIGKILL")
 	f.Var(newDuration(&maxRuntime, 0), "max-runtime", "stop COMMAND (--kill-signal, then SIGKILL after --grace) once it has run this long, and exit 124 (default no limit)")

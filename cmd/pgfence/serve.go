@@ -94,11 +94,11 @@ user to the password presented upstream for it. See docs/configuration.md.`,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			cfg, err := loadServeConfig(cmd)
 			if err != nil {
-				return &exitError{code: exitConfig, msg: err.Error()}
+				return configError(err)
 			}
 			log, level, err := serveLogger(cfg.LogLevel, cfg.LogFormat, jsonFlag(cmd), cmd.ErrOrStderr())
 			if err != nil {
-				return &exitError{code: exitConfig, msg: err.Error()}
+				return configError(err)
 			}
 			defer log.Sync()
 			cfg.level = &level
@@ -226,7 +226,7 @@ func loadServeConfig(cmd *cobra.Command) (serveConfig, error) {
 	}
 	if cfg.Primary == "" {
 		// The chain every command uses for its database.
-		if v, _ := databaseFromEnv(); v != "" {
+		if v := databaseFromEnv(); v != "" {
 			cfg.Primary = v
 			cfg.from("primary", "env")
 		} else if dsn := libpqEnvDSN(); dsn != "" {
@@ -263,20 +263,6 @@ func serveKeys() []string {
 		}
 	}
 	return keys
-}
-
-// libpqEnvDSN is a keyword/value DSN naming the server libpq's PGHOST,
-// PGHOSTADDR, PGPORT and PGSERVICE variables point at, or "" when none is
-// set (the other PG* variables, PGPASSWORD, PGSSLMODE, ..., are read when
-// the proxy connects).
-func libpqEnvDSN() string {
-	var parts []string
-	for _, kv := range []struct{ env, key string }{{"PGHOST", "host"}, {"PGHOSTADDR", "hostaddr"}, {"PGPORT", "port"}, {"PGSERVICE", "service"}} {
-		if v := os.Getenv(kv.env); v != "" {
-			parts = append(parts, kv.key+"='"+strings.NewReplacer(`\`, `\\`, `'`, `\'`).Replace(v)+"'")
-		}
-	}
-	return strings.Join(parts, " ")
 }
 
 // oneLine is err's message on one line (TOML parse errors can span
@@ -390,7 +376,7 @@ func parseSizeUpTo(s string, limit int) (int, error) {
 func runServe(ctx context.Context, c serveConfig, log *zap.Logger) error {
 	pc, err := c.proxyConfig()
 	if err != nil {
-		return &exitError{code: exitConfig, msg: err.Error()}
+		return configError(err)
 	}
 	if !c.NoGate {
 		fc := proxy.FenceConfig{Primary: pc.Primary}
@@ -406,7 +392,7 @@ func runServe(ctx context.Context, c serveConfig, log *zap.Logger) error {
 		}
 		gate, err := proxy.NewFence(fc, log.Named("gate"))
 		if err != nil {
-			return &exitError{code: exitConfig, msg: err.Error()}
+			return configError(err)
 		}
 		defer gate.Close()
 		pc.Interceptor = gate
@@ -416,7 +402,7 @@ func runServe(ctx context.Context, c serveConfig, log *zap.Logger) error {
 	pc.Reload = c.reloader(log) // reload.go
 	srv, err := proxy.New(pc, log)
 	if err != nil {
-		return &exitError{code: exitConfig, msg: err.Error()}
+		return configError(err)
 	}
 	stopOps, err := c.startOps(srv, log) // reload.go: SIGHUP, metrics endpoint
 	if err != nil {

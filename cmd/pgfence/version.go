@@ -2,6 +2,7 @@ package main
 
 import (
 	"fmt"
+	"io"
 	"runtime"
 	"runtime/debug"
 	"strings"
@@ -87,24 +88,22 @@ func newVersionCmd() *cobra.Command {
 		Short: "Print the pgfence version, commit and Go version",
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, args []string) error {
-			if jsonFlag(cmd) {
-				return printJSON(cmd.OutOrStdout(), readVersion())
-			}
 			v := readVersion()
-			out := cmd.OutOrStdout()
-			fmt.Fprintln(out, versionString())
-			fmt.Fprintf(out, "module   %s\n", v.Module)
-			if v.Commit != "" {
-				fmt.Fprintf(out, "commit   %s", v.Commit)
-				if v.Modified {
-					fmt.Fprint(out, " (with uncommitted changes)")
+			return printResult(cmd, output{json: v, text: func(out io.Writer) error {
+				fmt.Fprintln(out, versionString())
+				fmt.Fprintf(out, "module   %s\n", v.Module)
+				if v.Commit != "" {
+					fmt.Fprintf(out, "commit   %s", v.Commit)
+					if v.Modified {
+						fmt.Fprint(out, " (with uncommitted changes)")
+					}
+					fmt.Fprintln(out)
 				}
-				fmt.Fprintln(out)
-			}
-			if v.CommitTime != "" {
-				fmt.Fprintf(out, "date     %s\n", v.CommitTime)
-			}
-			return nil
+				if v.CommitTime != "" {
+					fmt.Fprintf(out, "date     %s\n", v.CommitTime)
+				}
+				return nil
+			}})
 		},
 	}
 }

@@ -92,7 +92,7 @@ type Config struct {
 	// (required, positive).
 	TTL time.Duration
 	// Holder identifies this run in fence.leases. Zero means
-	// "hostname:pid".
+	// DefaultHolder of this process.
 	Holder string
 	// DSN is the database connection string. Empty means libpq's
 	// environment variables (PGHOST, PGPORT, PGDATABASE, ...).
@@ -142,6 +142,16 @@ type Config struct {
 	Signals <-chan os.Signal
 }
 
+// DefaultHolder is the holder a lease is recorded with when none is
+// given: HOST:PID of process pid, the one that keeps the lease.
+func DefaultHolder(pid int) string {
+	host, err := os.Hostname()
+	if err != nil || host == "" {
+		host = "localhost"
+	}
+	return host + ":" + strconv.Itoa(pid)
+}
+
 // setAcquireDefaults checks and defaults what acquiring needs.
 func (c *Config) setAcquireDefaults() error {
 	if c.JobKey == "" {
@@ -151,11 +161,7 @@ func (c *Config) setAcquireDefaults() error {
 		return fmt.Errorf("ttl must be positive, got %s", c.TTL)
 	}
 	if c.Holder == "" {
-		host, err := os.Hostname()
-		if err != nil || host == "" {
-			host = "localhost"
-		}
-		c.Holder = host + ":" + strconv.Itoa(os.Getpid())
+		c.Holder = DefaultHolder(os.Getpid())
 	}
 	if c.WaitTimeout < 0 {
 		return fmt.Errorf("wait timeout must not be negative, got %s", c.WaitTimeout)

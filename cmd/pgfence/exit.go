@@ -1,8 +1,9 @@
 package main
 
-// The grammar every subcommand shares: exit codes, how errors are printed
-// (text or JSON), how the database is found, the holder default, durations
-// with days. docs/cli.md is the user's side of this file.
+// Errors and the exit code table every command shares (docs/cli.md, "Exit
+// codes"): a command's RunE returns its errors as they are; execute
+// classifies them by the table and prints them on stderr, as text or, with
+// --json, as one JSON object.
 
 import (
 	"context"
@@ -11,12 +12,8 @@ import (
 	"fmt"
 	"io"
 	"net"
-	"os"
-	"strconv"
 	"strings"
-	"time"
 
-	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/spf13/cobra"
 
@@ -50,7 +47,11 @@ type exitError struct {
 func (e *exitError) Error() string { return e.msg }
 func (e *exitError) Unwrap() error { return e.err }
 
+// usageError is a bad flag or argument: exit 64 with msg.
 func usageError(msg string) error { return &exitError{code: exitUsage, msg: msg} }
+
+// configError is a bad configuration (serve): exit 78 with err's message.
+func configError(err error) error { return &exitError{code: exitConfig, msg: err.Error()} }
 
 // exitWith classifies err under the exit code table, with msg prefixed by
 // what the command was doing.
@@ -227,199 +228,4 @@ func groupCmd(c *cobra.Command) *cobra.Command {
 		return cmd.Help()
 	}
 	return c
-}
-
-// jsonFlag reports the root --json flag.
-func jsonFlag(cmd *cobra.Command) bool {
-	f := cmd.Flag("json")
-	return f != nil && f.Value.String() == "true"
-}
-
-// printJSON writes v as one line of JSON.
-func printJSON(w io.Writer, v any) error {
-	b, err := json.Marshal(v)
-	if err != nil {
-		return err
-	}
-	_, err = fmt.Fprintf(w, "%s\n", b)
-	return err
-}
-
-// --- the database ---
-
-const databaseHelp = "database URL or DSN (default $PGFENCE_DATABASE_URL, else $DATABASE_URL, else libpq's PG* variables)"
-
-// addDatabaseFlag adds --database to cmd (persistent, for a group).
-func addDatabaseFlag(cmd *cobra.Command, dsn *string) {
-	cmd.PersistentFlags().StringVar(dsn, "database", "", databaseHelp)
-}
-
-// databaseFromEnv is the database when no flag names it: the first of
-// PGFENCE_DATABASE_URL and DATABASE_URL that is set, with its source; ""
-// means libpq's PG* variables.
-func databaseFromEnv() (dsn, from string) {
-	for _, k := range []string{"PGFENCE_DATABASE_URL", "DATABASE_URL"} {
-		if v := os.Getenv(k); v != "" {
-			return v, k
-		}
-	}
-	return "", ""
-}
-
-// resolveDatabase is --database if given, else databaseFromEnv.
-func resolveDatabase(cmd *cobra.Command, dsn string) string {
-	if f := cmd.Flag("database"); f != nil && f.Changed {
-		return dsn
-	}
-	v, _ := databaseFromEnv()
-	return v
-}
-
-// connectDatabase connects to the --database DSN or its defaults, with a
-// 10 s connect timeout unless the DSN sets one and application_name
-// "pgfence <command>" unless it is set.
-func connectDatabase(ctx context.Context, cmd *cobra.Command, dsn string) (*pgx.Conn, error) {
-	cfg, err := databaseConfig(cmd, dsn)
-	if err != nil {
-		return nil, err
-	}
-	conn, err := pgx.ConnectConfig(ctx, cfg)
-	if err != nil {
-		return nil, fmt.Errorf("connect: %w", err)
-	}
-	return conn, nil
-}
-
-// withDatabase runs f with a connection to the command's database (dsn
-// from --database, or the chain), closed after.
-func withDatabase(cmd *cobra.Command, dsn string, f func(ctx context.Context, conn *pgx.Conn) error) error {
-	ctx := cmd.Context()
-	conn, err := connectDatabase(ctx, cmd, dsn)
-	if err != nil {
-		return err
-	}
-	defer conn.Close(ctx)
-	return f(ctx, conn)
-}
-
-func databaseConfig(cmd *cobra.Command, dsn string) (*pgx.ConnConfig, error) {
-	dsn = resolveDatabase(cmd, dsn)
-	cfg, err := pgx.ParseConfig(dsn)
-	if err != nil {
-		return nil, usageError("--database: " + err.Error())
-	}
-	if cfg.ConnectTimeout == 0 {
-		cfg.ConnectTimeout = 10 * time.Second
-	}
-	if _, ok := cfg.RuntimeParams["application_name"]; !ok {
-		cfg.RuntimeParams["application_name"] = "pgfence " + cmd.Name()
-	}
-	return cfg, nil
-}
-
-// --- the holder ---
-
-// defaultHolder is the holder recorded with a lease when --holder is not
-// given, the same for every command: $PGFENCE_HOLDER, else HOST:PID of the
-// process that keeps the lease (pgfence run itself; for lease acquire, its
-// parent: the script that renews and releases it).
-func defaultHolder(pid int) string {
-	if h := os.Getenv("PGFENCE_HOLDER"); h != "" {
-		return h
-	}
-	host, err := os.Hostname()
-	if err != nil || host == "" {
-		host = "localhost"
-	}
-	return host + ":" + strconv.Itoa(pid)
-}
-
-const holderHelp = "holder name recorded with the lease (default $PGFENCE_HOLDER, else HOST:PID of the process keeping the lease)"
-
-// --- durations ---
-
-// durationValue is a flag.Value for durations that also accepts days:
-// "30s", "5m", "36h", "7d", "1d12h".
-type durationValue time.Duration
-
-func newDuration(p *time.Duration, def time.Duration) *durationValue {
-	*p = def
-	return (*durationValue)(p)
-}
-
-func (d *durationValue) Set(s string) error {
-	v, err := parseDuration(s)
-	if err != nil {
-		return err
-	}
-	*d = durationValue(v)
-	return nil
-}
-
-func (d *durationValue) Type() string   { return "duration" }
-func (d *durationValue) String() string { return formatDuration(time.Duration(*d)) }
-
-// parseDuration reads a Go duration ("1h30m", "250ms") that may also use
-// the unit d (24 hours): "7d", "1d12h", "1.5d".
-func parseDuration(s string) (time.Duration, error) {
-	in := strings.TrimSpace(s)
-	neg := strings.HasPrefix(in, "-")
-	rest := in
-	if neg || strings.HasPrefix(in, "+") {
-		rest = in[1:]
-	}
-	var total time.Duration
-	for rest != "" {
-		i := 0
-		for i < len(rest) && (rest[i] == '.' || rest[i] >= '0' && rest[i] <= '9') {
-			i++
-		}
-		j := i
-		for j < len(rest) && !(rest[j] == '.' || rest[j] >= '0' && rest[j] <= '9') {
-			j++
-		}
-		num, unit := rest[:i], rest[i:j]
-		rest = rest[j:]
-		if num == "" {
-			return 0, fmt.Errorf("invalid duration %q (want e.g. 30s, 5m, 2h, 7d)", s)
-		}
-		if unit == "d" {
-			f, err := strconv.ParseFloat(num, 64)
-			if err != nil {
-				return 0, fmt.Errorf("invalid duration %q (want e.g. 30s, 5m, 2h, 7d)", s)
-			}
-			total += time.Duration(f * float64(24*time.Hour))
-			continue
-		}
-		if unit == "" && num != "0" {
-			return 0, fmt.Errorf("invalid duration %q: missing unit (want e.g. 30s, 5m, 2h, 7d)", s)
-		}
-		d, err := time.ParseDuration(num + unit)
-		if err != nil {
-			return 0, fmt.Errorf("invalid duration %q (want e.g. 30s, 5m, 2h, 7d)", s)
-		}
-		total += d
-	}
-	if in == "" {
-		return 0, fmt.Errorf("invalid duration %q (want e.g. 30s, 5m, 2h, 7d)", s)
-	}
-	if neg {
-		total = -total
-	}
-	return total, nil
-}
-
-// formatDuration prints d with days when it is a whole number of them.
-func formatDuration(d time.Duration) string {
-	if d > 0 && d%(24*time.Hour) == 0 {
-		return strconv.FormatInt(int64(d/(24*time.Hour)), 10) + "d"
-	}
-	s := d.String()
-	if strings.HasSuffix(s, "m0s") {
-		s = strings.TrimSuffix(s, "0s")
-	}
-	if strings.HasSuffix(s, "h0m") {
-		s = strings.TrimSuffix(s, "0m")
-	}
-	return s
 }
