@@ -66,23 +66,33 @@ func newLogger(level zap.AtomicLevel, format string, w io.Writer) *zap.Logger {
 	return zap.New(zapcore.NewCore(enc, ws, level), zap.ErrorOutput(ws))
 }
 
-// commandLogger is the logger of a command that is not serve: the root
+// buildLogger is the logger at lvl in format (text, json or auto: text on
+// a terminal, JSON otherwise or with --json) to w, and its level, which
+// serve changes on a reload.
+func buildLogger(lvl, format string, asJSON bool, w io.Writer) (*zap.Logger, zap.AtomicLevel, error) {
+	level, err := zapcore.ParseLevel(lvl)
+	if err != nil {
+		return nil, zap.AtomicLevel{}, fmt.Errorf("--log-level: %w", err)
+	}
+	f, err := logFormat(format, asJSON, w)
+	if err != nil {
+		return nil, zap.AtomicLevel{}, fmt.Errorf("--log-format: %w", err)
+	}
+	al := zap.NewAtomicLevelAt(level)
+	return newLogger(al, f, w), al, nil
+}
+
+// commandLogger is the logger of a command that is not serve (serve reads
+// log_level and log_format with the rest of its configuration): the root
 // --log-level and --log-format, to the command's stderr.
 func commandLogger(cmd *cobra.Command) (*zap.Logger, error) {
-	level := zap.NewAtomicLevel()
+	level, format := "info", "auto"
 	if f := cmd.Flag("log-level"); f != nil {
-		if err := level.UnmarshalText([]byte(f.Value.String())); err != nil {
-			return nil, fmt.Errorf("--log-level: %w", err)
-		}
+		level = f.Value.String()
 	}
-	format := "auto"
 	if f := cmd.Flag("log-format"); f != nil {
 		format = f.Value.String()
 	}
-	w := cmd.ErrOrStderr()
-	fmtName, err := logFormat(format, jsonFlag(cmd), w)
-	if err != nil {
-		return nil, fmt.Errorf("--log-format: %w", err)
-	}
-	return newLogger(level, fmtName, w), nil
+	log, _, err := buildLogger(level, format, jsonFlag(cmd), cmd.ErrOrStderr())
+	return log, err
 }

@@ -10,92 +10,14 @@ import (
 	"os"
 	"os/signal"
 	"strconv"
-	"strings"
 	"syscall"
 	"time"
 
-	"github.com/spf13/cobra"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 
 	"github.com/pgfence/pgfence/proxy"
 )
-
-// loadOpsConfig merges the operations settings (admin users, metrics
-// address, log level and format) from the environment and flags over the
-// file's.
-func loadOpsConfig(cmd *cobra.Command, cfg *serveConfig) error {
-	if v, ok := os.LookupEnv("PGFENCE_ADMIN_USERS"); ok {
-		cfg.AdminUsers = splitList(v)
-		cfg.from("admin_users", "env")
-	}
-	if f := cmd.Flags().Lookup("admin-users"); f != nil && f.Changed {
-		cfg.AdminUsers, _ = cmd.Flags().GetStringSlice("admin-users")
-		cfg.from("admin_users", "flag")
-	}
-	if v, ok := os.LookupEnv("PGFENCE_STATS_USERS"); ok {
-		cfg.StatsUsers = splitList(v)
-		cfg.from("stats_users", "env")
-	}
-	if f := cmd.Flags().Lookup("stats-users"); f != nil && f.Changed {
-		cfg.StatsUsers, _ = cmd.Flags().GetStringSlice("stats-users")
-		cfg.from("stats_users", "flag")
-	}
-	if v, ok := os.LookupEnv("PGFENCE_CONSOLE_AUTH_FILE"); ok {
-		cfg.ConsoleAuthFile = v
-		cfg.from("console_auth_file", "env")
-	}
-	if f := cmd.Flags().Lookup("console-auth-file"); f != nil && f.Changed {
-		cfg.ConsoleAuthFile = f.Value.String()
-		cfg.from("console_auth_file", "flag")
-	}
-	if v, ok := os.LookupEnv("PGFENCE_METRICS_LISTEN"); ok {
-		cfg.MetricsListen = v
-		cfg.from("metrics_listen", "env")
-	}
-	if f := cmd.Flags().Lookup("metrics-listen"); f != nil && f.Changed {
-		cfg.MetricsListen = f.Value.String()
-		cfg.from("metrics_listen", "flag")
-	}
-	// The root flags' defaults come from the environment; they are
-	// recorded as "env" when the variable is set, "flag" when given.
-	for _, k := range []struct {
-		key string
-		dst *string
-	}{{"log-level", &cfg.LogLevel}, {"log-format", &cfg.LogFormat}} {
-		if v, ok := os.LookupEnv("PGFENCE_" + envName(k.key)); ok {
-			*k.dst = v
-			cfg.from(k.key, "env")
-		}
-		if f := cmd.Flag(k.key); f != nil && f.Changed {
-			*k.dst = f.Value.String()
-			cfg.from(k.key, "flag")
-		}
-	}
-	if cfg.LogLevel == "" {
-		cfg.LogLevel = "info"
-	}
-	if _, err := zapcore.ParseLevel(cfg.LogLevel); err != nil {
-		return fmt.Errorf("log level: %w", err)
-	}
-	if cfg.LogFormat == "" {
-		cfg.LogFormat = "auto"
-	}
-	if _, err := logFormat(cfg.LogFormat, false, nil); err != nil {
-		return err
-	}
-	return nil
-}
-
-func splitList(v string) []string {
-	var out []string
-	for _, s := range strings.Split(v, ",") {
-		if s = strings.TrimSpace(s); s != "" {
-			out = append(out, s)
-		}
-	}
-	return out
-}
 
 // extraSettings are the settings SHOW CONFIG shows besides the proxy's.
 func (c serveConfig) extraSettings() []proxy.Setting {

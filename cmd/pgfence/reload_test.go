@@ -206,7 +206,7 @@ func TestReloadFailureIsOneLine(t *testing.T) {
 		t.Fatal(err)
 	}
 	var logs lockedBuffer
-	log, level, err := serveLogger("info", "text", false, &logs)
+	log, level, err := buildLogger("info", "text", false, &logs)
 	if err != nil {
 		t.Fatal(err)
 	}
