@@ -48,64 +48,58 @@ func newLeaseCmd() *cobra.Command {
 	})
 	db.addFlag(cmd.PersistentFlags())
 
-	var job string
-	var token int64
-	var ttl time.Duration
-	jobFlag := func(c *cobra.Command) {
+	var (
+		job   string
+		token int64
+		ttl   time.Duration
+		force bool
+	)
+	// leaseCmd is a command on the lease of the job --job names: no
+	// arguments, key=value output (leaseOutput says how to use it).
+	leaseCmd := func(use, short, long string, run func(ctx context.Context, conn *pgx.Conn) (output, error)) *cobra.Command {
+		c := &cobra.Command{Use: use, Short: short, Long: long + leaseOutput, Args: cobra.NoArgs,
+			RunE: db.runE(func(ctx context.Context, conn *pgx.Conn, _ []string) (output, error) { return run(ctx, conn) })}
 		c.Flags().StringVar(&job, "job", "", "job key (required)")
 		c.MarkFlagRequired("job")
+		return c
 	}
 	tokenFlag := func(c *cobra.Command) {
 		c.Flags().Int64Var(&token, "token", 0, "fencing token held (required)")
 		c.MarkFlagRequired("token")
 	}
 
-	renew := &cobra.Command{
-		Use:   "renew --job K --token T [--ttl 30s]",
-		Short: "Extend the lease held with a token",
-		Long:  "Extend the lease held with a token by --ttl from now.\n" + leaseOutput,
-		Args:  cobra.NoArgs,
-		RunE: db.runE(func(ctx context.Context, conn *pgx.Conn, _ []string) (output, error) {
+	renew := leaseCmd("renew --job K --token T [--ttl 30s]", "Extend the lease held with a token",
+		"Extend the lease held with a token by --ttl from now.\n",
+		func(ctx context.Context, conn *pgx.Conn) (output, error) {
 			exp, err := fence.Renew(ctx, conn, job, token, ttl)
 			if err != nil {
 				return output{}, err
 			}
 			return keyValues(field{"job_key", job}, field{"token", token}, field{"expires_at", exp}), nil
-		}),
-	}
-	jobFlag(renew)
+		})
 	tokenFlag(renew)
 	renew.Flags().Var(newDuration(&ttl, 30*time.Second), "ttl", "lease duration, e.g. 30s, 5m, 1d")
 
-	release := &cobra.Command{
-		Use:   "release --job K --token T",
-		Short: "End the lease held with a token now",
-		Long:  "End the lease held with a token now. The token stays current until the next acquire.\n" + leaseOutput,
-		Args:  cobra.NoArgs,
-		RunE: db.runE(func(ctx context.Context, conn *pgx.Conn, _ []string) (output, error) {
+	release := leaseCmd("release --job K --token T", "End the lease held with a token now",
+		"End the lease held with a token now. The token stays current until the next acquire.\n",
+		func(ctx context.Context, conn *pgx.Conn) (output, error) {
 			if err := fence.Release(ctx, conn, job, token); err != nil {
 				return output{}, err
 			}
 			return keyValues(field{"job_key", job}, field{"released", true}), nil
-		}),
-	}
-	jobFlag(release)
+		})
 	tokenFlag(release)
 
-	var force bool
-	retire := &cobra.Command{
-		Use:   "retire --job K [--token T | --force]",
-		Short: "Close the job's current epoch",
-		Long: `Close the job's current epoch: its lease ends, requests naming the epoch get
+	retire := leaseCmd("retire --job K [--token T | --force]", "Close the job's current epoch",
+		`Close the job's current epoch: its lease ends, requests naming the epoch get
 FN004 forever, and the next acquire opens a new epoch with a larger token.
 
 With --token, the holder ends its own job: the token must be the job's
 current one and the connection's role the one that acquired it. Without a
 token, only a member of pgfence_bypass (or a superuser) may retire, and a
 live lease is refused (exit 75) unless --force.
-` + leaseOutput,
-		Args: cobra.NoArgs,
-		RunE: db.runE(func(ctx context.Context, conn *pgx.Conn, _ []string) (output, error) {
+`,
+		func(ctx context.Context, conn *pgx.Conn) (output, error) {
 			if err := fence.Retire(ctx, conn, job, fence.RetireOptions{Token: token, Force: force}); err != nil {
 				if fence.IsLeaseHeld(err) && !force {
 					err = fmt.Errorf("%w\nthe lease is live: pass --force to end it and retire the job anyway", err)
@@ -113,9 +107,7 @@ live lease is refused (exit 75) unless --force.
 				return output{}, err
 			}
 			return keyValues(field{"job_key", job}, field{"retired", true}), nil
-		}),
-	}
-	jobFlag(retire)
+		})
 	retire.Flags().Int64Var(&token, "token", 0, "your own current fencing token (the holder retiring its job)")
 	retire.Flags().BoolVar(&force, "force", false, "without --token: also end a live lease")
 

@@ -46,12 +46,19 @@ func (s *leases) db(ctx context.Context) (*pgx.Conn, error) {
 
 // close closes the connection, if any.
 func (s *leases) close() {
-	if s.conn != nil {
-		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
-		s.conn.Close(ctx)
-		cancel()
-		s.conn = nil
+	closeConn(s.conn)
+	s.conn = nil
+}
+
+// closeConn closes c, if any, giving the server a second to hear the
+// Terminate.
+func closeConn(c *pgx.Conn) {
+	if c == nil {
+		return
 	}
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	defer cancel()
+	c.Close(ctx)
 }
 
 func (s *leases) acquire(ctx context.Context, jobKey, holder string, ttl time.Duration) (held, error) {

@@ -129,13 +129,7 @@ func watchedAcquire(ctx context.Context, db *pgx.Conn, cfg *pgx.ConnConfig, log 
 	}()
 
 	var watcher *pgx.Conn
-	defer func() {
-		if watcher != nil {
-			cctx, cc := context.WithTimeout(context.Background(), time.Second)
-			watcher.Close(cctx)
-			cc()
-		}
-	}()
+	defer func() { closeConn(watcher) }()
 	look := func() []Blocker {
 		lctx, lc := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
 		defer lc()
