@@ -228,13 +228,11 @@ func Run(ctx context.Context, cfg Config, log *zap.Logger) (int, error) {
 	if err := cfg.setDefaults(); err != nil {
 		return ExitUsage, err
 	}
-	log = log.With(zap.String("job_key", cfg.JobKey), zap.String("holder", cfg.Holder))
-	store, err := newLeases(cfg, log)
+	r, err := newRun(cfg, log)
 	if err != nil {
 		return ExitUsage, err
 	}
-	defer store.close()
-	r := &run{cfg: cfg, log: log, store: store}
+	defer r.store.close()
 	return r.run(ctx)
 }
 
@@ -248,13 +246,11 @@ func Acquire(ctx context.Context, cfg Config, log *zap.Logger) (fence.Lease, int
 	if err := cfg.setAcquireDefaults(); err != nil {
 		return fence.Lease{}, ExitUsage, err
 	}
-	log = log.With(zap.String("job_key", cfg.JobKey), zap.String("holder", cfg.Holder))
-	store, err := newLeases(cfg, log)
+	r, err := newRun(cfg, log)
 	if err != nil {
 		return fence.Lease{}, ExitUsage, err
 	}
-	defer store.close()
-	r := &run{cfg: cfg, log: log, store: store}
+	defer r.store.close()
 	l, err := r.acquire(ctx)
 	if err != nil {
 		return fence.Lease{}, acquireExitCode(err), err
@@ -262,7 +258,9 @@ func Acquire(ctx context.Context, cfg Config, log *zap.Logger) (fence.Lease, int
 	return l.Lease, 0, nil
 }
 
-func newLeases(cfg Config, log *zap.Logger) (*leases, error) {
+// newRun is a run of cfg (its defaults set) with its lease store; the
+// caller closes the store.
+func newRun(cfg Config, log *zap.Logger) (*run, error) {
 	connCfg := cfg.ConnConfig
 	if connCfg == nil {
 		var err error
@@ -270,7 +268,8 @@ func newLeases(cfg Config, log *zap.Logger) (*leases, error) {
 			return nil, fmt.Errorf("parse database connection string: %w", err)
 		}
 	}
-	return &leases{cfg: connCfg, log: log, lockTimeout: cfg.LockTimeout}, nil
+	log = log.With(zap.String("job_key", cfg.JobKey), zap.String("holder", cfg.Holder))
+	return &run{cfg: cfg, log: log, store: &leases{cfg: connCfg, log: log, lockTimeout: cfg.LockTimeout}}, nil
 }
 
 // acquireExitCode is the exit code for an acquisition that failed with err.
