@@ -9,7 +9,6 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -104,31 +103,12 @@ func TestEveryCommandHasTheCommonFlags(t *testing.T) {
 
 // The exit code table: one case per row, with what stdout and stderr say.
 func TestExitCodes(t *testing.T) {
-	ctx := context.Background()
-	dsn := cluster.Primary.DSN(cluster.NewDatabase(t))
-	bare, err := cluster.CreateDatabase(ctx, "cli_no_schema")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { cluster.DropDatabase(context.Background(), bare) })
-	admin, err := cluster.Primary.Connect(ctx, bare)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := admin.Exec(ctx, "drop schema fence cascade"); err != nil {
-		t.Fatal(err)
-	}
-	admin.Close(ctx)
+	db := cluster.NewDatabase(t)
+	dsn := cluster.Primary.DSN(db)
+	bare := cluster.NewDatabase(t)
+	mustExec(t, connect(t, bare), "drop schema fence cascade")
 	// A role without pgfence_worker.
-	conn, err := pgx.Connect(ctx, dsn)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close(ctx)
-	if _, err := conn.Exec(ctx, "drop role if exists cli_nobody; create role cli_nobody login"); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { conn.Exec(context.Background(), "drop owned by cli_nobody; drop role cli_nobody") })
+	createRole(t, connect(t, db), "cli_nobody", "")
 	nobody := strings.Replace(dsn, "postgres@", "cli_nobody@", 1)
 	held := mustRun(t, "lease", "acquire", "--database", dsn, "--job", "held", "--holder", "alice")
 	heldToken := kv(t, held)["token"]
@@ -207,16 +187,9 @@ func TestHolderDefault(t *testing.T) {
 
 // --json on every command prints one JSON document on stdout.
 func TestJSONOutput(t *testing.T) {
-	ctx := context.Background()
-	dsn := cluster.Primary.DSN(cluster.NewDatabase(t))
-	conn, err := pgx.Connect(ctx, dsn)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close(ctx)
-	if _, err := conn.Exec(ctx, "create table results (job_key text primary key, payload text, token bigint)"); err != nil {
-		t.Fatal(err)
-	}
+	db := cluster.NewDatabase(t)
+	dsn := cluster.Primary.DSN(db)
+	mustExec(t, connect(t, db), "create table results (job_key text primary key, payload text, token bigint)")
 	var a struct {
 		JobKey string `json:"job_key"`
 		Token  int64  `json:"token"`
@@ -250,7 +223,6 @@ func TestJSONOutput(t *testing.T) {
 }
 
 func TestLeaseListAndShow(t *testing.T) {
-	ctx := context.Background()
 	db := cluster.NewDatabase(t)
 	dsn := cluster.Primary.DSN(db)
 	if out := mustRun(t, "lease", "list", "--database", dsn); !strings.Contains(out, "no jobs") {
@@ -287,15 +259,7 @@ func TestLeaseListAndShow(t *testing.T) {
 	}
 	// An application role (pgfence_worker) cannot read the issuance log:
 	// the rest is shown without the time held.
-	conn, err := pgx.Connect(ctx, dsn)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close(ctx)
-	if _, err := conn.Exec(ctx, "drop role if exists cli_worker; create role cli_worker login in role pgfence_worker"); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { conn.Exec(context.Background(), "drop role cli_worker") })
+	createRole(t, connect(t, db), "cli_worker", "in role pgfence_worker")
 	out = mustRun(t, "lease", "show", "nightly", "--json", "--database", strings.Replace(dsn, "postgres@", "cli_worker@", 1))
 	li = leaseInfo{}
 	if err := json.Unmarshal([]byte(out), &li); err != nil || li.State != "held" || li.Holder != "alice" || li.HeldSince != nil {
@@ -316,12 +280,8 @@ func TestLeaseAcquireNamesTheBlockingSession(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer blocker.Close(ctx)
-	if _, err := blocker.Exec(ctx, "begin"); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := blocker.Exec(ctx, "select 1 from fence.fences where job_key = 'nightly' for update"); err != nil {
-		t.Fatal(err)
-	}
+	mustExec(t, blocker, "begin")
+	mustExec(t, blocker, "select 1 from fence.fences where job_key = 'nightly' for update")
 	pid := blocker.PgConn().PID()
 	code, stdout, stderr := pgfenceExit(t, nil, "lease", "acquire", "--database", dsn, "--job", "nightly", "--holder", "bob", "--lock-timeout", "2s", "--log-format", "text")
 	if code != exitTempFail || stdout != "" {
@@ -332,32 +292,6 @@ func TestLeaseAcquireNamesTheBlockingSession(t *testing.T) {
 			t.Errorf("stderr lacks %q:\n%s", want, stderr)
 		}
 	}
-}
-
-var (
-	binOnce sync.Once
-	binPath string
-	binErr  error
-)
-
-// pgfenceBinary builds the pgfence binary once per test run.
-func pgfenceBinary(t *testing.T) string {
-	t.Helper()
-	binOnce.Do(func() {
-		dir, err := os.MkdirTemp("", "pgfence-cli-bin")
-		if err != nil {
-			binErr = err
-			return
-		}
-		binPath = filepath.Join(dir, "pgfence")
-		if out, err := exec.Command("go", "build", "-o", binPath, ".").CombinedOutput(); err != nil {
-			binErr = fmt.Errorf("go build: %v\n%s", err, out)
-		}
-	})
-	if binErr != nil {
-		t.Fatal(binErr)
-	}
-	return binPath
 }
 
 // The script idiom the docs give stops at a lease that is not ours; the

@@ -67,11 +67,7 @@ func TestDevWalkthrough(t *testing.T) {
 		}
 	}
 	dir := t.TempDir()
-	bin := filepath.Join(dir, "pgfence")
-	build := exec.Command("go", "build", "-o", bin, ".")
-	if out, err := build.CombinedOutput(); err != nil {
-		t.Fatalf("go build: %v\n%s", err, out)
-	}
+	bin := pgfenceBinary(t)
 
 	before := pgtestDirs(t)
 
@@ -410,25 +406,6 @@ func (q *shellQuote) feed(line string) {
 	}
 }
 
-// cleanEnv is the test's environment without libpq or psql settings, plus
-// extra.
-func cleanEnv(extra []string) []string {
-	drop := map[string]bool{"PSQLRC": true}
-	for _, kv := range extra {
-		k, _, _ := strings.Cut(kv, "=")
-		drop[k] = true
-	}
-	var env []string
-	for _, kv := range os.Environ() {
-		k, _, _ := strings.Cut(kv, "=")
-		if strings.HasPrefix(k, "PG") || drop[k] {
-			continue
-		}
-		env = append(env, kv)
-	}
-	return append(env, extra...)
-}
-
 func hostPort(t *testing.T, dsn string) string {
 	t.Helper()
 	u, err := url.Parse(dsn)
@@ -513,8 +490,8 @@ func TestDevPortInUse(t *testing.T) {
 	}
 	defer ln.Close()
 	addr := ln.Addr().String()
-	_, port, _ := net.SplitHostPort(addr)
-	next := strconv.Itoa(mustAtoi(t, port) + 1)
+	port := strconv.Itoa(ln.Addr().(*net.TCPAddr).Port)
+	next := strconv.Itoa(ln.Addr().(*net.TCPAddr).Port + 1)
 	before := pgtestDirs(t)
 	code, stdout, stderr := pgfenceExit(t, nil, "dev", "--listen", addr)
 	if code != exitUnavailable || stdout != "" {
@@ -546,13 +523,4 @@ func TestDevPortInUse(t *testing.T) {
 	if strings.Contains(string(out), "building") {
 		t.Errorf("scripts/dev.sh built before finding the port busy:\n%s", out)
 	}
-}
-
-func mustAtoi(t *testing.T, s string) int {
-	t.Helper()
-	n, err := strconv.Atoi(s)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return n
 }

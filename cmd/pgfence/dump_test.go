@@ -103,21 +103,8 @@ func newDumpEnv(t *testing.T) *dumpEnv {
 	// A name of its own, outside the package's t<N>_ databases, so that
 	// pg_dumpall can be told to dump it alone.
 	src := "pgfence_dumpsrc"
-	admin, err := cluster.Primary.Connect(ctx, "postgres")
-	if err != nil {
-		t.Fatal(err)
-	}
-	_, err = admin.Exec(ctx, "CREATE DATABASE "+src+" TEMPLATE pgfence_template")
-	admin.Close(context.Background())
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { cluster.DropDatabase(context.Background(), src) })
-	conn, err := cluster.Primary.Connect(ctx, src)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close(context.Background())
+	createDatabase(t, cluster, src, "pgfence_template")
+	conn := connect(t, src)
 	if _, err := conn.Exec(ctx, dumpSource); err != nil {
 		t.Fatal(err)
 	}
@@ -191,27 +178,6 @@ func lastLinesOf(s string, n int) string {
 	return strings.Join(lines, "\n")
 }
 
-// emptyDatabase creates a database from template0 for a restore, dropped
-// when t ends.
-func emptyDatabase(t *testing.T, name string) string {
-	t.Helper()
-	ctx := context.Background()
-	admin, err := cluster.Primary.Connect(ctx, "postgres")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer admin.Close(ctx)
-	if _, err := admin.Exec(ctx, fmt.Sprintf("CREATE DATABASE %q TEMPLATE template0", name)); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		if err := cluster.DropDatabase(context.Background(), name); err != nil {
-			t.Logf("drop %s: %v", name, err)
-		}
-	})
-	return name
-}
-
 // restrictKey is the random key of psql's \restrict and \unrestrict that
 // pg_dump writes into a plain dump (since 15.14): different in every run.
 var restrictKey = regexp.MustCompile(`(?m)^\\(un)?restrict [A-Za-z0-9]+$`)
@@ -226,19 +192,17 @@ func diff(what, direct, proxied string) error {
 		return nil
 	}
 	d, p := strings.Split(direct, "\n"), strings.Split(proxied, "\n")
-	for i := 0; i < len(d) || i < len(p); i++ {
-		var dl, pl string
-		if i < len(d) {
-			dl = d[i]
-		}
-		if i < len(p) {
-			pl = p[i]
-		}
-		if dl != pl {
-			return fmt.Errorf("%s differs at line %d (%d lines direct, %d through the proxy):\n  direct: %.300q\n  proxy:  %.300q", what, i+1, len(d), len(p), dl, pl)
-		}
+	i := 0
+	for i < len(d) && i < len(p) && d[i] == p[i] {
+		i++
 	}
-	return fmt.Errorf("%s differs", what)
+	line := func(lines []string) string {
+		if i < len(lines) {
+			return lines[i]
+		}
+		return ""
+	}
+	return fmt.Errorf("%s differs at line %d (%d lines direct, %d through the proxy):\n  direct: %.300q\n  proxy:  %.300q", what, i+1, len(d), len(p), line(d), line(p))
 }
 
 // archiveCreated is the one timestamp of an archive's TOC listing.
@@ -358,7 +322,9 @@ func TestDumpRestoreThroughProxy(t *testing.T) {
 			for _, r := range restores {
 				t.Run(r.name, func(t *testing.T) {
 					base := strings.ToLower(strings.ReplaceAll(sess.name+"_"+r.name, "-", "_"))
-					dd, pd := emptyDatabase(t, "rd_"+base), emptyDatabase(t, "rp_"+base)
+					dd, pd := "rd_"+base, "rp_"+base
+					createDatabase(t, cluster, dd, "template0")
+					createDatabase(t, cluster, pd, "template0")
 					wantOut, wantErr, err := e.run(direct, r.prog, r.args(dd)...)
 					if err != nil {
 						t.Fatal(err)

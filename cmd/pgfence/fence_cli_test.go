@@ -4,93 +4,19 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
-	"errors"
 	"strconv"
 	"strings"
 	"testing"
 	"time"
 )
 
-// pgfence runs the CLI in-process and returns stdout and the error,
-// classified as the process would exit with it.
-func pgfence(t *testing.T, args ...string) (string, error) {
-	t.Helper()
-	t.Setenv("PGFENCE_DATABASE_URL", "")
-	t.Setenv("DATABASE_URL", "")
-	root := newRootCmd()
-	var out, errOut bytes.Buffer
-	root.SetArgs(args)
-	root.SetOut(&out)
-	root.SetErr(&errOut)
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	err := runRoot(ctx, root)
-	return out.String(), err
-}
-
-// pgfenceExit runs the CLI in-process as main does: it returns the exit
-// code, stdout and stderr.
-func pgfenceExit(t *testing.T, env map[string]string, args ...string) (int, string, string) {
-	t.Helper()
-	t.Setenv("PGFENCE_DATABASE_URL", "")
-	t.Setenv("DATABASE_URL", "")
-	for k, v := range env {
-		t.Setenv(k, v)
-	}
-	var out, errOut bytes.Buffer
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	code := execute(ctx, args, &out, &errOut)
-	return code, out.String(), errOut.String()
-}
-
-func mustRun(t *testing.T, args ...string) string {
-	t.Helper()
-	out, err := pgfence(t, args...)
-	if err != nil {
-		t.Fatalf("pgfence %s: %v", strings.Join(args, " "), err)
-	}
-	return out
-}
-
-func kv(t *testing.T, out string) map[string]string {
-	t.Helper()
-	m := map[string]string{}
-	for _, line := range strings.Split(strings.TrimSpace(out), "\n") {
-		k, v, ok := strings.Cut(line, "=")
-		if !ok {
-			t.Fatalf("output line %q is not key=value", line)
-		}
-		m[k] = v
-	}
-	return m
-}
-
-func wantExit(t *testing.T, err error, code int) {
-	t.Helper()
-	var ee *exitError
-	if !errors.As(err, &ee) || ee.code != code {
-		t.Fatalf("got %v, want exit code %d", err, code)
-	}
-}
-
 func TestFenceCLI(t *testing.T) {
 	ctx := context.Background()
 	// migrate runs on a database without the schema.
-	name, err := cluster.CreateDatabase(ctx, "cli_migrate")
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { cluster.DropDatabase(context.Background(), name) })
-	admin, err := cluster.Primary.Connect(ctx, name)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer admin.Close(ctx)
+	name := cluster.NewDatabase(t)
+	admin := connect(t, name)
 	// The template is migrated; drop and re-migrate to see the first run.
-	if _, err := admin.Exec(ctx, "drop schema fence cascade; drop table public.pgfence_schema_version"); err != nil {
-		t.Fatal(err)
-	}
+	mustExec(t, admin, "drop schema fence cascade; drop table public.pgfence_schema_version")
 	dsn := cluster.Primary.DSN(name)
 	if out := mustRun(t, "migrate", "--database", dsn); !strings.Contains(out, "migrated from version 0 to") {
 		t.Fatalf("migrate: %q", out)
@@ -111,14 +37,12 @@ func TestFenceCLI(t *testing.T) {
 		}
 	})
 
-	if _, err := admin.Exec(ctx, "create table results (job_key text primary key, payload text, token bigint)"); err != nil {
-		t.Fatal(err)
-	}
+	mustExec(t, admin, "create table results (job_key text primary key, payload text, token bigint)")
 	if out := mustRun(t, "protect", "add", "results", "--database", dsn); !strings.Contains(out, "protected results") {
 		t.Fatalf("protect add: %q", out)
 	}
 	mustRun(t, "protect", "add", "results", "--database", dsn) // no-op
-	_, err = pgfence(t, "protect", "add", "no_such_table", "--database", dsn)
+	_, err := pgfence(t, "protect", "add", "no_such_table", "--database", dsn)
 	if err == nil || !strings.Contains(err.Error(), "does not exist") {
 		t.Fatalf("protect a missing table: %v", err)
 	}
@@ -150,9 +74,7 @@ func TestFenceCLI(t *testing.T) {
 	if r["token"] != a["token"] {
 		t.Fatalf("renew output: %v", r)
 	}
-	if _, err := admin.Exec(ctx, "update fence.leases set expires_at = now() - interval '1 second'"); err != nil {
-		t.Fatal(err)
-	}
+	mustExec(t, admin, "update fence.leases set expires_at = now() - interval '1 second'")
 	var b struct {
 		Token int64 `json:"token"`
 		Epoch int64 `json:"epoch"`
@@ -169,12 +91,7 @@ func TestFenceCLI(t *testing.T) {
 	bt := strconv.FormatInt(b.Token, 10)
 
 	// bob writes a result with a receipt, then releases and retires.
-	conn, err := cluster.Primary.Connect(ctx, name)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close(ctx)
-	tx, err := conn.Begin(ctx)
+	tx, err := connect(t, name).Begin(ctx)
 	if err != nil {
 		t.Fatal(err)
 	}

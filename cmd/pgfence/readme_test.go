@@ -2,7 +2,6 @@ package main
 
 import (
 	"context"
-	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -88,20 +87,8 @@ func TestReadmeQuickstart(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer c.Close()
-	admin, err := c.Primary.Connect(ctx, "postgres")
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := admin.Exec(ctx, "CREATE DATABASE app"); err != nil {
-		t.Fatal(err)
-	}
-	admin.Close(ctx)
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	listen := ln.Addr().String()
-	ln.Close()
+	createDatabase(t, c, "app", "")
+	listen := freeAddr(t)
 
 	home := t.TempDir()
 	// PATH without any pgfence already installed: the README must install it.

@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"net"
 	"net/http"
 	"os"
 	"os/exec"
@@ -25,16 +24,6 @@ import (
 	"github.com/pgfence/pgfence/internal/pgtest"
 )
 
-func freeAddr(t *testing.T) string {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	return ln.Addr().String()
-}
-
 // TestReloadOnSIGHUP runs `pgfence serve` from a config file, changes the
 // file, sends SIGHUP and sees the new max_clients, admin users and log
 // level apply, and the listen address reported as needing a restart.
@@ -42,7 +31,7 @@ func TestReloadOnSIGHUP(t *testing.T) {
 	addr, metrics := freeAddr(t), freeAddr(t)
 	file := filepath.Join(t.TempDir(), "pgfence.toml")
 	consoleUsers := consoleUsersFile(t, "admin", "ops", "nobody") // ops's password: ops-pw
-	write := func(maxClients int, admins, level string) {
+	write := func(listen string, maxClients int, admins, level string) {
 		t.Helper()
 		if err := os.WriteFile(file, []byte(fmt.Sprintf(`
 listen = %q
@@ -53,11 +42,11 @@ max_clients = %d
 admin_users = [%s]
 console_auth_file = %q
 log_level = %q
-`, addr, cluster.Primary.DSN("postgres"), metrics, maxClients, admins, consoleUsers, level)), 0o600); err != nil {
+`, listen, cluster.Primary.DSN("postgres"), metrics, maxClients, admins, consoleUsers, level)), 0o600); err != nil {
 			t.Fatal(err)
 		}
 	}
-	write(1, `"admin"`, "info")
+	write(addr, 1, `"admin"`, "info")
 	cmd := newServeCmd()
 	cmd.Flags().String("log-level", "info", "")
 	if err := cmd.ParseFlags([]string{"--config", file}); err != nil {
@@ -112,7 +101,7 @@ log_level = %q
 		t.Fatalf("metrics: want one 53300 refusal in\n%s", body)
 	}
 
-	write(5, `"admin", "ops"`, "debug")
+	write(addr, 5, `"admin", "ops"`, "debug")
 	if err := syscall.Kill(os.Getpid(), syscall.SIGHUP); err != nil {
 		t.Fatal(err)
 	}
@@ -127,10 +116,7 @@ log_level = %q
 
 	// The console: ops is an admin now; RELOAD reports a listen change
 	// as needing a restart.
-	write(5, `"admin", "ops"`, "debug")
-	if err := os.WriteFile(file, []byte(strings.Replace(mustRead(t, file), addr, "127.0.0.1:1", 1)), 0o600); err != nil {
-		t.Fatal(err)
-	}
+	write("127.0.0.1:1", 5, `"admin", "ops"`, "debug")
 	psql := exec.CommandContext(tctx, "psql", "-X", "-At", "-F", "|", "-c", "RELOAD", "-c", "SHOW CONFIG_SOURCES", dsn("ops", "pgfence"))
 	psql.Env = append(os.Environ(), "PGPASSWORD=ops-pw")
 	out, err := psql.CombinedOutput()
@@ -159,15 +145,6 @@ log_level = %q
 	if _, err := pgconn.Connect(tctx, dsn("admin", "pgfence")); !errors.As(err, &pg) || pg.Code != "28P01" {
 		t.Errorf("console user without a password: got %v, want 28P01", err)
 	}
-}
-
-func mustRead(t *testing.T, path string) string {
-	t.Helper()
-	b, err := os.ReadFile(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return string(b)
 }
 
 // textEntry is the start of a text log line: time, level, message.

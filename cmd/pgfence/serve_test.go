@@ -5,7 +5,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"net"
 	"os"
 	"path/filepath"
 	"strings"
@@ -80,9 +79,7 @@ func TestPasswdAndServeSCRAM(t *testing.T) {
 	users := filepath.Join(t.TempDir(), "users.txt")
 	os.WriteFile(users, out.Bytes(), 0o600)
 
-	ln, _ := net.Listen("tcp", "127.0.0.1:0")
-	addr := ln.Addr().String()
-	ln.Close()
+	addr := freeAddr(t)
 	db := cluster.NewDatabase(t)
 	ctx, stop := context.WithCancel(context.Background())
 	done := make(chan error, 1)
