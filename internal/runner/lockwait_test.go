@@ -10,6 +10,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"go.uber.org/zap"
+	"go.uber.org/zap/zaptest/observer"
 
 	"github.com/pgfence/pgfence/fence"
 )
@@ -38,15 +39,22 @@ func (f *fixture) holdFenceRow(job string) (*pgx.Conn, uint32) {
 	return c, c.PgConn().PID()
 }
 
+// bobsAcquire is the configuration of bob's acquire of job, and the logger
+// it logs to with an observer of its entries.
+func (f *fixture) bobsAcquire(job string) (Config, *zap.Logger, *observer.ObservedLogs) {
+	cfg := f.config(job)
+	cfg.Holder = "bob"
+	log, logs := observed(f.t)
+	return cfg, log, logs
+}
+
 // An acquire blocked by an open transaction on the job's fence row says
 // so, naming the blocking session, and gives up after LockTimeout naming
 // it again; nothing was acquired.
 func TestAcquireNamesTheBlockingSession(t *testing.T) {
 	f := newFixture(t)
 	_, pid := f.holdFenceRow("nightly-report")
-	log, logs := observed(t)
-	cfg := f.config("nightly-report")
-	cfg.Holder = "bob"
+	cfg, log, logs := f.bobsAcquire("nightly-report")
 	cfg.LockTimeout = 3 * time.Second
 	start := time.Now()
 	_, code, err := Acquire(context.Background(), cfg, log)
@@ -77,9 +85,7 @@ func TestAcquireNamesTheBlockingSession(t *testing.T) {
 func TestAcquireWaitsForTheBlockingTransaction(t *testing.T) {
 	f := newFixture(t)
 	blocker, pid := f.holdFenceRow("nightly-report")
-	log, logs := observed(t)
-	cfg := f.config("nightly-report")
-	cfg.Holder = "bob"
+	cfg, log, logs := f.bobsAcquire("nightly-report")
 	type res struct {
 		l    fence.Lease
 		code int
