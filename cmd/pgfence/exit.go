@@ -3,7 +3,8 @@ package main
 // Errors and the exit code table every command shares (docs/cli.md, "Exit
 // codes"): a command's RunE returns its errors as they are; execute
 // classifies them by the table and prints them on stderr, as text or, with
-// --json, as one JSON object.
+// --json, as one JSON object. runnerExit and listenError are the table's
+// two refinements: the runner's own codes, and an address in use.
 
 import (
 	"context"
@@ -12,7 +13,9 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"strconv"
 	"strings"
+	"syscall"
 
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/spf13/cobra"
@@ -216,16 +219,36 @@ func runRoot(ctx context.Context, root *cobra.Command) error {
 	return usage
 }
 
-// groupCmd is a command that only holds subcommands: bare, it prints its
-// help; with an unknown subcommand it is a usage error.
-func groupCmd(c *cobra.Command) *cobra.Command {
-	c.Args = cobra.ArbitraryArgs
-	c.RunE = func(cmd *cobra.Command, args []string) error {
-		if len(args) > 0 {
-			return &exitError{code: exitUsage, msg: fmt.Sprintf("unknown command %q for %q", args[0], cmd.CommandPath()),
-				hint: fmt.Sprintf("run '%s --help' for usage", cmd.CommandPath())}
-		}
-		return cmd.Help()
+// runnerExit is the exit error for a runner failure: the runner's code,
+// except that ExitInternal is refined by the exit code table.
+func runnerExit(code int, err error) *exitError {
+	ee := exitWith(err)
+	if code != runner.ExitInternal {
+		ee.code = code
 	}
-	return c
+	return ee
+}
+
+// listenError says which address is busy and how to pick another.
+func listenError(addr, flag string, err error) error {
+	ee := exitWith(fmt.Errorf("listen on %s: %w", addr, err))
+	ee.code = exitUnavailable
+	if errors.Is(err, syscall.EADDRINUSE) {
+		ee.msg = fmt.Sprintf("listen on %s: the address is in use by another process", addr)
+		ee.hint = fmt.Sprintf("stop that process (ss -ltnp shows it), or pick another address: %s %s (port 0 picks a free one)", flag, nextPort(addr))
+	}
+	return ee
+}
+
+// nextPort is addr with its port plus one.
+func nextPort(addr string) string {
+	host, port, err := net.SplitHostPort(addr)
+	if err != nil {
+		return addr
+	}
+	n, err := strconv.Atoi(port)
+	if err != nil || n == 0 || n >= 65535 {
+		return addr
+	}
+	return net.JoinHostPort(host, strconv.Itoa(n+1))
 }

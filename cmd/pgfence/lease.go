@@ -154,16 +154,6 @@ open forever (a stopped worker, an idle psql) shows there.
 	return cmd
 }
 
-// runnerExit is the exit error for a runner failure: the runner's code,
-// except that ExitInternal is refined by the exit code table.
-func runnerExit(code int, err error) *exitError {
-	ee := exitWith(err)
-	if code != runner.ExitInternal {
-		ee.code = code
-	}
-	return ee
-}
-
 // leaseInfo is one job's fence and lease, as lease list and lease show
 // print them.
 type leaseInfo struct {

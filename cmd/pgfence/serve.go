@@ -5,8 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"net"
-	"strconv"
-	"syscall"
 
 	"github.com/spf13/cobra"
 	"go.uber.org/zap"
@@ -137,28 +135,4 @@ func runServe(ctx context.Context, c serveConfig, log *zap.Logger) error {
 	}
 	log.Info("shut down")
 	return nil
-}
-
-// listenError says which address is busy and how to pick another.
-func listenError(addr, flag string, err error) error {
-	ee := exitWith(fmt.Errorf("listen on %s: %w", addr, err))
-	ee.code = exitUnavailable
-	if errors.Is(err, syscall.EADDRINUSE) {
-		ee.msg = fmt.Sprintf("listen on %s: the address is in use by another process", addr)
-		ee.hint = fmt.Sprintf("stop that process (ss -ltnp shows it), or pick another address: %s %s (port 0 picks a free one)", flag, nextPort(addr))
-	}
-	return ee
-}
-
-// nextPort is addr with its port plus one.
-func nextPort(addr string) string {
-	host, port, err := net.SplitHostPort(addr)
-	if err != nil {
-		return addr
-	}
-	n, err := strconv.Atoi(port)
-	if err != nil || n == 0 || n >= 65535 {
-		return addr
-	}
-	return net.JoinHostPort(host, strconv.Itoa(n+1))
 }
