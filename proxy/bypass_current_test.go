@@ -109,6 +109,28 @@ func bypassCurrent(t *testing.T) {
 			t.Fatalf("%d protected tables, want 1", n)
 		}
 	})
+	t.Run("no_fence_schema", func(t *testing.T) {
+		// A database without the fence schema: a fenced session's writes
+		// and opaque statements go as they are, with no receipt step
+		// (commit_if_written does not exist there: FN014 if one ran).
+		db := currentEmptyDatabase(t, cluster.Primary, "cur_noschema")
+		gate, p := currentProxy(t, cluster.Primary, false)
+		conn := connect(t, fmt.Sprintf("postgres://postgres@%s/%s?sslmode=disable", p.addr, db))
+		for _, sql := range []string{
+			"set fence.job_key = 'j'; set fence.epoch = 1; set fence.token = 1",
+			"create table cur_x (k int)",
+			"insert into cur_x values (1)",
+			"begin; do $$ begin insert into cur_x values (2); end $$; update cur_x set k = k + 10; commit",
+			"select count(*) from cur_x",
+		} {
+			if err := currentRun(t, conn, sql); err != nil {
+				t.Fatalf("%s: %v", sql, err)
+			}
+		}
+		if got := gate.Stats.Gated.Load() + gate.Stats.Committed.Load() + gate.Stats.Refused.Load(); got != 0 {
+			t.Fatalf("the gate acted %d times in a database without the fence schema", got)
+		}
+	})
 	t.Run("pg_dumpall_cluster", currentCluster)
 	t.Run("catalog_catches_up", currentCatchesUp)
 	t.Run("set_refuses", currentRefusals)
