@@ -42,6 +42,9 @@ type catalogs struct {
 	refresh time.Duration
 	// reads: read routing is on: load read sets and refresh them.
 	reads atomic.Bool
+	// deaf: watchers ignore pgfence_protected (tests: the gate must be
+	// correct without the notification).
+	deaf atomic.Bool
 
 	mu  sync.Mutex
 	dbs map[string]*catalog
@@ -80,6 +83,10 @@ type catalog struct {
 	// tracked: the database notifies DDL (ddlTrigger), so a read set can
 	// be kept current; without it reads is nil (every read protected).
 	tracked atomic.Bool
+	// schema: the database has the fence schema (fence.protected_tables),
+	// so a fenced transaction the gate cannot see into ends with
+	// commit_if_written even while prot is empty (fence_session.go).
+	schema atomic.Bool
 	// ddlSeen counts pgfence_protected notifications: a load that one
 	// arrived during read the catalog before that change.
 	ddlSeen atomic.Uint64
@@ -274,6 +281,9 @@ func (cs *catalogs) listen(c *catalog, loaded func()) error {
 			notesMu.Unlock()
 			return
 		}
+		if cs.deaf.Load() {
+			return
+		}
 		// The protected set or the catalog changed: until it is read
 		// again, every read is protected. pgconn calls this while it
 		// receives, on the watcher's goroutine, in the order of the
@@ -404,6 +414,7 @@ func (cs *catalogs) load(c *catalog, conn *pgconn.PgConn) error {
 			c.last = rd
 		}
 	}
+	c.schema.Store(has != "")
 	c.prot.Store(prot)
 	if c.ddlSeen.Load() != seen {
 		rd = nil // a change arrived while this load read: it may predate it

@@ -597,10 +597,18 @@ func (h *fenceSession) protectedWrite(st *rewrite.Stmt) bool {
 // maybeWrite reports whether st may write a protected table where the
 // gate cannot see (it is not one of protectedWrite's): a DO block, a
 // procedure, a function call, a write to a table whose triggers or rules
-// may write one. In a fenced session such a statement makes
-// the transaction tentative (session.Gate.Tentative). Callers hold h.mu.
+// may write one, or a write to a table the catalog does not list yet. In
+// a fenced session such a statement makes the transaction tentative
+// (session.Gate.Tentative). Callers hold h.mu.
+//
+// It asks whether the database has the fence schema, not whether the
+// catalog lists a protected table: a table protected since the catalog
+// was read (by any route, migration 010) already has its backstop, which
+// fences the write and marks the transaction; commit_if_written then
+// writes the receipt, and answers a retry as the gate answers a replay.
+// A database without the schema pays nothing.
 func (h *fenceSession) maybeWrite(st *rewrite.Stmt) bool {
-	if st == nil || h.cat.prot.Load().Len() == 0 {
+	if st == nil || !h.cat.schema.Load() {
 		return false
 	}
 	// A COPY FROM into another table is left out: a trigger of that table
