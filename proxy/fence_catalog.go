@@ -64,13 +64,11 @@ type catalog struct {
 	ctx  context.Context
 	stop context.CancelFunc
 
-	prot atomic.Pointer[rewrite.Protected]
-	// schema: the database has the fence schema (fence.protected_tables).
-	schema atomic.Bool
-	reads  atomic.Pointer[readSet] // nil: not known (every read may reach protected data)
-	last   *readSet                // the last set read (watcher goroutine), to skip unchanged ones
-	ready  chan struct{}           // closed after the first load (successful or not)
-	err    atomic.Pointer[error]
+	prot  atomic.Pointer[rewrite.Protected]
+	reads atomic.Pointer[readSet] // nil: not known (every read may reach protected data)
+	last  *readSet                // the last set read (watcher goroutine), to skip unchanged ones
+	ready chan struct{}           // closed after the first load (successful or not)
+	err   atomic.Pointer[error]
 	// gone: the database no longer exists; the watcher has stopped.
 	gone atomic.Bool
 	// live: the watcher is connected and has loaded, so takeovers are
@@ -398,7 +396,6 @@ func (cs *catalogs) load(c *catalog, conn *pgconn.PgConn) error {
 		}
 	}
 	prot := rewrite.NewProtected(rels)
-	c.schema.Store(has != "")
 	var rd *readSet
 	if cs.reads.Load() && prot.Len() > 0 {
 		tracked, reached, err := catalogMode(c.ctx, conn)
