@@ -133,6 +133,7 @@ func bypassCurrent(t *testing.T) {
 	})
 	t.Run("pg_dumpall_cluster", currentCluster)
 	t.Run("catalog_catches_up", currentCatchesUp)
+	t.Run("catalog_refresh_after_restore", currentRefreshAfterRestore)
 	t.Run("set_refuses", currentRefusals)
 	t.Run("internal_paths", currentInternalPaths)
 }
@@ -662,4 +663,36 @@ func currentToolOut(node *pgtest.Node, prog string, args ...string) (string, str
 	cmd.Stdout, cmd.Stderr = &stdout, &stderr
 	err := cmd.Run()
 	return stdout.String(), stderr.String(), err
+}
+
+// currentRefreshAfterRestore: a database restored whole under a proxy
+// that already has a session in it notifies nobody (the restore creates
+// its triggers after its data); the periodic refresh (CatalogRefresh)
+// brings the proxy's view up to date, and from then on the proxy refuses
+// the unfenced write itself. (Until then the backstop does:
+// pg_restore_full_into_empty.)
+func currentRefreshAfterRestore(t *testing.T) {
+	archive, role := currentSource(t)
+	db := currentEmptyDatabase(t, cluster.Primary, "cur_refresh")
+	gate, err := NewFence(FenceConfig{Primary: cluster.Primary.DSN("postgres"), CatalogRefresh: 100 * time.Millisecond}, zaptest.NewLogger(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(gate.Close)
+	p := startProxy(t, Config{Primary: cluster.Primary.DSN("postgres"), Interceptor: gate})
+	conn := connect(t, fmt.Sprintf("postgres://%s@%s/%s?sslmode=disable", role, p.addr, db))
+	c := gate.cats.lookup(db)
+	if c == nil || c.schema.Load() {
+		t.Fatalf("catalog of the empty database: %v (schema %v)", c, c != nil && c.schema.Load())
+	}
+	currentTool(t, cluster.Primary, "pg_restore", "-d", db, archive)
+	if err := pgtest.Poll(ctxT(t), func() (bool, error) { return c.schema.Load() && c.prot.Load().Len() > 0, nil }); err != nil {
+		t.Fatalf("the catalog never listed the restored tables (%d loads): %v", c.loads.Load(), err)
+	}
+	if err := currentRun(t, conn, "update cur_t set n = n + 1"); sqlState(err) != fence.CodeFencingRequired {
+		t.Fatalf("unfenced write: %v, want %s", err, fence.CodeFencingRequired)
+	}
+	if gate.Stats.Unfenced.Load() != 1 {
+		t.Fatalf("the proxy did not refuse the write itself (Unfenced %d)", gate.Stats.Unfenced.Load())
+	}
 }

@@ -62,7 +62,7 @@ type FenceConfig struct {
 	// fence_idle.go). Keep it under the shortest lease TTL. Zero means
 	// DefaultGateIdleTimeout (10s); negative means no bound.
 	GateIdleTimeout time.Duration
-	// CatalogRefresh is how often, with read routing, each watched
+	// CatalogRefresh is how often each watched
 	// database's catalog is re-read when nothing notified a change (see
 	// docs/reads.md). Zero means DefaultCatalogRefresh (5s).
 	CatalogRefresh time.Duration

@@ -35,15 +35,19 @@ import (
 type catalogs struct {
 	base *pgconn.Config // control connection settings (the primary DSN)
 	log  *zap.Logger
-	// refresh is how often a watcher reloads the catalog with read
-	// routing on (reads), whatever was notified: it notices within that
-	// time a DDL event trigger that was disabled or dropped (which
-	// notifies nobody) and a protected_tables change no function made.
+	// refresh is how often a watcher reloads the catalog whatever was
+	// notified: it notices within that time a DDL event trigger that was
+	// disabled or dropped (which notifies nobody), and a database
+	// restored whole under the proxy (a restore's triggers are created
+	// after its data, so nothing notifies). Correctness never waits for
+	// it: the backstop fences what the proxy does not know yet; the
+	// refresh only ends the time in which the proxy's answers are the
+	// backstop's (a retry's FN00R an error, not a notice).
 	refresh time.Duration
-	// reads: read routing is on: load read sets and refresh them.
+	// reads: read routing is on: load read sets.
 	reads atomic.Bool
-	// deaf: watchers ignore pgfence_protected (tests: the gate must be
-	// correct without the notification).
+	// deaf: watchers ignore pgfence_protected and do not refresh (tests:
+	// the gate must be correct without either).
 	deaf atomic.Bool
 
 	mu  sync.Mutex
@@ -54,7 +58,7 @@ type catalogs struct {
 	wg     sync.WaitGroup
 }
 
-// DefaultCatalogRefresh is how often, with read routing, a database's
+// DefaultCatalogRefresh is how often a database's
 // catalog is re-read when nothing notified a change.
 const DefaultCatalogRefresh = 5 * time.Second
 
@@ -340,7 +344,7 @@ func (cs *catalogs) listen(c *catalog, loaded func()) error {
 			}
 			continue
 		}
-		timedOut, err := c.wait(conn, cs.reads.Load(), cs.refresh)
+		timedOut, err := c.wait(conn, !cs.deaf.Load(), cs.refresh)
 		if err != nil {
 			return err
 		}
