@@ -195,20 +195,11 @@ func Gate(ctx context.Context, tx DBTX, g Generation) (GateResult, error) {
 // aborted, roll it back. A different payload gives CodeConflict; a fence
 // that moved on gives CodeStale (or CodeRetired, CodeExpired).
 func Commit(ctx context.Context, tx DBTX, g Generation, digest []byte, version string) (CommitResult, error) {
-	var res string
-	err := tx.QueryRow(ctx, "select fence.commit($1, $2, $3, $4, $5, $6)",
-		g.JobKey, g.Epoch, g.Token, g.Step, digest, version).Scan(&res)
-	if err != nil {
-		err = asError(err)
-		if IsReplay(err) {
-			return Replayed, nil
-		}
-		return 0, fmt.Errorf("commit %s: %w", g, err)
+	res, err := receipt(ctx, tx, "fence.commit", g, digest, version)
+	if res == NotWritten { // fence.commit never answers "none"
+		return 0, fmt.Errorf(`commit %s: unexpected answer "none"`, g)
 	}
-	if res != "committed" {
-		return 0, fmt.Errorf("commit %s: unexpected answer %q", g, res)
-	}
-	return Committed, nil
+	return res, err
 }
 
 // CommitIfWritten is Commit for a transaction whose writes the caller
@@ -220,8 +211,15 @@ func Commit(ctx context.Context, tx DBTX, g Generation, digest []byte, version s
 // backstop writes the receipt of a marked transaction itself at COMMIT,
 // with digest version BackstopDigestVersion.
 func CommitIfWritten(ctx context.Context, tx DBTX, g Generation, digest []byte, version string) (CommitResult, error) {
+	return receipt(ctx, tx, "fence.commit_if_written", g, digest, version)
+}
+
+// receipt calls the receipt function fn (fence.commit or
+// fence.commit_if_written) for g: Committed, NotWritten ("none"), or
+// Replayed when the server answers FN00R.
+func receipt(ctx context.Context, tx DBTX, fn string, g Generation, digest []byte, version string) (CommitResult, error) {
 	var res string
-	err := tx.QueryRow(ctx, "select fence.commit_if_written($1, $2, $3, $4, $5, $6)",
+	err := tx.QueryRow(ctx, "select "+fn+"($1, $2, $3, $4, $5, $6)",
 		g.JobKey, g.Epoch, g.Token, g.Step, digest, version).Scan(&res)
 	if err != nil {
 		err = asError(err)

@@ -286,35 +286,16 @@ func (s *State) ensureTx() {
 // empty value clears a fence parameter. Outside a transaction it starts an
 // implicit one: a SET LOCAL made there ends with it.
 func (s *State) Set(name, val string, local bool) error {
-	name = strings.ToLower(name)
-	if !Tracked(name) {
-		return nil
-	}
-	if err := Validate(name, val); err != nil {
+	if err := Validate(strings.ToLower(name), val); err != nil { // nil for untracked names
 		return err
 	}
-	if s.tx == Failed {
-		return errInFailed()
-	}
-	s.ensureTx()
-	s.assign(name, value{s: val, known: true, set: true}, local)
-	return nil
+	return s.change(name, local, func(*variable) value { return value{s: val, known: true, set: true} })
 }
 
 // Reset sets a tracked parameter back to its session default (RESET name,
 // SET name TO DEFAULT; local for SET LOCAL name TO DEFAULT).
 func (s *State) Reset(name string, local bool) error {
-	name = strings.ToLower(name)
-	if !Tracked(name) {
-		return nil
-	}
-	if s.tx == Failed {
-		return errInFailed()
-	}
-	s.ensureTx()
-	v := s.variable(name)
-	s.assign(name, v.reset, local)
-	return nil
+	return s.change(name, local, func(v *variable) value { return v.reset })
 }
 
 // ResetAll resets every tracked parameter to its session default, as RESET
@@ -338,6 +319,17 @@ func (s *State) ResetAll() error {
 // FromCurrent applies SET name FROM CURRENT: the current value becomes the
 // session (or, with local, transaction) value.
 func (s *State) FromCurrent(name string, local bool) error {
+	return s.change(name, local, func(v *variable) value {
+		cur := v.cur
+		cur.set = true
+		return cur
+	})
+}
+
+// change assigns a tracked parameter the value to gives from its variable,
+// as a SET (local false) or SET LOCAL does, starting an implicit
+// transaction if none is open; untracked names are ignored.
+func (s *State) change(name string, local bool, to func(*variable) value) error {
 	name = strings.ToLower(name)
 	if !Tracked(name) {
 		return nil
@@ -346,10 +338,7 @@ func (s *State) FromCurrent(name string, local bool) error {
 		return errInFailed()
 	}
 	s.ensureTx()
-	v := s.variable(name)
-	cur := v.cur
-	cur.set = true
-	s.assign(name, cur, local)
+	s.assign(name, to(s.variable(name)), local)
 	return nil
 }
 
