@@ -55,8 +55,7 @@ var currentRE = regexp.MustCompile(`current (?:epoch (\d+),? )?token (\d+)`)
 func (h *fenceSession) logRefusal(s *Session, e *pgproto3.ErrorResponse, stmt *rewrite.Stmt, outcome string) {
 	gen := h.st.Gate().Gen
 	if !h.st.Gate().Gated {
-		k, ep, tok, step, _ := h.st.Generation()
-		gen.JobKey, gen.Epoch, gen.Token, gen.Step = k, ep, tok, step
+		gen, _ = h.st.Generation()
 	}
 	fields := []zap.Field{
 		zap.Uint32("session", s.cancelPID),

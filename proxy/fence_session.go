@@ -88,7 +88,7 @@ type fenceSession struct {
 // its receipt step can be pipelined before the Sync without waiting: the
 // generation gated and the digest of the statements executed since.
 type extWrap struct {
-	gen     session.Generation
+	gen     fence.Generation
 	gated   bool // the gate step ran in the batch; else it is tentative (commit_if_written)
 	digest  fence.Digest
 	client  []byte // fence.payload_digest, when the client gives its own
@@ -194,7 +194,7 @@ func formatOf(formats []int16, i int) int16 {
 // copyState is what remains to send after a gated COPY FROM in a wrapped
 // simple query: the receipt step, COMMIT and the final ROLLBACK.
 type copyState struct {
-	gen   session.Generation
+	gen   fence.Generation
 	gated bool // else tentative: the receipt step is commit_if_written
 }
 
@@ -222,7 +222,7 @@ const receiptSavepoint = "pgfence_receipt"
 type seg struct {
 	step step
 	stmt *rewrite.Stmt
-	gen  session.Generation
+	gen  fence.Generation
 	// explicitCommit: this commit step precedes the client's COMMIT, which
 	// on a replay must still be answered "COMMIT".
 	explicitCommit bool
@@ -255,7 +255,7 @@ type tag struct {
 	oids    []uint32
 	cp      *cportal
 	closeOf byte
-	gen     session.Generation
+	gen     fence.Generation
 	// explicitCommit as in seg, for the extended protocol.
 	explicitCommit bool
 	// about is the client statement a gate step guards (for the log).
@@ -614,7 +614,7 @@ func (h *fenceSession) maybeWrite(st *rewrite.Stmt) bool {
 // the query sets a fence parameter (its statements may then run fenced).
 // Callers hold h.mu.
 func (h *fenceSession) fencedQuery(stmts []*rewrite.Stmt) bool {
-	if _, _, _, _, ok := h.st.Generation(); ok {
+	if _, ok := h.st.Generation(); ok {
 		return true
 	}
 	for _, st := range stmts {
@@ -654,7 +654,7 @@ func (h *fenceSession) needsOwnText(res *rewrite.Result) bool {
 func (h *fenceSession) strict(decoding bool) bool {
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	if _, _, _, _, ok := h.st.Generation(); ok || h.st.Gate().Gated {
+	if _, ok := h.st.Generation(); ok || h.st.Gate().Gated {
 		return true
 	}
 	return decoding && h.cat.prot.Load().Len() > 0
@@ -966,7 +966,7 @@ type qplan struct {
 
 // commitStep is a receipt step's arguments.
 type commitStep struct {
-	gen     session.Generation
+	gen     fence.Generation
 	sum     []byte
 	version string
 	gated   bool // else tentative: commit_if_written
@@ -1321,14 +1321,14 @@ func asSessionError(err error) *session.Error {
 // commitSQL is the receipt step for a digest: fence.commit after the
 // gate step, else (a tentative transaction) fence.commit_if_written,
 // which writes the receipt only if the backstop marked the transaction.
-func commitSQL(gated bool, gen session.Generation, digest []byte, version string) string {
+func commitSQL(gated bool, gen fence.Generation, digest []byte, version string) string {
 	if !gated {
 		return strings.Replace(commitSQLGated(gen, digest, version), "fence.commit(", "fence.commit_if_written(", 1)
 	}
 	return commitSQLGated(gen, digest, version)
 }
 
-func commitSQLGated(gen session.Generation, digest []byte, version string) string {
+func commitSQLGated(gen fence.Generation, digest []byte, version string) string {
 	// E'' for the digest too: with standard_conforming_strings off a
 	// plain '\x..' would be read as escapes.
 	return fmt.Sprintf("SELECT fence.commit(%s, %d, %d, %s, E'\\\\x%s'::pg_catalog.bytea, %s)",
@@ -1349,7 +1349,7 @@ func (h *fenceSession) digest() ([]byte, string) {
 	return (&fence.Digest{}).Sum(), fence.DigestVersion
 }
 
-func gateSQL(g session.Generation) string {
+func gateSQL(g fence.Generation) string {
 	return fmt.Sprintf("SELECT fence.gate(%s, %d, %d, %s)", literal(g.JobKey), g.Epoch, g.Token, literal(g.Step))
 }
 
@@ -1452,7 +1452,7 @@ func (o overlay) value(ss *session.State, name string) string {
 	return v
 }
 
-func (o overlay) generation(ss *session.State) (session.Generation, bool) {
+func (o overlay) generation(ss *session.State) (fence.Generation, bool) {
 	get := func(name string) string {
 		if v, ok := o[name]; ok {
 			if v == nil {
@@ -1467,16 +1467,15 @@ func (o overlay) generation(ss *session.State) (session.Generation, bool) {
 		return v
 	}
 	if len(o) == 0 {
-		k, e, t, step, ok := ss.Generation()
-		return session.Generation{JobKey: k, Epoch: e, Token: t, Step: step}, ok
+		return ss.Generation()
 	}
 	k := get(session.JobKey)
 	e, err1 := strconv.ParseInt(strings.TrimSpace(get(session.Epoch)), 10, 64)
 	t, err2 := strconv.ParseInt(strings.TrimSpace(get(session.Token)), 10, 64)
 	if k == "" || err1 != nil || err2 != nil || e <= 0 || t <= 0 {
-		return session.Generation{}, false
+		return fence.Generation{}, false
 	}
-	return session.Generation{JobKey: k, Epoch: e, Token: t, Step: get(session.Step)}, true
+	return fence.Generation{JobKey: k, Epoch: e, Token: t, Step: get(session.Step)}, true
 }
 
 // execute handles an extended-protocol Execute.
@@ -1530,7 +1529,7 @@ func (h *fenceSession) execute(s *Session, msg []byte) error {
 	}
 	g := h.st.Gate()
 	need := h.protectedWrite(st) && !g.Gated
-	_, _, _, _, fencedNow := h.st.Generation()
+	_, fencedNow := h.st.Generation()
 	tent := !need && !g.Due() && fencedNow && h.maybeWrite(st) && !(h.wrapped && !h.wrap.gated)
 	commit := g.Due() && st.Kind == rewrite.Commit
 	prepTx := g.Due() && st.Kind == rewrite.PrepareTransaction
@@ -1568,8 +1567,7 @@ func (h *fenceSession) execute(s *Session, msg []byte) error {
 	g = h.st.Gate()
 	failed := h.st.Tx() == session.Failed
 	explicit := h.st.Tx() == session.InTx && h.st.Explicit()
-	k, e, tok, step, ok := h.st.Generation()
-	gen := session.Generation{JobKey: k, Epoch: e, Token: tok, Step: step}
+	gen, ok := h.st.Generation()
 	var fr *session.Error
 	if !ok {
 		fr = fencingRequired(st, h.cat, h.st, overlay{})
@@ -1660,7 +1658,7 @@ func (h *fenceSession) execute(s *Session, msg []byte) error {
 
 // wrapBatch starts following an implicit transaction of the extended
 // protocol (up to its Sync) whose receipt step goes before the Sync.
-func (h *fenceSession) wrapBatch(gen session.Generation) {
+func (h *fenceSession) wrapBatch(gen fence.Generation) {
 	h.wrapped = true
 	h.wrap = extWrap{gen: gen, marks: map[string][]int{}, written: map[string]bool{}}
 	h.mu.Lock()
@@ -1702,12 +1700,12 @@ func commitStmtFor(gated bool) string {
 	return commitIfStmt
 }
 
-func commitArgs(gen session.Generation, d []byte, v string) [][]byte {
+func commitArgs(gen fence.Generation, d []byte, v string) [][]byte {
 	return [][]byte{[]byte(gen.JobKey), []byte(strconv.FormatInt(gen.Epoch, 10)), []byte(strconv.FormatInt(gen.Token, 10)),
 		[]byte(gen.Step), []byte(`\x` + hex.EncodeToString(d)), []byte(v)}
 }
 
-func gateArgs(g session.Generation) [][]byte {
+func gateArgs(g fence.Generation) [][]byte {
 	return [][]byte{[]byte(g.JobKey), []byte(strconv.FormatInt(g.Epoch, 10)), []byte(strconv.FormatInt(g.Token, 10)), []byte(g.Step)}
 }
 
@@ -2100,9 +2098,9 @@ func (h *fenceSession) applyClient(st *rewrite.Stmt, msg []byte, cp *cportal) {
 	ctag := commandTag(msg)
 	g := h.st.Gate()
 	if !g.Due() && h.maybeWrite(st) {
-		if k, e, t, step, ok := h.st.Generation(); ok {
+		if gen, ok := h.st.Generation(); ok {
 			g.Tentative = true
-			g.Gen = session.Generation{JobKey: k, Epoch: e, Token: t, Step: step}
+			g.Gen = gen
 			if g.Digest == nil {
 				g.Digest = &fence.Digest{}
 			}
@@ -2145,7 +2143,7 @@ func (h *fenceSession) commitResult(msg []byte) {
 }
 
 // gateResult records the gate's answer ('ok' or 'replay').
-func (h *fenceSession) gateResult(gen session.Generation, msg []byte) {
+func (h *fenceSession) gateResult(gen fence.Generation, msg []byte) {
 	g := h.st.Gate()
 	g.Gated = true
 	g.Gen = gen

@@ -5,6 +5,7 @@ import (
 	"sort"
 	"strings"
 
+	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/rewrite"
 )
 
@@ -243,20 +244,20 @@ func (s *State) SearchPath() []string {
 // fence.job_key, fence.epoch, fence.token and fence.step. ok is false
 // unless job_key, epoch and token are all set (they were validated when
 // set).
-func (s *State) Generation() (jobKey string, epoch, token int64, step string, ok bool) {
+func (s *State) Generation() (g fence.Generation, ok bool) {
 	jobKey, ok1 := s.Get(JobKey)
 	es, ok2 := s.Get(Epoch)
 	ts, ok3 := s.Get(Token)
-	step, _ = s.Get(Step)
+	step, _ := s.Get(Step)
 	if !ok1 || !ok2 || !ok3 {
-		return "", 0, 0, "", false
+		return fence.Generation{}, false
 	}
 	e, err1 := parsePositive(es)
 	t, err2 := parsePositive(ts)
 	if err1 != nil || err2 != nil {
-		return "", 0, 0, "", false
+		return fence.Generation{}, false
 	}
-	return jobKey, e, t, step, true
+	return fence.Generation{JobKey: jobKey, Epoch: e, Token: t, Step: step}, true
 }
 
 // variable returns the tracked variable, creating it with an empty (for

@@ -5,6 +5,7 @@ import (
 	"reflect"
 	"testing"
 
+	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/rewrite"
 )
 
@@ -100,9 +101,9 @@ func TestNewFromStartup(t *testing.T) {
 		"options":     `-c fence.job_key=nightly\ report -c fence.epoch=2 --fence.token=18`,
 		"search_path": `"$user", public`,
 	})
-	key, epoch, token, step, ok := s.Generation()
-	if !ok || key != "nightly report" || epoch != 2 || token != 18 || step != "" {
-		t.Errorf("Generation: got (%q, %d, %d, %q, %v), want (\"nightly report\", 2, 18, \"\", true)", key, epoch, token, step, ok)
+	g, ok := s.Generation()
+	if want := (fence.Generation{JobKey: "nightly report", Epoch: 2, Token: 18}); !ok || g != want {
+		t.Errorf("Generation: got (%+v, %v), want (%+v, true)", g, ok, want)
 	}
 	if got, want := s.SearchPath(), []string{"alice", "public"}; !reflect.DeepEqual(got, want) {
 		t.Errorf("SearchPath: got %q, want %q", got, want)
@@ -241,7 +242,7 @@ func TestGateRestoredByRollbackTo(t *testing.T) {
 	apply(t, s, "BEGIN", "SAVEPOINT before_gate")
 	g := s.Gate()
 	d := &fakeDigest{}
-	g.Gated, g.Gen, g.Digest = true, Generation{JobKey: "k", Epoch: 1, Token: 18}, d
+	g.Gated, g.Gen, g.Digest = true, fence.Generation{JobKey: "k", Epoch: 1, Token: 18}, d
 	d.n = 2 // two write statements digested
 	apply(t, s, "SAVEPOINT after_two")
 	d.n = 5
@@ -250,7 +251,7 @@ func TestGateRestoredByRollbackTo(t *testing.T) {
 		t.Errorf("after ROLLBACK TO after_two: got digest %d gated %v, want 2 true", d.n, s.Gate().Gated)
 	}
 	apply(t, s, "ROLLBACK TO before_gate")
-	if d.n != 0 || s.Gate().Gated || s.Gate().Gen != (Generation{}) {
+	if d.n != 0 || s.Gate().Gated || s.Gate().Gen != (fence.Generation{}) {
 		t.Errorf("after ROLLBACK TO before_gate: got digest %d gate %+v, want 0 and ungated", d.n, *s.Gate())
 	}
 	if s.Gate().Digest != d {
