@@ -27,14 +27,26 @@ const (
 	sqlstateClassFencing = "FN"
 )
 
-// Error is a fence error reported by PostgreSQL (SQLSTATE class FN).
+// Error is pgfence's error: a SQLSTATE and the words that tell a user
+// what to do. It is the one error type of pgfence's protocol vocabulary,
+// shared by this package, package session and the proxy:
+//
+//   - the fence functions and the backstop raise class FN in PostgreSQL,
+//     and this package returns those as *Error (FromPostgres);
+//   - the proxy refuses with an *Error what it will not send (FN008,
+//     FN009, FN013, ...), and package session what PostgreSQL would refuse
+//     (a malformed fence setting, 22023; a savepoint that does not exist,
+//     3B001): codes outside class FN are standard PostgreSQL ones.
+//
+// Use errors.As to get it, or Code and the IsStale, IsLeaseHeld, ...
+// helpers for class FN. Err, when set, is the cause (the *pgconn.PgError
+// PostgreSQL raised), so errors.As and errors.Is reach it too.
 type Error struct {
-	Code    string // SQLSTATE, one of the Code constants
+	Code    string // SQLSTATE: one of the Code constants, or a standard PostgreSQL code
 	Message string
-	Detail  string
-	Hint    string
-
-	err *pgconn.PgError
+	Detail  string // optional
+	Hint    string // optional: what the user can do
+	Err     error  // optional: the cause
 }
 
 func (e *Error) Error() string {
@@ -44,29 +56,39 @@ func (e *Error) Error() string {
 	return fmt.Sprintf("%s (SQLSTATE %s)", e.Message, e.Code)
 }
 
-// Unwrap returns the underlying *pgconn.PgError.
-func (e *Error) Unwrap() error { return e.err }
+// Unwrap returns the cause, Err.
+func (e *Error) Unwrap() error { return e.Err }
 
-// asError converts a PostgreSQL error of class FN into *Error and leaves
-// every other error as it is.
-func asError(err error) error {
+// SQLState returns the error's SQLSTATE, as (*pgconn.PgError).SQLState
+// does.
+func (e *Error) SQLState() string { return e.Code }
+
+// fencing reports whether code is of class FN.
+func fencing(code string) bool { return len(code) == 5 && code[:2] == sqlstateClassFencing }
+
+// FromPostgres maps an error from PostgreSQL to pgfence's vocabulary, and
+// is the one place that does: a server error of class FN (raised by the
+// fence functions or the backstop) becomes an *Error with its code,
+// message, detail and hint, and the *pgconn.PgError as its cause. Every
+// other error, and one that already is an *Error, is returned as it is.
+func FromPostgres(err error) error {
+	var fe *Error
+	if errors.As(err, &fe) {
+		return err
+	}
 	var pg *pgconn.PgError
-	if errors.As(err, &pg) && len(pg.Code) == 5 && pg.Code[:2] == sqlstateClassFencing {
-		return &Error{Code: pg.Code, Message: pg.Message, Detail: pg.Detail, Hint: pg.Hint, err: pg}
+	if errors.As(err, &pg) && fencing(pg.Code) {
+		return &Error{Code: pg.Code, Message: pg.Message, Detail: pg.Detail, Hint: pg.Hint, Err: pg}
 	}
 	return err
 }
 
 // Code returns the FN SQLSTATE of err, or "" when err is not a fence error.
-// It recognises both *Error and a raw *pgconn.PgError.
+// It recognises both *Error and a raw *pgconn.PgError (FromPostgres).
 func Code(err error) string {
 	var fe *Error
-	if errors.As(err, &fe) {
+	if errors.As(FromPostgres(err), &fe) && fencing(fe.Code) {
 		return fe.Code
-	}
-	var pg *pgconn.PgError
-	if errors.As(err, &pg) && len(pg.Code) == 5 && pg.Code[:2] == sqlstateClassFencing {
-		return pg.Code
 	}
 	return ""
 }

@@ -301,15 +301,15 @@ const (
 func reserved(name string) bool { return strings.HasPrefix(name, reservedPrefix) }
 
 // reservedError is the refusal of a client's use of a reserved name.
-func reservedError(what, name string) *session.Error {
-	return &session.Error{Code: fence.CodeReserved,
+func reservedError(what, name string) *fence.Error {
+	return &fence.Error{Code: fence.CodeReserved,
 		Message: fmt.Sprintf("%s %q: names beginning with %q are reserved for pgfence's own statements", what, name, reservedPrefix),
 		Hint:    "give the prepared statement or portal another name"}
 }
 
 // reservedStmt refuses a statement that names one of the gate's
 // statements or sets one of the backstop's own settings.
-func reservedStmt(st *rewrite.Stmt) *session.Error {
+func reservedStmt(st *rewrite.Stmt) *fence.Error {
 	switch {
 	case (st.Kind == rewrite.Prepare || st.Kind == rewrite.Deallocate || st.Kind == rewrite.Execute) && reserved(st.Name):
 		return reservedError("prepared statement", st.Name)
@@ -320,7 +320,7 @@ func reservedStmt(st *rewrite.Stmt) *session.Error {
 	}
 	for _, g := range st.GUCs {
 		if strings.HasPrefix(g.Name, reservedGUCPrefix) {
-			return &session.Error{Code: fence.CodeReserved,
+			return &fence.Error{Code: fence.CodeReserved,
 				Message: fmt.Sprintf("parameter %q: settings beginning with %q are reserved for pgfence's backstop", g.Name, reservedGUCPrefix),
 				Hint:    "fence metadata is set with fence.job_key, fence.epoch, fence.token and fence.step"}
 		}
@@ -1015,7 +1015,7 @@ func (h *fenceSession) plan(sql string, res *rewrite.Result) qplan {
 	inject := func(at int, text string, sg seg) { items = append(items, item{at: at, text: text, seg: sg}) }
 	// refuse fails the query at st with e, as PostgreSQL would fail st:
 	// the rest is not sent (the caller breaks the loop).
-	refuse := func(st *rewrite.Stmt, e *session.Error) {
+	refuse := func(st *rewrite.Stmt, e *fence.Error) {
 		inject(st.Offset, raiseSQL(e)+";", seg{step: stepRaise, stmt: st})
 		items = append(items, item{at: st.Offset, seg: seg{step: stepClient, stmt: st}})
 	}
@@ -1065,7 +1065,7 @@ loop:
 				d = &fence.Digest{}
 			}
 		case due() && st.Kind == rewrite.PrepareTransaction:
-			refuse(st, &session.Error{Code: fence.CodeUnsupported,
+			refuse(st, &fence.Error{Code: fence.CodeUnsupported,
 				Message: fmt.Sprintf("PREPARE TRANSACTION is not supported in a fenced transaction (job %q, token %d)", gen.JobKey, gen.Token),
 				Hint:    "commit the transaction with COMMIT: pgfence writes the commit receipt in the same transaction"})
 			break loop
@@ -1074,7 +1074,7 @@ loop:
 			// answered (settleCommit), which a COPY FROM after it would
 			// hold up waiting for the client's data: refused before the
 			// COMMIT runs.
-			refuse(st, &session.Error{Code: fence.CodeUnsupported,
+			refuse(st, &fence.Error{Code: fence.CodeUnsupported,
 				Message: fmt.Sprintf("COMMIT followed by COPY FROM in one query is not supported in a fenced transaction (job %q, token %d)", gen.JobKey, gen.Token),
 				Hint:    "send the COPY as a query of its own after the COMMIT"})
 			break loop
@@ -1082,7 +1082,7 @@ loop:
 			// The receipt must cover the COPY's data, which only comes
 			// after this query's text has gone: the COMMIT is refused,
 			// and the transaction aborts with nothing of it committed.
-			refuse(st, &session.Error{Code: fence.CodeUnsupported,
+			refuse(st, &fence.Error{Code: fence.CodeUnsupported,
 				Message: fmt.Sprintf("COPY FROM and COMMIT in one query are not supported in a fenced transaction (job %q, token %d): the commit receipt must cover the COPY data", gen.JobKey, gen.Token),
 				Hint:    "send COMMIT as a query of its own after the COPY"})
 			break loop
@@ -1156,7 +1156,7 @@ loop:
 		// CHAIN) would pass in the explicit one: it fails as it would
 		// have, with PostgreSQL's error, and the query stops there.
 		if blockOnly >= 0 {
-			raise := item{at: blockOnlyStmt.Offset, text: raiseSQL(&session.Error{Code: "25P01",
+			raise := item{at: blockOnlyStmt.Offset, text: raiseSQL(&fence.Error{Code: "25P01",
 				Message: refusedImplicit(blockOnlyStmt) + " can only be used in transaction blocks"}) + ";", seg: seg{step: stepRaise}}
 			items = append(items[:blockOnly], append([]item{raise}, items[blockOnly:]...)...)
 		}
@@ -1307,15 +1307,15 @@ func restoreTag() *tag {
 
 // refuseQuery answers a query with err without running any of it.
 func (h *fenceSession) refuseQuery(s *Session, err error) error {
-	return h.send(s, h.qmsg(raiseSQL(asSessionError(err))), &tag{kind: 'Q', segs: []seg{{step: stepRaise}}}, true)
+	return h.send(s, h.qmsg(raiseSQL(asFenceError(err))), &tag{kind: 'Q', segs: []seg{{step: stepRaise}}}, true)
 }
 
-func asSessionError(err error) *session.Error {
-	var se *session.Error
+func asFenceError(err error) *fence.Error {
+	var se *fence.Error
 	if errors.As(err, &se) {
 		return se
 	}
-	return &session.Error{Code: "22023", Message: err.Error()}
+	return &fence.Error{Code: "22023", Message: err.Error()}
 }
 
 // commitSQL is the receipt step for a digest: fence.commit after the
@@ -1355,7 +1355,7 @@ func gateSQL(g fence.Generation) string {
 
 // raiseSQL is a statement that fails with e, so the server aborts the
 // transaction exactly as it would for its own error.
-func raiseSQL(e *session.Error) string {
+func raiseSQL(e *fence.Error) string {
 	s := "DO $pgfence$BEGIN RAISE EXCEPTION USING ERRCODE = " + literal(e.Code) + ", MESSAGE = " + literal(e.Message)
 	if e.Hint != "" {
 		s += ", HINT = " + literal(e.Hint)
@@ -1384,13 +1384,13 @@ func literal(s string) string {
 
 // fencingRequired is FN008 for st, naming what of the generation the
 // session lacks (ov: the query's own SETs before st).
-func fencingRequired(st *rewrite.Stmt, cat *catalog, ss *session.State, ov overlay) *session.Error {
+func fencingRequired(st *rewrite.Stmt, cat *catalog, ss *session.State, ov overlay) *fence.Error {
 	rels := cat.prot.Load().ProtectedWrites(st, ss.SearchPath())
 	what := "a protected table"
 	if len(rels) > 0 {
 		what = "protected table " + rels[0].String()
 	}
-	return &session.Error{Code: fence.CodeFencingRequired,
+	return &fence.Error{Code: fence.CodeFencingRequired,
 		Message: fmt.Sprintf("fencing required: this statement writes %s but %s", what, strings.Join(ov.missing(ss), " and ")),
 		Hint:    "take a lease with fence.acquire (or run the job under `pgfence run`) and set fence.job_key, fence.epoch and fence.token, e.g. PGOPTIONS='-c fence.job_key=... -c fence.epoch=... -c fence.token=...'"}
 }
@@ -1535,7 +1535,7 @@ func (h *fenceSession) execute(s *Session, msg []byte) error {
 	prepTx := g.Due() && st.Kind == rewrite.PrepareTransaction
 	h.mu.Unlock()
 	if bad != nil {
-		if err := h.raiseExt(s, asSessionError(bad)); err != nil {
+		if err := h.raiseExt(s, asFenceError(bad)); err != nil {
 			return err
 		}
 		return h.send(s, msg, t, true)
@@ -1568,7 +1568,7 @@ func (h *fenceSession) execute(s *Session, msg []byte) error {
 	failed := h.st.Tx() == session.Failed
 	explicit := h.st.Tx() == session.InTx && h.st.Explicit()
 	gen, ok := h.st.Generation()
-	var fr *session.Error
+	var fr *fence.Error
 	if !ok {
 		fr = fencingRequired(st, h.cat, h.st, overlay{})
 	}
@@ -1610,7 +1610,7 @@ func (h *fenceSession) execute(s *Session, msg []byte) error {
 			h.wrapBatch(gen)
 		}
 	case prepTx:
-		if err := h.raiseExt(s, &session.Error{Code: fence.CodeUnsupported,
+		if err := h.raiseExt(s, &fence.Error{Code: fence.CodeUnsupported,
 			Message: fmt.Sprintf("PREPARE TRANSACTION is not supported in a fenced transaction (job %q, token %d)", g.Gen.JobKey, g.Gen.Token),
 			Hint:    "commit the transaction with COMMIT"}); err != nil {
 			return err
@@ -1776,7 +1776,7 @@ func (h *fenceSession) execNamed(s *Session, stmt string, args [][]byte, t *tag)
 // raiseExt fails the current extended batch with e: a DO block raising
 // it, parsed and executed through the gate's portal (the client's unnamed
 // statement is left alone). The server then skips to Sync.
-func (h *fenceSession) raiseExt(s *Session, e *session.Error) error {
+func (h *fenceSession) raiseExt(s *Session, e *fence.Error) error {
 	const name = "pgfence_raise"
 	buf, _ := (&pgproto3.Close{ObjectType: 'S', Name: name}).Encode(nil)
 	if err := h.send(s, buf, &tag{kind: 'C', step: stepRaise}, false); err != nil {

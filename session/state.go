@@ -507,7 +507,7 @@ func (s *State) Savepoint(name string) error {
 	case s.tx == Failed:
 		return errInFailed()
 	case s.tx == Idle || !s.explicit:
-		return &Error{Code: CodeNoActiveTransaction, Message: "SAVEPOINT can only be used in transaction blocks"}
+		return &fence.Error{Code: CodeNoActiveTransaction, Message: "SAVEPOINT can only be used in transaction blocks"}
 	}
 	sp := savepoint{name: name, level: s.level + 1, gate: s.gate}
 	if s.gate.Digest != nil {
@@ -533,11 +533,11 @@ func (s *State) findSavepoint(name string) int {
 // usable again.
 func (s *State) RollbackTo(name string) error {
 	if s.tx == Idle || !s.explicit {
-		return &Error{Code: CodeNoActiveTransaction, Message: "ROLLBACK TO SAVEPOINT can only be used in transaction blocks"}
+		return &fence.Error{Code: CodeNoActiveTransaction, Message: "ROLLBACK TO SAVEPOINT can only be used in transaction blocks"}
 	}
 	i := s.findSavepoint(name)
 	if i < 0 {
-		return &Error{Code: CodeInvalidSavepoint, Message: fmt.Sprintf("savepoint %q does not exist", name)}
+		return &fence.Error{Code: CodeInvalidSavepoint, Message: fmt.Sprintf("savepoint %q does not exist", name)}
 	}
 	sp := s.sps[i]
 	s.endLevel(false, sp.level)
@@ -560,11 +560,11 @@ func (s *State) Release(name string) error {
 	case s.tx == Failed:
 		return errInFailed()
 	case s.tx == Idle || !s.explicit:
-		return &Error{Code: CodeNoActiveTransaction, Message: "RELEASE SAVEPOINT can only be used in transaction blocks"}
+		return &fence.Error{Code: CodeNoActiveTransaction, Message: "RELEASE SAVEPOINT can only be used in transaction blocks"}
 	}
 	i := s.findSavepoint(name)
 	if i < 0 {
-		return &Error{Code: CodeInvalidSavepoint, Message: fmt.Sprintf("savepoint %q does not exist", name)}
+		return &fence.Error{Code: CodeInvalidSavepoint, Message: fmt.Sprintf("savepoint %q does not exist", name)}
 	}
 	for l := s.level; l >= s.sps[i].level; l-- {
 		s.endLevel(true, l)
@@ -636,7 +636,7 @@ func (s *State) TxStatus(b byte) error {
 	return fmt.Errorf("session: unknown transaction status %q", b)
 }
 
-func errInFailed() *Error {
-	return &Error{Code: CodeInFailedTransaction,
+func errInFailed() *fence.Error {
+	return &fence.Error{Code: CodeInFailedTransaction,
 		Message: "current transaction is aborted, commands ignored until end of transaction block"}
 }

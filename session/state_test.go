@@ -35,7 +35,7 @@ func TestValidate(t *testing.T) {
 			if (err == nil) != tt.ok {
 				t.Fatalf("Validate(%q, %q): got %v, want ok=%v", tt.name, tt.value, err, tt.ok)
 			}
-			var e *Error
+			var e *fence.Error
 			if err != nil && (!errors.As(err, &e) || e.Code != CodeInvalidParameterValue || e.Hint == "") {
 				t.Errorf("got error %#v, want *Error with SQLSTATE 22023 and a hint", err)
 			}
@@ -201,7 +201,7 @@ func TestCheckRefusesMalformedAndUntrackable(t *testing.T) {
 				t.Fatal(err)
 			}
 			err = s.Check(res.Stmts[0], tt.params)
-			var e *Error
+			var e *fence.Error
 			if unc := s.Uncertain(res.Stmts[0], tt.params); unc != (tt.code == uncertain) {
 				t.Errorf("Uncertain: got %v, want %v", unc, tt.code == uncertain)
 			}
