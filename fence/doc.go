@@ -23,8 +23,9 @@
 // them: Generation (a job's epoch, token and step: what a transaction is
 // gated with), the SQLSTATEs of class FN (the Code constants), Error (the
 // one error type for them, and for the standard codes pgfence refuses
-// with), FromPostgres (the one place PostgreSQL's errors of class FN
-// are read as pgfence's), and Digest, the proxy's v1 payload digest (DESIGN §5), which
+// with), FromPostgres and Setup (the one place PostgreSQL's errors are
+// read as pgfence's: class FN, and the errors that say pgfence is not
+// installed), and Digest, the proxy's v1 payload digest (DESIGN §5), which
 // the proxy and any other client that commits receipts for the same
 // generations must use.
 //

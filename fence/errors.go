@@ -3,6 +3,8 @@ package fence
 import (
 	"errors"
 	"fmt"
+	"slices"
+	"strings"
 
 	"github.com/jackc/pgx/v5/pgconn"
 )
@@ -70,7 +72,8 @@ func fencing(code string) bool { return len(code) == 5 && code[:2] == sqlstateCl
 // is the one place that does: a server error of class FN (raised by the
 // fence functions or the backstop) becomes an *Error with its code,
 // message, detail and hint, and the *pgconn.PgError as its cause. Every
-// other error, and one that already is an *Error, is returned as it is.
+// other error, and one that already is an *Error, is returned as it is;
+// Setup tells which of them say that pgfence is not installed.
 func FromPostgres(err error) error {
 	var fe *Error
 	if errors.As(err, &fe) {
@@ -91,6 +94,52 @@ func Code(err error) string {
 		return fe.Code
 	}
 	return ""
+}
+
+// SetupProblem is why PostgreSQL refused pgfence for how it is installed,
+// which a DBA fixes, rather than for the protocol. The proxy answers both
+// with CodeNotInstalled and the command that fixes it; the CLI exits 78
+// (NoSchema) or 77 (NotWorker).
+type SetupProblem uint8
+
+const (
+	// Installed: the error is not about pgfence's installation.
+	Installed SetupProblem = iota
+	// NoSchema: the database has no fence schema, or an outdated one (a
+	// function or table of it is missing): a DBA runs pgfence migrate.
+	NoSchema
+	// NotWorker: the role may not run the functions of the protocol: a
+	// DBA grants it pgfence_worker.
+	NotWorker
+)
+
+// Setup says which setup problem, if any, PostgreSQL's error with SQLSTATE
+// code and message reports. A permission error on an administrative
+// function (protect, grant_job, ...) or on a table of the fence schema
+// (fence.fences: tokens are not the workers' to read) is not one: it is
+// the role's right, not its setup.
+func Setup(code, message string) SetupProblem {
+	switch {
+	case code == "3F000" && strings.Contains(message, `schema "fence"`),
+		code == "42883" && strings.Contains(message, "function fence."),
+		code == "42P01" && strings.Contains(message, `relation "fence.`):
+		return NoSchema
+	case code == "42501" && workerFunction(message):
+		return NotWorker
+	}
+	return Installed
+}
+
+// workerFunctions are the functions of schema fence that pgfence_worker
+// may run (migrations grant them).
+var workerFunctions = []string{"acquire", "renew", "release", "retire", "gate", "commit", "commit_if_written",
+	"accept_event", "has_generation", "replica_reached"}
+
+// workerFunction reports whether a permission error names one of the
+// functions pgfence_worker may run.
+func workerFunction(msg string) bool {
+	f, ok := strings.CutPrefix(msg, "permission denied for function ")
+	return ok && slices.Contains(workerFunctions, f)
 }
 
 // IsStale reports whether err is FN001: the token is not the current one.
