@@ -503,11 +503,8 @@ func (s *State) endTx(chain bool) {
 
 // Savepoint applies SAVEPOINT name. Names may repeat.
 func (s *State) Savepoint(name string) error {
-	switch {
-	case s.tx == Failed:
-		return errInFailed()
-	case s.tx == Idle || !s.explicit:
-		return &fence.Error{Code: CodeNoActiveTransaction, Message: "SAVEPOINT can only be used in transaction blocks"}
+	if err := s.inBlock("SAVEPOINT", false); err != nil {
+		return err
 	}
 	sp := savepoint{name: name, level: s.level + 1, gate: s.gate}
 	if s.gate.Digest != nil {
@@ -518,13 +515,30 @@ func (s *State) Savepoint(name string) error {
 	return nil
 }
 
-func (s *State) findSavepoint(name string) int {
+// inBlock refuses cmd outside a transaction block and, unless it runs
+// there too (ROLLBACK TO), in a failed one, as PostgreSQL does.
+func (s *State) inBlock(cmd string, inFailed bool) error {
+	switch {
+	case s.tx == Failed && !inFailed:
+		return errInFailed()
+	case s.tx == Idle || !s.explicit:
+		return &fence.Error{Code: CodeNoActiveTransaction, Message: cmd + " can only be used in transaction blocks"}
+	}
+	return nil
+}
+
+// findSavepoint returns the index of the most recent savepoint named name,
+// for cmd (ROLLBACK TO, RELEASE), which must be in a transaction block.
+func (s *State) findSavepoint(cmd, name string, inFailed bool) (int, error) {
+	if err := s.inBlock(cmd, inFailed); err != nil {
+		return -1, err
+	}
 	for i := len(s.sps) - 1; i >= 0; i-- {
 		if s.sps[i].name == name {
-			return i
+			return i, nil
 		}
 	}
-	return -1
+	return -1, &fence.Error{Code: CodeInvalidSavepoint, Message: fmt.Sprintf("savepoint %q does not exist", name)}
 }
 
 // RollbackTo applies ROLLBACK TO SAVEPOINT name: everything since the most
@@ -532,12 +546,9 @@ func (s *State) findSavepoint(name string) int {
 // digest's statements), the savepoint stays, and a failed transaction is
 // usable again.
 func (s *State) RollbackTo(name string) error {
-	if s.tx == Idle || !s.explicit {
-		return &fence.Error{Code: CodeNoActiveTransaction, Message: "ROLLBACK TO SAVEPOINT can only be used in transaction blocks"}
-	}
-	i := s.findSavepoint(name)
-	if i < 0 {
-		return &fence.Error{Code: CodeInvalidSavepoint, Message: fmt.Sprintf("savepoint %q does not exist", name)}
+	i, err := s.findSavepoint("ROLLBACK TO SAVEPOINT", name, true)
+	if err != nil {
+		return err
 	}
 	sp := s.sps[i]
 	s.endLevel(false, sp.level)
@@ -556,15 +567,9 @@ func (s *State) RollbackTo(name string) error {
 // Release applies RELEASE SAVEPOINT name: the most recent savepoint of that
 // name and every later one are merged into the enclosing level.
 func (s *State) Release(name string) error {
-	switch {
-	case s.tx == Failed:
-		return errInFailed()
-	case s.tx == Idle || !s.explicit:
-		return &fence.Error{Code: CodeNoActiveTransaction, Message: "RELEASE SAVEPOINT can only be used in transaction blocks"}
-	}
-	i := s.findSavepoint(name)
-	if i < 0 {
-		return &fence.Error{Code: CodeInvalidSavepoint, Message: fmt.Sprintf("savepoint %q does not exist", name)}
+	i, err := s.findSavepoint("RELEASE SAVEPOINT", name, false)
+	if err != nil {
+		return err
 	}
 	for l := s.level; l >= s.sps[i].level; l-- {
 		s.endLevel(true, l)
