@@ -142,10 +142,15 @@ func workerFunction(msg string) bool {
 	return ok && slices.Contains(workerFunctions, f)
 }
 
-// IsStale reports whether err is FN001: the token is not the current one.
+// The outcomes a worker acts on have a helper each; for the other codes,
+// compare Code(err) with the Code constants.
+
+// IsStale reports whether err is FN001: the token is not the current one
+// (another holder took over, or the lease was released): stop.
 func IsStale(err error) bool { return Code(err) == CodeStale }
 
-// IsLeaseHeld reports whether err is FN002: another holder's lease is live.
+// IsLeaseHeld reports whether err is FN002: another holder's lease is
+// live; try again later.
 func IsLeaseHeld(err error) bool { return Code(err) == CodeLeaseHeld }
 
 // IsConflict reports whether err is FN003: the same generation and step
@@ -158,31 +163,3 @@ func IsRetired(err error) bool { return Code(err) == CodeRetired }
 // IsUnknownJob reports whether err is FN005: the job or epoch was never
 // issued.
 func IsUnknownJob(err error) bool { return Code(err) == CodeUnknownJob }
-
-// IsExpired reports whether err is FN006: the receipt was pruned, so the
-// outcome cannot be confirmed.
-func IsExpired(err error) bool { return Code(err) == CodeExpired }
-
-// IsPending reports whether err is FN007: the generation is not yet visible
-// on the replica.
-func IsPending(err error) bool { return Code(err) == CodePending }
-
-// IsFencingRequired reports whether err is FN008: a protected write without
-// (valid) fence metadata.
-func IsFencingRequired(err error) bool { return Code(err) == CodeFencingRequired }
-
-// IsUnsupported reports whether err is FN009.
-func IsUnsupported(err error) bool { return Code(err) == CodeUnsupported }
-
-// IsProtectionLocked reports whether err is FN010: a change to a
-// protected table (DDL, unprotect, attaching or detaching) that needs
-// pgfence_bypass.
-func IsProtectionLocked(err error) bool { return Code(err) == CodeProtectionLocked }
-
-// IsNotOwner reports whether err is FN011: the generation belongs to
-// another role, or the role may not take the job.
-func IsNotOwner(err error) bool { return Code(err) == CodeNotOwner }
-
-// IsReplay reports whether err is FN00R: the transaction replays a committed
-// generation and cannot commit.
-func IsReplay(err error) bool { return Code(err) == CodeReplay }

@@ -223,7 +223,7 @@ func receipt(ctx context.Context, tx DBTX, fn string, g Generation, digest []byt
 		g.JobKey, g.Epoch, g.Token, g.Step, digest, version).Scan(&res)
 	if err != nil {
 		err = FromPostgres(err)
-		if IsReplay(err) {
+		if Code(err) == CodeReplay {
 			return Replayed, nil
 		}
 		return 0, fmt.Errorf("commit %s: %w", g, err)
