@@ -114,7 +114,7 @@ func Acquire(ctx context.Context, db DBTX, jobKey, holder string, ttl time.Durat
 	err := db.QueryRow(ctx, "select epoch, token, expires_at from fence.acquire($1, $2, $3)",
 		jobKey, holder, interval(ttl)).Scan(&l.Epoch, &l.Token, &l.ExpiresAt)
 	if err != nil {
-		return Lease{}, fmt.Errorf("acquire %q: %w", jobKey, asError(err))
+		return Lease{}, fmt.Errorf("acquire %q: %w", jobKey, FromPostgres(err))
 	}
 	return l, nil
 }
@@ -124,7 +124,7 @@ func Acquire(ctx context.Context, db DBTX, jobKey, holder string, ttl time.Durat
 func Renew(ctx context.Context, db DBTX, jobKey string, token int64, ttl time.Duration) (time.Time, error) {
 	var exp time.Time
 	if err := db.QueryRow(ctx, "select fence.renew($1, $2, $3)", jobKey, token, interval(ttl)).Scan(&exp); err != nil {
-		return time.Time{}, fmt.Errorf("renew %q: %w", jobKey, asError(err))
+		return time.Time{}, fmt.Errorf("renew %q: %w", jobKey, FromPostgres(err))
 	}
 	return exp, nil
 }
@@ -133,7 +133,7 @@ func Renew(ctx context.Context, db DBTX, jobKey string, token int64, ttl time.Du
 // current one until the next Acquire.
 func Release(ctx context.Context, db DBTX, jobKey string, token int64) error {
 	if _, err := db.Exec(ctx, "select fence.release($1, $2)", jobKey, token); err != nil {
-		return fmt.Errorf("release %q: %w", jobKey, asError(err))
+		return fmt.Errorf("release %q: %w", jobKey, FromPostgres(err))
 	}
 	return nil
 }
@@ -161,7 +161,7 @@ func Retire(ctx context.Context, db DBTX, jobKey string, opts RetireOptions) err
 		token = &opts.Token
 	}
 	if _, err := db.Exec(ctx, "select fence.retire($1, $2, $3)", jobKey, token, opts.Force); err != nil {
-		return fmt.Errorf("retire %q: %w", jobKey, asError(err))
+		return fmt.Errorf("retire %q: %w", jobKey, FromPostgres(err))
 	}
 	return nil
 }
@@ -178,7 +178,7 @@ func Gate(ctx context.Context, tx DBTX, g Generation) (GateResult, error) {
 		set_config('fence.token', $3::bigint::text, true), set_config('fence.step', $4, true)`,
 		g.JobKey, g.Epoch, g.Token, g.Step).Scan(&res, nil, nil, nil, nil)
 	if err != nil {
-		return 0, fmt.Errorf("gate %s: %w", g, asError(err))
+		return 0, fmt.Errorf("gate %s: %w", g, FromPostgres(err))
 	}
 	switch res {
 	case "ok":
@@ -195,20 +195,11 @@ func Gate(ctx context.Context, tx DBTX, g Generation) (GateResult, error) {
 // aborted, roll it back. A different payload gives CodeConflict; a fence
 // that moved on gives CodeStale (or CodeRetired, CodeExpired).
 func Commit(ctx context.Context, tx DBTX, g Generation, digest []byte, version string) (CommitResult, error) {
-	var res string
-	err := tx.QueryRow(ctx, "select fence.commit($1, $2, $3, $4, $5, $6)",
-		g.JobKey, g.Epoch, g.Token, g.Step, digest, version).Scan(&res)
-	if err != nil {
-		err = asError(err)
-		if IsReplay(err) {
-			return Replayed, nil
-		}
-		return 0, fmt.Errorf("commit %s: %w", g, err)
+	res, err := receipt(ctx, tx, "fence.commit", g, digest, version)
+	if res == NotWritten { // fence.commit never answers "none"
+		return 0, fmt.Errorf(`commit %s: unexpected answer "none"`, g)
 	}
-	if res != "committed" {
-		return 0, fmt.Errorf("commit %s: unexpected answer %q", g, res)
-	}
-	return Committed, nil
+	return res, err
 }
 
 // CommitIfWritten is Commit for a transaction whose writes the caller
@@ -220,12 +211,19 @@ func Commit(ctx context.Context, tx DBTX, g Generation, digest []byte, version s
 // backstop writes the receipt of a marked transaction itself at COMMIT,
 // with digest version BackstopDigestVersion.
 func CommitIfWritten(ctx context.Context, tx DBTX, g Generation, digest []byte, version string) (CommitResult, error) {
+	return receipt(ctx, tx, "fence.commit_if_written", g, digest, version)
+}
+
+// receipt calls the receipt function fn (fence.commit or
+// fence.commit_if_written) for g: Committed, NotWritten ("none"), or
+// Replayed when the server answers FN00R.
+func receipt(ctx context.Context, tx DBTX, fn string, g Generation, digest []byte, version string) (CommitResult, error) {
 	var res string
-	err := tx.QueryRow(ctx, "select fence.commit_if_written($1, $2, $3, $4, $5, $6)",
+	err := tx.QueryRow(ctx, "select "+fn+"($1, $2, $3, $4, $5, $6)",
 		g.JobKey, g.Epoch, g.Token, g.Step, digest, version).Scan(&res)
 	if err != nil {
-		err = asError(err)
-		if IsReplay(err) {
+		err = FromPostgres(err)
+		if Code(err) == CodeReplay {
 			return Replayed, nil
 		}
 		return 0, fmt.Errorf("commit %s: %w", g, err)
@@ -302,7 +300,7 @@ func RunTxOptions(ctx context.Context, db Beginner, opts pgx.TxOptions, g Genera
 		if err := tx.Commit(ctx); err != nil {
 			// The outcome is unknown (the response may be lost): a retry
 			// with the same payload answers Replayed or stale.
-			return 0, fmt.Errorf("commit %s: %w", g, asError(err))
+			return 0, fmt.Errorf("commit %s: %w", g, FromPostgres(err))
 		}
 	}
 	return res, nil
@@ -314,7 +312,7 @@ func RunTxOptions(ctx context.Context, db Beginner, opts pgx.TxOptions, g Genera
 func GC(ctx context.Context, db DBTX, keep time.Duration) (int64, error) {
 	var n int64
 	if err := db.QueryRow(ctx, "select fence.gc($1)", interval(keep)).Scan(&n); err != nil {
-		return 0, fmt.Errorf("gc: %w", asError(err))
+		return 0, fmt.Errorf("gc: %w", FromPostgres(err))
 	}
 	return n, nil
 }
@@ -327,7 +325,7 @@ func GC(ctx context.Context, db DBTX, keep time.Duration) (int64, error) {
 func AcceptEvent(ctx context.Context, db DBTX, consumer, jobKey string, epoch, token int64) (bool, error) {
 	var ok bool
 	if err := db.QueryRow(ctx, "select fence.accept_event($1, $2, $3, $4)", consumer, jobKey, epoch, token).Scan(&ok); err != nil {
-		return false, fmt.Errorf("accept event %s@%d/%d for %q: %w", jobKey, epoch, token, consumer, asError(err))
+		return false, fmt.Errorf("accept event %s@%d/%d for %q: %w", jobKey, epoch, token, consumer, FromPostgres(err))
 	}
 	return ok, nil
 }
@@ -346,7 +344,7 @@ func Protect(ctx context.Context, db DBTX, table, jobKeyColumn string) error {
 		col = &jobKeyColumn
 	}
 	if _, err := db.Exec(ctx, "select fence.protect($1::regclass, $2)", table, col); err != nil {
-		return fmt.Errorf("protect %s: %w", table, asError(err))
+		return fmt.Errorf("protect %s: %w", table, FromPostgres(err))
 	}
 	return nil
 }
@@ -356,7 +354,7 @@ func Protect(ctx context.Context, db DBTX, table, jobKeyColumn string) error {
 // administrator (pgfence_bypass or a superuser): else CodeProtectionLocked.
 func Unprotect(ctx context.Context, db DBTX, table string) error {
 	if _, err := db.Exec(ctx, "select fence.unprotect($1::regclass)", table); err != nil {
-		return fmt.Errorf("unprotect %s: %w", table, asError(err))
+		return fmt.Errorf("unprotect %s: %w", table, FromPostgres(err))
 	}
 	return nil
 }

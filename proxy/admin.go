@@ -21,6 +21,8 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgproto3"
 	"go.uber.org/zap"
+
+	"github.com/pgfence/pgfence/fence"
 )
 
 // AdminDatabase is the virtual database of the admin console: a client
@@ -222,9 +224,7 @@ func (s *Server) countRefusal(err error) {
 
 // gateInfo is a session's fence state as SHOW SESSIONS shows it.
 type gateInfo struct {
-	jobKey        string
-	epoch, token  int64
-	step          string
+	gen           fence.Generation
 	hasGen        bool
 	gated, replay bool
 }
@@ -236,11 +236,11 @@ func (h *fenceSession) gateInfo() gateInfo {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	var gi gateInfo
-	gi.jobKey, gi.epoch, gi.token, gi.step, gi.hasGen = h.st.Generation()
+	gi.gen, gi.hasGen = h.st.Generation()
 	g := h.st.Gate()
 	gi.gated, gi.replay = g.Gated, g.Replay
 	if g.Gated && !gi.hasGen {
-		gi.jobKey, gi.epoch, gi.token, gi.step, gi.hasGen = g.Gen.JobKey, g.Gen.Epoch, g.Gen.Token, g.Gen.Step, true
+		gi.gen, gi.hasGen = g.Gen, true
 	}
 	return gi
 }

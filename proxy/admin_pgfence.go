@@ -46,9 +46,9 @@ func (s *Server) showSessions(con *console) *adminTable {
 		gi := sessionGate(ss)
 		var epoch, token string
 		if gi.hasGen {
-			epoch, token = strconv.FormatInt(gi.epoch, 10), strconv.FormatInt(gi.token, 10)
+			epoch, token = strconv.FormatInt(gi.gen.Epoch, 10), strconv.FormatInt(gi.gen.Token, 10)
 		}
-		t.add(ss.ClientAddr.String(), ss.User, ss.Database, gi.jobKey, epoch, con.token(token), gi.step,
+		t.add(ss.ClientAddr.String(), ss.User, ss.Database, gi.gen.JobKey, epoch, con.token(token), gi.gen.Step,
 			txName(ss.TxStatus()), strconv.FormatBool(gi.gated), strconv.FormatBool(gi.replay), ss.Upstream(),
 			ss.info.connectedAt.UTC().Format(time.RFC3339), strconv.FormatUint(uint64(ss.BackendPID), 10))
 	}

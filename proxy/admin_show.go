@@ -205,7 +205,7 @@ func (s *Server) showClients(con *console) *adminTable {
 		gi := sessionGate(ss)
 		var job, epoch, token, step any
 		if gi.hasGen {
-			job, epoch, token, step = gi.jobKey, gi.epoch, gi.token, gi.step
+			job, epoch, token, step = gi.gen.JobKey, gi.gen.Epoch, gi.gen.Token, gi.gen.Step
 			if con.role != roleAdmin {
 				token = nil
 			}

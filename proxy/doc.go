@@ -63,4 +63,32 @@
 //     ErrorResponse to the client's COMMIT.
 //
 // With no Interceptor none of this runs: no queue, no copies, no calls.
+//
+// # Errors
+//
+// A client is told of an error in one of two ways, and each has its type.
+//
+//   - A refusal of a statement or transaction is a *fence.Error, the
+//     vocabulary the proxy shares with packages fence and session: class
+//     FN (FN008 fencing required, FN009, FN013, ...) or the standard code
+//     PostgreSQL itself would give (22023 for a malformed fence setting,
+//     42601 for text the gate cannot parse). The proxy has the server
+//     raise it in the client's own transaction (raiseSQL), so the
+//     transaction aborts exactly as for PostgreSQL's own error. The
+//     server's errors are read in the same vocabulary (fence.Setup turns
+//     a missing fence schema, or a role without pgfence_worker, into
+//     FN014: setupError).
+//   - An error that ends the connection is a *ProtocolError, the
+//     connection layer's own: a framing or protocol violation (08P01),
+//     failed authentication (28P01, 28000), a limit (54000, 53200, 53300),
+//     a shutdown or a console's KILL (57P01), an upstream that failed
+//     (08006), and the few fence reasons for ending a session (FN012, the
+//     gate's idle timeout; a malformed fence setting in the startup
+//     packet). It stays a type of its own because it is another thing:
+//     most of these arise before a session, a fence state or an upstream
+//     exist; it is always FATAL and sent by the proxy itself, never
+//     raised by the server; and it carries a cause for errors.Is
+//     (ErrAuthFailed, ErrMessageTooLarge) and for the log, where its
+//     Error text names the cause. errorResponse is the one place it, or
+//     an upstream's *pgconn.PgError, becomes the client's ErrorResponse.
 package proxy

@@ -10,6 +10,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"go.uber.org/zap"
 
+	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/rewrite"
 	"github.com/pgfence/pgfence/session"
 )
@@ -114,7 +115,7 @@ func (f *Fence) Open(s *Session) (Handler, error) {
 	st, err := session.New(s.Params)
 	if err != nil {
 		f.cats.release(cat)
-		if se, ok := err.(*session.Error); ok {
+		if se, ok := err.(*fence.Error); ok {
 			return nil, &ProtocolError{Code: se.Code, Msg: se.Message, Err: err}
 		}
 		return nil, &ProtocolError{Code: "22023", Msg: err.Error(), Err: err}

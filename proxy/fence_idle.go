@@ -123,7 +123,7 @@ func (h *fenceSession) silentFor(s *Session, now time.Time) time.Duration {
 		return 0
 	}
 	h.mu.Lock()
-	_, _, _, _, fenced := h.st.Generation()
+	_, fenced := h.st.Generation()
 	fenced = fenced || h.st.Gate().Gated
 	h.mu.Unlock()
 	txOpen := s.TxStatus() != 'I' || s.pending.Load() > 0
@@ -148,8 +148,7 @@ func (w *watchdog) expire(h *fenceSession, s *Session) {
 	h.mu.Lock()
 	gen := h.st.Gate().Gen
 	if !h.st.Gate().Gated {
-		k, e, t, step, _ := h.st.Generation()
-		gen.JobKey, gen.Epoch, gen.Token, gen.Step = k, e, t, step
+		gen, _ = h.st.Generation()
 	}
 	h.mu.Unlock()
 	what := fmt.Sprintf("job %q's fence row (token %d)", gen.JobKey, gen.Token)

@@ -55,8 +55,7 @@ var currentRE = regexp.MustCompile(`current (?:epoch (\d+),? )?token (\d+)`)
 func (h *fenceSession) logRefusal(s *Session, e *pgproto3.ErrorResponse, stmt *rewrite.Stmt, outcome string) {
 	gen := h.st.Gate().Gen
 	if !h.st.Gate().Gated {
-		k, ep, tok, step, _ := h.st.Generation()
-		gen.JobKey, gen.Epoch, gen.Token, gen.Step = k, ep, tok, step
+		gen, _ = h.st.Generation()
 	}
 	fields := []zap.Field{
 		zap.Uint32("session", s.cancelPID),
@@ -91,23 +90,18 @@ func (h *fenceSession) logRefusal(s *Session, e *pgproto3.ErrorResponse, stmt *r
 }
 
 // setupError turns the server's error for a fence schema that is not
-// there, or a role that may not use it, into FN014 with the command that
-// fixes it, and warns once per database (and role) in the proxy's log.
-// It returns false for any other error.
+// there, or a role that may not use it (fence.Setup), into FN014 with the
+// command that fixes it, and warns once per database (and role) in the
+// proxy's log. It returns false for any other error.
 func (h *fenceSession) setupError(s *Session, e *pgproto3.ErrorResponse) bool {
 	msg := e.Message
-	switch {
-	case e.Code == "3F000" && strings.Contains(msg, `schema "fence"`),
-		e.Code == "42883" && strings.Contains(msg, "fence."):
+	switch fence.Setup(e.Code, msg) {
+	case fence.NoSchema:
 		e.Message = fmt.Sprintf("pgfence: database %q has no (or an outdated) fence schema: %s", s.Database, msg)
 		e.Hint = fmt.Sprintf("a DBA runs: pgfence migrate --database 'postgres://<dba>@<host>/%s'", s.Database)
 		h.f.warnOnce("schema:"+s.Database, "database has no usable fence schema; fenced clients are refused until `pgfence migrate` runs",
 			zap.String("database", s.Database), zap.String("error", msg))
-	case e.Code == "42501" && workerFunction(msg):
-		// Only the functions pgfence_worker may run: an administrative one
-		// (protect, grant_job, ...) refused to a worker, or a table of the
-		// fence schema it may not read (fence.fences: tokens are not the
-		// workers' to read), is no setup error.
+	case fence.NotWorker:
 		e.Message = fmt.Sprintf("pgfence: role %q may not use the fence schema in database %q: %s", s.User, s.Database, msg)
 		e.Hint = fmt.Sprintf("a DBA runs: GRANT pgfence_worker TO %s;", rewrite.QuoteIdentifier(s.User))
 		h.f.warnOnce("role:"+s.Database+"\x00"+s.User, "role lacks pgfence_worker; its fenced work is refused",
@@ -125,15 +119,4 @@ func (f *Fence) warnOnce(key, msg string, fields ...zap.Field) {
 	if _, seen := f.warned.LoadOrStore(key, true); !seen {
 		f.log.Warn(msg, fields...)
 	}
-}
-
-// workerFunction reports whether a permission error names one of the
-// functions pgfence_worker may run.
-func workerFunction(msg string) bool {
-	for _, f := range []string{"acquire", "renew", "release", "retire", "gate", "commit", "commit_if_written", "accept_event", "has_generation", "replica_reached"} {
-		if msg == "permission denied for function "+f {
-			return true
-		}
-	}
-	return false
 }

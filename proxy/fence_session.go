@@ -88,7 +88,7 @@ type fenceSession struct {
 // its receipt step can be pipelined before the Sync without waiting: the
 // generation gated and the digest of the statements executed since.
 type extWrap struct {
-	gen     session.Generation
+	gen     fence.Generation
 	gated   bool // the gate step ran in the batch; else it is tentative (commit_if_written)
 	digest  fence.Digest
 	client  []byte // fence.payload_digest, when the client gives its own
@@ -194,7 +194,7 @@ func formatOf(formats []int16, i int) int16 {
 // copyState is what remains to send after a gated COPY FROM in a wrapped
 // simple query: the receipt step, COMMIT and the final ROLLBACK.
 type copyState struct {
-	gen   session.Generation
+	gen   fence.Generation
 	gated bool // else tentative: the receipt step is commit_if_written
 }
 
@@ -222,7 +222,7 @@ const receiptSavepoint = "pgfence_receipt"
 type seg struct {
 	step step
 	stmt *rewrite.Stmt
-	gen  session.Generation
+	gen  fence.Generation
 	// explicitCommit: this commit step precedes the client's COMMIT, which
 	// on a replay must still be answered "COMMIT".
 	explicitCommit bool
@@ -255,7 +255,7 @@ type tag struct {
 	oids    []uint32
 	cp      *cportal
 	closeOf byte
-	gen     session.Generation
+	gen     fence.Generation
 	// explicitCommit as in seg, for the extended protocol.
 	explicitCommit bool
 	// about is the client statement a gate step guards (for the log).
@@ -301,15 +301,15 @@ const (
 func reserved(name string) bool { return strings.HasPrefix(name, reservedPrefix) }
 
 // reservedError is the refusal of a client's use of a reserved name.
-func reservedError(what, name string) *session.Error {
-	return &session.Error{Code: fence.CodeReserved,
+func reservedError(what, name string) *fence.Error {
+	return &fence.Error{Code: fence.CodeReserved,
 		Message: fmt.Sprintf("%s %q: names beginning with %q are reserved for pgfence's own statements", what, name, reservedPrefix),
 		Hint:    "give the prepared statement or portal another name"}
 }
 
 // reservedStmt refuses a statement that names one of the gate's
 // statements or sets one of the backstop's own settings.
-func reservedStmt(st *rewrite.Stmt) *session.Error {
+func reservedStmt(st *rewrite.Stmt) *fence.Error {
 	switch {
 	case (st.Kind == rewrite.Prepare || st.Kind == rewrite.Deallocate || st.Kind == rewrite.Execute) && reserved(st.Name):
 		return reservedError("prepared statement", st.Name)
@@ -320,7 +320,7 @@ func reservedStmt(st *rewrite.Stmt) *session.Error {
 	}
 	for _, g := range st.GUCs {
 		if strings.HasPrefix(g.Name, reservedGUCPrefix) {
-			return &session.Error{Code: fence.CodeReserved,
+			return &fence.Error{Code: fence.CodeReserved,
 				Message: fmt.Sprintf("parameter %q: settings beginning with %q are reserved for pgfence's backstop", g.Name, reservedGUCPrefix),
 				Hint:    "fence metadata is set with fence.job_key, fence.epoch, fence.token and fence.step"}
 		}
@@ -622,7 +622,7 @@ func (h *fenceSession) maybeWrite(st *rewrite.Stmt) bool {
 // the query sets a fence parameter (its statements may then run fenced).
 // Callers hold h.mu.
 func (h *fenceSession) fencedQuery(stmts []*rewrite.Stmt) bool {
-	if _, _, _, _, ok := h.st.Generation(); ok {
+	if _, ok := h.st.Generation(); ok {
 		return true
 	}
 	for _, st := range stmts {
@@ -662,7 +662,7 @@ func (h *fenceSession) needsOwnText(res *rewrite.Result) bool {
 func (h *fenceSession) strict(decoding bool) bool {
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	if _, _, _, _, ok := h.st.Generation(); ok || h.st.Gate().Gated {
+	if _, ok := h.st.Generation(); ok || h.st.Gate().Gated {
 		return true
 	}
 	return decoding && h.cat.prot.Load().Len() > 0
@@ -974,7 +974,7 @@ type qplan struct {
 
 // commitStep is a receipt step's arguments.
 type commitStep struct {
-	gen     session.Generation
+	gen     fence.Generation
 	sum     []byte
 	version string
 	gated   bool // else tentative: commit_if_written
@@ -1023,7 +1023,7 @@ func (h *fenceSession) plan(sql string, res *rewrite.Result) qplan {
 	inject := func(at int, text string, sg seg) { items = append(items, item{at: at, text: text, seg: sg}) }
 	// refuse fails the query at st with e, as PostgreSQL would fail st:
 	// the rest is not sent (the caller breaks the loop).
-	refuse := func(st *rewrite.Stmt, e *session.Error) {
+	refuse := func(st *rewrite.Stmt, e *fence.Error) {
 		inject(st.Offset, raiseSQL(e)+";", seg{step: stepRaise, stmt: st})
 		items = append(items, item{at: st.Offset, seg: seg{step: stepClient, stmt: st}})
 	}
@@ -1073,7 +1073,7 @@ loop:
 				d = &fence.Digest{}
 			}
 		case due() && st.Kind == rewrite.PrepareTransaction:
-			refuse(st, &session.Error{Code: fence.CodeUnsupported,
+			refuse(st, &fence.Error{Code: fence.CodeUnsupported,
 				Message: fmt.Sprintf("PREPARE TRANSACTION is not supported in a fenced transaction (job %q, token %d)", gen.JobKey, gen.Token),
 				Hint:    "commit the transaction with COMMIT: pgfence writes the commit receipt in the same transaction"})
 			break loop
@@ -1082,7 +1082,7 @@ loop:
 			// answered (settleCommit), which a COPY FROM after it would
 			// hold up waiting for the client's data: refused before the
 			// COMMIT runs.
-			refuse(st, &session.Error{Code: fence.CodeUnsupported,
+			refuse(st, &fence.Error{Code: fence.CodeUnsupported,
 				Message: fmt.Sprintf("COMMIT followed by COPY FROM in one query is not supported in a fenced transaction (job %q, token %d)", gen.JobKey, gen.Token),
 				Hint:    "send the COPY as a query of its own after the COMMIT"})
 			break loop
@@ -1090,7 +1090,7 @@ loop:
 			// The receipt must cover the COPY's data, which only comes
 			// after this query's text has gone: the COMMIT is refused,
 			// and the transaction aborts with nothing of it committed.
-			refuse(st, &session.Error{Code: fence.CodeUnsupported,
+			refuse(st, &fence.Error{Code: fence.CodeUnsupported,
 				Message: fmt.Sprintf("COPY FROM and COMMIT in one query are not supported in a fenced transaction (job %q, token %d): the commit receipt must cover the COPY data", gen.JobKey, gen.Token),
 				Hint:    "send COMMIT as a query of its own after the COPY"})
 			break loop
@@ -1164,7 +1164,7 @@ loop:
 		// CHAIN) would pass in the explicit one: it fails as it would
 		// have, with PostgreSQL's error, and the query stops there.
 		if blockOnly >= 0 {
-			raise := item{at: blockOnlyStmt.Offset, text: raiseSQL(&session.Error{Code: "25P01",
+			raise := item{at: blockOnlyStmt.Offset, text: raiseSQL(&fence.Error{Code: "25P01",
 				Message: refusedImplicit(blockOnlyStmt) + " can only be used in transaction blocks"}) + ";", seg: seg{step: stepRaise}}
 			items = append(items[:blockOnly], append([]item{raise}, items[blockOnly:]...)...)
 		}
@@ -1315,28 +1315,28 @@ func restoreTag() *tag {
 
 // refuseQuery answers a query with err without running any of it.
 func (h *fenceSession) refuseQuery(s *Session, err error) error {
-	return h.send(s, h.qmsg(raiseSQL(asSessionError(err))), &tag{kind: 'Q', segs: []seg{{step: stepRaise}}}, true)
+	return h.send(s, h.qmsg(raiseSQL(asFenceError(err))), &tag{kind: 'Q', segs: []seg{{step: stepRaise}}}, true)
 }
 
-func asSessionError(err error) *session.Error {
-	var se *session.Error
+func asFenceError(err error) *fence.Error {
+	var se *fence.Error
 	if errors.As(err, &se) {
 		return se
 	}
-	return &session.Error{Code: "22023", Message: err.Error()}
+	return &fence.Error{Code: "22023", Message: err.Error()}
 }
 
 // commitSQL is the receipt step for a digest: fence.commit after the
 // gate step, else (a tentative transaction) fence.commit_if_written,
 // which writes the receipt only if the backstop marked the transaction.
-func commitSQL(gated bool, gen session.Generation, digest []byte, version string) string {
+func commitSQL(gated bool, gen fence.Generation, digest []byte, version string) string {
 	if !gated {
 		return strings.Replace(commitSQLGated(gen, digest, version), "fence.commit(", "fence.commit_if_written(", 1)
 	}
 	return commitSQLGated(gen, digest, version)
 }
 
-func commitSQLGated(gen session.Generation, digest []byte, version string) string {
+func commitSQLGated(gen fence.Generation, digest []byte, version string) string {
 	// E'' for the digest too: with standard_conforming_strings off a
 	// plain '\x..' would be read as escapes.
 	return fmt.Sprintf("SELECT fence.commit(%s, %d, %d, %s, E'\\\\x%s'::pg_catalog.bytea, %s)",
@@ -1357,13 +1357,13 @@ func (h *fenceSession) digest() ([]byte, string) {
 	return (&fence.Digest{}).Sum(), fence.DigestVersion
 }
 
-func gateSQL(g session.Generation) string {
+func gateSQL(g fence.Generation) string {
 	return fmt.Sprintf("SELECT fence.gate(%s, %d, %d, %s)", literal(g.JobKey), g.Epoch, g.Token, literal(g.Step))
 }
 
 // raiseSQL is a statement that fails with e, so the server aborts the
 // transaction exactly as it would for its own error.
-func raiseSQL(e *session.Error) string {
+func raiseSQL(e *fence.Error) string {
 	s := "DO $pgfence$BEGIN RAISE EXCEPTION USING ERRCODE = " + literal(e.Code) + ", MESSAGE = " + literal(e.Message)
 	if e.Hint != "" {
 		s += ", HINT = " + literal(e.Hint)
@@ -1392,13 +1392,13 @@ func literal(s string) string {
 
 // fencingRequired is FN008 for st, naming what of the generation the
 // session lacks (ov: the query's own SETs before st).
-func fencingRequired(st *rewrite.Stmt, cat *catalog, ss *session.State, ov overlay) *session.Error {
+func fencingRequired(st *rewrite.Stmt, cat *catalog, ss *session.State, ov overlay) *fence.Error {
 	rels := cat.prot.Load().ProtectedWrites(st, ss.SearchPath())
 	what := "a protected table"
 	if len(rels) > 0 {
 		what = "protected table " + rels[0].String()
 	}
-	return &session.Error{Code: fence.CodeFencingRequired,
+	return &fence.Error{Code: fence.CodeFencingRequired,
 		Message: fmt.Sprintf("fencing required: this statement writes %s but %s", what, strings.Join(ov.missing(ss), " and ")),
 		Hint:    "take a lease with fence.acquire (or run the job under `pgfence run`) and set fence.job_key, fence.epoch and fence.token, e.g. PGOPTIONS='-c fence.job_key=... -c fence.epoch=... -c fence.token=...'"}
 }
@@ -1460,7 +1460,7 @@ func (o overlay) value(ss *session.State, name string) string {
 	return v
 }
 
-func (o overlay) generation(ss *session.State) (session.Generation, bool) {
+func (o overlay) generation(ss *session.State) (fence.Generation, bool) {
 	get := func(name string) string {
 		if v, ok := o[name]; ok {
 			if v == nil {
@@ -1475,16 +1475,15 @@ func (o overlay) generation(ss *session.State) (session.Generation, bool) {
 		return v
 	}
 	if len(o) == 0 {
-		k, e, t, step, ok := ss.Generation()
-		return session.Generation{JobKey: k, Epoch: e, Token: t, Step: step}, ok
+		return ss.Generation()
 	}
 	k := get(session.JobKey)
 	e, err1 := strconv.ParseInt(strings.TrimSpace(get(session.Epoch)), 10, 64)
 	t, err2 := strconv.ParseInt(strings.TrimSpace(get(session.Token)), 10, 64)
 	if k == "" || err1 != nil || err2 != nil || e <= 0 || t <= 0 {
-		return session.Generation{}, false
+		return fence.Generation{}, false
 	}
-	return session.Generation{JobKey: k, Epoch: e, Token: t, Step: get(session.Step)}, true
+	return fence.Generation{JobKey: k, Epoch: e, Token: t, Step: get(session.Step)}, true
 }
 
 // execute handles an extended-protocol Execute.
@@ -1538,13 +1537,13 @@ func (h *fenceSession) execute(s *Session, msg []byte) error {
 	}
 	g := h.st.Gate()
 	need := h.protectedWrite(st) && !g.Gated
-	_, _, _, _, fencedNow := h.st.Generation()
+	_, fencedNow := h.st.Generation()
 	tent := !need && !g.Due() && fencedNow && h.maybeWrite(st) && !(h.wrapped && !h.wrap.gated)
 	commit := g.Due() && st.Kind == rewrite.Commit
 	prepTx := g.Due() && st.Kind == rewrite.PrepareTransaction
 	h.mu.Unlock()
 	if bad != nil {
-		if err := h.raiseExt(s, asSessionError(bad)); err != nil {
+		if err := h.raiseExt(s, asFenceError(bad)); err != nil {
 			return err
 		}
 		return h.send(s, msg, t, true)
@@ -1576,9 +1575,8 @@ func (h *fenceSession) execute(s *Session, msg []byte) error {
 	g = h.st.Gate()
 	failed := h.st.Tx() == session.Failed
 	explicit := h.st.Tx() == session.InTx && h.st.Explicit()
-	k, e, tok, step, ok := h.st.Generation()
-	gen := session.Generation{JobKey: k, Epoch: e, Token: tok, Step: step}
-	var fr *session.Error
+	gen, ok := h.st.Generation()
+	var fr *fence.Error
 	if !ok {
 		fr = fencingRequired(st, h.cat, h.st, overlay{})
 	}
@@ -1620,7 +1618,7 @@ func (h *fenceSession) execute(s *Session, msg []byte) error {
 			h.wrapBatch(gen)
 		}
 	case prepTx:
-		if err := h.raiseExt(s, &session.Error{Code: fence.CodeUnsupported,
+		if err := h.raiseExt(s, &fence.Error{Code: fence.CodeUnsupported,
 			Message: fmt.Sprintf("PREPARE TRANSACTION is not supported in a fenced transaction (job %q, token %d)", g.Gen.JobKey, g.Gen.Token),
 			Hint:    "commit the transaction with COMMIT"}); err != nil {
 			return err
@@ -1668,7 +1666,7 @@ func (h *fenceSession) execute(s *Session, msg []byte) error {
 
 // wrapBatch starts following an implicit transaction of the extended
 // protocol (up to its Sync) whose receipt step goes before the Sync.
-func (h *fenceSession) wrapBatch(gen session.Generation) {
+func (h *fenceSession) wrapBatch(gen fence.Generation) {
 	h.wrapped = true
 	h.wrap = extWrap{gen: gen, marks: map[string][]int{}, written: map[string]bool{}}
 	h.mu.Lock()
@@ -1710,12 +1708,12 @@ func commitStmtFor(gated bool) string {
 	return commitIfStmt
 }
 
-func commitArgs(gen session.Generation, d []byte, v string) [][]byte {
+func commitArgs(gen fence.Generation, d []byte, v string) [][]byte {
 	return [][]byte{[]byte(gen.JobKey), []byte(strconv.FormatInt(gen.Epoch, 10)), []byte(strconv.FormatInt(gen.Token, 10)),
 		[]byte(gen.Step), []byte(`\x` + hex.EncodeToString(d)), []byte(v)}
 }
 
-func gateArgs(g session.Generation) [][]byte {
+func gateArgs(g fence.Generation) [][]byte {
 	return [][]byte{[]byte(g.JobKey), []byte(strconv.FormatInt(g.Epoch, 10)), []byte(strconv.FormatInt(g.Token, 10)), []byte(g.Step)}
 }
 
@@ -1786,7 +1784,7 @@ func (h *fenceSession) execNamed(s *Session, stmt string, args [][]byte, t *tag)
 // raiseExt fails the current extended batch with e: a DO block raising
 // it, parsed and executed through the gate's portal (the client's unnamed
 // statement is left alone). The server then skips to Sync.
-func (h *fenceSession) raiseExt(s *Session, e *session.Error) error {
+func (h *fenceSession) raiseExt(s *Session, e *fence.Error) error {
 	const name = "pgfence_raise"
 	buf, _ := (&pgproto3.Close{ObjectType: 'S', Name: name}).Encode(nil)
 	if err := h.send(s, buf, &tag{kind: 'C', step: stepRaise}, false); err != nil {
@@ -2108,9 +2106,9 @@ func (h *fenceSession) applyClient(st *rewrite.Stmt, msg []byte, cp *cportal) {
 	ctag := commandTag(msg)
 	g := h.st.Gate()
 	if !g.Due() && h.maybeWrite(st) {
-		if k, e, t, step, ok := h.st.Generation(); ok {
+		if gen, ok := h.st.Generation(); ok {
 			g.Tentative = true
-			g.Gen = session.Generation{JobKey: k, Epoch: e, Token: t, Step: step}
+			g.Gen = gen
 			if g.Digest == nil {
 				g.Digest = &fence.Digest{}
 			}
@@ -2153,7 +2151,7 @@ func (h *fenceSession) commitResult(msg []byte) {
 }
 
 // gateResult records the gate's answer ('ok' or 'replay').
-func (h *fenceSession) gateResult(gen session.Generation, msg []byte) {
+func (h *fenceSession) gateResult(gen fence.Generation, msg []byte) {
 	g := h.st.Gate()
 	g.Gated = true
 	g.Gen = gen

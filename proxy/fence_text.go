@@ -8,6 +8,7 @@ import (
 	"github.com/jackc/pgx/v5/pgproto3"
 	"go.uber.org/zap"
 
+	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/internal/clientenc"
 	"github.com/pgfence/pgfence/rewrite"
 	"github.com/pgfence/pgfence/session"
@@ -443,9 +444,9 @@ func isTextError(err error) bool {
 
 // textError is the refusal of text the gate cannot read safely: invalid
 // in the client's encoding, or rejected by the parser.
-func textError(err error) *session.Error {
+func textError(err error) *fence.Error {
 	if ce, ok := err.(*clientenc.Error); ok {
-		return &session.Error{Code: ce.Code, Message: ce.Message,
+		return &fence.Error{Code: ce.Code, Message: ce.Message,
 			Hint: "send text valid in the session's client_encoding, or set client_encoding to the encoding the client really uses"}
 	}
 	var pe *rewrite.ParseError
@@ -453,8 +454,8 @@ func textError(err error) *session.Error {
 		pe = e
 	}
 	if pe != nil {
-		return &session.Error{Code: "42601", Message: strings.TrimPrefix(pe.Err.Error(), "classify: "),
+		return &fence.Error{Code: "42601", Message: strings.TrimPrefix(pe.Err.Error(), "classify: "),
 			Hint: "pgfence could not parse this statement, so it was not sent: on a fenced session every statement must be one PostgreSQL's grammar accepts"}
 	}
-	return &session.Error{Code: "42601", Message: err.Error()}
+	return &fence.Error{Code: "42601", Message: err.Error()}
 }

@@ -17,8 +17,11 @@ const headerLen = 5
 // message exceeds Config.MaxMessageSize.
 var ErrMessageTooLarge = errors.New("message too large")
 
-// ProtocolError is a framing or protocol violation by the peer. The session
-// answers it with an ErrorResponse (SQLSTATE Code) when the protocol allows
+// ProtocolError is an error that ends the connection: a framing or
+// protocol violation by the peer, or any other reason the proxy closes it
+// (see the package doc's Errors; a refusal that leaves the connection
+// open is a *fence.Error). The session answers it with a FATAL
+// ErrorResponse (SQLSTATE Code, errorResponse) when the protocol allows
 // and closes.
 type ProtocolError struct {
 	Code string // SQLSTATE sent to the client

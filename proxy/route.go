@@ -382,7 +382,7 @@ func (h *fenceSession) require(stmts []*rewrite.Stmt, kind readKind) (req requir
 }
 
 // pendingError carries the FN007 answer.
-type pendingError struct{ e *session.Error }
+type pendingError struct{ e *fence.Error }
 
 func (p *pendingError) Error() string { return p.e.Message }
 
@@ -444,7 +444,7 @@ func (h *fenceSession) replicaCurrent(s *Session, r *replica, stmts []*rewrite.S
 		} else {
 			msg += fmt.Sprintf(" (needs WAL position %s, replayed %s)", req.lsn, replay)
 		}
-		return false, &pendingError{&session.Error{Code: fence.CodePending, Message: "pgfence: " + msg,
+		return false, &pendingError{&fence.Error{Code: fence.CodePending, Message: "pgfence: " + msg,
 			Hint: "retry shortly, or read from the primary with SET fence.read_policy = 'primary' (or 'wait')"}}
 	}
 	return false, nil

@@ -1,9 +1,11 @@
 package session
 
 import (
+	"errors"
 	"fmt"
 	"strings"
 
+	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/rewrite"
 )
 
@@ -87,7 +89,7 @@ func param(params ParamFunc, n int) (*string, bool) {
 	return params(n)
 }
 
-func untrackable(g rewrite.GUC, why string) *Error {
+func untrackable(g rewrite.GUC, why string) *fence.Error {
 	what := "set_config"
 	if !g.Func {
 		what = "SET"
@@ -96,17 +98,14 @@ func untrackable(g rewrite.GUC, why string) *Error {
 	if name == "" {
 		name = "a parameter"
 	}
-	return &Error{Code: CodeFeatureNotSupported,
-		Message:   fmt.Sprintf("pgfence cannot track this %s of %s: %s", what, name, why),
-		Hint:      "set fence parameters with SET, SET LOCAL, or SELECT set_config('fence.token', '18', false) with literal or bound arguments",
-		uncertain: true}
+	return &fence.Error{Code: CodeFeatureNotSupported,
+		Message: fmt.Sprintf("pgfence cannot track this %s of %s: %s", what, name, why),
+		Hint:    "set fence parameters with SET, SET LOCAL, or SELECT set_config('fence.token', '18', false) with literal or bound arguments",
+		Err:     errUncertain}
 }
 
 // isUncertain reports whether err is resolve's "cannot be known".
-func isUncertain(err error) bool {
-	e, ok := err.(*Error)
-	return ok && e.uncertain
-}
+func isUncertain(err error) bool { return errors.Is(err, errUncertain) }
 
 // Check validates a statement before the proxy forwards it: every fence
 // parameter it sets to a value known from its text or parameters must be

@@ -12,9 +12,15 @@
 // transaction, exactly as the server does; it ends at ReadyForQuery (a
 // simple Query or a pipeline up to Sync), or at COMMIT/ROLLBACK.
 //
+// It speaks package fence's vocabulary: the generation a session presents
+// and a transaction is gated with is a fence.Generation, and every refusal
+// is a *fence.Error with the SQLSTATE PostgreSQL would give (22023 for a
+// malformed fence setting, 25P02 in a failed transaction, ...).
+//
 // It is not a SQL parser (package rewrite classifies statements), it does no
-// I/O, and it is not safe for concurrent use: one State belongs to one
-// client connection's wire loop.
+// I/O, it does not decide what the gate injects (the proxy and package
+// rewrite do), and it is not safe for concurrent use: one State belongs to
+// one client connection's wire loop.
 //
 // # What it cannot see
 //

@@ -1,19 +1,13 @@
 package session
 
+import "github.com/pgfence/pgfence/fence"
+
 // Digester is the part of the payload digest (fence.Digest) the session
 // needs: ROLLBACK TO SAVEPOINT drops the statements made since the
 // savepoint.
 type Digester interface {
 	Mark() int
 	Rollback(mark int)
-}
-
-// Generation is the fence generation a transaction was gated with.
-type Generation struct {
-	JobKey string
-	Epoch  int64
-	Token  int64
-	Step   string
 }
 
 // Gate is the write-gate state of the current transaction, filled in by the
@@ -31,8 +25,8 @@ type Gate struct {
 	// the receipt step that writes a receipt if it did
 	// (fence.commit_if_written).
 	Tentative bool
-	Gen       Generation // the generation checked (or, tentative, presented)
-	Digest    Digester   // accumulates the transaction's write statements; nil until gated or tentative
+	Gen       fence.Generation // the generation checked (or, tentative, presented)
+	Digest    Digester         // accumulates the transaction's write statements; nil until gated or tentative
 }
 
 // Due reports whether the transaction's commit needs a receipt step.

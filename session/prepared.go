@@ -3,6 +3,7 @@ package session
 import (
 	"fmt"
 
+	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/rewrite"
 )
 
@@ -49,7 +50,7 @@ func (s *State) CloseStatement(name string) { delete(s.prepared, name) }
 func (s *State) Bind(portal, statement string) error {
 	p, ok := s.prepared[statement]
 	if !ok {
-		return &Error{Code: CodeInvalidStatementName, Message: fmt.Sprintf("prepared statement %q does not exist", statement)}
+		return &fence.Error{Code: CodeInvalidStatementName, Message: fmt.Sprintf("prepared statement %q does not exist", statement)}
 	}
 	s.ensureTx()
 	s.portals[portal] = &Portal{Name: portal, Statement: p}

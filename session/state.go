@@ -5,6 +5,7 @@ import (
 	"sort"
 	"strings"
 
+	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/rewrite"
 )
 
@@ -243,20 +244,20 @@ func (s *State) SearchPath() []string {
 // fence.job_key, fence.epoch, fence.token and fence.step. ok is false
 // unless job_key, epoch and token are all set (they were validated when
 // set).
-func (s *State) Generation() (jobKey string, epoch, token int64, step string, ok bool) {
+func (s *State) Generation() (g fence.Generation, ok bool) {
 	jobKey, ok1 := s.Get(JobKey)
 	es, ok2 := s.Get(Epoch)
 	ts, ok3 := s.Get(Token)
-	step, _ = s.Get(Step)
+	step, _ := s.Get(Step)
 	if !ok1 || !ok2 || !ok3 {
-		return "", 0, 0, "", false
+		return fence.Generation{}, false
 	}
 	e, err1 := parsePositive(es)
 	t, err2 := parsePositive(ts)
 	if err1 != nil || err2 != nil {
-		return "", 0, 0, "", false
+		return fence.Generation{}, false
 	}
-	return jobKey, e, t, step, true
+	return fence.Generation{JobKey: jobKey, Epoch: e, Token: t, Step: step}, true
 }
 
 // variable returns the tracked variable, creating it with an empty (for
@@ -286,35 +287,16 @@ func (s *State) ensureTx() {
 // empty value clears a fence parameter. Outside a transaction it starts an
 // implicit one: a SET LOCAL made there ends with it.
 func (s *State) Set(name, val string, local bool) error {
-	name = strings.ToLower(name)
-	if !Tracked(name) {
-		return nil
-	}
-	if err := Validate(name, val); err != nil {
+	if err := Validate(strings.ToLower(name), val); err != nil { // nil for untracked names
 		return err
 	}
-	if s.tx == Failed {
-		return errInFailed()
-	}
-	s.ensureTx()
-	s.assign(name, value{s: val, known: true, set: true}, local)
-	return nil
+	return s.change(name, local, func(*variable) value { return value{s: val, known: true, set: true} })
 }
 
 // Reset sets a tracked parameter back to its session default (RESET name,
 // SET name TO DEFAULT; local for SET LOCAL name TO DEFAULT).
 func (s *State) Reset(name string, local bool) error {
-	name = strings.ToLower(name)
-	if !Tracked(name) {
-		return nil
-	}
-	if s.tx == Failed {
-		return errInFailed()
-	}
-	s.ensureTx()
-	v := s.variable(name)
-	s.assign(name, v.reset, local)
-	return nil
+	return s.change(name, local, func(v *variable) value { return v.reset })
 }
 
 // ResetAll resets every tracked parameter to its session default, as RESET
@@ -338,6 +320,17 @@ func (s *State) ResetAll() error {
 // FromCurrent applies SET name FROM CURRENT: the current value becomes the
 // session (or, with local, transaction) value.
 func (s *State) FromCurrent(name string, local bool) error {
+	return s.change(name, local, func(v *variable) value {
+		cur := v.cur
+		cur.set = true
+		return cur
+	})
+}
+
+// change assigns a tracked parameter the value to gives from its variable,
+// as a SET (local false) or SET LOCAL does, starting an implicit
+// transaction if none is open; untracked names are ignored.
+func (s *State) change(name string, local bool, to func(*variable) value) error {
 	name = strings.ToLower(name)
 	if !Tracked(name) {
 		return nil
@@ -346,10 +339,7 @@ func (s *State) FromCurrent(name string, local bool) error {
 		return errInFailed()
 	}
 	s.ensureTx()
-	v := s.variable(name)
-	cur := v.cur
-	cur.set = true
-	s.assign(name, cur, local)
+	s.assign(name, to(s.variable(name)), local)
 	return nil
 }
 
@@ -513,11 +503,8 @@ func (s *State) endTx(chain bool) {
 
 // Savepoint applies SAVEPOINT name. Names may repeat.
 func (s *State) Savepoint(name string) error {
-	switch {
-	case s.tx == Failed:
-		return errInFailed()
-	case s.tx == Idle || !s.explicit:
-		return &Error{Code: CodeNoActiveTransaction, Message: "SAVEPOINT can only be used in transaction blocks"}
+	if err := s.inBlock("SAVEPOINT", false); err != nil {
+		return err
 	}
 	sp := savepoint{name: name, level: s.level + 1, gate: s.gate}
 	if s.gate.Digest != nil {
@@ -528,13 +515,30 @@ func (s *State) Savepoint(name string) error {
 	return nil
 }
 
-func (s *State) findSavepoint(name string) int {
+// inBlock refuses cmd outside a transaction block and, unless it runs
+// there too (ROLLBACK TO), in a failed one, as PostgreSQL does.
+func (s *State) inBlock(cmd string, inFailed bool) error {
+	switch {
+	case s.tx == Failed && !inFailed:
+		return errInFailed()
+	case s.tx == Idle || !s.explicit:
+		return &fence.Error{Code: CodeNoActiveTransaction, Message: cmd + " can only be used in transaction blocks"}
+	}
+	return nil
+}
+
+// findSavepoint returns the index of the most recent savepoint named name,
+// for cmd (ROLLBACK TO, RELEASE), which must be in a transaction block.
+func (s *State) findSavepoint(cmd, name string, inFailed bool) (int, error) {
+	if err := s.inBlock(cmd, inFailed); err != nil {
+		return -1, err
+	}
 	for i := len(s.sps) - 1; i >= 0; i-- {
 		if s.sps[i].name == name {
-			return i
+			return i, nil
 		}
 	}
-	return -1
+	return -1, &fence.Error{Code: CodeInvalidSavepoint, Message: fmt.Sprintf("savepoint %q does not exist", name)}
 }
 
 // RollbackTo applies ROLLBACK TO SAVEPOINT name: everything since the most
@@ -542,12 +546,9 @@ func (s *State) findSavepoint(name string) int {
 // digest's statements), the savepoint stays, and a failed transaction is
 // usable again.
 func (s *State) RollbackTo(name string) error {
-	if s.tx == Idle || !s.explicit {
-		return &Error{Code: CodeNoActiveTransaction, Message: "ROLLBACK TO SAVEPOINT can only be used in transaction blocks"}
-	}
-	i := s.findSavepoint(name)
-	if i < 0 {
-		return &Error{Code: CodeInvalidSavepoint, Message: fmt.Sprintf("savepoint %q does not exist", name)}
+	i, err := s.findSavepoint("ROLLBACK TO SAVEPOINT", name, true)
+	if err != nil {
+		return err
 	}
 	sp := s.sps[i]
 	s.endLevel(false, sp.level)
@@ -566,15 +567,9 @@ func (s *State) RollbackTo(name string) error {
 // Release applies RELEASE SAVEPOINT name: the most recent savepoint of that
 // name and every later one are merged into the enclosing level.
 func (s *State) Release(name string) error {
-	switch {
-	case s.tx == Failed:
-		return errInFailed()
-	case s.tx == Idle || !s.explicit:
-		return &Error{Code: CodeNoActiveTransaction, Message: "RELEASE SAVEPOINT can only be used in transaction blocks"}
-	}
-	i := s.findSavepoint(name)
-	if i < 0 {
-		return &Error{Code: CodeInvalidSavepoint, Message: fmt.Sprintf("savepoint %q does not exist", name)}
+	i, err := s.findSavepoint("RELEASE SAVEPOINT", name, false)
+	if err != nil {
+		return err
 	}
 	for l := s.level; l >= s.sps[i].level; l-- {
 		s.endLevel(true, l)
@@ -646,7 +641,7 @@ func (s *State) TxStatus(b byte) error {
 	return fmt.Errorf("session: unknown transaction status %q", b)
 }
 
-func errInFailed() *Error {
-	return &Error{Code: CodeInFailedTransaction,
+func errInFailed() *fence.Error {
+	return &fence.Error{Code: CodeInFailedTransaction,
 		Message: "current transaction is aborted, commands ignored until end of transaction block"}
 }

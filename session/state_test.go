@@ -5,6 +5,7 @@ import (
 	"reflect"
 	"testing"
 
+	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/rewrite"
 )
 
@@ -34,7 +35,7 @@ func TestValidate(t *testing.T) {
 			if (err == nil) != tt.ok {
 				t.Fatalf("Validate(%q, %q): got %v, want ok=%v", tt.name, tt.value, err, tt.ok)
 			}
-			var e *Error
+			var e *fence.Error
 			if err != nil && (!errors.As(err, &e) || e.Code != CodeInvalidParameterValue || e.Hint == "") {
 				t.Errorf("got error %#v, want *Error with SQLSTATE 22023 and a hint", err)
 			}
@@ -100,9 +101,9 @@ func TestNewFromStartup(t *testing.T) {
 		"options":     `-c fence.job_key=nightly\ report -c fence.epoch=2 --fence.token=18`,
 		"search_path": `"$user", public`,
 	})
-	key, epoch, token, step, ok := s.Generation()
-	if !ok || key != "nightly report" || epoch != 2 || token != 18 || step != "" {
-		t.Errorf("Generation: got (%q, %d, %d, %q, %v), want (\"nightly report\", 2, 18, \"\", true)", key, epoch, token, step, ok)
+	g, ok := s.Generation()
+	if want := (fence.Generation{JobKey: "nightly report", Epoch: 2, Token: 18}); !ok || g != want {
+		t.Errorf("Generation: got (%+v, %v), want (%+v, true)", g, ok, want)
 	}
 	if got, want := s.SearchPath(), []string{"alice", "public"}; !reflect.DeepEqual(got, want) {
 		t.Errorf("SearchPath: got %q, want %q", got, want)
@@ -200,7 +201,7 @@ func TestCheckRefusesMalformedAndUntrackable(t *testing.T) {
 				t.Fatal(err)
 			}
 			err = s.Check(res.Stmts[0], tt.params)
-			var e *Error
+			var e *fence.Error
 			if unc := s.Uncertain(res.Stmts[0], tt.params); unc != (tt.code == uncertain) {
 				t.Errorf("Uncertain: got %v, want %v", unc, tt.code == uncertain)
 			}
@@ -241,7 +242,7 @@ func TestGateRestoredByRollbackTo(t *testing.T) {
 	apply(t, s, "BEGIN", "SAVEPOINT before_gate")
 	g := s.Gate()
 	d := &fakeDigest{}
-	g.Gated, g.Gen, g.Digest = true, Generation{JobKey: "k", Epoch: 1, Token: 18}, d
+	g.Gated, g.Gen, g.Digest = true, fence.Generation{JobKey: "k", Epoch: 1, Token: 18}, d
 	d.n = 2 // two write statements digested
 	apply(t, s, "SAVEPOINT after_two")
 	d.n = 5
@@ -250,7 +251,7 @@ func TestGateRestoredByRollbackTo(t *testing.T) {
 		t.Errorf("after ROLLBACK TO after_two: got digest %d gated %v, want 2 true", d.n, s.Gate().Gated)
 	}
 	apply(t, s, "ROLLBACK TO before_gate")
-	if d.n != 0 || s.Gate().Gated || s.Gate().Gen != (Generation{}) {
+	if d.n != 0 || s.Gate().Gated || s.Gate().Gen != (fence.Generation{}) {
 		t.Errorf("after ROLLBACK TO before_gate: got digest %d gate %+v, want 0 and ungated", d.n, *s.Gate())
 	}
 	if s.Gate().Digest != d {

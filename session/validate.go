@@ -5,6 +5,8 @@ import (
 	"strings"
 	"time"
 	"unicode/utf8"
+
+	"github.com/pgfence/pgfence/fence"
 )
 
 // The fence GUCs (DESIGN.md §3).
@@ -50,19 +52,19 @@ func Validate(name, value string) error {
 	switch name {
 	case Token, Epoch:
 		if _, err := parsePositive(value); err != nil {
-			return &Error{Code: CodeInvalidParameterValue,
+			return &fence.Error{Code: CodeInvalidParameterValue,
 				Message: "invalid value for parameter \"" + name + "\": \"" + value + "\"",
 				Hint:    name + " must be a positive integer (1 to 9223372036854775807), as returned by fence.acquire"}
 		}
 	case JobKey, Step:
 		if n := utf8.RuneCountInString(value); n > 200 {
-			return &Error{Code: CodeInvalidParameterValue,
+			return &fence.Error{Code: CodeInvalidParameterValue,
 				Message: "value for parameter \"" + name + "\" is too long (" + strconv.Itoa(n) + " characters)",
 				Hint:    name + " must be at most 200 characters"}
 		}
 	case PayloadDigest:
 		if len(value) != 64 || strings.IndexFunc(value, notHex) >= 0 {
-			return &Error{Code: CodeInvalidParameterValue,
+			return &fence.Error{Code: CodeInvalidParameterValue,
 				Message: "invalid value for parameter \"" + name + "\": \"" + value + "\"",
 				Hint:    name + " must be 64 hexadecimal digits (a SHA-256 digest)"}
 		}
@@ -70,19 +72,19 @@ func Validate(name, value string) error {
 		switch strings.ToLower(value) {
 		case "primary", "wait", "pending":
 		default:
-			return &Error{Code: CodeInvalidParameterValue,
+			return &fence.Error{Code: CodeInvalidParameterValue,
 				Message: "invalid value for parameter \"" + name + "\": \"" + value + "\"",
 				Hint:    "available values: primary, wait, pending"}
 		}
 	case ReadWait:
 		if _, err := ParseDuration(value); err != nil {
-			return &Error{Code: CodeInvalidParameterValue,
+			return &fence.Error{Code: CodeInvalidParameterValue,
 				Message: "invalid value for parameter \"" + name + "\": \"" + value + "\"",
 				Hint:    name + ` must be a duration such as "500ms", "2s" or "1min"`}
 		}
 	case MinLSN:
 		if _, err := ParseLSN(value); err != nil {
-			return &Error{Code: CodeInvalidParameterValue,
+			return &fence.Error{Code: CodeInvalidParameterValue,
 				Message: "invalid value for parameter \"" + name + "\": \"" + value + "\"",
 				Hint:    name + " must be a WAL position such as 16/B374D848 (pg_current_wal_lsn())"}
 		}

@@ -87,13 +87,13 @@ func classify(err error) (int, string) {
 	}
 	var pg *pgconn.PgError
 	if errors.As(err, &pg) {
-		switch {
-		case pg.Code == "3F000" && strings.Contains(pg.Message, `"fence"`),
-			pg.Code == "42883" && strings.Contains(pg.Message, "fence."),
-			pg.Code == "42P01" && strings.Contains(pg.Message, "fence."):
+		switch fence.Setup(pg.Code, pg.Message) {
+		case fence.NoSchema:
 			return exitConfig, "the fence schema is not installed in this database: run pgfence migrate with a DBA connection"
-		case pg.Code == "42501" && (strings.Contains(pg.Message, "fence") || strings.Contains(pg.Message, "permission denied for function")):
+		case fence.NotWorker:
 			return exitNoPerm, "the role may lack pgfence_worker: a DBA runs GRANT pgfence_worker TO <role>"
+		}
+		switch {
 		case pg.Code == "42501", pg.Code == "28000", pg.Code == "28P01":
 			return exitNoPerm, ""
 		case pg.Code == "3D000":
