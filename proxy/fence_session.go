@@ -2,15 +2,10 @@ package proxy
 
 import (
 	"encoding/binary"
-	"encoding/hex"
-	"errors"
 	"fmt"
-	"sort"
-	"strconv"
 	"strings"
 	"sync"
 	"time"
-	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5/pgproto3"
 	"go.uber.org/zap"
@@ -18,6 +13,7 @@ import (
 	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/internal/clientenc"
 	"github.com/pgfence/pgfence/rewrite"
+	"github.com/pgfence/pgfence/rewrite/plan"
 	"github.com/pgfence/pgfence/session"
 )
 
@@ -52,11 +48,9 @@ type fenceSession struct {
 	inBatch   bool     // extended-protocol messages sent since the last Sync
 	stmts     map[string]*cstmt
 	portals   map[string]*cportal
-	wrapped   bool       // extended: a gated write in an implicit transaction; the receipt goes before its Sync
-	wrap      extWrap    // extended: what the wrapped batch's receipt needs
-	commitRB  bool       // extended: a gated COMMIT was sent; restore after the Sync
-	commitReq *Request   // extended: that COMMIT, while commitRB
-	copyTail  *copyState // simple protocol: a gated COPY FROM is streaming
+	batch     plan.Batch // extended: the planner's view of the current batch
+	commitReq *Request   // extended: a gated COMMIT whose restoring query is due (batch.Restoring)
+	copyTail  *plan.Step // simple protocol: a gated COPY FROM is streaming; its receipt, to send after it
 	copyGated bool       // CopyData goes into the digest
 	copyLeft  int        // COPY FROM statements of the current query not yet done
 	copyTag   *tag       // the current query's, while copyTail
@@ -82,43 +76,6 @@ type fenceSession struct {
 	rt routeState // read routing (route.go)
 
 	idle idleClock // the idle watchdog's view (fence_idle.go)
-}
-
-// extWrap follows a wrapped extended-protocol batch on the client side, so
-// its receipt step can be pipelined before the Sync without waiting: the
-// generation gated and the digest of the statements executed since.
-type extWrap struct {
-	gen     session.Generation
-	gated   bool // the gate step ran in the batch; else it is tentative (commit_if_written)
-	digest  fence.Digest
-	client  []byte // fence.payload_digest, when the client gives its own
-	marks   map[string][]int
-	written map[string]bool // portals already digested (suspended portals run again)
-}
-
-func (w *extWrap) add(st *rewrite.Stmt, portal string, cp *cportal) {
-	switch st.Kind {
-	case rewrite.Savepoint:
-		w.marks[st.Name] = append(w.marks[st.Name], w.digest.Mark())
-		return
-	case rewrite.RollbackTo:
-		if m := w.marks[st.Name]; len(m) > 0 {
-			w.digest.Rollback(m[len(m)-1])
-		}
-		return
-	}
-	if !isDigested(st) || w.written[portal] {
-		return
-	}
-	w.written[portal] = true
-	w.digest.Statement(st.Canonical(), cp.digestParams())
-}
-
-func (w *extWrap) sum() ([]byte, string) {
-	if w.client != nil {
-		return w.client, digestClient
-	}
-	return w.digest.Sum(), fence.DigestVersion
 }
 
 // cstmt is a statement the client parsed (speculatively: kept as soon as
@@ -166,7 +123,7 @@ func paramFunc(p *cportal, c *clientenc.Codec) session.ParamFunc {
 	}
 }
 
-func (p *cportal) digestParams() []fence.Param {
+func (p *cportal) DigestParams() []fence.Param {
 	out := make([]fence.Param, len(p.params))
 	for i, v := range p.params {
 		var oid uint32
@@ -191,13 +148,6 @@ func formatOf(formats []int16, i int) int16 {
 	return 0
 }
 
-// copyState is what remains to send after a gated COPY FROM in a wrapped
-// simple query: the receipt step, COMMIT and the final ROLLBACK.
-type copyState struct {
-	gen   session.Generation
-	gated bool // else tentative: the receipt step is commit_if_written
-}
-
 // step says what a segment of a request is.
 type step uint8
 
@@ -214,9 +164,6 @@ const (
 	stepRestore               // ROLLBACK TO that savepoint after a failed receipt step
 	stepSettings              // the settings read back (fence_text.go)
 )
-
-// receiptSavepoint is the savepoint stepSavepoint makes.
-const receiptSavepoint = "pgfence_receipt"
 
 // seg is one statement of a simple Query as sent upstream.
 type seg struct {
@@ -237,7 +184,7 @@ type tag struct {
 	// Query
 	segs    []seg
 	cur     int
-	inserts []insertion // where gate text was spliced in (error positions)
+	inserts plan.Insertions // where gate text was spliced in (error positions)
 	hideRFQ bool
 	// stepFailed: a gate step of this query failed (set by onError).
 	stepFailed bool
@@ -266,68 +213,6 @@ type tag struct {
 	sent time.Time
 }
 
-type insertion struct{ at, n int }
-
-// The gate's named statements, prepared once per upstream connection.
-const (
-	gateStmt      = "pgfence_gate"
-	commitStmt    = "pgfence_commit"
-	commitIfStmt  = "pgfence_commit_if"
-	savepointStmt = "pgfence_savepoint"
-	gatePortal    = "pgfence_p"
-	digestClient  = "client"
-)
-
-// The gate's SQL names every type by its schema, so that no search_path
-// (which a client sets) can put a type or cast of its own in the gate's
-// arguments.
-var gateStatements = [][2]string{
-	{gateStmt, "SELECT fence.gate($1::pg_catalog.text, $2::pg_catalog.int8, $3::pg_catalog.int8, $4::pg_catalog.text)"},
-	{commitStmt, "SELECT fence.commit($1::pg_catalog.text, $2::pg_catalog.int8, $3::pg_catalog.int8, $4::pg_catalog.text, $5::pg_catalog.bytea, $6::pg_catalog.text)"},
-	{commitIfStmt, "SELECT fence.commit_if_written($1::pg_catalog.text, $2::pg_catalog.int8, $3::pg_catalog.int8, $4::pg_catalog.text, $5::pg_catalog.bytea, $6::pg_catalog.text)"},
-	{savepointStmt, "SAVEPOINT " + receiptSavepoint},
-}
-
-// reservedPrefix starts the names of the gate's own prepared statements
-// and portals (and pgfence_raise, pgfence_p); a client may not parse,
-// bind, describe, execute, close, PREPARE, EXECUTE or DEALLOCATE one, so
-// it cannot make the gate run SQL of its choosing. reservedGUCPrefix
-// starts the settings the backstop keeps for itself (pgfence.replay, ...).
-const (
-	reservedPrefix    = "pgfence_"
-	reservedGUCPrefix = "pgfence."
-)
-
-func reserved(name string) bool { return strings.HasPrefix(name, reservedPrefix) }
-
-// reservedError is the refusal of a client's use of a reserved name.
-func reservedError(what, name string) *session.Error {
-	return &session.Error{Code: fence.CodeReserved,
-		Message: fmt.Sprintf("%s %q: names beginning with %q are reserved for pgfence's own statements", what, name, reservedPrefix),
-		Hint:    "give the prepared statement or portal another name"}
-}
-
-// reservedStmt refuses a statement that names one of the gate's
-// statements or sets one of the backstop's own settings.
-func reservedStmt(st *rewrite.Stmt) *session.Error {
-	switch {
-	case (st.Kind == rewrite.Prepare || st.Kind == rewrite.Deallocate || st.Kind == rewrite.Execute) && reserved(st.Name):
-		return reservedError("prepared statement", st.Name)
-	case reserved(st.Executes):
-		return reservedError("prepared statement", st.Executes)
-	case st.Kind == rewrite.Read && reserved(st.Name):
-		return reservedError("cursor", st.Name) // DECLARE: a cursor is a portal
-	}
-	for _, g := range st.GUCs {
-		if strings.HasPrefix(g.Name, reservedGUCPrefix) {
-			return &session.Error{Code: fence.CodeReserved,
-				Message: fmt.Sprintf("parameter %q: settings beginning with %q are reserved for pgfence's backstop", g.Name, reservedGUCPrefix),
-				Hint:    "fence metadata is set with fence.job_key, fence.epoch, fence.token and fence.step"}
-		}
-	}
-	return nil
-}
-
 // ---------------------------------------------------------------------------
 // Client goroutine
 
@@ -347,8 +232,8 @@ func (h *fenceSession) ClientMessage(s *Session, msg []byte) (Verdict, error) {
 		if err := m.Decode(body); err != nil {
 			return Forward, nil // the server will refuse it
 		}
-		if reserved(m.Name) {
-			return Drop, h.raiseExt(s, reservedError("prepared statement", m.Name))
+		if e := plan.CheckName("prepared statement", m.Name); e != nil {
+			return Drop, h.raiseExt(s, e)
 		}
 		sql, opts, err := h.decodeText(s, []byte(m.Query))
 		if err != nil && !isTextError(err) {
@@ -371,11 +256,11 @@ func (h *fenceSession) ClientMessage(s *Session, msg []byte) (Verdict, error) {
 		if err := m.Decode(body); err != nil {
 			return Forward, nil
 		}
-		if reserved(m.PreparedStatement) {
-			return Drop, h.raiseExt(s, reservedError("prepared statement", m.PreparedStatement))
+		if e := plan.CheckName("prepared statement", m.PreparedStatement); e != nil {
+			return Drop, h.raiseExt(s, e)
 		}
-		if reserved(m.DestinationPortal) {
-			return Drop, h.raiseExt(s, reservedError("portal", m.DestinationPortal))
+		if e := plan.CheckName("portal", m.DestinationPortal); e != nil {
+			return Drop, h.raiseExt(s, e)
 		}
 		cp := &cportal{formats: append([]int16(nil), m.ParameterFormatCodes...)}
 		cp.params = make([][]byte, len(m.Parameters))
@@ -399,8 +284,8 @@ func (h *fenceSession) ClientMessage(s *Session, msg []byte) (Verdict, error) {
 	case 'C':
 		if len(body) >= 2 {
 			name := string(body[1 : len(body)-1])
-			if reserved(name) {
-				return Drop, h.raiseExt(s, reservedError(closeWhat(body[0]), name))
+			if e := plan.CheckName(closeWhat(body[0]), name); e != nil {
+				return Drop, h.raiseExt(s, e)
 			}
 			if body[0] == 'S' {
 				delete(h.stmts, name)
@@ -412,8 +297,8 @@ func (h *fenceSession) ClientMessage(s *Session, msg []byte) (Verdict, error) {
 		return Forward, nil
 	case 'D', 'F':
 		if msg[0] == 'D' && len(body) >= 2 {
-			if name := string(body[1 : len(body)-1]); reserved(name) {
-				return Drop, h.raiseExt(s, reservedError(closeWhat(body[0]), name))
+			if e := plan.CheckName(closeWhat(body[0]), string(body[1:len(body)-1])); e != nil {
+				return Drop, h.raiseExt(s, e)
 			}
 		}
 		return Drop, h.send(s, msg, &tag{kind: msg[0]}, true)
@@ -467,16 +352,6 @@ func closeWhat(typ byte) string {
 // wait (wait, awaitCopy, finishWrapped), it returns ErrWait on the loop
 // before it has sent anything.
 func (h *fenceSession) LoopClient() bool { return true }
-
-// hasKind reports whether one of stmts is of kind k.
-func hasKind(stmts []*rewrite.Stmt, k rewrite.Kind) bool {
-	for _, st := range stmts {
-		if st.Kind == k {
-			return true
-		}
-	}
-	return false
-}
 
 // send passes a message upstream through the queue with its tag; visible
 // requests' responses reach the client.
@@ -607,24 +482,7 @@ func (h *fenceSession) maybeWrite(st *rewrite.Stmt) bool {
 	// writing a protected one is fenced and receipted by the backstop
 	// itself (backstop-v1), and wrapping every COPY of a fenced session
 	// would move its data off the event loop.
-	return st.Kind != rewrite.CopyFrom && (st.Writes() || opaque(st))
-}
-
-// fencedQuery reports whether the session has a fence generation now, or
-// the query sets a fence parameter (its statements may then run fenced).
-// Callers hold h.mu.
-func (h *fenceSession) fencedQuery(stmts []*rewrite.Stmt) bool {
-	if _, _, _, _, ok := h.st.Generation(); ok {
-		return true
-	}
-	for _, st := range stmts {
-		for _, g := range st.GUCs {
-			if strings.HasPrefix(g.Name, "fence.") || g.Op == rewrite.GUCResetAll {
-				return true
-			}
-		}
-	}
-	return false
+	return st.Kind != rewrite.CopyFrom && (st.Writes() || plan.Opaque(st))
 }
 
 // needsOwnText reports whether a write classified from another text of
@@ -660,7 +518,8 @@ func (h *fenceSession) strict(decoding bool) bool {
 	return decoding && h.cat.prot.Load().Len() > 0
 }
 
-// query handles a simple Query.
+// query handles a simple Query: it classifies it, plans it (rewrite/plan)
+// and executes the plan.
 func (h *fenceSession) query(s *Session, msg []byte) error {
 	sql, opts, err := h.decodeText(s, msg[headerLen:len(msg)-1]) // fence_text.go
 	if err != nil && !isTextError(err) {
@@ -682,7 +541,7 @@ func (h *fenceSession) query(s *Session, msg []byte) error {
 		// The server reports the syntax error (or the empty query).
 		return h.routeQuery(s, msg, nil) // route.go
 	}
-	if mayNeedGate(res.Stmts...) {
+	if plan.MayNeedGate(res.Stmts...) {
 		if h.unsettled() {
 			if err := h.settle(s); err != nil {
 				return err // ErrWait on the loop: nothing done yet
@@ -698,43 +557,22 @@ func (h *fenceSession) query(s *Session, msg []byte) error {
 			return h.routeQuery(s, msg, nil) // unreachable: its shape parsed
 		}
 	}
-
-	// Refuse malformed fence parameters at SET time, before anything runs.
 	h.mu.Lock()
-	var bad error
-	needGate := false
-	fenced := h.fencedQuery(res.Stmts)
-	for _, st := range res.Stmts {
-		if bad == nil {
-			if e := reservedStmt(st); e != nil {
-				bad = e
-			}
-		}
-		if bad == nil && len(st.GUCs) > 0 {
-			bad = h.st.Check(st, nil)
-		}
-		if h.protectedWrite(st) || fenced && h.maybeWrite(st) ||
-			h.st.Gate().Due() && (st.Kind == rewrite.Commit || st.Kind == rewrite.PrepareTransaction) {
-			needGate = true
-		}
-	}
+	q := plan.PlanQuery(h.planSession(), res.Stmts)
 	h.mu.Unlock()
-	if bad == nil && needGate && s.OnLoop() && (hasKind(res.Stmts, rewrite.CopyFrom) || commitInside(res)) {
-		// A gated COPY FROM may wait for its CopyInResponse (awaitCopy),
-		// a COMMIT with statements after it for its answer
-		// (settleCommit): the client goroutine sends them. Nothing is
-		// done yet. A COPY FROM the gate leaves alone stays on the loop.
+	if q.Waits && s.OnLoop() {
+		// The client goroutine sends it. Nothing is done yet.
 		return ErrWait
 	}
 	h.f.Stats.Classified.Add(int64(len(res.Stmts)))
-	if bad != nil {
-		return h.refuseQuery(s, bad)
-	}
-	if !needGate {
+	switch q.Action {
+	case plan.Refuse:
+		return h.refuseQuery(s, q.Refusal)
+	case plan.PassThrough:
 		if err := h.routeQuery(s, msg, res); err != nil { // replica or primary: route.go
 			return err
 		}
-		if changesState(res.Stmts...) {
+		if plan.ChangesState(res.Stmts...) {
 			h.markState()
 		}
 		return nil
@@ -745,70 +583,7 @@ func (h *fenceSession) query(s *Session, msg []byte) error {
 	if err := h.routeGated(s); err != nil { // route.go
 		return err
 	}
-	return h.gatedQuery(s, sql, res)
-}
-
-// refusedImplicit names st as PostgreSQL's error does when st is refused
-// outside a transaction block ("SAVEPOINT can only be used in transaction
-// blocks"), or returns "".
-func refusedImplicit(st *rewrite.Stmt) string {
-	switch {
-	case st.Kind == rewrite.Savepoint:
-		return "SAVEPOINT"
-	case st.Kind == rewrite.Release:
-		return "RELEASE SAVEPOINT"
-	case st.Kind == rewrite.RollbackTo:
-		return "ROLLBACK TO SAVEPOINT"
-	case st.Kind == rewrite.Commit && st.Chain:
-		return "COMMIT AND CHAIN"
-	case st.Kind == rewrite.Rollback && st.Chain:
-		return "ROLLBACK AND CHAIN"
-	}
-	return ""
-}
-
-// commitInside reports whether a COMMIT of the query is not its last
-// statement, or chains.
-func commitInside(res *rewrite.Result) bool {
-	for i, st := range res.Stmts {
-		if st.Kind == rewrite.Commit && (st.Chain || i < len(res.Stmts)-1) {
-			return true
-		}
-	}
-	return false
-}
-
-// mayNeedGate reports whether a statement could need the gate's attention
-// with the session state as it will be: a write, a commit, or something
-// that may run a prepared or opaque write.
-func mayNeedGate(stmts ...*rewrite.Stmt) bool {
-	for _, st := range stmts {
-		switch {
-		case st.Writes(), opaque(st):
-			return true
-		}
-		switch st.Kind {
-		case rewrite.Commit, rewrite.PrepareTransaction, rewrite.CopyFrom, rewrite.Execute:
-			return true
-		}
-	}
-	return false
-}
-
-// changesState reports whether statements change what the gate decides
-// from: tracked parameters, the transaction, prepared statements.
-func changesState(stmts ...*rewrite.Stmt) bool {
-	for _, st := range stmts {
-		if len(st.GUCs) > 0 || st.UnknownGUCWrite {
-			return true
-		}
-		switch st.Kind {
-		case rewrite.Read, rewrite.Write, rewrite.Other, rewrite.CopyTo, rewrite.CopyFrom, rewrite.Listen, rewrite.Unlisten, rewrite.Notify:
-		default:
-			return true
-		}
-	}
-	return false
+	return h.runQuery(s, sql, res, &q)
 }
 
 func clientSegs(res *rewrite.Result) []seg {
@@ -822,56 +597,100 @@ func clientSegs(res *rewrite.Result) []seg {
 	return segs
 }
 
-// gatedQuery rewrites a simple query that writes a protected table (or
-// commits a gated transaction): the gate goes right before the first
-// protected write, the receipt step right before the client's COMMIT, and
-// an implicit transaction ends with the receipt step (see plan). It runs
-// with the session state settled (after barrier).
-func (h *fenceSession) gatedQuery(s *Session, sql string, res *rewrite.Result) error {
-	h.mu.Lock()
-	if h.st.Tx() == session.Failed {
+// runQuery executes the plan of a simple query the gate rewrites (or, in
+// a failed transaction, sends as it is). It runs with the session state
+// settled.
+func (h *fenceSession) runQuery(s *Session, sql string, res *rewrite.Result, q *plan.Query) error {
+	if q.Action == plan.AsIs {
 		// The server refuses everything but ROLLBACK; nothing to gate.
-		h.mu.Unlock()
 		return h.send(s, h.qmsg(sql), &tag{kind: 'Q', segs: clientSegs(res)}, true)
 	}
-	p := h.plan(sql, res)
+	if q.Unfenced {
+		h.f.Stats.Unfenced.Add(1)
+	}
+	h.mu.Lock()
+	text, inserts := q.Text(sql, h.st, res.Stmts)
+	var sum []byte
+	var version string
+	if q.Ending == plan.LoneCommit {
+		sum, version = plan.Resolve(q.Steps[0].Digest, h.st, res.Stmts)
+	}
 	h.mu.Unlock()
 	defer h.markState()
-	h.copyGated = p.copy
-	h.copyTail = p.tail
+	t := &tag{kind: 'Q', segs: querySegs(q.Steps, res.Stmts), inserts: inserts}
+	h.copyGated = q.CopyDigested
+	h.copyTail = q.CopyReceipt
 	h.copyLeft = countKind(res, rewrite.CopyFrom)
-	h.copyTag = p.tag
-	if p.tail != nil {
-		p.tag.copyIn = make(chan struct{}, h.copyLeft)
+	h.copyTag = t
+	if q.CopyReceipt != nil {
+		t.copyIn = make(chan struct{}, h.copyLeft)
 	}
-	p.tag.sent = time.Now() // metrics: step latency
-	if c := p.commit; c != nil {
-		// A lone COMMIT: the receipt step as the gate's prepared
-		// statement (parsed once per connection, not per commit), a Sync
-		// whose ReadyForQuery is hidden, then the client's COMMIT.
+	t.sent = time.Now() // metrics: step latency
+	switch q.Ending {
+	case plan.LoneCommit:
+		// The receipt as the gate's prepared statement (parsed once per
+		// connection, not per commit), a Sync whose ReadyForQuery is
+		// hidden, then the client's COMMIT.
+		r := &q.Steps[0]
 		if err := h.prepareExt(s); err != nil {
 			return err
 		}
-		if err := h.execNamed(s, commitStmtFor(c.gated), commitArgs(c.gen, c.sum, c.version),
-			&tag{kind: 'E', step: stepCommit, gen: c.gen, explicitCommit: true, sent: time.Now()}); err != nil {
+		if err := h.execNamed(s, plan.ReceiptStatement(r.Gated), plan.CommitArgs(r.Gen, sum, version),
+			&tag{kind: 'E', step: stepCommit, gen: r.Gen, explicitCommit: true, sent: time.Now()}); err != nil {
 			return err
 		}
 		if err := h.send(s, []byte{'S', 0, 0, 0, 4}, &tag{kind: 'S', step: stepCommit, hideRFQ: true}, false); err != nil {
 			return err
 		}
-	} else if err := h.send(s, h.qmsg(p.text), p.tag, true); err != nil {
+		return h.send(s, h.qmsg(sql), &tag{kind: 'Q', segs: []seg{{step: stepClient, stmt: res.Stmts[0]}}}, true)
+	case plan.Restore, plan.AwaitCommit, plan.AfterCopy:
+		t.hideRFQ = true
+	}
+	if err := h.send(s, h.qmsg(text), t, true); err != nil {
 		return err
 	}
-	if p.then != nil {
-		return h.send(s, h.qmsg(p.then.text), p.then.tag, true)
-	}
-	if p.settle {
-		return h.settleCommit(s, p.tag)
-	}
-	if p.tail != nil {
-		return h.awaitCopy(s, p.tag)
+	switch q.Ending {
+	case plan.Restore:
+		return h.sendRestore(s)
+	case plan.AwaitCommit:
+		return h.settleCommit(s, t)
+	case plan.AfterCopy:
+		return h.awaitCopy(s, t)
 	}
 	return nil
+}
+
+// querySegs are the segments of a rewritten query's tag: one per step.
+func querySegs(steps []plan.Step, stmts []*rewrite.Stmt) []seg {
+	segs := make([]seg, len(steps))
+	for i, ps := range steps {
+		sg := seg{step: stepOf(ps.Kind), gen: ps.Gen, explicitCommit: ps.BeforeCommit}
+		switch ps.Kind {
+		case plan.Client, plan.Gate, plan.Raise:
+			if ps.Stmt >= 0 {
+				sg.stmt = stmts[ps.Stmt]
+			}
+		}
+		segs[i] = sg
+	}
+	return segs
+}
+
+// stepOf is the segment step of a planned step.
+func stepOf(k plan.Kind) step {
+	switch k {
+	case plan.Begin:
+		return stepBegin
+	case plan.Gate:
+		return stepGate
+	case plan.Savepoint:
+		return stepSavepoint
+	case plan.Receipt:
+		return stepCommit
+	case plan.Raise:
+		return stepRaise
+	}
+	return stepClient
 }
 
 // awaitCopy waits until the server either starts a wrapped COPY FROM or
@@ -909,8 +728,8 @@ func (h *fenceSession) awaitCopy(s *Session, t *tag) error {
 // wrapped batch's (extended protocol, outside a transaction), else the
 // transaction's.
 func (h *fenceSession) copyDigest(f func(*fence.Digest)) {
-	if h.wrapped {
-		f(&h.wrap.digest)
+	if d := h.batch.CopyDigest(); d != nil {
+		f(d)
 		return
 	}
 	h.mu.Lock()
@@ -953,301 +772,18 @@ func countKind(res *rewrite.Result, k rewrite.Kind) int {
 	return n
 }
 
-// qplan is a rewritten simple query.
-type qplan struct {
-	text   string
-	tag    *tag
-	settle bool        // a gated COMMIT inside it: wait for it, then end as settleCommit does
-	then   *qplan      // a second query after it (COMMIT; its ReadyForQuery is the client's)
-	commit *commitStep // instead of text: the receipt step as a prepared statement
-	tail   *copyState  // a gated COPY FROM in a wrapped transaction: finish at CopyDone
-	copy   bool        // a COPY FROM in a gated transaction: its data goes into the digest
-}
-
-// commitStep is a receipt step's arguments.
-type commitStep struct {
-	gen     session.Generation
-	sum     []byte
-	version string
-	gated   bool // else tentative: commit_if_written
-}
-
-// item is a piece of the rewritten query: the client's statement i
-// (text == "") or injected text at byte offset at.
-type item struct {
-	at   int
-	text string
-	seg  seg
-}
-
-// plan splices the gate's steps into sql. Callers hold h.mu, with the
-// session state settled.
-func (h *fenceSession) plan(sql string, res *rewrite.Result) qplan {
-	g := h.st.Gate()
-	gated, tentative, gen := g.Gated, g.Tentative, g.Gen
-	due := func() bool { return gated || tentative } // a receipt step is due at the commit
-	explicit := h.st.Tx() == session.InTx && h.st.Explicit()
-	blockStart := 0 // where the current implicit transaction began
-	ov := overlay{}
-
-	// The receipt step's digest must cover this query's own writes, which
-	// have not run yet: follow them on the live digest and undo that at
-	// the end (the server goroutine adds them for real as they complete).
-	var d *fence.Digest
-	restore := -1
-	if live, ok := g.Digest.(*fence.Digest); ok && due() {
-		d, restore = live, live.Mark()
-	}
-	marks := map[string][]int{}
-	digestNow := func() ([]byte, string) {
-		if v := ov.value(h.st, session.PayloadDigest); v != "" {
-			if b, err := hex.DecodeString(v); err == nil {
-				return b, digestClient
-			}
-		}
-		if d == nil {
-			d = &fence.Digest{}
-		}
-		return d.Sum(), fence.DigestVersion
-	}
-
-	var items []item
-	inject := func(at int, text string, sg seg) { items = append(items, item{at: at, text: text, seg: sg}) }
-	// refuse fails the query at st with e, as PostgreSQL would fail st:
-	// the rest is not sent (the caller breaks the loop).
-	refuse := func(st *rewrite.Stmt, e *session.Error) {
-		inject(st.Offset, raiseSQL(e)+";", seg{step: stepRaise, stmt: st})
-		items = append(items, item{at: st.Offset, seg: seg{step: stepClient, stmt: st}})
-	}
-	wrapped, hasCopy, explicitCommit := false, false, false
-	copyInTx := false       // a gated COPY FROM in the current transaction, in this query
-	wrapStart := 0          // where the wrapped implicit transaction began
-	var lastStep commitStep // the receipt step spliced before the client's COMMIT
-	// blockOnly: the items index and statement of the first statement of
-	// the current implicit transaction that PostgreSQL refuses outside a
-	// transaction block (see the end).
-	blockOnly, blockOnlyStmt := -1, (*rewrite.Stmt)(nil)
-loop:
-	for i, st := range res.Stmts {
-		switch {
-		case !gated && h.protectedWrite(st):
-			cur, ok := ov.generation(h.st)
-			if !ok {
-				h.f.Stats.Unfenced.Add(1)
-				refuse(st, fencingRequired(st, h.cat, h.st, ov))
-				break loop
-			}
-			if !explicit {
-				// An implicit transaction: the receipt step ends it (see
-				// below), and PostgreSQL commits it only if every
-				// statement, the gate and the receipt succeeded.
-				wrapped, wrapStart = true, blockStart
-			}
-			inject(st.Offset, gateSQL(cur)+";", seg{step: stepGate, gen: cur, stmt: st})
-			if !due() && (d == nil || restore < 0) {
-				d = &fence.Digest{}
-			}
-			gated, gen = true, cur
-		case !due() && h.maybeWrite(st):
-			// It may write a protected table where the gate cannot see:
-			// the backstop checks it, and the commit writes a receipt if
-			// the backstop marked the transaction (tentative). Without a
-			// generation the backstop refuses it (FN008): nothing due.
-			cur, ok := ov.generation(h.st)
-			if !ok {
-				break
-			}
-			if !explicit {
-				wrapped, wrapStart = true, blockStart
-			}
-			tentative, gen = true, cur
-			if d == nil || restore < 0 {
-				d = &fence.Digest{}
-			}
-		case due() && st.Kind == rewrite.PrepareTransaction:
-			refuse(st, &session.Error{Code: fence.CodeUnsupported,
-				Message: fmt.Sprintf("PREPARE TRANSACTION is not supported in a fenced transaction (job %q, token %d)", gen.JobKey, gen.Token),
-				Hint:    "commit the transaction with COMMIT: pgfence writes the commit receipt in the same transaction"})
-			break loop
-		case due() && st.Kind == rewrite.Commit && hasKind(res.Stmts[i+1:], rewrite.CopyFrom):
-			// What follows the COMMIT is settled once the query is
-			// answered (settleCommit), which a COPY FROM after it would
-			// hold up waiting for the client's data: refused before the
-			// COMMIT runs.
-			refuse(st, &session.Error{Code: fence.CodeUnsupported,
-				Message: fmt.Sprintf("COMMIT followed by COPY FROM in one query is not supported in a fenced transaction (job %q, token %d)", gen.JobKey, gen.Token),
-				Hint:    "send the COPY as a query of its own after the COMMIT"})
-			break loop
-		case due() && st.Kind == rewrite.Commit && copyInTx:
-			// The receipt must cover the COPY's data, which only comes
-			// after this query's text has gone: the COMMIT is refused,
-			// and the transaction aborts with nothing of it committed.
-			refuse(st, &session.Error{Code: fence.CodeUnsupported,
-				Message: fmt.Sprintf("COPY FROM and COMMIT in one query are not supported in a fenced transaction (job %q, token %d): the commit receipt must cover the COPY data", gen.JobKey, gen.Token),
-				Hint:    "send COMMIT as a query of its own after the COPY"})
-			break loop
-		case due() && st.Kind == rewrite.Commit:
-			sum, version := digestNow()
-			if explicit && i > 0 && i == len(res.Stmts)-1 && !st.Chain {
-				// See the plan's end: the receipt in a savepoint, so that
-				// what follows the query can tell its failure from an
-				// earlier statement's.
-				inject(st.Offset, "SAVEPOINT "+receiptSavepoint+";", seg{step: stepSavepoint})
-			}
-			inject(st.Offset, commitSQL(gated, gen, sum, version)+";", seg{step: stepCommit, gen: gen, explicitCommit: true})
-			if explicit {
-				// The client's own transaction: its COMMIT must run
-				// whatever the receipt step did (below). A COMMIT ending
-				// an implicit one is skipped with the rest of the query
-				// when the step fails, as PostgreSQL would after any
-				// error, and the transaction rolls back all the same.
-				explicitCommit = true
-				lastStep = commitStep{gen: gen, sum: sum, version: version, gated: gated}
-			}
-		}
-		if due() && d != nil {
-			switch st.Kind {
-			case rewrite.Savepoint:
-				marks[st.Name] = append(marks[st.Name], d.Mark())
-			case rewrite.RollbackTo:
-				if m := marks[st.Name]; len(m) > 0 {
-					d.Rollback(m[len(m)-1])
-				}
-			default:
-				if isDigested(st) {
-					d.Statement(st.Canonical(), nil)
-				}
-			}
-		}
-		if !explicit && blockOnly < 0 && refusedImplicit(st) != "" {
-			blockOnly, blockOnlyStmt = len(items), st
-		}
-		switch st.Kind {
-		case rewrite.Begin:
-			// In an implicit transaction, BEGIN makes it the client's
-			// explicit one (as PostgreSQL does, without a warning): it
-			// goes on after this query, and the receipt step waits for
-			// the client's COMMIT.
-			explicit, wrapped = true, false
-		case rewrite.Commit, rewrite.Rollback:
-			if !st.Chain {
-				explicit = false
-			}
-			gated, tentative, wrapped, copyInTx = false, false, false, false
-			d, restore = nil, -1
-			if i+1 < len(res.Stmts) {
-				blockStart = res.Stmts[i+1].Offset
-			}
-			blockOnly = -1
-		case rewrite.CopyFrom:
-			if due() {
-				hasCopy, copyInTx = true, true
-			}
-		}
-		ov.apply(st)
-		items = append(items, item{at: st.Offset, seg: seg{step: stepClient, stmt: st}})
-	}
-	if wrapped && hasCopy {
-		// The receipt covers the COPY data, so it can only be sent after
-		// CopyDone, in a query of its own: the transaction must outlast
-		// this query. Make it explicit from its start (first among the
-		// items there: the sort below keeps their order). A statement
-		// PostgreSQL refuses in the implicit transaction (SAVEPOINT, AND
-		// CHAIN) would pass in the explicit one: it fails as it would
-		// have, with PostgreSQL's error, and the query stops there.
-		if blockOnly >= 0 {
-			raise := item{at: blockOnlyStmt.Offset, text: raiseSQL(&session.Error{Code: "25P01",
-				Message: refusedImplicit(blockOnlyStmt) + " can only be used in transaction blocks"}) + ";", seg: seg{step: stepRaise}}
-			items = append(items[:blockOnly], append([]item{raise}, items[blockOnly:]...)...)
-		}
-		items = append([]item{{at: wrapStart, text: "BEGIN;", seg: seg{step: stepBegin}}}, items...)
-	}
-	// Injected text goes before the client statement at the same offset;
-	// items are in order except a BEGIN placed back at wrapStart.
-	sort.SliceStable(items, func(a, b int) bool { return items[a].at < items[b].at })
-
-	var b strings.Builder
-	b.Grow(len(sql) + 256)
-	t := &tag{kind: 'Q'}
-	prev := 0
-	for _, it := range items {
-		if it.text == "" {
-			t.segs = append(t.segs, it.seg)
-			continue
-		}
-		b.WriteString(sql[prev:it.at])
-		prev = it.at
-		// In characters: PostgreSQL reports error positions so.
-		t.inserts = append(t.inserts, insertion{at: utf8.RuneCountInString(sql[:it.at]), n: utf8.RuneCountInString(it.text)})
-		b.WriteString(it.text)
-		t.segs = append(t.segs, it.seg)
-	}
-	b.WriteString(sql[prev:])
-	p := qplan{tag: t, copy: hasCopy}
-	switch {
-	case wrapped && hasCopy:
-		// The receipt covers the COPY data: it is sent at CopyDone.
-		p.tail = &copyState{gen: gen, gated: gated}
-		t.hideRFQ = true
-	case wrapped:
-		// The receipt step is the implicit transaction's last statement
-		// (a newline first: the client's text may end in a -- comment).
-		// The transaction stays PostgreSQL's implicit one, so the
-		// client's statements in it behave as they would straight to
-		// PostgreSQL (SAVEPOINT refused, BEGIN turning it explicit),
-		// and it commits at the end of the query only if nothing failed.
-		sum, version := digestNow()
-		b.WriteString("\n;")
-		b.WriteString(commitSQL(gated, gen, sum, version))
-		t.segs = append(t.segs, seg{step: stepCommit, gen: gen})
-	case explicitCommit && len(res.Stmts) == 1 && lastCommit(res, t.segs):
-		p.commit = &lastStep
-		p.then = &qplan{text: sql, tag: &tag{kind: 'Q', segs: []seg{{step: stepClient, stmt: res.Stmts[0]}}}}
-	case explicitCommit && lastCommit(res, t.segs):
-		// The client's statements, the receipt step in a savepoint and
-		// the client's COMMIT, then a query that ends the transaction
-		// only if the receipt step failed (the COMMIT was skipped): it
-		// returns to the savepoint and rolls back. When a statement of
-		// the client's failed before, there is no savepoint: the
-		// transaction stays failed, as it would straight to PostgreSQL,
-		// until the client rolls it back. After a COMMIT there is no
-		// transaction. Either way the query fails at once, unseen.
-		t.hideRFQ = true
-		p.then = &qplan{text: restoreSQL, tag: restoreTag()}
-	case explicitCommit:
-		// The client's COMMIT with statements after it (or AND CHAIN):
-		// whatever follows must see the transaction as PostgreSQL left
-		// it, so the proxy waits for the answer (settleCommit).
-		t.hideRFQ, p.settle = true, true
-	}
-	if restore >= 0 && d != nil {
-		d.Rollback(restore)
-	}
-	p.text = b.String()
-	return p
-}
-
-// lastCommit reports whether the query's last statement is a COMMIT that
-// the plan kept as its last segment (nothing of the gate's after it).
-func lastCommit(res *rewrite.Result, segs []seg) bool {
-	n := len(segs)
-	last := res.Stmts[len(res.Stmts)-1]
-	return n > 0 && last.Kind == rewrite.Commit && !last.Chain && segs[n-1].step == stepClient && segs[n-1].stmt == last
-}
-
 // finishWrapped ends a wrapped transaction whose receipt step could not be
 // spliced into the query text (COPY FROM: the digest covers its data). It
 // waits for the COPY to complete so the digest is whole.
-func (h *fenceSession) finishWrapped(s *Session, cs *copyState) error {
-	gen := cs.gen
+func (h *fenceSession) finishWrapped(s *Session, receipt *plan.Step) error {
 	if err := h.barrier(s); err != nil {
 		return err
 	}
 	h.mu.Lock()
-	sum, version := h.digest()
+	sum, version := plan.Resolve(receipt.Digest, h.st, nil)
 	h.mu.Unlock()
-	t := &tag{kind: 'Q', segs: []seg{{step: stepCommit, gen: gen}}, hideRFQ: true, sent: time.Now()}
-	if err := h.send(s, h.qmsg(commitSQL(cs.gated, gen, sum, version)), t, false); err != nil {
+	t := &tag{kind: 'Q', segs: []seg{{step: stepCommit, gen: receipt.Gen}}, hideRFQ: true, sent: time.Now()}
+	if err := h.send(s, h.qmsg(plan.StepSQL(receipt, sum, version)), t, false); err != nil {
 		return err
 	}
 	defer h.markState()
@@ -1292,208 +828,34 @@ func (h *fenceSession) settleCommit(s *Session, t *tag) error {
 }
 
 // sendRestore sends, after a client's query or batch whose COMMIT had the
-// receipt step in a savepoint before it, a query that ends the
-// transaction only if that step failed (see plan). Its ReadyForQuery is
-// the one the client sees.
+// receipt step in a savepoint before it, the query that ends the
+// transaction only if that step failed (plan.RestoreSQL). Its
+// ReadyForQuery is the one the client sees.
 func (h *fenceSession) sendRestore(s *Session) error {
-	return h.send(s, h.qmsg(restoreSQL), restoreTag(), true)
-}
-
-const restoreSQL = "ROLLBACK TO SAVEPOINT " + receiptSavepoint + "; ROLLBACK"
-
-func restoreTag() *tag {
-	return &tag{kind: 'Q', step: stepRollback, segs: []seg{{step: stepRestore}, {step: stepRollback}}}
+	return h.send(s, h.qmsg(plan.RestoreSQL), &tag{kind: 'Q', step: stepRollback, segs: []seg{{step: stepRestore}, {step: stepRollback}}}, true)
 }
 
 // refuseQuery answers a query with err without running any of it.
 func (h *fenceSession) refuseQuery(s *Session, err error) error {
-	return h.send(s, h.qmsg(raiseSQL(asSessionError(err))), &tag{kind: 'Q', segs: []seg{{step: stepRaise}}}, true)
+	return h.send(s, h.qmsg(plan.RaiseSQL(plan.AsSessionError(err))), &tag{kind: 'Q', segs: []seg{{step: stepRaise}}}, true)
 }
 
-func asSessionError(err error) *session.Error {
-	var se *session.Error
-	if errors.As(err, &se) {
-		return se
-	}
-	return &session.Error{Code: "22023", Message: err.Error()}
-}
-
-// commitSQL is the receipt step for a digest: fence.commit after the
-// gate step, else (a tentative transaction) fence.commit_if_written,
-// which writes the receipt only if the backstop marked the transaction.
-func commitSQL(gated bool, gen session.Generation, digest []byte, version string) string {
-	if !gated {
-		return strings.Replace(commitSQLGated(gen, digest, version), "fence.commit(", "fence.commit_if_written(", 1)
-	}
-	return commitSQLGated(gen, digest, version)
-}
-
-func commitSQLGated(gen session.Generation, digest []byte, version string) string {
-	// E'' for the digest too: with standard_conforming_strings off a
-	// plain '\x..' would be read as escapes.
-	return fmt.Sprintf("SELECT fence.commit(%s, %d, %d, %s, E'\\\\x%s'::pg_catalog.bytea, %s)",
-		literal(gen.JobKey), gen.Epoch, gen.Token, literal(gen.Step), hex.EncodeToString(digest), literal(version))
-}
-
-// digest returns the transaction's payload digest: the client's own
-// (fence.payload_digest) or the proxy's v1 digest. Callers hold h.mu.
-func (h *fenceSession) digest() ([]byte, string) {
-	if v, ok := h.st.Get(session.PayloadDigest); ok && v != "" {
-		if d, err := hex.DecodeString(v); err == nil {
-			return d, digestClient
-		}
-	}
-	if d, ok := h.st.Gate().Digest.(*fence.Digest); ok {
-		return d.Sum(), fence.DigestVersion
-	}
-	return (&fence.Digest{}).Sum(), fence.DigestVersion
-}
-
-func gateSQL(g session.Generation) string {
-	return fmt.Sprintf("SELECT fence.gate(%s, %d, %d, %s)", literal(g.JobKey), g.Epoch, g.Token, literal(g.Step))
-}
-
-// raiseSQL is a statement that fails with e, so the server aborts the
-// transaction exactly as it would for its own error.
-func raiseSQL(e *session.Error) string {
-	s := "DO $pgfence$BEGIN RAISE EXCEPTION USING ERRCODE = " + literal(e.Code) + ", MESSAGE = " + literal(e.Message)
-	if e.Hint != "" {
-		s += ", HINT = " + literal(e.Hint)
-	}
-	return s + "; END$pgfence$"
-}
-
-// literal quotes s as an escape-string literal, correct whatever
-// standard_conforming_strings is.
-func literal(s string) string {
-	var b strings.Builder
-	b.WriteString("E'")
-	for _, r := range s {
-		switch r {
-		case '\'':
-			b.WriteString("''")
-		case '\\':
-			b.WriteString(`\\`)
-		default:
-			b.WriteRune(r)
-		}
-	}
-	b.WriteByte('\'')
-	return b.String()
-}
-
-// fencingRequired is FN008 for st, naming what of the generation the
-// session lacks (ov: the query's own SETs before st).
-func fencingRequired(st *rewrite.Stmt, cat *catalog, ss *session.State, ov overlay) *session.Error {
-	rels := cat.prot.Load().ProtectedWrites(st, ss.SearchPath())
-	what := "a protected table"
-	if len(rels) > 0 {
-		what = "protected table " + rels[0].String()
-	}
-	return &session.Error{Code: fence.CodeFencingRequired,
-		Message: fmt.Sprintf("fencing required: this statement writes %s but %s", what, strings.Join(ov.missing(ss), " and ")),
-		Hint:    "take a lease with fence.acquire (or run the job under `pgfence run`) and set fence.job_key, fence.epoch and fence.token, e.g. PGOPTIONS='-c fence.job_key=... -c fence.epoch=... -c fence.token=...'"}
-}
-
-// missing names what of the fence generation is not set, or not usable.
-func (o overlay) missing(ss *session.State) []string {
-	var out []string
-	for _, n := range []string{session.JobKey, session.Epoch, session.Token} {
-		v := strings.TrimSpace(o.value(ss, n))
-		switch {
-		case v == "":
-			out = append(out, n+" is not set")
-		case n != session.JobKey:
-			if x, err := strconv.ParseInt(v, 10, 64); err != nil || x <= 0 {
-				out = append(out, fmt.Sprintf("%s (%q) is not a positive integer", n, v))
-			}
-		}
-	}
-	if len(out) == 0 {
-		out = append(out, "its fence generation is not complete")
-	}
-	return out
-}
-
-// overlay follows the fence parameters a query's own SETs change before a
-// later statement of the same query runs.
-type overlay map[string]*string
-
-func (o overlay) apply(st *rewrite.Stmt) {
-	for _, g := range st.GUCs {
-		switch g.Op {
-		case rewrite.GUCSet:
-			if session.Tracked(g.Name) && g.ValueParam == 0 && !g.Unknown {
-				v := g.Value
-				o[g.Name] = &v
-			}
-		case rewrite.GUCReset:
-			if session.Tracked(g.Name) {
-				o[g.Name] = nil
-			}
-		case rewrite.GUCResetAll:
-			clear(o)
-			o["*reset"] = nil
-		}
-	}
-}
-
-func (o overlay) value(ss *session.State, name string) string {
-	if v, ok := o[name]; ok {
-		if v == nil {
-			return ""
-		}
-		return *v
-	}
-	if _, reset := o["*reset"]; reset {
-		return ""
-	}
-	v, _ := ss.Get(name)
-	return v
-}
-
-func (o overlay) generation(ss *session.State) (session.Generation, bool) {
-	get := func(name string) string {
-		if v, ok := o[name]; ok {
-			if v == nil {
-				return ""
-			}
-			return *v
-		}
-		if _, reset := o["*reset"]; reset {
-			return ""
-		}
-		v, _ := ss.Get(name)
-		return v
-	}
-	if len(o) == 0 {
-		k, e, t, step, ok := ss.Generation()
-		return session.Generation{JobKey: k, Epoch: e, Token: t, Step: step}, ok
-	}
-	k := get(session.JobKey)
-	e, err1 := strconv.ParseInt(strings.TrimSpace(get(session.Epoch)), 10, 64)
-	t, err2 := strconv.ParseInt(strings.TrimSpace(get(session.Token)), 10, 64)
-	if k == "" || err1 != nil || err2 != nil || e <= 0 || t <= 0 {
-		return session.Generation{}, false
-	}
-	return session.Generation{JobKey: k, Epoch: e, Token: t, Step: get(session.Step)}, true
-}
-
-// execute handles an extended-protocol Execute.
+// execute handles an extended-protocol Execute: it plans it (plan.Batch)
+// and executes the plan.
 func (h *fenceSession) execute(s *Session, msg []byte) error {
 	var m pgproto3.Execute
 	if err := m.Decode(msg[headerLen:]); err != nil {
 		return h.send(s, msg, &tag{kind: 'E'}, true)
 	}
-	if reserved(m.Portal) {
-		return h.raiseExt(s, reservedError("portal", m.Portal))
+	if e := plan.CheckName("portal", m.Portal); e != nil {
+		return h.raiseExt(s, e)
 	}
 	cp := h.portals[m.Portal]
 	var st *rewrite.Stmt
 	if cp != nil {
 		st = cp.stmt
 	}
-	if r := h.commitReq; r != nil && h.commitRB {
+	if r := h.commitReq; r != nil && h.batch.Restoring() {
 		// The client goes on after a gated COMMIT, before its Sync. Once
 		// the COMMIT is known to have committed, nothing is left to end
 		// after the Sync (and a transaction the client opens meanwhile
@@ -1504,14 +866,14 @@ func (h *fenceSession) execute(s *Session, msg []byte) error {
 		}
 		h.commitReq = nil
 		if !r.Skipped && r.Error == nil {
-			h.commitRB = false
+			h.batch.Committed()
 		}
 	}
 	t := &tag{kind: 'E', portal: m.Portal, cp: cp}
 	if st == nil {
 		return h.send(s, msg, t, true)
 	}
-	if mayNeedGate(st) {
+	if plan.MayNeedGate(st) {
 		if h.unsettled() {
 			if err := h.settle(s); err != nil {
 				return err
@@ -1522,40 +884,23 @@ func (h *fenceSession) execute(s *Session, msg []byte) error {
 		}
 	}
 	h.mu.Lock()
-	var bad error
-	if e := reservedStmt(st); e != nil {
-		bad = e
-	} else if len(st.GUCs) > 0 {
-		bad = h.st.Check(st, paramFunc(cp, h.text.codec))
+	var params session.ParamFunc
+	if len(st.GUCs) > 0 {
+		params = paramFunc(cp, h.text.codec)
 	}
-	g := h.st.Gate()
-	need := h.protectedWrite(st) && !g.Gated
-	_, _, _, _, fencedNow := h.st.Generation()
-	tent := !need && !g.Due() && fencedNow && h.maybeWrite(st) && !(h.wrapped && !h.wrap.gated)
-	commit := g.Due() && st.Kind == rewrite.Commit
-	prepTx := g.Due() && st.Kind == rewrite.PrepareTransaction
+	ep := h.batch.Execute(h.planSession(), plan.Exec{Stmt: st, Portal: m.Portal, Params: params, Bound: cp})
 	h.mu.Unlock()
-	if bad != nil {
-		if err := h.raiseExt(s, asSessionError(bad)); err != nil {
+	if ep.Refusal != nil {
+		if err := h.raiseExt(s, ep.Refusal); err != nil {
 			return err
 		}
 		return h.send(s, msg, t, true)
 	}
-	if h.wrapped && (st.Kind == rewrite.Begin || st.Kind == rewrite.Rollback) {
-		// No receipt step at the Sync: BEGIN makes the implicit
-		// transaction the client's explicit one (the step waits for its
-		// COMMIT), ROLLBACK ends it. (In a batch that already failed the
-		// server skips both, and the step would be skipped too.)
-		h.wrapped = false
-	}
-	if !need && !tent && !commit && !prepTx {
-		if h.wrapped {
-			h.wrap.add(st, m.Portal, cp) // the receipt at the Sync covers every write of the batch
-		}
+	if !ep.Decides {
 		if err := h.send(s, msg, t, true); err != nil {
 			return err
 		}
-		if changesState(st) {
+		if plan.ChangesState(st) {
 			h.markState()
 		}
 		return nil
@@ -1564,151 +909,72 @@ func (h *fenceSession) execute(s *Session, msg []byte) error {
 		return err
 	}
 	defer h.markState()
-	h.mu.Lock()
-	g = h.st.Gate()
-	failed := h.st.Tx() == session.Failed
-	explicit := h.st.Tx() == session.InTx && h.st.Explicit()
-	k, e, tok, step, ok := h.st.Generation()
-	gen := session.Generation{JobKey: k, Epoch: e, Token: tok, Step: step}
-	var fr *session.Error
-	if !ok {
-		fr = fencingRequired(st, h.cat, h.st, overlay{})
-	}
-	h.mu.Unlock()
-	switch {
-	case failed:
-		// The server refuses it; nothing to gate. (In a batch an earlier
-		// error already made the server skip to Sync, the gate's steps
-		// with it: harmless.)
-	case need && !g.Gated && !ok:
+	if ep.Unfenced {
 		h.f.Stats.Unfenced.Add(1)
-		if err := h.raiseExt(s, fr); err != nil {
-			return err
-		}
-	case need && !g.Gated:
+	}
+	if ep.Prepare {
 		if err := h.prepareExt(s); err != nil {
 			return err
 		}
-		if !explicit {
-			// An implicit transaction (up to Sync): the receipt step
-			// ends it at the Sync, and PostgreSQL commits it only if
-			// nothing before failed.
-			h.wrapBatch(gen)
-			h.wrap.gated = true
-		}
-		if err := h.execNamed(s, gateStmt, gateArgs(gen), &tag{kind: 'E', step: stepGate, gen: gen, about: st}); err != nil {
-			return err
-		}
-	case tent:
-		// May write a protected table unseen: the backstop fences it and
-		// marks the transaction; an implicit one ends with the receipt
-		// step that writes a receipt if it did (commit_if_written), an
-		// explicit one gets it at its COMMIT (the server side records
-		// the transaction as tentative).
-		if !explicit && !h.wrapped {
-			if err := h.prepareExt(s); err != nil {
-				return err
-			}
-			h.wrapBatch(gen)
-		}
-	case prepTx:
-		if err := h.raiseExt(s, &session.Error{Code: fence.CodeUnsupported,
-			Message: fmt.Sprintf("PREPARE TRANSACTION is not supported in a fenced transaction (job %q, token %d)", g.Gen.JobKey, g.Gen.Token),
-			Hint:    "commit the transaction with COMMIT"}); err != nil {
-			return err
-		}
-	case commit:
-		if err := h.prepareExt(s); err != nil {
-			return err
-		}
-		h.mu.Lock()
-		sum, version := h.digest()
-		h.mu.Unlock()
-		args := commitArgs(g.Gen, sum, version)
-		stmt := commitStmtFor(g.Gated)
-		if explicit {
-			// The receipt step in a savepoint: after the Sync, the
-			// transaction is ended only if the step failed (sync).
-			if err := h.execNamed(s, savepointStmt, nil, &tag{kind: 'E', step: stepSavepoint}); err != nil {
-				return err
-			}
-		}
-		if err := h.execNamed(s, stmt, args, &tag{kind: 'E', step: stepCommit, gen: g.Gen, explicitCommit: true}); err != nil {
-			return err
-		}
-		// An implicit transaction (the client's COMMIT ends it, with
-		// PostgreSQL's warning) rolls back by itself at the Sync when
-		// the step fails.
-		h.commitRB = explicit
-		h.wrapped = false
 	}
-	if h.wrapped {
-		h.wrap.add(st, m.Portal, cp)
+	for i := range ep.Before {
+		if err := h.execStep(s, &ep.Before[i], st); err != nil {
+			return err
+		}
 	}
-	if st.Kind == rewrite.CopyFrom && !failed && (g.Due() || need && ok || tent) {
+	if ep.CopyDigested {
 		// Its data goes into the digest (copyDigest), up to CopyDone.
 		h.copyGated, h.copyLeft = true, 1
 	}
 	if err := h.send(s, msg, t, true); err != nil {
 		return err
 	}
-	if commit && h.commitRB {
+	if ep.AwaitCommit {
 		h.commitReq = h.last
 	}
 	return nil
 }
 
-// wrapBatch starts following an implicit transaction of the extended
-// protocol (up to its Sync) whose receipt step goes before the Sync.
-func (h *fenceSession) wrapBatch(gen session.Generation) {
-	h.wrapped = true
-	h.wrap = extWrap{gen: gen, marks: map[string][]int{}, written: map[string]bool{}}
-	h.mu.Lock()
-	if v, ok := h.st.Get(session.PayloadDigest); ok && v != "" {
-		h.wrap.client, _ = hex.DecodeString(v)
+// execStep runs a planned step of the extended protocol in the current
+// batch, as the gate's named statements; about is the client's statement
+// it stands before.
+func (h *fenceSession) execStep(s *Session, ps *plan.Step, about *rewrite.Stmt) error {
+	switch ps.Kind {
+	case plan.Raise:
+		return h.raiseExt(s, ps.Err)
+	case plan.Gate:
+		return h.execNamed(s, plan.GateStatement, plan.GateArgs(ps.Gen), &tag{kind: 'E', step: stepGate, gen: ps.Gen, about: about})
+	case plan.Savepoint:
+		return h.execNamed(s, plan.SavepointStatement, nil, &tag{kind: 'E', step: stepSavepoint})
+	case plan.Receipt:
+		h.mu.Lock()
+		sum, version := plan.Resolve(ps.Digest, h.st, nil)
+		h.mu.Unlock()
+		return h.execNamed(s, plan.ReceiptStatement(ps.Gated), plan.CommitArgs(ps.Gen, sum, version),
+			&tag{kind: 'E', step: stepCommit, gen: ps.Gen, explicitCommit: ps.BeforeCommit})
 	}
-	h.mu.Unlock()
+	return nil
 }
 
 // sync handles an extended-protocol Sync: a wrapped implicit transaction
 // ends here with the receipt step, which PostgreSQL skips when anything
 // before it in the batch failed (the transaction then rolls back).
 func (h *fenceSession) sync(s *Session, msg []byte) error {
-	if h.wrapped {
-		h.wrapped = false
-		gen := h.wrap.gen
-		sum, version := h.wrap.sum()
-		args := commitArgs(gen, sum, version)
-		if err := h.execNamed(s, commitStmtFor(h.wrap.gated), args, &tag{kind: 'E', step: stepCommit, gen: gen}); err != nil {
+	sp := h.batch.Sync()
+	if sp.Receipt != nil {
+		if err := h.execStep(s, sp.Receipt, nil); err != nil {
 			return err
 		}
 		defer h.markState()
 	}
-	if h.commitRB {
-		h.commitRB, h.commitReq = false, nil
+	if sp.Restore {
+		h.commitReq = nil
 		if err := h.send(s, msg, &tag{kind: 'S', hideRFQ: true}, true); err != nil {
 			return err
 		}
 		return h.sendRestore(s)
 	}
 	return h.send(s, msg, &tag{kind: 'S'}, true)
-}
-
-// commitStmtFor is the receipt step's prepared statement (see commitSQL).
-func commitStmtFor(gated bool) string {
-	if gated {
-		return commitStmt
-	}
-	return commitIfStmt
-}
-
-func commitArgs(gen session.Generation, d []byte, v string) [][]byte {
-	return [][]byte{[]byte(gen.JobKey), []byte(strconv.FormatInt(gen.Epoch, 10)), []byte(strconv.FormatInt(gen.Token, 10)),
-		[]byte(gen.Step), []byte(`\x` + hex.EncodeToString(d)), []byte(v)}
-}
-
-func gateArgs(g session.Generation) [][]byte {
-	return [][]byte{[]byte(g.JobKey), []byte(strconv.FormatInt(g.Epoch, 10)), []byte(strconv.FormatInt(g.Token, 10)), []byte(g.Step)}
 }
 
 // prepareExt parses the gate's named statements once per upstream
@@ -1740,12 +1006,12 @@ func (h *fenceSession) prepareExt(s *Session) error {
 	// error): after a DO block, say, a statement of that name may be a
 	// client's stand-in.
 	var buf []byte
-	for _, gs := range gateStatements {
-		buf, _ = (&pgproto3.Close{ObjectType: 'S', Name: gs[0]}).Encode(buf[:0])
+	for _, gs := range plan.Statements {
+		buf, _ = (&pgproto3.Close{ObjectType: 'S', Name: gs.Name}).Encode(buf[:0])
 		if err := h.send(s, buf, &tag{kind: 'C', step: stepPrepare}, false); err != nil {
 			return err
 		}
-		buf, _ = (&pgproto3.Parse{Name: gs[0], Query: gs[1]}).Encode(buf[:0])
+		buf, _ = (&pgproto3.Parse{Name: gs.Name, Query: gs.SQL}).Encode(buf[:0])
 		if err := h.send(s, buf, &tag{kind: 'P', step: stepPrepare}, false); err != nil {
 			return err
 		}
@@ -1760,18 +1026,18 @@ func (h *fenceSession) execNamed(s *Session, stmt string, args [][]byte, t *tag)
 	for i, a := range args {
 		args[i] = h.encode(string(a)) // text parameters are in the client's encoding
 	}
-	buf, _ := (&pgproto3.Bind{DestinationPortal: gatePortal, PreparedStatement: stmt, Parameters: args}).Encode(nil)
+	buf, _ := (&pgproto3.Bind{DestinationPortal: plan.Portal, PreparedStatement: stmt, Parameters: args}).Encode(nil)
 	if err := h.send(s, buf, &tag{kind: 'B', step: t.step}, false); err != nil {
 		return err
 	}
-	buf, _ = (&pgproto3.Execute{Portal: gatePortal}).Encode(buf[:0])
+	buf, _ = (&pgproto3.Execute{Portal: plan.Portal}).Encode(buf[:0])
 	if t.step == stepGate || t.step == stepCommit {
 		t.sent = time.Now() // metrics: step latency
 	}
 	if err := h.send(s, buf, t, false); err != nil {
 		return err
 	}
-	buf, _ = (&pgproto3.Close{ObjectType: 'P', Name: gatePortal}).Encode(buf[:0])
+	buf, _ = (&pgproto3.Close{ObjectType: 'P', Name: plan.Portal}).Encode(buf[:0])
 	return h.send(s, buf, &tag{kind: 'C', step: t.step}, false)
 }
 
@@ -1779,16 +1045,16 @@ func (h *fenceSession) execNamed(s *Session, stmt string, args [][]byte, t *tag)
 // it, parsed and executed through the gate's portal (the client's unnamed
 // statement is left alone). The server then skips to Sync.
 func (h *fenceSession) raiseExt(s *Session, e *session.Error) error {
-	const name = "pgfence_raise"
+	const name = plan.RaiseStatement
 	buf, _ := (&pgproto3.Close{ObjectType: 'S', Name: name}).Encode(nil)
 	if err := h.send(s, buf, &tag{kind: 'C', step: stepRaise}, false); err != nil {
 		return err
 	}
-	buf, _ = (&pgproto3.Parse{Name: name, Query: string(h.encode(raiseSQL(e)))}).Encode(buf[:0])
+	buf, _ = (&pgproto3.Parse{Name: name, Query: string(h.encode(plan.RaiseSQL(e)))}).Encode(buf[:0])
 	if err := h.send(s, buf, &tag{kind: 'P', step: stepRaise}, false); err != nil {
 		return err
 	}
-	buf, _ = (&pgproto3.Bind{DestinationPortal: gatePortal, PreparedStatement: name}).Encode(buf[:0])
+	buf, _ = (&pgproto3.Bind{DestinationPortal: plan.Portal, PreparedStatement: name}).Encode(buf[:0])
 	if err := h.send(s, buf, &tag{kind: 'B', step: stepRaise}, false); err != nil {
 		return err
 	}
@@ -1799,7 +1065,7 @@ func (h *fenceSession) raiseExt(s *Session, e *session.Error) error {
 	if err := h.send(s, buf, &tag{kind: 'C', step: stepRaise}, false); err != nil {
 		return err
 	}
-	buf, _ = (&pgproto3.Execute{Portal: gatePortal}).Encode(buf[:0])
+	buf, _ = (&pgproto3.Execute{Portal: plan.Portal}).Encode(buf[:0])
 	return h.send(s, buf, &tag{kind: 'E', step: stepRaise}, false)
 }
 
@@ -2069,7 +1335,7 @@ func (h *fenceSession) onError(s *Session, msg []byte, t *tag) (Verdict, error) 
 		if !setup && (len(t.inserts) == 0 || e.Position == 0) {
 			return Forward, nil
 		}
-		e.Position = unshift(e.Position, t.inserts)
+		e.Position = t.inserts.ClientPosition(e.Position)
 	default:
 		// A gate step's PL/pgSQL context names pgfence's internals, not
 		// anything of the client's.
@@ -2077,22 +1343,6 @@ func (h *fenceSession) onError(s *Session, msg []byte, t *tag) (Verdict, error) 
 	}
 	s.WriteClient(encode(nil, &e))
 	return Drop, nil
-}
-
-// unshift moves an error position (1-based, in characters) in the
-// rewritten query back to the client's text (insertions are counted in
-// characters too).
-func unshift(pos int32, ins []insertion) int32 {
-	p := int(pos) - 1
-	shift := 0
-	for _, in := range ins {
-		if p >= in.at+shift+in.n {
-			shift += in.n
-		} else if p >= in.at+shift {
-			return int32(in.at + 1) // inside our text: point at the client's statement
-		}
-	}
-	return int32(p - shift + 1)
 }
 
 // applyClient applies a client statement the server completed.
@@ -2108,11 +1358,11 @@ func (h *fenceSession) applyClient(st *rewrite.Stmt, msg []byte, cp *cportal) {
 			}
 		}
 	}
-	if g.Due() && isDigested(st) {
+	if g.Due() && plan.Digested(st) {
 		if d, ok := g.Digest.(*fence.Digest); ok {
 			var params []fence.Param
 			if cp != nil {
-				params = cp.digestParams()
+				params = cp.DigestParams()
 			}
 			d.Statement(st.Canonical(), params)
 		}
@@ -2127,14 +1377,6 @@ func (h *fenceSession) applyClient(st *rewrite.Stmt, msg []byte, cp *cportal) {
 	if err := h.st.Apply(st, ctag, pf); err != nil {
 		h.f.log.Debug("session state could not follow a statement", zap.Error(err))
 	}
-}
-
-func isDigested(st *rewrite.Stmt) bool {
-	switch st.Kind {
-	case rewrite.Write, rewrite.CopyFrom, rewrite.Call, rewrite.Do, rewrite.Execute:
-		return true
-	}
-	return st.Opaque // a function call may write: its text is part of what the transaction did
 }
 
 // commitResult counts a receipt step's answer.

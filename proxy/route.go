@@ -11,6 +11,7 @@ import (
 
 	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/rewrite"
+	"github.com/pgfence/pgfence/rewrite/plan"
 	"github.com/pgfence/pgfence/session"
 )
 
@@ -518,9 +519,9 @@ func fenceCheckQuery(req requirement, reached bool) string {
 			epoch = strconv.FormatInt(req.epoch, 10)
 		}
 		return fmt.Sprintf("SELECT (CASE WHEN fence.replica_reached(%s, %s, %d) THEN %d ELSE 0 END)::text",
-			literal(req.job), epoch, req.token, req.token) + lsn
+			plan.Literal(req.job), epoch, req.token, req.token) + lsn
 	}
-	return "SELECT coalesce((SELECT max_issued_token FROM fence.fences WHERE job_key = " + literal(req.job) +
+	return "SELECT coalesce((SELECT max_issued_token FROM fence.fences WHERE job_key = " + plan.Literal(req.job) +
 		"), 0)::text" + lsn
 }
 

@@ -192,7 +192,7 @@ func (s *sim) query(sql string, show bool) {
 	stmts := classify(s.t, sql)
 	q := plan.PlanQuery(s.session(), stmts)
 	if show {
-		s.showQuery(sql, stmts, q)
+		s.showQuery(sql, stmts, &q)
 	}
 	switch q.Action {
 	case plan.Refuse:

@@ -81,7 +81,7 @@ type Query struct {
 
 // PlanQuery plans a simple Query of the classified statements stmts (at
 // least one) in session ss.
-func PlanQuery(ss Session, stmts []*rewrite.Stmt) *Query {
+func PlanQuery(ss Session, stmts []*rewrite.Stmt) Query {
 	st := ss.State
 	var refusal *session.Error
 	needGate := false
@@ -97,16 +97,16 @@ func PlanQuery(ss Session, stmts []*rewrite.Stmt) *Query {
 	}
 	switch {
 	case refusal != nil:
-		return &Query{Action: Refuse, Refusal: refusal}
+		return Query{Action: Refuse, Refusal: refusal}
 	case !needGate:
-		return &Query{Action: PassThrough}
+		return Query{Action: PassThrough}
 	}
 	// A gated COPY FROM may wait for its CopyInResponse, a COMMIT with
 	// statements after it for its answer. A COPY FROM the gate leaves
 	// alone does not.
 	waits := hasKind(stmts, rewrite.CopyFrom) || commitInside(stmts)
 	if st.Tx() == session.Failed {
-		q := &Query{Action: AsIs, Waits: waits}
+		q := Query{Action: AsIs, Waits: waits}
 		for i, s := range stmts {
 			q.Steps = append(q.Steps, Step{Kind: Client, Stmt: i, At: s.Offset})
 		}
@@ -138,7 +138,7 @@ func (r *running) rollback(mark int) {
 // rewriteQuery splices the gate's steps into a query that needs them: the
 // gate right before the first protected write, the receipt right before
 // the client's COMMIT, and an implicit transaction ends with the receipt.
-func rewriteQuery(ss Session, stmts []*rewrite.Stmt) *Query {
+func rewriteQuery(ss Session, stmts []*rewrite.Stmt) Query {
 	st := ss.State
 	g := st.Gate()
 	gated, tentative, gen := g.Gated, g.Tentative, g.Gen
@@ -146,7 +146,7 @@ func rewriteQuery(ss Session, stmts []*rewrite.Stmt) *Query {
 	explicit := st.Tx() == session.InTx && st.Explicit()
 	blockStart := 0 // where the current implicit transaction began
 	ov := overlay{}
-	q := &Query{Action: Rewrite}
+	q := Query{Action: Rewrite}
 
 	// The receipt's digest must cover this query's own writes, which
 	// have not run yet: the plan follows them (the server side adds them
