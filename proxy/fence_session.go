@@ -163,7 +163,22 @@ const (
 	stepSavepoint             // SAVEPOINT before the receipt step in a client's query
 	stepRestore               // ROLLBACK TO that savepoint after a failed receipt step
 	stepSettings              // the settings read back (fence_text.go)
+
+	// Read routing's own requests (route.go).
+	stepFenceCheck // SELECT the replica's fence row
+	stepLSN        // the WAL insert position after a fence.* call (insertLSNQuery)
+	stepStmtCopy   // Parse/Close of a named statement on the other upstream
 )
+
+// routing reports whether the step is one of read routing's own requests,
+// whose answers and failures are the router's business (route.go).
+func (s step) routing() bool {
+	switch s {
+	case stepFenceCheck, stepLSN, stepStmtCopy:
+		return true
+	}
+	return false
+}
 
 // seg is one statement of a simple Query as sent upstream.
 type seg struct {
@@ -1187,7 +1202,7 @@ func (h *fenceSession) queryResponse(s *Session, msg []byte, t *tag) (Verdict, e
 			h.gateResult(sg.gen, msg)
 		} else if sg.step == stepCommit {
 			h.commitResult(msg)
-		} else if sg.step > stepRoute {
+		} else if sg.step.routing() {
 			h.routeRow(s, sg, msg) // route.go
 		}
 	case 'G':
@@ -1282,7 +1297,7 @@ func (h *fenceSession) onError(s *Session, msg []byte, t *tag) (Verdict, error) 
 			sg.stmt = t.cp.stmt
 		}
 	}
-	if st > stepRoute {
+	if st.routing() {
 		return Drop, nil // a routing query's failure is the router's business (route.go)
 	}
 	h.timeStep(t, st)

@@ -61,14 +61,6 @@ type RouteStats struct {
 	CommitLSN   atomic.Int64 // fence.commit_lsn reports sent
 }
 
-// steps of the routing's own requests (fenceSession tags).
-const (
-	stepRoute      step = 100 + iota // marker: steps from here on are routing's
-	stepFenceCheck                   // SELECT the replica's fence row
-	stepLSN                          // the WAL insert position after a fence.* call (insertLSNQuery)
-	stepStmtCopy                     // Parse/Close of a named statement on the other upstream
-)
-
 // routeState is a fenceSession's routing state. Client goroutine, except
 // row (written by a server goroutine under h.mu).
 type routeState struct {
