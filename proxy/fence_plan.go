@@ -5,6 +5,44 @@ import (
 	"github.com/pgfence/pgfence/rewrite/plan"
 )
 
+// protectedWrite reports whether st may write a protected table. Callers
+// hold h.mu.
+func (h *fenceSession) protectedWrite(st *rewrite.Stmt) bool {
+	if st == nil {
+		return false
+	}
+	p := h.cat.prot.Load()
+	if p.Len() == 0 {
+		return false
+	}
+	sp := h.st.SearchPath()
+	if len(p.ProtectedWrites(st, sp)) > 0 {
+		return true
+	}
+	if st.Executes != "" {
+		if ps, ok := h.st.Statement(st.Executes); ok && ps.Stmt != nil {
+			return len(p.ProtectedWrites(ps.Stmt, sp)) > 0
+		}
+	}
+	return false
+}
+
+// maybeWrite reports whether st may write a protected table where the
+// gate cannot see (it is not one of protectedWrite's): a DO block, a
+// procedure, a function call, a write to a table whose triggers or rules
+// may write one. In a fenced session such a statement makes
+// the transaction tentative (session.Gate.Tentative). Callers hold h.mu.
+func (h *fenceSession) maybeWrite(st *rewrite.Stmt) bool {
+	if st == nil || h.cat.prot.Load().Len() == 0 {
+		return false
+	}
+	// A COPY FROM into another table is left out: a trigger of that table
+	// writing a protected one is fenced and receipted by the backstop
+	// itself (backstop-v1), and wrapping every COPY of a fenced session
+	// would move its data off the event loop.
+	return st.Kind != rewrite.CopyFrom && (st.Writes() || plan.Opaque(st))
+}
+
 // planTables answers the planner's questions about the protected tables
 // from the session's catalog (plan.Tables). Callers hold h.mu.
 type planTables fenceSession
