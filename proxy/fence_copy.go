@@ -14,11 +14,11 @@ import (
 // opens (plan.AfterCopy): the receipt can only follow the data, so the
 // client side waits for the COPY to start (awaitCopy), and after the last
 // CopyDone sends the receipt and COMMIT as queries of their own
-// (finishWrapped).
+// (finishCopy).
 
 // copyData follows the client's CopyData into the digest of a gated COPY.
 func (h *fenceSession) copyData(msg []byte) {
-	if h.copyGated {
+	if h.copyDigested {
 		body := msg[headerLen:]
 		h.copyDigest(func(d *fence.Digest) { d.CopyData(body) })
 	}
@@ -27,21 +27,21 @@ func (h *fenceSession) copyData(msg []byte) {
 // copyDone handles the client's CopyDone or CopyFail: the end of a COPY's
 // data, after which a wrapped COPY's transaction gets its receipt.
 func (h *fenceSession) copyDone(s *Session, msg []byte) (Verdict, error) {
-	if h.copyTail != nil && s.OnLoop() {
-		return Drop, ErrWait // finishWrapped waits for the COPY's end
+	if h.copyReceipt != nil && s.OnLoop() {
+		return Drop, ErrWait // finishCopy waits for the COPY's end
 	}
-	if h.copyLeft > 0 {
-		h.copyLeft--
+	if h.copiesLeft > 0 {
+		h.copiesLeft--
 	}
-	if h.copyGated {
-		h.copyGated = h.copyLeft > 0 // the query's next COPY too
+	if h.copyDigested {
+		h.copyDigested = h.copiesLeft > 0 // the query's next COPY too
 		h.copyDigest((*fence.Digest).EndCopy)
 	}
 	if err := s.ForwardMessage(msg); err != nil {
 		return Drop, err
 	}
-	if t := h.copyTail; t != nil {
-		if h.copyLeft > 0 {
+	if t := h.copyReceipt; t != nil {
+		if h.copiesLeft > 0 {
 			// The query has another COPY FROM: the receipt waits
 			// for it, unless the query ends first (an error).
 			started, err := h.nextCopy(s)
@@ -49,8 +49,8 @@ func (h *fenceSession) copyDone(s *Session, msg []byte) (Verdict, error) {
 				return Drop, err
 			}
 		}
-		h.copyTail, h.copyGated = nil, false
-		return Drop, h.finishWrapped(s, t)
+		h.copyReceipt, h.copyDigested = nil, false
+		return Drop, h.finishCopy(s, t)
 	}
 	return Drop, nil
 }
@@ -82,7 +82,7 @@ func (h *fenceSession) awaitCopy(s *Session, t *tag) error {
 		return nil
 	default:
 	}
-	h.copyTail, h.copyGated = nil, false
+	h.copyReceipt, h.copyDigested = nil, false
 	return h.sendRollback(s)
 }
 
@@ -107,7 +107,7 @@ func (h *fenceSession) nextCopy(s *Session) (bool, error) {
 	if err := s.FlushServer(); err != nil {
 		return false, err
 	}
-	t := h.copyTag
+	t := h.copyQuery
 	select {
 	case <-t.copyIn:
 		return true, nil
@@ -134,27 +134,27 @@ func countKind(res *rewrite.Result, k rewrite.Kind) int {
 	return n
 }
 
-// finishWrapped ends a wrapped transaction whose receipt step could not be
+// finishCopy ends a wrapped transaction whose receipt step could not be
 // spliced into the query text (COPY FROM: the digest covers its data). It
 // waits for the COPY to complete so the digest is whole.
-func (h *fenceSession) finishWrapped(s *Session, receipt *plan.Step) error {
+func (h *fenceSession) finishCopy(s *Session, receipt *plan.Step) error {
 	if err := h.barrier(s); err != nil {
 		return err
 	}
 	h.mu.Lock()
 	sum, version := plan.Resolve(receipt.Digest, h.st, nil)
 	h.mu.Unlock()
-	t := &tag{kind: 'Q', segs: []seg{{step: stepCommit, gen: receipt.Gen}}, hideRFQ: true, sent: time.Now()}
+	t := &tag{kind: 'Q', segs: []seg{{step: stepReceipt, gen: receipt.Gen}}, hideReady: true, sent: time.Now()}
 	if err := h.send(s, h.qmsg(plan.StepSQL(receipt, sum, version)), t, false); err != nil {
 		return err
 	}
 	defer h.markState()
-	return h.sendCommit(s)
+	return h.sendWrappedCommit(s)
 }
 
-// sendCommit sends COMMIT as a query of its own, whose ReadyForQuery is
+// sendWrappedCommit sends COMMIT as a query of its own, whose ReadyForQuery is
 // the one the client sees: it commits the wrapped transaction, or ends it
 // when a gate step failed.
-func (h *fenceSession) sendCommit(s *Session) error {
-	return h.send(s, h.qmsg("COMMIT"), &tag{kind: 'Q', segs: []seg{{step: stepCommitTx}}}, true)
+func (h *fenceSession) sendWrappedCommit(s *Session) error {
+	return h.send(s, h.qmsg("COMMIT"), &tag{kind: 'Q', segs: []seg{{step: stepCommitWrapped}}}, true)
 }

@@ -128,12 +128,12 @@ func (h *fenceSession) runQuery(s *Session, sql string, res *rewrite.Result, q *
 	h.mu.Unlock()
 	defer h.markState()
 	t := &tag{kind: 'Q', segs: querySegs(q.Steps, res.Stmts), inserts: inserts}
-	h.copyGated = q.CopyDigested
-	h.copyTail = q.CopyReceipt
-	h.copyLeft = countKind(res, rewrite.CopyFrom)
-	h.copyTag = t
+	h.copyDigested = q.CopyDigested
+	h.copyReceipt = q.CopyReceipt
+	h.copiesLeft = countKind(res, rewrite.CopyFrom)
+	h.copyQuery = t
 	if q.CopyReceipt != nil {
-		t.copyIn = make(chan struct{}, h.copyLeft)
+		t.copyIn = make(chan struct{}, h.copiesLeft)
 	}
 	t.sent = time.Now() // metrics: step latency
 	switch q.Ending {
@@ -142,19 +142,19 @@ func (h *fenceSession) runQuery(s *Session, sql string, res *rewrite.Result, q *
 		// connection, not per commit), a Sync whose ReadyForQuery is
 		// hidden, then the client's COMMIT.
 		r := &q.Steps[0]
-		if err := h.prepareExt(s); err != nil {
+		if err := h.prepareGate(s); err != nil {
 			return err
 		}
 		if err := h.execNamed(s, plan.ReceiptStatement(r.Gated), plan.CommitArgs(r.Gen, sum, version),
-			&tag{kind: 'E', step: stepCommit, gen: r.Gen, explicitCommit: true, sent: time.Now()}); err != nil {
+			&tag{kind: 'E', step: stepReceipt, gen: r.Gen, beforeCommit: true, sent: time.Now()}); err != nil {
 			return err
 		}
-		if err := h.send(s, []byte{'S', 0, 0, 0, 4}, &tag{kind: 'S', step: stepCommit, hideRFQ: true}, false); err != nil {
+		if err := h.send(s, []byte{'S', 0, 0, 0, 4}, &tag{kind: 'S', step: stepReceipt, hideReady: true}, false); err != nil {
 			return err
 		}
 		return h.send(s, h.qmsg(sql), &tag{kind: 'Q', segs: []seg{{step: stepClient, stmt: res.Stmts[0]}}}, true)
 	case plan.Restore, plan.AwaitCommit, plan.AfterCopy:
-		t.hideRFQ = true
+		t.hideReady = true
 	}
 	if err := h.send(s, h.qmsg(text), t, true); err != nil {
 		return err
@@ -163,7 +163,7 @@ func (h *fenceSession) runQuery(s *Session, sql string, res *rewrite.Result, q *
 	case plan.Restore:
 		return h.sendRestore(s)
 	case plan.AwaitCommit:
-		return h.settleCommit(s, t)
+		return h.awaitCommit(s, t)
 	case plan.AfterCopy:
 		return h.awaitCopy(s, t)
 	}
@@ -174,7 +174,7 @@ func (h *fenceSession) runQuery(s *Session, sql string, res *rewrite.Result, q *
 func querySegs(steps []plan.Step, stmts []*rewrite.Stmt) []seg {
 	segs := make([]seg, len(steps))
 	for i, ps := range steps {
-		sg := seg{step: stepOf(ps.Kind), gen: ps.Gen, explicitCommit: ps.BeforeCommit}
+		sg := seg{step: stepOf(ps.Kind), gen: ps.Gen, beforeCommit: ps.BeforeCommit}
 		switch ps.Kind {
 		case plan.Client, plan.Gate, plan.Raise:
 			if ps.Stmt >= 0 {
@@ -196,14 +196,14 @@ func stepOf(k plan.Kind) step {
 	case plan.Savepoint:
 		return stepSavepoint
 	case plan.Receipt:
-		return stepCommit
+		return stepReceipt
 	case plan.Raise:
 		return stepRaise
 	}
 	return stepClient
 }
 
-// settleCommit ends a client's query whose gated COMMIT had statements
+// awaitCommit ends a client's query whose gated COMMIT had statements
 // after it, once the query is answered. If the receipt step failed, the
 // COMMIT and everything after it was skipped and the transaction is
 // aborted: ROLLBACK ends it (the client has the step's error, or COMMIT
@@ -212,7 +212,7 @@ func stepOf(k plan.Kind) step {
 // statement of the client's before the COMMIT), and an empty query gives
 // the client the ReadyForQuery that says so. It runs on the client
 // goroutine (query hands such a query off).
-func (h *fenceSession) settleCommit(s *Session, t *tag) error {
+func (h *fenceSession) awaitCommit(s *Session, t *tag) error {
 	if err := h.barrier(s); err != nil {
 		return err
 	}

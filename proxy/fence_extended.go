@@ -15,7 +15,7 @@ import (
 // statements and portals as the client side keeps them (with their
 // classification and parameters), and each Execute and Sync planned by
 // the session's plan.Batch and run as the gate's own named statements
-// (prepared once per upstream connection, prepareExt).
+// (prepared once per upstream connection, prepareGate).
 
 // parse handles a Parse: the statement is classified and kept (as soon as
 // the Parse is sent: a failed Parse makes the server skip to Sync anyway).
@@ -25,7 +25,7 @@ func (h *fenceSession) parse(s *Session, msg []byte) (Verdict, error) {
 		return Forward, nil // the server will refuse it
 	}
 	if e := plan.CheckName("prepared statement", m.Name); e != nil {
-		return Drop, h.raiseExt(s, e)
+		return Drop, h.raiseInBatch(s, e)
 	}
 	sql, opts, err := h.decodeText(s, []byte(m.Query))
 	if err != nil && !isTextError(err) {
@@ -37,11 +37,11 @@ func (h *fenceSession) parse(s *Session, msg []byte) (Verdict, error) {
 	}
 	if err != nil {
 		if h.strict(true) {
-			return Drop, h.raiseExt(s, textError(err))
+			return Drop, h.raiseInBatch(s, textError(err))
 		}
 		res = nil // the server refuses it
 	}
-	h.stmts[m.Name] = &cstmt{res: res, oids: m.ParameterOIDs}
+	h.stmts[m.Name] = &clientStmt{res: res, oids: m.ParameterOIDs}
 	return Drop, h.send(s, msg, &tag{kind: 'P', name: m.Name, res: res, oids: m.ParameterOIDs}, true)
 }
 
@@ -52,12 +52,12 @@ func (h *fenceSession) bind(s *Session, msg []byte) (Verdict, error) {
 		return Forward, nil
 	}
 	if e := plan.CheckName("prepared statement", m.PreparedStatement); e != nil {
-		return Drop, h.raiseExt(s, e)
+		return Drop, h.raiseInBatch(s, e)
 	}
 	if e := plan.CheckName("portal", m.DestinationPortal); e != nil {
-		return Drop, h.raiseExt(s, e)
+		return Drop, h.raiseInBatch(s, e)
 	}
-	cp := &cportal{formats: append([]int16(nil), m.ParameterFormatCodes...)}
+	cp := &clientPortal{formats: append([]int16(nil), m.ParameterFormatCodes...)}
 	cp.params = make([][]byte, len(m.Parameters))
 	for i, p := range m.Parameters {
 		if p != nil {
@@ -86,7 +86,7 @@ func (h *fenceSession) closeOrDescribe(s *Session, msg []byte) (Verdict, error) 
 	}
 	name := string(body[1 : len(body)-1])
 	if e := plan.CheckName(closeWhat(body[0]), name); e != nil {
-		return Drop, h.raiseExt(s, e)
+		return Drop, h.raiseInBatch(s, e)
 	}
 	if msg[0] == 'D' {
 		return Drop, h.send(s, msg, &tag{kind: msg[0]}, true)
@@ -99,15 +99,15 @@ func (h *fenceSession) closeOrDescribe(s *Session, msg []byte) (Verdict, error) 
 	return Drop, h.send(s, msg, &tag{kind: 'C', closeOf: body[0], name: name}, true)
 }
 
-// cstmt is a statement the client parsed (speculatively: kept as soon as
+// clientStmt is a statement the client parsed (speculatively: kept as soon as
 // the Parse is sent; a failed Parse makes the server skip to Sync anyway).
-type cstmt struct {
+type clientStmt struct {
 	res  *rewrite.Result
 	oids []uint32
 }
 
-// cportal is a bound portal with its parameters (copied).
-type cportal struct {
+// clientPortal is a bound portal with its parameters (copied).
+type clientPortal struct {
 	stmt    *rewrite.Stmt
 	oids    []uint32
 	formats []int16
@@ -117,7 +117,7 @@ type cportal struct {
 // paramFunc gives the session state p's text parameters as the server
 // reads them: decoded from the client's encoding with c (the session's
 // codec: callers hold h.mu to read it; nil reads them as they are).
-func paramFunc(p *cportal, c *clientenc.Codec) session.ParamFunc {
+func paramFunc(p *clientPortal, c *clientenc.Codec) session.ParamFunc {
 	if p == nil {
 		return nil
 	}
@@ -144,7 +144,7 @@ func paramFunc(p *cportal, c *clientenc.Codec) session.ParamFunc {
 	}
 }
 
-func (p *cportal) DigestParams() []fence.Param {
+func (p *clientPortal) DigestParams() []fence.Param {
 	out := make([]fence.Param, len(p.params))
 	for i, v := range p.params {
 		var oid uint32
@@ -177,7 +177,7 @@ func (h *fenceSession) execute(s *Session, msg []byte) error {
 		return h.send(s, msg, &tag{kind: 'E'}, true)
 	}
 	if e := plan.CheckName("portal", m.Portal); e != nil {
-		return h.raiseExt(s, e)
+		return h.raiseInBatch(s, e)
 	}
 	cp := h.portals[m.Portal]
 	var st *rewrite.Stmt
@@ -220,7 +220,7 @@ func (h *fenceSession) execute(s *Session, msg []byte) error {
 	ep := h.batch.Execute(h.planSession(), plan.Exec{Stmt: st, Portal: m.Portal, Params: params, Bound: cp})
 	h.mu.Unlock()
 	if ep.Refusal != nil {
-		if err := h.raiseExt(s, ep.Refusal); err != nil {
+		if err := h.raiseInBatch(s, ep.Refusal); err != nil {
 			return err
 		}
 		return h.send(s, msg, t, true)
@@ -242,7 +242,7 @@ func (h *fenceSession) execute(s *Session, msg []byte) error {
 		h.f.Stats.Unfenced.Add(1)
 	}
 	if ep.Prepare {
-		if err := h.prepareExt(s); err != nil {
+		if err := h.prepareGate(s); err != nil {
 			return err
 		}
 	}
@@ -253,7 +253,7 @@ func (h *fenceSession) execute(s *Session, msg []byte) error {
 	}
 	if ep.CopyDigested {
 		// Its data goes into the digest (copyDigest), up to CopyDone.
-		h.copyGated, h.copyLeft = true, 1
+		h.copyDigested, h.copiesLeft = true, 1
 	}
 	if err := h.send(s, msg, t, true); err != nil {
 		return err
@@ -270,7 +270,7 @@ func (h *fenceSession) execute(s *Session, msg []byte) error {
 func (h *fenceSession) execStep(s *Session, ps *plan.Step, about *rewrite.Stmt) error {
 	switch ps.Kind {
 	case plan.Raise:
-		return h.raiseExt(s, ps.Err)
+		return h.raiseInBatch(s, ps.Err)
 	case plan.Gate:
 		return h.execNamed(s, plan.GateStatement, plan.GateArgs(ps.Gen), &tag{kind: 'E', step: stepGate, gen: ps.Gen, about: about})
 	case plan.Savepoint:
@@ -280,7 +280,7 @@ func (h *fenceSession) execStep(s *Session, ps *plan.Step, about *rewrite.Stmt) 
 		sum, version := plan.Resolve(ps.Digest, h.st, nil)
 		h.mu.Unlock()
 		return h.execNamed(s, plan.ReceiptStatement(ps.Gated), plan.CommitArgs(ps.Gen, sum, version),
-			&tag{kind: 'E', step: stepCommit, gen: ps.Gen, explicitCommit: ps.BeforeCommit})
+			&tag{kind: 'E', step: stepReceipt, gen: ps.Gen, beforeCommit: ps.BeforeCommit})
 	}
 	return nil
 }
@@ -298,7 +298,7 @@ func (h *fenceSession) sync(s *Session, msg []byte) error {
 	}
 	if sp.Restore {
 		h.commitReq = nil
-		if err := h.send(s, msg, &tag{kind: 'S', hideRFQ: true}, true); err != nil {
+		if err := h.send(s, msg, &tag{kind: 'S', hideReady: true}, true); err != nil {
 			return err
 		}
 		return h.sendRestore(s)
@@ -306,17 +306,17 @@ func (h *fenceSession) sync(s *Session, msg []byte) error {
 	return h.send(s, msg, &tag{kind: 'S'}, true)
 }
 
-// prepareExt parses the gate's named statements once per upstream
+// prepareGate parses the gate's named statements once per upstream
 // connection (again after DISCARD ALL / DEALLOCATE ALL).
-func (h *fenceSession) prepareExt(s *Session) error {
-	if r := h.prepReq; r != nil {
+func (h *fenceSession) prepareGate(s *Session) error {
+	if r := h.prepareReq; r != nil {
 		// The last Parse of them: PostgreSQL skips it, without a word,
 		// when an earlier message of its batch failed. (Settled by now:
 		// the gate step that followed it changed the state.)
 		if err := h.wait(s, r); err != nil {
 			return err
 		}
-		h.prepReq = nil
+		h.prepareReq = nil
 		if r.Skipped || r.Error != nil {
 			h.mu.Lock()
 			h.prepared = false
@@ -345,7 +345,7 @@ func (h *fenceSession) prepareExt(s *Session) error {
 			return err
 		}
 	}
-	h.prepReq = h.last
+	h.prepareReq = h.last
 	return nil
 }
 
@@ -360,7 +360,7 @@ func (h *fenceSession) execNamed(s *Session, stmt string, args [][]byte, t *tag)
 		return err
 	}
 	buf, _ = (&pgproto3.Execute{Portal: plan.Portal}).Encode(buf[:0])
-	if t.step == stepGate || t.step == stepCommit {
+	if t.step == stepGate || t.step == stepReceipt {
 		t.sent = time.Now() // metrics: step latency
 	}
 	if err := h.send(s, buf, t, false); err != nil {
@@ -370,10 +370,10 @@ func (h *fenceSession) execNamed(s *Session, stmt string, args [][]byte, t *tag)
 	return h.send(s, buf, &tag{kind: 'C', step: t.step}, false)
 }
 
-// raiseExt fails the current extended batch with e: a DO block raising
+// raiseInBatch fails the current extended batch with e: a DO block raising
 // it, parsed and executed through the gate's portal (the client's unnamed
 // statement is left alone). The server then skips to Sync.
-func (h *fenceSession) raiseExt(s *Session, e *session.Error) error {
+func (h *fenceSession) raiseInBatch(s *Session, e *session.Error) error {
 	const name = plan.RaiseStatement
 	buf, _ := (&pgproto3.Close{ObjectType: 'S', Name: name}).Encode(nil)
 	if err := h.send(s, buf, &tag{kind: 'C', step: stepRaise}, false); err != nil {

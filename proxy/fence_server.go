@@ -59,7 +59,7 @@ func (h *fenceSession) ServerMessage(s *Session, msg []byte, req *Request) (Verd
 		if t.seq > h.text.knownSeq {
 			h.text.knownSeq = t.seq // every ParameterStatus before it is in
 		}
-		if t.hideRFQ || !req.Visible {
+		if t.hideReady || !req.Visible {
 			return Drop, nil
 		}
 		h.errShown = false
@@ -118,14 +118,14 @@ func (h *fenceSession) queryResponse(s *Session, msg []byte, t *tag) (Verdict, e
 	case 'I':
 		t.cur++
 		if sg.step != stepClient {
-			return Drop, nil // settleCommit's empty query
+			return Drop, nil // awaitCommit's empty query
 		}
 		return Forward, nil
 	case 'D':
 		if sg.step == stepGate {
 			h.gateResult(sg.gen, msg)
-		} else if sg.step == stepCommit {
-			h.commitResult(msg)
+		} else if sg.step == stepReceipt {
+			h.receiptResult(msg)
 		} else if sg.step.routing() {
 			h.routeRow(s, sg, msg) // route.go
 		}
@@ -147,7 +147,7 @@ func (h *fenceSession) executeResponse(s *Session, msg []byte, t *tag) (Verdict,
 	switch msg[0] {
 	case 'C':
 		h.timeStep(t, t.step)
-		sg := seg{step: t.step, gen: t.gen, explicitCommit: t.explicitCommit}
+		sg := seg{step: t.step, gen: t.gen, beforeCommit: t.beforeCommit}
 		if t.step == stepClient && t.cp != nil {
 			sg.stmt = t.cp.stmt
 		}
@@ -156,8 +156,8 @@ func (h *fenceSession) executeResponse(s *Session, msg []byte, t *tag) (Verdict,
 		switch t.step {
 		case stepGate:
 			h.gateResult(t.gen, msg)
-		case stepCommit:
-			h.commitResult(msg)
+		case stepReceipt:
+			h.receiptResult(msg)
 		case stepSettings:
 			h.applySettings(s, msg, t)
 		}
@@ -169,7 +169,7 @@ func (h *fenceSession) executeResponse(s *Session, msg []byte, t *tag) (Verdict,
 }
 
 // complete handles the CommandComplete of a segment.
-func (h *fenceSession) complete(s *Session, sg seg, msg []byte, cp *cportal) (Verdict, error) {
+func (h *fenceSession) complete(s *Session, sg seg, msg []byte, cp *clientPortal) (Verdict, error) {
 	switch sg.step {
 	case stepClient:
 		if sg.stmt != nil {
@@ -184,10 +184,10 @@ func (h *fenceSession) complete(s *Session, sg seg, msg []byte, cp *cportal) (Ve
 		return Forward, nil
 	case stepBegin:
 		h.st.Begin()
-	case stepCommit:
+	case stepReceipt:
 		// Counted by its row ('committed'; commit_if_written says 'none'
 		// when nothing was written).
-	case stepCommitTx:
+	case stepCommitWrapped:
 		if commandTag(msg) == "ROLLBACK" {
 			h.st.Rollback(false)
 		} else {
@@ -214,9 +214,9 @@ func (h *fenceSession) onError(s *Session, msg []byte, t *tag) (Verdict, error) 
 		}
 		t.cur = len(t.segs) // the server skips the rest of the query
 		st = sg.step
-		t.stepFailed = st == stepGate || st == stepCommit || st == stepSavepoint
+		t.stepFailed = st == stepGate || st == stepReceipt || st == stepSavepoint
 	} else {
-		sg = seg{step: st, gen: t.gen, explicitCommit: t.explicitCommit, stmt: t.about}
+		sg = seg{step: st, gen: t.gen, beforeCommit: t.beforeCommit, stmt: t.about}
 		if st == stepClient && t.cp != nil {
 			sg.stmt = t.cp.stmt
 		}
@@ -242,13 +242,13 @@ func (h *fenceSession) onError(s *Session, msg []byte, t *tag) (Verdict, error) 
 		s.WriteClient(msg)
 		return Drop, nil
 	}
-	if st == stepCommit && e.Code == fence.CodeReplay {
+	if st == stepReceipt && e.Code == fence.CodeReplay {
 		h.f.Stats.Replayed.Add(1)
 		gen := sg.gen // the generation the receipt step ran with
 		if gen.JobKey == "" {
 			gen = h.st.Gate().Gen
 		}
-		if sg.explicitCommit {
+		if sg.beforeCommit {
 			s.WriteClient(encode(nil, &pgproto3.CommandComplete{CommandTag: []byte("COMMIT")}))
 		}
 		s.WriteClient(encode(nil, &pgproto3.NoticeResponse{Severity: "NOTICE", SeverityUnlocalized: "NOTICE", Code: fence.CodeReplay,
@@ -285,7 +285,7 @@ func (h *fenceSession) onError(s *Session, msg []byte, t *tag) (Verdict, error) 
 }
 
 // applyClient applies a client statement the server completed.
-func (h *fenceSession) applyClient(st *rewrite.Stmt, msg []byte, cp *cportal) {
+func (h *fenceSession) applyClient(st *rewrite.Stmt, msg []byte, cp *clientPortal) {
 	ctag := commandTag(msg)
 	g := h.st.Gate()
 	if !g.Due() && h.maybeWrite(st) {
@@ -318,8 +318,8 @@ func (h *fenceSession) applyClient(st *rewrite.Stmt, msg []byte, cp *cportal) {
 	}
 }
 
-// commitResult counts a receipt step's answer.
-func (h *fenceSession) commitResult(msg []byte) {
+// receiptResult counts a receipt step's answer.
+func (h *fenceSession) receiptResult(msg []byte) {
 	if rowValue(msg) == "committed" {
 		h.f.Stats.Committed.Add(1)
 	}

@@ -53,23 +53,23 @@ type fenceSession struct {
 	appName  string    // application_name as the server last reported it (for the log)
 
 	// Client goroutine only.
-	last      *Request // the last request sent upstream
-	inBatch   bool     // extended-protocol messages sent since the last Sync
-	stmts     map[string]*cstmt
-	portals   map[string]*cportal
-	batch     plan.Batch // extended: the planner's view of the current batch
-	commitReq *Request   // extended: a gated COMMIT whose restoring query is due (batch.Restoring)
-	copyTail  *plan.Step // simple protocol: a gated COPY FROM is streaming; its receipt, to send after it
-	copyGated bool       // CopyData goes into the digest
-	copyLeft  int        // COPY FROM statements of the current query not yet done
-	copyTag   *tag       // the current query's, while copyTail
-	stateReq  *Request   // the last request sent that changes session or gate state
-	prepReq   *Request   // the last Parse of the gate's statements, until known done
+	last         *Request // the last request sent upstream
+	inBatch      bool     // extended-protocol messages sent since the last Sync
+	stmts        map[string]*clientStmt
+	portals      map[string]*clientPortal
+	batch        plan.Batch // extended: the planner's view of the current batch
+	commitReq    *Request   // extended: a gated COMMIT whose restoring query is due (batch.Restoring)
+	copyReceipt  *plan.Step // simple protocol: a gated COPY FROM is streaming; its receipt, to send after it
+	copyDigested bool       // CopyData goes into the digest
+	copiesLeft   int        // COPY FROM statements of the current query not yet done
+	copyQuery    *tag       // the current query's, while copyReceipt
+	stateReq     *Request   // the last request sent that changes session or gate state
+	prepareReq   *Request   // the last Parse of the gate's statements, until known done
 	// tainted: since the gate's statements were last parsed, the client
 	// ran something that can execute SQL the proxy cannot see (a DO
 	// block, a procedure, a user function: any of them may DEALLOCATE
 	// and PREPARE under the gate's names), so they are parsed again
-	// before their next use (prepareExt).
+	// before their next use (prepareGate).
 	tainted bool
 	// seq numbers the requests sent (tag.seq); encSeq is the last that
 	// may have changed how the server reads the client's text, gucSeq the
@@ -91,17 +91,17 @@ type fenceSession struct {
 type step uint8
 
 const (
-	stepClient    step = iota // the client's own statement
-	stepBegin                 // BEGIN opening a transaction around an implicit one (gated COPY FROM)
-	stepGate                  // SELECT fence.gate(...)
-	stepCommit                // SELECT fence.commit(...)
-	stepCommitTx              // COMMIT closing the wrapped transaction
-	stepRaise                 // a DO block raising the gate's own error
-	stepRollback              // ROLLBACK after a gated commit (no-op on success)
-	stepPrepare               // Parse of the gate's named statements
-	stepSavepoint             // SAVEPOINT before the receipt step in a client's query
-	stepRestore               // ROLLBACK TO that savepoint after a failed receipt step
-	stepSettings              // the settings read back (fence_text.go)
+	stepClient        step = iota // the client's own statement
+	stepBegin                     // BEGIN opening a transaction around an implicit one (gated COPY FROM)
+	stepGate                      // SELECT fence.gate(...)
+	stepReceipt                   // the receipt: fence.commit, or fence.commit_if_written
+	stepCommitWrapped             // COMMIT closing the transaction wrapped around a protected COPY FROM
+	stepRaise                     // a DO block raising the gate's own error
+	stepRollback                  // ROLLBACK after a gated commit (no-op on success)
+	stepPrepare                   // Parse of the gate's named statements
+	stepSavepoint                 // SAVEPOINT before the receipt step in a client's query
+	stepRestore                   // ROLLBACK TO that savepoint after a failed receipt step
+	stepSettings                  // the settings read back (fence_text.go)
 
 	// Read routing's own requests (route.go).
 	stepFenceCheck // SELECT the replica's fence row
@@ -124,9 +124,9 @@ type seg struct {
 	step step
 	stmt *rewrite.Stmt
 	gen  session.Generation
-	// explicitCommit: this commit step precedes the client's COMMIT, which
+	// beforeCommit: this receipt step precedes the client's COMMIT, which
 	// on a replay must still be answered "COMMIT".
-	explicitCommit bool
+	beforeCommit bool
 }
 
 // tag travels with each request upstream.
@@ -136,13 +136,13 @@ type tag struct {
 	seq  uint64 // fenceSession.seq when sent
 
 	// Query
-	segs    []seg
-	cur     int
-	inserts plan.Insertions // where gate text was spliced in (error positions)
-	hideRFQ bool
+	segs      []seg
+	cur       int
+	inserts   plan.Insertions // where gate text was spliced in (error positions)
+	hideReady bool
 	// stepFailed: a gate step of this query failed (set by onError).
 	stepFailed bool
-	// copyIn, for a wrapped COPY FROM (qplan.tail), gets a token each
+	// copyIn, for a wrapped COPY FROM (plan.AfterCopy), gets a token each
 	// time the server starts one of the query's COPYs (CopyInResponse);
 	// it has room for all of them. It is set before the tag is sent and
 	// never changed: the client side waits on it while the server side
@@ -154,11 +154,11 @@ type tag struct {
 	portal  string
 	res     *rewrite.Result
 	oids    []uint32
-	cp      *cportal
+	cp      *clientPortal
 	closeOf byte
 	gen     session.Generation
-	// explicitCommit as in seg, for the extended protocol.
-	explicitCommit bool
+	// beforeCommit as in seg, for the extended protocol.
+	beforeCommit bool
 	// about is the client statement a gate step guards (for the log).
 	about *rewrite.Stmt
 	// sent: when the request (a gate or commit step, or a query holding
@@ -168,7 +168,7 @@ type tag struct {
 }
 
 // LoopClient: ClientMessage may run on the event loop. Where it would
-// wait (wait, awaitCopy, finishWrapped), it returns ErrWait on the loop
+// wait (wait, awaitCopy, finishCopy), it returns ErrWait on the loop
 // before it has sent anything.
 func (h *fenceSession) LoopClient() bool { return true }
 

@@ -255,7 +255,7 @@ func (h *fenceSession) resync(s *Session) error {
 		return err
 	}
 	if !batch {
-		if err := send(&pgproto3.Sync{}, &tag{kind: 'S', step: stepSettings, hideRFQ: true}); err != nil {
+		if err := send(&pgproto3.Sync{}, &tag{kind: 'S', step: stepSettings, hideReady: true}); err != nil {
 			return err
 		}
 	}

@@ -560,7 +560,7 @@ func (h *fenceSession) sendClient(s *Session, msg []byte, res *rewrite.Result) e
 	if !tail {
 		return h.send(s, msg, t, true)
 	}
-	t.hideRFQ = true
+	t.hideReady = true
 	if err := h.send(s, msg, t, true); err != nil {
 		return err
 	}
