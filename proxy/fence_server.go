@@ -287,25 +287,11 @@ func (h *fenceSession) onError(s *Session, msg []byte, t *tag) (Verdict, error) 
 // applyClient applies a client statement the server completed.
 func (h *fenceSession) applyClient(st *rewrite.Stmt, msg []byte, cp *clientPortal) {
 	ctag := commandTag(msg)
-	g := h.st.Gate()
-	if !g.Due() && h.maybeWrite(st) {
-		if k, e, t, step, ok := h.st.Generation(); ok {
-			g.Tentative = true
-			g.Gen = session.Generation{JobKey: k, Epoch: e, Token: t, Step: step}
-			if g.Digest == nil {
-				g.Digest = &fence.Digest{}
-			}
-		}
+	var bound plan.Bound
+	if cp != nil {
+		bound = cp
 	}
-	if g.Due() && plan.Digested(st) {
-		if d, ok := g.Digest.(*fence.Digest); ok {
-			var params []fence.Param
-			if cp != nil {
-				params = cp.DigestParams()
-			}
-			d.Statement(st.Canonical(), params)
-		}
-	}
+	plan.Completed(h.planSession(), st, bound) // tentative, digest
 	if st.Kind == rewrite.Discard && st.Name == "ALL" || st.Kind == rewrite.Deallocate && st.All {
 		h.prepared = false
 	}
@@ -327,13 +313,7 @@ func (h *fenceSession) receiptResult(msg []byte) {
 
 // gateResult records the gate's answer ('ok' or 'replay').
 func (h *fenceSession) gateResult(gen session.Generation, msg []byte) {
-	g := h.st.Gate()
-	g.Gated = true
-	g.Gen = gen
-	g.Replay = rowValue(msg) == "replay"
-	if g.Digest == nil {
-		g.Digest = &fence.Digest{}
-	}
+	plan.Gated(h.st, gen, rowValue(msg) == "replay")
 	h.f.Stats.Gated.Add(1)
 }
 

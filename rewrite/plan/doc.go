@@ -18,14 +18,17 @@
 // for them.
 //
 // Planning does no I/O and is deterministic: the same session state and
-// statements give the same plan (testdata/plans, rendered by Query.String
-// and ExecPlan.String, pins every shape the proxy injects). It reads the
-// session state, it never changes it; a Batch keeps the state of one
-// extended-protocol batch between its messages. Executing a plan — sending
-// the messages, waiting for answers, interpreting them, applying them to
-// the session state — is package proxy's. So is computing a receipt's
-// digest where it depends on the transaction's running digest (Digest
-// says what it covers; Resolve computes it).
+// statements give the same plan (rewrite/testdata/plans pins every shape
+// the proxy injects, rendered by Step.String and Query.Text). It reads the
+// session state and never changes it; a Batch keeps the state of one
+// extended-protocol batch between its messages. Executing a plan —
+// sending the messages, waiting for answers, interpreting them, applying
+// them to the session state — is package proxy's; Gated and Completed say
+// what an answer means for the gate's own part of the state, so that the
+// proxy and the golden plans' model of the server keep it alike. A
+// receipt's digest is computed as it is sent, when it covers what the
+// transaction did before the query (Digest says what it covers; Resolve
+// computes it).
 //
 // It is a package of its own, not part of package rewrite, because it
 // reads session.State, and package session builds on rewrite's

@@ -221,11 +221,7 @@ func (s *sim) steps(steps []plan.Step, stmts []*rewrite.Stmt) {
 		case plan.Begin:
 			s.st.Begin()
 		case plan.Gate:
-			g := s.st.Gate()
-			g.Gated, g.Gen = true, step.Gen
-			if g.Digest == nil {
-				g.Digest = &fence.Digest{}
-			}
+			plan.Gated(s.st, step.Gen, false)
 		case plan.Raise:
 			s.st.Fail()
 			return
@@ -242,23 +238,11 @@ func (s *sim) steps(steps []plan.Step, stmts []*rewrite.Stmt) {
 // apply follows a statement the server completed, as the proxy's server
 // side does (fenceSession.applyClient).
 func (s *sim) apply(st *rewrite.Stmt, p *portal) {
-	g := s.st.Gate()
-	if !g.Due() && s.MayWriteUnseen(st) {
-		if k, e, tok, step, ok := s.st.Generation(); ok {
-			g.Tentative = true
-			g.Gen = session.Generation{JobKey: k, Epoch: e, Token: tok, Step: step}
-			if g.Digest == nil {
-				g.Digest = &fence.Digest{}
-			}
-		}
+	var bound plan.Bound
+	if p != nil {
+		bound = p
 	}
-	if g.Due() && plan.Digested(st) {
-		var params []fence.Param
-		if p != nil {
-			params = p.DigestParams()
-		}
-		g.Digest.(*fence.Digest).Statement(st.Canonical(), params)
-	}
+	plan.Completed(s.session(), st, bound)
 	if err := s.st.Apply(st, "COMMIT", nil); err != nil {
 		s.t.Fatalf("apply %s: %v\n%s", st.SQL, err, s.out.String())
 	}
@@ -428,11 +412,7 @@ func (s *sim) showNamed(step plan.Step) {
 	case plan.Gate:
 		s.printf("    %s: Bind/Execute %s%s\n", step, plan.GateStatement, args(plan.GateArgs(step.Gen)))
 		if !s.failed {
-			g := s.st.Gate()
-			g.Gated, g.Gen = true, step.Gen
-			if g.Digest == nil {
-				g.Digest = &fence.Digest{}
-			}
+			plan.Gated(s.st, step.Gen, false)
 		}
 	case plan.Savepoint:
 		s.printf("    %s: Bind/Execute %s\n", step, plan.SavepointStatement)

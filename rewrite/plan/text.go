@@ -1,6 +1,8 @@
 package plan
 
 import (
+	"fmt"
+	"strconv"
 	"strings"
 	"unicode/utf8"
 
@@ -89,4 +91,67 @@ func (ins Insertions) ClientPosition(pos int32) int32 {
 		}
 	}
 	return int32(p - shift + 1)
+}
+
+// String renders the step for a reader (the golden plans, logs).
+func (s Step) String() string {
+	gen := func() string {
+		return fmt.Sprintf("job %q epoch %d token %d step %q", s.Gen.JobKey, s.Gen.Epoch, s.Gen.Token, s.Gen.Step)
+	}
+	switch s.Kind {
+	case Client:
+		return fmt.Sprintf("statement %d", s.Stmt+1)
+	case Begin:
+		return "BEGIN"
+	case Gate:
+		return "gate " + gen()
+	case Savepoint:
+		return "SAVEPOINT " + ReceiptSavepoint
+	case Receipt:
+		fn := "fence.commit"
+		if !s.Gated {
+			fn = "fence.commit_if_written"
+		}
+		out := "receipt " + fn + " " + gen() + ", digest: " + s.Digest.String()
+		if s.BeforeCommit {
+			out += ", before the client's COMMIT"
+		}
+		return out
+	case Raise:
+		return fmt.Sprintf("raise %s %q", s.Err.Code, s.Err.Message)
+	}
+	return s.Kind.String()
+}
+
+// String says what the digest covers.
+func (d Digest) String() string {
+	stmts := func() string {
+		if len(d.Stmts) == 0 {
+			return "no statements"
+		}
+		parts := make([]string, len(d.Stmts))
+		for i, n := range d.Stmts {
+			parts[i] = strconv.Itoa(n + 1)
+		}
+		return "statements " + strings.Join(parts, ", ")
+	}
+	switch d.Source {
+	case FromTransaction:
+		return "the transaction's + " + stmts()
+	case FromStatements:
+		return stmts()
+	case FromClient:
+		return "the client's own"
+	case FromSession:
+		return "the client's own, else the transaction's, when sent"
+	case FromBatch:
+		if d.Version == ClientDigestVersion {
+			return "the client's own"
+		}
+		if d.Items == 1 {
+			return "the batch's (1 item)"
+		}
+		return fmt.Sprintf("the batch's (%d items)", d.Items)
+	}
+	return "?"
 }
