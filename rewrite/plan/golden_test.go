@@ -177,7 +177,7 @@ func runPlans(t *testing.T, input string) string {
 
 func (s *sim) printf(format string, args ...any) { fmt.Fprintf(&s.out, format, args...) }
 
-func classify(t *testing.T, sql string) []*rewrite.Stmt {
+func classify(t testing.TB, sql string) []*rewrite.Stmt {
 	t.Helper()
 	res, err := rewrite.Classify(sql)
 	if err != nil {
