@@ -118,12 +118,14 @@ func (h *fenceSession) runQuery(s *Session, sql string, res *rewrite.Result, q *
 	if q.Unfenced {
 		h.f.Stats.Unfenced.Add(1)
 	}
-	h.mu.Lock()
-	text, inserts := q.Text(sql, h.st, res.Stmts)
+	var text, version string
+	var inserts plan.Insertions
 	var sum []byte
-	var version string
+	h.mu.Lock()
 	if q.Ending == plan.LoneCommit {
-		sum, version = plan.Resolve(q.Steps[0].Digest, h.st, res.Stmts)
+		sum, version = plan.Resolve(q.Steps[0].Digest, h.st, res.Stmts) // the text is the client's
+	} else {
+		text, inserts = q.Text(sql, h.st, res.Stmts)
 	}
 	h.mu.Unlock()
 	defer h.markState()
