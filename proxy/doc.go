@@ -8,9 +8,12 @@
 // client authenticates and closed when it leaves, plus, with the write gate
 // and Config.Replicas, a lazily opened connection to a streaming replica for
 // reads the gate routes there (replica.go, route.go, lsn.go; docs/reads.md).
-// It is not a pooler and does not parse SQL itself; the write gate, SQL
-// classification and session GUC tracking live in other packages and plug in
-// through Interceptor.
+// It is not a pooler and does not parse SQL itself: SQL classification
+// (package rewrite), what the write gate adds to a transaction
+// (rewrite/plan) and session GUC tracking (package session) live in other
+// packages. The write gate (Fence, fence_*.go) plugs in through
+// Interceptor and executes their plans; docs/architecture.md follows a
+// gated transaction through the files.
 //
 // # The wire loop
 //

@@ -126,8 +126,8 @@ func (f *Fence) Open(s *Session) (Handler, error) {
 		st:      st,
 		text:    newTextState(s.ServerParams, s.Logger()),
 		appName: s.ServerParams["application_name"],
-		stmts:   map[string]*cstmt{},
-		portals: map[string]*cportal{},
+		stmts:   map[string]*clientStmt{},
+		portals: map[string]*clientPortal{},
 	}
 	f.idle.add(h, s)
 	return h, nil

@@ -11,6 +11,7 @@ import (
 	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/internal/clientenc"
 	"github.com/pgfence/pgfence/rewrite"
+	"github.com/pgfence/pgfence/rewrite/plan"
 	"github.com/pgfence/pgfence/session"
 )
 
@@ -240,14 +241,14 @@ func (h *fenceSession) resync(s *Session) error {
 	if err := send(&pgproto3.Parse{Name: settingsStmt, Query: settingsSQL}, &tag{kind: 'P', step: stepSettings}); err != nil {
 		return err
 	}
-	if err := send(&pgproto3.Bind{DestinationPortal: gatePortal, PreparedStatement: settingsStmt}, &tag{kind: 'B', step: stepSettings}); err != nil {
+	if err := send(&pgproto3.Bind{DestinationPortal: plan.Portal, PreparedStatement: settingsStmt}, &tag{kind: 'B', step: stepSettings}); err != nil {
 		return err
 	}
-	if err := send(&pgproto3.Execute{Portal: gatePortal}, &tag{kind: 'E', step: stepSettings}); err != nil {
+	if err := send(&pgproto3.Execute{Portal: plan.Portal}, &tag{kind: 'E', step: stepSettings}); err != nil {
 		return err
 	}
 	exec := h.last
-	if err := send(&pgproto3.Close{ObjectType: 'P', Name: gatePortal}, &tag{kind: 'C', step: stepSettings}); err != nil {
+	if err := send(&pgproto3.Close{ObjectType: 'P', Name: plan.Portal}, &tag{kind: 'C', step: stepSettings}); err != nil {
 		return err
 	}
 	// Not left behind for the client to find in pg_prepared_statements.
@@ -255,7 +256,7 @@ func (h *fenceSession) resync(s *Session) error {
 		return err
 	}
 	if !batch {
-		if err := send(&pgproto3.Sync{}, &tag{kind: 'S', step: stepSettings, hideRFQ: true}); err != nil {
+		if err := send(&pgproto3.Sync{}, &tag{kind: 'S', step: stepSettings, hideReady: true}); err != nil {
 			return err
 		}
 	}
@@ -366,7 +367,7 @@ func (h *fenceSession) noteSent(t *tag) {
 		if st.CallsFence {
 			h.idle.fenceCall.Store(t.seq) // fence.gate, fence.acquire...: may lock a fence row
 		}
-		op := opaque(st)
+		op := plan.Opaque(st)
 		taint = taint || op
 		enc = enc || op || changesText(st)
 		if !guc {
@@ -391,11 +392,6 @@ func (h *fenceSession) noteSent(t *tag) {
 			h.resyncInTx = false
 		}
 	}
-}
-
-// opaque reports whether st can run SQL the gate cannot see.
-func opaque(st *rewrite.Stmt) bool {
-	return st.Opaque || st.Kind == rewrite.Do || st.Kind == rewrite.Call || st.Executes != ""
 }
 
 // changesText reports whether st may change how the server reads the

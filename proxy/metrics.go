@@ -381,7 +381,7 @@ func (h *fenceSession) timeStep(t *tag, st step) {
 	switch st {
 	case stepGate:
 		h.f.Stats.GateLatency.Observe(now.Sub(t.sent))
-	case stepCommit:
+	case stepReceipt:
 		h.f.Stats.CommitLatency.Observe(now.Sub(t.sent))
 	}
 	t.sent = now

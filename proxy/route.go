@@ -11,6 +11,7 @@ import (
 
 	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/rewrite"
+	"github.com/pgfence/pgfence/rewrite/plan"
 	"github.com/pgfence/pgfence/session"
 )
 
@@ -59,14 +60,6 @@ type RouteStats struct {
 	FenceChecks atomic.Int64 // generation checks against a replica's fence row
 	CommitLSN   atomic.Int64 // fence.commit_lsn reports sent
 }
-
-// steps of the routing's own requests (fenceSession tags).
-const (
-	stepRoute      step = 100 + iota // marker: steps from here on are routing's
-	stepFenceCheck                   // SELECT the replica's fence row
-	stepLSN                          // the WAL insert position after a fence.* call (insertLSNQuery)
-	stepStmtCopy                     // Parse/Close of a named statement on the other upstream
-)
 
 // routeState is a fenceSession's routing state. Client goroutine, except
 // row (written by a server goroutine under h.mu).
@@ -518,9 +511,9 @@ func fenceCheckQuery(req requirement, reached bool) string {
 			epoch = strconv.FormatInt(req.epoch, 10)
 		}
 		return fmt.Sprintf("SELECT (CASE WHEN fence.replica_reached(%s, %s, %d) THEN %d ELSE 0 END)::text",
-			literal(req.job), epoch, req.token, req.token) + lsn
+			plan.Literal(req.job), epoch, req.token, req.token) + lsn
 	}
-	return "SELECT coalesce((SELECT max_issued_token FROM fence.fences WHERE job_key = " + literal(req.job) +
+	return "SELECT coalesce((SELECT max_issued_token FROM fence.fences WHERE job_key = " + plan.Literal(req.job) +
 		"), 0)::text" + lsn
 }
 
@@ -567,7 +560,7 @@ func (h *fenceSession) sendClient(s *Session, msg []byte, res *rewrite.Result) e
 	if !tail {
 		return h.send(s, msg, t, true)
 	}
-	t.hideRFQ = true
+	t.hideReady = true
 	if err := h.send(s, msg, t, true); err != nil {
 		return err
 	}

@@ -16,10 +16,10 @@ import (
 //     single reads without session effects (see shareable). Clients that
 //     put values into the text instead of parameters (pgbench -S, ORMs
 //     without prepared statements, psql users) send a new text for every
-//     query; parsing each cost 40–80 µs, several times the proxy's own
-//     relay cost. Literals cannot change what such a statement is (its
-//     kind, the relations it reads, its locking, its function calls), so
-//     one parse serves every query of the shape. Texts whose shape the
+//     query, and a parse costs more than relaying the query does
+//     (docs/proxy.md, Performance). Literals cannot change what such a
+//     statement is (its kind, the relations it reads, its locking, its
+//     function calls), so one parse serves every query of the shape. Texts whose shape the
 //     scanner cannot be sure of (dollar quotes, block comments,
 //     backslashes in strings, set_config calls) are never shared.
 type Classifier struct {

@@ -12,10 +12,13 @@
 // text; [Protected] decides whether a written relation is protected, given
 // the session's search_path.
 //
-// It is not a SQL rewriter of client statements, and it does not know the
-// database catalog: names are reported as written (folded as PostgreSQL folds
-// identifiers), never resolved to OIDs. It does not track session state; see
-// package session for that.
+// Its sub-package plan plans the rewritten transaction: from these
+// classifications and the session state, the steps the write gate adds
+// around the client's statements, and the gate's SQL. Package rewrite
+// itself changes no statement of the client's, and it does not know the
+// database catalog: names are reported as written (folded as PostgreSQL
+// folds identifiers), never resolved to OIDs. It does not track session
+// state; see package session for that.
 //
 // # Failure to classify
 //

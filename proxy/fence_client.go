@@ -1,0 +1,165 @@
+package proxy
+
+import (
+	"github.com/pgfence/pgfence/rewrite"
+	"github.com/pgfence/pgfence/rewrite/plan"
+)
+
+// The gate's client side: what becomes of each client message. A simple
+// Query is classified, planned (rewrite/plan) and executed (fence_exec.go);
+// the extended protocol's messages are in fence_extended.go, COPY data in
+// fence_copy.go.
+
+// ClientMessage decides what becomes of each client message (Handler).
+func (h *fenceSession) ClientMessage(s *Session, msg []byte) (Verdict, error) {
+	h.idle.clientMsgs.Add(1)
+	if msg[0] != 'Q' && s.srv.rs != nil { // read routing: upstream and named statements (route.go)
+		if err := h.routeMsg(s, msg); err != nil {
+			return Drop, err
+		}
+	}
+	switch msg[0] {
+	case 'Q':
+		return Drop, h.query(s, msg)
+	case 'P':
+		return h.parse(s, msg) // fence_extended.go
+	case 'B':
+		return h.bind(s, msg)
+	case 'E':
+		return Drop, h.execute(s, msg)
+	case 'S':
+		return Drop, h.sync(s, msg)
+	case 'C', 'D':
+		return h.closeOrDescribe(s, msg)
+	case 'F':
+		return Drop, h.send(s, msg, &tag{kind: msg[0]}, true)
+	case 'H':
+		return Forward, nil
+	case 'd':
+		h.copyData(msg) // fence_copy.go
+		return Forward, nil
+	case 'c', 'f':
+		return h.copyDone(s, msg)
+	}
+	return Forward, nil
+}
+
+// closeWhat names the object a Close or Describe of type typ refers to.
+func closeWhat(typ byte) string {
+	if typ == 'S' {
+		return "prepared statement"
+	}
+	return "portal"
+}
+
+// query handles a simple Query: it classifies it, plans it (rewrite/plan)
+// and executes the plan.
+func (h *fenceSession) query(s *Session, msg []byte) error {
+	sql, opts, err := h.decodeText(s, msg[headerLen:len(msg)-1]) // fence_text.go
+	if err != nil && !isTextError(err) {
+		return err // ErrWait on the loop: nothing done yet
+	}
+	if err != nil {
+		if h.strict(true) {
+			return h.refuseQuery(s, textError(err))
+		}
+		return h.routeQuery(s, msg, nil) // the server refuses it too
+	}
+	res, shared, err := h.f.classifier.ClassifySharedWith(sql, opts)
+	if err != nil || len(res.Stmts) == 0 {
+		if err != nil && h.strict(false) {
+			// Never forwarded unread on a fenced session: it could hide
+			// a COMMIT or a write from the gate.
+			return h.refuseQuery(s, textError(err))
+		}
+		// The server reports the syntax error (or the empty query).
+		return h.routeQuery(s, msg, nil) // route.go
+	}
+	if plan.MayNeedGate(res.Stmts...) {
+		if h.unsettled() {
+			if err := h.settle(s); err != nil {
+				return err // ErrWait on the loop: nothing done yet
+			}
+		}
+		if err := h.settleSettings(s); err != nil {
+			return err
+		}
+	}
+	// Settled: whether the transaction is gated is known.
+	if shared && h.needsOwnText(res) {
+		if res, err = h.f.classifier.ClassifyWith(sql, opts); err != nil {
+			return h.routeQuery(s, msg, nil) // unreachable: its shape parsed
+		}
+	}
+	h.mu.Lock()
+	q := plan.PlanQuery(h.planSession(), res.Stmts)
+	h.mu.Unlock()
+	if q.Waits && s.OnLoop() {
+		// The client goroutine sends it. Nothing is done yet.
+		return ErrWait
+	}
+	h.f.Stats.Classified.Add(int64(len(res.Stmts)))
+	switch q.Action {
+	case plan.Refuse:
+		return h.refuseQuery(s, q.Refusal)
+	case plan.PassThrough:
+		if err := h.routeQuery(s, msg, res); err != nil { // replica or primary: route.go
+			return err
+		}
+		if plan.ChangesState(res.Stmts...) {
+			h.markState()
+		}
+		return nil
+	}
+	if err := h.settle(s); err != nil {
+		return err
+	}
+	if err := h.routeGated(s); err != nil { // route.go
+		return err
+	}
+	return h.runQuery(s, sql, res, &q)
+}
+
+// needsOwnText reports whether a write classified from another text of
+// its shape (rewrite.Classifier.ClassifyShared) must be classified from
+// its own: when it is digested — it writes a protected table, or runs in a
+// gated transaction — the digest needs its own canonical text. Other
+// writes need only the structure, which the shape shares.
+func (h *fenceSession) needsOwnText(res *rewrite.Result) bool {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.st.Gate().Gated {
+		return true
+	}
+	for _, st := range res.Stmts {
+		if h.protectedWrite(st) {
+			return true
+		}
+	}
+	return false
+}
+
+// strict reports whether text the gate cannot read must be refused rather
+// than forwarded for the server to judge: on a fenced session (it has a
+// generation, or its transaction is gated), and, for text invalid in the
+// client's encoding (decoding: the server would refuse it too), in a
+// database with protected tables.
+func (h *fenceSession) strict(decoding bool) bool {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if _, ok := h.st.Generation(); ok || h.st.Gate().Gated {
+		return true
+	}
+	return decoding && h.cat.prot.Load().Len() > 0
+}
+
+func clientSegs(res *rewrite.Result) []seg {
+	if res == nil {
+		return nil
+	}
+	segs := make([]seg, len(res.Stmts))
+	for i, st := range res.Stmts {
+		segs[i] = seg{step: stepClient, stmt: st}
+	}
+	return segs
+}

@@ -1,0 +1,257 @@
+package proxy
+
+import (
+	"encoding/binary"
+	"time"
+
+	"github.com/pgfence/pgfence/rewrite"
+	"github.com/pgfence/pgfence/rewrite/plan"
+)
+
+// Executing the gate's plans: sending the client's messages and the gate's
+// steps upstream, tagged (send), and waiting where a step depends on an
+// answer (settle, barrier, wait). The plans come from rewrite/plan; the
+// answers are interpreted in fence_server.go.
+
+// send passes a message upstream through the queue with its tag; visible
+// requests' responses reach the client.
+func (h *fenceSession) send(s *Session, msg []byte, t *tag, visible bool) error {
+	switch msg[0] {
+	case 'P', 'B', 'E', 'D', 'C', 'H':
+		h.inBatch = true
+	case 'S':
+		h.inBatch = false
+	}
+	h.seq++
+	if t != nil {
+		t.seq = h.seq
+	}
+	r, err := s.inject(msg, t, visible)
+	if err != nil {
+		return err
+	}
+	if r != nil {
+		h.last = r
+	}
+	if visible && t != nil {
+		h.noteSent(t)
+	}
+	return nil
+}
+
+// settle waits until every request sent so far that changes the session
+// state (tracked parameters, the transaction, prepared statements, the
+// gate) has been answered, so the state the server goroutine keeps is what
+// the next statement will run with. A client's plain reads and writes in
+// flight are not waited for: the common path costs no round trip.
+func (h *fenceSession) settle(s *Session) error {
+	if err := h.wait(s, h.stateReq); err != nil {
+		return err
+	}
+	h.stateReq = nil
+	return nil
+}
+
+// unsettled reports whether a state-changing request is unanswered.
+func (h *fenceSession) unsettled() bool {
+	if h.stateReq == nil {
+		return false
+	}
+	select {
+	case <-h.stateReq.Done():
+		return false
+	default:
+		return true
+	}
+}
+
+// markState records that the request just sent changes the session state.
+func (h *fenceSession) markState() { h.stateReq = h.last }
+
+// barrier waits until every request sent so far has been answered.
+func (h *fenceSession) barrier(s *Session) error {
+	if err := h.wait(s, h.last); err != nil {
+		return err
+	}
+	h.stateReq = nil
+	return nil
+}
+
+// wait waits until r has been answered.
+func (h *fenceSession) wait(s *Session, r *Request) error {
+	if r == nil {
+		return nil
+	}
+	select {
+	case <-r.Done():
+		return nil
+	default:
+	}
+	if s.OnLoop() {
+		return ErrWait // nothing sent yet: again on the client goroutine
+	}
+	if h.inBatch {
+		// Make the server flush what it has for the batch so far.
+		if _, err := s.Inject([]byte{'H', 0, 0, 0, 4}, nil); err != nil {
+			return err
+		}
+	}
+	if err := s.FlushServer(); err != nil {
+		return err
+	}
+	select {
+	case <-r.Done():
+		return nil
+	case <-s.closing:
+		return errSessionClosing
+	}
+}
+
+// runQuery executes the plan of a simple query the gate rewrites (or, in
+// a failed transaction, sends as it is). It runs with the session state
+// settled.
+func (h *fenceSession) runQuery(s *Session, sql string, res *rewrite.Result, q *plan.Query) error {
+	if q.Action == plan.AsIs {
+		// The server refuses everything but ROLLBACK; nothing to gate.
+		return h.send(s, h.qmsg(sql), &tag{kind: 'Q', segs: clientSegs(res)}, true)
+	}
+	if q.Unfenced {
+		h.f.Stats.Unfenced.Add(1)
+	}
+	var text, version string
+	var inserts plan.Insertions
+	var sum []byte
+	h.mu.Lock()
+	if q.Ending == plan.LoneCommit {
+		sum, version = plan.Resolve(q.Steps[0].Digest, h.st, res.Stmts) // the text is the client's
+	} else {
+		text, inserts = q.Text(sql, h.st, res.Stmts)
+	}
+	h.mu.Unlock()
+	defer h.markState()
+	t := &tag{kind: 'Q', segs: querySegs(q.Steps, res.Stmts), inserts: inserts}
+	h.copyDigested = q.CopyDigested
+	h.copyReceipt = q.CopyReceipt
+	h.copiesLeft = countKind(res, rewrite.CopyFrom)
+	h.copyQuery = t
+	if q.CopyReceipt != nil {
+		t.copyIn = make(chan struct{}, h.copiesLeft)
+	}
+	t.sent = time.Now() // metrics: step latency
+	switch q.Ending {
+	case plan.LoneCommit:
+		// The receipt as the gate's prepared statement (parsed once per
+		// connection, not per commit), a Sync whose ReadyForQuery is
+		// hidden, then the client's COMMIT.
+		r := &q.Steps[0]
+		if err := h.prepareGate(s); err != nil {
+			return err
+		}
+		if err := h.execNamed(s, plan.ReceiptStatement(r.Gated), plan.CommitArgs(r.Gen, sum, version),
+			&tag{kind: 'E', step: stepReceipt, gen: r.Gen, beforeCommit: true, sent: time.Now()}); err != nil {
+			return err
+		}
+		if err := h.send(s, []byte{'S', 0, 0, 0, 4}, &tag{kind: 'S', step: stepReceipt, hideReady: true}, false); err != nil {
+			return err
+		}
+		return h.send(s, h.qmsg(sql), &tag{kind: 'Q', segs: []seg{{step: stepClient, stmt: res.Stmts[0]}}}, true)
+	case plan.Restore, plan.AwaitCommit, plan.AfterCopy:
+		t.hideReady = true
+	}
+	if err := h.send(s, h.qmsg(text), t, true); err != nil {
+		return err
+	}
+	switch q.Ending {
+	case plan.Restore:
+		return h.sendRestore(s)
+	case plan.AwaitCommit:
+		return h.awaitCommit(s, t)
+	case plan.AfterCopy:
+		return h.awaitCopy(s, t)
+	}
+	return nil
+}
+
+// querySegs are the segments of a rewritten query's tag: one per step.
+func querySegs(steps []plan.Step, stmts []*rewrite.Stmt) []seg {
+	segs := make([]seg, len(steps))
+	for i, ps := range steps {
+		sg := seg{step: stepOf(ps.Kind), gen: ps.Gen, beforeCommit: ps.BeforeCommit}
+		switch ps.Kind {
+		case plan.Client, plan.Gate, plan.Raise:
+			if ps.Stmt >= 0 {
+				sg.stmt = stmts[ps.Stmt]
+			}
+		}
+		segs[i] = sg
+	}
+	return segs
+}
+
+// stepOf is the segment step of a planned step.
+func stepOf(k plan.Kind) step {
+	switch k {
+	case plan.Begin:
+		return stepBegin
+	case plan.Gate:
+		return stepGate
+	case plan.Savepoint:
+		return stepSavepoint
+	case plan.Receipt:
+		return stepReceipt
+	case plan.Raise:
+		return stepRaise
+	}
+	return stepClient
+}
+
+// awaitCommit ends a client's query whose gated COMMIT had statements
+// after it, once the query is answered. If the receipt step failed, the
+// COMMIT and everything after it was skipped and the transaction is
+// aborted: ROLLBACK ends it (the client has the step's error, or COMMIT
+// and the replay NOTICE). Otherwise the transaction is as the client's
+// statements left it (committed and maybe a new one begun, or failed by a
+// statement of the client's before the COMMIT), and an empty query gives
+// the client the ReadyForQuery that says so. It runs on the client
+// goroutine (query hands such a query off).
+func (h *fenceSession) awaitCommit(s *Session, t *tag) error {
+	if err := h.barrier(s); err != nil {
+		return err
+	}
+	h.mu.Lock()
+	failed := t.stepFailed
+	h.mu.Unlock()
+	if failed {
+		return h.sendRollback(s)
+	}
+	return h.send(s, h.qmsg(""), &tag{kind: 'Q', segs: []seg{{step: stepRestore}}}, true)
+}
+
+// sendRollback sends a ROLLBACK whose ReadyForQuery is the one the client
+// sees: after a successful commit it is a no-op (its warning is hidden);
+// after a failed gate step it ends the failed transaction, so the client
+// is idle and usable as the protocol promised.
+func (h *fenceSession) sendRollback(s *Session) error {
+	return h.send(s, h.qmsg("ROLLBACK"), &tag{kind: 'Q', step: stepRollback, segs: []seg{{step: stepRollback}}}, true)
+}
+
+// sendRestore sends, after a client's query or batch whose COMMIT had the
+// receipt step in a savepoint before it, the query that ends the
+// transaction only if that step failed (plan.RestoreSQL). Its
+// ReadyForQuery is the one the client sees.
+func (h *fenceSession) sendRestore(s *Session) error {
+	return h.send(s, h.qmsg(plan.RestoreSQL), &tag{kind: 'Q', step: stepRollback, segs: []seg{{step: stepRestore}, {step: stepRollback}}}, true)
+}
+
+// refuseQuery answers a query with err without running any of it.
+func (h *fenceSession) refuseQuery(s *Session, err error) error {
+	return h.send(s, h.qmsg(plan.RaiseSQL(plan.AsSessionError(err))), &tag{kind: 'Q', segs: []seg{{step: stepRaise}}}, true)
+}
+
+func queryMsg(dst []byte, sql string) []byte {
+	dst = append(dst, 'Q', 0, 0, 0, 0)
+	dst = append(dst, sql...)
+	dst = append(dst, 0)
+	binary.BigEndian.PutUint32(dst[1:5], uint32(len(dst)-1))
+	return dst
+}

@@ -1,0 +1,399 @@
+package proxy
+
+import (
+	"time"
+
+	"github.com/jackc/pgx/v5/pgproto3"
+	"github.com/pgfence/pgfence/fence"
+	"github.com/pgfence/pgfence/internal/clientenc"
+	"github.com/pgfence/pgfence/rewrite"
+	"github.com/pgfence/pgfence/rewrite/plan"
+	"github.com/pgfence/pgfence/session"
+)
+
+// The extended protocol through the gate: the client's prepared
+// statements and portals as the client side keeps them (with their
+// classification and parameters), and each Execute and Sync planned by
+// the session's plan.Batch and run as the gate's own named statements
+// (prepared once per upstream connection, prepareGate).
+
+// parse handles a Parse: the statement is classified and kept (as soon as
+// the Parse is sent: a failed Parse makes the server skip to Sync anyway).
+func (h *fenceSession) parse(s *Session, msg []byte) (Verdict, error) {
+	var m pgproto3.Parse
+	if err := m.Decode(msg[headerLen:]); err != nil {
+		return Forward, nil // the server will refuse it
+	}
+	if e := plan.CheckName("prepared statement", m.Name); e != nil {
+		return Drop, h.raiseInBatch(s, e)
+	}
+	sql, opts, err := h.decodeText(s, []byte(m.Query))
+	if err != nil && !isTextError(err) {
+		return Drop, err
+	}
+	var res *rewrite.Result
+	if err == nil {
+		res, err = h.f.classifier.ClassifyWith(sql, opts)
+	}
+	if err != nil {
+		if h.strict(true) {
+			return Drop, h.raiseInBatch(s, textError(err))
+		}
+		res = nil // the server refuses it
+	}
+	h.stmts[m.Name] = &clientStmt{res: res, oids: m.ParameterOIDs}
+	return Drop, h.send(s, msg, &tag{kind: 'P', name: m.Name, res: res, oids: m.ParameterOIDs}, true)
+}
+
+// bind handles a Bind: the portal is kept with a copy of its parameters.
+func (h *fenceSession) bind(s *Session, msg []byte) (Verdict, error) {
+	var m pgproto3.Bind
+	if err := m.Decode(msg[headerLen:]); err != nil {
+		return Forward, nil
+	}
+	if e := plan.CheckName("prepared statement", m.PreparedStatement); e != nil {
+		return Drop, h.raiseInBatch(s, e)
+	}
+	if e := plan.CheckName("portal", m.DestinationPortal); e != nil {
+		return Drop, h.raiseInBatch(s, e)
+	}
+	cp := &clientPortal{formats: append([]int16(nil), m.ParameterFormatCodes...)}
+	cp.params = make([][]byte, len(m.Parameters))
+	for i, p := range m.Parameters {
+		if p != nil {
+			cp.params[i] = append(make([]byte, 0, len(p)), p...)
+		}
+	}
+	if cs := h.stmts[m.PreparedStatement]; cs != nil {
+		cp.oids = cs.oids
+		if cs.res != nil && len(cs.res.Stmts) == 1 {
+			cp.stmt = cs.res.Stmts[0]
+		}
+	}
+	h.portals[m.DestinationPortal] = cp
+	return Drop, h.send(s, msg, &tag{kind: 'B', name: m.PreparedStatement, portal: m.DestinationPortal}, true)
+}
+
+// closeOrDescribe handles a Close or a Describe: neither may name the
+// gate's statements or portal; a Close forgets what it closes.
+func (h *fenceSession) closeOrDescribe(s *Session, msg []byte) (Verdict, error) {
+	body := msg[headerLen:]
+	if len(body) < 2 {
+		if msg[0] == 'C' {
+			return Forward, nil
+		}
+		return Drop, h.send(s, msg, &tag{kind: msg[0]}, true)
+	}
+	name := string(body[1 : len(body)-1])
+	if e := plan.CheckName(closeWhat(body[0]), name); e != nil {
+		return Drop, h.raiseInBatch(s, e)
+	}
+	if msg[0] == 'D' {
+		return Drop, h.send(s, msg, &tag{kind: msg[0]}, true)
+	}
+	if body[0] == 'S' {
+		delete(h.stmts, name)
+	} else {
+		delete(h.portals, name)
+	}
+	return Drop, h.send(s, msg, &tag{kind: 'C', closeOf: body[0], name: name}, true)
+}
+
+// clientStmt is a statement the client parsed (speculatively: kept as soon as
+// the Parse is sent; a failed Parse makes the server skip to Sync anyway).
+type clientStmt struct {
+	res  *rewrite.Result
+	oids []uint32
+}
+
+// clientPortal is a bound portal with its parameters (copied).
+type clientPortal struct {
+	stmt    *rewrite.Stmt
+	oids    []uint32
+	formats []int16
+	params  [][]byte
+}
+
+// paramFunc gives the session state p's text parameters as the server
+// reads them: decoded from the client's encoding with c (the session's
+// codec: callers hold h.mu to read it; nil reads them as they are).
+func paramFunc(p *clientPortal, c *clientenc.Codec) session.ParamFunc {
+	if p == nil {
+		return nil
+	}
+	return func(n int) (*string, bool) {
+		i := n - 1
+		if i < 0 || i >= len(p.params) {
+			return nil, false
+		}
+		if formatOf(p.formats, i) != 0 {
+			return nil, false
+		}
+		if p.params[i] == nil {
+			return nil, true
+		}
+		if c == nil || c.IsUTF8() {
+			v := string(p.params[i])
+			return &v, true
+		}
+		v, err := c.Decode(p.params[i])
+		if err != nil {
+			return nil, false
+		}
+		return &v, true
+	}
+}
+
+func (p *clientPortal) DigestParams() []fence.Param {
+	out := make([]fence.Param, len(p.params))
+	for i, v := range p.params {
+		var oid uint32
+		if i < len(p.oids) {
+			oid = p.oids[i]
+		}
+		out[i] = fence.Param{Format: formatOf(p.formats, i), TypeOID: oid, Value: v, Null: v == nil}
+	}
+	return out
+}
+
+func formatOf(formats []int16, i int) int16 {
+	switch len(formats) {
+	case 0:
+		return 0
+	case 1:
+		return formats[0]
+	}
+	if i < len(formats) {
+		return formats[i]
+	}
+	return 0
+}
+
+// execute handles an extended-protocol Execute: it plans it (plan.Batch)
+// and executes the plan.
+func (h *fenceSession) execute(s *Session, msg []byte) error {
+	var m pgproto3.Execute
+	if err := m.Decode(msg[headerLen:]); err != nil {
+		return h.send(s, msg, &tag{kind: 'E'}, true)
+	}
+	if e := plan.CheckName("portal", m.Portal); e != nil {
+		return h.raiseInBatch(s, e)
+	}
+	cp := h.portals[m.Portal]
+	var st *rewrite.Stmt
+	if cp != nil {
+		st = cp.stmt
+	}
+	if r := h.commitReq; r != nil && h.batch.Restoring() {
+		// The client goes on after a gated COMMIT, before its Sync. Once
+		// the COMMIT is known to have committed, nothing is left to end
+		// after the Sync (and a transaction the client opens meanwhile
+		// must not be touched). If it failed, the server skips to the
+		// Sync anyway.
+		if err := h.wait(s, r); err != nil {
+			return err // ErrWait on the loop: nothing done yet
+		}
+		h.commitReq = nil
+		if !r.Skipped && r.Error == nil {
+			h.batch.Committed()
+		}
+	}
+	t := &tag{kind: 'E', portal: m.Portal, cp: cp}
+	if st == nil {
+		return h.send(s, msg, t, true)
+	}
+	if plan.MayNeedGate(st) {
+		if h.unsettled() {
+			if err := h.settle(s); err != nil {
+				return err
+			}
+		}
+		if err := h.settleSettings(s); err != nil {
+			return err
+		}
+	}
+	h.mu.Lock()
+	var params session.ParamFunc
+	if len(st.GUCs) > 0 {
+		params = paramFunc(cp, h.text.codec)
+	}
+	ep := h.batch.Execute(h.planSession(), plan.Exec{Stmt: st, Portal: m.Portal, Params: params, Bound: cp})
+	h.mu.Unlock()
+	if ep.Refusal != nil {
+		if err := h.raiseInBatch(s, ep.Refusal); err != nil {
+			return err
+		}
+		return h.send(s, msg, t, true)
+	}
+	if !ep.Decides {
+		if err := h.send(s, msg, t, true); err != nil {
+			return err
+		}
+		if plan.ChangesState(st) {
+			h.markState()
+		}
+		return nil
+	}
+	if err := h.settle(s); err != nil {
+		return err
+	}
+	defer h.markState()
+	if ep.Unfenced {
+		h.f.Stats.Unfenced.Add(1)
+	}
+	if ep.Prepare {
+		if err := h.prepareGate(s); err != nil {
+			return err
+		}
+	}
+	for i := range ep.Before {
+		if err := h.execStep(s, &ep.Before[i], st); err != nil {
+			return err
+		}
+	}
+	if ep.CopyDigested {
+		// Its data goes into the digest (copyDigest), up to CopyDone.
+		h.copyDigested, h.copiesLeft = true, 1
+	}
+	if err := h.send(s, msg, t, true); err != nil {
+		return err
+	}
+	if ep.AwaitCommit {
+		h.commitReq = h.last
+	}
+	return nil
+}
+
+// execStep runs a planned step of the extended protocol in the current
+// batch, as the gate's named statements; about is the client's statement
+// it stands before.
+func (h *fenceSession) execStep(s *Session, ps *plan.Step, about *rewrite.Stmt) error {
+	switch ps.Kind {
+	case plan.Raise:
+		return h.raiseInBatch(s, ps.Err)
+	case plan.Gate:
+		return h.execNamed(s, plan.GateStatement, plan.GateArgs(ps.Gen), &tag{kind: 'E', step: stepGate, gen: ps.Gen, about: about})
+	case plan.Savepoint:
+		return h.execNamed(s, plan.SavepointStatement, nil, &tag{kind: 'E', step: stepSavepoint})
+	case plan.Receipt:
+		h.mu.Lock()
+		sum, version := plan.Resolve(ps.Digest, h.st, nil)
+		h.mu.Unlock()
+		return h.execNamed(s, plan.ReceiptStatement(ps.Gated), plan.CommitArgs(ps.Gen, sum, version),
+			&tag{kind: 'E', step: stepReceipt, gen: ps.Gen, beforeCommit: ps.BeforeCommit})
+	}
+	return nil
+}
+
+// sync handles an extended-protocol Sync: a wrapped implicit transaction
+// ends here with the receipt step, which PostgreSQL skips when anything
+// before it in the batch failed (the transaction then rolls back).
+func (h *fenceSession) sync(s *Session, msg []byte) error {
+	sp := h.batch.Sync()
+	if sp.Receipt != nil {
+		if err := h.execStep(s, sp.Receipt, nil); err != nil {
+			return err
+		}
+		defer h.markState()
+	}
+	if sp.Restore {
+		h.commitReq = nil
+		if err := h.send(s, msg, &tag{kind: 'S', hideReady: true}, true); err != nil {
+			return err
+		}
+		return h.sendRestore(s)
+	}
+	return h.send(s, msg, &tag{kind: 'S'}, true)
+}
+
+// prepareGate parses the gate's named statements once per upstream
+// connection (again after DISCARD ALL / DEALLOCATE ALL).
+func (h *fenceSession) prepareGate(s *Session) error {
+	if r := h.prepareReq; r != nil {
+		// The last Parse of them: PostgreSQL skips it, without a word,
+		// when an earlier message of its batch failed. (Settled by now:
+		// the gate step that followed it changed the state.)
+		if err := h.wait(s, r); err != nil {
+			return err
+		}
+		h.prepareReq = nil
+		if r.Skipped || r.Error != nil {
+			h.mu.Lock()
+			h.prepared = false
+			h.mu.Unlock()
+		}
+	}
+	h.mu.Lock()
+	done := h.prepared
+	h.prepared = true
+	h.mu.Unlock()
+	if done && !h.tainted {
+		return nil
+	}
+	h.tainted = false
+	// Close first (closing a statement that does not exist is not an
+	// error): after a DO block, say, a statement of that name may be a
+	// client's stand-in.
+	var buf []byte
+	for _, gs := range plan.Statements {
+		buf, _ = (&pgproto3.Close{ObjectType: 'S', Name: gs.Name}).Encode(buf[:0])
+		if err := h.send(s, buf, &tag{kind: 'C', step: stepPrepare}, false); err != nil {
+			return err
+		}
+		buf, _ = (&pgproto3.Parse{Name: gs.Name, Query: gs.SQL}).Encode(buf[:0])
+		if err := h.send(s, buf, &tag{kind: 'P', step: stepPrepare}, false); err != nil {
+			return err
+		}
+	}
+	h.prepareReq = h.last
+	return nil
+}
+
+// execNamed runs one of the gate's named statements in the current batch:
+// Bind to the gate's portal, Execute, Close the portal.
+func (h *fenceSession) execNamed(s *Session, stmt string, args [][]byte, t *tag) error {
+	for i, a := range args {
+		args[i] = h.encode(string(a)) // text parameters are in the client's encoding
+	}
+	buf, _ := (&pgproto3.Bind{DestinationPortal: plan.Portal, PreparedStatement: stmt, Parameters: args}).Encode(nil)
+	if err := h.send(s, buf, &tag{kind: 'B', step: t.step}, false); err != nil {
+		return err
+	}
+	buf, _ = (&pgproto3.Execute{Portal: plan.Portal}).Encode(buf[:0])
+	if t.step == stepGate || t.step == stepReceipt {
+		t.sent = time.Now() // metrics: step latency
+	}
+	if err := h.send(s, buf, t, false); err != nil {
+		return err
+	}
+	buf, _ = (&pgproto3.Close{ObjectType: 'P', Name: plan.Portal}).Encode(buf[:0])
+	return h.send(s, buf, &tag{kind: 'C', step: t.step}, false)
+}
+
+// raiseInBatch fails the current extended batch with e: a DO block raising
+// it, parsed and executed through the gate's portal (the client's unnamed
+// statement is left alone). The server then skips to Sync.
+func (h *fenceSession) raiseInBatch(s *Session, e *fence.Error) error {
+	const name = plan.RaiseStatement
+	buf, _ := (&pgproto3.Close{ObjectType: 'S', Name: name}).Encode(nil)
+	if err := h.send(s, buf, &tag{kind: 'C', step: stepRaise}, false); err != nil {
+		return err
+	}
+	buf, _ = (&pgproto3.Parse{Name: name, Query: string(h.encode(plan.RaiseSQL(e)))}).Encode(buf[:0])
+	if err := h.send(s, buf, &tag{kind: 'P', step: stepRaise}, false); err != nil {
+		return err
+	}
+	buf, _ = (&pgproto3.Bind{DestinationPortal: plan.Portal, PreparedStatement: name}).Encode(buf[:0])
+	if err := h.send(s, buf, &tag{kind: 'B', step: stepRaise}, false); err != nil {
+		return err
+	}
+	// Close the statement before executing: after the error the server
+	// skips everything up to Sync, and the portal dies with the
+	// transaction.
+	buf, _ = (&pgproto3.Close{ObjectType: 'S', Name: name}).Encode(buf[:0])
+	if err := h.send(s, buf, &tag{kind: 'C', step: stepRaise}, false); err != nil {
+		return err
+	}
+	buf, _ = (&pgproto3.Execute{Portal: plan.Portal}).Encode(buf[:0])
+	return h.send(s, buf, &tag{kind: 'E', step: stepRaise}, false)
+}

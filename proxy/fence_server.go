@@ -1,0 +1,340 @@
+package proxy
+
+import (
+	"encoding/binary"
+	"fmt"
+	"strings"
+
+	"github.com/jackc/pgx/v5/pgproto3"
+	"github.com/pgfence/pgfence/fence"
+	"github.com/pgfence/pgfence/rewrite"
+	"github.com/pgfence/pgfence/rewrite/plan"
+	"github.com/pgfence/pgfence/session"
+	"go.uber.org/zap"
+)
+
+// The gate's server side: every server message, matched to the request it
+// answers (its tag), is applied to the session state (settings,
+// transaction, prepared statements, the gate, the digest), and the
+// answers to the gate's own steps become what the client sees: hidden,
+// or the step's error standing for the client's statement.
+
+func (h *fenceSession) ServerMessage(s *Session, msg []byte, req *Request) (Verdict, error) {
+	if req == nil {
+		if msg[0] == 'S' {
+			h.mu.Lock()
+			h.paramStatus(s, msg)
+			h.mu.Unlock()
+			return Forward, nil
+		}
+		// Notices raised by the gate's own statements stay hidden.
+		if msg[0] == 'N' {
+			if head := s.head(); head != nil {
+				if t, ok := head.Tag.(*tag); ok && h.hidden(t) {
+					return Drop, nil
+				}
+			}
+		}
+		return Forward, nil
+	}
+	t, _ := req.Tag.(*tag)
+	if t == nil {
+		return Forward, nil
+	}
+	switch msg[0] {
+	case 'G':
+		h.idle.copyWait.Store(true) // the server waits for the client's data
+	case 'C', 'E', 'Z':
+		h.idle.copyWait.Store(false)
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if msg[0] == 'Z' {
+		if v := h.idle.fenceCall.Load(); v != 0 && t.seq >= v && msg[headerLen] == 'I' {
+			h.idle.fenceCall.CompareAndSwap(v, 0)
+		}
+		if err := h.st.TxStatus(msg[headerLen]); err != nil && t.step != stepRollback {
+			s.Logger().Debug("session state resynchronised", zap.Error(err))
+		}
+		if t.seq > h.text.knownSeq {
+			h.text.knownSeq = t.seq // every ParameterStatus before it is in
+		}
+		if t.hideReady || !req.Visible {
+			return Drop, nil
+		}
+		h.errShown = false
+		return Forward, nil
+	}
+	if msg[0] == 'E' {
+		return h.onError(s, msg, t)
+	}
+	switch t.kind {
+	case 'Q':
+		return h.queryResponse(s, msg, t)
+	case 'P':
+		if msg[0] == '1' && t.step == stepClient {
+			h.st.Parse(t.name, t.res, t.oids)
+		}
+	case 'B':
+		if msg[0] == '2' && t.step == stepClient {
+			h.st.Bind(t.portal, t.name)
+		}
+	case 'C':
+		if msg[0] == '3' && t.step == stepClient {
+			if t.closeOf == 'S' {
+				h.st.CloseStatement(t.name)
+			} else {
+				h.st.ClosePortal(t.name)
+			}
+		}
+	case 'E':
+		return h.executeResponse(s, msg, t)
+	}
+	if t.step != stepClient {
+		return Drop, nil
+	}
+	return Forward, nil
+}
+
+// hidden reports whether the current responses of t belong to a gate step
+// the client must not see.
+func (h *fenceSession) hidden(t *tag) bool {
+	if t.kind == 'Q' {
+		return t.cur < len(t.segs) && t.segs[t.cur].step != stepClient
+	}
+	return t.step != stepClient
+}
+
+func (h *fenceSession) queryResponse(s *Session, msg []byte, t *tag) (Verdict, error) {
+	sg := seg{step: stepClient}
+	if t.cur < len(t.segs) {
+		sg = t.segs[t.cur]
+	}
+	switch msg[0] {
+	case 'C':
+		t.cur++
+		h.timeStep(t, sg.step)
+		return h.complete(s, sg, msg, nil)
+	case 'I':
+		t.cur++
+		if sg.step != stepClient {
+			return Drop, nil // awaitCommit's empty query
+		}
+		return Forward, nil
+	case 'D':
+		if sg.step == stepGate {
+			h.gateResult(sg.gen, msg)
+		} else if sg.step == stepReceipt {
+			h.receiptResult(msg)
+		} else if sg.step.routing() {
+			h.routeRow(s, sg, msg) // route.go
+		}
+	case 'G':
+		if t.copyIn != nil {
+			select {
+			case t.copyIn <- struct{}{}:
+			default: // more COPYs started than planned: unreachable
+			}
+		}
+	}
+	if sg.step != stepClient {
+		return Drop, nil
+	}
+	return Forward, nil
+}
+
+func (h *fenceSession) executeResponse(s *Session, msg []byte, t *tag) (Verdict, error) {
+	switch msg[0] {
+	case 'C':
+		h.timeStep(t, t.step)
+		sg := seg{step: t.step, gen: t.gen, beforeCommit: t.beforeCommit}
+		if t.step == stepClient && t.cp != nil {
+			sg.stmt = t.cp.stmt
+		}
+		return h.complete(s, sg, msg, t.cp)
+	case 'D':
+		switch t.step {
+		case stepGate:
+			h.gateResult(t.gen, msg)
+		case stepReceipt:
+			h.receiptResult(msg)
+		case stepSettings:
+			h.applySettings(s, msg, t)
+		}
+	}
+	if t.step != stepClient {
+		return Drop, nil
+	}
+	return Forward, nil
+}
+
+// complete handles the CommandComplete of a segment.
+func (h *fenceSession) complete(s *Session, sg seg, msg []byte, cp *clientPortal) (Verdict, error) {
+	switch sg.step {
+	case stepClient:
+		if sg.stmt != nil {
+			h.applyClient(sg.stmt, msg, cp)
+			if sg.stmt.Kind == rewrite.Commit && h.errShown {
+				// The receipt step failed before this COMMIT, which
+				// therefore rolled back: the client already has the
+				// step's error (or, for a replay, its COMMIT and NOTICE).
+				return Drop, nil
+			}
+		}
+		return Forward, nil
+	case stepBegin:
+		h.st.Begin()
+	case stepReceipt:
+		// Counted by its row ('committed'; commit_if_written says 'none'
+		// when nothing was written).
+	case stepCommitWrapped:
+		if commandTag(msg) == "ROLLBACK" {
+			h.st.Rollback(false)
+		} else {
+			h.st.Commit(false)
+		}
+	case stepRollback:
+		h.st.Rollback(false)
+	}
+	return Drop, nil
+}
+
+// onError handles an ErrorResponse: it fails the session state and decides
+// what the client sees. The client sees at most one error per
+// ReadyForQuery: a gate step's error stands for the statement it guards,
+// and the errors that follow it (the aborted transaction refusing the rest)
+// are hidden.
+func (h *fenceSession) onError(s *Session, msg []byte, t *tag) (Verdict, error) {
+	st := t.step
+	var sg seg
+	if t.kind == 'Q' {
+		sg = seg{step: stepClient}
+		if t.cur < len(t.segs) {
+			sg = t.segs[t.cur]
+		}
+		t.cur = len(t.segs) // the server skips the rest of the query
+		st = sg.step
+		t.stepFailed = st == stepGate || st == stepReceipt || st == stepSavepoint
+	} else {
+		sg = seg{step: st, gen: t.gen, beforeCommit: t.beforeCommit, stmt: t.about}
+		if st == stepClient && t.cp != nil {
+			sg.stmt = t.cp.stmt
+		}
+	}
+	if st.routing() {
+		return Drop, nil // a routing query's failure is the router's business (route.go)
+	}
+	h.timeStep(t, st)
+	h.st.Fail()
+	if st == stepPrepare {
+		h.prepared = false
+		s.Logger().Warn("cannot prepare the gate's statements", zap.ByteString("error", msg))
+	}
+	if h.errShown || st == stepRollback || st == stepRestore {
+		return Drop, nil
+	}
+	var e pgproto3.ErrorResponse
+	if err := e.Decode(msg[headerLen:]); err != nil {
+		h.errShown = true
+		if st == stepClient {
+			return Forward, nil
+		}
+		s.WriteClient(msg)
+		return Drop, nil
+	}
+	if st == stepReceipt && e.Code == fence.CodeReplay {
+		h.f.Stats.Replayed.Add(1)
+		gen := sg.gen // the generation the receipt step ran with
+		if gen.JobKey == "" {
+			gen = h.st.Gate().Gen
+		}
+		if sg.beforeCommit {
+			s.WriteClient(encode(nil, &pgproto3.CommandComplete{CommandTag: []byte("COMMIT")}))
+		}
+		s.WriteClient(encode(nil, &pgproto3.NoticeResponse{Severity: "NOTICE", SeverityUnlocalized: "NOTICE", Code: fence.CodeReplay,
+			Message: fmt.Sprintf("pgfence: idempotent replay: job %q epoch %d token %d step %q was already committed with the same payload; nothing was applied twice",
+				gen.JobKey, gen.Epoch, gen.Token, gen.Step),
+			Detail: e.Detail}))
+		h.logRefusal(s, &e, nil, "replayed") // fence_log.go
+		// The rest of the batch is skipped; its errors stay hidden.
+		h.errShown = true
+		return Drop, nil
+	}
+	h.errShown = true
+	setup := st != stepRaise && h.setupError(s, &e) // fence_log.go
+	if strings.HasPrefix(e.Code, "FN") {
+		h.f.Stats.Refused.Add(1)
+		h.f.Stats.Codes.Add(e.Code) // metrics: refusals by SQLSTATE
+	}
+	if strings.HasPrefix(e.Code, "FN") || st == stepRaise {
+		h.logRefusal(s, &e, sg.stmt, "refused")
+	}
+	switch st {
+	case stepClient:
+		if !setup && (len(t.inserts) == 0 || e.Position == 0) {
+			return Forward, nil
+		}
+		e.Position = t.inserts.ClientPosition(e.Position)
+	default:
+		// A gate step's PL/pgSQL context names pgfence's internals, not
+		// anything of the client's.
+		e.Where = ""
+	}
+	s.WriteClient(encode(nil, &e))
+	return Drop, nil
+}
+
+// applyClient applies a client statement the server completed.
+func (h *fenceSession) applyClient(st *rewrite.Stmt, msg []byte, cp *clientPortal) {
+	ctag := commandTag(msg)
+	var bound plan.Bound
+	if cp != nil {
+		bound = cp
+	}
+	plan.Completed(h.planSession(), st, bound) // tentative, digest
+	if st.Kind == rewrite.Discard && st.Name == "ALL" || st.Kind == rewrite.Deallocate && st.All {
+		h.prepared = false
+	}
+	var pf session.ParamFunc
+	if cp != nil {
+		pf = paramFunc(cp, h.text.codec)
+	}
+	if err := h.st.Apply(st, ctag, pf); err != nil {
+		h.f.log.Debug("session state could not follow a statement", zap.Error(err))
+	}
+}
+
+// receiptResult counts a receipt step's answer.
+func (h *fenceSession) receiptResult(msg []byte) {
+	if rowValue(msg) == "committed" {
+		h.f.Stats.Committed.Add(1)
+	}
+}
+
+// gateResult records the gate's answer ('ok' or 'replay').
+func (h *fenceSession) gateResult(gen fence.Generation, msg []byte) {
+	plan.Gated(h.st, gen, rowValue(msg) == "replay")
+	h.f.Stats.Gated.Add(1)
+}
+
+// commandTag returns a CommandComplete's tag.
+func commandTag(msg []byte) string {
+	b := msg[headerLen:]
+	if n := len(b); n > 0 && b[n-1] == 0 {
+		b = b[:n-1]
+	}
+	return string(b)
+}
+
+// rowValue returns the first column of a DataRow as text.
+func rowValue(msg []byte) string {
+	b := msg[headerLen:]
+	if len(b) < 6 {
+		return ""
+	}
+	n := int32(binary.BigEndian.Uint32(b[2:6]))
+	if n < 0 || int(n) > len(b)-6 {
+		return ""
+	}
+	return string(b[6 : 6+n])
+}

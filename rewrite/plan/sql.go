@@ -1,0 +1,128 @@
+package plan
+
+import (
+	"encoding/hex"
+	"fmt"
+	"strconv"
+	"strings"
+
+	"github.com/pgfence/pgfence/fence"
+)
+
+// The names of the gate's own prepared statements, its portal and its
+// savepoint, which the proxy creates on each upstream connection. Every
+// name starts with ReservedPrefix.
+const (
+	GateStatement      = "pgfence_gate"      // fence.gate
+	CommitStatement    = "pgfence_commit"    // fence.commit
+	CommitIfStatement  = "pgfence_commit_if" // fence.commit_if_written
+	SavepointStatement = "pgfence_savepoint" // SAVEPOINT ReceiptSavepoint
+	RaiseStatement     = "pgfence_raise"     // a refusal (RaiseSQL), parsed for each use
+	Portal             = "pgfence_p"         // the portal every one of them runs in
+	ReceiptSavepoint   = "pgfence_receipt"   // the savepoint before a receipt in the client's transaction
+)
+
+// ClientDigestVersion is the digest version of a receipt whose digest the
+// client gave itself (fence.payload_digest).
+const ClientDigestVersion = "client"
+
+// ReservedPrefix starts the names of the gate's own prepared statements,
+// portals and savepoint: a client may not parse, bind, describe, execute,
+// close, PREPARE, EXECUTE or DEALLOCATE one, so it cannot make the gate run
+// SQL of its choosing. ReservedSettingPrefix starts the settings the
+// backstop keeps for itself (pgfence.replay, ...).
+const (
+	ReservedPrefix        = "pgfence_"
+	ReservedSettingPrefix = "pgfence."
+)
+
+// Statement is one of the gate's named statements.
+type Statement struct{ Name, SQL string }
+
+// Statements are the gate's named statements, prepared once per upstream
+// connection. Their SQL names every type by its schema, so that no
+// search_path (which a client sets) can put a type or cast of its own in
+// the gate's arguments. Parameters: GateArgs and CommitArgs.
+var Statements = []Statement{
+	{GateStatement, "SELECT fence.gate($1::pg_catalog.text, $2::pg_catalog.int8, $3::pg_catalog.int8, $4::pg_catalog.text)"},
+	{CommitStatement, "SELECT fence.commit($1::pg_catalog.text, $2::pg_catalog.int8, $3::pg_catalog.int8, $4::pg_catalog.text, $5::pg_catalog.bytea, $6::pg_catalog.text)"},
+	{CommitIfStatement, "SELECT fence.commit_if_written($1::pg_catalog.text, $2::pg_catalog.int8, $3::pg_catalog.int8, $4::pg_catalog.text, $5::pg_catalog.bytea, $6::pg_catalog.text)"},
+	{SavepointStatement, "SAVEPOINT " + ReceiptSavepoint},
+}
+
+// ReceiptStatement is the named statement of a receipt step: fence.commit
+// after the gate, else (a tentative transaction) fence.commit_if_written.
+func ReceiptStatement(gated bool) string {
+	if gated {
+		return CommitStatement
+	}
+	return CommitIfStatement
+}
+
+// GateArgs are GateStatement's parameters, as text.
+func GateArgs(g fence.Generation) [][]byte {
+	return [][]byte{[]byte(g.JobKey), []byte(strconv.FormatInt(g.Epoch, 10)), []byte(strconv.FormatInt(g.Token, 10)), []byte(g.Step)}
+}
+
+// CommitArgs are the parameters of CommitStatement and CommitIfStatement,
+// as text.
+func CommitArgs(g fence.Generation, digest []byte, version string) [][]byte {
+	return [][]byte{[]byte(g.JobKey), []byte(strconv.FormatInt(g.Epoch, 10)), []byte(strconv.FormatInt(g.Token, 10)),
+		[]byte(g.Step), []byte(`\x` + hex.EncodeToString(digest)), []byte(version)}
+}
+
+// GateSQL is the lock check for g as a statement of a simple query.
+func GateSQL(g fence.Generation) string {
+	return fmt.Sprintf("SELECT fence.gate(%s, %d, %d, %s)", Literal(g.JobKey), g.Epoch, g.Token, Literal(g.Step))
+}
+
+// CommitSQL is the receipt step for a digest as a statement of a simple
+// query: fence.commit after the gate, else (a tentative transaction)
+// fence.commit_if_written, which writes the receipt only if the backstop
+// marked the transaction.
+func CommitSQL(gated bool, g fence.Generation, digest []byte, version string) string {
+	fn := "fence.commit"
+	if !gated {
+		fn = "fence.commit_if_written"
+	}
+	// E'' for the digest too: with standard_conforming_strings off a
+	// plain '\x..' would be read as escapes.
+	return fmt.Sprintf("SELECT %s(%s, %d, %d, %s, E'\\\\x%s'::pg_catalog.bytea, %s)",
+		fn, Literal(g.JobKey), g.Epoch, g.Token, Literal(g.Step), hex.EncodeToString(digest), Literal(version))
+}
+
+// RaiseSQL is a statement that fails with e, so the server aborts the
+// transaction exactly as it would for an error of its own.
+func RaiseSQL(e *fence.Error) string {
+	s := "DO $pgfence$BEGIN RAISE EXCEPTION USING ERRCODE = " + Literal(e.Code) + ", MESSAGE = " + Literal(e.Message)
+	if e.Hint != "" {
+		s += ", HINT = " + Literal(e.Hint)
+	}
+	return s + "; END$pgfence$"
+}
+
+// RestoreSQL follows a query or batch whose COMMIT had the receipt step in
+// ReceiptSavepoint before it: it ends the transaction only if that step
+// failed (the COMMIT was then skipped and the savepoint exists); otherwise
+// it fails at once, unseen, leaving the session as the client's
+// statements left it.
+const RestoreSQL = "ROLLBACK TO SAVEPOINT " + ReceiptSavepoint + "; ROLLBACK"
+
+// Literal quotes s as an escape-string literal, correct whatever
+// standard_conforming_strings is.
+func Literal(s string) string {
+	var b strings.Builder
+	b.WriteString("E'")
+	for _, r := range s {
+		switch r {
+		case '\'':
+			b.WriteString("''")
+		case '\\':
+			b.WriteString(`\\`)
+		default:
+			b.WriteRune(r)
+		}
+	}
+	b.WriteByte('\'')
+	return b.String()
+}

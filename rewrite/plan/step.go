@@ -1,0 +1,140 @@
+package plan
+
+import (
+	"github.com/pgfence/pgfence/fence"
+	"github.com/pgfence/pgfence/rewrite"
+	"github.com/pgfence/pgfence/session"
+)
+
+// Kind is what a step of a plan is.
+type Kind uint8
+
+const (
+	// Client is the client's own statement Stmt.
+	Client Kind = iota
+	// Begin opens a transaction block around an implicit transaction
+	// (a protected COPY FROM in a simple query, whose receipt must
+	// follow its data).
+	Begin
+	// Gate is the lock check, fence.gate(Gen), before the transaction's
+	// first protected write.
+	Gate
+	// Savepoint is SAVEPOINT ReceiptSavepoint before a receipt in the
+	// client's own transaction, so that what follows can tell a failed
+	// receipt from a failed statement of the client's.
+	Savepoint
+	// Receipt is the commit receipt: fence.commit(Gen, digest) when
+	// Gated, else fence.commit_if_written.
+	Receipt
+	// Raise fails the query or batch with Err, as PostgreSQL fails a
+	// statement of its own.
+	Raise
+)
+
+var kindNames = [...]string{Client: "statement", Begin: "begin", Gate: "gate", Savepoint: "savepoint", Receipt: "receipt", Raise: "raise"}
+
+func (k Kind) String() string {
+	if int(k) < len(kindNames) {
+		return kindNames[k]
+	}
+	return "kind?"
+}
+
+// Step is one statement of a plan: the client's, or one the gate injects.
+type Step struct {
+	Kind Kind
+	// Stmt is the index of the client's statement the step is (Client)
+	// or stands before; -1 after the last.
+	Stmt int
+	// At is where a step of a simple query goes in the client's text:
+	// the byte offset of the statement it stands before, or -1 after
+	// the last (the text is then separated by a newline, since the
+	// client's may end in a -- comment).
+	At int
+
+	Gen fence.Generation // Gate, Receipt: the generation checked
+	// Gated: a receipt after the gate (fence.commit); else the
+	// transaction is tentative (fence.commit_if_written).
+	Gated bool
+	// BeforeCommit: a receipt right before the client's COMMIT, which
+	// on a replay must still be answered COMMIT.
+	BeforeCommit bool
+	Digest       Digest // Receipt: what its digest covers
+
+	Err *fence.Error // Raise: the refusal
+}
+
+// Source is where a receipt's digest comes from.
+type Source uint8
+
+const (
+	// FromTransaction: the transaction's digest (session.Gate.Digest)
+	// with Digest.Stmts added.
+	FromTransaction Source = iota
+	// FromStatements: a new digest of Digest.Stmts (the transaction
+	// began in this query).
+	FromStatements
+	// FromClient: the client's own fence.payload_digest,
+	// Digest.Sum, version ClientDigestVersion.
+	FromClient
+	// FromSession: as the session has it when the step is sent (after a
+	// COPY's data): its fence.payload_digest, else the transaction's
+	// digest.
+	FromSession
+	// FromBatch: the extended-protocol batch's own, Digest.Sum and
+	// Digest.Version, computed by Batch from the statements it executed
+	// with their parameters and their COPY data.
+	FromBatch
+)
+
+// Digest says what a receipt's payload digest covers.
+type Digest struct {
+	Source  Source
+	Stmts   []int  // FromTransaction, FromStatements: the query's statements it adds, in order
+	Sum     []byte // FromClient, FromBatch
+	Version string // FromBatch
+	Items   int    // FromBatch: how many items it covers (for String)
+}
+
+// Resolve computes the digest a receipt step sends for d: stmts are the
+// query's statements, ss the session (its transaction's running digest,
+// its fence.payload_digest). For FromTransaction it adds d.Stmts to the
+// transaction's digest and takes them off again, so the caller holds the
+// session state as it would to change it.
+func Resolve(d Digest, ss *session.State, stmts []*rewrite.Stmt) ([]byte, string) {
+	switch d.Source {
+	case FromClient:
+		return d.Sum, ClientDigestVersion
+	case FromBatch:
+		return d.Sum, d.Version
+	case FromSession:
+		if sum, ok := clientDigest(ss.Get(session.PayloadDigest)); ok {
+			return sum, ClientDigestVersion
+		}
+		if live, ok := ss.Gate().Digest.(*fence.Digest); ok {
+			return live.Sum(), fence.DigestVersion
+		}
+		return (&fence.Digest{}).Sum(), fence.DigestVersion
+	}
+	live, ok := ss.Gate().Digest.(*fence.Digest)
+	if d.Source == FromStatements || !ok {
+		live = &fence.Digest{}
+	}
+	mark := live.Mark()
+	for _, i := range d.Stmts {
+		live.Statement(stmts[i].Canonical(), nil)
+	}
+	sum := live.Sum()
+	live.Rollback(mark)
+	return sum, fence.DigestVersion
+}
+
+// Digested reports whether st goes into a receipt's digest: what may
+// write (its text is part of what the transaction did). Reads do not.
+func Digested(st *rewrite.Stmt) bool {
+	switch st.Kind {
+	case rewrite.Write, rewrite.CopyFrom, rewrite.Call, rewrite.Do, rewrite.Execute:
+		return true
+	}
+	return st.Opaque // a function call may write
+}
