@@ -11,6 +11,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/pgfence/pgfence/fence"
+	"github.com/pgfence/pgfence/internal/pgtest"
 	"github.com/pgfence/pgfence/internal/seedbench"
 )
 
@@ -202,7 +203,7 @@ create table T_3b partition of T_3 for values from (7500) to (10001);
 		}
 	}
 	if _, err := conn.Exec(ctx, "select fence.protect('pt_on')"); err != nil {
-		if pgCode(err) != "42809" {
+		if pgtest.SQLState(err) != "42809" {
 			b.Fatal(err)
 		}
 		if _, err := conn.Exec(ctx, "select fence.protect(t) from unnest(array['pt_on_1', 'pt_on_2', 'pt_on_3a', 'pt_on_3b']::regclass[]) t"); err != nil {

@@ -10,7 +10,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
+
 	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/internal/pgtest"
 	"github.com/pgfence/pgfence/migrations"
@@ -183,7 +183,7 @@ func wantCode(t *testing.T, err error, code string) {
 	if err == nil {
 		t.Fatalf("got no error, want SQLSTATE %s", code)
 	}
-	if got := pgCode(err); got != code {
+	if got := pgtest.SQLState(err); got != code {
 		t.Fatalf("got %v, want SQLSTATE %s", err, code)
 	}
 }
@@ -200,15 +200,6 @@ func wantFenceError(t *testing.T, err error, code string) {
 	if fe.Code != code || fe.Message == "" || fe.Hint == "" {
 		t.Fatalf("fence.Error: got code %q message %q hint %q, want code %s with a message and a hint", fe.Code, fe.Message, fe.Hint, code)
 	}
-}
-
-// pgCode returns the SQLSTATE of err ("" if none).
-func pgCode(err error) string {
-	var pg *pgconn.PgError
-	if errors.As(err, &pg) {
-		return pg.Code
-	}
-	return ""
 }
 
 var isoLevels = []pgx.TxIsoLevel{pgx.ReadCommitted, pgx.RepeatableRead, pgx.Serializable}

@@ -2,15 +2,14 @@ package migrations_test
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 
+	"github.com/pgfence/pgfence/internal/pgtest"
 	"github.com/pgfence/pgfence/migrations"
 )
 
@@ -31,14 +30,6 @@ func connect(t *testing.T, ctx context.Context, db, user string) *pgx.Conn {
 	return conn
 }
 
-func sqlState(err error) string {
-	var pg *pgconn.PgError
-	if errors.As(err, &pg) {
-		return pg.Code
-	}
-	return ""
-}
-
 // TestMigrateNeedsSuperuser: a role that could install versions 1-4 stops
 // at 5 with a clear error, and nothing of 5 is applied.
 func TestMigrateNeedsSuperuser(t *testing.T) {
@@ -57,7 +48,7 @@ func TestMigrateNeedsSuperuser(t *testing.T) {
 		t.Fatalf("versions 1-4 as a non-superuser: %v", err)
 	}
 	err := migrations.Apply(ctx, conn)
-	if sqlState(err) != "42501" || !strings.Contains(err.Error(), "must run as a superuser") {
+	if pgtest.SQLState(err) != "42501" || !strings.Contains(err.Error(), "must run as a superuser") {
 		t.Fatalf("apply as a non-superuser: %v, want 42501 saying a superuser is needed", err)
 	}
 	if v, err := migrations.Current(ctx, conn); err != nil || v != 4 {
@@ -118,7 +109,7 @@ drop table alone;`); err != nil {
 		t.Fatalf("protected tables after the upgrade:\n got %s\nwant %s", strings.Join(got, " "), want)
 	}
 	for _, q := range []string{"insert into pt values (1, 'j', 'x')", "insert into pt values (21, 'j', 'x')", "insert into child values (1, 'x')", "insert into sc values (2, 'j')"} {
-		if _, err := conn.Exec(ctx, q); sqlState(err) != "FN008" {
+		if _, err := conn.Exec(ctx, q); pgtest.SQLState(err) != "FN008" {
 			t.Fatalf("%s after the upgrade: %v, want FN008", q, err)
 		}
 	}
@@ -137,7 +128,7 @@ select fence.protect('pt_1', 'job_key'), fence.protect('pt_2');`); err != nil {
 			t.Fatal(err)
 		}
 		err := migrations.Apply(ctx, conn)
-		if sqlState(err) != "55000" || !strings.Contains(err.Error(), "pt") {
+		if pgtest.SQLState(err) != "55000" || !strings.Contains(err.Error(), "pt") {
 			t.Fatalf("upgrade with conflicting columns: %v, want 55000 naming the tables", err)
 		}
 		if v, _ := migrations.Current(ctx, conn); v != 6 {

@@ -246,7 +246,7 @@ func (e *fenceEnv) fenceRowFree(t *testing.T, job string) bool {
 	}
 	defer tx.Rollback(ctx)
 	_, err = tx.Exec(ctx, "SELECT 1 FROM fence.fences WHERE job_key = $1 FOR UPDATE NOWAIT", job)
-	if sqlstate(err) == "55P03" {
+	if pgtest.SQLState(err) == "55P03" {
 		return false
 	}
 	if err != nil {
@@ -396,7 +396,7 @@ func testA03(t *testing.T) {
 			}
 			wantCode(t, <-werr, fence.CodeStale)
 			err = tx.Commit(ctx)
-			if !errors.Is(err, pgx.ErrTxCommitRollback) && sqlstate(err) != fence.CodeStale {
+			if !errors.Is(err, pgx.ErrTxCommitRollback) && pgtest.SQLState(err) != fence.CodeStale {
 				t.Fatalf("A's COMMIT after FN001: got %v, want a rollback", err)
 			}
 			// Nothing of A's transaction is visible, not even the audit row.
@@ -811,7 +811,7 @@ func testA13(t *testing.T) {
 			t.Run(s.name+"/"+p.name, func(t *testing.T) {
 				c := e.mustConnect(t, s.c)
 				err := p.run(c)
-				if got := sqlstate(err); !contains(s.codes, got) {
+				if got := pgtest.SQLState(err); !contains(s.codes, got) {
 					t.Fatalf("got %v (SQLSTATE %q), want SQLSTATE %v", err, got, s.codes)
 				}
 				e.wantResult(t, "job", "legit", l.Token)
@@ -1096,10 +1096,10 @@ func testA16Mode(t *testing.T, mode pgx.QueryExecMode) {
 		}
 		_, err := c.Exec(ctx, upsert, "job", fmt.Sprintf("write %d", step), cur.Token)
 		lastErr = err
-		if err != nil && sqlstate(err) == "" {
+		if err != nil && pgtest.SQLState(err) == "" {
 			t.Fatalf("write: %v", err)
 		}
-		return sqlstate(err)
+		return pgtest.SQLState(err)
 	}
 	want := func(c *pgx.Conn, what, code string) {
 		t.Helper()
@@ -1222,7 +1222,7 @@ func testA16Mode(t *testing.T, mode pgx.QueryExecMode) {
 		want(c, "after refused SETs", "")
 		// In the startup packet: the connection is refused.
 		_, err = e.connect(t, client{mode: mode, extra: []string{"-c fence.job_key=job -c fence.epoch=1 -c fence.token=abc"}})
-		if sqlstate(err) != "22023" {
+		if pgtest.SQLState(err) != "22023" {
 			t.Fatalf("malformed token in the startup options: got %v, want SQLSTATE 22023", err)
 		}
 	})

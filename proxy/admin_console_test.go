@@ -562,7 +562,7 @@ func TestConsolePsqlControl(t *testing.T) {
 			t.Errorf("psql -c %q (%v):\n%s\nwant %q", c.cmd, err, out, c.want)
 		}
 	}
-	if _, err := w.Exec(ctxT(t), "SELECT 1"); sqlState(err) != "57P01" {
+	if _, err := w.Exec(ctxT(t), "SELECT 1"); pgtest.SQLState(err) != "57P01" {
 		t.Errorf("the worker after KILL: %v, want 57P01", err)
 	}
 	out, err := consolePsql(t, e.proxy, "watcher", "-c", "PAUSE")

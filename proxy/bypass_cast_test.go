@@ -13,6 +13,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/pgfence/pgfence/fence"
+	"github.com/pgfence/pgfence/internal/pgtest"
 )
 
 // This file registers no class: it is the set-up the database-side
@@ -252,7 +253,7 @@ func (c *cast) try(t *testing.T, a attempt) {
 			before := c.state(t)
 			conn := c.connect(t, route, a.role, a.lease)
 			err := castExec(ctxT(t), conn, a.sql, a.copyIn)
-			if got := sqlState(err); got != a.code {
+			if got := pgtest.SQLState(err); got != a.code {
 				t.Fatalf("%s as %s: got %v (SQLSTATE %q), want SQLSTATE %s", a.sql, a.role, err, got, a.code)
 			}
 			c.unchanged(t, before)

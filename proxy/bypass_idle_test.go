@@ -9,7 +9,6 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgproto3"
-	"go.uber.org/zap/zaptest"
 
 	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/internal/pgtest"
@@ -26,22 +25,7 @@ const idleBound = 400 * time.Millisecond
 // newIdleEnv is newReservedEnv with a gate whose idle bound is short.
 func newIdleEnv(t *testing.T) *reservedEnv {
 	t.Helper()
-	ctx := ctxT(t)
-	db := cluster.NewDatabase(t)
-	conn, err := cluster.Primary.Connect(ctx, db)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close(ctx)
-	if _, err := conn.Exec(ctx, fenceSchema); err != nil {
-		t.Fatal(err)
-	}
-	gate, err := NewFence(FenceConfig{Primary: cluster.Primary.DSN("postgres"), GateIdleTimeout: idleBound}, zaptest.NewLogger(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(gate.Close)
-	e := &fenceEnv{db: db, proxy: startProxy(t, Config{Interceptor: gate}), gate: gate}
+	e := newEnv(t, envSpec{gate: FenceConfig{GateIdleTimeout: idleBound}})
 	return &reservedEnv{fenceEnv: e, lease: e.acquire(t, "r", "w1", time.Minute)}
 }
 

@@ -4,6 +4,7 @@ import (
 	"testing"
 
 	"github.com/pgfence/pgfence/fence"
+	"github.com/pgfence/pgfence/internal/pgtest"
 )
 
 func init() { registerBypass("partition", bypassPartition) }
@@ -112,7 +113,7 @@ func bypassPartition(t *testing.T) {
 		// partition is left "detach pending" — and still protected.
 		before := c.count(t, "select count(*) from fence.protected_tables")
 		err := castExec(ctxT(t), c.connect(t, "direct", c.owner, nil), "alter table res detach partition res_1 concurrently", "")
-		if got := sqlState(err); got != locked {
+		if got := pgtest.SQLState(err); got != locked {
 			t.Fatalf("detach concurrently: got %v, want SQLSTATE %s", err, locked)
 		}
 		if n := c.count(t, "select count(*) from fence.protected_tables where relid = 'res_1'::regclass and root = 'res'::regclass"); n != 1 || c.count(t, "select count(*) from fence.protected_tables") != before {

@@ -22,11 +22,7 @@ func catalogProxy(t *testing.T) (*testProxy, *Fence, *observer.ObservedLogs) {
 	t.Helper()
 	core, logs := observer.New(zapcore.DebugLevel)
 	log := zap.New(zapcore.NewTee(zaptest.NewLogger(t).Core(), core))
-	gate, err := NewFence(FenceConfig{Primary: cluster.Primary.DSN("postgres")}, log)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(gate.Close)
+	gate := newGateWith(t, FenceConfig{}, log)
 	p := startProxyLog(t, Config{Interceptor: gate, Replicas: []string{cluster.Replica.DSN("postgres")},
 		ReplicaPoll: 10 * time.Millisecond, ReplicaMaxLag: time.Minute}, log)
 	return p, gate, logs

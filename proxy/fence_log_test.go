@@ -19,23 +19,8 @@ import (
 // observedEnv is a fence env whose gate logs into an observer.
 func observedEnv(t *testing.T) (*fenceEnv, *observer.ObservedLogs) {
 	t.Helper()
-	ctx := ctxT(t)
-	db := cluster.NewDatabase(t)
-	conn, err := cluster.Primary.Connect(ctx, db)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close(ctx)
-	if _, err := conn.Exec(ctx, fenceSchema); err != nil {
-		t.Fatal(err)
-	}
 	core, logs := observer.New(zapcore.InfoLevel)
-	gate, err := NewFence(FenceConfig{Primary: cluster.Primary.DSN("postgres")}, zap.New(core))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(gate.Close)
-	return &fenceEnv{db: db, proxy: startProxy(t, Config{Interceptor: gate}), gate: gate}, logs
+	return newEnv(t, envSpec{log: zap.New(core)}), logs
 }
 
 // TestRefusalLogged: every refusal is one line at info naming the
@@ -131,11 +116,7 @@ func TestRefusalLogSampled(t *testing.T) {
 // the proxy warns once.
 func TestSetupErrors(t *testing.T) {
 	core, logs := observer.New(zapcore.InfoLevel)
-	gate, err := NewFence(FenceConfig{Primary: cluster.Primary.DSN("postgres")}, zap.New(core))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(gate.Close)
+	gate := newGateWith(t, FenceConfig{}, zap.New(core))
 	p := startProxy(t, Config{Interceptor: gate})
 	ctx := ctxT(t)
 	admin, err := cluster.Primary.Connect(ctx, "postgres")

@@ -2,17 +2,16 @@ package proxy
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
-	"go.uber.org/zap/zaptest"
+	"go.uber.org/zap"
 
 	"github.com/pgfence/pgfence/fence"
+	"github.com/pgfence/pgfence/internal/pgtest"
 )
 
 // fenceEnv is a fresh database with a protected results table, an
@@ -34,25 +33,27 @@ const upsert = `INSERT INTO results (job_key, payload, token) VALUES ($1, $2, $3
 ON CONFLICT (job_key) DO UPDATE SET payload = excluded.payload, token = excluded.token
 WHERE results.token < excluded.token`
 
-func newFenceEnv(t *testing.T) *fenceEnv {
+func newFenceEnv(t *testing.T) *fenceEnv { return newEnv(t, envSpec{}) }
+
+// envSpec is what an env differs in from newFenceEnv's; its zero value is
+// newFenceEnv's.
+type envSpec struct {
+	schema string      // run in the new database instead of fenceSchema
+	gate   FenceConfig // the write gate's settings (Primary is the cluster's)
+	log    *zap.Logger // the gate's logger instead of zaptest's
+	proxy  Config      // the proxy's settings (Interceptor is the gate)
+}
+
+// newEnv is newFenceEnv as s says.
+func newEnv(t *testing.T, s envSpec) *fenceEnv {
 	t.Helper()
-	ctx := ctxT(t)
-	db := cluster.NewDatabase(t)
-	conn, err := cluster.Primary.Connect(ctx, db)
-	if err != nil {
-		t.Fatal(err)
+	if s.schema == "" {
+		s.schema = fenceSchema
 	}
-	defer conn.Close(ctx)
-	if _, err := conn.Exec(ctx, fenceSchema); err != nil {
-		t.Fatal(err)
-	}
-	gate, err := NewFence(FenceConfig{Primary: cluster.Primary.DSN("postgres")}, zaptest.NewLogger(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(gate.Close)
-	p := startProxy(t, Config{Interceptor: gate})
-	return &fenceEnv{db: db, proxy: p, gate: gate}
+	db := cluster.NewDatabaseWith(t, s.schema)
+	gate := newGateWith(t, s.gate, s.log)
+	s.proxy.Interceptor = gate
+	return &fenceEnv{db: db, proxy: startProxy(t, s.proxy), gate: gate}
 }
 
 // direct is a connection straight to the primary (not through pgfence).
@@ -108,17 +109,9 @@ func (e *fenceEnv) worker(t *testing.T, l *fence.Lease, extra ...string) *pgx.Co
 	return c
 }
 
-func sqlstate(err error) string {
-	var pg *pgconn.PgError
-	if errors.As(err, &pg) {
-		return pg.Code
-	}
-	return ""
-}
-
 func wantCode(t *testing.T, err error, code string) {
 	t.Helper()
-	if got := sqlstate(err); got != code {
+	if got := pgtest.SQLState(err); got != code {
 		t.Fatalf("got error %v (SQLSTATE %q), want SQLSTATE %s", err, got, code)
 	}
 }

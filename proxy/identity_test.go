@@ -86,7 +86,7 @@ func testBackendIdentity(t *testing.T, relay Config) {
 	if err := c.CancelRequest(ctx); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := blocked.ReadAll(); sqlState(err) != "57014" {
+	if _, err := blocked.ReadAll(); pgtest.SQLState(err) != "57014" {
 		t.Fatalf("cancelled query: got %v, want 57014", err)
 	}
 	admin.Exec(ctx, "SELECT pg_advisory_unlock(4242)")
@@ -111,7 +111,7 @@ func testBackendIdentity(t *testing.T, relay Config) {
 	}
 	// pg_terminate_backend of one's own PID, as the driver knows it.
 	_, err = c2.Exec(ctx, "SELECT pg_terminate_backend("+strconv.FormatUint(uint64(c2.PID()), 10)+")").ReadAll()
-	if sqlState(err) != "57P01" {
+	if pgtest.SQLState(err) != "57P01" {
 		t.Fatalf("terminating one's own backend: got %v, want 57P01", err)
 	}
 	if p.cancelSecret(pid) != 0 {

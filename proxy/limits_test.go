@@ -209,7 +209,7 @@ func TestHeldMessageBudget(t *testing.T) {
 		t.Fatalf("budget: peak %d, in use %d; want the query's cost, then 0", peak, used)
 	}
 	_, err = c.Exec(ctx, "SELECT length('"+strings.Repeat("x", 1<<20)+"')").ReadAll()
-	if sqlState(err) != "53200" || !strings.Contains(err.Error(), "memory_budget") {
+	if pgtest.SQLState(err) != "53200" || !strings.Contains(err.Error(), "memory_budget") {
 		t.Fatalf("a query over the budget: got %v, want 53200 naming memory_budget", err)
 	}
 	select {

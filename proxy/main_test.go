@@ -167,9 +167,17 @@ func bothRelays(t *testing.T, f func(t *testing.T, relay Config)) {
 }
 
 // newGate is a write gate for the test cluster, closed at the end of t.
-func newGate(t *testing.T) *Fence {
+func newGate(t testing.TB) *Fence { return newGateWith(t, FenceConfig{}, nil) }
+
+// newGateWith is newGate with cfg (its Primary is the test cluster's) and
+// log (zaptest's when nil).
+func newGateWith(t testing.TB, cfg FenceConfig, log *zap.Logger) *Fence {
 	t.Helper()
-	gate, err := NewFence(FenceConfig{Primary: cluster.Primary.DSN("postgres")}, zaptest.NewLogger(t))
+	cfg.Primary = cluster.Primary.DSN("postgres")
+	if log == nil {
+		log = zaptest.NewLogger(t)
+	}
+	gate, err := NewFence(cfg, log)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -208,13 +216,4 @@ func ctxT(t testing.TB) context.Context {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	t.Cleanup(cancel)
 	return ctx
-}
-
-// sqlState returns the SQLSTATE of err, or "".
-func sqlState(err error) string {
-	var pg *pgconn.PgError
-	if errors.As(err, &pg) {
-		return pg.Code
-	}
-	return ""
 }

@@ -101,13 +101,13 @@ func TestSCRAM(t *testing.T) {
 	})
 	t.Run("wrong password", func(t *testing.T) {
 		_, err := pgconn.Connect(ctxT(t), dsn(scramUser, "wrong"))
-		if sqlState(err) != "28P01" {
+		if pgtest.SQLState(err) != "28P01" {
 			t.Fatalf("got %v, want 28P01", err)
 		}
 	})
 	t.Run("unknown user", func(t *testing.T) {
 		_, err := pgconn.Connect(ctxT(t), dsn("postgres", "whatever"))
-		if sqlState(err) != "28P01" {
+		if pgtest.SQLState(err) != "28P01" {
 			t.Fatalf("got %v, want 28P01", err)
 		}
 	})
@@ -122,7 +122,7 @@ func TestSCRAM(t *testing.T) {
 func TestUpstreamRefusalReachesClient(t *testing.T) {
 	p := startProxy(t, Config{})
 	_, err := pgconn.Connect(ctxT(t), p.dsn("no_such_database"))
-	if sqlState(err) != "3D000" {
+	if pgtest.SQLState(err) != "3D000" {
 		t.Fatalf("got %v, want 3D000 from PostgreSQL", err)
 	}
 	// Upstream SCRAM without the password configured fails upstream.
@@ -140,7 +140,7 @@ func testTooManyClients(t *testing.T, relay Config) {
 	a := connect(t, p.dsn(db))
 	connect(t, p.dsn(db))
 	_, err := pgconn.Connect(ctxT(t), p.dsn(db))
-	if sqlState(err) != "53300" {
+	if pgtest.SQLState(err) != "53300" {
 		t.Fatalf("third client: got %v, want 53300", err)
 	}
 	a.Close(ctxT(t))
@@ -378,7 +378,7 @@ func testGracefulShutdown(t *testing.T, relay Config) {
 	// The idle session is closed promptly, upstream and with 57P01 to
 	// the client.
 	backendGone(t, idlePID, 5*time.Second)
-	if _, err := idle.Exec(ctx, "SELECT 1").ReadAll(); sqlState(err) != "57P01" {
+	if _, err := idle.Exec(ctx, "SELECT 1").ReadAll(); pgtest.SQLState(err) != "57P01" {
 		t.Fatalf("idle session after shutdown: got %v, want 57P01", err)
 	}
 	// New clients are refused.

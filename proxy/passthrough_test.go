@@ -159,7 +159,7 @@ func testPipelineWithErrorAndRecovery(t *testing.T, relay Config) {
 	if err == nil {
 		_, err = res.(*pgconn.ResultReader).Close()
 	}
-	if sqlState(err) != "23505" {
+	if pgtest.SQLState(err) != "23505" {
 		t.Fatalf("duplicate insert: got %v, want 23505", err)
 	}
 	mustSync(t, pl) // the third statement was skipped
@@ -278,7 +278,7 @@ func testCopyBothWays(t *testing.T, relay Config) {
 	}
 	// A failing COPY FROM leaves the session usable.
 	_, err = c.CopyFrom(ctx, strings.NewReader("not-an-int\tx\n"), "COPY t FROM STDIN")
-	if sqlState(err) != "22P02" {
+	if pgtest.SQLState(err) != "22P02" {
 		t.Fatalf("bad copy: got %v, want 22P02", err)
 	}
 	res, err := c.Exec(ctx, "SELECT count(*) FROM t").ReadAll()
@@ -320,7 +320,7 @@ func testCancelRequest(t *testing.T, relay Config) {
 	}
 	select {
 	case err := <-errc:
-		if sqlState(err) != "57014" {
+		if pgtest.SQLState(err) != "57014" {
 			t.Fatalf("got %v, want 57014 query_canceled", err)
 		}
 		if d := time.Since(start); d > 5*time.Second {

@@ -9,7 +9,6 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
-	"go.uber.org/zap/zaptest"
 
 	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/internal/pgtest"
@@ -28,21 +27,12 @@ func newRouteEnv(t *testing.T) *routeEnv { return newRouteEnvMode(t, true, fence
 // (tracked) or does not, and schema instead of fenceSchema.
 func newRouteEnvMode(t *testing.T, tracked bool, schema string) *routeEnv {
 	t.Helper()
-	ctx := ctxT(t)
-	db := cluster.NewDatabase(t)
-	conn, err := cluster.Primary.Connect(ctx, db)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close(ctx)
 	mode := noDDLTriggerSQL
 	if tracked {
 		mode = ddlTriggerSQL
 	}
-	if _, err := conn.Exec(ctx, mode+schema); err != nil {
-		t.Fatal(err)
-	}
-	if err := cluster.WaitReplicaCaughtUp(ctx); err != nil {
+	db := cluster.NewDatabaseWith(t, mode+schema)
+	if err := cluster.WaitReplicaCaughtUp(ctxT(t)); err != nil {
 		t.Fatal(err)
 	}
 	e := &routeEnv{&fenceEnv{db: db}}
@@ -55,11 +45,7 @@ func newRouteEnvMode(t *testing.T, tracked bool, schema string) *routeEnv {
 // database's catalog watcher live while it has sessions.
 func startRouteProxy(t *testing.T, db string) (*testProxy, *Fence) {
 	t.Helper()
-	gate, err := NewFence(FenceConfig{Primary: cluster.Primary.DSN("postgres")}, zaptest.NewLogger(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(gate.Close)
+	gate := newGate(t)
 	p := startProxy(t, Config{Interceptor: gate, Replicas: []string{cluster.Replica.DSN("postgres")},
 		ReplicaPoll: 10 * time.Millisecond, ReplicaMaxLag: time.Minute})
 	connect(t, p.dsn(db))
