@@ -77,12 +77,18 @@ func (e *fenceEnv) acquire(t *testing.T, job, holder string, ttl time.Duration) 
 	return l
 }
 
+// release ends l's lease (its token stays the fence's current one).
+func (e *fenceEnv) release(t *testing.T, l fence.Lease) {
+	t.Helper()
+	if err := fence.Release(ctxT(t), e.direct(t), l.JobKey, l.Token); err != nil {
+		t.Fatalf("release: %v", err)
+	}
+}
+
 // takeover ends the current lease of job and acquires a new one.
 func (e *fenceEnv) takeover(t *testing.T, job, holder string, old fence.Lease) fence.Lease {
 	t.Helper()
-	if err := fence.Release(ctxT(t), e.direct(t), job, old.Token); err != nil {
-		t.Fatalf("release: %v", err)
-	}
+	e.release(t, fence.Lease{JobKey: job, Token: old.Token})
 	return e.acquire(t, job, holder, time.Minute)
 }
 
