@@ -146,13 +146,6 @@ func execAsync(ctx context.Context, c *pgconn.PgConn, sql string) <-chan []*pgco
 	return ch
 }
 
-func mustExec(t *testing.T, c *pgconn.PgConn, sql string) {
-	t.Helper()
-	if _, err := c.Exec(ctxT(t), sql).ReadAll(); err != nil {
-		t.Fatalf("%s: %v", sql, err)
-	}
-}
-
 // stillWaiting fails the test when ch already has a value.
 func stillWaiting[T any](t *testing.T, ch <-chan T, what string) {
 	t.Helper()
@@ -235,9 +228,7 @@ func TestConsolePause(t *testing.T) {
 		}
 		// Nothing of b's reached PostgreSQL.
 		direct := connect(t, cluster.Primary.DSN(db))
-		if res, err := direct.Exec(ctx, "SELECT count(*) FROM t WHERE v = 10").ReadAll(); err != nil || string(res[0].Rows[0][0]) != "0" {
-			t.Fatalf("b's held INSERT ran: %v %v", res, err)
-		}
+		wantValue(t, direct, "SELECT count(*) FROM t WHERE v = 10", "0")
 		state := map[string]string{}
 		for _, r := range table(t, obs, "SHOW STATE") {
 			state[r["key"]] = r["value"]
@@ -372,9 +363,7 @@ func TestConsoleKill(t *testing.T) {
 		}); err != nil {
 			t.Fatalf("a's backend still there after KILL: %v", err)
 		}
-		if res, err := direct.Exec(ctx, "SELECT count(*) FROM t").ReadAll(); err != nil || string(res[0].Rows[0][0]) != "0" {
-			t.Fatalf("a's transaction was not rolled back: %v %v", res, err)
-		}
+		wantValue(t, direct, "SELECT count(*) FROM t", "0")
 		// Killed means paused: a new client waits.
 		cDone := connectAsync(ctx, p.dsn(db))
 		if err := pgtest.Poll(ctx, func() (bool, error) { return poolWaiting(t, adm, db) == 1, nil }); err != nil {
@@ -495,9 +484,7 @@ func TestConsoleShutdown(t *testing.T) {
 		}
 		p.done <- ErrServerClosed // for the cleanup
 		direct := connect(t, cluster.Primary.DSN(db))
-		if res, err := direct.Exec(ctx, "SELECT count(*) FROM t").ReadAll(); err != nil || string(res[0].Rows[0][0]) != "2" {
-			t.Fatalf("the transaction did not commit: %v %v", res, err)
-		}
+		wantValue(t, direct, "SELECT count(*) FROM t", "2")
 	})
 	t.Run("immediate", func(t *testing.T) {
 		p := startProxy(t, withConsole(Config{}))

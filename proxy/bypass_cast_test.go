@@ -241,6 +241,27 @@ type attempt struct {
 	direct bool         // directly against PostgreSQL only (the proxy adds nothing to see)
 }
 
+// The SQLSTATEs the classes' attempts expect most.
+const (
+	castStale  = fence.CodeStale            // a stale generation
+	castNoMeta = fence.CodeFencingRequired  // no fence metadata
+	castLocked = fence.CodeProtectionLocked // DDL that would switch protection off
+)
+
+// castCase is one attempt of a class, run as the subtest name.
+type castCase struct {
+	name string
+	a    attempt
+}
+
+// tryEach runs each case as a subtest of t (try).
+func (c *cast) tryEach(t *testing.T, cases []castCase) {
+	t.Helper()
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) { c.try(t, tc.a) })
+	}
+}
+
 // try runs a by every route, asserting its SQLSTATE and, on the cast's own
 // connection, that nothing changed.
 func (c *cast) try(t *testing.T, a attempt) {

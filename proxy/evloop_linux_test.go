@@ -159,9 +159,7 @@ func TestHalfLoopSlowClient(t *testing.T) {
 	}
 	// Another session is served meanwhile.
 	other := connect(t, p.dsn(db))
-	if res, err := other.Exec(ctx, "SELECT 'other'").ReadAll(); err != nil || string(res[0].Rows[0][0]) != "other" {
-		t.Fatalf("another session while one is paused: %v %v", res, err)
-	}
+	wantValue(t, other, "SELECT 'other'", "other")
 
 	fe := pgproto3.NewFrontend(slow.Conn(), slow.Conn())
 	slow.Conn().SetReadDeadline(time.Now().Add(30 * time.Second))
@@ -191,9 +189,7 @@ func TestHalfLoopSlowClient(t *testing.T) {
 	if r.half.paused.Load() {
 		t.Fatal("still paused after the client read everything")
 	}
-	if res, err := slow.Exec(ctx, "SELECT 'again'").ReadAll(); err != nil || string(res[0].Rows[0][0]) != "again" {
-		t.Fatalf("the session after its big result: %v %v", res, err)
-	}
+	wantValue(t, slow, "SELECT 'again'", "again")
 }
 
 // TestHalfLoopShutdownWhilePaused: graceful shutdown ends an intercepted
@@ -248,9 +244,7 @@ func TestHalfLoopHandlerPanic(t *testing.T) {
 		t.Fatalf("%d sessions on the loop, want 2", p.srv.ops.stats.SessionsLoop.Load())
 	}
 	for _, c := range []*pgconn.PgConn{other, connect(t, p.dsn(db))} {
-		if res, err := c.Exec(ctx, "SELECT 'fine'").ReadAll(); err != nil || string(res[0].Rows[0][0]) != "fine" {
-			t.Fatalf("a session after another's panic: %v %v", res, err)
-		}
+		wantValue(t, c, "SELECT 'fine'", "fine")
 	}
 }
 
@@ -483,9 +477,7 @@ func TestHalfLoopSlowServer(t *testing.T) {
 	if r.half.spaused.Load() {
 		t.Fatal("still holding the client after the server took everything")
 	}
-	if res, err := c.Exec(ctx, "SELECT 'again'").ReadAll(); err != nil || string(res[0].Rows[0][0]) != "again" {
-		t.Fatalf("the session afterwards: %v %v", res, err)
-	}
+	wantValue(t, c, "SELECT 'again'", "again")
 }
 
 // TestHalfLoopHandoffUnwatched: while the client goroutine owns a
@@ -517,9 +509,7 @@ func TestHalfLoopHandoffUnwatched(t *testing.T) {
 	if err := pgtest.Poll(ctx, func() (bool, error) { return !r.half.owner.Load(), nil }); err != nil {
 		t.Fatalf("the client never returned to the loop: %v", err)
 	}
-	if res, err := c.Exec(ctx, "SELECT 'again'").ReadAll(); err != nil || string(res[0].Rows[0][0]) != "again" {
-		t.Fatalf("the session afterwards: %v %v", res, err)
-	}
+	wantValue(t, c, "SELECT 'again'", "again")
 }
 
 // TestHandoffWaitsForSout: a message is not handed to the client
@@ -639,9 +629,7 @@ func clientEventsMeanwhile(t *testing.T, p *testProxy, db string, r *relay) uint
 	events := r.half.cEvents.Load()
 	other := connect(t, p.dsn(db))
 	for range 20 {
-		if res, err := other.Exec(ctxT(t), "SELECT 'other'").ReadAll(); err != nil || string(res[0].Rows[0][0]) != "other" {
-			t.Fatalf("another session meanwhile: %v %v", res, err)
-		}
+		wantValue(t, other, "SELECT 'other'", "other")
 	}
 	return r.half.cEvents.Load() - events
 }

@@ -25,8 +25,7 @@ import (
 func TestBackendIdentity(t *testing.T) { bothRelays(t, testBackendIdentity) }
 
 func testBackendIdentity(t *testing.T, relay Config) {
-	p := startProxy(t, withRelay(relay, Config{}))
-	db := cluster.NewDatabase(t)
+	p, db := relayed(t, relay, Config{})
 	ctx := ctxT(t)
 	var notified chan *pgconn.Notification
 	cfg, err := pgconn.ParseConfig(p.dsn(db) + "&application_name=identity")

@@ -26,14 +26,10 @@ func TestOversizeMessage(t *testing.T) { bothRelays(t, testOversizeMessage) }
 
 func testOversizeMessage(t *testing.T, relay Config) {
 	const limit = 4096
-	p := startProxy(t, withRelay(relay, Config{MaxMessageSize: limit}))
-	db := cluster.NewDatabase(t)
+	p, db := relayed(t, relay, Config{MaxMessageSize: limit})
 	big := "'" + strings.Repeat("x", 5000) + "'"
-	ctx := ctxT(t)
 	setup := connect(t, p.dsn(db))
-	if err := setup.Exec(ctx, "CREATE TABLE t (a int, b text)").Close(); err != nil {
-		t.Fatal(err)
-	}
+	mustExec(t, setup, "CREATE TABLE t (a int, b text)")
 	other := connect(t, p.dsn(db))
 
 	t.Run("query", func(t *testing.T) {
@@ -294,9 +290,7 @@ func TestMemoryBudgetRSS(t *testing.T) {
 	dsn := fmt.Sprintf("postgres://postgres@%s/%s?sslmode=disable", p.Addr, db)
 	ctx := ctxT(t)
 	steady := connect(t, dsn)
-	if _, err := steady.Exec(ctx, "SELECT 1").ReadAll(); err != nil {
-		t.Fatal(err)
-	}
+	mustExec(t, steady, "SELECT 1")
 	msg, _ := (&pgproto3.Query{String: "SELECT length('" + strings.Repeat("x", size) + "')"}).Encode(nil)
 	held := int(budget / heldCost(len(msg)-headerLen))
 	conns := make([]*rawConn, clients)

@@ -200,6 +200,53 @@ func (p *testProxy) dsn(db string) string {
 	return fmt.Sprintf("postgres://postgres@127.0.0.1:%d/%s?sslmode=disable", p.addr.Port, db)
 }
 
+// relayed is a proxy started with cfg in relay's mode (withRelay), and a
+// fresh database.
+func relayed(t *testing.T, relay, cfg Config) (*testProxy, string) {
+	t.Helper()
+	return startProxy(t, withRelay(relay, cfg)), cluster.NewDatabase(t)
+}
+
+// relayedConn is a connection through a proxy in relay's mode to a fresh
+// database.
+func relayedConn(t *testing.T, relay Config) *pgconn.PgConn {
+	t.Helper()
+	p, db := relayed(t, relay, Config{})
+	return connect(t, p.dsn(db))
+}
+
+// mustExec runs sql, a simple query, on c; every statement must succeed.
+func mustExec(t *testing.T, c *pgconn.PgConn, sql string) {
+	t.Helper()
+	if _, err := c.Exec(ctxT(t), sql).ReadAll(); err != nil {
+		t.Fatalf("%s: %v", sql, err)
+	}
+}
+
+// lastValue runs sql, a simple query, on c and returns the first value of
+// its last result.
+func lastValue(t *testing.T, c *pgconn.PgConn, sql string) string {
+	t.Helper()
+	res, err := c.Exec(ctxT(t), sql).ReadAll()
+	if err != nil {
+		t.Fatalf("%s: %v", sql, err)
+	}
+	if last := res[len(res)-1]; len(last.Rows) > 0 {
+		return string(last.Rows[0][0])
+	}
+	t.Fatalf("%s: no row", sql)
+	return ""
+}
+
+// wantValue checks that sql, a simple query, on c returns want as the
+// first value of its last result.
+func wantValue(t *testing.T, c *pgconn.PgConn, sql, want string) {
+	t.Helper()
+	if got := lastValue(t, c, sql); got != want {
+		t.Fatalf("%s: got %q, want %q", sql, got, want)
+	}
+}
+
 func connect(t testing.TB, dsn string) *pgconn.PgConn {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)

@@ -94,10 +94,7 @@ func TestSCRAM(t *testing.T) {
 	}
 	t.Run("success", func(t *testing.T) {
 		c := connect(t, dsn(scramUser, strings.ReplaceAll(scramPassword, " ", "%20")))
-		res, err := c.Exec(ctxT(t), "SELECT current_user").ReadAll()
-		if err != nil || string(res[0].Rows[0][0]) != scramUser {
-			t.Fatalf("got %v %v, want %s", res, err, scramUser)
-		}
+		wantValue(t, c, "SELECT current_user", scramUser)
 	})
 	t.Run("wrong password", func(t *testing.T) {
 		_, err := pgconn.Connect(ctxT(t), dsn(scramUser, "wrong"))
@@ -135,8 +132,7 @@ func TestUpstreamRefusalReachesClient(t *testing.T) {
 func TestTooManyClients(t *testing.T) { bothRelays(t, testTooManyClients) }
 
 func testTooManyClients(t *testing.T, relay Config) {
-	p := startProxy(t, withRelay(relay, Config{MaxClients: 2}))
-	db := cluster.NewDatabase(t)
+	p, db := relayed(t, relay, Config{MaxClients: 2})
 	a := connect(t, p.dsn(db))
 	connect(t, p.dsn(db))
 	_, err := pgconn.Connect(ctxT(t), p.dsn(db))
@@ -176,18 +172,10 @@ func TestClientDisconnectMidTransaction(t *testing.T) {
 }
 
 func testClientDisconnectMidTransaction(t *testing.T, relay Config) {
-	p := startProxy(t, withRelay(relay, Config{}))
-	db := cluster.NewDatabase(t)
+	p, db := relayed(t, relay, Config{})
 	c := connect(t, p.dsn(db))
-	ctx := ctxT(t)
-	if err := c.Exec(ctx, "CREATE TABLE t(a int)").Close(); err != nil {
-		t.Fatal(err)
-	}
-	res, err := c.Exec(ctx, "BEGIN; INSERT INTO t VALUES (1); SELECT pg_backend_pid()").ReadAll()
-	if err != nil {
-		t.Fatal(err)
-	}
-	pid, _ := strconvU32(string(res[2].Rows[0][0]))
+	mustExec(t, c, "CREATE TABLE t(a int)")
+	pid, _ := strconvU32(lastValue(t, c, "BEGIN; INSERT INTO t VALUES (1); SELECT pg_backend_pid()"))
 	if c.TxStatus() != 'T' {
 		t.Fatalf("tx status %c, want T", c.TxStatus())
 	}
@@ -195,10 +183,7 @@ func testClientDisconnectMidTransaction(t *testing.T, relay Config) {
 	c.Conn().Close()
 	backendGone(t, pid, time.Second)
 	d := connect(t, cluster.Primary.DSN(db))
-	r, err := d.Exec(ctx, "SELECT count(*) FROM t").ReadAll()
-	if err != nil || string(r[0].Rows[0][0]) != "0" {
-		t.Fatalf("rows after disconnect: %v %v, want 0", r, err)
-	}
+	wantValue(t, d, "SELECT count(*) FROM t", "0")
 }
 
 func strconvU32(s string) (uint32, error) {
@@ -249,8 +234,7 @@ func readErrorResponse(t *testing.T, c net.Conn) string {
 func TestBadInput(t *testing.T) { bothRelays(t, testBadInput) }
 
 func testBadInput(t *testing.T, relay Config) {
-	p := startProxy(t, withRelay(relay, Config{}))
-	db := cluster.NewDatabase(t)
+	p, db := relayed(t, relay, Config{})
 	survivor := connect(t, p.dsn(db))
 	cases := []struct {
 		name string
@@ -360,19 +344,12 @@ func TestStartupNegotiation(t *testing.T) {
 func TestGracefulShutdown(t *testing.T) { bothRelays(t, testGracefulShutdown) }
 
 func testGracefulShutdown(t *testing.T, relay Config) {
-	p := startProxy(t, withRelay(relay, Config{}))
-	db := cluster.NewDatabase(t)
+	p, db := relayed(t, relay, Config{})
 	ctx := ctxT(t)
 	idle := connect(t, p.dsn(db))
-	res, err := idle.Exec(ctx, "SELECT pg_backend_pid()").ReadAll()
-	if err != nil {
-		t.Fatal(err)
-	}
-	idlePID, _ := strconvU32(string(res[0].Rows[0][0]))
+	idlePID, _ := strconvU32(lastValue(t, idle, "SELECT pg_backend_pid()"))
 	busy := connect(t, p.dsn(db))
-	if err := busy.Exec(ctx, "CREATE TABLE t(a int); BEGIN; INSERT INTO t VALUES (1)").Close(); err != nil {
-		t.Fatal(err)
-	}
+	mustExec(t, busy, "CREATE TABLE t(a int); BEGIN; INSERT INTO t VALUES (1)")
 	done := make(chan error, 1)
 	go func() { done <- p.srv.Shutdown(ctx) }()
 	// The idle session is closed promptly, upstream and with 57P01 to
@@ -397,18 +374,14 @@ func testGracefulShutdown(t *testing.T, relay Config) {
 		t.Fatalf("shutdown returned %v while a transaction was open", err)
 	default:
 	}
-	err = busy.Exec(ctx, "COMMIT").Close()
-	if err != nil {
+	if err := busy.Exec(ctx, "COMMIT").Close(); err != nil {
 		t.Fatalf("commit during shutdown: %v", err)
 	}
 	if err := <-done; err != nil {
 		t.Fatalf("shutdown: %v", err)
 	}
 	d := connect(t, cluster.Primary.DSN(db))
-	r, err := d.Exec(ctx, "SELECT count(*) FROM t").ReadAll()
-	if err != nil || string(r[0].Rows[0][0]) != "2" {
-		t.Fatalf("committed rows: %v %v, want 2", r, err)
-	}
+	wantValue(t, d, "SELECT count(*) FROM t", "2")
 }
 
 func TestShutdownTimeoutClosesOpenTransactions(t *testing.T) {
@@ -416,15 +389,10 @@ func TestShutdownTimeoutClosesOpenTransactions(t *testing.T) {
 }
 
 func testShutdownTimeoutClosesOpenTransactions(t *testing.T, relay Config) {
-	p := startProxy(t, withRelay(relay, Config{ShutdownTimeout: 200 * time.Millisecond}))
-	db := cluster.NewDatabase(t)
+	p, db := relayed(t, relay, Config{ShutdownTimeout: 200 * time.Millisecond})
 	ctx := ctxT(t)
 	busy := connect(t, p.dsn(db))
-	res, err := busy.Exec(ctx, "BEGIN; SELECT pg_backend_pid()").ReadAll()
-	if err != nil {
-		t.Fatal(err)
-	}
-	pid, _ := strconvU32(string(res[1].Rows[0][0]))
+	pid, _ := strconvU32(lastValue(t, busy, "BEGIN; SELECT pg_backend_pid()"))
 	if err := p.srv.Shutdown(ctx); !errors.Is(err, context.DeadlineExceeded) {
 		t.Fatalf("shutdown: got %v, want deadline exceeded", err)
 	}

@@ -190,6 +190,17 @@ func (g *sessionGen) anyStmt(ext, after bool) extStmt {
 	return s
 }
 
+// txControl are pick's statements 11 to 17.
+var txControl = [...]string{
+	"BEGIN",
+	"START TRANSACTION ISOLATION LEVEL REPEATABLE READ",
+	"SAVEPOINT s1",
+	"ROLLBACK TO SAVEPOINT s1",
+	"RELEASE SAVEPOINT s1",
+	"COMMIT",
+	"ROLLBACK",
+}
+
 func (g *sessionGen) pick(tbl, kv string, args []string) extStmt {
 	switch n := g.rng.IntN(26); n {
 	case 20:
@@ -221,20 +232,8 @@ func (g *sessionGen) pick(tbl, kv string, args []string) extStmt {
 		return extStmt{sql: "SELECT 1/0"}
 	case 10:
 		return extStmt{sql: "SELECT nosuchcolumn FROM " + tbl}
-	case 11:
-		return extStmt{sql: "BEGIN"}
-	case 12:
-		return extStmt{sql: "START TRANSACTION ISOLATION LEVEL REPEATABLE READ"}
-	case 13:
-		return extStmt{sql: "SAVEPOINT s1"}
-	case 14:
-		return extStmt{sql: "ROLLBACK TO SAVEPOINT s1"}
-	case 15:
-		return extStmt{sql: "RELEASE SAVEPOINT s1"}
-	case 16:
-		return extStmt{sql: "COMMIT"}
-	case 17:
-		return extStmt{sql: "ROLLBACK"}
+	case 11, 12, 13, 14, 15, 16, 17:
+		return extStmt{sql: txControl[n-11]}
 	case 18:
 		return extStmt{sql: "UPDATE p SET v = v || 'n' WHERE k > 100", p: true} // writes no row
 	default:
