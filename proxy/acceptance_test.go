@@ -1,12 +1,9 @@
 package proxy
 
 import (
-	"bufio"
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"net"
 	"os"
 	"os/exec"
@@ -25,6 +22,7 @@ import (
 	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/internal/cutrelay"
 	"github.com/pgfence/pgfence/internal/pgtest"
+	"github.com/pgfence/pgfence/internal/testbin"
 )
 
 // TestAcceptance proves the proxy-level cases of ACCEPTANCE.md (issue 4)
@@ -944,12 +942,6 @@ func (e *fenceEnv) wantTakeoverNow(t *testing.T, when string) {
 	}
 }
 
-var (
-	pgfenceOnce sync.Once
-	pgfenceBin  string
-	pgfenceErr  error
-)
-
 // serveProc is a `pgfence serve` process (with the write gate).
 type serveProc struct {
 	net.Addr
@@ -964,63 +956,12 @@ func (p *serveProc) kill(t *testing.T) {
 	p.cmd.Wait()
 }
 
-// startFenceServe builds the pgfence binary (once per test run) and starts
-// `pgfence serve` in front of the test cluster on a free port, with auth
-// trust and the extra args.
+// startFenceServe starts `pgfence serve` in front of the test cluster on a
+// free port, with auth trust and the extra args.
 func startFenceServe(t *testing.T, args ...string) *serveProc {
 	t.Helper()
-	pgfenceOnce.Do(func() {
-		dir, err := os.MkdirTemp("", "pgfence-bin")
-		if err != nil {
-			pgfenceErr = err
-			return
-		}
-		pgfenceBin = filepath.Join(dir, "pgfence")
-		out, err := exec.Command("go", "build", "-o", pgfenceBin, "../cmd/pgfence").CombinedOutput()
-		if err != nil {
-			pgfenceErr = fmt.Errorf("go build ../cmd/pgfence: %v\n%s", err, out)
-		}
-	})
-	if pgfenceErr != nil {
-		t.Fatal(pgfenceErr)
-	}
-	cmd := exec.Command(pgfenceBin, append([]string{"serve", "--listen", "127.0.0.1:0", "--primary", cluster.Primary.DSN("postgres"), "--auth", "trust"}, args...)...)
-	cmd.Env = os.Environ()
-	logs, err := cmd.StderrPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	cmd.Stdout = cmd.Stderr
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	p := &serveProc{cmd: cmd}
-	t.Cleanup(func() {
-		if p.cmd.ProcessState == nil {
-			p.cmd.Process.Kill()
-			p.cmd.Wait()
-		}
-	})
-	// The "listening" log line names the address.
-	sc := bufio.NewScanner(logs)
-	for sc.Scan() {
-		var entry struct {
-			Msg  string `json:"msg"`
-			Addr string `json:"addr"`
-		}
-		if json.Unmarshal(sc.Bytes(), &entry) != nil || entry.Msg != "listening" {
-			continue
-		}
-		a, err := net.ResolveTCPAddr("tcp", entry.Addr)
-		if err != nil {
-			t.Fatal(err)
-		}
-		p.Addr = a
-		go io.Copy(io.Discard, logs)
-		return p
-	}
-	t.Fatalf("pgfence serve exited before listening: %v", sc.Err())
-	return nil
+	cmd, addr := testbin.Serve(t, nil, append([]string{"--listen", "127.0.0.1:0", "--primary", cluster.Primary.DSN("postgres"), "--auth", "trust"}, args...)...)
+	return &serveProc{Addr: addr, cmd: cmd}
 }
 
 // ---------------------------------------------------------------------------

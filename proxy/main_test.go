@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"net"
 	"os"
-	"path/filepath"
 	"runtime"
 	"sync"
 	"testing"
@@ -19,6 +18,7 @@ import (
 	"go.uber.org/zap/zaptest"
 
 	"github.com/pgfence/pgfence/internal/pgtest"
+	"github.com/pgfence/pgfence/internal/testbin"
 	"github.com/pgfence/pgfence/migrations"
 )
 
@@ -56,11 +56,8 @@ func TestMain(m *testing.M) {
 		// The write gate's tests need the fence schema.
 		return migrations.Prepare(ctx, conn)
 	}, &cluster)
-	if pgfenceBin != "" {
-		// Built once for the tests that run pgfence serve
-		// (startFenceServe), which may be several.
-		os.RemoveAll(filepath.Dir(pgfenceBin))
-	}
+	// Built once for the tests that run pgfence serve (startFenceServe).
+	testbin.Remove()
 	os.Exit(code)
 }
 
