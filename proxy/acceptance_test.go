@@ -271,13 +271,9 @@ func mustWriteTx(t *testing.T, c *pgx.Conn, iso pgx.TxIsoLevel, job, payload str
 	}
 }
 
-// execer is a connection or a transaction.
-type execer interface {
-	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
-}
-
-// execOK runs sql on c, which must succeed.
-func execOK(t *testing.T, c execer, sql string, args ...any) {
+// execOK runs sql on c (a connection or a transaction), which must
+// succeed.
+func execOK(t *testing.T, c fence.DBTX, sql string, args ...any) {
 	t.Helper()
 	if _, err := c.Exec(ctxT(t), sql, args...); err != nil {
 		t.Fatalf("%s: %v", sql, err)
