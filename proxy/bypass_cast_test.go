@@ -254,6 +254,16 @@ type castCase struct {
 	a    attempt
 }
 
+// castAttempts are role's attempts, each a name and its sql, that must
+// fail with code.
+func castAttempts(role, code string, cases [][2]string) []castCase {
+	out := make([]castCase, len(cases))
+	for i, nc := range cases {
+		out[i] = castCase{nc[0], attempt{role: role, sql: nc[1], code: code}}
+	}
+	return out
+}
+
 // tryEach runs each case as a subtest of t (try).
 func (c *cast) tryEach(t *testing.T, cases []castCase) {
 	t.Helper()
