@@ -30,6 +30,19 @@ func connect(t *testing.T, ctx context.Context, db, user string) *pgx.Conn {
 	return conn
 }
 
+// wantRefused checks that migrations.Apply on conn fails with SQLSTATE code
+// and a message that says says, leaving the database at version v.
+func wantRefused(t *testing.T, ctx context.Context, conn *pgx.Conn, code, says string, v int32) {
+	t.Helper()
+	err := migrations.Apply(ctx, conn)
+	if pgtest.SQLState(err) != code || !strings.Contains(err.Error(), says) {
+		t.Fatalf("apply: %v, want SQLSTATE %s saying %q", err, code, says)
+	}
+	if got, err := migrations.Current(ctx, conn); err != nil || got != v {
+		t.Fatalf("version after the refused migration: %d, %v; want %d", got, err, v)
+	}
+}
+
 // TestMigrateNeedsSuperuser: a role that could install versions 1-4 stops
 // at 5 with a clear error, and nothing of 5 is applied.
 func TestMigrateNeedsSuperuser(t *testing.T) {
@@ -47,13 +60,7 @@ func TestMigrateNeedsSuperuser(t *testing.T) {
 	if err := migrations.MigrateTo(ctx, conn, 4); err != nil {
 		t.Fatalf("versions 1-4 as a non-superuser: %v", err)
 	}
-	err := migrations.Apply(ctx, conn)
-	if pgtest.SQLState(err) != "42501" || !strings.Contains(err.Error(), "must run as a superuser") {
-		t.Fatalf("apply as a non-superuser: %v, want 42501 saying a superuser is needed", err)
-	}
-	if v, err := migrations.Current(ctx, conn); err != nil || v != 4 {
-		t.Fatalf("version after the refused migration: %d, %v; want 4", v, err)
-	}
+	wantRefused(t, ctx, conn, "42501", "must run as a superuser", 4)
 	if err := migrations.Apply(ctx, admin); err != nil {
 		t.Fatalf("apply as a superuser afterwards: %v", err)
 	}
@@ -127,13 +134,7 @@ create table pt_2 partition of pt for values from (10) to (20);
 select fence.protect('pt_1', 'job_key'), fence.protect('pt_2');`); err != nil {
 			t.Fatal(err)
 		}
-		err := migrations.Apply(ctx, conn)
-		if pgtest.SQLState(err) != "55000" || !strings.Contains(err.Error(), "pt") {
-			t.Fatalf("upgrade with conflicting columns: %v, want 55000 naming the tables", err)
-		}
-		if v, _ := migrations.Current(ctx, conn); v != 6 {
-			t.Fatalf("version after the refused upgrade: %d, want 6", v)
-		}
+		wantRefused(t, ctx, conn, "55000", "pt", 6)
 	})
 }
 
