@@ -294,10 +294,9 @@ func run(dur time.Duration, scale, rounds int, only *regexp.Regexp, goroutines, 
 // after it, as pgfence and a direct connection give each pgbench run. By
 // default PgBouncer would hand every run after the first the backends of
 // the one before, already warm (their catalog caches built, the shared
-// buffers they read mapped): measured on select-only, 8 clients, 6 rounds
-// of 4 s, pooled PgBouncer 0.72 of direct against 0.59 with fresh
-// backends, a difference that shrinks in longer runs (12 s: 0.50 and
-// 0.48). The columns compare the relays, not how warm their backends are.
+// buffers they read mapped), which the README's Performance section shows
+// is worth a good part of its lead. The columns compare the relays, not
+// how warm their backends are.
 func startPgBouncer(pgPort int) (int, int, func(), error) {
 	bin, err := exec.LookPath("pgbouncer")
 	if err != nil {
