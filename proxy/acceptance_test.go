@@ -121,7 +121,7 @@ func (e *fenceEnv) connect(t *testing.T, c client) (*pgx.Conn, error) {
 	}
 	var opts []string
 	if c.lease != nil {
-		opts = append(opts, fmt.Sprintf("-c fence.job_key=%s -c fence.epoch=%d -c fence.token=%d", c.lease.JobKey, c.lease.Epoch, c.lease.Token))
+		opts = append(opts, pgoptions(*c.lease))
 	}
 	opts = append(opts, c.extra...)
 	if len(opts) > 0 {
@@ -1157,10 +1157,6 @@ func psqlCmd(port int, db, script, pgoptions string, vars ...string) *exec.Cmd {
 	cmd := exec.Command("psql", args...)
 	cmd.Env = append(os.Environ(), "PGOPTIONS="+pgoptions, "PGAPPNAME=psql_"+strings.TrimSuffix(script, ".sql"), "PGSSLMODE=disable")
 	return cmd
-}
-
-func pgoptions(l fence.Lease) string {
-	return fmt.Sprintf("-c fence.job_key=%s -c fence.epoch=%d -c fence.token=%d", l.JobKey, l.Epoch, l.Token)
 }
 
 // wantLines checks that each marker line appears in out, in order.

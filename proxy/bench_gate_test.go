@@ -68,7 +68,7 @@ func BenchmarkGatedWrite(b *testing.B) {
 	if err != nil {
 		b.Fatal(err)
 	}
-	cfg.RuntimeParams["options"] = fmt.Sprintf("-c fence.job_key=%s -c fence.epoch=%d -c fence.token=%d", l.JobKey, l.Epoch, l.Token)
+	cfg.RuntimeParams["options"] = pgoptions(l)
 	gated, err := pgx.ConnectConfig(ctx, cfg)
 	if err != nil {
 		b.Fatal(err)

@@ -142,13 +142,9 @@ func (c *cast) connConfig(t *testing.T, route, role string, l *fence.Lease) *pgc
 		t.Fatal(err)
 	}
 	if l != nil {
-		cfg.RuntimeParams["options"] = castOptions(*l)
+		cfg.RuntimeParams["options"] = pgoptions(*l)
 	}
 	return cfg
-}
-
-func castOptions(l fence.Lease) string {
-	return fmt.Sprintf("-c fence.job_key=%s -c fence.epoch=%d -c fence.token=%d", l.JobKey, l.Epoch, l.Token)
 }
 
 func (c *cast) connect(t *testing.T, route, role string, l *fence.Lease) *pgconn.PgConn {

@@ -92,6 +92,12 @@ func (e *fenceEnv) takeover(t *testing.T, job, holder string, old fence.Lease) f
 	return e.acquire(t, job, holder, time.Minute)
 }
 
+// pgoptions are the startup options that carry l's generation, as
+// PGOPTIONS would.
+func pgoptions(l fence.Lease) string {
+	return fmt.Sprintf("-c fence.job_key=%s -c fence.epoch=%d -c fence.token=%d", l.JobKey, l.Epoch, l.Token)
+}
+
 // worker connects through the proxy carrying l's generation in the
 // startup packet, as PGOPTIONS would.
 func (e *fenceEnv) worker(t *testing.T, l *fence.Lease, extra ...string) *pgx.Conn {
@@ -101,7 +107,7 @@ func (e *fenceEnv) worker(t *testing.T, l *fence.Lease, extra ...string) *pgx.Co
 		t.Fatal(err)
 	}
 	if l != nil {
-		opts := fmt.Sprintf("-c fence.job_key=%s -c fence.epoch=%d -c fence.token=%d", l.JobKey, l.Epoch, l.Token)
+		opts := pgoptions(*l)
 		if len(extra) > 0 {
 			opts += " " + strings.Join(extra, " ")
 		}

@@ -43,7 +43,7 @@ CREATE TABLE u (k int PRIMARY KEY, v text NOT NULL);`
 		t.Fatal(err)
 	}
 	l := env.acquire(t, "transparent", "tester", time.Hour)
-	opts := fmt.Sprintf("-c fence.job_key=%s -c fence.epoch=%d -c fence.token=%d", l.JobKey, l.Epoch, l.Token)
+	opts := pgoptions(l)
 
 	seeds := 40
 	if v, err := strconv.Atoi(os.Getenv("PGFENCE_TRANSPARENT_SEEDS")); err == nil {
@@ -524,7 +524,7 @@ func plEnv(t *testing.T, job, extra string) (*fenceEnv, string) {
 		t.Fatal(err)
 	}
 	l := e.acquire(t, job, "a", time.Hour)
-	return e, strings.TrimSpace(fmt.Sprintf("-c fence.job_key=%s -c fence.epoch=%d -c fence.token=%d %s", l.JobKey, l.Epoch, l.Token, extra))
+	return e, strings.TrimSpace(pgoptions(l) + " " + extra)
 }
 
 // wantRetries checks the answers to a committed step's retries: with the
