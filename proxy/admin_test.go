@@ -145,9 +145,7 @@ func runWorkload(t *testing.T, e *fenceEnv) *workload {
 
 	// wa: two gated commits (extended protocol), two steps of one token.
 	for i, step := range []string{"one", "two"} {
-		if _, err := w.wa.Exec(ctx, "SET fence.step = '"+step+"'"); err != nil {
-			t.Fatal(err)
-		}
+		execOK(t, w.wa, "SET fence.step = '"+step+"'")
 		if _, err := w.wa.Exec(ctx, upsert, "ja", step, la.Token+int64(i)); err != nil {
 			t.Fatalf("gated upsert %s: %v", step, err)
 		}
@@ -161,9 +159,7 @@ func runWorkload(t *testing.T, e *fenceEnv) *workload {
 	w.gated, w.commits, w.replays = 4, 3, 1
 	// wa after a takeover: FN001.
 	w.ja = e.takeover(t, "ja", "a2", la)
-	if _, err := w.wa.Exec(ctx, "SET fence.step = 'three'"); err != nil {
-		t.Fatal(err)
-	}
+	execOK(t, w.wa, "SET fence.step = 'three'")
 	_, err := w.wa.Exec(ctx, "UPDATE results SET payload = 'zombie' WHERE job_key = 'ja'")
 	wantCode(t, err, fence.CodeStale)
 	w.fn001 = 1
@@ -173,9 +169,7 @@ func runWorkload(t *testing.T, e *fenceEnv) *workload {
 	wantCode(t, err, fence.CodeFencingRequired)
 	w.fn008 = 1
 	// wb: a gated transaction left open (a new step, so not a replay).
-	if _, err := w.wb.Exec(ctx, "SET fence.step = 'open'"); err != nil {
-		t.Fatal(err)
-	}
+	execOK(t, w.wb, "SET fence.step = 'open'")
 	if w.openTx, err = w.wb.Begin(ctx); err != nil {
 		t.Fatal(err)
 	}

@@ -225,9 +225,7 @@ func TestCatalogWatcherRestartFloor(t *testing.T) {
 	ctx := ctxT(t)
 	a := e.acquire(t, "job", "a", time.Minute)
 	w := e.worker(t, &a)
-	if _, err := w.Exec(ctx, upsert, "job", "A", a.Token); err != nil {
-		t.Fatal(err)
-	}
+	execOK(t, w, upsert, "job", "A", a.Token)
 	w.Close(ctx)
 	// The environment's own session keeps the watcher; a fresh proxy
 	// without one shows the restart.
@@ -262,10 +260,5 @@ func TestCatalogWatcherRestartFloor(t *testing.T) {
 	wantCode(t, err, fence.CodePending)
 	mustWhere(t, keep, readResult, false)
 	resumeAndCatchUp(t)
-	if err := pgtest.Poll(ctx, func() (bool, error) {
-		_, rep, err := where(t, keep, readResult)
-		return rep, err
-	}); err != nil {
-		t.Fatal(err)
-	}
+	waitReplicaRead(t, keep, readResult)
 }

@@ -430,9 +430,7 @@ func TestHalfLoopSlowServer(t *testing.T) {
 	if d := clientEventsMeanwhile(t, p, db, r); d > 0 || !r.half.spaused.Load() {
 		t.Errorf("while the client was held (%v): %d events for its socket, want 0", r.half.spaused.Load(), d)
 	}
-	if _, err := holder.Exec(ctx, "SELECT pg_advisory_unlock(42)").ReadAll(); err != nil {
-		t.Fatal(err)
-	}
+	mustExec(t, holder, "SELECT pg_advisory_unlock(42)")
 
 	fe := pgproto3.NewFrontend(c.Conn(), c.Conn())
 	c.Conn().SetReadDeadline(time.Now().Add(60 * time.Second))
@@ -500,9 +498,7 @@ func TestHalfLoopHandoffUnwatched(t *testing.T) {
 	if d := clientEventsMeanwhile(t, p, db, r); d > 0 || !r.half.owner.Load() {
 		t.Errorf("while the client goroutine waited (owner %v): %d events for the client's socket, want 0", r.half.owner.Load(), d)
 	}
-	if _, err := holder.Exec(ctx, "SELECT pg_advisory_unlock(42)").ReadAll(); err != nil {
-		t.Fatal(err)
-	}
+	mustExec(t, holder, "SELECT pg_advisory_unlock(42)")
 	if got := strings.Join(commandTags(t, c, 4), ","); got != "SELECT 1,SET,INSERT 0 1,SELECT 1" {
 		t.Fatalf("command tags %s, want SELECT 1,SET,INSERT 0 1,SELECT 1", got)
 	}
@@ -608,16 +604,11 @@ func lockedGateSession(t *testing.T) (p *testProxy, db string, holder, c *pgconn
 	t.Helper()
 	p = startProxy(t, Config{Interceptor: newGate(t)})
 	db = cluster.NewDatabase(t)
-	ctx := ctxT(t)
 	holder = connect(t, cluster.Primary.DSN(db))
-	if _, err := holder.Exec(ctx, "SELECT pg_advisory_lock(42)").ReadAll(); err != nil {
-		t.Fatal(err)
-	}
+	mustExec(t, holder, "SELECT pg_advisory_lock(42)")
 	c = connect(t, p.dsn(db))
 	r = halfRelay(t, p)
-	if _, err := c.Exec(ctx, "CREATE TABLE t (v int)").ReadAll(); err != nil {
-		t.Fatal(err)
-	}
+	mustExec(t, c, "CREATE TABLE t (v int)")
 	return p, db, holder, c, r
 }
 

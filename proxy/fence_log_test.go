@@ -45,9 +45,7 @@ func TestRefusalLogged(t *testing.T) {
 	}
 
 	w := e.mustConnect(t, client{lease: &cur, mode: pgx.QueryExecModeSimpleProtocol})
-	if _, err := w.Exec(ctx, upsert, "job-l", "ok", cur.Token); err != nil {
-		t.Fatal(err)
-	}
+	execOK(t, w, upsert, "job-l", "ok", cur.Token)
 	if _, err := w.Exec(ctx, upsert, "job-l", "ok", cur.Token); err == nil {
 		t.Log("second commit under the same step answered") // a replay or a conflict: either is logged
 	}
@@ -126,9 +124,7 @@ func TestSetupErrors(t *testing.T) {
 	defer admin.Close(ctx)
 
 	bare := fmt.Sprintf("bare_%d", time.Now().UnixNano())
-	if _, err := admin.Exec(ctx, "CREATE DATABASE "+bare+" TEMPLATE template0"); err != nil {
-		t.Fatal(err)
-	}
+	execOK(t, admin, "CREATE DATABASE "+bare+" TEMPLATE template0")
 	t.Cleanup(func() { admin.Exec(context.Background(), "DROP DATABASE "+bare+" WITH (FORCE)") })
 	c, err := pgx.Connect(ctx, p.dsn(bare))
 	if err != nil {
@@ -152,9 +148,7 @@ func TestSetupErrors(t *testing.T) {
 
 	db := cluster.NewDatabase(t)
 	role := fmt.Sprintf("nogrant_%d", time.Now().UnixNano())
-	if _, err := admin.Exec(ctx, "CREATE ROLE "+role+" LOGIN"); err != nil {
-		t.Fatal(err)
-	}
+	execOK(t, admin, "CREATE ROLE "+role+" LOGIN")
 	t.Cleanup(func() { admin.Exec(context.Background(), "DROP ROLE "+role) })
 	u, err := pgx.Connect(ctx, fmt.Sprintf("postgres://%s@%s/%s?sslmode=disable", role, p.addr, db))
 	if err != nil {

@@ -151,16 +151,12 @@ func TestGateSmoke(t *testing.T) {
 		t.Fatalf("got %d receipts, want 1", n)
 	}
 	// Simple protocol, as a second step of the same token.
-	if _, err := w.Exec(ctx, "SET fence.step = 'two'"); err != nil {
-		t.Fatal(err)
-	}
+	execOK(t, w, "SET fence.step = 'two'")
 	if _, err := w.Exec(ctx, "INSERT INTO audit (note) VALUES ('x'); UPDATE results SET payload = 'second' WHERE job_key = 'job1'", pgx.QueryExecModeSimpleProtocol); err != nil {
 		t.Fatalf("gated simple query: %v", err)
 	}
 	// Explicit transaction, a third step.
-	if _, err := w.Exec(ctx, "SET fence.step = 'three'"); err != nil {
-		t.Fatal(err)
-	}
+	execOK(t, w, "SET fence.step = 'three'")
 	tx, err := w.Begin(ctx)
 	if err != nil {
 		t.Fatal(err)
@@ -190,9 +186,7 @@ func TestGateSmoke(t *testing.T) {
 	}
 	// Stale token after a takeover: FN001, session usable after.
 	l2 := e.takeover(t, "job1", "b", l)
-	if _, err := w.Exec(ctx, "SET fence.step = 'four'"); err != nil {
-		t.Fatal(err)
-	}
+	execOK(t, w, "SET fence.step = 'four'")
 	_, err = w.Exec(ctx, "UPDATE results SET payload = 'zombie' WHERE job_key = 'job1'")
 	wantCode(t, err, fence.CodeStale)
 	var one int
@@ -215,9 +209,7 @@ func TestSharedShapeWritesDigestTheirOwnText(t *testing.T) {
 	w := e.worker(t, &l)
 	// Teach the classifier the shape, outside any gated transaction.
 	for _, note := range []string{"warm-1", "warm-2"} {
-		if _, err := w.Exec(ctx, "INSERT INTO audit (note) VALUES ('"+note+"')", pgx.QueryExecModeSimpleProtocol); err != nil {
-			t.Fatal(err)
-		}
+		execOK(t, w, "INSERT INTO audit (note) VALUES ('"+note+"')", pgx.QueryExecModeSimpleProtocol)
 	}
 	tx := func(note string) error {
 		for _, q := range []string{

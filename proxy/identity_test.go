@@ -74,9 +74,7 @@ func testBackendIdentity(t *testing.T, relay Config) {
 	// Cancel: a forged request (the right PID, a wrong secret) sent to the
 	// proxy, and one sent straight to PostgreSQL with the proxy's secret,
 	// cancel nothing; the driver's own request does.
-	if _, err := admin.Exec(ctx, "SELECT pg_advisory_lock(4242)"); err != nil {
-		t.Fatal(err)
-	}
+	execOK(t, admin, "SELECT pg_advisory_lock(4242)")
 	blocked := c.Exec(ctx, "SELECT pg_advisory_lock(4242)")
 	waitingOnLock(t, admin, pid)
 	cancelRaw(t, p.addr.String(), pid, 0xdeadbeef)
@@ -92,9 +90,7 @@ func testBackendIdentity(t *testing.T, relay Config) {
 
 	// The backend ends: the client connection is closed with PostgreSQL's
 	// word for it, and a new connection gets a backend of its own.
-	if _, err := admin.Exec(ctx, "SELECT pg_terminate_backend($1)", pid); err != nil {
-		t.Fatal(err)
-	}
+	execOK(t, admin, "SELECT pg_terminate_backend($1)", pid)
 	_, err = c.Exec(ctx, "SELECT 1").ReadAll()
 	if err == nil {
 		t.Fatal("the session went on after its backend was terminated")

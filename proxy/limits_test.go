@@ -53,9 +53,7 @@ func testOversizeMessage(t *testing.T, relay Config) {
 		}
 		want(t, "oversized query in a transaction", all, "CommandComplete", "Z:T", "CommandComplete", "Z:T",
 			"E:54000", "Z:E", "E:25P02", "Z:E", "CommandComplete", "Z:I")
-		if n := countRows(t, db, "t"); n != 0 {
-			t.Fatalf("%d rows in t, want 0: the failed transaction committed", n)
-		}
+		wantRows(t, db, "t", 0)
 	})
 
 	t.Run("extended", func(t *testing.T) {
@@ -74,9 +72,7 @@ func testOversizeMessage(t *testing.T, relay Config) {
 		if !strings.Contains(errs[0].Message, "Bind message") {
 			t.Fatalf("error %q does not say which message", errs[0].Message)
 		}
-		if n := countRows(t, db, "t"); n != 0 {
-			t.Fatalf("%d rows in t, want 0: the failed batch committed", n)
-		}
+		wantRows(t, db, "t", 0)
 		// A Parse over the limit; the session goes on after the Sync.
 		r.send(t, &pgproto3.Parse{Name: "q", Query: "SELECT " + big}, &pgproto3.Describe{ObjectType: 'S', Name: "q"}, &pgproto3.Sync{},
 			&pgproto3.Parse{Query: "SELECT 42"}, &pgproto3.Bind{}, &pgproto3.Execute{}, &pgproto3.Sync{})
@@ -96,9 +92,7 @@ func testOversizeMessage(t *testing.T, relay Config) {
 		if !strings.Contains(errs[0].Message, "COPY") {
 			t.Fatalf("error %q does not say COPY", errs[0].Message)
 		}
-		if n := countRows(t, db, "t"); n != 0 {
-			t.Fatalf("%d rows in t, want 0: the aborted COPY wrote", n)
-		}
+		wantRows(t, db, "t", 0)
 		r.send(t, &pgproto3.Query{String: "SELECT 1"})
 		got, _ = r.untilReady(t)
 		want(t, "after the COPY", got, "RowDescription", "DataRow", "CommandComplete", "Z:I")
@@ -177,9 +171,7 @@ func TestCopyStreamed(t *testing.T) {
 		r.send(t, &pgproto3.CopyData{Data: data}, &pgproto3.CopyDone{})
 		got, _ := r.untilReady(t)
 		want(t, "3 MiB in one CopyData", got, "CommandComplete", "Z:I")
-		if n := countRows(t, db, "t"); n != 30000 {
-			t.Fatalf("%d rows, want 30000", n)
-		}
+		wantRows(t, db, "t", 30000)
 		if peak := p.srv.mem.peak.Load(); peak != 0 {
 			t.Fatalf("the COPY took %d bytes of the memory budget, want none", peak)
 		}

@@ -335,9 +335,7 @@ func TestStartupNegotiation(t *testing.T) {
 			t.Fatal(err)
 		}
 		defer c.Close(ctxT(t))
-		if _, err := c.Exec(ctxT(t), "SELECT 1").ReadAll(); err != nil {
-			t.Fatal(err)
-		}
+		mustExec(t, c, "SELECT 1")
 	})
 }
 

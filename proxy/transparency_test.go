@@ -36,12 +36,8 @@ CREATE TABLE u (k int PRIMARY KEY, v text NOT NULL);`
 		t.Fatal(err)
 	}
 	defer plain.Close(ctx)
-	if _, err := plain.Exec(ctx, schema); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := env.direct(t).Exec(ctx, schema+"SELECT fence.protect('p');"); err != nil {
-		t.Fatal(err)
-	}
+	execOK(t, plain, schema)
+	execOK(t, env.direct(t), schema+"SELECT fence.protect('p');")
 	l := env.acquire(t, "transparent", "tester", time.Hour)
 	opts := pgoptions(l)
 
@@ -520,9 +516,7 @@ func TestGateCopyExtended(t *testing.T) {
 // (and extra).
 func plEnv(t *testing.T, job, extra string) (*fenceEnv, string) {
 	e := newFenceEnv(t)
-	if _, err := e.direct(t).Exec(ctxT(t), "CREATE TABLE pl (v text); SELECT fence.protect('pl')"); err != nil {
-		t.Fatal(err)
-	}
+	execOK(t, e.direct(t), "CREATE TABLE pl (v text); SELECT fence.protect('pl')")
 	l := e.acquire(t, job, "a", time.Hour)
 	return e, strings.TrimSpace(pgoptions(l) + " " + extra)
 }
