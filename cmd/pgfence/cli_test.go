@@ -9,7 +9,6 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -18,6 +17,7 @@ import (
 	"github.com/spf13/pflag"
 
 	"github.com/pgfence/pgfence/internal/runner"
+	"github.com/pgfence/pgfence/internal/testbin"
 )
 
 func TestParseDuration(t *testing.T) {
@@ -334,36 +334,10 @@ func TestLeaseAcquireNamesTheBlockingSession(t *testing.T) {
 	}
 }
 
-var (
-	binOnce sync.Once
-	binPath string
-	binErr  error
-)
-
-// pgfenceBinary builds the pgfence binary once per test run.
-func pgfenceBinary(t *testing.T) string {
-	t.Helper()
-	binOnce.Do(func() {
-		dir, err := os.MkdirTemp("", "pgfence-cli-bin")
-		if err != nil {
-			binErr = err
-			return
-		}
-		binPath = filepath.Join(dir, "pgfence")
-		if out, err := exec.Command("go", "build", "-o", binPath, ".").CombinedOutput(); err != nil {
-			binErr = fmt.Errorf("go build: %v\n%s", err, out)
-		}
-	})
-	if binErr != nil {
-		t.Fatal(binErr)
-	}
-	return binPath
-}
-
 // The script idiom the docs give stops at a lease that is not ours; the
 // naive eval "$(...)" does not, which is why the docs warn against it.
 func TestLeaseAcquireInAScript(t *testing.T) {
-	bin := pgfenceBinary(t)
+	bin := testbin.Pgfence(t)
 	dsn := cluster.Primary.DSN(cluster.NewDatabase(t))
 	mustRun(t, "lease", "acquire", "--database", dsn, "--job", "nightly", "--holder", "alice")
 	run := func(script string) (int, string) {
