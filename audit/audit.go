@@ -10,18 +10,16 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/pgfence/pgfence/fence"
 )
 
-// DBTX is what Run reads through: *pgx.Conn, *pgxpool.Pool and pgx.Tx
-// satisfy it. When db can begin transactions (*pgx.Conn, *pgxpool.Pool),
-// Run opens its own REPEATABLE READ READ ONLY transaction; a pgx.Tx is used
-// as it is, and its snapshot is the caller's business.
-type DBTX interface {
-	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
-	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
-	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
-}
+// DBTX is what Run reads through, the fence functions' fence.DBTX:
+// *pgx.Conn, *pgxpool.Pool and pgx.Tx satisfy it. When db can begin
+// transactions (*pgx.Conn, *pgxpool.Pool), Run opens its own REPEATABLE
+// READ READ ONLY transaction; a pgx.Tx is used as it is, and its snapshot
+// is the caller's business.
+type DBTX = fence.DBTX
 
 type beginner interface {
 	BeginTx(ctx context.Context, opts pgx.TxOptions) (pgx.Tx, error)
@@ -309,6 +307,21 @@ func (a *auditor) each(ctx context.Context, sql string, args []any, fn func(v va
 }
 
 // query is each without the window arguments.
+// violations reports a violation of check for every row sql (bound to
+// the window, then args) returns, described by describe; what names the
+// query in its error.
+func (a *auditor) violations(ctx context.Context, check int, what, sql string, args []any, describe func(v vals) (string, []Row)) error {
+	err := a.each(ctx, sql, args, func(v vals) error {
+		desc, rows := describe(v)
+		a.violate(check, desc, rows...)
+		return nil
+	})
+	if err != nil {
+		return fmt.Errorf("%s: %w", what, err)
+	}
+	return nil
+}
+
 func (a *auditor) query(ctx context.Context, sql string, args []any, fn func(v vals) error) error {
 	rows, err := a.q.Query(ctx, sql, args...)
 	if err != nil {

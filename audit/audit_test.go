@@ -259,6 +259,16 @@ func wantOnly(t *testing.T, rep *audit.Report, check int) {
 	t.Logf("report:\n%s", text.String())
 }
 
+// wantOne is wantOnly for exactly one violation, whose description
+// contains desc.
+func wantOne(t *testing.T, rep *audit.Report, check int, desc string) {
+	t.Helper()
+	wantOnly(t, rep, check)
+	if got := rep.ViolationsOf(check); len(got) != 1 || !strings.Contains(got[0].Description, desc) {
+		t.Fatalf("got %+v, want one violation of check %d saying %q", got, check, desc)
+	}
+}
+
 func TestAuditCleanHistory(t *testing.T) {
 	t.Parallel()
 	h := cleanHistory(t)
@@ -338,21 +348,13 @@ func TestAuditReportsBrokenHistories(t *testing.T) {
 		h := cleanHistory(t)
 		e := h.leases["E"] // issued, never committed
 		h.execRaw("insert into outbox (job_key, token, event) values ($1, $2, 'forged')", e.JobKey, e.Token)
-		rep := h.audit(audit.Options{})
-		wantOnly(t, rep, audit.CheckReceipts)
-		if got := rep.ViolationsOf(audit.CheckReceipts); len(got) != 1 || !strings.Contains(got[0].Description, "no receipt") {
-			t.Fatalf("got %+v, want one row without receipt", got)
-		}
+		wantOne(t, h.audit(audit.Options{}), audit.CheckReceipts, "no receipt")
 	})
 	t.Run("check2_receipt_without_row", func(t *testing.T) {
 		t.Parallel()
 		h := cleanHistory(t)
 		h.execRaw("delete from outbox where token = $1", h.leases["D"].Token)
-		rep := h.audit(audit.Options{})
-		wantOnly(t, rep, audit.CheckReceipts)
-		if got := rep.ViolationsOf(audit.CheckReceipts); len(got) != 1 || !strings.Contains(got[0].Description, "has no row in outbox") {
-			t.Fatalf("got %+v, want one receipt without its outbox row", got)
-		}
+		wantOne(t, h.audit(audit.Options{}), audit.CheckReceipts, "has no row in outbox")
 	})
 	t.Run("check5_consumer_went_backwards", func(t *testing.T) {
 		t.Parallel()

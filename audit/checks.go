@@ -36,16 +36,12 @@ func (a *auditor) checkStaleCommits(ctx context.Context) error {
 	  and case when ` + rcts + ` is not null and n.commit_ts is not null
 	           then ` + rcts + ` > n.commit_ts
 	           else r.committed_at > n.issued_at end`
-	err := a.each(ctx, sql, nil, func(v vals) error {
-		a.violate(CheckStaleCommit,
-			fmt.Sprintf("job %q: a commit under token %s (epoch %s, step %q) committed after token %s had been issued and committed",
+	if err := a.violations(ctx, CheckStaleCommit, "receipts after a larger token", sql, nil, func(v vals) (string, []Row) {
+		return fmt.Sprintf("job %q: a commit under token %s (epoch %s, step %q) committed after token %s had been issued and committed",
 				v.str("r_job_key"), v.str("r_token"), v.str("r_epoch"), v.str("r_step"), v.str("i_token")),
-			v.row("fence.receipts", "r_", receiptCols...),
-			v.row("fence.issuance", "i_", issuanceCols...))
-		return nil
-	})
-	if err != nil {
-		return fmt.Errorf("receipts after a larger token: %w", err)
+			[]Row{v.row("fence.receipts", "r_", receiptCols...), v.row("fence.issuance", "i_", issuanceCols...)}
+	}); err != nil {
+		return err
 	}
 	if !a.commitTS {
 		return nil
@@ -60,16 +56,12 @@ func (a *auditor) checkStaleCommits(ctx context.Context) error {
 	where ` + window("r.committed_at") + `
 	  and e.closed_at is not null
 	  and pg_xact_commit_timestamp(r.xmin) > pg_xact_commit_timestamp(e.xmin)`
-	err = a.each(ctx, sql, nil, func(v vals) error {
-		a.violate(CheckStaleCommit,
-			fmt.Sprintf("job %q: a commit under token %s committed after its epoch %s had been retired",
+	if err := a.violations(ctx, CheckStaleCommit, "receipts after retirement", sql, nil, func(v vals) (string, []Row) {
+		return fmt.Sprintf("job %q: a commit under token %s committed after its epoch %s had been retired",
 				v.str("r_job_key"), v.str("r_token"), v.str("r_epoch")),
-			v.row("fence.receipts", "r_", receiptCols...),
-			v.row("fence.epochs", "e_", "epoch", "job_key", "closed_at", "last_token", "commit_ts"))
-		return nil
-	})
-	if err != nil {
-		return fmt.Errorf("receipts after retirement: %w", err)
+			[]Row{v.row("fence.receipts", "r_", receiptCols...), v.row("fence.epochs", "e_", "epoch", "job_key", "closed_at", "last_token", "commit_ts")}
+	}); err != nil {
+		return err
 	}
 	return nil
 }
@@ -95,15 +87,12 @@ func (a *auditor) checkReceipts(ctx context.Context) error {
 	where ` + window("r.committed_at") + `
 	group by r.job_key, r.epoch, r.token, r.step
 	having count(*) > 1`
-	err = a.each(ctx, sql, nil, func(v vals) error {
-		a.violate(CheckReceipts,
-			fmt.Sprintf("job %q: %s receipts for epoch %s token %s step %q", v.str("r_job_key"), v.str("r_count"),
+	if err := a.violations(ctx, CheckReceipts, "duplicate receipts", sql, nil, func(v vals) (string, []Row) {
+		return fmt.Sprintf("job %q: %s receipts for epoch %s token %s step %q", v.str("r_job_key"), v.str("r_count"),
 				v.str("r_epoch"), v.str("r_token"), v.str("r_step")),
-			v.row("fence.receipts", "r_", "job_key", "epoch", "token", "step", "count"))
-		return nil
-	})
-	if err != nil {
-		return fmt.Errorf("duplicate receipts: %w", err)
+			[]Row{v.row("fence.receipts", "r_", "job_key", "epoch", "token", "step", "count")}
+	}); err != nil {
+		return err
 	}
 	for _, t := range a.opts.Results {
 		if err := a.checkResultTable(ctx, t); err != nil {
@@ -172,14 +161,11 @@ func (a *auditor) checkResultTable(ctx context.Context, t ResultTable) error {
 	where ` + window("r.committed_at") + `
 	  and r.step = any($3)
 	  and not exists (select 1 from ` + rel + ` t where ` + job + `::text = r.job_key and ` + tok + `::bigint ` + cmp + ` r.token)`
-	err = a.each(ctx, sql, []any{t.Steps}, func(v vals) error {
-		a.violate(CheckReceipts,
-			fmt.Sprintf("job %q: the commit of token %s step %q has no row in %s", v.str("r_job_key"), v.str("r_token"), v.str("r_step"), rel),
-			v.row("fence.receipts", "r_", receiptCols...))
-		return nil
-	})
-	if err != nil {
-		return fmt.Errorf("receipts without row: %w", err)
+	if err := a.violations(ctx, CheckReceipts, "receipts without row", sql, []any{t.Steps}, func(v vals) (string, []Row) {
+		return fmt.Sprintf("job %q: the commit of token %s step %q has no row in %s", v.str("r_job_key"), v.str("r_token"), v.str("r_step"), rel),
+			[]Row{v.row("fence.receipts", "r_", receiptCols...)}
+	}); err != nil {
+		return err
 	}
 	return nil
 }
@@ -353,21 +339,18 @@ func (a *auditor) checkLifecycle(ctx context.Context) error {
 	left join fence.issuance i on i.token = r.token
 	where ` + window("r.committed_at") + `
 	  and (i.token is null or i.job_key <> r.job_key or i.epoch <> r.epoch)`
-	err := a.each(ctx, sql, nil, func(v vals) error {
-		desc := fmt.Sprintf("job %q: receipt for epoch %s token %s, but token %s was issued to job %q in epoch %s",
-			v.str("r_job_key"), v.str("r_epoch"), v.str("r_token"), v.str("r_token"), v.str("i_job_key"), v.str("i_epoch"))
-		rows := []Row{v.row("fence.receipts", "r_", receiptCols...)}
+	err := a.violations(ctx, CheckLifecycle, "receipts against issuance", sql, nil, func(v vals) (string, []Row) {
+		receipt := v.row("fence.receipts", "r_", receiptCols...)
 		if v["i_token"] == nil {
-			desc = fmt.Sprintf("job %q: receipt for epoch %s token %s, but token %s was never issued",
-				v.str("r_job_key"), v.str("r_epoch"), v.str("r_token"), v.str("r_token"))
-		} else {
-			rows = append(rows, v.row("fence.issuance", "i_", issuanceCols...))
+			return fmt.Sprintf("job %q: receipt for epoch %s token %s, but token %s was never issued",
+				v.str("r_job_key"), v.str("r_epoch"), v.str("r_token"), v.str("r_token")), []Row{receipt}
 		}
-		a.violate(CheckLifecycle, desc, rows...)
-		return nil
+		return fmt.Sprintf("job %q: receipt for epoch %s token %s, but token %s was issued to job %q in epoch %s",
+				v.str("r_job_key"), v.str("r_epoch"), v.str("r_token"), v.str("r_token"), v.str("i_job_key"), v.str("i_epoch")),
+			[]Row{receipt, v.row("fence.issuance", "i_", issuanceCols...)}
 	})
 	if err != nil {
-		return fmt.Errorf("receipts against issuance: %w", err)
+		return err
 	}
 
 	ic, pc := a.cts("i"), a.cts("p")

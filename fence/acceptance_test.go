@@ -14,9 +14,7 @@ import (
 // TestAcceptance proves the SQL-level cases of ACCEPTANCE.md through the
 // fence package and the server-side functions alone.
 func TestAcceptance(t *testing.T) {
-	t.Run("A01_stalled_holder_commits_after_takeover_gets_stale", func(t *testing.T) {
-		t.Parallel()
-		e := newEnv(t)
+	runEnv(t, "A01_stalled_holder_commits_after_takeover_gets_stale", func(t *testing.T, e *env) {
 		ctx := ctxT(t)
 		a := e.acquire("report", "A")
 		if a.Token != 17 {
@@ -32,32 +30,15 @@ func TestAcceptance(t *testing.T) {
 		if !fence.IsStale(err) {
 			t.Fatalf("IsStale(%v) = false", err)
 		}
-		if got := e.results(); len(got) != 0 {
-			t.Fatalf("results after A's stale commit: got %v, want none", got)
-		}
-		if n := e.count("select count(*) from audit"); n != 0 {
-			t.Fatalf("audit rows after A's stale commit: got %d, want 0", n)
-		}
-		res, err := writeResult(ctx, e.connect(), pgx.ReadCommitted, b.Generation(""), "B's report")
-		if err != nil || res != fence.Committed {
-			t.Fatalf("B's commit: got %v, %v; want committed", res, err)
-		}
-		if got := e.results()["report"]; got != (result{"B's report", 18}) {
-			t.Fatalf("result: got %+v, want B's report with 18", got)
-		}
+		e.wantNoResults(t)
+		e.wantCount(t, 0, "select count(*) from audit")
+		e.wantWrite(t, e.connect(), pgx.ReadCommitted, b.Generation(""), "B's report", fence.Committed)
+		e.wantResult(t, "report", result{"B's report", 18})
 	})
 
-	t.Run("A02_takeover_waits_for_gated_transaction", func(t *testing.T) {
-		t.Parallel()
-		e := newEnv(t)
+	runEnv(t, "A02_takeover_waits_for_gated_transaction", func(t *testing.T, e *env) {
 		ctx := ctxT(t)
-		a := e.acquire("report", "A")
-		connA := e.connect()
-		txA, err := connA.Begin(ctx)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer txA.Rollback(ctx)
+		a, _, txA := e.holderTx(t)
 		if r, err := fence.Gate(ctx, txA, a.Generation("")); err != nil || r != fence.GateOK {
 			t.Fatalf("A's gate: got %v, %v; want ok", r, err)
 		}
@@ -96,47 +77,26 @@ func TestAcceptance(t *testing.T) {
 		if r.l.Token != 18 {
 			t.Fatalf("B's token: got %d, want 18", r.l.Token)
 		}
-		if got := e.results()["report"]; got != (result{"A's report", 17}) {
-			t.Fatalf("A's result: got %+v, want A's report with 17", got)
-		}
-		res, err := writeResult(ctx, connB, pgx.ReadCommitted, r.l.Generation(""), "B's report")
-		if err != nil || res != fence.Committed {
-			t.Fatalf("B's commit: got %v, %v", res, err)
-		}
-		if got := e.results()["report"]; got != (result{"B's report", 18}) {
-			t.Fatalf("result after B: got %+v, want B's report with 18", got)
-		}
+		e.wantResult(t, "report", result{"A's report", 17})
+		e.wantWrite(t, connB, pgx.ReadCommitted, r.l.Generation(""), "B's report", fence.Committed)
+		e.wantResult(t, "report", result{"B's report", 18})
 	})
 
-	t.Run("A03_takeover_first_stale_commit_rolls_back", func(t *testing.T) {
-		t.Parallel()
-		e := newEnv(t)
+	runEnv(t, "A03_takeover_first_stale_commit_rolls_back", func(t *testing.T, e *env) {
 		ctx := ctxT(t)
-		a := e.acquire("report", "A")
-		connA := e.connect()
-		txA, err := connA.Begin(ctx)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer txA.Rollback(ctx)
+		a, connA, txA := e.holderTx(t)
 		// A has already written to an unprotected table in this transaction.
 		if _, err := txA.Exec(ctx, "insert into audit values ('report', $1, 'started')", a.Token); err != nil {
 			t.Fatal(err)
 		}
 		e.takeover("report", "B") // commits first
-		_, err = fence.Gate(ctx, txA, a.Generation(""))
+		_, err := fence.Gate(ctx, txA, a.Generation(""))
 		wantCode(t, err, fence.CodeStale)
 		txA.Rollback(ctx)
-		if n := e.count("select count(*) from audit"); n != 0 {
-			t.Fatalf("audit rows of A's rolled-back transaction: got %d, want 0", n)
-		}
+		e.wantCount(t, 0, "select count(*) from audit")
 		// The same through the backstop alone: A writes the protected table
 		// with its metadata set but never calls fence.gate.
-		txA2, err := connA.Begin(ctx)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer txA2.Rollback(ctx)
+		txA2 := begin(t, connA, "")
 		if err := setGUCs(ctx, txA2, a.Generation("")); err != nil {
 			t.Fatal(err)
 		}
@@ -146,119 +106,71 @@ func TestAcceptance(t *testing.T) {
 		_, err = txA2.Exec(ctx, upsertSQL, "report", "A's report", a.Token)
 		wantCode(t, err, fence.CodeStale)
 		txA2.Rollback(ctx)
-		if got := e.results(); len(got) != 0 {
-			t.Fatalf("results: got %v, want none", got)
-		}
-		if n := e.count("select count(*) from audit"); n != 0 {
-			t.Fatalf("audit rows: got %d, want 0", n)
-		}
+		e.wantNoResults(t)
+		e.wantCount(t, 0, "select count(*) from audit")
 	})
 
-	t.Run("A04_lost_commit_response_retry_is_replay", func(t *testing.T) {
-		t.Parallel()
-		for _, iso := range isoLevels {
-			t.Run(isoName(iso), func(t *testing.T) {
-				e := newEnv(t)
-				ctx := ctxT(t)
-				a := e.acquire("report", "A")
-				g := a.Generation("")
-				commitAndLoseResponse(t, e, g, "A's report")
-				if got := e.results()["report"]; got != (result{"A's report", 17}) {
-					t.Fatalf("first commit did not land: got %+v", got)
-				}
-				// A retries the same payload on a new connection.
-				res, err := writeResult(ctx, e.connect(), iso, g, "A's report")
-				if err != nil {
-					t.Fatalf("retry: %v", err)
-				}
-				if res != fence.Replayed {
-					t.Fatalf("retry: got %v, want replayed", res)
-				}
-				if n := e.count("select count(*) from audit"); n != 1 {
-					t.Fatalf("audit rows: got %d, want 1 (applied once)", n)
-				}
-				if n := e.count("select count(*) from fence.receipts"); n != 1 {
-					t.Fatalf("receipts: got %d, want 1", n)
-				}
-			})
-		}
-	})
-
-	t.Run("A05_same_token_different_payload_conflicts", func(t *testing.T) {
-		t.Parallel()
-		for _, iso := range isoLevels {
-			t.Run(isoName(iso), func(t *testing.T) {
-				e := newEnv(t)
-				ctx := ctxT(t)
-				g := e.acquire("report", "A").Generation("")
-				if res, err := writeResult(ctx, e.connect(), iso, g, "first"); err != nil || res != fence.Committed {
-					t.Fatalf("first commit: got %v, %v", res, err)
-				}
-				// A non-deterministic recomputation: same token, other payload.
-				// The upsert uses <=, so without the receipt it would silently
-				// overwrite the first result.
-				_, err := fence.RunTxOptions(ctx, e.connect(), pgx.TxOptions{IsoLevel: iso}, g, []byte("second"), func(ctx context.Context, tx pgx.Tx) error {
-					_, err := tx.Exec(ctx, `update results set payload = 'second' where job_key = 'report' and token <= $1`, g.Token)
-					return err
-				})
-				wantFenceError(t, err, fence.CodeConflict)
-				if !fence.IsConflict(err) {
-					t.Fatalf("IsConflict(%v) = false", err)
-				}
-				if got := e.results()["report"]; got != (result{"first", 17}) {
-					t.Fatalf("first result: got %+v, want intact", got)
-				}
-				if n := e.count("select count(*) from fence.receipts"); n != 1 {
-					t.Fatalf("receipts: got %d, want 1", n)
-				}
-				// Without Gate: the write runs (the backstop sees a replay),
-				// then fence.commit finds the other digest and rolls it all back.
-				conn := e.connect()
-				tx, err := conn.BeginTx(ctx, pgx.TxOptions{IsoLevel: iso})
-				if err != nil {
-					t.Fatal(err)
-				}
-				defer tx.Rollback(ctx)
-				if err := setGUCs(ctx, tx, g); err != nil {
-					t.Fatal(err)
-				}
-				if _, err := tx.Exec(ctx, `update results set payload = 'third' where job_key = 'report'`); err != nil {
-					t.Fatalf("write in replay mode: %v", err)
-				}
-				_, err = fence.Commit(ctx, tx, g, fence.PayloadDigest([]byte("third")), fence.PayloadDigestVersion)
-				wantFenceError(t, err, fence.CodeConflict)
-				tx.Rollback(ctx)
-				if got := e.results()["report"]; got != (result{"first", 17}) {
-					t.Fatalf("first result after a direct conflicting commit: got %+v, want intact", got)
-				}
-			})
-		}
-	})
-
-	t.Run("A06_retry_after_takeover_is_replay_not_stale", func(t *testing.T) {
-		t.Parallel()
-		e := newEnv(t)
+	eachIso(t, "A04_lost_commit_response_retry_is_replay", func(t *testing.T, e *env, iso pgx.TxIsoLevel) {
 		ctx := ctxT(t)
-		g := e.acquire("report", "A").Generation("")
-		if res, err := writeResult(ctx, e.connect(), pgx.ReadCommitted, g, "A's report"); err != nil || res != fence.Committed {
-			t.Fatalf("A's commit: got %v, %v", res, err)
+		a := e.acquire("report", "A")
+		g := a.Generation("")
+		commitAndLoseResponse(t, e, g, "A's report")
+		e.wantResult(t, "report", result{"A's report", 17})
+		// A retries the same payload on a new connection.
+		res, err := writeResult(ctx, e.connect(), iso, g, "A's report")
+		if err != nil {
+			t.Fatalf("retry: %v", err)
 		}
+		if res != fence.Replayed {
+			t.Fatalf("retry: got %v, want replayed", res)
+		}
+		e.wantCount(t, 1, "select count(*) from audit")
+		e.wantCount(t, 1, "select count(*) from fence.receipts")
+	})
+
+	eachIso(t, "A05_same_token_different_payload_conflicts", func(t *testing.T, e *env, iso pgx.TxIsoLevel) {
+		ctx := ctxT(t)
+		g := e.committed(t, iso, "first")
+		// A non-deterministic recomputation: same token, other payload.
+		// The upsert uses <=, so without the receipt it would silently
+		// overwrite the first result.
+		_, err := fence.RunTxOptions(ctx, e.connect(), pgx.TxOptions{IsoLevel: iso}, g, []byte("second"), func(ctx context.Context, tx pgx.Tx) error {
+			_, err := tx.Exec(ctx, `update results set payload = 'second' where job_key = 'report' and token <= $1`, g.Token)
+			return err
+		})
+		wantFenceError(t, err, fence.CodeConflict)
+		if !fence.IsConflict(err) {
+			t.Fatalf("IsConflict(%v) = false", err)
+		}
+		e.wantResult(t, "report", result{"first", 17})
+		e.wantCount(t, 1, "select count(*) from fence.receipts")
+		// Without Gate: the write runs (the backstop sees a replay),
+		// then fence.commit finds the other digest and rolls it all back.
+		conn := e.connect()
+		tx := begin(t, conn, iso)
+		if err := setGUCs(ctx, tx, g); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := tx.Exec(ctx, `update results set payload = 'third' where job_key = 'report'`); err != nil {
+			t.Fatalf("write in replay mode: %v", err)
+		}
+		_, err = fence.Commit(ctx, tx, g, fence.PayloadDigest([]byte("third")), fence.PayloadDigestVersion)
+		wantFenceError(t, err, fence.CodeConflict)
+		tx.Rollback(ctx)
+		e.wantResult(t, "report", result{"first", 17})
+	})
+
+	runEnv(t, "A06_retry_after_takeover_is_replay_not_stale", func(t *testing.T, e *env) {
+		g := e.committed(t, pgx.ReadCommitted, "A's report")
 		b := e.takeover("report", "B")
 		if b.Token != 18 {
 			t.Fatalf("B's token: got %d, want 18", b.Token)
 		}
-		res, err := writeResult(ctx, e.connect(), pgx.ReadCommitted, g, "A's report")
-		if err != nil || res != fence.Replayed {
-			t.Fatalf("A's retry with 17 after takeover: got %v, %v; want replayed", res, err)
-		}
-		if n := e.count("select count(*) from audit"); n != 1 {
-			t.Fatalf("audit rows: got %d, want 1", n)
-		}
+		e.wantWrite(t, e.connect(), pgx.ReadCommitted, g, "A's report", fence.Replayed)
+		e.wantCount(t, 1, "select count(*) from audit")
 	})
 
-	t.Run("A07_no_receipt_and_fence_moved_is_stale", func(t *testing.T) {
-		t.Parallel()
-		e := newEnv(t)
+	runEnv(t, "A07_no_receipt_and_fence_moved_is_stale", func(t *testing.T, e *env) {
 		ctx := ctxT(t)
 		g := e.acquire("report", "A").Generation("")
 		e.takeover("report", "B")
@@ -267,20 +179,14 @@ func TestAcceptance(t *testing.T) {
 		if res == fence.Replayed {
 			t.Fatal("a generation that never committed was answered as a replay")
 		}
-		if got := e.results(); len(got) != 0 {
-			t.Fatalf("results: got %v, want none", got)
-		}
+		e.wantNoResults(t)
 	})
 
-	t.Run("A10_request_from_retired_lifecycle_is_rejected", func(t *testing.T) {
-		t.Parallel()
-		e := newEnv(t)
+	runEnv(t, "A10_request_from_retired_lifecycle_is_rejected", func(t *testing.T, e *env) {
 		ctx := ctxT(t)
 		old := e.acquire("report", "A")
 		oldG := old.Generation("")
-		if res, err := writeResult(ctx, e.connect(), pgx.ReadCommitted, oldG, "old"); err != nil || res != fence.Committed {
-			t.Fatalf("old lifecycle commit: %v, %v", res, err)
-		}
+		e.wantWrite(t, e.connect(), pgx.ReadCommitted, oldG, "old", fence.Committed)
 		// A request saved before the clean-up, for a second step.
 		saved := old.Generation("late-step")
 
@@ -314,25 +220,14 @@ func TestAcceptance(t *testing.T) {
 			_, err = writeResult(ctx, e.connect(), pgx.ReadCommitted, g, "old")
 			wantFenceError(t, err, fence.CodeRetired)
 		}
-		if got := e.results(); len(got) != 0 {
-			t.Fatalf("old request landed in the new lifecycle: %v", got)
-		}
-		if res, err := writeResult(ctx, e.connect(), pgx.ReadCommitted, nu.Generation(""), "new"); err != nil || res != fence.Committed {
-			t.Fatalf("new lifecycle commit: %v, %v", res, err)
-		}
-		if got := e.results()["report"]; got != (result{"new", nu.Token}) {
-			t.Fatalf("result: got %+v", got)
-		}
+		e.wantNoResults(t)
+		e.wantWrite(t, e.connect(), pgx.ReadCommitted, nu.Generation(""), "new", fence.Committed)
+		e.wantResult(t, "report", result{"new", nu.Token})
 	})
 
-	t.Run("A11_pruned_receipt_retry_cannot_be_confirmed", func(t *testing.T) {
-		t.Parallel()
-		e := newEnv(t)
+	runEnv(t, "A11_pruned_receipt_retry_cannot_be_confirmed", func(t *testing.T, e *env) {
 		ctx := ctxT(t)
-		g := e.acquire("report", "A").Generation("")
-		if res, err := writeResult(ctx, e.connect(), pgx.ReadCommitted, g, "A's report"); err != nil || res != fence.Committed {
-			t.Fatalf("commit: %v, %v", res, err)
-		}
+		g := e.committed(t, pgx.ReadCommitted, "A's report")
 		// The current generation is never pruned.
 		if n, err := fence.GC(ctx, e.admin, 0); err != nil || n != 0 {
 			t.Fatalf("gc of a current generation: got %d, %v; want 0", n, err)
@@ -349,17 +244,11 @@ func TestAcceptance(t *testing.T) {
 		if res == fence.Committed {
 			t.Fatal("a pruned generation was treated as a first commit")
 		}
-		if n := e.count("select count(*) from audit"); n != 1 {
-			t.Fatalf("audit rows: got %d, want 1", n)
-		}
-		if n := e.count("select count(*) from fence.receipts"); n != 0 {
-			t.Fatalf("receipts: got %d, want 0 (the retry must not write one)", n)
-		}
+		e.wantCount(t, 1, "select count(*) from audit")
+		e.wantCount(t, 0, "select count(*) from fence.receipts")
 	})
 
-	t.Run("A12_consumer_rejects_older_and_retired_generations", func(t *testing.T) {
-		t.Parallel()
-		e := newEnv(t)
+	runEnv(t, "A12_consumer_rejects_older_and_retired_generations", func(t *testing.T, e *env) {
 		ctx := ctxT(t)
 		e.exec("create table applied (job_key text, epoch bigint, token bigint)")
 		l17 := e.acquire("report", "A")
@@ -437,9 +326,7 @@ func TestAcceptance(t *testing.T) {
 		}
 	})
 
-	t.Run("A17_lease_held_stale_renew_and_acquire_after_expiry", func(t *testing.T) {
-		t.Parallel()
-		e := newEnv(t)
+	runEnv(t, "A17_lease_held_stale_renew_and_acquire_after_expiry", func(t *testing.T, e *env) {
 		ctx := ctxT(t)
 		a := e.acquire("report", "A")
 		_, err := fence.Acquire(ctx, e.admin, "report", "B", time.Minute)
@@ -489,13 +376,7 @@ func commitAndLoseResponse(t *testing.T, e *env, g fence.Generation, payload str
 	t.Helper()
 	ctx := ctxT(t)
 	conn := e.connect()
-	tx, err := conn.Begin(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if r, err := fence.Gate(ctx, tx, g); err != nil || r != fence.GateOK {
-		t.Fatalf("gate: %v, %v", r, err)
-	}
+	tx := beginGated(t, ctx, conn, g)
 	if _, err := tx.Exec(ctx, upsertSQL, g.JobKey, payload, g.Token); err != nil {
 		t.Fatal(err)
 	}
@@ -512,7 +393,7 @@ func commitAndLoseResponse(t *testing.T, e *env, g fence.Generation, payload str
 		t.Fatal(err)
 	}
 	// Wait until the COMMIT took effect, then cut the connection unread.
-	err = pgtest.Poll(ctx, func() (bool, error) {
+	err := pgtest.Poll(ctx, func() (bool, error) {
 		var n int
 		err := e.admin.QueryRow(ctx, `select count(*) from fence.receipts r where r.job_key = $1 and r.token = $2`, g.JobKey, g.Token).Scan(&n)
 		return n == 1, err

@@ -63,9 +63,7 @@ func TestBackstop(t *testing.T) {
 	if got := e.results(); len(got) != 1 {
 		t.Fatalf("results after refused writes: got %v, want only the seeded row", got)
 	}
-	if n := e.count("select count(*) from steps"); n != 1 {
-		t.Fatalf("steps after refused cascades: got %d, want 1", n)
-	}
+	e.wantCount(t, 1, "select count(*) from steps")
 
 	t.Run("malformed_metadata", func(t *testing.T) {
 		c := e.connect()
@@ -113,9 +111,7 @@ func TestBackstop(t *testing.T) {
 }
 
 func TestBackstopRowScope(t *testing.T) {
-	t.Parallel()
-	e := newEnv(t)
-	ctx := ctxT(t)
+	e, ctx := parallelEnv(t)
 	e.exec("create table outputs (job_key text not null, v int); select fence.protect('outputs', 'job_key')")
 	a := e.acquire("a", "w")
 	b := e.acquire("b", "w")
@@ -141,21 +137,14 @@ func TestBackstopRowScope(t *testing.T) {
 	wantCode(t, err, fence.CodeFencingRequired)
 	_, err = c.Exec(ctx, "update outputs set v = 3 where job_key = 'b'")
 	wantCode(t, err, fence.CodeFencingRequired)
-	if n := e.count("select count(*) from outputs where job_key = 'b' and v = 2"); n != 1 {
-		t.Fatalf("b's row: got %d, want 1 untouched", n)
-	}
+	e.wantCount(t, 1, "select count(*) from outputs where job_key = 'b' and v = 2")
 }
 
 // TestReplayGuard: a transaction that gate declared a replay can never
 // commit, even on a direct connection that never calls fence.commit.
 func TestReplayGuard(t *testing.T) {
-	t.Parallel()
-	e := newEnv(t)
-	ctx := ctxT(t)
-	g := e.acquire("report", "A").Generation("")
-	if res, err := writeResult(ctx, e.connect(), pgx.ReadCommitted, g, "first"); err != nil || res != fence.Committed {
-		t.Fatalf("first commit: %v, %v", res, err)
-	}
+	e, ctx := parallelEnv(t)
+	g := e.committed(t, pgx.ReadCommitted, "first")
 	for _, immediate := range []bool{false, true} {
 		c := e.connect()
 		tx, err := c.Begin(ctx)
@@ -186,33 +175,22 @@ func TestReplayGuard(t *testing.T) {
 		err = tx.Commit(ctx)
 		wantCode(t, err, fence.CodeReplay)
 	}
-	if got := e.results()["report"]; got != (result{"first", 17}) {
-		t.Fatalf("result: got %+v, want first", got)
-	}
-	if n := e.count("select count(*) from audit"); n != 1 {
-		t.Fatalf("audit: got %d, want 1", n)
-	}
-	if n := e.count("select count(*) from fence.replay_guards"); n != 0 {
-		t.Fatalf("replay guards committed: %d", n)
-	}
+	e.wantResult(t, "report", result{"first", 17})
+	e.wantCount(t, 1, "select count(*) from audit")
+	e.wantCount(t, 0, "select count(*) from fence.replay_guards")
 }
 
 // TestPrivileges: a worker role calls the protocol but cannot touch the
 // fence tables or the administrative functions.
 func TestPrivileges(t *testing.T) {
-	t.Parallel()
-	e := newEnv(t)
-	ctx := ctxT(t)
+	e, ctx := parallelEnv(t)
 	e.exec("create role w login; grant pgfence_worker to w; grant select, insert, update on results, audit to w")
 	c := e.connectAs("w")
 	l, err := fence.Acquire(ctx, c, "report", "w", time.Minute)
 	if err != nil {
 		t.Fatalf("worker acquire: %v", err)
 	}
-	res, err := writeResult(ctx, c, pgx.ReadCommitted, l.Generation(""), "by worker")
-	if err != nil || res != fence.Committed {
-		t.Fatalf("worker gated commit: %v, %v", res, err)
-	}
+	e.wantWrite(t, c, pgx.ReadCommitted, l.Generation(""), "by worker", fence.Committed)
 	if _, err := fence.Renew(ctx, c, "report", l.Token, time.Minute); err != nil {
 		t.Fatalf("worker renew: %v", err)
 	}
@@ -263,15 +241,11 @@ func TestPrivileges(t *testing.T) {
 	p2 := e.acquire("plain-job", "admin")
 	_, err = p.Exec(ctx, "reset all; "+setSQL(p2.Generation(""))+"; insert into results values ('p', 'p', 1)")
 	wantCode(t, err, fence.CodeNotOwner)
-	if n := e.count("select count(*) from results where job_key = 'p'"); n != 0 {
-		t.Fatalf("plain role's write under another role's generation: %d rows", n)
-	}
+	e.wantCount(t, 0, "select count(*) from results where job_key = 'p'")
 }
 
 func TestBadInput(t *testing.T) {
-	t.Parallel()
-	e := newEnv(t)
-	ctx := ctxT(t)
+	e, ctx := parallelEnv(t)
 	db := e.admin
 	acq := func(job, holder string, ttl time.Duration) error {
 		_, err := fence.Acquire(ctx, db, job, holder, ttl)
@@ -285,9 +259,7 @@ func TestBadInput(t *testing.T) {
 	wantCode(t, acq("job", "", time.Minute), "22023")
 	wantCode(t, acq("job", "w", 0), "22023")
 	wantCode(t, acq("job", "w", -time.Second), "22023")
-	if n := e.count("select count(*) from fence.fences where job_key = 'job'"); n != 0 {
-		t.Fatalf("fence row after refused acquires: %d", n)
-	}
+	e.wantCount(t, 0, "select count(*) from fence.fences where job_key = 'job'")
 	_, err := fence.Renew(ctx, db, "nope", 1, time.Minute)
 	wantFenceError(t, err, fence.CodeUnknownJob)
 	wantFenceError(t, fence.Release(ctx, db, "nope", 1), fence.CodeUnknownJob)
@@ -350,9 +322,7 @@ func TestBadInput(t *testing.T) {
 // TestProtectNotifies: protect and unprotect announce the table to the
 // proxies listening on pgfence_protected; acquire announces takeovers.
 func TestNotifications(t *testing.T) {
-	t.Parallel()
-	e := newEnv(t)
-	ctx := ctxT(t)
+	e, ctx := parallelEnv(t)
 	e.exec("create table t2 (x int)")
 	l := e.connect()
 	if _, err := l.Exec(ctx, "listen pgfence_protected; listen pgfence_takeover"); err != nil {

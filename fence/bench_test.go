@@ -11,6 +11,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/pgfence/pgfence/fence"
+	"github.com/pgfence/pgfence/internal/pgtest"
 	"github.com/pgfence/pgfence/internal/seedbench"
 )
 
@@ -29,19 +30,7 @@ import (
 // cycles; fence-ns/op, seed-ns/op and fence/seed are the figures to read.
 func BenchmarkGateVsSeed(b *testing.B) {
 	ctx := context.Background()
-	db := cluster.NewDatabase(b)
-	conn, err := cluster.Primary.Connect(ctx, db)
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer conn.Close(ctx)
-	if _, err := conn.Exec(ctx, demoSchema+seedbench.Schema); err != nil {
-		b.Fatal(err)
-	}
-	l, err := fence.Acquire(ctx, conn, "bench-job", "bench", time.Hour)
-	if err != nil {
-		b.Fatal(err)
-	}
+	conn, l := benchConn(b, demoSchema+seedbench.Schema)
 	const payload = "benchmark payload"
 	var d fence.Digest
 	params := []fence.Param{{TypeOID: 25, Value: []byte(l.JobKey)}, {TypeOID: 25, Value: []byte(payload)}, {TypeOID: 20, Value: []byte(strconv.FormatInt(l.Token, 10))}}
@@ -49,13 +38,7 @@ func BenchmarkGateVsSeed(b *testing.B) {
 
 	fenceCycle := func(i int) {
 		g := l.Generation(string(strconv.AppendInt(step[:0], int64(i), 10)))
-		tx, err := conn.Begin(ctx)
-		if err != nil {
-			b.Fatal(err)
-		}
-		if r, err := fence.Gate(ctx, tx, g); err != nil || r != fence.GateOK {
-			b.Fatalf("gate: %v, %v", r, err)
-		}
+		tx := beginGated(b, ctx, conn, g)
 		if _, err := tx.Exec(ctx, upsertSQL, l.JobKey, payload, l.Token); err != nil {
 			b.Fatal(err)
 		}
@@ -79,11 +62,7 @@ func BenchmarkGateVsSeed(b *testing.B) {
 	if i == 0 {
 		return
 	}
-	seedNs, fenceNs := ns[0], ns[1]
-	b.ReportMetric(fenceNs, "fence-ns/op")
-	b.ReportMetric(seedNs, "seed-ns/op")
-	b.ReportMetric(fenceNs/seedNs, "fence/seed")
-	b.Logf("gate+upsert+commit: fence %.0f ns/op, seed %.0f ns/op, ratio %.2f (n=%d)", fenceNs, seedNs, fenceNs/seedNs, i)
+	reportRatio(b, "gate+upsert+commit", "fence", ns[1], "seed", ns[0], "fence/seed", i)
 }
 
 // BenchmarkReplayTrigger measures what the pgfence_replay row trigger costs
@@ -93,26 +72,14 @@ func BenchmarkGateVsSeed(b *testing.B) {
 // the two tables' statement times, overhead the ratio.
 func BenchmarkReplayTrigger(b *testing.B) {
 	ctx := context.Background()
-	db := cluster.NewDatabase(b)
-	conn, err := cluster.Primary.Connect(ctx, db)
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer conn.Close(ctx)
-	if _, err := conn.Exec(ctx, demoSchema+`
+	conn, l := benchConn(b, demoSchema+`
 create table rt_on (k int primary key, job_key text not null, token bigint not null);
 create table rt_off (k int primary key, job_key text not null, token bigint not null);
 insert into rt_on select g, 'bench-job', 0 from generate_series(1, 100) g;
 insert into rt_off select g, 'bench-job', 0 from generate_series(1, 100) g;
 select fence.protect('rt_on'), fence.protect('rt_off');
 alter table rt_off disable trigger pgfence_replay;
-`); err != nil {
-		b.Fatal(err)
-	}
-	l, err := fence.Acquire(ctx, conn, "bench-job", "bench", time.Hour)
-	if err != nil {
-		b.Fatal(err)
-	}
+`)
 	stmts := func(tbl string) []string {
 		return []string{
 			"update " + tbl + " set token = $1",
@@ -122,14 +89,8 @@ alter table rt_off disable trigger pgfence_replay;
 	on, off := stmts("rt_on"), stmts("rt_off")
 	var withTime, withoutTime time.Duration
 	run := func(i int, measure bool) {
-		tx, err := conn.Begin(ctx)
-		if err != nil {
-			b.Fatal(err)
-		}
+		tx := beginGated(b, ctx, conn, l.Generation(strconv.Itoa(i)))
 		defer tx.Rollback(ctx)
-		if r, err := fence.Gate(ctx, tx, l.Generation(strconv.Itoa(i))); err != nil || r != fence.GateOK {
-			b.Fatalf("gate: %v, %v", r, err)
-		}
 		for j := range on {
 			// alternate which table goes first
 			first, second, ft, st := on[j], off[j], &withTime, &withoutTime
@@ -162,12 +123,8 @@ alter table rt_off disable trigger pgfence_replay;
 	if i == 0 {
 		return
 	}
-	w := float64(withTime.Nanoseconds()) / float64(i)
-	wo := float64(withoutTime.Nanoseconds()) / float64(i)
-	b.ReportMetric(w, "with-ns/op")
-	b.ReportMetric(wo, "without-ns/op")
-	b.ReportMetric(w/wo, "overhead")
-	b.Logf("100-row update + upsert: with pgfence_replay %.0f ns/op, without %.0f ns/op, ratio %.3f (n=%d)", w, wo, w/wo, i)
+	reportRatio(b, "100-row update + upsert, with and without pgfence_replay",
+		"with", float64(withTime.Nanoseconds())/float64(i), "without", float64(withoutTime.Nanoseconds())/float64(i), "overhead", i)
 }
 
 // BenchmarkPartitionedBackstop measures what the backstop costs a bulk
@@ -183,36 +140,26 @@ alter table rt_off disable trigger pgfence_replay;
 // option they had, so the same benchmark measures both.
 func BenchmarkPartitionedBackstop(b *testing.B) {
 	ctx := context.Background()
-	db := cluster.NewDatabase(b)
-	conn, err := cluster.Primary.Connect(ctx, db)
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer conn.Close(ctx)
+	var trees string
 	for _, tree := range []string{"pt_on", "pt_off"} {
-		if _, err := conn.Exec(ctx, strings.ReplaceAll(`
+		trees += strings.ReplaceAll(`
 create table T (k int not null, job_key text not null, v text not null) partition by range (k);
 create table T_1 partition of T for values from (0) to (2500);
 create table T_2 partition of T for values from (2500) to (5000);
 create table T_3 partition of T for values from (5000) to (10001) partition by range (k);
 create table T_3a partition of T_3 for values from (5000) to (7500);
 create table T_3b partition of T_3 for values from (7500) to (10001);
-`, "T", tree)); err != nil {
-			b.Fatal(err)
-		}
+`, "T", tree)
 	}
+	conn, l := benchConn(b, trees)
 	if _, err := conn.Exec(ctx, "select fence.protect('pt_on')"); err != nil {
-		if pgCode(err) != "42809" {
+		if pgtest.SQLState(err) != "42809" {
 			b.Fatal(err)
 		}
 		if _, err := conn.Exec(ctx, "select fence.protect(t) from unnest(array['pt_on_1', 'pt_on_2', 'pt_on_3a', 'pt_on_3b']::regclass[]) t"); err != nil {
 			b.Fatal(err)
 		}
 		b.Log("protect: partitioned tables refused; protected the leaf partitions")
-	}
-	l, err := fence.Acquire(ctx, conn, "bench-job", "bench", time.Hour)
-	if err != nil {
-		b.Fatal(err)
 	}
 	rows := make([][]any, 10000)
 	for i := range rows {
@@ -237,14 +184,8 @@ create table T_3b partition of T_3 for values from (7500) to (10001);
 		b.Run(bc.name, func(b *testing.B) {
 			cycle := func(tree string) func(i int) {
 				return func(i int) {
-					tx, err := conn.Begin(ctx)
-					if err != nil {
-						b.Fatal(err)
-					}
+					tx := beginGated(b, ctx, conn, l.Generation(""))
 					defer tx.Rollback(ctx)
-					if r, err := fence.Gate(ctx, tx, l.Generation("")); err != nil || r != fence.GateOK {
-						b.Fatalf("gate: %v, %v", r, err)
-					}
 					if err := bc.write(tx, tree); err != nil {
 						b.Fatal(err)
 					}
@@ -271,12 +212,31 @@ create table T_3b partition of T_3 for values from (7500) to (10001);
 			if i == 0 {
 				return
 			}
-			ns[0] /= float64(i)
-			ns[1] /= float64(i)
-			b.ReportMetric(ns[0], "protected-ns/op")
-			b.ReportMetric(ns[1], "plain-ns/op")
-			b.ReportMetric(ns[0]/ns[1], "overhead")
-			b.Logf("10,000 rows into a partitioned table by %s: protected %.0f ns/op, unprotected %.0f ns/op, ratio %.3f (n=%d)", bc.name, ns[0], ns[1], ns[0]/ns[1], i)
+			reportRatio(b, "10,000 rows into a partitioned table by "+bc.name,
+				"protected", ns[0]/float64(i), "plain", ns[1]/float64(i), "overhead", i)
 		})
 	}
+}
+
+// benchConn is a connection to a fresh database with schema, and the lease
+// of job "bench-job" acquired on it.
+func benchConn(b *testing.B, schema string) (*pgx.Conn, fence.Lease) {
+	b.Helper()
+	conn := cluster.Primary.MustConnect(b, cluster.NewDatabaseWith(b, schema))
+	l, err := fence.Acquire(context.Background(), conn, "bench-job", "bench", time.Hour)
+	if err != nil {
+		b.Fatal(err)
+	}
+	return conn, l
+}
+
+// reportRatio reports x and y, the ns/op of two ways of doing what, as the
+// metrics xName-ns/op and yName-ns/op and their ratio x/y as ratio, and
+// logs them (n iterations).
+func reportRatio(b *testing.B, what, xName string, x float64, yName string, y float64, ratio string, n int) {
+	b.Helper()
+	b.ReportMetric(x, xName+"-ns/op")
+	b.ReportMetric(y, yName+"-ns/op")
+	b.ReportMetric(x/y, ratio)
+	b.Logf("%s: %s %.0f ns/op, %s %.0f ns/op, ratio %.3f (n=%d)", what, xName, x, yName, y, x/y, n)
 }

@@ -10,7 +10,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
+
 	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/internal/pgtest"
 	"github.com/pgfence/pgfence/migrations"
@@ -60,6 +60,46 @@ func newEnv(t *testing.T) *env {
 		t.Fatalf("demo schema: %v", err)
 	}
 	return e
+}
+
+// parallelEnv marks t parallel and returns a fresh env and t's context.
+func parallelEnv(t *testing.T) (*env, context.Context) {
+	t.Helper()
+	t.Parallel()
+	return newEnv(t), ctxT(t)
+}
+
+// runEnv runs f as the parallel subtest name of t, in a fresh env.
+func runEnv(t *testing.T, name string, f func(t *testing.T, e *env)) {
+	t.Helper()
+	t.Run(name, func(t *testing.T) {
+		t.Parallel()
+		f(t, newEnv(t))
+	})
+}
+
+// eachIso runs f once per isolation level of isoLevels, each in a fresh
+// env, as the subtests of the parallel subtest name.
+func eachIso(t *testing.T, name string, f func(t *testing.T, e *env, iso pgx.TxIsoLevel)) {
+	t.Helper()
+	t.Run(name, func(t *testing.T) {
+		t.Parallel()
+		for _, iso := range isoLevels {
+			t.Run(isoName(iso), func(t *testing.T) { f(t, newEnv(t), iso) })
+		}
+	})
+}
+
+// begin begins a transaction on conn at iso; it is rolled back when t
+// ends unless it ended before.
+func begin(t *testing.T, conn *pgx.Conn, iso pgx.TxIsoLevel) pgx.Tx {
+	t.Helper()
+	tx, err := conn.BeginTx(ctxT(t), pgx.TxOptions{IsoLevel: iso})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { tx.Rollback(context.Background()) })
+	return tx
 }
 
 func (e *env) connect() *pgx.Conn { return e.connectAs("") }
@@ -147,6 +187,72 @@ func (e *env) count(sql string, args ...any) int {
 	return n
 }
 
+// wantCount checks that sql counts want rows.
+func (e *env) wantCount(t *testing.T, want int, sql string, args ...any) {
+	t.Helper()
+	if n := e.count(sql, args...); n != want {
+		t.Fatalf("%s: got %d, want %d", sql, n, want)
+	}
+}
+
+// wantResult checks job's row in the results table.
+func (e *env) wantResult(t *testing.T, job string, want result) {
+	t.Helper()
+	if got, ok := e.results()[job]; !ok || got != want {
+		t.Fatalf("result of %s: got %+v (present %v), want %+v", job, got, ok, want)
+	}
+}
+
+// wantNoResults checks that the results table is empty.
+func (e *env) wantNoResults(t *testing.T) {
+	t.Helper()
+	if got := e.results(); len(got) != 0 {
+		t.Fatalf("results: got %v, want none", got)
+	}
+}
+
+// wantWrite is writeResult of payload under g on conn at iso, which must
+// end as want.
+func (e *env) wantWrite(t *testing.T, conn *pgx.Conn, iso pgx.TxIsoLevel, g fence.Generation, payload string, want fence.CommitResult) {
+	t.Helper()
+	if res, err := writeResult(ctxT(t), conn, iso, g, payload); err != nil || res != want {
+		t.Fatalf("writeResult %q under token %d: got %v, %v; want %v", payload, g.Token, res, err, want)
+	}
+}
+
+// committed is holder A's generation of job "report", whose result
+// payload committed at iso.
+func (e *env) committed(t *testing.T, iso pgx.TxIsoLevel, payload string) fence.Generation {
+	t.Helper()
+	g := e.acquire("report", "A").Generation("")
+	e.wantWrite(t, e.connect(), iso, g, payload, fence.Committed)
+	return g
+}
+
+// holderTx is holder A's lease of job "report" and a transaction begun
+// on a connection of A's own (rolled back when t ends).
+func (e *env) holderTx(t *testing.T) (fence.Lease, *pgx.Conn, pgx.Tx) {
+	t.Helper()
+	a := e.acquire("report", "A")
+	conn := e.connect()
+	return a, conn, begin(t, conn, "")
+}
+
+// beginGated begins a transaction on conn and gates it as g, which must
+// be answered GateOK.
+func beginGated(tb testing.TB, ctx context.Context, conn *pgx.Conn, g fence.Generation) pgx.Tx {
+	tb.Helper()
+	tx, err := conn.Begin(ctx)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	if r, err := fence.Gate(ctx, tx, g); err != nil || r != fence.GateOK {
+		tx.Rollback(ctx)
+		tb.Fatalf("gate: %v, %v", r, err)
+	}
+	return tx
+}
+
 // writeResult is a worker's gated transaction: the protected upsert and an
 // unprotected audit row, committed with a receipt of payload.
 func writeResult(ctx context.Context, conn *pgx.Conn, iso pgx.TxIsoLevel, g fence.Generation, payload string) (fence.CommitResult, error) {
@@ -183,7 +289,7 @@ func wantCode(t *testing.T, err error, code string) {
 	if err == nil {
 		t.Fatalf("got no error, want SQLSTATE %s", code)
 	}
-	if got := pgCode(err); got != code {
+	if got := pgtest.SQLState(err); got != code {
 		t.Fatalf("got %v, want SQLSTATE %s", err, code)
 	}
 }
@@ -200,15 +306,6 @@ func wantFenceError(t *testing.T, err error, code string) {
 	if fe.Code != code || fe.Message == "" || fe.Hint == "" {
 		t.Fatalf("fence.Error: got code %q message %q hint %q, want code %s with a message and a hint", fe.Code, fe.Message, fe.Hint, code)
 	}
-}
-
-// pgCode returns the SQLSTATE of err ("" if none).
-func pgCode(err error) string {
-	var pg *pgconn.PgError
-	if errors.As(err, &pg) {
-		return pg.Code
-	}
-	return ""
 }
 
 var isoLevels = []pgx.TxIsoLevel{pgx.ReadCommitted, pgx.RepeatableRead, pgx.Serializable}

@@ -13,13 +13,8 @@ import (
 // unique_violation (23505) before the client reaches COMMIT, and COMMIT
 // still fails with FN00R. Unprotected tables are not affected.
 func TestReplaySkipsWrites(t *testing.T) {
-	t.Parallel()
-	e := newEnv(t)
-	ctx := ctxT(t)
-	g := e.acquire("report", "A").Generation("")
-	if res, err := writeResult(ctx, e.connect(), pgx.ReadCommitted, g, "first"); err != nil || res != fence.Committed {
-		t.Fatalf("first commit: %v, %v", res, err)
-	}
+	e, ctx := parallelEnv(t)
+	g := e.committed(t, pgx.ReadCommitted, "first")
 	for _, iso := range isoLevels {
 		t.Run(isoName(iso), func(t *testing.T) {
 			tx, err := e.connect().BeginTx(ctx, pgx.TxOptions{IsoLevel: iso})
@@ -54,12 +49,8 @@ func TestReplaySkipsWrites(t *testing.T) {
 				t.Fatalf("unprotected write in replay mode: %v, %v", tag, err)
 			}
 			wantCode(t, tx.Commit(ctx), fence.CodeReplay)
-			if got := e.results()["report"]; got != (result{"first", 17}) {
-				t.Fatalf("result: got %+v, want first", got)
-			}
-			if n := e.count("select count(*) from audit"); n != 1 {
-				t.Fatalf("audit: got %d, want 1", n)
-			}
+			e.wantResult(t, "report", result{"first", 17})
+			e.wantCount(t, 1, "select count(*) from audit")
 		})
 	}
 
@@ -69,9 +60,7 @@ func TestReplaySkipsWrites(t *testing.T) {
 		c := e.connect()
 		_, err := c.Exec(ctx, "begin; "+setSQL(g)+"; insert into results values ('report', 'first', 17); commit")
 		wantCode(t, err, fence.CodeReplay)
-		if got := e.results()["report"]; got != (result{"first", 17}) {
-			t.Fatalf("result: got %+v, want first", got)
-		}
+		e.wantResult(t, "report", result{"first", 17})
 	})
 
 	// A retry through RunTx with a plain INSERT is answered Replayed.
@@ -92,21 +81,15 @@ func TestReplaySkipsWrites(t *testing.T) {
 // writes: it neither gets a stale generation past the fence nor affects
 // other sessions.
 func TestReplayOnlyInReplayMode(t *testing.T) {
-	t.Parallel()
-	e := newEnv(t)
-	ctx := ctxT(t)
+	e, ctx := parallelEnv(t)
 	l := e.acquire("report", "A")
 	conn := e.connect()
 
 	// A replay on this connection first, so pgfence.replay exists in the
 	// session and holds an old transaction id afterwards.
 	g0 := l.Generation("zero")
-	if res, err := writeResult(ctx, conn, pgx.ReadCommitted, g0, "zero"); err != nil || res != fence.Committed {
-		t.Fatalf("commit zero: %v, %v", res, err)
-	}
-	if res, err := writeResult(ctx, conn, pgx.ReadCommitted, g0, "zero"); err != nil || res != fence.Replayed {
-		t.Fatalf("replay zero: %v, %v", res, err)
-	}
+	e.wantWrite(t, conn, pgx.ReadCommitted, g0, "zero", fence.Committed)
+	e.wantWrite(t, conn, pgx.ReadCommitted, g0, "zero", fence.Replayed)
 
 	g := l.Generation("one")
 	tx, err := conn.Begin(ctx)
@@ -132,9 +115,7 @@ func TestReplayOnlyInReplayMode(t *testing.T) {
 	if err := tx.Commit(ctx); err != nil {
 		t.Fatal(err)
 	}
-	if got := e.results()["one"]; got != (result{"q", l.Token}) {
-		t.Fatalf("row one: got %+v", got)
-	}
+	e.wantResult(t, "one", result{"q", l.Token})
 
 	// Forging the marker: the forger's own writes are skipped ...
 	g2 := l.Generation("two")
@@ -169,17 +150,13 @@ func TestReplayOnlyInReplayMode(t *testing.T) {
 	_, err = sc.Exec(ctx, "begin; "+setSQL(l.Generation("three"))+
 		"; select set_config('pgfence.replay', pg_current_xact_id()::text, true); insert into results values ('stale', 'p', 1)")
 	wantCode(t, err, fence.CodeStale)
-	if n := e.count("select count(*) from results where job_key in ('forged', 'stale')"); n != 0 {
-		t.Fatalf("forged rows committed: %d", n)
-	}
+	e.wantCount(t, 0, "select count(*) from results where job_key in ('forged', 'stale')")
 }
 
 // TestReplayTriggerLifecycle: protect installs pgfence_replay, unprotect
 // removes it with the backstop.
 func TestReplayTriggerLifecycle(t *testing.T) {
-	t.Parallel()
-	e := newEnv(t)
-	ctx := ctxT(t)
+	e, ctx := parallelEnv(t)
 	trig := func() int {
 		return e.count("select count(*) from pg_trigger where tgrelid = 'results'::regclass and tgname = 'pgfence_replay'")
 	}
@@ -189,9 +166,7 @@ func TestReplayTriggerLifecycle(t *testing.T) {
 	if err := fence.Unprotect(ctx, e.admin, "results"); err != nil {
 		t.Fatal(err)
 	}
-	if n := e.count("select count(*) from pg_trigger where tgrelid = 'results'::regclass and not tgisinternal"); n != 0 {
-		t.Fatalf("triggers after unprotect: %d", n)
-	}
+	e.wantCount(t, 0, "select count(*) from pg_trigger where tgrelid = 'results'::regclass and not tgisinternal")
 	if err := fence.Protect(ctx, e.admin, "results", "job_key"); err != nil {
 		t.Fatal(err)
 	}

@@ -42,9 +42,7 @@ func TestRetireOptions(t *testing.T) {
 	wantFenceError(t, fence.Retire(ctx, w2, "report", fence.RetireOptions{Token: l.Token}), fence.CodeNotOwner)
 	wantFenceError(t, fence.Retire(ctx, w1, "report", fence.RetireOptions{Token: l.Token + 1}), fence.CodeStale)
 	wantFenceError(t, fence.Retire(ctx, e.admin, "report", fence.RetireOptions{}), fence.CodeLeaseHeld)
-	if n := e.count("select count(*) from fence.fences where retired_at is not null"); n != 0 {
-		t.Fatalf("refused retires retired the job: %d", n)
-	}
+	e.wantCount(t, 0, "select count(*) from fence.fences where retired_at is not null")
 	// The holder ends its own job, live lease and all.
 	if err := fence.Retire(ctx, w1, "report", fence.RetireOptions{Token: l.Token}); err != nil {
 		t.Fatalf("holder's retire: %v", err)
@@ -59,9 +57,7 @@ func TestRetireOptions(t *testing.T) {
 	if err := fence.Retire(ctx, e.admin, "report", fence.RetireOptions{Force: true}); err != nil {
 		t.Fatalf("forced retire: %v", err)
 	}
-	if n := e.count("select count(*) from fence.leases"); n != 0 {
-		t.Fatalf("leases after the forced retire: %d", n)
-	}
+	e.wantCount(t, 0, "select count(*) from fence.leases")
 }
 
 // TestOwnedGenerations: only the acquiring role renews, releases, gates,
@@ -86,16 +82,10 @@ func TestOwnedGenerations(t *testing.T) {
 	_, err = fence.Commit(ctx, tx, g, []byte("bogus"), "v1")
 	tx.Rollback(ctx)
 	wantFenceError(t, err, fence.CodeNotOwner)
-	if n := e.count("select count(*) from fence.receipts"); n != 0 {
-		t.Fatalf("receipts after the other role's attempts: %d", n)
-	}
-	if res, err := writeResult(ctx, w1, pgx.ReadCommitted, g, "mine"); err != nil || res != fence.Committed {
-		t.Fatalf("the owner's commit: %v, %v", res, err)
-	}
+	e.wantCount(t, 0, "select count(*) from fence.receipts")
+	e.wantWrite(t, w1, pgx.ReadCommitted, g, "mine", fence.Committed)
 	// An administrator may commit under any generation.
-	if res, err := writeResult(ctx, e.admin, pgx.ReadCommitted, l.Generation("repair"), "repair"); err != nil || res != fence.Committed {
-		t.Fatalf("an administrator's commit: %v, %v", res, err)
-	}
+	e.wantWrite(t, e.admin, pgx.ReadCommitted, l.Generation("repair"), "repair", fence.Committed)
 	var role string
 	if err := e.admin.QueryRow(ctx, "select role from fence.issuance where token = $1", l.Token).Scan(&role); err != nil || role != e.role("w1") {
 		t.Fatalf("issuance role: %q, %v", role, err)
@@ -122,9 +112,7 @@ func TestOpaqueWriteReceipt(t *testing.T) {
 	}
 	_, err := w1.Exec(ctx, do)
 	wantCode(t, err, fence.CodeReplay)
-	if n := e.count("select count(*) from fence.write_marks"); n != 0 {
-		t.Fatalf("marks left: %d", n)
-	}
+	e.wantCount(t, 0, "select count(*) from fence.write_marks")
 
 	run := func(step string, write bool, digest string) (fence.CommitResult, error) {
 		g := l.Generation(step)
@@ -158,9 +146,7 @@ func TestOpaqueWriteReceipt(t *testing.T) {
 	}
 	_, err = run("ciw", true, "other")
 	wantFenceError(t, err, fence.CodeConflict)
-	if n := e.count("select count(*) from fence.receipts where step in ('none', 'ciw')"); n != 1 {
-		t.Fatalf("receipts: %d, want 1", n)
-	}
+	e.wantCount(t, 1, "select count(*) from fence.receipts where step in ('none', 'ciw')")
 	// RunTx gates, so the backstop does not mark its opaque writes: its
 	// own receipt is the one.
 	res, err := fence.RunTx(ctx, w1, l.Generation("runtx"), []byte("p"), func(ctx context.Context, tx pgx.Tx) error {
@@ -193,9 +179,7 @@ func TestPrepareAfterOpaqueWrite(t *testing.T) {
 		wantCode(t, err, fence.CodeUnsupported)
 		w1.Exec(ctx, "rollback")
 	}
-	if n := e.count("select count(*) from pg_prepared_xacts"); n != 0 {
-		t.Fatalf("prepared transactions: %d", n)
-	}
+	e.wantCount(t, 0, "select count(*) from pg_prepared_xacts")
 	if _, err := e.admin.Exec(ctx, "begin; select 1 from fence.fences for update nowait; rollback"); err != nil {
 		t.Fatalf("the fence row stays locked: %v", err)
 	}
@@ -252,17 +236,13 @@ func TestForgedMarkCostsOnlyTheForger(t *testing.T) {
 	if err := tx.Commit(ctx); err != nil {
 		t.Fatal(err)
 	}
-	if n := e.count("select count(*) from fence.receipts"); n != 0 {
-		t.Fatalf("receipts: %d; the forger (and the gater) skipped only its own", n)
-	}
+	e.wantCount(t, 0, "select count(*) from fence.receipts")
 }
 
 // TestProtectTree: a whole tree is protected, listed with its root, and
 // unprotected as one.
 func TestProtectTree(t *testing.T) {
-	t.Parallel()
-	e := newEnv(t)
-	ctx := ctxT(t)
+	e, ctx := parallelEnv(t)
 	e.exec(`create table pt (k int, v text) partition by range (k);
 		create table pt_1 partition of pt for values from (0) to (10);
 		create table pt_2 partition of pt for values from (10) to (20) partition by range (k);
@@ -292,9 +272,7 @@ func TestProtectTree(t *testing.T) {
 	if err := fence.Unprotect(ctx, e.admin, "pt"); err != nil {
 		t.Fatal(err)
 	}
-	if n := e.count("select count(*) from pg_trigger where tgname like 'pgfence%' and tgrelid in ('pt'::regclass, 'pt_1'::regclass, 'pt_2'::regclass, 'pt_2a'::regclass)"); n != 0 {
-		t.Fatalf("triggers left after unprotect: %d", n)
-	}
+	e.wantCount(t, 0, "select count(*) from pg_trigger where tgname like 'pgfence%' and tgrelid in ('pt'::regclass, 'pt_1'::regclass, 'pt_2'::regclass, 'pt_2a'::regclass)")
 	if _, err := e.admin.Exec(ctx, "insert into pt values (15, 'x')"); err != nil {
 		t.Fatalf("write after unprotect: %v", err)
 	}

@@ -68,14 +68,13 @@ func TestApplyTwice(t *testing.T) {
 	}
 }
 
-func TestApplyConcurrently(t *testing.T) {
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	db := cluster.NewDatabase(t)
-	const n = 4
+// applyAtOnce runs migrations.Apply on each of dbs (the same database may
+// be named more than once) at the same time, each on a connection of its
+// own, and returns their errors in order.
+func applyAtOnce(ctx context.Context, dbs ...string) []error {
 	var wg sync.WaitGroup
-	errs := make([]error, n)
-	for i := range n {
+	errs := make([]error, len(dbs))
+	for i, db := range dbs {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
@@ -89,7 +88,14 @@ func TestApplyConcurrently(t *testing.T) {
 		}()
 	}
 	wg.Wait()
-	for i, err := range errs {
+	return errs
+}
+
+func TestApplyConcurrently(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	db := cluster.NewDatabase(t)
+	for i, err := range applyAtOnce(ctx, db, db, db, db) {
 		if err != nil {
 			t.Errorf("migrator %d: %v", i, err)
 		}
@@ -124,23 +130,7 @@ func TestApplyConcurrentDatabases(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	dbs := []string{cluster.NewDatabase(t), cluster.NewDatabase(t)}
-	var wg sync.WaitGroup
-	errs := make([]error, len(dbs))
-	for i, db := range dbs {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			conn, err := cluster.Primary.Connect(ctx, db)
-			if err != nil {
-				errs[i] = err
-				return
-			}
-			defer conn.Close(ctx)
-			errs[i] = migrations.Apply(ctx, conn)
-		}()
-	}
-	wg.Wait()
-	for i, err := range errs {
+	for i, err := range applyAtOnce(ctx, dbs...) {
 		if err != nil {
 			t.Errorf("database %s: %v", dbs[i], err)
 		}

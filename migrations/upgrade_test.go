@@ -2,15 +2,14 @@ package migrations_test
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 
+	"github.com/pgfence/pgfence/internal/pgtest"
 	"github.com/pgfence/pgfence/migrations"
 )
 
@@ -31,12 +30,17 @@ func connect(t *testing.T, ctx context.Context, db, user string) *pgx.Conn {
 	return conn
 }
 
-func sqlState(err error) string {
-	var pg *pgconn.PgError
-	if errors.As(err, &pg) {
-		return pg.Code
+// wantRefused checks that migrations.Apply on conn fails with SQLSTATE code
+// and a message that says says, leaving the database at version v.
+func wantRefused(t *testing.T, ctx context.Context, conn *pgx.Conn, code, says string, v int32) {
+	t.Helper()
+	err := migrations.Apply(ctx, conn)
+	if pgtest.SQLState(err) != code || !strings.Contains(err.Error(), says) {
+		t.Fatalf("apply: %v, want SQLSTATE %s saying %q", err, code, says)
 	}
-	return ""
+	if got, err := migrations.Current(ctx, conn); err != nil || got != v {
+		t.Fatalf("version after the refused migration: %d, %v; want %d", got, err, v)
+	}
 }
 
 // TestMigrateNeedsSuperuser: a role that could install versions 1-4 stops
@@ -56,13 +60,7 @@ func TestMigrateNeedsSuperuser(t *testing.T) {
 	if err := migrations.MigrateTo(ctx, conn, 4); err != nil {
 		t.Fatalf("versions 1-4 as a non-superuser: %v", err)
 	}
-	err := migrations.Apply(ctx, conn)
-	if sqlState(err) != "42501" || !strings.Contains(err.Error(), "must run as a superuser") {
-		t.Fatalf("apply as a non-superuser: %v, want 42501 saying a superuser is needed", err)
-	}
-	if v, err := migrations.Current(ctx, conn); err != nil || v != 4 {
-		t.Fatalf("version after the refused migration: %d, %v; want 4", v, err)
-	}
+	wantRefused(t, ctx, conn, "42501", "must run as a superuser", 4)
 	if err := migrations.Apply(ctx, admin); err != nil {
 		t.Fatalf("apply as a superuser afterwards: %v", err)
 	}
@@ -118,7 +116,7 @@ drop table alone;`); err != nil {
 		t.Fatalf("protected tables after the upgrade:\n got %s\nwant %s", strings.Join(got, " "), want)
 	}
 	for _, q := range []string{"insert into pt values (1, 'j', 'x')", "insert into pt values (21, 'j', 'x')", "insert into child values (1, 'x')", "insert into sc values (2, 'j')"} {
-		if _, err := conn.Exec(ctx, q); sqlState(err) != "FN008" {
+		if _, err := conn.Exec(ctx, q); pgtest.SQLState(err) != "FN008" {
 			t.Fatalf("%s after the upgrade: %v, want FN008", q, err)
 		}
 	}
@@ -136,13 +134,7 @@ create table pt_2 partition of pt for values from (10) to (20);
 select fence.protect('pt_1', 'job_key'), fence.protect('pt_2');`); err != nil {
 			t.Fatal(err)
 		}
-		err := migrations.Apply(ctx, conn)
-		if sqlState(err) != "55000" || !strings.Contains(err.Error(), "pt") {
-			t.Fatalf("upgrade with conflicting columns: %v, want 55000 naming the tables", err)
-		}
-		if v, _ := migrations.Current(ctx, conn); v != 6 {
-			t.Fatalf("version after the refused upgrade: %d, want 6", v)
-		}
+		wantRefused(t, ctx, conn, "55000", "pt", 6)
 	})
 }
 

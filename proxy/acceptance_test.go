@@ -1,16 +1,14 @@
 package proxy
 
 import (
-	"bufio"
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -24,6 +22,7 @@ import (
 	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/internal/cutrelay"
 	"github.com/pgfence/pgfence/internal/pgtest"
+	"github.com/pgfence/pgfence/internal/testbin"
 )
 
 // TestAcceptance proves the proxy-level cases of ACCEPTANCE.md (issue 4)
@@ -122,7 +121,7 @@ func (e *fenceEnv) connect(t *testing.T, c client) (*pgx.Conn, error) {
 	}
 	var opts []string
 	if c.lease != nil {
-		opts = append(opts, fmt.Sprintf("-c fence.job_key=%s -c fence.epoch=%d -c fence.token=%d", c.lease.JobKey, c.lease.Epoch, c.lease.Token))
+		opts = append(opts, pgoptions(*c.lease))
 	}
 	opts = append(opts, c.extra...)
 	if len(opts) > 0 {
@@ -246,7 +245,7 @@ func (e *fenceEnv) fenceRowFree(t *testing.T, job string) bool {
 	}
 	defer tx.Rollback(ctx)
 	_, err = tx.Exec(ctx, "SELECT 1 FROM fence.fences WHERE job_key = $1 FOR UPDATE NOWAIT", job)
-	if sqlstate(err) == "55P03" {
+	if pgtest.SQLState(err) == "55P03" {
 		return false
 	}
 	if err != nil {
@@ -255,166 +254,192 @@ func (e *fenceEnv) fenceRowFree(t *testing.T, job string) bool {
 	return true
 }
 
+// eachMode runs f once per protocol of execModes, each in a fresh env, as
+// the subtests prefix+protocol.
+func eachMode(t *testing.T, prefix string, f func(t *testing.T, e *fenceEnv, mode pgx.QueryExecMode)) {
+	t.Helper()
+	for _, m := range execModes {
+		t.Run(prefix+m.name, func(t *testing.T) { f(t, newFenceEnv(t), m.mode) })
+	}
+}
+
+// mustWriteTx is writeTx, which must commit.
+func mustWriteTx(t *testing.T, c *pgx.Conn, iso pgx.TxIsoLevel, job, payload string, token int64) {
+	t.Helper()
+	if err := writeTx(ctxT(t), c, iso, job, payload, token); err != nil {
+		t.Fatalf("result transaction %q with token %d: %v", payload, token, err)
+	}
+}
+
+// execOK runs sql on c (a connection or a transaction), which must
+// succeed.
+func execOK(t *testing.T, c fence.DBTX, sql string, args ...any) {
+	t.Helper()
+	if _, err := c.Exec(ctxT(t), sql, args...); err != nil {
+		t.Fatalf("%s: %v", sql, err)
+	}
+}
+
+// want checks that the notices received since the last take have exactly
+// the SQLSTATEs codes, in order.
+func (n *notices) want(t *testing.T, codes ...string) {
+	t.Helper()
+	if got := n.take(); !slices.Equal(got, codes) {
+		t.Fatalf("notices: got %v, want %v", got, codes)
+	}
+}
+
+// wantNothingWritten checks that the job has no result, and that no audit
+// row and no receipt exist.
+func (e *fenceEnv) wantNothingWritten(t *testing.T) {
+	t.Helper()
+	e.wantResult(t, "job", "", 0)
+	e.wantCount(t, 0, "SELECT count(*) FROM audit")
+	e.wantCount(t, 0, "SELECT count(*) FROM fence.receipts")
+}
+
+// wantUsable checks that c's session still answers a query.
+func wantUsable(t *testing.T, c *pgx.Conn) {
+	t.Helper()
+	var one int
+	if err := c.QueryRow(ctxT(t), "SELECT 1").Scan(&one); err != nil {
+		t.Fatalf("session unusable: %v", err)
+	}
+}
+
+// releasedHolder is A, whose lease of the job has ended (its token is
+// still the fence's current one, so B may take over), connected.
+func (e *fenceEnv) releasedHolder(t *testing.T, mode pgx.QueryExecMode) (fence.Lease, *pgx.Conn) {
+	t.Helper()
+	la := e.acquire(t, "job", "a", time.Minute)
+	e.release(t, la)
+	return la, e.mustConnect(t, client{lease: &la, mode: mode})
+}
+
 // ---------------------------------------------------------------------------
 // A01–A07, A10, A11
 
 func testA01(t *testing.T) {
-	for _, m := range execModes {
-		t.Run(m.name, func(t *testing.T) {
-			e := newFenceEnv(t)
-			ctx := ctxT(t)
-			la := e.acquire(t, "job", "a", time.Minute)
-			lb := e.takeover(t, "job", "b", la) // B holds 18 and has not written
-			a := e.mustConnect(t, client{lease: &la, mode: m.mode})
-			err := writeTx(ctx, a, "", "job", "from A", la.Token)
-			wantCode(t, err, fence.CodeStale)
-			e.wantResult(t, "job", "", 0)
-			e.wantCount(t, 0, "SELECT count(*) FROM audit")
-			e.wantCount(t, 0, "SELECT count(*) FROM fence.receipts")
-			// A's session is usable and still refused.
-			_, err = a.Exec(ctx, upsert, "job", "from A again", la.Token)
-			wantCode(t, err, fence.CodeStale)
-			// B commits normally.
-			b := e.mustConnect(t, client{lease: &lb, mode: m.mode})
-			if err := writeTx(ctx, b, "", "job", "from B", lb.Token); err != nil {
-				t.Fatalf("B's commit: %v", err)
-			}
-			e.wantResult(t, "job", "from B", lb.Token)
-			e.wantCount(t, 1, "SELECT count(*) FROM fence.receipts WHERE token = $1", lb.Token)
-		})
-	}
+	eachMode(t, "", func(t *testing.T, e *fenceEnv, mode pgx.QueryExecMode) {
+		ctx := ctxT(t)
+		la := e.acquire(t, "job", "a", time.Minute)
+		lb := e.takeover(t, "job", "b", la) // B holds 18 and has not written
+		a := e.mustConnect(t, client{lease: &la, mode: mode})
+		err := writeTx(ctx, a, "", "job", "from A", la.Token)
+		wantCode(t, err, fence.CodeStale)
+		e.wantNothingWritten(t)
+		// A's session is usable and still refused.
+		_, err = a.Exec(ctx, upsert, "job", "from A again", la.Token)
+		wantCode(t, err, fence.CodeStale)
+		// B commits normally.
+		b := e.mustConnect(t, client{lease: &lb, mode: mode})
+		mustWriteTx(t, b, "", "job", "from B", lb.Token)
+		e.wantResult(t, "job", "from B", lb.Token)
+		e.wantCount(t, 1, "SELECT count(*) FROM fence.receipts WHERE token = $1", lb.Token)
+	})
 }
 
 func testA02(t *testing.T) {
-	for _, m := range execModes {
-		t.Run(m.name, func(t *testing.T) {
-			e := newFenceEnv(t)
-			ctx := ctxT(t)
-			la := e.acquire(t, "job", "a", time.Minute)
-			// A's lease ends (it is still the fence's current token), so B
-			// may take over; A is in the middle of its result transaction.
-			if err := fence.Release(ctx, e.direct(t), "job", la.Token); err != nil {
-				t.Fatal(err)
-			}
-			a := e.mustConnect(t, client{lease: &la, mode: m.mode})
-			tx, err := a.Begin(ctx)
-			if err != nil {
-				t.Fatal(err)
-			}
-			if _, err := tx.Exec(ctx, upsert, "job", "from A", la.Token); err != nil {
-				t.Fatalf("A's gated write: %v", err)
-			}
-			// B's takeover waits for A's fence row lock.
-			bconn := e.direct(t)
-			bpid := bconn.PgConn().PID()
-			type res struct {
-				l   fence.Lease
-				err error
-			}
-			done := make(chan res, 1)
-			go func() {
-				l, err := fence.Acquire(ctx, bconn, "job", "b", time.Minute)
-				done <- res{l, err}
-			}()
-			e.waitLockWait(t, bpid)
-			select {
-			case r := <-done:
-				t.Fatalf("B's acquire returned while A holds the fence: %+v", r)
-			default:
-			}
-			if err := tx.Commit(ctx); err != nil {
-				t.Fatalf("A's commit while B waits: %v", err)
-			}
-			r := <-done
-			if r.err != nil {
-				t.Fatalf("B's acquire: %v", r.err)
-			}
-			if r.l.Token <= la.Token {
-				t.Fatalf("B got token %d, want > %d", r.l.Token, la.Token)
-			}
-			// A's result stands (committed with the old token, legitimately).
-			e.wantResult(t, "job", "from A", la.Token)
-			e.wantCount(t, 1, "SELECT count(*) FROM fence.receipts WHERE token = $1", la.Token)
-			// B's write supersedes it.
-			b := e.mustConnect(t, client{lease: &r.l, mode: m.mode})
-			if err := writeTx(ctx, b, "", "job", "from B", r.l.Token); err != nil {
-				t.Fatalf("B's write: %v", err)
-			}
-			e.wantResult(t, "job", "from B", r.l.Token)
-			// And A is fenced off now: a new commit of its token (a new
-			// step; the committed one would be answered from its receipt)
-			// is stale.
-			if _, err := a.Exec(ctx, "SET fence.step = 'late'"); err != nil {
-				t.Fatal(err)
-			}
-			_, err = a.Exec(ctx, upsert, "job", "from A late", la.Token)
-			wantCode(t, err, fence.CodeStale)
-		})
-	}
+	eachMode(t, "", func(t *testing.T, e *fenceEnv, mode pgx.QueryExecMode) {
+		ctx := ctxT(t)
+		// A's lease ends (it is still the fence's current token), so B
+		// may take over; A is in the middle of its result transaction.
+		la, a := e.releasedHolder(t, mode)
+		tx, err := a.Begin(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		execOK(t, tx, upsert, "job", "from A", la.Token)
+		// B's takeover waits for A's fence row lock.
+		bconn := e.direct(t)
+		bpid := bconn.PgConn().PID()
+		type res struct {
+			l   fence.Lease
+			err error
+		}
+		done := make(chan res, 1)
+		go func() {
+			l, err := fence.Acquire(ctx, bconn, "job", "b", time.Minute)
+			done <- res{l, err}
+		}()
+		e.waitLockWait(t, bpid)
+		select {
+		case r := <-done:
+			t.Fatalf("B's acquire returned while A holds the fence: %+v", r)
+		default:
+		}
+		if err := tx.Commit(ctx); err != nil {
+			t.Fatalf("A's commit while B waits: %v", err)
+		}
+		r := <-done
+		if r.err != nil {
+			t.Fatalf("B's acquire: %v", r.err)
+		}
+		if r.l.Token <= la.Token {
+			t.Fatalf("B got token %d, want > %d", r.l.Token, la.Token)
+		}
+		// A's result stands (committed with the old token, legitimately).
+		e.wantResult(t, "job", "from A", la.Token)
+		e.wantCount(t, 1, "SELECT count(*) FROM fence.receipts WHERE token = $1", la.Token)
+		// B's write supersedes it.
+		b := e.mustConnect(t, client{lease: &r.l, mode: mode})
+		mustWriteTx(t, b, "", "job", "from B", r.l.Token)
+		e.wantResult(t, "job", "from B", r.l.Token)
+		// And A is fenced off now: a new commit of its token (a new
+		// step; the committed one would be answered from its receipt)
+		// is stale.
+		execOK(t, a, "SET fence.step = 'late'")
+		_, err = a.Exec(ctx, upsert, "job", "from A late", la.Token)
+		wantCode(t, err, fence.CodeStale)
+	})
 }
 
 func testA03(t *testing.T) {
-	for _, m := range execModes {
-		t.Run(m.name, func(t *testing.T) {
-			e := newFenceEnv(t)
-			ctx := ctxT(t)
-			la := e.acquire(t, "job", "a", time.Minute)
-			if err := fence.Release(ctx, e.direct(t), "job", la.Token); err != nil {
-				t.Fatal(err)
-			}
-			a := e.mustConnect(t, client{lease: &la, mode: m.mode})
-			apid := backendPID(t, a)
-			tx, err := a.Begin(ctx)
-			if err != nil {
-				t.Fatal(err)
-			}
-			// A writes an unprotected table first: not gated yet.
-			if _, err := tx.Exec(ctx, "INSERT INTO audit (note) VALUES ($1)", "A was here"); err != nil {
-				t.Fatal(err)
-			}
-			// B's takeover is in progress: its acquire holds the fence row.
-			b := e.direct(t)
-			btx, err := b.Begin(ctx)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer btx.Rollback(ctx)
-			var lb fence.Lease
-			if err := btx.QueryRow(ctx, "SELECT epoch, token FROM fence.acquire('job', 'b', '1 minute')").Scan(&lb.Epoch, &lb.Token); err != nil {
-				t.Fatal(err)
-			}
-			lb.JobKey = "job"
-			// A's first protected write: its gate waits for the takeover.
-			werr := make(chan error, 1)
-			go func() {
-				_, err := tx.Exec(ctx, upsert, "job", "from A", la.Token)
-				werr <- err
-			}()
-			e.waitLockWait(t, apid)
-			if err := btx.Commit(ctx); err != nil {
-				t.Fatal(err)
-			}
-			wantCode(t, <-werr, fence.CodeStale)
-			err = tx.Commit(ctx)
-			if !errors.Is(err, pgx.ErrTxCommitRollback) && sqlstate(err) != fence.CodeStale {
-				t.Fatalf("A's COMMIT after FN001: got %v, want a rollback", err)
-			}
-			// Nothing of A's transaction is visible, not even the audit row.
-			e.wantCount(t, 0, "SELECT count(*) FROM audit")
-			e.wantResult(t, "job", "", 0)
-			e.wantCount(t, 0, "SELECT count(*) FROM fence.receipts")
-			// B commits normally; A's session is idle and usable.
-			bw := e.mustConnect(t, client{lease: &lb, mode: m.mode})
-			if err := writeTx(ctx, bw, "", "job", "from B", lb.Token); err != nil {
-				t.Fatalf("B's write: %v", err)
-			}
-			e.wantResult(t, "job", "from B", lb.Token)
-			var one int
-			if err := a.QueryRow(ctx, "SELECT 1").Scan(&one); err != nil {
-				t.Fatalf("A's session after FN001: %v", err)
-			}
-		})
-	}
+	eachMode(t, "", func(t *testing.T, e *fenceEnv, mode pgx.QueryExecMode) {
+		ctx := ctxT(t)
+		la, a := e.releasedHolder(t, mode)
+		apid := backendPID(t, a)
+		tx, err := a.Begin(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		// A writes an unprotected table first: not gated yet.
+		execOK(t, tx, "INSERT INTO audit (note) VALUES ($1)", "A was here")
+		// B's takeover is in progress: its acquire holds the fence row.
+		b := e.direct(t)
+		btx, err := b.Begin(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer btx.Rollback(ctx)
+		var lb fence.Lease
+		if err := btx.QueryRow(ctx, "SELECT epoch, token FROM fence.acquire('job', 'b', '1 minute')").Scan(&lb.Epoch, &lb.Token); err != nil {
+			t.Fatal(err)
+		}
+		lb.JobKey = "job"
+		// A's first protected write: its gate waits for the takeover.
+		werr := make(chan error, 1)
+		go func() {
+			_, err := tx.Exec(ctx, upsert, "job", "from A", la.Token)
+			werr <- err
+		}()
+		e.waitLockWait(t, apid)
+		if err := btx.Commit(ctx); err != nil {
+			t.Fatal(err)
+		}
+		wantCode(t, <-werr, fence.CodeStale)
+		err = tx.Commit(ctx)
+		if !errors.Is(err, pgx.ErrTxCommitRollback) && pgtest.SQLState(err) != fence.CodeStale {
+			t.Fatalf("A's COMMIT after FN001: got %v, want a rollback", err)
+		}
+		// Nothing of A's transaction is visible, not even the audit row.
+		e.wantNothingWritten(t)
+		// B commits normally; A's session is idle and usable.
+		bw := e.mustConnect(t, client{lease: &lb, mode: mode})
+		mustWriteTx(t, bw, "", "job", "from B", lb.Token)
+		e.wantResult(t, "job", "from B", lb.Token)
+		wantUsable(t, a)
+	})
 }
 
 // startCutRelay puts a cutrelay in front of the proxy: once the client has
@@ -430,40 +455,33 @@ func startCutRelay(t *testing.T, target string, cut func(typ byte, body []byte) 
 	return r
 }
 
+// implicitWriteCut cuts after the Sync of a lone autocommit write of the
+// results table (an implicit transaction the proxy wraps), in either
+// protocol.
+func implicitWriteCut() func(typ byte, body []byte) bool {
+	var sawWrite atomic.Bool
+	return func(typ byte, body []byte) bool {
+		switch typ {
+		case 'Q':
+			return strings.Contains(string(body), "INSERT INTO results")
+		case 'P':
+			if strings.Contains(string(body), "INSERT INTO results") {
+				sawWrite.Store(true)
+			}
+		case 'B':
+			return sawWrite.Load()
+		}
+		return false
+	}
+}
+
 func testA04(t *testing.T) {
 	for _, m := range execModes {
 		for _, iso := range isoLevels {
 			t.Run(m.name+"/"+iso.name, func(t *testing.T) {
-				e := newFenceEnv(t)
-				ctx := ctxT(t)
-				l := e.acquire(t, "job", "a", time.Minute)
-				relay := startCutRelay(t, e.proxy.addr.String(), cutrelay.IsCommitQuery)
-				a := e.mustConnect(t, client{lease: &l, mode: m.mode, addr: relay.Addr()})
-				err := writeTx(ctx, a, iso.iso, "job", "payload", l.Token)
-				if err == nil {
-					t.Fatal("the COMMIT response reached the client; the relay did not cut")
-				}
-				<-relay.Fired()
-				// The commit went through: the receipt and the rows exist.
-				e.wantCount(t, 1, "SELECT count(*) FROM fence.receipts WHERE job_key = 'job' AND token = $1", l.Token)
-				e.wantResult(t, "job", "payload", l.Token)
-				// The client reconnects and retries the same payload.
-				var ns notices
-				a2 := e.mustConnect(t, client{lease: &l, mode: m.mode, notices: &ns})
-				if err := writeTx(ctx, a2, iso.iso, "job", "payload", l.Token); err != nil {
-					t.Fatalf("retry after the lost response: %v", err)
-				}
-				if got := ns.take(); len(got) != 1 || got[0] != fence.CodeReplay {
-					t.Fatalf("retry notices: got %v, want [%s]", got, fence.CodeReplay)
-				}
-				e.wantResult(t, "job", "payload", l.Token)
-				e.wantCount(t, 1, "SELECT count(*) FROM audit")
-				e.wantCount(t, 1, "SELECT count(*) FROM fence.receipts")
-				// The session is idle and usable after the replay.
-				var one int
-				if err := a2.QueryRow(ctx, "SELECT 1").Scan(&one); err != nil {
-					t.Fatalf("session after replay: %v", err)
-				}
+				testA04Retry(t, m.mode, cutrelay.IsCommitQuery, 1, func(ctx context.Context, c *pgx.Conn, token int64) error {
+					return writeTx(ctx, c, iso.iso, "job", "payload", token)
+				})
 			})
 		}
 	}
@@ -471,41 +489,42 @@ func testA04(t *testing.T) {
 	// whose response is lost after its Sync.
 	for _, m := range execModes {
 		t.Run("implicit_"+m.name, func(t *testing.T) {
-			e := newFenceEnv(t)
-			ctx := ctxT(t)
-			l := e.acquire(t, "job", "a", time.Minute)
-			var sawWrite atomic.Bool
-			relay := startCutRelay(t, e.proxy.addr.String(), func(typ byte, body []byte) bool {
-				switch typ {
-				case 'Q':
-					return strings.Contains(string(body), "INSERT INTO results")
-				case 'P':
-					if strings.Contains(string(body), "INSERT INTO results") {
-						sawWrite.Store(true)
-					}
-				case 'B':
-					return sawWrite.Load()
-				}
-				return false
+			testA04Retry(t, m.mode, implicitWriteCut(), 0, func(ctx context.Context, c *pgx.Conn, token int64) error {
+				_, err := c.Exec(ctx, upsert, "job", "payload", token)
+				return err
 			})
-			a := e.mustConnect(t, client{lease: &l, mode: m.mode, addr: relay.Addr()})
-			if _, err := a.Exec(ctx, upsert, "job", "payload", l.Token); err == nil {
-				t.Fatal("the response reached the client; the relay did not cut")
-			}
-			<-relay.Fired()
-			e.wantCount(t, 1, "SELECT count(*) FROM fence.receipts WHERE job_key = 'job' AND token = $1", l.Token)
-			e.wantResult(t, "job", "payload", l.Token)
-			var ns notices
-			a2 := e.mustConnect(t, client{lease: &l, mode: m.mode, notices: &ns})
-			if _, err := a2.Exec(ctx, upsert, "job", "payload", l.Token); err != nil {
-				t.Fatalf("retry: %v", err)
-			}
-			if got := ns.take(); len(got) != 1 || got[0] != fence.CodeReplay {
-				t.Fatalf("retry notices: got %v, want [%s]", got, fence.CodeReplay)
-			}
-			e.wantCount(t, 1, "SELECT count(*) FROM fence.receipts")
 		})
 	}
+}
+
+// testA04Retry: the response to write is lost (cut) after its commit went
+// through; the client's retry of the same payload is a replay, and the
+// session is usable after it. audit is the audit rows write leaves.
+func testA04Retry(t *testing.T, mode pgx.QueryExecMode, cut func(typ byte, body []byte) bool, audit int, write func(ctx context.Context, c *pgx.Conn, token int64) error) {
+	e := newFenceEnv(t)
+	ctx := ctxT(t)
+	l := e.acquire(t, "job", "a", time.Minute)
+	relay := startCutRelay(t, e.proxy.addr.String(), cut)
+	a := e.mustConnect(t, client{lease: &l, mode: mode, addr: relay.Addr()})
+	if err := write(ctx, a, l.Token); err == nil {
+		t.Fatal("the response reached the client; the relay did not cut")
+	}
+	<-relay.Fired()
+	// The commit went through: the receipt and the rows exist.
+	e.wantCount(t, 1, "SELECT count(*) FROM fence.receipts WHERE job_key = 'job' AND token = $1", l.Token)
+	e.wantResult(t, "job", "payload", l.Token)
+	// The client reconnects and retries the same payload.
+	var ns notices
+	a2 := e.mustConnect(t, client{lease: &l, mode: mode, notices: &ns})
+	if err := write(ctx, a2, l.Token); err != nil {
+		t.Fatalf("retry after the lost response: %v", err)
+	}
+	ns.want(t, fence.CodeReplay)
+	e.wantResult(t, "job", "payload", l.Token)
+	e.wantCount(t, audit, "SELECT count(*) FROM audit")
+	e.wantCount(t, 1, "SELECT count(*) FROM fence.receipts")
+	// The session is idle and usable after the replay.
+	wantUsable(t, a2)
 }
 
 func testA05(t *testing.T) {
@@ -517,24 +536,16 @@ func testA05(t *testing.T) {
 				l := e.acquire(t, "job", "a", time.Minute)
 				var ns notices
 				a := e.mustConnect(t, client{lease: &l, mode: m.mode, notices: &ns})
-				if err := writeTx(ctx, a, iso.iso, "job", "first", l.Token); err != nil {
-					t.Fatalf("first commit: %v", err)
-				}
+				mustWriteTx(t, a, iso.iso, "job", "first", l.Token)
 				err := writeTx(ctx, a, iso.iso, "job", "second", l.Token)
 				wantCode(t, err, fence.CodeConflict)
-				if got := ns.take(); len(got) != 0 {
-					t.Fatalf("notices: got %v, want none", got)
-				}
+				ns.want(t)
 				e.wantResult(t, "job", "first", l.Token)
 				e.wantCount(t, 1, "SELECT count(*) FROM audit")
 				e.wantCount(t, 1, "SELECT count(*) FROM fence.receipts")
 				// Idle and usable: a different step commits.
-				if _, err := a.Exec(ctx, "SET fence.step = 'next'"); err != nil {
-					t.Fatalf("SET after FN003: %v", err)
-				}
-				if err := writeTx(ctx, a, iso.iso, "job", "second", l.Token); err != nil {
-					t.Fatalf("next step: %v", err)
-				}
+				execOK(t, a, "SET fence.step = 'next'")
+				mustWriteTx(t, a, iso.iso, "job", "second", l.Token)
 				e.wantResult(t, "job", "first", l.Token) // same token: the upsert keeps the first
 				e.wantCount(t, 2, "SELECT count(*) FROM fence.receipts")
 			})
@@ -542,131 +553,105 @@ func testA05(t *testing.T) {
 	}
 }
 
+// committedThenTakenOver is A06's and A11's start: A commits "payload"
+// with lease la, then B takes the job over.
+func committedThenTakenOver(t *testing.T, e *fenceEnv, mode pgx.QueryExecMode) (la fence.Lease) {
+	t.Helper()
+	la = e.acquire(t, "job", "a", time.Minute)
+	a := e.mustConnect(t, client{lease: &la, mode: mode})
+	mustWriteTx(t, a, "", "job", "payload", la.Token)
+	e.takeover(t, "job", "b", la)
+	return la
+}
+
 func testA06(t *testing.T) {
-	for _, m := range execModes {
-		t.Run(m.name, func(t *testing.T) {
-			e := newFenceEnv(t)
-			ctx := ctxT(t)
-			la := e.acquire(t, "job", "a", time.Minute)
-			a := e.mustConnect(t, client{lease: &la, mode: m.mode})
-			if err := writeTx(ctx, a, "", "job", "payload", la.Token); err != nil {
-				t.Fatalf("A's commit: %v", err)
-			}
-			lb := e.takeover(t, "job", "b", la)
-			var ns notices
-			a2 := e.mustConnect(t, client{lease: &la, mode: m.mode, notices: &ns})
-			if err := writeTx(ctx, a2, "", "job", "payload", la.Token); err != nil {
-				t.Fatalf("A's retry after the takeover: got %v, want replay success", err)
-			}
-			if got := ns.take(); len(got) != 1 || got[0] != fence.CodeReplay {
-				t.Fatalf("notices: got %v, want [%s]", got, fence.CodeReplay)
-			}
-			e.wantResult(t, "job", "payload", la.Token)
-			e.wantCount(t, 1, "SELECT count(*) FROM audit")
-			e.wantCount(t, 1, "SELECT count(*) FROM fence.receipts")
-			_ = lb
-		})
-	}
+	eachMode(t, "", func(t *testing.T, e *fenceEnv, mode pgx.QueryExecMode) {
+		la := committedThenTakenOver(t, e, mode)
+		var ns notices
+		a2 := e.mustConnect(t, client{lease: &la, mode: mode, notices: &ns})
+		if err := writeTx(ctxT(t), a2, "", "job", "payload", la.Token); err != nil {
+			t.Fatalf("A's retry after the takeover: got %v, want replay success", err)
+		}
+		ns.want(t, fence.CodeReplay)
+		e.wantResult(t, "job", "payload", la.Token)
+		e.wantCount(t, 1, "SELECT count(*) FROM audit")
+		e.wantCount(t, 1, "SELECT count(*) FROM fence.receipts")
+	})
 }
 
 func testA07(t *testing.T) {
-	for _, m := range execModes {
-		t.Run(m.name, func(t *testing.T) {
-			e := newFenceEnv(t)
-			ctx := ctxT(t)
-			la := e.acquire(t, "job", "a", time.Minute)
-			e.takeover(t, "job", "b", la)
-			var ns notices
-			a := e.mustConnect(t, client{lease: &la, mode: m.mode, notices: &ns})
-			err := writeTx(ctx, a, "", "job", "payload", la.Token)
-			wantCode(t, err, fence.CodeStale)
-			if got := ns.take(); len(got) != 0 {
-				t.Fatalf("notices: got %v, want none", got)
-			}
-			e.wantResult(t, "job", "", 0)
-			e.wantCount(t, 0, "SELECT count(*) FROM audit")
-			e.wantCount(t, 0, "SELECT count(*) FROM fence.receipts")
-		})
-	}
+	eachMode(t, "", func(t *testing.T, e *fenceEnv, mode pgx.QueryExecMode) {
+		la := e.acquire(t, "job", "a", time.Minute)
+		e.takeover(t, "job", "b", la)
+		var ns notices
+		a := e.mustConnect(t, client{lease: &la, mode: mode, notices: &ns})
+		err := writeTx(ctxT(t), a, "", "job", "payload", la.Token)
+		wantCode(t, err, fence.CodeStale)
+		ns.want(t)
+		e.wantNothingWritten(t)
+	})
 }
 
 func testA10(t *testing.T) {
-	for _, m := range execModes {
-		t.Run(m.name, func(t *testing.T) {
-			e := newFenceEnv(t)
-			ctx := ctxT(t)
-			old := e.acquire(t, "job", "a", time.Minute)
-			a := e.mustConnect(t, client{lease: &old, mode: m.mode})
-			if err := writeTx(ctx, a, "", "job", "old lifecycle", old.Token); err != nil {
-				t.Fatal(err)
-			}
-			// Clean up: retire, collect receipts, delete the business row.
-			if err := fence.Retire(ctx, e.direct(t), "job", fence.RetireOptions{Force: true}); err != nil {
-				t.Fatal(err)
-			}
-			if n, err := fence.GC(ctx, e.direct(t), 0); err != nil || n != 1 {
-				t.Fatalf("gc: %d, %v; want 1 receipt", n, err)
-			}
-			// A DBA (member of pgfence_bypass) deletes the business row.
-			dba := pgx.Identifier{"dba_" + e.db}.Sanitize()
-			if _, err := e.direct(t).Exec(ctx, fmt.Sprintf("CREATE ROLE %[1]s IN ROLE pgfence_bypass; GRANT DELETE ON results TO %[1]s; SET ROLE %[1]s; DELETE FROM results; RESET ROLE", dba)); err != nil {
-				t.Fatal(err)
-			}
-			e.wantResult(t, "job", "", 0)
-			// The same business key again: a new lifecycle.
-			nl := e.acquire(t, "job", "b", time.Minute)
-			if nl.Epoch == old.Epoch || nl.Token <= old.Token {
-				t.Fatalf("new lifecycle (epoch %d, token %d) does not supersede the old (epoch %d, token %d)", nl.Epoch, nl.Token, old.Epoch, old.Token)
-			}
-			var maxOld int64
-			if err := e.direct(t).QueryRow(ctx, "SELECT max(token) FROM fence.issuance WHERE epoch = $1", old.Epoch).Scan(&maxOld); err != nil || nl.Token <= maxOld {
-				t.Fatalf("new token %d not larger than every old one (%d, %v)", nl.Token, maxOld, err)
-			}
-			b := e.mustConnect(t, client{lease: &nl, mode: m.mode})
-			if err := writeTx(ctx, b, "", "job", "new lifecycle", nl.Token); err != nil {
-				t.Fatal(err)
-			}
-			// A request saved from before the clean-up: the same payload,
-			// and a different one.
-			for _, payload := range []string{"old lifecycle", "late write"} {
-				stale := e.mustConnect(t, client{lease: &old, mode: m.mode})
-				err := writeTx(ctx, stale, "", "job", payload, old.Token)
-				wantCode(t, err, fence.CodeRetired)
-			}
-			e.wantResult(t, "job", "new lifecycle", nl.Token)
-			e.wantCount(t, 2, "SELECT count(*) FROM audit")
-			e.wantCount(t, 0, "SELECT count(*) FROM fence.receipts WHERE epoch = $1", old.Epoch)
-		})
+	eachMode(t, "", func(t *testing.T, e *fenceEnv, mode pgx.QueryExecMode) {
+		ctx := ctxT(t)
+		old := e.acquire(t, "job", "a", time.Minute)
+		a := e.mustConnect(t, client{lease: &old, mode: mode})
+		mustWriteTx(t, a, "", "job", "old lifecycle", old.Token)
+		// Clean up: retire, collect receipts, delete the business row.
+		if err := fence.Retire(ctx, e.direct(t), "job", fence.RetireOptions{Force: true}); err != nil {
+			t.Fatal(err)
+		}
+		e.wantGC(t, 1)
+		// A DBA (member of pgfence_bypass) deletes the business row.
+		dba := pgx.Identifier{"dba_" + e.db}.Sanitize()
+		execOK(t, e.direct(t), fmt.Sprintf("CREATE ROLE %[1]s IN ROLE pgfence_bypass; GRANT DELETE ON results TO %[1]s; SET ROLE %[1]s; DELETE FROM results; RESET ROLE", dba))
+		e.wantResult(t, "job", "", 0)
+		// The same business key again: a new lifecycle.
+		nl := e.acquire(t, "job", "b", time.Minute)
+		if nl.Epoch == old.Epoch || nl.Token <= old.Token {
+			t.Fatalf("new lifecycle (epoch %d, token %d) does not supersede the old (epoch %d, token %d)", nl.Epoch, nl.Token, old.Epoch, old.Token)
+		}
+		var maxOld int64
+		if err := e.direct(t).QueryRow(ctx, "SELECT max(token) FROM fence.issuance WHERE epoch = $1", old.Epoch).Scan(&maxOld); err != nil || nl.Token <= maxOld {
+			t.Fatalf("new token %d not larger than every old one (%d, %v)", nl.Token, maxOld, err)
+		}
+		b := e.mustConnect(t, client{lease: &nl, mode: mode})
+		mustWriteTx(t, b, "", "job", "new lifecycle", nl.Token)
+		// A request saved from before the clean-up: the same payload,
+		// and a different one.
+		for _, payload := range []string{"old lifecycle", "late write"} {
+			stale := e.mustConnect(t, client{lease: &old, mode: mode})
+			err := writeTx(ctx, stale, "", "job", payload, old.Token)
+			wantCode(t, err, fence.CodeRetired)
+		}
+		e.wantResult(t, "job", "new lifecycle", nl.Token)
+		e.wantCount(t, 2, "SELECT count(*) FROM audit")
+		e.wantCount(t, 0, "SELECT count(*) FROM fence.receipts WHERE epoch = $1", old.Epoch)
+	})
+}
+
+// wantGC collects every receipt it may and checks it collected n.
+func (e *fenceEnv) wantGC(t *testing.T, n int64) {
+	t.Helper()
+	if got, err := fence.GC(ctxT(t), e.direct(t), 0); err != nil || got != n {
+		t.Fatalf("gc: %d, %v; want %d receipt(s)", got, err, n)
 	}
 }
 
 func testA11(t *testing.T) {
-	for _, m := range execModes {
-		t.Run(m.name, func(t *testing.T) {
-			e := newFenceEnv(t)
-			ctx := ctxT(t)
-			la := e.acquire(t, "job", "a", time.Minute)
-			a := e.mustConnect(t, client{lease: &la, mode: m.mode})
-			if err := writeTx(ctx, a, "", "job", "payload", la.Token); err != nil {
-				t.Fatal(err)
-			}
-			lb := e.takeover(t, "job", "b", la)
-			if n, err := fence.GC(ctx, e.direct(t), 0); err != nil || n != 1 {
-				t.Fatalf("gc: %d, %v; want 1 receipt", n, err)
-			}
-			var ns notices
-			a2 := e.mustConnect(t, client{lease: &la, mode: m.mode, notices: &ns})
-			err := writeTx(ctx, a2, "", "job", "payload", la.Token)
-			wantCode(t, err, fence.CodeExpired)
-			if got := ns.take(); len(got) != 0 {
-				t.Fatalf("notices: got %v, want none", got)
-			}
-			e.wantCount(t, 1, "SELECT count(*) FROM audit")
-			e.wantCount(t, 0, "SELECT count(*) FROM fence.receipts")
-			e.wantResult(t, "job", "payload", la.Token)
-			_ = lb
-		})
-	}
+	eachMode(t, "", func(t *testing.T, e *fenceEnv, mode pgx.QueryExecMode) {
+		la := committedThenTakenOver(t, e, mode)
+		e.wantGC(t, 1)
+		var ns notices
+		a2 := e.mustConnect(t, client{lease: &la, mode: mode, notices: &ns})
+		err := writeTx(ctxT(t), a2, "", "job", "payload", la.Token)
+		wantCode(t, err, fence.CodeExpired)
+		ns.want(t)
+		e.wantCount(t, 1, "SELECT count(*) FROM audit")
+		e.wantCount(t, 0, "SELECT count(*) FROM fence.receipts")
+		e.wantResult(t, "job", "payload", la.Token)
+	})
 }
 
 // ---------------------------------------------------------------------------
@@ -680,19 +665,23 @@ CREATE TABLE staging (job_key text, payload text, token bigint);
 INSERT INTO staging VALUES ('merged', 'via merge', 999);
 `
 
-func testA13(t *testing.T) {
-	e := newFenceEnv(t)
-	ctx := ctxT(t)
-	if _, err := e.direct(t).Exec(ctx, a13Schema); err != nil {
-		t.Fatal(err)
-	}
+// newA13Env is an env with a13Schema whose job has a result ("legit",
+// committed with the lease it returns) and was then taken over: the
+// lease is stale.
+func newA13Env(t *testing.T) (*fenceEnv, fence.Lease) {
+	t.Helper()
+	e := newEnv(t, envSpec{schema: fenceSchema + a13Schema})
 	l := e.acquire(t, "job", "a", time.Minute)
 	w := e.mustConnect(t, client{lease: &l})
-	if _, err := w.Exec(ctx, upsert, "job", "legit", l.Token); err != nil {
-		t.Fatalf("legitimate write: %v", err)
-	}
+	execOK(t, w, upsert, "job", "legit", l.Token)
+	e.takeover(t, "job", "b", l)
+	return e, l
+}
+
+func testA13(t *testing.T) {
+	e, l := newA13Env(t)
+	ctx := ctxT(t)
 	stale := l
-	e.takeover(t, "job", "b", l) // l's token is stale from now on
 
 	type path struct {
 		name string
@@ -811,7 +800,7 @@ func testA13(t *testing.T) {
 			t.Run(s.name+"/"+p.name, func(t *testing.T) {
 				c := e.mustConnect(t, s.c)
 				err := p.run(c)
-				if got := sqlstate(err); !contains(s.codes, got) {
+				if got := pgtest.SQLState(err); !slices.Contains(s.codes, got) {
 					t.Fatalf("got %v (SQLSTATE %q), want SQLSTATE %v", err, got, s.codes)
 				}
 				e.wantResult(t, "job", "legit", l.Token)
@@ -819,72 +808,47 @@ func testA13(t *testing.T) {
 				e.wantCount(t, 0, "SELECT count(*) FROM audit")
 				e.wantCount(t, 1, "SELECT count(*) FROM fence.receipts")
 				// The session is idle and usable after the refusal.
-				var one int
-				if err := c.QueryRow(ctx, "SELECT 1").Scan(&one); err != nil {
-					t.Fatalf("session after refusal: %v", err)
-				}
+				wantUsable(t, c)
 			})
 		}
 	}
-}
-
-func contains(list []string, s string) bool {
-	for _, x := range list {
-		if x == s {
-			return true
-		}
-	}
-	return false
 }
 
 // ---------------------------------------------------------------------------
 // A14
 
 func testA14(t *testing.T) {
-	for _, m := range execModes {
-		t.Run("lone_write_"+m.name, func(t *testing.T) {
-			e := newFenceEnv(t)
-			ctx := ctxT(t)
-			l := e.acquire(t, "job", "a", time.Minute)
-			w := e.mustConnect(t, client{lease: &l, mode: m.mode})
-			if _, err := w.Exec(ctx, upsert, "job", "lone", l.Token); err != nil {
-				t.Fatal(err)
-			}
-			e.wantResult(t, "job", "lone", l.Token)
-			e.wantCount(t, 1, "SELECT count(*) FROM fence.receipts")
-			// One transaction: the result row and the receipt share an xid.
-			e.wantCount(t, 1, `SELECT count(DISTINCT x) FROM (SELECT xmin::text x FROM results
-				UNION ALL SELECT xmin::text FROM fence.receipts) s`)
-			e.wantCount(t, 0, "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND state LIKE 'idle in transaction%'")
-		})
-	}
+	eachMode(t, "lone_write_", func(t *testing.T, e *fenceEnv, mode pgx.QueryExecMode) {
+		l := e.acquire(t, "job", "a", time.Minute)
+		w := e.mustConnect(t, client{lease: &l, mode: mode})
+		execOK(t, w, upsert, "job", "lone", l.Token)
+		e.wantResult(t, "job", "lone", l.Token)
+		e.wantCount(t, 1, "SELECT count(*) FROM fence.receipts")
+		// One transaction: the result row and the receipt share an xid.
+		e.wantCount(t, 1, `SELECT count(DISTINCT x) FROM (SELECT xmin::text x FROM results
+			UNION ALL SELECT xmin::text FROM fence.receipts) s`)
+		e.wantCount(t, 0, "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND state LIKE 'idle in transaction%'")
+	})
 	t.Run("multi_statement_simple", func(t *testing.T) {
 		e := newFenceEnv(t)
 		ctx := ctxT(t)
 		l := e.acquire(t, "job", "a", time.Minute)
 		w := e.mustConnect(t, client{lease: &l})
-		q := fmt.Sprintf("INSERT INTO audit (note) VALUES ('one'); INSERT INTO results VALUES ('job', 'multi', %d); INSERT INTO audit (note) VALUES ('two'); UPDATE results SET payload = 'multi2'", l.Token)
-		if _, err := w.Exec(ctx, q); err != nil {
-			t.Fatal(err)
-		}
+		execOK(t, w, fmt.Sprintf("INSERT INTO audit (note) VALUES ('one'); INSERT INTO results VALUES ('job', 'multi', %d); INSERT INTO audit (note) VALUES ('two'); UPDATE results SET payload = 'multi2'", l.Token))
 		e.wantResult(t, "job", "multi2", l.Token)
 		e.wantCount(t, 2, "SELECT count(*) FROM audit")
 		e.wantCount(t, 1, "SELECT count(*) FROM fence.receipts")
 		e.wantCount(t, 1, `SELECT count(DISTINCT x) FROM (SELECT xmin::text x FROM results
 			UNION ALL SELECT xmin::text FROM audit UNION ALL SELECT xmin::text FROM fence.receipts) s`)
 		// A failure late in the query undoes all of it, the receipt too.
-		if _, err := w.Exec(ctx, "SET fence.step = 'two'"); err != nil {
-			t.Fatal(err)
-		}
+		execOK(t, w, "SET fence.step = 'two'")
 		_, err := w.Exec(ctx, "INSERT INTO audit (note) VALUES ('three'); UPDATE results SET payload = 'multi3'; SELECT 1/0")
 		wantCode(t, err, "22012")
 		e.wantResult(t, "job", "multi2", l.Token)
 		e.wantCount(t, 2, "SELECT count(*) FROM audit")
 		e.wantCount(t, 1, "SELECT count(*) FROM fence.receipts")
 		// The same step retried succeeds as a first commit.
-		if _, err := w.Exec(ctx, "INSERT INTO audit (note) VALUES ('three'); UPDATE results SET payload = 'multi3'"); err != nil {
-			t.Fatal(err)
-		}
+		execOK(t, w, "INSERT INTO audit (note) VALUES ('three'); UPDATE results SET payload = 'multi3'")
 		e.wantResult(t, "job", "multi3", l.Token)
 		e.wantCount(t, 2, "SELECT count(*) FROM fence.receipts")
 	})
@@ -894,108 +858,85 @@ func testA14(t *testing.T) {
 // A15
 
 func testA15(t *testing.T) {
-	for _, m := range execModes {
-		t.Run("client_disconnects_"+m.name, func(t *testing.T) {
-			e := newFenceEnv(t)
-			ctx := ctxT(t)
-			l := e.acquire(t, "job", "a", time.Minute)
-			if err := fence.Release(ctx, e.direct(t), "job", l.Token); err != nil {
-				t.Fatal(err)
-			}
-			other := e.mustConnect(t, client{lease: &l, mode: m.mode, extra: []string{"-c fence.step=other"}})
-			a := e.mustConnect(t, client{lease: &l, mode: m.mode})
-			pid := backendPID(t, a)
-			tx, err := a.Begin(ctx)
-			if err != nil {
-				t.Fatal(err)
-			}
-			if _, err := tx.Exec(ctx, "INSERT INTO audit (note) VALUES ('a')"); err != nil {
-				t.Fatal(err)
-			}
-			if _, err := tx.Exec(ctx, upsert, "job", "from A", l.Token); err != nil {
-				t.Fatal(err)
-			}
-			if e.fenceRowFree(t, "job") {
-				t.Fatal("the fence row is not locked inside the gated transaction")
-			}
-			// The client vanishes without a word.
-			a.PgConn().Conn().Close()
-			e.waitGone(t, pid)
-			if !e.fenceRowFree(t, "job") {
-				t.Fatal("the fence row is still locked after the client left")
-			}
-			e.wantResult(t, "job", "", 0)
-			e.wantCount(t, 0, "SELECT count(*) FROM audit")
-			e.wantCount(t, 0, "SELECT count(*) FROM fence.receipts")
-			// The other session of the same proxy continues.
-			if _, err := other.Exec(ctx, upsert, "job", "from other", l.Token); err != nil {
-				t.Fatalf("other session: %v", err)
-			}
-			// A takeover does not wait.
-			c := e.direct(t)
-			if _, err := c.Exec(ctx, "SET lock_timeout = '2s'"); err != nil {
-				t.Fatal(err)
-			}
-			if _, err := fence.Acquire(ctx, c, "job", "b", time.Minute); err != nil {
-				t.Fatalf("takeover after the disconnect: %v", err)
-			}
-		})
-	}
+	eachMode(t, "client_disconnects_", func(t *testing.T, e *fenceEnv, mode pgx.QueryExecMode) {
+		l := e.acquire(t, "job", "a", time.Minute)
+		e.release(t, l)
+		other := e.mustConnect(t, client{lease: &l, mode: mode, extra: []string{"-c fence.step=other"}})
+		a := e.mustConnect(t, client{lease: &l, mode: mode})
+		pid := backendPID(t, a)
+		e.beginHoldingFence(t, a, l)
+		// The client vanishes without a word.
+		a.PgConn().Conn().Close()
+		e.waitFenceFreed(t, pid, "the client left")
+		// The other session of the same proxy continues.
+		if _, err := other.Exec(ctxT(t), upsert, "job", "from other", l.Token); err != nil {
+			t.Fatalf("other session: %v", err)
+		}
+		e.wantTakeoverNow(t, "after the disconnect")
+	})
 	t.Run("proxy_killed", func(t *testing.T) {
 		e := newFenceEnv(t)
 		ctx := ctxT(t)
 		addr := startFenceServe(t)
 		l := e.acquire(t, "job", "a", time.Minute)
-		if err := fence.Release(ctx, e.direct(t), "job", l.Token); err != nil {
-			t.Fatal(err)
-		}
+		e.release(t, l)
 		a := e.mustConnect(t, client{lease: &l, addr: addr.String()})
 		pid := backendPID(t, a)
-		tx, err := a.Begin(ctx)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if _, err := tx.Exec(ctx, "INSERT INTO audit (note) VALUES ('a')"); err != nil {
-			t.Fatal(err)
-		}
-		if _, err := tx.Exec(ctx, upsert, "job", "from A", l.Token); err != nil {
-			t.Fatal(err)
-		}
-		if e.fenceRowFree(t, "job") {
-			t.Fatal("the fence row is not locked inside the gated transaction")
-		}
+		tx := e.beginHoldingFence(t, a, l)
 		addr.kill(t)
 		if err := tx.Commit(ctx); err == nil {
 			t.Fatal("COMMIT succeeded through a killed proxy")
 		}
-		e.waitGone(t, pid)
-		if !e.fenceRowFree(t, "job") {
-			t.Fatal("the fence row is still locked after the proxy died")
-		}
-		e.wantResult(t, "job", "", 0)
-		e.wantCount(t, 0, "SELECT count(*) FROM audit")
-		e.wantCount(t, 0, "SELECT count(*) FROM fence.receipts")
+		e.waitFenceFreed(t, pid, "the proxy died")
 		// Other sessions (through the in-process proxy) continue.
 		w := e.mustConnect(t, client{lease: &l})
 		if _, err := w.Exec(ctx, upsert, "job", "after", l.Token); err != nil {
 			t.Fatalf("other session: %v", err)
 		}
 		e.wantResult(t, "job", "after", l.Token)
-		c := e.direct(t)
-		if _, err := c.Exec(ctx, "SET lock_timeout = '2s'"); err != nil {
-			t.Fatal(err)
-		}
-		if _, err := fence.Acquire(ctx, c, "job", "b", time.Minute); err != nil {
-			t.Fatalf("takeover after the kill: %v", err)
-		}
+		e.wantTakeoverNow(t, "after the kill")
 	})
 }
 
-var (
-	pgfenceOnce sync.Once
-	pgfenceBin  string
-	pgfenceErr  error
-)
+// beginHoldingFence begins a transaction on c, with l's generation, that
+// writes the audit table and then the result (so it is gated), and checks
+// that it holds the job's fence row.
+func (e *fenceEnv) beginHoldingFence(t *testing.T, c *pgx.Conn, l fence.Lease) pgx.Tx {
+	t.Helper()
+	tx, err := c.Begin(ctxT(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	execOK(t, tx, "INSERT INTO audit (note) VALUES ('a')")
+	execOK(t, tx, upsert, "job", "from A", l.Token)
+	if e.fenceRowFree(t, "job") {
+		t.Fatal("the fence row is not locked inside the gated transaction")
+	}
+	return tx
+}
+
+// waitFenceFreed waits until the backend pid of beginHoldingFence's
+// transaction has ended (because why), and checks that the fence row is
+// free and that nothing of the transaction remains.
+func (e *fenceEnv) waitFenceFreed(t *testing.T, pid uint32, why string) {
+	t.Helper()
+	e.waitGone(t, pid)
+	if !e.fenceRowFree(t, "job") {
+		t.Fatalf("the fence row is still locked after %s", why)
+	}
+	e.wantNothingWritten(t)
+}
+
+// wantTakeoverNow checks that a takeover of the job does not wait for a
+// lock (lock_timeout 2s).
+func (e *fenceEnv) wantTakeoverNow(t *testing.T, when string) {
+	t.Helper()
+	c := e.direct(t)
+	execOK(t, c, "SET lock_timeout = '2s'")
+	if _, err := fence.Acquire(ctxT(t), c, "job", "b", time.Minute); err != nil {
+		t.Fatalf("takeover %s: %v", when, err)
+	}
+}
 
 // serveProc is a `pgfence serve` process (with the write gate).
 type serveProc struct {
@@ -1011,63 +952,12 @@ func (p *serveProc) kill(t *testing.T) {
 	p.cmd.Wait()
 }
 
-// startFenceServe builds the pgfence binary (once per test run) and starts
-// `pgfence serve` in front of the test cluster on a free port, with auth
-// trust and the extra args.
+// startFenceServe starts `pgfence serve` in front of the test cluster on a
+// free port, with auth trust and the extra args.
 func startFenceServe(t *testing.T, args ...string) *serveProc {
 	t.Helper()
-	pgfenceOnce.Do(func() {
-		dir, err := os.MkdirTemp("", "pgfence-bin")
-		if err != nil {
-			pgfenceErr = err
-			return
-		}
-		pgfenceBin = filepath.Join(dir, "pgfence")
-		out, err := exec.Command("go", "build", "-o", pgfenceBin, "../cmd/pgfence").CombinedOutput()
-		if err != nil {
-			pgfenceErr = fmt.Errorf("go build ../cmd/pgfence: %v\n%s", err, out)
-		}
-	})
-	if pgfenceErr != nil {
-		t.Fatal(pgfenceErr)
-	}
-	cmd := exec.Command(pgfenceBin, append([]string{"serve", "--listen", "127.0.0.1:0", "--primary", cluster.Primary.DSN("postgres"), "--auth", "trust"}, args...)...)
-	cmd.Env = os.Environ()
-	logs, err := cmd.StderrPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	cmd.Stdout = cmd.Stderr
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	p := &serveProc{cmd: cmd}
-	t.Cleanup(func() {
-		if p.cmd.ProcessState == nil {
-			p.cmd.Process.Kill()
-			p.cmd.Wait()
-		}
-	})
-	// The "listening" log line names the address.
-	sc := bufio.NewScanner(logs)
-	for sc.Scan() {
-		var entry struct {
-			Msg  string `json:"msg"`
-			Addr string `json:"addr"`
-		}
-		if json.Unmarshal(sc.Bytes(), &entry) != nil || entry.Msg != "listening" {
-			continue
-		}
-		a, err := net.ResolveTCPAddr("tcp", entry.Addr)
-		if err != nil {
-			t.Fatal(err)
-		}
-		p.Addr = a
-		go io.Copy(io.Discard, logs)
-		return p
-	}
-	t.Fatalf("pgfence serve exited before listening: %v", sc.Err())
-	return nil
+	cmd, addr := testbin.Serve(t, nil, append([]string{"--listen", "127.0.0.1:0", "--primary", cluster.Primary.DSN("postgres"), "--auth", "trust"}, args...)...)
+	return &serveProc{Addr: addr, cmd: cmd}
 }
 
 // ---------------------------------------------------------------------------
@@ -1085,10 +975,11 @@ func testA16Mode(t *testing.T, mode pgx.QueryExecMode) {
 	old := e.acquire(t, "job", "a", time.Minute)
 	cur := e.takeover(t, "job", "b", old)
 	setCur := fmt.Sprintf("SET fence.token = %d", cur.Token)
+	setGen := fmt.Sprintf("SET fence.job_key = 'job'; SET fence.epoch = %d; SET fence.token = %d", cur.Epoch, cur.Token)
 	step := 0
 	var lastErr error
 	// write does one gated write as its own step; it reports the SQLSTATE.
-	write := func(c *pgx.Conn) string {
+	write := func(t *testing.T, c *pgx.Conn) string {
 		t.Helper()
 		step++
 		if _, err := c.Exec(ctx, fmt.Sprintf("SET fence.step = 's%d'", step)); err != nil {
@@ -1096,55 +987,64 @@ func testA16Mode(t *testing.T, mode pgx.QueryExecMode) {
 		}
 		_, err := c.Exec(ctx, upsert, "job", fmt.Sprintf("write %d", step), cur.Token)
 		lastErr = err
-		if err != nil && sqlstate(err) == "" {
+		if err != nil && pgtest.SQLState(err) == "" {
 			t.Fatalf("write: %v", err)
 		}
-		return sqlstate(err)
+		return pgtest.SQLState(err)
 	}
-	want := func(c *pgx.Conn, what, code string) {
+	want := func(t *testing.T, c *pgx.Conn, what, code string) {
 		t.Helper()
-		if got := write(c); got != code {
+		if got := write(t, c); got != code {
 			t.Fatalf("%s: write got SQLSTATE %q (%v), want %q", what, got, lastErr, code)
 		}
 	}
-	exec := func(c *pgx.Conn, sql string) {
+	// resetsToStartup checks that reset (RESET ALL, DISCARD ALL) brings
+	// back the startup metadata, and leaves none where the startup had
+	// none; it returns that session, without metadata.
+	resetsToStartup := func(t *testing.T, mode pgx.QueryExecMode, reset string) *pgx.Conn {
 		t.Helper()
-		if _, err := c.Exec(ctx, sql); err != nil {
-			t.Fatalf("%s: %v", sql, err)
-		}
+		c := e.mustConnect(t, client{lease: &old, mode: mode})
+		execOK(t, c, setCur)
+		want(t, c, "after SET", "")
+		execOK(t, c, reset)
+		want(t, c, "after "+reset+" to the startup token", fence.CodeStale)
+		n := e.mustConnect(t, client{mode: mode})
+		execOK(t, n, setGen)
+		want(t, n, "after SET of a generation", "")
+		execOK(t, n, reset)
+		want(t, n, "after "+reset, fence.CodeFencingRequired)
+		return n
 	}
 
 	t.Run("set_in_rolled_back_tx", func(t *testing.T) {
 		c := e.mustConnect(t, client{lease: &old, mode: mode})
-		exec(c, "BEGIN")
-		exec(c, setCur)
-		exec(c, "ROLLBACK")
-		want(c, "after SET undone by ROLLBACK", fence.CodeStale)
-		exec(c, "BEGIN")
-		exec(c, setCur)
-		exec(c, "COMMIT")
-		want(c, "after SET committed", "")
+		execOK(t, c, "BEGIN")
+		execOK(t, c, setCur)
+		execOK(t, c, "ROLLBACK")
+		want(t, c, "after SET undone by ROLLBACK", fence.CodeStale)
+		execOK(t, c, "BEGIN")
+		execOK(t, c, setCur)
+		execOK(t, c, "COMMIT")
+		want(t, c, "after SET committed", "")
 	})
 	t.Run("set_in_rolled_back_savepoint", func(t *testing.T) {
 		c := e.mustConnect(t, client{lease: &old, mode: mode})
-		exec(c, "BEGIN")
-		exec(c, "SAVEPOINT s")
-		exec(c, setCur)
-		exec(c, "ROLLBACK TO SAVEPOINT s")
-		exec(c, "COMMIT")
-		want(c, "after SET undone by ROLLBACK TO", fence.CodeStale)
+		execOK(t, c, "BEGIN")
+		execOK(t, c, "SAVEPOINT s")
+		execOK(t, c, setCur)
+		execOK(t, c, "ROLLBACK TO SAVEPOINT s")
+		execOK(t, c, "COMMIT")
+		want(t, c, "after SET undone by ROLLBACK TO", fence.CodeStale)
 	})
 	t.Run("set_local", func(t *testing.T) {
 		c := e.mustConnect(t, client{lease: &old, mode: mode})
 		step++
-		exec(c, fmt.Sprintf("SET fence.step = 's%d'", step))
+		execOK(t, c, fmt.Sprintf("SET fence.step = 's%d'", step))
 		tx, err := c.Begin(ctx)
 		if err != nil {
 			t.Fatal(err)
 		}
-		if _, err := tx.Exec(ctx, fmt.Sprintf("SET LOCAL fence.token = %d", cur.Token)); err != nil {
-			t.Fatal(err)
-		}
+		execOK(t, tx, fmt.Sprintf("SET LOCAL fence.token = %d", cur.Token))
 		if _, err := tx.Exec(ctx, upsert, "job", "set local", cur.Token); err != nil {
 			t.Fatalf("write under SET LOCAL: %v", err)
 		}
@@ -1152,24 +1052,15 @@ func testA16Mode(t *testing.T, mode pgx.QueryExecMode) {
 			t.Fatalf("commit under SET LOCAL: %v", err)
 		}
 		e.wantCount(t, 1, "SELECT count(*) FROM fence.receipts WHERE token = $1 AND step = $2", cur.Token, fmt.Sprintf("s%d", step))
-		want(c, "after SET LOCAL ended", fence.CodeStale)
+		want(t, c, "after SET LOCAL ended", fence.CodeStale)
 	})
 	t.Run("reset_all", func(t *testing.T) {
 		// Startup values come back (RESET restores the session default).
-		c := e.mustConnect(t, client{lease: &old, mode: mode})
-		exec(c, setCur)
-		want(c, "after SET", "")
-		exec(c, "RESET ALL")
-		want(c, "after RESET ALL to the startup token", fence.CodeStale)
 		// Without startup metadata RESET ALL leaves none.
-		n := e.mustConnect(t, client{mode: mode})
-		exec(n, fmt.Sprintf("SET fence.job_key = 'job'; SET fence.epoch = %d; SET fence.token = %d", cur.Epoch, cur.Token))
-		want(n, "after SET of a generation", "")
-		exec(n, "RESET ALL")
-		want(n, "after RESET ALL", fence.CodeFencingRequired)
-		exec(n, fmt.Sprintf("SET fence.job_key = 'job'; SET fence.epoch = %d; SET fence.token = %d", cur.Epoch, cur.Token))
-		exec(n, "RESET fence.token")
-		want(n, "after RESET fence.token", fence.CodeFencingRequired)
+		n := resetsToStartup(t, mode, "RESET ALL")
+		execOK(t, n, setGen)
+		execOK(t, n, "RESET fence.token")
+		want(t, n, "after RESET fence.token", fence.CodeFencingRequired)
 	})
 	t.Run("discard_all", func(t *testing.T) {
 		// DISCARD ALL drops the client's own prepared statements too, so
@@ -1180,27 +1071,16 @@ func testA16Mode(t *testing.T, mode pgx.QueryExecMode) {
 		if mode == pgx.QueryExecModeCacheStatement {
 			mode = pgx.QueryExecModeDescribeExec
 		}
-		c := e.mustConnect(t, client{lease: &old, mode: mode})
-		exec(c, setCur)
-		want(c, "after SET", "")
-		exec(c, "DISCARD ALL")
-		want(c, "after DISCARD ALL to the startup token", fence.CodeStale)
-		n := e.mustConnect(t, client{mode: mode})
-		exec(n, fmt.Sprintf("SET fence.job_key = 'job'; SET fence.epoch = %d; SET fence.token = %d", cur.Epoch, cur.Token))
-		want(n, "after SET of a generation", "")
-		exec(n, "DISCARD ALL")
-		want(n, "after DISCARD ALL", fence.CodeFencingRequired)
+		n := resetsToStartup(t, mode, "DISCARD ALL")
 		// The gate's own prepared statements are gone with DISCARD ALL;
 		// gating again must still work.
-		exec(n, fmt.Sprintf("SET fence.job_key = 'job'; SET fence.epoch = %d; SET fence.token = %d", cur.Epoch, cur.Token))
-		want(n, "after DISCARD ALL and a new SET", "")
+		execOK(t, n, setGen)
+		want(t, n, "after DISCARD ALL and a new SET", "")
 	})
 	t.Run("set_config", func(t *testing.T) {
 		c := e.mustConnect(t, client{lease: &old, mode: mode})
-		if _, err := c.Exec(ctx, "SELECT set_config('fence.token', $1, false)", fmt.Sprint(cur.Token)); err != nil {
-			t.Fatal(err)
-		}
-		want(c, "after set_config", "")
+		execOK(t, c, "SELECT set_config('fence.token', $1, false)", fmt.Sprint(cur.Token))
+		want(t, c, "after set_config", "")
 	})
 	t.Run("malformed_token", func(t *testing.T) {
 		c := e.mustConnect(t, client{lease: &cur, mode: mode})
@@ -1219,10 +1099,10 @@ func testA16Mode(t *testing.T, mode pgx.QueryExecMode) {
 		if err := c.QueryRow(ctx, "SELECT current_setting('fence.token')").Scan(&v); err != nil || v != fmt.Sprint(cur.Token) {
 			t.Fatalf("fence.token after refused SETs: got %q (%v), want %d", v, err, cur.Token)
 		}
-		want(c, "after refused SETs", "")
+		want(t, c, "after refused SETs", "")
 		// In the startup packet: the connection is refused.
 		_, err = e.connect(t, client{mode: mode, extra: []string{"-c fence.job_key=job -c fence.epoch=1 -c fence.token=abc"}})
-		if sqlstate(err) != "22023" {
+		if pgtest.SQLState(err) != "22023" {
 			t.Fatalf("malformed token in the startup options: got %v, want SQLSTATE 22023", err)
 		}
 	})
@@ -1232,30 +1112,25 @@ func testA16Mode(t *testing.T, mode pgx.QueryExecMode) {
 // FN009
 
 func testPrepareTransaction(t *testing.T) {
-	for _, m := range execModes {
-		t.Run(m.name, func(t *testing.T) {
-			e := newFenceEnv(t)
-			ctx := ctxT(t)
-			l := e.acquire(t, "job", "a", time.Minute)
-			c := e.mustConnect(t, client{lease: &l, mode: m.mode})
-			tx, err := c.Begin(ctx)
-			if err != nil {
-				t.Fatal(err)
-			}
-			if _, err := tx.Exec(ctx, upsert, "job", "2pc", l.Token); err != nil {
-				t.Fatal(err)
-			}
-			_, err = tx.Exec(ctx, "PREPARE TRANSACTION 'pgfence_test'")
-			wantCode(t, err, fence.CodeUnsupported)
-			tx.Rollback(ctx)
-			e.wantCount(t, 0, "SELECT count(*) FROM pg_prepared_xacts")
-			e.wantResult(t, "job", "", 0)
-			e.wantCount(t, 0, "SELECT count(*) FROM fence.receipts")
-			if _, err := c.Exec(ctx, upsert, "job", "after", l.Token); err != nil {
-				t.Fatalf("session after FN009: %v", err)
-			}
-		})
-	}
+	eachMode(t, "", func(t *testing.T, e *fenceEnv, mode pgx.QueryExecMode) {
+		ctx := ctxT(t)
+		l := e.acquire(t, "job", "a", time.Minute)
+		c := e.mustConnect(t, client{lease: &l, mode: mode})
+		tx, err := c.Begin(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		execOK(t, tx, upsert, "job", "2pc", l.Token)
+		_, err = tx.Exec(ctx, "PREPARE TRANSACTION 'pgfence_test'")
+		wantCode(t, err, fence.CodeUnsupported)
+		tx.Rollback(ctx)
+		e.wantCount(t, 0, "SELECT count(*) FROM pg_prepared_xacts")
+		e.wantResult(t, "job", "", 0)
+		e.wantCount(t, 0, "SELECT count(*) FROM fence.receipts")
+		if _, err := c.Exec(ctx, upsert, "job", "after", l.Token); err != nil {
+			t.Fatalf("session after FN009: %v", err)
+		}
+	})
 }
 
 // ---------------------------------------------------------------------------
@@ -1282,10 +1157,6 @@ func psqlCmd(port int, db, script, pgoptions string, vars ...string) *exec.Cmd {
 	cmd := exec.Command("psql", args...)
 	cmd.Env = append(os.Environ(), "PGOPTIONS="+pgoptions, "PGAPPNAME=psql_"+strings.TrimSuffix(script, ".sql"), "PGSSLMODE=disable")
 	return cmd
-}
-
-func pgoptions(l fence.Lease) string {
-	return fmt.Sprintf("-c fence.job_key=%s -c fence.epoch=%d -c fence.token=%d", l.JobKey, l.Epoch, l.Token)
 }
 
 // wantLines checks that each marker line appears in out, in order.
@@ -1324,18 +1195,14 @@ func testPsql(t *testing.T) {
 		e := newFenceEnv(t)
 		ctx := ctxT(t)
 		la := e.acquire(t, "job", "a", time.Minute)
-		if err := fence.Release(ctx, e.direct(t), "job", la.Token); err != nil {
-			t.Fatal(err)
-		}
+		e.release(t, la)
 		// B's takeover holds the fence row while psql's write waits for it.
 		btx, err := e.direct(t).Begin(ctx)
 		if err != nil {
 			t.Fatal(err)
 		}
 		defer btx.Rollback(ctx)
-		if _, err := btx.Exec(ctx, "SELECT fence.acquire('job', 'b', '1 minute')"); err != nil {
-			t.Fatal(err)
-		}
+		execOK(t, btx, "SELECT fence.acquire('job', 'b', '1 minute')")
 		cmd := psqlCmd(e.proxy.addr.Port, e.db, "a03.sql", pgoptions(la), fmt.Sprintf("token=%d", la.Token))
 		var buf strings.Builder
 		cmd.Stdout, cmd.Stderr = &buf, &buf
@@ -1379,18 +1246,8 @@ func testPsql(t *testing.T) {
 		e.wantCount(t, 1, "SELECT count(*) FROM fence.receipts")
 	})
 	t.Run("A13", func(t *testing.T) {
-		e := newFenceEnv(t)
-		ctx := ctxT(t)
-		if _, err := e.direct(t).Exec(ctx, a13Schema); err != nil {
-			t.Fatal(err)
-		}
-		l := e.acquire(t, "job", "a", time.Minute)
-		w := e.mustConnect(t, client{lease: &l})
-		if _, err := w.Exec(ctx, upsert, "job", "legit", l.Token); err != nil {
-			t.Fatal(err)
-		}
+		e, l := newA13Env(t)
 		stale := l
-		e.takeover(t, "job", "b", l)
 		paths := []string{"insert", "update", "delete", "multi", "cte", "merge", "copy", "truncate", "function", "view", "do"}
 		for _, target := range []struct {
 			name string

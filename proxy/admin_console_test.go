@@ -441,9 +441,7 @@ func TestConsoleSet(t *testing.T) {
 		_, err := adm.Exec(ctx, stmt)
 		wantCode(t, err, code)
 	}
-	if _, err := adm.Exec(ctx, "SET stats_users = 'watcher,bob'"); err != nil {
-		t.Fatal(err)
-	}
+	execOK(t, adm, "SET stats_users = 'watcher,bob'")
 	conf := map[string]string{}
 	for _, r := range table(t, adm, "SHOW CONFIG") {
 		conf[r["key"]] = r["value"]
@@ -452,9 +450,7 @@ func TestConsoleSet(t *testing.T) {
 		t.Errorf("SHOW CONFIG after SET: max_clients %s stats_users %s", conf["max_clients"], conf["stats_users"])
 	}
 	// bob, a stats user now, gets in once there is room.
-	if _, err := adm.Exec(ctx, "SET max_clients = 10"); err != nil {
-		t.Fatal(err)
-	}
+	execOK(t, adm, "SET max_clients = 10")
 	bob, err := e.admin(t, "bob")
 	if err != nil {
 		t.Fatalf("bob after SET stats_users: %v", err)
@@ -562,7 +558,7 @@ func TestConsolePsqlControl(t *testing.T) {
 			t.Errorf("psql -c %q (%v):\n%s\nwant %q", c.cmd, err, out, c.want)
 		}
 	}
-	if _, err := w.Exec(ctxT(t), "SELECT 1"); sqlState(err) != "57P01" {
+	if _, err := w.Exec(ctxT(t), "SELECT 1"); pgtest.SQLState(err) != "57P01" {
 		t.Errorf("the worker after KILL: %v, want 57P01", err)
 	}
 	out, err := consolePsql(t, e.proxy, "watcher", "-c", "PAUSE")

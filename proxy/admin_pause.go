@@ -101,23 +101,17 @@ func (p *dbControl) resumedChan(db string) <-chan struct{} {
 	if !p.pausedLocked(db) {
 		return nil
 	}
-	if p.resumed == nil {
-		p.resumed = make(chan struct{})
-	}
-	return p.resumed
+	return made(&p.resumed)
 }
 
 // stopChan is closed when the server shuts down.
 func (p *dbControl) stopChan() <-chan struct{} {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if p.stop == nil {
-		p.stop = make(chan struct{})
-		if p.stopped {
-			close(p.stop)
-		}
+	if p.stop == nil && p.stopped {
+		close(made(&p.stop))
 	}
-	return p.stop
+	return made(&p.stop)
 }
 
 // changedChan returns a channel closed at the next idle transition or
@@ -125,10 +119,16 @@ func (p *dbControl) stopChan() <-chan struct{} {
 func (p *dbControl) changedChan() <-chan struct{} {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if p.changed == nil {
-		p.changed = make(chan struct{})
+	return made(&p.changed)
+}
+
+// made returns the channel *c, made first when it is nil (the caller holds
+// the lock that guards it).
+func made(c *chan struct{}) chan struct{} {
+	if *c == nil {
+		*c = make(chan struct{})
 	}
-	return p.changed
+	return *c
 }
 
 // notify wakes the waiting console commands.

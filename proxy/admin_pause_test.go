@@ -146,13 +146,6 @@ func execAsync(ctx context.Context, c *pgconn.PgConn, sql string) <-chan []*pgco
 	return ch
 }
 
-func mustExec(t *testing.T, c *pgconn.PgConn, sql string) {
-	t.Helper()
-	if _, err := c.Exec(ctxT(t), sql).ReadAll(); err != nil {
-		t.Fatalf("%s: %v", sql, err)
-	}
-}
-
 // stillWaiting fails the test when ch already has a value.
 func stillWaiting[T any](t *testing.T, ch <-chan T, what string) {
 	t.Helper()
@@ -235,9 +228,7 @@ func TestConsolePause(t *testing.T) {
 		}
 		// Nothing of b's reached PostgreSQL.
 		direct := connect(t, cluster.Primary.DSN(db))
-		if res, err := direct.Exec(ctx, "SELECT count(*) FROM t WHERE v = 10").ReadAll(); err != nil || string(res[0].Rows[0][0]) != "0" {
-			t.Fatalf("b's held INSERT ran: %v %v", res, err)
-		}
+		wantValue(t, direct, "SELECT count(*) FROM t WHERE v = 10", "0")
 		state := map[string]string{}
 		for _, r := range table(t, obs, "SHOW STATE") {
 			state[r["key"]] = r["value"]
@@ -286,9 +277,7 @@ func TestConsolePauseDatabase(t *testing.T) {
 	ctx := ctxT(t)
 	c1, c2 := connect(t, p.dsn(db1)), connect(t, p.dsn(db2))
 	adm := mustConsole(t, p, "admin")
-	if _, err := adm.Exec(ctx, "PAUSE "+db1); err != nil {
-		t.Fatal(err)
-	}
+	execOK(t, adm, "PAUSE "+db1)
 	held := execAsync(ctx, c1, "SELECT 1")
 	waitClientState(t, adm, c1, "waiting")
 	mustExec(t, c2, "SELECT 1") // db2 is not paused
@@ -304,9 +293,7 @@ func TestConsolePauseDatabase(t *testing.T) {
 		wantCode(t, err, code)
 	}
 	stillWaiting(t, held, "the paused database's query")
-	if _, err := adm.Exec(ctx, "RESUME "+db1); err != nil {
-		t.Fatal(err)
-	}
+	execOK(t, adm, "RESUME "+db1)
 	if err := resultErr(<-held); err != nil {
 		t.Fatal(err)
 	}
@@ -357,9 +344,7 @@ func TestConsoleKill(t *testing.T) {
 		mustExec(t, a, "BEGIN; INSERT INTO t VALUES (1)")
 		adm := mustConsole(t, p, "admin")
 		pidA := sessionOf(t, p, a).BackendPID
-		if _, err := adm.Exec(ctx, "KILL "+db); err != nil {
-			t.Fatal(err)
-		}
+		execOK(t, adm, "KILL "+db)
 		for _, c := range []*pgconn.PgConn{a, b} {
 			_, err := c.Exec(ctx, "SELECT 1").ReadAll()
 			wantCode(t, err, "57P01")
@@ -372,17 +357,13 @@ func TestConsoleKill(t *testing.T) {
 		}); err != nil {
 			t.Fatalf("a's backend still there after KILL: %v", err)
 		}
-		if res, err := direct.Exec(ctx, "SELECT count(*) FROM t").ReadAll(); err != nil || string(res[0].Rows[0][0]) != "0" {
-			t.Fatalf("a's transaction was not rolled back: %v %v", res, err)
-		}
+		wantValue(t, direct, "SELECT count(*) FROM t", "0")
 		// Killed means paused: a new client waits.
 		cDone := connectAsync(ctx, p.dsn(db))
 		if err := pgtest.Poll(ctx, func() (bool, error) { return poolWaiting(t, adm, db) == 1, nil }); err != nil {
 			t.Fatal(err)
 		}
-		if _, err := adm.Exec(ctx, "RESUME "+db); err != nil {
-			t.Fatal(err)
-		}
+		execOK(t, adm, "RESUME "+db)
 		if err := <-cDone; err != nil {
 			t.Fatal(err)
 		}
@@ -412,9 +393,7 @@ func TestConsoleDisable(t *testing.T) {
 	ctx := ctxT(t)
 	open := connect(t, p.dsn(db))
 	adm := mustConsole(t, p, "admin")
-	if _, err := adm.Exec(ctx, "DISABLE "+db); err != nil {
-		t.Fatal(err)
-	}
+	execOK(t, adm, "DISABLE "+db)
 	_, err := pgconn.Connect(ctx, p.dsn(db))
 	wantCode(t, err, "55000")
 	mustExec(t, open, "SELECT 1")
@@ -427,9 +406,7 @@ func TestConsoleDisable(t *testing.T) {
 		_, err := adm.Exec(ctx, stmt)
 		wantCode(t, err, code)
 	}
-	if _, err := adm.Exec(ctx, "ENABLE "+db); err != nil {
-		t.Fatal(err)
-	}
+	execOK(t, adm, "ENABLE "+db)
 	c := connect(t, p.dsn(db))
 	mustExec(t, c, "SELECT 1")
 }
@@ -443,9 +420,7 @@ func TestConsoleReconnect(t *testing.T) {
 	ctx := ctxT(t)
 	a := connect(t, p.dsn(db))
 	adm := mustConsole(t, p, "admin")
-	if _, err := adm.Exec(ctx, "RECONNECT "+db); err != nil {
-		t.Fatal(err)
-	}
+	execOK(t, adm, "RECONNECT "+db)
 	b := connect(t, p.dsn(db)) // after RECONNECT: not marked
 	pidA := strconv.FormatUint(uint64(sessionOf(t, p, a).BackendPID), 10)
 	marks := map[string]string{}
@@ -481,9 +456,7 @@ func TestConsoleShutdown(t *testing.T) {
 		obs := mustConsole(t, p, "watcher")
 		_, err := obs.Exec(ctx, "SHUTDOWN")
 		wantCode(t, err, "42501")
-		if _, err := adm.Exec(ctx, "SHUTDOWN WAIT_FOR_SERVERS"); err != nil {
-			t.Fatal(err)
-		}
+		execOK(t, adm, "SHUTDOWN WAIT_FOR_SERVERS")
 		if err := pgtest.Poll(ctx, func() (bool, error) { return p.srv.draining.Load(), nil }); err != nil {
 			t.Fatal(err)
 		}
@@ -495,9 +468,7 @@ func TestConsoleShutdown(t *testing.T) {
 		}
 		p.done <- ErrServerClosed // for the cleanup
 		direct := connect(t, cluster.Primary.DSN(db))
-		if res, err := direct.Exec(ctx, "SELECT count(*) FROM t").ReadAll(); err != nil || string(res[0].Rows[0][0]) != "2" {
-			t.Fatalf("the transaction did not commit: %v %v", res, err)
-		}
+		wantValue(t, direct, "SELECT count(*) FROM t", "2")
 	})
 	t.Run("immediate", func(t *testing.T) {
 		p := startProxy(t, withConsole(Config{}))
@@ -506,9 +477,7 @@ func TestConsoleShutdown(t *testing.T) {
 		a := connect(t, p.dsn(db))
 		mustExec(t, a, "BEGIN")
 		adm := mustConsole(t, p, "admin")
-		if _, err := adm.Exec(ctx, "SHUTDOWN"); err != nil {
-			t.Fatal(err)
-		}
+		execOK(t, adm, "SHUTDOWN")
 		if err := <-p.done; !errors.Is(err, ErrServerClosed) {
 			t.Fatalf("Serve: %v", err)
 		}
@@ -535,9 +504,7 @@ func TestConsoleSwitchover(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := tx.Exec(ctx, upsert, "sw", "before", l.Token); err != nil {
-		t.Fatal(err)
-	}
+	execOK(t, tx, upsert, "sw", "before", l.Token)
 	adm := mustConsole(t, e.proxy, "admin")
 	paused := make(chan error, 1)
 	go func() { _, err := adm.Exec(ctx, "PAUSE "+e.db); paused <- err }()
@@ -570,9 +537,7 @@ func TestConsoleSwitchover(t *testing.T) {
 	if err := pgtest.Poll(ctx, func() (bool, error) { return poolWaiting(t, adm, e.db) == 1, nil }); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := adm.Exec(ctx, "RESUME "+e.db); err != nil {
-		t.Fatal(err)
-	}
+	execOK(t, adm, "RESUME "+e.db)
 	if err := <-cDone; err != nil {
 		t.Fatalf("new client after RESUME: %v", err)
 	}
@@ -591,9 +556,7 @@ func TestConsolePauseShutdown(t *testing.T) {
 		mustExec(t, open, "BEGIN")
 		adm := mustConsole(t, p, "admin")
 		obs := mustConsole(t, p, "watcher")
-		if _, err := adm.Exec(ctx, "PAUSE "+db); err != nil {
-			t.Fatal(err)
-		}
+		execOK(t, adm, "PAUSE "+db)
 		adm2 := mustConsole(t, p, "ops")
 		paused := make(chan error, 1)
 		go func() { _, err := adm2.Exec(ctx, "PAUSE "+db2); paused <- err }() // waits for open's transaction

@@ -29,8 +29,7 @@ import (
 // Each session counts into its own atomics, written by the goroutine or
 // loop thread relaying it, so the relay never contends on a shared line;
 // a session's counts move to its database's totals when it ends. The
-// clock is read twice per query (about 20 ns each on this VM's TSC clock
-// source).
+// clock is read twice per query (a vDSO call; docs/proxy.md, Performance).
 
 // monoBase is the origin of monoNow.
 var monoBase = time.Now()

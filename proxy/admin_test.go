@@ -12,7 +12,6 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"go.uber.org/zap/zaptest"
 
 	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/internal/pgtest"
@@ -52,24 +51,7 @@ func withConsole(cfg Config) Config {
 // proxy, and the console users (withConsole).
 func newOpsEnv(t *testing.T, cfg Config) *fenceEnv {
 	t.Helper()
-	cfg = withConsole(cfg)
-	ctx := ctxT(t)
-	db := cluster.NewDatabase(t)
-	conn, err := cluster.Primary.Connect(ctx, db)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close(ctx)
-	if _, err := conn.Exec(ctx, fenceSchema); err != nil {
-		t.Fatal(err)
-	}
-	gate, err := NewFence(FenceConfig{Primary: cluster.Primary.DSN("postgres")}, zaptest.NewLogger(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(gate.Close)
-	cfg.Interceptor = gate
-	return &fenceEnv{db: db, proxy: startProxy(t, cfg), gate: gate}
+	return newEnv(t, envSpec{proxy: withConsole(cfg)})
 }
 
 // admin connects to the console as user with its password (or a wrong
@@ -163,9 +145,7 @@ func runWorkload(t *testing.T, e *fenceEnv) *workload {
 
 	// wa: two gated commits (extended protocol), two steps of one token.
 	for i, step := range []string{"one", "two"} {
-		if _, err := w.wa.Exec(ctx, "SET fence.step = '"+step+"'"); err != nil {
-			t.Fatal(err)
-		}
+		execOK(t, w.wa, "SET fence.step = '"+step+"'")
 		if _, err := w.wa.Exec(ctx, upsert, "ja", step, la.Token+int64(i)); err != nil {
 			t.Fatalf("gated upsert %s: %v", step, err)
 		}
@@ -179,9 +159,7 @@ func runWorkload(t *testing.T, e *fenceEnv) *workload {
 	w.gated, w.commits, w.replays = 4, 3, 1
 	// wa after a takeover: FN001.
 	w.ja = e.takeover(t, "ja", "a2", la)
-	if _, err := w.wa.Exec(ctx, "SET fence.step = 'three'"); err != nil {
-		t.Fatal(err)
-	}
+	execOK(t, w.wa, "SET fence.step = 'three'")
 	_, err := w.wa.Exec(ctx, "UPDATE results SET payload = 'zombie' WHERE job_key = 'ja'")
 	wantCode(t, err, fence.CodeStale)
 	w.fn001 = 1
@@ -191,9 +169,7 @@ func runWorkload(t *testing.T, e *fenceEnv) *workload {
 	wantCode(t, err, fence.CodeFencingRequired)
 	w.fn008 = 1
 	// wb: a gated transaction left open (a new step, so not a replay).
-	if _, err := w.wb.Exec(ctx, "SET fence.step = 'open'"); err != nil {
-		t.Fatal(err)
-	}
+	execOK(t, w.wb, "SET fence.step = 'open'")
 	if w.openTx, err = w.wb.Begin(ctx); err != nil {
 		t.Fatal(err)
 	}
@@ -373,7 +349,7 @@ func TestAdminReload(t *testing.T) {
 			t.Fatalf("waiting for %d clients: %v", n, err)
 		}
 	}
-	if _, err := e.admin(t, "bob"); sqlState(err) != "42501" {
+	if _, err := e.admin(t, "bob"); pgtest.SQLState(err) != "42501" {
 		t.Fatalf("bob before reload: got %v, want 42501", err)
 	}
 	settled(0)
@@ -382,7 +358,7 @@ func TestAdminReload(t *testing.T) {
 		t.Fatal(err)
 	}
 	connect(t, p.dsn(e.db)) // admin + one client: the limit of 2
-	if _, err := pgx.Connect(ctx, p.dsn(e.db)); sqlState(err) != "53300" {
+	if _, err := pgx.Connect(ctx, p.dsn(e.db)); pgtest.SQLState(err) != "53300" {
 		t.Fatalf("third client: got %v, want 53300", err)
 	}
 	settled(2)

@@ -272,6 +272,25 @@ func receiveAuth(be *pgproto3.Backend, authType uint32) (pgproto3.FrontendMessag
 	return nil, &ProtocolError{Code: "08P01", Msg: fmt.Sprintf("expected password response, got %T", m)}
 }
 
+// authRound sends the client the authentication request req (of
+// authType) and returns its answer, which must be a T.
+func authRound[T pgproto3.FrontendMessage](be *pgproto3.Backend, req pgproto3.BackendMessage, authType uint32) (T, error) {
+	var answer T
+	be.Send(req)
+	if err := be.Flush(); err != nil {
+		return answer, err
+	}
+	m, err := receiveAuth(be, authType)
+	if err != nil {
+		return answer, err
+	}
+	answer, ok := m.(T)
+	if !ok {
+		return answer, &ProtocolError{Code: "08P01", Msg: "expected " + strings.TrimPrefix(fmt.Sprintf("%T", answer), "*pgproto3.")}
+	}
+	return answer, nil
+}
+
 // SCRAMExchange runs a SCRAM-SHA-256 exchange with a client over be, as
 // the server, against sc (known false: sc is a dummy and the exchange
 // fails at its end, like a wrong password). With cb supported (a TLS
@@ -288,17 +307,9 @@ func SCRAMExchange(be *pgproto3.Backend, user string, sc scram.StoredCredentials
 		mechs = []string{"SCRAM-SHA-256-PLUS", "SCRAM-SHA-256"}
 		conv = srv.NewConversationWithChannelBinding(cb)
 	}
-	be.Send(&pgproto3.AuthenticationSASL{AuthMechanisms: mechs})
-	if err := be.Flush(); err != nil {
-		return nil, err
-	}
-	m, err := receiveAuth(be, pgproto3.AuthTypeSASL)
+	init, err := authRound[*pgproto3.SASLInitialResponse](be, &pgproto3.AuthenticationSASL{AuthMechanisms: mechs}, pgproto3.AuthTypeSASL)
 	if err != nil {
 		return nil, err
-	}
-	init, ok := m.(*pgproto3.SASLInitialResponse)
-	if !ok {
-		return nil, &ProtocolError{Code: "08P01", Msg: "expected SASLInitialResponse"}
 	}
 	if init.AuthMechanism != "SCRAM-SHA-256" && (init.AuthMechanism != "SCRAM-SHA-256-PLUS" || !cb.IsSupported()) {
 		return nil, &ProtocolError{Code: "28000", Msg: fmt.Sprintf("client selected an invalid SASL authentication mechanism %q", init.AuthMechanism)}
@@ -311,17 +322,9 @@ func SCRAMExchange(be *pgproto3.Backend, user string, sc scram.StoredCredentials
 	if err != nil {
 		return nil, authFailed(user)
 	}
-	be.Send(&pgproto3.AuthenticationSASLContinue{Data: []byte(first)})
-	if err := be.Flush(); err != nil {
-		return nil, err
-	}
-	m, err = receiveAuth(be, pgproto3.AuthTypeSASLContinue)
+	resp, err := authRound[*pgproto3.SASLResponse](be, &pgproto3.AuthenticationSASLContinue{Data: []byte(first)}, pgproto3.AuthTypeSASLContinue)
 	if err != nil {
 		return nil, err
-	}
-	resp, ok := m.(*pgproto3.SASLResponse)
-	if !ok {
-		return nil, &ProtocolError{Code: "08P01", Msg: "expected SASLResponse"}
 	}
 	clientFinal := string(resp.Data)
 	final, err := conv.Step(clientFinal)
@@ -377,17 +380,9 @@ func hmacSHA256(key []byte, msg string) []byte {
 func MD5Exchange(be *pgproto3.Backend, user, stored string, known bool) (*Proof, error) {
 	var salt [4]byte
 	rand.Read(salt[:])
-	be.Send(&pgproto3.AuthenticationMD5Password{Salt: salt})
-	if err := be.Flush(); err != nil {
-		return nil, err
-	}
-	m, err := receiveAuth(be, pgproto3.AuthTypeMD5Password)
+	pm, err := authRound[*pgproto3.PasswordMessage](be, &pgproto3.AuthenticationMD5Password{Salt: salt}, pgproto3.AuthTypeMD5Password)
 	if err != nil {
 		return nil, err
-	}
-	pm, ok := m.(*pgproto3.PasswordMessage)
-	if !ok {
-		return nil, &ProtocolError{Code: "08P01", Msg: "expected PasswordMessage"}
 	}
 	if !known || len(stored) < 3 || subtle.ConstantTimeCompare([]byte(pm.Password), []byte(md5Salted(stored[3:], salt))) != 1 {
 		return nil, authFailed(user)

@@ -52,24 +52,13 @@ WHERE results_plain.token < excluded.token`
 // figures to read.
 func BenchmarkGatedWrite(b *testing.B) {
 	ctx := context.Background()
-	db := cluster.NewDatabase(b)
-	conn, err := cluster.Primary.Connect(ctx, db)
+	db := cluster.NewDatabaseWith(b, fenceSchema+benchSchema)
+	direct := cluster.Primary.MustConnect(b, db)
+	l, err := fence.Acquire(ctx, direct, "bench-job", "bench", time.Hour)
 	if err != nil {
 		b.Fatal(err)
 	}
-	defer conn.Close(ctx)
-	if _, err := conn.Exec(ctx, fenceSchema+benchSchema); err != nil {
-		b.Fatal(err)
-	}
-	l, err := fence.Acquire(ctx, conn, "bench-job", "bench", time.Hour)
-	if err != nil {
-		b.Fatal(err)
-	}
-	gate, err := NewFence(FenceConfig{Primary: cluster.Primary.DSN("postgres")}, zap.NewNop())
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer gate.Close()
+	gate := newGateWith(b, FenceConfig{}, zap.NewNop())
 	p := startProxyLog(b, Config{Interceptor: gate}, zap.NewNop())
 	// The same gate behind a proxy without the event loop: both halves of
 	// the session on goroutines.
@@ -79,7 +68,7 @@ func BenchmarkGatedWrite(b *testing.B) {
 	if err != nil {
 		b.Fatal(err)
 	}
-	cfg.RuntimeParams["options"] = fmt.Sprintf("-c fence.job_key=%s -c fence.epoch=%d -c fence.token=%d", l.JobKey, l.Epoch, l.Token)
+	cfg.RuntimeParams["options"] = pgoptions(l)
 	gated, err := pgx.ConnectConfig(ctx, cfg)
 	if err != nil {
 		b.Fatal(err)
@@ -92,11 +81,6 @@ func BenchmarkGatedWrite(b *testing.B) {
 		b.Fatal(err)
 	}
 	defer gatedG.Close(ctx)
-	direct, err := cluster.Primary.Connect(ctx, db)
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer direct.Close(ctx)
 
 	const payload = "benchmark payload"
 	var d fence.Digest

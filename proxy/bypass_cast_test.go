@@ -13,6 +13,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/pgfence/pgfence/fence"
+	"github.com/pgfence/pgfence/internal/pgtest"
 )
 
 // This file registers no class: it is the set-up the database-side
@@ -141,13 +142,9 @@ func (c *cast) connConfig(t *testing.T, route, role string, l *fence.Lease) *pgc
 		t.Fatal(err)
 	}
 	if l != nil {
-		cfg.RuntimeParams["options"] = castOptions(*l)
+		cfg.RuntimeParams["options"] = pgoptions(*l)
 	}
 	return cfg
-}
-
-func castOptions(l fence.Lease) string {
-	return fmt.Sprintf("-c fence.job_key=%s -c fence.epoch=%d -c fence.token=%d", l.JobKey, l.Epoch, l.Token)
 }
 
 func (c *cast) connect(t *testing.T, route, role string, l *fence.Lease) *pgconn.PgConn {
@@ -240,6 +237,37 @@ type attempt struct {
 	direct bool         // directly against PostgreSQL only (the proxy adds nothing to see)
 }
 
+// The SQLSTATEs the classes' attempts expect most.
+const (
+	castStale  = fence.CodeStale            // a stale generation
+	castNoMeta = fence.CodeFencingRequired  // no fence metadata
+	castLocked = fence.CodeProtectionLocked // DDL that would switch protection off
+)
+
+// castCase is one attempt of a class, run as the subtest name.
+type castCase struct {
+	name string
+	a    attempt
+}
+
+// castAttempts are role's attempts, each a name and its sql, that must
+// fail with code.
+func castAttempts(role, code string, cases [][2]string) []castCase {
+	out := make([]castCase, len(cases))
+	for i, nc := range cases {
+		out[i] = castCase{nc[0], attempt{role: role, sql: nc[1], code: code}}
+	}
+	return out
+}
+
+// tryEach runs each case as a subtest of t (try).
+func (c *cast) tryEach(t *testing.T, cases []castCase) {
+	t.Helper()
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) { c.try(t, tc.a) })
+	}
+}
+
 // try runs a by every route, asserting its SQLSTATE and, on the cast's own
 // connection, that nothing changed.
 func (c *cast) try(t *testing.T, a attempt) {
@@ -252,7 +280,7 @@ func (c *cast) try(t *testing.T, a attempt) {
 			before := c.state(t)
 			conn := c.connect(t, route, a.role, a.lease)
 			err := castExec(ctxT(t), conn, a.sql, a.copyIn)
-			if got := sqlState(err); got != a.code {
+			if got := pgtest.SQLState(err); got != a.code {
 				t.Fatalf("%s as %s: got %v (SQLSTATE %q), want SQLSTATE %s", a.sql, a.role, err, got, a.code)
 			}
 			c.unchanged(t, before)

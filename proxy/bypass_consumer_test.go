@@ -23,10 +23,7 @@ func bypassConsumer(t *testing.T) {
 		return fmt.Sprintf("begin; select fence.accept_event('mailer', '%s', %d, %d); commit", job, epoch, token)
 	}
 	const unknown = fence.CodeUnknownJob
-	for _, tc := range []struct {
-		name string
-		a    attempt
-	}{
+	c.tryEach(t, []castCase{
 		{"token_never_issued", attempt{role: w, sql: accept("job", cur.Epoch, cur.Token+1000), code: unknown}},
 		{"next_token_not_yet_issued", attempt{role: w, sql: accept("job", cur.Epoch, cur.Token+1), code: unknown}},
 		{"epoch_never_issued", attempt{role: w, sql: accept("job", cur.Epoch+1000, cur.Token), code: unknown}},
@@ -40,9 +37,7 @@ func bypassConsumer(t *testing.T) {
 		{"forged_by_another_worker", attempt{role: c.worker2, sql: accept("job", cur.Epoch, cur.Token+7), code: unknown}},
 		{"forged_in_the_consumer_transaction", attempt{role: w, code: unknown,
 			sql: fmt.Sprintf("begin; insert into notes (note) values ('applied'); select fence.accept_event('mailer', 'job', %d, %d); commit", cur.Epoch, cur.Token+5)}},
-	} {
-		t.Run(tc.name, func(t *testing.T) { c.try(t, tc.a) })
-	}
+	})
 	t.Run("real_generations_still_decided", func(t *testing.T) {
 		// The watermark is where the real events left it: the current
 		// generation is accepted again, the stale one rejected (false, not

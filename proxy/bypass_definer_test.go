@@ -2,8 +2,6 @@ package proxy
 
 import (
 	"testing"
-
-	"github.com/pgfence/pgfence/fence"
 )
 
 func init() { registerBypass("definer", bypassDefiner) }
@@ -17,10 +15,6 @@ func init() { registerBypass("definer", bypassDefiner) }
 func bypassDefiner(t *testing.T) {
 	c := newCast(t)
 	w, stale := c.worker, &c.stale
-	const (
-		staleCode  = fence.CodeStale
-		nometaCode = fence.CodeFencingRequired
-	)
 	c.as(t, c.dba, `
 create function dba_write(val text) returns void language sql security definer set search_path = public
   as $$ update res set v = val where k = 1 $$;
@@ -60,30 +54,25 @@ create trigger write_res after insert on notes for each row execute function dba
 create function su_write(val text) returns void language sql security definer set search_path = public
   as $$ update app.ledger set v = val where k = 1 $$;
 `)
-	for _, tc := range []struct {
-		name string
-		a    attempt
-	}{
-		{"definer_function_nometa", attempt{role: w, sql: "select dba_write('zombie')", code: nometaCode}},
-		{"definer_function_stale", attempt{role: w, lease: stale, sql: "select dba_write('zombie')", code: staleCode}},
-		{"definer_clears_metadata", attempt{role: w, lease: stale, sql: "select dba_unfenced_write('zombie')", code: nometaCode}},
-		{"definer_procedure_nometa", attempt{role: w, sql: "call dba_proc('zombie')", code: nometaCode}},
-		{"definer_dynamic_sql_nometa", attempt{role: w, sql: "select dba_dynamic('truncate res')", code: nometaCode}},
-		{"definer_trigger_nometa", attempt{role: w, sql: "insert into notes (note) values ('zombie')", code: nometaCode}},
-		{"definer_trigger_stale", attempt{role: w, lease: stale, sql: "insert into notes (note) values ('zombie')", code: staleCode}},
-		{"view_owned_by_bypass_insert", attempt{role: w, sql: "insert into dba_view values (3, 'job', 'zombie')", code: nometaCode}},
-		{"view_owned_by_bypass_update_stale", attempt{role: w, lease: stale, sql: "update dba_view set v = 'zombie'", code: staleCode}},
-		{"view_owned_by_bypass_delete", attempt{role: w, sql: "delete from dba_view", code: nometaCode}},
-		{"superuser_definer_nometa", attempt{role: w, sql: "select su_write('zombie')", code: nometaCode}},
+	c.tryEach(t, []castCase{
+		{"definer_function_nometa", attempt{role: w, sql: "select dba_write('zombie')", code: castNoMeta}},
+		{"definer_function_stale", attempt{role: w, lease: stale, sql: "select dba_write('zombie')", code: castStale}},
+		{"definer_clears_metadata", attempt{role: w, lease: stale, sql: "select dba_unfenced_write('zombie')", code: castNoMeta}},
+		{"definer_procedure_nometa", attempt{role: w, sql: "call dba_proc('zombie')", code: castNoMeta}},
+		{"definer_dynamic_sql_nometa", attempt{role: w, sql: "select dba_dynamic('truncate res')", code: castNoMeta}},
+		{"definer_trigger_nometa", attempt{role: w, sql: "insert into notes (note) values ('zombie')", code: castNoMeta}},
+		{"definer_trigger_stale", attempt{role: w, lease: stale, sql: "insert into notes (note) values ('zombie')", code: castStale}},
+		{"view_owned_by_bypass_insert", attempt{role: w, sql: "insert into dba_view values (3, 'job', 'zombie')", code: castNoMeta}},
+		{"view_owned_by_bypass_update_stale", attempt{role: w, lease: stale, sql: "update dba_view set v = 'zombie'", code: castStale}},
+		{"view_owned_by_bypass_delete", attempt{role: w, sql: "delete from dba_view", code: castNoMeta}},
+		{"superuser_definer_nometa", attempt{role: w, sql: "select su_write('zombie')", code: castNoMeta}},
 		// Role switches: refused by PostgreSQL itself, nothing written.
 		{"set_role_inside_definer", attempt{role: w, sql: "select dba_set_role('zombie')", code: "42501"}},
 		{"set_role_function_config", attempt{role: w, sql: "select dba_as_role('zombie')", code: "42501"}},
 		{"replication_role_inside_definer", attempt{role: w, sql: "select dba_replica('zombie')", code: "42501"}},
 		{"set_role_to_bypass", attempt{role: w, sql: "set role " + c.dba + "; update res set v = 'zombie'", code: "42501"}},
 		{"set_session_authorization", attempt{role: w, sql: "set session authorization " + c.dba + "; update res set v = 'zombie'", code: "42501"}},
-	} {
-		t.Run(tc.name, func(t *testing.T) { c.try(t, tc.a) })
-	}
+	})
 
 	t.Run("controls", func(t *testing.T) {
 		// The bypass member itself is exempt (and logged); the worker with

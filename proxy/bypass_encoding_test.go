@@ -27,7 +27,7 @@ func (e *reservedEnv) encConn(t *testing.T, enc string, extra ...string) *pgconn
 	if err != nil {
 		t.Fatal(err)
 	}
-	opts := fmt.Sprintf("-c fence.job_key=%s -c fence.epoch=%d -c fence.token=%d", e.lease.JobKey, e.lease.Epoch, e.lease.Token)
+	opts := pgoptions(e.lease)
 	if len(extra) > 0 {
 		opts += " " + strings.Join(extra, " ")
 	}
@@ -93,6 +93,16 @@ func (e *reservedEnv) gatedThen(t *testing.T, c *pgconn.PgConn, payload string, 
 	return rawExec(ctx, c, last)
 }
 
+// wantGatedCommit runs on c the gated write of payload, then last, which
+// must commit it, and checks the commit and its receipt.
+func (e *reservedEnv) wantGatedCommit(t *testing.T, c *pgconn.PgConn, payload string, last []byte) {
+	t.Helper()
+	if err := e.gatedThen(t, c, payload, last); err != nil {
+		t.Fatal(err)
+	}
+	e.wantCommittedWithReceipt(t, payload)
+}
+
 func (e *reservedEnv) wantCommittedWithReceipt(t *testing.T, payload string) {
 	t.Helper()
 	e.wantResult(t, "r", payload, e.lease.Token)
@@ -110,10 +120,7 @@ func bypassEncoding(t *testing.T) {
 			e := newReservedEnv(t)
 			plain, _ := e.sample(t, enc)
 			c := e.encConn(t, enc)
-			if err := e.gatedThen(t, c, "x", append([]byte("COMMIT -- "), plain...)); err != nil {
-				t.Fatal(err)
-			}
-			e.wantCommittedWithReceipt(t, "x")
+			e.wantGatedCommit(t, c, "x", append([]byte("COMMIT -- "), plain...))
 		})
 	}
 
@@ -135,10 +142,7 @@ func bypassEncoding(t *testing.T) {
 					open = []byte("SELECT E'")
 				}
 				q := append(append(open, bs...), []byte("'; COMMIT; --'")...)
-				if err := e.gatedThen(t, c, "y", q); err != nil {
-					t.Fatal(err)
-				}
-				e.wantCommittedWithReceipt(t, "y")
+				e.wantGatedCommit(t, c, "y", q)
 			})
 		}
 	}
@@ -161,14 +165,9 @@ func bypassEncoding(t *testing.T) {
 			}
 			conn := e.encConn(t, "UTF8", extra...)
 			if c.change != "" {
-				if err := rawExec(ctxT(t), conn, []byte(c.change)); err != nil {
-					t.Fatal(err)
-				}
+				mustExec(t, conn, c.change)
 			}
-			if err := e.gatedThen(t, conn, "q", []byte(`SELECT 'a\''; COMMIT; --'`)); err != nil {
-				t.Fatal(err)
-			}
-			e.wantCommittedWithReceipt(t, "q")
+			e.wantGatedCommit(t, conn, "q", []byte(`SELECT 'a\''; COMMIT; --'`))
 		})
 	}
 
@@ -178,13 +177,9 @@ func bypassEncoding(t *testing.T) {
 		t.Parallel()
 		e := newReservedEnv(t)
 		c := e.encConn(t, "UTF8")
-		if err := rawExec(ctxT(t), c, []byte("BEGIN")); err != nil {
-			t.Fatal(err)
-		}
+		mustExec(t, c, "BEGIN")
 		ins := fmt.Sprintf("INSERT INTO results (job_key, payload, token) VALUES ('r', 'm', %d)", e.lease.Token)
-		if err := rawExec(ctxT(t), c, []byte(ins)); err != nil {
-			t.Fatal(err)
-		}
+		mustExec(t, c, ins)
 		fe := c.Frontend()
 		fe.Send(&pgproto3.Query{String: "SET client_encoding = 'LATIN1'"})
 		fe.Send(&pgproto3.Query{String: "COMMIT -- \xe9"})
@@ -226,9 +221,7 @@ func bypassEncoding(t *testing.T) {
 		e := newReservedEnv(t)
 		c := e.encConn(t, "LATIN1")
 		q := fmt.Sprintf("INSERT INTO results (job_key, payload, token) VALUES ('r', 'caf\xe9', %d) -- \xe9", e.lease.Token)
-		if err := rawExec(ctxT(t), c, []byte(q)); err != nil {
-			t.Fatal(err)
-		}
+		mustExec(t, c, q)
 		e.wantCommittedWithReceipt(t, "café")
 	})
 
@@ -257,19 +250,13 @@ func bypassEncoding(t *testing.T) {
 			t.Parallel()
 			e := newReservedEnv(t)
 			conn := e.encConn(t, c.enc)
-			if err := rawExec(ctxT(t), conn, []byte("BEGIN")); err != nil {
-				t.Fatal(err)
-			}
+			mustExec(t, conn, "BEGIN")
 			ins := fmt.Sprintf("INSERT INTO results (job_key, payload, token) VALUES ('r', 'w', %d)", e.lease.Token)
-			if err := rawExec(ctxT(t), conn, []byte(ins)); err != nil {
-				t.Fatal(err)
-			}
+			mustExec(t, conn, ins)
 			before := e.snapshot(t)
 			wantCode(t, rawExec(ctxT(t), conn, []byte(c.text)), "22021")
 			e.unchanged(t, before)
-			if err := rawExec(ctxT(t), conn, []byte("ROLLBACK")); err != nil {
-				t.Fatal(err)
-			}
+			mustExec(t, conn, "ROLLBACK")
 		})
 	}
 
@@ -300,13 +287,8 @@ func bypassEncoding(t *testing.T) {
 			t.Parallel()
 			e := newReservedEnv(t)
 			conn := e.encConn(t, "UTF8")
-			if err := rawExec(ctxT(t), conn, []byte(c.change)); err != nil {
-				t.Fatal(err)
-			}
-			if err := e.gatedThen(t, conn, "l", []byte("COMMIT -- \xe9")); err != nil {
-				t.Fatal(err)
-			}
-			e.wantCommittedWithReceipt(t, "l")
+			mustExec(t, conn, c.change)
+			e.wantGatedCommit(t, conn, "l", []byte("COMMIT -- \xe9"))
 		})
 	}
 
@@ -327,22 +309,7 @@ func bypassEncoding(t *testing.T) {
 		send("DO $$ BEGIN PERFORM set_config('client_encoding', 'LATIN1', false); END $$")
 		send(fmt.Sprintf("INSERT INTO results (job_key, payload, token) VALUES ('r', 'p\xe9', %d)", e.lease.Token))
 		send("COMMIT -- \xe9")
-		fe.Send(&pgproto3.Sync{})
-		if err := fe.Flush(); err != nil {
-			t.Fatal(err)
-		}
-		for {
-			m, err := fe.Receive()
-			if err != nil {
-				t.Fatal(err)
-			}
-			if er, ok := m.(*pgproto3.ErrorResponse); ok {
-				t.Fatalf("error %s: %s", er.Code, er.Message)
-			}
-			if _, ok := m.(*pgproto3.ReadyForQuery); ok {
-				break
-			}
-		}
+		rawUntil(t, c, 'Z', &pgproto3.Sync{})
 		e.wantCommittedWithReceipt(t, "pé")
 	})
 

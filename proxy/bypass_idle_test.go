@@ -8,8 +8,8 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgproto3"
-	"go.uber.org/zap/zaptest"
 
 	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/internal/pgtest"
@@ -26,22 +26,7 @@ const idleBound = 400 * time.Millisecond
 // newIdleEnv is newReservedEnv with a gate whose idle bound is short.
 func newIdleEnv(t *testing.T) *reservedEnv {
 	t.Helper()
-	ctx := ctxT(t)
-	db := cluster.NewDatabase(t)
-	conn, err := cluster.Primary.Connect(ctx, db)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close(ctx)
-	if _, err := conn.Exec(ctx, fenceSchema); err != nil {
-		t.Fatal(err)
-	}
-	gate, err := NewFence(FenceConfig{Primary: cluster.Primary.DSN("postgres"), GateIdleTimeout: idleBound}, zaptest.NewLogger(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(gate.Close)
-	e := &fenceEnv{db: db, proxy: startProxy(t, Config{Interceptor: gate}), gate: gate}
+	e := newEnv(t, envSpec{gate: FenceConfig{GateIdleTimeout: idleBound}})
 	return &reservedEnv{fenceEnv: e, lease: e.acquire(t, "r", "w1", time.Minute)}
 }
 
@@ -82,18 +67,18 @@ func bypassIdle(t *testing.T) {
 			idleExec(t, c, pgx.QueryExecModeCacheStatement, "BEGIN", ins(e))
 		}},
 		{"execute_without_sync", func(t *testing.T, e *reservedEnv, c *pgx.Conn) {
-			rawUntil(t, c, 'C', &pgproto3.Parse{Query: ins(e)}, &pgproto3.Bind{}, &pgproto3.Execute{}, &pgproto3.Flush{})
+			rawUntil(t, c.PgConn(), 'C', &pgproto3.Parse{Query: ins(e)}, &pgproto3.Bind{}, &pgproto3.Execute{}, &pgproto3.Flush{})
 		}},
 		{"suspended_portal_without_sync", func(t *testing.T, e *reservedEnv, c *pgx.Conn) {
 			idleExec(t, c, pgx.QueryExecModeSimpleProtocol, "BEGIN", ins(e))
-			rawUntil(t, c, 's', &pgproto3.Parse{Query: "SELECT generate_series(1, 10)"}, &pgproto3.Bind{}, &pgproto3.Execute{MaxRows: 1}, &pgproto3.Flush{})
+			rawUntil(t, c.PgConn(), 's', &pgproto3.Parse{Query: "SELECT generate_series(1, 10)"}, &pgproto3.Bind{}, &pgproto3.Execute{MaxRows: 1}, &pgproto3.Flush{})
 		}},
 		{"copy_from_without_data", func(t *testing.T, e *reservedEnv, c *pgx.Conn) {
 			idleExec(t, c, pgx.QueryExecModeSimpleProtocol, "BEGIN", ins(e))
-			rawUntil(t, c, 'G', &pgproto3.Query{String: "COPY results (job_key, payload, token) FROM STDIN"})
+			rawUntil(t, c.PgConn(), 'G', &pgproto3.Query{String: "COPY results (job_key, payload, token) FROM STDIN"})
 		}},
 		{"gated_copy_from_partial_data", func(t *testing.T, e *reservedEnv, c *pgx.Conn) {
-			rawUntil(t, c, 'G', &pgproto3.Query{String: "COPY results (job_key, payload, token) FROM STDIN"})
+			rawUntil(t, c.PgConn(), 'G', &pgproto3.Query{String: "COPY results (job_key, payload, token) FROM STDIN"})
 			fe := c.PgConn().Frontend()
 			fe.Send(&pgproto3.CopyData{Data: []byte(fmt.Sprintf("r\tcopy\t%d\n", e.lease.Token))})
 			if err := fe.Flush(); err != nil {
@@ -160,10 +145,10 @@ func idleExec(t *testing.T, c *pgx.Conn, mode pgx.QueryExecMode, sqls ...string)
 
 // rawUntil sends msgs on c's connection and reads until a message of type
 // want (ParseComplete '1', CommandComplete 'C', PortalSuspended 's',
-// CopyInResponse 'G'), failing on an error.
-func rawUntil(t *testing.T, c *pgx.Conn, want byte, msgs ...pgproto3.FrontendMessage) {
+// CopyInResponse 'G', ReadyForQuery 'Z'), failing on an error.
+func rawUntil(t *testing.T, c *pgconn.PgConn, want byte, msgs ...pgproto3.FrontendMessage) {
 	t.Helper()
-	fe := c.PgConn().Frontend()
+	fe := c.Frontend()
 	for _, m := range msgs {
 		fe.Send(m)
 	}
@@ -185,6 +170,8 @@ func rawUntil(t *testing.T, c *pgx.Conn, want byte, msgs ...pgproto3.FrontendMes
 			got = 's'
 		case *pgproto3.CopyInResponse:
 			got = 'G'
+		case *pgproto3.ReadyForQuery:
+			got = 'Z'
 		}
 		if got == want {
 			return

@@ -2,8 +2,6 @@ package proxy
 
 import (
 	"testing"
-
-	"github.com/pgfence/pgfence/fence"
 )
 
 func init() { registerBypass("inheritance", bypassInheritance) }
@@ -16,39 +14,29 @@ func init() { registerBypass("inheritance", bypassInheritance) }
 func bypassInheritance(t *testing.T) {
 	c := newCast(t)
 	w, stale := c.worker, &c.stale
-	const (
-		staleCode  = fence.CodeStale
-		nometaCode = fence.CodeFencingRequired
-		locked     = fence.CodeProtectionLocked
-	)
-	for _, tc := range []struct {
-		name string
-		a    attempt
-	}{
-		{"insert_child_stale", attempt{role: w, lease: stale, sql: "insert into inh_c values (3, 'job', 'zombie')", code: staleCode}},
-		{"insert_child_nometa", attempt{role: w, sql: "insert into inh_c values (3, 'job', 'zombie')", code: nometaCode}},
-		{"delete_child_stale", attempt{role: w, lease: stale, sql: "delete from inh_c", code: staleCode}},
-		{"update_parent_reaching_child_stale", attempt{role: w, lease: stale, sql: "update inh set v = 'zombie' where k = 2", code: staleCode}},
-		{"delete_parent_nometa", attempt{role: w, sql: "delete from inh", code: nometaCode}},
-		{"delete_only_parent_stale", attempt{role: w, lease: stale, sql: "delete from only inh", code: staleCode}},
-		{"truncate_parent_stale", attempt{role: w, lease: stale, sql: "truncate inh", code: staleCode}},
-		{"truncate_child_nometa", attempt{role: w, sql: "truncate inh_c", code: nometaCode}},
-		{"copy_child_nometa", attempt{role: w, sql: "copy inh_c from stdin", copyIn: "4\tjob\tzombie\n", code: nometaCode}},
-		{"upsert_child_stale", attempt{role: w, lease: stale, code: staleCode,
+	c.tryEach(t, []castCase{
+		{"insert_child_stale", attempt{role: w, lease: stale, sql: "insert into inh_c values (3, 'job', 'zombie')", code: castStale}},
+		{"insert_child_nometa", attempt{role: w, sql: "insert into inh_c values (3, 'job', 'zombie')", code: castNoMeta}},
+		{"delete_child_stale", attempt{role: w, lease: stale, sql: "delete from inh_c", code: castStale}},
+		{"update_parent_reaching_child_stale", attempt{role: w, lease: stale, sql: "update inh set v = 'zombie' where k = 2", code: castStale}},
+		{"delete_parent_nometa", attempt{role: w, sql: "delete from inh", code: castNoMeta}},
+		{"delete_only_parent_stale", attempt{role: w, lease: stale, sql: "delete from only inh", code: castStale}},
+		{"truncate_parent_stale", attempt{role: w, lease: stale, sql: "truncate inh", code: castStale}},
+		{"truncate_child_nometa", attempt{role: w, sql: "truncate inh_c", code: castNoMeta}},
+		{"copy_child_nometa", attempt{role: w, sql: "copy inh_c from stdin", copyIn: "4\tjob\tzombie\n", code: castNoMeta}},
+		{"upsert_child_stale", attempt{role: w, lease: stale, code: castStale,
 			sql: "insert into inh_c values (2, 'job', 'zombie') on conflict (k) do update set v = excluded.v"}},
-		{"merge_child_stale", attempt{role: w, lease: stale, code: staleCode,
+		{"merge_child_stale", attempt{role: w, lease: stale, code: castStale,
 			sql: "merge into inh_c t using (values (2)) s(k) on t.k = s.k when matched then delete"}},
-		{"function_writing_child_nometa", attempt{role: w, sql: "do $$ begin delete from inh_c; end $$", code: nometaCode}},
-		{"no_inherit_by_owner", attempt{role: c.owner, sql: "alter table inh_c no inherit inh", code: locked}},
-		{"drop_child_by_owner", attempt{role: c.owner, sql: "drop table inh_c", code: locked}},
+		{"function_writing_child_nometa", attempt{role: w, sql: "do $$ begin delete from inh_c; end $$", code: castNoMeta}},
+		{"no_inherit_by_owner", attempt{role: c.owner, sql: "alter table inh_c no inherit inh", code: castLocked}},
+		{"drop_child_by_owner", attempt{role: c.owner, sql: "drop table inh_c", code: castLocked}},
 		{"unprotect_child", attempt{role: c.su, sql: "select fence.unprotect('inh_c')", code: "42809"}},
-	} {
-		t.Run(tc.name, func(t *testing.T) { c.try(t, tc.a) })
-	}
+	})
 
 	t.Run("inherit_table_with_rows_by_owner", func(t *testing.T) {
 		c.as(t, c.owner, "create table inh_x (k int not null, job_key text not null, v text not null); insert into inh_x values (9, 'job', 'smuggled')")
-		c.try(t, attempt{role: c.owner, sql: "alter table inh_x inherit inh", code: locked})
+		c.try(t, attempt{role: c.owner, sql: "alter table inh_x inherit inh", code: castLocked})
 	})
 	t.Run("second_unprotected_parent", func(t *testing.T) {
 		// UPDATE other would reach inh_c's rows through a parent whose
@@ -70,19 +58,19 @@ func bypassInheritance(t *testing.T) {
 		if n := c.count(t, "select count(*) from fence.protected_tables where relid in ('inh_d'::regclass, 'inh_dd'::regclass) and root = 'inh'::regclass"); n != 2 {
 			t.Fatalf("new children listed as protected: %d, want 2", n)
 		}
-		c.try(t, attempt{role: w, lease: stale, sql: "insert into inh_dd values (5, 'job', 'zombie')", code: staleCode})
-		c.try(t, attempt{role: w, sql: "insert into inh_d values (5, 'job', 'zombie')", code: nometaCode})
+		c.try(t, attempt{role: w, lease: stale, sql: "insert into inh_dd values (5, 'job', 'zombie')", code: castStale})
+		c.try(t, attempt{role: w, sql: "insert into inh_d values (5, 'job', 'zombie')", code: castNoMeta})
 	})
 	t.Run("inherit_empty_table_is_protected", func(t *testing.T) {
 		c.as(t, c.owner, "create table inh_e (k int not null, job_key text not null, v text not null); alter table inh_e inherit inh; grant all on inh_e to "+c.worker)
-		c.try(t, attempt{role: w, lease: stale, sql: "insert into inh_e values (6, 'job', 'zombie')", code: staleCode})
+		c.try(t, attempt{role: w, lease: stale, sql: "insert into inh_e values (6, 'job', 'zombie')", code: castStale})
 	})
 	t.Run("no_inherit_by_bypass_stays_protected", func(t *testing.T) {
 		c.as(t, c.dba, "alter table inh_e no inherit inh")
 		if n := c.count(t, "select count(*) from fence.protected_tables where relid = 'inh_e'::regclass and root = 'inh_e'::regclass"); n != 1 {
 			t.Fatal("a child taken out of the tree is no longer protected on its own")
 		}
-		c.try(t, attempt{role: w, sql: "insert into inh_e values (6, 'job', 'zombie')", code: nometaCode})
+		c.try(t, attempt{role: w, sql: "insert into inh_e values (6, 'job', 'zombie')", code: castNoMeta})
 	})
 	t.Run("current_generation_writes", func(t *testing.T) {
 		for _, route := range castRoutes {

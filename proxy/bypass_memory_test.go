@@ -93,33 +93,33 @@ func testBypassMemory(t *testing.T) {
 		r.Write(hugeStartup)
 		refusedUnread(t, r, "a 48 MiB startup packet after SSLRequest")
 	})
-	t.Run("sasl_initial_48MiB", func(t *testing.T) {
-		r := startup(t, "auth_alice")
-		expectAuth(t, r, nil)
-		r.Write(memoryHeader('p', memoryHuge))
-		refusedUnread(t, r, "a 48 MiB SASLInitialResponse")
-	})
-	t.Run("sasl_response_48MiB", func(t *testing.T) {
-		r := startup(t, "auth_alice")
-		expectAuth(t, r, nil)
-		if got := r.step(t, true, "n,,n=,r=abcdef"); !strings.HasPrefix(got, "r=abcdef") {
-			t.Fatalf("server-first: %s", got)
-		}
-		r.Write(memoryHeader('p', memoryHuge))
-		refusedUnread(t, r, "a 48 MiB SASLResponse")
-	})
-	t.Run("md5_password_48MiB", func(t *testing.T) {
-		r := startup(t, "auth_md5")
-		expectAuth(t, r, &pgproto3.AuthenticationMD5Password{})
-		r.Write(memoryHeader('p', memoryHuge))
-		refusedUnread(t, r, "a 48 MiB PasswordMessage")
-	})
-	t.Run("query_before_authentication", func(t *testing.T) {
-		r := startup(t, "auth_alice")
-		expectAuth(t, r, nil)
-		r.Write(memoryHeader('Q', memoryHuge))
-		refusedUnread(t, r, "a 48 MiB Query instead of the password")
-	})
+	// Where the password goes: a 48 MiB message of type typ, after the
+	// server's first request (auth) and, for scramFirst, the client-first
+	// SCRAM round.
+	for _, c := range []struct {
+		name, user string
+		auth       pgproto3.BackendMessage
+		scramFirst bool
+		typ        byte
+		what       string
+	}{
+		{"sasl_initial_48MiB", "auth_alice", nil, false, 'p', "a 48 MiB SASLInitialResponse"},
+		{"sasl_response_48MiB", "auth_alice", nil, true, 'p', "a 48 MiB SASLResponse"},
+		{"md5_password_48MiB", "auth_md5", &pgproto3.AuthenticationMD5Password{}, false, 'p', "a 48 MiB PasswordMessage"},
+		{"query_before_authentication", "auth_alice", nil, false, 'Q', "a 48 MiB Query instead of the password"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			r := startup(t, c.user)
+			expectAuth(t, r, c.auth)
+			if c.scramFirst {
+				if got := r.step(t, true, "n,,n=,r=abcdef"); !strings.HasPrefix(got, "r=abcdef") {
+					t.Fatalf("server-first: %s", got)
+				}
+			}
+			r.Write(memoryHeader(c.typ, memoryHuge))
+			refusedUnread(t, r, c.what)
+		})
+	}
 
 	// After authentication: the write gate holds big messages whole.
 	const budget = 2 << 20
@@ -183,9 +183,7 @@ func testBypassMemory(t *testing.T) {
 		a.Write(msg[len(msg)-1:])
 		got, _ := a.untilReady(t)
 		want(t, "A's INSERT", got, "CommandComplete", "Z:I")
-		if n := countRows(t, db, "auth_canary"); n != 1 {
-			t.Fatalf("%d canary rows, want A's one", n)
-		}
+		wantRows(t, db, "auth_canary", 1)
 		if used := p.srv.mem.used.Load(); used != 0 {
 			t.Fatalf("%d bytes of the budget still taken after A", used)
 		}

@@ -16,61 +16,54 @@ func init() { registerBypass("owner", bypassOwner) }
 func bypassOwner(t *testing.T) {
 	c := newCast(t)
 	o := c.owner
-	const locked = fence.CodeProtectionLocked
 	c.exec(t, "grant create on schema app to "+c.owner2+"; grant create on database "+c.db+" to "+o)
-	for _, tc := range []struct {
-		name string
-		a    attempt
-	}{
+	c.tryEach(t, append(castAttempts(o, castLocked, [][2]string{
 		// The attack: switch the triggers off, then write.
-		{"disable_trigger_user_then_write", attempt{role: o, code: locked,
-			sql: "begin; alter table res disable trigger user; do $$ begin update res set v = 'zombie'; end $$; commit"}},
-		{"disable_trigger_all", attempt{role: o, sql: "alter table app.ledger disable trigger all", code: locked}},
-		{"disable_trigger_by_name", attempt{role: o, sql: "alter table res_1 disable trigger pgfence_backstop_nometa", code: locked}},
-		{"disable_job_key_trigger", attempt{role: o, sql: "alter table app.ledger disable trigger pgfence_job_key", code: locked}},
-		{"enable_replica_trigger", attempt{role: o, sql: "alter table inh_c enable replica trigger pgfence_backstop", code: locked}},
-		{"enable_always_trigger", attempt{role: o, sql: "alter table inh enable always trigger pgfence_backstop", code: locked}},
-		{"drop_trigger", attempt{role: o, sql: "drop trigger pgfence_backstop on res", code: locked}},
-		{"rename_trigger", attempt{role: o, sql: "alter trigger pgfence_backstop on app.ledger rename to off", code: locked}},
-		{"replace_trigger", attempt{role: o, code: locked,
-			sql: "create function public.noop() returns trigger language plpgsql as $$ begin return null; end $$; " +
-				"create or replace trigger pgfence_backstop before insert on app.ledger for each statement execute function public.noop()"}},
+		{"disable_trigger_user_then_write", "begin; alter table res disable trigger user; do $$ begin update res set v = 'zombie'; end $$; commit"},
+		{"disable_trigger_all", "alter table app.ledger disable trigger all"},
+		{"disable_trigger_by_name", "alter table res_1 disable trigger pgfence_backstop_nometa"},
+		{"disable_job_key_trigger", "alter table app.ledger disable trigger pgfence_job_key"},
+		{"enable_replica_trigger", "alter table inh_c enable replica trigger pgfence_backstop"},
+		{"enable_always_trigger", "alter table inh enable always trigger pgfence_backstop"},
+		{"drop_trigger", "drop trigger pgfence_backstop on res"},
+		{"rename_trigger", "alter trigger pgfence_backstop on app.ledger rename to off"},
+		{"replace_trigger",
+			"create function public.noop() returns trigger language plpgsql as $$ begin return null; end $$; " +
+				"create or replace trigger pgfence_backstop before insert on app.ledger for each statement execute function public.noop()"},
 		// A trigger that fires before the backstop's could change what it
 		// reads; one after pgfence_job_key could change a row's job key.
-		{"create_trigger", attempt{role: o, code: locked,
-			sql: "create function public.rekey() returns trigger language plpgsql as $$ begin new.job_key := 'job2'; return new; end $$; " +
-				"create trigger zz_rekey before insert or update on app.ledger for each row execute function public.rekey()"}},
-		{"create_rule_instead", attempt{role: o, sql: "create rule divert as on insert to res_1 do instead insert into notes (note) values (new.v)", code: locked}},
-		{"create_rule_also", attempt{role: o, sql: "create rule echo as on update to app.ledger do also delete from notes", code: locked}},
-		{"alter_column_type_using", attempt{role: o, sql: "alter table app.ledger alter column v type text using 'rewritten'", code: locked}},
-		{"alter_partitioned_column_type_using", attempt{role: o, sql: "alter table res alter column v type varchar(100) using upper(v)", code: locked}},
-		{"add_column_volatile_default", attempt{role: o, sql: "alter table inh add column at timestamptz default clock_timestamp()", code: locked}},
-		{"add_stored_generated_column", attempt{role: o, sql: "alter table app.ledger add column w text generated always as (upper(v)) stored", code: locked}},
-		{"set_unlogged", attempt{role: o, sql: "alter table app.ledger set unlogged", code: locked}},
-		{"rename_table", attempt{role: o, sql: "alter table app.ledger rename to ledger_old", code: locked}},
-		{"rename_and_recreate", attempt{role: o, code: locked,
-			sql: "alter table res_2a rename to res_2a_old; create table res_2a (k int, job_key text, v text)"}},
-		{"set_schema", attempt{role: o, sql: "alter table app.ledger set schema public", code: locked}},
-		{"rename_schema", attempt{role: o, sql: "alter schema app rename to app_old", code: locked}},
-		{"owner_to", attempt{role: o, sql: "alter table app.ledger owner to " + c.owner2, code: locked}},
-		{"drop_table", attempt{role: o, sql: "drop table app.ledger", code: locked}},
-		{"drop_schema_cascade", attempt{role: o, sql: "drop schema app cascade", code: locked}},
-		{"drop_owned", attempt{role: o, sql: "drop owned by " + o, code: locked}},
-		{"drop_job_key_column", attempt{role: o, sql: "alter table app.ledger drop column job_key", code: locked}},
-		{"rename_job_key_column", attempt{role: o, sql: "alter table app.ledger rename column job_key to jk", code: locked}},
-		{"unprotect", attempt{role: o, sql: "select fence.unprotect('app.ledger')", code: locked}},
+		{"create_trigger",
+			"create function public.rekey() returns trigger language plpgsql as $$ begin new.job_key := 'job2'; return new; end $$; " +
+				"create trigger zz_rekey before insert or update on app.ledger for each row execute function public.rekey()"},
+		{"create_rule_instead", "create rule divert as on insert to res_1 do instead insert into notes (note) values (new.v)"},
+		{"create_rule_also", "create rule echo as on update to app.ledger do also delete from notes"},
+		{"alter_column_type_using", "alter table app.ledger alter column v type text using 'rewritten'"},
+		{"alter_partitioned_column_type_using", "alter table res alter column v type varchar(100) using upper(v)"},
+		{"add_column_volatile_default", "alter table inh add column at timestamptz default clock_timestamp()"},
+		{"add_stored_generated_column", "alter table app.ledger add column w text generated always as (upper(v)) stored"},
+		{"set_unlogged", "alter table app.ledger set unlogged"},
+		{"rename_table", "alter table app.ledger rename to ledger_old"},
+		{"rename_and_recreate", "alter table res_2a rename to res_2a_old; create table res_2a (k int, job_key text, v text)"},
+		{"set_schema", "alter table app.ledger set schema public"},
+		{"rename_schema", "alter schema app rename to app_old"},
+		{"owner_to", "alter table app.ledger owner to " + c.owner2},
+		{"drop_table", "drop table app.ledger"},
+		{"drop_schema_cascade", "drop schema app cascade"},
+		{"drop_owned", "drop owned by " + o},
+		{"drop_job_key_column", "alter table app.ledger drop column job_key"},
+		{"rename_job_key_column", "alter table app.ledger rename column job_key to jk"},
+		{"unprotect", "select fence.unprotect('app.ledger')"},
+	}),
 		// protect cannot loosen: the job-key scoping stays.
-		{"protect_without_job_key", attempt{role: o, sql: "select fence.protect('app.ledger')", code: "55000"}},
+		castCase{"protect_without_job_key", attempt{role: o, sql: "select fence.protect('app.ledger')", code: "55000"}},
 		// What only a superuser could do, an owner cannot.
-		{"replication_role", attempt{role: o, sql: "set session_replication_role = replica; update res set v = 'zombie'", code: "42501"}},
-		{"disable_event_trigger", attempt{role: o, sql: "alter event trigger pgfence_guard_ddl disable", code: "42501"}},
-		{"replace_backstop_function", attempt{role: o, code: "42501",
+		castCase{"replication_role", attempt{role: o, sql: "set session_replication_role = replica; update res set v = 'zombie'", code: "42501"}},
+		castCase{"disable_event_trigger", attempt{role: o, sql: "alter event trigger pgfence_guard_ddl disable", code: "42501"}},
+		castCase{"replace_backstop_function", attempt{role: o, code: "42501",
 			sql: "create or replace function fence.backstop() returns trigger language plpgsql as $$ begin return null; end $$"}},
-		{"forge_own_ddl", attempt{role: o, direct: true, code: "42501",
+		castCase{"forge_own_ddl", attempt{role: o, direct: true, code: "42501",
 			sql: "insert into fence.own_ddl values (pg_current_xact_id()); alter table res disable trigger user"}},
-	} {
-		t.Run(tc.name, func(t *testing.T) { c.try(t, tc.a) })
-	}
+	))
 
 	t.Run("ordinary_schema_changes_pass", func(t *testing.T) {
 		// The guard is not a schema freeze: changes that leave the fence as
@@ -95,6 +88,6 @@ func bypassOwner(t *testing.T) {
 		}
 		c.try(t, attempt{role: c.worker, lease: &c.stale, sql: "update res_2z set v = 'zombie'", code: fence.CodeStale})
 		c.try(t, attempt{role: c.worker, sql: "delete from res_2z", code: fence.CodeFencingRequired})
-		c.try(t, attempt{role: o, sql: "alter table res_2z rename to res_2b", code: locked})
+		c.try(t, attempt{role: o, sql: "alter table res_2z rename to res_2b", code: castLocked})
 	})
 }

@@ -19,10 +19,7 @@ func bypassOwnership(t *testing.T) {
 	w2, cur := c.worker2, c.current
 	const notOwner = fence.CodeNotOwner
 	fn := func(format string, args ...any) string { return fmt.Sprintf(format, args...) }
-	for _, tc := range []struct {
-		name string
-		a    attempt
-	}{
+	c.tryEach(t, []castCase{
 		{"read_fences", attempt{role: w2, sql: "select max_issued_token from fence.fences", code: "42501"}},
 		{"read_leases", attempt{role: w2, sql: "select token from fence.leases", code: "42501"}},
 		{"read_issuance", attempt{role: w2, sql: "select token from fence.issuance", code: "42501"}},
@@ -43,9 +40,7 @@ func bypassOwnership(t *testing.T) {
 		{"acquire_as_same_holder", attempt{role: w2, sql: "select fence.acquire('job', 'b', '1 minute')", code: fence.CodeLeaseHeld}},
 		// An administrator too needs force to end a running job's lease.
 		{"bypass_retire_live_lease", attempt{role: c.dba, sql: "select fence.retire('job')", code: fence.CodeLeaseHeld}},
-	} {
-		t.Run(tc.name, func(t *testing.T) { c.try(t, tc.a) })
-	}
+	})
 
 	t.Run("replica_check_reveals_no_token", func(t *testing.T) {
 		// has_generation answers only for the caller's own generations: for

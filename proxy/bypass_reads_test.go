@@ -106,14 +106,10 @@ func testBypassReads(t *testing.T, tracked bool) {
 		"CREATE VIEW other.audit AS SELECT payload AS note FROM results",
 		"CREATE OR REPLACE VIEW v_audit AS SELECT payload FROM results",
 	} {
-		if _, err := direct.Exec(ctx, q); err != nil {
-			t.Fatal(err)
-		}
+		execOK(t, direct, q)
 	}
 	ddl := e.reader(t, nil)
-	if _, err := ddl.Exec(ctx, "CREATE OR REPLACE VIEW v_safe AS SELECT payload FROM results").ReadAll(); err != nil {
-		t.Fatal(err)
-	}
+	mustExec(t, ddl, "CREATE OR REPLACE VIEW v_safe AS SELECT payload FROM results")
 
 	// A's generation is on the replica; then replay stops and B takes
 	// over with its commit record unwritten.
@@ -121,9 +117,7 @@ func testBypassReads(t *testing.T, tracked bool) {
 	if _, err := e.worker(t, &a).Exec(ctx, upsert, "job", "A", a.Token); err != nil {
 		t.Fatalf("A's commit: %v", err)
 	}
-	if _, err := direct.Exec(ctx, "REFRESH MATERIALIZED VIEW mv_results"); err != nil {
-		t.Fatal(err)
-	}
+	execOK(t, direct, "REFRESH MATERIALIZED VIEW mv_results")
 	if err := cluster.WaitReplicaCaughtUp(ctx); err != nil {
 		t.Fatal(err)
 	}
@@ -135,9 +129,7 @@ func testBypassReads(t *testing.T, tracked bool) {
 	}
 	cat := catalogOf(t, e.gate, db)
 	seen := cat.ddlSeen.Load()
-	if _, err := direct.Exec(ctx, "REFRESH MATERIALIZED VIEW mv_results"); err != nil {
-		t.Fatal(err)
-	}
+	execOK(t, direct, "REFRESH MATERIALIZED VIEW mv_results")
 	if tracked {
 		// Every DDL has been heard of and the set read again since (or
 		// the cases could pass while it is dropped, all reads protected).
@@ -211,17 +203,13 @@ func testBypassReads(t *testing.T, tracked bool) {
 	t.Run("view_redefined_through_proxy", func(t *testing.T) {
 		// The session that replaced v_safe reads it next: the proxy
 		// re-reads the catalog first, and v_safe now reads results.
-		if _, err := ddl.Exec(ctx, "SET fence.read_policy = 'pending'").ReadAll(); err != nil {
-			t.Fatal(err)
-		}
+		mustExec(t, ddl, "SET fence.read_policy = 'pending'")
 		readsCheck(t, ddl, readsCase{sql: "SELECT payload FROM v_safe", code: pending})
 	})
 	t.Run("declare_with_hold", func(t *testing.T) {
 		// A cursor declared outside a transaction lives where FETCH runs.
 		r := nometa("primary")(t)
-		if _, err := r.Exec(ctx, "DECLARE c CURSOR WITH HOLD FOR SELECT payload FROM v_results WHERE job_key = 'job'").ReadAll(); err != nil {
-			t.Fatal(err)
-		}
+		mustExec(t, r, "DECLARE c CURSOR WITH HOLD FOR SELECT payload FROM v_results WHERE job_key = 'job'")
 		readsCheck(t, r, readsCase{sql: "FETCH ALL FROM c"})
 	})
 	t.Run("extended_protocol", func(t *testing.T) {
@@ -283,9 +271,7 @@ func readsAsyncTakeover(t *testing.T, direct *pgx.Conn, old fence.Lease) fence.L
 	defer tx.Rollback(ctx)
 	l := fence.Lease{JobKey: old.JobKey}
 	for _, q := range []string{"SET LOCAL synchronous_commit = off", fmt.Sprintf("SELECT fence.release('%s', %d)", old.JobKey, old.Token)} {
-		if _, err := tx.Exec(ctx, q); err != nil {
-			t.Fatal(err)
-		}
+		execOK(t, tx, q)
 	}
 	if err := tx.QueryRow(ctx, "SELECT epoch, token FROM fence.acquire($1, 'b', interval '1 minute')", old.JobKey).Scan(&l.Epoch, &l.Token); err != nil {
 		t.Fatal(err)

@@ -115,9 +115,7 @@ func (e *reservedEnv) gatedCommit(t *testing.T, c *pgx.Conn, payload string, bet
 		t.Fatal(err)
 	}
 	defer tx.Rollback(ctx)
-	if _, err := tx.Exec(ctx, upsert, "r", payload, e.lease.Token); err != nil {
-		t.Fatal(err)
-	}
+	execOK(t, tx, upsert, "r", payload, e.lease.Token)
 	for _, q := range between {
 		if _, err := tx.Exec(ctx, q); err != nil {
 			t.Fatalf("%s: %v", q, err)
@@ -216,17 +214,11 @@ func bypassReserved(t *testing.T) {
 			e := newReservedEnv(t)
 			c := e.mustConnect(t, client{lease: &e.lease, mode: m.mode})
 			// A first gated commit prepares the gate's statements.
-			if _, err := c.Exec(ctxT(t), "SET fence.step = 'one'"); err != nil {
-				t.Fatal(err)
-			}
+			execOK(t, c, "SET fence.step = 'one'")
 			e.gatedCommit(t, c, "first")
 			e.wantReceipt(t, "one")
-			if _, err := c.Exec(ctxT(t), "SET fence.step = 'two'"); err != nil {
-				t.Fatal(err)
-			}
-			if _, err := c.Exec(ctxT(t), standIn); err != nil {
-				t.Fatal(err)
-			}
+			execOK(t, c, "SET fence.step = 'two'")
+			execOK(t, c, standIn)
 			e.gatedCommit(t, c, "first", standIn)
 			e.wantReceipt(t, "two")
 		})
@@ -246,9 +238,7 @@ func bypassReserved(t *testing.T) {
 				e := newReservedEnv(t)
 				c := e.mustConnect(t, client{lease: &e.lease, mode: m.mode, extra: []string{"-c fence.step=one"}})
 				e.gatedCommit(t, c, "first")
-				if _, err := c.Exec(ctxT(t), q); err != nil {
-					t.Fatal(err)
-				}
+				execOK(t, c, q)
 				if q == "DISCARD ALL" {
 					// DISCARD ALL resets the fence settings too (as
 					// RESET ALL does): the startup options come back.
@@ -257,9 +247,7 @@ func bypassReserved(t *testing.T) {
 						t.Fatalf("fence.step after DISCARD ALL: %q, %v", step, err)
 					}
 				}
-				if _, err := c.Exec(ctxT(t), "SET fence.step = 'two'"); err != nil {
-					t.Fatal(err)
-				}
+				execOK(t, c, "SET fence.step = 'two'")
 				e.gatedCommit(t, c, "first")
 				e.wantReceipt(t, "two")
 			})

@@ -22,11 +22,7 @@ func catalogProxy(t *testing.T) (*testProxy, *Fence, *observer.ObservedLogs) {
 	t.Helper()
 	core, logs := observer.New(zapcore.DebugLevel)
 	log := zap.New(zapcore.NewTee(zaptest.NewLogger(t).Core(), core))
-	gate, err := NewFence(FenceConfig{Primary: cluster.Primary.DSN("postgres")}, log)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(gate.Close)
+	gate := newGateWith(t, FenceConfig{}, log)
 	p := startProxyLog(t, Config{Interceptor: gate, Replicas: []string{cluster.Replica.DSN("postgres")},
 		ReplicaPoll: 10 * time.Millisecond, ReplicaMaxLag: time.Minute}, log)
 	return p, gate, logs
@@ -229,9 +225,7 @@ func TestCatalogWatcherRestartFloor(t *testing.T) {
 	ctx := ctxT(t)
 	a := e.acquire(t, "job", "a", time.Minute)
 	w := e.worker(t, &a)
-	if _, err := w.Exec(ctx, upsert, "job", "A", a.Token); err != nil {
-		t.Fatal(err)
-	}
+	execOK(t, w, upsert, "job", "A", a.Token)
 	w.Close(ctx)
 	// The environment's own session keeps the watcher; a fresh proxy
 	// without one shows the restart.
@@ -266,10 +260,5 @@ func TestCatalogWatcherRestartFloor(t *testing.T) {
 	wantCode(t, err, fence.CodePending)
 	mustWhere(t, keep, readResult, false)
 	resumeAndCatchUp(t)
-	if err := pgtest.Poll(ctx, func() (bool, error) {
-		_, rep, err := where(t, keep, readResult)
-		return rep, err
-	}); err != nil {
-		t.Fatal(err)
-	}
+	waitReplicaRead(t, keep, readResult)
 }

@@ -221,6 +221,13 @@ type Setting struct {
 	Set func(value string) error
 }
 
+// orDefault sets *v to def when it is zero or negative (unset).
+func orDefault[T ~int | ~int64](v *T, def T) {
+	if *v <= 0 {
+		*v = def
+	}
+}
+
 func (c Config) withDefaults() (Config, error) {
 	if c.Primary == "" {
 		return c, fmt.Errorf("config: primary DSN is required")
@@ -249,39 +256,21 @@ func (c Config) withDefaults() (Config, error) {
 	if c.MaxClients == 0 {
 		c.MaxClients = DefaultMaxClients
 	}
-	if c.MaxMessageSize <= 0 {
-		c.MaxMessageSize = DefaultMaxMessageSize
-	}
-	if c.MemoryBudget <= 0 {
-		c.MemoryBudget = DefaultMemoryBudget
-	}
+	orDefault(&c.MaxMessageSize, DefaultMaxMessageSize)
+	orDefault(&c.MemoryBudget, DefaultMemoryBudget)
 	if c.MaxMessageSize > 1<<30-4 {
 		return c, fmt.Errorf("config: max message size %d is over PostgreSQL's own limit of 1GiB", c.MaxMessageSize)
 	}
-	if c.ShutdownTimeout <= 0 {
-		c.ShutdownTimeout = DefaultShutdownTimeout
-	}
-	if c.StartupTimeout <= 0 {
-		c.StartupTimeout = DefaultStartupTimeout
-	}
-	if c.ConnectTimeout <= 0 {
-		c.ConnectTimeout = DefaultConnectTimeout
-	}
-	if c.BufferSize <= 0 {
-		c.BufferSize = DefaultBufferSize
-	}
+	orDefault(&c.ShutdownTimeout, DefaultShutdownTimeout)
+	orDefault(&c.StartupTimeout, DefaultStartupTimeout)
+	orDefault(&c.ConnectTimeout, DefaultConnectTimeout)
+	orDefault(&c.BufferSize, DefaultBufferSize)
 	if c.BufferSize < 1024 {
 		c.BufferSize = 1024
 	}
-	if c.ReplicaPoll <= 0 {
-		c.ReplicaPoll = DefaultReplicaPoll
-	}
-	if c.ReplicaMaxLag <= 0 {
-		c.ReplicaMaxLag = DefaultReplicaMaxLag
-	}
-	if c.HealthInterval <= 0 {
-		c.HealthInterval = DefaultHealthInterval
-	}
+	orDefault(&c.ReplicaPoll, DefaultReplicaPoll)
+	orDefault(&c.ReplicaMaxLag, DefaultReplicaMaxLag)
+	orDefault(&c.HealthInterval, DefaultHealthInterval)
 	for _, u := range append(slices.Clone(c.AdminUsers), c.StatsUsers...) {
 		if u == "" {
 			return c, fmt.Errorf("config: empty admin or stats user name")

@@ -28,14 +28,13 @@ import (
 // Why: with goroutines, every hop of a query (client → proxy → server and
 // back) is a netpoller wake-up of a parked goroutine, handed between OS
 // threads through the scheduler; on a small machine that costs more than
-// the work itself (measured: a goroutine relay reaches about half the
-// select-only TPS of a direct connection, PgBouncer about 0.65–0.85). A
-// thread that blocks in epoll_wait itself and does the reads and writes
-// inline has no hand-off at all.
+// the work itself. A thread that blocks in epoll_wait itself and does the
+// reads and writes inline has no hand-off at all. (The measurements behind
+// this file's choices are in docs/proxy.md, Performance.)
 //
 // The loop calls epoll_wait as a raw system call, so the runtime
-// does not hand its P to another thread on every wait (measured: calling
-// it through syscall.Syscall6 loses most of the gain). The loop therefore
+// does not hand its P to another thread on every wait (through
+// syscall.Syscall6 most of the gain is lost). The loop therefore
 // keeps one P busy; the process's GOMAXPROCS is raised by one when the loop
 // starts, so the rest of the proxy keeps the parallelism it had. The wait
 // stays interruptible: the runtime's preemption signal ends epoll_wait
@@ -286,10 +285,9 @@ const yieldCheck = 64
 // run is the loop. It is locked to its OS thread, which blocks in
 // epoll_wait holding its P. Unlocked, the goroutine moved between threads
 // and the kernel moved the thread that ran it between CPUs about once per
-// transaction (measured with perf stat on pgbench -S, one client: 48,600
-// CPU migrations in 5 s against 1,300 locked, and 40 against 32 µs of
-// proxy CPU per transaction); a yield now costs two thread hand-offs, but
-// the loop yields only every yieldEvery and after waking a goroutine.
+// transaction, which cost CPU per transaction; a yield now costs two
+// thread hand-offs, but the loop yields only every yieldEvery and after
+// waking a goroutine.
 func (l *evloop) run() {
 	runtime.LockOSThread()
 	events := make([]syscall.EpollEvent, 256)
@@ -308,9 +306,8 @@ func (l *evloop) run() {
 		}
 		idle = errno == 0 && n == 0
 		// The clock is read every yieldCheck events, or after a wait
-		// that timed out, not on every wake-up: on this VM reading it
-		// was 5 % of the loop's CPU samples (perf record, pgbench -S,
-		// one client), 1–2 µs per transaction.
+		// that timed out, not on every wake-up, where it showed in the
+		// loop's CPU profile.
 		work += max(n, 0) + 1 // n is -1 after an error such as EINTR
 		if work >= yieldCheck || idle {
 			work = 0
@@ -855,9 +852,9 @@ func (cr clientReader) Read(b []byte) (int, error) {
 
 // The loop's interest in an intercepted session's client reads.
 // clientLevel is level-triggered: while the loop owns the client side
-// it stays registered, so a message costs no epoll_ctl (a one-shot
-// watch re-armed per message was about 2 % of the gate's CPU on
-// pgbench -S). clientWatch is one-shot: the client goroutine arms it when
+// it stays registered, so a message costs no epoll_ctl (re-arming a
+// one-shot watch per message cost CPU: docs/proxy.md, Performance).
+// clientWatch is one-shot: the client goroutine arms it when
 // it must wait for bytes, and it arms it once to hand the client back.
 // clientOff disarms the reads (a hang-up is still reported, once) while
 // the goroutine owns the client or the loop must not read it (paused).

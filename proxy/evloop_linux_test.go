@@ -159,9 +159,7 @@ func TestHalfLoopSlowClient(t *testing.T) {
 	}
 	// Another session is served meanwhile.
 	other := connect(t, p.dsn(db))
-	if res, err := other.Exec(ctx, "SELECT 'other'").ReadAll(); err != nil || string(res[0].Rows[0][0]) != "other" {
-		t.Fatalf("another session while one is paused: %v %v", res, err)
-	}
+	wantValue(t, other, "SELECT 'other'", "other")
 
 	fe := pgproto3.NewFrontend(slow.Conn(), slow.Conn())
 	slow.Conn().SetReadDeadline(time.Now().Add(30 * time.Second))
@@ -191,9 +189,7 @@ func TestHalfLoopSlowClient(t *testing.T) {
 	if r.half.paused.Load() {
 		t.Fatal("still paused after the client read everything")
 	}
-	if res, err := slow.Exec(ctx, "SELECT 'again'").ReadAll(); err != nil || string(res[0].Rows[0][0]) != "again" {
-		t.Fatalf("the session after its big result: %v %v", res, err)
-	}
+	wantValue(t, slow, "SELECT 'again'", "again")
 }
 
 // TestHalfLoopShutdownWhilePaused: graceful shutdown ends an intercepted
@@ -248,9 +244,7 @@ func TestHalfLoopHandlerPanic(t *testing.T) {
 		t.Fatalf("%d sessions on the loop, want 2", p.srv.ops.stats.SessionsLoop.Load())
 	}
 	for _, c := range []*pgconn.PgConn{other, connect(t, p.dsn(db))} {
-		if res, err := c.Exec(ctx, "SELECT 'fine'").ReadAll(); err != nil || string(res[0].Rows[0][0]) != "fine" {
-			t.Fatalf("a session after another's panic: %v %v", res, err)
-		}
+		wantValue(t, c, "SELECT 'fine'", "fine")
 	}
 }
 
@@ -436,9 +430,7 @@ func TestHalfLoopSlowServer(t *testing.T) {
 	if d := clientEventsMeanwhile(t, p, db, r); d > 0 || !r.half.spaused.Load() {
 		t.Errorf("while the client was held (%v): %d events for its socket, want 0", r.half.spaused.Load(), d)
 	}
-	if _, err := holder.Exec(ctx, "SELECT pg_advisory_unlock(42)").ReadAll(); err != nil {
-		t.Fatal(err)
-	}
+	mustExec(t, holder, "SELECT pg_advisory_unlock(42)")
 
 	fe := pgproto3.NewFrontend(c.Conn(), c.Conn())
 	c.Conn().SetReadDeadline(time.Now().Add(60 * time.Second))
@@ -483,9 +475,7 @@ func TestHalfLoopSlowServer(t *testing.T) {
 	if r.half.spaused.Load() {
 		t.Fatal("still holding the client after the server took everything")
 	}
-	if res, err := c.Exec(ctx, "SELECT 'again'").ReadAll(); err != nil || string(res[0].Rows[0][0]) != "again" {
-		t.Fatalf("the session afterwards: %v %v", res, err)
-	}
+	wantValue(t, c, "SELECT 'again'", "again")
 }
 
 // TestHalfLoopHandoffUnwatched: while the client goroutine owns a
@@ -508,18 +498,14 @@ func TestHalfLoopHandoffUnwatched(t *testing.T) {
 	if d := clientEventsMeanwhile(t, p, db, r); d > 0 || !r.half.owner.Load() {
 		t.Errorf("while the client goroutine waited (owner %v): %d events for the client's socket, want 0", r.half.owner.Load(), d)
 	}
-	if _, err := holder.Exec(ctx, "SELECT pg_advisory_unlock(42)").ReadAll(); err != nil {
-		t.Fatal(err)
-	}
+	mustExec(t, holder, "SELECT pg_advisory_unlock(42)")
 	if got := strings.Join(commandTags(t, c, 4), ","); got != "SELECT 1,SET,INSERT 0 1,SELECT 1" {
 		t.Fatalf("command tags %s, want SELECT 1,SET,INSERT 0 1,SELECT 1", got)
 	}
 	if err := pgtest.Poll(ctx, func() (bool, error) { return !r.half.owner.Load(), nil }); err != nil {
 		t.Fatalf("the client never returned to the loop: %v", err)
 	}
-	if res, err := c.Exec(ctx, "SELECT 'again'").ReadAll(); err != nil || string(res[0].Rows[0][0]) != "again" {
-		t.Fatalf("the session afterwards: %v %v", res, err)
-	}
+	wantValue(t, c, "SELECT 'again'", "again")
 }
 
 // TestHandoffWaitsForSout: a message is not handed to the client
@@ -618,16 +604,11 @@ func lockedGateSession(t *testing.T) (p *testProxy, db string, holder, c *pgconn
 	t.Helper()
 	p = startProxy(t, Config{Interceptor: newGate(t)})
 	db = cluster.NewDatabase(t)
-	ctx := ctxT(t)
 	holder = connect(t, cluster.Primary.DSN(db))
-	if _, err := holder.Exec(ctx, "SELECT pg_advisory_lock(42)").ReadAll(); err != nil {
-		t.Fatal(err)
-	}
+	mustExec(t, holder, "SELECT pg_advisory_lock(42)")
 	c = connect(t, p.dsn(db))
 	r = halfRelay(t, p)
-	if _, err := c.Exec(ctx, "CREATE TABLE t (v int)").ReadAll(); err != nil {
-		t.Fatal(err)
-	}
+	mustExec(t, c, "CREATE TABLE t (v int)")
 	return p, db, holder, c, r
 }
 
@@ -639,9 +620,7 @@ func clientEventsMeanwhile(t *testing.T, p *testProxy, db string, r *relay) uint
 	events := r.half.cEvents.Load()
 	other := connect(t, p.dsn(db))
 	for range 20 {
-		if res, err := other.Exec(ctxT(t), "SELECT 'other'").ReadAll(); err != nil || string(res[0].Rows[0][0]) != "other" {
-			t.Fatalf("another session meanwhile: %v %v", res, err)
-		}
+		wantValue(t, other, "SELECT 'other'", "other")
 	}
 	return r.half.cEvents.Load() - events
 }

@@ -19,23 +19,8 @@ import (
 // observedEnv is a fence env whose gate logs into an observer.
 func observedEnv(t *testing.T) (*fenceEnv, *observer.ObservedLogs) {
 	t.Helper()
-	ctx := ctxT(t)
-	db := cluster.NewDatabase(t)
-	conn, err := cluster.Primary.Connect(ctx, db)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close(ctx)
-	if _, err := conn.Exec(ctx, fenceSchema); err != nil {
-		t.Fatal(err)
-	}
 	core, logs := observer.New(zapcore.InfoLevel)
-	gate, err := NewFence(FenceConfig{Primary: cluster.Primary.DSN("postgres")}, zap.New(core))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(gate.Close)
-	return &fenceEnv{db: db, proxy: startProxy(t, Config{Interceptor: gate}), gate: gate}, logs
+	return newEnv(t, envSpec{log: zap.New(core)}), logs
 }
 
 // TestRefusalLogged: every refusal is one line at info naming the
@@ -60,9 +45,7 @@ func TestRefusalLogged(t *testing.T) {
 	}
 
 	w := e.mustConnect(t, client{lease: &cur, mode: pgx.QueryExecModeSimpleProtocol})
-	if _, err := w.Exec(ctx, upsert, "job-l", "ok", cur.Token); err != nil {
-		t.Fatal(err)
-	}
+	execOK(t, w, upsert, "job-l", "ok", cur.Token)
 	if _, err := w.Exec(ctx, upsert, "job-l", "ok", cur.Token); err == nil {
 		t.Log("second commit under the same step answered") // a replay or a conflict: either is logged
 	}
@@ -131,11 +114,7 @@ func TestRefusalLogSampled(t *testing.T) {
 // the proxy warns once.
 func TestSetupErrors(t *testing.T) {
 	core, logs := observer.New(zapcore.InfoLevel)
-	gate, err := NewFence(FenceConfig{Primary: cluster.Primary.DSN("postgres")}, zap.New(core))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(gate.Close)
+	gate := newGateWith(t, FenceConfig{}, zap.New(core))
 	p := startProxy(t, Config{Interceptor: gate})
 	ctx := ctxT(t)
 	admin, err := cluster.Primary.Connect(ctx, "postgres")
@@ -145,9 +124,7 @@ func TestSetupErrors(t *testing.T) {
 	defer admin.Close(ctx)
 
 	bare := fmt.Sprintf("bare_%d", time.Now().UnixNano())
-	if _, err := admin.Exec(ctx, "CREATE DATABASE "+bare+" TEMPLATE template0"); err != nil {
-		t.Fatal(err)
-	}
+	execOK(t, admin, "CREATE DATABASE "+bare+" TEMPLATE template0")
 	t.Cleanup(func() { admin.Exec(context.Background(), "DROP DATABASE "+bare+" WITH (FORCE)") })
 	c, err := pgx.Connect(ctx, p.dsn(bare))
 	if err != nil {
@@ -171,9 +148,7 @@ func TestSetupErrors(t *testing.T) {
 
 	db := cluster.NewDatabase(t)
 	role := fmt.Sprintf("nogrant_%d", time.Now().UnixNano())
-	if _, err := admin.Exec(ctx, "CREATE ROLE "+role+" LOGIN"); err != nil {
-		t.Fatal(err)
-	}
+	execOK(t, admin, "CREATE ROLE "+role+" LOGIN")
 	t.Cleanup(func() { admin.Exec(context.Background(), "DROP ROLE "+role) })
 	u, err := pgx.Connect(ctx, fmt.Sprintf("postgres://%s@%s/%s?sslmode=disable", role, p.addr, db))
 	if err != nil {

@@ -2,17 +2,16 @@ package proxy
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
-	"go.uber.org/zap/zaptest"
+	"go.uber.org/zap"
 
 	"github.com/pgfence/pgfence/fence"
+	"github.com/pgfence/pgfence/internal/pgtest"
 )
 
 // fenceEnv is a fresh database with a protected results table, an
@@ -34,25 +33,27 @@ const upsert = `INSERT INTO results (job_key, payload, token) VALUES ($1, $2, $3
 ON CONFLICT (job_key) DO UPDATE SET payload = excluded.payload, token = excluded.token
 WHERE results.token < excluded.token`
 
-func newFenceEnv(t *testing.T) *fenceEnv {
+func newFenceEnv(t *testing.T) *fenceEnv { return newEnv(t, envSpec{}) }
+
+// envSpec is what an env differs in from newFenceEnv's; its zero value is
+// newFenceEnv's.
+type envSpec struct {
+	schema string      // run in the new database instead of fenceSchema
+	gate   FenceConfig // the write gate's settings (Primary is the cluster's)
+	log    *zap.Logger // the gate's logger instead of zaptest's
+	proxy  Config      // the proxy's settings (Interceptor is the gate)
+}
+
+// newEnv is newFenceEnv as s says.
+func newEnv(t *testing.T, s envSpec) *fenceEnv {
 	t.Helper()
-	ctx := ctxT(t)
-	db := cluster.NewDatabase(t)
-	conn, err := cluster.Primary.Connect(ctx, db)
-	if err != nil {
-		t.Fatal(err)
+	if s.schema == "" {
+		s.schema = fenceSchema
 	}
-	defer conn.Close(ctx)
-	if _, err := conn.Exec(ctx, fenceSchema); err != nil {
-		t.Fatal(err)
-	}
-	gate, err := NewFence(FenceConfig{Primary: cluster.Primary.DSN("postgres")}, zaptest.NewLogger(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(gate.Close)
-	p := startProxy(t, Config{Interceptor: gate})
-	return &fenceEnv{db: db, proxy: p, gate: gate}
+	db := cluster.NewDatabaseWith(t, s.schema)
+	gate := newGateWith(t, s.gate, s.log)
+	s.proxy.Interceptor = gate
+	return &fenceEnv{db: db, proxy: startProxy(t, s.proxy), gate: gate}
 }
 
 // direct is a connection straight to the primary (not through pgfence).
@@ -76,13 +77,25 @@ func (e *fenceEnv) acquire(t *testing.T, job, holder string, ttl time.Duration) 
 	return l
 }
 
+// release ends l's lease (its token stays the fence's current one).
+func (e *fenceEnv) release(t *testing.T, l fence.Lease) {
+	t.Helper()
+	if err := fence.Release(ctxT(t), e.direct(t), l.JobKey, l.Token); err != nil {
+		t.Fatalf("release: %v", err)
+	}
+}
+
 // takeover ends the current lease of job and acquires a new one.
 func (e *fenceEnv) takeover(t *testing.T, job, holder string, old fence.Lease) fence.Lease {
 	t.Helper()
-	if err := fence.Release(ctxT(t), e.direct(t), job, old.Token); err != nil {
-		t.Fatalf("release: %v", err)
-	}
+	e.release(t, fence.Lease{JobKey: job, Token: old.Token})
 	return e.acquire(t, job, holder, time.Minute)
+}
+
+// pgoptions are the startup options that carry l's generation, as
+// PGOPTIONS would.
+func pgoptions(l fence.Lease) string {
+	return fmt.Sprintf("-c fence.job_key=%s -c fence.epoch=%d -c fence.token=%d", l.JobKey, l.Epoch, l.Token)
 }
 
 // worker connects through the proxy carrying l's generation in the
@@ -94,7 +107,7 @@ func (e *fenceEnv) worker(t *testing.T, l *fence.Lease, extra ...string) *pgx.Co
 		t.Fatal(err)
 	}
 	if l != nil {
-		opts := fmt.Sprintf("-c fence.job_key=%s -c fence.epoch=%d -c fence.token=%d", l.JobKey, l.Epoch, l.Token)
+		opts := pgoptions(*l)
 		if len(extra) > 0 {
 			opts += " " + strings.Join(extra, " ")
 		}
@@ -108,17 +121,9 @@ func (e *fenceEnv) worker(t *testing.T, l *fence.Lease, extra ...string) *pgx.Co
 	return c
 }
 
-func sqlstate(err error) string {
-	var pg *pgconn.PgError
-	if errors.As(err, &pg) {
-		return pg.Code
-	}
-	return ""
-}
-
 func wantCode(t *testing.T, err error, code string) {
 	t.Helper()
-	if got := sqlstate(err); got != code {
+	if got := pgtest.SQLState(err); got != code {
 		t.Fatalf("got error %v (SQLSTATE %q), want SQLSTATE %s", err, got, code)
 	}
 }
@@ -146,16 +151,12 @@ func TestGateSmoke(t *testing.T) {
 		t.Fatalf("got %d receipts, want 1", n)
 	}
 	// Simple protocol, as a second step of the same token.
-	if _, err := w.Exec(ctx, "SET fence.step = 'two'"); err != nil {
-		t.Fatal(err)
-	}
+	execOK(t, w, "SET fence.step = 'two'")
 	if _, err := w.Exec(ctx, "INSERT INTO audit (note) VALUES ('x'); UPDATE results SET payload = 'second' WHERE job_key = 'job1'", pgx.QueryExecModeSimpleProtocol); err != nil {
 		t.Fatalf("gated simple query: %v", err)
 	}
 	// Explicit transaction, a third step.
-	if _, err := w.Exec(ctx, "SET fence.step = 'three'"); err != nil {
-		t.Fatal(err)
-	}
+	execOK(t, w, "SET fence.step = 'three'")
 	tx, err := w.Begin(ctx)
 	if err != nil {
 		t.Fatal(err)
@@ -185,9 +186,7 @@ func TestGateSmoke(t *testing.T) {
 	}
 	// Stale token after a takeover: FN001, session usable after.
 	l2 := e.takeover(t, "job1", "b", l)
-	if _, err := w.Exec(ctx, "SET fence.step = 'four'"); err != nil {
-		t.Fatal(err)
-	}
+	execOK(t, w, "SET fence.step = 'four'")
 	_, err = w.Exec(ctx, "UPDATE results SET payload = 'zombie' WHERE job_key = 'job1'")
 	wantCode(t, err, fence.CodeStale)
 	var one int
@@ -210,9 +209,7 @@ func TestSharedShapeWritesDigestTheirOwnText(t *testing.T) {
 	w := e.worker(t, &l)
 	// Teach the classifier the shape, outside any gated transaction.
 	for _, note := range []string{"warm-1", "warm-2"} {
-		if _, err := w.Exec(ctx, "INSERT INTO audit (note) VALUES ('"+note+"')", pgx.QueryExecModeSimpleProtocol); err != nil {
-			t.Fatal(err)
-		}
+		execOK(t, w, "INSERT INTO audit (note) VALUES ('"+note+"')", pgx.QueryExecModeSimpleProtocol)
 	}
 	tx := func(note string) error {
 		for _, q := range []string{

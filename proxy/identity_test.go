@@ -25,8 +25,7 @@ import (
 func TestBackendIdentity(t *testing.T) { bothRelays(t, testBackendIdentity) }
 
 func testBackendIdentity(t *testing.T, relay Config) {
-	p := startProxy(t, withRelay(relay, Config{}))
-	db := cluster.NewDatabase(t)
+	p, db := relayed(t, relay, Config{})
 	ctx := ctxT(t)
 	var notified chan *pgconn.Notification
 	cfg, err := pgconn.ParseConfig(p.dsn(db) + "&application_name=identity")
@@ -75,9 +74,7 @@ func testBackendIdentity(t *testing.T, relay Config) {
 	// Cancel: a forged request (the right PID, a wrong secret) sent to the
 	// proxy, and one sent straight to PostgreSQL with the proxy's secret,
 	// cancel nothing; the driver's own request does.
-	if _, err := admin.Exec(ctx, "SELECT pg_advisory_lock(4242)"); err != nil {
-		t.Fatal(err)
-	}
+	execOK(t, admin, "SELECT pg_advisory_lock(4242)")
 	blocked := c.Exec(ctx, "SELECT pg_advisory_lock(4242)")
 	waitingOnLock(t, admin, pid)
 	cancelRaw(t, p.addr.String(), pid, 0xdeadbeef)
@@ -86,16 +83,14 @@ func testBackendIdentity(t *testing.T, relay Config) {
 	if err := c.CancelRequest(ctx); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := blocked.ReadAll(); sqlState(err) != "57014" {
+	if _, err := blocked.ReadAll(); pgtest.SQLState(err) != "57014" {
 		t.Fatalf("cancelled query: got %v, want 57014", err)
 	}
 	admin.Exec(ctx, "SELECT pg_advisory_unlock(4242)")
 
 	// The backend ends: the client connection is closed with PostgreSQL's
 	// word for it, and a new connection gets a backend of its own.
-	if _, err := admin.Exec(ctx, "SELECT pg_terminate_backend($1)", pid); err != nil {
-		t.Fatal(err)
-	}
+	execOK(t, admin, "SELECT pg_terminate_backend($1)", pid)
 	_, err = c.Exec(ctx, "SELECT 1").ReadAll()
 	if err == nil {
 		t.Fatal("the session went on after its backend was terminated")
@@ -111,7 +106,7 @@ func testBackendIdentity(t *testing.T, relay Config) {
 	}
 	// pg_terminate_backend of one's own PID, as the driver knows it.
 	_, err = c2.Exec(ctx, "SELECT pg_terminate_backend("+strconv.FormatUint(uint64(c2.PID()), 10)+")").ReadAll()
-	if sqlState(err) != "57P01" {
+	if pgtest.SQLState(err) != "57P01" {
 		t.Fatalf("terminating one's own backend: got %v, want 57P01", err)
 	}
 	if p.cancelSecret(pid) != 0 {

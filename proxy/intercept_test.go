@@ -7,6 +7,8 @@ import (
 
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgproto3"
+
+	"github.com/pgfence/pgfence/internal/pgtest"
 )
 
 // injector exercises the seam the write gate will use: before every client
@@ -117,7 +119,7 @@ func TestInterceptorInjectSwallowHoldReplace(t *testing.T) {
 		case *pgconn.ResultReader:
 			rr := r.Read()
 			if rr.Err != nil {
-				states = append(states, sqlState(rr.Err))
+				states = append(states, pgtest.SQLState(rr.Err))
 			} else if len(rr.Rows) > 0 {
 				states = append(states, string(rr.Rows[0][0]))
 			} else {
@@ -127,7 +129,7 @@ func TestInterceptorInjectSwallowHoldReplace(t *testing.T) {
 			states = append(states, "sync")
 		default:
 			if err != nil {
-				states = append(states, sqlState(err))
+				states = append(states, pgtest.SQLState(err))
 			}
 		}
 	}

@@ -26,14 +26,10 @@ func TestOversizeMessage(t *testing.T) { bothRelays(t, testOversizeMessage) }
 
 func testOversizeMessage(t *testing.T, relay Config) {
 	const limit = 4096
-	p := startProxy(t, withRelay(relay, Config{MaxMessageSize: limit}))
-	db := cluster.NewDatabase(t)
+	p, db := relayed(t, relay, Config{MaxMessageSize: limit})
 	big := "'" + strings.Repeat("x", 5000) + "'"
-	ctx := ctxT(t)
 	setup := connect(t, p.dsn(db))
-	if err := setup.Exec(ctx, "CREATE TABLE t (a int, b text)").Close(); err != nil {
-		t.Fatal(err)
-	}
+	mustExec(t, setup, "CREATE TABLE t (a int, b text)")
 	other := connect(t, p.dsn(db))
 
 	t.Run("query", func(t *testing.T) {
@@ -57,9 +53,7 @@ func testOversizeMessage(t *testing.T, relay Config) {
 		}
 		want(t, "oversized query in a transaction", all, "CommandComplete", "Z:T", "CommandComplete", "Z:T",
 			"E:54000", "Z:E", "E:25P02", "Z:E", "CommandComplete", "Z:I")
-		if n := countRows(t, db, "t"); n != 0 {
-			t.Fatalf("%d rows in t, want 0: the failed transaction committed", n)
-		}
+		wantRows(t, db, "t", 0)
 	})
 
 	t.Run("extended", func(t *testing.T) {
@@ -78,9 +72,7 @@ func testOversizeMessage(t *testing.T, relay Config) {
 		if !strings.Contains(errs[0].Message, "Bind message") {
 			t.Fatalf("error %q does not say which message", errs[0].Message)
 		}
-		if n := countRows(t, db, "t"); n != 0 {
-			t.Fatalf("%d rows in t, want 0: the failed batch committed", n)
-		}
+		wantRows(t, db, "t", 0)
 		// A Parse over the limit; the session goes on after the Sync.
 		r.send(t, &pgproto3.Parse{Name: "q", Query: "SELECT " + big}, &pgproto3.Describe{ObjectType: 'S', Name: "q"}, &pgproto3.Sync{},
 			&pgproto3.Parse{Query: "SELECT 42"}, &pgproto3.Bind{}, &pgproto3.Execute{}, &pgproto3.Sync{})
@@ -100,9 +92,7 @@ func testOversizeMessage(t *testing.T, relay Config) {
 		if !strings.Contains(errs[0].Message, "COPY") {
 			t.Fatalf("error %q does not say COPY", errs[0].Message)
 		}
-		if n := countRows(t, db, "t"); n != 0 {
-			t.Fatalf("%d rows in t, want 0: the aborted COPY wrote", n)
-		}
+		wantRows(t, db, "t", 0)
 		r.send(t, &pgproto3.Query{String: "SELECT 1"})
 		got, _ = r.untilReady(t)
 		want(t, "after the COPY", got, "RowDescription", "DataRow", "CommandComplete", "Z:I")
@@ -181,9 +171,7 @@ func TestCopyStreamed(t *testing.T) {
 		r.send(t, &pgproto3.CopyData{Data: data}, &pgproto3.CopyDone{})
 		got, _ := r.untilReady(t)
 		want(t, "3 MiB in one CopyData", got, "CommandComplete", "Z:I")
-		if n := countRows(t, db, "t"); n != 30000 {
-			t.Fatalf("%d rows, want 30000", n)
-		}
+		wantRows(t, db, "t", 30000)
 		if peak := p.srv.mem.peak.Load(); peak != 0 {
 			t.Fatalf("the COPY took %d bytes of the memory budget, want none", peak)
 		}
@@ -209,7 +197,7 @@ func TestHeldMessageBudget(t *testing.T) {
 		t.Fatalf("budget: peak %d, in use %d; want the query's cost, then 0", peak, used)
 	}
 	_, err = c.Exec(ctx, "SELECT length('"+strings.Repeat("x", 1<<20)+"')").ReadAll()
-	if sqlState(err) != "53200" || !strings.Contains(err.Error(), "memory_budget") {
+	if pgtest.SQLState(err) != "53200" || !strings.Contains(err.Error(), "memory_budget") {
 		t.Fatalf("a query over the budget: got %v, want 53200 naming memory_budget", err)
 	}
 	select {
@@ -294,9 +282,7 @@ func TestMemoryBudgetRSS(t *testing.T) {
 	dsn := fmt.Sprintf("postgres://postgres@%s/%s?sslmode=disable", p.Addr, db)
 	ctx := ctxT(t)
 	steady := connect(t, dsn)
-	if _, err := steady.Exec(ctx, "SELECT 1").ReadAll(); err != nil {
-		t.Fatal(err)
-	}
+	mustExec(t, steady, "SELECT 1")
 	msg, _ := (&pgproto3.Query{String: "SELECT length('" + strings.Repeat("x", size) + "')"}).Encode(nil)
 	held := int(budget / heldCost(len(msg)-headerLen))
 	conns := make([]*rawConn, clients)

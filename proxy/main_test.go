@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"net"
 	"os"
-	"path/filepath"
 	"runtime"
 	"sync"
 	"testing"
@@ -19,6 +18,7 @@ import (
 	"go.uber.org/zap/zaptest"
 
 	"github.com/pgfence/pgfence/internal/pgtest"
+	"github.com/pgfence/pgfence/internal/testbin"
 	"github.com/pgfence/pgfence/migrations"
 )
 
@@ -56,11 +56,8 @@ func TestMain(m *testing.M) {
 		// The write gate's tests need the fence schema.
 		return migrations.Prepare(ctx, conn)
 	}, &cluster)
-	if pgfenceBin != "" {
-		// Built once for the tests that run pgfence serve
-		// (startFenceServe), which may be several.
-		os.RemoveAll(filepath.Dir(pgfenceBin))
-	}
+	// Built once for the tests that run pgfence serve (startFenceServe).
+	testbin.Remove()
 	os.Exit(code)
 }
 
@@ -167,9 +164,17 @@ func bothRelays(t *testing.T, f func(t *testing.T, relay Config)) {
 }
 
 // newGate is a write gate for the test cluster, closed at the end of t.
-func newGate(t *testing.T) *Fence {
+func newGate(t testing.TB) *Fence { return newGateWith(t, FenceConfig{}, nil) }
+
+// newGateWith is newGate with cfg (its Primary is the test cluster's) and
+// log (zaptest's when nil).
+func newGateWith(t testing.TB, cfg FenceConfig, log *zap.Logger) *Fence {
 	t.Helper()
-	gate, err := NewFence(FenceConfig{Primary: cluster.Primary.DSN("postgres")}, zaptest.NewLogger(t))
+	cfg.Primary = cluster.Primary.DSN("postgres")
+	if log == nil {
+		log = zaptest.NewLogger(t)
+	}
+	gate, err := NewFence(cfg, log)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -192,6 +197,53 @@ func (p *testProxy) dsn(db string) string {
 	return fmt.Sprintf("postgres://postgres@127.0.0.1:%d/%s?sslmode=disable", p.addr.Port, db)
 }
 
+// relayed is a proxy started with cfg in relay's mode (withRelay), and a
+// fresh database.
+func relayed(t *testing.T, relay, cfg Config) (*testProxy, string) {
+	t.Helper()
+	return startProxy(t, withRelay(relay, cfg)), cluster.NewDatabase(t)
+}
+
+// relayedConn is a connection through a proxy in relay's mode to a fresh
+// database.
+func relayedConn(t *testing.T, relay Config) *pgconn.PgConn {
+	t.Helper()
+	p, db := relayed(t, relay, Config{})
+	return connect(t, p.dsn(db))
+}
+
+// mustExec runs sql, a simple query, on c; every statement must succeed.
+func mustExec(t *testing.T, c *pgconn.PgConn, sql string) {
+	t.Helper()
+	if _, err := c.Exec(ctxT(t), sql).ReadAll(); err != nil {
+		t.Fatalf("%s: %v", sql, err)
+	}
+}
+
+// lastValue runs sql, a simple query, on c and returns the first value of
+// its last result.
+func lastValue(t *testing.T, c *pgconn.PgConn, sql string) string {
+	t.Helper()
+	res, err := c.Exec(ctxT(t), sql).ReadAll()
+	if err != nil {
+		t.Fatalf("%s: %v", sql, err)
+	}
+	if last := res[len(res)-1]; len(last.Rows) > 0 {
+		return string(last.Rows[0][0])
+	}
+	t.Fatalf("%s: no row", sql)
+	return ""
+}
+
+// wantValue checks that sql, a simple query, on c returns want as the
+// first value of its last result.
+func wantValue(t *testing.T, c *pgconn.PgConn, sql, want string) {
+	t.Helper()
+	if got := lastValue(t, c, sql); got != want {
+		t.Fatalf("%s: got %q, want %q", sql, got, want)
+	}
+}
+
 func connect(t testing.TB, dsn string) *pgconn.PgConn {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
@@ -208,13 +260,4 @@ func ctxT(t testing.TB) context.Context {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	t.Cleanup(cancel)
 	return ctx
-}
-
-// sqlState returns the SQLSTATE of err, or "".
-func sqlState(err error) string {
-	var pg *pgconn.PgError
-	if errors.As(err, &pg) {
-		return pg.Code
-	}
-	return ""
 }

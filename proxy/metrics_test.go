@@ -128,7 +128,7 @@ func TestMetricsReadyzUnreachablePrimary(t *testing.T) {
 	}); err != nil {
 		t.Fatalf("/readyz: %q, want primary unreachable", why)
 	}
-	if _, err := pgconn.Connect(ctx, p.dsn("postgres")); sqlState(err) != "08006" {
+	if _, err := pgconn.Connect(ctx, p.dsn("postgres")); pgtest.SQLState(err) != "08006" {
 		t.Fatalf("client of an unreachable primary: got %v, want 08006", err)
 	}
 	_, body := scrape(t, hs.URL+"/metrics")

@@ -94,20 +94,17 @@ func TestSCRAM(t *testing.T) {
 	}
 	t.Run("success", func(t *testing.T) {
 		c := connect(t, dsn(scramUser, strings.ReplaceAll(scramPassword, " ", "%20")))
-		res, err := c.Exec(ctxT(t), "SELECT current_user").ReadAll()
-		if err != nil || string(res[0].Rows[0][0]) != scramUser {
-			t.Fatalf("got %v %v, want %s", res, err, scramUser)
-		}
+		wantValue(t, c, "SELECT current_user", scramUser)
 	})
 	t.Run("wrong password", func(t *testing.T) {
 		_, err := pgconn.Connect(ctxT(t), dsn(scramUser, "wrong"))
-		if sqlState(err) != "28P01" {
+		if pgtest.SQLState(err) != "28P01" {
 			t.Fatalf("got %v, want 28P01", err)
 		}
 	})
 	t.Run("unknown user", func(t *testing.T) {
 		_, err := pgconn.Connect(ctxT(t), dsn("postgres", "whatever"))
-		if sqlState(err) != "28P01" {
+		if pgtest.SQLState(err) != "28P01" {
 			t.Fatalf("got %v, want 28P01", err)
 		}
 	})
@@ -122,7 +119,7 @@ func TestSCRAM(t *testing.T) {
 func TestUpstreamRefusalReachesClient(t *testing.T) {
 	p := startProxy(t, Config{})
 	_, err := pgconn.Connect(ctxT(t), p.dsn("no_such_database"))
-	if sqlState(err) != "3D000" {
+	if pgtest.SQLState(err) != "3D000" {
 		t.Fatalf("got %v, want 3D000 from PostgreSQL", err)
 	}
 	// Upstream SCRAM without the password configured fails upstream.
@@ -135,12 +132,11 @@ func TestUpstreamRefusalReachesClient(t *testing.T) {
 func TestTooManyClients(t *testing.T) { bothRelays(t, testTooManyClients) }
 
 func testTooManyClients(t *testing.T, relay Config) {
-	p := startProxy(t, withRelay(relay, Config{MaxClients: 2}))
-	db := cluster.NewDatabase(t)
+	p, db := relayed(t, relay, Config{MaxClients: 2})
 	a := connect(t, p.dsn(db))
 	connect(t, p.dsn(db))
 	_, err := pgconn.Connect(ctxT(t), p.dsn(db))
-	if sqlState(err) != "53300" {
+	if pgtest.SQLState(err) != "53300" {
 		t.Fatalf("third client: got %v, want 53300", err)
 	}
 	a.Close(ctxT(t))
@@ -176,18 +172,10 @@ func TestClientDisconnectMidTransaction(t *testing.T) {
 }
 
 func testClientDisconnectMidTransaction(t *testing.T, relay Config) {
-	p := startProxy(t, withRelay(relay, Config{}))
-	db := cluster.NewDatabase(t)
+	p, db := relayed(t, relay, Config{})
 	c := connect(t, p.dsn(db))
-	ctx := ctxT(t)
-	if err := c.Exec(ctx, "CREATE TABLE t(a int)").Close(); err != nil {
-		t.Fatal(err)
-	}
-	res, err := c.Exec(ctx, "BEGIN; INSERT INTO t VALUES (1); SELECT pg_backend_pid()").ReadAll()
-	if err != nil {
-		t.Fatal(err)
-	}
-	pid, _ := strconvU32(string(res[2].Rows[0][0]))
+	mustExec(t, c, "CREATE TABLE t(a int)")
+	pid, _ := strconvU32(lastValue(t, c, "BEGIN; INSERT INTO t VALUES (1); SELECT pg_backend_pid()"))
 	if c.TxStatus() != 'T' {
 		t.Fatalf("tx status %c, want T", c.TxStatus())
 	}
@@ -195,10 +183,7 @@ func testClientDisconnectMidTransaction(t *testing.T, relay Config) {
 	c.Conn().Close()
 	backendGone(t, pid, time.Second)
 	d := connect(t, cluster.Primary.DSN(db))
-	r, err := d.Exec(ctx, "SELECT count(*) FROM t").ReadAll()
-	if err != nil || string(r[0].Rows[0][0]) != "0" {
-		t.Fatalf("rows after disconnect: %v %v, want 0", r, err)
-	}
+	wantValue(t, d, "SELECT count(*) FROM t", "0")
 }
 
 func strconvU32(s string) (uint32, error) {
@@ -249,8 +234,7 @@ func readErrorResponse(t *testing.T, c net.Conn) string {
 func TestBadInput(t *testing.T) { bothRelays(t, testBadInput) }
 
 func testBadInput(t *testing.T, relay Config) {
-	p := startProxy(t, withRelay(relay, Config{}))
-	db := cluster.NewDatabase(t)
+	p, db := relayed(t, relay, Config{})
 	survivor := connect(t, p.dsn(db))
 	cases := []struct {
 		name string
@@ -351,34 +335,25 @@ func TestStartupNegotiation(t *testing.T) {
 			t.Fatal(err)
 		}
 		defer c.Close(ctxT(t))
-		if _, err := c.Exec(ctxT(t), "SELECT 1").ReadAll(); err != nil {
-			t.Fatal(err)
-		}
+		mustExec(t, c, "SELECT 1")
 	})
 }
 
 func TestGracefulShutdown(t *testing.T) { bothRelays(t, testGracefulShutdown) }
 
 func testGracefulShutdown(t *testing.T, relay Config) {
-	p := startProxy(t, withRelay(relay, Config{}))
-	db := cluster.NewDatabase(t)
+	p, db := relayed(t, relay, Config{})
 	ctx := ctxT(t)
 	idle := connect(t, p.dsn(db))
-	res, err := idle.Exec(ctx, "SELECT pg_backend_pid()").ReadAll()
-	if err != nil {
-		t.Fatal(err)
-	}
-	idlePID, _ := strconvU32(string(res[0].Rows[0][0]))
+	idlePID, _ := strconvU32(lastValue(t, idle, "SELECT pg_backend_pid()"))
 	busy := connect(t, p.dsn(db))
-	if err := busy.Exec(ctx, "CREATE TABLE t(a int); BEGIN; INSERT INTO t VALUES (1)").Close(); err != nil {
-		t.Fatal(err)
-	}
+	mustExec(t, busy, "CREATE TABLE t(a int); BEGIN; INSERT INTO t VALUES (1)")
 	done := make(chan error, 1)
 	go func() { done <- p.srv.Shutdown(ctx) }()
 	// The idle session is closed promptly, upstream and with 57P01 to
 	// the client.
 	backendGone(t, idlePID, 5*time.Second)
-	if _, err := idle.Exec(ctx, "SELECT 1").ReadAll(); sqlState(err) != "57P01" {
+	if _, err := idle.Exec(ctx, "SELECT 1").ReadAll(); pgtest.SQLState(err) != "57P01" {
 		t.Fatalf("idle session after shutdown: got %v, want 57P01", err)
 	}
 	// New clients are refused.
@@ -397,18 +372,14 @@ func testGracefulShutdown(t *testing.T, relay Config) {
 		t.Fatalf("shutdown returned %v while a transaction was open", err)
 	default:
 	}
-	err = busy.Exec(ctx, "COMMIT").Close()
-	if err != nil {
+	if err := busy.Exec(ctx, "COMMIT").Close(); err != nil {
 		t.Fatalf("commit during shutdown: %v", err)
 	}
 	if err := <-done; err != nil {
 		t.Fatalf("shutdown: %v", err)
 	}
 	d := connect(t, cluster.Primary.DSN(db))
-	r, err := d.Exec(ctx, "SELECT count(*) FROM t").ReadAll()
-	if err != nil || string(r[0].Rows[0][0]) != "2" {
-		t.Fatalf("committed rows: %v %v, want 2", r, err)
-	}
+	wantValue(t, d, "SELECT count(*) FROM t", "2")
 }
 
 func TestShutdownTimeoutClosesOpenTransactions(t *testing.T) {
@@ -416,15 +387,10 @@ func TestShutdownTimeoutClosesOpenTransactions(t *testing.T) {
 }
 
 func testShutdownTimeoutClosesOpenTransactions(t *testing.T, relay Config) {
-	p := startProxy(t, withRelay(relay, Config{ShutdownTimeout: 200 * time.Millisecond}))
-	db := cluster.NewDatabase(t)
+	p, db := relayed(t, relay, Config{ShutdownTimeout: 200 * time.Millisecond})
 	ctx := ctxT(t)
 	busy := connect(t, p.dsn(db))
-	res, err := busy.Exec(ctx, "BEGIN; SELECT pg_backend_pid()").ReadAll()
-	if err != nil {
-		t.Fatal(err)
-	}
-	pid, _ := strconvU32(string(res[1].Rows[0][0]))
+	pid, _ := strconvU32(lastValue(t, busy, "BEGIN; SELECT pg_backend_pid()"))
 	if err := p.srv.Shutdown(ctx); !errors.Is(err, context.DeadlineExceeded) {
 		t.Fatalf("shutdown: got %v, want deadline exceeded", err)
 	}

@@ -20,9 +20,7 @@ import (
 func TestSimpleQueryMultiStatement(t *testing.T) { bothRelays(t, testSimpleQueryMultiStatement) }
 
 func testSimpleQueryMultiStatement(t *testing.T, relay Config) {
-	p := startProxy(t, withRelay(relay, Config{}))
-	db := cluster.NewDatabase(t)
-	c := connect(t, p.dsn(db))
+	c := relayedConn(t, relay)
 	res, err := c.Exec(ctxT(t), "CREATE TABLE t(a int); INSERT INTO t VALUES (1),(2),(3); SELECT a FROM t ORDER BY a; SELECT 'x'").ReadAll()
 	if err != nil {
 		t.Fatal(err)
@@ -108,13 +106,9 @@ func copyMsg(m pgproto3.BackendMessage) pgproto3.BackendMessage {
 func TestPipelineWithErrorAndRecovery(t *testing.T) { bothRelays(t, testPipelineWithErrorAndRecovery) }
 
 func testPipelineWithErrorAndRecovery(t *testing.T, relay Config) {
-	p := startProxy(t, withRelay(relay, Config{}))
-	db := cluster.NewDatabase(t)
-	c := connect(t, p.dsn(db))
+	c := relayedConn(t, relay)
 	ctx := ctxT(t)
-	if err := c.Exec(ctx, "CREATE TABLE t(a int PRIMARY KEY)").Close(); err != nil {
-		t.Fatal(err)
-	}
+	mustExec(t, c, "CREATE TABLE t(a int PRIMARY KEY)")
 	pl := c.StartPipeline(ctx)
 	for i := 0; i < 100; i++ {
 		pl.SendQueryParams("INSERT INTO t VALUES ($1)", [][]byte{[]byte(fmt.Sprint(i))}, nil, nil, nil)
@@ -159,7 +153,7 @@ func testPipelineWithErrorAndRecovery(t *testing.T, relay Config) {
 	if err == nil {
 		_, err = res.(*pgconn.ResultReader).Close()
 	}
-	if sqlState(err) != "23505" {
+	if pgtest.SQLState(err) != "23505" {
 		t.Fatalf("duplicate insert: got %v, want 23505", err)
 	}
 	mustSync(t, pl) // the third statement was skipped
@@ -190,8 +184,7 @@ func TestExtendedProtocolStatementsPortalsSuspension(t *testing.T) {
 }
 
 func testExtendedProtocolStatementsPortalsSuspension(t *testing.T, relay Config) {
-	p := startProxy(t, withRelay(relay, Config{}))
-	db := cluster.NewDatabase(t)
+	p, db := relayed(t, relay, Config{})
 	fe, _ := raw(t, p.dsn(db))
 	// Named statement, named portal, Describe both, Execute with a row
 	// limit (portal suspension), Flush in the middle, Close both.
@@ -250,13 +243,9 @@ func testExtendedProtocolStatementsPortalsSuspension(t *testing.T, relay Config)
 func TestCopyBothWays(t *testing.T) { bothRelays(t, testCopyBothWays) }
 
 func testCopyBothWays(t *testing.T, relay Config) {
-	p := startProxy(t, withRelay(relay, Config{}))
-	db := cluster.NewDatabase(t)
-	c := connect(t, p.dsn(db))
+	c := relayedConn(t, relay)
 	ctx := ctxT(t)
-	if err := c.Exec(ctx, "CREATE TABLE t(a int, b text)").Close(); err != nil {
-		t.Fatal(err)
-	}
+	mustExec(t, c, "CREATE TABLE t(a int, b text)")
 	var in strings.Builder
 	for i := 0; i < 50000; i++ {
 		fmt.Fprintf(&in, "%d\trow %d\n", i, i)
@@ -278,7 +267,7 @@ func testCopyBothWays(t *testing.T, relay Config) {
 	}
 	// A failing COPY FROM leaves the session usable.
 	_, err = c.CopyFrom(ctx, strings.NewReader("not-an-int\tx\n"), "COPY t FROM STDIN")
-	if sqlState(err) != "22P02" {
+	if pgtest.SQLState(err) != "22P02" {
 		t.Fatalf("bad copy: got %v, want 22P02", err)
 	}
 	res, err := c.Exec(ctx, "SELECT count(*) FROM t").ReadAll()
@@ -290,8 +279,7 @@ func testCopyBothWays(t *testing.T, relay Config) {
 func TestCancelRequest(t *testing.T) { bothRelays(t, testCancelRequest) }
 
 func testCancelRequest(t *testing.T, relay Config) {
-	p := startProxy(t, withRelay(relay, Config{}))
-	db := cluster.NewDatabase(t)
+	p, db := relayed(t, relay, Config{})
 	c := connect(t, p.dsn(db))
 	ctx := ctxT(t)
 	errc := make(chan error, 1)
@@ -320,7 +308,7 @@ func testCancelRequest(t *testing.T, relay Config) {
 	}
 	select {
 	case err := <-errc:
-		if sqlState(err) != "57014" {
+		if pgtest.SQLState(err) != "57014" {
 			t.Fatalf("got %v, want 57014 query_canceled", err)
 		}
 		if d := time.Since(start); d > 5*time.Second {
@@ -330,10 +318,7 @@ func testCancelRequest(t *testing.T, relay Config) {
 		t.Fatal("query not canceled")
 	}
 	// A wrong key cancels nothing (and is ignored quietly).
-	res, err := c.Exec(ctx, "SELECT 1").ReadAll()
-	if err != nil || string(res[0].Rows[0][0]) != "1" {
-		t.Fatalf("after cancel: %v %v", res, err)
-	}
+	wantValue(t, c, "SELECT 1", "1")
 }
 
 func TestListenNotifyNoticeParameterStatus(t *testing.T) {
@@ -341,8 +326,7 @@ func TestListenNotifyNoticeParameterStatus(t *testing.T) {
 }
 
 func testListenNotifyNoticeParameterStatus(t *testing.T, relay Config) {
-	p := startProxy(t, withRelay(relay, Config{}))
-	db := cluster.NewDatabase(t)
+	p, db := relayed(t, relay, Config{})
 	ctx := ctxT(t)
 	cfg, err := pgconn.ParseConfig(p.dsn(db))
 	if err != nil {
@@ -357,13 +341,9 @@ func testListenNotifyNoticeParameterStatus(t *testing.T, relay Config) {
 		t.Fatal(err)
 	}
 	defer l.Close(ctx)
-	if err := l.Exec(ctx, "LISTEN chan1").Close(); err != nil {
-		t.Fatal(err)
-	}
+	mustExec(t, l, "LISTEN chan1")
 	other := connect(t, p.dsn(db))
-	if err := other.Exec(ctx, "NOTIFY chan1, 'hello'").Close(); err != nil {
-		t.Fatal(err)
-	}
+	mustExec(t, other, "NOTIFY chan1, 'hello'")
 	// The notification arrives while l is idle: it must be flushed to the
 	// client without any request from it.
 	if err := l.WaitForNotification(ctx); err != nil {
@@ -373,15 +353,11 @@ func testListenNotifyNoticeParameterStatus(t *testing.T, relay Config) {
 	if n.Channel != "chan1" || n.Payload != "hello" {
 		t.Fatalf("got %+v, want chan1/hello", n)
 	}
-	if err := l.Exec(ctx, "DO $$BEGIN RAISE NOTICE 'note %', 7; END$$").Close(); err != nil {
-		t.Fatal(err)
-	}
+	mustExec(t, l, "DO $$BEGIN RAISE NOTICE 'note %', 7; END$$")
 	if got := <-notices; got != "note 7" {
 		t.Fatalf("notice %q, want note 7", got)
 	}
-	if err := l.Exec(ctx, "SET application_name = 'via-pgfence'").Close(); err != nil {
-		t.Fatal(err)
-	}
+	mustExec(t, l, "SET application_name = 'via-pgfence'")
 	if got := l.ParameterStatus("application_name"); got != "via-pgfence" {
 		t.Fatalf("application_name %q, want via-pgfence", got)
 	}
@@ -394,8 +370,7 @@ func testListenNotifyNoticeParameterStatus(t *testing.T, relay Config) {
 func TestFunctionCall(t *testing.T) { bothRelays(t, testFunctionCall) }
 
 func testFunctionCall(t *testing.T, relay Config) {
-	p := startProxy(t, withRelay(relay, Config{}))
-	db := cluster.NewDatabase(t)
+	p, db := relayed(t, relay, Config{})
 	fe, _ := raw(t, p.dsn(db))
 	fe.Send(&pgproto3.Query{String: "SELECT 'int4abs'::regproc::oid"})
 	fe.Flush()
@@ -424,9 +399,7 @@ func testFunctionCall(t *testing.T, relay Config) {
 func TestLargeRows(t *testing.T) { bothRelays(t, testLargeRows) }
 
 func testLargeRows(t *testing.T, relay Config) {
-	p := startProxy(t, withRelay(relay, Config{}))
-	db := cluster.NewDatabase(t)
-	c := connect(t, p.dsn(db))
+	c := relayedConn(t, relay)
 	ctx := ctxT(t)
 	big := strings.Repeat("0123456789", 2_000_000) // 20 MB each way
 	r := c.ExecParams(ctx, "SELECT repeat('ab', 10000000)", nil, nil, nil, nil).Read()

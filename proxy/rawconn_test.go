@@ -138,3 +138,11 @@ func countRows(t testing.TB, db, table string) int {
 	}
 	return n
 }
+
+// wantRows checks that table in db has n rows.
+func wantRows(t testing.TB, db, table string, n int) {
+	t.Helper()
+	if got := countRows(t, db, table); got != n {
+		t.Fatalf("%d rows in %s, want %d", got, table, n)
+	}
+}

@@ -24,9 +24,7 @@ func readsWALWriterDelay(t *testing.T) {
 	}
 	defer c.Close(ctx)
 	for _, q := range []string{"ALTER SYSTEM SET wal_writer_delay = '10s'", "SELECT pg_reload_conf()"} {
-		if _, err := c.Exec(ctx, q); err != nil {
-			t.Fatal(err)
-		}
+		execOK(t, c, q)
 	}
 	t.Cleanup(func() {
 		ctx := context.Background()
@@ -51,9 +49,7 @@ func commitEnd(t *testing.T, c *pgx.Conn, start, xid string) LSN {
 	t.Helper()
 	ctx := ctxT(t)
 	for _, q := range []string{"CREATE EXTENSION IF NOT EXISTS pg_walinspect", "INSERT INTO audit (note) VALUES ('flush')"} {
-		if _, err := c.Exec(ctx, q); err != nil {
-			t.Fatal(err)
-		}
+		execOK(t, c, q)
 	}
 	var end string
 	if err := c.QueryRow(ctx, `SELECT end_lsn::text FROM pg_get_wal_records_info($1::pg_lsn, pg_current_wal_flush_lsn())
@@ -77,9 +73,7 @@ func TestReadRoutingAsyncTakeover(t *testing.T) {
 	e := newRouteEnv(t)
 	ctx := ctxT(t)
 	a := e.acquire(t, "job", "a", time.Minute)
-	if _, err := e.worker(t, &a).Exec(ctx, upsert, "job", "A", a.Token); err != nil {
-		t.Fatal(err)
-	}
+	execOK(t, e.worker(t, &a), upsert, "job", "A", a.Token)
 	if err := cluster.WaitReplicaCaughtUp(ctx); err != nil {
 		t.Fatal(err)
 	}
@@ -96,12 +90,8 @@ func TestReadRoutingAsyncTakeover(t *testing.T) {
 		t.Fatal(err)
 	}
 	b := fence.Lease{JobKey: "job"}
-	if _, err := tx.Exec(ctx, "SET LOCAL synchronous_commit = off"); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := tx.Exec(ctx, "SELECT fence.release('job', $1)", a.Token); err != nil {
-		t.Fatal(err)
-	}
+	execOK(t, tx, "SET LOCAL synchronous_commit = off")
+	execOK(t, tx, "SELECT fence.release('job', $1)", a.Token)
 	if err := tx.QueryRow(ctx, "SELECT epoch, token, pg_current_xact_id()::text FROM fence.acquire('job', 'b', interval '1 minute')").Scan(&b.Epoch, &b.Token, &xid); err != nil {
 		t.Fatal(err)
 	}
@@ -153,9 +143,7 @@ func TestReadRoutingTrackedCatalog(t *testing.T) {
 	e := newRouteEnv(t)
 	ctx := ctxT(t)
 	direct := e.direct(t)
-	if _, err := direct.Exec(ctx, "CREATE VIEW v_audit AS SELECT id, note FROM audit"); err != nil {
-		t.Fatal(err)
-	}
+	execOK(t, direct, "CREATE VIEW v_audit AS SELECT id, note FROM audit")
 	b := e.scenario(t)
 	e.waitTakeover(t, e.gate, "job", b.Token)
 	cat := catalogOf(t, e.gate, e.db)
@@ -194,9 +182,7 @@ func TestReadRoutingTrackedCatalog(t *testing.T) {
 	}
 	_, _, err = where(t, r, "SELECT count(*), pg_is_in_recovery() FROM audit")
 	wantCode(t, err, fence.CodePending)
-	if _, err := direct.Exec(ctx, "DROP OPERATOR === (int, int)"); err != nil {
-		t.Fatal(err)
-	}
+	execOK(t, direct, "DROP OPERATOR === (int, int)")
 	if err := pgtest.Poll(ctx, func() (bool, error) { rd := cat.reads.Load(); return rd != nil && !rd.all, nil }); err != nil {
 		t.Fatal(err)
 	}
@@ -204,12 +190,7 @@ func TestReadRoutingTrackedCatalog(t *testing.T) {
 	// replayed: the catalog there may differ, so even safe reads wait.
 	mustWhere(t, e.reader(t, nil), "SELECT count(*), pg_is_in_recovery() FROM audit", false)
 	resumeAndCatchUp(t)
-	if err := pgtest.Poll(ctx, func() (bool, error) {
-		_, rep, err := where(t, r, "SELECT count(*), pg_is_in_recovery() FROM audit")
-		return rep, err
-	}); err != nil {
-		t.Fatal(err)
-	}
+	waitReplicaRead(t, r, "SELECT count(*), pg_is_in_recovery() FROM audit")
 }
 
 // TestReadRoutingUntrackedCatalog: without the DDL event trigger the proxy
@@ -245,9 +226,7 @@ func TestReadRoutingCursorsAndTemp(t *testing.T) {
 	ctx := ctxT(t)
 	r := e.reader(t, nil)
 	mustWhere(t, r, "SELECT count(*), pg_is_in_recovery() FROM audit", true)
-	if _, err := r.Exec(ctx, "DECLARE c CURSOR WITH HOLD FOR SELECT count(*), pg_is_in_recovery() FROM audit").ReadAll(); err != nil {
-		t.Fatal(err)
-	}
+	mustExec(t, r, "DECLARE c CURSOR WITH HOLD FOR SELECT count(*), pg_is_in_recovery() FROM audit")
 	mustWhere(t, r, "FETCH ALL FROM c", false)
 	for _, q := range []string{"CLOSE c", "CREATE TEMP TABLE tt AS SELECT * FROM audit"} {
 		if _, err := r.Exec(ctx, q).ReadAll(); err != nil {
@@ -256,9 +235,7 @@ func TestReadRoutingCursorsAndTemp(t *testing.T) {
 	}
 	mustWhere(t, r, "SELECT count(*), pg_is_in_recovery() FROM tt", false)
 	mustWhere(t, r, "SELECT count(*), pg_is_in_recovery() FROM audit", false) // pinned
-	if _, err := r.Exec(ctx, "DISCARD ALL").ReadAll(); err != nil {
-		t.Fatal(err)
-	}
+	mustExec(t, r, "DISCARD ALL")
 	mustWhere(t, r, "SELECT count(*), pg_is_in_recovery() FROM audit", true)
 }
 
@@ -276,9 +253,7 @@ func TestReadRoutingReplicaReached(t *testing.T) {
 		"GRANT SELECT ON results, audit TO reads_worker",
 		"REVOKE SELECT ON fence.fences FROM pgfence_worker",
 	} {
-		if _, err := direct.Exec(ctx, q); err != nil {
-			t.Fatal(err)
-		}
+		execOK(t, direct, q)
 	}
 	b := e.scenario(t)
 	e.waitTakeover(t, e.gate, "job", b.Token)

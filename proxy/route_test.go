@@ -9,7 +9,6 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
-	"go.uber.org/zap/zaptest"
 
 	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/internal/pgtest"
@@ -28,21 +27,12 @@ func newRouteEnv(t *testing.T) *routeEnv { return newRouteEnvMode(t, true, fence
 // (tracked) or does not, and schema instead of fenceSchema.
 func newRouteEnvMode(t *testing.T, tracked bool, schema string) *routeEnv {
 	t.Helper()
-	ctx := ctxT(t)
-	db := cluster.NewDatabase(t)
-	conn, err := cluster.Primary.Connect(ctx, db)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close(ctx)
 	mode := noDDLTriggerSQL
 	if tracked {
 		mode = ddlTriggerSQL
 	}
-	if _, err := conn.Exec(ctx, mode+schema); err != nil {
-		t.Fatal(err)
-	}
-	if err := cluster.WaitReplicaCaughtUp(ctx); err != nil {
+	db := cluster.NewDatabaseWith(t, mode+schema)
+	if err := cluster.WaitReplicaCaughtUp(ctxT(t)); err != nil {
 		t.Fatal(err)
 	}
 	e := &routeEnv{&fenceEnv{db: db}}
@@ -55,11 +45,7 @@ func newRouteEnvMode(t *testing.T, tracked bool, schema string) *routeEnv {
 // database's catalog watcher live while it has sessions.
 func startRouteProxy(t *testing.T, db string) (*testProxy, *Fence) {
 	t.Helper()
-	gate, err := NewFence(FenceConfig{Primary: cluster.Primary.DSN("postgres")}, zaptest.NewLogger(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(gate.Close)
+	gate := newGate(t)
 	p := startProxy(t, Config{Interceptor: gate, Replicas: []string{cluster.Replica.DSN("postgres")},
 		ReplicaPoll: 10 * time.Millisecond, ReplicaMaxLag: time.Minute})
 	connect(t, p.dsn(db))
@@ -152,6 +138,18 @@ func mustWhere(t *testing.T, c *pgconn.PgConn, sql string, replica bool) []strin
 		t.Fatalf("%s: answered by replica=%v, want replica=%v", sql, onReplica, replica)
 	}
 	return vals
+}
+
+// waitReplicaRead waits until sql on c (a read of where's form) is answered
+// by the replica.
+func waitReplicaRead(t *testing.T, c *pgconn.PgConn, sql string) {
+	t.Helper()
+	if err := pgtest.Poll(ctxT(t), func() (bool, error) {
+		_, rep, err := where(t, c, sql)
+		return rep, err
+	}); err != nil {
+		t.Fatalf("%s never answered by the replica: %v", sql, err)
+	}
 }
 
 func opts(job string, token int64, extra ...string) []string {
@@ -352,43 +350,27 @@ func TestReadRouting(t *testing.T) {
 		mustWhere(t, r, "SELECT 1, pg_is_in_recovery()", true)
 		mustWhere(t, r, "SELECT count(*), pg_is_in_recovery() FROM audit", true)
 		// Writes and primary-only functions go to the primary.
-		if _, err := r.Exec(ctx, "INSERT INTO audit (note) VALUES ('w')").ReadAll(); err != nil {
-			t.Fatal(err)
-		}
+		mustExec(t, r, "INSERT INTO audit (note) VALUES ('w')")
 		mustWhere(t, r, "SELECT nextval('audit_id_seq'), pg_is_in_recovery()", false)
 		mustWhere(t, r, "SELECT 1 FROM audit FOR UPDATE", false)
 		mustWhere(t, r, "SELECT 1, pg_is_in_recovery()", true)
 	})
 	t.Run("read_then_write_transaction_stays_on_primary", func(t *testing.T) {
 		r := e.reader(t, nil)
-		for _, q := range []string{"BEGIN"} {
-			if _, err := r.Exec(ctx, q).ReadAll(); err != nil {
-				t.Fatal(err)
-			}
-		}
+		mustExec(t, r, "BEGIN")
 		mustWhere(t, r, "SELECT 1, pg_is_in_recovery()", false)
-		if _, err := r.Exec(ctx, "INSERT INTO audit (note) VALUES ('tx')").ReadAll(); err != nil {
-			t.Fatal(err)
-		}
+		mustExec(t, r, "INSERT INTO audit (note) VALUES ('tx')")
 		mustWhere(t, r, "SELECT count(*), pg_is_in_recovery() FROM audit WHERE note = 'tx'", false)
-		if _, err := r.Exec(ctx, "COMMIT").ReadAll(); err != nil {
-			t.Fatal(err)
-		}
+		mustExec(t, r, "COMMIT")
 	})
 	t.Run("begin_read_only_on_replica", func(t *testing.T) {
 		r := e.reader(t, nil)
-		if _, err := r.Exec(ctx, "BEGIN READ ONLY").ReadAll(); err != nil {
-			t.Fatal(err)
-		}
+		mustExec(t, r, "BEGIN READ ONLY")
 		mustWhere(t, r, "SELECT 1, pg_is_in_recovery()", true)
 		mustWhere(t, r, "SELECT 2, pg_is_in_recovery()", true)
-		if _, err := r.Exec(ctx, "COMMIT").ReadAll(); err != nil {
-			t.Fatal(err)
-		}
+		mustExec(t, r, "COMMIT")
 		// Back on the primary for a write, then reads go to the replica.
-		if _, err := r.Exec(ctx, "INSERT INTO audit (note) VALUES ('after ro')").ReadAll(); err != nil {
-			t.Fatal(err)
-		}
+		mustExec(t, r, "INSERT INTO audit (note) VALUES ('after ro')")
 		mustWhere(t, r, "BEGIN READ ONLY; SELECT 3, pg_is_in_recovery(); COMMIT", true)
 	})
 	t.Run("extended_protocol_on_primary", func(t *testing.T) {
@@ -422,29 +404,19 @@ func TestReadRouting(t *testing.T) {
 	})
 	t.Run("session_set_pins_to_primary", func(t *testing.T) {
 		r := e.reader(t, nil)
-		if _, err := r.Exec(ctx, "SET statement_timeout = '5min'").ReadAll(); err != nil {
-			t.Fatal(err)
-		}
+		mustExec(t, r, "SET statement_timeout = '5min'")
 		mustWhere(t, r, "SELECT current_setting('statement_timeout'), pg_is_in_recovery()", false)
-		if _, err := r.Exec(ctx, "DISCARD ALL").ReadAll(); err != nil {
-			t.Fatal(err)
-		}
+		mustExec(t, r, "DISCARD ALL")
 		mustWhere(t, r, "SELECT 1, pg_is_in_recovery()", true)
 		// fence.* parameters do not pin.
-		if _, err := r.Exec(ctx, "SET fence.read_policy = 'wait'").ReadAll(); err != nil {
-			t.Fatal(err)
-		}
+		mustExec(t, r, "SET fence.read_policy = 'wait'")
 		mustWhere(t, r, "SELECT 1, pg_is_in_recovery()", true)
-		if _, err := r.Exec(ctx, "SET fence.read_replicas = off").ReadAll(); err != nil {
-			t.Fatal(err)
-		}
+		mustExec(t, r, "SET fence.read_replicas = off")
 		mustWhere(t, r, "SELECT 1, pg_is_in_recovery()", false)
 	})
 	t.Run("commit_lsn_after_acquire", func(t *testing.T) {
 		r := e.reader(t, nil)
-		if _, err := r.Exec(ctx, "SELECT * FROM fence.acquire('lsnjob', 'w', interval '1 minute')").ReadAll(); err != nil {
-			t.Fatal(err)
-		}
+		mustExec(t, r, "SELECT * FROM fence.acquire('lsnjob', 'w', interval '1 minute')")
 		v := r.ParameterStatus(ParamCommitLSN)
 		if v == "" {
 			t.Fatal("no fence.commit_lsn after fence.acquire")
@@ -460,35 +432,24 @@ func TestReadRouting(t *testing.T) {
 		}
 		// In an explicit transaction it comes with the COMMIT.
 		for _, q := range []string{"BEGIN", "SELECT * FROM fence.acquire('lsnjob2', 'w', interval '1 minute')"} {
-			if _, err := r.Exec(ctx, q).ReadAll(); err != nil {
-				t.Fatal(err)
-			}
+			mustExec(t, r, q)
 		}
 		if r.ParameterStatus(ParamCommitLSN) != v {
 			t.Fatalf("fence.commit_lsn changed before COMMIT")
 		}
-		if _, err := r.Exec(ctx, "COMMIT").ReadAll(); err != nil {
-			t.Fatal(err)
-		}
+		mustExec(t, r, "COMMIT")
 		v2, _ := parseLSN(r.ParameterStatus(ParamCommitLSN))
 		if v2 <= got {
 			t.Fatalf("fence.commit_lsn after COMMIT %s, want past %s", v2, got)
 		}
 		// A reader demanding that position is pinned until the replica has it.
 		pauseReplay(t)
-		if _, err := e.direct(t).Exec(ctx, "SELECT * FROM fence.acquire('lsnjob3', 'w', interval '1 minute')"); err != nil {
-			t.Fatal(err)
-		}
+		execOK(t, e.direct(t), "SELECT * FROM fence.acquire('lsnjob3', 'w', interval '1 minute')")
 		cur, _ = cluster.CurrentLSN(ctx)
 		rm := e.reader(t, nil, "-c fence.min_lsn="+cur)
 		mustWhere(t, rm, readResult+" UNION ALL SELECT 'x', 0, pg_is_in_recovery()", false)
 		resumeAndCatchUp(t)
-		if err := pgtest.Poll(ctx, func() (bool, error) {
-			_, rep, err := where(t, rm, readResult+" UNION ALL SELECT 'x', 0, pg_is_in_recovery()")
-			return rep, err
-		}); err != nil {
-			t.Fatal(err)
-		}
+		waitReplicaRead(t, rm, readResult+" UNION ALL SELECT 'x', 0, pg_is_in_recovery()")
 	})
 	t.Run("replica_down_reads_from_primary", func(t *testing.T) {
 		r := e.reader(t, nil)
@@ -523,9 +484,7 @@ func TestReadRoutingTwoProxies(t *testing.T) {
 	e.reader(t, p2)
 
 	a := e.acquire(t, "job", "a", time.Minute)
-	if _, err := e.worker(t, &a).Exec(ctx, upsert, "job", "A", a.Token); err != nil {
-		t.Fatal(err)
-	}
+	execOK(t, e.worker(t, &a), upsert, "job", "A", a.Token)
 	if err := cluster.WaitReplicaCaughtUp(ctx); err != nil {
 		t.Fatal(err)
 	}
@@ -560,12 +519,7 @@ func TestReadRoutingTwoProxies(t *testing.T) {
 	noMeta := e.reader(t, p2)
 	mustWhere(t, noMeta, readResult, false)
 	resumeAndCatchUp(t)
-	if err := pgtest.Poll(ctx, func() (bool, error) {
-		_, rep, err := where(t, r2, readResult)
-		return rep, err
-	}); err != nil {
-		t.Fatal(err)
-	}
+	waitReplicaRead(t, r2, readResult)
 	mustWhere(t, noMeta, readResult, true)
 }
 

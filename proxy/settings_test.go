@@ -29,9 +29,7 @@ func TestSettingsReadBack(t *testing.T) {
 			}
 			// The same form switching the session to job s's generation.
 			q := fmt.Sprintf(`SELECT set_config(n, v, false) FROM (VALUES ('fence.job_key', 's'), ('fence.epoch', '%d'), ('fence.token', '%d')) AS x(n, v)`, other.Epoch, other.Token)
-			if _, err := c.Exec(ctx, q); err != nil {
-				t.Fatal(err)
-			}
+			execOK(t, c, q)
 			if _, err := c.Exec(ctx, upsert, "s", "via-s", other.Token); err != nil {
 				t.Fatalf("write with the read-back generation: %v", err)
 			}

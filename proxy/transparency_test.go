@@ -36,14 +36,10 @@ CREATE TABLE u (k int PRIMARY KEY, v text NOT NULL);`
 		t.Fatal(err)
 	}
 	defer plain.Close(ctx)
-	if _, err := plain.Exec(ctx, schema); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := env.direct(t).Exec(ctx, schema+"SELECT fence.protect('p');"); err != nil {
-		t.Fatal(err)
-	}
+	execOK(t, plain, schema)
+	execOK(t, env.direct(t), schema+"SELECT fence.protect('p');")
 	l := env.acquire(t, "transparent", "tester", time.Hour)
-	opts := fmt.Sprintf("-c fence.job_key=%s -c fence.epoch=%d -c fence.token=%d", l.JobKey, l.Epoch, l.Token)
+	opts := pgoptions(l)
 
 	seeds := 40
 	if v, err := strconv.Atoi(os.Getenv("PGFENCE_TRANSPARENT_SEEDS")); err == nil {
@@ -190,6 +186,17 @@ func (g *sessionGen) anyStmt(ext, after bool) extStmt {
 	return s
 }
 
+// txControl are pick's statements 11 to 17.
+var txControl = [...]string{
+	"BEGIN",
+	"START TRANSACTION ISOLATION LEVEL REPEATABLE READ",
+	"SAVEPOINT s1",
+	"ROLLBACK TO SAVEPOINT s1",
+	"RELEASE SAVEPOINT s1",
+	"COMMIT",
+	"ROLLBACK",
+}
+
 func (g *sessionGen) pick(tbl, kv string, args []string) extStmt {
 	switch n := g.rng.IntN(26); n {
 	case 20:
@@ -221,20 +228,8 @@ func (g *sessionGen) pick(tbl, kv string, args []string) extStmt {
 		return extStmt{sql: "SELECT 1/0"}
 	case 10:
 		return extStmt{sql: "SELECT nosuchcolumn FROM " + tbl}
-	case 11:
-		return extStmt{sql: "BEGIN"}
-	case 12:
-		return extStmt{sql: "START TRANSACTION ISOLATION LEVEL REPEATABLE READ"}
-	case 13:
-		return extStmt{sql: "SAVEPOINT s1"}
-	case 14:
-		return extStmt{sql: "ROLLBACK TO SAVEPOINT s1"}
-	case 15:
-		return extStmt{sql: "RELEASE SAVEPOINT s1"}
-	case 16:
-		return extStmt{sql: "COMMIT"}
-	case 17:
-		return extStmt{sql: "ROLLBACK"}
+	case 11, 12, 13, 14, 15, 16, 17:
+		return extStmt{sql: txControl[n-11]}
 	case 18:
 		return extStmt{sql: "UPDATE p SET v = v || 'n' WHERE k > 100", p: true} // writes no row
 	default:
@@ -521,11 +516,9 @@ func TestGateCopyExtended(t *testing.T) {
 // (and extra).
 func plEnv(t *testing.T, job, extra string) (*fenceEnv, string) {
 	e := newFenceEnv(t)
-	if _, err := e.direct(t).Exec(ctxT(t), "CREATE TABLE pl (v text); SELECT fence.protect('pl')"); err != nil {
-		t.Fatal(err)
-	}
+	execOK(t, e.direct(t), "CREATE TABLE pl (v text); SELECT fence.protect('pl')")
 	l := e.acquire(t, job, "a", time.Hour)
-	return e, strings.TrimSpace(fmt.Sprintf("-c fence.job_key=%s -c fence.epoch=%d -c fence.token=%d %s", l.JobKey, l.Epoch, l.Token, extra))
+	return e, strings.TrimSpace(pgoptions(l) + " " + extra)
 }
 
 // wantRetries checks the answers to a committed step's retries: with the

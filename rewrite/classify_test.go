@@ -115,12 +115,19 @@ func TestCanonicalConcurrent(t *testing.T) {
 	}
 }
 
+// mustClassify is c.Classify(sql), which must succeed.
+func mustClassify(t *testing.T, c *Classifier, sql string) *Result {
+	t.Helper()
+	r, err := c.Classify(sql)
+	if err != nil {
+		t.Fatalf("Classify(%q): %v", sql, err)
+	}
+	return r
+}
+
 func TestClassifierCaches(t *testing.T) {
 	c := NewClassifier(2)
-	a1, err := c.Classify("SELECT 1")
-	if err != nil {
-		t.Fatal(err)
-	}
+	a1 := mustClassify(t, c, "SELECT 1")
 	a2, _ := c.Classify("SELECT 1")
 	if a1 != a2 {
 		t.Errorf("second Classify of the same text: got a new *Result, want the cached one")

@@ -41,14 +41,8 @@ func TestShapeKey(t *testing.T) {
 // text.
 func TestClassifierSharesShapes(t *testing.T) {
 	c := NewClassifier(64)
-	a, err := c.Classify("SELECT abalance FROM pgbench_accounts WHERE aid = 1")
-	if err != nil {
-		t.Fatal(err)
-	}
-	b, err := c.Classify("select abalance from pgbench_accounts where aid = 987654")
-	if err != nil {
-		t.Fatal(err)
-	}
+	a := mustClassify(t, c, "SELECT abalance FROM pgbench_accounts WHERE aid = 1")
+	b := mustClassify(t, c, "select abalance from pgbench_accounts where aid = 987654")
 	if a != b {
 		t.Error("two reads of one shape: got two parses, want the shared Result")
 	}
@@ -64,14 +58,8 @@ func TestClassifierSharesShapes(t *testing.T) {
 		{"SELECT fence.acquire('a', 'b', 1)", "SELECT fence.acquire('c', 'd', 2)"},
 		{"COPY t FROM '/a'", "COPY t FROM '/b'"},
 	} {
-		x, err := c.Classify(pair[0])
-		if err != nil {
-			t.Fatal(err)
-		}
-		y, err := c.Classify(pair[1])
-		if err != nil {
-			t.Fatal(err)
-		}
+		x := mustClassify(t, c, pair[0])
+		y := mustClassify(t, c, pair[1])
 		if x == y {
 			t.Errorf("%q and %q share a Result; each must be classified from its own text", pair[0], pair[1])
 		}
@@ -95,23 +83,10 @@ func mutateLiterals(sql string) string {
 		c := sql[i]
 		switch {
 		case c == '\'':
-			j := i + 1
-			for j < len(sql) && !(sql[j] == '\'' && (j+1 >= len(sql) || sql[j+1] != '\'')) {
-				if sql[j] == '\'' {
-					j++
-				}
-				j++
-			}
+			i = quotedEnd(sql, i) + 1
 			b = append(b, "'zz'"...)
-			i = j + 1
 		case c == '"':
-			j := i + 1
-			for j < len(sql) && !(sql[j] == '"' && (j+1 >= len(sql) || sql[j+1] != '"')) {
-				if sql[j] == '"' {
-					j++
-				}
-				j++
-			}
+			j := quotedEnd(sql, i)
 			b = append(b, sql[i:min(j+1, len(sql))]...)
 			i = j + 1
 		case c >= '0' && c <= '9' && (len(b) == 0 || !identByte(lower(b[len(b)-1]))):
@@ -125,6 +100,21 @@ func mutateLiterals(sql string) string {
 		}
 	}
 	return string(b)
+}
+
+// quotedEnd is the index of the quote that closes the quoted token (a
+// string or an identifier, its quote doubled inside) opening at sql[i], or
+// len(sql) when none does.
+func quotedEnd(sql string, i int) int {
+	q := sql[i]
+	j := i + 1
+	for j < len(sql) && !(sql[j] == q && (j+1 >= len(sql) || sql[j+1] != q)) {
+		if sql[j] == q {
+			j++
+		}
+		j++
+	}
+	return j
 }
 
 func lower(c byte) byte {

@@ -47,6 +47,15 @@ func FuzzTracker(f *testing.F) {
 			onlyLocal   bool // in this transaction, only SET LOCAL changed values
 			atTxStart   snapshot
 		)
+		// lastNamed is the index of the latest savepoint called name in
+		// sps, or -1.
+		lastNamed := func(name string) int {
+			j := len(sps) - 1
+			for j >= 0 && sps[j].name != name {
+				j--
+			}
+			return j
+		}
 		fail := func(format string, args ...any) {
 			t.Helper()
 			t.Fatalf("after %v: %s", trace, fmt.Sprintf(format, args...))
@@ -108,10 +117,7 @@ func FuzzTracker(f *testing.F) {
 			case 11:
 				trace = append(trace, "ROLLBACK TO "+spName)
 				if s.RollbackTo(spName) == nil {
-					j := len(sps) - 1
-					for j >= 0 && sps[j].name != spName {
-						j--
-					}
+					j := lastNamed(spName)
 					if j < 0 {
 						fail("ROLLBACK TO %s succeeded without a recorded savepoint", spName)
 					}
@@ -123,10 +129,7 @@ func FuzzTracker(f *testing.F) {
 			case 12:
 				trace = append(trace, "RELEASE "+spName)
 				if s.Release(spName) == nil {
-					j := len(sps) - 1
-					for j >= 0 && sps[j].name != spName {
-						j--
-					}
+					j := lastNamed(spName)
 					sps = sps[:j]
 				}
 			case 13:

@@ -17,6 +17,7 @@ import (
 	"github.com/spf13/pflag"
 
 	"github.com/pgfence/pgfence/internal/runner"
+	"github.com/pgfence/pgfence/internal/testbin"
 )
 
 func TestParseDuration(t *testing.T) {
@@ -297,7 +298,7 @@ func TestLeaseAcquireNamesTheBlockingSession(t *testing.T) {
 // The script idiom the docs give stops at a lease that is not ours; the
 // naive eval "$(...)" does not, which is why the docs warn against it.
 func TestLeaseAcquireInAScript(t *testing.T) {
-	bin := pgfenceBinary(t)
+	bin := testbin.Pgfence(t)
 	dsn := cluster.Primary.DSN(cluster.NewDatabase(t))
 	mustRun(t, "lease", "acquire", "--database", dsn, "--job", "nightly", "--holder", "alice")
 	run := func(script string) (int, string) {

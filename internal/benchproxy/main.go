@@ -30,6 +30,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/pgfence/pgfence/fence"
+	"github.com/pgfence/pgfence/internal/pgbench"
 	"github.com/pgfence/pgfence/internal/pgtest"
 	"github.com/pgfence/pgfence/internal/seedbench"
 	"github.com/pgfence/pgfence/migrations"
@@ -37,9 +38,7 @@ import (
 )
 
 func main() {
-	dur := flag.Duration("t", 5*time.Second, "duration of each pgbench run")
-	scale := flag.Int("s", 2, "pgbench scale")
-	rounds := flag.Int("rounds", 1, "alternating rounds per cell (results are averaged)")
+	dur, scale, rounds := pgbench.Flags(1)
 	only := flag.String("only", "", "run only the cells whose \"workload c=N\" matches this regexp")
 	goroutines := flag.Bool("goroutines", false, "relay pass-through sessions with goroutines instead of the event loop (proxy.Config.DisableEventLoop)")
 	gated := flag.Bool("gate", true, "add a column for pgfence with the write gate (as pgfence serve runs; no table protected, so it measures the interception cost alone)")
@@ -118,10 +117,10 @@ func run(dur time.Duration, scale, rounds int, only *regexp.Regexp, goroutines, 
 	var stops []func()
 	var gw func(relays map[string]int) error // the gated write, run after the table
 	db := "bench"
-	if _, err := psqlExec(c.Primary.Port, "postgres", "CREATE DATABASE bench"); err != nil {
+	if _, err := pgbench.Psql(c.Primary.Port, "postgres", "CREATE DATABASE bench"); err != nil {
 		return err
 	}
-	if out, err := pgbench(c.Primary.Port, db, "-i", "-q", "-s", strconv.Itoa(scale)); err != nil {
+	if out, err := pgbench.Run(nil, c.Primary.Port, db, "-i", "-q", "-s", strconv.Itoa(scale)); err != nil {
 		return fmt.Errorf("pgbench -i: %w\n%s", err, out)
 	}
 
@@ -256,10 +255,11 @@ func run(dur time.Duration, scale, rounds int, only *regexp.Regexp, goroutines, 
 				if t.cpu != nil {
 					cpu0 = t.cpu()
 				}
-				res, err := bench(t.port, db, args...)
+				m, err := pgbench.Measure(nil, t.port, db, args...)
 				if err != nil {
 					return fmt.Errorf("%s %s c=%d: %w", t.name, cl.name, cl.clients, err)
 				}
+				res := result{tps: m.TPS, lat: m.Latency}
 				if t.cpu != nil && res.tps > 0 {
 					res.cpuPerTxn = float64((t.cpu() - cpu0).Microseconds()) / (res.tps * dur.Seconds())
 				}
@@ -287,47 +287,6 @@ func run(dur time.Duration, scale, rounds int, only *regexp.Regexp, goroutines, 
 	return nil
 }
 
-var (
-	tpsRe = regexp.MustCompile(`tps = ([0-9.]+) \(without initial`)
-	latRe = regexp.MustCompile(`latency average = ([0-9.]+) ms`)
-)
-
-func bench(port int, db string, args ...string) (result, error) {
-	out, err := pgbench(port, db, args...)
-	if err != nil {
-		return result{}, fmt.Errorf("%w\n%s", err, out)
-	}
-	t, l := tpsRe.FindStringSubmatch(out), latRe.FindStringSubmatch(out)
-	if t == nil || l == nil {
-		return result{}, fmt.Errorf("cannot parse pgbench output:\n%s", out)
-	}
-	tps, _ := strconv.ParseFloat(t[1], 64)
-	lat, _ := strconv.ParseFloat(l[1], 64)
-	return result{tps: tps, lat: lat}, nil
-}
-
-func pgbench(port int, db string, args ...string) (string, error) {
-	return pgbenchEnv(nil, port, db, args...)
-}
-
-func pgbenchEnv(env []string, port int, db string, args ...string) (string, error) {
-	args = append([]string{"-h", "127.0.0.1", "-p", strconv.Itoa(port), "-U", "postgres"}, args...)
-	cmd := exec.Command("pgbench", append(args, db)...)
-	cmd.Env = append(append(os.Environ(), "PGSSLMODE=disable"), env...)
-	out, err := cmd.CombinedOutput()
-	return string(out), err
-}
-
-func psqlExec(port int, db, sql string) (string, error) {
-	cmd := exec.Command("psql", "-X", "-h", "127.0.0.1", "-p", strconv.Itoa(port), "-U", "postgres", "-d", db, "-c", sql)
-	cmd.Env = append(os.Environ(), "PGSSLMODE=disable")
-	out, err := cmd.CombinedOutput()
-	if err != nil {
-		return "", fmt.Errorf("psql %s: %w\n%s", sql, err, out)
-	}
-	return string(out), nil
-}
-
 // startPgBouncer runs PgBouncer in session mode in front of the primary,
 // as an unprivileged user when we are root (it refuses to run as root).
 //
@@ -335,10 +294,9 @@ func psqlExec(port int, db, sql string) (string, error) {
 // after it, as pgfence and a direct connection give each pgbench run. By
 // default PgBouncer would hand every run after the first the backends of
 // the one before, already warm (their catalog caches built, the shared
-// buffers they read mapped): measured on select-only, 8 clients, 6 rounds
-// of 4 s, pooled PgBouncer 0.72 of direct against 0.59 with fresh
-// backends, a difference that shrinks in longer runs (12 s: 0.50 and
-// 0.48). The columns compare the relays, not how warm their backends are.
+// buffers they read mapped), which the README's Performance section shows
+// is worth a good part of its lead. The columns compare the relays, not
+// how warm their backends are.
 func startPgBouncer(pgPort int) (int, int, func(), error) {
 	bin, err := exec.LookPath("pgbouncer")
 	if err != nil {
@@ -541,16 +499,11 @@ SELECT fence.protect('gw_results');
 			if err := os.WriteFile(f, []byte(scripts[o.name]), 0o644); err != nil {
 				return err
 			}
-			out, err := pgbenchEnv(o.env, o.port, db, "-n", "-M", "simple", "-c", "1", "-T", strconv.Itoa(int(dur.Seconds())), "-f", f)
+			m, err := pgbench.Measure(o.env, o.port, db, "-n", "-M", "simple", "-c", "1", "-T", strconv.Itoa(int(dur.Seconds())), "-f", f)
 			if err != nil {
-				return fmt.Errorf("gated write, %s: %w\n%s", o.name, err, out)
+				return fmt.Errorf("gated write, %s: %w", o.name, err)
 			}
-			m := latRe.FindStringSubmatch(out)
-			if m == nil {
-				return fmt.Errorf("gated write, %s: cannot parse pgbench output:\n%s", o.name, out)
-			}
-			v, _ := strconv.ParseFloat(m[1], 64)
-			lat[o.name] += v / float64(rounds)
+			lat[o.name] += m.Latency / float64(rounds)
 		}
 	}
 	var receipts int

@@ -8,6 +8,8 @@ import (
 	"strconv"
 	"syscall"
 	"time"
+
+	"github.com/pgfence/pgfence/internal/pgbench"
 )
 
 // startServe runs `bin serve` in front of primary with extra args, as a
@@ -51,7 +53,7 @@ func freePort() (int, error) {
 func waitReady(port int, limit time.Duration) error {
 	deadline := time.Now().Add(limit)
 	for {
-		_, err := psqlExec(port, "postgres", "SELECT 1")
+		_, err := pgbench.Psql(port, "postgres", "SELECT 1")
 		if err == nil || time.Now().After(deadline) {
 			return err
 		}

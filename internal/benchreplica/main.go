@@ -16,13 +16,12 @@ import (
 	"fmt"
 	"net"
 	"os"
-	"os/exec"
-	"regexp"
 	"strconv"
 	"time"
 
 	"go.uber.org/zap"
 
+	"github.com/pgfence/pgfence/internal/pgbench"
 	"github.com/pgfence/pgfence/internal/pgtest"
 	"github.com/pgfence/pgfence/migrations"
 	"github.com/pgfence/pgfence/proxy"
@@ -31,9 +30,7 @@ import (
 )
 
 func main() {
-	dur := flag.Duration("t", 5*time.Second, "duration of each pgbench run")
-	scale := flag.Int("s", 2, "pgbench scale")
-	rounds := flag.Int("rounds", 2, "alternating rounds per cell")
+	dur, scale, rounds := pgbench.Flags(2)
 	protected := flag.Bool("protected", false, "protect pgbench_accounts (reads then check takeover positions)")
 	flag.Parse()
 	if err := run(*dur, *scale, *rounds, *protected); err != nil {
@@ -41,8 +38,6 @@ func main() {
 		os.Exit(1)
 	}
 }
-
-type result struct{ tps float64 }
 
 func run(dur time.Duration, scale, rounds int, protected bool) error {
 	ctx := context.Background()
@@ -60,7 +55,7 @@ func run(dur time.Duration, scale, rounds int, protected bool) error {
 		return err
 	}
 	conn.Close(ctx)
-	if out, err := pgbench(c.Primary.Port, db, "-i", "-q", "-s", strconv.Itoa(scale)); err != nil {
+	if out, err := pgbench.Run(nil, c.Primary.Port, db, "-i", "-q", "-s", strconv.Itoa(scale)); err != nil {
 		return fmt.Errorf("pgbench -i: %w\n%s", err, out)
 	}
 	bc, err := c.Primary.Connect(ctx, db)
@@ -116,7 +111,7 @@ func run(dur time.Duration, scale, rounds int, protected bool) error {
 	// Let the replica poller see the replica healthy.
 	deadline := time.Now().Add(10 * time.Second)
 	for {
-		out, err := psql(repPort, db, "SELECT pg_is_in_recovery()")
+		out, err := pgbench.Psql(repPort, db, "SELECT pg_is_in_recovery()")
 		if err == nil && out == "t" {
 			break
 		}
@@ -135,11 +130,11 @@ func run(dur time.Duration, scale, rounds int, protected bool) error {
 					port int
 					sum  *float64
 				}{{priPort, &pri}, {repPort, &rep}} {
-					r, err := bench(tgt.port, db, "-S", "-n", "-M", mode, "-c", strconv.Itoa(clients), "-j", strconv.Itoa(min(clients, 2)), "-T", strconv.Itoa(int(dur.Seconds())))
+					r, err := pgbench.Measure(nil, tgt.port, db, "-S", "-n", "-M", mode, "-c", strconv.Itoa(clients), "-j", strconv.Itoa(min(clients, 2)), "-T", strconv.Itoa(int(dur.Seconds())))
 					if err != nil {
 						return err
 					}
-					*tgt.sum += r.tps
+					*tgt.sum += r.TPS
 				}
 			}
 			pri, rep = pri/float64(rounds), rep/float64(rounds)
@@ -150,37 +145,4 @@ func run(dur time.Duration, scale, rounds int, protected bool) error {
 	fmt.Printf("\nrouted to the replica: %d, eligible but sent to the primary: %d, fence-row checks: %d, waits: %d\n",
 		st.Replica.Load(), st.Primary.Load(), st.FenceChecks.Load(), st.Waits.Load())
 	return nil
-}
-
-var tpsRe = regexp.MustCompile(`tps = ([0-9.]+) \(without initial connection time\)`)
-
-func bench(port int, db string, args ...string) (result, error) {
-	out, err := pgbench(port, db, args...)
-	if err != nil {
-		return result{}, fmt.Errorf("%w\n%s", err, out)
-	}
-	t := tpsRe.FindStringSubmatch(out)
-	if t == nil {
-		return result{}, fmt.Errorf("cannot parse pgbench output:\n%s", out)
-	}
-	tps, _ := strconv.ParseFloat(t[1], 64)
-	return result{tps}, nil
-}
-
-func pgbench(port int, db string, args ...string) (string, error) {
-	args = append([]string{"-h", "127.0.0.1", "-p", strconv.Itoa(port), "-U", "postgres"}, args...)
-	cmd := exec.Command("pgbench", append(args, db)...)
-	cmd.Env = append(os.Environ(), "PGSSLMODE=disable")
-	out, err := cmd.CombinedOutput()
-	return string(out), err
-}
-
-func psql(port int, db, sql string) (string, error) {
-	cmd := exec.Command("psql", "-X", "-At", "-h", "127.0.0.1", "-p", strconv.Itoa(port), "-U", "postgres", "-d", db, "-c", sql)
-	cmd.Env = append(os.Environ(), "PGSSLMODE=disable")
-	out, err := cmd.Output()
-	if err != nil {
-		return "", err
-	}
-	return string(regexp.MustCompile(`\s+$`).ReplaceAll(out, nil)), nil
 }

@@ -13,6 +13,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/pgfence/pgfence/audit"
+	"github.com/pgfence/pgfence/internal/pgtest"
 )
 
 // brokenBuild: this file is compiled only with the build tag
@@ -31,7 +32,7 @@ func (w *worker) attemptBroken(ctx context.Context, step, payload, digest string
 	if w.conn == nil || w.conn.IsClosed() {
 		c, err := pgx.Connect(actx, w.cfg.Primary)
 		if err != nil {
-			return audit.OutcomeError, codeOf(err), "connect: " + err.Error()
+			return audit.OutcomeError, pgtest.SQLState(err), "connect: " + err.Error()
 		}
 		w.conn = c
 	}

@@ -17,6 +17,7 @@ import (
 
 	"github.com/pgfence/pgfence/audit"
 	"github.com/pgfence/pgfence/fence"
+	"github.com/pgfence/pgfence/internal/pgtest"
 )
 
 // WorkerConfig is one worker process: it runs under `pgfence run`, which
@@ -241,7 +242,7 @@ func (w *worker) attempt(ctx context.Context, step, payload, digest string) (out
 		return w.attemptBroken(ctx, step, payload, digest)
 	}
 	if err := w.connect(ctx); err != nil {
-		return audit.OutcomeError, codeOf(err), "connect: " + err.Error()
+		return audit.OutcomeError, pgtest.SQLState(err), "connect: " + err.Error()
 	}
 	c := w.conn
 	actx, cancel := context.WithTimeout(ctx, 20*time.Second)
@@ -286,7 +287,7 @@ func (w *worker) attempt(ctx context.Context, step, payload, digest string) (out
 // classifyBefore classifies an error before COMMIT was sent: nothing was
 // committed, whatever the error.
 func classifyBefore(err error) (string, string, string) {
-	code := codeOf(err)
+	code := pgtest.SQLState(err)
 	if o, ok := fenceOutcome(code); ok {
 		return o, code, ""
 	}
@@ -298,7 +299,7 @@ func classifyBefore(err error) (string, string, string) {
 // a FATAL or a timeout leaves the outcome unknown: the commit may have gone
 // through before the answer was lost.
 func classifyCommit(c *pgx.Conn, err error) (string, string, string) {
-	code := codeOf(err)
+	code := pgtest.SQLState(err)
 	if o, ok := fenceOutcome(code); ok {
 		return o, code, ""
 	}
@@ -319,14 +320,6 @@ func fenceOutcome(code string) (string, bool) {
 		return audit.OutcomeExpired, true
 	}
 	return "", false
-}
-
-func codeOf(err error) string {
-	var pe *pgconn.PgError
-	if errors.As(err, &pe) {
-		return pe.Code
-	}
-	return ""
 }
 
 func sleepCtx(ctx context.Context, d time.Duration) {

@@ -171,28 +171,22 @@ func utf8Legal(s []byte) bool {
 		}
 		fallthrough
 	case 2:
-		a := s[1]
+		// The second byte's range, narrower after the lead bytes that
+		// could otherwise start an overlong form (e0, f0), a surrogate
+		// (ed) or a code point above U+10FFFF (f4).
+		lo, hi := byte(0x80), byte(0xbf)
 		switch s[0] {
 		case 0xe0:
-			if a < 0xa0 || a > 0xbf {
-				return false
-			}
+			lo = 0xa0
 		case 0xed:
-			if a < 0x80 || a > 0x9f {
-				return false
-			}
+			hi = 0x9f
 		case 0xf0:
-			if a < 0x90 || a > 0xbf {
-				return false
-			}
+			lo = 0x90
 		case 0xf4:
-			if a < 0x80 || a > 0x8f {
-				return false
-			}
-		default:
-			if a < 0x80 || a > 0xbf {
-				return false
-			}
+			hi = 0x8f
+		}
+		if s[1] < lo || s[1] > hi {
+			return false
 		}
 		fallthrough
 	case 1:

@@ -3,23 +3,17 @@
 package drivers
 
 import (
-	"bufio"
 	"context"
-	"encoding/json"
 	"fmt"
-	"io"
-	"net"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
-	"sync"
 	"testing"
-	"time"
 
 	"github.com/jackc/pgx/v5"
 
 	"github.com/pgfence/pgfence/internal/pgtest"
+	"github.com/pgfence/pgfence/internal/testbin"
 	"github.com/pgfence/pgfence/migrations"
 )
 
@@ -40,47 +34,21 @@ SELECT fence.protect('results');
 `
 
 func TestMain(m *testing.M) {
-	os.Exit(pgtest.Run(m, pgtest.Options{}, func(ctx context.Context, conn *pgx.Conn) error {
+	code := pgtest.Run(m, pgtest.Options{}, func(ctx context.Context, conn *pgx.Conn) error {
 		if err := migrations.Prepare(ctx, conn); err != nil {
 			return err
 		}
 		_, err := conn.Exec(ctx, checkSchema)
 		return err
-	}, &cluster))
+	}, &cluster)
+	testbin.Remove() // built once for every startServe
+	os.Exit(code)
 }
 
 // serve is a running `pgfence serve` in front of cluster.
 type serve struct {
 	Port    int
 	LogPath string
-	cmd     *exec.Cmd
-}
-
-var (
-	buildOnce sync.Once
-	binPath   string
-	buildErr  error
-)
-
-// pgfenceBinary builds cmd/pgfence once per test binary.
-func pgfenceBinary(t *testing.T) string {
-	t.Helper()
-	buildOnce.Do(func() {
-		dir, err := os.MkdirTemp("", "pgfence-drivers-bin")
-		if err != nil {
-			buildErr = err
-			return
-		}
-		binPath = filepath.Join(dir, "pgfence")
-		out, err := exec.Command("go", "build", "-o", binPath, "../../cmd/pgfence").CombinedOutput()
-		if err != nil {
-			buildErr = fmt.Errorf("go build ../../cmd/pgfence: %v\n%s", err, out)
-		}
-	})
-	if buildErr != nil {
-		t.Fatal(buildErr)
-	}
-	return binPath
 }
 
 // startServe starts `pgfence serve` as a user would, write gate on (its
@@ -89,68 +57,15 @@ func pgfenceBinary(t *testing.T) string {
 // loopback only.
 func startServe(t *testing.T) *serve {
 	t.Helper()
-	bin := pgfenceBinary(t)
 	logPath := filepath.Join(t.TempDir(), "pgfence.log")
 	logf, err := os.Create(logPath)
 	if err != nil {
 		t.Fatal(err)
 	}
-	cmd := exec.Command(bin, "serve", "--listen", "127.0.0.1:0", "--auth", "trust",
+	t.Cleanup(func() { logf.Close() }) // after Serve's, which ends the process
+	_, addr := testbin.Serve(t, logf, "--listen", "127.0.0.1:0", "--auth", "trust",
 		"--primary", cluster.Primary.DSN("postgres"))
-	cmd.Env = os.Environ()
-	pr, pw := io.Pipe()
-	cmd.Stderr = pw
-	cmd.Stdout = logf
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	s := &serve{LogPath: logPath, cmd: cmd}
-	t.Cleanup(func() {
-		cmd.Process.Signal(os.Interrupt)
-		done := make(chan struct{})
-		go func() { cmd.Wait(); close(done) }()
-		select {
-		case <-done:
-		case <-time.After(30 * time.Second):
-			cmd.Process.Kill()
-			<-done
-		}
-		pw.Close()
-		logf.Close()
-	})
-	// Every log line goes to the file; the "listening" line names the
-	// address.
-	found := make(chan string, 1)
-	go func() {
-		sc := bufio.NewScanner(pr)
-		sc.Buffer(make([]byte, 1<<20), 1<<20)
-		for sc.Scan() {
-			logf.Write(append(sc.Bytes(), '\n'))
-			var e struct {
-				Msg  string `json:"msg"`
-				Addr string `json:"addr"`
-			}
-			if json.Unmarshal(sc.Bytes(), &e) == nil && e.Msg == "listening" {
-				select {
-				case found <- e.Addr:
-				default:
-				}
-			}
-		}
-		io.Copy(io.Discard, pr)
-	}()
-	select {
-	case addr := <-found:
-		a, err := net.ResolveTCPAddr("tcp", addr)
-		if err != nil {
-			t.Fatal(err)
-		}
-		s.Port = a.Port
-	case <-time.After(60 * time.Second):
-		b, _ := os.ReadFile(logPath)
-		t.Fatalf("pgfence serve did not log \"listening\" within 60s:\n%s", b)
-	}
-	return s
+	return &serve{Port: addr.Port, LogPath: logPath}
 }
 
 // target is one way of reaching PostgreSQL: straight or through the proxy.

@@ -149,6 +149,18 @@ func (x *pgxEnv) withConn(ctx context.Context, f func(c *pgx.Conn) error, runtim
 	return f(c)
 }
 
+// withFencedTx runs f with a transaction begun on a connection carrying
+// the generation (job, epoch, token) in its startup options.
+func (x *pgxEnv) withFencedTx(ctx context.Context, job string, epoch, token int64, f func(c *pgx.Conn, tx pgx.Tx) error) error {
+	return x.withConn(ctx, func(c *pgx.Conn) error {
+		tx, err := c.Begin(ctx)
+		if err != nil {
+			return err
+		}
+		return f(c, tx)
+	}, fenceParams(job, epoch, token)...)
+}
+
 func (x *pgxEnv) withObserver(ctx context.Context, f func(c *pgx.Conn) error) error {
 	c, err := x.observer(ctx)
 	if err != nil {
@@ -618,10 +630,7 @@ var pgxChecks = []pgxCheck{
 		return "", first(err, x.wantRow(ctx, job, "p1", token), x.wantReceiptKinds(ctx, job))
 	}},
 	{"fence_replay", func(ctx context.Context, x *pgxEnv) (string, error) {
-		if !x.proxy() {
-			return "", errNotApplicable("receipts are written by the proxy")
-		}
-		job, epoch, token, err := x.committedGeneration(ctx, "replay")
+		job, epoch, token, err := x.receiptGeneration(ctx, "replay")
 		if err != nil {
 			return "", err
 		}
@@ -630,26 +639,19 @@ var pgxChecks = []pgxCheck{
 			x.wantReceipts(ctx, job, 1), x.wantRow(ctx, job, "p1", token))
 	}},
 	{"fence_conflict", func(ctx context.Context, x *pgxEnv) (string, error) {
-		if !x.proxy() {
-			return "", errNotApplicable("receipts are written by the proxy")
-		}
-		job, epoch, token, err := x.committedGeneration(ctx, "conflict")
+		job, epoch, token, err := x.receiptGeneration(ctx, "conflict")
 		if err != nil {
 			return "", err
 		}
-		err = x.withConn(ctx, func(c *pgx.Conn) error {
-			tx, err := c.Begin(ctx)
-			if err != nil {
-				return err
-			}
+		err = x.withFencedTx(ctx, job, epoch, token, func(c *pgx.Conn, tx pgx.Tx) error {
 			if _, err := tx.Exec(ctx, pgxUpsert, job, "something else", token); err != nil {
 				return err
 			}
-			err = tx.Commit(ctx)
+			err := tx.Commit(ctx)
 			n, err2 := queryInt(ctx, c, "SELECT 1")
 			return first(want(sqlstate(err), "FN003", "a different payload under a committed generation"),
 				want(string(c.PgConn().TxStatus()), "I", "status after FN003"), err2, want(n, 1, "after the conflict"))
-		}, fenceParams(job, epoch, token)...)
+		})
 		return "", first(err, x.wantRow(ctx, job, "p1", token))
 	}},
 	{"fence_stale", func(ctx context.Context, x *pgxEnv) (string, error) {
@@ -669,19 +671,15 @@ var pgxChecks = []pgxCheck{
 		if err != nil {
 			return "", err
 		}
-		err = x.withConn(ctx, func(c *pgx.Conn) error {
-			tx, err := c.Begin(ctx)
-			if err != nil {
-				return err
-			}
-			_, err = tx.Exec(ctx, pgxUpsert, job, "zombie", old)
+		err = x.withFencedTx(ctx, job, epoch, old, func(c *pgx.Conn, tx pgx.Tx) error {
+			_, err := tx.Exec(ctx, pgxUpsert, job, "zombie", old)
 			if err == nil {
 				err = tx.Commit(ctx)
 			}
 			tx.Rollback(ctx)
 			n, err2 := queryInt(ctx, c, "SELECT 1")
 			return first(want(sqlstate(err), "FN001", "a write under the token taken over"), err2, want(n, 1, "after FN001"))
-		}, fenceParams(job, epoch, old)...)
+		})
 		return "", first(err, x.wantRow(ctx, job, "", 0))
 	}},
 	{"fence_autocommit", func(ctx context.Context, x *pgxEnv) (string, error) {
@@ -776,6 +774,16 @@ func (x *pgxEnv) committedGeneration(ctx context.Context, check string) (job str
 	}
 	_, err = x.commitOnce(ctx, job, epoch, token, "p1")
 	return
+}
+
+// receiptGeneration is committedGeneration for the checks of the receipts
+// the proxy writes (a replay, a conflict): not applicable straight to
+// PostgreSQL.
+func (x *pgxEnv) receiptGeneration(ctx context.Context, check string) (job string, epoch, token int64, err error) {
+	if !x.proxy() {
+		return "", 0, 0, errNotApplicable("receipts are written by the proxy")
+	}
+	return x.committedGeneration(ctx, check)
 }
 
 func (x *pgxEnv) wantRow(ctx context.Context, job, payload string, token int64) error {

@@ -1,6 +1,7 @@
 // Package pgtest starts throwaway PostgreSQL clusters from local binaries:
 // a primary and, optionally, a streaming replica, for tests and for
-// `pgfence dev`.
+// `pgfence dev`, with the few helpers the packages' tests share around
+// them (NewDatabaseWith, Node.MustConnect, Poll, SQLState).
 //
 // It is not a general PostgreSQL manager: clusters live in a temporary
 // directory, run with fsync off, trust every local connection, and are
@@ -114,20 +115,9 @@ func Start(ctx context.Context, opts Options) (_ *Cluster, err error) {
 		return nil, err
 	}
 
-	p := &Node{Name: "primary", Host: "127.0.0.1", DataDir: filepath.Join(c.root, "primary"), c: c, timeout: opts.StartTimeout}
-	p.LogPath = filepath.Join(c.root, "primary.log")
-	if p.Port, err = freePort(); err != nil {
-		return nil, err
-	}
-	if err := c.run(ctx, "initdb", "-D", p.DataDir, "-U", "postgres", "--auth=trust", "--no-sync",
-		"--no-instructions", "-E", "UTF8", "--locale=C"); err != nil {
-		return nil, err
-	}
-	conf := baseSettings(p.Port)
-	for k, v := range opts.Settings {
-		conf[k] = v
-	}
-	if err := appendConf(p.DataDir, conf); err != nil {
+	p, err := c.newNode(ctx, "primary", opts, "initdb", "-U", "postgres", "--auth=trust", "--no-sync",
+		"--no-instructions", "-E", "UTF8", "--locale=C")
+	if err != nil {
 		return nil, err
 	}
 	hba := append(append([]string{}, opts.HBA...),
@@ -146,20 +136,10 @@ func Start(ctx context.Context, opts Options) (_ *Cluster, err error) {
 	}
 
 	if opts.Replica {
-		r := &Node{Name: "replica", Host: "127.0.0.1", DataDir: filepath.Join(c.root, "replica"), c: c, timeout: opts.StartTimeout}
-		r.LogPath = filepath.Join(c.root, "replica.log")
-		if r.Port, err = freePort(); err != nil {
-			return nil, err
-		}
-		if err := c.run(ctx, "pg_basebackup", "-D", r.DataDir, "-h", p.Host, "-p", strconv.Itoa(p.Port),
-			"-U", "postgres", "-R", "-X", "stream", "-c", "fast", "--no-sync"); err != nil {
-			return nil, err
-		}
-		conf := baseSettings(r.Port)
-		for k, v := range opts.Settings {
-			conf[k] = v
-		}
-		if err := appendConf(r.DataDir, conf); err != nil {
+		var r *Node
+		r, err = c.newNode(ctx, "replica", opts, "pg_basebackup", "-h", p.Host, "-p", strconv.Itoa(p.Port),
+			"-U", "postgres", "-R", "-X", "stream", "-c", "fast", "--no-sync")
+		if err != nil {
 			return nil, err
 		}
 		c.Replica = r
@@ -168,6 +148,29 @@ func Start(ctx context.Context, opts Options) (_ *Cluster, err error) {
 		}
 	}
 	return c, nil
+}
+
+// newNode makes the data directory of node name with prog (initdb, or
+// pg_basebackup from the primary) and args, on a free port, with the base
+// settings and opts.Settings. It does not start it.
+func (c *Cluster) newNode(ctx context.Context, name string, opts Options, prog string, args ...string) (*Node, error) {
+	n := &Node{Name: name, Host: "127.0.0.1", DataDir: filepath.Join(c.root, name), c: c, timeout: opts.StartTimeout}
+	n.LogPath = filepath.Join(c.root, name+".log")
+	var err error
+	if n.Port, err = freePort(); err != nil {
+		return nil, err
+	}
+	if err := c.run(ctx, prog, append([]string{"-D", n.DataDir}, args...)...); err != nil {
+		return nil, err
+	}
+	conf := baseSettings(n.Port)
+	for k, v := range opts.Settings {
+		conf[k] = v
+	}
+	if err := appendConf(n.DataDir, conf); err != nil {
+		return nil, err
+	}
+	return n, nil
 }
 
 func baseSettings(port int) map[string]string {

@@ -2,6 +2,7 @@ package pgtest
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"regexp"
@@ -10,6 +11,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 )
 
 // TemplateName is the database every test database is cloned from.
@@ -115,6 +117,47 @@ func (c *Cluster) NewDatabase(t testing.TB) string {
 		}
 	})
 	return name
+}
+
+// NewDatabaseWith is NewDatabase with sql (a test's schema) run in the
+// new database before it returns.
+func (c *Cluster) NewDatabaseWith(t testing.TB, sql string) string {
+	t.Helper()
+	name := c.NewDatabase(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	conn, err := c.Primary.Connect(ctx, name)
+	if err != nil {
+		t.Fatalf("pgtest: %v", err)
+	}
+	defer conn.Close(ctx)
+	if _, err := conn.Exec(ctx, sql); err != nil {
+		t.Fatalf("pgtest: schema of %s: %v", name, err)
+	}
+	return name
+}
+
+// MustConnect connects to db on the node for t, failing t when it cannot,
+// and closes the connection when t ends.
+func (n *Node) MustConnect(t testing.TB, db string) *pgx.Conn {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	conn, err := n.Connect(ctx, db)
+	if err != nil {
+		t.Fatalf("pgtest: connect to %s on the %s: %v", db, n.Name, err)
+	}
+	t.Cleanup(func() { conn.Close(context.Background()) })
+	return conn
+}
+
+// SQLState is the SQLSTATE err carries, or "" when it carries none.
+func SQLState(err error) string {
+	var pg *pgconn.PgError
+	if errors.As(err, &pg) {
+		return pg.Code
+	}
+	return ""
 }
 
 // Run is the body of a package's TestMain: it starts a cluster, prepares

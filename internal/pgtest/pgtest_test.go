@@ -25,12 +25,7 @@ func TestMain(m *testing.M) {
 func TestDatabaseClonedFromTemplate(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	db := cluster.NewDatabase(t)
-	conn, err := cluster.Primary.Connect(ctx, db)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close(ctx)
+	conn := cluster.Primary.MustConnect(t, cluster.NewDatabase(t))
 	var v int
 	if err := conn.QueryRow(ctx, "SELECT v FROM marker").Scan(&v); err != nil {
 		t.Fatal(err)
@@ -47,16 +42,8 @@ func TestReplicaPauseResume(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	db := cluster.NewDatabase(t)
-	p, err := cluster.Primary.Connect(ctx, db)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer p.Close(ctx)
-	r, err := cluster.Replica.Connect(ctx, db)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer r.Close(ctx)
+	p := cluster.Primary.MustConnect(t, db)
+	r := cluster.Replica.MustConnect(t, db)
 	var inRecovery bool
 	if err := r.QueryRow(ctx, "SELECT pg_is_in_recovery()").Scan(&inRecovery); err != nil || !inRecovery {
 		t.Fatalf("replica in recovery: got %v (%v), want true", inRecovery, err)

@@ -5,6 +5,8 @@ import (
 	"errors"
 	"fmt"
 	"time"
+
+	"github.com/jackc/pgx/v5"
 )
 
 var errNoReplica = errors.New("pgtest: cluster has no replica (Options.Replica)")
@@ -21,10 +23,8 @@ func (c *Cluster) CurrentLSN(ctx context.Context) (string, error) {
 	return lsn, err
 }
 
-// PauseReplay pauses WAL replay on the replica and returns once replay is
-// actually paused (pg_get_wal_replay_pause_state() = 'paused'). WAL keeps
-// streaming; it is only not applied.
-func (c *Cluster) PauseReplay(ctx context.Context) error {
+// onReplica runs f on a connection to the replica's postgres database.
+func (c *Cluster) onReplica(ctx context.Context, f func(conn *pgx.Conn) error) error {
 	if c.Replica == nil {
 		return errNoReplica
 	}
@@ -33,61 +33,51 @@ func (c *Cluster) PauseReplay(ctx context.Context) error {
 		return err
 	}
 	defer conn.Close(ctx)
-	if _, err := conn.Exec(ctx, "SELECT pg_wal_replay_pause()"); err != nil {
-		return fmt.Errorf("pause replay: %w", err)
-	}
-	return poll(ctx, func() (bool, error) {
-		var state string
-		err := conn.QueryRow(ctx, "SELECT pg_get_wal_replay_pause_state()").Scan(&state)
-		return state == "paused", err
+	return f(conn)
+}
+
+// PauseReplay pauses WAL replay on the replica and returns once replay is
+// actually paused (pg_get_wal_replay_pause_state() = 'paused'). WAL keeps
+// streaming; it is only not applied.
+func (c *Cluster) PauseReplay(ctx context.Context) error {
+	return c.onReplica(ctx, func(conn *pgx.Conn) error {
+		if _, err := conn.Exec(ctx, "SELECT pg_wal_replay_pause()"); err != nil {
+			return fmt.Errorf("pause replay: %w", err)
+		}
+		return poll(ctx, func() (bool, error) {
+			var state string
+			err := conn.QueryRow(ctx, "SELECT pg_get_wal_replay_pause_state()").Scan(&state)
+			return state == "paused", err
+		})
 	})
 }
 
 // ResumeReplay resumes WAL replay on the replica.
 func (c *Cluster) ResumeReplay(ctx context.Context) error {
-	if c.Replica == nil {
-		return errNoReplica
-	}
-	conn, err := c.Replica.Connect(ctx, "postgres")
-	if err != nil {
-		return err
-	}
-	defer conn.Close(ctx)
-	if _, err := conn.Exec(ctx, "SELECT pg_wal_replay_resume()"); err != nil {
-		return fmt.Errorf("resume replay: %w", err)
-	}
-	return nil
+	return c.onReplica(ctx, func(conn *pgx.Conn) error {
+		if _, err := conn.Exec(ctx, "SELECT pg_wal_replay_resume()"); err != nil {
+			return fmt.Errorf("resume replay: %w", err)
+		}
+		return nil
+	})
 }
 
 // ReplayLSN returns the replica's last replayed position.
-func (c *Cluster) ReplayLSN(ctx context.Context) (string, error) {
-	if c.Replica == nil {
-		return "", errNoReplica
-	}
-	conn, err := c.Replica.Connect(ctx, "postgres")
-	if err != nil {
-		return "", err
-	}
-	defer conn.Close(ctx)
-	var lsn string
-	err = conn.QueryRow(ctx, "SELECT pg_last_wal_replay_lsn()::text").Scan(&lsn)
+func (c *Cluster) ReplayLSN(ctx context.Context) (lsn string, err error) {
+	err = c.onReplica(ctx, func(conn *pgx.Conn) error {
+		return conn.QueryRow(ctx, "SELECT pg_last_wal_replay_lsn()::text").Scan(&lsn)
+	})
 	return lsn, err
 }
 
 // WaitReplayed waits until the replica has replayed WAL up to lsn.
 func (c *Cluster) WaitReplayed(ctx context.Context, lsn string) error {
-	if c.Replica == nil {
-		return errNoReplica
-	}
-	conn, err := c.Replica.Connect(ctx, "postgres")
-	if err != nil {
-		return err
-	}
-	defer conn.Close(ctx)
-	return poll(ctx, func() (bool, error) {
-		var ok bool
-		err := conn.QueryRow(ctx, "SELECT coalesce(pg_last_wal_replay_lsn() >= $1::pg_lsn, false)", lsn).Scan(&ok)
-		return ok, err
+	return c.onReplica(ctx, func(conn *pgx.Conn) error {
+		return poll(ctx, func() (bool, error) {
+			var ok bool
+			err := conn.QueryRow(ctx, "SELECT coalesce(pg_last_wal_replay_lsn() >= $1::pg_lsn, false)", lsn).Scan(&ok)
+			return ok, err
+		})
 	})
 }
 

@@ -42,6 +42,48 @@ def expect_eq(got, want, what):
         raise CheckFailed(f"{what}: got {got!r}, want {want!r}")
 
 
+def sqlstate(e):
+    """The SQLSTATE of a psycopg2 or psycopg 3 error (None for one from the
+    driver itself)."""
+    return getattr(e, "pgcode", None) or getattr(e, "sqlstate", None) or getattr(getattr(e, "diag", None), "sqlstate", None)
+
+
+def sqlstate_catcher(error):
+    """sqlstate_of for a driver whose errors are error (its base class):
+    sqlstate_of(fn) calls fn and returns the SQLSTATE of the driver error it
+    raised, or None when it raised none."""
+    def sqlstate_of(fn):
+        try:
+            fn()
+        except error as e:
+            return sqlstate(e)
+        return None
+    return sqlstate_of
+
+
+def receipts_need_proxy():
+    """Raises NotApplicable straight to PostgreSQL: the proxy writes the
+    receipts (replay, conflict) the check is about."""
+    if not PROXY:
+        raise NotApplicable("receipts are written by the proxy")
+
+
+def expect_server_cursors(conn, sql, args, name, hold_name):
+    """The DB-API server-side cursors both drivers have: sql (args), the
+    numbers 1 to 1000, read through cursor name 100 rows at a time, then a
+    WITH HOLD cursor hold_name read after its transaction committed."""
+    with conn.cursor(name=name) as cur:
+        cur.itersize = 100
+        cur.execute(sql, args)
+        total = sum(r[0] for r in cur)
+    expect_eq(total, 500500, "sum over the cursor")
+    conn.commit()
+    with conn.cursor(name=hold_name, withhold=True) as cur:
+        cur.execute("SELECT g FROM generate_series(1, 10) g")
+        conn.commit()
+        expect_eq(len(cur.fetchall()), 10, "rows of a WITH HOLD cursor after commit")
+
+
 def clean(s):
     return " ".join(str(s).split())[:500]
 
@@ -125,6 +167,16 @@ class Observer:
         """Another holder takes job over from token; returns its token."""
         self.one("SELECT fence.release(%s, %s)", (job, token))
         return self.one("SELECT token FROM fence.acquire(%s, 'h2', interval '5 minutes')", (job,))[0]
+
+    def new_generation(self, job):
+        """job with a new generation: (job, epoch, token)."""
+        return (job, *self.acquire(job))
+
+    def expect_committed(self, job, payload, token):
+        """Checks job's result row (payload, token) and its receipts: the
+        proxy's v1, or straight to PostgreSQL the backstop's."""
+        expect_eq(self.result_row(job), (payload, token), "the row")
+        expect_eq(self.receipt_kinds(job), "v1" if PROXY else "backstop-v1", "receipts (digest versions)")
 
     def receipt_kinds(self, job):
         """The digest versions of job's receipts: the proxy's v1, or straight

@@ -11,6 +11,7 @@ import select
 import sys
 import threading
 import uuid
+from contextlib import closing, contextmanager
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -21,8 +22,9 @@ import psycopg2.extras  # noqa: E402
 import psycopg2.pool  # noqa: E402
 
 from checklib import (  # noqa: E402
-    PROXY, OBSERVER_PORT, UPSERT, NotApplicable, CheckFailed, Observer,
-    expect, expect_eq, fence_options, run, run_threads, wait_until,
+    OBSERVER_PORT, UPSERT, NotApplicable, CheckFailed, Observer,
+    expect, expect_eq, expect_server_cursors, fence_options, receipts_need_proxy,
+    run, run_threads, sqlstate_catcher, wait_until,
 )
 
 VARIANT = "psycopg2"
@@ -44,12 +46,7 @@ def one(conn, sql, args=None):
         return cur.fetchone()
 
 
-def sqlstate_of(fn):
-    try:
-        fn()
-    except psycopg2.Error as e:
-        return e.pgcode
-    return None
+sqlstate_of = sqlstate_catcher(psycopg2.Error)
 
 
 def check_connect():
@@ -61,13 +58,10 @@ def check_connect():
 
 
 def check_simple_query():
-    conn = connect()
-    try:
+    with closing(connect()) as conn:
         with conn.cursor() as cur:
             cur.execute("SELECT 1; SELECT 'two', %s", ("three",))
             expect_eq(cur.fetchone(), ("two", "three"), "last result of a multi-statement query")
-    finally:
-        conn.close()
 
 
 def check_extended_query():
@@ -75,8 +69,7 @@ def check_extended_query():
 
 
 def check_prepared():
-    conn = connect()
-    try:
+    with closing(connect()) as conn:
         with conn.cursor() as cur:
             cur.execute("PREPARE q(int) AS SELECT $1 * 2")
             for i in range(3):
@@ -85,8 +78,6 @@ def check_prepared():
             cur.execute("DEALLOCATE q")
             cur.execute("SELECT count(*) FROM pg_prepared_statements")
             expect_eq(cur.fetchone()[0], 0, "prepared statements left")
-    finally:
-        conn.close()
 
 
 def check_prepared_server():
@@ -98,8 +89,7 @@ def check_binary():
 
 
 def check_transaction():
-    conn, obs = connect(), observer()
-    try:
+    with closing(connect()) as conn, closing(observer()) as obs:
         with conn.cursor() as cur:
             cur.execute("CREATE TABLE p2_tx (v int)")
             conn.commit()
@@ -110,14 +100,10 @@ def check_transaction():
             cur.execute("INSERT INTO p2_tx VALUES (2)")
             conn.rollback()
             expect_eq(one(obs, "SELECT array_agg(v) FROM p2_tx")[0], [1], "rows after commit and rollback")
-    finally:
-        conn.close()
-        obs.close()
 
 
 def check_savepoint():
-    conn = connect()
-    try:
+    with closing(connect()) as conn:
         with conn.cursor() as cur:
             cur.execute("CREATE TEMP TABLE sp (v int)")
             cur.execute("INSERT INTO sp VALUES (1)")
@@ -130,13 +116,10 @@ def check_savepoint():
             conn.commit()
             cur.execute("SELECT array_agg(v ORDER BY v) FROM sp")
             expect_eq(cur.fetchone()[0], [1, 3], "rows")
-    finally:
-        conn.close()
 
 
 def check_error_recovery():
-    conn = connect()
-    try:
+    with closing(connect()) as conn:
         with conn.cursor() as cur:
             cur.execute("CREATE TEMP TABLE er (v int PRIMARY KEY)")
             cur.execute("INSERT INTO er VALUES (1)")
@@ -155,32 +138,24 @@ def check_error_recovery():
             conn.rollback()
             cur.execute("SELECT count(*) FROM er")
             expect_eq(cur.fetchone()[0], 1, "rows")
-    finally:
-        conn.close()
 
 
 def check_syntax_error():
     # A typo in a statement with one string literal (its text unique to
     # the variant: the proxy caches classifications by text).
-    conn = connect(autocommit=True)
-    try:
+    with closing(connect(autocommit=True)) as conn:
         with conn.cursor() as cur:
             expect_eq(sqlstate_of(lambda: cur.execute(f"SELEC '{VARIANT}'")), "42601", "a syntax error")
             cur.execute("SELECT 1")
             expect_eq(cur.fetchone()[0], 1, "after the syntax error")
-    finally:
-        conn.close()
 
 
 def check_notice():
-    conn = connect(autocommit=True)
-    try:
+    with closing(connect(autocommit=True)) as conn:
         with conn.cursor() as cur:
             cur.execute("DO $$ BEGIN RAISE NOTICE 'hello %', 42; RAISE WARNING 'careful'; END $$")
         expect(any("hello 42" in n for n in conn.notices), f"notices {conn.notices}")
         expect(any("WARNING:  careful" in n for n in conn.notices), f"notices {conn.notices}")
-    finally:
-        conn.close()
 
 
 def wait_notifies(conn, n=1, timeout=10.0):
@@ -194,8 +169,7 @@ def wait_notifies(conn, n=1, timeout=10.0):
 
 
 def check_listen_notify():
-    a, b = connect(autocommit=True), connect(autocommit=True)
-    try:
+    with closing(connect(autocommit=True)) as a, closing(connect(autocommit=True)) as b:
         with a.cursor() as cur:
             cur.execute("LISTEN p2_chan")
         with b.cursor() as cur:
@@ -206,29 +180,22 @@ def check_listen_notify():
         expect_eq(got, [("p2_chan", "hello"), ("p2_chan", "from function")], "notifications")
         with a.cursor() as cur:
             cur.execute("UNLISTEN *")
-    finally:
-        a.close()
-        b.close()
 
 
 def check_copy_out():
     import io
-    conn = connect()
-    try:
+    with closing(connect()) as conn:
         buf = io.StringIO()
         with conn.cursor() as cur:
             cur.copy_expert("COPY (SELECT g, 'row ' || g FROM generate_series(1, 1000) g) TO STDOUT", buf)
         lines = buf.getvalue().splitlines()
         expect_eq(len(lines), 1000, "lines")
         expect_eq(lines[999], "1000\trow 1000", "last line")
-    finally:
-        conn.close()
 
 
 def check_copy_in():
     import io
-    conn = connect()
-    try:
+    with closing(connect()) as conn:
         with conn.cursor() as cur:
             cur.execute("CREATE TEMP TABLE ci (id int, name text)")
             data = "".join(f"{i}\tname {i}\n" for i in range(1, 1001))
@@ -240,8 +207,6 @@ def check_copy_in():
             conn.rollback()
             cur.execute("SELECT count(*), sum(id) FROM ci")
             expect_eq(cur.fetchone(), (1000, 500500), "rows")
-    finally:
-        conn.close()
 
 
 def check_cancel():
@@ -275,33 +240,18 @@ def check_cancel():
 
 
 def check_statement_timeout():
-    conn = connect()
-    try:
+    with closing(connect()) as conn:
         with conn.cursor() as cur:
             cur.execute("SET statement_timeout = '100ms'")
             expect_eq(sqlstate_of(lambda: cur.execute("SELECT pg_sleep(10)")), "57014", "timed-out query")
             conn.rollback()
             cur.execute("SELECT 1")
             expect_eq(cur.fetchone()[0], 1, "after the timeout")
-    finally:
-        conn.close()
 
 
 def check_server_cursor():
-    conn = connect()
-    try:
-        with conn.cursor(name="p2_cursor") as cur:
-            cur.itersize = 100
-            cur.execute("SELECT g FROM generate_series(1, 1000) g")
-            total = sum(r[0] for r in cur)
-        expect_eq(total, 500500, "sum over the cursor")
-        conn.commit()
-        with conn.cursor(name="p2_hold", withhold=True) as cur:
-            cur.execute("SELECT g FROM generate_series(1, 10) g")
-            conn.commit()
-            expect_eq(len(cur.fetchall()), 10, "rows of a WITH HOLD cursor after commit")
-    finally:
-        conn.close()
+    with closing(connect()) as conn:
+        expect_server_cursors(conn, "SELECT g FROM generate_series(1, 1000) g", None, "p2_cursor", "p2_hold")
 
 
 def check_pool():
@@ -324,8 +274,7 @@ def check_pool():
 
 
 def check_pipeline():
-    conn = connect()
-    try:
+    with closing(connect()) as conn:
         with conn.cursor() as cur:
             cur.execute("CREATE TEMP TABLE pb (id int, v text)")
             psycopg2.extras.execute_batch(cur, "INSERT INTO pb VALUES (%s, %s)", [(i, f"v{i}") for i in range(250)], page_size=100)
@@ -334,13 +283,10 @@ def check_pipeline():
             cur.execute("SELECT count(*), sum(id) FROM pb")
             expect_eq(cur.fetchone(), (500, 124750), "rows")
         return "execute_batch (multi-statement queries) and execute_values"
-    finally:
-        conn.close()
 
 
 def check_large_value():
-    conn = connect()
-    try:
+    with closing(connect()) as conn:
         text = "x" * (8 << 20) + "end"
         blob = os.urandom(4 << 20)
         with conn.cursor() as cur:
@@ -349,25 +295,19 @@ def check_large_value():
         expect(t == text, "text value changed")
         expect_eq(md5, hashlib.md5(text.encode()).hexdigest(), "server-side md5")
         expect(bytes(b) == blob, "bytea value changed")
-    finally:
-        conn.close()
 
 
 def check_large_result():
-    conn = connect()
-    try:
+    with closing(connect()) as conn:
         with conn.cursor() as cur:
             cur.execute("SELECT g, repeat('x', 100) FROM generate_series(1, 100000) g")
             rows = cur.fetchall()
         expect_eq(len(rows), 100000, "rows")
         expect_eq(rows[-1][0], 100000, "last row")
-    finally:
-        conn.close()
 
 
 def check_client_encoding():
-    conn = connect()
-    try:
+    with closing(connect()) as conn:
         conn.set_client_encoding("LATIN1")
         expect_eq(conn.get_parameter_status("client_encoding"), "LATIN1", "client_encoding")
         with conn.cursor() as cur:
@@ -379,14 +319,11 @@ def check_client_encoding():
         with conn.cursor() as cur:
             cur.execute("SELECT %s::text", ("漢字 🐘",))
             expect_eq(cur.fetchone()[0], "漢字 🐘", "UTF8 text")
-    finally:
-        conn.close()
 
 
 def check_backend_pid():
     app = "p2pid-" + uuid.uuid4().hex[:8]
-    conn, obs = connect(autocommit=True, application_name=app), observer()
-    try:
+    with closing(connect(autocommit=True, application_name=app)) as conn, closing(observer()) as obs:
         pid = conn.get_backend_pid()
         expect_eq(one(conn, "SELECT pg_backend_pid()")[0], pid, "pg_backend_pid() against the driver's BackendKeyData PID")
         expect_eq(one(obs, "SELECT pid FROM pg_stat_activity WHERE application_name = %s", (app,))[0], pid,
@@ -396,9 +333,6 @@ def check_backend_pid():
             cur.execute("NOTIFY p2_self")
         wait_notifies(conn)
         expect_eq(conn.notifies[0].pid, pid, "PID of a self-notification")
-    finally:
-        conn.close()
-        obs.close()
 
 
 # --- fencing flows -----------------------------------------------------------
@@ -429,64 +363,53 @@ def check_fence_acquire():
         conn.close()
 
 
-def committed_generation(check, payload="p1"):
-    job = job_key(check)
-    epoch, token = acquire(job)
-    conn = fenced(job, epoch, token)
-    try:
+def check_fence_commit():
+    job, epoch, token = committed_generation("commit")
+    OBS.expect_committed(job, "p1", token)
+
+
+@contextmanager
+def upserted(job, epoch, token, payload):
+    """A fenced connection, closed at the end of the block, whose open
+    transaction has upserted payload."""
+    with closing(fenced(job, epoch, token)) as conn:
         with conn.cursor() as cur:
             cur.execute(UPSERT, (job, payload, token))
+        yield conn
+
+
+def committed_generation(check, payload="p1"):
+    job, epoch, token = OBS.new_generation(job_key(check))
+    with upserted(job, epoch, token, payload) as conn:
         conn.commit()
-    finally:
-        conn.close()
     return job, epoch, token
 
 
-def check_fence_commit():
-    job, epoch, token = committed_generation("commit")
-    expect_eq(result_row(job), ("p1", token), "the committed row")
-    expect_eq(OBS.receipt_kinds(job), "v1" if PROXY else "backstop-v1", "receipts (digest versions)")
-
-
 def check_fence_replay():
-    if not PROXY:
-        raise NotApplicable("receipts are written by the proxy")
+    receipts_need_proxy()
     job, epoch, token = committed_generation("replay")
-    conn = fenced(job, epoch, token)
-    try:
-        with conn.cursor() as cur:
-            cur.execute(UPSERT, (job, "p1", token))
+    with upserted(job, epoch, token, "p1") as conn:
         conn.commit()
         expect(any("idempotent replay" in n for n in conn.notices), f"no replay notice: {conn.notices}")
         expect_eq(one(conn, "SELECT 1")[0], 1, "after the replay")
-    finally:
-        conn.close()
     expect_eq(receipts(job), 1, "receipts")
     expect_eq(result_row(job), ("p1", token), "the row")
 
 
 def check_fence_conflict():
-    if not PROXY:
-        raise NotApplicable("receipts are written by the proxy")
+    receipts_need_proxy()
     job, epoch, token = committed_generation("conflict")
-    conn = fenced(job, epoch, token)
-    try:
-        with conn.cursor() as cur:
-            cur.execute(UPSERT, (job, "something else", token))
+    with upserted(job, epoch, token, "something else") as conn:
         expect_eq(sqlstate_of(conn.commit), "FN003", "a different payload under a committed generation")
         expect_eq(conn.get_transaction_status(), psycopg2.extensions.TRANSACTION_STATUS_IDLE, "status after FN003")
         expect_eq(one(conn, "SELECT 1")[0], 1, "after the conflict")
-    finally:
-        conn.close()
     expect_eq(result_row(job), ("p1", token), "the row")
 
 
 def check_fence_stale():
-    job = job_key("stale")
-    epoch, old = acquire(job)
+    job, epoch, old = OBS.new_generation(job_key("stale"))
     new = OBS.take_over(job, old)
-    conn = fenced(job, epoch, old)
-    try:
+    with closing(fenced(job, epoch, old)) as conn:
         with conn.cursor() as cur:
             code = sqlstate_of(lambda: cur.execute(UPSERT, (job, "zombie", old)))
             if code is None:
@@ -494,62 +417,42 @@ def check_fence_stale():
         expect_eq(code, "FN001", "a write under the token taken over")
         conn.rollback()
         expect_eq(one(conn, "SELECT 1")[0], 1, "after FN001")
-    finally:
-        conn.close()
     expect_eq(result_row(job), None, "the row")
     return f"token {old} taken over by {new}"
 
 
 def check_fence_autocommit():
-    job = job_key("autocommit")
-    epoch, token = acquire(job)
-    conn = fenced(job, epoch, token, autocommit=True)
-    try:
+    job, epoch, token = OBS.new_generation(job_key("autocommit"))
+    with closing(fenced(job, epoch, token, autocommit=True)) as conn:
         with conn.cursor() as cur:
             cur.execute(UPSERT, (job, "auto", token))
-    finally:
-        conn.close()
-    expect_eq(result_row(job), ("auto", token), "the row")
-    expect_eq(OBS.receipt_kinds(job), "v1" if PROXY else "backstop-v1", "receipts (digest versions)")
+    OBS.expect_committed(job, "auto", token)
 
 
 def check_fence_copy():
     import io
-    job = job_key("copy")
-    epoch, token = acquire(job)
-    conn = fenced(job, epoch, token, autocommit=True)
-    try:
+    job, epoch, token = OBS.new_generation(job_key("copy"))
+    with closing(fenced(job, epoch, token, autocommit=True)) as conn:
         with conn.cursor() as cur:
             cur.copy_expert("COPY results (job_key, payload, token) FROM STDIN", io.StringIO(f"{job}\tcopied\t{token}\n"))
-    finally:
-        conn.close()
-    expect_eq(result_row(job), ("copied", token), "the row")
-    expect_eq(OBS.receipt_kinds(job), "v1" if PROXY else "backstop-v1", "receipts (digest versions)")
+    OBS.expect_committed(job, "copied", token)
 
 
 def check_fence_no_metadata():
-    conn = connect(autocommit=True)
-    try:
+    with closing(connect(autocommit=True)) as conn:
         with conn.cursor() as cur:
             code = sqlstate_of(lambda: cur.execute(UPSERT, (job_key("nometa"), "x", 1)))
         expect_eq(code, "FN008", "a write without fence metadata")
-    finally:
-        conn.close()
     expect_eq(result_row(job_key("nometa")), None, "the row")
 
 
 def check_fence_pipeline():
-    job = job_key("pipeline")
-    epoch, token = acquire(job)
-    conn = fenced(job, epoch, token)
-    try:
+    job, epoch, token = OBS.new_generation(job_key("pipeline"))
+    with closing(fenced(job, epoch, token)) as conn:
         with conn.cursor() as cur:
             psycopg2.extras.execute_batch(cur, UPSERT, [(job, "batch", token)] * 3, page_size=10)
         conn.commit()
-    finally:
-        conn.close()
-    expect_eq(result_row(job), ("batch", token), "the row")
-    expect_eq(OBS.receipt_kinds(job), "v1" if PROXY else "backstop-v1", "receipts (digest versions)")
+    OBS.expect_committed(job, "batch", token)
     return "execute_batch"
 
 

@@ -23,8 +23,9 @@ from psycopg import errors, pq  # noqa: E402
 from psycopg.types.json import Jsonb  # noqa: E402
 
 from checklib import (  # noqa: E402
-    PROXY, OBSERVER_PORT, UPSERT, NotApplicable, CheckFailed, Observer,
-    expect, expect_eq, fence_options, run, run_threads, wait_until,
+    OBSERVER_PORT, UPSERT, NotApplicable, CheckFailed, Observer,
+    expect, expect_eq, expect_server_cursors, fence_options, receipts_need_proxy,
+    run, run_threads, sqlstate_catcher, wait_until,
 )
 
 VARIANT = "psycopg"
@@ -42,12 +43,7 @@ def observer():
     return psycopg.connect("", autocommit=True, port=OBSERVER_PORT)
 
 
-def sqlstate_of(fn):
-    try:
-        fn()
-    except psycopg.Error as e:
-        return e.sqlstate
-    return None
+sqlstate_of = sqlstate_catcher(psycopg.Error)
 
 
 def tag():
@@ -268,16 +264,7 @@ def check_statement_timeout():
 
 def check_server_cursor():
     with connect() as conn:
-        with conn.cursor(name=f"p3_cursor_{tag()}") as cur:
-            cur.itersize = 100
-            cur.execute("SELECT g FROM generate_series(1, %s) g", (1000,))
-            total = sum(r[0] for r in cur)
-        expect_eq(total, 500500, "sum over the cursor")
-        conn.commit()
-        with conn.cursor(name="p3_hold", withhold=True) as cur:
-            cur.execute("SELECT g FROM generate_series(1, 10) g")
-            conn.commit()
-            expect_eq(len(cur.fetchall()), 10, "rows of a WITH HOLD cursor after commit")
+        expect_server_cursors(conn, "SELECT g FROM generate_series(1, %s) g", (1000,), f"p3_cursor_{tag()}", "p3_hold")
         with conn.cursor(name="p3_scroll", scrollable=True) as cur:
             cur.execute("SELECT g FROM generate_series(1, 10) g")
             cur.scroll(7, mode="absolute")
@@ -392,6 +379,11 @@ def check_fence_acquire():
         expect_eq(code, "FN002", "a second holder's acquire")
 
 
+def check_fence_commit():
+    job, epoch, token = committed_generation("commit")
+    OBS.expect_committed(job, "p1", token)
+
+
 def commit_once(job, epoch, token, payload, notices=None):
     with fenced(job, epoch, token) as conn:
         if notices is not None:
@@ -402,21 +394,13 @@ def commit_once(job, epoch, token, payload, notices=None):
 
 
 def committed_generation(check):
-    job = job_key(check)
-    epoch, token = acquire(job)
+    job, epoch, token = OBS.new_generation(job_key(check))
     commit_once(job, epoch, token, "p1")
     return job, epoch, token
 
 
-def check_fence_commit():
-    job, epoch, token = committed_generation("commit")
-    expect_eq(result_row(job), ("p1", token), "the committed row")
-    expect_eq(OBS.receipt_kinds(job), "v1" if PROXY else "backstop-v1", "receipts (digest versions)")
-
-
 def check_fence_replay():
-    if not PROXY:
-        raise NotApplicable("receipts are written by the proxy")
+    receipts_need_proxy()
     job, epoch, token = committed_generation("replay")
     notices = []
     commit_once(job, epoch, token, "p1", notices)
@@ -426,8 +410,7 @@ def check_fence_replay():
 
 
 def check_fence_conflict():
-    if not PROXY:
-        raise NotApplicable("receipts are written by the proxy")
+    receipts_need_proxy()
     job, epoch, token = committed_generation("conflict")
     with fenced(job, epoch, token) as conn:
         conn.execute(UPSERT, (job, "something else", token))
@@ -438,8 +421,7 @@ def check_fence_conflict():
 
 
 def check_fence_stale():
-    job = job_key("stale")
-    epoch, old = acquire(job)
+    job, epoch, old = OBS.new_generation(job_key("stale"))
     new = OBS.take_over(job, old)
     with fenced(job, epoch, old) as conn:
         code = sqlstate_of(lambda: conn.execute(UPSERT, (job, "zombie", old)))
@@ -453,22 +435,18 @@ def check_fence_stale():
 
 
 def check_fence_autocommit():
-    job = job_key("autocommit")
-    epoch, token = acquire(job)
+    job, epoch, token = OBS.new_generation(job_key("autocommit"))
     with fenced(job, epoch, token, autocommit=True) as conn:
         conn.execute(UPSERT, (job, "auto", token))
-    expect_eq(result_row(job), ("auto", token), "the row")
-    expect_eq(OBS.receipt_kinds(job), "v1" if PROXY else "backstop-v1", "receipts (digest versions)")
+    OBS.expect_committed(job, "auto", token)
 
 
 def check_fence_copy():
-    job = job_key("copy")
-    epoch, token = acquire(job)
+    job, epoch, token = OBS.new_generation(job_key("copy"))
     with fenced(job, epoch, token, autocommit=True) as conn:
         with conn.cursor().copy("COPY results (job_key, payload, token) FROM STDIN") as copy:
             copy.write_row((job, "copied", token))
-    expect_eq(result_row(job), ("copied", token), "the row")
-    expect_eq(OBS.receipt_kinds(job), "v1" if PROXY else "backstop-v1", "receipts (digest versions)")
+    OBS.expect_committed(job, "copied", token)
 
 
 def check_fence_no_metadata():
@@ -478,15 +456,13 @@ def check_fence_no_metadata():
 
 
 def check_fence_pipeline():
-    job = job_key("pipeline")
-    epoch, token = acquire(job)
+    job, epoch, token = OBS.new_generation(job_key("pipeline"))
     with fenced(job, epoch, token, autocommit=True) as conn:
         with conn.pipeline():
             conn.execute("SELECT 1")
             conn.execute(UPSERT, (job, "piped", token))
             conn.execute("SELECT 2")
-    expect_eq(result_row(job), ("piped", token), "the row")
-    expect_eq(OBS.receipt_kinds(job), "v1" if PROXY else "backstop-v1", "receipts (digest versions)")
+    OBS.expect_committed(job, "piped", token)
     return "pipeline mode"
 
 

@@ -6,11 +6,5 @@
 BEGIN;
 INSERT INTO audit (note) VALUES ('psql was here');
 \echo audit :SQLSTATE
-INSERT INTO results (job_key, payload, token) VALUES ('job', 'from psql', :token)
-  ON CONFLICT (job_key) DO UPDATE SET payload = excluded.payload, token = excluded.token
-  WHERE results.token < excluded.token;
-\echo write :SQLSTATE
-COMMIT;
-\echo commit :SQLSTATE
-SELECT 1 AS alive;
-\echo state :SQLSTATE
+\set payload 'from psql'
+\ir write_commit.sql

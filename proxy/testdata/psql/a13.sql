@@ -28,5 +28,4 @@ INSERT INTO results_view VALUES ('v', 'via view', 999);
 \echo view :SQLSTATE
 DO $$BEGIN DELETE FROM results; END$$;
 \echo do :SQLSTATE
-SELECT 1 AS alive;
-\echo state :SQLSTATE
+\ir alive.sql
