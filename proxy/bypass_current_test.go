@@ -87,7 +87,7 @@ func bypassCurrent(t *testing.T) {
 				t.Fatalf("cur_t has %d pgfence triggers after pg_restore --clean, want 4", n)
 			}
 			before := e.state(t)
-			if err := currentRun(t, e.unfenced, "update cur_t set n = n + 1 where k = 1"); sqlState(err) != fence.CodeFencingRequired {
+			if err := currentRun(t, e.unfenced, "update cur_t set n = n + 1 where k = 1"); pgtest.SQLState(err) != fence.CodeFencingRequired {
 				t.Fatalf("unfenced write after pg_restore --clean: %v, want %s", err, fence.CodeFencingRequired)
 			}
 			e.unchanged(t, before)
@@ -262,7 +262,7 @@ func (e *currentEnv) check(t *testing.T, replayNotice bool) {
 		before := e.state(t)
 		for _, sql := range []string{"update cur_t set n = n + 1 where k = 1", "insert into cur_t values (9, 'cur-job', 0)",
 			"do $$ begin delete from cur_t; end $$"} {
-			if err := currentRun(t, e.unfenced, sql); sqlState(err) != fence.CodeFencingRequired {
+			if err := currentRun(t, e.unfenced, sql); pgtest.SQLState(err) != fence.CodeFencingRequired {
 				t.Fatalf("%s: %v, want %s", sql, err, fence.CodeFencingRequired)
 			}
 		}
@@ -300,7 +300,7 @@ func (e *currentEnv) check(t *testing.T, replayNotice bool) {
 			t.Fatalf("retry: %v, want the replay's success", err)
 		case replayNotice && !slices.Equal(e.notices, []string{fence.CodeReplay}):
 			t.Fatalf("retry's notices %v, want one %s", e.notices, fence.CodeReplay)
-		case !replayNotice && sqlState(err) != fence.CodeReplay:
+		case !replayNotice && pgtest.SQLState(err) != fence.CodeReplay:
 			t.Fatalf("retry: %v, want %s", err, fence.CodeReplay)
 		}
 		e.unchanged(t, before)
@@ -309,7 +309,7 @@ func (e *currentEnv) check(t *testing.T, replayNotice bool) {
 		before := e.state(t)
 		for _, sql := range []string{"update cur_t set n = n + 100 where k = 1",
 			"begin; insert into cur_t values (3, 'cur-job', 0); commit"} {
-			if err := currentRun(t, e.zombie, sql); sqlState(err) != fence.CodeStale {
+			if err := currentRun(t, e.zombie, sql); pgtest.SQLState(err) != fence.CodeStale {
 				t.Fatalf("%s with the stale generation: %v, want %s", sql, err, fence.CodeStale)
 			}
 			if err := currentRun(t, e.zombie, "rollback"); err != nil {
@@ -327,10 +327,10 @@ func (e *currentEnv) check(t *testing.T, replayNotice bool) {
 			return err
 		}
 		before := e.state(t)
-		if err := copyIn(e.unfenced); sqlState(err) != fence.CodeFencingRequired {
+		if err := copyIn(e.unfenced); pgtest.SQLState(err) != fence.CodeFencingRequired {
 			t.Fatalf("unfenced COPY: %v, want %s", err, fence.CodeFencingRequired)
 		}
-		if err := copyIn(e.zombie); sqlState(err) != fence.CodeStale {
+		if err := copyIn(e.zombie); pgtest.SQLState(err) != fence.CodeStale {
 			t.Fatalf("zombie's COPY: %v, want %s", err, fence.CodeStale)
 		}
 		e.unchanged(t, before)
@@ -347,7 +347,7 @@ func (e *currentEnv) check(t *testing.T, replayNotice bool) {
 			t.Fatalf("%d receipts for the COPY's step, want 1", n)
 		}
 		before = e.state(t)
-		if err := copyIn(e.retry); sqlState(err) != fence.CodeReplay {
+		if err := copyIn(e.retry); pgtest.SQLState(err) != fence.CodeReplay {
 			t.Fatalf("the COPY's retry: %v, want %s", err, fence.CodeReplay)
 		}
 		e.unchanged(t, before)
@@ -473,7 +473,7 @@ func currentCluster(t *testing.T) {
 		gate, p := currentProxy(t, target.Primary, false)
 		conn := connect(t, fmt.Sprintf("postgres://%s@%s/%s?sslmode=disable", role, p.addr, src))
 		before := e.state(t)
-		if err := currentRun(t, conn, "update cur_t set n = n + 1"); sqlState(err) != fence.CodeFencingRequired {
+		if err := currentRun(t, conn, "update cur_t set n = n + 1"); pgtest.SQLState(err) != fence.CodeFencingRequired {
 			t.Fatalf("unfenced write: %v, want %s", err, fence.CodeFencingRequired)
 		}
 		if gate.Stats.Unfenced.Load() != 1 {
@@ -498,7 +498,7 @@ func currentCatchesUp(t *testing.T) {
 	if err := pgtest.Poll(ctxT(t), func() (bool, error) { return c.loads.Load() > loads && c.prot.Load().Len() == 1, nil }); err != nil {
 		t.Fatalf("the catalog never listed the table (%d loads, %d before): %v", c.loads.Load(), loads, err)
 	}
-	if err := currentRun(t, conn, "update cur_t set n = n + 1"); sqlState(err) != fence.CodeFencingRequired {
+	if err := currentRun(t, conn, "update cur_t set n = n + 1"); pgtest.SQLState(err) != fence.CodeFencingRequired {
 		t.Fatalf("unfenced write: %v, want %s", err, fence.CodeFencingRequired)
 	}
 	if gate.Stats.Unfenced.Load() != 1 {
@@ -548,7 +548,7 @@ create table cur_tree_1 partition of cur_tree for values in (1);`)
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			before := e.state(t)
-			if _, err := admin.Exec(ctxT(t), tc.sql); sqlState(err) != tc.code {
+			if _, err := admin.Exec(ctxT(t), tc.sql); pgtest.SQLState(err) != tc.code {
 				t.Fatalf("%s: %v, want %s", tc.sql, err, tc.code)
 			}
 			e.unchanged(t, before)
@@ -689,7 +689,7 @@ func currentRefreshAfterRestore(t *testing.T) {
 	if err := pgtest.Poll(ctxT(t), func() (bool, error) { return c.schema.Load() && c.prot.Load().Len() > 0, nil }); err != nil {
 		t.Fatalf("the catalog never listed the restored tables (%d loads): %v", c.loads.Load(), err)
 	}
-	if err := currentRun(t, conn, "update cur_t set n = n + 1"); sqlState(err) != fence.CodeFencingRequired {
+	if err := currentRun(t, conn, "update cur_t set n = n + 1"); pgtest.SQLState(err) != fence.CodeFencingRequired {
 		t.Fatalf("unfenced write: %v, want %s", err, fence.CodeFencingRequired)
 	}
 	if gate.Stats.Unfenced.Load() != 1 {
