@@ -49,6 +49,7 @@ func startFloorRelay(pgPort int) (int, int, func(), error) {
 	}
 	cmd := exec.Command(bin, strconv.Itoa(port), strconv.Itoa(pgPort))
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	cmd.Stderr = os.Stderr
 	out, err := cmd.StdoutPipe()
 	if err != nil {
 		return fail(err)

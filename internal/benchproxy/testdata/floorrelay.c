@@ -80,6 +80,7 @@ int main(int argc, char **argv) {
 					continue;
 				int u = c < MAXFD ? dial(up) : -1;
 				if (u < 0) {
+					perror("floorrelay: dial");
 					close(c);
 					continue;
 				}
@@ -97,6 +98,10 @@ int main(int argc, char **argv) {
 			ssize_t r = read(fd, buf, sizeof buf);
 			if (r > 0 && writeall(peer[fd], buf, r) == 0)
 				continue;
+			if (r < 0)
+				perror("floorrelay: read");
+			else if (r > 0)
+				perror("floorrelay: write");
 			int p = peer[fd];
 			close(fd);
 			close(p);
