@@ -202,22 +202,6 @@ func backendPID(t *testing.T, c *pgx.Conn) uint32 {
 	return pid
 }
 
-// waitLockWait waits until backend pid waits for a lock it has not been
-// granted, as pg_locks and pg_stat_activity show it.
-func (e *fenceEnv) waitLockWait(t *testing.T, pid uint32) {
-	t.Helper()
-	obs := e.direct(t)
-	err := pgtest.Poll(ctxT(t), func() (bool, error) {
-		var waiting bool
-		err := obs.QueryRow(ctxT(t), `SELECT EXISTS (SELECT 1 FROM pg_locks l JOIN pg_stat_activity a USING (pid)
-			WHERE l.pid = $1 AND NOT l.granted AND a.wait_event_type = 'Lock')`, pid).Scan(&waiting)
-		return waiting, err
-	})
-	if err != nil {
-		t.Fatalf("backend %d never waited for a lock: %v", pid, err)
-	}
-}
-
 // waitGone waits until backend pid has ended.
 func (e *fenceEnv) waitGone(t *testing.T, pid uint32) {
 	t.Helper()
@@ -362,7 +346,7 @@ func testA02(t *testing.T) {
 			l, err := fence.Acquire(ctx, bconn, "job", "b", time.Minute)
 			done <- res{l, err}
 		}()
-		e.waitLockWait(t, bpid)
+		pgtest.WaitLockWait(t, e.direct(t), bpid)
 		select {
 		case r := <-done:
 			t.Fatalf("B's acquire returned while A holds the fence: %+v", r)
@@ -423,7 +407,7 @@ func testA03(t *testing.T) {
 			_, err := tx.Exec(ctx, upsert, "job", "from A", la.Token)
 			werr <- err
 		}()
-		e.waitLockWait(t, apid)
+		pgtest.WaitLockWait(t, e.direct(t), apid)
 		if err := btx.Commit(ctx); err != nil {
 			t.Fatal(err)
 		}
