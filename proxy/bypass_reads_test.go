@@ -264,10 +264,7 @@ func testBypassReads(t *testing.T, tracked bool) {
 func readsAsyncTakeover(t *testing.T, direct *pgx.Conn, old fence.Lease) fence.Lease {
 	t.Helper()
 	ctx := ctxT(t)
-	tx, err := direct.Begin(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
+	tx := beginOK(t, direct)
 	defer tx.Rollback(ctx)
 	l := fence.Lease{JobKey: old.JobKey}
 	for _, q := range []string{"SET LOCAL synchronous_commit = off", fmt.Sprintf("SELECT fence.release('%s', %d)", old.JobKey, old.Token)} {

@@ -157,10 +157,7 @@ func TestGateSmoke(t *testing.T) {
 	}
 	// Explicit transaction, a third step.
 	execOK(t, w, "SET fence.step = 'three'")
-	tx, err := w.Begin(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
+	tx := beginOK(t, w)
 	if _, err := tx.Exec(ctx, "UPDATE results SET payload = 'third' WHERE job_key = $1", "job1"); err != nil {
 		t.Fatalf("update in tx: %v", err)
 	}
@@ -179,7 +176,7 @@ func TestGateSmoke(t *testing.T) {
 	}
 	// No metadata: FN008 from the proxy itself.
 	anon := e.worker(t, nil)
-	_, err = anon.Exec(ctx, "DELETE FROM results")
+	_, err := anon.Exec(ctx, "DELETE FROM results")
 	wantCode(t, err, fence.CodeFencingRequired)
 	if n := e.count(t, "SELECT count(*) FROM results"); n != 1 {
 		t.Fatalf("got %d rows, want 1", n)

@@ -85,10 +85,7 @@ func TestReadRoutingAsyncTakeover(t *testing.T) {
 	if err := direct.QueryRow(ctx, "SELECT pg_current_wal_insert_lsn()::text").Scan(&start); err != nil {
 		t.Fatal(err)
 	}
-	tx, err := direct.Begin(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
+	tx := beginOK(t, direct)
 	b := fence.Lease{JobKey: "job"}
 	execOK(t, tx, "SET LOCAL synchronous_commit = off")
 	execOK(t, tx, "SELECT fence.release('job', $1)", a.Token)
@@ -108,7 +105,7 @@ func TestReadRoutingAsyncTakeover(t *testing.T) {
 		t.Fatalf("read %v from the primary, want A's result (B has not written)", got)
 	}
 	rp := e.reader(t, nil, opts("job", b.Token, "-c fence.read_policy=pending")...)
-	_, _, err = where(t, rp, readResult)
+	_, _, err := where(t, rp, readResult)
 	wantCode(t, err, fence.CodePending)
 	mustWhere(t, e.reader(t, nil), readResult, false)
 
