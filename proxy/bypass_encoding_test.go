@@ -35,12 +35,7 @@ func (e *reservedEnv) encConn(t *testing.T, enc string, extra ...string) *pgconn
 	if enc != "" {
 		cfg.RuntimeParams["client_encoding"] = enc
 	}
-	c, err := pgconn.ConnectConfig(ctxT(t), cfg)
-	if err != nil {
-		t.Fatalf("connect: %v", err)
-	}
-	t.Cleanup(func() { c.Close(context.Background()) })
-	return c
+	return connectConfig(t, cfg)
 }
 
 // exec runs raw text (bytes in the session's encoding) as one simple

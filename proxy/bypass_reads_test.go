@@ -346,10 +346,5 @@ func readsPgx(t *testing.T, e *routeEnv, opts ...string) *pgx.Conn {
 	if len(opts) > 0 {
 		cfg.RuntimeParams["options"] = strings.Join(opts, " ")
 	}
-	c, err := pgx.ConnectConfig(ctxT(t), cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { c.Close(context.Background()) })
-	return c
+	return connectPgx(t, cfg)
 }

@@ -113,12 +113,7 @@ func (e *fenceEnv) worker(t *testing.T, l *fence.Lease, extra ...string) *pgx.Co
 		}
 		cfg.RuntimeParams["options"] = opts
 	}
-	c, err := pgx.ConnectConfig(ctxT(t), cfg)
-	if err != nil {
-		t.Fatalf("connect through proxy: %v", err)
-	}
-	t.Cleanup(func() { c.Close(context.Background()) })
-	return c
+	return connectPgx(t, cfg)
 }
 
 func wantCode(t *testing.T, err error, code string) {

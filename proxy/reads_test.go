@@ -266,12 +266,7 @@ func TestReadRoutingReplicaReached(t *testing.T) {
 			t.Fatal(err)
 		}
 		cfg.RuntimeParams["options"] = strings.Join(opts("job", b.Token), " ")
-		c, err := pgconn.ConnectConfig(ctx, cfg)
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { c.Close(context.Background()) })
-		return c
+		return connectConfig(t, cfg)
 	}
 	// The migrated fence.replica_reached, out of the way for the first
 	// part.
