@@ -1227,9 +1227,9 @@ func testPsql(t *testing.T) {
 			code string
 		}{
 			{"proxy_no_metadata", e.proxy.addr.Port, "", fence.CodeFencingRequired},
-			{"proxy_stale", e.proxy.addr.Port, pgoptions(stale) + " -c fence.step=other", fence.CodeStale},
+			{"proxy_stale", e.proxy.addr.Port, pgoptions(stale, "-c fence.step=other"), fence.CodeStale},
 			{"direct_no_metadata", cluster.Primary.Port, "", fence.CodeFencingRequired},
-			{"direct_stale", cluster.Primary.Port, pgoptions(stale) + " -c fence.step=other", fence.CodeStale},
+			{"direct_stale", cluster.Primary.Port, pgoptions(stale, "-c fence.step=other"), fence.CodeStale},
 		} {
 			t.Run(target.name, func(t *testing.T) {
 				out := runPsqlScript(t, target.port, e.db, "a13.sql", target.opts)

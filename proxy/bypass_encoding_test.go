@@ -27,11 +27,7 @@ func (e *reservedEnv) encConn(t *testing.T, enc string, extra ...string) *pgconn
 	if err != nil {
 		t.Fatal(err)
 	}
-	opts := pgoptions(e.lease)
-	if len(extra) > 0 {
-		opts += " " + strings.Join(extra, " ")
-	}
-	cfg.RuntimeParams["options"] = opts
+	cfg.RuntimeParams["options"] = pgoptions(e.lease, extra...)
 	if enc != "" {
 		cfg.RuntimeParams["client_encoding"] = enc
 	}

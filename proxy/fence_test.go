@@ -93,9 +93,10 @@ func (e *fenceEnv) takeover(t *testing.T, job, holder string, old fence.Lease) f
 }
 
 // pgoptions are the startup options that carry l's generation, as
-// PGOPTIONS would.
-func pgoptions(l fence.Lease) string {
-	return fmt.Sprintf("-c fence.job_key=%s -c fence.epoch=%d -c fence.token=%d", l.JobKey, l.Epoch, l.Token)
+// PGOPTIONS would, followed by extra.
+func pgoptions(l fence.Lease, extra ...string) string {
+	gen := fmt.Sprintf("-c fence.job_key=%s -c fence.epoch=%d -c fence.token=%d", l.JobKey, l.Epoch, l.Token)
+	return strings.Join(append([]string{gen}, extra...), " ")
 }
 
 // worker connects through the proxy carrying l's generation in the
@@ -107,11 +108,7 @@ func (e *fenceEnv) worker(t *testing.T, l *fence.Lease, extra ...string) *pgx.Co
 		t.Fatal(err)
 	}
 	if l != nil {
-		opts := pgoptions(*l)
-		if len(extra) > 0 {
-			opts += " " + strings.Join(extra, " ")
-		}
-		cfg.RuntimeParams["options"] = opts
+		cfg.RuntimeParams["options"] = pgoptions(*l, extra...)
 	}
 	return connectPgx(t, cfg)
 }
