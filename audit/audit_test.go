@@ -176,14 +176,7 @@ func cleanHistory(t *testing.T) *history {
 		h.leases["B"] = l
 		done <- err
 	}()
-	err = pgtest.Poll(ctx, func() (bool, error) {
-		var blocked bool
-		err := h.admin.QueryRow(ctx, `select exists (select 1 from pg_locks where pid = $1 and not granted)`, pid).Scan(&blocked)
-		return blocked, err
-	})
-	if err != nil {
-		t.Fatalf("B's takeover never waited: %v", err)
-	}
+	pgtest.WaitLockWait(t, h.admin, pid) // B's takeover waits on A's fence row lock
 	if r, err := fence.Commit(ctx, txA, a.Generation(""), fence.PayloadDigest([]byte("A1")), fence.PayloadDigestVersion); err != nil || r != fence.Committed {
 		t.Fatalf("A's receipt: got %v, %v", r, err)
 	}

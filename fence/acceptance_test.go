@@ -58,7 +58,7 @@ func TestAcceptance(t *testing.T) {
 			l, err := fence.Acquire(ctx, connB, "report", "B", time.Minute)
 			done <- acq{l, err}
 		}()
-		e.waitLockWait(pidB) // B's takeover waits on A's fence row lock
+		pgtest.WaitLockWait(t, e.admin, pidB) // B's takeover waits on A's fence row lock
 		select {
 		case r := <-done:
 			t.Fatalf("B's acquire returned while A held the fence row: %+v", r)

@@ -265,22 +265,6 @@ func writeResult(ctx context.Context, conn *pgx.Conn, iso pgx.TxIsoLevel, g fenc
 	})
 }
 
-// waitLockWait waits until backend pid is blocked on a heavyweight lock, as
-// seen in pg_stat_activity and pg_locks.
-func (e *env) waitLockWait(pid uint32) {
-	e.t.Helper()
-	err := pgtest.Poll(ctxT(e.t), func() (bool, error) {
-		var blocked bool
-		err := e.admin.QueryRow(ctxT(e.t), `select exists (
-			select 1 from pg_stat_activity a join pg_locks l on l.pid = a.pid
-			 where a.pid = $1 and a.wait_event_type = 'Lock' and not l.granted)`, pid).Scan(&blocked)
-		return blocked, err
-	})
-	if err != nil {
-		e.t.Fatalf("backend %d never blocked on a lock: %v", pid, err)
-	}
-}
-
 // wantCode fails unless err carries SQLSTATE code. Errors of class FN may
 // be a *fence.Error (from the fence API) or a raw *pgconn.PgError (from a
 // plain statement that fired the backstop).

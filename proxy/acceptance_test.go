@@ -202,22 +202,6 @@ func backendPID(t *testing.T, c *pgx.Conn) uint32 {
 	return pid
 }
 
-// waitLockWait waits until backend pid waits for a lock it has not been
-// granted, as pg_locks and pg_stat_activity show it.
-func (e *fenceEnv) waitLockWait(t *testing.T, pid uint32) {
-	t.Helper()
-	obs := e.direct(t)
-	err := pgtest.Poll(ctxT(t), func() (bool, error) {
-		var waiting bool
-		err := obs.QueryRow(ctxT(t), `SELECT EXISTS (SELECT 1 FROM pg_locks l JOIN pg_stat_activity a USING (pid)
-			WHERE l.pid = $1 AND NOT l.granted AND a.wait_event_type = 'Lock')`, pid).Scan(&waiting)
-		return waiting, err
-	})
-	if err != nil {
-		t.Fatalf("backend %d never waited for a lock: %v", pid, err)
-	}
-}
-
 // waitGone waits until backend pid has ended.
 func (e *fenceEnv) waitGone(t *testing.T, pid uint32) {
 	t.Helper()
@@ -239,12 +223,9 @@ func (e *fenceEnv) fenceRowFree(t *testing.T, job string) bool {
 	t.Helper()
 	ctx := ctxT(t)
 	c := e.direct(t)
-	tx, err := c.Begin(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
+	tx := beginOK(t, c)
 	defer tx.Rollback(ctx)
-	_, err = tx.Exec(ctx, "SELECT 1 FROM fence.fences WHERE job_key = $1 FOR UPDATE NOWAIT", job)
+	_, err := tx.Exec(ctx, "SELECT 1 FROM fence.fences WHERE job_key = $1 FOR UPDATE NOWAIT", job)
 	if pgtest.SQLState(err) == "55P03" {
 		return false
 	}
@@ -269,6 +250,17 @@ func mustWriteTx(t *testing.T, c *pgx.Conn, iso pgx.TxIsoLevel, job, payload str
 	if err := writeTx(ctxT(t), c, iso, job, payload, token); err != nil {
 		t.Fatalf("result transaction %q with token %d: %v", payload, token, err)
 	}
+}
+
+// beginOK begins a transaction on c, which must succeed; the caller
+// commits it or rolls it back.
+func beginOK(t *testing.T, c *pgx.Conn) pgx.Tx {
+	t.Helper()
+	tx, err := c.Begin(ctxT(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return tx
 }
 
 // execOK runs sql on c (a connection or a transaction), which must
@@ -345,10 +337,7 @@ func testA02(t *testing.T) {
 		// A's lease ends (it is still the fence's current token), so B
 		// may take over; A is in the middle of its result transaction.
 		la, a := e.releasedHolder(t, mode)
-		tx, err := a.Begin(ctx)
-		if err != nil {
-			t.Fatal(err)
-		}
+		tx := beginOK(t, a)
 		execOK(t, tx, upsert, "job", "from A", la.Token)
 		// B's takeover waits for A's fence row lock.
 		bconn := e.direct(t)
@@ -362,7 +351,7 @@ func testA02(t *testing.T) {
 			l, err := fence.Acquire(ctx, bconn, "job", "b", time.Minute)
 			done <- res{l, err}
 		}()
-		e.waitLockWait(t, bpid)
+		pgtest.WaitLockWait(t, e.direct(t), bpid)
 		select {
 		case r := <-done:
 			t.Fatalf("B's acquire returned while A holds the fence: %+v", r)
@@ -389,7 +378,7 @@ func testA02(t *testing.T) {
 		// step; the committed one would be answered from its receipt)
 		// is stale.
 		execOK(t, a, "SET fence.step = 'late'")
-		_, err = a.Exec(ctx, upsert, "job", "from A late", la.Token)
+		_, err := a.Exec(ctx, upsert, "job", "from A late", la.Token)
 		wantCode(t, err, fence.CodeStale)
 	})
 }
@@ -399,18 +388,12 @@ func testA03(t *testing.T) {
 		ctx := ctxT(t)
 		la, a := e.releasedHolder(t, mode)
 		apid := backendPID(t, a)
-		tx, err := a.Begin(ctx)
-		if err != nil {
-			t.Fatal(err)
-		}
+		tx := beginOK(t, a)
 		// A writes an unprotected table first: not gated yet.
 		execOK(t, tx, "INSERT INTO audit (note) VALUES ($1)", "A was here")
 		// B's takeover is in progress: its acquire holds the fence row.
 		b := e.direct(t)
-		btx, err := b.Begin(ctx)
-		if err != nil {
-			t.Fatal(err)
-		}
+		btx := beginOK(t, b)
 		defer btx.Rollback(ctx)
 		var lb fence.Lease
 		if err := btx.QueryRow(ctx, "SELECT epoch, token FROM fence.acquire('job', 'b', '1 minute')").Scan(&lb.Epoch, &lb.Token); err != nil {
@@ -423,12 +406,12 @@ func testA03(t *testing.T) {
 			_, err := tx.Exec(ctx, upsert, "job", "from A", la.Token)
 			werr <- err
 		}()
-		e.waitLockWait(t, apid)
+		pgtest.WaitLockWait(t, e.direct(t), apid)
 		if err := btx.Commit(ctx); err != nil {
 			t.Fatal(err)
 		}
 		wantCode(t, <-werr, fence.CodeStale)
-		err = tx.Commit(ctx)
+		err := tx.Commit(ctx)
 		if !errors.Is(err, pgx.ErrTxCommitRollback) && pgtest.SQLState(err) != fence.CodeStale {
 			t.Fatalf("A's COMMIT after FN001: got %v, want a rollback", err)
 		}
@@ -903,10 +886,7 @@ func testA15(t *testing.T) {
 // that it holds the job's fence row.
 func (e *fenceEnv) beginHoldingFence(t *testing.T, c *pgx.Conn, l fence.Lease) pgx.Tx {
 	t.Helper()
-	tx, err := c.Begin(ctxT(t))
-	if err != nil {
-		t.Fatal(err)
-	}
+	tx := beginOK(t, c)
 	execOK(t, tx, "INSERT INTO audit (note) VALUES ('a')")
 	execOK(t, tx, upsert, "job", "from A", l.Token)
 	if e.fenceRowFree(t, "job") {
@@ -1040,10 +1020,7 @@ func testA16Mode(t *testing.T, mode pgx.QueryExecMode) {
 		c := e.mustConnect(t, client{lease: &old, mode: mode})
 		step++
 		execOK(t, c, fmt.Sprintf("SET fence.step = 's%d'", step))
-		tx, err := c.Begin(ctx)
-		if err != nil {
-			t.Fatal(err)
-		}
+		tx := beginOK(t, c)
 		execOK(t, tx, fmt.Sprintf("SET LOCAL fence.token = %d", cur.Token))
 		if _, err := tx.Exec(ctx, upsert, "job", "set local", cur.Token); err != nil {
 			t.Fatalf("write under SET LOCAL: %v", err)
@@ -1116,12 +1093,9 @@ func testPrepareTransaction(t *testing.T) {
 		ctx := ctxT(t)
 		l := e.acquire(t, "job", "a", time.Minute)
 		c := e.mustConnect(t, client{lease: &l, mode: mode})
-		tx, err := c.Begin(ctx)
-		if err != nil {
-			t.Fatal(err)
-		}
+		tx := beginOK(t, c)
 		execOK(t, tx, upsert, "job", "2pc", l.Token)
-		_, err = tx.Exec(ctx, "PREPARE TRANSACTION 'pgfence_test'")
+		_, err := tx.Exec(ctx, "PREPARE TRANSACTION 'pgfence_test'")
 		wantCode(t, err, fence.CodeUnsupported)
 		tx.Rollback(ctx)
 		e.wantCount(t, 0, "SELECT count(*) FROM pg_prepared_xacts")
@@ -1197,10 +1171,7 @@ func testPsql(t *testing.T) {
 		la := e.acquire(t, "job", "a", time.Minute)
 		e.release(t, la)
 		// B's takeover holds the fence row while psql's write waits for it.
-		btx, err := e.direct(t).Begin(ctx)
-		if err != nil {
-			t.Fatal(err)
-		}
+		btx := beginOK(t, e.direct(t))
 		defer btx.Rollback(ctx)
 		execOK(t, btx, "SELECT fence.acquire('job', 'b', '1 minute')")
 		cmd := psqlCmd(e.proxy.addr.Port, e.db, "a03.sql", pgoptions(la), fmt.Sprintf("token=%d", la.Token))
@@ -1256,9 +1227,9 @@ func testPsql(t *testing.T) {
 			code string
 		}{
 			{"proxy_no_metadata", e.proxy.addr.Port, "", fence.CodeFencingRequired},
-			{"proxy_stale", e.proxy.addr.Port, pgoptions(stale) + " -c fence.step=other", fence.CodeStale},
+			{"proxy_stale", e.proxy.addr.Port, pgoptions(stale, "-c fence.step=other"), fence.CodeStale},
 			{"direct_no_metadata", cluster.Primary.Port, "", fence.CodeFencingRequired},
-			{"direct_stale", cluster.Primary.Port, pgoptions(stale) + " -c fence.step=other", fence.CodeStale},
+			{"direct_stale", cluster.Primary.Port, pgoptions(stale, "-c fence.step=other"), fence.CodeStale},
 		} {
 			t.Run(target.name, func(t *testing.T) {
 				out := runPsqlScript(t, target.port, e.db, "a13.sql", target.opts)

@@ -165,12 +165,7 @@ func (c *cast) connectPgx(t *testing.T, route, role string, l *fence.Lease) *pgx
 		t.Fatal(err)
 	}
 	cfg.Config = *pc
-	conn, err := pgx.ConnectConfig(ctxT(t), cfg)
-	if err != nil {
-		t.Fatalf("connect %s as %s: %v", route, role, err)
-	}
-	t.Cleanup(func() { conn.Close(context.Background()) })
-	return conn
+	return connectPgx(t, cfg)
 }
 
 // state is everything an attempt must not change, one line per fact, read

@@ -187,12 +187,7 @@ func newCurrentEnv(t *testing.T, node *pgtest.Node, db, role string) *currentEnv
 		if notices != nil {
 			cfg.OnNotice = func(_ *pgconn.PgConn, n *pgconn.Notice) { *notices = append(*notices, n.Code) }
 		}
-		conn, err := pgconn.ConnectConfig(ctxT(t), cfg)
-		if err != nil {
-			t.Fatalf("connect through the proxy as %s: %v", role, err)
-		}
-		t.Cleanup(func() { conn.Close(context.Background()) })
-		return conn
+		return connectConfig(t, cfg)
 	}
 	e.unfenced, e.fenced, e.retry, e.zombie = open(nil), open(nil), open(&e.notices), open(nil)
 	e.loads = e.catalog(t).loads.Load()

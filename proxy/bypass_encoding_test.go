@@ -27,20 +27,11 @@ func (e *reservedEnv) encConn(t *testing.T, enc string, extra ...string) *pgconn
 	if err != nil {
 		t.Fatal(err)
 	}
-	opts := pgoptions(e.lease)
-	if len(extra) > 0 {
-		opts += " " + strings.Join(extra, " ")
-	}
-	cfg.RuntimeParams["options"] = opts
+	cfg.RuntimeParams["options"] = pgoptions(e.lease, extra...)
 	if enc != "" {
 		cfg.RuntimeParams["client_encoding"] = enc
 	}
-	c, err := pgconn.ConnectConfig(ctxT(t), cfg)
-	if err != nil {
-		t.Fatalf("connect: %v", err)
-	}
-	t.Cleanup(func() { c.Close(context.Background()) })
-	return c
+	return connectConfig(t, cfg)
 }
 
 // exec runs raw text (bytes in the session's encoding) as one simple

@@ -264,10 +264,7 @@ func testBypassReads(t *testing.T, tracked bool) {
 func readsAsyncTakeover(t *testing.T, direct *pgx.Conn, old fence.Lease) fence.Lease {
 	t.Helper()
 	ctx := ctxT(t)
-	tx, err := direct.Begin(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
+	tx := beginOK(t, direct)
 	defer tx.Rollback(ctx)
 	l := fence.Lease{JobKey: old.JobKey}
 	for _, q := range []string{"SET LOCAL synchronous_commit = off", fmt.Sprintf("SELECT fence.release('%s', %d)", old.JobKey, old.Token)} {
@@ -349,10 +346,5 @@ func readsPgx(t *testing.T, e *routeEnv, opts ...string) *pgx.Conn {
 	if len(opts) > 0 {
 		cfg.RuntimeParams["options"] = strings.Join(opts, " ")
 	}
-	c, err := pgx.ConnectConfig(ctxT(t), cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { c.Close(context.Background()) })
-	return c
+	return connectPgx(t, cfg)
 }

@@ -1,7 +1,6 @@
 package proxy
 
 import (
-	"context"
 	"fmt"
 	"testing"
 	"time"
@@ -216,10 +215,5 @@ func (c *cast) connectNotices(t *testing.T, role string, l *fence.Lease, codes *
 	t.Helper()
 	cfg := c.connConfig(t, "proxy", role, l)
 	cfg.OnNotice = func(_ *pgconn.PgConn, n *pgconn.Notice) { *codes = append(*codes, n.Code) }
-	conn, err := pgconn.ConnectConfig(ctxT(t), cfg)
-	if err != nil {
-		t.Fatalf("connect proxy as %s: %v", role, err)
-	}
-	t.Cleanup(func() { conn.Close(context.Background()) })
-	return conn
+	return connectConfig(t, cfg)
 }

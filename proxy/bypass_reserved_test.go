@@ -110,10 +110,7 @@ func (e *reservedEnv) rawRefused(t *testing.T, msgs ...pgproto3.FrontendMessage)
 func (e *reservedEnv) gatedCommit(t *testing.T, c *pgx.Conn, payload string, between ...string) {
 	t.Helper()
 	ctx := ctxT(t)
-	tx, err := c.Begin(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
+	tx := beginOK(t, c)
 	defer tx.Rollback(ctx)
 	execOK(t, tx, upsert, "r", payload, e.lease.Token)
 	for _, q := range between {

@@ -93,9 +93,10 @@ func (e *fenceEnv) takeover(t *testing.T, job, holder string, old fence.Lease) f
 }
 
 // pgoptions are the startup options that carry l's generation, as
-// PGOPTIONS would.
-func pgoptions(l fence.Lease) string {
-	return fmt.Sprintf("-c fence.job_key=%s -c fence.epoch=%d -c fence.token=%d", l.JobKey, l.Epoch, l.Token)
+// PGOPTIONS would, followed by extra.
+func pgoptions(l fence.Lease, extra ...string) string {
+	gen := fmt.Sprintf("-c fence.job_key=%s -c fence.epoch=%d -c fence.token=%d", l.JobKey, l.Epoch, l.Token)
+	return strings.Join(append([]string{gen}, extra...), " ")
 }
 
 // worker connects through the proxy carrying l's generation in the
@@ -107,18 +108,9 @@ func (e *fenceEnv) worker(t *testing.T, l *fence.Lease, extra ...string) *pgx.Co
 		t.Fatal(err)
 	}
 	if l != nil {
-		opts := pgoptions(*l)
-		if len(extra) > 0 {
-			opts += " " + strings.Join(extra, " ")
-		}
-		cfg.RuntimeParams["options"] = opts
+		cfg.RuntimeParams["options"] = pgoptions(*l, extra...)
 	}
-	c, err := pgx.ConnectConfig(ctxT(t), cfg)
-	if err != nil {
-		t.Fatalf("connect through proxy: %v", err)
-	}
-	t.Cleanup(func() { c.Close(context.Background()) })
-	return c
+	return connectPgx(t, cfg)
 }
 
 func wantCode(t *testing.T, err error, code string) {
@@ -157,10 +149,7 @@ func TestGateSmoke(t *testing.T) {
 	}
 	// Explicit transaction, a third step.
 	execOK(t, w, "SET fence.step = 'three'")
-	tx, err := w.Begin(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
+	tx := beginOK(t, w)
 	if _, err := tx.Exec(ctx, "UPDATE results SET payload = 'third' WHERE job_key = $1", "job1"); err != nil {
 		t.Fatalf("update in tx: %v", err)
 	}
@@ -179,7 +168,7 @@ func TestGateSmoke(t *testing.T) {
 	}
 	// No metadata: FN008 from the proxy itself.
 	anon := e.worker(t, nil)
-	_, err = anon.Exec(ctx, "DELETE FROM results")
+	_, err := anon.Exec(ctx, "DELETE FROM results")
 	wantCode(t, err, fence.CodeFencingRequired)
 	if n := e.count(t, "SELECT count(*) FROM results"); n != 1 {
 		t.Fatalf("got %d rows, want 1", n)

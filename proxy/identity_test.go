@@ -10,7 +10,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/pgfence/pgfence/internal/pgtest"
@@ -76,10 +75,10 @@ func testBackendIdentity(t *testing.T, relay Config) {
 	// cancel nothing; the driver's own request does.
 	execOK(t, admin, "SELECT pg_advisory_lock(4242)")
 	blocked := c.Exec(ctx, "SELECT pg_advisory_lock(4242)")
-	waitingOnLock(t, admin, pid)
+	pgtest.WaitLockWait(t, admin, pid)
 	cancelRaw(t, p.addr.String(), pid, 0xdeadbeef)
 	cancelRaw(t, cluster.Primary.Addr(), pid, p.cancelSecret(pid))
-	waitingOnLock(t, admin, pid) // still waiting
+	pgtest.WaitLockWait(t, admin, pid) // still waiting
 	if err := c.CancelRequest(ctx); err != nil {
 		t.Fatal(err)
 	}
@@ -111,19 +110,6 @@ func testBackendIdentity(t *testing.T, relay Config) {
 	}
 	if p.cancelSecret(pid) != 0 {
 		t.Fatal("the ended session's cancel key is still known")
-	}
-}
-
-// waitingOnLock waits until pid waits for a lock.
-func waitingOnLock(t *testing.T, admin *pgx.Conn, pid uint32) {
-	t.Helper()
-	err := pgtest.Poll(ctxT(t), func() (bool, error) {
-		var n int
-		err := admin.QueryRow(ctxT(t), "SELECT count(*) FROM pg_locks WHERE pid = $1 AND NOT granted", pid).Scan(&n)
-		return n == 1, err
-	})
-	if err != nil {
-		t.Fatalf("backend %d not waiting on a lock: %v", pid, err)
 	}
 }
 

@@ -256,6 +256,29 @@ func connect(t testing.TB, dsn string) *pgconn.PgConn {
 	return c
 }
 
+// connectConfig connects with cfg, failing t when it cannot, and closes
+// the connection when t ends.
+func connectConfig(t testing.TB, cfg *pgconn.Config) *pgconn.PgConn {
+	t.Helper()
+	c, err := pgconn.ConnectConfig(ctxT(t), cfg)
+	if err != nil {
+		t.Fatalf("connect %s@%s:%d/%s: %v", cfg.User, cfg.Host, cfg.Port, cfg.Database, err)
+	}
+	t.Cleanup(func() { c.Close(context.Background()) })
+	return c
+}
+
+// connectPgx is connectConfig for a pgx connection.
+func connectPgx(t testing.TB, cfg *pgx.ConnConfig) *pgx.Conn {
+	t.Helper()
+	c, err := pgx.ConnectConfig(ctxT(t), cfg)
+	if err != nil {
+		t.Fatalf("connect %s@%s:%d/%s: %v", cfg.User, cfg.Host, cfg.Port, cfg.Database, err)
+	}
+	t.Cleanup(func() { c.Close(context.Background()) })
+	return c
+}
+
 func ctxT(t testing.TB) context.Context {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	t.Cleanup(cancel)

@@ -85,10 +85,7 @@ func TestReadRoutingAsyncTakeover(t *testing.T) {
 	if err := direct.QueryRow(ctx, "SELECT pg_current_wal_insert_lsn()::text").Scan(&start); err != nil {
 		t.Fatal(err)
 	}
-	tx, err := direct.Begin(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
+	tx := beginOK(t, direct)
 	b := fence.Lease{JobKey: "job"}
 	execOK(t, tx, "SET LOCAL synchronous_commit = off")
 	execOK(t, tx, "SELECT fence.release('job', $1)", a.Token)
@@ -108,7 +105,7 @@ func TestReadRoutingAsyncTakeover(t *testing.T) {
 		t.Fatalf("read %v from the primary, want A's result (B has not written)", got)
 	}
 	rp := e.reader(t, nil, opts("job", b.Token, "-c fence.read_policy=pending")...)
-	_, _, err = where(t, rp, readResult)
+	_, _, err := where(t, rp, readResult)
 	wantCode(t, err, fence.CodePending)
 	mustWhere(t, e.reader(t, nil), readResult, false)
 
@@ -269,12 +266,7 @@ func TestReadRoutingReplicaReached(t *testing.T) {
 			t.Fatal(err)
 		}
 		cfg.RuntimeParams["options"] = strings.Join(opts("job", b.Token), " ")
-		c, err := pgconn.ConnectConfig(ctx, cfg)
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { c.Close(context.Background()) })
-		return c
+		return connectConfig(t, cfg)
 	}
 	// The migrated fence.replica_reached, out of the way for the first
 	// part.

@@ -98,12 +98,7 @@ func (e *routeEnv) reader(t *testing.T, p *testProxy, opts ...string) *pgconn.Pg
 	if len(opts) > 0 {
 		cfg.RuntimeParams["options"] = strings.Join(opts, " ")
 	}
-	c, err := pgconn.ConnectConfig(ctxT(t), cfg)
-	if err != nil {
-		t.Fatalf("connect: %v", err)
-	}
-	t.Cleanup(func() { c.Close(context.Background()) })
-	return c
+	return connectConfig(t, cfg)
 }
 
 // where runs a simple query whose last column is pg_is_in_recovery() and

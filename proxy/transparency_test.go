@@ -309,11 +309,7 @@ func transcriptConn(t *testing.T, name, dsn, opts string) *transcript {
 		t.Fatal(err)
 	}
 	cfg.RuntimeParams["options"] = opts
-	c, err := pgconn.ConnectConfig(ctxT(t), cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { c.Close(ctxT(t)) })
+	c := connectConfig(t, cfg)
 	return &transcript{name: name, c: c, fe: pgproto3.NewFrontend(c.Conn(), c.Conn())}
 }
 

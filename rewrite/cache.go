@@ -314,22 +314,9 @@ func scanShape(sql string, spans *[]span) (key string, ok, literals bool) {
 			if len(b) > 0 && (b[len(b)-1] == 'e') && (len(b) < 2 || !identByte(b[len(b)-2])) {
 				return "", false, false // E'...' escape string
 			}
-			j := i + 1
-			for {
-				if j >= n {
-					return "", false, false
-				}
-				if sql[j] == '\\' {
-					return "", false, false // standard_conforming_strings off would make it an escape
-				}
-				if sql[j] == '\'' {
-					if j+1 < n && sql[j+1] == '\'' {
-						j += 2
-						continue
-					}
-					break
-				}
-				j++
+			j, closed := closingQuote(sql, i)
+			if !closed || strings.IndexByte(sql[i:j], '\\') >= 0 {
+				return "", false, false // unterminated, or a backslash: standard_conforming_strings off would make it an escape
 			}
 			b = append(b, '?')
 			literals = true
@@ -338,19 +325,9 @@ func scanShape(sql string, spans *[]span) (key string, ok, literals bool) {
 			}
 			i = j + 1
 		case c == '"':
-			j := i + 1
-			for {
-				if j >= n {
-					return "", false, false
-				}
-				if sql[j] == '"' {
-					if j+1 < n && sql[j+1] == '"' {
-						j += 2
-						continue
-					}
-					break
-				}
-				j++
+			j, closed := closingQuote(sql, i)
+			if !closed {
+				return "", false, false
 			}
 			b = append(b, sql[i:j+1]...)
 			i = j + 1
@@ -397,6 +374,24 @@ func scanShape(sql string, spans *[]span) (key string, ok, literals bool) {
 		return "", false, false
 	}
 	return key, true, literals
+}
+
+// closingQuote finds the quote that closes the quoted string literal or
+// identifier opening at sql[i] (a ' or a "), passing over the quote
+// doubled inside it; closed is false when nothing closes it.
+func closingQuote(sql string, i int) (j int, closed bool) {
+	q := sql[i]
+	for j = i + 1; j < len(sql); j++ {
+		if sql[j] != q {
+			continue
+		}
+		if j+1 < len(sql) && sql[j+1] == q {
+			j++ // a doubled quote stands for one
+			continue
+		}
+		return j, true
+	}
+	return 0, false
 }
 
 // identByte reports whether c can continue an identifier (a letter

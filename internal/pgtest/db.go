@@ -151,6 +151,26 @@ func (n *Node) MustConnect(t testing.TB, db string) *pgx.Conn {
 	return conn
 }
 
+// WaitLockWait waits until backend pid waits for a heavyweight lock it
+// has not been granted, as pg_locks and pg_stat_activity on conn (any
+// connection to the same server) show it, failing t when it does not
+// within a minute. An ordering test blocks one side on a lock and waits
+// for it with this, never with a sleep.
+func WaitLockWait(t testing.TB, conn *pgx.Conn, pid uint32) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	err := poll(ctx, func() (bool, error) {
+		var waiting bool
+		err := conn.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_locks l JOIN pg_stat_activity a USING (pid)
+			WHERE l.pid = $1 AND NOT l.granted AND a.wait_event_type = 'Lock')`, pid).Scan(&waiting)
+		return waiting, err
+	})
+	if err != nil {
+		t.Fatalf("pgtest: backend %d never waited for a lock: %v", pid, err)
+	}
+}
+
 // SQLState is the SQLSTATE err carries, or "" when it carries none.
 func SQLState(err error) string {
 	var pg *pgconn.PgError
