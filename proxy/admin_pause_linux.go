@@ -32,9 +32,10 @@ var errHold = errors.New("client message held by PAUSE")
 // loopTasks runs functions on the loop thread for other goroutines: an
 // eventfd the loop watches, and a queue.
 type loopTasks struct {
-	fd int
-	mu sync.Mutex
-	q  []func()
+	fd     int
+	mu     sync.Mutex
+	q      []func()
+	closed bool // the loop has stopped: posts are dropped
 }
 
 func (t *loopTasks) init(l *evloop) error {
@@ -50,14 +51,28 @@ func (t *loopTasks) init(l *evloop) error {
 	return nil
 }
 
-// post has f run on the loop thread soon. Any goroutine.
+// post has f run on the loop thread soon; after the loop has stopped,
+// never. Any goroutine.
 func (t *loopTasks) post(f func()) {
 	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.closed {
+		return
+	}
 	t.q = append(t.q, f)
-	t.mu.Unlock()
 	var one [8]byte
 	binary.NativeEndian.PutUint64(one[:], 1)
 	unix.Write(t.fd, one[:]) // EAGAIN only when the counter is full: an event is due anyway
+}
+
+// close closes the eventfd and drops what is still queued. Loop thread,
+// as the loop stops.
+func (t *loopTasks) close() {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	t.closed = true
+	t.q = nil
+	unix.Close(t.fd)
 }
 
 // run runs the posted functions. Loop thread.
@@ -112,7 +127,7 @@ func (l *evloop) onLoopThread(r *relay, f func() error) {
 // parkRelay parks a pass-through relay whose client's message PAUSE
 // holds (its bytes wait in c2s's pend).
 func (r *relay) parkRelay() error {
-	l := theLoop
+	l := r.l
 	wake := func() { l.tasks.post(func() { l.onLoopThread(r, func() error { return l.unhold(r) }) }) }
 	if !r.s.park(wake) {
 		wake() // resumed meanwhile

@@ -23,7 +23,9 @@ import (
 
 // The event loop relays the bytes of pass-through sessions (no Handler,
 // no read routing, no TLS) on one OS thread that waits in epoll_wait, the
-// way PgBouncer does, instead of two goroutines per session.
+// way PgBouncer does, instead of two goroutines per session. Each Server
+// owns one (serverLoop), started by its first session and stopped, its
+// epoll fd closed, by Shutdown.
 //
 // Why: with goroutines, every hop of a query (client → proxy → server and
 // back) is a netpoller wake-up of a parked goroutine, handed between OS
@@ -35,8 +37,8 @@ import (
 // The loop calls epoll_wait as a raw system call, so the runtime
 // does not hand its P to another thread on every wait (through
 // syscall.Syscall6 most of the gain is lost). The loop therefore
-// keeps one P busy; the process's GOMAXPROCS is raised by one when the loop
-// starts, so the rest of the proxy keeps the parallelism it had. The wait
+// keeps one P busy; the process's GOMAXPROCS is raised by one while a loop
+// runs, so the rest of the proxy keeps the parallelism it had. The wait
 // stays interruptible: the runtime's preemption signal ends epoll_wait
 // with EINTR, and the loop is preempted at its next function call, so it
 // never holds up a garbage collection.
@@ -48,27 +50,59 @@ import (
 // session's transaction status and in-flight count, so graceful shutdown
 // and the admin console see the same session either way.
 
-var (
-	loopOnce sync.Once
-	theLoop  *evloop
-	loopErr  error
-)
+// serverLoop is a Server's event loop: started by the first session that
+// can use it (runFast), stopped by Shutdown once every session has ended.
+// Each Server has its own; several in one process (tests) each run a loop
+// thread.
+type serverLoop struct {
+	mu      sync.Mutex
+	l       *evloop
+	err     error // newEvloop's, kept: the loop is not tried again
+	stopped bool
+}
 
-// sharedLoop returns the process's event loop, starting it on first use.
-func sharedLoop() (*evloop, error) {
-	loopOnce.Do(func() {
-		theLoop, loopErr = newEvloop()
-		if loopErr == nil {
+// errLoopStopped: the Server has shut down, and its loop with it.
+var errLoopStopped = errors.New("event loop stopped: the server has shut down")
+
+// get returns the Server's event loop, starting it on first use.
+func (sl *serverLoop) get() (*evloop, error) {
+	sl.mu.Lock()
+	defer sl.mu.Unlock()
+	switch {
+	case sl.stopped:
+		return nil, errLoopStopped
+	case sl.l == nil && sl.err == nil:
+		sl.l, sl.err = newEvloop()
+		if sl.err == nil {
 			runtime.GOMAXPROCS(runtime.GOMAXPROCS(0) + 1)
-			go theLoop.run()
+			go sl.l.run()
 		}
-	})
-	return theLoop, loopErr
+	}
+	return sl.l, sl.err
+}
+
+// stop ends the loop, if it was started, and waits until its thread has
+// closed the epoll fd; the loop is not started again. The Server calls it
+// when its sessions have ended; a relay still on the loop then ends with
+// a shutdown.
+func (sl *serverLoop) stop() {
+	sl.mu.Lock()
+	l := sl.l
+	sl.l, sl.stopped = nil, true
+	sl.mu.Unlock()
+	if l == nil {
+		return
+	}
+	l.tasks.post(func() { l.quit = true })
+	<-l.done
+	runtime.GOMAXPROCS(max(runtime.GOMAXPROCS(0)-1, 1)) // what get added
 }
 
 type evloop struct {
 	epfd int
-	woke bool // loop thread only: an event woke a client goroutine
+	woke bool          // loop thread only: an event woke a client goroutine
+	quit bool          // loop thread only: stop asked the loop to end
+	done chan struct{} // closed when run has returned, its descriptors closed
 
 	mu  sync.RWMutex
 	fds map[int32]*relay // both fds of every relay
@@ -81,7 +115,7 @@ func newEvloop() (*evloop, error) {
 	if err != nil {
 		return nil, fmt.Errorf("epoll_create1: %w", err)
 	}
-	l := &evloop{epfd: fd, fds: map[int32]*relay{}}
+	l := &evloop{epfd: fd, fds: map[int32]*relay{}, done: make(chan struct{})}
 	if err := l.tasks.init(l); err != nil {
 		syscall.Close(fd)
 		return nil, err
@@ -113,6 +147,7 @@ type pipe struct {
 // loop thread until done is sent; then only by the session goroutine.
 type relay struct {
 	s        *Session
+	l        *evloop // the loop r is on: its Server's
 	cfd, sfd int
 	c2s, s2c pipe
 	cEv, sEv uint32 // epoll interest registered for cfd and sfd
@@ -149,7 +184,7 @@ func (l *evloop) attach(s *Session) (*relay, bool) {
 	s.server.Close()
 	size := s.srv.cfg.BufferSize
 	r := &relay{
-		s: s, cfd: cfd, sfd: sfd,
+		s: s, l: l, cfd: cfd, sfd: sfd,
 		c2s:  pipe{src: cfd, dst: sfd, buf: make([]byte, size), fromClient: true},
 		s2c:  pipe{src: sfd, dst: cfd, buf: make([]byte, size)},
 		cEv:  syscall.EPOLLIN | syscall.EPOLLRDHUP,
@@ -294,7 +329,7 @@ func (l *evloop) run() {
 	last := time.Now()
 	idle := false
 	work := 0 // events (and waits) since the clock was last read
-	for {
+	for !l.quit {
 		var n int
 		var errno syscall.Errno
 		if idle {
@@ -347,6 +382,26 @@ func (l *evloop) run() {
 			last = time.Now()
 		}
 	}
+	l.close()
+}
+
+// close ends the relays still on the loop (none once the Server's
+// sessions have ended) and closes the loop's descriptors. Loop thread,
+// when stop has asked it to end.
+func (l *evloop) close() {
+	l.mu.RLock()
+	left := map[*relay]bool{}
+	for _, r := range l.fds {
+		left[r] = true
+	}
+	l.mu.RUnlock()
+	for r := range left {
+		l.end(r, errShutdown)
+	}
+	l.tasks.close()
+	syscall.Close(l.epfd)
+	runtime.UnlockOSThread()
+	close(l.done)
 }
 
 // epollWait waits up to msec milliseconds. It is a raw system call (see
@@ -682,7 +737,7 @@ func (s *Session) runFast() (error, bool) {
 	if s.srv.cfg.DisableEventLoop || s.srv.rs != nil {
 		return nil, false
 	}
-	l, err := sharedLoop()
+	l, err := s.srv.loop.get()
 	if err != nil {
 		s.log.Warn("event loop unavailable; relaying with goroutines", zap.Error(err))
 		return nil, false
@@ -977,7 +1032,7 @@ func (l *evloop) attachHalf(s *Session) (*relay, bool) {
 	}
 	syscall.CloseOnExec(crfd)
 	r := &relay{
-		s: s, cfd: cfd, sfd: sfd,
+		s: s, l: l, cfd: cfd, sfd: sfd,
 		half: &half{sEv: syscall.EPOLLIN | syscall.EPOLLRDHUP, crfd: crfd,
 			cready: make(chan struct{}, 1), stop: make(chan struct{}), cwork: make(chan struct{}, 1)},
 		max:  s.srv.cfg.MaxMessageSize,

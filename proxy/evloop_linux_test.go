@@ -624,3 +624,58 @@ func clientEventsMeanwhile(t *testing.T, p *testProxy, db string, r *relay) uint
 	}
 	return r.half.cEvents.Load() - events
 }
+
+// TestLoopPerServer: each Server relays its sessions on a loop of its
+// own, and Shutdown stops it (its thread ends, its descriptors closed)
+// while another Server's loop goes on.
+func TestLoopPerServer(t *testing.T) {
+	db := cluster.NewDatabase(t)
+	relayOf := func(p *testProxy) *relay {
+		t.Helper()
+		var r *relay
+		err := pgtest.Poll(ctxT(t), func() (bool, error) {
+			p.srv.mu.Lock()
+			defer p.srv.mu.Unlock()
+			for _, s := range p.srv.conns {
+				if s == nil {
+					continue
+				}
+				s.connMu.Lock()
+				r = s.fast
+				s.connMu.Unlock()
+				if r != nil {
+					return true, nil
+				}
+			}
+			return false, nil
+		})
+		if err != nil {
+			t.Fatalf("no session on the event loop: %v", err)
+		}
+		return r
+	}
+	p1, p2 := startProxy(t, Config{}), startProxy(t, Config{})
+	c1, c2 := connect(t, p1.dsn(db)), connect(t, p2.dsn(db))
+	wantValue(t, c1, "SELECT 'one'", "one")
+	wantValue(t, c2, "SELECT 'two'", "two")
+	r1, r2 := relayOf(p1), relayOf(p2)
+	if r1.l == nil || r1.l == r2.l {
+		t.Fatalf("the two servers' sessions are on loops %p and %p, want two loops", r1.l, r2.l)
+	}
+	c1.Close(ctxT(t))
+	if err := p1.srv.Shutdown(ctxT(t)); err != nil {
+		t.Fatalf("Shutdown: %v", err)
+	}
+	select {
+	case <-r1.l.done:
+	default:
+		t.Fatal("Shutdown returned with its loop still running")
+	}
+	if _, err := p1.srv.loop.get(); !errors.Is(err, errLoopStopped) {
+		t.Errorf("the loop after Shutdown: %v, want errLoopStopped", err)
+	}
+	wantValue(t, c2, "SELECT 'still'", "still")
+	if l, err := p2.srv.loop.get(); err != nil || l != r2.l {
+		t.Errorf("the other server's loop: %p, %v; want %p", l, err, r2.l)
+	}
+}
