@@ -101,7 +101,7 @@ func (r *relay) counted(p *pipe, n int) {
 func (l *evloop) owns(r *relay) bool {
 	l.mu.RLock()
 	defer l.mu.RUnlock()
-	return l.fds[int32(r.sfd)] == r
+	return l.byFD[int32(r.serverFD)] == r
 }
 
 // onLoopThread runs f for r on the loop thread if r is still there,
@@ -125,7 +125,7 @@ func (l *evloop) onLoopThread(r *relay, f func() error) {
 }
 
 // parkRelay parks a pass-through relay whose client's message PAUSE
-// holds (its bytes wait in c2s's pend).
+// holds (its bytes wait in toServer's heldBack).
 func (r *relay) parkRelay() error {
 	l := r.l
 	wake := func() { l.tasks.post(func() { l.onLoopThread(r, func() error { return l.unhold(r) }) }) }
@@ -137,7 +137,7 @@ func (r *relay) parkRelay() error {
 
 // unhold goes on with a parked pass-through relay's held bytes.
 func (l *evloop) unhold(r *relay) error {
-	p := &r.c2s
+	p := &r.toServer
 	if !p.held {
 		return nil
 	}
@@ -152,22 +152,22 @@ func (l *evloop) unhold(r *relay) error {
 	return l.interest(r)
 }
 
-// parkHalf parks an intercepted session whose client's message PAUSE
+// parkIntercepted parks an intercepted session whose client's message PAUSE
 // holds on the loop (the message stays in the client framer).
-func (l *evloop) parkHalf(r *relay) error {
+func (l *evloop) parkIntercepted(r *relay) error {
 	if err := l.watchClient(r, false); err != nil {
 		return err
 	}
 	wake := func() {
 		l.tasks.post(func() {
 			l.onLoopThread(r, func() error {
-				if r.half.owner.Load() {
+				if r.intercept.clientOnGoroutine.Load() {
 					return nil // the client goroutine has the client side now
 				}
 				if err := l.clientInline(r); err != nil {
 					return err
 				}
-				return l.halfInterest(r)
+				return l.interceptInterest(r)
 			})
 		})
 	}

@@ -51,7 +51,7 @@ import (
 // and the admin console see the same session either way.
 
 // serverLoop is a Server's event loop: started by the first session that
-// can use it (runFast), stopped by Shutdown once every session has ended.
+// can use it (runOnLoop), stopped by Shutdown once every session has ended.
 // Each Server has its own; several in one process (tests) each run a loop
 // thread.
 type serverLoop struct {
@@ -99,13 +99,13 @@ func (sl *serverLoop) stop() {
 }
 
 type evloop struct {
-	epfd int
-	woke bool          // loop thread only: an event woke a client goroutine
-	quit bool          // loop thread only: stop asked the loop to end
-	done chan struct{} // closed when run has returned, its descriptors closed
+	epfd          int
+	wokeGoroutine bool          // loop thread only: an event woke a client goroutine
+	quit          bool          // loop thread only: stop asked the loop to end
+	done          chan struct{} // closed when run has returned, its descriptors closed
 
-	mu  sync.RWMutex
-	fds map[int32]*relay // both fds of every relay
+	mu   sync.RWMutex
+	byFD map[int32]*relay // every relay, by each of its sockets
 
 	tasks loopTasks // functions other goroutines run on the loop thread (admin_pause_linux.go)
 }
@@ -115,7 +115,7 @@ func newEvloop() (*evloop, error) {
 	if err != nil {
 		return nil, fmt.Errorf("epoll_create1: %w", err)
 	}
-	l := &evloop{epfd: fd, fds: map[int32]*relay{}, done: make(chan struct{})}
+	l := &evloop{epfd: fd, byFD: map[int32]*relay{}, done: make(chan struct{})}
 	if err := l.tasks.init(l); err != nil {
 		syscall.Close(fd)
 		return nil, err
@@ -127,46 +127,48 @@ func newEvloop() (*evloop, error) {
 // buf[start:end] until written to dst. It tracks message framing across
 // reads without copying: left counts the body bytes of the current
 // message still to come; a header split between reads is held back in
-// buf[end:end+pend], not passed on, until it is whole, so that a message
-// the loop must not pass on (see scan) never leaves a piece behind it.
+// buf[end:end+heldBack], not passed on, until it is whole, so that a
+// message the loop must not pass on (see scan) never leaves a piece behind
+// it.
 type pipe struct {
 	src, dst   int
 	buf        []byte
 	start, end int
-	pend       int
+	heldBack   int
 	left       int
 	status     bool // the next body byte is a ReadyForQuery status
 	fromClient bool
 	// held: PAUSE holds the client's next message (admin_pause_linux.go):
-	// it and what follows wait in pend, not passed on, and the source is
-	// not read.
+	// it and what follows wait in heldBack, not passed on, and the source
+	// is not read.
 	held bool
 }
 
 // relay is one session on the loop. Its pipes are touched only by the
 // loop thread until done is sent; then only by the session goroutine.
 type relay struct {
-	s        *Session
-	l        *evloop // the loop r is on: its Server's
-	cfd, sfd int
-	c2s, s2c pipe
-	cEv, sEv uint32 // epoll interest registered for cfd and sfd
-	max      int
-	done     chan error
-	ended    sync.Once
+	s                              *Session
+	l                              *evloop // the loop r is on: its Server's
+	clientFD, serverFD             int
+	toServer, toClient             pipe
+	clientInterest, serverInterest uint32 // epoll interest registered for clientFD and serverFD
+	maxMessage                     int    // Config.MaxMessageSize
+	done                           chan error
+	ended                          sync.Once
 	// rest is what the client sent from a message over the limit on,
 	// when the session leaves the loop for it (leaveLoop).
 	rest []byte
 
 	mu     sync.Mutex // guards closed against shutdownServer
 	closed bool
-	// cEvents counts the loop's events for a pass-through relay's client
-	// socket (for observation: PAUSE must not make it spin).
-	cEvents atomic.Uint64
+	// clientEventCount counts the loop's events for a pass-through
+	// relay's client socket (for observation: PAUSE must not make it
+	// spin).
+	clientEventCount atomic.Uint64
 
-	// half is set for an intercepted session, of which the loop relays
-	// only the server→client direction (see attachHalf).
-	half *half
+	// intercept is set for an intercepted session (one with a Handler),
+	// which the loop relays message by message (see attachIntercepted).
+	intercept *interceptState
 }
 
 // attach moves s onto the loop. It reports false, leaving s untouched,
@@ -175,7 +177,7 @@ type relay struct {
 func (l *evloop) attach(s *Session) (*relay, bool) {
 	s.connMu.Lock()
 	defer s.connMu.Unlock()
-	cfd, sfd, ok := dupSockets(s)
+	clientFD, serverFD, ok := dupSockets(s)
 	if !ok {
 		return nil, false
 	}
@@ -184,16 +186,16 @@ func (l *evloop) attach(s *Session) (*relay, bool) {
 	s.server.Close()
 	size := s.srv.cfg.BufferSize
 	r := &relay{
-		s: s, l: l, cfd: cfd, sfd: sfd,
-		c2s:  pipe{src: cfd, dst: sfd, buf: make([]byte, size), fromClient: true},
-		s2c:  pipe{src: sfd, dst: cfd, buf: make([]byte, size)},
-		cEv:  syscall.EPOLLIN | syscall.EPOLLRDHUP,
-		sEv:  syscall.EPOLLIN | syscall.EPOLLRDHUP,
-		max:  s.srv.cfg.MaxMessageSize,
-		done: make(chan error, 1),
+		s: s, l: l, clientFD: clientFD, serverFD: serverFD,
+		toServer:       pipe{src: clientFD, dst: serverFD, buf: make([]byte, size), fromClient: true},
+		toClient:       pipe{src: serverFD, dst: clientFD, buf: make([]byte, size)},
+		clientInterest: syscall.EPOLLIN | syscall.EPOLLRDHUP,
+		serverInterest: syscall.EPOLLIN | syscall.EPOLLRDHUP,
+		maxMessage:     s.srv.cfg.MaxMessageSize,
+		done:           make(chan error, 1),
 	}
-	s.fast = r
-	return l.publish(r, epollReg{cfd, r.cEv}, epollReg{sfd, r.sEv})
+	s.loopRelay = r
+	return l.publish(r, epollReg{clientFD, r.clientInterest}, epollReg{serverFD, r.serverInterest})
 }
 
 // epollReg is a socket and the events to watch it for.
@@ -204,10 +206,10 @@ type epollReg struct {
 
 // sockets are the file descriptors the loop finds r by.
 func (r *relay) sockets() []int {
-	if r.half != nil {
-		return []int{r.cfd, r.sfd, r.half.crfd}
+	if r.intercept != nil {
+		return []int{r.clientFD, r.serverFD, r.intercept.clientReadFD}
 	}
-	return []int{r.cfd, r.sfd}
+	return []int{r.clientFD, r.serverFD}
 }
 
 // publish registers fds for events and lets the loop find r by its
@@ -233,7 +235,7 @@ func (l *evloop) publish(r *relay, regs ...epollReg) (*relay, bool) {
 	}
 	l.mu.Lock()
 	for _, fd := range r.sockets() {
-		l.fds[int32(fd)] = r
+		l.byFD[int32(fd)] = r
 	}
 	l.mu.Unlock()
 	add(true)
@@ -244,7 +246,7 @@ func (l *evloop) publish(r *relay, regs ...epollReg) (*relay, bool) {
 // caller holds s.connMu. It reports false, having changed nothing, for a
 // TLS connection, an upstream already closed, or bytes already buffered
 // by the goroutine path.
-func dupSockets(s *Session) (cfd, sfd int, ok bool) {
+func dupSockets(s *Session) (clientFD, serverFD int, ok bool) {
 	if s.sf.r.Buffered() > 0 || s.sw.Buffered() > 0 || s.cw.Buffered() > 0 || s.cf.r.Buffered() > 0 {
 		return -1, -1, false
 	}
@@ -253,15 +255,15 @@ func dupSockets(s *Session) (cfd, sfd int, ok bool) {
 	if !ok1 || !ok2 || s.serverClosed {
 		return -1, -1, false
 	}
-	cfd, err := dupConn(cc)
+	clientFD, err := dupConn(cc)
 	if err != nil {
 		return -1, -1, false
 	}
-	if sfd, err = dupConn(sc); err != nil {
-		syscall.Close(cfd)
+	if serverFD, err = dupConn(sc); err != nil {
+		syscall.Close(clientFD)
 		return -1, -1, false
 	}
-	return cfd, sfd, true
+	return clientFD, serverFD, true
 }
 
 // dupConn returns a duplicate of c's file descriptor (non-blocking, like
@@ -297,7 +299,7 @@ func (l *evloop) ctl(op, fd int, events uint32) error {
 func (l *evloop) forget(r *relay) {
 	l.mu.Lock()
 	for _, fd := range r.sockets() {
-		delete(l.fds, int32(fd))
+		delete(l.byFD, int32(fd))
 	}
 	l.mu.Unlock()
 }
@@ -367,17 +369,17 @@ func (l *evloop) run() {
 				continue
 			}
 			l.mu.RLock()
-			r := l.fds[ev.Fd]
+			r := l.byFD[ev.Fd]
 			l.mu.RUnlock()
 			if r == nil {
 				continue // ended earlier in this batch
 			}
 			l.event(r, int(ev.Fd), ev.Events)
 		}
-		if l.woke {
+		if l.wokeGoroutine {
 			// A client goroutine was woken: yield so that it runs now,
 			// rather than after another thread steals it from this P.
-			l.woke = false
+			l.wokeGoroutine = false
 			runtime.Gosched()
 			last = time.Now()
 		}
@@ -391,7 +393,7 @@ func (l *evloop) run() {
 func (l *evloop) close() {
 	l.mu.RLock()
 	left := map[*relay]bool{}
-	for _, r := range l.fds {
+	for _, r := range l.byFD {
 		left[r] = true
 	}
 	l.mu.RUnlock()
@@ -434,28 +436,28 @@ func rawIO(trap uintptr, fd int, b []byte) (int, error) {
 const readable = syscall.EPOLLIN | syscall.EPOLLRDHUP | syscall.EPOLLHUP | syscall.EPOLLERR
 
 func (l *evloop) event(r *relay, fd int, ev uint32) {
-	if r.half != nil {
-		l.halfEvent(r, fd, ev)
+	if r.intercept != nil {
+		l.interceptEvent(r, fd, ev)
 		return
 	}
 	var err error
-	if fd == r.cfd {
-		r.cEvents.Add(1)
-		if r.c2s.held && ev&(syscall.EPOLLHUP|syscall.EPOLLERR) != 0 {
+	if fd == r.clientFD {
+		r.clientEventCount.Add(1)
+		if r.toServer.held && ev&(syscall.EPOLLHUP|syscall.EPOLLERR) != 0 {
 			err = fmt.Errorf("client: %w", io.EOF) // gone while PAUSE held it
 		}
 		if err == nil && ev&syscall.EPOLLOUT != 0 {
-			err = r.flush(&r.s2c)
+			err = r.flush(&r.toClient)
 		}
 		if err == nil && ev&readable != 0 {
-			err = r.pump(&r.c2s)
+			err = r.pump(&r.toServer)
 		}
 	} else {
 		if ev&syscall.EPOLLOUT != 0 {
-			err = r.flush(&r.c2s)
+			err = r.flush(&r.toServer)
 		}
 		if err == nil && ev&readable != 0 {
-			err = r.pump(&r.s2c)
+			err = r.pump(&r.toClient)
 		}
 	}
 	if err == nil {
@@ -486,7 +488,7 @@ func (l *evloop) interest(r *relay) error {
 		var e uint32
 		if !in.held { // PAUSE holds the client: do not read it
 			e = syscall.EPOLLRDHUP
-			if in.end+in.pend < len(in.buf) {
+			if in.end+in.heldBack < len(in.buf) {
 				e |= syscall.EPOLLIN
 			}
 		}
@@ -495,17 +497,17 @@ func (l *evloop) interest(r *relay) error {
 		}
 		return e
 	}
-	if e := want(&r.c2s, &r.s2c); e != r.cEv {
-		if err := l.ctl(syscall.EPOLL_CTL_MOD, r.cfd, e); err != nil {
+	if e := want(&r.toServer, &r.toClient); e != r.clientInterest {
+		if err := l.ctl(syscall.EPOLL_CTL_MOD, r.clientFD, e); err != nil {
 			return err
 		}
-		r.cEv = e
+		r.clientInterest = e
 	}
-	if e := want(&r.s2c, &r.c2s); e != r.sEv {
-		if err := l.ctl(syscall.EPOLL_CTL_MOD, r.sfd, e); err != nil {
+	if e := want(&r.toClient, &r.toServer); e != r.serverInterest {
+		if err := l.ctl(syscall.EPOLL_CTL_MOD, r.serverFD, e); err != nil {
 			return err
 		}
-		r.sEv = e
+		r.serverInterest = e
 	}
 	return nil
 }
@@ -515,15 +517,15 @@ func (r *relay) pump(p *pipe) error {
 	if p.held {
 		return nil // PAUSE holds it; RESUME goes on (unhold)
 	}
-	if p.end+p.pend == len(p.buf) && p.start > 0 {
-		copy(p.buf, p.buf[p.start:p.end+p.pend])
+	if p.end+p.heldBack == len(p.buf) && p.start > 0 {
+		copy(p.buf, p.buf[p.start:p.end+p.heldBack])
 		p.end -= p.start
 		p.start = 0
 	}
-	if p.end+p.pend == len(p.buf) {
+	if p.end+p.heldBack == len(p.buf) {
 		return nil // full: the destination is slow; EPOLLOUT resumes us
 	}
-	n, err := rawIO(syscall.SYS_READ, p.src, p.buf[p.end+p.pend:])
+	n, err := rawIO(syscall.SYS_READ, p.src, p.buf[p.end+p.heldBack:])
 	if err == syscall.EAGAIN || err == syscall.EINTR {
 		return nil
 	}
@@ -545,21 +547,21 @@ func (r *relay) pump(p *pipe) error {
 	return stop
 }
 
-// take scans the n bytes just read into p (after the pend bytes of a
+// take scans the n bytes just read into p (after the heldBack bytes of a
 // header held back) and passes on what scan accepts. A partial header at
 // the end is held back; from a message the session must leave the loop
 // for, everything is kept in r.rest.
 func (r *relay) take(p *pipe, n int) error {
-	b := p.buf[p.end : p.end+p.pend+n]
+	b := p.buf[p.end : p.end+p.heldBack+n]
 	cut, stop := r.scan(p, b)
 	p.end += cut
-	p.pend = len(b) - cut
+	p.heldBack = len(b) - cut
 	switch stop {
 	case errLeaveLoop:
 		r.rest = append(r.rest[:0], b[cut:]...)
-		p.pend = 0
+		p.heldBack = 0
 	case errHold:
-		// The held message and what follows it wait in pend.
+		// The held message and what follows it wait in heldBack.
 		p.held, stop = true, r.parkRelay()
 	}
 	return stop
@@ -577,8 +579,8 @@ func (r *relay) flush(p *pipe) error {
 		return fmt.Errorf("%s: %w", side, err)
 	}
 	if p.start == p.end {
-		if p.pend > 0 {
-			copy(p.buf, p.buf[p.end:p.end+p.pend])
+		if p.heldBack > 0 {
+			copy(p.buf, p.buf[p.end:p.end+p.heldBack])
 		}
 		p.start, p.end = 0, 0
 	}
@@ -657,7 +659,7 @@ func (r *relay) scan(p *pipe, b []byte) (int, error) {
 		if s.holdMessage(h[0]) {
 			return i, errHold
 		}
-		typ, total, err := parseHeader(h, r.max, "client")
+		typ, total, err := parseHeader(h, r.maxMessage, "client")
 		switch {
 		case errors.Is(err, ErrMessageTooLarge) && answerable(typ):
 			s.releaseMessage(false) // handled again, on the goroutine path
@@ -689,7 +691,7 @@ func (r *relay) shutdownServer() {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if !r.closed {
-		syscall.Shutdown(r.sfd, syscall.SHUT_RDWR)
+		syscall.Shutdown(r.serverFD, syscall.SHUT_RDWR)
 	}
 }
 
@@ -701,14 +703,14 @@ func (r *relay) finish(msg []byte) {
 	r.mu.Lock()
 	r.closed = true
 	r.mu.Unlock()
-	blockingWrite(r.sfd, r.c2s.buf[r.c2s.start:r.c2s.end], 100*time.Millisecond)
-	blockingWrite(r.sfd, []byte{'X', 0, 0, 0, 4}, 100*time.Millisecond)
-	syscall.Close(r.sfd)
-	blockingWrite(r.cfd, r.s2c.buf[r.s2c.start:r.s2c.end], time.Second)
+	blockingWrite(r.serverFD, r.toServer.buf[r.toServer.start:r.toServer.end], 100*time.Millisecond)
+	blockingWrite(r.serverFD, []byte{'X', 0, 0, 0, 4}, 100*time.Millisecond)
+	syscall.Close(r.serverFD)
+	blockingWrite(r.clientFD, r.toClient.buf[r.toClient.start:r.toClient.end], time.Second)
 	if msg != nil {
-		blockingWrite(r.cfd, msg, time.Second)
+		blockingWrite(r.clientFD, msg, time.Second)
 	}
-	syscall.Close(r.cfd)
+	syscall.Close(r.clientFD)
 }
 
 // blockingWrite writes b to fd, waiting up to d for room.
@@ -731,9 +733,9 @@ func blockingWrite(fd int, b []byte, d time.Duration) {
 	}
 }
 
-// runFast runs s on the loop until it ends; it returns false (having done
+// runOnLoop runs s on the loop until it ends; it returns false (having done
 // nothing) when s must use the goroutine path.
-func (s *Session) runFast() (error, bool) {
+func (s *Session) runOnLoop() (error, bool) {
 	if s.srv.cfg.DisableEventLoop || s.srv.rs != nil {
 		return nil, false
 	}
@@ -743,7 +745,7 @@ func (s *Session) runFast() (error, bool) {
 		return nil, false
 	}
 	if s.h != nil {
-		return s.runHalf(l)
+		return s.runIntercepted(l)
 	}
 	r, ok := l.attach(s)
 	if !ok {
@@ -769,11 +771,11 @@ func (s *Session) runFast() (error, bool) {
 func (s *Session) leaveLoop(r *relay) error {
 	s.connMu.Lock()
 	defer s.connMu.Unlock()
-	client, err := fdConn(r.cfd)
+	client, err := fdConn(r.clientFD)
 	if err != nil {
 		return fmt.Errorf("leave the event loop: %w", err)
 	}
-	server, err := fdConn(r.sfd)
+	server, err := fdConn(r.serverFD)
 	if err != nil {
 		client.Close()
 		return fmt.Errorf("leave the event loop: %w", err)
@@ -781,15 +783,15 @@ func (s *Session) leaveLoop(r *relay) error {
 	r.mu.Lock()
 	r.closed = true // the relay's own descriptors are closed
 	r.mu.Unlock()
-	c2s, s2c := &r.c2s, &r.s2c
-	s.fast, s.client, s.server = nil, client, server
+	toServer, toClient := &r.toServer, &r.toClient
+	s.loopRelay, s.client, s.server = nil, client, server
 	s.cf.r.Reset(io.MultiReader(bytes.NewReader(r.rest), client))
-	s.sf.r.Reset(io.MultiReader(bytes.NewReader(s2c.buf[s2c.end:s2c.end+s2c.pend]), server))
+	s.sf.r.Reset(io.MultiReader(bytes.NewReader(toClient.buf[toClient.end:toClient.end+toClient.heldBack]), server))
 	s.sw.Reset(server)
 	s.cw.Reset(client)
-	s.sw.Write(c2s.buf[c2s.start:c2s.end])
-	s.cw.Write(s2c.buf[s2c.start:s2c.end])
-	s.resume.left, s.resume.status = s2c.left, s2c.status
+	s.sw.Write(toServer.buf[toServer.start:toServer.end])
+	s.cw.Write(toClient.buf[toClient.start:toClient.end])
+	s.resume.left, s.resume.status = toClient.left, toClient.status
 	return nil
 }
 
@@ -808,8 +810,8 @@ func fdConn(fd int) (net.Conn, error) {
 // Handler may wait for the answer to an earlier request), so it has a
 // goroutine, but a LoopClient Handler's messages are handled on the loop
 // as well (clientInline) until one must wait: that one (ErrWait) and
-// those after it go to the goroutine (halfClient), which gives the client
-// back to the loop once its socket is empty. A Handler that is not a
+// those after it go to the goroutine (interceptClient), which gives the
+// client back to the loop once its socket is empty. A Handler that is not a
 // LoopClient keeps its client side on the goroutine for good
 // (Session.clientLoop). Both sockets leave Go's netpoller: the goroutine
 // reads the client itself and, when it must wait for bytes, re-arms the
@@ -817,59 +819,61 @@ func fdConn(fd int) (net.Conn, error) {
 // once, so it runs on the loop's own thread instead of waking another (on
 // a small VM a thread's wake-up costs tens of microseconds). The goroutine
 // writes the server itself, blocking; the loop never blocks: what a socket
-// does not take waits (out for the client, sout for the server) and the
-// other side is not read until it has gone.
+// does not take waits (clientPending for the client, serverPending for
+// the server) and the other side is not read until it has gone.
 //
 // The Handler's ServerMessage runs on the loop thread, so it must not
 // block (fenceSession's holds its mutex only for short bookkeeping); a
 // panic in either handler ends that session only.
 
-// half is the loop's state for an intercepted session.
-type half struct {
-	big   bigMessage
-	armed bool   // the server socket may be read (once) in this event
-	out   []byte // bytes for the client its socket has not taken yet
-	sEv   uint32 // epoll interest registered for the server socket
-	cReg  bool   // the client socket is registered (for EPOLLOUT)
-	// paused: the server is not read until the client takes what waits
-	// (for observation: tests).
-	paused atomic.Bool
+// interceptState is the loop's state for an intercepted session.
+type interceptState struct {
+	big                bigMessage
+	serverReadArmed    bool   // the server socket may be read (once) in this event
+	clientPending      []byte // bytes for the client its socket has not taken yet
+	serverInterest     uint32 // epoll interest registered for the server socket
+	clientWriteWatched bool   // the client socket is registered (for EPOLLOUT)
+	// serverReadsPaused: the server is not read until the client takes
+	// what waits in clientPending (for observation: tests).
+	serverReadsPaused atomic.Bool
 
-	// The client's reads: crfd, another duplicate of the client socket,
-	// is watched one-shot for the client goroutine, which the loop wakes
-	// through cready (and runs on its own thread: see run); stop ends a
-	// wait at the session's end.
-	crfd   int
-	cready chan struct{}
-	stop   chan struct{}
+	// The client's reads: clientReadFD, another duplicate of the client
+	// socket, is watched one-shot for the client goroutine, which the
+	// loop wakes through clientReady (and runs on its own thread: see
+	// run); stop ends a wait at the session's end.
+	clientReadFD int
+	clientReady  chan struct{}
+	stop         chan struct{}
 
 	// A LoopClient Handler's client messages are handled on the loop
 	// too (clientInline), until one must wait: then it and what follows
-	// go to the client goroutine (cwork), which hands the client back
-	// when the socket is empty. owner says who has the client side now;
-	// its atomic store and load order the hand-back.
-	inline bool        // a LoopClient: fixed when attached
-	owner  atomic.Bool // true: the client goroutine
-	cArmed bool        // the loop may read the client (once) in this event
-	// cLevel: crfd is watched level-triggered (clientLevel), as it is
-	// while the loop owns the client side and reads it; otherwise
-	// one-shot. Only the loop thread (or attachHalf, before the loop can
-	// see the session) reads or writes it.
-	cLevel bool
-	// cEvents counts the loop's events for crfd (for observation: a
-	// watch left armed while the client is not read would spin).
-	cEvents atomic.Uint64
-	block   bool   // client goroutine: wait for the client's bytes
-	sout    []byte // bytes for the server its socket has not taken yet (inline)
-	// spaused: the client is not read until the server takes sout (for
-	// observation: tests).
-	spaused atomic.Bool
-	cwork   chan struct{}
+	// go to the client goroutine (clientWork), which hands the client back
+	// when the socket is empty. clientOnGoroutine says who has the client
+	// side now; its atomic store and load order the hand-back.
+	inlineClient      bool        // a LoopClient: fixed when attached
+	clientOnGoroutine atomic.Bool // true: the client goroutine; false: the loop
+	clientReadArmed   bool        // the loop may read the client (once) in this event
+	// clientLevelTriggered: clientReadFD is watched level-triggered
+	// (clientLevel), as it is while the loop owns the client side and
+	// reads it; otherwise one-shot. Only the loop thread (or
+	// attachIntercepted, before the loop can see the session) reads or
+	// writes it.
+	clientLevelTriggered bool
+	// clientEventCount counts the loop's events for clientReadFD (for
+	// observation: a watch left armed while the client is not read would
+	// spin).
+	clientEventCount atomic.Uint64
+	blockingRead     bool   // client goroutine: wait for the client's bytes
+	serverPending    []byte // bytes for the server its socket has not taken yet (inline)
+	// clientReadsPaused: the client is not read until the server takes
+	// serverPending (for observation: tests).
+	clientReadsPaused atomic.Bool
+	clientWork        chan struct{}
 }
 
 // errHandoff ends clientSteps on the loop: the next message must be
 // handled on the client goroutine. errPaused ends it while the server
-// has not taken what waits in sout.
+// has not taken what waits in serverPending.
 var (
 	errHandoff = errors.New("client message handed to the client goroutine")
 	errPaused  = errors.New("client paused until the server takes what waits")
@@ -884,22 +888,22 @@ type clientReader struct {
 }
 
 func (cr clientReader) Read(b []byte) (int, error) {
-	h := cr.r.half
+	ic := cr.r.intercept
 	if cr.r.s.onLoop {
-		return armedRead(h.crfd, &h.cArmed, b) // as loopReader
+		return armedRead(ic.clientReadFD, &ic.clientReadArmed, b) // as loopServerReader
 	}
 	for {
 		ready := true // the goroutine reads whenever it is asked to
-		n, err := armedRead(h.crfd, &ready, b)
-		if err != errWouldBlock || !h.block {
+		n, err := armedRead(ic.clientReadFD, &ready, b)
+		if err != errWouldBlock || !ic.blockingRead {
 			return n, err // errWouldBlock between messages: back to the loop
 		}
-		if err := cr.l.ctl(syscall.EPOLL_CTL_MOD, h.crfd, clientWatch); err != nil {
+		if err := cr.l.ctl(syscall.EPOLL_CTL_MOD, ic.clientReadFD, clientWatch); err != nil {
 			return 0, err
 		}
 		select {
-		case <-h.cready:
-		case <-h.stop:
+		case <-ic.clientReady:
+		case <-ic.stop:
 			return 0, errSessionClosing
 		}
 	}
@@ -919,12 +923,12 @@ const (
 	clientOff   = syscall.EPOLLONESHOT
 )
 
-// loopReader is the server framer's reader on the loop: one read per
+// loopServerReader is the server framer's reader on the loop: one read per
 // readable event, errWouldBlock otherwise.
-type loopReader struct{ r *relay }
+type loopServerReader struct{ r *relay }
 
-func (lr loopReader) Read(b []byte) (int, error) {
-	return armedRead(lr.r.sfd, &lr.r.half.armed, b)
+func (lr loopServerReader) Read(b []byte) (int, error) {
+	return armedRead(lr.r.serverFD, &lr.r.intercept.serverReadArmed, b)
 }
 
 // armedRead reads the non-blocking socket fd once if *armed (the loop
@@ -947,12 +951,13 @@ func armedRead(fd int, armed *bool, b []byte) (int, error) {
 	return n, nil
 }
 
-// loopWriter is the client writer's destination on the loop: it writes
-// what the socket takes and keeps the rest in out, never blocking.
-type loopWriter struct{ r *relay }
+// loopClientWriter is the client writer's destination on the loop: it writes
+// what the socket takes and keeps the rest in clientPending, never
+// blocking.
+type loopClientWriter struct{ r *relay }
 
-func (lw loopWriter) Write(b []byte) (int, error) {
-	if err := writeOrHold(lw.r.cfd, &lw.r.half.out, b); err != nil {
+func (lw loopClientWriter) Write(b []byte) (int, error) {
+	if err := writeOrHold(lw.r.clientFD, &lw.r.intercept.clientPending, b); err != nil {
 		return 0, err
 	}
 	return len(b), nil
@@ -981,20 +986,20 @@ type serverWriter struct{ r *relay }
 
 func (sw serverWriter) Write(b []byte) (int, error) {
 	if sw.r.s.onLoop {
-		// On the loop: what the socket does not take waits in sout,
+		// On the loop: what the socket does not take waits in serverPending,
 		// and the client is not read until it has gone.
-		if err := writeOrHold(sw.r.sfd, &sw.r.half.sout, b); err != nil {
+		if err := writeOrHold(sw.r.serverFD, &sw.r.intercept.serverPending, b); err != nil {
 			return 0, err
 		}
 		return len(b), nil
 	}
 	n := 0
 	for {
-		k, err := writeAvail(sw.r.sfd, b[n:])
+		k, err := writeAvail(sw.r.serverFD, b[n:])
 		if n += k; err != nil || n == len(b) {
 			return n, err
 		}
-		fds := []unix.PollFd{{Fd: int32(sw.r.sfd), Events: unix.POLLOUT}}
+		fds := []unix.PollFd{{Fd: int32(sw.r.serverFD), Events: unix.POLLOUT}}
 		if _, err := unix.Poll(fds, -1); err != nil && err != unix.EINTR {
 			return n, err
 		}
@@ -1009,34 +1014,34 @@ func (r *relay) terminateServer() {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if !r.closed {
-		rawIO(syscall.SYS_WRITE, r.sfd, []byte{'X', 0, 0, 0, 4})
-		syscall.Shutdown(r.sfd, syscall.SHUT_RDWR)
+		rawIO(syscall.SYS_WRITE, r.serverFD, []byte{'X', 0, 0, 0, 4})
+		syscall.Shutdown(r.serverFD, syscall.SHUT_RDWR)
 	}
 }
 
-// attachHalf moves an intercepted session s onto the loop (its client
+// attachIntercepted moves an intercepted session s onto the loop (its client
 // side too, for a LoopClient Handler). It reports false, leaving s
 // untouched, when it cannot (TLS, or bytes already buffered).
-func (l *evloop) attachHalf(s *Session) (*relay, bool) {
+func (l *evloop) attachIntercepted(s *Session) (*relay, bool) {
 	s.connMu.Lock()
 	defer s.connMu.Unlock()
-	cfd, sfd, ok := dupSockets(s)
+	clientFD, serverFD, ok := dupSockets(s)
 	if !ok {
 		return nil, false
 	}
-	crfd, err := syscall.Dup(cfd)
+	clientReadFD, err := syscall.Dup(clientFD)
 	if err != nil {
-		syscall.Close(cfd)
-		syscall.Close(sfd)
+		syscall.Close(clientFD)
+		syscall.Close(serverFD)
 		return nil, false
 	}
-	syscall.CloseOnExec(crfd)
+	syscall.CloseOnExec(clientReadFD)
 	r := &relay{
-		s: s, l: l, cfd: cfd, sfd: sfd,
-		half: &half{sEv: syscall.EPOLLIN | syscall.EPOLLRDHUP, crfd: crfd,
-			cready: make(chan struct{}, 1), stop: make(chan struct{}), cwork: make(chan struct{}, 1)},
-		max:  s.srv.cfg.MaxMessageSize,
-		done: make(chan error, 1),
+		s: s, l: l, clientFD: clientFD, serverFD: serverFD,
+		intercept: &interceptState{serverInterest: syscall.EPOLLIN | syscall.EPOLLRDHUP, clientReadFD: clientReadFD,
+			clientReady: make(chan struct{}, 1), stop: make(chan struct{}), clientWork: make(chan struct{}, 1)},
+		maxMessage: s.srv.cfg.MaxMessageSize,
+		done:       make(chan error, 1),
 	}
 	// Both sockets leave Go's netpoller, or every response would wake it
 	// as well as the loop. The client goroutine reads the client
@@ -1045,28 +1050,28 @@ func (l *evloop) attachHalf(s *Session) (*relay, bool) {
 	s.server.Close()
 	s.client.Close()
 	s.cf.r.Reset(clientReader{l, r})
-	s.sf.r.Reset(loopReader{r})
-	s.cw.Reset(loopWriter{r})
+	s.sf.r.Reset(loopServerReader{r})
+	s.cw.Reset(loopClientWriter{r})
 	s.sw.Reset(serverWriter{r})
-	s.fast = r
-	cEv := uint32(clientWatch)
+	s.loopRelay = r
+	clientInterest := uint32(clientWatch)
 	if lc, ok := s.h.(LoopClient); ok && lc.LoopClient() {
-		r.half.inline = true
-		r.half.cLevel = true
-		cEv = clientLevel
+		r.intercept.inlineClient = true
+		r.intercept.clientLevelTriggered = true
+		clientInterest = clientLevel
 	} else {
 		// The client side is the goroutine's for good, and it waits.
-		r.half.owner.Store(true)
-		r.half.block = true
+		r.intercept.clientOnGoroutine.Store(true)
+		r.intercept.blockingRead = true
 	}
-	// The client's writes are watched only while out holds bytes.
-	return l.publish(r, epollReg{crfd, cEv}, epollReg{sfd, r.half.sEv})
+	// The client's writes are watched only while clientPending holds bytes.
+	return l.publish(r, epollReg{clientReadFD, clientInterest}, epollReg{serverFD, r.intercept.serverInterest})
 }
 
-// halfEvent handles an event of an intercepted session: the server
+// interceptEvent handles an event of an intercepted session: the server
 // socket is readable (or closed), or the client socket has room for what
-// waits in out.
-func (l *evloop) halfEvent(r *relay, fd int, ev uint32) {
+// waits in clientPending.
+func (l *evloop) interceptEvent(r *relay, fd int, ev uint32) {
 	err := func() (err error) {
 		defer func() {
 			if p := recover(); p != nil {
@@ -1074,27 +1079,27 @@ func (l *evloop) halfEvent(r *relay, fd int, ev uint32) {
 				err = fmt.Errorf("server loop panic: %v", p)
 			}
 		}()
-		h := r.half
-		if fd == h.crfd {
-			h.cEvents.Add(1)
-			if !h.owner.Load() {
-				h.cArmed = true
+		ic := r.intercept
+		if fd == ic.clientReadFD {
+			ic.clientEventCount.Add(1)
+			if !ic.clientOnGoroutine.Load() {
+				ic.clientReadArmed = true
 				err := l.clientInline(r)
-				h.cArmed = false
+				ic.clientReadArmed = false
 				return err
 			}
 			select {
-			case h.cready <- struct{}{}:
+			case ic.clientReady <- struct{}{}:
 			default:
 			}
-			l.woke = true
+			l.wokeGoroutine = true
 			return nil
 		}
-		if fd == r.sfd && ev&syscall.EPOLLOUT != 0 {
-			if err := drainHeld(r.sfd, &h.sout, r.s.cf.r.Size()); err != nil {
+		if fd == r.serverFD && ev&syscall.EPOLLOUT != 0 {
+			if err := drainHeld(r.serverFD, &ic.serverPending, r.s.cf.r.Size()); err != nil {
 				return fmt.Errorf("server: %w", err)
 			}
-			if len(h.sout) == 0 && !h.owner.Load() {
+			if len(ic.serverPending) == 0 && !ic.clientOnGoroutine.Load() {
 				// Go on with the client's messages held meanwhile.
 				if err := l.clientInline(r); err != nil {
 					return err
@@ -1104,22 +1109,22 @@ func (l *evloop) halfEvent(r *relay, fd int, ev uint32) {
 				return nil
 			}
 		}
-		if fd == r.cfd {
-			if err := drainHeld(r.cfd, &h.out, r.s.sf.r.Size()); err != nil {
+		if fd == r.clientFD {
+			if err := drainHeld(r.clientFD, &ic.clientPending, r.s.sf.r.Size()); err != nil {
 				return fmt.Errorf("client: %w", err)
 			}
-			if len(h.out) >= r.s.sf.r.Size() {
+			if len(ic.clientPending) >= r.s.sf.r.Size() {
 				return nil
 			}
-			return r.serverSteps(false) // messages held while out was full
+			return r.serverSteps(false) // messages held while clientPending was full
 		}
-		h.armed = true
+		ic.serverReadArmed = true
 		// The server closed (or shutdown closed it): take what is left
 		// even if the client is slow, so the end is seen.
 		return r.serverSteps(ev&(syscall.EPOLLRDHUP|syscall.EPOLLHUP|syscall.EPOLLERR) != 0)
 	}()
 	if err == nil {
-		err = l.halfInterest(r)
+		err = l.interceptInterest(r)
 	}
 	if err != nil {
 		l.end(r, err)
@@ -1131,7 +1136,7 @@ func (l *evloop) halfEvent(r *relay, fd int, ev uint32) {
 // no room for more, or one must wait: that one goes to the client
 // goroutine.
 func (l *evloop) clientInline(r *relay) error {
-	s, h := r.s, r.half
+	s, ic := r.s, r.intercept
 	s.onLoop = true
 	err := func() error {
 		defer func() { s.onLoop = false }() // a Handler's panic too
@@ -1139,15 +1144,15 @@ func (l *evloop) clientInline(r *relay) error {
 	}()
 	switch err {
 	case errWouldBlock:
-		if len(h.sout) > 0 {
-			// Read on once the server has taken it (halfEvent).
+		if len(ic.serverPending) > 0 {
+			// Read on once the server has taken it (interceptEvent).
 			return l.watchClient(r, false)
 		}
 		return l.watchClient(r, true)
 	case errPaused:
 		return l.watchClient(r, false)
 	case errHold:
-		return l.parkHalf(r) // admin_pause_linux.go
+		return l.parkIntercepted(r) // admin_pause_linux.go
 	case errHandoff:
 		// The goroutine reads the client now and arms the one-shot
 		// watch itself when it must wait.
@@ -1155,9 +1160,9 @@ func (l *evloop) clientInline(r *relay) error {
 			return err
 		}
 		s.srv.ops.stats.ClientHandoffs.Add(1)
-		h.owner.Store(true)
-		h.cwork <- struct{}{}
-		l.woke = true
+		ic.clientOnGoroutine.Store(true)
+		ic.clientWork <- struct{}{}
+		l.wokeGoroutine = true
 		return nil
 	}
 	return err
@@ -1167,18 +1172,18 @@ func (l *evloop) clientInline(r *relay) error {
 // level-triggered (reads on) or disarmed (reads off), changing the
 // registration only when it differs. Loop thread only.
 func (l *evloop) watchClient(r *relay, on bool) error {
-	h := r.half
-	if h.cLevel == on {
+	ic := r.intercept
+	if ic.clientLevelTriggered == on {
 		return nil
 	}
 	ev := uint32(clientOff)
 	if on {
 		ev = clientLevel
 	}
-	if err := l.ctl(syscall.EPOLL_CTL_MOD, h.crfd, ev); err != nil {
+	if err := l.ctl(syscall.EPOLL_CTL_MOD, ic.clientReadFD, ev); err != nil {
 		return err
 	}
-	h.cLevel = on
+	ic.clientLevelTriggered = on
 	return nil
 }
 
@@ -1187,10 +1192,10 @@ func (l *evloop) watchClient(r *relay, on bool) error {
 // goroutine after a hand-off. It returns errWouldBlock when the client
 // has nothing more (a message may be partly read: it stays buffered).
 func (r *relay) clientSteps() error {
-	s, h := r.s, r.half
+	s, ic := r.s, r.intercept
 	size := s.cf.r.Size()
 	for {
-		if s.onLoop && len(h.sout) > 0 {
+		if s.onLoop && len(ic.serverPending) > 0 {
 			return errPaused
 		}
 		typ, total, err := s.nextClient()
@@ -1212,9 +1217,9 @@ func (r *relay) clientSteps() error {
 		}
 		// A message larger than the buffer is read whole, waiting for
 		// it; a smaller one not yet whole stays buffered (errWouldBlock).
-		h.block = big
+		ic.blockingRead = big
 		err = s.clientMessage(typ, total, size)
-		h.block = false
+		ic.blockingRead = false
 		s.releaseMessage(err == nil) // otherwise it is handled again
 		switch {
 		case err == nil:
@@ -1233,28 +1238,28 @@ func (r *relay) clientSteps() error {
 }
 
 // handoff is what clientSteps returns on the loop for a message that
-// must go to the client goroutine. Not while bytes wait in sout: the
-// goroutine writes the server directly, which would pass them. (sout
+// must go to the client goroutine. Not while bytes wait in serverPending: the
+// goroutine writes the server directly, which would pass them. (serverPending
 // only grows within a message's own writes, and clientSteps stops at the
 // next message then, so this is a guard for that invariant.) The message
 // stays unread (ErrWait: nothing was done) and is handled again once the
 // server has taken them.
 func (r *relay) handoff() error {
-	if len(r.half.sout) > 0 {
+	if len(r.intercept.serverPending) > 0 {
 		return errPaused
 	}
 	return errHandoff
 }
 
-// halfClient is the client goroutine of a LoopClient session: it handles
+// interceptClient is the client goroutine of a LoopClient session: it handles
 // the client's messages from a hand-off until the client has nothing
 // more, then gives the client back to the loop.
-func (r *relay) halfClient(l *evloop) error {
-	h := r.half
+func (r *relay) interceptClient(l *evloop) error {
+	ic := r.intercept
 	for {
 		select {
-		case <-h.cwork:
-		case <-h.stop:
+		case <-ic.clientWork:
+		case <-ic.stop:
 			return errSessionClosing
 		}
 		if err := r.clientSteps(); err != errWouldBlock {
@@ -1263,9 +1268,10 @@ func (r *relay) halfClient(l *evloop) error {
 		// Hand back: the one-shot watch, armed after the store, wakes the
 		// loop for the next bytes (the loop then makes it level-triggered:
 		// watchClient). Nothing else makes the loop change the watch
-		// meanwhile: sout is empty while the goroutine owns the client.
-		h.owner.Store(false)
-		if err := l.ctl(syscall.EPOLL_CTL_MOD, h.crfd, clientWatch); err != nil {
+		// meanwhile: serverPending is empty while the goroutine owns the
+		// client.
+		ic.clientOnGoroutine.Store(false)
+		if err := l.ctl(syscall.EPOLL_CTL_MOD, ic.clientReadFD, clientWatch); err != nil {
 			return err
 		}
 	}
@@ -1274,17 +1280,17 @@ func (r *relay) halfClient(l *evloop) error {
 // serverSteps forwards the server messages that have arrived, while the
 // client keeps up (or always, with force), then flushes.
 func (r *relay) serverSteps(force bool) error {
-	s, h := r.s, r.half
+	s, ic := r.s, r.intercept
 	limit := s.sf.r.Size()
-	for force || len(h.out) < limit {
-		if err := s.serverMessage(&h.big); err != nil {
+	for force || len(ic.clientPending) < limit {
+		if err := s.serverMessage(&ic.big); err != nil {
 			if err == errWouldBlock {
 				break
 			}
 			return err
 		}
 	}
-	h.armed = false
+	ic.serverReadArmed = false
 	return s.cw.Flush()
 }
 
@@ -1308,44 +1314,44 @@ func drainHeld(fd int, held *[]byte, size int) error {
 	return nil
 }
 
-// halfInterest keeps the registrations in step with out: the server is
-// read while out has room, the client socket is watched while out holds
-// bytes.
-func (l *evloop) halfInterest(r *relay) error {
-	h := r.half
-	var sEv uint32 = syscall.EPOLLRDHUP
-	if len(h.out) < r.s.sf.r.Size() {
-		sEv |= syscall.EPOLLIN
+// interceptInterest keeps the registrations in step with clientPending:
+// the server is read while it has room, the client socket is watched
+// while it holds bytes.
+func (l *evloop) interceptInterest(r *relay) error {
+	ic := r.intercept
+	var serverInterest uint32 = syscall.EPOLLRDHUP
+	if len(ic.clientPending) < r.s.sf.r.Size() {
+		serverInterest |= syscall.EPOLLIN
 	}
-	if len(h.sout) > 0 {
-		sEv |= syscall.EPOLLOUT
+	if len(ic.serverPending) > 0 {
+		serverInterest |= syscall.EPOLLOUT
 	}
-	if sEv != h.sEv {
-		if err := l.ctl(syscall.EPOLL_CTL_MOD, r.sfd, sEv); err != nil {
+	if serverInterest != ic.serverInterest {
+		if err := l.ctl(syscall.EPOLL_CTL_MOD, r.serverFD, serverInterest); err != nil {
 			return err
 		}
-		h.sEv = sEv
-		h.paused.Store(sEv&syscall.EPOLLIN == 0)
-		h.spaused.Store(sEv&syscall.EPOLLOUT != 0)
+		ic.serverInterest = serverInterest
+		ic.serverReadsPaused.Store(serverInterest&syscall.EPOLLIN == 0)
+		ic.clientReadsPaused.Store(serverInterest&syscall.EPOLLOUT != 0)
 	}
-	if want := len(h.out) > 0; want != h.cReg {
+	if want := len(ic.clientPending) > 0; want != ic.clientWriteWatched {
 		op := syscall.EPOLL_CTL_DEL
 		if want {
 			op = syscall.EPOLL_CTL_ADD
 		}
-		if err := l.ctl(op, r.cfd, syscall.EPOLLOUT); err != nil {
+		if err := l.ctl(op, r.clientFD, syscall.EPOLLOUT); err != nil {
 			return err
 		}
-		h.cReg = want
+		ic.clientWriteWatched = want
 	}
 	return nil
 }
 
-// runHalf runs an intercepted session with its server side on the loop
+// runIntercepted runs an intercepted session with its server side on the loop
 // (the client side on a goroutine); it returns false, having done
 // nothing, when the session must use goroutines for both.
-func (s *Session) runHalf(l *evloop) (error, bool) {
-	r, ok := l.attachHalf(s)
+func (s *Session) runIntercepted(l *evloop) (error, bool) {
+	r, ok := l.attachIntercepted(s)
 	if !ok {
 		return nil, false
 	}
@@ -1354,15 +1360,15 @@ func (s *Session) runHalf(l *evloop) (error, bool) {
 	var wg sync.WaitGroup
 	wg.Add(2)
 	client := s.clientLoop
-	if r.half.inline {
-		client = func() error { return r.halfClient(l) }
+	if r.intercept.inlineClient {
+		client = func() error { return r.interceptClient(l) }
 	}
 	go func() { defer wg.Done(); errc <- s.guard("client", client) }()
 	go func() { defer wg.Done(); errc <- <-r.done }()
 	err := <-errc
 	close(s.closing)
 	s.closeServer()
-	close(r.half.stop)
+	close(r.intercept.stop)
 	wg.Wait()
 	msg, err := s.endReason(err, <-errc)
 	// The loop has let go of r: what is still buffered for the client is
@@ -1371,13 +1377,13 @@ func (s *Session) runHalf(l *evloop) (error, bool) {
 	r.closed = true
 	r.mu.Unlock()
 	s.cw.Flush()
-	blockingWrite(r.cfd, r.half.out, time.Second)
+	blockingWrite(r.clientFD, r.intercept.clientPending, time.Second)
 	if msg != nil {
-		blockingWrite(r.cfd, msg, time.Second)
+		blockingWrite(r.clientFD, msg, time.Second)
 	}
-	syscall.Close(r.sfd)
-	syscall.Close(r.cfd)
-	syscall.Close(r.half.crfd)
+	syscall.Close(r.serverFD)
+	syscall.Close(r.clientFD)
+	syscall.Close(r.intercept.clientReadFD)
 	s.q.drain()
 	s.h.Close(s)
 	return err, true

@@ -3,7 +3,7 @@
 package proxy
 
 // relay is the event loop's session state; the loop exists on Linux only.
-type relay struct{ half *struct{} }
+type relay struct{ intercept *struct{} }
 
 func (r *relay) shutdownServer()  {}
 func (r *relay) terminateServer() {}
@@ -13,5 +13,5 @@ type serverLoop struct{}
 
 func (*serverLoop) stop() {}
 
-// runFast reports false: elsewhere sessions always use goroutines.
-func (s *Session) runFast() (error, bool) { return nil, false }
+// runOnLoop reports false: elsewhere sessions always use goroutines.
+func (s *Session) runOnLoop() (error, bool) { return nil, false }
