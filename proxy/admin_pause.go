@@ -43,7 +43,7 @@ import (
 // commands that wait.
 type dbControl struct {
 	// active: a pause (of all or of some databases) is in effect; the
-	// relay's fast check.
+	// relays' cheap check (one atomic load per message).
 	active atomic.Bool
 	// waiters counts console commands waiting for sessions (PAUSE,
 	// WAIT_CLOSE): while non-zero, sessions signal becoming idle and

@@ -32,9 +32,10 @@ var errHold = errors.New("client message held by PAUSE")
 // loopTasks runs functions on the loop thread for other goroutines: an
 // eventfd the loop watches, and a queue.
 type loopTasks struct {
-	fd int
-	mu sync.Mutex
-	q  []func()
+	fd     int
+	mu     sync.Mutex
+	q      []func()
+	closed bool // the loop has stopped: posts are dropped
 }
 
 func (t *loopTasks) init(l *evloop) error {
@@ -50,14 +51,28 @@ func (t *loopTasks) init(l *evloop) error {
 	return nil
 }
 
-// post has f run on the loop thread soon. Any goroutine.
+// post has f run on the loop thread soon; after the loop has stopped,
+// never. Any goroutine.
 func (t *loopTasks) post(f func()) {
 	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.closed {
+		return
+	}
 	t.q = append(t.q, f)
-	t.mu.Unlock()
 	var one [8]byte
 	binary.NativeEndian.PutUint64(one[:], 1)
 	unix.Write(t.fd, one[:]) // EAGAIN only when the counter is full: an event is due anyway
+}
+
+// close closes the eventfd and drops what is still queued. Loop thread,
+// as the loop stops.
+func (t *loopTasks) close() {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	t.closed = true
+	t.q = nil
+	unix.Close(t.fd)
 }
 
 // run runs the posted functions. Loop thread.
@@ -86,7 +101,7 @@ func (r *relay) counted(p *pipe, n int) {
 func (l *evloop) owns(r *relay) bool {
 	l.mu.RLock()
 	defer l.mu.RUnlock()
-	return l.fds[int32(r.sfd)] == r
+	return l.byFD[int32(r.serverFD)] == r
 }
 
 // onLoopThread runs f for r on the loop thread if r is still there,
@@ -110,9 +125,9 @@ func (l *evloop) onLoopThread(r *relay, f func() error) {
 }
 
 // parkRelay parks a pass-through relay whose client's message PAUSE
-// holds (its bytes wait in c2s's pend).
+// holds (its bytes wait in toServer's heldBack).
 func (r *relay) parkRelay() error {
-	l := theLoop
+	l := r.l
 	wake := func() { l.tasks.post(func() { l.onLoopThread(r, func() error { return l.unhold(r) }) }) }
 	if !r.s.park(wake) {
 		wake() // resumed meanwhile
@@ -122,7 +137,7 @@ func (r *relay) parkRelay() error {
 
 // unhold goes on with a parked pass-through relay's held bytes.
 func (l *evloop) unhold(r *relay) error {
-	p := &r.c2s
+	p := &r.toServer
 	if !p.held {
 		return nil
 	}
@@ -137,22 +152,22 @@ func (l *evloop) unhold(r *relay) error {
 	return l.interest(r)
 }
 
-// parkHalf parks an intercepted session whose client's message PAUSE
+// parkIntercepted parks an intercepted session whose client's message PAUSE
 // holds on the loop (the message stays in the client framer).
-func (l *evloop) parkHalf(r *relay) error {
+func (l *evloop) parkIntercepted(r *relay) error {
 	if err := l.watchClient(r, false); err != nil {
 		return err
 	}
 	wake := func() {
 		l.tasks.post(func() {
 			l.onLoopThread(r, func() error {
-				if r.half.owner.Load() {
+				if r.intercept.clientOnGoroutine.Load() {
 					return nil // the client goroutine has the client side now
 				}
 				if err := l.clientInline(r); err != nil {
 					return err
 				}
-				return l.halfInterest(r)
+				return l.interceptInterest(r)
 			})
 		})
 	}

@@ -5,12 +5,12 @@ package proxy
 func clientEvents(ss *Session) uint64 {
 	ss.connMu.Lock()
 	defer ss.connMu.Unlock()
-	switch r := ss.fast; {
+	switch r := ss.loopRelay; {
 	case r == nil:
 		return 0
-	case r.half != nil:
-		return r.half.cEvents.Load()
+	case r.intercept != nil:
+		return r.intercept.clientEventCount.Load()
 	default:
-		return r.cEvents.Load()
+		return r.clientEventCount.Load()
 	}
 }

@@ -155,7 +155,7 @@ type Config struct {
 
 	// DisableEventLoop relays pass-through sessions (no Interceptor, no
 	// read routing, no TLS) with two goroutines each instead of the
-	// shared epoll loop thread (Linux only; see evloop_linux.go). For
+	// Server's epoll loop thread (Linux only; see evloop_linux.go). For
 	// diagnosis: both paths behave the same; the loop is faster.
 	DisableEventLoop bool
 

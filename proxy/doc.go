@@ -17,10 +17,11 @@
 //
 // # The wire loop
 //
-// Without the event loop (evloop_linux.go, which relays most sessions on
-// Linux on one thread), each Session runs two goroutines: client→server
-// (clientLoop) and server→client (serverLoop). The first to end closes
-// both connections; run waits for both. Each direction frames messages out of a large
+// Without the event loop (evloop_linux.go: on Linux each Server relays
+// most sessions on one thread of its own), each Session runs two
+// goroutines: client→server (clientLoop) and server→client (serverLoop).
+// The first to end closes both connections; run waits for both. Each
+// direction frames messages out of a large
 // bufio.Reader (framer) by decoding only the 5-byte header, and writes
 // them into a bufio.Writer for the other side. The writer is flushed
 // exactly when the reader has no complete input left (framer.fill), so

@@ -61,7 +61,7 @@ func FuzzLoopFraming(f *testing.F) {
 			break
 		}
 
-		r := &relay{s: &Session{srv: &Server{}}, max: int(max)}
+		r := &relay{s: &Session{srv: &Server{}}, maxMessage: int(max)}
 		p := &pipe{fromClient: true, buf: make([]byte, len(in)+headerLen)}
 		off := 0
 		var end error
@@ -70,7 +70,7 @@ func FuzzLoopFraming(f *testing.F) {
 			if i < len(cuts) {
 				n = min(n, int(cuts[i])+1)
 			}
-			copy(p.buf[p.end+p.pend:], in[off:off+n])
+			copy(p.buf[p.end+p.heldBack:], in[off:off+n])
 			before := p.end
 			end = r.take(p, n)
 			if p.end < before || p.end > off+n {
@@ -98,9 +98,9 @@ func FuzzLoopFraming(f *testing.F) {
 	})
 }
 
-// halfRelay returns the relay of the only session of p whose server side
+// interceptedRelay returns the relay of the only session of p whose server side
 // is on the event loop (an intercepted session), once there is one.
-func halfRelay(t *testing.T, p *testProxy) *relay {
+func interceptedRelay(t *testing.T, p *testProxy) *relay {
 	t.Helper()
 	var r *relay
 	err := pgtest.Poll(ctxT(t), func() (bool, error) {
@@ -111,9 +111,9 @@ func halfRelay(t *testing.T, p *testProxy) *relay {
 				continue
 			}
 			s.connMu.Lock()
-			f := s.fast
+			f := s.loopRelay
 			s.connMu.Unlock()
-			if f != nil && f.half != nil {
+			if f != nil && f.intercept != nil {
 				r = f
 				return true, nil
 			}
@@ -151,10 +151,10 @@ func TestHalfLoopSlowClient(t *testing.T) {
 	db := cluster.NewDatabase(t)
 	ctx := ctxT(t)
 	slow := connect(t, p.dsn(db))
-	r := halfRelay(t, p)
+	r := interceptedRelay(t, p)
 
 	sendRaw(t, slow, bigResult)
-	if err := pgtest.Poll(ctx, func() (bool, error) { return r.half.paused.Load(), nil }); err != nil {
+	if err := pgtest.Poll(ctx, func() (bool, error) { return r.intercept.serverReadsPaused.Load(), nil }); err != nil {
 		t.Fatalf("the loop never paused the server of a client that does not read: %v", err)
 	}
 	// Another session is served meanwhile.
@@ -186,7 +186,7 @@ func TestHalfLoopSlowClient(t *testing.T) {
 	if rows != 20000 {
 		t.Fatalf("got %d rows, want 20000", rows)
 	}
-	if r.half.paused.Load() {
+	if r.intercept.serverReadsPaused.Load() {
 		t.Fatal("still paused after the client read everything")
 	}
 	wantValue(t, slow, "SELECT 'again'", "again")
@@ -199,9 +199,9 @@ func TestHalfLoopShutdownWhilePaused(t *testing.T) {
 	p := startProxy(t, Config{Interceptor: newGate(t), BufferSize: 4096})
 	db := cluster.NewDatabase(t)
 	slow := connect(t, p.dsn(db))
-	r := halfRelay(t, p)
+	r := interceptedRelay(t, p)
 	sendRaw(t, slow, bigResult)
-	if err := pgtest.Poll(ctxT(t), func() (bool, error) { return r.half.paused.Load(), nil }); err != nil {
+	if err := pgtest.Poll(ctxT(t), func() (bool, error) { return r.intercept.serverReadsPaused.Load(), nil }); err != nil {
 		t.Fatalf("not paused: %v", err)
 	}
 	sctx, cancel := context.WithTimeout(context.Background(), 500*time.Millisecond)
@@ -359,7 +359,7 @@ func TestHalfLoopInlineClient(t *testing.T) {
 	db := cluster.NewDatabase(t)
 	ctx := ctxT(t)
 	c := connect(t, p.dsn(db))
-	r := halfRelay(t, p)
+	r := interceptedRelay(t, p)
 	handoffs := &p.srv.ops.stats.ClientHandoffs
 
 	for _, sql := range []string{
@@ -387,7 +387,7 @@ func TestHalfLoopInlineClient(t *testing.T) {
 	if n := handoffs.Load(); n != 1 {
 		t.Fatalf("%d client messages handed off, want 1 (the pipelined INSERT)", n)
 	}
-	if err := pgtest.Poll(ctx, func() (bool, error) { return !r.half.owner.Load(), nil }); err != nil {
+	if err := pgtest.Poll(ctx, func() (bool, error) { return !r.intercept.clientOnGoroutine.Load(), nil }); err != nil {
 		t.Fatalf("the client never returned to the loop: %v", err)
 	}
 	res, err := c.Exec(ctx, "SELECT count(*), current_setting('fence.step') FROM t").ReadAll()
@@ -421,14 +421,14 @@ func TestHalfLoopSlowServer(t *testing.T) {
 	}
 	werr := make(chan error, 1)
 	go func() { _, err := c.Conn().Write(raw); werr <- err }()
-	if err := pgtest.Poll(ctx, func() (bool, error) { return r.half.spaused.Load(), nil }); err != nil {
+	if err := pgtest.Poll(ctx, func() (bool, error) { return r.intercept.clientReadsPaused.Load(), nil }); err != nil {
 		t.Fatalf("the loop never held a client whose server does not read: %v", err)
 	}
 	// While held, the client's socket is not watched: its unread bytes
 	// must not wake the loop again and again (a level-triggered watch
 	// left on would). Another session's round trips pass meanwhile.
-	if d := clientEventsMeanwhile(t, p, db, r); d > 0 || !r.half.spaused.Load() {
-		t.Errorf("while the client was held (%v): %d events for its socket, want 0", r.half.spaused.Load(), d)
+	if d := clientEventsMeanwhile(t, p, db, r); d > 0 || !r.intercept.clientReadsPaused.Load() {
+		t.Errorf("while the client was held (%v): %d events for its socket, want 0", r.intercept.clientReadsPaused.Load(), d)
 	}
 	mustExec(t, holder, "SELECT pg_advisory_unlock(42)")
 
@@ -472,7 +472,7 @@ func TestHalfLoopSlowServer(t *testing.T) {
 	if n := p.srv.ops.stats.ClientHandoffs.Load(); n != 1 {
 		t.Fatalf("%d client messages handed off, want 1 (the INSERT behind the SET)", n)
 	}
-	if r.half.spaused.Load() {
+	if r.intercept.clientReadsPaused.Load() {
 		t.Fatal("still holding the client after the server took everything")
 	}
 	wantValue(t, c, "SELECT 'again'", "again")
@@ -490,37 +490,38 @@ func TestHalfLoopHandoffUnwatched(t *testing.T) {
 	// The INSERT must wait for the SET's answer, which waits behind the
 	// lock: it goes to the client goroutine, which blocks.
 	sendQueries(t, c, "SELECT pg_advisory_lock(42)", "SET fence.step = 'b'", "INSERT INTO t VALUES (1)")
-	if err := pgtest.Poll(ctx, func() (bool, error) { return r.half.owner.Load(), nil }); err != nil {
+	if err := pgtest.Poll(ctx, func() (bool, error) { return r.intercept.clientOnGoroutine.Load(), nil }); err != nil {
 		t.Fatalf("the write was never handed to the client goroutine: %v", err)
 	}
 	// More bytes from the client, which nobody reads until the lock goes.
 	sendQueries(t, c, "SELECT 'after'")
-	if d := clientEventsMeanwhile(t, p, db, r); d > 0 || !r.half.owner.Load() {
-		t.Errorf("while the client goroutine waited (owner %v): %d events for the client's socket, want 0", r.half.owner.Load(), d)
+	if d := clientEventsMeanwhile(t, p, db, r); d > 0 || !r.intercept.clientOnGoroutine.Load() {
+		t.Errorf("while the client goroutine waited (on the goroutine: %v): %d events for the client's socket, want 0", r.intercept.clientOnGoroutine.Load(), d)
 	}
 	mustExec(t, holder, "SELECT pg_advisory_unlock(42)")
 	if got := strings.Join(commandTags(t, c, 4), ","); got != "SELECT 1,SET,INSERT 0 1,SELECT 1" {
 		t.Fatalf("command tags %s, want SELECT 1,SET,INSERT 0 1,SELECT 1", got)
 	}
-	if err := pgtest.Poll(ctx, func() (bool, error) { return !r.half.owner.Load(), nil }); err != nil {
+	if err := pgtest.Poll(ctx, func() (bool, error) { return !r.intercept.clientOnGoroutine.Load(), nil }); err != nil {
 		t.Fatalf("the client never returned to the loop: %v", err)
 	}
 	wantValue(t, c, "SELECT 'again'", "again")
 }
 
-// TestHandoffWaitsForSout: a message is not handed to the client
-// goroutine while bytes for the server wait in sout (the goroutine writes
-// the server directly and would pass them): the loop pauses the client
-// instead, and hands off once sout is empty. clientSteps keeps sout empty
-// at every hand-off today; this pins the guard for that invariant.
-func TestHandoffWaitsForSout(t *testing.T) {
-	r := &relay{half: &half{sout: []byte("Q")}}
+// TestHandoffWaitsForServerPending: a message is not handed to the
+// client goroutine while bytes for the server wait in serverPending (the
+// goroutine writes the server directly and would pass them): the loop
+// pauses the client instead, and hands off once serverPending is empty.
+// clientSteps keeps serverPending empty at every hand-off today; this
+// pins the guard for that invariant.
+func TestHandoffWaitsForServerPending(t *testing.T) {
+	r := &relay{intercept: &interceptState{serverPending: []byte("Q")}}
 	if err := r.handoff(); err != errPaused {
-		t.Errorf("hand-off with %d bytes in sout: %v, want errPaused", len(r.half.sout), err)
+		t.Errorf("hand-off with %d bytes in serverPending: %v, want errPaused", len(r.intercept.serverPending), err)
 	}
-	r.half.sout = r.half.sout[:0]
+	r.intercept.serverPending = r.intercept.serverPending[:0]
 	if err := r.handoff(); err != errHandoff {
-		t.Errorf("hand-off with sout empty: %v, want errHandoff", err)
+		t.Errorf("hand-off with serverPending empty: %v, want errHandoff", err)
 	}
 }
 
@@ -535,7 +536,7 @@ func TestHalfLoopCopyFrom(t *testing.T) {
 	l := e.acquire(t, "copyjob", "a", time.Minute)
 	w := e.worker(t, &l)
 	handoffs := &e.proxy.srv.ops.stats.ClientHandoffs
-	halfRelay(t, e.proxy)
+	interceptedRelay(t, e.proxy)
 
 	tag, err := w.PgConn().CopyFrom(ctx, strings.NewReader("one\ntwo\n"), "COPY audit (note) FROM STDIN")
 	if err != nil || tag.RowsAffected() != 2 {
@@ -607,7 +608,7 @@ func lockedGateSession(t *testing.T) (p *testProxy, db string, holder, c *pgconn
 	holder = connect(t, cluster.Primary.DSN(db))
 	mustExec(t, holder, "SELECT pg_advisory_lock(42)")
 	c = connect(t, p.dsn(db))
-	r = halfRelay(t, p)
+	r = interceptedRelay(t, p)
 	mustExec(t, c, "CREATE TABLE t (v int)")
 	return p, db, holder, c, r
 }
@@ -617,10 +618,65 @@ func lockedGateSession(t *testing.T) (p *testProxy, db string, holder, c *pgconn
 // meanwhile.
 func clientEventsMeanwhile(t *testing.T, p *testProxy, db string, r *relay) uint64 {
 	t.Helper()
-	events := r.half.cEvents.Load()
+	events := r.intercept.clientEventCount.Load()
 	other := connect(t, p.dsn(db))
 	for range 20 {
 		wantValue(t, other, "SELECT 'other'", "other")
 	}
-	return r.half.cEvents.Load() - events
+	return r.intercept.clientEventCount.Load() - events
+}
+
+// TestLoopPerServer: each Server relays its sessions on a loop of its
+// own, and Shutdown stops it (its thread ends, its descriptors closed)
+// while another Server's loop goes on.
+func TestLoopPerServer(t *testing.T) {
+	db := cluster.NewDatabase(t)
+	relayOf := func(p *testProxy) *relay {
+		t.Helper()
+		var r *relay
+		err := pgtest.Poll(ctxT(t), func() (bool, error) {
+			p.srv.mu.Lock()
+			defer p.srv.mu.Unlock()
+			for _, s := range p.srv.conns {
+				if s == nil {
+					continue
+				}
+				s.connMu.Lock()
+				r = s.loopRelay
+				s.connMu.Unlock()
+				if r != nil {
+					return true, nil
+				}
+			}
+			return false, nil
+		})
+		if err != nil {
+			t.Fatalf("no session on the event loop: %v", err)
+		}
+		return r
+	}
+	p1, p2 := startProxy(t, Config{}), startProxy(t, Config{})
+	c1, c2 := connect(t, p1.dsn(db)), connect(t, p2.dsn(db))
+	wantValue(t, c1, "SELECT 'one'", "one")
+	wantValue(t, c2, "SELECT 'two'", "two")
+	r1, r2 := relayOf(p1), relayOf(p2)
+	if r1.l == nil || r1.l == r2.l {
+		t.Fatalf("the two servers' sessions are on loops %p and %p, want two loops", r1.l, r2.l)
+	}
+	c1.Close(ctxT(t))
+	if err := p1.srv.Shutdown(ctxT(t)); err != nil {
+		t.Fatalf("Shutdown: %v", err)
+	}
+	select {
+	case <-r1.l.done:
+	default:
+		t.Fatal("Shutdown returned with its loop still running")
+	}
+	if _, err := p1.srv.loop.get(); !errors.Is(err, errLoopStopped) {
+		t.Errorf("the loop after Shutdown: %v, want errLoopStopped", err)
+	}
+	wantValue(t, c2, "SELECT 'still'", "still")
+	if l, err := p2.srv.loop.get(); err != nil || l != r2.l {
+		t.Errorf("the other server's loop: %p, %v; want %p", l, err, r2.l)
+	}
 }

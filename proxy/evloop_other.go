@@ -3,10 +3,15 @@
 package proxy
 
 // relay is the event loop's session state; the loop exists on Linux only.
-type relay struct{ half *struct{} }
+type relay struct{ intercept *struct{} }
 
 func (r *relay) shutdownServer()  {}
 func (r *relay) terminateServer() {}
 
-// runFast reports false: elsewhere sessions always use goroutines.
-func (s *Session) runFast() (error, bool) { return nil, false }
+// serverLoop is a Server's event loop; there is none here.
+type serverLoop struct{}
+
+func (*serverLoop) stop() {}
+
+// runOnLoop reports false: elsewhere sessions always use goroutines.
+func (s *Session) runOnLoop() (error, bool) { return nil, false }

@@ -50,6 +50,10 @@ type Server struct {
 	ops ops // admin console, metrics, reload: admin.go, metrics.go
 
 	rs *replicas // read routing: replica positions and health (lsn.go); nil without
+
+	// loop relays its sessions on Linux (evloop_linux.go): started by
+	// the first session that can use it, stopped by Shutdown.
+	loop serverLoop
 }
 
 // cancelTarget is where a client's CancelRequest goes.
@@ -193,6 +197,7 @@ func (s *Server) untrack(c net.Conn) {
 // ended gracefully.
 func (s *Server) Shutdown(ctx context.Context) error {
 	s.draining.Store(true)
+	defer s.loop.stop()     // once the sessions have ended (wg.Wait below): evloop_linux.go
 	s.stopControl()         // admin_pause.go: ends PAUSE waits
 	defer s.closeReplicas() // route.go
 	defer s.auth.close()

@@ -87,7 +87,7 @@ type Session struct {
 	// event loop.
 	connMu       sync.Mutex
 	serverClosed bool
-	fast         *relay // set when the event loop relays the session (evloop_linux.go)
+	loopRelay    *relay // set when the event loop relays the session (evloop_linux.go)
 	// closing is closed when the session starts to end, so a Handler
 	// waiting on a Request can give up.
 	closing chan struct{}
@@ -195,7 +195,7 @@ func (s *Session) tryCloseIdle() bool {
 // connections. It returns the error that ended the session (nil for a
 // clean client exit).
 func (s *Session) run() error {
-	if err, ok := s.runFast(); ok {
+	if err, ok := s.runOnLoop(); ok {
 		return err
 	}
 	errc := make(chan error, 2)
@@ -255,11 +255,11 @@ func (s *Session) endReason(err, second error) ([]byte, error) {
 func (s *Session) closeServer() {
 	s.connMu.Lock()
 	defer s.connMu.Unlock()
-	if s.fast != nil {
-		if s.fast.half != nil {
-			s.fast.terminateServer()
+	if s.loopRelay != nil {
+		if s.loopRelay.intercept != nil {
+			s.loopRelay.terminateServer()
 		} else {
-			s.fast.shutdownServer()
+			s.loopRelay.shutdownServer()
 		}
 		return
 	}

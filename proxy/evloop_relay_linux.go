@@ -1,0 +1,353 @@
+//go:build linux
+
+package proxy
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"syscall"
+	"time"
+)
+
+// This file holds the event loop's pass-through relay (a session with no
+// Handler): its two pipes, the bytes read, framing-checked (scan) and
+// written on inline, the epoll interest kept in step with the buffers,
+// the end of the session on the loop (finish), and leaveLoop, which
+// moves a session onto goroutines for a message over the limit.
+
+// pipe is one direction of a relay: bytes read from src wait in
+// buf[start:end] until written to dst. It tracks message framing across
+// reads without copying: left counts the body bytes of the current
+// message still to come; a header split between reads is held back in
+// buf[end:end+heldBack], not passed on, until it is whole, so that a
+// message the loop must not pass on (see scan) never leaves a piece behind
+// it.
+type pipe struct {
+	src, dst   int
+	buf        []byte
+	start, end int
+	heldBack   int
+	left       int
+	status     bool // the next body byte is a ReadyForQuery status
+	fromClient bool
+	// held: PAUSE holds the client's next message (admin_pause_linux.go):
+	// it and what follows wait in heldBack, not passed on, and the source
+	// is not read.
+	held bool
+}
+
+// attach moves s onto the loop. It reports false, leaving s untouched,
+// when s cannot be relayed there (a TLS connection, bytes already
+// buffered by the goroutine path, or the upstream already closed).
+func (l *evloop) attach(s *Session) (*relay, bool) {
+	s.connMu.Lock()
+	defer s.connMu.Unlock()
+	clientFD, serverFD, ok := dupSockets(s)
+	if !ok {
+		return nil, false
+	}
+	// Out of Go's netpoller: only the loop waits on these sockets now.
+	s.client.Close()
+	s.server.Close()
+	size := s.srv.cfg.BufferSize
+	r := &relay{
+		s: s, l: l, clientFD: clientFD, serverFD: serverFD,
+		toServer:       pipe{src: clientFD, dst: serverFD, buf: make([]byte, size), fromClient: true},
+		toClient:       pipe{src: serverFD, dst: clientFD, buf: make([]byte, size)},
+		clientInterest: syscall.EPOLLIN | syscall.EPOLLRDHUP,
+		serverInterest: syscall.EPOLLIN | syscall.EPOLLRDHUP,
+		maxMessage:     s.srv.cfg.MaxMessageSize,
+		done:           make(chan error, 1),
+	}
+	s.loopRelay = r
+	return l.publish(r, epollReg{clientFD, r.clientInterest}, epollReg{serverFD, r.serverInterest})
+}
+
+func (l *evloop) event(r *relay, fd int, ev uint32) {
+	if r.intercept != nil {
+		l.interceptEvent(r, fd, ev)
+		return
+	}
+	var err error
+	if fd == r.clientFD {
+		r.clientEventCount.Add(1)
+		if r.toServer.held && ev&(syscall.EPOLLHUP|syscall.EPOLLERR) != 0 {
+			err = fmt.Errorf("client: %w", io.EOF) // gone while PAUSE held it
+		}
+		if err == nil && ev&syscall.EPOLLOUT != 0 {
+			err = r.flush(&r.toClient)
+		}
+		if err == nil && ev&readable != 0 {
+			err = r.pump(&r.toServer)
+		}
+	} else {
+		if ev&syscall.EPOLLOUT != 0 {
+			err = r.flush(&r.toServer)
+		}
+		if err == nil && ev&readable != 0 {
+			err = r.pump(&r.toClient)
+		}
+	}
+	if err == nil {
+		err = l.interest(r)
+	}
+	if err != nil {
+		l.end(r, err)
+	}
+}
+
+// interest keeps the epoll registration in step with the buffers: read a
+// side only while its pipe has room, wait for writability only while
+// bytes wait for that side. On the common path nothing changes.
+func (l *evloop) interest(r *relay) error {
+	want := func(in *pipe, out *pipe) uint32 {
+		var e uint32
+		if !in.held { // PAUSE holds the client: do not read it
+			e = syscall.EPOLLRDHUP
+			if in.end+in.heldBack < len(in.buf) {
+				e |= syscall.EPOLLIN
+			}
+		}
+		if out.start < out.end {
+			e |= syscall.EPOLLOUT
+		}
+		return e
+	}
+	if e := want(&r.toServer, &r.toClient); e != r.clientInterest {
+		if err := l.ctl(syscall.EPOLL_CTL_MOD, r.clientFD, e); err != nil {
+			return err
+		}
+		r.clientInterest = e
+	}
+	if e := want(&r.toClient, &r.toServer); e != r.serverInterest {
+		if err := l.ctl(syscall.EPOLL_CTL_MOD, r.serverFD, e); err != nil {
+			return err
+		}
+		r.serverInterest = e
+	}
+	return nil
+}
+
+// pump reads what p's source has, checks its framing and writes it on.
+func (r *relay) pump(p *pipe) error {
+	if p.held {
+		return nil // PAUSE holds it; RESUME goes on (unhold)
+	}
+	if p.end+p.heldBack == len(p.buf) && p.start > 0 {
+		copy(p.buf, p.buf[p.start:p.end+p.heldBack])
+		p.end -= p.start
+		p.start = 0
+	}
+	if p.end+p.heldBack == len(p.buf) {
+		return nil // full: the destination is slow; EPOLLOUT resumes us
+	}
+	n, err := rawIO(syscall.SYS_READ, p.src, p.buf[p.end+p.heldBack:])
+	if err == syscall.EAGAIN || err == syscall.EINTR {
+		return nil
+	}
+	side := "server"
+	if p.fromClient {
+		side = "client"
+	}
+	if err != nil {
+		return fmt.Errorf("%s: %w", side, err)
+	}
+	if n == 0 {
+		return fmt.Errorf("%s: %w", side, io.EOF)
+	}
+	r.counted(p, n) // SHOW STATS: admin_pause_linux.go
+	stop := r.take(p, n)
+	if err := r.flush(p); err != nil {
+		return err
+	}
+	return stop
+}
+
+// take scans the n bytes just read into p (after the heldBack bytes of a
+// header held back) and passes on what scan accepts. A partial header at
+// the end is held back; from a message the session must leave the loop
+// for, everything is kept in r.rest.
+func (r *relay) take(p *pipe, n int) error {
+	b := p.buf[p.end : p.end+p.heldBack+n]
+	cut, stop := r.scan(p, b)
+	p.end += cut
+	p.heldBack = len(b) - cut
+	switch stop {
+	case errLeaveLoop:
+		r.rest = append(r.rest[:0], b[cut:]...)
+		p.heldBack = 0
+	case errHold:
+		// The held message and what follows it wait in heldBack.
+		p.held, stop = true, r.parkRelay()
+	}
+	return stop
+}
+
+// flush writes p's waiting bytes as far as the destination takes them.
+func (r *relay) flush(p *pipe) error {
+	n, err := writeAvail(p.dst, p.buf[p.start:p.end])
+	p.start += n
+	if err != nil {
+		side := "client"
+		if p.fromClient {
+			side = "server"
+		}
+		return fmt.Errorf("%s: %w", side, err)
+	}
+	if p.start == p.end {
+		if p.heldBack > 0 {
+			copy(p.buf, p.buf[p.end:p.end+p.heldBack])
+		}
+		p.start, p.end = 0, 0
+	}
+	return nil
+}
+
+// errLeaveLoop ends a pass-through relay at a client message over the
+// limit: answering it needs the goroutine path (limits.go), to which the
+// session moves (leaveLoop).
+var errLeaveLoop = errors.New("client message over the limit: leaving the event loop")
+
+// scan walks the message boundaries in b, newly read into p. It returns
+// how many bytes of b to pass on and, when the session must end after
+// them, why: a protocol error, the client's Terminate, the end of a
+// graceful shutdown after a ReadyForQuery, or a client message over the
+// limit (errLeaveLoop). A header not yet whole at the end of b is not
+// passed on. It checks what the goroutine path's framer checks
+// (parseHeader, frontendTypes, Session.nextClient): FuzzLoopFraming.
+func (r *relay) scan(p *pipe, b []byte) (int, error) {
+	s := r.s
+	i := 0
+	for i < len(b) {
+		if p.left > 0 {
+			if p.status {
+				p.status = false
+				s.txStatus.Store(uint32(b[i]))
+				p.left--
+				i++
+				n := s.pending.Add(-1)
+				s.readyForQuery(n) // admin_pause.go
+				if n == 0 && s.srv.draining.Load() && s.tryCloseIdle() {
+					return i, errShutdown
+				}
+				continue
+			}
+			k := min(p.left, len(b)-i)
+			p.left -= k
+			i += k
+			continue
+		}
+		if len(b)-i < headerLen {
+			break // held back until it is whole
+		}
+		h := b[i : i+headerLen]
+		if !p.fromClient {
+			typ, total, err := parseHeader(h, 0, "server")
+			if err != nil {
+				return i, fmt.Errorf("server: %w", err)
+			}
+			p.left = total - headerLen
+			p.status = typ == 'Z' && total == headerLen+1
+			i += headerLen
+			continue
+		}
+		// A client message begins (PAUSE: admin_pause.go): it counts as
+		// in flight from here until it is accounted.
+		if s.holdMessage(h[0]) {
+			return i, errHold
+		}
+		typ, total, err := parseHeader(h, r.maxMessage, "client")
+		switch {
+		case errors.Is(err, ErrMessageTooLarge) && answerable(typ):
+			s.releaseMessage(false) // handled again, on the goroutine path
+			return i, errLeaveLoop
+		case err != nil:
+			return i, fmt.Errorf("client: %w", err)
+		case !frontendTypes[typ]:
+			return i, &ProtocolError{Code: "08P01", Msg: fmt.Sprintf("invalid frontend message type %d", typ)}
+		}
+		if !s.account(typ) {
+			return i, errShutdown
+		}
+		s.releaseMessage(true)
+		if typ == 'X' {
+			// Not passed on: finish sends the server a Terminate of its
+			// own (whatever length the client's claimed).
+			return i, errClientTerminate
+		}
+		p.left = total - headerLen
+		i += headerLen
+	}
+	return i, nil
+}
+
+// shutdownServer ends the upstream connection from another goroutine
+// (graceful shutdown): the loop sees the end of the stream and finishes
+// the session.
+func (r *relay) shutdownServer() {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if !r.closed {
+		syscall.Shutdown(r.serverFD, syscall.SHUT_RDWR)
+	}
+}
+
+// finish runs on the session goroutine once the loop has let go of r:
+// it passes on what was still buffered, tells the client why the session
+// ends when that is a protocol error or a shutdown (msg), and closes both
+// sockets.
+func (r *relay) finish(msg []byte) {
+	r.mu.Lock()
+	r.closed = true
+	r.mu.Unlock()
+	blockingWrite(r.serverFD, r.toServer.buf[r.toServer.start:r.toServer.end], 100*time.Millisecond)
+	blockingWrite(r.serverFD, []byte{'X', 0, 0, 0, 4}, 100*time.Millisecond)
+	syscall.Close(r.serverFD)
+	blockingWrite(r.clientFD, r.toClient.buf[r.toClient.start:r.toClient.end], time.Second)
+	if msg != nil {
+		blockingWrite(r.clientFD, msg, time.Second)
+	}
+	syscall.Close(r.clientFD)
+}
+
+// leaveLoop moves a pass-through session, which the loop has let go of,
+// onto the goroutine path: its sockets back into Go's netpoller, what the
+// loop read and had not passed on in front of them, and where the server
+// stream stands for the server loop (resumeServer).
+func (s *Session) leaveLoop(r *relay) error {
+	s.connMu.Lock()
+	defer s.connMu.Unlock()
+	client, err := fdConn(r.clientFD)
+	if err != nil {
+		return fmt.Errorf("leave the event loop: %w", err)
+	}
+	server, err := fdConn(r.serverFD)
+	if err != nil {
+		client.Close()
+		return fmt.Errorf("leave the event loop: %w", err)
+	}
+	r.mu.Lock()
+	r.closed = true // the relay's own descriptors are closed
+	r.mu.Unlock()
+	toServer, toClient := &r.toServer, &r.toClient
+	s.loopRelay, s.client, s.server = nil, client, server
+	s.cf.r.Reset(io.MultiReader(bytes.NewReader(r.rest), client))
+	s.sf.r.Reset(io.MultiReader(bytes.NewReader(toClient.buf[toClient.end:toClient.end+toClient.heldBack]), server))
+	s.sw.Reset(server)
+	s.cw.Reset(client)
+	s.sw.Write(toServer.buf[toServer.start:toServer.end])
+	s.cw.Write(toClient.buf[toClient.start:toClient.end])
+	s.resume.left, s.resume.status = toClient.left, toClient.status
+	return nil
+}
+
+// fdConn makes a net.Conn of a duplicate of fd, and closes fd.
+func fdConn(fd int) (net.Conn, error) {
+	f := os.NewFile(uintptr(fd), "")
+	defer f.Close()
+	return net.FileConn(f)
+}
