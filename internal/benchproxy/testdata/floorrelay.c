@@ -14,6 +14,7 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <sys/epoll.h>
@@ -23,6 +24,14 @@
 #define MAXFD 65536
 
 static int peer[MAXFD];
+/* gen[fd] counts the closes of fd. An event carries the gen its fd had
+ * when registered, so an event of a batch whose fd was closed earlier in
+ * the same batch (and perhaps reused at once by accept or dial) is told
+ * from one for the fd's new connection: reading the new socket on the old
+ * one's event would block the relay until the server gave up on it. */
+static uint32_t gen[MAXFD];
+
+static uint64_t tag(int fd) { return (uint64_t)gen[fd] << 32 | (uint32_t)fd; }
 
 static int dial(int port) {
 	struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons(port)};
@@ -64,7 +73,7 @@ int main(int argc, char **argv) {
 		return 1;
 	}
 	int ep = epoll_create1(0);
-	struct epoll_event ev = {.events = EPOLLIN, .data.fd = ls};
+	struct epoll_event ev = {.events = EPOLLIN, .data.u64 = tag(ls)};
 	epoll_ctl(ep, EPOLL_CTL_ADD, ls, &ev);
 	printf("ready\n");
 	fflush(stdout);
@@ -73,7 +82,9 @@ int main(int argc, char **argv) {
 	for (;;) {
 		int n = epoll_wait(ep, evs, 64, -1);
 		for (int i = 0; i < n; i++) {
-			int fd = evs[i].data.fd;
+			int fd = (int)(uint32_t)evs[i].data.u64;
+			if ((uint32_t)(evs[i].data.u64 >> 32) != gen[fd])
+				continue; /* fd was closed earlier in this batch */
 			if (fd == ls) {
 				int c = accept(ls, NULL, NULL);
 				if (c < 0)
@@ -87,14 +98,12 @@ int main(int argc, char **argv) {
 				setsockopt(c, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
 				peer[c] = u;
 				peer[u] = c;
-				struct epoll_event e1 = {.events = EPOLLIN, .data.fd = c};
-				struct epoll_event e2 = {.events = EPOLLIN, .data.fd = u};
+				struct epoll_event e1 = {.events = EPOLLIN, .data.u64 = tag(c)};
+				struct epoll_event e2 = {.events = EPOLLIN, .data.u64 = tag(u)};
 				epoll_ctl(ep, EPOLL_CTL_ADD, c, &e1);
 				epoll_ctl(ep, EPOLL_CTL_ADD, u, &e2);
 				continue;
 			}
-			if (peer[fd] < 0)
-				continue; /* closed earlier in this batch */
 			ssize_t r = read(fd, buf, sizeof buf);
 			if (r > 0 && writeall(peer[fd], buf, r) == 0)
 				continue;
@@ -106,6 +115,8 @@ int main(int argc, char **argv) {
 			close(fd);
 			close(p);
 			peer[fd] = peer[p] = -1;
+			gen[fd]++;
+			gen[p]++;
 		}
 	}
 }
