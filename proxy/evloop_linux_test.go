@@ -102,6 +102,13 @@ func FuzzLoopFraming(f *testing.F) {
 // is on the event loop (an intercepted session), once there is one.
 func interceptedRelay(t *testing.T, p *testProxy) *relay {
 	t.Helper()
+	return loopRelayWhere(t, p, "an intercepted session", func(r *relay) bool { return r.intercept != nil })
+}
+
+// loopRelayWhere returns the loop relay of a session of p for which ok
+// holds, once there is one; what names it in the failure.
+func loopRelayWhere(t *testing.T, p *testProxy, what string, ok func(*relay) bool) *relay {
+	t.Helper()
 	var r *relay
 	err := pgtest.Poll(ctxT(t), func() (bool, error) {
 		p.srv.mu.Lock()
@@ -113,7 +120,7 @@ func interceptedRelay(t *testing.T, p *testProxy) *relay {
 			s.connMu.Lock()
 			f := s.loopRelay
 			s.connMu.Unlock()
-			if f != nil && f.intercept != nil {
+			if f != nil && ok(f) {
 				r = f
 				return true, nil
 			}
@@ -121,7 +128,7 @@ func interceptedRelay(t *testing.T, p *testProxy) *relay {
 		return false, nil
 	})
 	if err != nil {
-		t.Fatalf("no intercepted session on the event loop: %v", err)
+		t.Fatalf("no %s on the event loop: %v", what, err)
 	}
 	return r
 }
@@ -633,27 +640,7 @@ func TestLoopPerServer(t *testing.T) {
 	db := cluster.NewDatabase(t)
 	relayOf := func(p *testProxy) *relay {
 		t.Helper()
-		var r *relay
-		err := pgtest.Poll(ctxT(t), func() (bool, error) {
-			p.srv.mu.Lock()
-			defer p.srv.mu.Unlock()
-			for _, s := range p.srv.conns {
-				if s == nil {
-					continue
-				}
-				s.connMu.Lock()
-				r = s.loopRelay
-				s.connMu.Unlock()
-				if r != nil {
-					return true, nil
-				}
-			}
-			return false, nil
-		})
-		if err != nil {
-			t.Fatalf("no session on the event loop: %v", err)
-		}
-		return r
+		return loopRelayWhere(t, p, "session", func(*relay) bool { return true })
 	}
 	p1, p2 := startProxy(t, Config{}), startProxy(t, Config{})
 	c1, c2 := connect(t, p1.dsn(db)), connect(t, p2.dsn(db))
