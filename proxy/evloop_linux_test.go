@@ -259,11 +259,10 @@ func TestHalfLoopHandlerPanic(t *testing.T) {
 // loop's server reader does: a chunk's bytes, then errWouldBlock until
 // the next chunk is armed, then io.EOF after the last.
 type chunkReader struct {
-	in    []byte
-	cuts  []byte
-	i     int // next chunk
-	left  []byte
-	armed bool
+	in   []byte
+	cuts []byte
+	i    int // next chunk
+	left []byte
 }
 
 func (c *chunkReader) arm() bool {

@@ -19,9 +19,6 @@ import (
 type injector struct {
 	mu        sync.Mutex
 	swallowed []byte // server message types swallowed
-	completed int    // injected requests completed (not skipped)
-	skipped   int
-	errors    int
 }
 
 func (in *injector) Open(s *Session) (Handler, error) { return in, nil }

@@ -2,7 +2,6 @@ package chaos
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"net"
 	"os"
@@ -192,5 +191,3 @@ func (sp *slotProc) terminate(grace time.Duration) {
 		<-sp.done
 	}
 }
-
-var errNoSlot = errors.New("no running worker")
