@@ -19,9 +19,10 @@ import (
 //     query, and a parse costs more than relaying the query does
 //     (docs/proxy.md, Performance). Literals cannot change what such a
 //     statement is (its kind, the relations it reads, its locking, its
-//     function calls), so one parse serves every query of the shape. Texts whose shape the
-//     scanner cannot be sure of (dollar quotes, block comments,
-//     backslashes in strings, set_config calls) are never shared.
+//     function calls), so one parse serves every query of the shape.
+//     Texts whose shape the scanner cannot be sure of (dollar quotes,
+//     block comments, backslashes in strings, set_config calls) are never
+//     shared.
 type Classifier struct {
 	cache   *lru.Cache[string, entry]
 	shapes  *lru.Cache[string, *Result]
