@@ -215,7 +215,7 @@ func (h *fenceSession) execute(s *Session, msg []byte) error {
 	h.mu.Lock()
 	var params session.ParamFunc
 	if len(st.GUCs) > 0 {
-		params = paramFunc(cp, h.text.codec)
+		params = paramFunc(cp, h.be.text.codec)
 	}
 	ep := h.batch.Execute(h.planSession(), plan.Exec{Stmt: st, Portal: m.Portal, Params: params, Bound: cp})
 	h.mu.Unlock()
@@ -309,28 +309,28 @@ func (h *fenceSession) sync(s *Session, msg []byte) error {
 // prepareGate parses the gate's named statements once per upstream
 // connection (again after DISCARD ALL / DEALLOCATE ALL).
 func (h *fenceSession) prepareGate(s *Session) error {
-	if r := h.prepareReq; r != nil {
+	if r := h.be.prepareReq; r != nil {
 		// The last Parse of them: PostgreSQL skips it, without a word,
 		// when an earlier message of its batch failed. (Settled by now:
 		// the gate step that followed it changed the state.)
 		if err := h.wait(s, r); err != nil {
 			return err
 		}
-		h.prepareReq = nil
+		h.be.prepareReq = nil
 		if r.Skipped || r.Error != nil {
 			h.mu.Lock()
-			h.prepared = false
+			h.be.prepared = false
 			h.mu.Unlock()
 		}
 	}
 	h.mu.Lock()
-	done := h.prepared
-	h.prepared = true
+	done := h.be.prepared
+	h.be.prepared = true
 	h.mu.Unlock()
-	if done && !h.tainted {
+	if done && !h.be.tainted {
 		return nil
 	}
-	h.tainted = false
+	h.be.tainted = false
 	// Close first (closing a statement that does not exist is not an
 	// error): after a DO block, say, a statement of that name may be a
 	// client's stand-in.
@@ -345,7 +345,7 @@ func (h *fenceSession) prepareGate(s *Session) error {
 			return err
 		}
 	}
-	h.prepareReq = h.last
+	h.be.prepareReq = h.last
 	return nil
 }
 

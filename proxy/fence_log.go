@@ -61,7 +61,7 @@ func (h *fenceSession) logRefusal(s *Session, e *pgproto3.ErrorResponse, stmt *r
 		zap.Uint32("session", s.cancelPID),
 		zap.String("user", s.User),
 		zap.String("database", s.Database),
-		zap.String("application_name", h.appName),
+		zap.String("application_name", h.be.appName),
 		zap.String("sqlstate", e.Code),
 		zap.String("job_key", gen.JobKey),
 		zap.Int64("epoch", gen.Epoch),

@@ -56,8 +56,8 @@ func (h *fenceSession) ServerMessage(s *Session, msg []byte, req *Request) (Verd
 		if err := h.st.TxStatus(msg[headerLen]); err != nil && t.step != stepRollback {
 			s.Logger().Debug("session state resynchronised", zap.Error(err))
 		}
-		if t.seq > h.text.knownSeq {
-			h.text.knownSeq = t.seq // every ParameterStatus before it is in
+		if t.seq > h.be.text.knownSeq {
+			h.be.text.knownSeq = t.seq // every ParameterStatus before it is in
 		}
 		if t.hideReady || !req.Visible {
 			return Drop, nil
@@ -227,7 +227,7 @@ func (h *fenceSession) onError(s *Session, msg []byte, t *tag) (Verdict, error) 
 	h.timeStep(t, st)
 	h.st.Fail()
 	if st == stepPrepare {
-		h.prepared = false
+		h.be.prepared = false
 		s.Logger().Warn("cannot prepare the gate's statements", zap.ByteString("error", msg))
 	}
 	if h.errShown || st == stepRollback || st == stepRestore {
@@ -293,11 +293,11 @@ func (h *fenceSession) applyClient(st *rewrite.Stmt, msg []byte, cp *clientPorta
 	}
 	plan.Completed(h.planSession(), st, bound) // tentative, digest
 	if st.Kind == rewrite.Discard && st.Name == "ALL" || st.Kind == rewrite.Deallocate && st.All {
-		h.prepared = false
+		h.be.prepared = false
 	}
 	var pf session.ParamFunc
 	if cp != nil {
-		pf = paramFunc(cp, h.text.codec)
+		pf = paramFunc(cp, h.be.text.codec)
 	}
 	if err := h.st.Apply(st, ctag, pf); err != nil {
 		h.f.log.Debug("session state could not follow a statement", zap.Error(err))

@@ -116,11 +116,11 @@ func (h *fenceSession) paramStatus(s *Session, msg []byte) {
 	}
 	switch ps.Name {
 	case "client_encoding":
-		h.text.setEncoding(ps.Value, s.Logger())
+		h.be.text.setEncoding(ps.Value, s.Logger())
 	case "standard_conforming_strings":
-		h.text.scsOff = ps.Value == "off"
+		h.be.text.scsOff = ps.Value == "off"
 	case "application_name":
-		h.appName = ps.Value
+		h.be.appName = ps.Value
 	}
 }
 
@@ -142,7 +142,7 @@ func sensitive(raw []byte) bool {
 func (h *fenceSession) decodeText(s *Session, raw []byte) (string, rewrite.Options, error) {
 	if sensitive(raw) {
 		h.mu.Lock()
-		uncertain := h.encSeq > h.text.knownSeq
+		uncertain := h.encSeq > h.be.text.knownSeq
 		h.mu.Unlock()
 		if uncertain {
 			if err := h.knowText(s); err != nil {
@@ -151,7 +151,7 @@ func (h *fenceSession) decodeText(s *Session, raw []byte) (string, rewrite.Optio
 		}
 	}
 	h.mu.Lock()
-	c, opts := h.text.codec, rewrite.Options{NonStandardStrings: h.text.scsOff}
+	c, opts := h.be.text.codec, rewrite.Options{NonStandardStrings: h.be.text.scsOff}
 	h.mu.Unlock()
 	if c == nil {
 		for _, b := range raw {
@@ -187,7 +187,7 @@ func (h *fenceSession) knowText(s *Session) error {
 // with another value.
 func (h *fenceSession) encode(text string) []byte {
 	h.mu.Lock()
-	c := h.text.codec
+	c := h.be.text.codec
 	h.mu.Unlock()
 	if c == nil || c.IsUTF8() {
 		return []byte(text)
@@ -278,10 +278,10 @@ func (h *fenceSession) applySettings(s *Session, msg []byte, t *tag) {
 		switch n {
 		case "client_encoding":
 			if v != nil {
-				h.text.setEncoding(*v, s.Logger())
+				h.be.text.setEncoding(*v, s.Logger())
 			}
 		case "standard_conforming_strings":
-			h.text.scsOff = v != nil && *v == "off"
+			h.be.text.scsOff = v != nil && *v == "off"
 		default:
 			if v == nil {
 				h.st.Resync(n, "", false)
@@ -290,11 +290,11 @@ func (h *fenceSession) applySettings(s *Session, msg []byte, t *tag) {
 			}
 		}
 	}
-	if t.seq > h.text.knownSeq {
-		h.text.knownSeq = t.seq
+	if t.seq > h.be.text.knownSeq {
+		h.be.text.knownSeq = t.seq
 	}
-	if t.seq > h.text.gucKnown {
-		h.text.gucKnown = t.seq
+	if t.seq > h.be.text.gucKnown {
+		h.be.text.gucKnown = t.seq
 	}
 }
 
@@ -329,7 +329,7 @@ func rowValues(msg []byte) []*string {
 
 // noteSent records what a client request sent upstream may have changed
 // that the gate cannot see from its text (see the file comment and
-// fenceSession.tainted).
+// gateBackend.tainted).
 func (h *fenceSession) noteSent(t *tag) {
 	var stmts []*rewrite.Stmt
 	var pf session.ParamFunc
@@ -354,7 +354,7 @@ func (h *fenceSession) noteSent(t *tag) {
 		} else {
 			stmts = append(stmts, t.cp.stmt)
 			h.mu.Lock()
-			pf = paramFunc(t.cp, h.text.codec)
+			pf = paramFunc(t.cp, h.be.text.codec)
 			h.mu.Unlock()
 		}
 	case 'F':
@@ -381,7 +381,7 @@ func (h *fenceSession) noteSent(t *tag) {
 		}
 	}
 	if taint {
-		h.tainted = true
+		h.be.tainted = true
 	}
 	if enc {
 		h.encSeq = t.seq
@@ -423,7 +423,7 @@ func changesText(st *rewrite.Stmt) bool {
 // a way its text does not tell.
 func (h *fenceSession) settleSettings(s *Session) error {
 	h.mu.Lock()
-	uncertain := h.gucSeq > h.text.gucKnown
+	uncertain := h.gucSeq > h.be.text.gucKnown
 	h.mu.Unlock()
 	if !uncertain {
 		return nil
