@@ -575,18 +575,18 @@ func (h *fenceSession) sendClient(s *Session, msg []byte, res *rewrite.Result) e
 }
 
 // initReplicas sets up read routing when replicas are configured, reads
-// may use them, and the write gate classifies statements. The pollers
-// start at once; they connect in the background.
+// may use them, and the interceptor routes reads (ReadRouter: the write
+// gate classifies statements). The pollers start at once; they connect in
+// the background.
 func (s *Server) initReplicas() {
-	if len(s.replicas) == 0 || s.cfg.NoReplicaReads || s.cfg.Interceptor == nil {
+	if len(s.replicas) == 0 || s.cfg.NoReplicaReads {
 		return
 	}
-	f, ok := s.cfg.Interceptor.(*Fence)
+	rr, ok := s.cfg.Interceptor.(ReadRouter)
 	if !ok {
 		return
 	}
-	f.cats.reads.Store(true)
-	s.rs = newReplicas(s.primary, s.replicas, s.cfg.ReplicaPoll, s.cfg.ReplicaMaxLag, f.cats.sessionDB, s.log.Named("replicas"))
+	s.rs = newReplicas(s.primary, s.replicas, s.cfg.ReplicaPoll, s.cfg.ReplicaMaxLag, rr.RouteReads(), s.log.Named("replicas"))
 	s.SetReplicaStatus(s.rs.status)
 }
 
