@@ -1,5 +1,7 @@
 package proxy
 
+import "go.uber.org/zap"
+
 // gateBackend is what the write gate knows of one upstream connection, as
 // opposed to the client it serves: whether the gate's named statements
 // (plan.Statements) exist on it, and how it reads the client's text.
@@ -28,9 +30,9 @@ type gateBackend struct {
 
 // newGateBackend is the gate's view of a connection that has just
 // reported its parameters (Session.ServerParams).
-func newGateBackend(s *Session) *gateBackend {
+func newGateBackend(params map[string]string, log *zap.Logger) *gateBackend {
 	return &gateBackend{
-		text:    newTextState(s.ServerParams, s.Logger()),
-		appName: s.ServerParams["application_name"],
+		text:    newTextState(params, log),
+		appName: params["application_name"],
 	}
 }

@@ -19,7 +19,7 @@ import (
 
 // parse handles a Parse: the statement is classified and kept (as soon as
 // the Parse is sent: a failed Parse makes the server skip to Sync anyway).
-func (h *fenceSession) parse(s *Session, msg []byte) (Verdict, error) {
+func (h *fenceSession) parse(s gateConn, msg []byte) (Verdict, error) {
 	var m pgproto3.Parse
 	if err := m.Decode(msg[headerLen:]); err != nil {
 		return Forward, nil // the server will refuse it
@@ -46,7 +46,7 @@ func (h *fenceSession) parse(s *Session, msg []byte) (Verdict, error) {
 }
 
 // bind handles a Bind: the portal is kept with a copy of its parameters.
-func (h *fenceSession) bind(s *Session, msg []byte) (Verdict, error) {
+func (h *fenceSession) bind(s gateConn, msg []byte) (Verdict, error) {
 	var m pgproto3.Bind
 	if err := m.Decode(msg[headerLen:]); err != nil {
 		return Forward, nil
@@ -76,7 +76,7 @@ func (h *fenceSession) bind(s *Session, msg []byte) (Verdict, error) {
 
 // closeOrDescribe handles a Close or a Describe: neither may name the
 // gate's statements or portal; a Close forgets what it closes.
-func (h *fenceSession) closeOrDescribe(s *Session, msg []byte) (Verdict, error) {
+func (h *fenceSession) closeOrDescribe(s gateConn, msg []byte) (Verdict, error) {
 	body := msg[headerLen:]
 	if len(body) < 2 {
 		if msg[0] == 'C' {
@@ -171,7 +171,7 @@ func formatOf(formats []int16, i int) int16 {
 
 // execute handles an extended-protocol Execute: it plans it (plan.Batch)
 // and executes the plan.
-func (h *fenceSession) execute(s *Session, msg []byte) error {
+func (h *fenceSession) execute(s gateConn, msg []byte) error {
 	var m pgproto3.Execute
 	if err := m.Decode(msg[headerLen:]); err != nil {
 		return h.send(s, msg, &tag{kind: 'E'}, true)
@@ -267,7 +267,7 @@ func (h *fenceSession) execute(s *Session, msg []byte) error {
 // execStep runs a planned step of the extended protocol in the current
 // batch, as the gate's named statements; about is the client's statement
 // it stands before.
-func (h *fenceSession) execStep(s *Session, ps *plan.Step, about *rewrite.Stmt) error {
+func (h *fenceSession) execStep(s gateConn, ps *plan.Step, about *rewrite.Stmt) error {
 	switch ps.Kind {
 	case plan.Raise:
 		return h.raiseInBatch(s, ps.Err)
@@ -288,7 +288,7 @@ func (h *fenceSession) execStep(s *Session, ps *plan.Step, about *rewrite.Stmt) 
 // sync handles an extended-protocol Sync: a wrapped implicit transaction
 // ends here with the receipt step, which PostgreSQL skips when anything
 // before it in the batch failed (the transaction then rolls back).
-func (h *fenceSession) sync(s *Session, msg []byte) error {
+func (h *fenceSession) sync(s gateConn, msg []byte) error {
 	sp := h.batch.Sync()
 	if sp.Receipt != nil {
 		if err := h.execStep(s, sp.Receipt, nil); err != nil {
@@ -308,7 +308,7 @@ func (h *fenceSession) sync(s *Session, msg []byte) error {
 
 // prepareGate parses the gate's named statements once per upstream
 // connection (again after DISCARD ALL / DEALLOCATE ALL).
-func (h *fenceSession) prepareGate(s *Session) error {
+func (h *fenceSession) prepareGate(s gateConn) error {
 	if r := h.be.prepareReq; r != nil {
 		// The last Parse of them: PostgreSQL skips it, without a word,
 		// when an earlier message of its batch failed. (Settled by now:
@@ -351,7 +351,7 @@ func (h *fenceSession) prepareGate(s *Session) error {
 
 // execNamed runs one of the gate's named statements in the current batch:
 // Bind to the gate's portal, Execute, Close the portal.
-func (h *fenceSession) execNamed(s *Session, stmt string, args [][]byte, t *tag) error {
+func (h *fenceSession) execNamed(s gateConn, stmt string, args [][]byte, t *tag) error {
 	for i, a := range args {
 		args[i] = h.encode(string(a)) // text parameters are in the client's encoding
 	}
@@ -373,7 +373,7 @@ func (h *fenceSession) execNamed(s *Session, stmt string, args [][]byte, t *tag)
 // raiseInBatch fails the current extended batch with e: a DO block raising
 // it, parsed and executed through the gate's portal (the client's unnamed
 // statement is left alone). The server then skips to Sync.
-func (h *fenceSession) raiseInBatch(s *Session, e *fence.Error) error {
+func (h *fenceSession) raiseInBatch(s gateConn, e *fence.Error) error {
 	const name = plan.RaiseStatement
 	buf, _ := (&pgproto3.Close{ObjectType: 'S', Name: name}).Encode(nil)
 	if err := h.send(s, buf, &tag{kind: 'C', step: stepRaise}, false); err != nil {

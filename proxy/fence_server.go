@@ -105,7 +105,7 @@ func (h *fenceSession) hidden(t *tag) bool {
 	return t.step != stepClient
 }
 
-func (h *fenceSession) queryResponse(s *Session, msg []byte, t *tag) (Verdict, error) {
+func (h *fenceSession) queryResponse(s gateConn, msg []byte, t *tag) (Verdict, error) {
 	sg := seg{step: stepClient}
 	if t.cur < len(t.segs) {
 		sg = t.segs[t.cur]
@@ -143,7 +143,7 @@ func (h *fenceSession) queryResponse(s *Session, msg []byte, t *tag) (Verdict, e
 	return Forward, nil
 }
 
-func (h *fenceSession) executeResponse(s *Session, msg []byte, t *tag) (Verdict, error) {
+func (h *fenceSession) executeResponse(s gateConn, msg []byte, t *tag) (Verdict, error) {
 	switch msg[0] {
 	case 'C':
 		h.timeStep(t, t.step)
@@ -169,7 +169,7 @@ func (h *fenceSession) executeResponse(s *Session, msg []byte, t *tag) (Verdict,
 }
 
 // complete handles the CommandComplete of a segment.
-func (h *fenceSession) complete(s *Session, sg seg, msg []byte, cp *clientPortal) (Verdict, error) {
+func (h *fenceSession) complete(s gateConn, sg seg, msg []byte, cp *clientPortal) (Verdict, error) {
 	switch sg.step {
 	case stepClient:
 		if sg.stmt != nil {
@@ -204,7 +204,7 @@ func (h *fenceSession) complete(s *Session, sg seg, msg []byte, cp *clientPortal
 // ReadyForQuery: a gate step's error stands for the statement it guards,
 // and the errors that follow it (the aborted transaction refusing the rest)
 // are hidden.
-func (h *fenceSession) onError(s *Session, msg []byte, t *tag) (Verdict, error) {
+func (h *fenceSession) onError(s gateConn, msg []byte, t *tag) (Verdict, error) {
 	st := t.step
 	var sg seg
 	if t.kind == 'Q' {

@@ -44,8 +44,9 @@ import (
 //     read back), fence_log.go (refusals), fence_idle.go (the idle
 //     watchdog), route.go (read routing).
 type fenceSession struct {
-	f   *Fence
-	cat *catalog
+	f        *Fence
+	cat      *catalog
+	user, db string // the session's role and database (for the log)
 
 	mu sync.Mutex // guards st, and be's prepared and text
 	st *session.State

@@ -109,7 +109,7 @@ func (ts *textState) setEncoding(name string, log *zap.Logger) {
 }
 
 // paramStatus follows a ParameterStatus from the server. Callers hold h.mu.
-func (h *fenceSession) paramStatus(s *Session, msg []byte) {
+func (h *fenceSession) paramStatus(s gateConn, msg []byte) {
 	var ps pgproto3.ParameterStatus
 	if err := ps.Decode(msg[headerLen:]); err != nil {
 		return
@@ -139,7 +139,7 @@ func sensitive(raw []byte) bool {
 // decodeText returns the client's text as the server will read it, with
 // the parse options that go with it, after making sure the gate's view of
 // the client's encoding is current where the text depends on it.
-func (h *fenceSession) decodeText(s *Session, raw []byte) (string, rewrite.Options, error) {
+func (h *fenceSession) decodeText(s gateConn, raw []byte) (string, rewrite.Options, error) {
 	if sensitive(raw) {
 		h.mu.Lock()
 		uncertain := h.encSeq > h.be.text.knownSeq
@@ -172,7 +172,7 @@ func (h *fenceSession) decodeText(s *Session, raw []byte) (string, rewrite.Optio
 // it reads them (resync). In a failed transaction it does neither (the
 // server refuses everything but the end of the transaction, and a read
 // would fail the batch): the current view stands.
-func (h *fenceSession) knowText(s *Session) error {
+func (h *fenceSession) knowText(s gateConn) error {
 	if h.inBatch {
 		return h.resync(s)
 	}
@@ -218,7 +218,7 @@ func (h *fenceSession) qmsg(sql string) []byte {
 // Sync; outside, with a hidden Sync of its own. Not in a failed
 // transaction: its Parse would fail and take the client's next messages
 // with it.
-func (h *fenceSession) resync(s *Session) error {
+func (h *fenceSession) resync(s gateConn) error {
 	h.mu.Lock()
 	failed := h.st.Tx() == session.Failed
 	inTx := h.st.Tx() != session.Idle
@@ -268,7 +268,7 @@ func (h *fenceSession) resync(s *Session) error {
 }
 
 // applySettings takes the row resync read. Callers hold h.mu.
-func (h *fenceSession) applySettings(s *Session, msg []byte, t *tag) {
+func (h *fenceSession) applySettings(s gateConn, msg []byte, t *tag) {
 	vals := rowValues(msg)
 	if len(vals) != len(settingNames) {
 		return
@@ -421,7 +421,7 @@ func changesText(st *rewrite.Stmt) bool {
 // settleSettings reads the tracked settings back before the gate decides
 // from them, when a request since the last read may have changed them in
 // a way its text does not tell.
-func (h *fenceSession) settleSettings(s *Session) error {
+func (h *fenceSession) settleSettings(s gateConn) error {
 	h.mu.Lock()
 	uncertain := h.gucSeq > h.be.text.gucKnown
 	h.mu.Unlock()
