@@ -41,7 +41,11 @@ func (h *fenceSession) parse(s gateConn, msg []byte) (Verdict, error) {
 		}
 		res = nil // the server refuses it
 	}
-	h.stmts[m.Name] = &clientStmt{res: res, oids: m.ParameterOIDs}
+	cs := &clientStmt{res: res, oids: m.ParameterOIDs}
+	if m.Name != "" && s.readRouter() != nil {
+		cs.msg = append([]byte(nil), msg...)
+	}
+	h.stmts[m.Name] = cs
 	return Drop, h.send(s, msg, &tag{kind: 'P', name: m.Name, res: res, oids: m.ParameterOIDs}, true)
 }
 
@@ -101,9 +105,21 @@ func (h *fenceSession) closeOrDescribe(s gateConn, msg []byte) (Verdict, error) 
 
 // clientStmt is a statement the client parsed (speculatively: kept as soon as
 // the Parse is sent; a failed Parse makes the server skip to Sync anyway).
+//
+// Prepared statements are tracked twice, for two different moments:
+// fenceSession.stmts (these) as the client sent them, which is what the
+// client side plans a Bind and an Execute with before the server has
+// answered the Parse; and session.State's as the server accepted them
+// (ParseComplete, PREPARE's CommandComplete), which is what an EXECUTE's
+// effects on the settings are read from (session.State.Apply). Read
+// routing's copy of each named Parse is msg here, and where each version
+// exists is route.go's stmtCopies (per upstream connection).
 type clientStmt struct {
 	res  *rewrite.Result
 	oids []uint32
+	// msg is the client's Parse, with read routing, for a named
+	// statement: route.go parses it again on the other upstream.
+	msg []byte
 }
 
 // clientPortal is a bound portal with its parameters (copied).

@@ -640,21 +640,23 @@ func (h *fenceSession) routeGated(s gateConn) error {
 // Named prepared statements live on the upstream that parsed them. A
 // session whose read-only transaction runs on the replica may parse a
 // statement there and bind it later on the primary (pgx's statement cache
-// does), or the other way round. So the router keeps a copy of every named
-// Parse, which upstream has which version, and parses a statement on the
-// current upstream (hidden, ahead of the client's message) before a Bind,
-// Describe or Close names it there. A version left behind on the other
-// upstream is closed before a newer one is parsed there.
+// does), or the other way round. So the client side keeps a copy of every
+// named Parse (clientStmt.msg, fence_extended.go), the router which
+// upstream has which version (stmtCopies), and it parses a statement on
+// the current upstream (hidden, ahead of the client's message) before a
+// Bind, Describe or Close names it there. A version left behind on the
+// other upstream is closed before a newer one is parsed there.
 
 const (
 	onPrimary uint8 = 1 << iota
 	onReplica
 )
 
+// stmtCopies is where the client's named statements exist, by name: the
+// per-upstream half of what fenceSession.stmts holds per client.
 type stmtCopies struct {
-	text  map[string][]byte // name → the client's Parse message
-	on    map[string]uint8  // where the current version exists
-	stale map[string]uint8  // where an older version exists
+	on    map[string]uint8 // where the current version exists
+	stale map[string]uint8 // where an older version exists
 }
 
 // routeMsg follows an extended-protocol message: back to the primary when
@@ -692,8 +694,7 @@ func (h *fenceSession) routeMsg(s gateConn, msg []byte) error {
 			}
 			sc.stale[name] &^= up
 		}
-		sc.text[name] = append([]byte(nil), msg...)
-		sc.on[name] = up
+		sc.on[name] = up // parse keeps its text (clientStmt.msg)
 		return nil
 	case 'B':
 		_, rest, _ := cstring(body)
@@ -703,11 +704,15 @@ func (h *fenceSession) routeMsg(s gateConn, msg []byte) error {
 			name, _, _ = cstring(body[1:])
 		}
 	}
-	if name == "" || h.rt.stmts.text == nil {
+	if name == "" || h.rt.stmts.on == nil {
 		return nil
 	}
 	sc := &h.rt.stmts
-	if p := sc.text[name]; p != nil && sc.on[name]&up == 0 {
+	var p []byte
+	if cs := h.stmts[name]; cs != nil {
+		p = cs.msg
+	}
+	if p != nil && sc.on[name]&up == 0 {
 		if sc.stale[name]&up != 0 {
 			if err := h.closeCopy(s, name); err != nil {
 				return err
@@ -723,16 +728,15 @@ func (h *fenceSession) routeMsg(s gateConn, msg []byte) error {
 		if sc.on[name]&other != 0 {
 			sc.stale[name] |= other
 		}
-		delete(sc.text, name)
-		delete(sc.on, name)
+		delete(sc.on, name) // and closeOrDescribe its text
 	}
 	return nil
 }
 
 func (h *fenceSession) stmtCopies() *stmtCopies {
 	sc := &h.rt.stmts
-	if sc.text == nil {
-		sc.text, sc.on, sc.stale = map[string][]byte{}, map[string]uint8{}, map[string]uint8{}
+	if sc.on == nil {
+		sc.on, sc.stale = map[string]uint8{}, map[string]uint8{}
 	}
 	return sc
 }
