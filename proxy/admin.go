@@ -201,12 +201,6 @@ func (s *Server) sessions() []*Session {
 	return out
 }
 
-// fence returns the write gate, when it is the interceptor.
-func (s *Server) fence() *Fence {
-	f, _ := s.cfg.Interceptor.(*Fence)
-	return f
-}
-
 // countRefusal counts a client refused before its session started.
 func (s *Server) countRefusal(err error) {
 	var pe *ProtocolError
@@ -222,27 +216,25 @@ func (s *Server) countRefusal(err error) {
 	}
 }
 
-// gateInfo is a session's fence state as SHOW SESSIONS shows it.
+// gateInfo is a session's fence state (GateState) as the console reads it.
 type gateInfo struct {
 	gen           fence.Generation
 	hasGen        bool
 	gated, replay bool
 }
 
-// gateReporter is implemented by Handlers that know a fence state.
-type gateReporter interface{ gateInfo() gateInfo }
-
-func (h *fenceSession) gateInfo() gateInfo {
+// GateState implements GateReporter.
+func (h *fenceSession) GateState() GateState {
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	var gi gateInfo
-	gi.gen, gi.hasGen = h.st.Generation()
+	var gs GateState
+	gs.Gen, gs.HasGen = h.st.Generation()
 	g := h.st.Gate()
-	gi.gated, gi.replay = g.Gated, g.Replay
-	if g.Gated && !gi.hasGen {
-		gi.gen, gi.hasGen = g.Gen, true
+	gs.Gated, gs.Replay = g.Gated, g.Replay
+	if g.Gated && !gs.HasGen {
+		gs.Gen, gs.HasGen = g.Gen, true
 	}
-	return gi
+	return gs
 }
 
 // ---------------------------------------------------------------------------

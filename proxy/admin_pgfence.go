@@ -55,12 +55,15 @@ func (s *Server) showSessions(con *console) *adminTable {
 	return t
 }
 
-// sessionGate returns the session's fence state (zero without the gate).
+// sessionGate returns the session's fence state (zero when its Handler
+// is no GateReporter).
 func sessionGate(ss *Session) gateInfo {
-	if r, ok := ss.h.(gateReporter); ok {
-		return r.gateInfo()
+	r, ok := ss.h.(GateReporter)
+	if !ok {
+		return gateInfo{}
 	}
-	return gateInfo{}
+	gs := r.GateState()
+	return gateInfo{gen: gs.Gen, hasGen: gs.HasGen, gated: gs.Gated, replay: gs.Replay}
 }
 
 const fencesSQL = `SELECT f.job_key, f.epoch::text, f.max_issued_token::text, l.holder, l.token::text,
@@ -165,8 +168,7 @@ func (s *Server) showFenceStats() *adminTable {
 	n("upstream_connect_errors", st.UpstreamErrors.Load())
 	n("reads_primary", st.ReadsPrimary.Load())
 	n("reads_replica", st.ReadsReplica.Load())
-	if f := s.fence(); f != nil {
-		fs := &f.Stats
+	if fs := s.gateStats(); fs != nil {
 		n("gate_passed", fs.Gated.Load())
 		n("commits", fs.Committed.Load())
 		n("replays", fs.Replayed.Load())

@@ -615,7 +615,7 @@ func (s *Server) showConfig(sources bool) *adminTable {
 		{"connect_timeout", c.ConnectTimeout.String(), DefaultConnectTimeout.String(), false},
 		{"buffer_size", strconv.Itoa(c.BufferSize), strconv.Itoa(DefaultBufferSize), false},
 		{"health_interval", c.HealthInterval.String(), DefaultHealthInterval.String(), false},
-		{"gate", strconv.FormatBool(s.fence() != nil), "true", false},
+		{"gate", strconv.FormatBool(s.gateStats() != nil), "true", false},
 	}
 	yn := map[bool]string{true: "yes", false: "no"}
 	for _, r := range rows {

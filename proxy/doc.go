@@ -68,6 +68,12 @@
 //
 // With no Interceptor none of this runs: no queue, no copies, no calls.
 //
+// The console, the metrics and read routing ask an Interceptor (or its
+// Handlers) for more only through optional interfaces (optional.go:
+// GateStatsReporter, GateReporter, ReadRouter), never by its type. The
+// write gate itself uses its Session only through gateConn (gateconn.go):
+// the exported Handler API plus the few mechanisms only it needs.
+//
 // # Errors
 //
 // A client is told of an error in one of two ways, and each has its type.

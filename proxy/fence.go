@@ -124,8 +124,9 @@ func (f *Fence) Open(s *Session) (Handler, error) {
 		f:       f,
 		cat:     cat,
 		st:      st,
-		text:    newTextState(s.ServerParams, s.Logger()),
-		appName: s.ServerParams["application_name"],
+		be:      newGateBackend(s.ServerParams, s.Logger()),
+		user:    s.User,
+		db:      s.Database,
 		stmts:   map[string]*clientStmt{},
 		portals: map[string]*clientPortal{},
 	}

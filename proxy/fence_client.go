@@ -13,7 +13,7 @@ import (
 // ClientMessage decides what becomes of each client message (Handler).
 func (h *fenceSession) ClientMessage(s *Session, msg []byte) (Verdict, error) {
 	h.idle.clientMsgs.Add(1)
-	if msg[0] != 'Q' && s.srv.rs != nil { // read routing: upstream and named statements (route.go)
+	if msg[0] != 'Q' && s.readRouter() != nil { // read routing: upstream and named statements (route.go)
 		if err := h.routeMsg(s, msg); err != nil {
 			return Drop, err
 		}
@@ -54,7 +54,7 @@ func closeWhat(typ byte) string {
 
 // query handles a simple Query: it classifies it, plans it (rewrite/plan)
 // and executes the plan.
-func (h *fenceSession) query(s *Session, msg []byte) error {
+func (h *fenceSession) query(s gateConn, msg []byte) error {
 	sql, opts, err := h.decodeText(s, msg[headerLen:len(msg)-1]) // fence_text.go
 	if err != nil && !isTextError(err) {
 		return err // ErrWait on the loop: nothing done yet

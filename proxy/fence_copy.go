@@ -26,7 +26,7 @@ func (h *fenceSession) copyData(msg []byte) {
 
 // copyDone handles the client's CopyDone or CopyFail: the end of a COPY's
 // data, after which a wrapped COPY's transaction gets its receipt.
-func (h *fenceSession) copyDone(s *Session, msg []byte) (Verdict, error) {
+func (h *fenceSession) copyDone(s gateConn, msg []byte) (Verdict, error) {
 	if h.copyReceipt != nil && s.OnLoop() {
 		return Drop, ErrWait // finishCopy waits for the COPY's end
 	}
@@ -65,7 +65,7 @@ func (h *fenceSession) copyDone(s *Session, msg []byte) (Verdict, error) {
 // was hidden). A client that sends its COPY data without waiting for
 // CopyInResponse is fine too: the server ignores CopyData and CopyDone
 // outside COPY.
-func (h *fenceSession) awaitCopy(s *Session, t *tag) error {
+func (h *fenceSession) awaitCopy(s gateConn, t *tag) error {
 	if err := s.FlushServer(); err != nil {
 		return err
 	}
@@ -73,7 +73,7 @@ func (h *fenceSession) awaitCopy(s *Session, t *tag) error {
 	case <-t.copyIn:
 		return nil
 	case <-h.last.Done():
-	case <-s.closing:
+	case <-s.ending():
 		return errSessionClosing
 	}
 	select {
@@ -103,7 +103,7 @@ func (h *fenceSession) copyDigest(f func(*fence.Digest)) {
 
 // nextCopy waits, after a CopyDone, until the server starts the query's
 // next COPY FROM (true) or answers the whole query (false).
-func (h *fenceSession) nextCopy(s *Session) (bool, error) {
+func (h *fenceSession) nextCopy(s gateConn) (bool, error) {
 	if err := s.FlushServer(); err != nil {
 		return false, err
 	}
@@ -112,7 +112,7 @@ func (h *fenceSession) nextCopy(s *Session) (bool, error) {
 	case <-t.copyIn:
 		return true, nil
 	case <-h.last.Done():
-	case <-s.closing:
+	case <-s.ending():
 		return false, errSessionClosing
 	}
 	select {
@@ -137,7 +137,7 @@ func countKind(res *rewrite.Result, k rewrite.Kind) int {
 // finishCopy ends a wrapped transaction whose receipt step could not be
 // spliced into the query text (COPY FROM: the digest covers its data). It
 // waits for the COPY to complete so the digest is whole.
-func (h *fenceSession) finishCopy(s *Session, receipt *plan.Step) error {
+func (h *fenceSession) finishCopy(s gateConn, receipt *plan.Step) error {
 	if err := h.barrier(s); err != nil {
 		return err
 	}
@@ -155,6 +155,6 @@ func (h *fenceSession) finishCopy(s *Session, receipt *plan.Step) error {
 // sendWrappedCommit sends COMMIT as a query of its own, whose ReadyForQuery is
 // the one the client sees: it commits the wrapped transaction, or ends it
 // when a gate step failed.
-func (h *fenceSession) sendWrappedCommit(s *Session) error {
+func (h *fenceSession) sendWrappedCommit(s gateConn) error {
 	return h.send(s, h.qmsg("COMMIT"), &tag{kind: 'Q', segs: []seg{{step: stepCommitWrapped}}}, true)
 }

@@ -15,7 +15,7 @@ import (
 
 // send passes a message upstream through the queue with its tag; visible
 // requests' responses reach the client.
-func (h *fenceSession) send(s *Session, msg []byte, t *tag, visible bool) error {
+func (h *fenceSession) send(s gateConn, msg []byte, t *tag, visible bool) error {
 	switch msg[0] {
 	case 'P', 'B', 'E', 'D', 'C', 'H':
 		h.inBatch = true
@@ -44,7 +44,7 @@ func (h *fenceSession) send(s *Session, msg []byte, t *tag, visible bool) error 
 // gate) has been answered, so the state the server goroutine keeps is what
 // the next statement will run with. A client's plain reads and writes in
 // flight are not waited for: the common path costs no round trip.
-func (h *fenceSession) settle(s *Session) error {
+func (h *fenceSession) settle(s gateConn) error {
 	if err := h.wait(s, h.stateReq); err != nil {
 		return err
 	}
@@ -69,7 +69,7 @@ func (h *fenceSession) unsettled() bool {
 func (h *fenceSession) markState() { h.stateReq = h.last }
 
 // barrier waits until every request sent so far has been answered.
-func (h *fenceSession) barrier(s *Session) error {
+func (h *fenceSession) barrier(s gateConn) error {
 	if err := h.wait(s, h.last); err != nil {
 		return err
 	}
@@ -78,7 +78,7 @@ func (h *fenceSession) barrier(s *Session) error {
 }
 
 // wait waits until r has been answered.
-func (h *fenceSession) wait(s *Session, r *Request) error {
+func (h *fenceSession) wait(s gateConn, r *Request) error {
 	if r == nil {
 		return nil
 	}
@@ -102,7 +102,7 @@ func (h *fenceSession) wait(s *Session, r *Request) error {
 	select {
 	case <-r.Done():
 		return nil
-	case <-s.closing:
+	case <-s.ending():
 		return errSessionClosing
 	}
 }
@@ -110,7 +110,7 @@ func (h *fenceSession) wait(s *Session, r *Request) error {
 // runQuery executes the plan of a simple query the gate rewrites (or, in
 // a failed transaction, sends as it is). It runs with the session state
 // settled.
-func (h *fenceSession) runQuery(s *Session, sql string, res *rewrite.Result, q *plan.Query) error {
+func (h *fenceSession) runQuery(s gateConn, sql string, res *rewrite.Result, q *plan.Query) error {
 	if q.Action == plan.AsIs {
 		// The server refuses everything but ROLLBACK; nothing to gate.
 		return h.send(s, h.qmsg(sql), &tag{kind: 'Q', segs: clientSegs(res)}, true)
@@ -214,7 +214,7 @@ func stepOf(k plan.Kind) step {
 // statement of the client's before the COMMIT), and an empty query gives
 // the client the ReadyForQuery that says so. It runs on the client
 // goroutine (query hands such a query off).
-func (h *fenceSession) awaitCommit(s *Session, t *tag) error {
+func (h *fenceSession) awaitCommit(s gateConn, t *tag) error {
 	if err := h.barrier(s); err != nil {
 		return err
 	}
@@ -231,7 +231,7 @@ func (h *fenceSession) awaitCommit(s *Session, t *tag) error {
 // sees: after a successful commit it is a no-op (its warning is hidden);
 // after a failed gate step it ends the failed transaction, so the client
 // is idle and usable as the protocol promised.
-func (h *fenceSession) sendRollback(s *Session) error {
+func (h *fenceSession) sendRollback(s gateConn) error {
 	return h.send(s, h.qmsg("ROLLBACK"), &tag{kind: 'Q', step: stepRollback, segs: []seg{{step: stepRollback}}}, true)
 }
 
@@ -239,12 +239,12 @@ func (h *fenceSession) sendRollback(s *Session) error {
 // receipt step in a savepoint before it, the query that ends the
 // transaction only if that step failed (plan.RestoreSQL). Its
 // ReadyForQuery is the one the client sees.
-func (h *fenceSession) sendRestore(s *Session) error {
+func (h *fenceSession) sendRestore(s gateConn) error {
 	return h.send(s, h.qmsg(plan.RestoreSQL), &tag{kind: 'Q', step: stepRollback, segs: []seg{{step: stepRestore}, {step: stepRollback}}}, true)
 }
 
 // refuseQuery answers a query with err without running any of it.
-func (h *fenceSession) refuseQuery(s *Session, err error) error {
+func (h *fenceSession) refuseQuery(s gateConn, err error) error {
 	return h.send(s, h.qmsg(plan.RaiseSQL(plan.AsSessionError(err))), &tag{kind: 'Q', segs: []seg{{step: stepRaise}}}, true)
 }
 

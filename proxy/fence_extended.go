@@ -19,7 +19,7 @@ import (
 
 // parse handles a Parse: the statement is classified and kept (as soon as
 // the Parse is sent: a failed Parse makes the server skip to Sync anyway).
-func (h *fenceSession) parse(s *Session, msg []byte) (Verdict, error) {
+func (h *fenceSession) parse(s gateConn, msg []byte) (Verdict, error) {
 	var m pgproto3.Parse
 	if err := m.Decode(msg[headerLen:]); err != nil {
 		return Forward, nil // the server will refuse it
@@ -41,12 +41,16 @@ func (h *fenceSession) parse(s *Session, msg []byte) (Verdict, error) {
 		}
 		res = nil // the server refuses it
 	}
-	h.stmts[m.Name] = &clientStmt{res: res, oids: m.ParameterOIDs}
+	cs := &clientStmt{res: res, oids: m.ParameterOIDs}
+	if m.Name != "" && s.readRouter() != nil {
+		cs.msg = append([]byte(nil), msg...)
+	}
+	h.stmts[m.Name] = cs
 	return Drop, h.send(s, msg, &tag{kind: 'P', name: m.Name, res: res, oids: m.ParameterOIDs}, true)
 }
 
 // bind handles a Bind: the portal is kept with a copy of its parameters.
-func (h *fenceSession) bind(s *Session, msg []byte) (Verdict, error) {
+func (h *fenceSession) bind(s gateConn, msg []byte) (Verdict, error) {
 	var m pgproto3.Bind
 	if err := m.Decode(msg[headerLen:]); err != nil {
 		return Forward, nil
@@ -76,7 +80,7 @@ func (h *fenceSession) bind(s *Session, msg []byte) (Verdict, error) {
 
 // closeOrDescribe handles a Close or a Describe: neither may name the
 // gate's statements or portal; a Close forgets what it closes.
-func (h *fenceSession) closeOrDescribe(s *Session, msg []byte) (Verdict, error) {
+func (h *fenceSession) closeOrDescribe(s gateConn, msg []byte) (Verdict, error) {
 	body := msg[headerLen:]
 	if len(body) < 2 {
 		if msg[0] == 'C' {
@@ -101,9 +105,21 @@ func (h *fenceSession) closeOrDescribe(s *Session, msg []byte) (Verdict, error) 
 
 // clientStmt is a statement the client parsed (speculatively: kept as soon as
 // the Parse is sent; a failed Parse makes the server skip to Sync anyway).
+//
+// Prepared statements are tracked twice, for two different moments:
+// fenceSession.stmts (these) as the client sent them, which is what the
+// client side plans a Bind and an Execute with before the server has
+// answered the Parse; and session.State's as the server accepted them
+// (ParseComplete, PREPARE's CommandComplete), which is what an EXECUTE's
+// effects on the settings are read from (session.State.Apply). Read
+// routing's copy of each named Parse is msg here, and where each version
+// exists is route.go's stmtCopies (per upstream connection).
 type clientStmt struct {
 	res  *rewrite.Result
 	oids []uint32
+	// msg is the client's Parse, with read routing, for a named
+	// statement: route.go parses it again on the other upstream.
+	msg []byte
 }
 
 // clientPortal is a bound portal with its parameters (copied).
@@ -171,7 +187,7 @@ func formatOf(formats []int16, i int) int16 {
 
 // execute handles an extended-protocol Execute: it plans it (plan.Batch)
 // and executes the plan.
-func (h *fenceSession) execute(s *Session, msg []byte) error {
+func (h *fenceSession) execute(s gateConn, msg []byte) error {
 	var m pgproto3.Execute
 	if err := m.Decode(msg[headerLen:]); err != nil {
 		return h.send(s, msg, &tag{kind: 'E'}, true)
@@ -215,7 +231,7 @@ func (h *fenceSession) execute(s *Session, msg []byte) error {
 	h.mu.Lock()
 	var params session.ParamFunc
 	if len(st.GUCs) > 0 {
-		params = paramFunc(cp, h.text.codec)
+		params = paramFunc(cp, h.be.text.codec)
 	}
 	ep := h.batch.Execute(h.planSession(), plan.Exec{Stmt: st, Portal: m.Portal, Params: params, Bound: cp})
 	h.mu.Unlock()
@@ -267,7 +283,7 @@ func (h *fenceSession) execute(s *Session, msg []byte) error {
 // execStep runs a planned step of the extended protocol in the current
 // batch, as the gate's named statements; about is the client's statement
 // it stands before.
-func (h *fenceSession) execStep(s *Session, ps *plan.Step, about *rewrite.Stmt) error {
+func (h *fenceSession) execStep(s gateConn, ps *plan.Step, about *rewrite.Stmt) error {
 	switch ps.Kind {
 	case plan.Raise:
 		return h.raiseInBatch(s, ps.Err)
@@ -288,7 +304,7 @@ func (h *fenceSession) execStep(s *Session, ps *plan.Step, about *rewrite.Stmt) 
 // sync handles an extended-protocol Sync: a wrapped implicit transaction
 // ends here with the receipt step, which PostgreSQL skips when anything
 // before it in the batch failed (the transaction then rolls back).
-func (h *fenceSession) sync(s *Session, msg []byte) error {
+func (h *fenceSession) sync(s gateConn, msg []byte) error {
 	sp := h.batch.Sync()
 	if sp.Receipt != nil {
 		if err := h.execStep(s, sp.Receipt, nil); err != nil {
@@ -308,29 +324,29 @@ func (h *fenceSession) sync(s *Session, msg []byte) error {
 
 // prepareGate parses the gate's named statements once per upstream
 // connection (again after DISCARD ALL / DEALLOCATE ALL).
-func (h *fenceSession) prepareGate(s *Session) error {
-	if r := h.prepareReq; r != nil {
+func (h *fenceSession) prepareGate(s gateConn) error {
+	if r := h.be.prepareReq; r != nil {
 		// The last Parse of them: PostgreSQL skips it, without a word,
 		// when an earlier message of its batch failed. (Settled by now:
 		// the gate step that followed it changed the state.)
 		if err := h.wait(s, r); err != nil {
 			return err
 		}
-		h.prepareReq = nil
+		h.be.prepareReq = nil
 		if r.Skipped || r.Error != nil {
 			h.mu.Lock()
-			h.prepared = false
+			h.be.prepared = false
 			h.mu.Unlock()
 		}
 	}
 	h.mu.Lock()
-	done := h.prepared
-	h.prepared = true
+	done := h.be.prepared
+	h.be.prepared = true
 	h.mu.Unlock()
-	if done && !h.tainted {
+	if done && !h.be.tainted {
 		return nil
 	}
-	h.tainted = false
+	h.be.tainted = false
 	// Close first (closing a statement that does not exist is not an
 	// error): after a DO block, say, a statement of that name may be a
 	// client's stand-in.
@@ -345,13 +361,13 @@ func (h *fenceSession) prepareGate(s *Session) error {
 			return err
 		}
 	}
-	h.prepareReq = h.last
+	h.be.prepareReq = h.last
 	return nil
 }
 
 // execNamed runs one of the gate's named statements in the current batch:
 // Bind to the gate's portal, Execute, Close the portal.
-func (h *fenceSession) execNamed(s *Session, stmt string, args [][]byte, t *tag) error {
+func (h *fenceSession) execNamed(s gateConn, stmt string, args [][]byte, t *tag) error {
 	for i, a := range args {
 		args[i] = h.encode(string(a)) // text parameters are in the client's encoding
 	}
@@ -373,7 +389,7 @@ func (h *fenceSession) execNamed(s *Session, stmt string, args [][]byte, t *tag)
 // raiseInBatch fails the current extended batch with e: a DO block raising
 // it, parsed and executed through the gate's portal (the client's unnamed
 // statement is left alone). The server then skips to Sync.
-func (h *fenceSession) raiseInBatch(s *Session, e *fence.Error) error {
+func (h *fenceSession) raiseInBatch(s gateConn, e *fence.Error) error {
 	const name = plan.RaiseStatement
 	buf, _ := (&pgproto3.Close{ObjectType: 'S', Name: name}).Encode(nil)
 	if err := h.send(s, buf, &tag{kind: 'C', step: stepRaise}, false); err != nil {

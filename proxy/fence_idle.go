@@ -42,14 +42,14 @@ type watchdog struct {
 	log   *zap.Logger
 
 	mu       sync.Mutex
-	sessions map[*fenceSession]*Session
+	sessions map[*fenceSession]gateConn
 
 	stop chan struct{}
 	done chan struct{}
 }
 
 func newWatchdog(bound time.Duration, log *zap.Logger) *watchdog {
-	w := &watchdog{bound: bound, log: log, sessions: map[*fenceSession]*Session{},
+	w := &watchdog{bound: bound, log: log, sessions: map[*fenceSession]gateConn{},
 		stop: make(chan struct{}), done: make(chan struct{})}
 	if bound <= 0 {
 		close(w.done)
@@ -59,7 +59,7 @@ func newWatchdog(bound time.Duration, log *zap.Logger) *watchdog {
 	return w
 }
 
-func (w *watchdog) add(h *fenceSession, s *Session) {
+func (w *watchdog) add(h *fenceSession, s gateConn) {
 	w.mu.Lock()
 	w.sessions[h] = s
 	w.mu.Unlock()
@@ -117,7 +117,7 @@ type idleClock struct {
 
 // silentFor returns how long s has been silent while it may hold a fence
 // row (0 when it is not holding, or talking).
-func (h *fenceSession) silentFor(s *Session, now time.Time) time.Duration {
+func (h *fenceSession) silentFor(s gateConn, now time.Time) time.Duration {
 	c := &h.idle
 	if c.ended {
 		return 0
@@ -126,8 +126,8 @@ func (h *fenceSession) silentFor(s *Session, now time.Time) time.Duration {
 	_, fenced := h.st.Generation()
 	fenced = fenced || h.st.Gate().Gated
 	h.mu.Unlock()
-	txOpen := s.TxStatus() != 'I' || s.pending.Load() > 0
-	busy := s.q.front() != nil && !c.copyWait.Load()
+	txOpen := s.TxStatus() != 'I' || s.inFlight() > 0
+	busy := s.outstanding() && !c.copyWait.Load()
 	msgs := c.clientMsgs.Load()
 	fenced = fenced || c.fenceCall.Load() != 0
 	if !fenced || !txOpen || busy || msgs != c.seen || c.since.IsZero() {
@@ -143,7 +143,7 @@ func (h *fenceSession) silentFor(s *Session, now time.Time) time.Duration {
 }
 
 // expire ends a session that held a fence row past the bound.
-func (w *watchdog) expire(h *fenceSession, s *Session) {
+func (w *watchdog) expire(h *fenceSession, s gateConn) {
 	h.idle.ended = true
 	h.mu.Lock()
 	gen := h.st.Gate().Gen
@@ -157,10 +157,8 @@ func (w *watchdog) expire(h *fenceSession, s *Session) {
 	}
 	msg := fmt.Sprintf("pgfence ended this session: its transaction held %s while the client was silent for %s (gate_idle_timeout), so a takeover could not proceed; the transaction was rolled back. Reconnect and retry; keep a gated transaction short, or raise gate_idle_timeout (keep it under the lease TTL)", what, w.bound)
 	w.log.Info("gated transaction idle past the bound; ending the session",
-		zap.Uint32("backend_pid", s.BackendPID), zap.String("user", s.User), zap.String("database", s.Database),
+		zap.Uint32("backend_pid", s.backendPID()), zap.String("user", h.user), zap.String("database", h.db),
 		zap.String("job_key", gen.JobKey), zap.Int64("token", gen.Token), zap.Duration("gate_idle_timeout", w.bound))
 	h.f.Stats.Codes.Add(fence.CodeGateTimeout)
-	s.rt.fatal.CompareAndSwap(nil, &ProtocolError{Code: fence.CodeGateTimeout, Msg: msg,
-		Err: fmt.Errorf("gate idle timeout")})
-	s.closeServer()
+	s.endWith(&ProtocolError{Code: fence.CodeGateTimeout, Msg: msg, Err: fmt.Errorf("gate idle timeout")})
 }

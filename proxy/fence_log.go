@@ -52,16 +52,16 @@ var currentRE = regexp.MustCompile(`current (?:epoch (\d+),? )?token (\d+)`)
 // logRefusal logs what the client was refused (e) for stmt (nil when the
 // refusal is not about one statement, e.g. a COMMIT's receipt step).
 // Callers hold h.mu.
-func (h *fenceSession) logRefusal(s *Session, e *pgproto3.ErrorResponse, stmt *rewrite.Stmt, outcome string) {
+func (h *fenceSession) logRefusal(s gateConn, e *pgproto3.ErrorResponse, stmt *rewrite.Stmt, outcome string) {
 	gen := h.st.Gate().Gen
 	if !h.st.Gate().Gated {
 		gen, _ = h.st.Generation()
 	}
 	fields := []zap.Field{
-		zap.Uint32("session", s.cancelPID),
-		zap.String("user", s.User),
-		zap.String("database", s.Database),
-		zap.String("application_name", h.appName),
+		zap.Uint32("session", s.sessionID()),
+		zap.String("user", h.user),
+		zap.String("database", h.db),
+		zap.String("application_name", h.be.appName),
 		zap.String("sqlstate", e.Code),
 		zap.String("job_key", gen.JobKey),
 		zap.Int64("epoch", gen.Epoch),
@@ -93,19 +93,19 @@ func (h *fenceSession) logRefusal(s *Session, e *pgproto3.ErrorResponse, stmt *r
 // there, or a role that may not use it (fence.Setup), into FN014 with the
 // command that fixes it, and warns once per database (and role) in the
 // proxy's log. It returns false for any other error.
-func (h *fenceSession) setupError(s *Session, e *pgproto3.ErrorResponse) bool {
+func (h *fenceSession) setupError(s gateConn, e *pgproto3.ErrorResponse) bool {
 	msg := e.Message
 	switch fence.Setup(e.Code, msg) {
 	case fence.NoSchema:
-		e.Message = fmt.Sprintf("pgfence: database %q has no (or an outdated) fence schema: %s", s.Database, msg)
-		e.Hint = fmt.Sprintf("a DBA runs: pgfence migrate --database 'postgres://<dba>@<host>/%s'", s.Database)
-		h.f.warnOnce("schema:"+s.Database, "database has no usable fence schema; fenced clients are refused until `pgfence migrate` runs",
-			zap.String("database", s.Database), zap.String("error", msg))
+		e.Message = fmt.Sprintf("pgfence: database %q has no (or an outdated) fence schema: %s", h.db, msg)
+		e.Hint = fmt.Sprintf("a DBA runs: pgfence migrate --database 'postgres://<dba>@<host>/%s'", h.db)
+		h.f.warnOnce("schema:"+h.db, "database has no usable fence schema; fenced clients are refused until `pgfence migrate` runs",
+			zap.String("database", h.db), zap.String("error", msg))
 	case fence.NotWorker:
-		e.Message = fmt.Sprintf("pgfence: role %q may not use the fence schema in database %q: %s", s.User, s.Database, msg)
-		e.Hint = fmt.Sprintf("a DBA runs: GRANT pgfence_worker TO %s;", rewrite.QuoteIdentifier(s.User))
-		h.f.warnOnce("role:"+s.Database+"\x00"+s.User, "role lacks pgfence_worker; its fenced work is refused",
-			zap.String("database", s.Database), zap.String("user", s.User), zap.String("error", msg))
+		e.Message = fmt.Sprintf("pgfence: role %q may not use the fence schema in database %q: %s", h.user, h.db, msg)
+		e.Hint = fmt.Sprintf("a DBA runs: GRANT pgfence_worker TO %s;", rewrite.QuoteIdentifier(h.user))
+		h.f.warnOnce("role:"+h.db+"\x00"+h.user, "role lacks pgfence_worker; its fenced work is refused",
+			zap.String("database", h.db), zap.String("user", h.user), zap.String("error", msg))
 	default:
 		return false
 	}

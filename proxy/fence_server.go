@@ -56,8 +56,8 @@ func (h *fenceSession) ServerMessage(s *Session, msg []byte, req *Request) (Verd
 		if err := h.st.TxStatus(msg[headerLen]); err != nil && t.step != stepRollback {
 			s.Logger().Debug("session state resynchronised", zap.Error(err))
 		}
-		if t.seq > h.text.knownSeq {
-			h.text.knownSeq = t.seq // every ParameterStatus before it is in
+		if t.seq > h.be.text.knownSeq {
+			h.be.text.knownSeq = t.seq // every ParameterStatus before it is in
 		}
 		if t.hideReady || !req.Visible {
 			return Drop, nil
@@ -105,7 +105,7 @@ func (h *fenceSession) hidden(t *tag) bool {
 	return t.step != stepClient
 }
 
-func (h *fenceSession) queryResponse(s *Session, msg []byte, t *tag) (Verdict, error) {
+func (h *fenceSession) queryResponse(s gateConn, msg []byte, t *tag) (Verdict, error) {
 	sg := seg{step: stepClient}
 	if t.cur < len(t.segs) {
 		sg = t.segs[t.cur]
@@ -143,7 +143,7 @@ func (h *fenceSession) queryResponse(s *Session, msg []byte, t *tag) (Verdict, e
 	return Forward, nil
 }
 
-func (h *fenceSession) executeResponse(s *Session, msg []byte, t *tag) (Verdict, error) {
+func (h *fenceSession) executeResponse(s gateConn, msg []byte, t *tag) (Verdict, error) {
 	switch msg[0] {
 	case 'C':
 		h.timeStep(t, t.step)
@@ -169,7 +169,7 @@ func (h *fenceSession) executeResponse(s *Session, msg []byte, t *tag) (Verdict,
 }
 
 // complete handles the CommandComplete of a segment.
-func (h *fenceSession) complete(s *Session, sg seg, msg []byte, cp *clientPortal) (Verdict, error) {
+func (h *fenceSession) complete(s gateConn, sg seg, msg []byte, cp *clientPortal) (Verdict, error) {
 	switch sg.step {
 	case stepClient:
 		if sg.stmt != nil {
@@ -204,7 +204,7 @@ func (h *fenceSession) complete(s *Session, sg seg, msg []byte, cp *clientPortal
 // ReadyForQuery: a gate step's error stands for the statement it guards,
 // and the errors that follow it (the aborted transaction refusing the rest)
 // are hidden.
-func (h *fenceSession) onError(s *Session, msg []byte, t *tag) (Verdict, error) {
+func (h *fenceSession) onError(s gateConn, msg []byte, t *tag) (Verdict, error) {
 	st := t.step
 	var sg seg
 	if t.kind == 'Q' {
@@ -227,7 +227,7 @@ func (h *fenceSession) onError(s *Session, msg []byte, t *tag) (Verdict, error) 
 	h.timeStep(t, st)
 	h.st.Fail()
 	if st == stepPrepare {
-		h.prepared = false
+		h.be.prepared = false
 		s.Logger().Warn("cannot prepare the gate's statements", zap.ByteString("error", msg))
 	}
 	if h.errShown || st == stepRollback || st == stepRestore {
@@ -293,11 +293,11 @@ func (h *fenceSession) applyClient(st *rewrite.Stmt, msg []byte, cp *clientPorta
 	}
 	plan.Completed(h.planSession(), st, bound) // tentative, digest
 	if st.Kind == rewrite.Discard && st.Name == "ALL" || st.Kind == rewrite.Deallocate && st.All {
-		h.prepared = false
+		h.be.prepared = false
 	}
 	var pf session.ParamFunc
 	if cp != nil {
-		pf = paramFunc(cp, h.text.codec)
+		pf = paramFunc(cp, h.be.text.codec)
 	}
 	if err := h.st.Apply(st, ctag, pf); err != nil {
 		h.f.log.Debug("session state could not follow a statement", zap.Error(err))

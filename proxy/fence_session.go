@@ -44,14 +44,14 @@ import (
 //     read back), fence_log.go (refusals), fence_idle.go (the idle
 //     watchdog), route.go (read routing).
 type fenceSession struct {
-	f   *Fence
-	cat *catalog
+	f        *Fence
+	cat      *catalog
+	user, db string // the session's role and database (for the log)
 
-	mu       sync.Mutex // guards st, prepared and text
-	st       *session.State
-	prepared bool      // the gate's named statements exist upstream
-	text     textState // how the server reads the client's text (fence_text.go)
-	appName  string    // application_name as the server last reported it (for the log)
+	mu sync.Mutex // guards st, and be's prepared and text
+	st *session.State
+	// be is the gate's view of the upstream connection (fence_backend.go).
+	be *gateBackend
 
 	// Client goroutine only.
 	last         *Request // the last request sent upstream
@@ -65,13 +65,6 @@ type fenceSession struct {
 	copiesLeft   int        // COPY FROM statements of the current query not yet done
 	copyQuery    *tag       // the current query's, while copyReceipt
 	stateReq     *Request   // the last request sent that changes session or gate state
-	prepareReq   *Request   // the last Parse of the gate's statements, until known done
-	// tainted: since the gate's statements were last parsed, the client
-	// ran something that can execute SQL the proxy cannot see (a DO
-	// block, a procedure, a user function: any of them may DEALLOCATE
-	// and PREPARE under the gate's names), so they are parsed again
-	// before their next use (prepareGate).
-	tainted bool
 	// seq numbers the requests sent (tag.seq); encSeq is the last that
 	// may have changed how the server reads the client's text, gucSeq the
 	// last that may have changed the tracked settings unseen, resyncInTx

@@ -109,18 +109,18 @@ func (ts *textState) setEncoding(name string, log *zap.Logger) {
 }
 
 // paramStatus follows a ParameterStatus from the server. Callers hold h.mu.
-func (h *fenceSession) paramStatus(s *Session, msg []byte) {
+func (h *fenceSession) paramStatus(s gateConn, msg []byte) {
 	var ps pgproto3.ParameterStatus
 	if err := ps.Decode(msg[headerLen:]); err != nil {
 		return
 	}
 	switch ps.Name {
 	case "client_encoding":
-		h.text.setEncoding(ps.Value, s.Logger())
+		h.be.text.setEncoding(ps.Value, s.Logger())
 	case "standard_conforming_strings":
-		h.text.scsOff = ps.Value == "off"
+		h.be.text.scsOff = ps.Value == "off"
 	case "application_name":
-		h.appName = ps.Value
+		h.be.appName = ps.Value
 	}
 }
 
@@ -139,10 +139,10 @@ func sensitive(raw []byte) bool {
 // decodeText returns the client's text as the server will read it, with
 // the parse options that go with it, after making sure the gate's view of
 // the client's encoding is current where the text depends on it.
-func (h *fenceSession) decodeText(s *Session, raw []byte) (string, rewrite.Options, error) {
+func (h *fenceSession) decodeText(s gateConn, raw []byte) (string, rewrite.Options, error) {
 	if sensitive(raw) {
 		h.mu.Lock()
-		uncertain := h.encSeq > h.text.knownSeq
+		uncertain := h.encSeq > h.be.text.knownSeq
 		h.mu.Unlock()
 		if uncertain {
 			if err := h.knowText(s); err != nil {
@@ -151,7 +151,7 @@ func (h *fenceSession) decodeText(s *Session, raw []byte) (string, rewrite.Optio
 		}
 	}
 	h.mu.Lock()
-	c, opts := h.text.codec, rewrite.Options{NonStandardStrings: h.text.scsOff}
+	c, opts := h.be.text.codec, rewrite.Options{NonStandardStrings: h.be.text.scsOff}
 	h.mu.Unlock()
 	if c == nil {
 		for _, b := range raw {
@@ -172,7 +172,7 @@ func (h *fenceSession) decodeText(s *Session, raw []byte) (string, rewrite.Optio
 // it reads them (resync). In a failed transaction it does neither (the
 // server refuses everything but the end of the transaction, and a read
 // would fail the batch): the current view stands.
-func (h *fenceSession) knowText(s *Session) error {
+func (h *fenceSession) knowText(s gateConn) error {
 	if h.inBatch {
 		return h.resync(s)
 	}
@@ -187,7 +187,7 @@ func (h *fenceSession) knowText(s *Session) error {
 // with another value.
 func (h *fenceSession) encode(text string) []byte {
 	h.mu.Lock()
-	c := h.text.codec
+	c := h.be.text.codec
 	h.mu.Unlock()
 	if c == nil || c.IsUTF8() {
 		return []byte(text)
@@ -218,7 +218,7 @@ func (h *fenceSession) qmsg(sql string) []byte {
 // Sync; outside, with a hidden Sync of its own. Not in a failed
 // transaction: its Parse would fail and take the client's next messages
 // with it.
-func (h *fenceSession) resync(s *Session) error {
+func (h *fenceSession) resync(s gateConn) error {
 	h.mu.Lock()
 	failed := h.st.Tx() == session.Failed
 	inTx := h.st.Tx() != session.Idle
@@ -268,7 +268,7 @@ func (h *fenceSession) resync(s *Session) error {
 }
 
 // applySettings takes the row resync read. Callers hold h.mu.
-func (h *fenceSession) applySettings(s *Session, msg []byte, t *tag) {
+func (h *fenceSession) applySettings(s gateConn, msg []byte, t *tag) {
 	vals := rowValues(msg)
 	if len(vals) != len(settingNames) {
 		return
@@ -278,10 +278,10 @@ func (h *fenceSession) applySettings(s *Session, msg []byte, t *tag) {
 		switch n {
 		case "client_encoding":
 			if v != nil {
-				h.text.setEncoding(*v, s.Logger())
+				h.be.text.setEncoding(*v, s.Logger())
 			}
 		case "standard_conforming_strings":
-			h.text.scsOff = v != nil && *v == "off"
+			h.be.text.scsOff = v != nil && *v == "off"
 		default:
 			if v == nil {
 				h.st.Resync(n, "", false)
@@ -290,11 +290,11 @@ func (h *fenceSession) applySettings(s *Session, msg []byte, t *tag) {
 			}
 		}
 	}
-	if t.seq > h.text.knownSeq {
-		h.text.knownSeq = t.seq
+	if t.seq > h.be.text.knownSeq {
+		h.be.text.knownSeq = t.seq
 	}
-	if t.seq > h.text.gucKnown {
-		h.text.gucKnown = t.seq
+	if t.seq > h.be.text.gucKnown {
+		h.be.text.gucKnown = t.seq
 	}
 }
 
@@ -329,7 +329,7 @@ func rowValues(msg []byte) []*string {
 
 // noteSent records what a client request sent upstream may have changed
 // that the gate cannot see from its text (see the file comment and
-// fenceSession.tainted).
+// gateBackend.tainted).
 func (h *fenceSession) noteSent(t *tag) {
 	var stmts []*rewrite.Stmt
 	var pf session.ParamFunc
@@ -354,7 +354,7 @@ func (h *fenceSession) noteSent(t *tag) {
 		} else {
 			stmts = append(stmts, t.cp.stmt)
 			h.mu.Lock()
-			pf = paramFunc(t.cp, h.text.codec)
+			pf = paramFunc(t.cp, h.be.text.codec)
 			h.mu.Unlock()
 		}
 	case 'F':
@@ -381,7 +381,7 @@ func (h *fenceSession) noteSent(t *tag) {
 		}
 	}
 	if taint {
-		h.tainted = true
+		h.be.tainted = true
 	}
 	if enc {
 		h.encSeq = t.seq
@@ -421,9 +421,9 @@ func changesText(st *rewrite.Stmt) bool {
 // settleSettings reads the tracked settings back before the gate decides
 // from them, when a request since the last read may have changed them in
 // a way its text does not tell.
-func (h *fenceSession) settleSettings(s *Session) error {
+func (h *fenceSession) settleSettings(s gateConn) error {
 	h.mu.Lock()
-	uncertain := h.gucSeq > h.text.gucKnown
+	uncertain := h.gucSeq > h.be.text.gucKnown
 	h.mu.Unlock()
 	if !uncertain {
 		return nil

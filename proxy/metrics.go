@@ -330,16 +330,16 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 	counter(descUpErrors, st.UpstreamErrors.Load())
 	counter(descReads, st.ReadsPrimary.Load(), "primary")
 	counter(descReads, st.ReadsReplica.Load(), "replica")
-	if f := s.fence(); f != nil {
-		counter(descGate, f.Stats.Gated.Load(), "gated")
-		counter(descGate, f.Stats.Committed.Load(), "committed")
-		counter(descGate, f.Stats.Replayed.Load(), "replayed")
-		f.Stats.Codes.each(func(code string, n int64) { counter(descGateErr, n, code) })
-		counter(descClassified, f.Stats.Classified.Load())
+	if fs := s.gateStats(); fs != nil {
+		counter(descGate, fs.Gated.Load(), "gated")
+		counter(descGate, fs.Committed.Load(), "committed")
+		counter(descGate, fs.Replayed.Load(), "replayed")
+		fs.Codes.each(func(code string, n int64) { counter(descGateErr, n, code) })
+		counter(descClassified, fs.Classified.Load())
 		for _, l := range []struct {
 			step string
 			h    *Latency
-		}{{"gate", &f.Stats.GateLatency}, {"commit", &f.Stats.CommitLatency}} {
+		}{{"gate", &fs.GateLatency}, {"commit", &fs.CommitLatency}} {
 			n, sum, b := l.h.snapshot()
 			ch <- prometheus.MustNewConstHistogram(descLatency, n, sum, b, l.step)
 		}

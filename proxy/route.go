@@ -147,8 +147,8 @@ func pins(st *rewrite.Stmt) bool {
 
 // routeQuery sends a client Query that needs no gate: to the replica when
 // it may, else to the primary. Client goroutine.
-func (h *fenceSession) routeQuery(s *Session, msg []byte, res *rewrite.Result) error {
-	rs := s.srv.rs
+func (h *fenceSession) routeQuery(s gateConn, msg []byte, res *rewrite.Result) error {
+	rs := s.readRouter()
 	if rs == nil {
 		return h.sendClient(s, msg, res)
 	}
@@ -158,7 +158,7 @@ func (h *fenceSession) routeQuery(s *Session, msg []byte, res *rewrite.Result) e
 	}
 	onRep := s.OnReplica()
 	if onRep {
-		if s.q.front() != nil {
+		if s.outstanding() {
 			if err := h.barrier(s); err != nil {
 				return err
 			}
@@ -176,15 +176,15 @@ func (h *fenceSession) routeQuery(s *Session, msg []byte, res *rewrite.Result) e
 		h.notePins(s, stmts)
 		return h.sendClient(s, msg, res)
 	}
-	if !onRep && (s.q.front() != nil || h.tx() != session.Idle) {
+	if !onRep && (s.outstanding() || h.tx() != session.Idle) {
 		// Requests in flight on the primary (their transaction state is
 		// unknown yet), or a transaction open there.
 		rs.stats.Primary.Add(1)
 		return h.sendClient(s, msg, res)
 	}
 	r := rs.pick()
-	if rc := s.rt.rep; rc != nil && rc.r.healthy.Load() {
-		r = rc.r
+	if rr := s.replicaInUse(); rr != nil {
+		r = rr
 	}
 	if r == nil {
 		rs.stats.Primary.Add(1)
@@ -210,10 +210,9 @@ func (h *fenceSession) routeQuery(s *Session, msg []byte, res *rewrite.Result) e
 		return h.toPrimary(s, msg, res)
 	}
 	rs.stats.Replica.Add(1)
-	s.rt.rep.forwarded.Store(false)
-	s.rt.waiting.Store(true)
+	s.startRouted(true)
 	if err := h.sendClient(s, msg, res); err != nil {
-		s.rt.waiting.Store(false)
+		s.stopRouted()
 		return err
 	}
 	retry, err := s.routeWait(h.last)
@@ -227,7 +226,7 @@ func (h *fenceSession) routeQuery(s *Session, msg []byte, res *rewrite.Result) e
 	return h.sendClient(s, msg, res)
 }
 
-func (h *fenceSession) toPrimary(s *Session, msg []byte, res *rewrite.Result) error {
+func (h *fenceSession) toPrimary(s gateConn, msg []byte, res *rewrite.Result) error {
 	if err := s.usePrimary(); err != nil {
 		return err
 	}
@@ -237,11 +236,11 @@ func (h *fenceSession) toPrimary(s *Session, msg []byte, res *rewrite.Result) er
 // routeOther keeps the extended protocol (and everything but a Query) on
 // the primary, except inside a transaction open on the replica. A batch
 // (up to Sync) stays on the upstream where it began. Client goroutine.
-func (h *fenceSession) routeOther(s *Session) error {
+func (h *fenceSession) routeOther(s gateConn) error {
 	if !s.OnReplica() || h.inBatch {
 		return nil
 	}
-	if s.q.front() != nil {
+	if s.outstanding() {
 		if err := h.barrier(s); err != nil {
 			return err
 		}
@@ -274,7 +273,7 @@ func (h *fenceSession) replicaReads() bool {
 	return true
 }
 
-func (h *fenceSession) notePins(s *Session, stmts []*rewrite.Stmt) {
+func (h *fenceSession) notePins(s gateConn, stmts []*rewrite.Stmt) {
 	for _, st := range stmts {
 		switch {
 		case st.Kind == rewrite.Discard && st.Name == "ALL":
@@ -383,7 +382,7 @@ func (p *pendingError) Error() string { return p.e.Message }
 // the session's policy says so. It returns a *pendingError for policy
 // pending. It may leave the session on the replica (after a fence-row
 // check); the caller switches as it decides.
-func (h *fenceSession) replicaCurrent(s *Session, r *replica, stmts []*rewrite.Stmt, kind readKind) (bool, error) {
+func (h *fenceSession) replicaCurrent(s gateConn, r *replica, stmts []*rewrite.Stmt, kind readKind) (bool, error) {
 	req, protected, catalogLSN := h.require(stmts, kind)
 	if !protected {
 		// Reads of unprotected data never wait and never get FN007.
@@ -392,7 +391,7 @@ func (h *fenceSession) replicaCurrent(s *Session, r *replica, stmts []*rewrite.S
 	if req.blind {
 		return false, nil
 	}
-	rs := s.srv.rs
+	rs := s.readRouter()
 	ok, err := h.replayed(s, r, req)
 	if ok || err != nil {
 		return ok, err
@@ -412,7 +411,7 @@ func (h *fenceSession) replicaCurrent(s *Session, r *replica, stmts []*rewrite.S
 		defer cancel()
 		go func() {
 			select {
-			case <-s.closing:
+			case <-s.ending():
 				cancel()
 			case <-ctx.Done():
 			}
@@ -445,7 +444,7 @@ func (h *fenceSession) replicaCurrent(s *Session, r *replica, stmts []*rewrite.S
 
 // replayed checks req against r's cached replay position, and against its
 // fence row when the proxy does not know the session's token.
-func (h *fenceSession) replayed(s *Session, r *replica, req requirement) (bool, error) {
+func (h *fenceSession) replayed(s gateConn, r *replica, req requirement) (bool, error) {
 	if LSN(r.replay.Load()) < req.lsn {
 		return false, nil
 	}
@@ -458,18 +457,18 @@ func (h *fenceSession) replayed(s *Session, r *replica, req requirement) (bool, 
 // fenceRowCheck asks the replica whether its fence row for req.job has
 // reached req.token, on the session's replica connection. The answer also
 // teaches the takeover tracker a position for that token.
-func (h *fenceSession) fenceRowCheck(s *Session, r *replica, req requirement) (bool, error) {
+func (h *fenceSession) fenceRowCheck(s gateConn, r *replica, req requirement) (bool, error) {
 	if err := s.useReplica(r); err != nil {
 		return false, nil
 	}
-	s.srv.rs.stats.FenceChecks.Add(1)
+	s.readRouter().stats.FenceChecks.Add(1)
 	q := fenceCheckQuery(req, h.cat.reached.Load())
 	h.mu.Lock()
 	h.rt.row = ""
 	h.mu.Unlock()
-	s.rt.waiting.Store(true)
+	s.startRouted(false)
 	if err := h.send(s, queryMsg(nil, q), &tag{kind: 'Q', segs: []seg{{step: stepFenceCheck}}}, false); err != nil {
-		s.rt.waiting.Store(false)
+		s.stopRouted()
 		return false, err
 	}
 	retry, err := s.routeWait(h.last)
@@ -519,7 +518,7 @@ func fenceCheckQuery(req requirement, reached bool) string {
 
 // routeRow takes the DataRow of a routing query. Server goroutine, under
 // h.mu.
-func (h *fenceSession) routeRow(s *Session, sg seg, msg []byte) {
+func (h *fenceSession) routeRow(s gateConn, sg seg, msg []byte) {
 	switch sg.step {
 	case stepFenceCheck:
 		h.rt.row = rowValue(msg)
@@ -531,7 +530,7 @@ func (h *fenceSession) routeRow(s *Session, sg seg, msg []byte) {
 		if v == "" {
 			return
 		}
-		if rs := s.srv.rs; rs != nil {
+		if rs := s.readRouter(); rs != nil {
 			rs.stats.CommitLSN.Add(1)
 		}
 		s.WriteClient(encode(nil, &pgproto3.ParameterStatus{Name: ParamCommitLSN, Value: v}))
@@ -542,7 +541,7 @@ func (h *fenceSession) routeRow(s *Session, sg seg, msg []byte) {
 // a fence.* function and left no transaction open (or the COMMIT of a
 // transaction that did), the query's ReadyForQuery is held back and sent
 // after the ParameterStatus fence.commit_lsn.
-func (h *fenceSession) sendClient(s *Session, msg []byte, res *rewrite.Result) error {
+func (h *fenceSession) sendClient(s gateConn, msg []byte, res *rewrite.Result) error {
 	t := &tag{kind: 'Q', segs: clientSegs(res)}
 	tail, ends, begins := false, false, false
 	if res != nil && !s.OnReplica() {
@@ -575,18 +574,18 @@ func (h *fenceSession) sendClient(s *Session, msg []byte, res *rewrite.Result) e
 }
 
 // initReplicas sets up read routing when replicas are configured, reads
-// may use them, and the write gate classifies statements. The pollers
-// start at once; they connect in the background.
+// may use them, and the interceptor routes reads (ReadRouter: the write
+// gate classifies statements). The pollers start at once; they connect in
+// the background.
 func (s *Server) initReplicas() {
-	if len(s.replicas) == 0 || s.cfg.NoReplicaReads || s.cfg.Interceptor == nil {
+	if len(s.replicas) == 0 || s.cfg.NoReplicaReads {
 		return
 	}
-	f, ok := s.cfg.Interceptor.(*Fence)
+	rr, ok := s.cfg.Interceptor.(ReadRouter)
 	if !ok {
 		return
 	}
-	f.cats.reads.Store(true)
-	s.rs = newReplicas(s.primary, s.replicas, s.cfg.ReplicaPoll, s.cfg.ReplicaMaxLag, f.cats.sessionDB, s.log.Named("replicas"))
+	s.rs = newReplicas(s.primary, s.replicas, s.cfg.ReplicaPoll, s.cfg.ReplicaMaxLag, rr.RouteReads(), s.log.Named("replicas"))
 	s.SetReplicaStatus(s.rs.status)
 }
 
@@ -631,7 +630,7 @@ func (s *Server) cancelRoute(pid uint32, t cancelTarget) cancelTarget {
 // routeGated: a query the gate rewrites goes to the primary (it writes),
 // unless a read-only transaction is open on the replica, where it fails as
 // it would on the primary. Called after barrier.
-func (h *fenceSession) routeGated(s *Session) error {
+func (h *fenceSession) routeGated(s gateConn) error {
 	if !s.OnReplica() || h.tx() != session.Idle {
 		return nil
 	}
@@ -641,28 +640,30 @@ func (h *fenceSession) routeGated(s *Session) error {
 // Named prepared statements live on the upstream that parsed them. A
 // session whose read-only transaction runs on the replica may parse a
 // statement there and bind it later on the primary (pgx's statement cache
-// does), or the other way round. So the router keeps a copy of every named
-// Parse, which upstream has which version, and parses a statement on the
-// current upstream (hidden, ahead of the client's message) before a Bind,
-// Describe or Close names it there. A version left behind on the other
-// upstream is closed before a newer one is parsed there.
+// does), or the other way round. So the client side keeps a copy of every
+// named Parse (clientStmt.msg, fence_extended.go), the router which
+// upstream has which version (stmtCopies), and it parses a statement on
+// the current upstream (hidden, ahead of the client's message) before a
+// Bind, Describe or Close names it there. A version left behind on the
+// other upstream is closed before a newer one is parsed there.
 
 const (
 	onPrimary uint8 = 1 << iota
 	onReplica
 )
 
+// stmtCopies is where the client's named statements exist, by name: the
+// per-upstream half of what fenceSession.stmts holds per client.
 type stmtCopies struct {
-	text  map[string][]byte // name → the client's Parse message
-	on    map[string]uint8  // where the current version exists
-	stale map[string]uint8  // where an older version exists
+	on    map[string]uint8 // where the current version exists
+	stale map[string]uint8 // where an older version exists
 }
 
 // routeMsg follows an extended-protocol message: back to the primary when
 // idle, and the named statement it needs on the current upstream. Client
 // goroutine.
-func (h *fenceSession) routeMsg(s *Session, msg []byte) error {
-	if s.srv.rs == nil {
+func (h *fenceSession) routeMsg(s gateConn, msg []byte) error {
+	if s.readRouter() == nil {
 		return nil
 	}
 	if s.OnReplica() {
@@ -693,8 +694,7 @@ func (h *fenceSession) routeMsg(s *Session, msg []byte) error {
 			}
 			sc.stale[name] &^= up
 		}
-		sc.text[name] = append([]byte(nil), msg...)
-		sc.on[name] = up
+		sc.on[name] = up // parse keeps its text (clientStmt.msg)
 		return nil
 	case 'B':
 		_, rest, _ := cstring(body)
@@ -704,11 +704,15 @@ func (h *fenceSession) routeMsg(s *Session, msg []byte) error {
 			name, _, _ = cstring(body[1:])
 		}
 	}
-	if name == "" || h.rt.stmts.text == nil {
+	if name == "" || h.rt.stmts.on == nil {
 		return nil
 	}
 	sc := &h.rt.stmts
-	if p := sc.text[name]; p != nil && sc.on[name]&up == 0 {
+	var p []byte
+	if cs := h.stmts[name]; cs != nil {
+		p = cs.msg
+	}
+	if p != nil && sc.on[name]&up == 0 {
 		if sc.stale[name]&up != 0 {
 			if err := h.closeCopy(s, name); err != nil {
 				return err
@@ -724,28 +728,27 @@ func (h *fenceSession) routeMsg(s *Session, msg []byte) error {
 		if sc.on[name]&other != 0 {
 			sc.stale[name] |= other
 		}
-		delete(sc.text, name)
-		delete(sc.on, name)
+		delete(sc.on, name) // and closeOrDescribe its text
 	}
 	return nil
 }
 
 func (h *fenceSession) stmtCopies() *stmtCopies {
 	sc := &h.rt.stmts
-	if sc.text == nil {
-		sc.text, sc.on, sc.stale = map[string][]byte{}, map[string]uint8{}, map[string]uint8{}
+	if sc.on == nil {
+		sc.on, sc.stale = map[string]uint8{}, map[string]uint8{}
 	}
 	return sc
 }
 
-func (h *fenceSession) closeCopy(s *Session, name string) error {
+func (h *fenceSession) closeCopy(s gateConn, name string) error {
 	buf, _ := (&pgproto3.Close{ObjectType: 'S', Name: name}).Encode(nil)
 	return h.send(s, buf, &tag{kind: 'C', step: stepStmtCopy}, false)
 }
 
 // forgetStatements: DISCARD ALL / DEALLOCATE ALL ran on the current
 // upstream.
-func (h *fenceSession) forgetStatements(s *Session) {
+func (h *fenceSession) forgetStatements(s gateConn) {
 	up := onPrimary
 	if s.OnReplica() {
 		up = onReplica

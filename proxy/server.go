@@ -457,18 +457,16 @@ func (s *Server) open(raw, c net.Conn, st *startup, proof *Proof, log *zap.Logge
 		return nil, fmt.Errorf("%w: %w", errUpstream, err)
 	}
 	sess := &Session{
-		srv:          s,
-		User:         user,
-		Database:     db,
-		ClientAddr:   c.RemoteAddr(),
-		Params:       st.params,
-		ServerParams: hj.ParameterStatuses,
-		BackendPID:   hj.PID,
-		client:       c,
-		server:       hj.Conn,
-		log:          log.With(zap.Uint32("backend_pid", hj.PID)),
-		proof:        proof,
-		closing:      make(chan struct{}),
+		srv:        s,
+		User:       user,
+		Database:   db,
+		ClientAddr: c.RemoteAddr(),
+		Params:     st.params,
+		backend:    backend{server: hj.Conn, BackendPID: hj.PID, ServerParams: hj.ParameterStatuses},
+		client:     c,
+		log:        log.With(zap.Uint32("backend_pid", hj.PID)),
+		proof:      proof,
+		closing:    make(chan struct{}),
 	}
 	sess.txStatus.Store(uint32(hj.TxStatus))
 	size := s.cfg.BufferSize

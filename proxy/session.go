@@ -36,18 +36,13 @@ type Session struct {
 	// Params are the client's startup parameters (user and database
 	// included). Read-only.
 	Params map[string]string
-	// ServerParams are the parameters the upstream reported at startup
-	// (ParameterStatus: client_encoding, server_encoding,
-	// standard_conforming_strings, ...).
-	ServerParams map[string]string
-	// BackendPID is the upstream backend's process id, which the client
-	// was given in BackendKeyData.
-	BackendPID uint32
+
+	// The upstream connection: its socket, framer, BackendPID,
+	// ServerParams and transaction status (backend.go).
+	backend
 
 	client net.Conn
-	server net.Conn
 	cf     framer        // client → proxy
-	sf     framer        // server → proxy
 	cw     *clientWriter // locks when a replica connection may write too (replica.go)
 	sw     *bufio.Writer // the upstream requests go to: the primary, or the replica (replica.go)
 
@@ -62,14 +57,7 @@ type Session struct {
 	// MaxMessageSize with a substitute: the server side then turns the
 	// substitute's error into the proxy's 54000 (oversizedError).
 	oversized atomic.Bool
-	// resume is where the server stream stood when the session left the
-	// event loop in the middle of a server message (leaveLoop).
-	resume struct {
-		left   int
-		status bool
-	}
 
-	txStatus atomic.Uint32 // last ReadyForQuery status: 'I', 'T' or 'E'
 	// pending counts requests in flight (a Query, FunctionCall or an
 	// extended batch up to its Sync) whose ReadyForQuery has not arrived.
 	// Shutdown may close a session only while it is zero and txStatus is
@@ -85,9 +73,8 @@ type Session struct {
 	// connMu orders closeServer (graceful shutdown runs it from another
 	// goroutine) against itself and against moving the session onto the
 	// event loop.
-	connMu       sync.Mutex
-	serverClosed bool
-	loopRelay    *relay // set when the event loop relays the session (evloop_linux.go)
+	connMu    sync.Mutex
+	loopRelay *relay // set when the event loop relays the session (evloop_linux.go)
 	// closing is closed when the session starts to end, so a Handler
 	// waiting on a Request can give up.
 	closing chan struct{}
