@@ -284,6 +284,24 @@ func connTarget(cfg *pgconn.Config) string {
 	return fmt.Sprintf("%s@%s:%d/%s", cfg.User, cfg.Host, cfg.Port, cfg.Database)
 }
 
+// pollFind polls find until it finds something and returns it, failing t
+// (there is no <what>) if nothing turns up before ctxT's deadline.
+func pollFind[T any](t *testing.T, what string, find func() (T, bool)) T {
+	t.Helper()
+	var out T
+	err := pgtest.Poll(ctxT(t), func() (bool, error) {
+		v, ok := find()
+		if ok {
+			out = v
+		}
+		return ok, nil
+	})
+	if err != nil {
+		t.Fatalf("no %s: %v", what, err)
+	}
+	return out
+}
+
 func ctxT(t testing.TB) context.Context {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	t.Cleanup(cancel)
