@@ -19,20 +19,14 @@ import (
 func sessionOf(t *testing.T, p *testProxy, c *pgconn.PgConn) *Session {
 	t.Helper()
 	addr := c.Conn().LocalAddr().String()
-	var out *Session
-	err := pgtest.Poll(ctxT(t), func() (bool, error) {
+	return pollFind(t, "session for client "+addr, func() (*Session, bool) {
 		for _, ss := range p.srv.sessions() {
 			if ss.ClientAddr.String() == addr {
-				out = ss
-				return true, nil
+				return ss, true
 			}
 		}
-		return false, nil
+		return nil, false
 	})
-	if err != nil {
-		t.Fatalf("no session for client %s: %v", addr, err)
-	}
-	return out
 }
 
 // rawSend sends Query messages for sqls on c at once, without waiting

@@ -150,11 +150,7 @@ func (c *cast) connConfig(t *testing.T, route, role string, l *fence.Lease) *pgc
 func (c *cast) connect(t *testing.T, route, role string, l *fence.Lease) *pgconn.PgConn {
 	t.Helper()
 	conn, err := pgconn.ConnectConfig(ctxT(t), c.connConfig(t, route, role, l))
-	if err != nil {
-		t.Fatalf("connect %s as %s: %v", route, role, err)
-	}
-	t.Cleanup(func() { conn.Close(context.Background()) })
-	return conn
+	return connected(t, conn, err, route+" as "+role)
 }
 
 func (c *cast) connectPgx(t *testing.T, route, role string, l *fence.Lease) *pgx.Conn {
@@ -299,6 +295,20 @@ func (c *cast) as(t *testing.T, role string, sql string) {
 	t.Helper()
 	if err := castExec(ctxT(t), c.connect(t, "direct", role, nil), sql, ""); err != nil {
 		t.Fatalf("%s as %s: %v", sql, role, err)
+	}
+}
+
+// currentWrites is a class's control: the worker holding the current
+// generation runs sql(route) by every route, fence.step naming the route,
+// and it must succeed, so that the class's refusals are the fence's and
+// not a cast in which nobody can write.
+func (c *cast) currentWrites(t *testing.T, sql func(route string) string) {
+	t.Helper()
+	for _, route := range castRoutes {
+		conn := c.connect(t, route, c.worker, &c.current)
+		if err := castExec(ctxT(t), conn, "set fence.step = '"+route+"'; "+sql(route), ""); err != nil {
+			t.Fatalf("%s: current generation: %v", route, err)
+		}
 	}
 }
 

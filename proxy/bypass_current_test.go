@@ -1,11 +1,8 @@
 package proxy
 
 import (
-	"bytes"
 	"context"
 	"fmt"
-	"os"
-	"os/exec"
 	"path/filepath"
 	"regexp"
 	"slices"
@@ -452,7 +449,7 @@ func currentCluster(t *testing.T) {
 	currentExec(t, currentAdmin(t, target.Primary, "postgres"), fmt.Sprintf("create database %s template template0", src))
 	// Its sessions' role: the worker arrives with the restore.
 	e := newCurrentEnv(t, target.Primary, src, "postgres")
-	_, stderr, err := currentToolOut(target.Primary, "psql", "-X", "-q", "-d", "postgres", "-f", script)
+	_, stderr, err := target.Client(target.Primary.Host, target.Primary.Port, "", "psql", "-X", "-q", "-d", "postgres", "-f", script)
 	if err != nil {
 		t.Fatalf("psql -f of the cluster's dump: %v\n%s", err, stderr)
 	}
@@ -644,20 +641,10 @@ func currentRun(t *testing.T, c *pgconn.PgConn, sql string) error {
 // against node as postgres, failing t on an error or any message.
 func currentTool(t *testing.T, node *pgtest.Node, prog string, args ...string) {
 	t.Helper()
-	_, stderr, err := currentToolOut(node, prog, args...)
+	_, stderr, err := cluster.Client(node.Host, node.Port, "", prog, args...)
 	if err != nil || stderr != "" {
 		t.Fatalf("%s %s: %v\n%s", prog, strings.Join(args, " "), err, stderr)
 	}
-}
-
-func currentToolOut(node *pgtest.Node, prog string, args ...string) (string, string, error) {
-	cmd := exec.Command(filepath.Join(cluster.BinDir, prog), args...)
-	cmd.Env = append(os.Environ(), "PGHOST="+node.Host, fmt.Sprintf("PGPORT=%d", node.Port), "PGUSER=postgres",
-		"PGSSLMODE=disable", "PGOPTIONS=", "LC_ALL=C")
-	var stdout, stderr bytes.Buffer
-	cmd.Stdout, cmd.Stderr = &stdout, &stderr
-	err := cmd.Run()
-	return stdout.String(), stderr.String(), err
 }
 
 // currentRefreshAfterRestore: a database restored whole under a proxy

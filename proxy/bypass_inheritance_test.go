@@ -73,12 +73,7 @@ func bypassInheritance(t *testing.T) {
 		c.try(t, attempt{role: w, sql: "insert into inh_e values (6, 'job', 'zombie')", code: castNoMeta})
 	})
 	t.Run("current_generation_writes", func(t *testing.T) {
-		for _, route := range castRoutes {
-			conn := c.connect(t, route, w, &c.current)
-			if err := castExec(ctxT(t), conn, "set fence.step = '"+route+"'; update inh set v = '"+route+"'", ""); err != nil {
-				t.Fatalf("%s: current generation: %v", route, err)
-			}
-		}
+		c.currentWrites(t, func(route string) string { return "update inh set v = '" + route + "'" })
 		if n := c.count(t, "select count(*) from inh where v = 'proxy'"); n != 2 {
 			t.Fatalf("rows written by the current generation: %d, want 2", n)
 		}

@@ -77,12 +77,9 @@ func bypassPartition(t *testing.T) {
 	t.Run("current_generation_writes", func(t *testing.T) {
 		// The control: the holder of the current generation writes the
 		// tree by every route.
-		for _, route := range castRoutes {
-			conn := c.connect(t, route, w, &c.current)
-			if err := castExec(ctxT(t), conn, "set fence.step = '"+route+"'; update res set v = 'current "+route+"'; insert into res_2b values (170, 'job', '"+route+"') on conflict (k) do update set v = excluded.v", ""); err != nil {
-				t.Fatalf("%s: current generation: %v", route, err)
-			}
-		}
+		c.currentWrites(t, func(route string) string {
+			return "update res set v = 'current " + route + "'; insert into res_2b values (170, 'job', '" + route + "') on conflict (k) do update set v = excluded.v"
+		})
 		if n := c.count(t, "select count(*) from res where v = 'current proxy'"); n != 3 {
 			t.Fatalf("rows written by the current generation: %d, want 3", n)
 		}

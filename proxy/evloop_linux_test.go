@@ -109,8 +109,7 @@ func interceptedRelay(t *testing.T, p *testProxy) *relay {
 // holds, once there is one; what names it in the failure.
 func loopRelayWhere(t *testing.T, p *testProxy, what string, ok func(*relay) bool) *relay {
 	t.Helper()
-	var r *relay
-	err := pgtest.Poll(ctxT(t), func() (bool, error) {
+	return pollFind(t, what+" on the event loop", func() (*relay, bool) {
 		p.srv.mu.Lock()
 		defer p.srv.mu.Unlock()
 		for _, s := range p.srv.conns {
@@ -121,16 +120,11 @@ func loopRelayWhere(t *testing.T, p *testProxy, what string, ok func(*relay) boo
 			f := s.loopRelay
 			s.connMu.Unlock()
 			if f != nil && ok(f) {
-				r = f
-				return true, nil
+				return f, true
 			}
 		}
-		return false, nil
+		return nil, false
 	})
-	if err != nil {
-		t.Fatalf("no %s on the event loop: %v", what, err)
-	}
-	return r
 }
 
 // bigResult is a query whose result (20 MB) is far larger than the

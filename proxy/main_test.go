@@ -249,11 +249,7 @@ func connect(t testing.TB, dsn string) *pgconn.PgConn {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	c, err := pgconn.Connect(ctx, dsn)
-	if err != nil {
-		t.Fatalf("connect %s: %v", dsn, err)
-	}
-	t.Cleanup(func() { c.Close(context.Background()) })
-	return c
+	return connected(t, c, err, dsn)
 }
 
 // connectConfig connects with cfg, failing t when it cannot, and closes
@@ -261,22 +257,49 @@ func connect(t testing.TB, dsn string) *pgconn.PgConn {
 func connectConfig(t testing.TB, cfg *pgconn.Config) *pgconn.PgConn {
 	t.Helper()
 	c, err := pgconn.ConnectConfig(ctxT(t), cfg)
-	if err != nil {
-		t.Fatalf("connect %s@%s:%d/%s: %v", cfg.User, cfg.Host, cfg.Port, cfg.Database, err)
-	}
-	t.Cleanup(func() { c.Close(context.Background()) })
-	return c
+	return connected(t, c, err, connTarget(cfg))
 }
 
 // connectPgx is connectConfig for a pgx connection.
 func connectPgx(t testing.TB, cfg *pgx.ConnConfig) *pgx.Conn {
 	t.Helper()
 	c, err := pgx.ConnectConfig(ctxT(t), cfg)
+	return connected(t, c, err, connTarget(&cfg.Config))
+}
+
+// connected is what the connect helpers do with what they connected: it
+// fails t on err, naming the target, or has c closed when t ends.
+func connected[C interface{ Close(context.Context) error }](t testing.TB, c C, err error, target string) C {
+	t.Helper()
 	if err != nil {
-		t.Fatalf("connect %s@%s:%d/%s: %v", cfg.User, cfg.Host, cfg.Port, cfg.Database, err)
+		t.Fatalf("connect %s: %v", target, err)
 	}
 	t.Cleanup(func() { c.Close(context.Background()) })
 	return c
+}
+
+// connTarget names the server and database cfg connects to, as a failure
+// says it.
+func connTarget(cfg *pgconn.Config) string {
+	return fmt.Sprintf("%s@%s:%d/%s", cfg.User, cfg.Host, cfg.Port, cfg.Database)
+}
+
+// pollFind polls find until it finds something and returns it, failing t
+// (there is no <what>) if nothing turns up before ctxT's deadline.
+func pollFind[T any](t *testing.T, what string, find func() (T, bool)) T {
+	t.Helper()
+	var out T
+	err := pgtest.Poll(ctxT(t), func() (bool, error) {
+		v, ok := find()
+		if ok {
+			out = v
+		}
+		return ok, nil
+	})
+	if err != nil {
+		t.Fatalf("no %s: %v", what, err)
+	}
+	return out
 }
 
 func ctxT(t testing.TB) context.Context {

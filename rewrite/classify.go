@@ -533,31 +533,28 @@ func classifyTransaction(st *Stmt, t *pg_query.TransactionStmt) {
 				st.Deferrable = constInt(d.Arg) != 0
 			}
 		}
-	case pg_query.TransactionStmtKind_TRANS_STMT_COMMIT:
-		st.Kind = Commit
-	case pg_query.TransactionStmtKind_TRANS_STMT_ROLLBACK:
-		st.Kind = Rollback
-	case pg_query.TransactionStmtKind_TRANS_STMT_SAVEPOINT:
-		st.Kind = Savepoint
-		st.Name = t.SavepointName
-	case pg_query.TransactionStmtKind_TRANS_STMT_RELEASE:
-		st.Kind = Release
-		st.Name = t.SavepointName
-	case pg_query.TransactionStmtKind_TRANS_STMT_ROLLBACK_TO:
-		st.Kind = RollbackTo
-		st.Name = t.SavepointName
-	case pg_query.TransactionStmtKind_TRANS_STMT_PREPARE:
-		st.Kind = PrepareTransaction
-		st.Name = t.Gid
-	case pg_query.TransactionStmtKind_TRANS_STMT_COMMIT_PREPARED:
-		st.Kind = CommitPrepared
-		st.Name = t.Gid
-	case pg_query.TransactionStmtKind_TRANS_STMT_ROLLBACK_PREPARED:
-		st.Kind = RollbackPrepared
-		st.Name = t.Gid
 	default:
-		st.Kind = Other
+		st.Kind = transactionKinds[t.Kind] // Other where it has none
 	}
+	switch st.Kind {
+	case Savepoint, Release, RollbackTo:
+		st.Name = t.SavepointName
+	case PrepareTransaction, CommitPrepared, RollbackPrepared:
+		st.Name = t.Gid
+	}
+}
+
+// transactionKinds is the Kind of each transaction statement but BEGIN
+// and START TRANSACTION (classifyTransaction reads their options).
+var transactionKinds = map[pg_query.TransactionStmtKind]Kind{
+	pg_query.TransactionStmtKind_TRANS_STMT_COMMIT:            Commit,
+	pg_query.TransactionStmtKind_TRANS_STMT_ROLLBACK:          Rollback,
+	pg_query.TransactionStmtKind_TRANS_STMT_SAVEPOINT:         Savepoint,
+	pg_query.TransactionStmtKind_TRANS_STMT_RELEASE:           Release,
+	pg_query.TransactionStmtKind_TRANS_STMT_ROLLBACK_TO:       RollbackTo,
+	pg_query.TransactionStmtKind_TRANS_STMT_PREPARE:           PrepareTransaction,
+	pg_query.TransactionStmtKind_TRANS_STMT_COMMIT_PREPARED:   CommitPrepared,
+	pg_query.TransactionStmtKind_TRANS_STMT_ROLLBACK_PREPARED: RollbackPrepared,
 }
 
 func constString(n *pg_query.Node) string {

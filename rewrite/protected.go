@@ -146,7 +146,7 @@ func ParseSearchPath(value string) []string {
 			if i == start {
 				return out
 			}
-			name = asciiLower(s[start:i])
+			name = LowerASCII(s[start:i])
 		}
 		name = truncateIdent(name)
 		out = append(out, name)
@@ -162,9 +162,11 @@ func ParseSearchPath(value string) []string {
 	}
 }
 
-// asciiLower lowercases ASCII letters only, as PostgreSQL's
-// downcase_identifier does in a multi-byte encoding.
-func asciiLower(s string) string {
+// LowerASCII lowercases ASCII letters only, as PostgreSQL folds case where
+// it leaves other bytes alone: an unquoted identifier (downcase_identifier
+// in a multi-byte encoding), a setting's name (guc_name_compare), a
+// keyword compared with pg_strcasecmp.
+func LowerASCII(s string) string {
 	b := []byte(s)
 	for i, c := range b {
 		if c >= 'A' && c <= 'Z' {

@@ -132,6 +132,13 @@ func (w *walker) walk(n *pg_query.Node) {
 	w.walkMsg(n.ProtoReflect())
 }
 
+// dmlStmt is what INSERT, UPDATE, DELETE and MERGE have alike: a WITH
+// clause and the one relation they write.
+type dmlStmt interface {
+	GetWithClause() *pg_query.WithClause
+	GetRelation() *pg_query.RangeVar
+}
+
 var nodeOneof = (&pg_query.Node{}).ProtoReflect().Descriptor().Oneofs().Get(0)
 
 func (w *walker) walkMsg(m protoreflect.Message) {
@@ -151,18 +158,10 @@ func (w *walker) walkMsg(m protoreflect.Message) {
 	// in scope for the rest of the statement) and skipped below.
 	var with *pg_query.WithClause
 	switch n := m.Interface().(type) {
-	case *pg_query.InsertStmt:
-		with = w.with(n.WithClause)
-		w.addWrite(n.Relation)
-	case *pg_query.UpdateStmt:
-		with = w.with(n.WithClause)
-		w.addWrite(n.Relation)
-	case *pg_query.DeleteStmt:
-		with = w.with(n.WithClause)
-		w.addWrite(n.Relation)
-	case *pg_query.MergeStmt:
-		with = w.with(n.WithClause)
-		w.addWrite(n.Relation)
+	case *pg_query.InsertStmt, *pg_query.UpdateStmt, *pg_query.DeleteStmt, *pg_query.MergeStmt:
+		d := n.(dmlStmt)
+		with = w.with(d.GetWithClause())
+		w.addWrite(d.GetRelation())
 	case *pg_query.SelectStmt:
 		with = w.with(n.WithClause)
 		if n.IntoClause != nil {

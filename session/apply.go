@@ -39,7 +39,7 @@ func resolve(g rewrite.GUC, params ParamFunc) (e effect, tracked bool, err error
 		if !ok || v == nil {
 			return e, true, untrackable(g, "its parameter name is not a known text value")
 		}
-		e.name = lower(*v)
+		e.name = rewrite.LowerASCII(*v)
 	} else if g.Unknown && g.Name == "" {
 		return e, true, untrackable(g, "its parameter name is not a literal")
 	}
@@ -288,19 +288,9 @@ func (s *State) effects(st *rewrite.Stmt) []rewrite.GUC {
 	return out
 }
 
-func lower(s string) string {
-	b := []byte(s)
-	for i, c := range b {
-		if c >= 'A' && c <= 'Z' {
-			b[i] = c + 'a' - 'A'
-		}
-	}
-	return string(b)
-}
-
 // parseBool accepts PostgreSQL's boolean input forms.
 func parseBool(s string) (bool, bool) {
-	switch lower(trimSpace(s)) {
+	switch rewrite.LowerASCII(trimSpace(s)) {
 	case "t", "tr", "tru", "true", "y", "ye", "yes", "on", "1":
 		return true, true
 	case "f", "fa", "fal", "fals", "false", "n", "no", "of", "off", "0":

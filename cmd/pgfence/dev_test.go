@@ -18,6 +18,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/pgfence/pgfence/internal/testbin"
 )
 
 // devSection is one step of the walkthrough pgfence dev prints: its comment
@@ -67,7 +69,7 @@ func TestDevWalkthrough(t *testing.T) {
 		}
 	}
 	dir := t.TempDir()
-	bin := pgfenceBinary(t)
+	bin := testbin.Pgfence(t)
 
 	before := pgtestDirs(t)
 

@@ -1,11 +1,10 @@
 package main
 
 import (
-	"bytes"
 	"context"
 	"fmt"
+	"net"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"regexp"
 	"sort"
@@ -52,9 +51,8 @@ SELECT fence.protect('ledger', 'job_key');
 
 // dumpEnv is the source database, a running pgfence serve and the tools.
 type dumpEnv struct {
-	bin       string // PostgreSQL's bin directory: tools of the server's version
 	src       string // the source database
-	proxyPort string
+	proxyPort int
 	meta      string // PGOPTIONS carrying a live generation of the source database
 	// Dumps of the source taken straight from PostgreSQL, for the restores.
 	plain, custom, directory string
@@ -63,7 +61,7 @@ type dumpEnv struct {
 
 // serveInProcess runs `pgfence serve` (runServe, write gate on, trust on
 // loopback) until the test ends and returns its port.
-func serveInProcess(t *testing.T) (string, *observer.ObservedLogs) {
+func serveInProcess(t *testing.T) (int, *observer.ObservedLogs) {
 	t.Helper()
 	core, logs := observer.New(zapcore.InfoLevel)
 	log := zap.New(zapcore.NewTee(zaptest.NewLogger(t, zaptest.Level(zapcore.WarnLevel)).Core(), core))
@@ -83,8 +81,11 @@ func serveInProcess(t *testing.T) (string, *observer.ObservedLogs) {
 	for {
 		for _, e := range logs.FilterMessage("listening").All() {
 			addr, _ := e.ContextMap()["addr"].(string)
-			_, port, _ := strings.Cut(addr, "127.0.0.1:")
-			return port, logs
+			a, err := net.ResolveTCPAddr("tcp", addr)
+			if err != nil {
+				t.Fatalf("serve listening on %q: %v", addr, err)
+			}
+			return a.Port, logs
 		}
 		select {
 		case err := <-done:
@@ -126,7 +127,6 @@ func newDumpEnv(t *testing.T) *dumpEnv {
 	port, logs := serveInProcess(t)
 	dir := t.TempDir()
 	e := &dumpEnv{
-		bin:       cluster.BinDir,
 		src:       src,
 		proxyPort: port,
 		meta:      fmt.Sprintf("-c fence.job_key=%s -c fence.epoch=%d -c fence.token=%d", held.JobKey, held.Epoch, held.Token),
@@ -135,7 +135,7 @@ func newDumpEnv(t *testing.T) *dumpEnv {
 		custom:    filepath.Join(dir, "src.dump"),
 		directory: filepath.Join(dir, "src.dir"),
 	}
-	direct := side{name: "direct", port: fmt.Sprint(cluster.Primary.Port)}
+	direct := side{name: "direct", port: cluster.Primary.Port}
 	for _, args := range [][]string{
 		{"-d", src, "-f", e.plain},
 		{"-Fc", "-d", src, "-f", e.custom},
@@ -151,23 +151,18 @@ func newDumpEnv(t *testing.T) *dumpEnv {
 // side is one way of reaching the cluster: direct or through the proxy.
 type side struct {
 	name      string
-	port      string
+	port      int
 	pgoptions string
 }
 
 // run runs a PostgreSQL tool against side; it returns stdout, stderr and
 // the error.
 func (e *dumpEnv) run(s side, prog string, args ...string) (string, string, error) {
-	cmd := exec.Command(filepath.Join(e.bin, prog), args...)
-	cmd.Env = append(os.Environ(), "PGHOST=127.0.0.1", "PGPORT="+s.port, "PGUSER=postgres", "PGSSLMODE=disable",
-		"PGCONNECT_TIMEOUT=10", "PGOPTIONS="+s.pgoptions, "LC_ALL=C", "PGAPPNAME="+prog)
-	var stdout, stderr bytes.Buffer
-	cmd.Stdout, cmd.Stderr = &stdout, &stderr
-	err := cmd.Run()
+	stdout, stderr, err := cluster.Client("127.0.0.1", s.port, s.pgoptions, prog, args...)
 	if err != nil {
-		err = fmt.Errorf("%s %s (%s): %w\n%s", prog, strings.Join(args, " "), s.name, err, lastLinesOf(stderr.String(), 20))
+		err = fmt.Errorf("%s %s (%s): %w\n%s", prog, strings.Join(args, " "), s.name, err, lastLinesOf(stderr, 20))
 	}
-	return stdout.String(), stderr.String(), err
+	return stdout, stderr, err
 }
 
 func lastLinesOf(s string, n int) string {
@@ -213,7 +208,7 @@ var archiveCreated = regexp.MustCompile(`(?m)^; Archive created at .*$`)
 // script pg_restore makes of it.
 func (e *dumpEnv) archiveText(t *testing.T, path string) string {
 	t.Helper()
-	direct := side{name: "direct", port: fmt.Sprint(cluster.Primary.Port)}
+	direct := side{name: "direct", port: cluster.Primary.Port}
 	list, _, err := e.run(direct, "pg_restore", "-l", path)
 	if err != nil {
 		t.Fatal(err)
@@ -228,7 +223,7 @@ func (e *dumpEnv) archiveText(t *testing.T, path string) string {
 // dumpOf is a plain dump of db taken straight from PostgreSQL.
 func (e *dumpEnv) dumpOf(t *testing.T, db string) string {
 	t.Helper()
-	out, _, err := e.run(side{name: "direct", port: fmt.Sprint(cluster.Primary.Port)}, "pg_dump", "-d", db)
+	out, _, err := e.run(side{name: "direct", port: cluster.Primary.Port}, "pg_dump", "-d", db)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -237,7 +232,7 @@ func (e *dumpEnv) dumpOf(t *testing.T, db string) string {
 
 func TestDumpRestoreThroughProxy(t *testing.T) {
 	e := newDumpEnv(t)
-	direct := side{name: "direct", port: fmt.Sprint(cluster.Primary.Port)}
+	direct := side{name: "direct", port: cluster.Primary.Port}
 	for _, sess := range []struct{ name, pgoptions string }{
 		{"no_metadata", ""},
 		{"fence_metadata", e.meta},

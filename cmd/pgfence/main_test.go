@@ -10,16 +10,14 @@ import (
 	"fmt"
 	"net"
 	"os"
-	"os/exec"
-	"path/filepath"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 
 	"github.com/pgfence/pgfence/internal/pgtest"
+	"github.com/pgfence/pgfence/internal/testbin"
 	"github.com/pgfence/pgfence/migrations"
 )
 
@@ -28,7 +26,9 @@ import (
 var cluster *pgtest.Cluster
 
 func TestMain(m *testing.M) {
-	os.Exit(pgtest.Run(m, pgtest.Options{}, migrations.Prepare, &cluster))
+	code := pgtest.Run(m, pgtest.Options{}, migrations.Prepare, &cluster)
+	testbin.Remove() // built once for the tests that run the binary
+	os.Exit(code)
 }
 
 // pgfence runs the CLI in-process and returns stdout and the error,
@@ -93,29 +93,6 @@ func wantExit(t *testing.T, err error, code int) {
 	if !errors.As(err, &ee) || ee.code != code {
 		t.Fatalf("got %v, want exit code %d", err, code)
 	}
-}
-
-// buildPgfence builds the pgfence binary once for the package's tests.
-var buildPgfence = sync.OnceValues(func() (string, error) {
-	dir, err := os.MkdirTemp("", "pgfence-cli-bin")
-	if err != nil {
-		return "", err
-	}
-	bin := filepath.Join(dir, "pgfence")
-	if out, err := exec.Command("go", "build", "-o", bin, ".").CombinedOutput(); err != nil {
-		return "", fmt.Errorf("go build: %v\n%s", err, out)
-	}
-	return bin, nil
-})
-
-// pgfenceBinary is the path of the built pgfence binary.
-func pgfenceBinary(t *testing.T) string {
-	t.Helper()
-	bin, err := buildPgfence()
-	if err != nil {
-		t.Fatal(err)
-	}
-	return bin
 }
 
 // cleanEnv is the test's environment without libpq or psql settings, plus

@@ -1,6 +1,7 @@
 package pgtest
 
 import (
+	"bytes"
 	"errors"
 	"fmt"
 	"os"
@@ -75,4 +76,19 @@ func majorOf(dir string) float64 {
 		return -1
 	}
 	return v
+}
+
+// Client runs the PostgreSQL client program prog (pg_dump, pg_restore,
+// psql, ...) of the cluster's own version against the server at host:port
+// (a node of the cluster, or a proxy in front of it) as postgres, with
+// pgoptions as PGOPTIONS in place of the environment's, in the C locale,
+// and returns what it wrote to stdout and to stderr.
+func (c *Cluster) Client(host string, port int, pgoptions, prog string, args ...string) (stdout, stderr string, err error) {
+	cmd := exec.Command(filepath.Join(c.BinDir, prog), args...)
+	cmd.Env = append(os.Environ(), "PGHOST="+host, "PGPORT="+strconv.Itoa(port), "PGUSER=postgres", "PGSSLMODE=disable",
+		"PGCONNECT_TIMEOUT=10", "PGOPTIONS="+pgoptions, "LC_ALL=C", "PGAPPNAME="+prog)
+	var out, errOut bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &errOut
+	err = cmd.Run()
+	return out.String(), errOut.String(), err
 }

@@ -27,6 +27,7 @@ import (
 
 	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/internal/pgtest"
+	"github.com/pgfence/pgfence/internal/testbin"
 	"github.com/pgfence/pgfence/migrations"
 )
 
@@ -49,7 +50,9 @@ func TestMain(m *testing.M) {
 	if v := os.Getenv(helperEnv); v != "" {
 		os.Exit(helperMain(v))
 	}
-	os.Exit(pgtest.Run(m, pgtest.Options{}, migrations.Prepare, &cluster))
+	code := pgtest.Run(m, pgtest.Options{}, migrations.Prepare, &cluster)
+	testbin.Remove() // built once for TestPgfenceRunCronLine
+	os.Exit(code)
 }
 
 // helperMain is what cmd/pgfence's run command does, minus flag parsing.

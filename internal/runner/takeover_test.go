@@ -22,6 +22,7 @@ import (
 
 	"go.uber.org/zap/zaptest"
 
+	"github.com/pgfence/pgfence/internal/testbin"
 	"github.com/pgfence/pgfence/proxy"
 )
 
@@ -266,22 +267,11 @@ func testZombieTakeover(t *testing.T, throughProxy bool) {
 	}
 }
 
-// buildPgfence builds the pgfence binary for end-to-end tests.
-func buildPgfence(t *testing.T) string {
-	t.Helper()
-	bin := filepath.Join(t.TempDir(), "pgfence")
-	cmd := exec.Command("go", "build", "-o", bin, "github.com/pgfence/pgfence/cmd/pgfence")
-	if out, err := cmd.CombinedOutput(); err != nil {
-		t.Fatalf("build pgfence: %v\n%s", err, out)
-	}
-	return bin
-}
-
 // TestPgfenceRunCronLine runs the real binary the way a legacy cron job
 // would: only DATABASE_URL in the environment, no flags but --job.
 func TestPgfenceRunCronLine(t *testing.T) {
 	f := newFixture(t)
-	bin := buildPgfence(t)
+	bin := testbin.Pgfence(t)
 	pgfence := func(args ...string) (int, string) {
 		cmd := exec.Command(bin, args...)
 		cmd.Env = f.env() // DATABASE_URL, OUT; no PG* variables

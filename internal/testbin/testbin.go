@@ -1,7 +1,8 @@
 // Package testbin runs the pgfence binary for the tests that need it as a
 // process: `pgfence serve` in front of a test cluster (the proxy's
-// acceptance tests, the driver matrix). It builds cmd/pgfence once per test
-// process and starts it as a user would.
+// acceptance tests, the driver matrix), the CLI as a script or cron runs
+// it (cmd/pgfence's, internal/runner's tests). It builds cmd/pgfence once
+// per test process and starts it as a user would.
 //
 // It is for tests only; it knows nothing of PostgreSQL (see pgtest).
 package testbin
