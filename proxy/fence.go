@@ -12,6 +12,7 @@ import (
 
 	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/rewrite"
+	"github.com/pgfence/pgfence/rewrite/plan"
 	"github.com/pgfence/pgfence/session"
 )
 
@@ -21,6 +22,7 @@ import (
 // NewFence and set it as Config.Interceptor.
 type Fence struct {
 	classifier *rewrite.Classifier
+	plans      *plan.Cache // simple queries' plans, by what the planner reads
 	cats       *catalogs
 	log        *zap.Logger
 	idle       *watchdog   // fence_idle.go
@@ -55,7 +57,8 @@ type FenceConfig struct {
 	// Its database is replaced by each client's.
 	Primary string
 	// ClassifierCacheSize is the number of statement texts whose
-	// classification is cached. Zero means 10000.
+	// classification is cached, and of rewritten queries' plans. Zero
+	// means 10000.
 	ClassifierCacheSize int
 	// GateIdleTimeout bounds how long a client may stay silent while its
 	// transaction holds (or may hold) a fence row: past it the session is
@@ -83,6 +86,7 @@ func NewFence(cfg FenceConfig, log *zap.Logger) (*Fence, error) {
 	}
 	f := &Fence{
 		classifier: rewrite.NewClassifier(cfg.ClassifierCacheSize),
+		plans:      plan.NewCache(cfg.ClassifierCacheSize),
 		cats:       newCatalogs(pc, cfg.CatalogRefresh, log.Named("catalog")),
 		log:        log,
 		idle:       newWatchdog(cfg.GateIdleTimeout, log.Named("gate")),

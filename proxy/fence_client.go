@@ -92,7 +92,7 @@ func (h *fenceSession) query(s gateConn, msg []byte) error {
 		}
 	}
 	h.mu.Lock()
-	q := plan.PlanQuery(h.planSession(), res.Stmts)
+	q := h.f.plans.PlanQuery(h.planSession(), res.Stmts)
 	h.mu.Unlock()
 	if q.Waits && s.OnLoop() {
 		// The client goroutine sends it. Nothing is done yet.

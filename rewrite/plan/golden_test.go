@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"reflect"
 	"strings"
 	"testing"
 
@@ -90,6 +91,10 @@ type sim struct {
 	portals map[string]*portal
 	out     strings.Builder
 	failed  bool // the extended batch failed: the server skips to the Sync
+	// cache, when set, plans every query through it too, and the plan
+	// must be PlanQuery's (plans differ: the queries they differ on).
+	cache  *plan.Cache
+	differ []string
 }
 
 type portal struct {
@@ -123,7 +128,16 @@ func (s *sim) ProtectedTable(st *rewrite.Stmt) string {
 func (s *sim) session() plan.Session { return plan.Session{State: s.st, Tables: s} }
 
 func runPlans(t *testing.T, input string) string {
-	s := &sim{t: t, prot: rewrite.NewProtected(nil), stmts: map[string]*rewrite.Stmt{}, portals: map[string]*portal{}}
+	return newSim(t, nil).run(input)
+}
+
+func newSim(t *testing.T, c *plan.Cache) *sim {
+	return &sim{t: t, prot: rewrite.NewProtected(nil), stmts: map[string]*rewrite.Stmt{}, portals: map[string]*portal{}, cache: c}
+}
+
+// run runs a plan file's input and returns its plans, rendered.
+func (s *sim) run(input string) string {
+	t := s.t
 	params := map[string]string{"user": "app"}
 	sc := bufio.NewScanner(strings.NewReader(input))
 	for sc.Scan() {
@@ -197,6 +211,11 @@ func classify(t testing.TB, sql string) []*rewrite.Stmt {
 func (s *sim) query(sql string, show bool) {
 	stmts := classify(s.t, sql)
 	q := plan.PlanQuery(s.session(), stmts)
+	if s.cache != nil {
+		if c := s.cache.PlanQuery(s.session(), stmts); !reflect.DeepEqual(c, q) {
+			s.differ = append(s.differ, fmt.Sprintf("%s\n  cached: %+v\n  planned: %+v", sql, c, q))
+		}
+	}
 	if show {
 		s.showQuery(sql, stmts, &q)
 	}

@@ -58,12 +58,19 @@ func (o overlay) generation(ss *session.State) (fence.Generation, bool) {
 		return sessionGeneration(ss)
 	}
 	k := o.value(ss, session.JobKey)
-	e, err1 := strconv.ParseInt(strings.TrimSpace(o.value(ss, session.Epoch)), 10, 64)
-	t, err2 := strconv.ParseInt(strings.TrimSpace(o.value(ss, session.Token)), 10, 64)
-	if k == "" || err1 != nil || err2 != nil || e <= 0 || t <= 0 {
+	e, ok1 := positive(o.value(ss, session.Epoch))
+	t, ok2 := positive(o.value(ss, session.Token))
+	if k == "" || !ok1 || !ok2 {
 		return fence.Generation{}, false
 	}
 	return fence.Generation{JobKey: k, Epoch: e, Token: t, Step: o.value(ss, session.Step)}, true
+}
+
+// positive parses an epoch or a token as the overlay reads it: an integer
+// above 0, blanks around it ignored.
+func positive(v string) (int64, bool) {
+	n, err := strconv.ParseInt(strings.TrimSpace(v), 10, 64)
+	return n, err == nil && n > 0
 }
 
 // sessionGeneration is the generation the session presents now.

@@ -82,15 +82,26 @@ type Query struct {
 // PlanQuery plans a simple Query of the classified statements stmts (at
 // least one) in session ss.
 func PlanQuery(ss Session, stmts []*rewrite.Stmt) Query {
+	return planQuery(ss, stmts, nil)
+}
+
+// planQuery is PlanQuery, taking the rewritten query's plan from c when c
+// is not nil (see Cache).
+func planQuery(ss Session, stmts []*rewrite.Stmt, c *Cache) Query {
 	st := ss.State
 	var refusal *fence.Error
 	needGate := false
 	isFenced := fenced(st, stmts)
-	for _, s := range stmts {
+	var protected uint64 // bit i: stmts[i] is a protected write (for c's key)
+	for i, s := range stmts {
 		if refusal == nil {
 			refusal = checkStmt(st, s, nil)
 		}
-		if ss.Tables.ProtectedWrite(s) || isFenced && ss.Tables.MayWriteUnseen(s) ||
+		pw := ss.Tables.ProtectedWrite(s)
+		if pw && i < 64 {
+			protected |= 1 << i
+		}
+		if pw || isFenced && ss.Tables.MayWriteUnseen(s) ||
 			st.Gate().Due() && (s.Kind == rewrite.Commit || s.Kind == rewrite.PrepareTransaction) {
 			needGate = true
 		}
@@ -112,7 +123,12 @@ func PlanQuery(ss Session, stmts []*rewrite.Stmt) Query {
 		}
 		return q
 	}
-	q := rewriteQuery(ss, stmts)
+	var q Query
+	if c != nil {
+		q = c.rewrite(ss, stmts, protected)
+	} else {
+		q = rewriteQuery(ss, stmts)
+	}
 	q.Waits = waits
 	return q
 }
@@ -142,6 +158,7 @@ func rewriteQuery(ss Session, stmts []*rewrite.Stmt) Query {
 	st := ss.State
 	g := st.Gate()
 	gated, tentative, gen := g.Gated, g.Tentative, g.Gen
+	genFrom := 0                                     // where gen came from (Step.genFrom)
 	due := func() bool { return gated || tentative } // a receipt is due at the commit
 	explicit := st.Tx() == session.InTx && st.Explicit()
 	blockStart := 0 // where the current implicit transaction began
@@ -202,11 +219,11 @@ loop:
 				// statement, the gate and the receipt succeeded.
 				wrapped, wrapStart = true, blockStart
 			}
-			inject(Step{Kind: Gate, Stmt: i, At: s.Offset, Gen: cur})
+			inject(Step{Kind: Gate, Stmt: i, At: s.Offset, Gen: cur, genFrom: i + 1})
 			if !due() && (!d.set || !d.fromTx) {
 				d = running{set: true}
 			}
-			gated, gen = true, cur
+			gated, gen, genFrom = true, cur, i+1
 		case !due() && ss.Tables.MayWriteUnseen(s):
 			// It may write a protected table where the gate cannot see:
 			// the backstop checks it, and the commit writes a receipt if
@@ -219,7 +236,7 @@ loop:
 			if !explicit {
 				wrapped, wrapStart = true, blockStart
 			}
-			tentative, gen = true, cur
+			tentative, gen, genFrom = true, cur, i+1
 			if !d.set || !d.fromTx {
 				d = running{set: true}
 			}
@@ -243,7 +260,7 @@ loop:
 				// earlier statement's.
 				inject(Step{Kind: Savepoint, Stmt: i, At: s.Offset})
 			}
-			inject(Step{Kind: Receipt, Stmt: i, At: s.Offset, Gen: gen, Gated: gated, BeforeCommit: true, Digest: dg})
+			inject(Step{Kind: Receipt, Stmt: i, At: s.Offset, Gen: gen, genFrom: genFrom, Gated: gated, BeforeCommit: true, Digest: dg})
 			if explicit {
 				// The client's own transaction: its COMMIT must run
 				// whatever the receipt did (below). A COMMIT ending an
@@ -324,14 +341,14 @@ loop:
 	case wrapped && hasCopy:
 		// The receipt covers the COPY data: it is sent at CopyDone.
 		q.Ending = AfterCopy
-		q.CopyReceipt = &Step{Kind: Receipt, Stmt: -1, At: -1, Gen: gen, Gated: gated, Digest: Digest{Source: FromSession}}
+		q.CopyReceipt = &Step{Kind: Receipt, Stmt: -1, At: -1, Gen: gen, genFrom: genFrom, Gated: gated, Digest: Digest{Source: FromSession}}
 	case wrapped:
 		// The receipt is the implicit transaction's last statement. The
 		// transaction stays PostgreSQL's implicit one, so the client's
 		// statements in it behave as they would straight to PostgreSQL
 		// (SAVEPOINT refused, BEGIN turning it explicit), and it
 		// commits at the end of the query only if nothing failed.
-		q.Steps = append(q.Steps, Step{Kind: Receipt, Stmt: -1, At: -1, Gen: gen, Gated: gated, Digest: digestNow()})
+		q.Steps = append(q.Steps, Step{Kind: Receipt, Stmt: -1, At: -1, Gen: gen, genFrom: genFrom, Gated: gated, Digest: digestNow()})
 	case beforeCommit && len(stmts) == 1 && lastCommit(stmts, steps):
 		// Steps: the receipt, the COMMIT.
 		q.Ending = LoneCommit

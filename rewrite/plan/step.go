@@ -53,6 +53,12 @@ type Step struct {
 	At int
 
 	Gen fence.Generation // Gate, Receipt: the generation checked
+	// genFrom is where a simple query's plan took Gen from: 0 the
+	// transaction's gate state (session.Gate.Gen), i+1 the fence settings
+	// as statement i runs (the session's, with the query's own SETs
+	// before it). The Cache puts the session's generation into a plan it
+	// reuses from there.
+	genFrom int
 	// Gated: a receipt after the gate (fence.commit); else the
 	// transaction is tentative (fence.commit_if_written).
 	Gated bool
