@@ -13,6 +13,7 @@ import (
 	"path/filepath"
 	"regexp"
 	"sort"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -60,11 +61,61 @@ type testEvent struct {
 }
 
 // suiteResult is the outcome of each test ("pkg Test/sub" → pass, fail or
-// skip) and the output of the failed ones.
+// skip; fail if any of its -count runs failed), how many of its runs
+// failed, and the output of the failed ones.
 type suiteResult struct {
 	outcome map[string]string
+	fails   map[string]int
 	output  map[string]*strings.Builder
 	took    time.Duration
+}
+
+// pgxSuiteSelection is the part of pgx's suite a run takes, from the
+// environment, for reproducing one test quickly (the whole suite by
+// default):
+//
+//	PGX_SUITE_RUN=regexp   go test's -run
+//	PGX_SUITE_COUNT=n      go test's -count (1 by default)
+//	PGX_SUITE_PKGS="./pgconn ./pgtype"   the packages (./... by default)
+type pgxSuiteSelection struct {
+	run   string
+	count int
+	pkgs  []string
+}
+
+func pgxSuiteSelectionFromEnv() (pgxSuiteSelection, error) {
+	sel := pgxSuiteSelection{run: os.Getenv("PGX_SUITE_RUN"), count: 1, pkgs: strings.Fields(os.Getenv("PGX_SUITE_PKGS"))}
+	if v := os.Getenv("PGX_SUITE_COUNT"); v != "" {
+		n, err := strconv.Atoi(v)
+		if err != nil || n < 1 {
+			return sel, fmt.Errorf("PGX_SUITE_COUNT=%q: want a positive number of runs", v)
+		}
+		sel.count = n
+	}
+	if sel.run != "" {
+		if _, err := regexp.Compile(sel.run); err != nil {
+			return sel, fmt.Errorf("PGX_SUITE_RUN=%q: %v", sel.run, err)
+		}
+	}
+	if len(sel.pkgs) == 0 {
+		sel.pkgs = []string{"./..."}
+	}
+	return sel, nil
+}
+
+// whole says whether sel is the whole suite, run once: only then does
+// the summary describe the suite (and may be written to the docs).
+func (sel pgxSuiteSelection) whole() bool {
+	return sel.run == "" && sel.count == 1 && len(sel.pkgs) == 1 && sel.pkgs[0] == "./..."
+}
+
+// args are go test's arguments for sel.
+func (sel pgxSuiteSelection) args() []string {
+	args := []string{"test", "-json", "-count=" + strconv.Itoa(sel.count), "-timeout", "20m"}
+	if sel.run != "" {
+		args = append(args, "-run", sel.run)
+	}
+	return append(args, sel.pkgs...)
 }
 
 // pgxModuleCopy copies the pgx module of go.mod (its source with its
@@ -95,10 +146,10 @@ func pgxModuleCopy(t *testing.T) (dir, version string) {
 	return dir, mod.Version
 }
 
-// runPgxSuite runs the pgx module's tests against dsn.
-func runPgxSuite(ctx context.Context, dir, dsn string) (*suiteResult, error) {
+// runPgxSuite runs sel of the pgx module's tests against dsn.
+func runPgxSuite(ctx context.Context, dir, dsn string, sel pgxSuiteSelection) (*suiteResult, error) {
 	start := time.Now()
-	cmd := exec.CommandContext(ctx, "go", "test", "-json", "-count=1", "-timeout", "20m", "./...")
+	cmd := exec.CommandContext(ctx, "go", sel.args()...)
 	cmd.Dir = dir
 	var env []string
 	for _, kv := range os.Environ() {
@@ -116,7 +167,7 @@ func runPgxSuite(ctx context.Context, dir, dsn string) (*suiteResult, error) {
 	if err := cmd.Start(); err != nil {
 		return nil, err
 	}
-	res := &suiteResult{outcome: map[string]string{}, output: map[string]*strings.Builder{}}
+	res := &suiteResult{outcome: map[string]string{}, fails: map[string]int{}, output: map[string]*strings.Builder{}}
 	sc := bufio.NewScanner(stdout)
 	sc.Buffer(make([]byte, 4<<20), 4<<20)
 	for sc.Scan() {
@@ -126,8 +177,13 @@ func runPgxSuite(ctx context.Context, dir, dsn string) (*suiteResult, error) {
 		}
 		key := ev.Package + " " + tempPath.ReplaceAllString(ev.Test, "/tmp/…/")
 		switch ev.Action {
-		case "pass", "fail", "skip":
-			res.outcome[key] = ev.Action
+		case "fail":
+			res.outcome[key] = "fail"
+			res.fails[key]++
+		case "pass", "skip":
+			if res.outcome[key] != "fail" { // with -count=n, one failed run fails the test
+				res.outcome[key] = ev.Action
+			}
 		case "output":
 			b := res.output[key]
 			if b == nil {
@@ -185,6 +241,13 @@ func (r *suiteResult) count(o string) int {
 // through pgfence serve (issue 19 §7): every test that passes direct must
 // pass through the proxy, unless knownPgxSuiteFailures says why not.
 func TestPgxSuite(t *testing.T) {
+	sel, err := pgxSuiteSelectionFromEnv()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if *writeDoc && !sel.whole() {
+		t.Fatal("-write-doc describes the whole suite run once: unset PGX_SUITE_RUN, PGX_SUITE_COUNT and PGX_SUITE_PKGS")
+	}
 	dir, version := pgxModuleCopy(t)
 	srv := startServe(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 45*time.Minute)
@@ -217,7 +280,7 @@ func TestPgxSuite(t *testing.T) {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			res, err := runPgxSuite(ctx, dir, tg.DSN())
+			res, err := runPgxSuite(ctx, dir, tg.DSN(), sel)
 			if err != nil {
 				t.Errorf("pgx suite against %s: %v", name, err)
 				return
@@ -250,7 +313,11 @@ func TestPgxSuite(t *testing.T) {
 			if b := p.output[key]; b != nil {
 				out = lastLines(b.String(), 15)
 			}
-			broken = append(broken, fmt.Sprintf("%s: passes direct, %s through the proxy:\n%s", key, outcomeWord(po), out))
+			runs := ""
+			if sel.count > 1 {
+				runs = fmt.Sprintf(" (%d of %d runs)", p.fails[key], sel.count)
+			}
+			broken = append(broken, fmt.Sprintf("%s: passes direct, %s through the proxy%s:\n%s", key, outcomeWord(po), runs, out))
 		}
 	}
 	for key := range knownPgxSuiteFailures {
@@ -261,10 +328,14 @@ func TestPgxSuite(t *testing.T) {
 	sort.Strings(broken)
 	sort.Strings(known)
 	sort.Strings(stale)
-	summary := fmt.Sprintf("pgx %s's own tests (top-level tests and subtests, `go test ./...` of the module): "+
+	what := "`go test ./...` of the module"
+	if !sel.whole() {
+		what = "`go test " + strings.Join(sel.args()[2:], " ") + "` of the module" // less -json
+	}
+	summary := fmt.Sprintf("pgx %s's own tests (top-level tests and subtests, %s): "+
 		"%d pass straight to PostgreSQL (%d fail, %d skip there); through pgfence serve %d of those pass, "+
 		"%d are known proxy failures, %d fail unexpectedly. Took %s direct, %s through the proxy.\n",
-		version, d.count("pass"), d.count("fail"), d.count("skip"),
+		version, what, d.count("pass"), d.count("fail"), d.count("skip"),
 		d.count("pass")-len(broken)-len(known), len(known), len(broken),
 		d.took.Round(time.Second), p.took.Round(time.Second))
 	if skips := d.skipReasons(); len(skips) > 0 {
