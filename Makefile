@@ -60,7 +60,10 @@ test-drivers: deps ## driver matrix: real drivers direct vs through pgfence serv
 
 # pgx v5's own test suite (the go.mod version) against PostgreSQL and
 # through pgfence serve: every test that passes direct must pass through
-# the proxy (internal/drivers/pgxsuite_test.go).
+# the proxy (internal/drivers/pgxsuite_test.go). To repeat a part of it,
+# e.g. a flaky test: PGX_SUITE_RUN=regexp (go test -run), PGX_SUITE_COUNT=n
+# (-count) and PGX_SUITE_PKGS="./pgconn" (the packages; ./... by default):
+#   make test-pgx-suite PGX_SUITE_RUN=TestCancelRequestContextWatcherHandler PGX_SUITE_COUNT=20 PGX_SUITE_PKGS=./pgconn
 test-pgx-suite: deps ## pgx's own test suite, direct vs through pgfence serve
 	$(GO) test -tags drivers -count=1 -timeout 30m -run 'TestPgxSuite$$' ./internal/drivers/ -v $(if $(WRITE_DOC),-args -write-doc)
 
