@@ -27,7 +27,10 @@ import (
 type gateBackend struct {
 	// stmts are the client's prepared statements and portals as this
 	// connection accepted them; the session's State refers to them
-	// (Fence.Open attaches them).
+	// (Fence.Open attaches them). With read routing, what the replica
+	// connection accepted is recorded here too: the router parses each
+	// named statement again on whichever upstream the client uses it
+	// (route.go, stmtCopies), so they are one namespace.
 	stmts *session.Statements
 	// prepared: the gate's named statements (plan.Statements) exist
 	// upstream, or their Parse is on its way (prepareGate). Beside stmts
