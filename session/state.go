@@ -88,7 +88,8 @@ type State struct {
 // backslash escaping of spaces, as PGOPTIONS carries them) and any other
 // parameter, which the server treats as a GUC to set (search_path=...). The
 // values become the session defaults that RESET returns to. Malformed fence
-// values are refused with an *Error.
+// values are refused with an *Error. The State refers to Statements of its
+// own, none yet, until Attach points it at a connection's.
 func New(params map[string]string) (*State, error) {
 	s := &State{
 		user:  params["user"],
