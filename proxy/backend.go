@@ -17,7 +17,9 @@ import (
 //
 // The Handler's own per-connection facts live beside it, on the Handler's
 // side of the seam (the write gate's: gateBackend, fence_backend.go):
-// whether the gate's named statements exist on this connection and how it
+// the prepared statements and portals that exist on this connection as it
+// accepted them (session.Statements, which the client's session.State
+// refers to), whether the gate's named statements exist on it, and how it
 // reads the client's text. The client's side keeps what is the client's:
 // its settings as it set them (session.State's GUCs), its prepared
 // statements as it named and classified them (fenceSession.stmts).
@@ -39,8 +41,10 @@ import (
 //     statements the backend lacks (the client side keeps each Parse's
 //     text for read routing already, route.go), and a Close of those the
 //     backend has that the client never made; SQL-level PREPAREs the same
-//     way (session.State knows them); portals do not survive a transaction
-//     and need nothing;
+//     way (the statements of the backend the client leaves know them:
+//     gateBackend.stmts); then the session's State is attached to the new
+//     backend's statements (session.State.Attach); portals do not survive
+//     a transaction and need nothing;
 //   - the gate's named statements: nothing, if gateBackend says this
 //     backend has them and is not tainted, else prepareGate's Parse;
 //   - the identity: BackendPID and the cancel key the client was given

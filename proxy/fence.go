@@ -124,11 +124,13 @@ func (f *Fence) Open(s *Session) (Handler, error) {
 		}
 		return nil, &ProtocolError{Code: "22023", Msg: err.Error(), Err: err}
 	}
+	be := newGateBackend(s.ServerParams, s.Logger())
+	st.Attach(be.stmts)
 	h := &fenceSession{
 		f:       f,
 		cat:     cat,
 		st:      st,
-		be:      newGateBackend(s.ServerParams, s.Logger()),
+		be:      be,
 		user:    s.User,
 		db:      s.Database,
 		stmts:   map[string]*clientStmt{},

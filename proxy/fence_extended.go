@@ -109,9 +109,10 @@ func (h *fenceSession) closeOrDescribe(s gateConn, msg []byte) (Verdict, error) 
 // Prepared statements are tracked twice, for two different moments:
 // fenceSession.stmts (these) as the client sent them, which is what the
 // client side plans a Bind and an Execute with before the server has
-// answered the Parse; and session.State's as the server accepted them
-// (ParseComplete, PREPARE's CommandComplete), which is what an EXECUTE's
-// effects on the settings are read from (session.State.Apply). Read
+// answered the Parse; and the upstream connection's as the server accepted
+// them (ParseComplete, PREPARE's CommandComplete: gateBackend.stmts, a
+// session.Statements the session's State refers to), which is what an
+// EXECUTE's effects on the settings are read from (session.State.Apply). Read
 // routing's copy of each named Parse is msg here, and where each version
 // exists is route.go's stmtCopies (per upstream connection).
 type clientStmt struct {

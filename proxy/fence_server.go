@@ -73,7 +73,7 @@ func (h *fenceSession) ServerMessage(s *Session, msg []byte, req *Request) (Verd
 		return h.queryResponse(s, msg, t)
 	case 'P':
 		if msg[0] == '1' && t.step == stepClient {
-			h.st.Parse(t.name, t.res, t.oids)
+			h.be.stmts.Parse(t.name, t.res, t.oids)
 		}
 	case 'B':
 		if msg[0] == '2' && t.step == stepClient {
@@ -82,9 +82,9 @@ func (h *fenceSession) ServerMessage(s *Session, msg []byte, req *Request) (Verd
 	case 'C':
 		if msg[0] == '3' && t.step == stepClient {
 			if t.closeOf == 'S' {
-				h.st.CloseStatement(t.name)
+				h.be.stmts.CloseStatement(t.name)
 			} else {
-				h.st.ClosePortal(t.name)
+				h.be.stmts.ClosePortal(t.name)
 			}
 		}
 	case 'E':

@@ -48,7 +48,7 @@ type fenceSession struct {
 	cat      *catalog
 	user, db string // the session's role and database (for the log)
 
-	mu sync.Mutex // guards st, and be's prepared and text
+	mu sync.Mutex // guards st, and be's stmts, prepared and text
 	st *session.State
 	// be is the gate's view of the upstream connection (fence_backend.go).
 	be *gateBackend

@@ -224,3 +224,30 @@ func TestSharedShapeWritesDigestTheirOwnText(t *testing.T) {
 	e.wantCount(t, 1, "SELECT count(*) FROM audit WHERE note = 'first'")
 	e.wantCount(t, 0, "SELECT count(*) FROM audit WHERE note = 'other'")
 }
+
+// TestExecuteOfParsedStatement: protocol-level and SQL-level prepared
+// statements share one namespace, so EXECUTE runs a statement the client
+// parsed with the extended protocol, and what it sets is read from the
+// statements as the connection accepted them (session.Statements, which
+// the session's State refers to). A worker connects with a token that is
+// not its lease's, parses a statement that sets the right one, and
+// EXECUTEs it: the gate must check the token the session now has, not
+// the one it started with.
+func TestExecuteOfParsedStatement(t *testing.T) {
+	e := newFenceEnv(t)
+	ctx := ctxT(t)
+	l := e.acquire(t, "job", "a", time.Minute)
+	wrong := l
+	wrong.Token += 1000
+	w := e.worker(t, &wrong)
+	setter := fmt.Sprintf("SELECT set_config('fence.token', '%d', false)", l.Token)
+	if _, err := w.PgConn().Prepare(ctx, "set_token", setter, nil); err != nil {
+		t.Fatalf("Parse set_token: %v", err)
+	}
+	execOK(t, w, "EXECUTE set_token", pgx.QueryExecModeSimpleProtocol)
+	if _, err := w.Exec(ctx, "INSERT INTO results (job_key, payload, token) VALUES ('job', 'p', $1)", l.Token); err != nil {
+		t.Fatalf("gated insert after EXECUTE set_token: %v, want the token it set checked", err)
+	}
+	e.wantCount(t, 1, "SELECT count(*) FROM results WHERE job_key = 'job'")
+	e.wantCount(t, 1, "SELECT count(*) FROM fence.receipts WHERE job_key = 'job'")
+}

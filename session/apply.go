@@ -217,14 +217,14 @@ func (s *State) Apply(st *rewrite.Stmt, tag string, params ParamFunc) error {
 		return nil
 	case rewrite.Prepare:
 		s.ensureTx()
-		s.prepared[st.Name] = &Prepared{Name: st.Name, Stmt: st.Inner, SQL: true}
+		s.stmts.prepare(st.Name, st.Inner)
 		return nil
 	case rewrite.Deallocate:
 		s.ensureTx()
 		if st.All {
-			clear(s.prepared)
+			s.stmts.deallocateAll()
 		} else {
-			delete(s.prepared, st.Name)
+			s.stmts.CloseStatement(st.Name)
 		}
 		return nil
 	}
@@ -270,7 +270,7 @@ func (s *State) effects(st *rewrite.Stmt) []rewrite.GUC {
 	if st.Executes == "" {
 		return st.GUCs
 	}
-	p, ok := s.prepared[st.Executes]
+	p, ok := s.stmts.Statement(st.Executes)
 	if !ok || p.Stmt == nil || len(p.Stmt.GUCs) == 0 {
 		return st.GUCs
 	}

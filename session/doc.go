@@ -1,8 +1,10 @@
 // Package session holds the proxy's per-connection state: the fence GUCs and
 // search_path tracked with PostgreSQL's own transactional semantics, the
 // transaction state (idle, in a transaction, failed; explicit or implicit),
-// savepoints, prepared statements and portals with their classification, and
-// the write-gate state of the current transaction.
+// savepoints, and the write-gate state of the current transaction (a
+// State, one per client); and the prepared statements and portals with
+// their classification (Statements, one per upstream connection, which a
+// State refers to).
 //
 // The proxy's wire loop drives a State from what the server answers, never
 // from what the client asks: [State.Check] before forwarding a statement
@@ -19,8 +21,8 @@
 //
 // It is not a SQL parser (package rewrite classifies statements), it does no
 // I/O, it does not decide what the gate injects (the proxy and package
-// rewrite do), and it is not safe for concurrent use: one State belongs to
-// one client connection's wire loop.
+// rewrite do), and it is not safe for concurrent use: one State (and the
+// Statements it refers to) belongs to one client connection's wire loop.
 //
 // # What it cannot see
 //

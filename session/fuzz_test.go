@@ -162,8 +162,8 @@ func FuzzTracker(f *testing.F) {
 				if !wasIdle && onlyLocal && op%17 != 14 && !maps.Equal(snap(s), atTxStart) {
 					fail("only SET LOCAL in the transaction, yet values changed: got %v, want %v", snap(s), atTxStart)
 				}
-				if s.level != 0 || len(s.sps) != 0 || len(s.portals) != 0 {
-					fail("idle with level %d, %d savepoints, %d portals", s.level, len(s.sps), len(s.portals))
+				if s.level != 0 || len(s.sps) != 0 || len(s.stmts.portals) != 0 {
+					fail("idle with level %d, %d savepoints, %d portals", s.level, len(s.sps), len(s.stmts.portals))
 				}
 			} else if s.Tx() == InTx && s.level != len(s.sps)+1 {
 				fail("in transaction with level %d and %d savepoints", s.level, len(s.sps))

@@ -79,8 +79,7 @@ type State struct {
 	explicit bool
 	level    int // GUC nest level: 0 outside a transaction, 1 in it, +1 per savepoint
 	sps      []savepoint
-	prepared map[string]*Prepared
-	portals  map[string]*Portal
+	stmts    *Statements // the connection's, which the State refers to (statements.go)
 	gate     Gate
 }
 
@@ -89,13 +88,13 @@ type State struct {
 // backslash escaping of spaces, as PGOPTIONS carries them) and any other
 // parameter, which the server treats as a GUC to set (search_path=...). The
 // values become the session defaults that RESET returns to. Malformed fence
-// values are refused with an *Error.
+// values are refused with an *Error. The State refers to Statements of its
+// own, none yet, until Attach points it at a connection's.
 func New(params map[string]string) (*State, error) {
 	s := &State{
-		user:     params["user"],
-		vars:     make(map[string]*variable),
-		prepared: make(map[string]*Prepared),
-		portals:  make(map[string]*Portal),
+		user:  params["user"],
+		vars:  make(map[string]*variable),
+		stmts: NewStatements(),
 	}
 	// Direct parameters first, then options, in a stable order; the
 	// server applies the options after the packet's other parameters.
@@ -348,8 +347,7 @@ func (s *State) Discard() error {
 	if err := s.ResetAll(); err != nil {
 		return err
 	}
-	clear(s.prepared)
-	clear(s.portals)
+	s.stmts.discard()
 	return nil
 }
 
@@ -494,7 +492,7 @@ func (s *State) endTx(chain bool) {
 	s.tx = Idle
 	s.explicit = false
 	s.gate = Gate{}
-	clear(s.portals)
+	s.stmts.endTx()
 	if chain {
 		s.ensureTx()
 		s.explicit = true

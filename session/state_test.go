@@ -266,47 +266,83 @@ func TestGateRestoredByRollbackTo(t *testing.T) {
 
 func TestPreparedAndPortals(t *testing.T) {
 	s := mustNew(t, nil)
+	ss := s.Statements()
 	ins, _ := rewrite.Classify("INSERT INTO results VALUES ($1)")
 	sel, _ := rewrite.Classify("SELECT 1")
-	s.Parse("", ins, []uint32{23})
-	s.Parse("", sel, nil)
-	if p, _ := s.Statement(""); p.Stmt.Kind != rewrite.Read {
+	ss.Parse("", ins, []uint32{23})
+	ss.Parse("", sel, nil)
+	if p, _ := ss.Statement(""); p.Stmt.Kind != rewrite.Read {
 		t.Errorf("unnamed statement after second Parse: got %v, want Read", p.Stmt.Kind)
 	}
-	s.Parse("ins", ins, []uint32{23})
+	ss.Parse("ins", ins, []uint32{23})
 	if err := s.Bind("p1", "ins"); err != nil {
 		t.Fatal(err)
 	}
-	if p, ok := s.Portal("p1"); !ok || !p.Statement.Stmt.Writes() || p.Statement.ParamOIDs[0] != 23 {
+	if p, ok := ss.Portal("p1"); !ok || !p.Statement.Stmt.Writes() || p.Statement.ParamOIDs[0] != 23 {
 		t.Errorf("portal p1: got %+v, want the INSERT", p)
 	}
 	if err := s.Bind("p2", "missing"); err == nil {
 		t.Errorf("Bind of missing statement: got nil error")
 	}
 	s.TxStatus('I') // Sync: the implicit transaction ends, portals go
-	if _, ok := s.Portal("p1"); ok {
+	if _, ok := ss.Portal("p1"); ok {
 		t.Errorf("portal p1 after the transaction ended: still there")
 	}
 	apply(t, s, "PREPARE q AS UPDATE results SET v = $1")
-	p, ok := s.Statement("q")
+	p, ok := ss.Statement("q")
 	if !ok || !p.SQL || !p.Stmt.Writes() {
 		t.Errorf("SQL PREPARE q: got %+v, want a writing SQL-level statement", p)
 	}
 	apply(t, s, "DEALLOCATE ins")
-	if _, ok := s.Statement("ins"); ok {
+	if _, ok := ss.Statement("ins"); ok {
 		t.Errorf("ins after DEALLOCATE: still there")
 	}
 	apply(t, s, "SET fence.token = 3", "DISCARD ALL")
-	if _, ok := s.Statement("q"); ok {
+	if _, ok := ss.Statement("q"); ok {
 		t.Errorf("q after DISCARD ALL: still there")
 	}
 	if _, ok := s.Get(Token); ok {
 		t.Errorf("fence.token after DISCARD ALL: still set")
 	}
-	s.Parse("x", sel, nil)
-	s.CloseStatement("x")
-	if _, ok := s.Statement("x"); ok {
+	ss.Parse("x", sel, nil)
+	ss.CloseStatement("x")
+	if _, ok := ss.Statement("x"); ok {
 		t.Errorf("x after Close: still there")
+	}
+}
+
+// TestAttach hands one connection's statements from one client's State to
+// another's: what an EXECUTE changes is read from the statements of the
+// connection it runs on, and a client keeps its own settings.
+func TestAttach(t *testing.T) {
+	conn := NewStatements()
+	a := mustNew(t, map[string]string{"options": "-c fence.token=5"})
+	a.Attach(conn)
+	apply(t, a, "PREPARE p AS SELECT set_config('fence.token', '9', false)")
+	if _, ok := conn.Statement("p"); !ok {
+		t.Fatalf("PREPARE p through the attached State: not on the connection's statements")
+	}
+	b := mustNew(t, map[string]string{"options": "-c fence.token=7"})
+	apply(t, b, "EXECUTE p") // b's own statements: p does not exist there
+	if got, _ := b.Get(Token); got != "7" {
+		t.Errorf("fence.token after EXECUTE p before the hand-off: got %q, want 7", got)
+	}
+	b.Attach(conn)
+	apply(t, b, "EXECUTE p")
+	if got, _ := b.Get(Token); got != "9" {
+		t.Errorf("fence.token after EXECUTE p on the handed connection: got %q, want 9", got)
+	}
+	if got, _ := a.Get(Token); got != "5" {
+		t.Errorf("fence.token of the first client: got %q, want 5 (its own)", got)
+	}
+	sel, _ := rewrite.Classify("SELECT 1")
+	conn.Parse("s", sel, nil)
+	if err := b.Bind("portal", "s"); err != nil {
+		t.Fatal(err)
+	}
+	b.TxStatus('I')
+	if _, ok := conn.Portal("portal"); ok {
+		t.Errorf("portal after the transaction of the State attached: still on the connection")
 	}
 }
 

@@ -357,7 +357,7 @@ func (s *sim) parse(name, sql string) {
 	}
 	stmts := classify(s.t, sql)
 	s.stmts[name] = stmts[0]
-	s.st.Parse(name, &rewrite.Result{Stmts: stmts}, nil)
+	s.st.Statements().Parse(name, &rewrite.Result{Stmts: stmts}, nil)
 }
 
 func (s *sim) bind(name, stmt string, params []string) {

@@ -51,7 +51,7 @@ func ProtectedWrite(p *rewrite.Protected, ss *session.State, st *rewrite.Stmt) b
 		return true
 	}
 	if st.Executes != "" {
-		if ps, ok := ss.Statement(st.Executes); ok && ps.Stmt != nil {
+		if ps, ok := ss.Statements().Statement(st.Executes); ok && ps.Stmt != nil {
 			return len(p.ProtectedWrites(ps.Stmt, sp)) > 0
 		}
 	}
