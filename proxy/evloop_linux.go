@@ -201,7 +201,7 @@ func (l *evloop) publish(r *relay, regs ...epollReg) (*relay, bool) {
 // TLS connection, an upstream already closed, or bytes already buffered
 // by the goroutine path.
 func dupSockets(s *Session) (clientFD, serverFD int, ok bool) {
-	if s.sf.r.Buffered() > 0 || s.sw.Buffered() > 0 || s.cw.Buffered() > 0 || s.cf.r.Buffered() > 0 {
+	if s.sf.R.Buffered() > 0 || s.sw.Buffered() > 0 || s.cw.Buffered() > 0 || s.cf.R.Buffered() > 0 {
 		return -1, -1, false
 	}
 	cc, ok1 := s.client.(syscall.Conn)

@@ -18,6 +18,7 @@ import (
 	"github.com/jackc/pgx/v5/pgproto3"
 
 	"github.com/pgfence/pgfence/internal/pgtest"
+	"github.com/pgfence/pgfence/internal/wire"
 )
 
 // FuzzLoopFraming: the event loop's incremental framing check (relay.take
@@ -40,7 +41,7 @@ func FuzzLoopFraming(f *testing.F) {
 	f.Fuzz(func(t *testing.T, in, cuts []byte, max uint16) {
 		// Reference: the goroutine path's framer over the whole input.
 		ref := &Session{srv: &Server{}}
-		ref.cf = framer{r: bufio.NewReaderSize(bytes.NewReader(in), 1024), max: int(max), from: "client"}
+		ref.cf = wire.Framer{R: bufio.NewReaderSize(bytes.NewReader(in), 1024), Max: int(max), From: "client", Client: true}
 		wantN, wantEnd := len(in), error(nil)
 		for off := 0; off < len(in); {
 			typ, total, err := ref.nextClient()
@@ -54,7 +55,7 @@ func FuzzLoopFraming(f *testing.F) {
 			case typ == 'X':
 				wantN, wantEnd = off, errClientTerminate
 			default:
-				ref.cf.stream(io.Discard, total) // a short body: the input ends in it
+				ref.cf.Stream(io.Discard, total) // a short body: the input ends in it
 				off += total
 				continue
 			}
@@ -327,7 +328,7 @@ func FuzzServerMessageResume(f *testing.F) {
 		var out bytes.Buffer
 		cr := &chunkReader{in: stream, cuts: cuts}
 		s := &Session{srv: &Server{}, cw: &clientWriter{Writer: bufio.NewWriterSize(&out, 1024)}}
-		s.sf = framer{r: bufio.NewReaderSize(cr, 1024), flush: s.cw.Flush, from: "server"}
+		s.sf = wire.Framer{R: bufio.NewReaderSize(cr, 1024), Flush: s.cw.Flush, From: "server"}
 		var bm bigMessage
 		cr.arm()
 		for {

@@ -11,6 +11,8 @@ import (
 	"os"
 	"syscall"
 	"time"
+
+	"github.com/pgfence/pgfence/internal/wire"
 )
 
 // This file holds the event loop's pass-through relay (a session with no
@@ -246,7 +248,7 @@ func (r *relay) scan(p *pipe, b []byte) (int, error) {
 		}
 		h := b[i : i+headerLen]
 		if !p.fromClient {
-			typ, total, err := parseHeader(h, 0, "server")
+			typ, total, err := wire.ParseHeader(h, 0, "server")
 			if err != nil {
 				return i, fmt.Errorf("server: %w", err)
 			}
@@ -260,14 +262,14 @@ func (r *relay) scan(p *pipe, b []byte) (int, error) {
 		if s.holdMessage(h[0]) {
 			return i, errHold
 		}
-		typ, total, err := parseHeader(h, r.maxMessage, "client")
+		typ, total, err := wire.ParseHeader(h, r.maxMessage, "client")
 		switch {
-		case errors.Is(err, ErrMessageTooLarge) && answerable(typ):
+		case errors.Is(err, ErrMessageTooLarge) && wire.Answerable(typ):
 			s.releaseMessage(false) // handled again, on the goroutine path
 			return i, errLeaveLoop
 		case err != nil:
 			return i, fmt.Errorf("client: %w", err)
-		case !frontendTypes[typ]:
+		case !wire.IsFrontend(typ):
 			return i, &ProtocolError{Code: "08P01", Msg: fmt.Sprintf("invalid frontend message type %d", typ)}
 		}
 		if !s.account(typ) {
@@ -335,8 +337,8 @@ func (s *Session) leaveLoop(r *relay) error {
 	r.mu.Unlock()
 	toServer, toClient := &r.toServer, &r.toClient
 	s.loopRelay, s.client, s.server = nil, client, server
-	s.cf.r.Reset(io.MultiReader(bytes.NewReader(r.rest), client))
-	s.sf.r.Reset(io.MultiReader(bytes.NewReader(toClient.buf[toClient.end:toClient.end+toClient.heldBack]), server))
+	s.cf.R.Reset(io.MultiReader(bytes.NewReader(r.rest), client))
+	s.sf.R.Reset(io.MultiReader(bytes.NewReader(toClient.buf[toClient.end:toClient.end+toClient.heldBack]), server))
 	s.sw.Reset(server)
 	s.cw.Reset(client)
 	s.sw.Write(toServer.buf[toServer.start:toServer.end])

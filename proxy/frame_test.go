@@ -1,10 +1,7 @@
 package proxy
 
 import (
-	"bufio"
 	"bytes"
-	"errors"
-	"io"
 	"reflect"
 	"strings"
 	"testing"
@@ -24,104 +21,6 @@ func pipelineBytes(n int) []byte {
 		b, _ = (&pgproto3.Sync{}).Encode(b)
 	}
 	return b
-}
-
-// pump forwards every message from r to w as the pass-through loop does.
-func pump(f *framer, w *bufio.Writer) error {
-	size := f.r.Size()
-	for {
-		_, total, err := f.next()
-		if err != nil {
-			return err
-		}
-		if total <= size {
-			msg, err := f.whole(total)
-			if err != nil {
-				return err
-			}
-			w.Write(msg)
-			f.discard(total)
-		} else if err := f.stream(w, total); err != nil {
-			return err
-		}
-	}
-}
-
-func TestFramingForwardsExactly(t *testing.T) {
-	big := bytes.Repeat([]byte("x"), 100_000)
-	var in []byte
-	in = append(in, pipelineBytes(3)...)
-	in, _ = (&pgproto3.Query{String: string(big)}).Encode(in) // larger than the buffer
-	in = append(in, pipelineBytes(2)...)
-	var out bytes.Buffer
-	w := bufio.NewWriterSize(&out, 4096)
-	flushes := 0
-	f := &framer{r: bufio.NewReaderSize(bytes.NewReader(in), 4096), flush: func() error { flushes++; return w.Flush() }, from: "client"}
-	if err := pump(f, w); !errors.Is(err, io.EOF) {
-		t.Fatalf("pump: %v", err)
-	}
-	if !bytes.Equal(out.Bytes(), in) {
-		t.Fatalf("forwarded %d bytes, want the %d input bytes unchanged", out.Len(), len(in))
-	}
-	if flushes > len(in)/4096+3 {
-		t.Errorf("%d flushes for %d bytes: writes are not coalesced", flushes, len(in))
-	}
-}
-
-func TestFramingRejectsBadLengths(t *testing.T) {
-	for _, tc := range []struct {
-		hdr  []byte
-		max  int
-		want error
-	}{
-		{[]byte{'Q', 0, 0, 0, 3}, 0, nil},
-		{[]byte{'Q', 0x80, 0, 0, 0}, 0, nil},
-		{[]byte{'Q', 0x40, 0, 0, 1}, 0, nil},
-		{[]byte{'Q', 0, 0, 1, 5}, 256, ErrMessageTooLarge},
-	} {
-		_, _, err := parseHeader(tc.hdr, tc.max, "client")
-		var pe *ProtocolError
-		if !errors.As(err, &pe) || pe.Code != "08P01" {
-			t.Errorf("header %v: got %v, want 08P01", tc.hdr, err)
-		}
-		if tc.want != nil && !errors.Is(err, tc.want) {
-			t.Errorf("header %v: got %v, want %v", tc.hdr, err, tc.want)
-		}
-	}
-	if _, total, err := parseHeader([]byte{'Q', 0, 0, 1, 4}, 256, "client"); err != nil || total != 261 {
-		t.Errorf("limit-sized message: got %d %v, want 261", total, err)
-	}
-}
-
-// TestFramingAllocs proves the pass-through path allocates nothing per
-// message in steady state.
-func TestFramingAllocs(t *testing.T) {
-	in := pipelineBytes(1000)
-	src := bytes.NewReader(in)
-	w := bufio.NewWriterSize(io.Discard, 32<<10)
-	f := &framer{r: bufio.NewReaderSize(src, 32<<10), flush: w.Flush, from: "client"}
-	allocs := testing.AllocsPerRun(20, func() {
-		src.Reset(in)
-		f.r.Reset(src)
-		pump(f, w)
-	})
-	if allocs != 0 {
-		t.Fatalf("%v allocations per 5000 messages, want 0", allocs)
-	}
-}
-
-func BenchmarkPassThrough(b *testing.B) {
-	in := pipelineBytes(1000)
-	src := bytes.NewReader(in)
-	w := bufio.NewWriterSize(io.Discard, 32<<10)
-	f := &framer{r: bufio.NewReaderSize(src, 32<<10), flush: w.Flush, from: "client"}
-	b.SetBytes(int64(len(in)))
-	b.ReportAllocs()
-	for b.Loop() {
-		src.Reset(in)
-		f.r.Reset(src)
-		pump(f, w)
-	}
 }
 
 func TestParseStartup(t *testing.T) {

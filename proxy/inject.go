@@ -1,6 +1,10 @@
 package proxy
 
-import "errors"
+import (
+	"errors"
+
+	"github.com/pgfence/pgfence/internal/wire"
+)
 
 // errSessionClosing ends a Handler's wait when its session is ending.
 var errSessionClosing = errors.New("session closing")
@@ -12,7 +16,7 @@ func (s *Session) inject(msg []byte, tag any, visible bool) (*Request, error) {
 		return nil, errShutdown
 	}
 	var r *Request
-	if producesResponse(msg[0]) {
+	if wire.ProducesResponse(msg[0]) {
 		r = &Request{Type: msg[0], Injected: true, Visible: visible, Tag: tag, done: make(chan struct{})}
 		s.q.push(r)
 	}

@@ -193,16 +193,6 @@ func finish(r *Request) {
 	}
 }
 
-// producesResponse reports whether a client message of type t gets a
-// response of its own (and so a queue entry).
-func producesResponse(t byte) bool {
-	switch t {
-	case 'Q', 'P', 'B', 'D', 'E', 'C', 'S', 'F':
-		return true
-	}
-	return false
-}
-
 // matchResult says what a server message did to the head request.
 type matchResult int
 

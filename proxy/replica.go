@@ -9,6 +9,7 @@ import (
 	"sync/atomic"
 
 	"github.com/jackc/pgx/v5/pgproto3"
+	"github.com/pgfence/pgfence/internal/wire"
 	"go.uber.org/zap"
 )
 
@@ -71,7 +72,7 @@ type replicaConn struct {
 	r    *replica
 	conn net.Conn
 	sw   *bufio.Writer
-	sf   framer
+	sf   wire.Framer
 	pid  uint32
 	key  []byte
 
@@ -194,7 +195,7 @@ func (s *Session) openReplica(r *replica) (*replicaConn, error) {
 	size := srv.cfg.BufferSize
 	rc := &replicaConn{r: r, conn: hj.Conn, pid: hj.PID, key: hj.SecretKey, done: make(chan struct{}),
 		sw: bufio.NewWriterSize(hj.Conn, size)}
-	rc.sf = framer{r: bufio.NewReaderSize(hj.Conn, size), flush: s.cw.Flush, from: "replica", count: &s.info.stats.sent}
+	rc.sf = wire.Framer{R: bufio.NewReaderSize(hj.Conn, size), Flush: s.cw.Flush, From: "replica", Count: &s.info.stats.sent}
 	s.rt.mu.Lock()
 	s.rt.rep = rc
 	s.rt.mu.Unlock()
@@ -212,10 +213,10 @@ func (s *Session) openReplica(r *replica) (*replicaConn, error) {
 // the replica serves a request that cannot be retried ends it through
 // failReplica.
 func (s *Session) replicaLoop(rc *replicaConn) error {
-	size := rc.sf.r.Size()
+	size := rc.sf.R.Size()
 	var big []byte
 	for {
-		typ, total, err := rc.sf.next()
+		typ, total, err := rc.sf.Next()
 		if err != nil {
 			s.cw.Flush()
 			s.replicaFailed(fmt.Errorf("replica: %w", err))
@@ -223,10 +224,10 @@ func (s *Session) replicaLoop(rc *replicaConn) error {
 		}
 		var msg []byte
 		if total > size {
-			big, err = rc.sf.readInto(big[:0], total)
+			big, err = rc.sf.ReadInto(big[:0], total)
 			msg = big
 		} else {
-			msg, err = rc.sf.whole(total)
+			msg, err = rc.sf.Whole(total)
 		}
 		if err != nil {
 			s.replicaFailed(fmt.Errorf("replica: %w", err))
@@ -242,7 +243,7 @@ func (s *Session) replicaLoop(rc *replicaConn) error {
 			// failure, never an answer; the read is retried on the
 			// primary when it can be.
 			if total <= size {
-				rc.sf.discard(total)
+				rc.sf.Discard(total)
 			}
 			if typ == 'E' {
 				s.log.Info("replica connection reported an error; closing it", zap.ByteString("error", msg))
@@ -262,7 +263,7 @@ func (s *Session) replicaLoop(rc *replicaConn) error {
 			}
 		}
 		if total <= size {
-			rc.sf.discard(total)
+			rc.sf.Discard(total)
 		} else if cap(big) > 4*size {
 			big = nil
 		}

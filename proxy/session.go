@@ -12,6 +12,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/pgfence/pgfence/internal/wire"
 	"go.uber.org/zap"
 )
 
@@ -46,8 +47,8 @@ type Session struct {
 
 	client net.Conn
 	server net.Conn
-	cf     framer        // client → proxy
-	sf     framer        // server → proxy
+	cf     wire.Framer   // client → proxy
+	sf     wire.Framer   // server → proxy
 	cw     *clientWriter // locks when a replica connection may write too (replica.go)
 	sw     *bufio.Writer // the upstream requests go to: the primary, or the replica (replica.go)
 
@@ -117,7 +118,7 @@ func (s *Session) ForwardMessage(msg []byte) error {
 	if !s.account(msg[0]) {
 		return errShutdown
 	}
-	if producesResponse(msg[0]) {
+	if wire.ProducesResponse(msg[0]) {
 		s.q.push(&Request{Type: msg[0]})
 	}
 	_, err := s.sw.Write(msg)
@@ -134,7 +135,7 @@ func (s *Session) Inject(msg []byte, tag any) (*Request, error) {
 		return nil, errShutdown
 	}
 	var r *Request
-	if producesResponse(msg[0]) {
+	if wire.ProducesResponse(msg[0]) {
 		r = &Request{Type: msg[0], Injected: true, Tag: tag, done: make(chan struct{})}
 		s.q.push(r)
 	}
@@ -286,7 +287,7 @@ func (s *Session) guard(side string, f func() error) (err error) {
 
 // clientLoop forwards client messages upstream.
 func (s *Session) clientLoop() error {
-	size := s.cf.r.Size()
+	size := s.cf.R.Size()
 	for {
 		typ, total, err := s.nextClient()
 		if err != nil {
@@ -298,21 +299,21 @@ func (s *Session) clientLoop() error {
 			}
 			continue
 		}
-		if s.h == nil && total-headerLen <= s.cf.max {
+		if s.h == nil && total-headerLen <= s.cf.Max {
 			// Pass-through: the hot path.
 			if !s.account(typ) {
 				return errShutdown
 			}
 			if total <= size {
-				msg, err := s.cf.whole(total)
+				msg, err := s.cf.Whole(total)
 				if err != nil {
 					return fmt.Errorf("client: %w", err)
 				}
 				if _, err := s.sw.Write(msg); err != nil {
 					return fmt.Errorf("server: %w", err)
 				}
-				s.cf.discard(total)
-			} else if err := s.cf.stream(s.sw, total); err != nil {
+				s.cf.Discard(total)
+			} else if err := s.cf.Stream(s.sw, total); err != nil {
 				return fmt.Errorf("client: %w", err)
 			}
 		} else if err := s.clientMessage(typ, total, size); err != nil {
@@ -331,7 +332,7 @@ func (s *Session) clientLoop() error {
 // pieces, or a message for the Handler.
 func (s *Session) clientMessage(typ byte, total, size int) error {
 	switch {
-	case total-headerLen > s.cf.max:
+	case total-headerLen > s.cf.Max:
 		return s.oversize(typ, total)
 	case typ == 'd' && total > size:
 		return s.copyPieces(total, size)
@@ -339,22 +340,19 @@ func (s *Session) clientMessage(typ byte, total, size int) error {
 	return s.interceptClient(total, size)
 }
 
-// nextClient reads the header of the client's next message and checks
-// its type. errWouldBlock (the event loop's reader has nothing more) is
-// returned as is. A message over MaxMessageSize is returned (its caller
-// answers it, see oversize) when it is one of the types PostgreSQL answers
-// with an error and goes on; another one is a protocol error.
+// nextClient reads the header of the client's next message, checked as
+// a client's (wire.Framer.Client). errWouldBlock (the event loop's reader
+// has nothing more) is returned as is. A message over MaxMessageSize is
+// returned (its caller answers it, see oversize) when it is one of the
+// types PostgreSQL answers with an error and goes on; another one is a
+// protocol error.
 func (s *Session) nextClient() (typ byte, total int, err error) {
-	typ, total, err = s.cf.next()
+	typ, total, err = s.cf.Next()
 	switch {
 	case err == errWouldBlock:
 		return 0, 0, err
-	case errors.Is(err, ErrMessageTooLarge) && answerable(typ):
-		return typ, total, nil
 	case err != nil:
 		return 0, 0, fmt.Errorf("client: %w", err)
-	case !frontendTypes[typ]:
-		return 0, 0, &ProtocolError{Code: "08P01", Msg: fmt.Sprintf("invalid frontend message type %d", typ)}
 	}
 	return typ, total, nil
 }
@@ -366,13 +364,13 @@ func (s *Session) interceptClient(total, size int) error {
 	var msg []byte
 	var err error
 	if total <= size {
-		msg, err = s.cf.whole(total)
+		msg, err = s.cf.Whole(total)
 	} else {
 		cost := heldCost(total - headerLen)
 		if !s.srv.mem.take(cost) {
 			// Read and drop the message, so that the client, done
 			// sending, reads why its session ends.
-			if err := s.cf.stream(io.Discard, total); err != nil {
+			if err := s.cf.Stream(io.Discard, total); err != nil {
 				return fmt.Errorf("client: %w", err)
 			}
 			return s.srv.overBudget(total)
@@ -381,7 +379,7 @@ func (s *Session) interceptClient(total, size int) error {
 		if cap(s.scratch) < total {
 			s.scratch = make([]byte, 0, total) // one allocation of the size taken
 		}
-		s.scratch, err = s.cf.readInto(s.scratch[:0], total)
+		s.scratch, err = s.cf.ReadInto(s.scratch[:0], total)
 		msg = s.scratch
 	}
 	if err != nil {
@@ -391,7 +389,7 @@ func (s *Session) interceptClient(total, size int) error {
 		return err // the message stays unconsumed (ErrWait: handled again)
 	}
 	if total <= size {
-		s.cf.discard(total)
+		s.cf.Discard(total)
 	} else if cap(s.scratch) > 4*size {
 		s.scratch = nil // do not pin a large buffer
 	}
@@ -409,7 +407,7 @@ func (s *Session) deliver(msg []byte) error {
 		if !s.account(msg[0]) {
 			return errShutdown
 		}
-		if producesResponse(msg[0]) {
+		if wire.ProducesResponse(msg[0]) {
 			s.q.push(&Request{Type: msg[0]})
 		}
 		if _, err := s.sw.Write(msg); err != nil {
@@ -427,21 +425,16 @@ func (s *Session) copyPieces(total, size int) error {
 	if cap(s.scratch) < size {
 		s.scratch = make([]byte, 0, size)
 	}
-	s.cf.discard(headerLen) // next has read it
+	s.cf.Discard(headerLen) // next has read it
 	for left := total - headerLen; left > 0; {
-		n := s.cf.r.Buffered()
-		if n == 0 {
-			if _, err := s.cf.fill(1); err != nil {
-				return fmt.Errorf("client: %w", err)
-			}
-			n = s.cf.r.Buffered()
+		b, err := s.cf.Piece(min(left, size-headerLen))
+		if err != nil {
+			return fmt.Errorf("client: %w", err)
 		}
-		n = min(n, left, size-headerLen)
-		b, _ := s.cf.r.Peek(n)
 		piece := append(s.scratch[:headerLen], b...)
-		putHeader(piece, 'd', n)
-		s.cf.discard(n)
-		left -= n
+		wire.PutHeader(piece, 'd', len(b))
+		s.cf.Discard(len(b))
+		left -= len(b)
 		if s.h == nil {
 			if _, err := s.sw.Write(piece); err != nil {
 				return fmt.Errorf("server: %w", err)
@@ -476,7 +469,7 @@ func (s *Session) resumeServer() error {
 		return nil
 	}
 	if status { // the body of a ReadyForQuery: its status byte
-		b, err := s.sf.fill(1)
+		b, err := s.sf.Fill(1)
 		if err != nil {
 			return fmt.Errorf("server: %w", err)
 		}
@@ -484,11 +477,11 @@ func (s *Session) resumeServer() error {
 		if _, err := s.cw.Write(b[:1]); err != nil {
 			return fmt.Errorf("client: %w", err)
 		}
-		s.sf.discard(1)
+		s.sf.Discard(1)
 		s.pending.Add(-1)
 		return nil
 	}
-	if err := s.sf.stream(s.cw, left); err != nil {
+	if err := s.sf.Stream(s.cw, left); err != nil {
 		return fmt.Errorf("server: %w", err)
 	}
 	return nil
@@ -505,8 +498,8 @@ func (s *Session) serverMessage(big *bigMessage) error {
 	if big != nil && big.left > 0 {
 		return s.serverPiece(big)
 	}
-	size := s.sf.r.Size()
-	typ, total, err := s.sf.next()
+	size := s.sf.R.Size()
+	typ, total, err := s.sf.Next()
 	if err != nil {
 		if err == errWouldBlock {
 			return err
@@ -515,7 +508,7 @@ func (s *Session) serverMessage(big *bigMessage) error {
 		return fmt.Errorf("server: %w", err)
 	}
 	if total > size {
-		h, _ := s.sf.whole(headerLen) // next has read it
+		h, _ := s.sf.Whole(headerLen) // next has read it
 		fwd := true
 		if s.h != nil {
 			if fwd, err = s.interceptServer(h); err != nil {
@@ -528,7 +521,7 @@ func (s *Session) serverMessage(big *bigMessage) error {
 					return fmt.Errorf("client: %w", err)
 				}
 			}
-			s.sf.discard(headerLen)
+			s.sf.Discard(headerLen)
 			big.left, big.fwd = total-headerLen, fwd
 			return s.serverPiece(big)
 		}
@@ -536,12 +529,12 @@ func (s *Session) serverMessage(big *bigMessage) error {
 		if !fwd {
 			w = io.Discard
 		}
-		if err := s.sf.stream(w, total); err != nil {
+		if err := s.sf.Stream(w, total); err != nil {
 			return fmt.Errorf("server: %w", err)
 		}
 		return nil
 	}
-	msg, err := s.sf.whole(total)
+	msg, err := s.sf.Whole(total)
 	if err != nil {
 		if err == errWouldBlock {
 			return err
@@ -564,7 +557,7 @@ func (s *Session) serverMessage(big *bigMessage) error {
 	}
 	if typ == 'Z' && total == headerLen+1 {
 		s.txStatus.Store(uint32(msg[headerLen]))
-		s.sf.discard(total)
+		s.sf.Discard(total)
 		n := s.pending.Add(-1)
 		s.readyForQuery(n) // admin_pause.go
 		if n == 0 && s.srv.draining.Load() && s.tryCloseIdle() {
@@ -573,7 +566,7 @@ func (s *Session) serverMessage(big *bigMessage) error {
 		}
 		return nil
 	}
-	s.sf.discard(total)
+	s.sf.Discard(total)
 	return nil
 }
 
@@ -587,25 +580,20 @@ type bigMessage struct {
 // serverPiece passes on (or drops) what has arrived of big's message.
 func (s *Session) serverPiece(big *bigMessage) error {
 	for big.left > 0 {
-		n := s.sf.r.Buffered()
-		if n == 0 {
-			if _, err := s.sf.fill(1); err != nil {
-				if err == errWouldBlock {
-					return err
-				}
-				return fmt.Errorf("server: %w", err)
+		b, err := s.sf.Piece(big.left)
+		if err != nil {
+			if err == errWouldBlock {
+				return err
 			}
-			n = s.sf.r.Buffered()
+			return fmt.Errorf("server: %w", err)
 		}
-		n = min(n, big.left)
 		if big.fwd {
-			b, _ := s.sf.r.Peek(n)
 			if _, err := s.cw.Write(b); err != nil {
 				return fmt.Errorf("client: %w", err)
 			}
 		}
-		s.sf.discard(n)
-		big.left -= n
+		s.sf.Discard(len(b))
+		big.left -= len(b)
 	}
 	return nil
 }
