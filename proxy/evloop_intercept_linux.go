@@ -260,8 +260,7 @@ func (l *evloop) attachIntercepted(s *Session) (*relay, bool) {
 		s: s, l: l, clientFD: clientFD, serverFD: serverFD,
 		intercept: &interceptState{serverInterest: syscall.EPOLLIN | syscall.EPOLLRDHUP, clientReadFD: clientReadFD,
 			clientReady: make(chan struct{}, 1), stop: make(chan struct{}), clientWork: make(chan struct{}, 1)},
-		maxMessage: s.srv.cfg.MaxMessageSize,
-		done:       make(chan error, 1),
+		done: make(chan error, 1),
 	}
 	// Both sockets leave Go's netpoller, or every response would wake it
 	// as well as the loop. The client goroutine reads the client

@@ -133,7 +133,6 @@ type relay struct {
 	clientFD, serverFD             int
 	toServer, toClient             pipe
 	clientInterest, serverInterest uint32 // epoll interest registered for clientFD and serverFD
-	maxMessage                     int    // Config.MaxMessageSize
 	done                           chan error
 	ended                          sync.Once
 	// rest is what the client sent from a message over the limit on,

@@ -21,16 +21,18 @@ import (
 	"github.com/pgfence/pgfence/internal/wire"
 )
 
-// FuzzLoopFraming: the event loop's incremental framing check (relay.take
-// and scan), fed the input in arbitrary pieces, never panics and agrees
-// with the goroutine path's framer (Session.nextClient) reading the whole
-// input: every complete valid message before the first one that ends the
-// relay is passed on, and nothing of that one — a bad message (invalid
-// length, unknown type, over the limit for a type that cannot be answered:
-// a ProtocolError), a Terminate, or a message over the limit that the
+// FuzzLoopFraming: the event loop's pass-through relay (relay.take and
+// scan, around wire.Scanner: the rules themselves are FuzzScanner's), fed
+// the input in arbitrary pieces, never panics and agrees with the
+// goroutine path (Session.nextClient) reading the whole input: every
+// complete valid message before the first one that ends the relay is
+// passed on, and nothing of that one — a bad message (invalid length,
+// unknown type, over the limit for a type that cannot be answered: a
+// ProtocolError), a Terminate, or a message over the limit that the
 // session leaves the loop to answer (errLeaveLoop, with everything from
 // it on kept for the goroutine path). A header not yet whole at the end of
-// the input is not passed on either.
+// the input is not passed on either: it is held back (pipe.heldBack) and
+// scanned again with the next piece.
 func FuzzLoopFraming(f *testing.F) {
 	f.Add(pipelineBytes(2), []byte{3, 200, 7}, uint16(0))
 	f.Add([]byte{'Q', 0, 0, 0, 9, 'S', 'E', 'L', 0, 'X', 0, 0, 0, 4, 'Q'}, []byte{1}, uint16(8))
@@ -62,8 +64,8 @@ func FuzzLoopFraming(f *testing.F) {
 			break
 		}
 
-		r := &relay{s: &Session{srv: &Server{}}, maxMessage: int(max)}
-		p := &pipe{fromClient: true, buf: make([]byte, len(in)+headerLen)}
+		r := &relay{s: &Session{srv: &Server{}}}
+		p := &pipe{fromClient: true, buf: make([]byte, len(in)+headerLen), sc: wire.Scanner{Max: int(max), From: "client", Client: true}}
 		off := 0
 		var end error
 		for i := 0; off < len(in) && end == nil; i++ {

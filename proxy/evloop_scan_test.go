@@ -6,6 +6,7 @@ import (
 	"testing"
 
 	"github.com/jackc/pgx/v5/pgproto3"
+	"github.com/pgfence/pgfence/internal/wire"
 )
 
 // serverResponseBytes is what PostgreSQL answers pipelineBytes(n) with:
@@ -29,7 +30,10 @@ func serverResponseBytes(n int) []byte {
 // everything.
 func benchmarkLoopScan(b *testing.B, in []byte, fromClient bool) {
 	r := &relay{s: &Session{srv: &Server{}}}
-	p := &pipe{fromClient: fromClient, buf: make([]byte, 32<<10)}
+	p := &pipe{fromClient: fromClient, buf: make([]byte, 32<<10), sc: wire.Scanner{From: "server"}}
+	if fromClient {
+		p.sc = wire.Scanner{From: "client", Client: true}
+	}
 	b.SetBytes(int64(len(in)))
 	b.ReportAllocs()
 	for b.Loop() {

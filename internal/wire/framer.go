@@ -49,6 +49,9 @@ func (f *Framer) Next() (typ byte, total int, err error) {
 	if err != nil {
 		return 0, 0, err
 	}
+	if typ, total, ok := header(h, f.Max); ok && (!f.Client || frontendTypes[typ]) {
+		return typ, total, nil
+	}
 	typ, total, err = ParseHeader(h, f.Max, f.From)
 	if f.Client {
 		if _, err = checkClient(typ, err); err != nil {

@@ -45,12 +45,30 @@ func ParseHeader(h []byte, max int, from string) (typ byte, total int, err error
 	typ = h[0]
 	n := binary.BigEndian.Uint32(h[1:5])
 	if n < 4 || n > 1<<30 {
-		return typ, 0, &ProtocolError{Code: "08P01", Msg: fmt.Sprintf("invalid message length %d in %s message of type %q", int32(n), from, typ)}
+		return typ, 0, lengthError(typ, n, from)
 	}
 	if max > 0 && int(n)-4 > max {
-		return typ, int(n) + 1, &ProtocolError{Code: "08P01", Msg: fmt.Sprintf("%s message of type %q is %d bytes, over max_message_size (%d bytes)", from, typ, n-4, max), Err: ErrMessageTooLarge}
+		return typ, int(n) + 1, tooLargeError(typ, n, max, from)
 	}
 	return typ, int(n) + 1, nil
+}
+
+// header is ParseHeader's common case, small enough to inline in the
+// framers' loops: !ok means the header is bad, and ParseHeader says why.
+func header(h []byte, max int) (typ byte, total int, ok bool) {
+	n := binary.BigEndian.Uint32(h[1:5])
+	if n < 4 || n > 1<<30 || max > 0 && int(n)-4 > max {
+		return 0, 0, false
+	}
+	return h[0], int(n) + 1, true
+}
+
+func lengthError(typ byte, n uint32, from string) error {
+	return &ProtocolError{Code: "08P01", Msg: fmt.Sprintf("invalid message length %d in %s message of type %q", int32(n), from, typ)}
+}
+
+func tooLargeError(typ byte, n uint32, max int, from string) error {
+	return &ProtocolError{Code: "08P01", Msg: fmt.Sprintf("%s message of type %q is %d bytes, over max_message_size (%d bytes)", from, typ, n-4, max), Err: ErrMessageTooLarge}
 }
 
 // PutHeader writes a message header for typ and a body of n bytes.
