@@ -603,7 +603,7 @@ func (s *Session) runIntercepted(l *evloop) (error, bool) {
 	syscall.Close(r.serverFD)
 	syscall.Close(r.clientFD)
 	syscall.Close(r.intercept.clientReadFD)
-	s.q.drain()
+	s.q.Drain()
 	s.h.Close(s)
 	return err, true
 }

@@ -127,7 +127,7 @@ func (h *fenceSession) silentFor(s *Session, now time.Time) time.Duration {
 	fenced = fenced || h.st.Gate().Gated
 	h.mu.Unlock()
 	txOpen := s.TxStatus() != 'I' || s.pending.Load() > 0
-	busy := s.q.front() != nil && !c.copyWait.Load()
+	busy := s.q.Front() != nil && !c.copyWait.Load()
 	msgs := c.clientMsgs.Load()
 	fenced = fenced || c.fenceCall.Load() != 0
 	if !fenced || !txOpen || busy || msgs != c.seen || c.since.IsZero() {

@@ -48,64 +48,6 @@ func TestParseStartup(t *testing.T) {
 	}
 }
 
-func TestMatch(t *testing.T) {
-	// Each case: request types queued, server message types in order, and
-	// the expected completed/skipped log.
-	for _, tc := range []struct {
-		name string
-		reqs string
-		resp string
-		want string // per request: c completed, s skipped
-	}{
-		{"simple query", "QQ", "TDCZ" + "CCEZ", "cc"},
-		{"extended", "PBDES", "12TDDCZ", "ccccc"},
-		{"describe statement", "DS", "tTZ", "cc"},
-		{"suspended", "EES", "DsDCZ", "ccc"},
-		{"error skips to sync", "PBEPBES" + "PS", "1E" + "Z" + "1Z", "ccssssc" + "cc"},
-		{"copy in via execute", "PBES", "12GCZ", "cccc"},
-		{"async in between", "Q", "NASTDCZ", "c"},
-	} {
-		t.Run(tc.name, func(t *testing.T) {
-			var q queue
-			var reqs []*Request
-			for _, c := range []byte(tc.reqs) {
-				r := &Request{Type: c, done: make(chan struct{})}
-				reqs = append(reqs, r)
-				q.push(r)
-			}
-			for _, m := range []byte(tc.resp) {
-				var ht byte
-				if h := q.front(); h != nil {
-					ht = h.Type
-				}
-				switch match(ht, m) {
-				case matchComplete:
-					q.pop()
-				case matchError:
-					q.pop()
-					q.skipToSync()
-				}
-			}
-			var got strings.Builder
-			for _, r := range reqs {
-				select {
-				case <-r.done:
-					if r.Skipped {
-						got.WriteByte('s')
-					} else {
-						got.WriteByte('c')
-					}
-				default:
-					got.WriteByte('-')
-				}
-			}
-			if got.String() != tc.want {
-				t.Fatalf("got %s, want %s", got.String(), tc.want)
-			}
-		})
-	}
-}
-
 func TestUsersFile(t *testing.T) {
 	v, err := MakeVerifier("alice", "secret")
 	if err != nil {

@@ -17,8 +17,8 @@ func (s *Session) inject(msg []byte, tag any, visible bool) (*Request, error) {
 	}
 	var r *Request
 	if wire.ProducesResponse(msg[0]) {
-		r = &Request{Type: msg[0], Injected: true, Visible: visible, Tag: tag, done: make(chan struct{})}
-		s.q.push(r)
+		r = wire.NewInjected(msg[0], tag, visible)
+		s.q.Push(r)
 	}
 	if _, err := s.sw.Write(msg); err != nil {
 		return nil, err
@@ -27,4 +27,4 @@ func (s *Session) inject(msg []byte, tag any, visible bool) (*Request, error) {
 }
 
 // head is the request whose responses are arriving. Server goroutine only.
-func (s *Session) head() *Request { return s.q.front() }
+func (s *Session) head() *Request { return s.q.Front() }

@@ -106,7 +106,7 @@ func (s *Session) oversize(typ byte, total int) error {
 			return errShutdown
 		}
 		if s.h != nil {
-			s.q.push(&Request{Type: sub[0]})
+			s.q.Push(&Request{Type: sub[0]})
 		}
 	}
 	if _, err := s.sw.Write(sub); err != nil {

@@ -236,7 +236,7 @@ func (s *Session) replicaLoop(rc *replicaConn) error {
 		if typ == 'E' && s.oversized.Load() {
 			msg = s.srv.oversizedError(msg) // limits.go
 		}
-		inUse := s.rt.onRep.Load() && (s.q.front() != nil || s.TxStatus() != 'I')
+		inUse := s.rt.onRep.Load() && (s.q.Front() != nil || s.TxStatus() != 'I')
 		if !inUse || typ == 'E' && fatalError(msg) {
 			// Nothing of ours in flight here (a notice), or the
 			// replica ends the connection (a FATAL before shutdown): a
@@ -288,7 +288,7 @@ func (s *Session) replicaFailed(err error) {
 	if !s.rt.onRep.Load() || s.rt.waiting.Load() {
 		return
 	}
-	if s.q.front() == nil && s.TxStatus() == 'I' {
+	if s.q.Front() == nil && s.TxStatus() == 'I' {
 		return
 	}
 	s.failReplica(err)
@@ -332,12 +332,12 @@ func (s *Session) routeWait(r *Request) (retry bool, err error) {
 	}
 	s.log.Info("replica failed before answering; retrying on the primary", zap.Error(rc.err))
 	n := int64(0)
-	for f := s.q.front(); f != nil; f = s.q.front() {
+	for f := s.q.Front(); f != nil; f = s.q.Front() {
 		if f.Type == 'Q' || f.Type == 'S' || f.Type == 'F' {
 			n++
 		}
 		f.Skipped = true
-		s.q.pop()
+		s.q.Pop()
 	}
 	s.pending.Add(-n)
 	s.txStatus.Store('I')

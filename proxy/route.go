@@ -158,7 +158,7 @@ func (h *fenceSession) routeQuery(s *Session, msg []byte, res *rewrite.Result) e
 	}
 	onRep := s.OnReplica()
 	if onRep {
-		if s.q.front() != nil {
+		if s.q.Front() != nil {
 			if err := h.barrier(s); err != nil {
 				return err
 			}
@@ -176,7 +176,7 @@ func (h *fenceSession) routeQuery(s *Session, msg []byte, res *rewrite.Result) e
 		h.notePins(s, stmts)
 		return h.sendClient(s, msg, res)
 	}
-	if !onRep && (s.q.front() != nil || h.tx() != session.Idle) {
+	if !onRep && (s.q.Front() != nil || h.tx() != session.Idle) {
 		// Requests in flight on the primary (their transaction state is
 		// unknown yet), or a transaction open there.
 		rs.stats.Primary.Add(1)
@@ -241,7 +241,7 @@ func (h *fenceSession) routeOther(s *Session) error {
 	if !s.OnReplica() || h.inBatch {
 		return nil
 	}
-	if s.q.front() != nil {
+	if s.q.Front() != nil {
 		if err := h.barrier(s); err != nil {
 			return err
 		}

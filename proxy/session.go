@@ -53,7 +53,7 @@ type Session struct {
 	sw     *bufio.Writer // the upstream requests go to: the primary, or the replica (replica.go)
 
 	h       Handler
-	q       queue
+	q       wire.Queue
 	scratch []byte // reassembly buffer for large client messages (interceptor only)
 
 	// proof is what the client proved at login, presented upstream for
@@ -119,7 +119,7 @@ func (s *Session) ForwardMessage(msg []byte) error {
 		return errShutdown
 	}
 	if wire.ProducesResponse(msg[0]) {
-		s.q.push(&Request{Type: msg[0]})
+		s.q.Push(&Request{Type: msg[0]})
 	}
 	_, err := s.sw.Write(msg)
 	return err
@@ -131,18 +131,7 @@ func (s *Session) ForwardMessage(msg []byte) error {
 // response (Flush) the Request is nil. Client goroutine only. The message
 // is buffered: call FlushServer before waiting on Done.
 func (s *Session) Inject(msg []byte, tag any) (*Request, error) {
-	if !s.account(msg[0]) {
-		return nil, errShutdown
-	}
-	var r *Request
-	if wire.ProducesResponse(msg[0]) {
-		r = &Request{Type: msg[0], Injected: true, Tag: tag, done: make(chan struct{})}
-		s.q.push(r)
-	}
-	if _, err := s.sw.Write(msg); err != nil {
-		return nil, err
-	}
-	return r, nil
+	return s.inject(msg, tag, false) // inject.go
 }
 
 // FlushServer flushes messages buffered for the upstream. Client goroutine
@@ -219,7 +208,7 @@ func (s *Session) run() error {
 	}
 	s.client.Close()
 	if s.h != nil {
-		s.q.drain()
+		s.q.Drain()
 		s.h.Close(s)
 	}
 	return err
@@ -408,7 +397,7 @@ func (s *Session) deliver(msg []byte) error {
 			return errShutdown
 		}
 		if wire.ProducesResponse(msg[0]) {
-			s.q.push(&Request{Type: msg[0]})
+			s.q.Push(&Request{Type: msg[0]})
 		}
 		if _, err := s.sw.Write(msg); err != nil {
 			return fmt.Errorf("server: %w", err)
@@ -605,16 +594,7 @@ var errWouldBlock = errors.New("would block")
 // interceptServer matches msg against the outstanding queue and asks the
 // handler; it reports whether to forward msg.
 func (s *Session) interceptServer(msg []byte) (bool, error) {
-	head := s.q.front()
-	var ht byte
-	if head != nil {
-		ht = head.Type
-	}
-	m := match(ht, msg[0])
-	req := head
-	if m == matchAsync {
-		req = nil
-	}
+	req, m := s.q.Answering(msg[0])
 	if req != nil && msg[0] == 'E' && req.Injected && len(msg) >= headerLen {
 		req.Error = append([]byte(nil), msg...)
 	}
@@ -623,13 +603,7 @@ func (s *Session) interceptServer(msg []byte) (bool, error) {
 		return false, err
 	}
 	fwd := v == Forward && (req == nil || !req.Injected || req.Visible)
-	switch m {
-	case matchComplete:
-		s.q.pop()
-	case matchError:
-		s.q.pop()
-		s.q.skipToSync()
-	}
+	s.q.Advance(m)
 	return fwd, nil
 }
 
