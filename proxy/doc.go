@@ -53,7 +53,7 @@
 //     Execute, Close, Sync, FunctionCall), forwarded or injected, is pushed
 //     on the session's outstanding-request queue (PgBouncer's
 //     outstanding_requests). The server→client loop matches each response
-//     to the head request (match), pops completed ones, and after an
+//     to the head request (wire.Queue), pops completed ones, and after an
 //     extended-protocol ErrorResponse skips the requests PostgreSQL
 //     discards up to the next Sync. Responses to injected requests are
 //     swallowed exactly, with pipelining; the Handler sees them in
