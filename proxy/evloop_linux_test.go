@@ -352,7 +352,7 @@ func FuzzServerMessageResume(f *testing.F) {
 		if !bytes.Equal(out.Bytes(), stream) {
 			t.Fatalf("passed on %d bytes, want the %d of the stream unchanged", out.Len(), len(stream))
 		}
-		if got := -s.pending.Load(); got != int64(rfq) {
+		if got := -s.st.Pending(); got != int64(rfq) {
 			t.Fatalf("counted %d ReadyForQuery, want %d", got, rfq)
 		}
 	})

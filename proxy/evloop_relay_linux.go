@@ -233,10 +233,7 @@ func (r *relay) scan(p *pipe, b []byte) (int, error) {
 			}
 			return at, fmt.Errorf("server: %w", p.sc.Err())
 		case wire.Ready:
-			s.txStatus.Store(uint32(b[at-1]))
-			n := s.pending.Add(-1)
-			s.readyForQuery(n) // admin_pause.go
-			if n == 0 && s.srv.draining.Load() && s.tryCloseIdle() {
+			if s.ready(b[at-1]) {
 				return at, errShutdown
 			}
 			i = at
@@ -261,7 +258,7 @@ func (r *relay) scan(p *pipe, b []byte) (int, error) {
 			// own (whatever length the client's claimed).
 			return at, errClientTerminate
 		}
-		i = p.sc.Enter(at)
+		i = p.sc.Enter(b, at)
 	}
 }
 

@@ -126,7 +126,7 @@ func (h *fenceSession) silentFor(s *Session, now time.Time) time.Duration {
 	_, fenced := h.st.Generation()
 	fenced = fenced || h.st.Gate().Gated
 	h.mu.Unlock()
-	txOpen := s.TxStatus() != 'I' || s.pending.Load() > 0
+	txOpen := s.TxStatus() != 'I' || s.st.Pending() > 0
 	busy := s.q.Front() != nil && !c.copyWait.Load()
 	msgs := c.clientMsgs.Load()
 	fenced = fenced || c.fenceCall.Load() != 0

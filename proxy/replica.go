@@ -267,11 +267,8 @@ func (s *Session) replicaLoop(rc *replicaConn) error {
 		} else if cap(big) > 4*size {
 			big = nil
 		}
-		if typ == 'Z' && total == headerLen+1 {
-			s.txStatus.Store(uint32(msg[headerLen]))
-			n := s.pending.Add(-1)
-			s.readyForQuery(n) // admin_pause.go
-			if n == 0 && s.srv.draining.Load() && s.tryCloseIdle() {
+		if tx, ok := wire.ReadyStatus(msg); ok {
+			if s.ready(tx) {
 				s.cw.Flush()
 				s.closeServer()
 				return errShutdown
@@ -339,8 +336,8 @@ func (s *Session) routeWait(r *Request) (retry bool, err error) {
 		f.Skipped = true
 		s.q.Pop()
 	}
-	s.pending.Add(-n)
-	s.txStatus.Store('I')
+	s.st.Add(-n)
+	s.st.SetTx('I')
 	s.sw = s.rt.primarySW
 	s.rt.onRep.Store(false)
 	s.dropReplica()

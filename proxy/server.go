@@ -471,7 +471,7 @@ func (s *Server) open(raw, c net.Conn, st *startup, proof *Proof, log *zap.Logge
 		proof:        proof,
 		closing:      make(chan struct{}),
 	}
-	sess.txStatus.Store(uint32(hj.TxStatus))
+	sess.st.SetTx(hj.TxStatus)
 	size := s.cfg.BufferSize
 	sess.cw = newClientWriter(c, size, s.rs != nil)
 	sess.sw = bufio.NewWriterSize(hj.Conn, size)

@@ -16,11 +16,6 @@ import (
 	"go.uber.org/zap"
 )
 
-// closedMark is added to Session.pending when the session is closed for
-// shutdown; any later increment stays negative, so the client goroutine
-// knows not to forward.
-const closedMark = -1 << 40
-
 var errClientTerminate = errors.New("client sent Terminate")
 var errShutdown = errors.New("server shutting down")
 
@@ -70,15 +65,12 @@ type Session struct {
 		status bool
 	}
 
-	txStatus atomic.Uint32 // last ReadyForQuery status: 'I', 'T' or 'E'
-	// pending counts requests in flight (a Query, FunctionCall or an
-	// extended batch up to its Sync) whose ReadyForQuery has not arrived.
-	// Shutdown may close a session only while it is zero and txStatus is
-	// 'I'; closedMark marks that it did.
-	pending      atomic.Int64
+	// st is the transaction status and the requests in flight whose
+	// ReadyForQuery is due. Shutdown may close a session only while it is
+	// idle in both senses (st.CloseIdle).
+	st           wire.Status
 	cancelPID    uint32 // the upstream backend's PID
 	cancelSecret uint32 // the proxy's own secret given with it
-	inBatch      bool   // client goroutine: extended messages sent since the last Sync
 	// onLoop: the Handler's ClientMessage is running on the event loop,
 	// where it must not block (see LoopClient).
 	onLoop bool
@@ -100,7 +92,7 @@ type Session struct {
 
 // TxStatus returns the transaction status of the last ReadyForQuery: 'I'
 // idle, 'T' in a transaction, 'E' in a failed transaction. Any goroutine.
-func (s *Session) TxStatus() byte { return byte(s.txStatus.Load()) }
+func (s *Session) TxStatus() byte { return s.st.Tx() }
 
 // OnLoop reports whether the current ClientMessage call runs on the event
 // loop, where it must not block: a Handler that would wait returns
@@ -148,37 +140,20 @@ func (s *Session) WriteClient(msg []byte) error {
 // account tracks requests sent upstream whose ReadyForQuery is due, for
 // graceful shutdown; every message written upstream passes here. It reports
 // false when the session has been closed for shutdown.
-func (s *Session) account(t byte) bool {
-	var n int64
-	switch t {
-	case 'Q', 'F':
-		n = s.pending.Add(1)
-	case 'S':
-		if s.inBatch {
-			s.inBatch = false
-			return s.pending.Load() >= 0
-		}
-		n = s.pending.Add(1)
-	case 'P', 'B', 'D', 'E', 'C', 'H':
-		if s.inBatch {
-			return s.pending.Load() >= 0
-		}
-		s.inBatch = true
-		n = s.pending.Add(1)
-	default:
-		return s.pending.Load() >= 0
-	}
-	return n >= 0
-}
+func (s *Session) account(t byte) bool { return s.st.Sent(t) }
 
 // tryCloseIdle closes the session for shutdown if it is idle: not in a
-// transaction and nothing in flight. It is race-free against the client
-// goroutine through the CAS on pending.
-func (s *Session) tryCloseIdle() bool {
-	if s.TxStatus() != 'I' || !s.pending.CompareAndSwap(0, closedMark) {
-		return false
-	}
-	return true
+// transaction and nothing in flight (wire.Status.CloseIdle).
+func (s *Session) tryCloseIdle() bool { return s.st.CloseIdle() }
+
+// ready records a ReadyForQuery from upstream with status tx, on every
+// path (the goroutines, the event loop, the replica reader): the status,
+// the count in flight, PAUSE's hook. It reports true when graceful
+// shutdown has closed the session, idle now: the caller ends it.
+func (s *Session) ready(tx byte) bool {
+	n := s.st.Ready(tx)
+	s.readyForQuery(n) // admin_pause.go
+	return n == 0 && s.srv.draining.Load() && s.tryCloseIdle()
 }
 
 // run pumps messages both ways until either side ends, then closes both
@@ -220,7 +195,7 @@ func (s *Session) run() error {
 func (s *Session) endReason(err, second error) ([]byte, error) {
 	if pe := s.killedReason(); pe != nil {
 		err = pe // the admin console ended it (admin_pause.go)
-	} else if errors.Is(err, errShutdown) || errors.Is(second, errShutdown) || s.pending.Load() < 0 {
+	} else if errors.Is(err, errShutdown) || errors.Is(second, errShutdown) || s.st.Closed() {
 		err = errShutdown
 	} else if pe := s.rt.fatal.Load(); pe != nil {
 		err = pe // the replica failed mid-request (replica.go)
@@ -462,12 +437,12 @@ func (s *Session) resumeServer() error {
 		if err != nil {
 			return fmt.Errorf("server: %w", err)
 		}
-		s.txStatus.Store(uint32(b[0]))
+		tx := b[0]
 		if _, err := s.cw.Write(b[:1]); err != nil {
 			return fmt.Errorf("client: %w", err)
 		}
 		s.sf.Discard(1)
-		s.pending.Add(-1)
+		s.st.Ready(tx)
 		return nil
 	}
 	if err := s.sf.Stream(s.cw, left); err != nil {
@@ -544,12 +519,9 @@ func (s *Session) serverMessage(big *bigMessage) error {
 			return fmt.Errorf("client: %w", err)
 		}
 	}
-	if typ == 'Z' && total == headerLen+1 {
-		s.txStatus.Store(uint32(msg[headerLen]))
+	if tx, ok := wire.ReadyStatus(msg); ok {
 		s.sf.Discard(total)
-		n := s.pending.Add(-1)
-		s.readyForQuery(n) // admin_pause.go
-		if n == 0 && s.srv.draining.Load() && s.tryCloseIdle() {
+		if s.ready(tx) {
 			s.cw.Flush()
 			return errShutdown
 		}

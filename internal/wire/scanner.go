@@ -106,11 +106,13 @@ func (sc *Scanner) Err() error { return sc.err }
 // message whose header Next stopped at (Message, Oversized).
 func (sc *Scanner) Header() (typ byte, total int) { return sc.typ, sc.total }
 
-// Enter passes over the header Next stopped at (Message) at b[at:]: its
-// body follows. It returns where the body starts, for Next.
-func (sc *Scanner) Enter(at int) int {
-	sc.left = sc.total - HeaderLen
-	return at + HeaderLen
+// Enter passes over the message whose header Next stopped at (Message)
+// at b[at:], as far as b holds it, and returns where Next goes on.
+func (sc *Scanner) Enter(b []byte, at int) int {
+	i := at + HeaderLen
+	k := min(sc.total-HeaderLen, len(b)-i)
+	sc.left = sc.total - HeaderLen - k
+	return i + k
 }
 
 // Rest reports where the stream stands within a message: how many of

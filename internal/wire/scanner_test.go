@@ -88,7 +88,7 @@ func scannerEvents(t *testing.T, in, cuts []byte, max int, client bool) []string
 			case Message:
 				typ, total := sc.Header()
 				ev = append(ev, fmt.Sprintf("%d message %q %d", base+at, typ, total))
-				i = sc.Enter(at)
+				i = sc.Enter(b, at)
 			case Oversized:
 				typ, total := sc.Header()
 				return append(ev, fmt.Sprintf("%d oversized %q %d", base+at, typ, total))
@@ -159,7 +159,7 @@ func BenchmarkScanClient(b *testing.B) {
 			if ev != Message {
 				break
 			}
-			i = sc.Enter(at)
+			i = sc.Enter(in, at)
 		}
 	}
 }
