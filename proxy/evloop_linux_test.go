@@ -34,7 +34,8 @@ import (
 // the input is not passed on either: it is held back (pipe.heldBack) and
 // scanned again with the next piece.
 func FuzzLoopFraming(f *testing.F) {
-	f.Add(pipelineBytes(2), []byte{3, 200, 7}, uint16(0))
+	pipeline, _ := pgbenchExchange(2)
+	f.Add(pipeline, []byte{3, 200, 7}, uint16(0))
 	f.Add([]byte{'Q', 0, 0, 0, 9, 'S', 'E', 'L', 0, 'X', 0, 0, 0, 4, 'Q'}, []byte{1}, uint16(8))
 	f.Add([]byte{'Q', 0xff, 0xff, 0xff, 0xff}, []byte{2, 2}, uint16(64))
 	f.Add([]byte{'Q', 0, 0, 0, 5, 0, 'z', 0, 0, 0, 4}, []byte{}, uint16(0))

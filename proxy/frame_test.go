@@ -5,23 +5,7 @@ import (
 	"reflect"
 	"strings"
 	"testing"
-
-	"github.com/jackc/pgx/v5/pgproto3"
 )
-
-// pipelineBytes is a realistic client stream: pgbench -M extended's
-// select-only transaction, repeated.
-func pipelineBytes(n int) []byte {
-	var b []byte
-	for i := 0; i < n; i++ {
-		b, _ = (&pgproto3.Parse{Query: "SELECT abalance FROM pgbench_accounts WHERE aid = $1"}).Encode(b)
-		b, _ = (&pgproto3.Bind{Parameters: [][]byte{[]byte("12345")}}).Encode(b)
-		b, _ = (&pgproto3.Describe{ObjectType: 'P'}).Encode(b)
-		b, _ = (&pgproto3.Execute{}).Encode(b)
-		b, _ = (&pgproto3.Sync{}).Encode(b)
-	}
-	return b
-}
 
 func TestParseStartup(t *testing.T) {
 	body := func(b []byte) []byte { return b[4:] }
