@@ -228,9 +228,6 @@ func (r *relay) scan(p *pipe, b []byte) (int, error) {
 		case wire.More:
 			return at, nil
 		case wire.Bad:
-			if p.fromClient {
-				return at, fmt.Errorf("client: %w", p.sc.Err())
-			}
 			return at, fmt.Errorf("server: %w", p.sc.Err())
 		case wire.Ready:
 			if s.ready(b[at-1]) {
@@ -241,14 +238,17 @@ func (r *relay) scan(p *pipe, b []byte) (int, error) {
 		}
 		// A client message begins (PAUSE: admin_pause.go): it counts as
 		// in flight from here until it is accounted.
-		typ, _ := p.sc.Header()
-		if s.holdMessage(typ) {
+		if s.holdMessage(b[at]) {
 			return at, errHold
 		}
-		if ev == wire.Oversized {
+		switch p.sc.Check(b, at) {
+		case wire.Oversized:
 			s.releaseMessage(false) // handled again, on the goroutine path
 			return at, errLeaveLoop
+		case wire.Bad:
+			return at, fmt.Errorf("client: %w", p.sc.Err())
 		}
+		typ := b[at]
 		if !s.account(typ) {
 			return at, errShutdown
 		}

@@ -1,5 +1,7 @@
 package wire
 
+import "encoding/binary"
+
 // Scanner finds the message boundaries of a stream fed to it in pieces
 // of any size, in place: what the event loop reads from a non-blocking
 // socket and passes on without framing it into messages. It keeps across
@@ -15,18 +17,18 @@ package wire
 type Scanner struct {
 	Max  int    // largest body length accepted (excluding type byte); 0 = unbounded
 	From string // "client" or "server", for errors
-	// Client checks each header as a client's and stops at it (Message,
-	// Oversized) for the caller to look at before it is passed over.
+	// Client: a client's stream. Next stops at each whole header
+	// (AtHeader) before it checks it, so that the caller may hold the
+	// message there; Check checks it, Enter passes over it.
 	Client bool
 
-	left   int  // body bytes of the current message still to come
-	status bool // the next body byte is a ReadyForQuery's status
-	typ    byte // the header Next stopped at (Client)
-	total  int
-	err    error // why Next stopped at Bad
+	left   int   // body bytes of the current message still to come
+	status bool  // the next body byte is a ReadyForQuery's status
+	total  int   // the message Check found Oversized
+	err    error // why Next or Check found a header Bad
 }
 
-// Event is what Scanner.Next stopped at.
+// Event is what Scanner.Next stopped at, or what Check found.
 type Event uint8
 
 const (
@@ -35,21 +37,23 @@ const (
 	More Event = iota
 	// Ready: b[at-1] is a ReadyForQuery's transaction status byte.
 	Ready
-	// Message (Client only): b[at:] starts with a valid header, not yet
-	// passed over. Header reports it; Enter passes over it, or the caller
-	// stops before it.
+	// AtHeader (Client only): b[at:] starts with a whole header, of
+	// type b[at], not yet checked: call Check, or stop before it.
+	AtHeader
+	// Message (Check): a valid header; Enter passes over it.
 	Message
-	// Oversized (Client only): b[at:] starts with the header of a message
-	// over Max that PostgreSQL answers with an error in its place
-	// (Answerable); Header reports it. Not passed over.
+	// Oversized (Check): the header of a message over Max that PostgreSQL
+	// answers with an error in its place (Answerable); Oversize reports
+	// its size.
 	Oversized
-	// Bad: b[at:] starts with a bad header; Err says what is wrong (a
+	// Bad: a bad header, not passed over; Err says what is wrong (a
 	// *ProtocolError, as ParseHeader's and Framer.Next's).
 	Bad
 )
 
 // Next scans b from i, passing over message bodies and (for a server's
-// stream) headers, up to the next event: see Event.
+// stream) headers, up to the next event: More, Ready, AtHeader (Client)
+// or Bad (a server's header).
 func (sc *Scanner) Next(b []byte, i int) (at int, ev Event) {
 	for {
 		if sc.left > 0 {
@@ -69,51 +73,66 @@ func (sc *Scanner) Next(b []byte, i int) (at int, ev Event) {
 		if len(b)-i < HeaderLen {
 			return i, More
 		}
+		if sc.Client {
+			return i, AtHeader
+		}
 		h := b[i : i+HeaderLen]
 		typ, total, ok := header(h, sc.Max)
-		if ok && (!sc.Client || frontendTypes[typ]) {
-			if sc.Client {
-				sc.typ, sc.total = typ, total
-				return i, Message
-			}
-			sc.left = total - HeaderLen
-			sc.status = typ == 'Z' && total == HeaderLen+1
-			i += HeaderLen
-			continue
+		if !ok {
+			_, _, sc.err = ParseHeader(h, sc.Max, sc.From)
+			return i, Bad
 		}
-		typ, total, err := ParseHeader(h, sc.Max, sc.From)
-		if sc.Client {
-			sc.typ, sc.total = typ, total
-			over, err := checkClient(typ, err)
-			if err != nil {
-				sc.err = err
-				return i, Bad
-			}
-			if over {
-				return i, Oversized
-			}
-			return i, Message
-		}
-		sc.err = err
-		return i, Bad
+		sc.left = total - HeaderLen
+		sc.status = typ == 'Z' && total == HeaderLen+1
+		i += HeaderLen
 	}
 }
 
-// Err returns what is wrong with the header Next stopped at (Bad).
-func (sc *Scanner) Err() error { return sc.err }
+// Check checks the client header Next stopped at (AtHeader) at b[at:]:
+// Message (valid), Oversized or Bad. It writes nothing on the common
+// path (a valid header), so a caller's atomic operations around it do not
+// wait for its stores. Enter passes over a Message.
+func (sc *Scanner) Check(b []byte, at int) Event {
+	h := b[at : at+HeaderLen]
+	if typ, _, ok := header(h, sc.Max); ok && frontendTypes[typ] {
+		return Message
+	}
+	return sc.check(h)
+}
 
-// Header returns the type and total size (type byte included) of the
-// message whose header Next stopped at (Message, Oversized).
-func (sc *Scanner) Header() (typ byte, total int) { return sc.typ, sc.total }
-
-// Enter passes over the message whose header Next stopped at (Message)
-// at b[at:], as far as b holds it, and returns where Next goes on.
+// Enter passes over the message whose header at b[at:] Check found
+// valid, with as much of its body as b holds, and returns where Next
+// goes on.
 func (sc *Scanner) Enter(b []byte, at int) int {
+	body := int(binary.BigEndian.Uint32(b[at+1:at+HeaderLen])) - 4
 	i := at + HeaderLen
-	k := min(sc.total-HeaderLen, len(b)-i)
-	sc.left = sc.total - HeaderLen - k
+	k := min(body, len(b)-i)
+	sc.left = body - k
 	return i + k
 }
+
+// check is Check's slow path: what is wrong with h, or that it is
+// Oversized.
+func (sc *Scanner) check(h []byte) Event {
+	typ, total, err := ParseHeader(h, sc.Max, sc.From)
+	sc.total = total
+	over, err := checkClient(typ, err)
+	switch {
+	case err != nil:
+		sc.err = err
+		return Bad
+	case over:
+		return Oversized
+	}
+	return Message
+}
+
+// Err returns what is wrong with the header Next or Check found Bad.
+func (sc *Scanner) Err() error { return sc.err }
+
+// Oversize returns the total size (type byte included) of the message
+// Check found Oversized.
+func (sc *Scanner) Oversize() int { return sc.total }
 
 // Rest reports where the stream stands within a message: how many of
 // its body bytes are still to come, and whether the next one is a

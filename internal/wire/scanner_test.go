@@ -3,6 +3,7 @@ package wire
 import (
 	"bufio"
 	"bytes"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"io"
@@ -85,13 +86,16 @@ func scannerEvents(t *testing.T, in, cuts []byte, max int, client bool) []string
 			case Ready:
 				ev = append(ev, fmt.Sprintf("%d ready %q", base+at, b[at-1]))
 				i = at
-			case Message:
-				typ, total := sc.Header()
-				ev = append(ev, fmt.Sprintf("%d message %q %d", base+at, typ, total))
-				i = sc.Enter(b, at)
-			case Oversized:
-				typ, total := sc.Header()
-				return append(ev, fmt.Sprintf("%d oversized %q %d", base+at, typ, total))
+			case AtHeader:
+				switch sc.Check(b, at) {
+				case Message:
+					ev = append(ev, fmt.Sprintf("%d message %q %d", base+at, b[at], binary.BigEndian.Uint32(b[at+1:])+1))
+					i = sc.Enter(b, at)
+					continue
+				case Oversized:
+					return append(ev, fmt.Sprintf("%d oversized %q %d", base+at, b[at], sc.Oversize()))
+				}
+				fallthrough
 			case Bad:
 				var pe *ProtocolError
 				if !errors.As(sc.Err(), &pe) {
@@ -156,7 +160,10 @@ func BenchmarkScanClient(b *testing.B) {
 	for b.Loop() {
 		for i := 0; ; {
 			at, ev := sc.Next(in, i)
-			if ev != Message {
+			if ev != AtHeader {
+				break
+			}
+			if sc.Check(in, at) != Message {
 				break
 			}
 			i = sc.Enter(in, at)
