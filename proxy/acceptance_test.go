@@ -859,8 +859,8 @@ func testA15(t *testing.T) {
 	})
 	t.Run("proxy_killed", func(t *testing.T) {
 		e := newFenceEnv(t)
+		addr := startFenceServe(t) // may build the binary first: before the deadline starts
 		ctx := ctxT(t)
-		addr := startFenceServe(t)
 		l := e.acquire(t, "job", "a", time.Minute)
 		e.release(t, l)
 		a := e.mustConnect(t, client{lease: &l, addr: addr.String()})

@@ -160,7 +160,7 @@ func (s *Server) initSessionInfo(sess *Session, client, server net.Conn) {
 	in.id = s.ops.nextID.Add(1)
 	in.clientLocal, in.serverAddr, in.serverLocal = client.LocalAddr(), server.RemoteAddr(), server.LocalAddr()
 	in.clientTLS, in.serverTLS = tlsInfo(client), tlsInfo(server)
-	sess.cf.count, sess.sf.count = &in.stats.recv, &in.stats.sent
+	sess.cf.Count, sess.sf.Count = &in.stats.recv, &in.stats.sent
 	s.ops.dbStats.assigned(sess.Database)
 }
 

@@ -29,8 +29,8 @@ import (
 // event loop's pass-through relay and its intercepted sessions), is one
 // pair of calls around each client message: holdMessage before the
 // message is looked at, releaseMessage once it has been handled. Between
-// the two the session counts one more request in flight (Session.pending),
-// and holdMessage checks the pause only after that increment, while PAUSE
+// the two the session counts one more request in flight (Session.st), and
+// holdMessage checks the pause only after that increment, while PAUSE
 // sets the pause before it looks at the counts: whichever comes first, a
 // message cannot start a transaction that PAUSE does not see (Go's
 // atomics are sequentially consistent). A held message is not read any
@@ -167,7 +167,7 @@ func (p *dbControl) wakeLocked() []func() {
 // would start a transaction in a paused database: the caller waits
 // (waitResume, or park on the event loop) and calls it again.
 func (s *Session) holdMessage(typ byte) bool {
-	if s.pending.Add(1) != 1 || typ == 'X' {
+	if s.st.Add(1) != 1 || typ == 'X' {
 		return false // something in flight, or shutting down, or leaving
 	}
 	p := &s.srv.ops.ctl
@@ -186,7 +186,7 @@ func (s *Session) holdMessage(typ byte) bool {
 // message stays to be handled again (the event loop hands it to the
 // client goroutine, or it has not arrived whole): its query goes on.
 func (s *Session) releaseMessage(handled bool) {
-	if s.pending.Add(-1) != 0 {
+	if s.st.Add(-1) != 0 {
 		return
 	}
 	if handled {
@@ -394,7 +394,7 @@ func (s *Server) waitFor(con *console, cond func() bool) *pgproto3.ErrorResponse
 // transaction or has a request in flight.
 func (s *Server) drained(db string) bool {
 	for _, ss := range s.sessionsOf(db) {
-		if ss.pending.Load() > 0 || ss.TxStatus() != 'I' {
+		if ss.st.Pending() > 0 || ss.TxStatus() != 'I' {
 			return false
 		}
 	}

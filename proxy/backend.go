@@ -2,16 +2,18 @@ package proxy
 
 import (
 	"net"
-	"sync/atomic"
+
+	"github.com/pgfence/pgfence/internal/wire"
 )
 
 // backend is one upstream connection to the primary and what is true of
 // it rather than of the client it serves: the socket and its framer, the
 // backend's process id and the parameters it reported, the transaction
-// status of its last ReadyForQuery. A Session owns exactly one for its
+// status of its last ReadyForQuery and the requests whose ReadyForQuery is
+// due (st). A Session owns exactly one for its
 // life today (session mode: the client's connection ends with its
 // backend's); the Session embeds it, so its fields read as the session's
-// (s.server, s.sf, s.txStatus) in the relay code. Embedded by value while
+// (s.server, s.sf, s.st) in the relay code. Embedded by value while
 // it is one per session; a pool would hold *backend and give a Session the
 // one it has (the change is the embedding and open's literal).
 //
@@ -52,8 +54,8 @@ import (
 //     the new backend's real key), so pg_backend_pid() would no longer
 //     match BackendKeyData: a documented difference of pooling.
 type backend struct {
-	server net.Conn // the upstream socket
-	sf     framer   // server → proxy
+	server net.Conn    // the upstream socket
+	sf     wire.Framer // server → proxy
 	// serverClosed: closeServer has run (guarded by Session.connMu).
 	serverClosed bool
 
@@ -65,10 +67,12 @@ type backend struct {
 	// standard_conforming_strings, ...).
 	ServerParams map[string]string
 
-	// txStatus is the last ReadyForQuery status: 'I', 'T' or 'E' (while
-	// the session's requests run on its replica connection, the replica's
-	// reader stores it too: replica.go).
-	txStatus atomic.Uint32
+	// st is the transaction status (the last ReadyForQuery's: 'I', 'T'
+	// or 'E'; while the session's requests run on its replica
+	// connection, the replica's reader keeps it too: replica.go) and the
+	// requests in flight whose ReadyForQuery is due. Shutdown may close a
+	// session only while it is idle in both senses (st.CloseIdle).
+	st wire.Status
 
 	// resume is where the server stream stood when the session left the
 	// event loop in the middle of a server message (leaveLoop).

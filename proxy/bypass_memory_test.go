@@ -11,6 +11,7 @@ import (
 	"github.com/jackc/pgx/v5/pgproto3"
 
 	"github.com/pgfence/pgfence/internal/pgtest"
+	"github.com/pgfence/pgfence/internal/wire"
 )
 
 // TestBypass/memory: clients cannot make the proxy hold more than its
@@ -28,7 +29,7 @@ const memoryHuge = 48 << 20
 // memoryHeader is a message header claiming n body bytes.
 func memoryHeader(typ byte, n int) []byte {
 	h := make([]byte, headerLen)
-	putHeader(h, typ, n)
+	wire.PutHeader(h, typ, n)
 	return h
 }
 

@@ -22,9 +22,9 @@
 // goroutines: client→server (clientLoop) and server→client (serverLoop).
 // The first to end closes both connections; run waits for both. Each
 // direction frames messages out of a large
-// bufio.Reader (framer) by decoding only the 5-byte header, and writes
+// bufio.Reader (wire.Framer) by decoding only the 5-byte header, and writes
 // them into a bufio.Writer for the other side. The writer is flushed
-// exactly when the reader has no complete input left (framer.fill), so
+// exactly when the reader has no complete input left (wire.Framer.Fill), so
 // pipelined messages coalesce into one write and nothing waits when idle.
 // Messages larger than the buffer are streamed through in pieces. The
 // pass-through path neither copies a message more than once nor
@@ -53,7 +53,7 @@
 //     Execute, Close, Sync, FunctionCall), forwarded or injected, is pushed
 //     on the session's outstanding-request queue (PgBouncer's
 //     outstanding_requests). The server→client loop matches each response
-//     to the head request (match), pops completed ones, and after an
+//     to the head request (wire.Queue), pops completed ones, and after an
 //     extended-protocol ErrorResponse skips the requests PostgreSQL
 //     discards up to the next Sync. Responses to injected requests are
 //     swallowed exactly, with pipelining; the Handler sees them in

@@ -260,8 +260,7 @@ func (l *evloop) attachIntercepted(s *Session) (*relay, bool) {
 		s: s, l: l, clientFD: clientFD, serverFD: serverFD,
 		intercept: &interceptState{serverInterest: syscall.EPOLLIN | syscall.EPOLLRDHUP, clientReadFD: clientReadFD,
 			clientReady: make(chan struct{}, 1), stop: make(chan struct{}), clientWork: make(chan struct{}, 1)},
-		maxMessage: s.srv.cfg.MaxMessageSize,
-		done:       make(chan error, 1),
+		done: make(chan error, 1),
 	}
 	// Both sockets leave Go's netpoller, or every response would wake it
 	// as well as the loop. The client goroutine reads the client
@@ -269,8 +268,8 @@ func (l *evloop) attachIntercepted(s *Session) (*relay, bool) {
 	// the server and writes the client; all through the duplicates.
 	s.server.Close()
 	s.client.Close()
-	s.cf.r.Reset(clientReader{l, r})
-	s.sf.r.Reset(loopServerReader{r})
+	s.cf.R.Reset(clientReader{l, r})
+	s.sf.R.Reset(loopServerReader{r})
 	s.cw.Reset(loopClientWriter{r})
 	s.sw.Reset(serverWriter{r})
 	s.loopRelay = r
@@ -316,7 +315,7 @@ func (l *evloop) interceptEvent(r *relay, fd int, ev uint32) {
 			return nil
 		}
 		if fd == r.serverFD && ev&syscall.EPOLLOUT != 0 {
-			if err := drainHeld(r.serverFD, &ic.serverPending, r.s.cf.r.Size()); err != nil {
+			if err := drainHeld(r.serverFD, &ic.serverPending, r.s.cf.R.Size()); err != nil {
 				return fmt.Errorf("server: %w", err)
 			}
 			if len(ic.serverPending) == 0 && !ic.clientOnGoroutine.Load() {
@@ -330,10 +329,10 @@ func (l *evloop) interceptEvent(r *relay, fd int, ev uint32) {
 			}
 		}
 		if fd == r.clientFD {
-			if err := drainHeld(r.clientFD, &ic.clientPending, r.s.sf.r.Size()); err != nil {
+			if err := drainHeld(r.clientFD, &ic.clientPending, r.s.sf.R.Size()); err != nil {
 				return fmt.Errorf("client: %w", err)
 			}
-			if len(ic.clientPending) >= r.s.sf.r.Size() {
+			if len(ic.clientPending) >= r.s.sf.R.Size() {
 				return nil
 			}
 			return r.serverSteps(false) // messages held while clientPending was full
@@ -413,7 +412,7 @@ func (l *evloop) watchClient(r *relay, on bool) error {
 // has nothing more (a message may be partly read: it stays buffered).
 func (r *relay) clientSteps() error {
 	s, ic := r.s, r.intercept
-	size := s.cf.r.Size()
+	size := s.cf.R.Size()
 	for {
 		if s.onLoop && len(ic.serverPending) > 0 {
 			return errPaused
@@ -422,7 +421,7 @@ func (r *relay) clientSteps() error {
 		if err != nil {
 			return err
 		}
-		big := total > size || total-headerLen > s.cf.max
+		big := total > size || total-headerLen > s.cf.Max
 		if big && s.onLoop {
 			return r.handoff() // read whole (or dropped), waiting for it, on the goroutine
 		}
@@ -501,7 +500,7 @@ func (r *relay) interceptClient(l *evloop) error {
 // client keeps up (or always, with force), then flushes.
 func (r *relay) serverSteps(force bool) error {
 	s, ic := r.s, r.intercept
-	limit := s.sf.r.Size()
+	limit := s.sf.R.Size()
 	for force || len(ic.clientPending) < limit {
 		if err := s.serverMessage(&ic.big); err != nil {
 			if err == errWouldBlock {
@@ -540,7 +539,7 @@ func drainHeld(fd int, held *[]byte, size int) error {
 func (l *evloop) interceptInterest(r *relay) error {
 	ic := r.intercept
 	var serverInterest uint32 = syscall.EPOLLRDHUP
-	if len(ic.clientPending) < r.s.sf.r.Size() {
+	if len(ic.clientPending) < r.s.sf.R.Size() {
 		serverInterest |= syscall.EPOLLIN
 	}
 	if len(ic.serverPending) > 0 {
@@ -604,7 +603,7 @@ func (s *Session) runIntercepted(l *evloop) (error, bool) {
 	syscall.Close(r.serverFD)
 	syscall.Close(r.clientFD)
 	syscall.Close(r.intercept.clientReadFD)
-	s.q.drain()
+	s.q.Drain()
 	s.h.Close(s)
 	return err, true
 }

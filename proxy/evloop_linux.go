@@ -133,7 +133,6 @@ type relay struct {
 	clientFD, serverFD             int
 	toServer, toClient             pipe
 	clientInterest, serverInterest uint32 // epoll interest registered for clientFD and serverFD
-	maxMessage                     int    // Config.MaxMessageSize
 	done                           chan error
 	ended                          sync.Once
 	// rest is what the client sent from a message over the limit on,
@@ -201,7 +200,7 @@ func (l *evloop) publish(r *relay, regs ...epollReg) (*relay, bool) {
 // TLS connection, an upstream already closed, or bytes already buffered
 // by the goroutine path.
 func dupSockets(s *Session) (clientFD, serverFD int, ok bool) {
-	if s.sf.r.Buffered() > 0 || s.sw.Buffered() > 0 || s.cw.Buffered() > 0 || s.cf.r.Buffered() > 0 {
+	if s.sf.R.Buffered() > 0 || s.sw.Buffered() > 0 || s.cw.Buffered() > 0 || s.cf.R.Buffered() > 0 {
 		return -1, -1, false
 	}
 	cc, ok1 := s.client.(syscall.Conn)

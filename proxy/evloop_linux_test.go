@@ -18,20 +18,24 @@ import (
 	"github.com/jackc/pgx/v5/pgproto3"
 
 	"github.com/pgfence/pgfence/internal/pgtest"
+	"github.com/pgfence/pgfence/internal/wire"
 )
 
-// FuzzLoopFraming: the event loop's incremental framing check (relay.take
-// and scan), fed the input in arbitrary pieces, never panics and agrees
-// with the goroutine path's framer (Session.nextClient) reading the whole
-// input: every complete valid message before the first one that ends the
-// relay is passed on, and nothing of that one — a bad message (invalid
-// length, unknown type, over the limit for a type that cannot be answered:
-// a ProtocolError), a Terminate, or a message over the limit that the
+// FuzzLoopFraming: the event loop's pass-through relay (relay.take and
+// scan, around wire.Scanner: the rules themselves are FuzzScanner's), fed
+// the input in arbitrary pieces, never panics and agrees with the
+// goroutine path (Session.nextClient) reading the whole input: every
+// complete valid message before the first one that ends the relay is
+// passed on, and nothing of that one — a bad message (invalid length,
+// unknown type, over the limit for a type that cannot be answered: a
+// ProtocolError), a Terminate, or a message over the limit that the
 // session leaves the loop to answer (errLeaveLoop, with everything from
 // it on kept for the goroutine path). A header not yet whole at the end of
-// the input is not passed on either.
+// the input is not passed on either: it is held back (pipe.heldBack) and
+// scanned again with the next piece.
 func FuzzLoopFraming(f *testing.F) {
-	f.Add(pipelineBytes(2), []byte{3, 200, 7}, uint16(0))
+	pipeline, _ := pgbenchExchange(2)
+	f.Add(pipeline, []byte{3, 200, 7}, uint16(0))
 	f.Add([]byte{'Q', 0, 0, 0, 9, 'S', 'E', 'L', 0, 'X', 0, 0, 0, 4, 'Q'}, []byte{1}, uint16(8))
 	f.Add([]byte{'Q', 0xff, 0xff, 0xff, 0xff}, []byte{2, 2}, uint16(64))
 	f.Add([]byte{'Q', 0, 0, 0, 5, 0, 'z', 0, 0, 0, 4}, []byte{}, uint16(0))
@@ -40,7 +44,7 @@ func FuzzLoopFraming(f *testing.F) {
 	f.Fuzz(func(t *testing.T, in, cuts []byte, max uint16) {
 		// Reference: the goroutine path's framer over the whole input.
 		ref := &Session{srv: &Server{}}
-		ref.cf = framer{r: bufio.NewReaderSize(bytes.NewReader(in), 1024), max: int(max), from: "client"}
+		ref.cf = wire.Framer{R: bufio.NewReaderSize(bytes.NewReader(in), 1024), Max: int(max), From: "client", Client: true}
 		wantN, wantEnd := len(in), error(nil)
 		for off := 0; off < len(in); {
 			typ, total, err := ref.nextClient()
@@ -54,15 +58,15 @@ func FuzzLoopFraming(f *testing.F) {
 			case typ == 'X':
 				wantN, wantEnd = off, errClientTerminate
 			default:
-				ref.cf.stream(io.Discard, total) // a short body: the input ends in it
+				ref.cf.Stream(io.Discard, total) // a short body: the input ends in it
 				off += total
 				continue
 			}
 			break
 		}
 
-		r := &relay{s: &Session{srv: &Server{}}, maxMessage: int(max)}
-		p := &pipe{fromClient: true, buf: make([]byte, len(in)+headerLen)}
+		r := &relay{s: &Session{srv: &Server{}}}
+		p := &pipe{fromClient: true, buf: make([]byte, len(in)+headerLen), sc: wire.Scanner{Max: int(max), From: "client", Client: true}}
 		off := 0
 		var end error
 		for i := 0; off < len(in) && end == nil; i++ {
@@ -321,7 +325,7 @@ func FuzzServerMessageResume(f *testing.F) {
 		var out bytes.Buffer
 		cr := &chunkReader{in: stream, cuts: cuts}
 		s := &Session{srv: &Server{}, cw: &clientWriter{Writer: bufio.NewWriterSize(&out, 1024)}}
-		s.sf = framer{r: bufio.NewReaderSize(cr, 1024), flush: s.cw.Flush, from: "server"}
+		s.sf = wire.Framer{R: bufio.NewReaderSize(cr, 1024), Flush: s.cw.Flush, From: "server"}
 		var bm bigMessage
 		cr.arm()
 		for {
@@ -343,7 +347,7 @@ func FuzzServerMessageResume(f *testing.F) {
 		if !bytes.Equal(out.Bytes(), stream) {
 			t.Fatalf("passed on %d bytes, want the %d of the stream unchanged", out.Len(), len(stream))
 		}
-		if got := -s.pending.Load(); got != int64(rfq) {
+		if got := -s.st.Pending(); got != int64(rfq) {
 			t.Fatalf("counted %d ReadyForQuery, want %d", got, rfq)
 		}
 	})

@@ -11,6 +11,8 @@ import (
 	"os"
 	"syscall"
 	"time"
+
+	"github.com/pgfence/pgfence/internal/wire"
 )
 
 // This file holds the event loop's pass-through relay (a session with no
@@ -20,19 +22,17 @@ import (
 // moves a session onto goroutines for a message over the limit.
 
 // pipe is one direction of a relay: bytes read from src wait in
-// buf[start:end] until written to dst. It tracks message framing across
-// reads without copying: left counts the body bytes of the current
-// message still to come; a header split between reads is held back in
-// buf[end:end+heldBack], not passed on, until it is whole, so that a
-// message the loop must not pass on (see scan) never leaves a piece behind
-// it.
+// buf[start:end] until written to dst. Its scanner tracks message framing
+// across reads without copying (wire.Scanner); a header split between
+// reads is held back in buf[end:end+heldBack], not passed on, until it is
+// whole, so that a message the loop must not pass on (see scan) never
+// leaves a piece behind it.
 type pipe struct {
 	src, dst   int
 	buf        []byte
 	start, end int
 	heldBack   int
-	left       int
-	status     bool // the next body byte is a ReadyForQuery status
+	sc         wire.Scanner
 	fromClient bool
 	// held: PAUSE holds the client's next message (admin_pause_linux.go):
 	// it and what follows wait in heldBack, not passed on, and the source
@@ -56,11 +56,11 @@ func (l *evloop) attach(s *Session) (*relay, bool) {
 	size := s.srv.cfg.BufferSize
 	r := &relay{
 		s: s, l: l, clientFD: clientFD, serverFD: serverFD,
-		toServer:       pipe{src: clientFD, dst: serverFD, buf: make([]byte, size), fromClient: true},
-		toClient:       pipe{src: serverFD, dst: clientFD, buf: make([]byte, size)},
+		toServer: pipe{src: clientFD, dst: serverFD, buf: make([]byte, size), fromClient: true,
+			sc: wire.Scanner{Max: s.srv.cfg.MaxMessageSize, From: "client", Client: true}},
+		toClient:       pipe{src: serverFD, dst: clientFD, buf: make([]byte, size), sc: wire.Scanner{From: "server"}},
 		clientInterest: syscall.EPOLLIN | syscall.EPOLLRDHUP,
 		serverInterest: syscall.EPOLLIN | syscall.EPOLLRDHUP,
-		maxMessage:     s.srv.cfg.MaxMessageSize,
 		done:           make(chan error, 1),
 	}
 	s.loopRelay = r
@@ -212,77 +212,54 @@ func (r *relay) flush(p *pipe) error {
 // session moves (leaveLoop).
 var errLeaveLoop = errors.New("client message over the limit: leaving the event loop")
 
-// scan walks the message boundaries in b, newly read into p. It returns
-// how many bytes of b to pass on and, when the session must end after
-// them, why: a protocol error, the client's Terminate, the end of a
-// graceful shutdown after a ReadyForQuery, or a client message over the
-// limit (errLeaveLoop). A header not yet whole at the end of b is not
-// passed on. It checks what the goroutine path's framer checks
-// (parseHeader, frontendTypes, Session.nextClient): FuzzLoopFraming.
+// scan walks the message boundaries in b, newly read into p (its
+// scanner checks the framing as the goroutine path's framer does:
+// FuzzScanner). It returns how many bytes of b to pass on and, when the
+// session must end after them, why: a protocol error, the client's
+// Terminate, the end of a graceful shutdown after a ReadyForQuery, or a
+// client message over the limit (errLeaveLoop). A header not yet whole at
+// the end of b is not passed on.
 func (r *relay) scan(p *pipe, b []byte) (int, error) {
 	s := r.s
 	i := 0
-	for i < len(b) {
-		if p.left > 0 {
-			if p.status {
-				p.status = false
-				s.txStatus.Store(uint32(b[i]))
-				p.left--
-				i++
-				n := s.pending.Add(-1)
-				s.readyForQuery(n) // admin_pause.go
-				if n == 0 && s.srv.draining.Load() && s.tryCloseIdle() {
-					return i, errShutdown
-				}
-				continue
+	for {
+		at, ev := p.sc.Next(b, i)
+		switch ev {
+		case wire.More:
+			return at, nil
+		case wire.Bad:
+			return at, fmt.Errorf("server: %w", p.sc.Err())
+		case wire.Ready:
+			if s.ready(b[at-1]) {
+				return at, errShutdown
 			}
-			k := min(p.left, len(b)-i)
-			p.left -= k
-			i += k
-			continue
-		}
-		if len(b)-i < headerLen {
-			break // held back until it is whole
-		}
-		h := b[i : i+headerLen]
-		if !p.fromClient {
-			typ, total, err := parseHeader(h, 0, "server")
-			if err != nil {
-				return i, fmt.Errorf("server: %w", err)
-			}
-			p.left = total - headerLen
-			p.status = typ == 'Z' && total == headerLen+1
-			i += headerLen
+			i = at
 			continue
 		}
 		// A client message begins (PAUSE: admin_pause.go): it counts as
 		// in flight from here until it is accounted.
-		if s.holdMessage(h[0]) {
-			return i, errHold
+		if s.holdMessage(b[at]) {
+			return at, errHold
 		}
-		typ, total, err := parseHeader(h, r.maxMessage, "client")
-		switch {
-		case errors.Is(err, ErrMessageTooLarge) && answerable(typ):
+		switch p.sc.Check(b, at) {
+		case wire.Oversized:
 			s.releaseMessage(false) // handled again, on the goroutine path
-			return i, errLeaveLoop
-		case err != nil:
-			return i, fmt.Errorf("client: %w", err)
-		case !frontendTypes[typ]:
-			return i, &ProtocolError{Code: "08P01", Msg: fmt.Sprintf("invalid frontend message type %d", typ)}
+			return at, errLeaveLoop
+		case wire.Bad:
+			return at, fmt.Errorf("client: %w", p.sc.Err())
 		}
+		typ := b[at]
 		if !s.account(typ) {
-			return i, errShutdown
+			return at, errShutdown
 		}
 		s.releaseMessage(true)
 		if typ == 'X' {
 			// Not passed on: finish sends the server a Terminate of its
 			// own (whatever length the client's claimed).
-			return i, errClientTerminate
+			return at, errClientTerminate
 		}
-		p.left = total - headerLen
-		i += headerLen
+		i = p.sc.Enter(b, at)
 	}
-	return i, nil
 }
 
 // shutdownServer ends the upstream connection from another goroutine
@@ -335,13 +312,13 @@ func (s *Session) leaveLoop(r *relay) error {
 	r.mu.Unlock()
 	toServer, toClient := &r.toServer, &r.toClient
 	s.loopRelay, s.client, s.server = nil, client, server
-	s.cf.r.Reset(io.MultiReader(bytes.NewReader(r.rest), client))
-	s.sf.r.Reset(io.MultiReader(bytes.NewReader(toClient.buf[toClient.end:toClient.end+toClient.heldBack]), server))
+	s.cf.R.Reset(io.MultiReader(bytes.NewReader(r.rest), client))
+	s.sf.R.Reset(io.MultiReader(bytes.NewReader(toClient.buf[toClient.end:toClient.end+toClient.heldBack]), server))
 	s.sw.Reset(server)
 	s.cw.Reset(client)
 	s.sw.Write(toServer.buf[toServer.start:toServer.end])
 	s.cw.Write(toClient.buf[toClient.start:toClient.end])
-	s.resume.left, s.resume.status = toClient.left, toClient.status
+	s.resume.left, s.resume.status = toClient.sc.Rest()
 	return nil
 }
 

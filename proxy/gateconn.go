@@ -3,6 +3,7 @@ package proxy
 import (
 	"errors"
 
+	"github.com/pgfence/pgfence/internal/wire"
 	"go.uber.org/zap"
 )
 
@@ -80,9 +81,9 @@ func (s *Session) inject(msg []byte, tag any, visible bool) (*Request, error) {
 		return nil, errShutdown
 	}
 	var r *Request
-	if producesResponse(msg[0]) {
-		r = &Request{Type: msg[0], Injected: true, Visible: visible, Tag: tag, done: make(chan struct{})}
-		s.q.push(r)
+	if wire.ProducesResponse(msg[0]) {
+		r = wire.NewInjected(msg[0], tag, visible)
+		s.q.Push(r)
 	}
 	if _, err := s.sw.Write(msg); err != nil {
 		return nil, err
@@ -91,15 +92,15 @@ func (s *Session) inject(msg []byte, tag any, visible bool) (*Request, error) {
 }
 
 // head is the request whose responses are arriving. Server goroutine only.
-func (s *Session) head() *Request { return s.q.front() }
+func (s *Session) head() *Request { return s.q.Front() }
 
 func (s *Session) ending() <-chan struct{} { return s.closing }
 
 func (s *Session) sessionID() uint32  { return s.cancelPID }
 func (s *Session) backendPID() uint32 { return s.BackendPID }
 
-func (s *Session) inFlight() int64   { return s.pending.Load() }
-func (s *Session) outstanding() bool { return s.q.front() != nil }
+func (s *Session) inFlight() int64   { return s.st.Pending() }
+func (s *Session) outstanding() bool { return s.q.Front() != nil }
 
 func (s *Session) endWith(pe *ProtocolError) {
 	s.rt.fatal.CompareAndSwap(nil, pe)

@@ -1,7 +1,6 @@
 package proxy
 
 import (
-	"encoding/binary"
 	"fmt"
 	"io"
 	"strconv"
@@ -84,18 +83,6 @@ func (s *Server) overBudget(total int) error {
 	}
 }
 
-// answerable reports whether a message of type typ over the limit is
-// answered with an error in its place (oversize): the types that carry
-// statements and data. Another message that long cannot be meant (a
-// Sync, an Execute, a Describe) and is a protocol violation.
-func answerable(typ byte) bool {
-	switch typ {
-	case 'Q', 'P', 'B', 'F', 'd':
-		return true
-	}
-	return false
-}
-
 // oversizedPrefix starts the names of the substitutes' missing objects.
 const oversizedPrefix = "pgfence_oversized_"
 
@@ -103,7 +90,7 @@ const oversizedPrefix = "pgfence_oversized_"
 // limit: it reads and drops the message, and sends PostgreSQL the
 // substitute that fails in its place (see the comment at the top).
 func (s *Session) oversize(typ byte, total int) error {
-	if err := s.cf.stream(io.Discard, total); err != nil {
+	if err := s.cf.Stream(io.Discard, total); err != nil {
 		return fmt.Errorf("client: %w", err)
 	}
 	s.oversized.Store(true)
@@ -119,7 +106,7 @@ func (s *Session) oversize(typ byte, total int) error {
 			return errShutdown
 		}
 		if s.h != nil {
-			s.q.push(&Request{Type: sub[0]})
+			s.q.Push(&Request{Type: sub[0]})
 		}
 	}
 	if _, err := s.sw.Write(sub); err != nil {
@@ -183,10 +170,4 @@ func (s *Server) oversizedError(msg []byte) []byte {
 		return msg
 	}
 	return b
-}
-
-// putHeader writes a message header for typ and a body of n bytes.
-func putHeader(b []byte, typ byte, n int) {
-	b[0] = typ
-	binary.BigEndian.PutUint32(b[1:headerLen], uint32(n+4))
 }

@@ -9,6 +9,7 @@ import (
 	"sync/atomic"
 
 	"github.com/jackc/pgx/v5/pgproto3"
+	"github.com/pgfence/pgfence/internal/wire"
 	"go.uber.org/zap"
 )
 
@@ -71,7 +72,7 @@ type replicaConn struct {
 	r    *replica
 	conn net.Conn
 	sw   *bufio.Writer
-	sf   framer
+	sf   wire.Framer
 	pid  uint32
 	key  []byte
 
@@ -194,7 +195,7 @@ func (s *Session) openReplica(r *replica) (*replicaConn, error) {
 	size := srv.cfg.BufferSize
 	rc := &replicaConn{r: r, conn: hj.Conn, pid: hj.PID, key: hj.SecretKey, done: make(chan struct{}),
 		sw: bufio.NewWriterSize(hj.Conn, size)}
-	rc.sf = framer{r: bufio.NewReaderSize(hj.Conn, size), flush: s.cw.Flush, from: "replica", count: &s.info.stats.sent}
+	rc.sf = wire.Framer{R: bufio.NewReaderSize(hj.Conn, size), Flush: s.cw.Flush, From: "replica", Count: &s.info.stats.sent}
 	s.rt.mu.Lock()
 	s.rt.rep = rc
 	s.rt.mu.Unlock()
@@ -212,10 +213,10 @@ func (s *Session) openReplica(r *replica) (*replicaConn, error) {
 // the replica serves a request that cannot be retried ends it through
 // failReplica.
 func (s *Session) replicaLoop(rc *replicaConn) error {
-	size := rc.sf.r.Size()
+	size := rc.sf.R.Size()
 	var big []byte
 	for {
-		typ, total, err := rc.sf.next()
+		typ, total, err := rc.sf.Next()
 		if err != nil {
 			s.cw.Flush()
 			s.replicaFailed(fmt.Errorf("replica: %w", err))
@@ -223,10 +224,10 @@ func (s *Session) replicaLoop(rc *replicaConn) error {
 		}
 		var msg []byte
 		if total > size {
-			big, err = rc.sf.readInto(big[:0], total)
+			big, err = rc.sf.ReadInto(big[:0], total)
 			msg = big
 		} else {
-			msg, err = rc.sf.whole(total)
+			msg, err = rc.sf.Whole(total)
 		}
 		if err != nil {
 			s.replicaFailed(fmt.Errorf("replica: %w", err))
@@ -235,14 +236,14 @@ func (s *Session) replicaLoop(rc *replicaConn) error {
 		if typ == 'E' && s.oversized.Load() {
 			msg = s.srv.oversizedError(msg) // limits.go
 		}
-		inUse := s.rt.onRep.Load() && (s.q.front() != nil || s.TxStatus() != 'I')
+		inUse := s.rt.onRep.Load() && (s.q.Front() != nil || s.TxStatus() != 'I')
 		if !inUse || typ == 'E' && fatalError(msg) {
 			// Nothing of ours in flight here (a notice), or the
 			// replica ends the connection (a FATAL before shutdown): a
 			// failure, never an answer; the read is retried on the
 			// primary when it can be.
 			if total <= size {
-				rc.sf.discard(total)
+				rc.sf.Discard(total)
 			}
 			if typ == 'E' {
 				s.log.Info("replica connection reported an error; closing it", zap.ByteString("error", msg))
@@ -262,15 +263,12 @@ func (s *Session) replicaLoop(rc *replicaConn) error {
 			}
 		}
 		if total <= size {
-			rc.sf.discard(total)
+			rc.sf.Discard(total)
 		} else if cap(big) > 4*size {
 			big = nil
 		}
-		if typ == 'Z' && total == headerLen+1 {
-			s.txStatus.Store(uint32(msg[headerLen]))
-			n := s.pending.Add(-1)
-			s.readyForQuery(n) // admin_pause.go
-			if n == 0 && s.srv.draining.Load() && s.tryCloseIdle() {
+		if tx, ok := wire.ReadyStatus(msg); ok {
+			if s.ready(tx) {
 				s.cw.Flush()
 				s.closeServer()
 				return errShutdown
@@ -287,7 +285,7 @@ func (s *Session) replicaFailed(err error) {
 	if !s.rt.onRep.Load() || s.rt.waiting.Load() {
 		return
 	}
-	if s.q.front() == nil && s.TxStatus() == 'I' {
+	if s.q.Front() == nil && s.TxStatus() == 'I' {
 		return
 	}
 	s.failReplica(err)
@@ -331,15 +329,15 @@ func (s *Session) routeWait(r *Request) (retry bool, err error) {
 	}
 	s.log.Info("replica failed before answering; retrying on the primary", zap.Error(rc.err))
 	n := int64(0)
-	for f := s.q.front(); f != nil; f = s.q.front() {
+	for f := s.q.Front(); f != nil; f = s.q.Front() {
 		if f.Type == 'Q' || f.Type == 'S' || f.Type == 'F' {
 			n++
 		}
 		f.Skipped = true
-		s.q.pop()
+		s.q.Pop()
 	}
-	s.pending.Add(-n)
-	s.txStatus.Store('I')
+	s.st.Add(-n)
+	s.st.SetTx('I')
 	s.sw = s.rt.primarySW
 	s.rt.onRep.Store(false)
 	s.dropReplica()

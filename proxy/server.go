@@ -20,6 +20,7 @@ import (
 
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgproto3"
+	"github.com/pgfence/pgfence/internal/wire"
 	"go.uber.org/zap"
 )
 
@@ -468,16 +469,16 @@ func (s *Server) open(raw, c net.Conn, st *startup, proof *Proof, log *zap.Logge
 		proof:      proof,
 		closing:    make(chan struct{}),
 	}
-	sess.txStatus.Store(uint32(hj.TxStatus))
+	sess.st.SetTx(hj.TxStatus)
 	size := s.cfg.BufferSize
 	sess.cw = newClientWriter(c, size, s.rs != nil)
 	sess.sw = bufio.NewWriterSize(hj.Conn, size)
-	sess.cf = framer{r: bufio.NewReaderSize(c, size), max: s.cfg.MaxMessageSize, flush: sess.sw.Flush, from: "client"}
+	sess.cf = wire.Framer{R: bufio.NewReaderSize(c, size), Max: s.cfg.MaxMessageSize, Flush: sess.sw.Flush, From: "client", Client: true}
 	if s.rs != nil {
 		// sw switches between primary and replica (replica.go).
-		sess.cf.flush = func() error { return sess.sw.Flush() }
+		sess.cf.Flush = func() error { return sess.sw.Flush() }
 	}
-	sess.sf = framer{r: bufio.NewReaderSize(hj.Conn, size), flush: sess.cw.Flush, from: "server"}
+	sess.sf = wire.Framer{R: bufio.NewReaderSize(hj.Conn, size), Flush: sess.cw.Flush, From: "server"}
 	s.initSessionInfo(sess, c, hj.Conn) // admin.go
 
 	secret := s.addCancelKey(hj)

@@ -12,13 +12,9 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/pgfence/pgfence/internal/wire"
 	"go.uber.org/zap"
 )
-
-// closedMark is added to Session.pending when the session is closed for
-// shutdown; any later increment stays negative, so the client goroutine
-// knows not to forward.
-const closedMark = -1 << 40
 
 var errClientTerminate = errors.New("client sent Terminate")
 var errShutdown = errors.New("server shutting down")
@@ -42,12 +38,12 @@ type Session struct {
 	backend
 
 	client net.Conn
-	cf     framer        // client → proxy
+	cf     wire.Framer   // client → proxy
 	cw     *clientWriter // locks when a replica connection may write too (replica.go)
 	sw     *bufio.Writer // the upstream requests go to: the primary, or the replica (replica.go)
 
 	h       Handler
-	q       queue
+	q       wire.Queue
 	scratch []byte // reassembly buffer for large client messages (interceptor only)
 
 	// proof is what the client proved at login, presented upstream for
@@ -58,14 +54,8 @@ type Session struct {
 	// substitute's error into the proxy's 54000 (oversizedError).
 	oversized atomic.Bool
 
-	// pending counts requests in flight (a Query, FunctionCall or an
-	// extended batch up to its Sync) whose ReadyForQuery has not arrived.
-	// Shutdown may close a session only while it is zero and txStatus is
-	// 'I'; closedMark marks that it did.
-	pending      atomic.Int64
 	cancelPID    uint32 // the upstream backend's PID
 	cancelSecret uint32 // the proxy's own secret given with it
-	inBatch      bool   // client goroutine: extended messages sent since the last Sync
 	// onLoop: the Handler's ClientMessage is running on the event loop,
 	// where it must not block (see LoopClient).
 	onLoop bool
@@ -86,7 +76,7 @@ type Session struct {
 
 // TxStatus returns the transaction status of the last ReadyForQuery: 'I'
 // idle, 'T' in a transaction, 'E' in a failed transaction. Any goroutine.
-func (s *Session) TxStatus() byte { return byte(s.txStatus.Load()) }
+func (s *Session) TxStatus() byte { return s.st.Tx() }
 
 // OnLoop reports whether the current ClientMessage call runs on the event
 // loop, where it must not block: a Handler that would wait returns
@@ -104,8 +94,8 @@ func (s *Session) ForwardMessage(msg []byte) error {
 	if !s.account(msg[0]) {
 		return errShutdown
 	}
-	if producesResponse(msg[0]) {
-		s.q.push(&Request{Type: msg[0]})
+	if wire.ProducesResponse(msg[0]) {
+		s.q.Push(&Request{Type: msg[0]})
 	}
 	_, err := s.sw.Write(msg)
 	return err
@@ -117,18 +107,7 @@ func (s *Session) ForwardMessage(msg []byte) error {
 // response (Flush) the Request is nil. Client goroutine only. The message
 // is buffered: call FlushServer before waiting on Done.
 func (s *Session) Inject(msg []byte, tag any) (*Request, error) {
-	if !s.account(msg[0]) {
-		return nil, errShutdown
-	}
-	var r *Request
-	if producesResponse(msg[0]) {
-		r = &Request{Type: msg[0], Injected: true, Tag: tag, done: make(chan struct{})}
-		s.q.push(r)
-	}
-	if _, err := s.sw.Write(msg); err != nil {
-		return nil, err
-	}
-	return r, nil
+	return s.inject(msg, tag, false) // inject.go
 }
 
 // FlushServer flushes messages buffered for the upstream. Client goroutine
@@ -145,37 +124,20 @@ func (s *Session) WriteClient(msg []byte) error {
 // account tracks requests sent upstream whose ReadyForQuery is due, for
 // graceful shutdown; every message written upstream passes here. It reports
 // false when the session has been closed for shutdown.
-func (s *Session) account(t byte) bool {
-	var n int64
-	switch t {
-	case 'Q', 'F':
-		n = s.pending.Add(1)
-	case 'S':
-		if s.inBatch {
-			s.inBatch = false
-			return s.pending.Load() >= 0
-		}
-		n = s.pending.Add(1)
-	case 'P', 'B', 'D', 'E', 'C', 'H':
-		if s.inBatch {
-			return s.pending.Load() >= 0
-		}
-		s.inBatch = true
-		n = s.pending.Add(1)
-	default:
-		return s.pending.Load() >= 0
-	}
-	return n >= 0
-}
+func (s *Session) account(t byte) bool { return s.st.Sent(t) }
 
 // tryCloseIdle closes the session for shutdown if it is idle: not in a
-// transaction and nothing in flight. It is race-free against the client
-// goroutine through the CAS on pending.
-func (s *Session) tryCloseIdle() bool {
-	if s.TxStatus() != 'I' || !s.pending.CompareAndSwap(0, closedMark) {
-		return false
-	}
-	return true
+// transaction and nothing in flight (wire.Status.CloseIdle).
+func (s *Session) tryCloseIdle() bool { return s.st.CloseIdle() }
+
+// ready records a ReadyForQuery from upstream with status tx, on every
+// path (the goroutines, the event loop, the replica reader): the status,
+// the count in flight, PAUSE's hook. It reports true when graceful
+// shutdown has closed the session, idle now: the caller ends it.
+func (s *Session) ready(tx byte) bool {
+	n := s.st.Ready(tx)
+	s.readyForQuery(n) // admin_pause.go
+	return n == 0 && s.srv.draining.Load() && s.tryCloseIdle()
 }
 
 // run pumps messages both ways until either side ends, then closes both
@@ -205,7 +167,7 @@ func (s *Session) run() error {
 	}
 	s.client.Close()
 	if s.h != nil {
-		s.q.drain()
+		s.q.Drain()
 		s.h.Close(s)
 	}
 	return err
@@ -217,7 +179,7 @@ func (s *Session) run() error {
 func (s *Session) endReason(err, second error) ([]byte, error) {
 	if pe := s.killedReason(); pe != nil {
 		err = pe // the admin console ended it (admin_pause.go)
-	} else if errors.Is(err, errShutdown) || errors.Is(second, errShutdown) || s.pending.Load() < 0 {
+	} else if errors.Is(err, errShutdown) || errors.Is(second, errShutdown) || s.st.Closed() {
 		err = errShutdown
 	} else if pe := s.rt.fatal.Load(); pe != nil {
 		err = pe // the replica failed mid-request (replica.go)
@@ -273,7 +235,7 @@ func (s *Session) guard(side string, f func() error) (err error) {
 
 // clientLoop forwards client messages upstream.
 func (s *Session) clientLoop() error {
-	size := s.cf.r.Size()
+	size := s.cf.R.Size()
 	for {
 		typ, total, err := s.nextClient()
 		if err != nil {
@@ -285,21 +247,21 @@ func (s *Session) clientLoop() error {
 			}
 			continue
 		}
-		if s.h == nil && total-headerLen <= s.cf.max {
+		if s.h == nil && total-headerLen <= s.cf.Max {
 			// Pass-through: the hot path.
 			if !s.account(typ) {
 				return errShutdown
 			}
 			if total <= size {
-				msg, err := s.cf.whole(total)
+				msg, err := s.cf.Whole(total)
 				if err != nil {
 					return fmt.Errorf("client: %w", err)
 				}
 				if _, err := s.sw.Write(msg); err != nil {
 					return fmt.Errorf("server: %w", err)
 				}
-				s.cf.discard(total)
-			} else if err := s.cf.stream(s.sw, total); err != nil {
+				s.cf.Discard(total)
+			} else if err := s.cf.Stream(s.sw, total); err != nil {
 				return fmt.Errorf("client: %w", err)
 			}
 		} else if err := s.clientMessage(typ, total, size); err != nil {
@@ -318,7 +280,7 @@ func (s *Session) clientLoop() error {
 // pieces, or a message for the Handler.
 func (s *Session) clientMessage(typ byte, total, size int) error {
 	switch {
-	case total-headerLen > s.cf.max:
+	case total-headerLen > s.cf.Max:
 		return s.oversize(typ, total)
 	case typ == 'd' && total > size:
 		return s.copyPieces(total, size)
@@ -326,22 +288,19 @@ func (s *Session) clientMessage(typ byte, total, size int) error {
 	return s.interceptClient(total, size)
 }
 
-// nextClient reads the header of the client's next message and checks
-// its type. errWouldBlock (the event loop's reader has nothing more) is
-// returned as is. A message over MaxMessageSize is returned (its caller
-// answers it, see oversize) when it is one of the types PostgreSQL answers
-// with an error and goes on; another one is a protocol error.
+// nextClient reads the header of the client's next message, checked as
+// a client's (wire.Framer.Client). errWouldBlock (the event loop's reader
+// has nothing more) is returned as is. A message over MaxMessageSize is
+// returned (its caller answers it, see oversize) when it is one of the
+// types PostgreSQL answers with an error and goes on; another one is a
+// protocol error.
 func (s *Session) nextClient() (typ byte, total int, err error) {
-	typ, total, err = s.cf.next()
+	typ, total, err = s.cf.Next()
 	switch {
 	case err == errWouldBlock:
 		return 0, 0, err
-	case errors.Is(err, ErrMessageTooLarge) && answerable(typ):
-		return typ, total, nil
 	case err != nil:
 		return 0, 0, fmt.Errorf("client: %w", err)
-	case !frontendTypes[typ]:
-		return 0, 0, &ProtocolError{Code: "08P01", Msg: fmt.Sprintf("invalid frontend message type %d", typ)}
 	}
 	return typ, total, nil
 }
@@ -353,13 +312,13 @@ func (s *Session) interceptClient(total, size int) error {
 	var msg []byte
 	var err error
 	if total <= size {
-		msg, err = s.cf.whole(total)
+		msg, err = s.cf.Whole(total)
 	} else {
 		cost := heldCost(total - headerLen)
 		if !s.srv.mem.take(cost) {
 			// Read and drop the message, so that the client, done
 			// sending, reads why its session ends.
-			if err := s.cf.stream(io.Discard, total); err != nil {
+			if err := s.cf.Stream(io.Discard, total); err != nil {
 				return fmt.Errorf("client: %w", err)
 			}
 			return s.srv.overBudget(total)
@@ -368,7 +327,7 @@ func (s *Session) interceptClient(total, size int) error {
 		if cap(s.scratch) < total {
 			s.scratch = make([]byte, 0, total) // one allocation of the size taken
 		}
-		s.scratch, err = s.cf.readInto(s.scratch[:0], total)
+		s.scratch, err = s.cf.ReadInto(s.scratch[:0], total)
 		msg = s.scratch
 	}
 	if err != nil {
@@ -378,7 +337,7 @@ func (s *Session) interceptClient(total, size int) error {
 		return err // the message stays unconsumed (ErrWait: handled again)
 	}
 	if total <= size {
-		s.cf.discard(total)
+		s.cf.Discard(total)
 	} else if cap(s.scratch) > 4*size {
 		s.scratch = nil // do not pin a large buffer
 	}
@@ -396,8 +355,8 @@ func (s *Session) deliver(msg []byte) error {
 		if !s.account(msg[0]) {
 			return errShutdown
 		}
-		if producesResponse(msg[0]) {
-			s.q.push(&Request{Type: msg[0]})
+		if wire.ProducesResponse(msg[0]) {
+			s.q.Push(&Request{Type: msg[0]})
 		}
 		if _, err := s.sw.Write(msg); err != nil {
 			return fmt.Errorf("server: %w", err)
@@ -414,21 +373,16 @@ func (s *Session) copyPieces(total, size int) error {
 	if cap(s.scratch) < size {
 		s.scratch = make([]byte, 0, size)
 	}
-	s.cf.discard(headerLen) // next has read it
+	s.cf.Discard(headerLen) // next has read it
 	for left := total - headerLen; left > 0; {
-		n := s.cf.r.Buffered()
-		if n == 0 {
-			if _, err := s.cf.fill(1); err != nil {
-				return fmt.Errorf("client: %w", err)
-			}
-			n = s.cf.r.Buffered()
+		b, err := s.cf.Piece(min(left, size-headerLen))
+		if err != nil {
+			return fmt.Errorf("client: %w", err)
 		}
-		n = min(n, left, size-headerLen)
-		b, _ := s.cf.r.Peek(n)
 		piece := append(s.scratch[:headerLen], b...)
-		putHeader(piece, 'd', n)
-		s.cf.discard(n)
-		left -= n
+		wire.PutHeader(piece, 'd', len(b))
+		s.cf.Discard(len(b))
+		left -= len(b)
 		if s.h == nil {
 			if _, err := s.sw.Write(piece); err != nil {
 				return fmt.Errorf("server: %w", err)
@@ -463,19 +417,19 @@ func (s *Session) resumeServer() error {
 		return nil
 	}
 	if status { // the body of a ReadyForQuery: its status byte
-		b, err := s.sf.fill(1)
+		b, err := s.sf.Fill(1)
 		if err != nil {
 			return fmt.Errorf("server: %w", err)
 		}
-		s.txStatus.Store(uint32(b[0]))
+		tx := b[0]
 		if _, err := s.cw.Write(b[:1]); err != nil {
 			return fmt.Errorf("client: %w", err)
 		}
-		s.sf.discard(1)
-		s.pending.Add(-1)
+		s.sf.Discard(1)
+		s.st.Ready(tx)
 		return nil
 	}
-	if err := s.sf.stream(s.cw, left); err != nil {
+	if err := s.sf.Stream(s.cw, left); err != nil {
 		return fmt.Errorf("server: %w", err)
 	}
 	return nil
@@ -492,8 +446,8 @@ func (s *Session) serverMessage(big *bigMessage) error {
 	if big != nil && big.left > 0 {
 		return s.serverPiece(big)
 	}
-	size := s.sf.r.Size()
-	typ, total, err := s.sf.next()
+	size := s.sf.R.Size()
+	typ, total, err := s.sf.Next()
 	if err != nil {
 		if err == errWouldBlock {
 			return err
@@ -502,7 +456,7 @@ func (s *Session) serverMessage(big *bigMessage) error {
 		return fmt.Errorf("server: %w", err)
 	}
 	if total > size {
-		h, _ := s.sf.whole(headerLen) // next has read it
+		h, _ := s.sf.Whole(headerLen) // next has read it
 		fwd := true
 		if s.h != nil {
 			if fwd, err = s.interceptServer(h); err != nil {
@@ -515,7 +469,7 @@ func (s *Session) serverMessage(big *bigMessage) error {
 					return fmt.Errorf("client: %w", err)
 				}
 			}
-			s.sf.discard(headerLen)
+			s.sf.Discard(headerLen)
 			big.left, big.fwd = total-headerLen, fwd
 			return s.serverPiece(big)
 		}
@@ -523,12 +477,12 @@ func (s *Session) serverMessage(big *bigMessage) error {
 		if !fwd {
 			w = io.Discard
 		}
-		if err := s.sf.stream(w, total); err != nil {
+		if err := s.sf.Stream(w, total); err != nil {
 			return fmt.Errorf("server: %w", err)
 		}
 		return nil
 	}
-	msg, err := s.sf.whole(total)
+	msg, err := s.sf.Whole(total)
 	if err != nil {
 		if err == errWouldBlock {
 			return err
@@ -549,18 +503,15 @@ func (s *Session) serverMessage(big *bigMessage) error {
 			return fmt.Errorf("client: %w", err)
 		}
 	}
-	if typ == 'Z' && total == headerLen+1 {
-		s.txStatus.Store(uint32(msg[headerLen]))
-		s.sf.discard(total)
-		n := s.pending.Add(-1)
-		s.readyForQuery(n) // admin_pause.go
-		if n == 0 && s.srv.draining.Load() && s.tryCloseIdle() {
+	if tx, ok := wire.ReadyStatus(msg); ok {
+		s.sf.Discard(total)
+		if s.ready(tx) {
 			s.cw.Flush()
 			return errShutdown
 		}
 		return nil
 	}
-	s.sf.discard(total)
+	s.sf.Discard(total)
 	return nil
 }
 
@@ -574,25 +525,20 @@ type bigMessage struct {
 // serverPiece passes on (or drops) what has arrived of big's message.
 func (s *Session) serverPiece(big *bigMessage) error {
 	for big.left > 0 {
-		n := s.sf.r.Buffered()
-		if n == 0 {
-			if _, err := s.sf.fill(1); err != nil {
-				if err == errWouldBlock {
-					return err
-				}
-				return fmt.Errorf("server: %w", err)
+		b, err := s.sf.Piece(big.left)
+		if err != nil {
+			if err == errWouldBlock {
+				return err
 			}
-			n = s.sf.r.Buffered()
+			return fmt.Errorf("server: %w", err)
 		}
-		n = min(n, big.left)
 		if big.fwd {
-			b, _ := s.sf.r.Peek(n)
 			if _, err := s.cw.Write(b); err != nil {
 				return fmt.Errorf("client: %w", err)
 			}
 		}
-		s.sf.discard(n)
-		big.left -= n
+		s.sf.Discard(len(b))
+		big.left -= len(b)
 	}
 	return nil
 }
@@ -604,16 +550,7 @@ var errWouldBlock = errors.New("would block")
 // interceptServer matches msg against the outstanding queue and asks the
 // handler; it reports whether to forward msg.
 func (s *Session) interceptServer(msg []byte) (bool, error) {
-	head := s.q.front()
-	var ht byte
-	if head != nil {
-		ht = head.Type
-	}
-	m := match(ht, msg[0])
-	req := head
-	if m == matchAsync {
-		req = nil
-	}
+	req, m := s.q.Answering(msg[0])
 	if req != nil && msg[0] == 'E' && req.Injected && len(msg) >= headerLen {
 		req.Error = append([]byte(nil), msg...)
 	}
@@ -622,13 +559,7 @@ func (s *Session) interceptServer(msg []byte) (bool, error) {
 		return false, err
 	}
 	fwd := v == Forward && (req == nil || !req.Injected || req.Visible)
-	switch m {
-	case matchComplete:
-		s.q.pop()
-	case matchError:
-		s.q.pop()
-		s.q.skipToSync()
-	}
+	s.q.Advance(m)
 	return fwd, nil
 }
 
