@@ -175,9 +175,7 @@ func TestDrivers(t *testing.T) {
 
 // matrix is the results by check, variant and target.
 type matrix struct {
-	variants []string // in order of first appearance
-	checks   []string
-	cells    map[[2]string]map[string]result // [variant, check] → target → result
+	cells map[[2]string]map[string]result // [variant, check] → target → result
 }
 
 func newMatrix() *matrix { return &matrix{cells: map[[2]string]map[string]result{}} }
