@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"io"
 	"runtime/debug"
-	"sync"
 	"sync/atomic"
 	"syscall"
 	"time"
@@ -223,19 +222,6 @@ func (sw serverWriter) Write(b []byte) (int, error) {
 		if _, err := unix.Poll(fds, -1); err != nil && err != unix.EINTR {
 			return n, err
 		}
-	}
-}
-
-// terminateServer ends an intercepted session's upstream connection from
-// any goroutine: a Terminate if the socket takes it at once, then
-// shutdown, which the loop sees (and which ends a wait for room in
-// serverWriter).
-func (r *relay) terminateServer() {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	if !r.closed {
-		rawIO(syscall.SYS_WRITE, r.serverFD, []byte{'X', 0, 0, 0, 4})
-		syscall.Shutdown(r.serverFD, syscall.SHUT_RDWR)
 	}
 }
 
@@ -575,35 +561,43 @@ func (s *Session) runIntercepted(l *evloop) (error, bool) {
 		return nil, false
 	}
 	s.srv.ops.stats.SessionsLoop.Add(1)
-	errc := make(chan error, 2)
-	var wg sync.WaitGroup
-	wg.Add(2)
+	sd := newSides()
 	client := s.clientLoop
 	if r.intercept.inlineClient {
 		client = func() error { return r.interceptClient(l) }
 	}
-	go func() { defer wg.Done(); errc <- s.guard("client", client) }()
-	go func() { defer wg.Done(); errc <- <-r.done }()
-	err := <-errc
-	close(s.closing)
-	s.closeServer()
-	close(r.intercept.stop)
-	wg.Wait()
-	msg, err := s.endReason(err, <-errc)
-	// The loop has let go of r: what is still buffered for the client is
-	// passed on here, blocking.
-	r.mu.Lock()
-	r.closed = true
-	r.mu.Unlock()
-	s.cw.Flush()
-	blockingWrite(r.clientFD, r.intercept.clientPending, time.Second)
-	if msg != nil {
-		blockingWrite(r.clientFD, msg, time.Second)
-	}
-	syscall.Close(r.serverFD)
-	syscall.Close(r.clientFD)
-	syscall.Close(r.intercept.clientReadFD)
-	s.q.Drain()
-	s.h.Close(s)
-	return err, true
+	sd.run(func() error { return s.guard("client", client) })
+	sd.run(func() error { return <-r.done }) // the server side, on the loop
+	return s.end(interceptEnd{relayEnd{r}, sd}, sd.first()), true
+}
+
+// interceptEnd is the end of an intercepted session on the loop
+// (Session.end): its client side on a goroutine, its server side on the
+// loop.
+type interceptEnd struct {
+	relayEnd
+	*sides
+}
+
+// stop shuts the upstream down (the loop sees it and lets go of r) and
+// ends the client goroutine's wait for bytes.
+func (e interceptEnd) stop() {
+	e.r.s.closeServer()
+	close(e.r.intercept.stop)
+}
+
+// endServer closes the upstream socket: stop told the backend to end
+// (stopServer), when the socket could take it.
+func (e interceptEnd) endServer() { syscall.Close(e.r.letGo().serverFD) }
+
+// flushClient passes on, blocking, what the loop still held for the
+// client: in the client writer and in clientPending.
+func (e interceptEnd) flushClient() {
+	e.r.s.cw.Flush()
+	blockingWrite(e.r.clientFD, e.r.intercept.clientPending, time.Second)
+}
+
+func (e interceptEnd) closeClient() {
+	syscall.Close(e.r.clientFD)
+	syscall.Close(e.r.intercept.clientReadFD)
 }

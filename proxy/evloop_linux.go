@@ -139,7 +139,7 @@ type relay struct {
 	// when the session leaves the loop for it (leaveLoop).
 	rest []byte
 
-	mu     sync.Mutex // guards closed against shutdownServer
+	mu     sync.Mutex // guards closed against stopServer
 	closed bool
 	// clientEventCount counts the loop's events for a pass-through
 	// relay's client socket (for observation: PAUSE must not make it
@@ -400,6 +400,43 @@ func (l *evloop) end(r *relay, err error) {
 	})
 }
 
+// stopServer ends the upstream connection of a session on the loop from
+// any goroutine (closeServer: graceful shutdown, the admin console, the
+// session's own end): shutdown, which the loop sees as the end of the
+// stream (it ends the session there) and which ends a wait for room in
+// serverWriter. An intercepted session's backend is told to end first, by
+// a Terminate if the socket takes it at once; a pass-through session's
+// gets its Terminate at the end (passEnd.endServer), after what the loop
+// still holds for it. Once the session goroutine has the sockets
+// (letGo), it does nothing: the descriptor may be closed, its number
+// reused.
+func (r *relay) stopServer() {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.closed {
+		return
+	}
+	if r.intercept != nil {
+		rawIO(syscall.SYS_WRITE, r.serverFD, []byte{'X', 0, 0, 0, 4})
+	}
+	syscall.Shutdown(r.serverFD, syscall.SHUT_RDWR)
+}
+
+// letGo marks r's descriptors as the session goroutine's, to be closed
+// (or moved) by it: stopServer leaves them alone from here. It returns r.
+func (r *relay) letGo() *relay {
+	r.mu.Lock()
+	r.closed = true
+	r.mu.Unlock()
+	return r
+}
+
+// relayEnd is what the ends of both kinds of relay share (passEnd,
+// interceptEnd).
+type relayEnd struct{ r *relay }
+
+func (e relayEnd) tellClient(msg []byte) { blockingWrite(e.r.clientFD, msg, time.Second) }
+
 // writeAvail writes b to the non-blocking socket fd as far as it takes
 // it, returning how much it took; a full socket is not an error.
 func writeAvail(fd int, b []byte) (int, error) {
@@ -464,8 +501,5 @@ func (s *Session) runOnLoop() (error, bool) {
 			return nil, false // on goroutines from here (Session.run)
 		}
 	}
-	close(s.closing)
-	msg, err := s.endReason(err, nil)
-	r.finish(msg)
-	return err, true
+	return s.end(passEnd{relayEnd{r}}, err), true
 }

@@ -5,8 +5,7 @@ package proxy
 // relay is the event loop's session state; the loop exists on Linux only.
 type relay struct{ intercept *struct{} }
 
-func (r *relay) shutdownServer()  {}
-func (r *relay) terminateServer() {}
+func (r *relay) stopServer() {}
 
 // serverLoop is a Server's event loop; there is none here.
 type serverLoop struct{}

@@ -18,7 +18,7 @@ import (
 // This file holds the event loop's pass-through relay (a session with no
 // Handler): its two pipes, the bytes read, framing-checked (scan) and
 // written on inline, the epoll interest kept in step with the buffers,
-// the end of the session on the loop (finish), and leaveLoop, which
+// the end of the session on the loop (passEnd), and leaveLoop, which
 // moves a session onto goroutines for a message over the limit.
 
 // pipe is one direction of a relay: bytes read from src wait in
@@ -254,7 +254,7 @@ func (r *relay) scan(p *pipe, b []byte) (int, error) {
 		}
 		s.releaseMessage(true)
 		if typ == 'X' {
-			// Not passed on: finish sends the server a Terminate of its
+			// Not passed on: passEnd sends the server a Terminate of its
 			// own (whatever length the client's claimed).
 			return at, errClientTerminate
 		}
@@ -262,34 +262,28 @@ func (r *relay) scan(p *pipe, b []byte) (int, error) {
 	}
 }
 
-// shutdownServer ends the upstream connection from another goroutine
-// (graceful shutdown): the loop sees the end of the stream and finishes
-// the session.
-func (r *relay) shutdownServer() {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	if !r.closed {
-		syscall.Shutdown(r.serverFD, syscall.SHUT_RDWR)
-	}
-}
+// passEnd is the end of a pass-through session on the loop (Session.end),
+// on the session goroutine once the loop has let go of r: both sides
+// have already stopped, so stop and wait have nothing to do.
+type passEnd struct{ relayEnd }
 
-// finish runs on the session goroutine once the loop has let go of r:
-// it passes on what was still buffered, tells the client why the session
-// ends when that is a protocol error or a shutdown (msg), and closes both
-// sockets.
-func (r *relay) finish(msg []byte) {
-	r.mu.Lock()
-	r.closed = true
-	r.mu.Unlock()
+func (passEnd) stop()       {}
+func (passEnd) wait() error { return nil }
+
+func (e passEnd) endServer() {
+	r := e.r.letGo()
 	blockingWrite(r.serverFD, r.toServer.buf[r.toServer.start:r.toServer.end], 100*time.Millisecond)
+	// The client's own Terminate was not passed on (scan): this one is
+	// sent whatever ended the session.
 	blockingWrite(r.serverFD, []byte{'X', 0, 0, 0, 4}, 100*time.Millisecond)
 	syscall.Close(r.serverFD)
-	blockingWrite(r.clientFD, r.toClient.buf[r.toClient.start:r.toClient.end], time.Second)
-	if msg != nil {
-		blockingWrite(r.clientFD, msg, time.Second)
-	}
-	syscall.Close(r.clientFD)
 }
+
+func (e passEnd) flushClient() {
+	blockingWrite(e.r.clientFD, e.r.toClient.buf[e.r.toClient.start:e.r.toClient.end], time.Second)
+}
+
+func (e passEnd) closeClient() { syscall.Close(e.r.clientFD) }
 
 // leaveLoop moves a pass-through session, which the loop has let go of,
 // onto the goroutine path: its sockets back into Go's netpoller, what the
@@ -307,9 +301,7 @@ func (s *Session) leaveLoop(r *relay) error {
 		client.Close()
 		return fmt.Errorf("leave the event loop: %w", err)
 	}
-	r.mu.Lock()
-	r.closed = true // the relay's own descriptors are closed
-	r.mu.Unlock()
+	r.letGo() // the relay's own descriptors are closed
 	toServer, toClient := &r.toServer, &r.toClient
 	s.loopRelay, s.client, s.server = nil, client, server
 	s.cf.R.Reset(io.MultiReader(bytes.NewReader(r.rest), client))

@@ -147,30 +147,11 @@ func (s *Session) run() error {
 	if err, ok := s.runOnLoop(); ok {
 		return err
 	}
-	errc := make(chan error, 2)
-	var wg sync.WaitGroup
-	wg.Add(2)
-	go func() { defer wg.Done(); errc <- s.guard("client", s.clientLoop) }()
-	go func() { defer wg.Done(); errc <- s.guard("server", s.serverLoop) }()
-
-	err := <-errc
-	// The first side to end decides; unblock the other.
-	close(s.closing)
-	s.closeServer()
-	s.closeReplica() // replica.go
-	s.client.SetReadDeadline(time.Now())
-	wg.Wait()
-	msg, err := s.endReason(err, <-errc)
-	if msg != nil {
-		s.client.SetWriteDeadline(time.Now().Add(time.Second))
-		s.client.Write(msg)
-	}
-	s.client.Close()
-	if s.h != nil {
-		s.q.Drain()
-		s.h.Close(s)
-	}
-	return err
+	sd := newSides()
+	sd.run(func() error { return s.guard("client", s.clientLoop) })
+	sd.run(func() error { return s.guard("server", s.serverLoop) })
+	// The first side to end decides; end unblocks the other (end.go).
+	return s.end(goroutineEnd{s, sd}, sd.first())
 }
 
 // endReason turns the error that ended the session (and the other side's,
@@ -205,11 +186,7 @@ func (s *Session) closeServer() {
 	s.connMu.Lock()
 	defer s.connMu.Unlock()
 	if s.loopRelay != nil {
-		if s.loopRelay.intercept != nil {
-			s.loopRelay.terminateServer()
-		} else {
-			s.loopRelay.shutdownServer()
-		}
+		s.loopRelay.stopServer() // evloop_linux.go
 		return
 	}
 	if s.serverClosed {

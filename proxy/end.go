@@ -1,0 +1,113 @@
+package proxy
+
+import (
+	"sync"
+	"time"
+)
+
+// This file holds the end of a session, written once: Session.end orders
+// the steps, and a teardown does each step the way its transport must
+// (the goroutines here, the event loop's relays in
+// evloop_relay_linux.go and evloop_intercept_linux.go).
+
+// teardown is what differs, by transport, at the end of a session.
+type teardown interface {
+	// stop makes both sides of the session return: the server side
+	// (closeServer: it may be blocked reading the upstream) and the
+	// client side (it may be blocked reading the client).
+	stop()
+	// wait waits until both sides have returned and reports the error
+	// of the one that ended second (nil if it had nothing to say).
+	wait() error
+	// endServer passes on what is still buffered for the upstream, tells
+	// the backend to end (Terminate) and closes the upstream socket.
+	endServer()
+	// flushClient passes on what is still buffered for the client.
+	flushClient()
+	// tellClient writes msg, why the session ends, to the client,
+	// waiting a bounded time for room.
+	tellClient(msg []byte)
+	// closeClient closes the client's socket(s).
+	closeClient()
+}
+
+// end ends s once the first of its sides has ended, with err, and
+// returns what run returns (nil for a clean client exit). The order is
+// the rules':
+//
+//   - closing is closed first, so a Handler waiting on a Request gives up
+//     rather than keeping its side from returning;
+//   - both sides are stopped, and waited for, before anything else: from
+//     then on nothing else reads or writes the session's buffers and
+//     sockets, and the second side's error is known (endReason looks at
+//     both: a shutdown seen by either side is a shutdown);
+//   - the upstream gets what was buffered for it, then Terminate, then
+//     the close: a Terminate after the close would be lost, and one
+//     before buffered bytes would cut them off;
+//   - the client gets what was buffered for it before the reason, so the
+//     error it reads last is why its session ended, and the reason
+//     before the close of its socket;
+//   - the Handler's Close comes last, after the queue has been drained
+//     (every Request's Done is closed), so a Handler sees no request
+//     outstanding when it is closed.
+func (s *Session) end(t teardown, err error) error {
+	close(s.closing)
+	t.stop()
+	msg, err := s.endReason(err, t.wait())
+	t.endServer()
+	t.flushClient()
+	if msg != nil {
+		t.tellClient(msg)
+	}
+	t.closeClient()
+	if s.h != nil {
+		s.q.Drain()
+		s.h.Close(s)
+	}
+	return err
+}
+
+// sides runs the two sides of a session and reports the first to end.
+type sides struct {
+	wg   sync.WaitGroup
+	errc chan error
+}
+
+func newSides() *sides { return &sides{errc: make(chan error, 2)} }
+
+// run runs f, one side, on a goroutine of its own.
+func (sd *sides) run(f func() error) {
+	sd.wg.Add(1)
+	go func() { defer sd.wg.Done(); sd.errc <- f() }()
+}
+
+// first waits for the first side to end and returns its error.
+func (sd *sides) first() error { return <-sd.errc }
+
+// wait waits for the other side and returns its error.
+func (sd *sides) wait() error {
+	sd.wg.Wait()
+	return <-sd.errc
+}
+
+// goroutineEnd is the end of a session relayed by two goroutines (run).
+type goroutineEnd struct {
+	s *Session
+	*sides
+}
+
+func (e goroutineEnd) stop() {
+	e.s.closeServer()  // Terminate and close: the upstream is done with here
+	e.s.closeReplica() // replica.go
+	e.s.client.SetReadDeadline(time.Now())
+}
+
+func (goroutineEnd) endServer()   {} // stop has closed it (closeServer)
+func (goroutineEnd) flushClient() {} // the server side flushed as it ended
+
+func (e goroutineEnd) tellClient(msg []byte) {
+	e.s.client.SetWriteDeadline(time.Now().Add(time.Second))
+	e.s.client.Write(msg)
+}
+
+func (e goroutineEnd) closeClient() { e.s.client.Close() }
