@@ -75,31 +75,7 @@ func (e *reservedEnv) rawRefused(t *testing.T, msgs ...pgproto3.FrontendMessage)
 	t.Helper()
 	c := e.mustConnect(t, client{lease: &e.lease})
 	before := e.snapshot(t)
-	pc := c.PgConn()
-	fe := pc.Frontend()
-	for _, m := range msgs {
-		fe.Send(m)
-	}
-	fe.Send(&pgproto3.Sync{})
-	if err := fe.Flush(); err != nil {
-		t.Fatal(err)
-	}
-	var codes []string
-	for {
-		m, err := fe.Receive()
-		if err != nil {
-			t.Fatal(err)
-		}
-		if er, ok := m.(*pgproto3.ErrorResponse); ok {
-			codes = append(codes, er.Code)
-		}
-		if _, ok := m.(*pgproto3.ReadyForQuery); ok {
-			break
-		}
-	}
-	if len(codes) != 1 || codes[0] != fence.CodeReserved {
-		t.Fatalf("got errors %v, want exactly [%s]", codes, fence.CodeReserved)
-	}
+	rawWantCodes(t, c.PgConn(), []string{fence.CodeReserved}, msgs...)
 	e.unchanged(t, before)
 }
 

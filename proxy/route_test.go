@@ -9,9 +9,11 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgproto3"
 
 	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/internal/pgtest"
+	"github.com/pgfence/pgfence/rewrite/plan"
 )
 
 // routeEnv is a fenceEnv whose proxy routes reads to the test cluster's
@@ -446,6 +448,65 @@ func TestReadRouting(t *testing.T) {
 		resumeAndCatchUp(t)
 		waitReplicaRead(t, rm, readResult+" UNION ALL SELECT 'x', 0, pg_is_in_recovery()")
 	})
+	t.Run("refused_parse_reserved_name_not_copied", func(t *testing.T) {
+		// The attack on read routing's copies of named Parses: a Parse
+		// the gate refuses (FN013: the name of its receipt statement)
+		// on the primary and again in a read-only transaction on the
+		// replica, then a Bind of that name back on the primary. Had
+		// routing kept the refused Parse, it would close the gate's
+		// statement there (a version of that name is "left behind") and
+		// parse the client's stand-in in its place, hidden, before the
+		// gate refused the Bind: the next gated commit would then run
+		// the stand-in and leave no receipt.
+		l := e.acquire(t, "parse", "w", time.Minute)
+		c := e.mustConnect(t, client{lease: &l, extra: []string{"-c fence.step=one"}})
+		pc := c.PgConn()
+		receipts := "SELECT count(*) FROM fence.receipts WHERE job_key = 'parse' AND token = $1 AND step = $2 AND digest_version = 'v1'"
+		// A first gated commit prepares the gate's statements on the primary.
+		routeGatedCommit(t, c, l, "first")
+		e.wantCount(t, 1, receipts, l.Token, "one")
+
+		// pgfence_commit's parameters, and a body that does nothing.
+		standIn := &pgproto3.Parse{Name: plan.CommitStatement, Query: "SELECT 'committed'::text",
+			ParameterOIDs: []uint32{25, 20, 20, 25, 17, 25}}
+		rawWantCodes(t, pc, []string{fence.CodeReserved}, standIn)
+		routeReadOnlyOnReplica(t, pc)
+		rawWantCodes(t, pc, []string{fence.CodeReserved}, standIn)
+		mustExec(t, pc, "ROLLBACK")
+		// Back on the primary: the refused name, bound and executed.
+		args := plan.CommitArgs(fence.Generation{JobKey: "parse", Epoch: l.Epoch, Token: l.Token, Step: "one"}, []byte{0}, "v1")
+		rawWantCodes(t, pc, []string{fence.CodeReserved},
+			&pgproto3.Bind{PreparedStatement: plan.CommitStatement, Parameters: args}, &pgproto3.Execute{})
+
+		// The primary's pgfence_commit is still the gate's, and the next
+		// gated commit leaves its receipt (seen on another connection).
+		mustExec(t, pc, "BEGIN")
+		got := mustWhere(t, pc, "SELECT statement, pg_is_in_recovery() FROM pg_prepared_statements WHERE name = '"+plan.CommitStatement+"'", false)
+		mustExec(t, pc, "ROLLBACK")
+		if !strings.Contains(got[0], "fence.commit(") {
+			t.Errorf("the primary's %s is %q: the client's stand-in replaced the gate's", plan.CommitStatement, got[0])
+		}
+		mustExec(t, pc, "SET fence.step = 'two'")
+		routeGatedCommit(t, c, l, "second")
+		e.wantResult(t, "parse", "first", l.Token) // the same token: the upsert keeps the first
+		e.wantCount(t, 1, receipts, l.Token, "two")
+	})
+	t.Run("refused_parse_invalid_text_not_copied", func(t *testing.T) {
+		// Text the gate cannot read on a fenced session (invalid UTF-8,
+		// 22021), a protected write, refused in a read-only transaction
+		// on the replica; bound and executed back on the primary, the
+		// name is the server's to refuse: no such statement there.
+		l := e.acquire(t, "parse_enc", "w", time.Minute)
+		c := e.mustConnect(t, client{lease: &l})
+		routeGatedCommit(t, c, l, "first")
+		pc := c.PgConn()
+		enc := &pgproto3.Parse{Name: "route_enc", Query: "UPDATE results SET payload = 'enc' WHERE job_key = 'parse_enc' -- \xff"}
+		routeReadOnlyOnReplica(t, pc)
+		rawWantCodes(t, pc, []string{"22021"}, enc)
+		mustExec(t, pc, "ROLLBACK")
+		rawWantCodes(t, pc, []string{"26000"}, &pgproto3.Bind{PreparedStatement: "route_enc"}, &pgproto3.Execute{})
+		e.wantResult(t, "parse_enc", "first", l.Token)
+	})
 	t.Run("replica_down_reads_from_primary", func(t *testing.T) {
 		r := e.reader(t, nil)
 		mustWhere(t, r, "SELECT 1, pg_is_in_recovery()", true)
@@ -586,4 +647,68 @@ func TestReadRoutingPreparedStatements(t *testing.T) {
 		t.Fatal(err)
 	}
 	run(false, "the first statement again on the primary", nil)
+}
+
+// rawWantCodes sends msgs and a Sync on c and wants exactly the errors
+// codes (their SQLSTATEs, in order) before ReadyForQuery. A mismatch
+// does not stop the test: what the attempt changed is checked next.
+func rawWantCodes(t *testing.T, c *pgconn.PgConn, codes []string, msgs ...pgproto3.FrontendMessage) {
+	t.Helper()
+	fe := c.Frontend()
+	for _, m := range msgs {
+		fe.Send(m)
+	}
+	fe.Send(&pgproto3.Sync{})
+	if err := fe.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	var got []string
+	for {
+		m, err := fe.Receive()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if er, ok := m.(*pgproto3.ErrorResponse); ok {
+			got = append(got, er.Code)
+		}
+		if _, ok := m.(*pgproto3.ReadyForQuery); ok {
+			break
+		}
+	}
+	if strings.Join(got, " ") != strings.Join(codes, " ") {
+		t.Errorf("got errors %v, want exactly %v", got, codes)
+	}
+}
+
+// routeGatedCommit writes l's job's result through c in an explicit
+// transaction (extended protocol: the gate's named statements run it).
+func routeGatedCommit(t *testing.T, c *pgx.Conn, l fence.Lease, payload string) {
+	t.Helper()
+	ctx := ctxT(t)
+	tx := beginOK(t, c)
+	defer tx.Rollback(ctx)
+	execOK(t, tx, upsert, l.JobKey, payload, l.Token)
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatalf("commit: %v", err)
+	}
+}
+
+// routeReadOnlyOnReplica opens a read-only transaction on c and waits
+// until one runs on the replica (it has replayed the session's
+// generation), leaving it open.
+func routeReadOnlyOnReplica(t *testing.T, c *pgconn.PgConn) {
+	t.Helper()
+	if err := cluster.WaitReplicaCaughtUp(ctxT(t)); err != nil {
+		t.Fatal(err)
+	}
+	if err := pgtest.Poll(ctxT(t), func() (bool, error) {
+		mustExec(t, c, "BEGIN READ ONLY")
+		_, rep, err := where(t, c, "SELECT 1, pg_is_in_recovery()")
+		if !rep || err != nil {
+			mustExec(t, c, "ROLLBACK")
+		}
+		return rep, err
+	}); err != nil {
+		t.Fatalf("no read-only transaction ran on the replica: %v", err)
+	}
 }
