@@ -680,8 +680,8 @@ func (h *fenceSession) routeMsg(s gateConn, msg []byte) error {
 	switch msg[0] {
 	case 'P':
 		name, _, _ = cstring(body)
-		if name == "" {
-			return nil
+		if name == "" || plan.Reserved(name) {
+			return nil // a reserved name: the gate refuses it (FN013), routing never follows it
 		}
 		sc := h.stmtCopies()
 		if sc.on[name]&other != 0 || sc.stale[name]&other != 0 {
@@ -704,7 +704,7 @@ func (h *fenceSession) routeMsg(s gateConn, msg []byte) error {
 			name, _, _ = cstring(body[1:])
 		}
 	}
-	if name == "" || h.rt.stmts.on == nil {
+	if name == "" || plan.Reserved(name) || h.rt.stmts.on == nil {
 		return nil
 	}
 	sc := &h.rt.stmts
