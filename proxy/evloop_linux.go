@@ -12,6 +12,7 @@ import (
 	"time"
 	"unsafe"
 
+	"github.com/pgfence/pgfence/internal/wire"
 	"go.uber.org/zap"
 )
 
@@ -417,7 +418,7 @@ func (r *relay) stopServer() {
 		return
 	}
 	if r.intercept != nil {
-		rawIO(syscall.SYS_WRITE, r.serverFD, []byte{'X', 0, 0, 0, 4})
+		rawIO(syscall.SYS_WRITE, r.serverFD, wire.Terminate)
 	}
 	syscall.Shutdown(r.serverFD, syscall.SHUT_RDWR)
 }

@@ -275,7 +275,7 @@ func (e passEnd) endServer() {
 	blockingWrite(r.serverFD, r.toServer.buf[r.toServer.start:r.toServer.end], 100*time.Millisecond)
 	// The client's own Terminate was not passed on (scan): this one is
 	// sent whatever ended the session.
-	blockingWrite(r.serverFD, []byte{'X', 0, 0, 0, 4}, 100*time.Millisecond)
+	blockingWrite(r.serverFD, wire.Terminate, 100*time.Millisecond)
 	syscall.Close(r.serverFD)
 }
 

@@ -86,7 +86,7 @@ type replicaConn struct {
 
 func (rc *replicaConn) close() {
 	rc.closeOnce.Do(func() {
-		rc.conn.Write([]byte{'X', 0, 0, 0, 4})
+		rc.conn.Write(wire.Terminate)
 		rc.conn.Close()
 	})
 }

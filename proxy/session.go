@@ -194,7 +194,7 @@ func (s *Session) closeServer() {
 	}
 	s.serverClosed = true
 	s.server.SetWriteDeadline(time.Now().Add(100 * time.Millisecond))
-	s.server.Write([]byte{'X', 0, 0, 0, 4})
+	s.server.Write(wire.Terminate)
 	s.server.Close()
 }
 

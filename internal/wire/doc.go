@@ -1,7 +1,7 @@
 // Package wire holds the PostgreSQL protocol rules (protocol 3.0, after
 // startup) that every relay path of the proxy applies, written once:
 //
-//   - the message-type tables: what a client may send (IsFrontend), which
+//   - the message-type tables: what a client may send (the framers check it), which
 //     client messages over the size limit PostgreSQL answers with an error
 //     (Answerable), which get a response of their own (ProducesResponse),
 //     which server messages answer which request and what ends one

@@ -13,9 +13,9 @@ var frontendTypes = func() (t [256]bool) {
 	return t
 }()
 
-// IsFrontend reports whether a client may send a message of type t after
-// startup.
-func IsFrontend(t byte) bool { return frontendTypes[t] }
+// Terminate is the Terminate message ('X'), which the proxy sends a
+// backend it ends. Do not modify.
+var Terminate = []byte{'X', 0, 0, 0, 4}
 
 // Answerable reports whether a client message of type t over the size
 // limit is answered with an error in its place (the proxy sends
