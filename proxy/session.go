@@ -403,7 +403,10 @@ func (s *Session) resumeServer() error {
 			return fmt.Errorf("client: %w", err)
 		}
 		s.sf.Discard(1)
-		s.st.Ready(tx)
+		if s.ready(tx) {
+			s.cw.Flush()
+			return errShutdown
+		}
 		return nil
 	}
 	if err := s.sf.Stream(s.cw, left); err != nil {
