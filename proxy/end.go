@@ -43,7 +43,13 @@ type teardown interface {
 //     both: a shutdown seen by either side is a shutdown);
 //   - the upstream gets what was buffered for it, then Terminate, then
 //     the close: a Terminate after the close would be lost, and one
-//     before buffered bytes would cut them off;
+//     before buffered bytes would cut them off. The event loop's
+//     pass-through relay does this in endServer, its buffer being the
+//     only one left; the goroutines and an intercepted session's loop
+//     half send Terminate and close in stop (closeServer, stopServer),
+//     as the way to unblock a side reading the upstream: what they have
+//     not written upstream by then is dropped, as a backend being ended
+//     would drop it;
 //   - the client gets what was buffered for it before the reason, so the
 //     error it reads last is why its session ended, and the reason
 //     before the close of its socket;
