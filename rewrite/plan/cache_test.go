@@ -388,7 +388,7 @@ func (sp caseSpec) build(t *testing.T) cacheCase {
 	prot := cacheProtected[sp.prot]
 	s := &sim{t: t, stmts: map[string]*rewrite.Stmt{}, portals: map[string]*portal{}, prot: rewrite.NewProtected(prot), noFence: sp.noFence}
 	opts := strings.Join(strings.Fields(strings.Join(sp.opts, " ")), " ")
-	st, err := session.New(map[string]string{"user": "app", "options": opts})
+	st, err := session.New(map[string]string{"user": "app", "options": opts}, session.NewStatements())
 	if err != nil {
 		t.Fatalf("startup %q: %v", opts, err)
 	}
