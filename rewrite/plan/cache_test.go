@@ -50,6 +50,9 @@ func TestPlanCache(t *testing.T) {
 func TestPlanCacheKeyFacts(t *testing.T) {
 	corpus := cacheCorpus(t, 400)
 	for f := 1; f < plan.NumFacts; f++ {
+		if plan.FactName(f) == "" {
+			t.Errorf("fact %d has no name", f)
+		}
 		c := plan.NewCache(100000)
 		c.Omit(f)
 		n := 0
