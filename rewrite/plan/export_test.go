@@ -9,7 +9,7 @@ var factNames = [numFacts]string{
 	factNone: "none", factGated: "gated", factTentative: "tentative", factExplicit: "explicit",
 	factTxDigest: "transaction digest", factDigestMark: "digest mark", factPayloadDigest: "payload digest",
 	factJobKeySet: "job key set", factEpochOK: "epoch valid", factTokenOK: "token valid",
-	factOffset: "offset", factKind: "kind", factChain: "chain", factOpaque: "opaque", factName: "name", factTables: "tables' answers",
+	factKind: "kind", factChain: "chain", factOpaque: "opaque", factName: "name", factTables: "tables' answers",
 	factGUCOp: "guc op", factGUCName: "guc name", factGUCValue: "guc value", factGUCValueParam: "guc value param",
 	factGUCUnknown: "guc unknown",
 }
