@@ -321,3 +321,13 @@ func (c *cast) count(t *testing.T, q string, args ...any) int {
 	}
 	return n
 }
+
+// protectedUnder fails t unless each of tables is in
+// fence.protected_tables with root as its root.
+func (c *cast) protectedUnder(t *testing.T, root string, tables ...string) {
+	t.Helper()
+	n := c.count(t, "select count(*) from fence.protected_tables where relid = any($1::text[]::regclass[]) and root = $2::text::regclass", tables, root)
+	if n != len(tables) {
+		t.Fatalf("%d of %v listed as protected under root %s, want all", n, tables, root)
+	}
+}

@@ -136,12 +136,7 @@ func endFlushClient(t *testing.T, dsn string) (*rawConn, uint32) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	hj, err := pc.Hijack()
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { hj.Conn.Close() })
-	return &rawConn{Conn: hj.Conn, fe: pgproto3.NewFrontend(hj.Conn, hj.Conn)}, pid
+	return rawFrom(t, pc), pid
 }
 
 // endFlushPinSendBuffer pins the send buffer of the proxy's socket to

@@ -241,7 +241,8 @@ func (r *relay) scan(p *pipe, b []byte) (int, error) {
 		if s.holdMessage(b[at]) {
 			return at, errHold
 		}
-		switch p.sc.Check(b, at) {
+		total, ev := p.sc.Check(b, at)
+		switch ev {
 		case wire.Oversized:
 			s.releaseMessage(false) // handled again, on the goroutine path
 			return at, errLeaveLoop
@@ -258,7 +259,7 @@ func (r *relay) scan(p *pipe, b []byte) (int, error) {
 			// own (whatever length the client's claimed).
 			return at, errClientTerminate
 		}
-		i = p.sc.Enter(b, at)
+		i = p.sc.Enter(b, at, total)
 	}
 }
 

@@ -116,7 +116,8 @@ func (f *Fence) Open(s *Session) (Handler, error) {
 		f.warnOnce("schema:"+s.Database, "database has no usable fence schema; nothing in it is protected and fenced clients are refused until `pgfence migrate` runs",
 			zap.String("database", s.Database))
 	}
-	st, err := session.New(s.Params)
+	be := newGateBackend(s.ServerParams, s.Logger())
+	st, err := session.New(s.Params, be.stmts)
 	if err != nil {
 		f.cats.release(cat)
 		if se, ok := err.(*fence.Error); ok {
@@ -124,8 +125,6 @@ func (f *Fence) Open(s *Session) (Handler, error) {
 		}
 		return nil, &ProtocolError{Code: "22023", Msg: err.Error(), Err: err}
 	}
-	be := newGateBackend(s.ServerParams, s.Logger())
-	st.Attach(be.stmts)
 	h := &fenceSession{
 		f:       f,
 		cat:     cat,

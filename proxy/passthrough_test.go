@@ -50,11 +50,7 @@ func raw(t *testing.T, dsn string) (*pgproto3.Frontend, net.Conn) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	hj, err := c.Hijack()
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { hj.Conn.Close() })
+	hj := hijack(t, c)
 	hj.Conn.SetDeadline(time.Now().Add(30 * time.Second))
 	return hj.Frontend, hj.Conn
 }

@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgproto3"
 )
 
@@ -21,13 +22,25 @@ type rawConn struct {
 
 func rawConnect(t testing.TB, dsn string) *rawConn {
 	t.Helper()
-	c := connect(t, dsn)
+	return rawFrom(t, connect(t, dsn))
+}
+
+// rawFrom takes over c's socket as a rawConn, closed when the test ends.
+func rawFrom(t testing.TB, c *pgconn.PgConn) *rawConn {
+	t.Helper()
+	hj := hijack(t, c)
+	return &rawConn{Conn: hj.Conn, fe: pgproto3.NewFrontend(hj.Conn, hj.Conn)}
+}
+
+// hijack takes over c's socket from pgconn, closed when the test ends.
+func hijack(t testing.TB, c *pgconn.PgConn) *pgconn.HijackedConn {
+	t.Helper()
 	hj, err := c.Hijack()
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { hj.Conn.Close() })
-	return &rawConn{Conn: hj.Conn, fe: pgproto3.NewFrontend(hj.Conn, hj.Conn)}
+	return hj
 }
 
 // rawStart opens a raw connection to addr, before any startup.

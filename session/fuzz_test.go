@@ -32,7 +32,7 @@ func FuzzTracker(f *testing.F) {
 	f.Add([]byte{6, 0, 9, 13, 11, 8, 6, 3, 4, 7})
 	f.Add([]byte{0, 15, 6, 3, 9, 16, 10, 7})
 	f.Fuzz(func(t *testing.T, ops []byte) {
-		s, err := New(nil)
+		s, err := New(nil, NewStatements())
 		if err != nil {
 			t.Fatal(err)
 		}

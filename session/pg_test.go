@@ -59,7 +59,7 @@ func newMirror(t *testing.T, db string, options string) *mirror {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { conn.Close(context.Background()) })
-	st, err := New(params)
+	st, err := New(params, NewStatements())
 	if err != nil {
 		t.Fatalf("New(%v): %v", params, err)
 	}

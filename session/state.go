@@ -88,13 +88,14 @@ type State struct {
 // backslash escaping of spaces, as PGOPTIONS carries them) and any other
 // parameter, which the server treats as a GUC to set (search_path=...). The
 // values become the session defaults that RESET returns to. Malformed fence
-// values are refused with an *Error. The State refers to Statements of its
-// own, none yet, until Attach points it at a connection's.
-func New(params map[string]string) (*State, error) {
+// values are refused with an *Error. The State refers to stmts, the
+// statements of the connection it runs on (NewStatements for a new one),
+// until Attach points it at another's.
+func New(params map[string]string, stmts *Statements) (*State, error) {
 	s := &State{
 		user:  params["user"],
 		vars:  make(map[string]*variable),
-		stmts: NewStatements(),
+		stmts: stmts,
 	}
 	// Direct parameters first, then options, in a stable order; the
 	// server applies the options after the packet's other parameters.

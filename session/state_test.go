@@ -58,7 +58,7 @@ func TestSetRejectsMalformedAndKeepsState(t *testing.T) {
 
 func mustNew(t *testing.T, params map[string]string) *State {
 	t.Helper()
-	s, err := New(params)
+	s, err := New(params, NewStatements())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -113,7 +113,7 @@ func TestNewFromStartup(t *testing.T) {
 	if got, _ := s.Get(Token); got != "18" {
 		t.Errorf("fence.token after RESET: got %q, want 18", got)
 	}
-	if _, err := New(map[string]string{"options": "-c fence.token=abc"}); err == nil {
+	if _, err := New(map[string]string{"options": "-c fence.token=abc"}, NewStatements()); err == nil {
 		t.Errorf("New with fence.token=abc: got nil error, want 22023")
 	}
 	if got := mustNew(t, nil).SearchPath(); got != nil {

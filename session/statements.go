@@ -31,8 +31,8 @@ type Portal struct {
 // effects on the settings are read from (State.Apply) and what a
 // protected write through a prepared statement is found by. They are a
 // fact of the server connection, not of the client: the proxy keeps them
-// with its per-connection object and a State refers to them (New gives a
-// State Statements of its own; Attach points it at a connection's).
+// with its per-connection object and a State refers to them (given to New;
+// Attach points it at another connection's).
 //
 // They follow the server's rules, driven through the State that refers to
 // them, since those rules are transactional: a portal lives until its

@@ -1,7 +1,5 @@
 package wire
 
-import "encoding/binary"
-
 // Scanner finds the message boundaries of a stream fed to it in pieces
 // of any size, in place: what the event loop reads from a non-blocking
 // socket and passes on without framing it into messages. It keeps across
@@ -24,7 +22,6 @@ type Scanner struct {
 
 	left   int   // body bytes of the current message still to come
 	status bool  // the next body byte is a ReadyForQuery's status
-	total  int   // the message Check found Oversized
 	err    error // why Next or Check found a header Bad
 }
 
@@ -43,8 +40,7 @@ const (
 	// Message (Check): a valid header; Enter passes over it.
 	Message
 	// Oversized (Check): the header of a message over Max that PostgreSQL
-	// answers with an error in its place (Answerable); Oversize reports
-	// its size.
+	// answers with an error in its place (Answerable).
 	Oversized
 	// Bad: a bad header, not passed over; Err says what is wrong (a
 	// *ProtocolError, as ParseHeader's and Framer.Next's).
@@ -89,23 +85,24 @@ func (sc *Scanner) Next(b []byte, i int) (at int, ev Event) {
 }
 
 // Check checks the client header Next stopped at (AtHeader) at b[at:]:
-// Message (valid), Oversized or Bad. It writes nothing on the common
-// path (a valid header), so a caller's atomic operations around it do not
-// wait for its stores. Enter passes over a Message.
-func (sc *Scanner) Check(b []byte, at int) Event {
+// Message (valid), Oversized or Bad, with the message's total size (type
+// byte included) for Message and Oversized. It writes nothing on the
+// common path (a valid header), so a caller's atomic operations around it
+// do not wait for its stores. Enter passes over a Message of that size.
+func (sc *Scanner) Check(b []byte, at int) (total int, ev Event) {
 	h := b[at : at+HeaderLen]
-	if typ, _, ok := header(h, sc.Max); ok && frontendTypes[typ] {
-		return Message
+	if typ, total, ok := header(h, sc.Max); ok && frontendTypes[typ] {
+		return total, Message
 	}
 	return sc.check(h)
 }
 
-// Enter passes over the message whose header at b[at:] Check found
-// valid, with as much of its body as b holds, and returns where Next
-// goes on.
-func (sc *Scanner) Enter(b []byte, at int) int {
-	body := int(binary.BigEndian.Uint32(b[at+1:at+HeaderLen])) - 4
+// Enter passes over the message of total bytes whose header at b[at:]
+// Check found valid, with as much of its body as b holds, and returns
+// where Next goes on.
+func (sc *Scanner) Enter(b []byte, at, total int) int {
 	i := at + HeaderLen
+	body := total - HeaderLen
 	k := min(body, len(b)-i)
 	sc.left = body - k
 	return i + k
@@ -113,26 +110,21 @@ func (sc *Scanner) Enter(b []byte, at int) int {
 
 // check is Check's slow path: what is wrong with h, or that it is
 // Oversized.
-func (sc *Scanner) check(h []byte) Event {
+func (sc *Scanner) check(h []byte) (int, Event) {
 	typ, total, err := ParseHeader(h, sc.Max, sc.From)
-	sc.total = total
 	over, err := checkClient(typ, err)
 	switch {
 	case err != nil:
 		sc.err = err
-		return Bad
+		return 0, Bad
 	case over:
-		return Oversized
+		return total, Oversized
 	}
-	return Message
+	return total, Message
 }
 
 // Err returns what is wrong with the header Next or Check found Bad.
 func (sc *Scanner) Err() error { return sc.err }
-
-// Oversize returns the total size (type byte included) of the message
-// Check found Oversized.
-func (sc *Scanner) Oversize() int { return sc.total }
 
 // Rest reports where the stream stands within a message: how many of
 // its body bytes are still to come, and whether the next one is a

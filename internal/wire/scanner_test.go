@@ -3,7 +3,6 @@ package wire
 import (
 	"bufio"
 	"bytes"
-	"encoding/binary"
 	"errors"
 	"fmt"
 	"io"
@@ -87,13 +86,13 @@ func scannerEvents(t *testing.T, in, cuts []byte, max int, client bool) []string
 				ev = append(ev, fmt.Sprintf("%d ready %q", base+at, b[at-1]))
 				i = at
 			case AtHeader:
-				switch sc.Check(b, at) {
+				switch total, e := sc.Check(b, at); e {
 				case Message:
-					ev = append(ev, fmt.Sprintf("%d message %q %d", base+at, b[at], binary.BigEndian.Uint32(b[at+1:])+1))
-					i = sc.Enter(b, at)
+					ev = append(ev, fmt.Sprintf("%d message %q %d", base+at, b[at], total))
+					i = sc.Enter(b, at, total)
 					continue
 				case Oversized:
-					return append(ev, fmt.Sprintf("%d oversized %q %d", base+at, b[at], sc.Oversize()))
+					return append(ev, fmt.Sprintf("%d oversized %q %d", base+at, b[at], total))
 				}
 				fallthrough
 			case Bad:
@@ -163,10 +162,11 @@ func BenchmarkScanClient(b *testing.B) {
 			if ev != AtHeader {
 				break
 			}
-			if sc.Check(in, at) != Message {
+			total, ev := sc.Check(in, at)
+			if ev != Message {
 				break
 			}
-			i = sc.Enter(in, at)
+			i = sc.Enter(in, at, total)
 		}
 	}
 }

@@ -27,7 +27,7 @@ func BenchmarkPlanQuery(b *testing.B) {
 	} {
 		for _, mode := range []string{"", "/cached", "/cached/new_step"} {
 			b.Run(c.name+mode, func(b *testing.B) {
-				st, err := session.New(map[string]string{"options": "-c fence.job_key=k -c fence.epoch=3 -c fence.token=18"})
+				st, err := session.New(map[string]string{"options": "-c fence.job_key=k -c fence.epoch=3 -c fence.token=18"}, session.NewStatements())
 				if err != nil {
 					b.Fatal(err)
 				}

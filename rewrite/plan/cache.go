@@ -1,6 +1,7 @@
 package plan
 
 import (
+	"bytes"
 	"encoding/binary"
 	"hash/maphash"
 	"sync"
@@ -15,8 +16,9 @@ import (
 // Cache plans simple queries as PlanQuery does, reusing the plan of a
 // rewritten query for every later query that gives the planner the same
 // answers: it is a pure function of what it reads, so the same answers
-// give the same plan. It is safe for concurrent use, shared by all
-// sessions.
+// give the same plan, up to the values it copies into the plan (below),
+// which a plan from the cache gets again from the query and the session.
+// It is safe for concurrent use, shared by all sessions.
 //
 // Only the rewriting (rewriteQuery) is cached: PlanQuery's first pass —
 // the refusals before anything runs (reserved names, malformed fence
@@ -25,15 +27,21 @@ import (
 // afresh for every query, so a query the gate leaves alone costs nothing
 // more. What the rewriting reads, and where each input is in the key:
 //
-//   - the statements, through these fields only: Offset (each step's At),
-//     Kind, Chain, Opaque (Digested), Name of a SAVEPOINT or ROLLBACK TO
-//     (the digest's savepoint marks; no other kind's Name is read), and
-//     each GUC's Op, Name, Value, ValueParam (zero or not) and Unknown (the
-//     overlay of the query's own SETs). Never the text (Stmt.SQL, the
-//     digest's Canonical): a receipt's digest names its statements by
-//     index and is computed when it is sent (Resolve), from the query's
-//     own statements. So texts of one shape — differing in the literals
-//     of a write — share a plan, as the classifier shares their parse.
+//   - the statements, by index, through these fields only: Kind, Chain,
+//     Opaque (Digested), Name of a SAVEPOINT or ROLLBACK TO (the digest's
+//     savepoint marks; no other kind's Name is read), and the GUCs that
+//     change what the overlay of the query's own SETs decides: a RESET
+//     ALL, and a change of fence.job_key, fence.epoch, fence.token or
+//     fence.payload_digest by its Op, its Name, ValueParam (zero or
+//     not), Unknown and of its Value only what the overlay decides from
+//     (see below). Never the text (Stmt.SQL, the digest's Canonical): a
+//     receipt's digest names its statements by index and is computed
+//     when it is sent (Resolve), from the query's own statements. So
+//     texts of one shape — differing in the literals of a write — share
+//     a plan, as the classifier shares their parse. Nor the Offsets: a
+//     step's At is its statement's (Step.At), put in again on a hit, so
+//     literals of other lengths in a text of several statements do not
+//     make it another shape.
 //   - the protected tables' answers for each statement: ProtectedWrite
 //     (taken from PlanQuery's first pass), and MayWriteUnseen where it is
 //     not a protected write (the rewriting asks only then).
@@ -44,33 +52,38 @@ import (
 //     a running digest (session.Gate.Digest is a *fence.Digest) and, when
 //     a statement of the query is a ROLLBACK TO, that digest's Mark (a
 //     savepoint made before a COMMIT of the query keeps the old base;
-//     otherwise the base cancels out of every mark); fence.payload_digest
-//     (FromClient's Sum); and whether fence.job_key is set and
-//     fence.epoch and fence.token are positive integers, which decide
-//     whether a generation is presented at each statement (the overlay's
-//     test; the session's own, State.Generation, is their conjunction, as
-//     the session validates what it stores — parsePositive accepts what
-//     the overlay's strconv.ParseInt of the trimmed value accepts above 0).
-//   - the generation itself is not in the key: a worker sets a new
-//     fence.step for every transaction, which would make every receipt a
-//     miss. Each Gate and Receipt step records where the planner took its
-//     Gen from (Step.genFrom: the gate state, or the settings as statement
-//     i runs), and a plan from the cache gets the session's generation
-//     from there again: the transaction's session.Gate.Gen, or the
-//     session's fence settings with the query's own SETs before statement
-//     i replayed, exactly as the planner computed it.
+//     otherwise the base cancels out of every mark); whether
+//     fence.payload_digest is a client digest (it decodes: clientDigest);
+//     and whether fence.job_key is set and fence.epoch and fence.token are
+//     positive integers, which decide whether a generation is presented
+//     at each statement (the overlay's test; the session's own,
+//     State.Generation, is their conjunction, as the session validates
+//     what it stores — parsePositive accepts what the overlay's
+//     strconv.ParseInt of the trimmed value accepts above 0). The query's
+//     own values of these settings are keyed the same way.
+//   - the values the plan copies are not in the key: the generation
+//     (fence.step above all: a worker sets a new one for every
+//     transaction, which would make every receipt a miss) and the
+//     client's digest (a new one for every transaction). Each Gate and
+//     Receipt step records where the planner took its Gen from
+//     (Step.genFrom: the gate state, or the settings as statement i
+//     runs), a receipt with the client's digest where it took the Sum
+//     from (Digest.sumFrom), and a plan from the cache gets them from
+//     there again: the transaction's session.Gate.Gen, or the session's
+//     fence settings with the query's own SETs before statement i
+//     replayed, exactly as the planner computed them.
 //
 // Not read, so not in the key: the search_path and the prepared
 // statements (only through the Tables' answers), Replay, the savepoint
-// depth, any setting but the five fence settings above.
+// depth, any setting but the fence settings above.
 //
 // Plans with a refusal inside (a Raise step: FN008, whose message names
 // the table and the settings' values; FN009, which names the generation;
 // 25P01) are not cached: a refusal is not a path worth a cache, and their
 // messages carry what the key leaves out.
 //
-// A plan from the cache is shared: its Steps, Digest.Stmts and CopyReceipt
-// must not be modified (the proxy only reads them).
+// A plan from the cache is shared: its Steps, Digest.Stmts, Digest.Sum
+// and CopyReceipt must not be modified (the proxy only reads them).
 type Cache struct {
 	lru  *lru.Cache[uint64, *cached]
 	seed maphash.Seed
@@ -80,9 +93,8 @@ type Cache struct {
 // cached is a plan in the Cache, under its whole key (the LRU is keyed by
 // the key's hash: a collision is a miss).
 type cached struct {
-	key  string
-	q    Query
-	gens bool // a step has a generation (from genFrom)
+	key string
+	q   Query
 }
 
 // NewCache returns a Cache of up to size plans (at least 1).
@@ -123,8 +135,8 @@ func (c *Cache) rewrite(ss Session, stmts []*rewrite.Stmt, protected uint64) Que
 		}
 	}
 	q := rewriteQuery(ss, stmts)
-	if !refuses(&q) {
-		c.lru.Add(h, &cached{key: string(k.b), q: q, gens: hasGen(&q)})
+	if !refuses(&q) && placed(&q, stmts) {
+		c.lru.Add(h, &cached{key: string(k.b), q: q})
 	}
 	return q
 }
@@ -132,33 +144,45 @@ func (c *Cache) rewrite(ss Session, stmts []*rewrite.Stmt, protected uint64) Que
 // keys are the key buffers, reused: a lookup allocates nothing.
 var keys = sync.Pool{New: func() any { return &keyWriter{b: make([]byte, 0, 256)} }}
 
-// plan is the cached plan with the session's generation in each step that
-// has one, as the planner took it (Step.genFrom). The steps are copied
-// only when a generation differs from the cached one. ok is false if a
-// generation is not there (it cannot be: the key says it is).
+// plan is the cached plan for stmts in session ss: with each step where
+// the statement it stands before is in stmts (stepAt), and the session's
+// generation and client digest where the planner took them (Step.genFrom,
+// Digest.sumFrom). The steps are copied only when one of these differs
+// from the cached plan's. ok is false if a generation or a digest is not
+// there (it cannot be: the key says it is).
 func (e *cached) plan(ss *session.State, stmts []*rewrite.Stmt) (Query, bool) {
 	q := e.q
-	if !e.gens {
-		return q, true
-	}
 	copied := false
-	for i := range q.Steps {
-		s := &q.Steps[i]
-		if s.Kind != Gate && s.Kind != Receipt {
-			continue
-		}
-		g, ok := generationFrom(ss, stmts, s.genFrom)
-		if !ok {
-			return Query{}, false
-		}
-		if g == s.Gen {
-			continue
-		}
+	step := func(i int) *Step {
 		if !copied {
 			q.Steps = append([]Step(nil), q.Steps...)
-			s, copied = &q.Steps[i], true
+			copied = true
 		}
-		s.Gen = g
+		return &q.Steps[i]
+	}
+	for i := range e.q.Steps {
+		s := &e.q.Steps[i]
+		if at := stepAt(s, stmts); at != s.At {
+			step(i).At = at
+		}
+		if s.Kind == Gate || s.Kind == Receipt {
+			g, ok := generationFrom(ss, stmts, s.genFrom)
+			if !ok {
+				return Query{}, false
+			}
+			if g != s.Gen {
+				step(i).Gen = g
+			}
+		}
+		if s.Digest.Source == FromClient {
+			sum, ok := clientDigest(settingsAt(stmts, s.Digest.sumFrom).value(ss, session.PayloadDigest), true)
+			if !ok {
+				return Query{}, false
+			}
+			if !bytes.Equal(sum, s.Digest.Sum) {
+				step(i).Digest.Sum = sum
+			}
+		}
 	}
 	if r := q.CopyReceipt; r != nil {
 		g, ok := generationFrom(ss, stmts, r.genFrom)
@@ -174,17 +198,45 @@ func (e *cached) plan(ss *session.State, stmts []*rewrite.Stmt) (Query, bool) {
 	return q, true
 }
 
+// stepAt is where the planner places step s in the text of stmts: before
+// the statement it stands before (at its Offset), or after the last (-1).
+func stepAt(s *Step, stmts []*rewrite.Stmt) int {
+	if s.Stmt < 0 {
+		return -1
+	}
+	return stmts[s.Stmt].Offset
+}
+
+// placed reports whether stepAt gives back where the planner placed each
+// step of q, so that a plan from the cache can be placed in the text of
+// another query of its key (one whose Offsets differ). A plan it does not
+// is not cached.
+func placed(q *Query, stmts []*rewrite.Stmt) bool {
+	for i := range q.Steps {
+		if stepAt(&q.Steps[i], stmts) != q.Steps[i].At {
+			return false
+		}
+	}
+	return q.CopyReceipt == nil || q.CopyReceipt.At == -1
+}
+
 // generationFrom is the generation as the planner takes it from (see
 // Step.genFrom).
 func generationFrom(ss *session.State, stmts []*rewrite.Stmt, from int) (fence.Generation, bool) {
 	if from == 0 {
 		return ss.Gate().Gen, true
 	}
+	return settingsAt(stmts, from).generation(ss)
+}
+
+// settingsAt is the overlay of the query's own SETs as statement from-1
+// runs (from is len(stmts)+1: after the last).
+func settingsAt(stmts []*rewrite.Stmt, from int) overlay {
 	ov := overlay{}
 	for _, s := range stmts[:from-1] {
 		ov.apply(s)
 	}
-	return ov.generation(ss)
+	return ov
 }
 
 // refuses reports whether a plan has a refusal inside.
@@ -195,16 +247,6 @@ func refuses(q *Query) bool {
 		}
 	}
 	return q.Unfenced
-}
-
-// hasGen reports whether a step of q has a generation.
-func hasGen(q *Query) bool {
-	for i := range q.Steps {
-		if k := q.Steps[i].Kind; k == Gate || k == Receipt {
-			return true
-		}
-	}
-	return q.CopyReceipt != nil
 }
 
 // fact is one input of the rewriting in the Cache's key.
@@ -221,7 +263,6 @@ const (
 	factJobKeySet
 	factEpochOK
 	factTokenOK
-	factOffset
 	factKind
 	factChain
 	factOpaque
@@ -237,7 +278,7 @@ const (
 
 // keyWriter builds a Cache key: each fact as its tag and its value,
 // length-prefixed where it is variable, so that no two inputs write the
-// same bytes (a statement starts with its offset's tag, a GUC with its
+// same bytes (a statement starts with its kind's tag, a GUC with its
 // op's: their number needs no count of its own).
 type keyWriter struct {
 	b    []byte
@@ -278,7 +319,8 @@ func (k *keyWriter) session(st *session.State, stmts []*rewrite.Stmt) {
 		k.int(factDigestMark, live.Mark())
 	}
 	v, _ := st.Get(session.PayloadDigest)
-	k.string(factPayloadDigest, v)
+	_, ok = clientDigest(v, true) // as the planner reads it (digestNow)
+	k.bool(factPayloadDigest, ok)
 	v, _ = st.Get(session.JobKey)
 	k.bool(factJobKeySet, v != "")
 	v, _ = st.Get(session.Epoch)
@@ -291,7 +333,6 @@ func (k *keyWriter) session(st *session.State, stmts []*rewrite.Stmt) {
 
 // stmt writes a statement's facts; protected is its ProtectedWrite.
 func (k *keyWriter) stmt(t Tables, s *rewrite.Stmt, protected bool) {
-	k.int(factOffset, s.Offset)
 	k.int(factKind, int(s.Kind))
 	k.bool(factChain, s.Chain)
 	k.bool(factOpaque, s.Opaque)
@@ -309,10 +350,46 @@ func (k *keyWriter) stmt(t Tables, s *rewrite.Stmt, protected bool) {
 	}
 	k.int(factTables, answer)
 	for _, g := range s.GUCs {
-		k.int(factGUCOp, int(g.Op))
-		k.string(factGUCName, g.Name)
-		k.string(factGUCValue, g.Value)
-		k.bool(factGUCValueParam, g.ValueParam != 0)
-		k.bool(factGUCUnknown, g.Unknown)
+		k.guc(g)
 	}
+}
+
+// The fence settings whose changes the overlay decides from (factGUCName):
+// the generation's validity and the client's digest. fence.step is not
+// one: its value only goes into a generation (Step.genFrom).
+var overlaid = [...]string{1: session.JobKey, 2: session.Epoch, 3: session.Token, 4: session.PayloadDigest}
+
+// guc writes what the overlay reads of a setting a statement changes: a
+// RESET ALL, or a change of one of the overlaid settings and, of its
+// value, only what the overlay decides from (a job key set, an epoch or a
+// token that is a positive integer, a client digest that decodes). Any
+// other setting's change, fence.step's included, writes nothing.
+func (k *keyWriter) guc(g rewrite.GUC) {
+	if g.Op == rewrite.GUCResetAll {
+		k.int(factGUCOp, int(g.Op))
+		return
+	}
+	name := 0
+	for i, n := range overlaid {
+		if n != "" && n == g.Name {
+			name = i
+		}
+	}
+	if name == 0 {
+		return
+	}
+	k.int(factGUCOp, int(g.Op))
+	k.int(factGUCName, name)
+	k.bool(factGUCValueParam, g.ValueParam != 0)
+	k.bool(factGUCUnknown, g.Unknown)
+	var valid bool
+	switch g.Name {
+	case session.JobKey:
+		valid = g.Value != ""
+	case session.Epoch, session.Token:
+		_, valid = positive(g.Value)
+	case session.PayloadDigest:
+		_, valid = clientDigest(g.Value, true)
+	}
+	k.bool(factGUCValue, valid)
 }

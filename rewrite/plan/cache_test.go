@@ -50,6 +50,9 @@ func TestPlanCache(t *testing.T) {
 func TestPlanCacheKeyFacts(t *testing.T) {
 	corpus := cacheCorpus(t, 400)
 	for f := 1; f < plan.NumFacts; f++ {
+		if plan.FactName(f) == "" {
+			t.Errorf("fact %d has no name", f)
+		}
 		c := plan.NewCache(100000)
 		c.Omit(f)
 		n := 0
@@ -59,6 +62,59 @@ func TestPlanCacheKeyFacts(t *testing.T) {
 		if n == 0 {
 			t.Errorf("without %q in the key every plan is still right: the fact is not needed, or no input shows it is", plan.FactName(f))
 		}
+	}
+}
+
+// TestPlanCacheHits: queries that differ only in what the plan copies
+// from the session or the text (a worker's fence.step and client digest
+// for each transaction, literals of other lengths before a later
+// statement) share one entry, and each gets PlanQuery's plan from it.
+func TestPlanCacheHits(t *testing.T) {
+	write := "INSERT INTO results VALUES ('k', 'v')"
+	for _, tc := range []struct {
+		name   string
+		setups []string
+		sqls   []string
+	}{
+		{"a new fence.step in each transaction", []string{"BEGIN"}, []string{
+			"SET LOCAL fence.step = 'a'; " + write + "; COMMIT",
+			"SET LOCAL fence.step = 'b'; " + write + "; COMMIT",
+			"SET LOCAL fence.step = 'a step of another length'; " + write + "; COMMIT",
+		}},
+		{"a new fence.step in an implicit transaction", nil, []string{
+			"SET LOCAL fence.step = 'a'; " + write,
+			"SET LOCAL fence.step = 'b'; " + write,
+		}},
+		{"a new client digest in each transaction", []string{"BEGIN"}, []string{
+			"SET LOCAL fence.payload_digest = '" + strings.Repeat("a", 64) + "'; " + write + "; COMMIT",
+			"SET LOCAL fence.payload_digest = '" + strings.Repeat("b", 64) + "'; " + write + "; COMMIT",
+		}},
+		{"literals of other lengths", []string{"BEGIN"}, []string{
+			"INSERT INTO results VALUES ('k', 'v'); INSERT INTO results VALUES ('k', 'v'); COMMIT",
+			"INSERT INTO results VALUES ('a longer key', 'v'); INSERT INTO results VALUES ('k', 'a longer value'); COMMIT",
+			"INSERT INTO results VALUES ('', ''); INSERT INTO results VALUES ('k', 'v'); COMMIT",
+		}},
+		{"literals of other lengths before a COPY", nil, []string{
+			"SELECT 1; COPY results FROM STDIN",
+			"SELECT 12345; COPY results FROM STDIN",
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			c := plan.NewCache(10)
+			for i, sql := range tc.sqls {
+				cc := caseSpec{opts: []string{markOpts}, setups: tc.setups, sql: sql}.build(t)
+				want := plan.PlanQuery(cc.ss, cc.stmts)
+				if want.Action != plan.Rewrite {
+					t.Fatalf("%s: planned %v, want a rewritten query", sql, want.Action)
+				}
+				if got := c.PlanQuery(cc.ss, cc.stmts); !reflect.DeepEqual(got, want) {
+					t.Fatalf("%s:\n  cached: %+v\n  planned: %+v", sql, got, want)
+				}
+				if c.Len() != 1 {
+					t.Fatalf("after query %d (%s) the cache holds %d plans, want 1: it missed", i+1, sql, c.Len())
+				}
+			}
+		})
 	}
 }
 
@@ -260,6 +316,11 @@ var targetedCases = []caseSpec{
 	targeted("SET fence.payload_digest = '"+strings.Repeat("a", 64)+"'", 28, 0),
 	targeted("", 29, 0),
 	targeted("SET fence.payload_digest = '"+strings.Repeat("a", 64)+"'", 30, 0),
+	// Which setting a query sets decides, not only whether its value is
+	// valid: a client digest replaces the digest of the statements, a
+	// token does not.
+	{opts: []string{markOpts}, sql: "SET fence.payload_digest = '" + strings.Repeat("a", 64) + "'; INSERT INTO results VALUES ('k', 'v')"},
+	{opts: []string{markOpts}, sql: "SET fence.token = 5; INSERT INTO results VALUES ('k', 'v')"},
 }
 
 // targeted is a spec of a fenced session with the protected table results
@@ -388,7 +449,7 @@ func (sp caseSpec) build(t *testing.T) cacheCase {
 	prot := cacheProtected[sp.prot]
 	s := &sim{t: t, stmts: map[string]*rewrite.Stmt{}, portals: map[string]*portal{}, prot: rewrite.NewProtected(prot), noFence: sp.noFence}
 	opts := strings.Join(strings.Fields(strings.Join(sp.opts, " ")), " ")
-	st, err := session.New(map[string]string{"user": "app", "options": opts})
+	st, err := session.New(map[string]string{"user": "app", "options": opts}, session.NewStatements())
 	if err != nil {
 		t.Fatalf("startup %q: %v", opts, err)
 	}

@@ -153,7 +153,7 @@ func (s *sim) run(input string) string {
 			continue
 		}
 		if s.st == nil && verb != "protected" && verb != "startup" {
-			st, err := session.New(params)
+			st, err := session.New(params, session.NewStatements())
 			if err != nil {
 				t.Fatalf("startup %q: %v", params["options"], err)
 			}

@@ -173,9 +173,11 @@ func rewriteQuery(ss Session, stmts []*rewrite.Stmt) Query {
 		d = running{set: true, fromTx: true, base: live.Mark()}
 	}
 	marks := map[string][]int{}
-	digestNow := func() Digest {
+	// digestNow is the digest of a receipt before statement from-1, or
+	// after the last when from is len(stmts)+1 (Digest.sumFrom).
+	digestNow := func(from int) Digest {
 		if sum, ok := clientDigest(ov.value(st, session.PayloadDigest), true); ok {
-			return Digest{Source: FromClient, Sum: sum}
+			return Digest{Source: FromClient, Sum: sum, sumFrom: from}
 		}
 		if !d.set {
 			d = running{set: true}
@@ -253,7 +255,7 @@ loop:
 			refuse(i, copyThenCommit(gen))
 			break loop
 		case due() && s.Kind == rewrite.Commit:
-			dg := digestNow()
+			dg := digestNow(i + 1)
 			if explicit && i > 0 && i == len(stmts)-1 && !s.Chain {
 				// See the end: the receipt in a savepoint, so that what
 				// follows the query can tell its failure from an
@@ -348,7 +350,7 @@ loop:
 		// statements in it behave as they would straight to PostgreSQL
 		// (SAVEPOINT refused, BEGIN turning it explicit), and it
 		// commits at the end of the query only if nothing failed.
-		q.Steps = append(q.Steps, Step{Kind: Receipt, Stmt: -1, At: -1, Gen: gen, genFrom: genFrom, Gated: gated, Digest: digestNow()})
+		q.Steps = append(q.Steps, Step{Kind: Receipt, Stmt: -1, At: -1, Gen: gen, genFrom: genFrom, Gated: gated, Digest: digestNow(len(stmts) + 1)})
 	case beforeCommit && len(stmts) == 1 && lastCommit(stmts, steps):
 		// Steps: the receipt, the COMMIT.
 		q.Ending = LoneCommit

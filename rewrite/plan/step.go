@@ -100,6 +100,11 @@ type Digest struct {
 	Sum     []byte // FromClient, FromBatch
 	Version string // FromBatch
 	Items   int    // FromBatch: how many items it covers (for String)
+	// sumFrom is where a simple query's plan took FromClient's Sum from,
+	// as Step.genFrom: i+1, the fence settings as statement i runs
+	// (len(stmts)+1: after the last). The Cache puts the session's
+	// digest into a plan it reuses from there.
+	sumFrom int
 }
 
 // Resolve computes the digest a receipt step sends for d: stmts are the
