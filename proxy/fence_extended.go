@@ -251,34 +251,33 @@ func (h *fenceSession) execute(s gateConn, msg []byte) error {
 		}
 		return nil
 	}
-	if err := h.settle(s); err != nil {
-		return err
-	}
-	defer h.markState()
-	if ep.Unfenced {
-		h.f.Stats.Unfenced.Add(1)
-	}
-	if ep.Prepare {
-		if err := h.prepareGate(s); err != nil {
+	return h.settleThen(s, func() error {
+		defer h.markState()
+		if ep.Unfenced {
+			h.f.Stats.Unfenced.Add(1)
+		}
+		if ep.Prepare {
+			if err := h.prepareGate(s); err != nil {
+				return err
+			}
+		}
+		for i := range ep.Before {
+			if err := h.execStep(s, &ep.Before[i], st); err != nil {
+				return err
+			}
+		}
+		if ep.CopyDigested {
+			// Its data goes into the digest (copyDigest), up to CopyDone.
+			h.copyDigested, h.copiesLeft = true, 1
+		}
+		if err := h.send(s, msg, t, true); err != nil {
 			return err
 		}
-	}
-	for i := range ep.Before {
-		if err := h.execStep(s, &ep.Before[i], st); err != nil {
-			return err
+		if ep.AwaitCommit {
+			h.commitReq = h.last
 		}
-	}
-	if ep.CopyDigested {
-		// Its data goes into the digest (copyDigest), up to CopyDone.
-		h.copyDigested, h.copiesLeft = true, 1
-	}
-	if err := h.send(s, msg, t, true); err != nil {
-		return err
-	}
-	if ep.AwaitCommit {
-		h.commitReq = h.last
-	}
-	return nil
+		return nil
+	})
 }
 
 // execStep runs a planned step of the extended protocol in the current
