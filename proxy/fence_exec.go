@@ -10,7 +10,10 @@ import (
 
 // Executing the gate's plans: sending the client's messages and the gate's
 // steps upstream, tagged (send), and waiting where a step depends on an
-// answer (settle, barrier, wait). The plans come from rewrite/plan; the
+// answer: every wait point is then (blocking on a goroutine, parking the
+// client side on the event loop), through settle, barrier and wait where
+// nothing of the message is done yet, settleThen and barrierThen where
+// the rest of the work is the continuation. The plans come from rewrite/plan; the
 // answers are interpreted in fence_server.go.
 
 // send passes a message upstream through the queue with its tag; visible

@@ -328,7 +328,9 @@ func (h *fenceSession) prepareGate(s gateConn) error {
 	if r := h.be.prepareReq; r != nil {
 		// The last Parse of them: PostgreSQL skips it, without a word,
 		// when an earlier message of its batch failed. (Settled by now:
-		// the gate step that followed it changed the state.)
+		// the gate step that followed it changed the state. So this
+		// never waits: on the loop a wait here, with the message half
+		// done, could not be handled again.)
 		if err := h.wait(s, r); err != nil {
 			return err
 		}
