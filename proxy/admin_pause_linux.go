@@ -155,15 +155,12 @@ func (l *evloop) unhold(r *relay) error {
 // parkIntercepted parks an intercepted session whose client's message PAUSE
 // holds on the loop (the message stays in the client framer).
 func (l *evloop) parkIntercepted(r *relay) error {
-	if err := l.watchClient(r, false); err != nil {
+	if err := l.watchClient(r, clientOff); err != nil {
 		return err
 	}
 	wake := func() {
 		l.tasks.post(func() {
 			l.onLoopThread(r, func() error {
-				if r.intercept.clientOnGoroutine.Load() {
-					return nil // the client goroutine has the client side now
-				}
 				if err := l.clientInline(r); err != nil {
 					return err
 				}

@@ -153,7 +153,7 @@ func (s *Server) showFenceStats() *adminTable {
 	n("sessions_open", int64(len(s.sessions())))
 	n("sessions_total", st.SessionsTotal.Load())
 	n("sessions_event_loop_total", st.SessionsLoop.Load())
-	n("client_handoffs_total", st.ClientHandoffs.Load())
+	n("client_parks_total", st.ClientParks.Load())
 	n("admin_sessions_total", st.AdminSessions.Load())
 	refused := st.Refused()
 	var total int64

@@ -3,6 +3,8 @@
 package proxy
 
 import (
+	"bufio"
+	"bytes"
 	"errors"
 	"fmt"
 	"io"
@@ -13,33 +15,39 @@ import (
 
 	"go.uber.org/zap"
 	"golang.org/x/sys/unix"
+
+	"github.com/pgfence/pgfence/internal/wire"
 )
 
 // This file holds the event loop's half of an intercepted session (one
 // with a Handler): its state (interceptState), the readers and writers
 // the session's framers and writers use once its sockets are the loop's,
-// the loop's handling of its events, and the hand-off of its client side
-// between the loop and the client goroutine.
+// the loop's handling of its events, and the parking of its client side.
 
 // An intercepted session (one with a Handler) is relayed on the loop too,
 // message by message rather than byte by byte. Its server side never
 // blocks: the loop reads the server, frames it, calls the Handler's
 // ServerMessage and writes to the client inline (Session.serverMessage,
-// the same code as the server goroutine). Its client side may block (a
-// Handler may wait for the answer to an earlier request), so it has a
-// goroutine, but a LoopClient Handler's messages are handled on the loop
-// as well (clientInline) until one must wait: that one (ErrWait) and
-// those after it go to the goroutine (interceptClient), which gives the
-// client back to the loop once its socket is empty. A Handler that is not a
-// LoopClient keeps its client side on the goroutine for good
-// (Session.clientLoop). Both sockets leave Go's netpoller: the goroutine
-// reads the client itself and, when it must wait for bytes, re-arms the
-// loop's one-shot watch (clientReader); the loop wakes it and yields at
-// once, so it runs on the loop's own thread instead of waking another (on
-// a small VM a thread's wake-up costs tens of microseconds). The goroutine
-// writes the server itself, blocking; the loop never blocks: what a socket
-// does not take waits (clientPending for the client, serverPending for
-// the server) and the other side is not read until it has gone.
+// the same code as the server goroutine). A LoopClient Handler's client
+// messages are handled on the loop as well (clientInline), and so never
+// block either: where the Handler must wait for an answer (the write gate:
+// a write pipelined behind a SET in flight, a wrapped COPY FROM, a
+// settings read-back) it parks the client side (parkClient) with what it
+// waits for and the rest of its work; the loop stops reading that client
+// (its bytes stay buffered, in order), and once the server side, which
+// runs on the same thread, has answered, it runs the rest there
+// (resumeClient) and reads the client again. A message larger than the
+// buffer is read there too, without blocking, as it arrives (growClient,
+// streamSteps). The session has no client goroutine. A Handler that is
+// not a LoopClient keeps its client side on a goroutine
+// (Session.clientLoop), which reads the client itself and, when it must
+// wait for bytes, re-arms the loop's one-shot watch (clientReader); the
+// loop wakes it and yields at once, so it runs on the loop's own thread
+// instead of waking another (on a small VM a thread's wake-up costs tens
+// of microseconds), and it writes the server itself, blocking. Both
+// sockets leave Go's netpoller. The loop never blocks: what a socket does
+// not take waits (clientPending for the client, serverPending for the
+// server) and the other side is not read until it has gone.
 //
 // The Handler's ServerMessage runs on the loop thread, so it must not
 // block (fenceSession's holds its mutex only for short bookkeeping); a
@@ -57,46 +65,63 @@ type interceptState struct {
 	serverReadsPaused atomic.Bool
 
 	// The client's reads: clientReadFD, another duplicate of the client
-	// socket, is watched one-shot for the client goroutine, which the
-	// loop wakes through clientReady (and runs on its own thread: see
-	// run); stop ends a wait at the session's end.
-	clientReadFD int
-	clientReady  chan struct{}
-	stop         chan struct{}
+	// socket, is watched level-triggered while the loop reads it
+	// (clientWatchEv: what is registered; loop thread only, or
+	// attachIntercepted before the loop can see the session). A client
+	// goroutine (a Handler that is not a LoopClient) has it watched
+	// one-shot and is woken through clientReady (and runs on the loop's
+	// thread: see run); stop ends its wait at the session's end.
+	clientReadFD  int
+	clientWatchEv uint32
+	clientReady   chan struct{}
+	stop          chan struct{}
 
-	// A LoopClient Handler's client messages are handled on the loop
-	// too (clientInline), until one must wait: then it and what follows
-	// go to the client goroutine (clientWork), which hands the client back
-	// when the socket is empty. clientOnGoroutine says who has the client
-	// side now; its atomic store and load order the hand-back.
-	inlineClient      bool        // a LoopClient: fixed when attached
-	clientOnGoroutine atomic.Bool // true: the client goroutine; false: the loop
-	clientReadArmed   bool        // the loop may read the client (once) in this event
-	// clientLevelTriggered: clientReadFD is watched level-triggered
-	// (clientLevel), as it is while the loop owns the client side and
-	// reads it; otherwise one-shot. Only the loop thread (or
-	// attachIntercepted, before the loop can see the session) reads or
-	// writes it.
-	clientLevelTriggered bool
+	inlineClient    bool // a LoopClient: its client side is the loop's (fixed when attached)
+	clientReadArmed bool // the loop may read the client (once) in this event
 	// clientEventCount counts the loop's events for clientReadFD (for
 	// observation: a watch left armed while the client is not read would
 	// spin).
 	clientEventCount atomic.Uint64
-	blockingRead     bool   // client goroutine: wait for the client's bytes
 	serverPending    []byte // bytes for the server its socket has not taken yet (inline)
 	// clientReadsPaused: the client is not read until the server takes
 	// serverPending (for observation: tests).
 	clientReadsPaused atomic.Bool
-	clientWork        chan struct{}
+
+	// park is the parked client side's wait (nil: not parked), parkedLen
+	// the bytes of its message left in the client framer, to consume once
+	// the continuation is done. parks counts the session's parks (for
+	// observation: tests; the Server's count is Stats.ClientParks).
+	park      *clientPark
+	parkedLen int
+	parks     atomic.Int64
+	// clientSize is the client buffer's size; grown is the memory budget
+	// taken while the buffer is larger, for one message (growClient).
+	clientSize int
+	grown      int64
+	stream     clientStream // a message passed on in pieces (streamSteps)
 }
 
-// errHandoff ends clientSteps on the loop: the next message must be
-// handled on the client goroutine. errPaused ends it while the server
-// has not taken what waits in serverPending.
-var (
-	errHandoff = errors.New("client message handed to the client goroutine")
-	errPaused  = errors.New("client paused until the server takes what waits")
-)
+// clientPark is what a parked client side waits for (ready) and what it
+// does then (k; nil: handle the message again).
+type clientPark struct {
+	ready func() bool
+	k     func() error
+}
+
+// clientStream is a client message the loop passes on in pieces as they
+// arrive (left bytes to go): a CopyData larger than the buffer, each piece
+// to the Handler (as Session.copyPieces), or one over MaxMessageSize
+// (over), dropped and then answered (Session.oversize), or a message the
+// memory budget cannot hold (overBudget), dropped and then the end.
+type clientStream struct {
+	typ              byte
+	total, left      int
+	over, overBudget bool
+}
+
+// errPaused ends clientSteps while the server has not taken what waits
+// in serverPending.
+var errPaused = errors.New("client paused until the server takes what waits")
 
 // clientReader is the client framer's reader once the client socket has
 // left Go's netpoller: the client goroutine reads the socket itself and,
@@ -114,8 +139,8 @@ func (cr clientReader) Read(b []byte) (int, error) {
 	for {
 		ready := true // the goroutine reads whenever it is asked to
 		n, err := armedRead(ic.clientReadFD, &ready, b)
-		if err != errWouldBlock || !ic.blockingRead {
-			return n, err // errWouldBlock between messages: back to the loop
+		if err != errWouldBlock {
+			return n, err
 		}
 		if err := cr.l.ctl(syscall.EPOLL_CTL_MOD, ic.clientReadFD, clientWatch); err != nil {
 			return 0, err
@@ -129,17 +154,19 @@ func (cr clientReader) Read(b []byte) (int, error) {
 }
 
 // The loop's interest in an intercepted session's client reads.
-// clientLevel is level-triggered: while the loop owns the client side
-// it stays registered, so a message costs no epoll_ctl (re-arming a
+// clientLevel is level-triggered: while the loop reads the client it
+// stays registered, so a message costs no epoll_ctl (re-arming a
 // one-shot watch per message cost CPU: docs/proxy.md, Performance).
-// clientWatch is one-shot: the client goroutine arms it when
-// it must wait for bytes, and it arms it once to hand the client back.
-// clientOff disarms the reads (a hang-up is still reported, once) while
-// the goroutine owns the client or the loop must not read it (paused).
+// clientWatch is one-shot: a client goroutine arms it when it must wait
+// for bytes. clientOff disarms the reads (a hang-up is still reported,
+// once) while the loop must not read the client (paused, PAUSE).
+// clientHangup, while the client side is parked, reports only the
+// client's going (EPOLLRDHUP), which ends the session.
 const (
-	clientLevel = syscall.EPOLLIN | syscall.EPOLLRDHUP
-	clientWatch = syscall.EPOLLIN | syscall.EPOLLRDHUP | syscall.EPOLLONESHOT
-	clientOff   = syscall.EPOLLONESHOT
+	clientLevel  = syscall.EPOLLIN | syscall.EPOLLRDHUP
+	clientWatch  = syscall.EPOLLIN | syscall.EPOLLRDHUP | syscall.EPOLLONESHOT
+	clientOff    = syscall.EPOLLONESHOT
+	clientHangup = syscall.EPOLLRDHUP | syscall.EPOLLONESHOT
 )
 
 // loopServerReader is the server framer's reader on the loop: one read per
@@ -245,11 +272,11 @@ func (l *evloop) attachIntercepted(s *Session) (*relay, bool) {
 	r := &relay{
 		s: s, l: l, clientFD: clientFD, serverFD: serverFD,
 		intercept: &interceptState{serverInterest: syscall.EPOLLIN | syscall.EPOLLRDHUP, clientReadFD: clientReadFD,
-			clientReady: make(chan struct{}, 1), stop: make(chan struct{}), clientWork: make(chan struct{}, 1)},
+			clientReady: make(chan struct{}, 1), stop: make(chan struct{}), clientSize: s.cf.R.Size()},
 		done: make(chan error, 1),
 	}
 	// Both sockets leave Go's netpoller, or every response would wake it
-	// as well as the loop. The client goroutine reads the client
+	// as well as the loop. The client side reads the client
 	// (clientReader) and writes the server (serverWriter); the loop reads
 	// the server and writes the client; all through the duplicates.
 	s.server.Close()
@@ -259,23 +286,20 @@ func (l *evloop) attachIntercepted(s *Session) (*relay, bool) {
 	s.cw.Reset(loopClientWriter{r})
 	s.sw.Reset(serverWriter{r})
 	s.loopRelay = r
-	clientInterest := uint32(clientWatch)
+	r.intercept.clientWatchEv = clientWatch // the client goroutine's, waiting
 	if lc, ok := s.h.(LoopClient); ok && lc.LoopClient() {
 		r.intercept.inlineClient = true
-		r.intercept.clientLevelTriggered = true
-		clientInterest = clientLevel
-	} else {
-		// The client side is the goroutine's for good, and it waits.
-		r.intercept.clientOnGoroutine.Store(true)
-		r.intercept.blockingRead = true
+		r.intercept.clientWatchEv = clientLevel
 	}
 	// The client's writes are watched only while clientPending holds bytes.
-	return l.publish(r, epollReg{clientReadFD, clientInterest}, epollReg{serverFD, r.intercept.serverInterest})
+	return l.publish(r, epollReg{clientReadFD, r.intercept.clientWatchEv}, epollReg{serverFD, r.intercept.serverInterest})
 }
 
 // interceptEvent handles an event of an intercepted session: the server
-// socket is readable (or closed), or the client socket has room for what
-// waits in clientPending.
+// socket is readable (or closed), or has room for what waits in
+// serverPending, or the client socket has room for what waits in
+// clientPending, or the client has sent something. After it, a parked
+// client side whose wait is over goes on (resumeClient).
 func (l *evloop) interceptEvent(r *relay, fd int, ev uint32) {
 	err := func() (err error) {
 		defer func() {
@@ -287,24 +311,32 @@ func (l *evloop) interceptEvent(r *relay, fd int, ev uint32) {
 		ic := r.intercept
 		if fd == ic.clientReadFD {
 			ic.clientEventCount.Add(1)
-			if !ic.clientOnGoroutine.Load() {
-				ic.clientReadArmed = true
-				err := l.clientInline(r)
-				ic.clientReadArmed = false
-				return err
+			switch {
+			case !ic.inlineClient:
+				select {
+				case ic.clientReady <- struct{}{}:
+				default:
+				}
+				l.wokeGoroutine = true
+				return nil
+			case ic.park != nil:
+				// Parked: the client is watched for its going only.
+				// Its session ends; what it waited for is dropped.
+				if ev&(syscall.EPOLLRDHUP|syscall.EPOLLHUP|syscall.EPOLLERR) != 0 {
+					return fmt.Errorf("client: gone while parked: %w", io.EOF)
+				}
+				return nil
 			}
-			select {
-			case ic.clientReady <- struct{}{}:
-			default:
-			}
-			l.wokeGoroutine = true
-			return nil
+			ic.clientReadArmed = true
+			err := l.clientInline(r)
+			ic.clientReadArmed = false
+			return err
 		}
 		if fd == r.serverFD && ev&syscall.EPOLLOUT != 0 {
-			if err := drainHeld(r.serverFD, &ic.serverPending, r.s.cf.R.Size()); err != nil {
+			if err := drainHeld(r.serverFD, &ic.serverPending, ic.clientSize); err != nil {
 				return fmt.Errorf("server: %w", err)
 			}
-			if len(ic.serverPending) == 0 && !ic.clientOnGoroutine.Load() {
+			if len(ic.serverPending) == 0 && ic.inlineClient && ic.park == nil {
 				// Go on with the client's messages held meanwhile.
 				if err := l.clientInline(r); err != nil {
 					return err
@@ -328,6 +360,9 @@ func (l *evloop) interceptEvent(r *relay, fd int, ev uint32) {
 		// even if the client is slow, so the end is seen.
 		return r.serverSteps(ev&(syscall.EPOLLRDHUP|syscall.EPOLLHUP|syscall.EPOLLERR) != 0)
 	}()
+	if err == nil && r.intercept.park != nil {
+		err = l.resumeClient(r)
+	}
 	if err == nil {
 		err = l.interceptInterest(r)
 	}
@@ -338,103 +373,177 @@ func (l *evloop) interceptEvent(r *relay, fd int, ev uint32) {
 
 // clientInline handles the client messages that have arrived on the loop
 // (a LoopClient Handler), until the client has no more, the server has
-// no room for more, or one must wait: that one goes to the client
-// goroutine.
+// no room for more, or the client side parks.
 func (l *evloop) clientInline(r *relay) error {
-	s, ic := r.s, r.intercept
+	s := r.s
 	s.onLoop = true
 	err := func() error {
 		defer func() { s.onLoop = false }() // a Handler's panic too
 		return r.clientSteps()
 	}()
+	return l.clientStopped(r, err)
+}
+
+// clientStopped sets the client's watch for why clientSteps (or a
+// continuation) stopped: no more bytes, the server's room, PAUSE, a park.
+func (l *evloop) clientStopped(r *relay, err error) error {
+	ic := r.intercept
 	switch err {
 	case errWouldBlock:
 		if len(ic.serverPending) > 0 {
 			// Read on once the server has taken it (interceptEvent).
-			return l.watchClient(r, false)
+			return l.watchClient(r, clientOff)
 		}
-		return l.watchClient(r, true)
+		return l.watchClient(r, clientLevel)
 	case errPaused:
-		return l.watchClient(r, false)
+		return l.watchClient(r, clientOff)
 	case errHold:
 		return l.parkIntercepted(r) // admin_pause_linux.go
-	case errHandoff:
-		// The goroutine reads the client now and arms the one-shot
-		// watch itself when it must wait.
-		if err := l.watchClient(r, false); err != nil {
-			return err
-		}
-		s.srv.ops.stats.ClientHandoffs.Add(1)
-		ic.clientOnGoroutine.Store(true)
-		ic.clientWork <- struct{}{}
-		l.wokeGoroutine = true
-		return nil
+	case errParked:
+		ic.parks.Add(1)
+		r.s.srv.ops.stats.ClientParks.Add(1)
+		return l.watchClient(r, clientHangup)
 	}
 	return err
 }
 
-// watchClient makes the loop's watch of an intercepted session's client
-// level-triggered (reads on) or disarmed (reads off), changing the
-// registration only when it differs. Loop thread only.
-func (l *evloop) watchClient(r *relay, on bool) error {
-	ic := r.intercept
-	if ic.clientLevelTriggered == on {
+// parkClient parks the client side of a session on the loop (see
+// gateConn): the Handler returns what it returns, and the loop runs k
+// once ready reports true (resumeClient).
+func (s *Session) parkClient(ready func() bool, k func() error) error {
+	s.loopRelay.intercept.park = &clientPark{ready: ready, k: k}
+	if k == nil {
+		return ErrWait
+	}
+	return errParked
+}
+
+// resumeClient goes on with a parked client side once what it waits for
+// has happened: it runs the continuation on the loop thread (which may
+// park again) or handles the message again, then reads the client on.
+// Its condition changes only on this thread, as the server side's
+// messages are handled, so the loop asks after each of its events.
+func (l *evloop) resumeClient(r *relay) error {
+	s, ic := r.s, r.intercept
+	p := ic.park
+	if !p.ready() {
 		return nil
 	}
-	ev := uint32(clientOff)
-	if on {
-		ev = clientLevel
+	ic.park = nil
+	s.onLoop = true
+	err := func() error {
+		defer func() { s.onLoop = false }()
+		if p.k == nil {
+			return ErrWait
+		}
+		return p.k()
+	}()
+	switch {
+	case err == ErrWait:
+		// Handled again from the start (the message is still whole in
+		// the framer); a continuation had kept it counted.
+		if p.k != nil {
+			s.releaseMessage(false)
+		}
+	case err == errParked:
+		return l.clientStopped(r, err)
+	case err != nil:
+		return err
+	default:
+		r.messageDone(ic.parkedLen)
+	}
+	return l.clientInline(r)
+}
+
+// messageDone consumes the n bytes of a handled message left in the
+// client framer, ends its count (releaseMessage) and gives a buffer grown
+// for it back (shrinkClient).
+func (r *relay) messageDone(n int) {
+	if n > 0 {
+		r.s.cf.Discard(n)
+	}
+	r.s.releaseMessage(true)
+	r.shrinkClient()
+}
+
+// watchClient sets the loop's watch of an intercepted session's client
+// reads to ev (clientLevel, clientOff, clientHangup), changing the
+// registration only when it differs. Loop thread only.
+func (l *evloop) watchClient(r *relay, ev uint32) error {
+	ic := r.intercept
+	if ic.clientWatchEv == ev {
+		return nil
 	}
 	if err := l.ctl(syscall.EPOLL_CTL_MOD, ic.clientReadFD, ev); err != nil {
 		return err
 	}
-	ic.clientLevelTriggered = on
+	ic.clientWatchEv = ev
 	return nil
 }
 
-// clientSteps handles the client messages that have arrived, reading the
-// socket without blocking: on the loop (s.onLoop) or on the client
-// goroutine after a hand-off. It returns errWouldBlock when the client
-// has nothing more (a message may be partly read: it stays buffered).
+// clientSteps handles, on the loop, the client messages that have
+// arrived, reading the socket without blocking. It returns errWouldBlock
+// when the client has nothing more (a message may be partly read: it
+// stays buffered), errParked when the client side parks in a message
+// (which stays buffered too).
 func (r *relay) clientSteps() error {
 	s, ic := r.s, r.intercept
-	size := s.cf.R.Size()
 	for {
-		if s.onLoop && len(ic.serverPending) > 0 {
+		if len(ic.serverPending) > 0 {
 			return errPaused
+		}
+		if ic.stream.left > 0 {
+			if err := r.streamSteps(); err != nil {
+				return err
+			}
+			continue
 		}
 		typ, total, err := s.nextClient()
 		if err != nil {
 			return err
 		}
-		big := total > size || total-headerLen > s.cf.Max
-		if big && s.onLoop {
-			return r.handoff() // read whole (or dropped), waiting for it, on the goroutine
-		}
 		if s.holdMessage(typ) { // PAUSE: admin_pause.go
-			if s.onLoop {
-				return errHold
-			}
-			if err := s.waitResume(); err != nil {
-				return err
-			}
-			continue
+			return errHold
 		}
-		// A message larger than the buffer is read whole, waiting for
-		// it; a smaller one not yet whole stays buffered (errWouldBlock).
-		ic.blockingRead = big
-		err = s.clientMessage(typ, total, size)
-		ic.blockingRead = false
-		s.releaseMessage(err == nil) // otherwise it is handled again
 		switch {
+		case total-headerLen > s.cf.Max:
+			ic.stream = clientStream{typ: typ, total: total, left: total, over: true}
+			continue
+		case typ == 'd' && total > ic.clientSize:
+			s.cf.Discard(headerLen) // in pieces, as copyPieces
+			ic.stream = clientStream{typ: typ, total: total, left: total - headerLen}
+			continue
+		case total > s.cf.R.Size():
+			if !r.growClient(total) {
+				ic.stream = clientStream{typ: typ, total: total, left: total, overBudget: true}
+				continue
+			}
+		}
+		switch err := s.interceptClient(total, s.cf.R.Size()); {
 		case err == nil:
 		case errors.Is(err, errWouldBlock):
+			s.releaseMessage(false) // not whole yet: handled again
 			return errWouldBlock
-		case err == ErrWait && s.onLoop:
-			return r.handoff() // nothing was done: the message stays
+		case err == ErrWait:
+			s.releaseMessage(false) // handled again once parked
+			if ic.park == nil {
+				// A Handler that did not say what it waits for: the
+				// answer to the oldest request outstanding.
+				front := s.q.Front()
+				if front == nil {
+					return errors.New("client message must wait with nothing outstanding")
+				}
+				ic.park = &clientPark{ready: func() bool { return isDone(front) }}
+			}
+			return errParked
+		case err == errParked:
+			ic.parkedLen = total // consumed when its continuation is done
+			return errParked
 		default:
 			return err
 		}
+		s.releaseMessage(true)
+		r.shrinkClient()
 		if typ == 'X' {
 			s.sw.Flush()
 			return errClientTerminate
@@ -442,44 +551,105 @@ func (r *relay) clientSteps() error {
 	}
 }
 
-// handoff is what clientSteps returns on the loop for a message that
-// must go to the client goroutine. Not while bytes wait in serverPending: the
-// goroutine writes the server directly, which would pass them. (serverPending
-// only grows within a message's own writes, and clientSteps stops at the
-// next message then, so this is a guard for that invariant.) The message
-// stays unread (ErrWait: nothing was done) and is handled again once the
-// server has taken them.
-func (r *relay) handoff() error {
-	if len(r.intercept.serverPending) > 0 {
-		return errPaused
+// isDone reports whether req has been answered.
+func isDone(req *Request) bool {
+	select {
+	case <-req.Done():
+		return true
+	default:
+		return false
 	}
-	return errHandoff
 }
 
-// interceptClient is the client goroutine of a LoopClient session: it handles
-// the client's messages from a hand-off until the client has nothing
-// more, then gives the client back to the loop.
-func (r *relay) interceptClient(l *evloop) error {
-	ic := r.intercept
-	for {
-		select {
-		case <-ic.clientWork:
-		case <-ic.stop:
-			return errSessionClosing
+// streamSteps goes on with the client message the loop passes on in
+// pieces (clientStream) as far as its bytes have arrived; errWouldBlock
+// when they have not all.
+func (r *relay) streamSteps() error {
+	s, st := r.s, &r.intercept.stream
+	for st.left > 0 {
+		n := st.left
+		if !st.over && !st.overBudget {
+			n = min(n, r.intercept.clientSize-headerLen)
 		}
-		if err := r.clientSteps(); err != errWouldBlock {
-			return err
+		b, err := s.cf.Piece(n)
+		if err != nil {
+			if err == errWouldBlock {
+				return err
+			}
+			return fmt.Errorf("client: %w", err)
 		}
-		// Hand back: the one-shot watch, armed after the store, wakes the
-		// loop for the next bytes (the loop then makes it level-triggered:
-		// watchClient). Nothing else makes the loop change the watch
-		// meanwhile: serverPending is empty while the goroutine owns the
-		// client.
-		ic.clientOnGoroutine.Store(false)
-		if err := l.ctl(syscall.EPOLL_CTL_MOD, ic.clientReadFD, clientWatch); err != nil {
-			return err
+		k := len(b)
+		if st.over || st.overBudget {
+			s.cf.Discard(k)
+		} else {
+			if cap(s.scratch) < r.intercept.clientSize {
+				s.scratch = make([]byte, 0, r.intercept.clientSize)
+			}
+			piece := append(s.scratch[:headerLen], b...)
+			wire.PutHeader(piece, 'd', k)
+			s.cf.Discard(k)
+			if err := s.deliver(piece); err != nil {
+				return err
+			}
 		}
+		st.left -= k
 	}
+	done := *st
+	*st = clientStream{}
+	var err error
+	switch {
+	case done.overBudget:
+		return s.srv.overBudget(done.total)
+	case done.over:
+		err = s.substituteOversized(done.typ, done.total) // limits.go
+	}
+	switch err {
+	case nil:
+		s.releaseMessage(true)
+		return nil
+	case errParked:
+		r.intercept.parkedLen = 0 // nothing of it left in the framer
+	}
+	return err
+}
+
+// growClient makes the client buffer hold a message of total bytes,
+// larger than it, so that the message is read whole on the loop as it
+// arrives, within the memory budget (false: it cannot). shrinkClient
+// gives it back once the message is done.
+func (r *relay) growClient(total int) bool {
+	s, ic := r.s, r.intercept
+	cost := heldCost(total-headerLen) - ic.grown
+	if !s.srv.mem.take(cost) {
+		return false
+	}
+	ic.grown += cost
+	r.resizeClient(total)
+	return true
+}
+
+// shrinkClient gives a buffer grown for a message back, once what is
+// left in it fits the usual size.
+func (r *relay) shrinkClient() {
+	s, ic := r.s, r.intercept
+	if ic.grown == 0 || s.cf.R.Buffered() > ic.clientSize {
+		return
+	}
+	r.resizeClient(ic.clientSize)
+	s.srv.mem.give(ic.grown)
+	ic.grown = 0
+}
+
+// resizeClient replaces the client buffer by one of size bytes, keeping
+// what it holds.
+func (r *relay) resizeClient(size int) {
+	s := r.s
+	var src io.Reader = clientReader{r.l, r}
+	if n := s.cf.R.Buffered(); n > 0 {
+		b, _ := s.cf.R.Peek(n)
+		src = io.MultiReader(bytes.NewReader(bytes.Clone(b)), src)
+	}
+	s.cf.R = bufio.NewReaderSize(src, size)
 }
 
 // serverSteps forwards the server messages that have arrived, while the
@@ -552,38 +722,47 @@ func (l *evloop) interceptInterest(r *relay) error {
 	return nil
 }
 
-// runIntercepted runs an intercepted session with its server side on the loop
-// (the client side on a goroutine); it returns false, having done
-// nothing, when the session must use goroutines for both.
+// runIntercepted runs an intercepted session with its server side on the
+// loop, and its client side there too (a LoopClient) or on a goroutine;
+// it returns false, having done nothing, when the session must use
+// goroutines for both.
 func (s *Session) runIntercepted(l *evloop) (error, bool) {
 	r, ok := l.attachIntercepted(s)
 	if !ok {
 		return nil, false
 	}
 	s.srv.ops.stats.SessionsLoop.Add(1)
-	sd := newSides()
-	client := s.clientLoop
 	if r.intercept.inlineClient {
-		client = func() error { return r.interceptClient(l) }
+		return s.end(interceptEnd{relayEnd: relayEnd{r}}, <-r.done), true
 	}
-	sd.run(func() error { return s.guard("client", client) })
+	sd := newSides()
+	sd.run(func() error { return s.guard("client", s.clientLoop) })
 	sd.run(func() error { return <-r.done }) // the server side, on the loop
 	return s.end(interceptEnd{relayEnd{r}, sd}, sd.first()), true
 }
 
 // interceptEnd is the end of an intercepted session on the loop
-// (Session.end): its client side on a goroutine, its server side on the
-// loop.
+// (Session.end): both its sides on the loop (sd nil), or its client side
+// on a goroutine.
 type interceptEnd struct {
 	relayEnd
-	*sides
+	sd *sides
 }
 
 // stop shuts the upstream down (the loop sees it and lets go of r) and
-// ends the client goroutine's wait for bytes.
+// ends a client goroutine's wait for bytes.
 func (e interceptEnd) stop() {
 	e.r.s.closeServer()
 	close(e.r.intercept.stop)
+}
+
+// wait waits for the client goroutine, if there is one: the loop has let
+// go of r already.
+func (e interceptEnd) wait() error {
+	if e.sd == nil {
+		return nil
+	}
+	return e.sd.wait()
 }
 
 // endServer closes the upstream socket: stop told the backend to end
@@ -597,7 +776,13 @@ func (e interceptEnd) flushClient() {
 	blockingWrite(e.r.clientFD, e.r.intercept.clientPending, time.Second)
 }
 
+// closeClient closes the client's sockets and gives back a client buffer
+// grown for a message.
 func (e interceptEnd) closeClient() {
 	syscall.Close(e.r.clientFD)
 	syscall.Close(e.r.intercept.clientReadFD)
+	if g := e.r.intercept.grown; g > 0 {
+		e.r.s.srv.mem.give(g)
+		e.r.intercept.grown = 0
+	}
 }

@@ -354,17 +354,17 @@ func FuzzServerMessageResume(f *testing.F) {
 }
 
 // TestHalfLoopInlineClient: a write gate session's client messages are
-// handled on the loop itself while the gate need not wait, and a message
-// that must wait (a write pipelined behind a SET that has not been
-// answered) goes to the client goroutine, in order, after which the
-// client returns to the loop.
+// handled on the loop itself, and a message that must wait (a write
+// pipelined behind a SET that has not been answered) parks the client
+// side there, in order, after which the client is read again; no client
+// message is ever handled off the loop.
 func TestHalfLoopInlineClient(t *testing.T) {
 	p := startProxy(t, Config{Interceptor: newGate(t)})
 	db := cluster.NewDatabase(t)
 	ctx := ctxT(t)
 	c := connect(t, p.dsn(db))
 	r := interceptedRelay(t, p)
-	handoffs := &p.srv.ops.stats.ClientHandoffs
+	parks := &p.srv.ops.stats.ClientParks
 
 	for _, sql := range []string{
 		"CREATE TABLE t (v int)",
@@ -377,8 +377,8 @@ func TestHalfLoopInlineClient(t *testing.T) {
 			t.Fatalf("%s: %v", sql, err)
 		}
 	}
-	if n := handoffs.Load(); n != 0 {
-		t.Fatalf("%d client messages handed off in lockstep; the gate never had to wait", n)
+	if n := parks.Load(); n != 0 {
+		t.Fatalf("%d parks in lockstep; the gate never had to wait", n)
 	}
 
 	// Both queries in one write: the INSERT arrives before the SET has
@@ -388,26 +388,26 @@ func TestHalfLoopInlineClient(t *testing.T) {
 	if strings.Join(tags, ",") != "SET,INSERT 0 1" {
 		t.Fatalf("command tags %v, want [SET INSERT 0 1]", tags)
 	}
-	if n := handoffs.Load(); n != 1 {
-		t.Fatalf("%d client messages handed off, want 1 (the pipelined INSERT)", n)
-	}
-	if err := pgtest.Poll(ctx, func() (bool, error) { return !r.intercept.clientOnGoroutine.Load(), nil }); err != nil {
-		t.Fatalf("the client never returned to the loop: %v", err)
+	if n := parks.Load(); n != 1 {
+		t.Fatalf("%d parks, want 1 (the pipelined INSERT)", n)
 	}
 	res, err := c.Exec(ctx, "SELECT count(*), current_setting('fence.step') FROM t").ReadAll()
 	if err != nil || string(res[0].Rows[0][0]) != "2" || string(res[0].Rows[0][1]) != "b" {
-		t.Fatalf("after the hand-off: %v %v", res, err)
+		t.Fatalf("after the park: %v %v", res, err)
 	}
-	if n := handoffs.Load(); n != 1 {
-		t.Fatalf("%d client messages handed off after the client returned to the loop, want still 1", n)
+	if n := parks.Load(); n != 1 {
+		t.Fatalf("%d parks after the client was read again, want still 1", n)
+	}
+	if n := r.s.offLoop.Load(); n != 0 {
+		t.Fatalf("%d client messages handled off the loop, want 0", n)
 	}
 }
 
 // TestHalfLoopSlowServer: when the upstream does not read (its backend
 // waits for a lock) the loop keeps what the server socket cannot take and
 // stops reading that client, without holding up other sessions; once the
-// lock goes, every query runs, in order, the pipeline's last write (which
-// the gate must hand to the client goroutine) included.
+// lock goes, every query runs, in order, the pipeline's last write (for
+// which the gate must park the client side) included.
 func TestHalfLoopSlowServer(t *testing.T) {
 	p, db, holder, c, r := lockedGateSession(t)
 	ctx := ctxT(t)
@@ -473,8 +473,11 @@ func TestHalfLoopSlowServer(t *testing.T) {
 	if strings.Join(tags, ",") != "SET,INSERT 0 1" {
 		t.Fatalf("the pipeline ended with %v, want [SET INSERT 0 1]", tags)
 	}
-	if n := p.srv.ops.stats.ClientHandoffs.Load(); n != 1 {
-		t.Fatalf("%d client messages handed off, want 1 (the INSERT behind the SET)", n)
+	if n := r.intercept.parks.Load(); n != 1 {
+		t.Fatalf("%d parks, want 1 (the INSERT behind the SET)", n)
+	}
+	if n := r.s.offLoop.Load(); n != 0 {
+		t.Fatalf("%d client messages handled off the loop, want 0", n)
 	}
 	if r.intercept.clientReadsPaused.Load() {
 		t.Fatal("still holding the client after the server took everything")
@@ -482,79 +485,85 @@ func TestHalfLoopSlowServer(t *testing.T) {
 	wantValue(t, c, "SELECT 'again'", "again")
 }
 
-// TestHalfLoopHandoffUnwatched: while the client goroutine owns a
-// session's client side (a handed-off write waits for an answer held up
-// by a lock), the loop does not watch the client's socket: bytes the
-// client sends meanwhile must not wake the loop again and again (a
-// level-triggered watch left on would). Once the lock goes, everything
-// is answered in order and the client returns to the loop.
-func TestHalfLoopHandoffUnwatched(t *testing.T) {
+// TestHalfLoopParkUnwatched: while a session's client side is parked (a
+// write waits for an answer held up by a lock), the loop does not watch
+// the client's socket for reading: bytes the client sends meanwhile must
+// not wake the loop again and again (a level-triggered watch left on
+// would). Once the lock goes, everything is answered in order, on the
+// loop, and the client is read again.
+func TestHalfLoopParkUnwatched(t *testing.T) {
 	p, db, holder, c, r := lockedGateSession(t)
 	ctx := ctxT(t)
 	// The INSERT must wait for the SET's answer, which waits behind the
-	// lock: it goes to the client goroutine, which blocks.
+	// lock: the client side parks.
 	sendQueries(t, c, "SELECT pg_advisory_lock(42)", "SET fence.step = 'b'", "INSERT INTO t VALUES (1)")
-	if err := pgtest.Poll(ctx, func() (bool, error) { return r.intercept.clientOnGoroutine.Load(), nil }); err != nil {
-		t.Fatalf("the write was never handed to the client goroutine: %v", err)
+	if err := pgtest.Poll(ctx, func() (bool, error) { return r.intercept.parks.Load() == 1, nil }); err != nil {
+		t.Fatalf("the client side never parked: %v", err)
 	}
 	// More bytes from the client, which nobody reads until the lock goes.
 	sendQueries(t, c, "SELECT 'after'")
-	if d := clientEventsMeanwhile(t, p, db, r); d > 0 || !r.intercept.clientOnGoroutine.Load() {
-		t.Errorf("while the client goroutine waited (on the goroutine: %v): %d events for the client's socket, want 0", r.intercept.clientOnGoroutine.Load(), d)
+	if d := clientEventsMeanwhile(t, p, db, r); d > 0 {
+		t.Errorf("while parked: %d events for the client's socket, want 0", d)
 	}
 	mustExec(t, holder, "SELECT pg_advisory_unlock(42)")
 	if got := strings.Join(commandTags(t, c, 4), ","); got != "SELECT 1,SET,INSERT 0 1,SELECT 1" {
 		t.Fatalf("command tags %s, want SELECT 1,SET,INSERT 0 1,SELECT 1", got)
 	}
-	if err := pgtest.Poll(ctx, func() (bool, error) { return !r.intercept.clientOnGoroutine.Load(), nil }); err != nil {
-		t.Fatalf("the client never returned to the loop: %v", err)
-	}
 	wantValue(t, c, "SELECT 'again'", "again")
+	if n := r.intercept.parks.Load(); n != 1 {
+		t.Fatalf("%d parks, want 1", n)
+	}
+	if n := r.s.offLoop.Load(); n != 0 {
+		t.Fatalf("%d client messages handled off the loop, want 0", n)
+	}
 }
 
-// TestHandoffWaitsForServerPending: a message is not handed to the
-// client goroutine while bytes for the server wait in serverPending (the
-// goroutine writes the server directly and would pass them): the loop
-// pauses the client instead, and hands off once serverPending is empty.
-// clientSteps keeps serverPending empty at every hand-off today; this
-// pins the guard for that invariant.
-func TestHandoffWaitsForServerPending(t *testing.T) {
-	r := &relay{intercept: &interceptState{serverPending: []byte("Q")}}
-	if err := r.handoff(); err != errPaused {
-		t.Errorf("hand-off with %d bytes in serverPending: %v, want errPaused", len(r.intercept.serverPending), err)
+// TestLoopClientWaitsForServerPending: the loop handles no client
+// message while bytes for the server wait in serverPending (they would
+// be passed by the next message's, or a parked wait would stand behind
+// its own request unsent): it pauses the client instead.
+func TestLoopClientWaitsForServerPending(t *testing.T) {
+	s := &Session{onLoop: true}
+	s.cf.R = bufio.NewReaderSize(strings.NewReader(string(wire.Terminate)), 64)
+	r := &relay{s: s, intercept: &interceptState{serverPending: []byte("Q"), clientSize: 64}}
+	if err := r.clientSteps(); err != errPaused {
+		t.Errorf("client steps with %d bytes in serverPending: %v, want errPaused", len(r.intercept.serverPending), err)
 	}
-	r.intercept.serverPending = r.intercept.serverPending[:0]
-	if err := r.handoff(); err != errHandoff {
-		t.Errorf("hand-off with serverPending empty: %v, want errHandoff", err)
+	if s.cf.R.Buffered() != 0 {
+		t.Errorf("%d bytes of the client's read with serverPending full, want none", s.cf.R.Buffered())
 	}
 }
 
 // TestHalfLoopCopyFrom: a COPY FROM STDIN the gate leaves alone (an
-// unprotected table, no gated transaction) is relayed on the loop; one
-// into a protected table is gated, which may wait for its
-// CopyInResponse, so it goes to the client goroutine, and commits with
-// its receipt. Both with psql's way (the data after CopyInResponse).
+// unprotected table, no gated transaction) is relayed on the loop
+// without a park; one into a protected table is gated, which waits for
+// its CopyInResponse and its end, so the client side parks (on the loop:
+// no message off it), and commits with its receipt. Both with psql's way
+// (the data after CopyInResponse).
 func TestHalfLoopCopyFrom(t *testing.T) {
 	e := newFenceEnv(t)
 	ctx := ctxT(t)
 	l := e.acquire(t, "copyjob", "a", time.Minute)
 	w := e.worker(t, &l)
-	handoffs := &e.proxy.srv.ops.stats.ClientHandoffs
-	interceptedRelay(t, e.proxy)
+	parks := &e.proxy.srv.ops.stats.ClientParks
+	r := interceptedRelay(t, e.proxy)
 
 	tag, err := w.PgConn().CopyFrom(ctx, strings.NewReader("one\ntwo\n"), "COPY audit (note) FROM STDIN")
 	if err != nil || tag.RowsAffected() != 2 {
 		t.Fatalf("COPY into the unprotected table: %v %v", tag, err)
 	}
-	if n := handoffs.Load(); n != 0 {
-		t.Fatalf("%d client messages handed off for a COPY the gate leaves alone, want 0", n)
+	if n := parks.Load(); n != 0 {
+		t.Fatalf("%d parks for a COPY the gate leaves alone, want 0", n)
 	}
 	tag, err = w.PgConn().CopyFrom(ctx, strings.NewReader(fmt.Sprintf("copyjob\tcopied\t%d\n", l.Token)), "COPY results (job_key, payload, token) FROM STDIN")
 	if err != nil || tag.RowsAffected() != 1 {
 		t.Fatalf("COPY into the protected table: %v %v", tag, err)
 	}
-	if n := handoffs.Load(); n < 1 {
-		t.Fatal("the gated COPY was relayed on the loop, want it handed to the client goroutine")
+	if n := parks.Load(); n < 1 {
+		t.Fatal("the gated COPY never parked the client side, want it to wait for its CopyInResponse")
+	}
+	if n := r.s.offLoop.Load(); n != 0 {
+		t.Fatalf("%d client messages handled off the loop, want 0", n)
 	}
 	if n := e.count(t, "SELECT count(*) FROM fence.receipts WHERE job_key = 'copyjob'"); n != 1 {
 		t.Fatalf("%d receipts for the gated COPY, want 1", n)

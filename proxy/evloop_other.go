@@ -14,3 +14,6 @@ func (*serverLoop) stop() {}
 
 // runOnLoop reports false: elsewhere sessions always use goroutines.
 func (s *Session) runOnLoop() (error, bool) { return nil, false }
+
+// parkClient is never called: a session is never on a loop here.
+func (s *Session) parkClient(func() bool, func() error) error { return ErrWait }

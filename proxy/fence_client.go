@@ -12,6 +12,14 @@ import (
 
 // ClientMessage decides what becomes of each client message (Handler).
 func (h *fenceSession) ClientMessage(s *Session, msg []byte) (Verdict, error) {
+	v, err := h.clientMessage(s, msg)
+	if err != ErrWait {
+		h.resynced = false // done with this message (or parked in it)
+	}
+	return v, err
+}
+
+func (h *fenceSession) clientMessage(s *Session, msg []byte) (Verdict, error) {
 	h.idle.clientMsgs.Add(1)
 	if msg[0] != 'Q' && s.readRouter() != nil { // read routing: upstream and named statements (route.go)
 		if err := h.routeMsg(s, msg); err != nil {
@@ -94,10 +102,6 @@ func (h *fenceSession) query(s gateConn, msg []byte) error {
 	h.mu.Lock()
 	q := h.f.plans.PlanQuery(h.planSession(), res.Stmts)
 	h.mu.Unlock()
-	if q.Waits && s.OnLoop() {
-		// The client goroutine sends it. Nothing is done yet.
-		return ErrWait
-	}
 	h.f.Stats.Classified.Add(int64(len(res.Stmts)))
 	switch q.Action {
 	case plan.Refuse:
@@ -111,13 +115,12 @@ func (h *fenceSession) query(s gateConn, msg []byte) error {
 		}
 		return nil
 	}
-	if err := h.settle(s); err != nil {
-		return err
-	}
-	if err := h.routeGated(s); err != nil { // route.go
-		return err
-	}
-	return h.runQuery(s, sql, res, &q)
+	return h.settleThen(s, func() error {
+		if err := h.routeGated(s); err != nil { // route.go
+			return err
+		}
+		return h.runQuery(s, sql, res, &q)
+	})
 }
 
 // needsOwnText reports whether a write classified from another text of

@@ -27,9 +27,6 @@ func (h *fenceSession) copyData(msg []byte) {
 // copyDone handles the client's CopyDone or CopyFail: the end of a COPY's
 // data, after which a wrapped COPY's transaction gets its receipt.
 func (h *fenceSession) copyDone(s gateConn, msg []byte) (Verdict, error) {
-	if h.copyReceipt != nil && s.OnLoop() {
-		return Drop, ErrWait // finishCopy waits for the COPY's end
-	}
 	if h.copiesLeft > 0 {
 		h.copiesLeft--
 	}
@@ -40,19 +37,25 @@ func (h *fenceSession) copyDone(s gateConn, msg []byte) (Verdict, error) {
 	if err := s.ForwardMessage(msg); err != nil {
 		return Drop, err
 	}
-	if t := h.copyReceipt; t != nil {
-		if h.copiesLeft > 0 {
-			// The query has another COPY FROM: the receipt waits
-			// for it, unless the query ends first (an error).
-			started, err := h.nextCopy(s)
-			if err != nil || started {
-				return Drop, err
-			}
-		}
-		h.copyReceipt, h.copyDigested = nil, false
-		return Drop, h.finishCopy(s, t)
+	t := h.copyReceipt
+	if t == nil {
+		return Drop, nil
 	}
-	return Drop, nil
+	finish := func() error {
+		h.copyReceipt, h.copyDigested = nil, false
+		return h.finishCopy(s, t)
+	}
+	if h.copiesLeft > 0 {
+		// The query has another COPY FROM: the receipt waits for it,
+		// unless the query ends first (an error).
+		return Drop, h.nextCopy(s, func(started bool) error {
+			if started {
+				return nil
+			}
+			return finish()
+		})
+	}
+	return Drop, finish()
 }
 
 // awaitCopy waits until the server either starts a wrapped COPY FROM or
@@ -64,26 +67,17 @@ func (h *fenceSession) copyDone(s gateConn, msg []byte) (Verdict, error) {
 // ROLLBACK's ReadyForQuery answers the client's query (the query's own
 // was hidden). A client that sends its COPY data without waiting for
 // CopyInResponse is fine too: the server ignores CopyData and CopyDone
-// outside COPY.
+// outside COPY. On the loop the client side is parked meanwhile (then).
 func (h *fenceSession) awaitCopy(s gateConn, t *tag) error {
-	if err := s.FlushServer(); err != nil {
-		return err
-	}
-	select {
-	case <-t.copyIn:
-		return nil
-	case <-h.last.Done():
-	case <-s.ending():
-		return errSessionClosing
-	}
-	select {
-	case <-t.copyIn:
-		// Started and already finished: the client still sends CopyDone.
-		return nil
-	default:
-	}
-	h.copyReceipt, h.copyDigested = nil, false
-	return h.sendRollback(s)
+	u := &until{r: h.last, copyIn: t.copyIn}
+	return h.then(s, u, func() error {
+		if u.started {
+			return nil
+		}
+		h.copyReceipt, h.copyDigested = nil, false
+		defer h.markState()
+		return h.sendRollback(s)
+	})
 }
 
 // copyDigest applies f to the digest a gated COPY's data goes into: the
@@ -101,26 +95,11 @@ func (h *fenceSession) copyDigest(f func(*fence.Digest)) {
 	h.mu.Unlock()
 }
 
-// nextCopy waits, after a CopyDone, until the server starts the query's
+// nextCopy runs k, after a CopyDone, once the server starts the query's
 // next COPY FROM (true) or answers the whole query (false).
-func (h *fenceSession) nextCopy(s gateConn) (bool, error) {
-	if err := s.FlushServer(); err != nil {
-		return false, err
-	}
-	t := h.copyQuery
-	select {
-	case <-t.copyIn:
-		return true, nil
-	case <-h.last.Done():
-	case <-s.ending():
-		return false, errSessionClosing
-	}
-	select {
-	case <-t.copyIn:
-		return true, nil
-	default:
-		return false, nil
-	}
+func (h *fenceSession) nextCopy(s gateConn, k func(started bool) error) error {
+	u := &until{r: h.last, copyIn: h.copyQuery.copyIn}
+	return h.then(s, u, func() error { return k(u.started) })
 }
 
 // countKind counts the statements of kind k.
@@ -138,18 +117,17 @@ func countKind(res *rewrite.Result, k rewrite.Kind) int {
 // spliced into the query text (COPY FROM: the digest covers its data). It
 // waits for the COPY to complete so the digest is whole.
 func (h *fenceSession) finishCopy(s gateConn, receipt *plan.Step) error {
-	if err := h.barrier(s); err != nil {
-		return err
-	}
-	h.mu.Lock()
-	sum, version := plan.Resolve(receipt.Digest, h.st, nil)
-	h.mu.Unlock()
-	t := &tag{kind: 'Q', segs: []seg{{step: stepReceipt, gen: receipt.Gen}}, hideReady: true, sent: time.Now()}
-	if err := h.send(s, h.qmsg(plan.StepSQL(receipt, sum, version)), t, false); err != nil {
-		return err
-	}
-	defer h.markState()
-	return h.sendWrappedCommit(s)
+	return h.barrierThen(s, func() error {
+		h.mu.Lock()
+		sum, version := plan.Resolve(receipt.Digest, h.st, nil)
+		h.mu.Unlock()
+		t := &tag{kind: 'Q', segs: []seg{{step: stepReceipt, gen: receipt.Gen}}, hideReady: true, sent: time.Now()}
+		if err := h.send(s, h.qmsg(plan.StepSQL(receipt, sum, version)), t, false); err != nil {
+			return err
+		}
+		defer h.markState()
+		return h.sendWrappedCommit(s)
+	})
 }
 
 // sendWrappedCommit sends COMMIT as a query of its own, whose ReadyForQuery is

@@ -10,7 +10,10 @@ import (
 
 // Executing the gate's plans: sending the client's messages and the gate's
 // steps upstream, tagged (send), and waiting where a step depends on an
-// answer (settle, barrier, wait). The plans come from rewrite/plan; the
+// answer: every wait point is then (blocking on a goroutine, parking the
+// client side on the event loop), through settle, barrier and wait where
+// nothing of the message is done yet, settleThen and barrierThen where
+// the rest of the work is the continuation. The plans come from rewrite/plan; the
 // answers are interpreted in fence_server.go.
 
 // send passes a message upstream through the queue with its tag; visible
@@ -43,13 +46,24 @@ func (h *fenceSession) send(s gateConn, msg []byte, t *tag, visible bool) error 
 // state (tracked parameters, the transaction, prepared statements, the
 // gate) has been answered, so the state the server goroutine keeps is what
 // the next statement will run with. A client's plain reads and writes in
-// flight are not waited for: the common path costs no round trip.
+// flight are not waited for: the common path costs no round trip. On the
+// loop it returns ErrWait (see wait): call it only before anything of the
+// message is done; settleThen where something is.
 func (h *fenceSession) settle(s gateConn) error {
 	if err := h.wait(s, h.stateReq); err != nil {
 		return err
 	}
 	h.stateReq = nil
 	return nil
+}
+
+// settleThen runs k once the session state is settled (settle), on the
+// loop too (then).
+func (h *fenceSession) settleThen(s gateConn, k func() error) error {
+	return h.then(s, &until{r: h.stateReq}, func() error {
+		h.stateReq = nil
+		return k()
+	})
 }
 
 // unsettled reports whether a state-changing request is unanswered.
@@ -68,7 +82,8 @@ func (h *fenceSession) unsettled() bool {
 // markState records that the request just sent changes the session state.
 func (h *fenceSession) markState() { h.stateReq = h.last }
 
-// barrier waits until every request sent so far has been answered.
+// barrier waits until every request sent so far has been answered. As
+// settle, it returns ErrWait on the loop.
 func (h *fenceSession) barrier(s gateConn) error {
 	if err := h.wait(s, h.last); err != nil {
 		return err
@@ -77,34 +92,103 @@ func (h *fenceSession) barrier(s gateConn) error {
 	return nil
 }
 
-// wait waits until r has been answered.
+// barrierThen runs k once every request sent so far has been answered,
+// on the loop too (then).
+func (h *fenceSession) barrierThen(s gateConn, k func() error) error {
+	return h.then(s, &until{r: h.last}, func() error {
+		h.stateReq = nil
+		return k()
+	})
+}
+
+// wait waits until r has been answered. On the loop, where it must not
+// block, it parks the client side and returns ErrWait: the message is
+// handled again, from the start, once r is answered. So it may be called
+// only before anything of the message is done (nothing sent, nothing
+// changed that handling it again would change twice).
 func (h *fenceSession) wait(s gateConn, r *Request) error {
-	if r == nil {
-		return nil
-	}
-	select {
-	case <-r.Done():
-		return nil
-	default:
-	}
-	if s.OnLoop() {
-		return ErrWait // nothing sent yet: again on the client goroutine
-	}
-	if h.inBatch {
-		// Make the server flush what it has for the batch so far.
-		if _, err := s.Inject([]byte{'H', 0, 0, 0, 4}, nil); err != nil {
-			return err
+	return h.then(s, &until{r: r}, nil)
+}
+
+// until is what a wait point waits for: r's answer, or (with copyIn) the
+// start of a wrapped COPY FROM, whichever comes first.
+type until struct {
+	r       *Request
+	copyIn  <-chan struct{}
+	started bool // copyIn fired (after poll or block reported true)
+}
+
+// poll reports, without blocking, whether what u waits for has happened.
+func (u *until) poll() bool {
+	if u.copyIn != nil {
+		select {
+		case <-u.copyIn:
+			u.started = true
+			return true
+		default:
 		}
 	}
-	if err := s.FlushServer(); err != nil {
-		return err
+	if u.r == nil {
+		return true
 	}
 	select {
-	case <-r.Done():
+	case <-u.r.Done():
+	default:
+		return false
+	}
+	if u.copyIn != nil {
+		select {
+		case <-u.copyIn: // started and already finished
+			u.started = true
+		default:
+		}
+	}
+	return true
+}
+
+// block waits until what u waits for has happened, or the session ends.
+func (u *until) block(s gateConn) error {
+	select {
+	case <-u.copyIn: // nil when not waited for: never ready
+		u.started = true
 		return nil
+	case <-u.r.Done():
 	case <-s.ending():
 		return errSessionClosing
 	}
+	u.poll()
+	return nil
+}
+
+// then runs k once what u waits for has happened: at once if it has;
+// otherwise it flushes what is buffered for the server (with a Flush
+// inside an extended-protocol batch, so the server sends what it has for
+// the batch so far) and, on a goroutine, blocks until then; on the loop,
+// it parks the client side with k (gateConn.parkClient), and the loop
+// runs k on its thread when the server side has answered. k nil: nothing
+// more to do on a goroutine; on the loop, handle the message again
+// (ErrWait). Every wait point of the gate is written once, with then.
+func (h *fenceSession) then(s gateConn, u *until, k func() error) error {
+	if !u.poll() {
+		if h.inBatch && u.copyIn == nil {
+			if _, err := s.Inject([]byte{'H', 0, 0, 0, 4}, nil); err != nil {
+				return err
+			}
+		}
+		if err := s.FlushServer(); err != nil {
+			return err
+		}
+		if s.OnLoop() {
+			return s.parkClient(u.poll, k)
+		}
+		if err := u.block(s); err != nil {
+			return err
+		}
+	}
+	if k == nil {
+		return nil
+	}
+	return k()
 }
 
 // runQuery executes the plan of a simple query the gate rewrites (or, in
@@ -161,6 +245,8 @@ func (h *fenceSession) runQuery(s gateConn, sql string, res *rewrite.Result, q *
 	if err := h.send(s, h.qmsg(text), t, true); err != nil {
 		return err
 	}
+	// Where the plan waits (AwaitCommit, AfterCopy), what follows the
+	// wait marks the state again (on the loop it runs after this returns).
 	switch q.Ending {
 	case plan.Restore:
 		return h.sendRestore(s)
@@ -212,19 +298,19 @@ func stepOf(k plan.Kind) step {
 // and the replay NOTICE). Otherwise the transaction is as the client's
 // statements left it (committed and maybe a new one begun, or failed by a
 // statement of the client's before the COMMIT), and an empty query gives
-// the client the ReadyForQuery that says so. It runs on the client
-// goroutine (query hands such a query off).
+// the client the ReadyForQuery that says so. On the loop the client side
+// is parked meanwhile (then).
 func (h *fenceSession) awaitCommit(s gateConn, t *tag) error {
-	if err := h.barrier(s); err != nil {
-		return err
-	}
-	h.mu.Lock()
-	failed := t.stepFailed
-	h.mu.Unlock()
-	if failed {
-		return h.sendRollback(s)
-	}
-	return h.send(s, h.qmsg(""), &tag{kind: 'Q', segs: []seg{{step: stepRestore}}}, true)
+	return h.barrierThen(s, func() error {
+		defer h.markState()
+		h.mu.Lock()
+		failed := t.stepFailed
+		h.mu.Unlock()
+		if failed {
+			return h.sendRollback(s)
+		}
+		return h.send(s, h.qmsg(""), &tag{kind: 'Q', segs: []seg{{step: stepRestore}}}, true)
+	})
 }
 
 // sendRollback sends a ROLLBACK whose ReadyForQuery is the one the client

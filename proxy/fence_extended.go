@@ -251,34 +251,33 @@ func (h *fenceSession) execute(s gateConn, msg []byte) error {
 		}
 		return nil
 	}
-	if err := h.settle(s); err != nil {
-		return err
-	}
-	defer h.markState()
-	if ep.Unfenced {
-		h.f.Stats.Unfenced.Add(1)
-	}
-	if ep.Prepare {
-		if err := h.prepareGate(s); err != nil {
+	return h.settleThen(s, func() error {
+		defer h.markState()
+		if ep.Unfenced {
+			h.f.Stats.Unfenced.Add(1)
+		}
+		if ep.Prepare {
+			if err := h.prepareGate(s); err != nil {
+				return err
+			}
+		}
+		for i := range ep.Before {
+			if err := h.execStep(s, &ep.Before[i], st); err != nil {
+				return err
+			}
+		}
+		if ep.CopyDigested {
+			// Its data goes into the digest (copyDigest), up to CopyDone.
+			h.copyDigested, h.copiesLeft = true, 1
+		}
+		if err := h.send(s, msg, t, true); err != nil {
 			return err
 		}
-	}
-	for i := range ep.Before {
-		if err := h.execStep(s, &ep.Before[i], st); err != nil {
-			return err
+		if ep.AwaitCommit {
+			h.commitReq = h.last
 		}
-	}
-	if ep.CopyDigested {
-		// Its data goes into the digest (copyDigest), up to CopyDone.
-		h.copyDigested, h.copiesLeft = true, 1
-	}
-	if err := h.send(s, msg, t, true); err != nil {
-		return err
-	}
-	if ep.AwaitCommit {
-		h.commitReq = h.last
-	}
-	return nil
+		return nil
+	})
 }
 
 // execStep runs a planned step of the extended protocol in the current
@@ -329,7 +328,9 @@ func (h *fenceSession) prepareGate(s gateConn) error {
 	if r := h.be.prepareReq; r != nil {
 		// The last Parse of them: PostgreSQL skips it, without a word,
 		// when an earlier message of its batch failed. (Settled by now:
-		// the gate step that followed it changed the state.)
+		// the gate step that followed it changed the state. So this
+		// never waits: on the loop a wait here, with the message half
+		// done, could not be handled again.)
 		if err := h.wait(s, r); err != nil {
 			return err
 		}

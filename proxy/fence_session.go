@@ -22,7 +22,7 @@ import (
 // client's own requests, hidden for the gate's), tagged, so the server
 // goroutine knows what each response belongs to. ("Client goroutine" is
 // the client side: on the event loop it runs on the loop's thread, and
-// where it would wait it returns ErrWait first; see LoopClient.)
+// where it must wait it parks there; see LoopClient.)
 //
 // The server goroutine follows: it applies every completed statement to the
 // session state (GUCs, transaction, prepared statements, gate, digest) and
@@ -72,6 +72,9 @@ type fenceSession struct {
 	// (fence_text.go).
 	seq, encSeq, gucSeq uint64
 	resyncInTx          bool
+	// resynced: the message being handled again on the loop has had its
+	// resync (fence_text.go); cleared when it is done.
+	resynced bool
 
 	// Server goroutine only.
 	errShown bool // an error went to the client since its last ReadyForQuery
@@ -161,9 +164,10 @@ type tag struct {
 	sent time.Time
 }
 
-// LoopClient: ClientMessage may run on the event loop. Where it would
-// wait (wait, awaitCopy, finishCopy), it returns ErrWait on the loop
-// before it has sent anything.
+// LoopClient: ClientMessage may run on the event loop. Where it must wait
+// (then, fence_exec.go) it parks the client side there, with the rest of
+// its work as a continuation, or returns ErrWait before it has done
+// anything.
 func (h *fenceSession) LoopClient() bool { return true }
 
 // Close gives back what the session held: its place in the idle watchdog

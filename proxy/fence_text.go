@@ -217,17 +217,14 @@ func (h *fenceSession) qmsg(sql string) []byte {
 // where the stream is: inside a batch as Parse/Bind/Execute without a
 // Sync; outside, with a hidden Sync of its own. Not in a failed
 // transaction: its Parse would fail and take the client's next messages
-// with it.
+// with it. Nor again for a message handled again after one (resynced).
 func (h *fenceSession) resync(s gateConn) error {
 	h.mu.Lock()
 	failed := h.st.Tx() == session.Failed
 	inTx := h.st.Tx() != session.Idle
 	h.mu.Unlock()
-	if failed {
+	if failed || h.resynced {
 		return nil
-	}
-	if s.OnLoop() {
-		return ErrWait // nothing sent yet: again on the client goroutine
 	}
 	batch := h.inBatch
 	var buf []byte
@@ -260,11 +257,19 @@ func (h *fenceSession) resync(s gateConn) error {
 			return err
 		}
 	}
-	if err := h.wait(s, exec); err != nil {
-		return err
-	}
-	h.resyncInTx = inTx
-	return nil
+	parked := false
+	err := h.then(s, &until{r: exec}, func() error {
+		h.resyncInTx = inTx
+		if parked {
+			// Parked until now: the message is handled again from the
+			// start, with the settings read (resynced: not again).
+			h.resynced = true
+			return ErrWait
+		}
+		return nil
+	})
+	parked = err == errParked
+	return err
 }
 
 // applySettings takes the row resync read. Callers hold h.mu.

@@ -36,6 +36,11 @@ type gateConn interface {
 	head() *Request
 	// ending is closed when the session starts to end: a wait gives up.
 	ending() <-chan struct{}
+	// parkClient, on the event loop (OnLoop), parks the client side until
+	// ready reports true, then runs k on the loop's thread (k nil: the
+	// message is handled again); it returns ErrWait for k nil, else
+	// errParked, for ClientMessage to return (evloop_intercept_linux.go).
+	parkClient(ready func() bool, k func() error) error
 
 	// Who the session is, for the gate's log lines: the id the client
 	// was given (BackendKeyData's process id), and the backend's pid.
@@ -72,7 +77,12 @@ type gateConn interface {
 var _ gateConn = (*Session)(nil)
 
 // errSessionClosing ends a Handler's wait when its session is ending.
-var errSessionClosing = errors.New("session closing")
+// errParked is what a LoopClient's ClientMessage returns on the loop when
+// it has parked the client side with the rest of its work (parkClient).
+var (
+	errSessionClosing = errors.New("session closing")
+	errParked         = errors.New("client side parked until an answer arrives")
+)
 
 // inject sends msg upstream like Inject; with visible its responses reach
 // the client as those of a client request do. Client goroutine only.

@@ -62,22 +62,24 @@ type Handler interface {
 
 // LoopClient is implemented by a Handler whose ClientMessage may run on
 // the event loop. There it must not block: when handling a message needs
-// to wait (for the answer to an earlier request, or for room on a socket
-// it cannot buffer), it returns ErrWait before it has sent or changed
-// anything, and the same message is delivered again on a goroutine, where
-// it may wait. Session.OnLoop tells which case a call is. The session's
-// client messages then stay on that goroutine until the client has
-// nothing more to read, and return to the loop.
+// to wait for the answer to an earlier request, it returns ErrWait before
+// it has sent or changed anything, and the loop delivers the same
+// message again, on its own thread, once the oldest request outstanding
+// then has been answered. Session.OnLoop tells whether a call runs on the
+// loop. (The write gate, in this package, parks instead: it names what it
+// waits for and the rest of its work, which the loop runs when it has
+// happened.) Meanwhile the loop does not read the client: its bytes wait,
+// in order.
 //
 // A Handler that does not implement LoopClient (or returns false) always
-// gets ClientMessage on a goroutine.
+// gets ClientMessage on a goroutine, where it may block.
 type LoopClient interface {
 	LoopClient() bool
 }
 
 // ErrWait is returned by a LoopClient's ClientMessage, called on the
 // event loop, that must wait: see LoopClient.
-var ErrWait = errors.New("proxy: client message must wait: handle it on a goroutine")
+var ErrWait = errors.New("proxy: client message must wait: handle it again later")
 
 // Request is one outstanding request in a session's queue: a client
 // message that produces a response, or an injected one (wire.Request,

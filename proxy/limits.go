@@ -93,6 +93,13 @@ func (s *Session) oversize(typ byte, total int) error {
 	if err := s.cf.Stream(io.Discard, total); err != nil {
 		return fmt.Errorf("client: %w", err)
 	}
+	return s.substituteOversized(typ, total)
+}
+
+// substituteOversized answers a message of type typ and total bytes over
+// MaxMessageSize, read and dropped (the event loop drops it in pieces as
+// they arrive): the substitute goes upstream in its place.
+func (s *Session) substituteOversized(typ byte, total int) error {
 	s.oversized.Store(true)
 	sub := s.srv.substitute(typ, total-headerLen)
 	if typ == 'd' {

@@ -115,11 +115,11 @@ func (l *Latency) snapshot() (uint64, float64, map[float64]uint64) {
 type ServerStats struct {
 	SessionsTotal atomic.Int64 // proxied sessions opened
 	SessionsLoop  atomic.Int64 // of those, relayed by the event loop thread
-	// ClientHandoffs counts client messages of intercepted sessions that
-	// the event loop handed to a goroutine because the Handler had to
-	// wait (ErrWait: a pipelined write behind a state change, a wrapped
-	// COPY FROM, a message larger than the buffer).
-	ClientHandoffs atomic.Int64
+	// ClientParks counts the times the event loop parked the client side
+	// of an intercepted session because the Handler had to wait for an
+	// earlier answer (a pipelined write behind a state change, a wrapped
+	// COPY FROM, a settings read-back).
+	ClientParks    atomic.Int64
 	AdminSessions  atomic.Int64 // admin console sessions opened
 	UpstreamErrors atomic.Int64 // upstream connections that failed (not refusals by PostgreSQL)
 	ReadsPrimary   atomic.Int64 // reads routed to the primary (read routing)
@@ -292,7 +292,7 @@ var (
 	descSessions     = prometheus.NewDesc("pgfence_sessions", "Open proxied client sessions.", nil, nil)
 	descSessionsTot  = prometheus.NewDesc("pgfence_sessions_opened_total", "Proxied client sessions opened.", nil, nil)
 	descSessionsLoop = prometheus.NewDesc("pgfence_sessions_event_loop_total", "Proxied client sessions relayed by the event loop thread (sessions without TLS or read routing).", nil, nil)
-	descHandoffs     = prometheus.NewDesc("pgfence_client_handoffs_total", "Client messages the event loop handed to a goroutine because the write gate had to wait for an earlier answer (pipelined writes, wrapped COPY FROM, messages larger than the buffer).", nil, nil)
+	descParks        = prometheus.NewDesc("pgfence_client_parks_total", "Times the event loop parked a session's client side because the write gate had to wait for an earlier answer (pipelined writes, wrapped COPY FROM, settings read-backs).", nil, nil)
 	descAdminTot     = prometheus.NewDesc("pgfence_admin_sessions_opened_total", "Admin console sessions opened.", nil, nil)
 	descRefused      = prometheus.NewDesc("pgfence_clients_refused_total", "Clients refused before their session started, by SQLSTATE.", []string{"code"}, nil)
 	descUpErrors     = prometheus.NewDesc("pgfence_upstream_connection_errors_total", "Upstream connections that could not be opened (network, TLS, timeouts; not refusals by PostgreSQL).", nil, nil)
@@ -307,7 +307,7 @@ var (
 )
 
 func (c *collector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{descSessions, descSessionsTot, descSessionsLoop, descHandoffs, descAdminTot, descRefused, descUpErrors, descReads,
+	for _, d := range []*prometheus.Desc{descSessions, descSessionsTot, descSessionsLoop, descParks, descAdminTot, descRefused, descUpErrors, descReads,
 		descGate, descGateErr, descClassified, descLatency, descUp, descLag, descLagBytes} {
 		ch <- d
 	}
@@ -322,7 +322,7 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(descSessions, prometheus.GaugeValue, float64(len(s.sessions())))
 	counter(descSessionsTot, st.SessionsTotal.Load())
 	counter(descSessionsLoop, st.SessionsLoop.Load())
-	counter(descHandoffs, st.ClientHandoffs.Load())
+	counter(descParks, st.ClientParks.Load())
 	counter(descAdminTot, st.AdminSessions.Load())
 	for code, n := range st.Refused() {
 		counter(descRefused, n, code)

@@ -57,8 +57,11 @@ type Session struct {
 	cancelPID    uint32 // the upstream backend's PID
 	cancelSecret uint32 // the proxy's own secret given with it
 	// onLoop: the Handler's ClientMessage is running on the event loop,
-	// where it must not block (see LoopClient).
-	onLoop bool
+	// where it must not block (see LoopClient). offLoop counts the
+	// ClientMessage calls that ran elsewhere, on a goroutine (for
+	// observation: tests).
+	onLoop  bool
+	offLoop atomic.Int64
 
 	// connMu orders closeServer (graceful shutdown runs it from another
 	// goroutine) against itself and against moving the session onto the
@@ -311,7 +314,7 @@ func (s *Session) interceptClient(total, size int) error {
 		return fmt.Errorf("client: %w", err)
 	}
 	if err := s.deliver(msg); err != nil {
-		return err // the message stays unconsumed (ErrWait: handled again)
+		return err // the message stays unconsumed (ErrWait: handled again; errParked: consumed when its continuation is done)
 	}
 	if total <= size {
 		s.cf.Discard(total)
@@ -324,6 +327,9 @@ func (s *Session) interceptClient(total, size int) error {
 // deliver passes a whole client message to the Handler and forwards it
 // if the Handler says so.
 func (s *Session) deliver(msg []byte) error {
+	if !s.onLoop {
+		s.offLoop.Add(1)
+	}
 	v, err := s.h.ClientMessage(s, msg)
 	if err != nil {
 		return err
