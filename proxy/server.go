@@ -375,7 +375,9 @@ func (s *Server) startup(c net.Conn) (net.Conn, *startup, error) {
 			if _, err := c.Write([]byte{'S'}); err != nil {
 				return c, nil, err
 			}
-			tc := tls.Server(c, tlsCfg)
+			// Over a transport of ours, which the event loop can
+			// take over once the session is on it (tlsconn.go).
+			tc := tls.Server(&tlsTransport{Conn: c}, tlsCfg)
 			if err := tc.Handshake(); err != nil {
 				return c, nil, fmt.Errorf("tls handshake: %w", err)
 			}
