@@ -176,7 +176,7 @@ func armedRead(fd int, armed *bool, b []byte) (int, error) {
 type loopClientWriter struct{ r *relay }
 
 func (lw loopClientWriter) Write(b []byte) (int, error) {
-	if err := writeOrHold(lw.r.clientFD, &lw.r.intercept.clientPending, b); err != nil {
+	if err := lw.r.client.hold(b); err != nil { // into clientPending
 		return 0, err
 	}
 	return len(b), nil
@@ -227,7 +227,7 @@ func (sw serverWriter) Write(b []byte) (int, error) {
 
 // attachIntercepted moves an intercepted session s onto the loop (its client
 // side too, for a LoopClient Handler). It reports false, leaving s
-// untouched, when it cannot (TLS, or bytes already buffered).
+// untouched, when it cannot (a TLS upstream, or bytes already buffered).
 func (l *evloop) attachIntercepted(s *Session) (*relay, bool) {
 	s.connMu.Lock()
 	defer s.connMu.Unlock()
@@ -253,8 +253,12 @@ func (l *evloop) attachIntercepted(s *Session) (*relay, bool) {
 	// (clientReader) and writes the server (serverWriter); the loop reads
 	// the server and writes the client; all through the duplicates.
 	s.server.Close()
-	s.client.Close()
-	s.cf.R.Reset(clientReader{l, r})
+	var cr io.Reader = clientReader{l, r}
+	r.client = takeClient(s, clientFD, cr, &r.intercept.clientPending)
+	if r.client.tls != nil {
+		cr = &r.client // the plaintext, from its tls.Conn reading clientReader
+	}
+	s.cf.R.Reset(cr)
 	s.sf.R.Reset(loopServerReader{r})
 	s.cw.Reset(loopClientWriter{r})
 	s.sw.Reset(serverWriter{r})
@@ -270,7 +274,11 @@ func (l *evloop) attachIntercepted(s *Session) (*relay, bool) {
 		r.intercept.blockingRead = true
 	}
 	// The client's writes are watched only while clientPending holds bytes.
-	return l.publish(r, epollReg{clientReadFD, clientInterest}, epollReg{serverFD, r.intercept.serverInterest})
+	l.publish(r, epollReg{clientReadFD, clientInterest}, epollReg{serverFD, r.intercept.serverInterest})
+	if r.client.tls != nil {
+		l.kickTLS(r)
+	}
+	return r, true
 }
 
 // interceptEvent handles an event of an intercepted session: the server
@@ -594,10 +602,10 @@ func (e interceptEnd) endServer() { syscall.Close(e.r.letGo().serverFD) }
 // client: in the client writer and in clientPending.
 func (e interceptEnd) flushClient() {
 	e.r.s.cw.Flush()
-	blockingWrite(e.r.clientFD, e.r.intercept.clientPending, time.Second)
+	e.r.client.writeAll(nil, time.Second) // clientPending
 }
 
 func (e interceptEnd) closeClient() {
-	syscall.Close(e.r.clientFD)
+	e.r.client.close()
 	syscall.Close(e.r.intercept.clientReadFD)
 }

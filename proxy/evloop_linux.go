@@ -25,7 +25,7 @@ import (
 // admin_pause_linux.go.
 
 // The event loop relays the bytes of pass-through sessions (no Handler,
-// no read routing, no TLS) on one OS thread that waits in epoll_wait, the
+// no read routing, no TLS upstream) on one OS thread that waits in epoll_wait, the
 // way PgBouncer does, instead of two goroutines per session. Each Server
 // owns one (serverLoop), started by its first session and stopped, its
 // epoll fd closed, by Shutdown.
@@ -129,9 +129,12 @@ func newEvloop() (*evloop, error) {
 // relay is one session on the loop. Its pipes are touched only by the
 // loop thread until done is sent; then only by the session goroutine.
 type relay struct {
-	s                              *Session
-	l                              *evloop // the loop r is on: its Server's
-	clientFD, serverFD             int
+	s                  *Session
+	l                  *evloop // the loop r is on: its Server's
+	clientFD, serverFD int
+	// client is the client socket as the relay reads and writes it
+	// (plain or TLS: evloop_tls_linux.go); its fd is clientFD.
+	client, server                 sock
 	toServer, toClient             pipe
 	clientInterest, serverInterest uint32 // epoll interest registered for clientFD and serverFD
 	done                           chan error
@@ -198,13 +201,14 @@ func (l *evloop) publish(r *relay, regs ...epollReg) (*relay, bool) {
 
 // dupSockets duplicates s's client and server sockets for the loop. The
 // caller holds s.connMu. It reports false, having changed nothing, for a
-// TLS connection, an upstream already closed, or bytes already buffered
-// by the goroutine path.
+// TLS upstream connection, an upstream already closed, or bytes already
+// buffered by the goroutine path. A TLS client is relayed through its
+// tls.Conn (takeClient).
 func dupSockets(s *Session) (clientFD, serverFD int, ok bool) {
 	if s.sf.R.Buffered() > 0 || s.sw.Buffered() > 0 || s.cw.Buffered() > 0 || s.cf.R.Buffered() > 0 {
 		return -1, -1, false
 	}
-	cc, ok1 := s.client.(syscall.Conn)
+	cc, ok1 := clientConn(s.client)
 	sc, ok2 := s.server.(syscall.Conn)
 	if !ok1 || !ok2 || s.serverClosed {
 		return -1, -1, false
@@ -436,7 +440,7 @@ func (r *relay) letGo() *relay {
 // interceptEnd).
 type relayEnd struct{ r *relay }
 
-func (e relayEnd) tellClient(msg []byte) { blockingWrite(e.r.clientFD, msg, time.Second) }
+func (e relayEnd) tellClient(msg []byte) { e.r.client.writeAll(msg, time.Second) }
 
 // writeAvail writes b to the non-blocking socket fd as far as it takes
 // it, returning how much it took; a full socket is not an error.

@@ -1,0 +1,258 @@
+//go:build linux
+
+package proxy
+
+import (
+	"bytes"
+	"context"
+	"crypto/tls"
+	"fmt"
+	"io"
+	"strings"
+	"testing"
+
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgproto3"
+
+	"github.com/pgfence/pgfence/internal/pgtest"
+)
+
+// The tests of TLS clients on the event loop (evloop_tls_linux.go), each
+// with and without the write gate: the session must be on the loop (its
+// relay found there, with a TLS client), and carry everything through
+// TLS, sizes larger than every buffer and TLS record included.
+
+const tlsLoopMax = 2 << 20 // the tests' MaxMessageSize
+
+// tlsLoopModes runs f as a pass-through session and with the gate.
+func tlsLoopModes(t *testing.T, f func(t *testing.T, gate bool)) {
+	for _, gate := range []bool{false, true} {
+		name := "event_loop"
+		if gate {
+			name = "gate_event_loop"
+		}
+		t.Run(name, func(t *testing.T) { f(t, gate) })
+	}
+}
+
+// tlsLoopProxy is a proxy that offers TLS to clients (with the gate, if
+// gate), and a fresh database.
+func tlsLoopProxy(t *testing.T, gate bool) (*testProxy, string) {
+	t.Helper()
+	cfg := Config{TLS: &tls.Config{Certificates: []tls.Certificate{testCert(t)}}, MaxMessageSize: tlsLoopMax}
+	if gate {
+		cfg.Interceptor = newGate(t)
+	}
+	return startProxy(t, cfg), cluster.NewDatabase(t)
+}
+
+func tlsDSN(p *testProxy, db string) string {
+	return fmt.Sprintf("postgres://postgres@127.0.0.1:%d/%s?sslmode=require", p.addr.Port, db)
+}
+
+// tlsClient connects to db through p with TLS and returns the connection
+// once its session is on the loop.
+func tlsClient(t *testing.T, p *testProxy, db string) (*pgconn.PgConn, *relay) {
+	t.Helper()
+	c := connect(t, tlsDSN(p, db))
+	if _, ok := c.Conn().(*tls.Conn); !ok {
+		t.Fatalf("client connection is %T, want *tls.Conn", c.Conn())
+	}
+	r := loopRelayWhere(t, p, "a TLS client's session", func(r *relay) bool { return r.client.tls != nil })
+	return c, r
+}
+
+// TestLoopTLS: a TLS client's session on the loop carries the simple and
+// extended protocols, a pipeline, COPY both ways and results of several
+// MB, a message near MaxMessageSize and one over it (answered 54000 on
+// goroutines, where the session goes on through the same tls.Conn:
+// leaveLoop); psql with sslmode=require too.
+func TestLoopTLS(t *testing.T) { tlsLoopModes(t, testLoopTLS) }
+
+func testLoopTLS(t *testing.T, gate bool) {
+	p, db := tlsLoopProxy(t, gate)
+	c, r := tlsClient(t, p, db)
+	if gate != (r.intercept != nil) {
+		t.Fatalf("intercepted relay: got %v, want %v", r.intercept != nil, gate)
+	}
+	ctx := ctxT(t)
+
+	wantValue(t, c, "SELECT 41 + 1", "42")
+	res := c.ExecParams(ctx, "SELECT $1::int + 1", [][]byte{[]byte("41")}, nil, nil, nil).Read()
+	if res.Err != nil || len(res.Rows) != 1 || string(res.Rows[0][0]) != "42" {
+		t.Fatalf("extended: got %q, %v; want 42", res.Rows, res.Err)
+	}
+
+	mustExec(t, c, "CREATE TABLE tls_copy(a int, b text)")
+	pl := c.StartPipeline(ctx)
+	for i := range 50 {
+		pl.SendQueryParams("INSERT INTO tls_copy VALUES ($1, 'p')", [][]byte{[]byte(fmt.Sprint(-1 - i))}, nil, nil, nil)
+	}
+	pl.SendQueryParams("SELECT count(*) FROM tls_copy", nil, nil, nil, nil)
+	if err := pl.Sync(); err != nil {
+		t.Fatal(err)
+	}
+	for i := range 50 {
+		res, err := pl.GetResults()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := res.(*pgconn.ResultReader).Close(); err != nil {
+			t.Fatalf("pipelined insert %d: %v", i, err)
+		}
+	}
+	pres, _ := pl.GetResults()
+	if r := pres.(*pgconn.ResultReader).Read(); r.Err != nil || string(r.Rows[0][0]) != "50" {
+		t.Fatalf("pipelined count: got %q, %v; want 50", r.Rows, r.Err)
+	}
+	mustSync(t, pl)
+	if err := pl.Close(); err != nil {
+		t.Fatal(err)
+	}
+	mustExec(t, c, "DELETE FROM tls_copy")
+
+	// COPY FROM STDIN and TO STDOUT of ~8 MB.
+	var in bytes.Buffer
+	for i := range 100000 {
+		fmt.Fprintf(&in, "%d\t%s\n", i, strings.Repeat("c", 70))
+	}
+	tag, err := c.CopyFrom(ctx, bytes.NewReader(in.Bytes()), "COPY tls_copy FROM STDIN")
+	if err != nil || tag.RowsAffected() != 100000 {
+		t.Fatalf("COPY FROM STDIN: got %v, %v; want 100000 rows", tag, err)
+	}
+	var out bytes.Buffer
+	if _, err := c.CopyTo(ctx, &out, "COPY (SELECT * FROM tls_copy ORDER BY a) TO STDOUT"); err != nil {
+		t.Fatalf("COPY TO STDOUT: %v", err)
+	}
+	if !bytes.Equal(out.Bytes(), in.Bytes()) {
+		t.Fatalf("COPY TO STDOUT: got %d bytes, want the %d copied in", out.Len(), in.Len())
+	}
+
+	// A result of 20 MB.
+	all, err := c.Exec(ctx, bigResult).ReadAll()
+	if err != nil || len(all) != 1 || len(all[0].Rows) != 20000 || len(all[0].Rows[19999][0]) != 1000 {
+		t.Fatalf("big result: %v", err)
+	}
+
+	// A message near the limit, then one over it.
+	near := tlsLoopMax - 100
+	wantValue(t, c, "SELECT length('"+strings.Repeat("y", near)+"')", fmt.Sprint(near))
+	if _, err := c.Exec(ctx, "SELECT length('"+strings.Repeat("z", tlsLoopMax)+"')").ReadAll(); pgtest.SQLState(err) != "54000" {
+		t.Fatalf("message over the limit: got %v, want 54000", err)
+	}
+	wantValue(t, c, "SELECT count(*) FROM tls_copy", "100000")
+
+	before := p.srv.ops.stats.SessionsLoop.Load()
+	q := "SELECT 'psql-' || count(*) FROM tls_copy; COPY (SELECT repeat('z', 1000) FROM generate_series(1, 5000)) TO STDOUT"
+	got, err := runPsql(t, p.addr.Port, "postgres", db, q, "PGSSLMODE=require")
+	if err != nil || !strings.Contains(got, "psql-100000") || strings.Count(got, strings.Repeat("z", 1000)+"\n") != 5000 {
+		t.Fatalf("psql over TLS: %v\n%.300s", err, got)
+	}
+	if n := p.srv.ops.stats.SessionsLoop.Load(); n != before+1 {
+		t.Fatalf("psql's session: %d sessions on the loop, want %d", n, before+1)
+	}
+}
+
+// TestLoopTLSShutdown: an idle TLS client's session on the loop, ended by
+// a graceful shutdown, reads 57P01 through TLS, then the end of the
+// stream.
+func TestLoopTLSShutdown(t *testing.T) { tlsLoopModes(t, testLoopTLSShutdown) }
+
+func testLoopTLSShutdown(t *testing.T, gate bool) {
+	p, db := tlsLoopProxy(t, gate)
+	c, _ := tlsClient(t, p, db)
+	wantValue(t, c, "SELECT 1", "1")
+	hj, err := c.Hijack()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer hj.Conn.Close()
+	ctx := ctxT(t)
+	done := make(chan error, 1)
+	go func() { done <- p.srv.Shutdown(ctx) }()
+	fe := pgproto3.NewFrontend(hj.Conn, hj.Conn)
+	m, err := fe.Receive()
+	if e, ok := m.(*pgproto3.ErrorResponse); err != nil || !ok || e.Code != "57P01" {
+		t.Fatalf("got %T %+v (%v), want ErrorResponse 57P01", m, m, err)
+	}
+	// Read on the tls.Conn itself: pgproto3 reports any end as unexpected.
+	if n, err := hj.Conn.Read(make([]byte, 16)); err != io.EOF {
+		t.Fatalf("after 57P01: got %d bytes (%v), want the end of the stream", n, err)
+	}
+	if err := <-done; err != nil {
+		t.Fatalf("shutdown: %v", err)
+	}
+}
+
+// TestLoopTLSBadClient: a TLS client that sends a record that does not
+// decrypt, or closes in the middle of a record, ends its session on the
+// loop: the session, its relay and its backend are gone.
+func TestLoopTLSBadClient(t *testing.T) { tlsLoopModes(t, testLoopTLSBadClient) }
+
+func testLoopTLSBadClient(t *testing.T, gate bool) {
+	for _, tc := range []struct {
+		name  string
+		bytes []byte
+	}{
+		// An application_data record of 64 bytes that is not ciphertext.
+		{"garbage", append([]byte{23, 3, 3, 0, 64}, bytes.Repeat([]byte{0x5a}, 64)...)},
+		// A record header claiming 1000 bytes, 10 sent, then the close.
+		{"mid_record", append([]byte{23, 3, 3, 3, 232}, bytes.Repeat([]byte{1}, 10)...)},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			p, db := tlsLoopProxy(t, gate)
+			c, _ := tlsClient(t, p, db)
+			pid, err := strconvU32(lastValue(t, c, "SELECT pg_backend_pid()"))
+			if err != nil {
+				t.Fatal(err)
+			}
+			hj, err := c.Hijack()
+			if err != nil {
+				t.Fatal(err)
+			}
+			raw := hj.Conn.(*tls.Conn).NetConn()
+			if _, err := raw.Write(tc.bytes); err != nil {
+				t.Fatal(err)
+			}
+			if tc.name == "mid_record" {
+				raw.Close()
+			} else {
+				defer raw.Close()
+			}
+			tlsSessionGone(t, p, pid)
+		})
+	}
+}
+
+// tlsSessionGone waits until p has no session, its loop no relay, and
+// the backend of pid (through the proxy: its own pid) has ended.
+func tlsSessionGone(t *testing.T, p *testProxy, pid uint32) {
+	t.Helper()
+	pollFind(t, "end of the session", func() (bool, bool) {
+		p.srv.mu.Lock()
+		defer p.srv.mu.Unlock()
+		for _, s := range p.srv.conns {
+			if s != nil {
+				return false, false
+			}
+		}
+		return true, true
+	})
+	pollFind(t, "empty event loop", func() (bool, bool) {
+		l, err := p.srv.loop.get()
+		if err != nil {
+			t.Fatal(err)
+		}
+		l.mu.RLock()
+		defer l.mu.RUnlock()
+		return true, len(l.byFD) == 0
+	})
+	admin := cluster.Primary.MustConnect(t, "postgres")
+	pollFind(t, "end of the backend", func() (bool, bool) {
+		var n int
+		if err := admin.QueryRow(context.Background(), "SELECT count(*) FROM pg_stat_activity WHERE pid = $1", int32(pid)).Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		return true, n == 0
+	})
+}
