@@ -8,6 +8,7 @@ import (
 	"crypto/tls"
 	"fmt"
 	"io"
+	"net"
 	"strings"
 	"testing"
 
@@ -160,7 +161,18 @@ func TestLoopTLSShutdown(t *testing.T) { tlsLoopModes(t, testLoopTLSShutdown) }
 
 func testLoopTLSShutdown(t *testing.T, gate bool) {
 	p, db := tlsLoopProxy(t, gate)
-	c, _ := tlsClient(t, p, db)
+	cfg, err := pgconn.ParseConfig(tlsDSN(p, db))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var rec *recordingConn
+	cfg.DialFunc = func(ctx context.Context, network, addr string) (net.Conn, error) {
+		c, err := (&net.Dialer{}).DialContext(ctx, network, addr)
+		rec = &recordingConn{Conn: c}
+		return rec, err
+	}
+	c := connectConfig(t, cfg)
+	loopRelayWhere(t, p, "a TLS client's session", func(r *relay) bool { return r.client.tls != nil })
 	wantValue(t, c, "SELECT 1", "1")
 	hj, err := c.Hijack()
 	if err != nil {
@@ -181,6 +193,64 @@ func testLoopTLSShutdown(t *testing.T, gate bool) {
 	}
 	if err := <-done; err != nil {
 		t.Fatalf("shutdown: %v", err)
+	}
+	// The stream ended with close_notify: after the SSLRequest's answer
+	// (one byte), TLS records, the last one a TLS 1.3 alert (2 bytes, its
+	// content type and the 16 bytes of the AEAD tag), not the 57P01's.
+	raw, last := rec.got.Bytes()[1:], 0
+	for len(raw) >= 5 {
+		n := int(raw[3])<<8 | int(raw[4])
+		if len(raw) < 5+n {
+			t.Fatalf("the stream ends in a record of %d bytes", n)
+		}
+		raw, last = raw[5+n:], n
+	}
+	if last != 2+1+16 || len(raw) != 0 {
+		t.Fatalf("the last record has %d bytes (%d left), want a close_notify alert's 19", last, len(raw))
+	}
+}
+
+// recordingConn keeps what it reads.
+type recordingConn struct {
+	net.Conn
+	got bytes.Buffer
+}
+
+func (c *recordingConn) Read(b []byte) (int, error) {
+	n, err := c.Conn.Read(b)
+	c.got.Write(b[:n])
+	return n, err
+}
+
+// TestLoopTLSEarlyQuery: a client that sends its first query with its
+// startup message, in one TLS record: the proxy's tls.Conn holds the
+// query, decrypted, when the session comes onto the loop, and no event
+// comes for it; the loop reads it at once (kickTLS).
+func TestLoopTLSEarlyQuery(t *testing.T) { tlsLoopModes(t, testLoopTLSEarlyQuery) }
+
+func testLoopTLSEarlyQuery(t *testing.T, gate bool) {
+	p, db := tlsLoopProxy(t, gate)
+	c := rawStart(t, p.addr.String())
+	c.send(t, &pgproto3.SSLRequest{})
+	b := make([]byte, 1)
+	if _, err := io.ReadFull(c, b); err != nil || b[0] != 'S' {
+		t.Fatalf("SSLRequest: got %q (%v), want S", b, err)
+	}
+	tc := tls.Client(c.Conn, &tls.Config{InsecureSkipVerify: true})
+	if err := tc.HandshakeContext(ctxT(t)); err != nil {
+		t.Fatal(err)
+	}
+	rc := &rawConn{Conn: tc, fe: pgproto3.NewFrontend(tc, tc)}
+	rc.send(t, &pgproto3.StartupMessage{ProtocolVersion: pgproto3.ProtocolVersionNumber,
+		Parameters: map[string]string{"user": "postgres", "database": db}}, &pgproto3.Query{String: "SELECT 'early'"})
+	if got, _ := rc.untilReady(t); got[len(got)-1] != "Z:I" {
+		t.Fatalf("startup: got %q, want ReadyForQuery last", got)
+	}
+	if got, _ := rc.untilReady(t); strings.Join(got, " ") != "RowDescription DataRow CommandComplete Z:I" {
+		t.Fatalf("the early query: got %q", got)
+	}
+	if n := p.srv.ops.stats.SessionsLoop.Load(); n != 1 {
+		t.Fatalf("%d sessions on the loop, want 1", n)
 	}
 }
 
