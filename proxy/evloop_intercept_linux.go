@@ -204,6 +204,14 @@ func writeOrHold(fd int, held *[]byte, b []byte) error {
 type serverWriter struct{ r *relay }
 
 func (sw serverWriter) Write(b []byte) (int, error) {
+	if sw.r.server.tls != nil {
+		return sw.r.server.tls.Write(b) // to raw, through its transport
+	}
+	return sw.raw(b)
+}
+
+// raw writes b to the server socket.
+func (sw serverWriter) raw(b []byte) (int, error) {
 	if sw.r.s.onLoop {
 		// On the loop: what the socket does not take waits in serverPending,
 		// and the client is not read until it has gone.
@@ -252,14 +260,17 @@ func (l *evloop) attachIntercepted(s *Session) (*relay, bool) {
 	// as well as the loop. The client goroutine reads the client
 	// (clientReader) and writes the server (serverWriter); the loop reads
 	// the server and writes the client; all through the duplicates.
-	s.server.Close()
-	var cr io.Reader = clientReader{l, r}
-	r.client = takeClient(s, clientFD, cr, &r.intercept.clientPending)
+	var cr, sr io.Reader = clientReader{l, r}, loopServerReader{r}
+	r.client = takeSock(s.client, clientFD, cr, nil, &r.intercept.clientPending)
+	r.server = takeSock(s.server, serverFD, sr, serverWriter{r}.raw, &r.intercept.serverPending)
 	if r.client.tls != nil {
 		cr = &r.client // the plaintext, from its tls.Conn reading clientReader
 	}
+	if r.server.tls != nil {
+		sr = &r.server // the same, reading loopServerReader
+	}
 	s.cf.R.Reset(cr)
-	s.sf.R.Reset(loopServerReader{r})
+	s.sf.R.Reset(sr)
 	s.cw.Reset(loopClientWriter{r})
 	s.sw.Reset(serverWriter{r})
 	s.loopRelay = r
@@ -275,7 +286,7 @@ func (l *evloop) attachIntercepted(s *Session) (*relay, bool) {
 	}
 	// The client's writes are watched only while clientPending holds bytes.
 	l.publish(r, epollReg{clientReadFD, clientInterest}, epollReg{serverFD, r.intercept.serverInterest})
-	if r.client.tls != nil {
+	if r.client.tls != nil || r.server.tls != nil {
 		l.kickTLS(r)
 	}
 	return r, true
@@ -596,7 +607,7 @@ func (e interceptEnd) stop() {
 
 // endServer closes the upstream socket: stop told the backend to end
 // (stopServer), when the socket could take it.
-func (e interceptEnd) endServer() { syscall.Close(e.r.letGo().serverFD) }
+func (e interceptEnd) endServer() { e.r.letGo().server.close(100 * time.Millisecond) }
 
 // flushClient passes on, blocking, what the loop still held for the
 // client: in the client writer and in clientPending.
@@ -606,6 +617,6 @@ func (e interceptEnd) flushClient() {
 }
 
 func (e interceptEnd) closeClient() {
-	e.r.client.close()
+	e.r.client.close(time.Second)
 	syscall.Close(e.r.intercept.clientReadFD)
 }

@@ -133,8 +133,9 @@ type relay struct {
 	s                  *Session
 	l                  *evloop // the loop r is on: its Server's
 	clientFD, serverFD int
-	// client is the client socket as the relay reads and writes it
-	// (plain or TLS: evloop_tls_linux.go); its fd is clientFD.
+	// client and server are the sockets as the relay reads and writes
+	// them (plain or TLS: evloop_tls_linux.go); their fds are clientFD
+	// and serverFD.
 	client, server                 sock
 	toServer, toClient             pipe
 	clientInterest, serverInterest uint32 // epoll interest registered for clientFD and serverFD
@@ -202,15 +203,15 @@ func (l *evloop) publish(r *relay, regs ...epollReg) (*relay, bool) {
 
 // dupSockets duplicates s's client and server sockets for the loop. The
 // caller holds s.connMu. It reports false, having changed nothing, for a
-// TLS upstream connection, an upstream already closed, or bytes already
-// buffered by the goroutine path. A TLS client is relayed through its
-// tls.Conn (takeClient).
+// connection that is neither a socket nor TLS over our transport, an
+// upstream already closed, or bytes already buffered by the goroutine
+// path. A TLS connection is relayed through its tls.Conn (takeSock).
 func dupSockets(s *Session) (clientFD, serverFD int, ok bool) {
 	if s.sf.R.Buffered() > 0 || s.sw.Buffered() > 0 || s.cw.Buffered() > 0 || s.cf.R.Buffered() > 0 {
 		return -1, -1, false
 	}
-	cc, ok1 := clientConn(s.client)
-	sc, ok2 := s.server.(syscall.Conn)
+	cc, ok1 := loopConn(s.client)
+	sc, ok2 := loopConn(s.server)
 	if !ok1 || !ok2 || s.serverClosed {
 		return -1, -1, false
 	}
@@ -422,7 +423,9 @@ func (r *relay) stopServer() {
 	if r.closed {
 		return
 	}
-	if r.intercept != nil {
+	if r.intercept != nil && r.server.tls == nil {
+		// Not through a TLS upstream's tls.Conn, which the loop may be
+		// using: its backend sees the end of the stream.
 		rawIO(syscall.SYS_WRITE, r.serverFD, wire.Terminate)
 	}
 	syscall.Shutdown(r.serverFD, syscall.SHUT_RDWR)

@@ -51,11 +51,11 @@ func (l *evloop) attach(s *Session) (*relay, bool) {
 		return nil, false
 	}
 	// Out of Go's netpoller: only the loop waits on these sockets now.
-	s.server.Close()
 	size := s.srv.cfg.BufferSize
 	r := &relay{
-		s: s, l: l, clientFD: clientFD, serverFD: serverFD, client: takeClient(s, clientFD, nil, nil),
-		server:         sock{fd: serverFD},
+		s: s, l: l, clientFD: clientFD, serverFD: serverFD,
+		client:         takeSock(s.client, clientFD, nil, nil, nil),
+		server:         takeSock(s.server, serverFD, nil, nil, nil),
 		toServer:       pipe{buf: make([]byte, size), fromClient: true, sc: wire.Scanner{Max: s.srv.cfg.MaxMessageSize, From: "client", Client: true}},
 		toClient:       pipe{buf: make([]byte, size), sc: wire.Scanner{From: "server"}},
 		clientInterest: syscall.EPOLLIN | syscall.EPOLLRDHUP,
@@ -66,7 +66,7 @@ func (l *evloop) attach(s *Session) (*relay, bool) {
 	r.toClient.src, r.toClient.dst = &r.server, &r.client
 	s.loopRelay = r
 	l.publish(r, epollReg{clientFD, r.clientInterest}, epollReg{serverFD, r.serverInterest})
-	if r.client.tls != nil {
+	if r.client.tls != nil || r.server.tls != nil {
 		l.kickTLS(r)
 	}
 	return r, true
@@ -95,11 +95,15 @@ func (l *evloop) event(r *relay, fd int, ev uint32) {
 			err = r.flush(&r.toServer)
 		}
 		if err == nil && ev&readable != 0 {
+			r.server.arm()
 			err = r.pump(&r.toClient)
 		}
 	}
 	if err == nil {
 		err = r.pumpMore(&r.toServer)
+	}
+	if err == nil {
+		err = r.pumpMore(&r.toClient)
 	}
 	if err == nil {
 		err = l.interest(r)
@@ -176,7 +180,7 @@ func (r *relay) pump(p *pipe) error {
 	return stop
 }
 
-// pumpMore reads what a TLS client's tls.Conn still holds (sock.more),
+// pumpMore reads what p's TLS source's tls.Conn still holds (sock.more),
 // for which no event comes, while p has room: the socket is not read
 // again (its next bytes come with an event), so this ends.
 func (r *relay) pumpMore(p *pipe) error {
@@ -188,8 +192,8 @@ func (r *relay) pumpMore(p *pipe) error {
 	return nil
 }
 
-// kickTLS reads, on the loop thread, what a TLS client's tls.Conn held
-// when its session came onto the loop: no event comes for it.
+// kickTLS reads, on the loop thread, what a session's tls.Conns held
+// when it came onto the loop: no event comes for it.
 func (l *evloop) kickTLS(r *relay) {
 	l.tasks.post(func() {
 		l.onLoopThread(r, func() error {
@@ -197,6 +201,9 @@ func (l *evloop) kickTLS(r *relay) {
 				return l.kickIntercepted(r)
 			}
 			if err := r.pumpMore(&r.toServer); err != nil {
+				return err
+			}
+			if err := r.pumpMore(&r.toClient); err != nil {
 				return err
 			}
 			return l.interest(r)
@@ -312,15 +319,15 @@ func (e passEnd) endServer() {
 	r.server.writeAll(r.toServer.buf[r.toServer.start:r.toServer.end], 100*time.Millisecond)
 	// The client's own Terminate was not passed on (scan): this one is
 	// sent whatever ended the session.
-	blockingWrite(r.serverFD, wire.Terminate, 100*time.Millisecond)
-	syscall.Close(r.serverFD)
+	r.server.writeAll(wire.Terminate, 100*time.Millisecond)
+	r.server.close(100 * time.Millisecond)
 }
 
 func (e passEnd) flushClient() {
 	e.r.client.writeAll(e.r.toClient.buf[e.r.toClient.start:e.r.toClient.end], time.Second)
 }
 
-func (e passEnd) closeClient() { e.r.client.close() }
+func (e passEnd) closeClient() { e.r.client.close(time.Second) }
 
 // leaveLoop moves a pass-through session, which the loop has let go of,
 // onto the goroutine path: its sockets back into Go's netpoller, what the
@@ -343,6 +350,10 @@ func (s *Session) leaveLoop(r *relay) error {
 	if r.client.tls != nil {
 		r.client.leave(client) // its tls.Conn stays the session's
 		client = s.client
+	}
+	if r.server.tls != nil {
+		r.server.leave(server)
+		server = s.server
 	}
 	s.loopRelay, s.client, s.server = nil, client, server
 	s.cf.R.Reset(io.MultiReader(bytes.NewReader(r.rest), client))

@@ -11,13 +11,14 @@ import (
 	"time"
 )
 
-// This file holds the client socket of a session on the loop as the
-// relays read and write it (sock): the socket itself, or a TLS
-// connection over it. The upstream socket is always plain on the loop: a
-// session whose upstream is TLS stays on goroutines (dupSockets).
+// This file holds the sockets of a session on the loop as the relays
+// read and write them (sock): the socket itself, or a TLS connection over
+// it, the client's or the upstream's.
 //
-// A TLS client's tls.Conn is made over a tlsTransport (tlsconn.go). When
-// the session comes onto the loop its transport becomes a loopTransport:
+// A TLS client's tls.Conn is made over a tlsTransport (tlsconn.go), and
+// so is an upstream's (through pgconn.Config.DialFunc: upstreamConfig).
+// When the session comes onto the loop its transport becomes a
+// loopTransport:
 // its reads read the socket without blocking, its writes write what the
 // socket takes and hold the rest (ciphertext) for the loop to write when
 // the socket has room, as the loop does with plaintext. tls.Conn keeps its
@@ -33,18 +34,19 @@ import (
 // post-handshake message (a TLS 1.3 KeyUpdate) is handled inside the read;
 // its answer is written like any other ciphertext.
 //
-// On the pass-through relay only the loop thread calls the tls.Conn. An
+// On the pass-through relay only the loop thread calls the tls.Conns. An
 // intercepted session's client goroutine, when it has the client side,
-// reads it while the loop writes it: tls.Conn allows one Read and one
-// Write at a time, but a KeyUpdate answered by the goroutine's read then
-// appends to clientPending, which the loop also writes (a client that
-// asks for a KeyUpdate while its session's client side is on the
+// reads the client while the loop writes it, and writes the upstream
+// while the loop reads it: tls.Conn allows one Read and one Write at a
+// time, but a KeyUpdate answered by the goroutine's read of the client
+// then appends to clientPending, which the loop also writes (a client
+// that asks for a KeyUpdate while its session's client side is on the
 // goroutine).
 
-// sock is a relay's client socket: fd, and tls with its transport for a
-// TLS client (nil: plain). held, if not nil, is where the bytes the
-// socket has not taken wait (hold, writeAll): an intercepted session's
-// clientPending, or a TLS transport's own buffer.
+// sock is one socket of a relay: fd, and tls with its transport for TLS
+// (nil: plain). held, if not nil, is where the bytes the socket has not
+// taken wait (hold, writeAll): an intercepted session's clientPending or
+// serverPending, or a TLS transport's own buffer.
 type sock struct {
 	fd   int
 	held *[]byte
@@ -63,6 +65,9 @@ type loopTransport struct {
 	// after each readable event (armed).
 	rd    io.Reader
 	armed bool
+	// wr writes the socket (an intercepted session's upstream: the client
+	// goroutine's writes block); nil: writeOrHold into held.
+	wr func([]byte) (int, error)
 	// held is where the ciphertext the socket has not taken waits: the
 	// transport's own (out) on the pass-through relay, clientPending on an
 	// intercepted session's.
@@ -94,6 +99,9 @@ func (lt *loopTransport) Write(b []byte) (int, error) {
 		blockingWrite(lt.fd, b, lt.wait)
 		return len(b), nil
 	}
+	if lt.wr != nil {
+		return lt.wr(b)
+	}
 	if err := writeOrHold(lt.fd, lt.held, b); err != nil {
 		return 0, err
 	}
@@ -102,34 +110,37 @@ func (lt *loopTransport) Write(b []byte) (int, error) {
 
 func (lt *loopTransport) Close() error { return syscall.Close(lt.fd) }
 
-// clientConn is the socket under s's client connection, and whether it
-// can be relayed on the loop: a plain socket, or TLS over our transport.
-func clientConn(c net.Conn) (syscall.Conn, bool) {
+// loopConn is the socket under c, a session's client or upstream
+// connection, and whether it can be relayed on the loop: a plain socket,
+// or TLS over our transport.
+func loopConn(c net.Conn) (syscall.Conn, bool) {
 	if tc, ok := c.(*tls.Conn); ok {
 		tr, ok := tc.NetConn().(*tlsTransport)
 		if !ok || tr.loop != nil {
 			return nil, false
 		}
 		c = tr.Conn
+	} else if tr, ok := c.(*tlsTransport); ok {
+		c = tr.Conn // an upstream that fell back to plain (sslmode=prefer)
 	}
 	sc, ok := c.(syscall.Conn)
 	return sc, ok
 }
 
-// takeClient makes the loop's sock of s's client, whose socket the loop
-// has duplicated as fd, and takes the client connection out of Go's
-// netpoller. rd reads a TLS client's socket (nil: fd itself); held is
-// where what the socket does not take waits for a TLS client (nil: the
-// transport's own). The caller holds s.connMu.
-func takeClient(s *Session, fd int, rd io.Reader, held *[]byte) sock {
-	tc, ok := s.client.(*tls.Conn)
+// takeSock makes the loop's sock of c, a session's client or upstream
+// connection, whose socket the loop has duplicated as fd, and takes c out
+// of Go's netpoller. rd and wr read and write a TLS socket (nil: fd
+// itself, see loopTransport); held is where what the socket does not take
+// waits (nil: a TLS transport's own). The caller holds s.connMu.
+func takeSock(c net.Conn, fd int, rd io.Reader, wr func([]byte) (int, error), held *[]byte) sock {
+	tc, ok := c.(*tls.Conn)
 	if !ok {
-		s.client.Close()
+		c.Close()
 		return sock{fd: fd, held: held}
 	}
 	tr := tc.NetConn().(*tlsTransport)
 	tr.Conn.Close() // not tc.Close: that would end the TLS stream
-	lt := &loopTransport{fd: fd, rd: rd, held: held}
+	lt := &loopTransport{fd: fd, rd: rd, wr: wr, held: held}
 	if held == nil {
 		lt.held = &lt.out
 	}
@@ -145,7 +156,7 @@ func (k *sock) arm() {
 	}
 }
 
-// read reads what the client sent into b without blocking, as rawIO
+// read reads what the peer sent into b without blocking, as rawIO
 // does: (0, nil) at the end of the stream, EAGAIN when there is nothing.
 // For TLS it reads the socket at most once, if armed, and drains the
 // tls.Conn until it would block or b is full (then more is set).
@@ -191,7 +202,7 @@ func (k *sock) end() (int, error) {
 	return -1, k.err
 }
 
-// write writes b as far as the client socket takes it, returning how
+// write writes b as far as the socket takes it, returning how
 // much it took, as writeAvail does. For TLS it first writes what the
 // socket did not take before, and takes nothing while some is left: the
 // caller keeps b, and waits for room (pending).
@@ -243,19 +254,19 @@ func (k *sock) writeAll(b []byte, d time.Duration) {
 	k.tls.Write(b)
 }
 
-// close closes the client socket; a TLS client is sent close_notify
-// first, as tls.Conn's Close does.
-func (k *sock) close() {
+// close closes the socket; a TLS peer is sent close_notify first, as
+// tls.Conn's Close does, waiting up to d for room.
+func (k *sock) close(d time.Duration) {
 	if k.tls == nil {
 		syscall.Close(k.fd)
 		return
 	}
-	k.tr.wait = time.Second
+	k.tr.wait = d
 	k.tls.Close()
 }
 
-// Read is the TLS client's plaintext for an intercepted session's client
-// framer: errWouldBlock when the tls.Conn has nothing whole and the socket
+// Read is a TLS peer's plaintext for an intercepted session's framer:
+// errWouldBlock when the tls.Conn has nothing whole and the socket
 // nothing more.
 func (k *sock) Read(b []byte) (int, error) {
 	n, err := k.tls.Read(b)
@@ -268,7 +279,7 @@ func (k *sock) Read(b []byte) (int, error) {
 	return n, err
 }
 
-// leave gives a TLS client's transport back to goroutines, over c (a
+// leave gives a TLS transport back to goroutines, over c (a
 // pass-through session leaving the loop: leaveLoop).
 func (k *sock) leave(c net.Conn) {
 	tr := k.tls.NetConn().(*tlsTransport)
@@ -277,13 +288,18 @@ func (k *sock) leave(c net.Conn) {
 }
 
 // kickIntercepted is kickTLS for an intercepted session: the loop reads
-// what the client's tls.Conn holds if the client side is the loop's.
+// what the upstream's tls.Conn holds, and the client's if the client side
+// is the loop's.
 func (l *evloop) kickIntercepted(r *relay) error {
-	if r.intercept.clientOnGoroutine.Load() {
-		return nil // the goroutine reads it
+	if r.server.tls != nil {
+		if err := r.serverSteps(false); err != nil {
+			return err
+		}
 	}
-	if err := l.clientInline(r); err != nil {
-		return err
+	if r.client.tls != nil && !r.intercept.clientOnGoroutine.Load() {
+		if err := l.clientInline(r); err != nil {
+			return err
+		}
 	}
 	return l.interceptInterest(r)
 }
