@@ -18,31 +18,46 @@ import (
 	"github.com/pgfence/pgfence/internal/pgtest"
 )
 
-// The tests of TLS clients on the event loop (evloop_tls_linux.go), each
-// with and without the write gate: the session must be on the loop (its
-// relay found there, with a TLS client), and carry everything through
-// TLS, sizes larger than every buffer and TLS record included.
+// The tests of TLS sessions on the event loop (evloop_tls_linux.go): a
+// TLS client, with and without the write gate, with a plain and a TLS
+// upstream. The session must be on the loop (its relay found there, with
+// TLS where the mode has it), and carry everything through TLS, sizes
+// larger than every buffer and TLS record included.
 
 const tlsLoopMax = 2 << 20 // the tests' MaxMessageSize
 
-// tlsLoopModes runs f as a pass-through session and with the gate.
-func tlsLoopModes(t *testing.T, f func(t *testing.T, gate bool)) {
-	for _, gate := range []bool{false, true} {
+// tlsMode is one of tlsLoopModes.
+type tlsMode struct {
+	gate        bool // the write gate intercepts
+	upstreamTLS bool // the proxy connects to PostgreSQL with TLS
+	bufferSize  int  // Config.BufferSize (0: the default)
+}
+
+// tlsLoopModes runs f in each mode.
+func tlsLoopModes(t *testing.T, f func(t *testing.T, m tlsMode)) {
+	for _, m := range []tlsMode{{}, {gate: true}, {upstreamTLS: true}, {gate: true, upstreamTLS: true}} {
 		name := "event_loop"
-		if gate {
+		if m.gate {
 			name = "gate_event_loop"
 		}
-		t.Run(name, func(t *testing.T) { f(t, gate) })
+		if m.upstreamTLS {
+			name += "_tls_upstream"
+		}
+		t.Run(name, func(t *testing.T) { f(t, m) })
 	}
 }
 
-// tlsLoopProxy is a proxy that offers TLS to clients (with the gate, if
-// gate), and a fresh database.
-func tlsLoopProxy(t *testing.T, gate bool) (*testProxy, string) {
+// tlsLoopProxy is a proxy that offers TLS to clients, in mode m, and a
+// fresh database.
+func tlsLoopProxy(t *testing.T, m tlsMode) (*testProxy, string) {
 	t.Helper()
-	cfg := Config{TLS: &tls.Config{Certificates: []tls.Certificate{testCert(t)}}, MaxMessageSize: tlsLoopMax}
-	if gate {
+	cfg := Config{TLS: &tls.Config{Certificates: []tls.Certificate{testCert(t)}}, MaxMessageSize: tlsLoopMax, BufferSize: m.bufferSize}
+	if m.gate {
 		cfg.Interceptor = newGate(t)
+	}
+	if m.upstreamTLS {
+		primaryTLS(t) // auth_test.go
+		cfg.Primary = fmt.Sprintf("postgres://postgres@%s/postgres?sslmode=require", cluster.Primary.Addr())
 	}
 	return startProxy(t, cfg), cluster.NewDatabase(t)
 }
@@ -52,15 +67,25 @@ func tlsDSN(p *testProxy, db string) string {
 }
 
 // tlsClient connects to db through p with TLS and returns the connection
-// once its session is on the loop.
-func tlsClient(t *testing.T, p *testProxy, db string) (*pgconn.PgConn, *relay) {
+// once its session is on the loop, in mode m.
+func tlsClient(t *testing.T, p *testProxy, db string, m tlsMode) (*pgconn.PgConn, *relay) {
 	t.Helper()
 	c := connect(t, tlsDSN(p, db))
 	if _, ok := c.Conn().(*tls.Conn); !ok {
 		t.Fatalf("client connection is %T, want *tls.Conn", c.Conn())
 	}
+	return c, tlsOnLoop(t, p, m)
+}
+
+// tlsOnLoop waits for a TLS client's session of p on the loop, and checks
+// it is in mode m.
+func tlsOnLoop(t *testing.T, p *testProxy, m tlsMode) *relay {
+	t.Helper()
 	r := loopRelayWhere(t, p, "a TLS client's session", func(r *relay) bool { return r.client.tls != nil })
-	return c, r
+	if m.gate != (r.intercept != nil) || m.upstreamTLS != (r.server.tls != nil) {
+		t.Fatalf("intercepted %v, TLS upstream %v; want %+v", r.intercept != nil, r.server.tls != nil, m)
+	}
+	return r
 }
 
 // TestLoopTLS: a TLS client's session on the loop carries the simple and
@@ -70,15 +95,13 @@ func tlsClient(t *testing.T, p *testProxy, db string) (*pgconn.PgConn, *relay) {
 // leaveLoop); psql with sslmode=require too.
 func TestLoopTLS(t *testing.T) { tlsLoopModes(t, testLoopTLS) }
 
-func testLoopTLS(t *testing.T, gate bool) {
-	p, db := tlsLoopProxy(t, gate)
-	c, r := tlsClient(t, p, db)
-	if gate != (r.intercept != nil) {
-		t.Fatalf("intercepted relay: got %v, want %v", r.intercept != nil, gate)
-	}
+func testLoopTLS(t *testing.T, m tlsMode) {
+	p, db := tlsLoopProxy(t, m)
+	c, _ := tlsClient(t, p, db, m)
 	ctx := ctxT(t)
 
 	wantValue(t, c, "SELECT 41 + 1", "42")
+	wantValue(t, c, "SELECT ssl FROM pg_stat_ssl WHERE pid = pg_backend_pid()", map[bool]string{false: "f", true: "t"}[m.upstreamTLS])
 	res := c.ExecParams(ctx, "SELECT $1::int + 1", [][]byte{[]byte("41")}, nil, nil, nil).Read()
 	if res.Err != nil || len(res.Rows) != 1 || string(res.Rows[0][0]) != "42" {
 		t.Fatalf("extended: got %q, %v; want 42", res.Rows, res.Err)
@@ -154,13 +177,41 @@ func testLoopTLS(t *testing.T, gate bool) {
 	}
 }
 
+// TestLoopTLSSmallBuffer: with buffers smaller than a TLS record, a read
+// of a record leaves the rest of it decrypted in the tls.Conn, for which
+// no event comes: the loop reads it once it has room (pumpMore), both
+// ways, including the last record of a result or of a COPY, after which
+// nothing more comes.
+func TestLoopTLSSmallBuffer(t *testing.T) {
+	tlsLoopModes(t, func(t *testing.T, m tlsMode) {
+		m.bufferSize = 4096
+		p, db := tlsLoopProxy(t, m)
+		c, _ := tlsClient(t, p, db, m)
+		ctx := ctxT(t)
+		wantValue(t, c, "SELECT length(repeat('x', 10000))", "10000")
+		res, err := c.Exec(ctx, "SELECT repeat('x', 10000)").ReadAll()
+		if err != nil || len(res[0].Rows[0][0]) != 10000 {
+			t.Fatalf("a 10 kB value: %v", err)
+		}
+		mustExec(t, c, "CREATE TABLE tls_small(b text)")
+		in := []byte(strings.Repeat(strings.Repeat("s", 999)+"\n", 1000))
+		if tag, err := c.CopyFrom(ctx, bytes.NewReader(in), "COPY tls_small FROM STDIN"); err != nil || tag.RowsAffected() != 1000 {
+			t.Fatalf("COPY FROM STDIN: got %v, %v; want 1000 rows", tag, err)
+		}
+		var out bytes.Buffer
+		if _, err := c.CopyTo(ctx, &out, "COPY tls_small TO STDOUT"); err != nil || !bytes.Equal(out.Bytes(), in) {
+			t.Fatalf("COPY TO STDOUT: got %d bytes (%v), want the %d copied in", out.Len(), err, len(in))
+		}
+	})
+}
+
 // TestLoopTLSShutdown: an idle TLS client's session on the loop, ended by
 // a graceful shutdown, reads 57P01 through TLS, then the end of the
 // stream.
 func TestLoopTLSShutdown(t *testing.T) { tlsLoopModes(t, testLoopTLSShutdown) }
 
-func testLoopTLSShutdown(t *testing.T, gate bool) {
-	p, db := tlsLoopProxy(t, gate)
+func testLoopTLSShutdown(t *testing.T, m tlsMode) {
+	p, db := tlsLoopProxy(t, m)
 	cfg, err := pgconn.ParseConfig(tlsDSN(p, db))
 	if err != nil {
 		t.Fatal(err)
@@ -172,7 +223,7 @@ func testLoopTLSShutdown(t *testing.T, gate bool) {
 		return rec, err
 	}
 	c := connectConfig(t, cfg)
-	loopRelayWhere(t, p, "a TLS client's session", func(r *relay) bool { return r.client.tls != nil })
+	tlsOnLoop(t, p, m)
 	wantValue(t, c, "SELECT 1", "1")
 	hj, err := c.Hijack()
 	if err != nil {
@@ -183,9 +234,9 @@ func testLoopTLSShutdown(t *testing.T, gate bool) {
 	done := make(chan error, 1)
 	go func() { done <- p.srv.Shutdown(ctx) }()
 	fe := pgproto3.NewFrontend(hj.Conn, hj.Conn)
-	m, err := fe.Receive()
-	if e, ok := m.(*pgproto3.ErrorResponse); err != nil || !ok || e.Code != "57P01" {
-		t.Fatalf("got %T %+v (%v), want ErrorResponse 57P01", m, m, err)
+	msg, err := fe.Receive()
+	if e, ok := msg.(*pgproto3.ErrorResponse); err != nil || !ok || e.Code != "57P01" {
+		t.Fatalf("got %T %+v (%v), want ErrorResponse 57P01", msg, msg, err)
 	}
 	// Read on the tls.Conn itself: pgproto3 reports any end as unexpected.
 	if n, err := hj.Conn.Read(make([]byte, 16)); err != io.EOF {
@@ -228,8 +279,8 @@ func (c *recordingConn) Read(b []byte) (int, error) {
 // comes for it; the loop reads it at once (kickTLS).
 func TestLoopTLSEarlyQuery(t *testing.T) { tlsLoopModes(t, testLoopTLSEarlyQuery) }
 
-func testLoopTLSEarlyQuery(t *testing.T, gate bool) {
-	p, db := tlsLoopProxy(t, gate)
+func testLoopTLSEarlyQuery(t *testing.T, m tlsMode) {
+	p, db := tlsLoopProxy(t, m)
 	c := rawStart(t, p.addr.String())
 	c.send(t, &pgproto3.SSLRequest{})
 	b := make([]byte, 1)
@@ -259,7 +310,7 @@ func testLoopTLSEarlyQuery(t *testing.T, gate bool) {
 // loop: the session, its relay and its backend are gone.
 func TestLoopTLSBadClient(t *testing.T) { tlsLoopModes(t, testLoopTLSBadClient) }
 
-func testLoopTLSBadClient(t *testing.T, gate bool) {
+func testLoopTLSBadClient(t *testing.T, m tlsMode) {
 	for _, tc := range []struct {
 		name  string
 		bytes []byte
@@ -270,8 +321,8 @@ func testLoopTLSBadClient(t *testing.T, gate bool) {
 		{"mid_record", append([]byte{23, 3, 3, 3, 232}, bytes.Repeat([]byte{1}, 10)...)},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			p, db := tlsLoopProxy(t, gate)
-			c, _ := tlsClient(t, p, db)
+			p, db := tlsLoopProxy(t, m)
+			c, _ := tlsClient(t, p, db, m)
 			pid, err := strconvU32(lastValue(t, c, "SELECT pg_backend_pid()"))
 			if err != nil {
 				t.Fatal(err)
