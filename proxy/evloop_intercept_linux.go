@@ -235,7 +235,8 @@ func (sw serverWriter) raw(b []byte) (int, error) {
 
 // attachIntercepted moves an intercepted session s onto the loop (its client
 // side too, for a LoopClient Handler). It reports false, leaving s
-// untouched, when it cannot (a TLS upstream, or bytes already buffered).
+// untouched, when it cannot (TLS not over our transport, or bytes already
+// buffered).
 func (l *evloop) attachIntercepted(s *Session) (*relay, bool) {
 	s.connMu.Lock()
 	defer s.connMu.Unlock()

@@ -25,8 +25,8 @@ import (
 // admin_pause_linux.go.
 
 // The event loop relays the bytes of pass-through sessions (no Handler,
-// no read routing, no TLS upstream; a TLS client's through its tls.Conn:
-// evloop_tls_linux.go) on one OS thread that waits in epoll_wait, the
+// no read routing; TLS through its tls.Conn: evloop_tls_linux.go) on one
+// OS thread that waits in epoll_wait, the
 // way PgBouncer does, instead of two goroutines per session. Each Server
 // owns one (serverLoop), started by its first session and stopped, its
 // epoll fd closed, by Shutdown.

@@ -41,7 +41,7 @@ type pipe struct {
 }
 
 // attach moves s onto the loop. It reports false, leaving s untouched,
-// when s cannot be relayed there (a TLS upstream, bytes already
+// when s cannot be relayed there (TLS not over our transport, bytes already
 // buffered by the goroutine path, or the upstream already closed).
 func (l *evloop) attach(s *Session) (*relay, bool) {
 	s.connMu.Lock()
