@@ -148,7 +148,7 @@ func takeSock(c net.Conn, fd int, rd io.Reader, wr func([]byte) (int, error), he
 	return sock{fd: fd, held: lt.held, tls: tc, tr: lt, more: true} // tc may hold bytes already
 }
 
-// arm lets the next read read a TLS client's socket once: the loop saw it
+// arm lets the next read read a TLS socket once: the loop saw it
 // readable.
 func (k *sock) arm() {
 	if k.tr != nil {

@@ -51,7 +51,14 @@ func tlsLoopModes(t *testing.T, f func(t *testing.T, m tlsMode)) {
 // fresh database.
 func tlsLoopProxy(t *testing.T, m tlsMode) (*testProxy, string) {
 	t.Helper()
-	cfg := Config{TLS: &tls.Config{Certificates: []tls.Certificate{testCert(t)}}, MaxMessageSize: tlsLoopMax, BufferSize: m.bufferSize}
+	return tlsLoopProxyWith(t, m, Config{})
+}
+
+// tlsLoopProxyWith is tlsLoopProxy with cfg's other settings.
+func tlsLoopProxyWith(t *testing.T, m tlsMode, cfg Config) (*testProxy, string) {
+	t.Helper()
+	cfg.TLS = &tls.Config{Certificates: []tls.Certificate{testCert(t)}}
+	cfg.MaxMessageSize, cfg.BufferSize = tlsLoopMax, m.bufferSize
 	if m.gate {
 		cfg.Interceptor = newGate(t)
 	}
@@ -201,6 +208,34 @@ func TestLoopTLSSmallBuffer(t *testing.T) {
 		var out bytes.Buffer
 		if _, err := c.CopyTo(ctx, &out, "COPY tls_small TO STDOUT"); err != nil || !bytes.Equal(out.Bytes(), in) {
 			t.Fatalf("COPY TO STDOUT: got %d bytes (%v), want the %d copied in", out.Len(), err, len(in))
+		}
+	})
+}
+
+// TestLoopTLSPause: PAUSE holds a TLS client's next message on the loop;
+// the client sends it with a larger one behind it in one TLS record,
+// which the buffer (4 KiB) cannot take whole: after RESUME the loop reads
+// the rest from the tls.Conn (no event comes for it) and both are
+// answered.
+func TestLoopTLSPause(t *testing.T) {
+	tlsLoopModes(t, func(t *testing.T, m tlsMode) {
+		m.bufferSize = 4096
+		p, db := tlsLoopProxyWith(t, m, withConsole(Config{}))
+		c, _ := tlsClient(t, p, db, m)
+		adm := mustConsole(t, p, "admin")
+		obs := mustConsole(t, p, "watcher")
+		ctx := ctxT(t)
+		if _, err := adm.Exec(ctx, "PAUSE"); err != nil {
+			t.Fatalf("PAUSE: %v", err)
+		}
+		long := strings.Repeat("l", 6000)
+		rawSend(t, c, "SELECT 10", "SELECT length('"+long+"')") // one Flush: one record
+		waitClientState(t, obs, c, "waiting")
+		if _, err := adm.Exec(ctx, "RESUME"); err != nil {
+			t.Fatalf("RESUME: %v", err)
+		}
+		if got := rawAnswers(t, c, 2); got[0] != "10" || got[1] != "6000" {
+			t.Fatalf("after RESUME: got %v, want 10, 6000", got)
 		}
 	})
 }
