@@ -607,7 +607,7 @@ func (e interceptEnd) stop() {
 }
 
 // endServer closes the upstream socket: stop told the backend to end
-// (stopServer), when the socket could take it.
+// (stopServer), when the socket could take it and is not TLS.
 func (e interceptEnd) endServer() { e.r.letGo().server.close(100 * time.Millisecond) }
 
 // flushClient passes on, blocking, what the loop still held for the
