@@ -149,6 +149,9 @@ func (l *evloop) unhold(r *relay) error {
 	if stop != nil {
 		return stop
 	}
+	if err := r.pumpMore(p); err != nil {
+		return err
+	}
 	return l.interest(r)
 }
 

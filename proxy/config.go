@@ -154,7 +154,7 @@ type Config struct {
 	BufferSize int
 
 	// DisableEventLoop relays pass-through sessions (no Interceptor, no
-	// read routing, no TLS) with two goroutines each instead of the
+	// read routing) with two goroutines each instead of the
 	// Server's epoll loop thread (Linux only; see evloop_linux.go). For
 	// diagnosis: both paths behave the same; the loop is faster.
 	DisableEventLoop bool

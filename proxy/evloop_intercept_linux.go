@@ -203,7 +203,7 @@ func armedRead(fd int, armed *bool, b []byte) (int, error) {
 type loopClientWriter struct{ r *relay }
 
 func (lw loopClientWriter) Write(b []byte) (int, error) {
-	if err := writeOrHold(lw.r.clientFD, &lw.r.intercept.clientPending, b); err != nil {
+	if err := lw.r.client.hold(b); err != nil { // into clientPending
 		return 0, err
 	}
 	return len(b), nil
@@ -231,6 +231,14 @@ func writeOrHold(fd int, held *[]byte, b []byte) error {
 type serverWriter struct{ r *relay }
 
 func (sw serverWriter) Write(b []byte) (int, error) {
+	if sw.r.server.tls != nil {
+		return sw.r.server.tls.Write(b) // to raw, through its transport
+	}
+	return sw.raw(b)
+}
+
+// raw writes b to the server socket.
+func (sw serverWriter) raw(b []byte) (int, error) {
 	if sw.r.s.onLoop {
 		// On the loop: what the socket does not take waits in serverPending,
 		// and the client is not read until it has gone.
@@ -254,7 +262,8 @@ func (sw serverWriter) Write(b []byte) (int, error) {
 
 // attachIntercepted moves an intercepted session s onto the loop (its client
 // side too, for a LoopClient Handler). It reports false, leaving s
-// untouched, when it cannot (TLS, or bytes already buffered).
+// untouched, when it cannot (TLS not over our transport, or bytes already
+// buffered).
 func (l *evloop) attachIntercepted(s *Session) (*relay, bool) {
 	s.connMu.Lock()
 	defer s.connMu.Unlock()
@@ -279,10 +288,17 @@ func (l *evloop) attachIntercepted(s *Session) (*relay, bool) {
 	// as well as the loop. The client side reads the client
 	// (clientReader) and writes the server (serverWriter); the loop reads
 	// the server and writes the client; all through the duplicates.
-	s.server.Close()
-	s.client.Close()
-	s.cf.R.Reset(clientReader{l, r})
-	s.sf.R.Reset(loopServerReader{r})
+	var cr, sr io.Reader = clientReader{l, r}, loopServerReader{r}
+	r.client = takeSock(s.client, clientFD, cr, nil, &r.intercept.clientPending)
+	r.server = takeSock(s.server, serverFD, sr, serverWriter{r}.raw, &r.intercept.serverPending)
+	if r.client.tls != nil {
+		cr = &r.client // the plaintext, from its tls.Conn reading clientReader
+	}
+	if r.server.tls != nil {
+		sr = &r.server // the same, reading loopServerReader
+	}
+	s.cf.R.Reset(cr)
+	s.sf.R.Reset(sr)
 	s.cw.Reset(loopClientWriter{r})
 	s.sw.Reset(serverWriter{r})
 	s.loopRelay = r
@@ -292,7 +308,11 @@ func (l *evloop) attachIntercepted(s *Session) (*relay, bool) {
 		r.intercept.clientWatchEv = clientLevel
 	}
 	// The client's writes are watched only while clientPending holds bytes.
-	return l.publish(r, epollReg{clientReadFD, r.intercept.clientWatchEv}, epollReg{serverFD, r.intercept.serverInterest})
+	l.publish(r, epollReg{clientReadFD, r.intercept.clientWatchEv}, epollReg{serverFD, r.intercept.serverInterest})
+	if r.client.tls != nil || r.server.tls != nil {
+		l.kickTLS(r)
+	}
+	return r, true
 }
 
 // interceptEvent handles an event of an intercepted session: the server
@@ -766,20 +786,20 @@ func (e interceptEnd) wait() error {
 }
 
 // endServer closes the upstream socket: stop told the backend to end
-// (stopServer), when the socket could take it.
-func (e interceptEnd) endServer() { syscall.Close(e.r.letGo().serverFD) }
+// (stopServer), when the socket could take it and is not TLS.
+func (e interceptEnd) endServer() { e.r.letGo().server.close(100 * time.Millisecond) }
 
 // flushClient passes on, blocking, what the loop still held for the
 // client: in the client writer and in clientPending.
 func (e interceptEnd) flushClient() {
 	e.r.s.cw.Flush()
-	blockingWrite(e.r.clientFD, e.r.intercept.clientPending, time.Second)
+	e.r.client.writeAll(nil, time.Second) // clientPending
 }
 
 // closeClient closes the client's sockets and gives back a client buffer
 // grown for a message.
 func (e interceptEnd) closeClient() {
-	syscall.Close(e.r.clientFD)
+	e.r.client.close(time.Second)
 	syscall.Close(e.r.intercept.clientReadFD)
 	if g := e.r.intercept.grown; g > 0 {
 		e.r.s.srv.mem.give(g)

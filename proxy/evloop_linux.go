@@ -25,7 +25,8 @@ import (
 // admin_pause_linux.go.
 
 // The event loop relays the bytes of pass-through sessions (no Handler,
-// no read routing, no TLS) on one OS thread that waits in epoll_wait, the
+// no read routing; TLS through its tls.Conn: evloop_tls_linux.go) on one
+// OS thread that waits in epoll_wait, the
 // way PgBouncer does, instead of two goroutines per session. Each Server
 // owns one (serverLoop), started by its first session and stopped, its
 // epoll fd closed, by Shutdown.
@@ -129,9 +130,13 @@ func newEvloop() (*evloop, error) {
 // relay is one session on the loop. Its pipes are touched only by the
 // loop thread until done is sent; then only by the session goroutine.
 type relay struct {
-	s                              *Session
-	l                              *evloop // the loop r is on: its Server's
-	clientFD, serverFD             int
+	s                  *Session
+	l                  *evloop // the loop r is on: its Server's
+	clientFD, serverFD int
+	// client and server are the sockets as the relay reads and writes
+	// them (plain or TLS: evloop_tls_linux.go); their fds are clientFD
+	// and serverFD.
+	client, server                 sock
 	toServer, toClient             pipe
 	clientInterest, serverInterest uint32 // epoll interest registered for clientFD and serverFD
 	done                           chan error
@@ -198,14 +203,15 @@ func (l *evloop) publish(r *relay, regs ...epollReg) (*relay, bool) {
 
 // dupSockets duplicates s's client and server sockets for the loop. The
 // caller holds s.connMu. It reports false, having changed nothing, for a
-// TLS connection, an upstream already closed, or bytes already buffered
-// by the goroutine path.
+// connection that is neither a socket nor TLS over our transport, an
+// upstream already closed, or bytes already buffered by the goroutine
+// path. A TLS connection is relayed through its tls.Conn (takeSock).
 func dupSockets(s *Session) (clientFD, serverFD int, ok bool) {
 	if s.sf.R.Buffered() > 0 || s.sw.Buffered() > 0 || s.cw.Buffered() > 0 || s.cf.R.Buffered() > 0 {
 		return -1, -1, false
 	}
-	cc, ok1 := s.client.(syscall.Conn)
-	sc, ok2 := s.server.(syscall.Conn)
+	cc, ok1 := loopConn(s.client)
+	sc, ok2 := loopConn(s.server)
 	if !ok1 || !ok2 || s.serverClosed {
 		return -1, -1, false
 	}
@@ -417,7 +423,9 @@ func (r *relay) stopServer() {
 	if r.closed {
 		return
 	}
-	if r.intercept != nil {
+	if r.intercept != nil && r.server.tls == nil {
+		// Not through a TLS upstream's tls.Conn, which the loop may be
+		// using: its backend sees the end of the stream.
 		rawIO(syscall.SYS_WRITE, r.serverFD, wire.Terminate)
 	}
 	syscall.Shutdown(r.serverFD, syscall.SHUT_RDWR)
@@ -436,7 +444,7 @@ func (r *relay) letGo() *relay {
 // interceptEnd).
 type relayEnd struct{ r *relay }
 
-func (e relayEnd) tellClient(msg []byte) { blockingWrite(e.r.clientFD, msg, time.Second) }
+func (e relayEnd) tellClient(msg []byte) { e.r.client.writeAll(msg, time.Second) }
 
 // writeAvail writes b to the non-blocking socket fd as far as it takes
 // it, returning how much it took; a full socket is not an error.

@@ -28,7 +28,7 @@ import (
 // whole, so that a message the loop must not pass on (see scan) never
 // leaves a piece behind it.
 type pipe struct {
-	src, dst   int
+	src, dst   *sock
 	buf        []byte
 	start, end int
 	heldBack   int
@@ -41,7 +41,7 @@ type pipe struct {
 }
 
 // attach moves s onto the loop. It reports false, leaving s untouched,
-// when s cannot be relayed there (a TLS connection, bytes already
+// when s cannot be relayed there (TLS not over our transport, bytes already
 // buffered by the goroutine path, or the upstream already closed).
 func (l *evloop) attach(s *Session) (*relay, bool) {
 	s.connMu.Lock()
@@ -51,20 +51,25 @@ func (l *evloop) attach(s *Session) (*relay, bool) {
 		return nil, false
 	}
 	// Out of Go's netpoller: only the loop waits on these sockets now.
-	s.client.Close()
-	s.server.Close()
 	size := s.srv.cfg.BufferSize
 	r := &relay{
 		s: s, l: l, clientFD: clientFD, serverFD: serverFD,
-		toServer: pipe{src: clientFD, dst: serverFD, buf: make([]byte, size), fromClient: true,
-			sc: wire.Scanner{Max: s.srv.cfg.MaxMessageSize, From: "client", Client: true}},
-		toClient:       pipe{src: serverFD, dst: clientFD, buf: make([]byte, size), sc: wire.Scanner{From: "server"}},
+		client:         takeSock(s.client, clientFD, nil, nil, nil),
+		server:         takeSock(s.server, serverFD, nil, nil, nil),
+		toServer:       pipe{buf: make([]byte, size), fromClient: true, sc: wire.Scanner{Max: s.srv.cfg.MaxMessageSize, From: "client", Client: true}},
+		toClient:       pipe{buf: make([]byte, size), sc: wire.Scanner{From: "server"}},
 		clientInterest: syscall.EPOLLIN | syscall.EPOLLRDHUP,
 		serverInterest: syscall.EPOLLIN | syscall.EPOLLRDHUP,
 		done:           make(chan error, 1),
 	}
+	r.toServer.src, r.toServer.dst = &r.client, &r.server
+	r.toClient.src, r.toClient.dst = &r.server, &r.client
 	s.loopRelay = r
-	return l.publish(r, epollReg{clientFD, r.clientInterest}, epollReg{serverFD, r.serverInterest})
+	l.publish(r, epollReg{clientFD, r.clientInterest}, epollReg{serverFD, r.serverInterest})
+	if r.client.tls != nil || r.server.tls != nil {
+		l.kickTLS(r)
+	}
+	return r, true
 }
 
 func (l *evloop) event(r *relay, fd int, ev uint32) {
@@ -82,6 +87,7 @@ func (l *evloop) event(r *relay, fd int, ev uint32) {
 			err = r.flush(&r.toClient)
 		}
 		if err == nil && ev&readable != 0 {
+			r.client.arm()
 			err = r.pump(&r.toServer)
 		}
 	} else {
@@ -89,8 +95,15 @@ func (l *evloop) event(r *relay, fd int, ev uint32) {
 			err = r.flush(&r.toServer)
 		}
 		if err == nil && ev&readable != 0 {
+			r.server.arm()
 			err = r.pump(&r.toClient)
 		}
+	}
+	if err == nil {
+		err = r.pumpMore(&r.toServer)
+	}
+	if err == nil {
+		err = r.pumpMore(&r.toClient)
 	}
 	if err == nil {
 		err = l.interest(r)
@@ -112,7 +125,7 @@ func (l *evloop) interest(r *relay) error {
 				e |= syscall.EPOLLIN
 			}
 		}
-		if out.start < out.end {
+		if out.start < out.end || out.dst.pending() {
 			e |= syscall.EPOLLOUT
 		}
 		return e
@@ -145,7 +158,7 @@ func (r *relay) pump(p *pipe) error {
 	if p.end+p.heldBack == len(p.buf) {
 		return nil // full: the destination is slow; EPOLLOUT resumes us
 	}
-	n, err := rawIO(syscall.SYS_READ, p.src, p.buf[p.end+p.heldBack:])
+	n, err := p.src.read(p.buf[p.end+p.heldBack:])
 	if err == syscall.EAGAIN || err == syscall.EINTR {
 		return nil
 	}
@@ -165,6 +178,37 @@ func (r *relay) pump(p *pipe) error {
 		return err
 	}
 	return stop
+}
+
+// pumpMore reads what p's TLS source's tls.Conn still holds (sock.more),
+// for which no event comes, while p has room: the socket is not read
+// again (its next bytes come with an event), so this ends.
+func (r *relay) pumpMore(p *pipe) error {
+	for p.src.more && !p.held && (p.start > 0 || p.end+p.heldBack < len(p.buf)) {
+		if err := r.pump(p); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// kickTLS reads, on the loop thread, what a session's tls.Conns held
+// when it came onto the loop: no event comes for it.
+func (l *evloop) kickTLS(r *relay) {
+	l.tasks.post(func() {
+		l.onLoopThread(r, func() error {
+			if r.intercept != nil {
+				return l.kickIntercepted(r)
+			}
+			if err := r.pumpMore(&r.toServer); err != nil {
+				return err
+			}
+			if err := r.pumpMore(&r.toClient); err != nil {
+				return err
+			}
+			return l.interest(r)
+		})
+	})
 }
 
 // take scans the n bytes just read into p (after the heldBack bytes of a
@@ -189,7 +233,7 @@ func (r *relay) take(p *pipe, n int) error {
 
 // flush writes p's waiting bytes as far as the destination takes them.
 func (r *relay) flush(p *pipe) error {
-	n, err := writeAvail(p.dst, p.buf[p.start:p.end])
+	n, err := p.dst.write(p.buf[p.start:p.end])
 	p.start += n
 	if err != nil {
 		side := "client"
@@ -273,18 +317,18 @@ func (passEnd) wait() error { return nil }
 
 func (e passEnd) endServer() {
 	r := e.r.letGo()
-	blockingWrite(r.serverFD, r.toServer.buf[r.toServer.start:r.toServer.end], 100*time.Millisecond)
+	r.server.writeAll(r.toServer.buf[r.toServer.start:r.toServer.end], 100*time.Millisecond)
 	// The client's own Terminate was not passed on (scan): this one is
 	// sent whatever ended the session.
-	blockingWrite(r.serverFD, wire.Terminate, 100*time.Millisecond)
-	syscall.Close(r.serverFD)
+	r.server.writeAll(wire.Terminate, 100*time.Millisecond)
+	r.server.close(100 * time.Millisecond)
 }
 
 func (e passEnd) flushClient() {
-	blockingWrite(e.r.clientFD, e.r.toClient.buf[e.r.toClient.start:e.r.toClient.end], time.Second)
+	e.r.client.writeAll(e.r.toClient.buf[e.r.toClient.start:e.r.toClient.end], time.Second)
 }
 
-func (e passEnd) closeClient() { syscall.Close(e.r.clientFD) }
+func (e passEnd) closeClient() { e.r.client.close(time.Second) }
 
 // leaveLoop moves a pass-through session, which the loop has let go of,
 // onto the goroutine path: its sockets back into Go's netpoller, what the
@@ -304,6 +348,14 @@ func (s *Session) leaveLoop(r *relay) error {
 	}
 	r.letGo() // the relay's own descriptors are closed
 	toServer, toClient := &r.toServer, &r.toClient
+	if r.client.tls != nil {
+		r.client.leave(client) // its tls.Conn stays the session's
+		client = s.client
+	}
+	if r.server.tls != nil {
+		r.server.leave(server)
+		server = s.server
+	}
 	s.loopRelay, s.client, s.server = nil, client, server
 	s.cf.R.Reset(io.MultiReader(bytes.NewReader(r.rest), client))
 	s.sf.R.Reset(io.MultiReader(bytes.NewReader(toClient.buf[toClient.end:toClient.end+toClient.heldBack]), server))

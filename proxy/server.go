@@ -375,7 +375,9 @@ func (s *Server) startup(c net.Conn) (net.Conn, *startup, error) {
 			if _, err := c.Write([]byte{'S'}); err != nil {
 				return c, nil, err
 			}
-			tc := tls.Server(c, tlsCfg)
+			// Over a transport of ours, which the event loop can
+			// take over once the session is on it (tlsconn.go).
+			tc := tls.Server(&tlsTransport{Conn: c}, tlsCfg)
 			if err := tc.Handshake(); err != nil {
 				return c, nil, fmt.Errorf("tls handshake: %w", err)
 			}
@@ -415,7 +417,36 @@ func (s *Server) upstreamConfig(base *pgconn.Config, user, db string, params map
 	if pc.ConnectTimeout == 0 {
 		pc.ConnectTimeout = s.cfg.ConnectTimeout
 	}
+	if mayTLS(pc) {
+		// pgconn makes its tls.Client over the connection dialed: one
+		// of our transports, which the event loop can take over
+		// (tlsconn.go).
+		dial := pc.DialFunc
+		if dial == nil {
+			dial = (&net.Dialer{}).DialContext
+		}
+		pc.DialFunc = func(ctx context.Context, network, addr string) (net.Conn, error) {
+			c, err := dial(ctx, network, addr)
+			if err != nil {
+				return nil, err
+			}
+			return &tlsTransport{Conn: c}, nil
+		}
+	}
 	return pc
+}
+
+// mayTLS reports whether pgconn may connect with TLS for pc.
+func mayTLS(pc *pgconn.Config) bool {
+	if pc.TLSConfig != nil {
+		return true
+	}
+	for _, f := range pc.Fallbacks {
+		if f.TLSConfig != nil {
+			return true
+		}
+	}
+	return false
 }
 
 // connectAs opens a connection to base's server as the client's role
