@@ -98,7 +98,10 @@ type interceptState struct {
 	// taken while the buffer is larger, for one message (growClient).
 	clientSize int
 	grown      int64
-	stream     clientStream // a message passed on in pieces (streamSteps)
+	// clientSrc is what the client framer reads: clientReader, or the
+	// client's tls.Conn over it (sock.Read); a resized buffer reads it too.
+	clientSrc io.Reader
+	stream    clientStream // a message passed on in pieces (streamSteps)
 }
 
 // clientPark is what a parked client side waits for (ready) and what it
@@ -297,6 +300,7 @@ func (l *evloop) attachIntercepted(s *Session) (*relay, bool) {
 	if r.server.tls != nil {
 		sr = &r.server // the same, reading loopServerReader
 	}
+	r.intercept.clientSrc = cr
 	s.cf.R.Reset(cr)
 	s.sf.R.Reset(sr)
 	s.cw.Reset(loopClientWriter{r})
@@ -664,7 +668,7 @@ func (r *relay) shrinkClient() {
 // what it holds.
 func (r *relay) resizeClient(size int) {
 	s := r.s
-	var src io.Reader = clientReader{r.l, r}
+	src := r.intercept.clientSrc
 	if n := s.cf.R.Buffered(); n > 0 {
 		b, _ := s.cf.R.Peek(n)
 		src = io.MultiReader(bytes.NewReader(bytes.Clone(b)), src)
