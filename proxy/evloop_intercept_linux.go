@@ -88,9 +88,10 @@ type interceptState struct {
 	clientReadsPaused atomic.Bool
 
 	// park is the parked client side's wait (nil: not parked), parkedLen
-	// the bytes of its message left in the client framer, to consume once
-	// the continuation is done. parks counts the session's parks (for
-	// observation: tests; the Server's count is Stats.ClientParks).
+	// the bytes of its message left in the client framer (to consume once
+	// a continuation is done; a message handled again is whole there).
+	// parks counts the session's parks (for observation: tests; the
+	// Server's count is Stats.ClientParks).
 	park      *clientPark
 	parkedLen int
 	parks     atomic.Int64
@@ -344,12 +345,16 @@ func (l *evloop) interceptEvent(r *relay, fd int, ev uint32) {
 				l.wokeGoroutine = true
 				return nil
 			case ic.park != nil:
-				// Parked: the client is watched for its going only.
-				// Its session ends; what it waited for is dropped.
-				if ev&(syscall.EPOLLRDHUP|syscall.EPOLLHUP|syscall.EPOLLERR) != 0 {
+				// Parked: the client is watched for its going only. Gone
+				// with nothing more to say, its session ends and what it
+				// waited for is dropped. A client that closed after
+				// sending more (pipelined queries, a Terminate) has
+				// them handled once the wait is over, as PostgreSQL
+				// would: the reads after it meet the end.
+				if ev&syscall.EPOLLERR != 0 || ev&(syscall.EPOLLRDHUP|syscall.EPOLLHUP) != 0 && !r.clientSentMore() {
 					return fmt.Errorf("client: gone while parked: %w", io.EOF)
 				}
-				return nil
+				return l.watchClient(r, clientOff)
 			}
 			ic.clientReadArmed = true
 			err := l.clientInline(r)
@@ -550,6 +555,7 @@ func (r *relay) clientSteps() error {
 			return errWouldBlock
 		case err == ErrWait:
 			s.releaseMessage(false) // handled again once parked
+			ic.parkedLen = total
 			if ic.park == nil {
 				// A Handler that did not say what it waits for: the
 				// answer to the oldest request outstanding.
@@ -573,6 +579,17 @@ func (r *relay) clientSteps() error {
 			return errClientTerminate
 		}
 	}
+}
+
+// clientSentMore reports whether a parked client sent anything after the
+// message it is parked in: bytes in the client framer past that message,
+// or in the socket.
+func (r *relay) clientSentMore() bool {
+	if r.s.cf.R.Buffered() > r.intercept.parkedLen {
+		return true
+	}
+	n, err := unix.IoctlGetInt(r.intercept.clientReadFD, unix.SIOCINQ)
+	return err == nil && n > 0
 }
 
 // isDone reports whether req has been answered.

@@ -6,6 +6,7 @@ import (
 	"context"
 	"errors"
 	"io"
+	"net"
 	"strings"
 	"testing"
 	"time"
@@ -157,9 +158,10 @@ func TestParkLargeMessage(t *testing.T) {
 
 // TestParkSessionEnds: a session that ends while its client side is
 // parked in a transaction (the write behind a SET held up by a lock; the
-// COMMIT pipelined after it) drops what it waited for: nothing is
-// committed, the session and its backend are gone, and the client is
-// told why where there is someone to tell.
+// COMMIT pipelined after it, but where the client closes with nothing
+// more sent) drops what it waited for: nothing is committed, the session
+// and its backend are gone, and the client is told why where there is
+// someone to tell.
 func TestParkSessionEnds(t *testing.T) {
 	for _, tc := range []struct {
 		name string
@@ -183,7 +185,11 @@ func TestParkSessionEnds(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			p, _, holder, c, r := lockedGateSession(t)
 			pid := lastValue(t, c, "SELECT pg_backend_pid()")
-			sendQueries(t, c, "SELECT pg_advisory_lock(42)", "SET fence.step = 'b'", "BEGIN", "INSERT INTO t VALUES (1)", "COMMIT")
+			queries := []string{"SELECT pg_advisory_lock(42)", "SET fence.step = 'b'", "BEGIN", "INSERT INTO t VALUES (1)", "COMMIT"}
+			if tc.name == "client closes" {
+				queries = queries[:4] // gone with nothing sent after the parked write
+			}
+			sendQueries(t, c, queries...)
 			waitParked(t, holder, r, 1)
 			tc.end(t, p, holder, c, pid)
 			switch got := ""; tc.code {
@@ -213,6 +219,39 @@ func TestParkSessionEnds(t *testing.T) {
 				t.Fatalf("%s rows committed by a session that ended while parked, want 0", got)
 			}
 		})
+	}
+}
+
+// TestParkClientHalfCloses: a client that pipelines a transaction through
+// its COMMIT and then shuts its socket down for writing (a half-close)
+// while the client side is parked in the write has what it sent handled
+// once the wait is over, as PostgreSQL handles what a client sent before
+// its end: the write is committed, and the session ends at the end of
+// what the client sent. (As on every relay path, answers still in flight
+// when the client's end is read are not passed on.)
+func TestParkClientHalfCloses(t *testing.T) {
+	p, _, holder, c, r := lockedGateSession(t)
+	sendQueries(t, c, "SELECT pg_advisory_lock(42)", "SET fence.step = 'b'", "BEGIN", "INSERT INTO t VALUES (1)", "COMMIT")
+	waitParked(t, holder, r, 1)
+	events := r.intercept.clientEventCount.Load()
+	if err := c.Conn().(*net.TCPConn).CloseWrite(); err != nil {
+		t.Fatal(err)
+	}
+	// The hang-up is handled (the loop's event for the client socket)
+	// before the lock goes, so the session's choice is made while parked.
+	ctx := ctxT(t)
+	if err := pgtest.Poll(ctx, func() (bool, error) { return r.intercept.clientEventCount.Load() > events, nil }); err != nil {
+		t.Fatalf("the loop never saw the client's half-close: %v", err)
+	}
+	mustExec(t, holder, "SELECT pg_advisory_unlock(42)")
+	if code := endCode(t, c); code != "" {
+		t.Fatalf("the client read an error %s before the end, want none", code)
+	}
+	if err := pgtest.Poll(ctx, func() (bool, error) { return endFlushSession(p) == nil, nil }); err != nil {
+		t.Fatalf("the session never ended: %v", err)
+	}
+	if got := lastValue(t, holder, "SELECT count(*) FROM t"); got != "1" {
+		t.Fatalf("%s rows committed, want the 1 the client sent with its COMMIT", got)
 	}
 }
 
