@@ -236,18 +236,9 @@ func (s *Session) replicaLoop(rc *replicaConn) error {
 		if typ == 'E' && s.oversized.Load() {
 			msg = s.srv.oversizedError(msg) // limits.go
 		}
-		inUse := s.rt.onRep.Load() && (s.q.Front() != nil || s.TxStatus() != 'I')
-		if !inUse || typ == 'E' && fatalError(msg) {
-			// Nothing of ours in flight here (a notice), or the
-			// replica ends the connection (a FATAL before shutdown): a
-			// failure, never an answer; the read is retried on the
-			// primary when it can be.
+		if s.replicaDrop(rc, typ, msg) {
 			if total <= size {
 				rc.sf.Discard(total)
-			}
-			if typ == 'E' {
-				s.log.Info("replica connection reported an error; closing it", zap.ByteString("error", msg))
-				rc.close()
 			}
 			continue
 		}
@@ -275,6 +266,48 @@ func (s *Session) replicaLoop(rc *replicaConn) error {
 			}
 		}
 	}
+}
+
+// replicaAnswers reports whether the replica connection serves a request
+// of the session now: its requests go there, and one is in flight or a
+// transaction is open there.
+func (s *Session) replicaAnswers() bool {
+	return s.rt.onRep.Load() && (s.q.Front() != nil || s.TxStatus() != 'I')
+}
+
+// replicaDrop reports whether the replica's message msg is dropped rather
+// than passed on: nothing of the session's is in flight there (a notice),
+// or the replica ends the connection (a FATAL before shutdown), which is
+// a failure, never an answer: the connection is closed, and the read is
+// retried on the primary when it can be.
+func (s *Session) replicaDrop(rc *replicaConn, typ byte, msg []byte) bool {
+	if s.replicaAnswers() && (typ != 'E' || !fatalError(msg)) {
+		return false
+	}
+	if typ == 'E' {
+		s.log.Info("replica connection reported an error; closing it", zap.ByteString("error", msg))
+		rc.close()
+	}
+	return true
+}
+
+// upstreamFailed returns err, the failure to read an upstream; when the
+// upstream is the replica connection rc, the session learns of it first
+// (replicaFailed).
+func (s *Session) upstreamFailed(rc *replicaConn, err error) error {
+	if rc != nil {
+		s.replicaFailed(err)
+	}
+	return err
+}
+
+// handlerFailed returns err, the Handler's on an upstream's message; on
+// the replica connection rc's, it ends the session first (failReplica).
+func (s *Session) handlerFailed(rc *replicaConn, err error) error {
+	if rc != nil {
+		s.failReplica(err)
+	}
+	return err
 }
 
 // replicaFailed decides what a lost replica connection means for the
