@@ -138,9 +138,9 @@ func (s *Session) useReplica(r *replica) error {
 			return err
 		}
 		s.rt.primarySW = s.sw
-		s.sw = rc.sw
 		s.rt.onRep.Store(true)
 	}
+	s.sw = rc.sw // a new connection's, if the one in use had ended
 	return nil
 }
 
