@@ -12,7 +12,6 @@ import (
 	"time"
 
 	"go.uber.org/zap"
-	"golang.org/x/sys/unix"
 )
 
 // This file holds the event loop's half of an intercepted session (one
@@ -88,6 +87,10 @@ type interceptState struct {
 	// serverPending (for observation: tests).
 	clientReadsPaused atomic.Bool
 	clientWork        chan struct{}
+
+	// replica is the session's replica connection while the loop reads
+	// it (evloop_replica_linux.go). Loop thread only.
+	replica *loopReplica
 }
 
 // errHandoff ends clientSteps on the loop: the next message must be
@@ -212,17 +215,7 @@ func (sw serverWriter) Write(b []byte) (int, error) {
 		}
 		return len(b), nil
 	}
-	n := 0
-	for {
-		k, err := writeAvail(sw.r.serverFD, b[n:])
-		if n += k; err != nil || n == len(b) {
-			return n, err
-		}
-		fds := []unix.PollFd{{Fd: int32(sw.r.serverFD), Events: unix.POLLOUT}}
-		if _, err := unix.Poll(fds, -1); err != nil && err != unix.EINTR {
-			return n, err
-		}
-	}
+	return pollWrite(sw.r.serverFD, b)
 }
 
 // attachIntercepted moves an intercepted session s onto the loop (its client
@@ -260,7 +253,9 @@ func (l *evloop) attachIntercepted(s *Session) (*relay, bool) {
 	s.sw.Reset(serverWriter{r})
 	s.loopRelay = r
 	clientInterest := uint32(clientWatch)
-	if lc, ok := s.h.(LoopClient); ok && lc.LoopClient() {
+	// With read routing the client side stays on the goroutine: routing
+	// decisions wait (routeWait, evloop_replica_linux.go).
+	if lc, ok := s.h.(LoopClient); ok && lc.LoopClient() && s.srv.rs == nil {
 		r.intercept.inlineClient = true
 		r.intercept.clientLevelTriggered = true
 		clientInterest = clientLevel
@@ -285,6 +280,9 @@ func (l *evloop) interceptEvent(r *relay, fd int, ev uint32) {
 			}
 		}()
 		ic := r.intercept
+		if lr := ic.replica; lr != nil && fd == lr.fd {
+			return l.replicaEvent(r, ev) // evloop_replica_linux.go
+		}
 		if fd == ic.clientReadFD {
 			ic.clientEventCount.Add(1)
 			if !ic.clientOnGoroutine.Load() {
@@ -321,12 +319,15 @@ func (l *evloop) interceptEvent(r *relay, fd int, ev uint32) {
 			if len(ic.clientPending) >= r.s.sf.R.Size() {
 				return nil
 			}
-			return r.serverSteps(false) // messages held while clientPending was full
+			return l.upstreamSteps(r) // messages held while clientPending was full
 		}
 		ic.serverReadArmed = true
 		// The server closed (or shutdown closed it): take what is left
 		// even if the client is slow, so the end is seen.
-		return r.serverSteps(ev&(syscall.EPOLLRDHUP|syscall.EPOLLHUP|syscall.EPOLLERR) != 0)
+		if err := r.serverSteps(ev&(syscall.EPOLLRDHUP|syscall.EPOLLHUP|syscall.EPOLLERR) != 0); err != nil {
+			return err
+		}
+		return l.replicaSteps(r, false) // the replica's held while the primary's message was in pieces
 	}()
 	if err == nil {
 		err = l.interceptInterest(r)
@@ -525,7 +526,7 @@ func drainHeld(fd int, held *[]byte, size int) error {
 func (l *evloop) interceptInterest(r *relay) error {
 	ic := r.intercept
 	var serverInterest uint32 = syscall.EPOLLRDHUP
-	if len(ic.clientPending) < r.s.sf.R.Size() {
+	if len(ic.clientPending) < r.s.sf.R.Size() && r.serverReadable() {
 		serverInterest |= syscall.EPOLLIN
 	}
 	if len(ic.serverPending) > 0 {
@@ -549,7 +550,7 @@ func (l *evloop) interceptInterest(r *relay) error {
 		}
 		ic.clientWriteWatched = want
 	}
-	return nil
+	return l.replicaInterest(r) // evloop_replica_linux.go
 }
 
 // runIntercepted runs an intercepted session with its server side on the loop
@@ -567,7 +568,11 @@ func (s *Session) runIntercepted(l *evloop) (error, bool) {
 		client = func() error { return r.interceptClient(l) }
 	}
 	sd.run(func() error { return s.guard("client", client) })
-	sd.run(func() error { return <-r.done }) // the server side, on the loop
+	sd.run(func() error { // the server side, on the loop
+		err := <-r.done
+		r.replicaLeft() // evloop_replica_linux.go
+		return err
+	})
 	return s.end(interceptEnd{relayEnd{r}, sd}, sd.first()), true
 }
 
@@ -583,12 +588,16 @@ type interceptEnd struct {
 // ends the client goroutine's wait for bytes.
 func (e interceptEnd) stop() {
 	e.r.s.closeServer()
+	e.r.s.stopReplica() // ends a client goroutine's write to it (replica.go)
 	close(e.r.intercept.stop)
 }
 
-// endServer closes the upstream socket: stop told the backend to end
-// (stopServer), when the socket could take it.
-func (e interceptEnd) endServer() { syscall.Close(e.r.letGo().serverFD) }
+// endServer closes the upstream sockets: stop told the backends to end
+// (stopServer, stopReplica), when the sockets could take it.
+func (e interceptEnd) endServer() {
+	syscall.Close(e.r.letGo().serverFD)
+	e.r.s.closeReplica()
+}
 
 // flushClient passes on, blocking, what the loop still held for the
 // client: in the client writer and in clientPending.

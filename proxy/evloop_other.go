@@ -14,3 +14,13 @@ func (*serverLoop) stop() {}
 
 // runOnLoop reports false: elsewhere sessions always use goroutines.
 func (s *Session) runOnLoop() (error, bool) { return nil, false }
+
+// loopReplica is a replica connection read by the event loop; there is
+// none here.
+type loopReplica struct{}
+
+func (*loopReplica) stop()    {}
+func (*loopReplica) release() {}
+
+// replicaOnLoop reports false: the replica's reader is a goroutine.
+func (s *Session) replicaOnLoop(rc *replicaConn) (bool, error) { return false, nil }
