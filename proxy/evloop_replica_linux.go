@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"syscall"
 
 	"github.com/pgfence/pgfence/internal/wire"
@@ -56,6 +57,9 @@ type loopReplica struct {
 	armed    bool       // the socket may be read (once) in this event
 	big      bigMessage // the part of a large message still to pass on
 	interest uint32     // epoll interest registered
+	// readsPaused: the replica is not read until the client takes what
+	// waits in clientPending (for observation: tests).
+	readsPaused atomic.Bool
 
 	mu      sync.Mutex
 	stopped bool // stop has shut the socket down
@@ -213,6 +217,7 @@ func (l *evloop) replicaInterest(r *relay) error {
 		return err
 	}
 	lr.interest = want
+	lr.readsPaused.Store(want&syscall.EPOLLIN == 0 && ic.big.left == 0)
 	return nil
 }
 
