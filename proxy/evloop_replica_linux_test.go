@@ -5,6 +5,7 @@ package proxy
 import (
 	"context"
 	"fmt"
+	"os"
 	"strings"
 	"testing"
 	"time"
@@ -409,11 +410,12 @@ func TestReplicaTerminatedIdle(t *testing.T) {
 		t.Run(m.name, func(t *testing.T) {
 			e := newRouteEnvRelay(t, m.relay)
 			ctx := ctxT(t)
+			rep := replicaConnOf(t, e)
+			fds := openFDs(t)
 			c := e.reader(t, nil)
 			waitReplicaRead(t, c, "SELECT 1, pg_is_in_recovery()")
 			s := sessionOf(t, e.proxy, c)
 			rc := wantRelayMode(t, s, m.relay)
-			rep := replicaConnOf(t, e)
 			if _, err := rep.Exec(ctx, "SELECT pg_terminate_backend($1)", int(rc.pid)); err != nil {
 				t.Fatal(err)
 			}
@@ -421,6 +423,12 @@ func TestReplicaTerminatedIdle(t *testing.T) {
 			mustWhere(t, c, "SELECT 2, pg_is_in_recovery()", true)
 			if got := wantRelayMode(t, s, m.relay); got == rc {
 				t.Fatal("the read ran without a new replica connection")
+			}
+			// Both replica connections' sockets are closed with the
+			// session: the process has the descriptors it had before.
+			c.Close(ctx)
+			if err := pgtest.Poll(ctx, func() (bool, error) { return openFDs(t) == fds, nil }); err != nil {
+				t.Fatalf("%d descriptors open after the session, %d before: %v", openFDs(t), fds, err)
 			}
 		})
 	}
@@ -497,4 +505,14 @@ func TestReplicaMessageNotCut(t *testing.T) {
 			}
 		})
 	}
+}
+
+// openFDs is the number of descriptors the test process has open.
+func openFDs(t *testing.T) int {
+	t.Helper()
+	ents, err := os.ReadDir("/proc/self/fd")
+	if err != nil {
+		t.Fatal(err)
+	}
+	return len(ents)
 }
