@@ -103,6 +103,10 @@ type interceptState struct {
 	// client's tls.Conn over it (sock.Read); a resized buffer reads it too.
 	clientSrc io.Reader
 	stream    clientStream // a message passed on in pieces (streamSteps)
+
+	// replica is the session's replica connection while the loop reads
+	// it (evloop_replica_linux.go). Loop thread only.
+	replica *loopReplica
 }
 
 // clientPark is what a parked client side waits for (ready) and what it
@@ -251,17 +255,7 @@ func (sw serverWriter) raw(b []byte) (int, error) {
 		}
 		return len(b), nil
 	}
-	n := 0
-	for {
-		k, err := writeAvail(sw.r.serverFD, b[n:])
-		if n += k; err != nil || n == len(b) {
-			return n, err
-		}
-		fds := []unix.PollFd{{Fd: int32(sw.r.serverFD), Events: unix.POLLOUT}}
-		if _, err := unix.Poll(fds, -1); err != nil && err != unix.EINTR {
-			return n, err
-		}
-	}
+	return pollWrite(sw.r.serverFD, b)
 }
 
 // attachIntercepted moves an intercepted session s onto the loop (its client
@@ -308,7 +302,9 @@ func (l *evloop) attachIntercepted(s *Session) (*relay, bool) {
 	s.sw.Reset(serverWriter{r})
 	s.loopRelay = r
 	r.intercept.clientWatchEv = clientWatch // the client goroutine's, waiting
-	if lc, ok := s.h.(LoopClient); ok && lc.LoopClient() {
+	// With read routing the client side stays on the goroutine: routing
+	// decisions wait (routeWait, evloop_replica_linux.go).
+	if lc, ok := s.h.(LoopClient); ok && lc.LoopClient() && s.srv.rs == nil {
 		r.intercept.inlineClient = true
 		r.intercept.clientWatchEv = clientLevel
 	}
@@ -334,6 +330,9 @@ func (l *evloop) interceptEvent(r *relay, fd int, ev uint32) {
 			}
 		}()
 		ic := r.intercept
+		if lr := ic.replica; lr != nil && fd == lr.fd {
+			return l.replicaEvent(r, ev) // evloop_replica_linux.go
+		}
 		if fd == ic.clientReadFD {
 			ic.clientEventCount.Add(1)
 			switch {
@@ -382,12 +381,15 @@ func (l *evloop) interceptEvent(r *relay, fd int, ev uint32) {
 			if len(ic.clientPending) >= r.s.sf.R.Size() {
 				return nil
 			}
-			return r.serverSteps(false) // messages held while clientPending was full
+			return l.upstreamSteps(r) // messages held while clientPending was full
 		}
 		ic.serverReadArmed = true
 		// The server closed (or shutdown closed it): take what is left
 		// even if the client is slow, so the end is seen.
-		return r.serverSteps(ev&(syscall.EPOLLRDHUP|syscall.EPOLLHUP|syscall.EPOLLERR) != 0)
+		if err := r.serverSteps(ev&(syscall.EPOLLRDHUP|syscall.EPOLLHUP|syscall.EPOLLERR) != 0); err != nil {
+			return err
+		}
+		return l.replicaSteps(r, false) // the replica's held while the primary's message was in pieces
 	}()
 	if err == nil && r.intercept.park != nil {
 		err = l.resumeClient(r)
@@ -736,7 +738,7 @@ func drainHeld(fd int, held *[]byte, size int) error {
 func (l *evloop) interceptInterest(r *relay) error {
 	ic := r.intercept
 	var serverInterest uint32 = syscall.EPOLLRDHUP
-	if len(ic.clientPending) < r.s.sf.R.Size() {
+	if len(ic.clientPending) < r.s.sf.R.Size() && r.serverReadable() {
 		serverInterest |= syscall.EPOLLIN
 	}
 	if len(ic.serverPending) > 0 {
@@ -760,7 +762,7 @@ func (l *evloop) interceptInterest(r *relay) error {
 		}
 		ic.clientWriteWatched = want
 	}
-	return nil
+	return l.replicaInterest(r) // evloop_replica_linux.go
 }
 
 // runIntercepted runs an intercepted session with its server side on the
@@ -778,7 +780,11 @@ func (s *Session) runIntercepted(l *evloop) (error, bool) {
 	}
 	sd := newSides()
 	sd.run(func() error { return s.guard("client", s.clientLoop) })
-	sd.run(func() error { return <-r.done }) // the server side, on the loop
+	sd.run(func() error { // the server side, on the loop
+		err := <-r.done
+		r.replicaLeft() // evloop_replica_linux.go
+		return err
+	})
 	return s.end(interceptEnd{relayEnd{r}, sd}, sd.first()), true
 }
 
@@ -794,6 +800,7 @@ type interceptEnd struct {
 // ends a client goroutine's wait for bytes.
 func (e interceptEnd) stop() {
 	e.r.s.closeServer()
+	e.r.s.stopReplica() // ends a client goroutine's write to it (replica.go)
 	close(e.r.intercept.stop)
 }
 
@@ -806,9 +813,13 @@ func (e interceptEnd) wait() error {
 	return e.sd.wait()
 }
 
-// endServer closes the upstream socket: stop told the backend to end
-// (stopServer), when the socket could take it and is not TLS.
-func (e interceptEnd) endServer() { e.r.letGo().server.close(100 * time.Millisecond) }
+// endServer closes the upstream sockets: stop told the backends to end
+// (stopServer, stopReplica), when the sockets could take it and are not
+// TLS.
+func (e interceptEnd) endServer() {
+	e.r.letGo().server.close(100 * time.Millisecond)
+	e.r.s.closeReplica()
+}
 
 // flushClient passes on, blocking, what the loop still held for the
 // client: in the client writer and in clientPending.

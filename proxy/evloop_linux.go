@@ -166,6 +166,9 @@ type epollReg struct {
 // sockets are the file descriptors the loop finds r by.
 func (r *relay) sockets() []int {
 	if r.intercept != nil {
+		if lr := r.intercept.replica; lr != nil { // loop thread only
+			return []int{r.clientFD, r.serverFD, r.intercept.clientReadFD, lr.fd}
+		}
 		return []int{r.clientFD, r.serverFD, r.intercept.clientReadFD}
 	}
 	return []int{r.clientFD, r.serverFD}
@@ -488,7 +491,7 @@ func blockingWrite(fd int, b []byte, d time.Duration) {
 // runOnLoop runs s on the loop until it ends; it returns false (having done
 // nothing) when s must use the goroutine path.
 func (s *Session) runOnLoop() (error, bool) {
-	if s.srv.cfg.DisableEventLoop || s.srv.rs != nil {
+	if s.srv.cfg.DisableEventLoop {
 		return nil, false
 	}
 	l, err := s.srv.loop.get()

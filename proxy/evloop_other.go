@@ -17,3 +17,13 @@ func (s *Session) runOnLoop() (error, bool) { return nil, false }
 
 // parkClient is never called: a session is never on a loop here.
 func (s *Session) parkClient(func() bool, func() error) error { return ErrWait }
+
+// loopReplica is a replica connection read by the event loop; there is
+// none here.
+type loopReplica struct{}
+
+func (*loopReplica) stop()    {}
+func (*loopReplica) release() {}
+
+// replicaOnLoop reports false: the replica's reader is a goroutine.
+func (s *Session) replicaOnLoop(rc *replicaConn) (bool, error) { return false, nil }

@@ -22,10 +22,11 @@ import (
 //     goroutine switches Session.sw (where requests go) only when nothing
 //     is outstanding and the transaction status is idle; a transaction
 //     begun on the replica (BEGIN READ ONLY) stays there until it ends.
-//   - Each upstream connection has its own reader goroutine; both match
-//     responses against the session's one outstanding-request queue and
-//     pass them through the Handler, and both write to the client through
-//     the same writer, which then locks (clientWriter).
+//   - Each upstream connection has its own reader goroutine, or both are
+//     read by the session's event loop (evloop_replica_linux.go); both
+//     match responses against the session's one outstanding-request queue
+//     and pass them through the Handler, and both write to the client
+//     through the same writer, which then locks (clientWriter).
 //   - A routed request is waited for before the client goroutine reads on
 //     (routeWait). If the replica fails before any of its response reached
 //     the client, the request is sent again to the primary; if part of it
@@ -82,13 +83,33 @@ type replicaConn struct {
 	// client (reset by the client goroutine before each routed request).
 	forwarded atomic.Bool
 	closeOnce sync.Once
+	// loop is set when the session's event loop reads the connection
+	// instead of a reader goroutine (evloop_replica_linux.go); conn is
+	// closed then, its socket a duplicate the loop watches.
+	loop *loopReplica
 }
 
+// close tells the replica backend to end and closes (on the loop: shuts
+// down) the connection, which ends its reader.
 func (rc *replicaConn) close() {
 	rc.closeOnce.Do(func() {
+		if rc.loop != nil {
+			rc.loop.stop()
+			return
+		}
 		rc.conn.Write(wire.Terminate)
 		rc.conn.Close()
 	})
+}
+
+// release closes the socket the event loop read rc through, once the loop
+// has let go of it (nothing to do for a reader goroutine's connection).
+// Its owner calls it: the client goroutine dropping rc, or the session's
+// end.
+func (rc *replicaConn) release() {
+	if rc.loop != nil {
+		rc.loop.release()
+	}
 }
 
 // sessionRoute is a Session's routing state.
@@ -138,9 +159,9 @@ func (s *Session) useReplica(r *replica) error {
 			return err
 		}
 		s.rt.primarySW = s.sw
-		s.sw = rc.sw
 		s.rt.onRep.Store(true)
 	}
+	s.sw = rc.sw // a new connection's, if the one in use had ended
 	return nil
 }
 
@@ -170,16 +191,31 @@ func (s *Session) dropReplica() {
 	if rc != nil {
 		rc.close()
 		<-rc.done
+		rc.release()
 	}
 }
 
-// closeReplica ends the replica connection at session end.
+// stopReplica tells the replica connection to end, at session end,
+// without waiting for its reader.
+func (s *Session) stopReplica() {
+	s.rt.mu.Lock()
+	rc := s.rt.rep
+	s.rt.mu.Unlock()
+	if rc != nil {
+		rc.close()
+	}
+}
+
+// closeReplica ends the replica connection at session end, once nothing
+// reads it but its own reader (a session on the event loop: once the loop
+// has let go of the session, interceptEnd.endServer).
 func (s *Session) closeReplica() {
 	s.rt.mu.Lock()
 	rc := s.rt.rep
 	s.rt.mu.Unlock()
 	if rc != nil {
 		rc.close()
+		rc.release()
 		<-rc.done
 	}
 }
@@ -196,10 +232,20 @@ func (s *Session) openReplica(r *replica) (*replicaConn, error) {
 	rc := &replicaConn{r: r, conn: hj.Conn, pid: hj.PID, key: hj.SecretKey, done: make(chan struct{}),
 		sw: bufio.NewWriterSize(hj.Conn, size)}
 	rc.sf = wire.Framer{R: bufio.NewReaderSize(hj.Conn, size), Flush: s.cw.Flush, From: "replica", Count: &s.info.stats.sent}
+	// The event loop reads it when the session is on the loop
+	// (evloop_replica_linux.go), else a reader goroutine.
+	onLoop, err := s.replicaOnLoop(rc)
+	if err != nil {
+		rc.close()
+		return nil, err
+	}
 	s.rt.mu.Lock()
 	s.rt.rep = rc
 	s.rt.mu.Unlock()
-	s.log.Debug("replica connection open", zap.String("replica", r.addr), zap.Uint32("replica_pid", hj.PID))
+	s.log.Debug("replica connection open", zap.String("replica", r.addr), zap.Uint32("replica_pid", hj.PID), zap.Bool("event_loop", onLoop))
+	if onLoop {
+		return rc, nil
+	}
 	go func() {
 		defer close(rc.done)
 		rc.err = s.guard("replica", func() error { return s.replicaLoop(rc) })
@@ -236,18 +282,9 @@ func (s *Session) replicaLoop(rc *replicaConn) error {
 		if typ == 'E' && s.oversized.Load() {
 			msg = s.srv.oversizedError(msg) // limits.go
 		}
-		inUse := s.rt.onRep.Load() && (s.q.Front() != nil || s.TxStatus() != 'I')
-		if !inUse || typ == 'E' && fatalError(msg) {
-			// Nothing of ours in flight here (a notice), or the
-			// replica ends the connection (a FATAL before shutdown): a
-			// failure, never an answer; the read is retried on the
-			// primary when it can be.
+		if s.replicaDrop(rc, typ, msg) {
 			if total <= size {
 				rc.sf.Discard(total)
-			}
-			if typ == 'E' {
-				s.log.Info("replica connection reported an error; closing it", zap.ByteString("error", msg))
-				rc.close()
 			}
 			continue
 		}
@@ -275,6 +312,48 @@ func (s *Session) replicaLoop(rc *replicaConn) error {
 			}
 		}
 	}
+}
+
+// replicaAnswers reports whether the replica connection serves a request
+// of the session now: its requests go there, and one is in flight or a
+// transaction is open there.
+func (s *Session) replicaAnswers() bool {
+	return s.rt.onRep.Load() && (s.q.Front() != nil || s.TxStatus() != 'I')
+}
+
+// replicaDrop reports whether the replica's message msg is dropped rather
+// than passed on: nothing of the session's is in flight there (a notice),
+// or the replica ends the connection (a FATAL before shutdown), which is
+// a failure, never an answer: the connection is closed, and the read is
+// retried on the primary when it can be.
+func (s *Session) replicaDrop(rc *replicaConn, typ byte, msg []byte) bool {
+	if s.replicaAnswers() && (typ != 'E' || !fatalError(msg)) {
+		return false
+	}
+	if typ == 'E' {
+		s.log.Info("replica connection reported an error; closing it", zap.ByteString("error", msg))
+		rc.close()
+	}
+	return true
+}
+
+// upstreamFailed returns err, the failure to read an upstream; when the
+// upstream is the replica connection rc, the session learns of it first
+// (replicaFailed).
+func (s *Session) upstreamFailed(rc *replicaConn, err error) error {
+	if rc != nil {
+		s.replicaFailed(err)
+	}
+	return err
+}
+
+// handlerFailed returns err, the Handler's on an upstream's message; on
+// the replica connection rc's, it ends the session first (failReplica).
+func (s *Session) handlerFailed(rc *replicaConn, err error) error {
+	if rc != nil {
+		s.failReplica(err)
+	}
+	return err
 }
 
 // replicaFailed decides what a lost replica connection means for the

@@ -428,76 +428,100 @@ func (s *Session) resumeServer() error {
 // nothing, when the message has not arrived whole, and a message larger
 // than the buffer is passed on (or dropped) in pieces as they come,
 // tracked in big.
-func (s *Session) serverMessage(big *bigMessage) error {
+func (s *Session) serverMessage(big *bigMessage) error { return s.upstreamMessage(&s.sf, nil, big) }
+
+// upstreamMessage is serverMessage for the upstream sf frames: the
+// primary's (rc nil) or, on the event loop, the replica connection rc's,
+// whose messages follow replicaLoop's rules as well: those that answer
+// nothing of the session's are dropped (replicaDrop), forwarding one sets
+// rc.forwarded, and a failure is the replica's (replicaFailed,
+// failReplica) before it is returned.
+func (s *Session) upstreamMessage(sf *wire.Framer, rc *replicaConn, big *bigMessage) error {
 	if big != nil && big.left > 0 {
-		return s.serverPiece(big)
+		return s.serverPiece(sf, rc, big)
 	}
-	size := s.sf.R.Size()
-	typ, total, err := s.sf.Next()
+	size := sf.R.Size()
+	typ, total, err := sf.Next()
 	if err != nil {
 		if err == errWouldBlock {
 			return err
 		}
 		s.cw.Flush()
-		return fmt.Errorf("server: %w", err)
+		return s.upstreamFailed(rc, fmt.Errorf("%s: %w", sf.From, err))
 	}
 	if total > size {
-		h, _ := s.sf.Whole(headerLen) // next has read it
+		h, _ := sf.Whole(headerLen) // next has read it
 		fwd := true
-		if s.h != nil {
+		switch {
+		case rc != nil && !s.replicaAnswers():
+			fwd = false
+		case s.h != nil:
 			if fwd, err = s.interceptServer(h); err != nil {
-				return err
+				return s.handlerFailed(rc, err)
 			}
 		}
 		if big != nil {
 			if fwd {
+				if rc != nil {
+					rc.forwarded.Store(true)
+				}
 				if _, err := s.cw.Write(h); err != nil {
 					return fmt.Errorf("client: %w", err)
 				}
 			}
-			s.sf.Discard(headerLen)
+			sf.Discard(headerLen)
 			big.left, big.fwd = total-headerLen, fwd
-			return s.serverPiece(big)
+			return s.serverPiece(sf, rc, big)
 		}
 		w := io.Writer(s.cw)
 		if !fwd {
 			w = io.Discard
 		}
-		if err := s.sf.Stream(w, total); err != nil {
-			return fmt.Errorf("server: %w", err)
+		if err := sf.Stream(w, total); err != nil {
+			return fmt.Errorf("%s: %w", sf.From, err)
 		}
 		return nil
 	}
-	msg, err := s.sf.Whole(total)
+	msg, err := sf.Whole(total)
 	if err != nil {
 		if err == errWouldBlock {
 			return err
 		}
-		return fmt.Errorf("server: %w", err)
+		return s.upstreamFailed(rc, fmt.Errorf("%s: %w", sf.From, err))
 	}
 	if typ == 'E' && s.oversized.Load() {
 		msg = s.srv.oversizedError(msg)
 	}
+	if rc != nil && s.replicaDrop(rc, typ, msg) {
+		sf.Discard(total)
+		return nil
+	}
 	fwd := true
 	if s.h != nil {
 		if fwd, err = s.interceptServer(msg); err != nil {
-			return err
+			return s.handlerFailed(rc, err)
 		}
 	}
 	if fwd {
+		if rc != nil {
+			rc.forwarded.Store(true)
+		}
 		if _, err := s.cw.Write(msg); err != nil {
 			return fmt.Errorf("client: %w", err)
 		}
 	}
 	if tx, ok := wire.ReadyStatus(msg); ok {
-		s.sf.Discard(total)
+		sf.Discard(total)
 		if s.ready(tx) {
 			s.cw.Flush()
+			if rc != nil {
+				s.closeServer() // the session ends with its primary
+			}
 			return errShutdown
 		}
 		return nil
 	}
-	s.sf.Discard(total)
+	sf.Discard(total)
 	return nil
 }
 
@@ -508,22 +532,23 @@ type bigMessage struct {
 	fwd  bool // false: dropped (a response to an injected request)
 }
 
-// serverPiece passes on (or drops) what has arrived of big's message.
-func (s *Session) serverPiece(big *bigMessage) error {
+// serverPiece passes on (or drops) what has arrived of big's message
+// from the upstream sf frames (rc's, when not nil).
+func (s *Session) serverPiece(sf *wire.Framer, rc *replicaConn, big *bigMessage) error {
 	for big.left > 0 {
-		b, err := s.sf.Piece(big.left)
+		b, err := sf.Piece(big.left)
 		if err != nil {
 			if err == errWouldBlock {
 				return err
 			}
-			return fmt.Errorf("server: %w", err)
+			return s.upstreamFailed(rc, fmt.Errorf("%s: %w", sf.From, err))
 		}
 		if big.fwd {
 			if _, err := s.cw.Write(b); err != nil {
 				return fmt.Errorf("client: %w", err)
 			}
 		}
-		s.sf.Discard(len(b))
+		sf.Discard(len(b))
 		big.left -= len(b)
 	}
 	return nil

@@ -1,0 +1,309 @@
+//go:build linux
+
+package proxy
+
+import (
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"syscall"
+
+	"github.com/pgfence/pgfence/internal/wire"
+	"golang.org/x/sys/unix"
+)
+
+// This file holds the event loop's half of a session's replica connection
+// (read routing: replica.go): its registration on the loop as the
+// session's second upstream socket, the reading of it, and its end.
+
+// A session with read routing runs on the loop as an intercepted session
+// whose client side stays on its goroutine (Session.clientLoop), since the
+// routing decisions block (routeWait, fence.read_policy=wait, the fence
+// row check). The replica connection the client goroutine opens becomes a
+// second upstream socket of the session's relay: the loop reads it,
+// frames it and passes its messages on with the code that passes on the
+// primary's (Session.upstreamMessage, keeping replicaLoop's rules), into
+// the same client writer and clientPending. So the client gets one stream
+// in order, and the replica is not read while the client is behind, as
+// the primary is not. A message larger than the buffer, passed on in
+// pieces, is never cut by the other upstream's: neither upstream is read
+// (but to see it close) while the other is in the middle of one.
+//
+// The replica's socket is a duplicate of the connection's, which leaves
+// Go's netpoller as the primary's does. Who does what with it:
+//
+//   - the client goroutine opens the connection and posts its
+//     registration to the loop thread (replicaOnLoop); it writes requests
+//     to it itself, blocking (pollWrite), as it writes the primary;
+//   - the loop thread registers it (registerReplica), reads it, and ends
+//     it at its end of stream or a failure (endReplica): unregistered and
+//     forgotten first, then rc.done closed, which routeWait and
+//     dropReplica wait for;
+//   - when the session leaves the loop, l.end unregisters it with the
+//     relay's other sockets (relay.sockets), and the session's server-side
+//     goroutine closes rc.done (replicaLeft);
+//   - its owner closes the descriptor once the loop has let go of it
+//     (release): the client goroutine in dropReplica, or the session's end
+//     (closeReplica). stop (Terminate and shutdown, from any goroutine)
+//     never closes it, so that its number is not reused under the loop.
+
+// loopReplica is a replica connection the event loop reads.
+type loopReplica struct {
+	rc *replicaConn
+	fd int // the duplicate of rc's socket
+
+	// Loop thread only, once registered (interceptState.replica):
+	armed    bool       // the socket may be read (once) in this event
+	big      bigMessage // the part of a large message still to pass on
+	interest uint32     // epoll interest registered
+	// readsPaused: the replica is not read until the client takes what
+	// waits in clientPending (for observation: tests).
+	readsPaused atomic.Bool
+
+	mu      sync.Mutex
+	stopped bool // stop has shut the socket down
+	ended   bool // rc.done is closed: the loop has let go of fd
+	closed  bool // release has closed fd
+}
+
+// replicaOnLoop hands the new replica connection rc to the session's event
+// loop when the session is on it (reporting true), instead of a reader
+// goroutine: the loop writes the client, which a reader goroutine could
+// not write too. A connection the loop cannot take (no socket to
+// duplicate: TLS) is an error then; the caller reads from the primary.
+// Client goroutine, in openReplica.
+func (s *Session) replicaOnLoop(rc *replicaConn) (bool, error) {
+	s.connMu.Lock()
+	r := s.loopRelay
+	s.connMu.Unlock()
+	if r == nil || r.intercept == nil {
+		return false, nil
+	}
+	sc, ok := rc.conn.(syscall.Conn)
+	if !ok {
+		return true, errors.New("replica connection: the event loop needs a plain socket")
+	}
+	fd, err := dupConn(sc)
+	if err != nil {
+		return true, fmt.Errorf("replica connection: %w", err)
+	}
+	// Out of Go's netpoller; its RemoteAddr still answers (cancelRoute).
+	rc.conn.Close()
+	lr := &loopReplica{rc: rc, fd: fd}
+	rc.loop = lr
+	rc.sw.Reset(fdWriter(fd))
+	rc.sf.R.Reset(loopReplicaReader{lr})
+	l := r.l
+	l.tasks.post(func() { l.registerReplica(r, lr) })
+	return true, nil
+}
+
+// registerReplica makes lr the replica socket of r on the loop. If r has
+// left the loop already, lr ends at once. Loop thread.
+func (l *evloop) registerReplica(r *relay, lr *loopReplica) {
+	lr.mu.Lock()
+	defer lr.mu.Unlock()
+	switch {
+	case lr.ended:
+		return
+	case !l.owns(r):
+		lr.endLocked(errSessionClosing)
+		return
+	}
+	lr.interest = syscall.EPOLLIN | syscall.EPOLLRDHUP
+	if err := l.ctl(syscall.EPOLL_CTL_ADD, lr.fd, lr.interest); err != nil {
+		lr.endLocked(fmt.Errorf("replica: epoll_ctl: %w", err))
+		return
+	}
+	l.mu.Lock()
+	l.byFD[int32(lr.fd)] = r
+	l.mu.Unlock()
+	r.intercept.replica = lr
+}
+
+// loopReplicaReader is the replica framer's reader on the loop: one read
+// per readable event, errWouldBlock otherwise (as loopServerReader).
+type loopReplicaReader struct{ lr *loopReplica }
+
+func (rr loopReplicaReader) Read(b []byte) (int, error) {
+	return armedRead(rr.lr.fd, &rr.lr.armed, b)
+}
+
+// replicaEvent handles an event of r's replica socket: readable, or
+// closed. Loop thread, from interceptEvent; an error ends the session.
+func (l *evloop) replicaEvent(r *relay, ev uint32) error {
+	r.intercept.replica.armed = true
+	if err := l.replicaSteps(r, ev&(syscall.EPOLLRDHUP|syscall.EPOLLHUP|syscall.EPOLLERR) != 0); err != nil {
+		return err
+	}
+	if r.replicaMidMessage() {
+		return nil
+	}
+	return r.serverSteps(false) // the primary's messages held meanwhile, if any
+}
+
+// replicaSteps passes on the replica's messages that have arrived, while
+// the client keeps up and the primary is not in the middle of a message
+// (or always, with force: the replica closed), then flushes. A failure of
+// the replica ends its connection (endReplica), not the session:
+// replicaLoop's rules (upstreamMessage) decide what it means for the
+// session. Loop thread.
+func (l *evloop) replicaSteps(r *relay, force bool) error {
+	s, ic := r.s, r.intercept
+	lr := ic.replica
+	if lr == nil {
+		return nil
+	}
+	limit := s.sf.R.Size()
+	for force || len(ic.clientPending) < limit && ic.big.left == 0 {
+		err := s.upstreamMessage(&lr.rc.sf, lr.rc, &lr.big)
+		if err == errWouldBlock {
+			break
+		}
+		if err != nil {
+			l.endReplica(r, err)
+			break
+		}
+	}
+	lr.armed = false
+	return s.cw.Flush()
+}
+
+// upstreamSteps passes on what both upstreams of r hold for the client
+// once it has taken what waited: the one in the middle of a message
+// first. Loop thread.
+func (l *evloop) upstreamSteps(r *relay) error {
+	if r.replicaMidMessage() {
+		if err := l.replicaSteps(r, false); err != nil || r.replicaMidMessage() {
+			return err
+		}
+	}
+	if err := r.serverSteps(false); err != nil {
+		return err
+	}
+	return l.replicaSteps(r, false)
+}
+
+// replicaMidMessage reports whether r's replica has passed on part of a
+// message larger than the buffer. Loop thread.
+func (r *relay) replicaMidMessage() bool {
+	lr := r.intercept.replica
+	return lr != nil && lr.big.left > 0
+}
+
+// serverReadable reports whether the loop may read r's primary: not while
+// its replica is in the middle of a message. Loop thread.
+func (r *relay) serverReadable() bool { return !r.replicaMidMessage() }
+
+// replicaInterest keeps the replica's registration in step with
+// clientPending, as interceptInterest keeps the primary's: read while the
+// client has room and the primary is not in the middle of a message.
+// Loop thread.
+func (l *evloop) replicaInterest(r *relay) error {
+	ic := r.intercept
+	lr := ic.replica
+	if lr == nil {
+		return nil
+	}
+	var want uint32 = syscall.EPOLLRDHUP
+	if len(ic.clientPending) < r.s.sf.R.Size() && ic.big.left == 0 {
+		want |= syscall.EPOLLIN
+	}
+	if want == lr.interest {
+		return nil
+	}
+	if err := l.ctl(syscall.EPOLL_CTL_MOD, lr.fd, want); err != nil {
+		return err
+	}
+	lr.interest = want
+	lr.readsPaused.Store(want&syscall.EPOLLIN == 0 && ic.big.left == 0)
+	return nil
+}
+
+// endReplica ends r's replica connection on the loop: its socket
+// unregistered and forgotten, then rc.done closed with err (the client
+// goroutine's dropReplica closes the socket). Loop thread.
+func (l *evloop) endReplica(r *relay, err error) {
+	lr := r.intercept.replica
+	r.intercept.replica = nil
+	l.ctl(syscall.EPOLL_CTL_DEL, lr.fd, 0)
+	l.mu.Lock()
+	delete(l.byFD, int32(lr.fd))
+	l.mu.Unlock()
+	lr.end(err)
+}
+
+// replicaLeft ends the replica connection the loop was reading when r
+// left the loop (l.end has unregistered its socket with r's). The
+// session's server-side goroutine, once r is off the loop.
+func (r *relay) replicaLeft() {
+	if lr := r.intercept.replica; lr != nil {
+		lr.end(errSessionClosing)
+	}
+}
+
+// end closes rc.done with err, once: the loop has let go of the socket.
+func (lr *loopReplica) end(err error) {
+	lr.mu.Lock()
+	defer lr.mu.Unlock()
+	lr.endLocked(err)
+}
+
+func (lr *loopReplica) endLocked(err error) {
+	if lr.ended {
+		return
+	}
+	lr.ended = true
+	lr.rc.err = err
+	close(lr.rc.done)
+}
+
+// stop tells the replica backend to end (Terminate, if the socket takes
+// it at once) and shuts the socket down, which the loop sees as its end.
+// Any goroutine (replicaConn.close).
+func (lr *loopReplica) stop() {
+	lr.mu.Lock()
+	defer lr.mu.Unlock()
+	if lr.stopped || lr.closed {
+		return
+	}
+	lr.stopped = true
+	rawIO(syscall.SYS_WRITE, lr.fd, wire.Terminate)
+	syscall.Shutdown(lr.fd, syscall.SHUT_RDWR)
+}
+
+// release closes the socket, once the loop has let go of it: rc.done is
+// closed, or the session has left the loop (its end: the loop then never
+// registers it, registerReplica). Its owner only (replicaConn.release).
+func (lr *loopReplica) release() {
+	lr.mu.Lock()
+	defer lr.mu.Unlock()
+	lr.endLocked(errSessionClosing)
+	if !lr.closed {
+		lr.closed = true
+		syscall.Close(lr.fd)
+	}
+}
+
+// fdWriter writes a non-blocking socket, waiting for room (pollWrite): the
+// client goroutine's writer to the replica on the loop.
+type fdWriter int
+
+func (w fdWriter) Write(b []byte) (int, error) { return pollWrite(int(w), b) }
+
+// pollWrite writes b to the non-blocking socket fd, waiting for room in
+// poll(2), as a blocking system call (releasing its P), when it is full.
+func pollWrite(fd int, b []byte) (int, error) {
+	n := 0
+	for {
+		k, err := writeAvail(fd, b[n:])
+		if n += k; err != nil || n == len(b) {
+			return n, err
+		}
+		fds := []unix.PollFd{{Fd: int32(fd), Events: unix.POLLOUT}}
+		if _, err := unix.Poll(fds, -1); err != nil && err != unix.EINTR {
+			return n, err
+		}
+	}
+}

@@ -1,0 +1,518 @@
+//go:build linux
+
+package proxy
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgproto3"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/pgfence/pgfence/internal/pgtest"
+)
+
+// The tests of a session with read routing on the event loop: the
+// primary's server side and the replica connection both read by the loop,
+// the client side on its goroutine (evloop_replica_linux.go). Each runs
+// in both relay modes, so the goroutine path (replicaLoop) is held to the
+// same answers.
+
+// replicaModes are the relay modes a routed session can use.
+var replicaModes = []struct {
+	name  string
+	relay Config
+}{
+	{"event_loop", Config{}},
+	{"goroutines", Config{DisableEventLoop: true}},
+}
+
+// routeSchema is fenceSchema with a table the tests lock on the primary:
+// the lock, replayed, holds a replica read back before it has sent
+// anything.
+const routeSchema = fenceSchema + `
+CREATE TABLE held (n int);
+INSERT INTO held VALUES (1);
+`
+
+// newRouteEnvRelay is newRouteEnvMode (tracked, routeSchema) with the
+// proxy in relay's mode.
+func newRouteEnvRelay(t *testing.T, relay Config) *routeEnv {
+	t.Helper()
+	db := cluster.NewDatabaseWith(t, ddlTriggerSQL+routeSchema)
+	if err := cluster.WaitReplicaCaughtUp(ctxT(t)); err != nil {
+		t.Fatal(err)
+	}
+	gate := newGate(t)
+	p := startProxy(t, withRelay(relay, Config{Interceptor: gate, Replicas: []string{cluster.Replica.DSN("postgres")},
+		ReplicaPoll: 10 * time.Millisecond, ReplicaMaxLag: time.Minute}))
+	connect(t, p.dsn(db))
+	waitHealthy(t, p)
+	waitCatalogReplayed(t, p, gate, db)
+	return &routeEnv{&fenceEnv{db: db, proxy: p, gate: gate}}
+}
+
+// wantRelayMode checks that s runs in relay's mode: on the loop, its
+// replica connection (open) read by the loop, or neither.
+func wantRelayMode(t *testing.T, s *Session, relay Config) *replicaConn {
+	t.Helper()
+	s.connMu.Lock()
+	onLoop := s.loopRelay != nil
+	s.connMu.Unlock()
+	s.rt.mu.Lock()
+	rc := s.rt.rep
+	s.rt.mu.Unlock()
+	if rc == nil {
+		t.Fatal("the session has no replica connection")
+	}
+	want := !relay.DisableEventLoop
+	if onLoop != want || (rc.loop != nil) != want {
+		t.Fatalf("session on the loop %v, its replica read by the loop %v; want %v", onLoop, rc.loop != nil, want)
+	}
+	return rc
+}
+
+// replicaBackend is the pid of the backend, on the server rep is
+// connected to, running a query that contains marker, once it waits for
+// wait (a wait_event_type).
+func replicaBackend(t *testing.T, rep *pgx.Conn, marker, wait string) int {
+	t.Helper()
+	return pollFind(t, "the query on the replica", func() (int, bool) {
+		var pid int
+		err := rep.QueryRow(ctxT(t), `SELECT pid FROM pg_stat_activity
+			WHERE query LIKE '%' || $1 || '%' AND pid <> pg_backend_pid() AND wait_event_type = $2`, marker, wait).Scan(&pid)
+		return pid, err == nil
+	})
+}
+
+// holdTable locks held on the primary (ACCESS EXCLUSIVE, in a transaction
+// left open) and waits until the replica has replayed the lock: a read of
+// held there then waits before it sends anything. It returns the
+// primary's transaction, whose end releases the lock.
+func holdTable(t *testing.T, e *routeEnv, rep *pgx.Conn) pgx.Tx {
+	t.Helper()
+	ctx := ctxT(t)
+	prim, err := pgx.Connect(ctx, cluster.Primary.DSN(e.db))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { prim.Close(context.Background()) })
+	tx, err := prim.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := tx.Exec(ctx, "LOCK TABLE held IN ACCESS EXCLUSIVE MODE"); err != nil {
+		t.Fatal(err)
+	}
+	if err := pgtest.Poll(ctx, func() (bool, error) {
+		var n int
+		err := rep.QueryRow(ctx, `SELECT count(*) FROM pg_locks l JOIN pg_class c ON c.oid = l.relation
+			WHERE c.relname = 'held' AND l.mode = 'AccessExclusiveLock' AND l.granted`).Scan(&n)
+		return n > 0, err
+	}); err != nil {
+		t.Fatalf("the replica never replayed the lock: %v", err)
+	}
+	return tx
+}
+
+// replicaConnOf is a direct connection to e's database on the replica.
+func replicaConnOf(t *testing.T, e *routeEnv) *pgx.Conn {
+	t.Helper()
+	rep, err := pgx.Connect(ctxT(t), cluster.Replica.DSN(e.db))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { rep.Close(context.Background()) })
+	return rep
+}
+
+// readAsync runs sql on c (simple protocol) on a goroutine; the results
+// arrive on the channel.
+func readAsync(t *testing.T, c *pgconn.PgConn, sql string) <-chan readResultErr {
+	ch := make(chan readResultErr, 1)
+	go func() {
+		rs, err := c.Exec(ctxT(t), sql).ReadAll()
+		ch <- readResultErr{rs, err}
+	}()
+	return ch
+}
+
+type readResultErr struct {
+	rs  []*pgconn.Result
+	err error
+}
+
+// TestReplicaSessionOnLoop: a session with read routing runs on the event
+// loop, its reads answered by the replica connection the loop reads, its
+// writes by the primary through the gate. (It fails with sessions of a
+// proxy with replicas kept off the loop, as they were.)
+func TestReplicaSessionOnLoop(t *testing.T) {
+	for _, m := range replicaModes {
+		t.Run(m.name, func(t *testing.T) {
+			e := newRouteEnvRelay(t, m.relay)
+			c := e.reader(t, nil)
+			waitReplicaRead(t, c, "SELECT 1, pg_is_in_recovery()")
+			mustWhere(t, c, "SELECT count(*), pg_is_in_recovery() FROM audit", true)
+			mustExec(t, c, "INSERT INTO audit (note) VALUES ('w')")
+			mustWhere(t, c, "SELECT nextval('audit_id_seq'), pg_is_in_recovery()", false)
+			mustWhere(t, c, "SELECT 1, pg_is_in_recovery()", true)
+			wantRelayMode(t, sessionOf(t, e.proxy, c), m.relay)
+			looped := e.proxy.srv.ops.stats.SessionsLoop.Load()
+			if m.relay.DisableEventLoop != (looped == 0) {
+				t.Fatalf("%d sessions on the loop, DisableEventLoop %v", looped, m.relay.DisableEventLoop)
+			}
+		})
+	}
+}
+
+// TestReplicaLargeResult: results far larger than every buffer (many
+// rows, and one row of several MB) stream intact from the replica.
+func TestReplicaLargeResult(t *testing.T) {
+	for _, m := range replicaModes {
+		t.Run(m.name, func(t *testing.T) {
+			e := newRouteEnvRelay(t, m.relay)
+			c := e.reader(t, nil)
+			waitReplicaRead(t, c, "SELECT 1, pg_is_in_recovery()")
+			for _, q := range []struct {
+				sql        string
+				rows, size int
+			}{
+				{"SELECT lpad(n::text, 1000, 'x'), pg_is_in_recovery() FROM generate_series(1, 8000) n", 8000, 1000},
+				{"SELECT lpad(n::text, 6 << 20, 'y'), pg_is_in_recovery() FROM generate_series(1, 2) n", 2, 6 << 20},
+			} {
+				rs, err := c.Exec(ctxT(t), q.sql).ReadAll()
+				if err != nil {
+					t.Fatal(err)
+				}
+				rows := rs[0].Rows
+				if len(rows) != q.rows {
+					t.Fatalf("%d rows, want %d", len(rows), q.rows)
+				}
+				for i, row := range rows {
+					v := string(row[0])
+					if len(v) != q.size || !strings.HasSuffix(v, fmt.Sprint(i+1)) || string(row[1]) != "t" {
+						t.Fatalf("row %d: %d bytes ending %q, replica %s; want %d bytes ending %d, from the replica",
+							i, len(v), v[max(0, len(v)-8):], row[1], q.size, i+1)
+					}
+				}
+			}
+			wantRelayMode(t, sessionOf(t, e.proxy, c), m.relay)
+			mustWhere(t, c, "SELECT 1, pg_is_in_recovery()", true) // the stream is in step
+		})
+	}
+}
+
+// TestReplicaTerminatedBeforeAnswer: the replica backend ends (FATAL,
+// then the end of the stream) while the read waits there before sending
+// anything: the read is answered by the primary.
+func TestReplicaTerminatedBeforeAnswer(t *testing.T) {
+	for _, m := range replicaModes {
+		t.Run(m.name, func(t *testing.T) {
+			e := newRouteEnvRelay(t, m.relay)
+			ctx := ctxT(t)
+			c := e.reader(t, nil)
+			waitReplicaRead(t, c, "SELECT 1, pg_is_in_recovery()")
+			rc := wantRelayMode(t, sessionOf(t, e.proxy, c), m.relay)
+			rep := replicaConnOf(t, e)
+			tx := holdTable(t, e, rep)
+			retries := e.proxy.srv.RouteStats().Retries.Load()
+			res := readAsync(t, c, "SELECT n, pg_is_in_recovery() FROM held /* before_answer */")
+			pid := replicaBackend(t, rep, "before_answer", "Lock")
+			if pid != int(rc.pid) {
+				t.Fatalf("the read runs in replica backend %d, the session's replica connection is %d", pid, rc.pid)
+			}
+			if _, err := rep.Exec(ctx, "SELECT pg_terminate_backend($1)", pid); err != nil {
+				t.Fatal(err)
+			}
+			// Retried: it waits for the lock on the primary now.
+			prim, err := pgx.Connect(ctx, cluster.Primary.DSN(e.db))
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer prim.Close(ctx)
+			replicaBackend(t, prim, "before_answer", "Lock")
+			if err := tx.Rollback(ctx); err != nil {
+				t.Fatal(err)
+			}
+			r := <-res
+			if r.err != nil {
+				t.Fatalf("read: %v, want the primary's answer", r.err)
+			}
+			if got := string(r.rs[0].Rows[0][1]); got != "f" {
+				t.Fatalf("pg_is_in_recovery() %s, want f (retried on the primary)", got)
+			}
+			if n := e.proxy.srv.RouteStats().Retries.Load() - retries; n != 1 {
+				t.Fatalf("%d retries, want 1", n)
+			}
+			// The replica connection ended, and the next read opens another.
+			select {
+			case <-rc.done:
+			default:
+				t.Fatal("the failed replica connection has not ended")
+			}
+			waitReplicaRead(t, c, "SELECT 1, pg_is_in_recovery()")
+		})
+	}
+}
+
+// TestReplicaTerminatedMidResult: the replica backend ends after part of
+// the result reached the client: the session ends with 08006. The client
+// does not read meanwhile, so the backend waits to send the rest (the
+// proxy does not read a replica while the client is behind), and is
+// ended there.
+func TestReplicaTerminatedMidResult(t *testing.T) {
+	for _, m := range replicaModes {
+		t.Run(m.name, func(t *testing.T) {
+			e := newRouteEnvRelay(t, m.relay)
+			ctx := ctxT(t)
+			c := e.reader(t, nil)
+			waitReplicaRead(t, c, "SELECT 1, pg_is_in_recovery()")
+			rc := wantRelayMode(t, sessionOf(t, e.proxy, c), m.relay)
+			rep := replicaConnOf(t, e)
+			sendRaw(t, c, "SELECT repeat('z', 1000), pg_is_in_recovery() FROM generate_series(1, 50000) /* mid_result */")
+			pid := replicaBackend(t, rep, "mid_result", "Client")
+			if pid != int(rc.pid) {
+				t.Fatalf("the read runs in replica backend %d, the session's replica connection is %d", pid, rc.pid)
+			}
+			if rc.loop != nil {
+				// On the loop: because the client is behind.
+				if err := pgtest.Poll(ctx, func() (bool, error) { return rc.loop.readsPaused.Load(), nil }); err != nil {
+					t.Fatalf("the loop never stopped reading the replica for a client that does not read: %v", err)
+				}
+			}
+			if _, err := rep.Exec(ctx, "SELECT pg_terminate_backend($1)", pid); err != nil {
+				t.Fatal(err)
+			}
+			fe := pgproto3.NewFrontend(c.Conn(), c.Conn())
+			c.Conn().SetReadDeadline(time.Now().Add(time.Minute))
+			rows := 0
+			for {
+				msg, err := fe.Receive()
+				if err != nil {
+					t.Fatalf("after %d rows: %v, want an ErrorResponse 08006", rows, err)
+				}
+				switch msg := msg.(type) {
+				case *pgproto3.DataRow:
+					if string(msg.Values[1]) != "t" {
+						t.Fatalf("row %d from the primary", rows)
+					}
+					rows++
+					continue
+				case *pgproto3.ErrorResponse:
+					if msg.Code != "08006" || rows == 0 || rows == 50000 {
+						t.Fatalf("error %s (%s) after %d rows, want 08006 after some of 50000", msg.Code, msg.Message, rows)
+					}
+				case *pgproto3.RowDescription:
+					continue
+				default:
+					t.Fatalf("%T after %d rows, want the rows then an ErrorResponse 08006", msg, rows)
+				}
+				break
+			}
+			if _, err := fe.Receive(); err == nil {
+				t.Fatal("the session goes on after 08006")
+			}
+			<-rc.done
+		})
+	}
+}
+
+// TestReplicaCancel: a CancelRequest for a query running on the replica
+// reaches the replica backend; the session goes on.
+func TestReplicaCancel(t *testing.T) {
+	for _, m := range replicaModes {
+		t.Run(m.name, func(t *testing.T) {
+			e := newRouteEnvRelay(t, m.relay)
+			ctx := ctxT(t)
+			c := e.reader(t, nil)
+			waitReplicaRead(t, c, "SELECT 1, pg_is_in_recovery()")
+			rc := wantRelayMode(t, sessionOf(t, e.proxy, c), m.relay)
+			rep := replicaConnOf(t, e)
+			tx := holdTable(t, e, rep)
+			defer tx.Rollback(ctx)
+			res := readAsync(t, c, "SELECT n, pg_is_in_recovery() FROM held /* cancelled */")
+			if pid := replicaBackend(t, rep, "cancelled", "Lock"); pid != int(rc.pid) {
+				t.Fatalf("the read runs in replica backend %d, the session's replica connection is %d", pid, rc.pid)
+			}
+			if err := c.CancelRequest(ctx); err != nil {
+				t.Fatal(err)
+			}
+			r := <-res
+			wantCode(t, r.err, "57014")
+			mustWhere(t, c, "SELECT 1, pg_is_in_recovery()", true)
+			if got := wantRelayMode(t, sessionOf(t, e.proxy, c), m.relay); got != rc {
+				t.Fatal("the session opened another replica connection after the cancel")
+			}
+		})
+	}
+}
+
+// TestReplicaShutdown: Shutdown while a session's read runs on the
+// replica lets it finish, then ends the session (57P01) and its replica
+// connection, gracefully.
+func TestReplicaShutdown(t *testing.T) {
+	for _, m := range replicaModes {
+		t.Run(m.name, func(t *testing.T) {
+			e := newRouteEnvRelay(t, m.relay)
+			ctx := ctxT(t)
+			c := e.reader(t, nil)
+			waitReplicaRead(t, c, "SELECT 1, pg_is_in_recovery()")
+			rc := wantRelayMode(t, sessionOf(t, e.proxy, c), m.relay)
+			rep := replicaConnOf(t, e)
+			tx := holdTable(t, e, rep)
+			res := readAsync(t, c, "SELECT n, pg_is_in_recovery() FROM held /* at_shutdown */")
+			replicaBackend(t, rep, "at_shutdown", "Lock")
+			shut := make(chan error, 1)
+			go func() { shut <- e.proxy.srv.Shutdown(ctx) }()
+			if err := pgtest.Poll(ctx, func() (bool, error) { return e.proxy.srv.draining.Load(), nil }); err != nil {
+				t.Fatal(err)
+			}
+			if err := tx.Rollback(ctx); err != nil {
+				t.Fatal(err)
+			}
+			r := <-res
+			if r.err != nil {
+				t.Fatalf("read: %v, want its answer before the shutdown", r.err)
+			}
+			if got := string(r.rs[0].Rows[0][1]); got != "t" {
+				t.Fatalf("pg_is_in_recovery() %s, want t", got)
+			}
+			if err := <-shut; err != nil {
+				t.Fatalf("Shutdown: %v, want a graceful end", err)
+			}
+			_, err := c.Exec(ctx, "SELECT 1").ReadAll()
+			wantCode(t, err, "57P01")
+			<-rc.done
+			// The replica backend ended with the session.
+			if err := pgtest.Poll(ctx, func() (bool, error) {
+				var n int
+				err := rep.QueryRow(ctx, "SELECT count(*) FROM pg_stat_activity WHERE pid = $1", int(rc.pid)).Scan(&n)
+				return n == 0, err
+			}); err != nil {
+				t.Fatalf("the replica backend outlived the session: %v", err)
+			}
+		})
+	}
+}
+
+// TestReplicaTerminatedIdle: the replica connection of an idle session
+// whose last read ran there ends (its backend terminated); the next read
+// opens another and is answered by it.
+func TestReplicaTerminatedIdle(t *testing.T) {
+	for _, m := range replicaModes {
+		t.Run(m.name, func(t *testing.T) {
+			e := newRouteEnvRelay(t, m.relay)
+			ctx := ctxT(t)
+			rep := replicaConnOf(t, e)
+			fds := openFDs(t)
+			c := e.reader(t, nil)
+			waitReplicaRead(t, c, "SELECT 1, pg_is_in_recovery()")
+			s := sessionOf(t, e.proxy, c)
+			rc := wantRelayMode(t, s, m.relay)
+			if _, err := rep.Exec(ctx, "SELECT pg_terminate_backend($1)", int(rc.pid)); err != nil {
+				t.Fatal(err)
+			}
+			<-rc.done
+			mustWhere(t, c, "SELECT 2, pg_is_in_recovery()", true)
+			if got := wantRelayMode(t, s, m.relay); got == rc {
+				t.Fatal("the read ran without a new replica connection")
+			}
+			// Both replica connections' sockets are closed with the
+			// session: the process has the descriptors it had before.
+			c.Close(ctx)
+			if err := pgtest.Poll(ctx, func() (bool, error) { return openFDs(t) == fds, nil }); err != nil {
+				t.Fatalf("%d descriptors open after the session, %d before: %v", openFDs(t), fds, err)
+			}
+		})
+	}
+}
+
+// TestReplicaMessageNotCut: a message of the primary (a notification)
+// that arrives while a replica's row larger than every buffer is on its
+// way to a client that does not read reaches the client after that row,
+// never inside it: on the loop, the primary is not read while the
+// replica's message is passed on in pieces.
+func TestReplicaMessageNotCut(t *testing.T) {
+	for _, m := range replicaModes {
+		t.Run(m.name, func(t *testing.T) {
+			e := newRouteEnvRelay(t, m.relay)
+			ctx := ctxT(t)
+			c := e.reader(t, nil)
+			mustExec(t, c, "LISTEN ch") // on the primary
+			waitReplicaRead(t, c, "SELECT 1, pg_is_in_recovery()")
+			s := sessionOf(t, e.proxy, c)
+			wantRelayMode(t, s, m.relay)
+			const size = 32 << 20
+			sendRaw(t, c, fmt.Sprintf("SELECT repeat('w', %d), pg_is_in_recovery() /* not_cut */", size))
+			if !m.relay.DisableEventLoop {
+				// The replica waits to send the rest of the row.
+				replicaBackend(t, replicaConnOf(t, e), "not_cut", "Client")
+			}
+			prim, err := pgx.Connect(ctx, cluster.Primary.DSN(e.db))
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer prim.Close(ctx)
+			if _, err := prim.Exec(ctx, "NOTIFY ch, 'hello'"); err != nil {
+				t.Fatal(err)
+			}
+			if !m.relay.DisableEventLoop {
+				// The notification has reached the proxy's primary socket.
+				s.connMu.Lock()
+				fd := s.loopRelay.serverFD
+				s.connMu.Unlock()
+				if err := pgtest.Poll(ctx, func() (bool, error) {
+					n, err := unix.IoctlGetInt(fd, unix.SIOCINQ)
+					return n > 0, err
+				}); err != nil {
+					t.Fatalf("the notification never reached the proxy: %v", err)
+				}
+			}
+			fe := pgproto3.NewFrontend(c.Conn(), c.Conn())
+			c.Conn().SetReadDeadline(time.Now().Add(time.Minute))
+			var got []string
+			for len(got) < 5 {
+				msg, err := fe.Receive()
+				if err != nil {
+					t.Fatalf("after %v: %v", got, err)
+				}
+				switch msg := msg.(type) {
+				case *pgproto3.DataRow:
+					if len(msg.Values) != 2 || len(msg.Values[0]) != size || string(msg.Values[1]) != "t" {
+						t.Fatalf("after %v: a row of %d values, not the replica's of %d bytes", got, len(msg.Values), size)
+					}
+					got = append(got, "row")
+				case *pgproto3.NotificationResponse:
+					got = append(got, "notify:"+msg.Payload)
+				case *pgproto3.ReadyForQuery:
+					got = append(got, "ready")
+				case *pgproto3.RowDescription, *pgproto3.CommandComplete:
+					got = append(got, "-")
+				default:
+					t.Fatalf("after %v: %T", got, msg)
+				}
+			}
+			c.Conn().SetReadDeadline(time.Time{})
+			if w := strings.Join(got, " "); !strings.Contains(w, "row") || !strings.Contains(w, "notify:hello") || !strings.Contains(w, "ready") {
+				t.Fatalf("got %s, want the row, the notification and ReadyForQuery", w)
+			}
+		})
+	}
+}
+
+// openFDs is the number of descriptors the test process has open.
+func openFDs(t *testing.T) int {
+	t.Helper()
+	ents, err := os.ReadDir("/proc/self/fd")
+	if err != nil {
+		t.Fatal(err)
+	}
+	return len(ents)
+}
