@@ -50,8 +50,9 @@ import (
 
 // loopReplica is a replica connection the event loop reads.
 type loopReplica struct {
-	rc *replicaConn
-	fd int // the duplicate of rc's socket
+	rc   *replicaConn
+	fd   int  // the duplicate of rc's socket
+	sock sock // fd, and rc's tls.Conn over it for TLS
 
 	// Loop thread only, once registered (interceptState.replica):
 	armed    bool       // the socket may be read (once) in this event
@@ -70,8 +71,9 @@ type loopReplica struct {
 // replicaOnLoop hands the new replica connection rc to the session's event
 // loop when the session is on it (reporting true), instead of a reader
 // goroutine: the loop writes the client, which a reader goroutine could
-// not write too. A connection the loop cannot take (no socket to
-// duplicate: TLS) is an error then; the caller reads from the primary.
+// not write too. A TLS connection is read through its tls.Conn, over
+// pgfence's transport (takeSock); one the loop cannot take (no socket to
+// duplicate) is an error then, and the caller reads from the primary.
 // Client goroutine, in openReplica.
 func (s *Session) replicaOnLoop(rc *replicaConn) (bool, error) {
 	s.connMu.Lock()
@@ -80,20 +82,27 @@ func (s *Session) replicaOnLoop(rc *replicaConn) (bool, error) {
 	if r == nil || r.intercept == nil {
 		return false, nil
 	}
-	sc, ok := rc.conn.(syscall.Conn)
+	sc, ok := loopConn(rc.conn)
 	if !ok {
-		return true, errors.New("replica connection: the event loop needs a plain socket")
+		return true, errors.New("replica connection: the event loop needs a socket, plain or TLS over pgfence's transport")
 	}
 	fd, err := dupConn(sc)
 	if err != nil {
 		return true, fmt.Errorf("replica connection: %w", err)
 	}
 	// Out of Go's netpoller; its RemoteAddr still answers (cancelRoute).
-	rc.conn.Close()
+	// A TLS connection's tls.Conn reads the socket as the framer's reader
+	// does and writes it as the client goroutine does (takeSock).
 	lr := &loopReplica{rc: rc, fd: fd}
+	lr.sock = takeSock(rc.conn, fd, loopReplicaReader{lr}, fdWriter(fd).Write, nil)
 	rc.loop = lr
-	rc.sw.Reset(fdWriter(fd))
-	rc.sf.R.Reset(loopReplicaReader{lr})
+	if lr.sock.tls != nil {
+		rc.sw.Reset(lr.sock.tls)
+		rc.sf.R.Reset(&lr.sock)
+	} else {
+		rc.sw.Reset(fdWriter(fd))
+		rc.sf.R.Reset(loopReplicaReader{lr})
+	}
 	l := r.l
 	l.tasks.post(func() { l.registerReplica(r, lr) })
 	return true, nil
@@ -269,7 +278,9 @@ func (lr *loopReplica) stop() {
 		return
 	}
 	lr.stopped = true
-	rawIO(syscall.SYS_WRITE, lr.fd, wire.Terminate)
+	if lr.sock.tls == nil { // in a TLS stream it would be garbage: the end tells the backend
+		rawIO(syscall.SYS_WRITE, lr.fd, wire.Terminate)
+	}
 	syscall.Shutdown(lr.fd, syscall.SHUT_RDWR)
 }
 

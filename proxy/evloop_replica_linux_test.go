@@ -4,9 +4,13 @@ package proxy
 
 import (
 	"context"
+	"crypto/x509"
+	"encoding/pem"
 	"fmt"
 	"os"
+	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -515,4 +519,134 @@ func openFDs(t *testing.T) int {
 		t.Fatal(err)
 	}
 	return len(ents)
+}
+
+// replicaTLSOnce turns TLS on on the test cluster's replica, once: its
+// certificate written into the replica's data directory (a standby
+// cannot lo_export, as primaryTLS does on the primary), ssl set in its
+// postgresql.auto.conf, and the configuration reloaded.
+var replicaTLSOnce struct {
+	sync.Once
+	err error
+}
+
+func replicaTLS(t *testing.T) {
+	t.Helper()
+	replicaTLSOnce.Do(func() {
+		replicaTLSOnce.err = func() error {
+			cert := testCert(t)
+			key, err := x509.MarshalPKCS8PrivateKey(cert.PrivateKey)
+			if err != nil {
+				return err
+			}
+			dir := cluster.Replica.DataDir
+			var st unix.Stat_t
+			if err := unix.Stat(dir, &st); err != nil {
+				return err
+			}
+			crt, kf := filepath.Join(dir, "pgfence_test.crt"), filepath.Join(dir, "pgfence_test.key")
+			for path, data := range map[string][]byte{
+				crt: pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: cert.Certificate[0]}),
+				kf:  pem.EncodeToMemory(&pem.Block{Type: "PRIVATE KEY", Bytes: key}),
+			} {
+				if err := os.WriteFile(path, data, 0o600); err != nil {
+					return err
+				}
+				if err := os.Chown(path, int(st.Uid), int(st.Gid)); err != nil {
+					return err
+				}
+			}
+			conf, err := os.OpenFile(filepath.Join(dir, "postgresql.auto.conf"), os.O_APPEND|os.O_WRONLY, 0)
+			if err != nil {
+				return err
+			}
+			_, err = fmt.Fprintf(conf, "ssl = on\nssl_cert_file = '%s'\nssl_key_file = '%s'\n", crt, kf)
+			if cerr := conf.Close(); err == nil {
+				err = cerr
+			}
+			if err != nil {
+				return err
+			}
+			ctx := ctxT(t)
+			c, err := pgconn.Connect(ctx, cluster.Replica.DSN("postgres"))
+			if err != nil {
+				return err
+			}
+			defer c.Close(context.Background())
+			if _, err := c.Exec(ctx, "SELECT pg_reload_conf()").ReadAll(); err != nil {
+				return err
+			}
+			return pgtest.Poll(ctx, func() (bool, error) {
+				c, err := pgconn.Connect(ctx, replicaTLSDSN("postgres"))
+				if err != nil {
+					return false, nil
+				}
+				c.Close(ctx)
+				return true, nil
+			})
+		}()
+	})
+	if replicaTLSOnce.err != nil {
+		t.Fatalf("TLS on the replica: %v", replicaTLSOnce.err)
+	}
+}
+
+// replicaTLSDSN is the replica's DSN for db, with TLS required.
+func replicaTLSDSN(db string) string {
+	return strings.Replace(cluster.Replica.DSN(db), "sslmode=disable", "sslmode=require", 1)
+}
+
+// TestReplicaTLS: a routed session whose replica connection is TLS reads
+// from the replica on the loop, through the replica's tls.Conn, results
+// larger than every buffer and TLS record included; and its replica
+// backend leaves with the session. (With the loop refusing a TLS replica
+// connection, as it did, every read goes to the primary and it fails.)
+func TestReplicaTLS(t *testing.T) {
+	replicaTLS(t)
+	for _, m := range replicaModes {
+		t.Run(m.name, func(t *testing.T) {
+			db := cluster.NewDatabaseWith(t, ddlTriggerSQL+routeSchema)
+			if err := cluster.WaitReplicaCaughtUp(ctxT(t)); err != nil {
+				t.Fatal(err)
+			}
+			gate := newGate(t)
+			p := startProxy(t, withRelay(m.relay, Config{Interceptor: gate, Replicas: []string{replicaTLSDSN("postgres")},
+				ReplicaPoll: 10 * time.Millisecond, ReplicaMaxLag: time.Minute}))
+			connect(t, p.dsn(db))
+			waitHealthy(t, p)
+			waitCatalogReplayed(t, p, gate, db)
+			e := &routeEnv{&fenceEnv{db: db, proxy: p, gate: gate}}
+			c := e.reader(t, nil)
+			waitReplicaRead(t, c, "SELECT 1, pg_is_in_recovery()")
+			// A read-only transaction runs on the replica, functions and all.
+			mustExec(t, c, "BEGIN READ ONLY")
+			if got := lastValue(t, c, "SELECT ssl::text || ' ' || pg_is_in_recovery()::text || ' ' || pid FROM pg_stat_ssl WHERE pid = pg_backend_pid()"); !strings.HasPrefix(got, "true true ") {
+				t.Fatalf("the replica connection's ssl and recovery: %q, want true true", got)
+			}
+			pid := lastValue(t, c, "SELECT pg_backend_pid()")
+			mustExec(t, c, "COMMIT")
+			rc := wantRelayMode(t, sessionOf(t, p, c), m.relay)
+			if !m.relay.DisableEventLoop && rc.loop.sock.tls == nil {
+				t.Fatal("the loop reads the replica connection without its tls.Conn")
+			}
+			rs, err := c.Exec(ctxT(t), "SELECT lpad(n::text, 3 << 20, 'z'), pg_is_in_recovery() FROM generate_series(1, 3) n").ReadAll()
+			if err != nil {
+				t.Fatal(err)
+			}
+			if rows := rs[0].Rows; len(rows) != 3 || len(rows[2][0]) != 3<<20 || !strings.HasSuffix(string(rows[2][0]), "3") || string(rows[2][1]) != "t" {
+				t.Fatalf("%d rows, not the 3 of 3 MB from the replica", len(rows))
+			}
+			mustExec(t, c, "INSERT INTO audit (note) VALUES ('tls')")
+			mustWhere(t, c, "SELECT 1, pg_is_in_recovery()", true)
+			c.Close(ctxT(t))
+			rep := replicaConnOf(t, e)
+			if err := pgtest.Poll(ctxT(t), func() (bool, error) {
+				var n int
+				err := rep.QueryRow(ctxT(t), "SELECT count(*) FROM pg_stat_activity WHERE pid = "+pid).Scan(&n)
+				return n == 0, err
+			}); err != nil {
+				t.Fatalf("the replica backend %s never left with its session: %v", pid, err)
+			}
+		})
+	}
 }
