@@ -506,9 +506,7 @@ func TestHalfLoopParkUnwatched(t *testing.T) {
 		t.Errorf("while parked: %d events for the client's socket, want 0", d)
 	}
 	mustExec(t, holder, "SELECT pg_advisory_unlock(42)")
-	if got := strings.Join(commandTags(t, c, 4), ","); got != "SELECT 1,SET,INSERT 0 1,SELECT 1" {
-		t.Fatalf("command tags %s, want SELECT 1,SET,INSERT 0 1,SELECT 1", got)
-	}
+	wantTags(t, c, 4, "SELECT 1,SET,INSERT 0 1,SELECT 1")
 	wantValue(t, c, "SELECT 'again'", "again")
 	if n := r.intercept.parks.Load(); n != 1 {
 		t.Fatalf("%d parks, want 1", n)
@@ -583,6 +581,15 @@ func sendQueries(t *testing.T, c *pgconn.PgConn, sqls ...string) {
 	}
 	if _, err := c.Conn().Write(raw); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// wantTags fails t unless the command tags of c's next n queries, joined
+// by commas, are want.
+func wantTags(t *testing.T, c *pgconn.PgConn, n int, want string) {
+	t.Helper()
+	if got := strings.Join(commandTags(t, c, n), ","); got != want {
+		t.Fatalf("command tags %s, want %s", got, want)
 	}
 }
 

@@ -62,12 +62,8 @@ func TestParkPipelinedWrite(t *testing.T) {
 		t.Fatalf("%s rows written while parked, want 0", got)
 	}
 	mustExec(t, holder, "SELECT pg_advisory_unlock(42)")
-	if got := strings.Join(commandTags(t, c, 5), ","); got != "SELECT 1,SET,INSERT 0 1,INSERT 0 1,SELECT 1" {
-		t.Fatalf("command tags %s, want SELECT 1,SET,INSERT 0 1,INSERT 0 1,SELECT 1", got)
-	}
-	if got := lastValue(t, holder, "SELECT string_agg(v::text, ',' ORDER BY v) FROM t"); got != "1,2" {
-		t.Fatalf("rows %q, want 1,2", got)
-	}
+	wantTags(t, c, 5, "SELECT 1,SET,INSERT 0 1,INSERT 0 1,SELECT 1")
+	wantValue(t, holder, "SELECT string_agg(v::text, ',' ORDER BY v) FROM t", "1,2")
 	wantValue(t, c, "SELECT current_setting('fence.step')", "b")
 	wantOnLoop(t, r, 1)
 }
@@ -92,12 +88,8 @@ func TestParkExtendedBatch(t *testing.T) {
 	}
 	waitParked(t, holder, r, 1)
 	mustExec(t, holder, "SELECT pg_advisory_unlock(42)")
-	if got := strings.Join(commandTags(t, c, 2), ","); got != "SELECT 1,SET,INSERT 0 1" {
-		t.Fatalf("command tags %s, want SELECT 1,SET,INSERT 0 1", got)
-	}
-	if got := lastValue(t, holder, "SELECT count(*) FROM t WHERE v = 5"); got != "1" {
-		t.Fatalf("%s rows written by the batch, want 1", got)
-	}
+	wantTags(t, c, 2, "SELECT 1,SET,INSERT 0 1")
+	wantValue(t, holder, "SELECT count(*) FROM t WHERE v = 5", "1")
 	wantOnLoop(t, r, 1)
 }
 
@@ -114,9 +106,7 @@ func TestParkSettingsReadBack(t *testing.T) {
 	mustExec(t, c, "CREATE TABLE t (v int)")
 	mustExec(t, c, "SELECT set_config('fence.step', (SELECT 'read' || 'back'), false)")
 	mustExec(t, c, "INSERT INTO t VALUES (7)")
-	if got := lastValue(t, direct, "SELECT count(*) FROM t WHERE v = 7"); got != "1" {
-		t.Fatalf("%s rows written after the read-back, want 1", got)
-	}
+	wantValue(t, direct, "SELECT count(*) FROM t WHERE v = 7", "1")
 	wantValue(t, c, "SELECT current_setting('fence.step')", "readback")
 	wantOnLoop(t, r, 1)
 }
@@ -143,12 +133,8 @@ func TestParkLargeMessage(t *testing.T) {
 		}
 		raw = raw[n:]
 	}
-	if got := strings.Join(commandTags(t, c, 2), ","); got != "INSERT 0 1,SELECT 1" {
-		t.Fatalf("command tags %s, want INSERT 0 1,SELECT 1", got)
-	}
-	if got := lastValue(t, direct, "SELECT length(s) FROM big"); got != "100000" {
-		t.Fatalf("stored %s bytes, want 100000", got)
-	}
+	wantTags(t, c, 2, "INSERT 0 1,SELECT 1")
+	wantValue(t, direct, "SELECT length(s) FROM big", "100000")
 	wantValue(t, c, "SELECT 'after'", "after")
 	wantOnLoop(t, r, 0)
 	if n := p.srv.mem.used.Load(); n != 0 {
@@ -250,9 +236,7 @@ func TestParkClientHalfCloses(t *testing.T) {
 	if err := pgtest.Poll(ctx, func() (bool, error) { return endFlushSession(p) == nil, nil }); err != nil {
 		t.Fatalf("the session never ended: %v", err)
 	}
-	if got := lastValue(t, holder, "SELECT count(*) FROM t"); got != "1" {
-		t.Fatalf("%s rows committed, want the 1 the client sent with its COMMIT", got)
-	}
+	wantValue(t, holder, "SELECT count(*) FROM t", "1")
 }
 
 // endCode reads c to its end and returns the SQLSTATE of the last

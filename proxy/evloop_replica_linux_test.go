@@ -50,12 +50,18 @@ INSERT INTO held VALUES (1);
 // proxy in relay's mode.
 func newRouteEnvRelay(t *testing.T, relay Config) *routeEnv {
 	t.Helper()
+	return newRouteEnvReplica(t, relay, cluster.Replica.DSN("postgres"))
+}
+
+// newRouteEnvReplica is newRouteEnvRelay with the replica at replicaDSN.
+func newRouteEnvReplica(t *testing.T, relay Config, replicaDSN string) *routeEnv {
+	t.Helper()
 	db := cluster.NewDatabaseWith(t, ddlTriggerSQL+routeSchema)
 	if err := cluster.WaitReplicaCaughtUp(ctxT(t)); err != nil {
 		t.Fatal(err)
 	}
 	gate := newGate(t)
-	p := startProxy(t, withRelay(relay, Config{Interceptor: gate, Replicas: []string{cluster.Replica.DSN("postgres")},
+	p := startProxy(t, withRelay(relay, Config{Interceptor: gate, Replicas: []string{replicaDSN},
 		ReplicaPoll: 10 * time.Millisecond, ReplicaMaxLag: time.Minute}))
 	connect(t, p.dsn(db))
 	waitHealthy(t, p)
@@ -70,9 +76,7 @@ func wantRelayMode(t *testing.T, s *Session, relay Config) *replicaConn {
 	s.connMu.Lock()
 	onLoop := s.loopRelay != nil
 	s.connMu.Unlock()
-	s.rt.mu.Lock()
-	rc := s.rt.rep
-	s.rt.mu.Unlock()
+	rc := s.replicaConnNow()
 	if rc == nil {
 		t.Fatal("the session has no replica connection")
 	}
@@ -124,6 +128,18 @@ func holdTable(t *testing.T, e *routeEnv, rep *pgx.Conn) pgx.Tx {
 		t.Fatalf("the replica never replayed the lock: %v", err)
 	}
 	return tx
+}
+
+// routedReader is a reader's session of a new routeEnv in relay's mode,
+// once the replica answers it, with its replica connection (checked to be
+// in that mode) and a direct connection to the replica.
+func routedReader(t *testing.T, relay Config) (e *routeEnv, c *pgconn.PgConn, rc *replicaConn, rep *pgx.Conn) {
+	t.Helper()
+	e = newRouteEnvRelay(t, relay)
+	c = e.reader(t, nil)
+	waitReplicaRead(t, c, "SELECT 1, pg_is_in_recovery()")
+	rc = wantRelayMode(t, sessionOf(t, e.proxy, c), relay)
+	return e, c, rc, replicaConnOf(t, e)
 }
 
 // replicaConnOf is a direct connection to e's database on the replica.
@@ -219,12 +235,8 @@ func TestReplicaLargeResult(t *testing.T) {
 func TestReplicaTerminatedBeforeAnswer(t *testing.T) {
 	for _, m := range replicaModes {
 		t.Run(m.name, func(t *testing.T) {
-			e := newRouteEnvRelay(t, m.relay)
+			e, c, rc, rep := routedReader(t, m.relay)
 			ctx := ctxT(t)
-			c := e.reader(t, nil)
-			waitReplicaRead(t, c, "SELECT 1, pg_is_in_recovery()")
-			rc := wantRelayMode(t, sessionOf(t, e.proxy, c), m.relay)
-			rep := replicaConnOf(t, e)
 			tx := holdTable(t, e, rep)
 			retries := e.proxy.srv.RouteStats().Retries.Load()
 			res := readAsync(t, c, "SELECT n, pg_is_in_recovery() FROM held /* before_answer */")
@@ -274,12 +286,8 @@ func TestReplicaTerminatedBeforeAnswer(t *testing.T) {
 func TestReplicaTerminatedMidResult(t *testing.T) {
 	for _, m := range replicaModes {
 		t.Run(m.name, func(t *testing.T) {
-			e := newRouteEnvRelay(t, m.relay)
+			_, c, rc, rep := routedReader(t, m.relay)
 			ctx := ctxT(t)
-			c := e.reader(t, nil)
-			waitReplicaRead(t, c, "SELECT 1, pg_is_in_recovery()")
-			rc := wantRelayMode(t, sessionOf(t, e.proxy, c), m.relay)
-			rep := replicaConnOf(t, e)
 			sendRaw(t, c, "SELECT repeat('z', 1000), pg_is_in_recovery() FROM generate_series(1, 50000) /* mid_result */")
 			pid := replicaBackend(t, rep, "mid_result", "Client")
 			if pid != int(rc.pid) {
@@ -333,12 +341,8 @@ func TestReplicaTerminatedMidResult(t *testing.T) {
 func TestReplicaCancel(t *testing.T) {
 	for _, m := range replicaModes {
 		t.Run(m.name, func(t *testing.T) {
-			e := newRouteEnvRelay(t, m.relay)
+			e, c, rc, rep := routedReader(t, m.relay)
 			ctx := ctxT(t)
-			c := e.reader(t, nil)
-			waitReplicaRead(t, c, "SELECT 1, pg_is_in_recovery()")
-			rc := wantRelayMode(t, sessionOf(t, e.proxy, c), m.relay)
-			rep := replicaConnOf(t, e)
 			tx := holdTable(t, e, rep)
 			defer tx.Rollback(ctx)
 			res := readAsync(t, c, "SELECT n, pg_is_in_recovery() FROM held /* cancelled */")
@@ -364,12 +368,8 @@ func TestReplicaCancel(t *testing.T) {
 func TestReplicaShutdown(t *testing.T) {
 	for _, m := range replicaModes {
 		t.Run(m.name, func(t *testing.T) {
-			e := newRouteEnvRelay(t, m.relay)
+			e, c, rc, rep := routedReader(t, m.relay)
 			ctx := ctxT(t)
-			c := e.reader(t, nil)
-			waitReplicaRead(t, c, "SELECT 1, pg_is_in_recovery()")
-			rc := wantRelayMode(t, sessionOf(t, e.proxy, c), m.relay)
-			rep := replicaConnOf(t, e)
 			tx := holdTable(t, e, rep)
 			res := readAsync(t, c, "SELECT n, pg_is_in_recovery() FROM held /* at_shutdown */")
 			replicaBackend(t, rep, "at_shutdown", "Lock")
@@ -605,17 +605,8 @@ func TestReplicaTLS(t *testing.T) {
 	replicaTLS(t)
 	for _, m := range replicaModes {
 		t.Run(m.name, func(t *testing.T) {
-			db := cluster.NewDatabaseWith(t, ddlTriggerSQL+routeSchema)
-			if err := cluster.WaitReplicaCaughtUp(ctxT(t)); err != nil {
-				t.Fatal(err)
-			}
-			gate := newGate(t)
-			p := startProxy(t, withRelay(m.relay, Config{Interceptor: gate, Replicas: []string{replicaTLSDSN("postgres")},
-				ReplicaPoll: 10 * time.Millisecond, ReplicaMaxLag: time.Minute}))
-			connect(t, p.dsn(db))
-			waitHealthy(t, p)
-			waitCatalogReplayed(t, p, gate, db)
-			e := &routeEnv{&fenceEnv{db: db, proxy: p, gate: gate}}
+			e := newRouteEnvReplica(t, m.relay, replicaTLSDSN("postgres"))
+			p := e.proxy
 			c := e.reader(t, nil)
 			waitReplicaRead(t, c, "SELECT 1, pg_is_in_recovery()")
 			// A read-only transaction runs on the replica, functions and all.

@@ -195,13 +195,18 @@ func (s *Session) dropReplica() {
 	}
 }
 
+// replicaConnNow is the session's replica connection (nil: none), from
+// any goroutine.
+func (s *Session) replicaConnNow() *replicaConn {
+	s.rt.mu.Lock()
+	defer s.rt.mu.Unlock()
+	return s.rt.rep
+}
+
 // stopReplica tells the replica connection to end, at session end,
 // without waiting for its reader.
 func (s *Session) stopReplica() {
-	s.rt.mu.Lock()
-	rc := s.rt.rep
-	s.rt.mu.Unlock()
-	if rc != nil {
+	if rc := s.replicaConnNow(); rc != nil {
 		rc.close()
 	}
 }
@@ -210,10 +215,7 @@ func (s *Session) stopReplica() {
 // reads it but its own reader (a session on the event loop: once the loop
 // has let go of the session, interceptEnd.endServer).
 func (s *Session) closeReplica() {
-	s.rt.mu.Lock()
-	rc := s.rt.rep
-	s.rt.mu.Unlock()
-	if rc != nil {
+	if rc := s.replicaConnNow(); rc != nil {
 		rc.close()
 		rc.release()
 		<-rc.done
@@ -429,9 +431,7 @@ func (s *Session) replicaCancelTarget() (cancelTarget, bool) {
 	if !s.rt.onRep.Load() {
 		return cancelTarget{}, false
 	}
-	s.rt.mu.Lock()
-	rc := s.rt.rep
-	s.rt.mu.Unlock()
+	rc := s.replicaConnNow()
 	if rc == nil {
 		return cancelTarget{}, false
 	}
