@@ -404,8 +404,13 @@ func (l *evloop) interceptEvent(r *relay, fd int, ev uint32) {
 
 // clientInline handles the client messages that have arrived on the loop
 // (a LoopClient Handler), until the client has no more, the server has
-// no room for more, or the client side parks.
+// no room for more, or the client side parks. A parked client side is
+// left alone: resumeClient goes on with it (a wake-up of PAUSE may come
+// meanwhile, one for each time the loop met its held message).
 func (l *evloop) clientInline(r *relay) error {
+	if r.intercept.park != nil {
+		return nil
+	}
 	s := r.s
 	s.onLoop = true
 	err := func() error {
