@@ -392,7 +392,9 @@ func (l *evloop) interceptEvent(r *relay, fd int, ev uint32) {
 		return l.replicaSteps(r, false) // the replica's held while the primary's message was in pieces
 	}()
 	if err == nil && r.intercept.park != nil {
-		err = l.resumeClient(r)
+		// The Handler's continuation, or its message handled again: a
+		// panic there ends this session only, as in ClientMessage.
+		err = r.s.guard("client", func() error { return l.resumeClient(r) })
 	}
 	if err == nil {
 		err = l.interceptInterest(r)

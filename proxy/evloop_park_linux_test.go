@@ -321,3 +321,39 @@ func TestParkHeldClientReset(t *testing.T) {
 		t.Fatalf("%d parks, want 1 (the held message handled once)", n)
 	}
 }
+
+// parkPanicky is a LoopClient Handler that parks the client side at a
+// query saying boom, with a continuation that panics.
+type parkPanicky struct{ panicky }
+
+func (parkPanicky) Open(s *Session) (Handler, error) { return parkPanicky{}, nil }
+func (parkPanicky) LoopClient() bool                 { return true }
+func (parkPanicky) ClientMessage(s *Session, msg []byte) (Verdict, error) {
+	if msg[0] == 'Q' && strings.Contains(string(msg), "boom") && s.OnLoop() {
+		return Drop, s.parkClient(func() bool { return true }, func() error { panic("boom") })
+	}
+	return Forward, nil
+}
+
+// TestParkContinuationPanic: a Handler's continuation that panics when
+// the loop resumes the parked client side ends its own session only; the
+// loop and the other sessions go on.
+func TestParkContinuationPanic(t *testing.T) {
+	p := startProxy(t, Config{Interceptor: parkPanicky{}})
+	db := cluster.NewDatabase(t)
+	ctx := ctxT(t)
+	other := connect(t, p.dsn(db))
+	bad := connect(t, p.dsn(db))
+	r := loopRelayWhere(t, p, "the panicking session", func(r *relay) bool {
+		return r.intercept != nil && r.s.cancelPID == bad.PID()
+	})
+	if _, err := bad.Exec(ctx, "SELECT 'boom'").ReadAll(); err == nil {
+		t.Fatal("the panicking session answered")
+	}
+	if n := r.intercept.parks.Load(); n != 1 {
+		t.Fatalf("%d parks, want 1", n)
+	}
+	for _, c := range []*pgconn.PgConn{other, connect(t, p.dsn(db))} {
+		wantValue(t, c, "SELECT 'fine'", "fine")
+	}
+}
