@@ -392,7 +392,9 @@ func (l *evloop) interceptEvent(r *relay, fd int, ev uint32) {
 		return l.replicaSteps(r, false) // the replica's held while the primary's message was in pieces
 	}()
 	if err == nil && r.intercept.park != nil {
-		err = l.resumeClient(r)
+		// The Handler's continuation, or its message handled again: a
+		// panic there ends this session only, as in ClientMessage.
+		err = r.s.guard("client", func() error { return l.resumeClient(r) })
 	}
 	if err == nil {
 		err = l.interceptInterest(r)
@@ -404,8 +406,13 @@ func (l *evloop) interceptEvent(r *relay, fd int, ev uint32) {
 
 // clientInline handles the client messages that have arrived on the loop
 // (a LoopClient Handler), until the client has no more, the server has
-// no room for more, or the client side parks.
+// no room for more, or the client side parks. A parked client side is
+// left alone: resumeClient goes on with it (a wake-up of PAUSE may come
+// meanwhile, one for each time the loop met its held message).
 func (l *evloop) clientInline(r *relay) error {
+	if r.intercept.park != nil {
+		return nil
+	}
 	s := r.s
 	s.onLoop = true
 	err := func() error {

@@ -259,3 +259,85 @@ func endCode(t *testing.T, c *pgconn.PgConn) string {
 		}
 	}
 }
+
+// TestParkHeldClientReset: a message PAUSE holds on the loop, whose client
+// then resets its connection, is met again by the loop (the reset's
+// event) and so has two wake-ups waiting for RESUME. The first handles it
+// and parks the client side (a write that waits for the settings read
+// back: TestParkSettingsReadBack); the second must leave the parked side
+// alone, not handle the message again.
+func TestParkHeldClientReset(t *testing.T) {
+	p := startProxy(t, withConsole(Config{Interceptor: newGate(t)}))
+	db := cluster.NewDatabase(t)
+	c := connect(t, p.dsn(db))
+	r := interceptedRelay(t, p)
+	mustExec(t, c, "CREATE TABLE t (v int)")
+	mustExec(t, c, "SELECT set_config('fence.step', (SELECT 'read' || 'back'), false)")
+	adm := mustConsole(t, p, "admin")
+	obs := mustConsole(t, p, "watcher")
+	ctx := ctxT(t)
+	if _, err := adm.Exec(ctx, "PAUSE"); err != nil {
+		t.Fatalf("PAUSE: %v", err)
+	}
+	sendQueries(t, c, "INSERT INTO t VALUES (7)")
+	waitClientState(t, obs, c, "waiting")
+	events := r.intercept.clientEventCount.Load()
+	tc := c.Conn().(*net.TCPConn)
+	tc.SetLinger(0) // close sends a reset
+	tc.Close()
+	if err := pgtest.Poll(ctx, func() (bool, error) { return r.intercept.clientEventCount.Load() > events, nil }); err != nil {
+		t.Fatalf("the loop never saw the reset: %v", err)
+	}
+	if _, err := adm.Exec(ctx, "RESUME"); err != nil {
+		t.Fatalf("RESUME: %v", err)
+	}
+	if err := pgtest.Poll(ctx, func() (bool, error) {
+		select {
+		case <-r.s.closing:
+			return !r.l.owns(r), nil
+		default:
+			return false, nil
+		}
+	}); err != nil {
+		t.Fatalf("the session never ended: %v", err)
+	}
+	if n := r.intercept.parks.Load(); n != 1 {
+		t.Fatalf("%d parks, want 1 (the held message handled once)", n)
+	}
+}
+
+// parkPanicky is a LoopClient Handler that parks the client side at a
+// query saying boom, with a continuation that panics.
+type parkPanicky struct{ panicky }
+
+func (parkPanicky) Open(s *Session) (Handler, error) { return parkPanicky{}, nil }
+func (parkPanicky) LoopClient() bool                 { return true }
+func (parkPanicky) ClientMessage(s *Session, msg []byte) (Verdict, error) {
+	if msg[0] == 'Q' && strings.Contains(string(msg), "boom") && s.OnLoop() {
+		return Drop, s.parkClient(func() bool { return true }, func() error { panic("boom") })
+	}
+	return Forward, nil
+}
+
+// TestParkContinuationPanic: a Handler's continuation that panics when
+// the loop resumes the parked client side ends its own session only; the
+// loop and the other sessions go on.
+func TestParkContinuationPanic(t *testing.T) {
+	p := startProxy(t, Config{Interceptor: parkPanicky{}})
+	db := cluster.NewDatabase(t)
+	ctx := ctxT(t)
+	other := connect(t, p.dsn(db))
+	bad := connect(t, p.dsn(db))
+	r := loopRelayWhere(t, p, "the panicking session", func(r *relay) bool {
+		return r.intercept != nil && r.s.cancelPID == bad.PID()
+	})
+	if _, err := bad.Exec(ctx, "SELECT 'boom'").ReadAll(); err == nil {
+		t.Fatal("the panicking session answered")
+	}
+	if n := r.intercept.parks.Load(); n != 1 {
+		t.Fatalf("%d parks, want 1", n)
+	}
+	for _, c := range []*pgconn.PgConn{other, connect(t, p.dsn(db))} {
+		wantValue(t, c, "SELECT 'fine'", "fine")
+	}
+}
