@@ -115,12 +115,20 @@ func (h *fenceSession) query(s gateConn, msg []byte) error {
 		}
 		return nil
 	}
-	return h.settleThen(s, func() error {
-		if err := h.routeGated(s); err != nil { // route.go
-			return err
-		}
-		return h.runQuery(s, sql, res, &q)
-	})
+	if h.settled() {
+		return h.gatedQuery(s, sql, res, &q)
+	}
+	qc := q // the continuation's own: q stays off the heap on the path that does not wait
+	return h.settleThen(s, func() error { return h.gatedQuery(s, sql, res, &qc) })
+}
+
+// gatedQuery executes the plan of a query the gate rewrites, with the
+// session state settled.
+func (h *fenceSession) gatedQuery(s gateConn, sql string, res *rewrite.Result, q *plan.Query) error {
+	if err := h.routeGated(s); err != nil { // route.go
+		return err
+	}
+	return h.runQuery(s, sql, res, q)
 }
 
 // needsOwnText reports whether a write classified from another text of

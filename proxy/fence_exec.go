@@ -57,6 +57,17 @@ func (h *fenceSession) settle(s gateConn) error {
 	return nil
 }
 
+// settled reports whether the session state is settled already and, if
+// so, forgets the request it was waiting for, as settleThen does before
+// its continuation: a caller goes on at once, without building one.
+func (h *fenceSession) settled() bool {
+	if h.unsettled() {
+		return false
+	}
+	h.stateReq = nil
+	return true
+}
+
 // settleThen runs k once the session state is settled (settle), on the
 // loop too (then).
 func (h *fenceSession) settleThen(s gateConn, k func() error) error {
@@ -107,6 +118,14 @@ func (h *fenceSession) barrierThen(s gateConn, k func() error) error {
 // only before anything of the message is done (nothing sent, nothing
 // changed that handling it again would change twice).
 func (h *fenceSession) wait(s gateConn, r *Request) error {
+	if r == nil {
+		return nil
+	}
+	select {
+	case <-r.Done():
+		return nil // answered: without an until, which escapes to parkClient
+	default:
+	}
 	return h.then(s, &until{r: r}, nil)
 }
 

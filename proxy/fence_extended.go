@@ -251,33 +251,41 @@ func (h *fenceSession) execute(s gateConn, msg []byte) error {
 		}
 		return nil
 	}
-	return h.settleThen(s, func() error {
-		defer h.markState()
-		if ep.Unfenced {
-			h.f.Stats.Unfenced.Add(1)
-		}
-		if ep.Prepare {
-			if err := h.prepareGate(s); err != nil {
-				return err
-			}
-		}
-		for i := range ep.Before {
-			if err := h.execStep(s, &ep.Before[i], st); err != nil {
-				return err
-			}
-		}
-		if ep.CopyDigested {
-			// Its data goes into the digest (copyDigest), up to CopyDone.
-			h.copyDigested, h.copiesLeft = true, 1
-		}
-		if err := h.send(s, msg, t, true); err != nil {
+	if h.settled() {
+		return h.executeDeciding(s, msg, t, st, &ep)
+	}
+	epc := ep // the continuation's own: ep stays off the heap on the path that does not wait
+	return h.settleThen(s, func() error { return h.executeDeciding(s, msg, t, st, &epc) })
+}
+
+// executeDeciding executes the plan of an Execute that decides the
+// transaction's gating (ep.Decides), with the session state settled.
+func (h *fenceSession) executeDeciding(s gateConn, msg []byte, t *tag, st *rewrite.Stmt, ep *plan.ExecPlan) error {
+	defer h.markState()
+	if ep.Unfenced {
+		h.f.Stats.Unfenced.Add(1)
+	}
+	if ep.Prepare {
+		if err := h.prepareGate(s); err != nil {
 			return err
 		}
-		if ep.AwaitCommit {
-			h.commitReq = h.last
+	}
+	for i := range ep.Before {
+		if err := h.execStep(s, &ep.Before[i], st); err != nil {
+			return err
 		}
-		return nil
-	})
+	}
+	if ep.CopyDigested {
+		// Its data goes into the digest (copyDigest), up to CopyDone.
+		h.copyDigested, h.copiesLeft = true, 1
+	}
+	if err := h.send(s, msg, t, true); err != nil {
+		return err
+	}
+	if ep.AwaitCommit {
+		h.commitReq = h.last
+	}
+	return nil
 }
 
 // execStep runs a planned step of the extended protocol in the current
