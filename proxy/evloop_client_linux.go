@@ -1,0 +1,339 @@
+//go:build linux
+
+package proxy
+
+import (
+	"bufio"
+	"bytes"
+	"errors"
+	"fmt"
+	"io"
+	"syscall"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/pgfence/pgfence/internal/wire"
+)
+
+// This file holds the client side of an intercepted session on the loop
+// (a LoopClient Handler's, evloop_intercept_linux.go): reading and
+// handling the client's messages (clientInline, clientSteps), the park of
+// the client side where the Handler waits and its resumption
+// (parkClient, resumeClient), and messages larger than the buffer, read
+// as they arrive (growClient, streamSteps).
+
+// clientPark is what a parked client side waits for (ready) and what it
+// does then (k; nil: handle the message again).
+type clientPark struct {
+	ready func() bool
+	k     func() error
+}
+
+// clientStream is a client message the loop passes on in pieces as they
+// arrive (left bytes to go): a CopyData larger than the buffer, each piece
+// to the Handler (as Session.copyPieces), or one over MaxMessageSize
+// (over), dropped and then answered (Session.oversize), or a message the
+// memory budget cannot hold (overBudget), dropped and then the end.
+type clientStream struct {
+	typ              byte
+	total, left      int
+	over, overBudget bool
+}
+
+// clientInline handles the client messages that have arrived on the loop
+// (a LoopClient Handler), until the client has no more, the server has
+// no room for more, or the client side parks. A parked client side is
+// left alone: resumeClient goes on with it (a wake-up of PAUSE may come
+// meanwhile, one for each time the loop met its held message).
+func (l *evloop) clientInline(r *relay) error {
+	if r.intercept.park != nil {
+		return nil
+	}
+	s := r.s
+	s.onLoop = true
+	err := func() error {
+		defer func() { s.onLoop = false }() // a Handler's panic too
+		return r.clientSteps()
+	}()
+	return l.clientStopped(r, err)
+}
+
+// clientStopped sets the client's watch for why clientSteps (or a
+// continuation) stopped: no more bytes, the server's room, PAUSE, a park.
+func (l *evloop) clientStopped(r *relay, err error) error {
+	ic := r.intercept
+	switch err {
+	case errWouldBlock:
+		if len(ic.serverPending) > 0 {
+			// Read on once the server has taken it (interceptEvent).
+			return l.watchClient(r, clientOff)
+		}
+		return l.watchClient(r, clientLevel)
+	case errPaused:
+		return l.watchClient(r, clientOff)
+	case errHold:
+		return l.parkIntercepted(r) // admin_pause_linux.go
+	case errParked:
+		ic.parks.Add(1)
+		r.s.srv.ops.stats.ClientParks.Add(1)
+		return l.watchClient(r, clientHangup)
+	}
+	return err
+}
+
+// parkClient parks the client side of a session on the loop (see
+// gateConn): the Handler returns what it returns, and the loop runs k
+// once ready reports true (resumeClient).
+func (s *Session) parkClient(ready func() bool, k func() error) error {
+	s.loopRelay.intercept.park = &clientPark{ready: ready, k: k}
+	if k == nil {
+		return ErrWait
+	}
+	return errParked
+}
+
+// resumeClient goes on with a parked client side once what it waits for
+// has happened: it runs the continuation on the loop thread (which may
+// park again) or handles the message again, then reads the client on.
+// Its condition changes only on this thread, as the server side's
+// messages are handled, so the loop asks after each of its events.
+func (l *evloop) resumeClient(r *relay) error {
+	s, ic := r.s, r.intercept
+	p := ic.park
+	if !p.ready() {
+		return nil
+	}
+	ic.park = nil
+	s.onLoop = true
+	err := func() error {
+		defer func() { s.onLoop = false }()
+		if p.k == nil {
+			return ErrWait
+		}
+		return p.k()
+	}()
+	switch {
+	case err == ErrWait:
+		// Handled again from the start (the message is still whole in
+		// the framer); a continuation had kept it counted.
+		if p.k != nil {
+			s.releaseMessage(false)
+		}
+	case err == errParked:
+		return l.clientStopped(r, err)
+	case err != nil:
+		return err
+	default:
+		r.messageDone(ic.parkedLen)
+	}
+	return l.clientInline(r)
+}
+
+// messageDone consumes the n bytes of a handled message left in the
+// client framer, ends its count (releaseMessage) and gives a buffer grown
+// for it back (shrinkClient).
+func (r *relay) messageDone(n int) {
+	if n > 0 {
+		r.s.cf.Discard(n)
+	}
+	r.s.releaseMessage(true)
+	r.shrinkClient()
+}
+
+// watchClient sets the loop's watch of an intercepted session's client
+// reads to ev (clientLevel, clientOff, clientHangup), changing the
+// registration only when it differs. Loop thread only.
+func (l *evloop) watchClient(r *relay, ev uint32) error {
+	ic := r.intercept
+	if ic.clientWatchEv == ev {
+		return nil
+	}
+	if err := l.ctl(syscall.EPOLL_CTL_MOD, ic.clientReadFD, ev); err != nil {
+		return err
+	}
+	ic.clientWatchEv = ev
+	return nil
+}
+
+// clientSteps handles, on the loop, the client messages that have
+// arrived, reading the socket without blocking. It returns errWouldBlock
+// when the client has nothing more (a message may be partly read: it
+// stays buffered), errParked when the client side parks in a message
+// (which stays buffered too).
+func (r *relay) clientSteps() error {
+	s, ic := r.s, r.intercept
+	for {
+		if len(ic.serverPending) > 0 {
+			return errPaused
+		}
+		if ic.stream.left > 0 {
+			if err := r.streamSteps(); err != nil {
+				return err
+			}
+			continue
+		}
+		typ, total, err := s.nextClient()
+		if err != nil {
+			return err
+		}
+		if s.holdMessage(typ) { // PAUSE: admin_pause.go
+			return errHold
+		}
+		switch {
+		case total-headerLen > s.cf.Max:
+			ic.stream = clientStream{typ: typ, total: total, left: total, over: true}
+			continue
+		case typ == 'd' && total > ic.clientSize:
+			s.cf.Discard(headerLen) // in pieces, as copyPieces
+			ic.stream = clientStream{typ: typ, total: total, left: total - headerLen}
+			continue
+		case total > s.cf.R.Size():
+			if !r.growClient(total) {
+				ic.stream = clientStream{typ: typ, total: total, left: total, overBudget: true}
+				continue
+			}
+		}
+		switch err := s.interceptClient(total, s.cf.R.Size()); {
+		case err == nil:
+		case errors.Is(err, errWouldBlock):
+			s.releaseMessage(false) // not whole yet: handled again
+			return errWouldBlock
+		case err == ErrWait:
+			s.releaseMessage(false) // handled again once parked
+			ic.parkedLen = total
+			if ic.park == nil {
+				// A Handler that did not say what it waits for: the
+				// answer to the oldest request outstanding.
+				front := s.q.Front()
+				if front == nil {
+					return errors.New("client message must wait with nothing outstanding")
+				}
+				ic.park = &clientPark{ready: func() bool { return isDone(front) }}
+			}
+			return errParked
+		case err == errParked:
+			ic.parkedLen = total // consumed when its continuation is done
+			return errParked
+		default:
+			return err
+		}
+		s.releaseMessage(true)
+		r.shrinkClient()
+		if typ == 'X' {
+			s.sw.Flush()
+			return errClientTerminate
+		}
+	}
+}
+
+// clientSentMore reports whether a parked client sent anything after the
+// message it is parked in: bytes in the client framer past that message,
+// or in the socket.
+func (r *relay) clientSentMore() bool {
+	if r.s.cf.R.Buffered() > r.intercept.parkedLen {
+		return true
+	}
+	n, err := unix.IoctlGetInt(r.intercept.clientReadFD, unix.SIOCINQ)
+	return err == nil && n > 0
+}
+
+// isDone reports whether req has been answered.
+func isDone(req *Request) bool {
+	select {
+	case <-req.Done():
+		return true
+	default:
+		return false
+	}
+}
+
+// streamSteps goes on with the client message the loop passes on in
+// pieces (clientStream) as far as its bytes have arrived; errWouldBlock
+// when they have not all.
+func (r *relay) streamSteps() error {
+	s, st := r.s, &r.intercept.stream
+	for st.left > 0 {
+		n := st.left
+		if !st.over && !st.overBudget {
+			n = min(n, r.intercept.clientSize-headerLen)
+		}
+		b, err := s.cf.Piece(n)
+		if err != nil {
+			if err == errWouldBlock {
+				return err
+			}
+			return fmt.Errorf("client: %w", err)
+		}
+		k := len(b)
+		if st.over || st.overBudget {
+			s.cf.Discard(k)
+		} else {
+			if cap(s.scratch) < r.intercept.clientSize {
+				s.scratch = make([]byte, 0, r.intercept.clientSize)
+			}
+			piece := append(s.scratch[:headerLen], b...)
+			wire.PutHeader(piece, 'd', k)
+			s.cf.Discard(k)
+			if err := s.deliver(piece); err != nil {
+				return err
+			}
+		}
+		st.left -= k
+	}
+	done := *st
+	*st = clientStream{}
+	var err error
+	switch {
+	case done.overBudget:
+		return s.srv.overBudget(done.total)
+	case done.over:
+		err = s.substituteOversized(done.typ, done.total) // limits.go
+	}
+	switch err {
+	case nil:
+		s.releaseMessage(true)
+		return nil
+	case errParked:
+		r.intercept.parkedLen = 0 // nothing of it left in the framer
+	}
+	return err
+}
+
+// growClient makes the client buffer hold a message of total bytes,
+// larger than it, so that the message is read whole on the loop as it
+// arrives, within the memory budget (false: it cannot). shrinkClient
+// gives it back once the message is done.
+func (r *relay) growClient(total int) bool {
+	s, ic := r.s, r.intercept
+	cost := heldCost(total-headerLen) - ic.grown
+	if !s.srv.mem.take(cost) {
+		return false
+	}
+	ic.grown += cost
+	r.resizeClient(total)
+	return true
+}
+
+// shrinkClient gives a buffer grown for a message back, once what is
+// left in it fits the usual size.
+func (r *relay) shrinkClient() {
+	s, ic := r.s, r.intercept
+	if ic.grown == 0 || s.cf.R.Buffered() > ic.clientSize {
+		return
+	}
+	r.resizeClient(ic.clientSize)
+	s.srv.mem.give(ic.grown)
+	ic.grown = 0
+}
+
+// resizeClient replaces the client buffer by one of size bytes, keeping
+// what it holds.
+func (r *relay) resizeClient(size int) {
+	s := r.s
+	src := r.intercept.clientSrc
+	if n := s.cf.R.Buffered(); n > 0 {
+		b, _ := s.cf.R.Peek(n)
+		src = io.MultiReader(bytes.NewReader(bytes.Clone(b)), src)
+	}
+	s.cf.R = bufio.NewReaderSize(src, size)
+}
