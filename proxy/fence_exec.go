@@ -71,7 +71,13 @@ func (h *fenceSession) settled() bool {
 // settleThen runs k once the session state is settled (settle), on the
 // loop too (then).
 func (h *fenceSession) settleThen(s gateConn, k func() error) error {
-	return h.then(s, &until{r: h.stateReq}, func() error {
+	return h.answeredThen(s, h.stateReq, k)
+}
+
+// answeredThen runs k once r has been answered (then), and with it every
+// state-changing request sent before r: settleThen and barrierThen.
+func (h *fenceSession) answeredThen(s gateConn, r *Request, k func() error) error {
+	return h.then(s, &until{r: r}, func() error {
 		h.stateReq = nil
 		return k()
 	})
@@ -106,10 +112,7 @@ func (h *fenceSession) barrier(s gateConn) error {
 // barrierThen runs k once every request sent so far has been answered,
 // on the loop too (then).
 func (h *fenceSession) barrierThen(s gateConn, k func() error) error {
-	return h.then(s, &until{r: h.last}, func() error {
-		h.stateReq = nil
-		return k()
-	})
+	return h.answeredThen(s, h.last, k)
 }
 
 // wait waits until r has been answered. On the loop, where it must not
