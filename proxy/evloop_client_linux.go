@@ -228,9 +228,11 @@ func (r *relay) clientSteps() error {
 
 // clientSentMore reports whether a parked client sent anything after the
 // message it is parked in: bytes in the client framer past that message,
-// or in the socket.
+// or in the socket. A TLS client's tls.Conn may hold records read from the
+// socket that the framer has not asked for, which nothing shows without
+// reading them: such a client may always have sent more.
 func (r *relay) clientSentMore() bool {
-	if r.s.cf.R.Buffered() > r.intercept.parkedLen {
+	if r.s.cf.R.Buffered() > r.intercept.parkedLen || r.client.tls != nil {
 		return true
 	}
 	n, err := unix.IoctlGetInt(r.intercept.clientReadFD, unix.SIOCINQ)

@@ -4,6 +4,7 @@ package proxy
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"io"
 	"net"
@@ -340,4 +341,35 @@ func TestParkContinuationPanic(t *testing.T) {
 	for _, c := range []*pgconn.PgConn{other, connect(t, p.dsn(db))} {
 		wantValue(t, c, "SELECT 'fine'", "fine")
 	}
+}
+
+// TestParkTLSClientHalfCloses is TestParkClientHalfCloses for a TLS
+// client whose queries come in records of their own, so that the
+// tls.Conn may hold some the framer has not read when the client side
+// parks: the half-close does not end the session, and the write behind
+// the wait is committed.
+func TestParkTLSClientHalfCloses(t *testing.T) {
+	p, db := tlsLoopProxy(t, tlsMode{gate: true})
+	holder := connect(t, cluster.Primary.DSN(db))
+	mustExec(t, holder, "SELECT pg_advisory_lock(42)")
+	c, r := tlsClient(t, p, db, tlsMode{gate: true})
+	mustExec(t, c, "CREATE TABLE t (v int)")
+	for _, q := range []string{"SELECT pg_advisory_lock(42)", "SET fence.step = 'b'", "BEGIN", "INSERT INTO t VALUES (1)", "COMMIT"} {
+		sendQueries(t, c, q) // a record each
+	}
+	waitParked(t, holder, r, 1)
+	events := r.intercept.clientEventCount.Load()
+	tc := c.Conn().(*tls.Conn)
+	if err := tc.NetConn().(*net.TCPConn).CloseWrite(); err != nil {
+		t.Fatal(err)
+	}
+	ctx := ctxT(t)
+	if err := pgtest.Poll(ctx, func() (bool, error) { return r.intercept.clientEventCount.Load() > events, nil }); err != nil {
+		t.Fatalf("the loop never saw the client's half-close: %v", err)
+	}
+	mustExec(t, holder, "SELECT pg_advisory_unlock(42)")
+	if err := pgtest.Poll(ctx, func() (bool, error) { return endFlushSession(p) == nil, nil }); err != nil {
+		t.Fatalf("the session never ended: %v", err)
+	}
+	wantValue(t, holder, "SELECT count(*) FROM t", "1")
 }
