@@ -363,8 +363,17 @@ func (l *evloop) interceptEvent(r *relay, fd int, ev uint32) {
 		}
 		ic.serverReadArmed = true
 		// The server closed (or shutdown closed it): take what is left
-		// even if the client is slow, so the end is seen.
-		if err := r.serverSteps(ev&(syscall.EPOLLRDHUP|syscall.EPOLLHUP|syscall.EPOLLERR) != 0); err != nil {
+		// even if the client is slow, so the end is seen; but not into
+		// the middle of the replica's message (its end is read after).
+		// A connection lost (reset) meanwhile ends the session there.
+		hangup := ev&(syscall.EPOLLRDHUP|syscall.EPOLLHUP|syscall.EPOLLERR) != 0
+		if hangup && !r.serverReadable() {
+			if ev&(syscall.EPOLLHUP|syscall.EPOLLERR) != 0 {
+				return errors.New("server: connection lost while the replica's answer was passed on")
+			}
+			return nil
+		}
+		if err := r.serverSteps(hangup); err != nil {
 			return err
 		}
 		return l.replicaSteps(r, false) // the replica's held while the primary's message was in pieces
@@ -424,9 +433,15 @@ func drainHeld(fd int, held *[]byte, size int) error {
 // while it holds bytes.
 func (l *evloop) interceptInterest(r *relay) error {
 	ic := r.intercept
-	var serverInterest uint32 = syscall.EPOLLRDHUP
-	if len(ic.clientPending) < r.s.sf.R.Size() && r.serverReadable() {
-		serverInterest |= syscall.EPOLLIN
+	// The server's end is watched only while it may be read: a hang-up
+	// watched (level-triggered) while the replica is in the middle of a
+	// message would have to be read into it, or spin.
+	var serverInterest uint32
+	if r.serverReadable() {
+		serverInterest = syscall.EPOLLRDHUP
+		if len(ic.clientPending) < r.s.sf.R.Size() {
+			serverInterest |= syscall.EPOLLIN
+		}
 	}
 	if len(ic.serverPending) > 0 {
 		serverInterest |= syscall.EPOLLOUT

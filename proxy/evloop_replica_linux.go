@@ -143,7 +143,17 @@ func (rr loopReplicaReader) Read(b []byte) (int, error) {
 // closed. Loop thread, from interceptEvent; an error ends the session.
 func (l *evloop) replicaEvent(r *relay, ev uint32) error {
 	r.intercept.replica.armed = true
-	if err := l.replicaSteps(r, ev&(syscall.EPOLLRDHUP|syscall.EPOLLHUP|syscall.EPOLLERR) != 0); err != nil {
+	hangup := ev&(syscall.EPOLLRDHUP|syscall.EPOLLHUP|syscall.EPOLLERR) != 0
+	if hangup && r.intercept.big.left > 0 {
+		// Not into the middle of the primary's message: its end is read
+		// after (replicaInterest). A connection lost meanwhile is the
+		// replica's failure (endReplica), as a read error would be.
+		if ev&(syscall.EPOLLHUP|syscall.EPOLLERR) != 0 {
+			l.endReplica(r, errors.New("replica: connection lost"))
+		}
+		return nil
+	}
+	if err := l.replicaSteps(r, hangup); err != nil {
 		return err
 	}
 	if r.replicaMidMessage() {
@@ -215,9 +225,14 @@ func (l *evloop) replicaInterest(r *relay) error {
 	if lr == nil {
 		return nil
 	}
-	var want uint32 = syscall.EPOLLRDHUP
-	if len(ic.clientPending) < r.s.sf.R.Size() && ic.big.left == 0 {
-		want |= syscall.EPOLLIN
+	// Its end is watched only while it may be read, as the primary's
+	// (interceptInterest).
+	var want uint32
+	if ic.big.left == 0 {
+		want = syscall.EPOLLRDHUP
+		if len(ic.clientPending) < r.s.sf.R.Size() {
+			want |= syscall.EPOLLIN
+		}
 	}
 	if want == lr.interest {
 		return nil

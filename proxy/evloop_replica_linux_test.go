@@ -641,3 +641,62 @@ func TestReplicaTLS(t *testing.T) {
 		})
 	}
 }
+
+// TestReplicaMessageNotCutByPrimaryEnd: the session's primary backend is
+// terminated (its FATAL and its end reach the proxy) while a replica row
+// larger than every buffer is passed on to a client that does not read:
+// the row reaches the client whole, and the primary's end after it, never
+// inside it. (Reading a hung-up primary into the replica's message cut
+// the row with the FATAL.)
+func TestReplicaMessageNotCutByPrimaryEnd(t *testing.T) {
+	m := replicaModes[0] // the loop: goroutines read each upstream whole
+	e := newRouteEnvRelay(t, m.relay)
+	ctx := ctxT(t)
+	c := e.reader(t, nil)
+	waitReplicaRead(t, c, "SELECT 1, pg_is_in_recovery()")
+	s := sessionOf(t, e.proxy, c)
+	wantRelayMode(t, s, m.relay)
+	const size = 32 << 20
+	sendRaw(t, c, fmt.Sprintf("SELECT repeat('w', %d), pg_is_in_recovery() /* not_cut_end */", size))
+	replicaBackend(t, replicaConnOf(t, e), "not_cut_end", "Client") // the replica waits to send the rest
+	prim := connect(t, cluster.Primary.DSN(e.db))
+	mustExec(t, prim, fmt.Sprintf("SELECT pg_terminate_backend(%d)", s.BackendPID))
+	s.connMu.Lock()
+	fd := s.loopRelay.serverFD
+	s.connMu.Unlock()
+	if err := pgtest.Poll(ctx, func() (bool, error) {
+		n, err := unix.IoctlGetInt(fd, unix.SIOCINQ)
+		return n > 0, err
+	}); err != nil {
+		t.Fatalf("the primary's FATAL never reached the proxy: %v", err)
+	}
+	fe := pgproto3.NewFrontend(c.Conn(), c.Conn())
+	c.Conn().SetReadDeadline(time.Now().Add(time.Minute))
+	var got []string
+	for {
+		msg, err := fe.Receive()
+		if err != nil {
+			if len(got) == 0 || got[len(got)-1] != "error:57P01" {
+				t.Fatalf("after %v: %v, want the replica's row, its end and then the primary's FATAL", got, err)
+			}
+			break
+		}
+		switch msg := msg.(type) {
+		case *pgproto3.DataRow:
+			if len(msg.Values) != 2 || len(msg.Values[0]) != size || string(msg.Values[1]) != "t" {
+				t.Fatalf("after %v: a row of %d values, not the replica's of %d bytes", got, len(msg.Values), size)
+			}
+			got = append(got, "row")
+		case *pgproto3.ErrorResponse:
+			got = append(got, "error:"+msg.Code)
+		case *pgproto3.ReadyForQuery:
+			got = append(got, "ready")
+		case *pgproto3.RowDescription, *pgproto3.CommandComplete, *pgproto3.NoticeResponse, *pgproto3.ParameterStatus:
+		default:
+			t.Fatalf("after %v: %T", got, msg)
+		}
+	}
+	if w := strings.Join(got, " "); !strings.HasPrefix(w, "row ready") {
+		t.Fatalf("got %s, want the row and its ReadyForQuery before the primary's end", w)
+	}
+}
