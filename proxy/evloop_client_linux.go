@@ -10,8 +10,6 @@ import (
 	"io"
 	"syscall"
 
-	"golang.org/x/sys/unix"
-
 	"github.com/pgfence/pgfence/internal/wire"
 )
 
@@ -76,7 +74,7 @@ func (l *evloop) clientStopped(r *relay, err error) error {
 	case errParked:
 		ic.parks.Add(1)
 		r.s.srv.ops.stats.ClientParks.Add(1)
-		return l.watchClient(r, clientHangup)
+		return l.watchClient(r, clientOff)
 	}
 	return err
 }
@@ -141,7 +139,7 @@ func (r *relay) messageDone(n int) {
 }
 
 // watchClient sets the loop's watch of an intercepted session's client
-// reads to ev (clientLevel, clientOff, clientHangup), changing the
+// reads to ev (clientLevel, clientOff), changing the
 // registration only when it differs. Loop thread only.
 func (l *evloop) watchClient(r *relay, ev uint32) error {
 	ic := r.intercept
@@ -200,7 +198,6 @@ func (r *relay) clientSteps() error {
 			return errWouldBlock
 		case err == ErrWait:
 			s.releaseMessage(false) // handled again once parked
-			ic.parkedLen = total
 			if ic.park == nil {
 				// A Handler that did not say what it waits for: the
 				// answer to the oldest request outstanding.
@@ -224,19 +221,6 @@ func (r *relay) clientSteps() error {
 			return errClientTerminate
 		}
 	}
-}
-
-// clientSentMore reports whether a parked client sent anything after the
-// message it is parked in: bytes in the client framer past that message,
-// or in the socket. A TLS client's tls.Conn may hold records read from the
-// socket that the framer has not asked for, which nothing shows without
-// reading them: such a client may always have sent more.
-func (r *relay) clientSentMore() bool {
-	if r.s.cf.R.Buffered() > r.intercept.parkedLen || r.client.tls != nil {
-		return true
-	}
-	n, err := unix.IoctlGetInt(r.intercept.clientReadFD, unix.SIOCINQ)
-	return err == nil && n > 0
 }
 
 // isDone reports whether req has been answered.

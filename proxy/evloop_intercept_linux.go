@@ -144,15 +144,13 @@ func (cr clientReader) Read(b []byte) (int, error) {
 // stays registered, so a message costs no epoll_ctl (re-arming a
 // one-shot watch per message cost CPU: docs/proxy.md, Performance).
 // clientWatch is one-shot: a client goroutine arms it when it must wait
-// for bytes. clientOff disarms the reads (a hang-up is still reported,
-// once) while the loop must not read the client (paused, PAUSE).
-// clientHangup, while the client side is parked, reports only the
-// client's going (EPOLLRDHUP), which ends the session.
+// for bytes. clientOff disarms the reads (a reset is still reported,
+// once) while the loop must not read the client (paused, PAUSE,
+// parked).
 const (
-	clientLevel  = syscall.EPOLLIN | syscall.EPOLLRDHUP
-	clientWatch  = syscall.EPOLLIN | syscall.EPOLLRDHUP | syscall.EPOLLONESHOT
-	clientOff    = syscall.EPOLLONESHOT
-	clientHangup = syscall.EPOLLRDHUP | syscall.EPOLLONESHOT
+	clientLevel = syscall.EPOLLIN | syscall.EPOLLRDHUP
+	clientWatch = syscall.EPOLLIN | syscall.EPOLLRDHUP | syscall.EPOLLONESHOT
+	clientOff   = syscall.EPOLLONESHOT
 )
 
 // loopServerReader is the server framer's reader on the loop: one read per
@@ -322,16 +320,17 @@ func (l *evloop) interceptEvent(r *relay, fd int, ev uint32) {
 				l.wokeGoroutine = true
 				return nil
 			case ic.park != nil:
-				// Parked: the client is watched for its going only. Gone
-				// with nothing more to say, its session ends and what it
-				// waited for is dropped. A client that closed after
-				// sending more (pipelined queries, a Terminate) has
-				// them handled once the wait is over, as PostgreSQL
-				// would: the reads after it meet the end.
-				if ev&syscall.EPOLLERR != 0 || ev&(syscall.EPOLLRDHUP|syscall.EPOLLHUP) != 0 && !r.clientSentMore() {
+				// Parked: the client is not read, and a reset ends the
+				// session, dropping what it waited for. A client that
+				// closed (or only shut its writing down) has what it
+				// sent, the parked message included, handled once the
+				// wait is over, as PostgreSQL handles what a client sent
+				// before its end: the reads after it meet the end, and
+				// a write to a client that is gone its reset.
+				if ev&(syscall.EPOLLHUP|syscall.EPOLLERR) != 0 {
 					return fmt.Errorf("client: gone while parked: %w", io.EOF)
 				}
-				return l.watchClient(r, clientOff)
+				return nil
 			}
 			ic.clientReadArmed = true
 			err := l.clientInline(r)
