@@ -468,16 +468,7 @@ func TestReplicaMessageNotCut(t *testing.T) {
 				t.Fatal(err)
 			}
 			if !m.relay.DisableEventLoop {
-				// The notification has reached the proxy's primary socket.
-				s.connMu.Lock()
-				fd := s.loopRelay.serverFD
-				s.connMu.Unlock()
-				if err := pgtest.Poll(ctx, func() (bool, error) {
-					n, err := unix.IoctlGetInt(fd, unix.SIOCINQ)
-					return n > 0, err
-				}); err != nil {
-					t.Fatalf("the notification never reached the proxy: %v", err)
-				}
+				waitPrimaryBytes(t, s, "the notification")
 			}
 			fe := pgproto3.NewFrontend(c.Conn(), c.Conn())
 			c.Conn().SetReadDeadline(time.Now().Add(time.Minute))
@@ -508,6 +499,21 @@ func TestReplicaMessageNotCut(t *testing.T) {
 				t.Fatalf("got %s, want the row, the notification and ReadyForQuery", w)
 			}
 		})
+	}
+}
+
+// waitPrimaryBytes waits until what (bytes the primary sent) waits unread
+// in the proxy's socket to the primary of s, a session on the loop.
+func waitPrimaryBytes(t *testing.T, s *Session, what string) {
+	t.Helper()
+	s.connMu.Lock()
+	fd := s.loopRelay.serverFD
+	s.connMu.Unlock()
+	if err := pgtest.Poll(ctxT(t), func() (bool, error) {
+		n, err := unix.IoctlGetInt(fd, unix.SIOCINQ)
+		return n > 0, err
+	}); err != nil {
+		t.Fatalf("%s never reached the proxy: %v", what, err)
 	}
 }
 
@@ -651,7 +657,6 @@ func TestReplicaTLS(t *testing.T) {
 func TestReplicaMessageNotCutByPrimaryEnd(t *testing.T) {
 	m := replicaModes[0] // the loop: goroutines read each upstream whole
 	e := newRouteEnvRelay(t, m.relay)
-	ctx := ctxT(t)
 	c := e.reader(t, nil)
 	waitReplicaRead(t, c, "SELECT 1, pg_is_in_recovery()")
 	s := sessionOf(t, e.proxy, c)
@@ -661,15 +666,7 @@ func TestReplicaMessageNotCutByPrimaryEnd(t *testing.T) {
 	replicaBackend(t, replicaConnOf(t, e), "not_cut_end", "Client") // the replica waits to send the rest
 	prim := connect(t, cluster.Primary.DSN(e.db))
 	mustExec(t, prim, fmt.Sprintf("SELECT pg_terminate_backend(%d)", s.BackendPID))
-	s.connMu.Lock()
-	fd := s.loopRelay.serverFD
-	s.connMu.Unlock()
-	if err := pgtest.Poll(ctx, func() (bool, error) {
-		n, err := unix.IoctlGetInt(fd, unix.SIOCINQ)
-		return n > 0, err
-	}); err != nil {
-		t.Fatalf("the primary's FATAL never reached the proxy: %v", err)
-	}
+	waitPrimaryBytes(t, s, "the primary's FATAL")
 	fe := pgproto3.NewFrontend(c.Conn(), c.Conn())
 	c.Conn().SetReadDeadline(time.Now().Add(time.Minute))
 	var got []string
