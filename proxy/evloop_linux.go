@@ -206,8 +206,8 @@ func (l *evloop) publish(r *relay, regs ...epollReg) (*relay, bool) {
 
 // dupSockets duplicates s's client and server sockets for the loop. The
 // caller holds s.connMu. It reports false, having changed nothing, for a
-// connection that is neither a socket nor TLS over our transport, or an
-// upstream already closed. A TLS connection is
+// connection that is neither a socket nor TLS over our transport (runOnLoop
+// bridges those first), or an upstream already closed. A TLS connection is
 // relayed through its tls.Conn (takeSock).
 //
 // What s's writers hold is written first; what its framers have read and
@@ -523,7 +523,8 @@ func blockingWrite(fd int, b []byte, d time.Duration) {
 
 // runOnLoop runs s on the loop until it ends; it returns false (having done
 // nothing) when s must use the goroutine path: the loop is disabled or
-// cannot start, or cannot take s's connections.
+// cannot start. A connection the loop cannot take as it is, one that is
+// not a socket, is bridged to it first (bridgeConns).
 func (s *Session) runOnLoop() (error, bool) {
 	if s.srv.cfg.DisableEventLoop {
 		return nil, false
@@ -533,10 +534,21 @@ func (s *Session) runOnLoop() (error, bool) {
 		s.log.Warn("event loop unavailable; relaying with goroutines", zap.Error(err))
 		return nil, false
 	}
-	if s.h != nil {
-		return s.runIntercepted(l)
+	br, err := s.bridgeConns() // evloop_bridge_linux.go
+	if err != nil {
+		s.log.Warn("cannot bridge the connection to the event loop; relaying with goroutines", zap.Error(err))
+		return nil, false
 	}
-	return s.runPassThrough(l)
+	var ok bool
+	if s.h != nil {
+		err, ok = s.runIntercepted(l)
+	} else {
+		err, ok = s.runPassThrough(l)
+	}
+	if ok {
+		br.wait() // the client has what the session sent it
+	}
+	return err, ok
 }
 
 // runPassThrough runs a pass-through session on the loop until it ends.
