@@ -6,7 +6,9 @@ import (
 	"bufio"
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
+	"io"
 	"net"
 	"strings"
 	"sync"
@@ -407,4 +409,86 @@ func TestLoopBridged(t *testing.T) {
 			}
 		})
 	}
+}
+
+// tcpPair returns the two ends of a loopback TCP connection, closed when
+// t ends.
+func tcpPair(t *testing.T) (net.Conn, net.Conn) {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	a, err := net.Dial("tcp", ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := ln.Accept()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { a.Close(); b.Close() })
+	return a, b
+}
+
+// TestLoopTakesFramed: what a session's framers have read and not
+// handled when it comes onto the loop (a whole message and part of the
+// next, each way) is passed on by the loop first, in front of what it
+// reads, framed as the rest: the session is not refused the loop for it.
+func TestLoopTakesFramed(t *testing.T) {
+	p := startProxy(t, Config{})
+	l, err := p.srv.loop.get()
+	if err != nil {
+		t.Fatal(err)
+	}
+	client, clientSide := tcpPair(t) // the client, and the proxy's socket for it
+	server, serverSide := tcpPair(t) // the backend, and the proxy's socket for it
+	size := p.srv.cfg.BufferSize
+	s := &Session{srv: p.srv, log: zaptest.NewLogger(t), client: clientSide, backend: backend{server: serverSide}, closing: make(chan struct{})}
+	s.cw = newClientWriter(clientSide, size, false)
+	s.sw = bufio.NewWriterSize(serverSide, size)
+	s.cf = wire.Framer{R: bufio.NewReaderSize(clientSide, size), Max: p.srv.cfg.MaxMessageSize, From: "client", Client: true}
+	s.sf = wire.Framer{R: bufio.NewReaderSize(serverSide, size), From: "server"}
+
+	q1, _ := (&pgproto3.Query{String: "SELECT 1"}).Encode(nil)
+	q2, _ := (&pgproto3.Query{String: "SELECT 2"}).Encode(nil)
+	z, _ := (&pgproto3.ReadyForQuery{TxStatus: 'I'}).Encode(nil)
+	c1, _ := (&pgproto3.CommandComplete{CommandTag: []byte("SELECT 1")}).Encode(nil)
+	// The framers read a message and 3 bytes of the next, each way.
+	client.Write(append(append([]byte(nil), q1...), q2[:3]...))
+	server.Write(append(append([]byte(nil), c1...), z[:3]...))
+	if _, err := s.cf.R.Peek(len(q1) + 3); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.sf.R.Peek(len(c1) + 3); err != nil {
+		t.Fatal(err)
+	}
+	r, ok := l.attach(s)
+	if !ok {
+		t.Fatal("a session whose framers had read bytes was refused the loop")
+	}
+	client.Write(q2[3:])
+	server.Write(z[3:])
+	read := func(c net.Conn, n int) []byte {
+		b := make([]byte, n)
+		c.SetReadDeadline(time.Now().Add(10 * time.Second))
+		if _, err := io.ReadFull(c, b); err != nil {
+			t.Fatal(err)
+		}
+		return b
+	}
+	if got, want := read(server, len(q1)+len(q2)), append(append([]byte(nil), q1...), q2...); !bytes.Equal(got, want) {
+		t.Fatalf("the server got %q, want %q", got, want)
+	}
+	if got, want := read(client, len(c1)+len(z)), append(append([]byte(nil), c1...), z...); !bytes.Equal(got, want) {
+		t.Fatalf("the client got %q, want %q", got, want)
+	}
+	client.Close()
+	if err := <-r.done; !errors.Is(err, io.EOF) {
+		t.Fatalf("the relay ended with %v, want the client's end", err)
+	}
+	r.letGo()
+	syscall.Close(r.clientFD)
+	syscall.Close(r.serverFD)
 }

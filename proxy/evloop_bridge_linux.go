@@ -3,6 +3,8 @@
 package proxy
 
 import (
+	"bufio"
+	"bytes"
 	"fmt"
 	"io"
 	"net"
@@ -58,6 +60,13 @@ func (s *Session) bridgeConns() (*bridges, error) {
 		if _, ok := loopConn(*c); ok || (c == &s.server && s.serverClosed) {
 			continue
 		}
+		w, rd := s.cw.Flush, &s.cf.R
+		if c == &s.server {
+			w, rd = s.sw.Flush, &s.sf.R
+		}
+		if err := w(); err != nil { // what was written to c goes first
+			return nil, err
+		}
 		loopEnd, b, err := newBridge(*c)
 		if err != nil {
 			return nil, err
@@ -66,13 +75,21 @@ func (s *Session) bridgeConns() (*bridges, error) {
 		bs = append(bs, b)
 		if c == &s.client {
 			s.cw.Reset(loopEnd)
-			s.cf.R.Reset(loopEnd) // empty: dupSockets
 		} else {
 			s.sw.Reset(loopEnd)
-			s.sf.R.Reset(loopEnd)
 		}
+		*rd = rereader(*rd, loopEnd)
 	}
 	return &bs, nil
+}
+
+// rereader is a reader of src with the size of rd, holding what rd
+// holds (dupSockets takes it with the session).
+func rereader(rd *bufio.Reader, src io.Reader) *bufio.Reader {
+	b := buffered(rd)
+	nr := bufio.NewReaderSize(io.MultiReader(bytes.NewReader(b), src), rd.Size())
+	nr.Peek(len(b)) // into nr's buffer, all in one read
+	return nr
 }
 
 // bridges are a session's bridges.
