@@ -492,3 +492,99 @@ func TestLoopTakesFramed(t *testing.T) {
 	syscall.Close(r.clientFD)
 	syscall.Close(r.serverFD)
 }
+
+// FuzzLoopServerErrors: once a session has answered a message over the
+// limit, the pass-through relay's server side (scan, serverError, take,
+// flush), fed the server's stream in arbitrary pieces, passes on what
+// the goroutine path's server side (Session.upstreamMessage) does: every
+// message as it is, but an ErrorResponse that answers a substitute,
+// which the proxy's 54000 replaces (oversizedError); an ErrorResponse
+// larger than the buffer as it is. It stops at a bad header, and passes
+// on no part of an ErrorResponse that fits the buffer before it is
+// whole.
+func FuzzLoopServerErrors(f *testing.F) {
+	srv := &Server{oversizedTag: oversizedPrefix + "fuzz", cfg: Config{MaxMessageSize: 1000}}
+	ours, _ := (&pgproto3.ErrorResponse{Severity: "ERROR", Code: "26000", Message: `prepared statement "` + srv.oversizedTag + `_Q_5000" does not exist`}).Encode(nil)
+	theirs, _ := (&pgproto3.ErrorResponse{Severity: "ERROR", Code: "42P01", Message: "relation does not exist"}).Encode(nil)
+	z, _ := (&pgproto3.ReadyForQuery{TxStatus: 'I'}).Encode(nil)
+	f.Add(append(append(append(append([]byte(nil), theirs...), z...), ours...), z...), []byte{3, 40, 1, 0}, uint8(0))
+	f.Add(append(append([]byte(nil), ours...), 'D', 0, 0, 1, 0), []byte{200}, uint8(60))
+	f.Add(append(append([]byte(nil), ours...), z...), []byte{10, 0, 2}, uint8(40)) // ours in pieces
+
+	f.Fuzz(func(t *testing.T, in, cuts []byte, extra uint8) {
+		size := 64 + int(extra)
+		// Reference: whole messages, as the goroutine path reads them.
+		var want []byte
+		var wantBad bool
+		fr := &wire.Framer{R: bufio.NewReaderSize(bytes.NewReader(in), 64), From: "server"}
+		for off := 0; off < len(in); {
+			typ, total, err := fr.Next()
+			if err != nil {
+				var pe *ProtocolError
+				wantBad = errors.As(err, &pe)
+				break
+			}
+			errFits := typ == 'E' && total <= size
+			if off+total > len(in) { // the input ends in it
+				if !errFits {
+					want = append(want, in[off:]...)
+				}
+				break
+			}
+			msg := in[off : off+total]
+			if errFits {
+				msg = srv.oversizedError(msg)
+			}
+			want = append(want, msg...)
+			fr.Stream(io.Discard, total)
+			off += total
+		}
+
+		fds, err := syscall.Socketpair(syscall.AF_UNIX, syscall.SOCK_STREAM|syscall.SOCK_NONBLOCK, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer syscall.Close(fds[0])
+		defer syscall.Close(fds[1])
+		var got []byte
+		read := func() {
+			var b [4096]byte
+			for {
+				n, err := syscall.Read(fds[1], b[:])
+				if n <= 0 || err != nil {
+					return
+				}
+				got = append(got, b[:n]...)
+			}
+		}
+		s := &Session{srv: srv}
+		s.oversized.Store(true)
+		r := &relay{s: s, client: sock{fd: fds[0]}}
+		p := &r.toClient
+		*p = pipe{dst: &r.client, buf: make([]byte, size), sc: wire.Scanner{From: "server"}}
+		var end error
+		for i, off := 0, 0; off < len(in) && end == nil; i++ {
+			n := min(len(in)-off, len(p.buf)-p.end-p.heldBack)
+			if i < len(cuts) {
+				n = min(n, int(cuts[i])+1)
+			}
+			if n == 0 {
+				t.Fatalf("no room in the buffer: %d bytes passed, %d held", p.end, p.heldBack)
+			}
+			copy(p.buf[p.end+p.heldBack:], in[off:off+n])
+			off += n
+			end = r.passOn(p, n)
+			for end == nil && (p.start < p.end || p.stalled) {
+				read()
+				end = r.flush(p)
+			}
+			read()
+		}
+		if wantBad != (end != nil) {
+			t.Fatalf("ended with %v, want a bad header: %v", end, wantBad)
+		}
+		if !bytes.Equal(got, want) {
+			t.Fatalf("passed on\n\t%q\nwant\n\t%q", got, want)
+		}
+	})
+}

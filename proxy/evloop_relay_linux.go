@@ -57,7 +57,8 @@ type pipe struct {
 // insWriter is a pass-through session's server writer on the loop
 // (Session.sw): what the session writes upstream of its own, the
 // substitute for a message over the limit (substituteOversized), goes
-// to the client pipe's ins, in the dropped message's place.
+// to the ins of the pipe from the client (toServer), in the dropped
+// message's place.
 type insWriter struct{ p *pipe }
 
 func (w insWriter) Write(b []byte) (int, error) {
