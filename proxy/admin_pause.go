@@ -183,9 +183,8 @@ func (s *Session) holdMessage(typ byte) bool {
 }
 
 // releaseMessage ends what holdMessage counted. handled is false when the
-// message stays to be handled again (a pass-through session leaves the
-// event loop with it, the Handler waits for an answer on the loop, or it
-// has not arrived whole): its query goes on.
+// message stays to be handled again (the Handler waits for an answer on
+// the loop, or it has not arrived whole): its query goes on.
 func (s *Session) releaseMessage(handled bool) {
 	if s.st.Add(-1) != 0 {
 		return

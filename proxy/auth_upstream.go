@@ -116,7 +116,10 @@ func startUpstream(ctx context.Context, cfg *pgconn.Config, conn net.Conn, ua up
 		conn.SetDeadline(dl)
 		defer conn.SetDeadline(time.Time{})
 	}
-	fe := pgproto3.NewFrontend(conn, conn)
+	// Read one message at a time (frameReader), never past the
+	// ReadyForQuery: what the server sends behind it stays in the
+	// socket for the session's relay (dupSockets).
+	fe := pgproto3.NewFrontend(&frameReader{r: conn}, conn)
 	params := make(map[string]string, len(cfg.RuntimeParams)+2)
 	for k, v := range cfg.RuntimeParams {
 		params[k] = v

@@ -73,11 +73,4 @@ type backend struct {
 	// requests in flight whose ReadyForQuery is due. Shutdown may close a
 	// session only while it is idle in both senses (st.CloseIdle).
 	st wire.Status
-
-	// resume is where the server stream stood when the session left the
-	// event loop in the middle of a server message (leaveLoop).
-	resume struct {
-		left   int
-		status bool
-	}
 }

@@ -236,12 +236,11 @@ func (sw serverWriter) raw(b []byte) (int, error) {
 
 // attachIntercepted moves an intercepted session s onto the loop (its client
 // side too, for a LoopClient Handler). It reports false, leaving s
-// untouched, when it cannot (TLS not over our transport, or bytes already
-// buffered).
+// untouched, when it cannot (dupSockets).
 func (l *evloop) attachIntercepted(s *Session) (*relay, bool) {
 	s.connMu.Lock()
 	defer s.connMu.Unlock()
-	clientFD, serverFD, ok := dupSockets(s)
+	clientFD, serverFD, read, ok := dupSockets(s)
 	if !ok {
 		return nil, false
 	}
@@ -272,8 +271,8 @@ func (l *evloop) attachIntercepted(s *Session) (*relay, bool) {
 		sr = &r.server // the same, reading loopServerReader
 	}
 	r.intercept.clientSrc = cr
-	s.cf.R.Reset(cr)
-	s.sf.R.Reset(sr)
+	readFirst(s.cf.R, read.client, cr) // what they had read first (dupSockets)
+	readFirst(s.sf.R, read.server, sr)
 	s.cw.Reset(loopClientWriter{r})
 	s.sw.Reset(serverWriter{r})
 	s.loopRelay = r
@@ -286,8 +285,8 @@ func (l *evloop) attachIntercepted(s *Session) (*relay, bool) {
 	}
 	// The client's writes are watched only while clientPending holds bytes.
 	l.publish(r, epollReg{clientReadFD, r.intercept.clientWatchEv}, epollReg{serverFD, r.intercept.serverInterest})
-	if r.client.tls != nil || r.server.tls != nil {
-		l.kickTLS(r)
+	if r.client.tls != nil || r.server.tls != nil || len(read.client) > 0 || len(read.server) > 0 {
+		l.kick(r)
 	}
 	return r, true
 }

@@ -3,8 +3,11 @@
 package proxy
 
 import (
+	"bufio"
+	"bytes"
 	"errors"
 	"fmt"
+	"io"
 	"runtime"
 	"sync"
 	"sync/atomic"
@@ -141,9 +144,6 @@ type relay struct {
 	clientInterest, serverInterest uint32 // epoll interest registered for clientFD and serverFD
 	done                           chan error
 	ended                          sync.Once
-	// rest is what the client sent from a message over the limit on,
-	// when the session leaves the loop for it (leaveLoop).
-	rest []byte
 
 	mu     sync.Mutex // guards closed against stopServer
 	closed bool
@@ -206,27 +206,60 @@ func (l *evloop) publish(r *relay, regs ...epollReg) (*relay, bool) {
 
 // dupSockets duplicates s's client and server sockets for the loop. The
 // caller holds s.connMu. It reports false, having changed nothing, for a
-// connection that is neither a socket nor TLS over our transport, an
-// upstream already closed, or bytes already buffered by the goroutine
-// path. A TLS connection is relayed through its tls.Conn (takeSock).
-func dupSockets(s *Session) (clientFD, serverFD int, ok bool) {
-	if s.sf.R.Buffered() > 0 || s.sw.Buffered() > 0 || s.cw.Buffered() > 0 || s.cf.R.Buffered() > 0 {
-		return -1, -1, false
-	}
+// connection that is neither a socket nor TLS over our transport (runOnLoop
+// bridges those first), or an upstream already closed. A TLS connection is
+// relayed through its tls.Conn (takeSock).
+//
+// What s's writers hold is written first; what its framers have read and
+// not handled (read) is the caller's to take with the session, in front
+// of what the loop reads. At the start of a session they hold nothing:
+// the startup packet, the authentication messages and the upstream's
+// startup up to its ReadyForQuery are read exactly, without reading ahead
+// (readStartupPacket, frameReader), so what a client or a server sent
+// behind them is still in the socket (or, with TLS, in the tls.Conn) for
+// the loop; a framer that had read ahead would give it here.
+func dupSockets(s *Session) (clientFD, serverFD int, read framed, ok bool) {
 	cc, ok1 := loopConn(s.client)
 	sc, ok2 := loopConn(s.server)
 	if !ok1 || !ok2 || s.serverClosed {
-		return -1, -1, false
+		return -1, -1, framed{}, false
+	}
+	if s.sw.Flush() != nil || s.cw.Flush() != nil {
+		return -1, -1, framed{}, false
 	}
 	clientFD, err := dupConn(cc)
 	if err != nil {
-		return -1, -1, false
+		return -1, -1, framed{}, false
 	}
 	if serverFD, err = dupConn(sc); err != nil {
 		syscall.Close(clientFD)
-		return -1, -1, false
+		return -1, -1, framed{}, false
 	}
-	return clientFD, serverFD, true
+	return clientFD, serverFD, framed{client: buffered(s.cf.R), server: buffered(s.sf.R)}, true
+}
+
+// framed is what a session's framers had read from the client and the
+// server when it came onto the loop (dupSockets).
+type framed struct{ client, server []byte }
+
+// buffered returns a copy of what rd holds, and empties it.
+func buffered(rd *bufio.Reader) []byte {
+	n := rd.Buffered()
+	if n == 0 {
+		return nil
+	}
+	b, _ := rd.Peek(n)
+	b = bytes.Clone(b)
+	rd.Discard(n)
+	return b
+}
+
+// readFirst has rd read b, then src.
+func readFirst(rd *bufio.Reader, b []byte, src io.Reader) {
+	if len(b) > 0 {
+		src = io.MultiReader(bytes.NewReader(b), src)
+	}
+	rd.Reset(src)
 }
 
 // dupConn returns a duplicate of c's file descriptor (non-blocking, like
@@ -489,7 +522,9 @@ func blockingWrite(fd int, b []byte, d time.Duration) {
 }
 
 // runOnLoop runs s on the loop until it ends; it returns false (having done
-// nothing) when s must use the goroutine path.
+// nothing) when s must use the goroutine path: the loop is disabled or
+// cannot start. A connection the loop cannot take as it is, one that is
+// not a socket, is bridged to it first (bridgeConns).
 func (s *Session) runOnLoop() (error, bool) {
 	if s.srv.cfg.DisableEventLoop {
 		return nil, false
@@ -499,19 +534,29 @@ func (s *Session) runOnLoop() (error, bool) {
 		s.log.Warn("event loop unavailable; relaying with goroutines", zap.Error(err))
 		return nil, false
 	}
-	if s.h != nil {
-		return s.runIntercepted(l)
+	br, err := s.bridgeConns() // evloop_bridge_linux.go
+	if err != nil {
+		s.log.Warn("cannot bridge the connection to the event loop; relaying with goroutines", zap.Error(err))
+		return nil, false
 	}
+	var ok bool
+	if s.h != nil {
+		err, ok = s.runIntercepted(l)
+	} else {
+		err, ok = s.runPassThrough(l)
+	}
+	if ok {
+		br.wait() // the client has what the session sent it
+	}
+	return err, ok
+}
+
+// runPassThrough runs a pass-through session on the loop until it ends.
+func (s *Session) runPassThrough(l *evloop) (error, bool) {
 	r, ok := l.attach(s)
 	if !ok {
 		return nil, false
 	}
 	s.srv.ops.stats.SessionsLoop.Add(1)
-	err = <-r.done
-	if err == errLeaveLoop {
-		if err = s.leaveLoop(r); err == nil {
-			return nil, false // on goroutines from here (Session.run)
-		}
-	}
-	return s.end(passEnd{relayEnd{r}}, err), true
+	return s.end(passEnd{relayEnd{r}}, <-r.done), true
 }

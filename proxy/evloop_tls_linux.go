@@ -29,7 +29,7 @@ import (
 // a read drains it until it would block (or the caller's buffer is full:
 // then sock.more is set and the caller reads again when it has room), and
 // a session coming onto the loop is read once without an event
-// (kickTLS). The peer's close_notify, an alert, or a record that does not
+// (kick). The peer's close_notify, an alert, or a record that does not
 // decrypt end the session as the end of the stream or an error would. A
 // post-handshake message (a TLS 1.3 KeyUpdate) is handled inside the read;
 // its answer is written like any other ciphertext.
@@ -279,24 +279,14 @@ func (k *sock) Read(b []byte) (int, error) {
 	return n, err
 }
 
-// leave gives a TLS transport back to goroutines, over c (a
-// pass-through session leaving the loop: leaveLoop).
-func (k *sock) leave(c net.Conn) {
-	tr := k.tls.NetConn().(*tlsTransport)
-	tr.held = append(tr.held, *k.tr.held...)
-	tr.Conn, tr.loop = c, nil
-}
-
-// kickIntercepted is kickTLS for an intercepted session: the loop reads
-// what the upstream's tls.Conn holds, and the client's if the client side
-// is the loop's.
+// kickIntercepted is kick for an intercepted session: the loop reads
+// what the upstream's framer or tls.Conn holds, and the client's if the
+// client side is the loop's (a client goroutine reads its own).
 func (l *evloop) kickIntercepted(r *relay) error {
-	if r.server.tls != nil {
-		if err := r.serverSteps(false); err != nil {
-			return err
-		}
+	if err := r.serverSteps(false); err != nil {
+		return err
 	}
-	if r.client.tls != nil && r.intercept.inlineClient {
+	if r.intercept.inlineClient {
 		if err := l.clientInline(r); err != nil {
 			return err
 		}

@@ -98,8 +98,7 @@ func tlsOnLoop(t *testing.T, p *testProxy, m tlsMode) *relay {
 // TestLoopTLS: a TLS client's session on the loop carries the simple and
 // extended protocols, a pipeline, COPY both ways and results of several
 // MB, a message near MaxMessageSize and one over it (answered 54000 on
-// goroutines, where the session goes on through the same tls.Conn:
-// leaveLoop); psql with sslmode=require too.
+// the loop, where the session goes on); psql with sslmode=require too.
 func TestLoopTLS(t *testing.T) { tlsLoopModes(t, testLoopTLS) }
 
 func testLoopTLS(t *testing.T, m tlsMode) {
@@ -311,7 +310,7 @@ func (c *recordingConn) Read(b []byte) (int, error) {
 // TestLoopTLSEarlyQuery: a client that sends its first query with its
 // startup message, in one TLS record: the proxy's tls.Conn holds the
 // query, decrypted, when the session comes onto the loop, and no event
-// comes for it; the loop reads it at once (kickTLS).
+// comes for it; the loop reads it at once (kick).
 func TestLoopTLSEarlyQuery(t *testing.T) { tlsLoopModes(t, testLoopTLSEarlyQuery) }
 
 func testLoopTLSEarlyQuery(t *testing.T, m tlsMode) {

@@ -125,8 +125,10 @@ var started sync.Map // testing.TB → *testProxy
 // intercepting every message, as pgfence serve runs (no table is
 // protected, so the gate must be invisible), whose sessions have their
 // server side on the loop or on a goroutine. It checks that each mode
-// was really the one used. f must build its proxy's Config with
-// withRelay.
+// was really the one used: with the loop, every session the test's proxy
+// opened was on it (counted once its proxy has shut down, when every
+// session has ended); without, none. f must build its proxy's Config
+// with withRelay.
 func bothRelays(t *testing.T, f func(t *testing.T, relay Config)) {
 	for _, mode := range []struct {
 		name string
@@ -143,21 +145,29 @@ func bothRelays(t *testing.T, f func(t *testing.T, relay Config)) {
 			if mode.gate {
 				cfg.Interceptor = newGate(t)
 			}
+			var tp *testProxy
+			// Registered first, so run last: after the proxy's Shutdown.
+			t.Cleanup(func() {
+				if tp == nil {
+					return
+				}
+				st := &tp.srv.ops.stats
+				looped, total := st.SessionsLoop.Load(), st.SessionsTotal.Load()
+				switch {
+				case mode.cfg.DisableEventLoop && looped != 0:
+					t.Errorf("%d sessions used the event loop with DisableEventLoop", looped)
+				case !mode.cfg.DisableEventLoop && runtime.GOOS == "linux" && (looped == 0 || looped != total):
+					t.Errorf("%d of %d sessions used the event loop, want all", looped, total)
+				}
+			})
 			f(t, cfg)
 			v, ok := started.LoadAndDelete(t)
 			if !ok {
 				t.Fatal("the test did not start a proxy with startProxy")
 			}
-			tp := v.(*testProxy)
+			tp = v.(*testProxy)
 			if tp.srv.cfg.Interceptor != cfg.Interceptor {
 				t.Fatal("the test's proxy does not have the mode's interceptor (build its Config with withRelay)")
-			}
-			looped := tp.srv.ops.stats.SessionsLoop.Load()
-			switch {
-			case mode.cfg.DisableEventLoop && looped != 0:
-				t.Errorf("%d sessions used the event loop with DisableEventLoop", looped)
-			case !mode.cfg.DisableEventLoop && runtime.GOOS == "linux" && looped == 0:
-				t.Error("no session used the event loop")
 			}
 		})
 	}

@@ -380,45 +380,11 @@ func (s *Session) copyPieces(total, size int) error {
 // serverLoop forwards server messages to the client, watching
 // ReadyForQuery for the transaction status.
 func (s *Session) serverLoop() error {
-	if err := s.resumeServer(); err != nil {
-		return err
-	}
 	for {
 		if err := s.serverMessage(nil); err != nil {
 			return err
 		}
 	}
-}
-
-// resumeServer passes on the rest of the server message the event loop
-// was in the middle of when the session left it (leaveLoop), so that the
-// server loop starts at a message boundary.
-func (s *Session) resumeServer() error {
-	left, status := s.resume.left, s.resume.status
-	s.resume.left, s.resume.status = 0, false
-	if left == 0 {
-		return nil
-	}
-	if status { // the body of a ReadyForQuery: its status byte
-		b, err := s.sf.Fill(1)
-		if err != nil {
-			return fmt.Errorf("server: %w", err)
-		}
-		tx := b[0]
-		if _, err := s.cw.Write(b[:1]); err != nil {
-			return fmt.Errorf("client: %w", err)
-		}
-		s.sf.Discard(1)
-		if s.ready(tx) {
-			s.cw.Flush()
-			return errShutdown
-		}
-		return nil
-	}
-	if err := s.sf.Stream(s.cw, left); err != nil {
-		return fmt.Errorf("server: %w", err)
-	}
-	return nil
 }
 
 // serverMessage forwards one server message to the client (through the
