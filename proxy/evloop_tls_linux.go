@@ -288,15 +288,14 @@ func (k *sock) leave(c net.Conn) {
 }
 
 // kickIntercepted is kickTLS for an intercepted session: the loop reads
-// what the upstream's tls.Conn holds, and the client's if the client side
-// is the loop's.
+// what the upstream's tls.Conn holds, and the client's.
 func (l *evloop) kickIntercepted(r *relay) error {
 	if r.server.tls != nil {
 		if err := r.serverSteps(false); err != nil {
 			return err
 		}
 	}
-	if r.client.tls != nil && r.intercept.inlineClient {
+	if r.client.tls != nil {
 		if err := l.clientInline(r); err != nil {
 			return err
 		}

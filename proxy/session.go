@@ -62,6 +62,9 @@ type Session struct {
 	// observation: tests).
 	onLoop  bool
 	offLoop atomic.Int64
+	// blocking: the Handler is not a LoopClient, so its ClientMessage
+	// may block; on the event loop it runs off it (deliverOff).
+	blocking bool
 
 	// connMu orders closeServer (graceful shutdown runs it from another
 	// goroutine) against itself and against moving the session onto the
@@ -151,6 +154,7 @@ func (s *Session) run() error {
 		return err
 	}
 	sd := newSides()
+	s.srv.ops.stats.ClientGoroutines.Add(1)
 	sd.run(func() error { return s.guard("client", s.clientLoop) })
 	sd.run(func() error { return s.guard("server", s.serverLoop) })
 	// The first side to end decides; end unblocks the other (end.go).
@@ -327,6 +331,9 @@ func (s *Session) interceptClient(total, size int) error {
 // deliver passes a whole client message to the Handler and forwards it
 // if the Handler says so.
 func (s *Session) deliver(msg []byte) error {
+	if s.onLoop && s.blocking {
+		return s.deliverOff(msg) // evloop_client_linux.go
+	}
 	if !s.onLoop {
 		s.offLoop.Add(1)
 	}
