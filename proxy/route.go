@@ -454,15 +454,17 @@ func (h *fenceSession) waitReplay(s gateConn, r *replica, req requirement, check
 	ctx, cancel := context.WithTimeout(context.Background(), wait)
 	ending := s.ending()
 	go func() {
+		// The wait is over, or the session ends (its continuation then
+		// never runs): the poll off the loop gives up.
 		select {
 		case <-ending:
-			cancel()
 		case <-ctx.Done():
 		}
+		cancel()
+		rs.stats.Waiting.Add(-1)
 	}()
 	done := func(ok bool, err error) error {
 		cancel()
-		rs.stats.Waiting.Add(-1)
 		return k(ok, err)
 	}
 	var poll func() error

@@ -154,7 +154,6 @@ func (s *Session) run() error {
 		return err
 	}
 	sd := newSides()
-	s.srv.ops.stats.ClientGoroutines.Add(1)
 	sd.run(func() error { return s.guard("client", s.clientLoop) })
 	sd.run(func() error { return s.guard("server", s.serverLoop) })
 	// The first side to end decides; end unblocks the other (end.go).
@@ -219,6 +218,7 @@ func (s *Session) guard(side string, f func() error) (err error) {
 
 // clientLoop forwards client messages upstream.
 func (s *Session) clientLoop() error {
+	s.srv.ops.stats.ClientGoroutines.Add(1)
 	size := s.cf.R.Size()
 	for {
 		typ, total, err := s.nextClient()
