@@ -233,8 +233,13 @@ func TestRouteLoopEndWhileWaiting(t *testing.T) {
 					t.Fatalf("read answered %v at the shutdown, want its end", a.rs)
 				}
 				// Shutdown returns once its sessions have ended.
-				if err := <-shut; err == nil {
-					t.Fatal("Shutdown reported no busy session; the read was waiting")
+				select {
+				case err := <-shut:
+					if err == nil {
+						t.Fatal("Shutdown reported no busy session; the read was waiting")
+					}
+				case <-ctx.Done():
+					t.Fatal("Shutdown never returned: the session's end waits for its wait for replay")
 				}
 			case "kill":
 				s.kill("test")
@@ -370,10 +375,30 @@ func TestBlockingHandlerOffLoop(t *testing.T) {
 	}
 	sendQueries(t, c1, "SELECT 'block'", "SELECT 'after'", "SELECT 3")
 	<-b.blocked
-	for i := range 10 {
-		if got := lastValue(t, c2, fmt.Sprintf("SELECT %d", i)); got != fmt.Sprint(i) {
-			t.Fatalf("the other session read %s, want %d", got, i)
+	answered := make(chan error, 1)
+	go func() {
+		for i := range 10 {
+			rs, err := c2.Exec(context.Background(), fmt.Sprintf("SELECT %d", i)).ReadAll()
+			if err == nil && string(rs[0].Rows[0][0]) != fmt.Sprint(i) {
+				err = fmt.Errorf("read %s, want %d", rs[0].Rows[0][0], i)
+			}
+			if err != nil {
+				answered <- err
+				return
+			}
 		}
+		answered <- nil
+	}()
+	select {
+	case err := <-answered:
+		if err != nil {
+			t.Fatalf("the other session: %v", err)
+		}
+	case <-time.After(20 * time.Second):
+		// A bound, not an order: a loop stalled by the blocked call
+		// never answers. Released, so that the test ends.
+		close(b.release)
+		t.Fatal("the other session got no answer while a Handler blocked: the loop is stalled")
 	}
 	if got := b.queries(r1.s); len(got) != 1 {
 		t.Fatalf("the blocked session's Handler was given %v meanwhile, want only its first query", got)
