@@ -67,6 +67,9 @@ type loopReplica struct {
 	// readsPaused: the replica is not read until the client takes what
 	// waits in clientPending (for observation: tests).
 	readsPaused atomic.Bool
+	// writesHeld: bytes wait in pending for the socket to take them (for
+	// observation: tests).
+	writesHeld atomic.Bool
 
 	mu      sync.Mutex
 	stopped bool // stop has shut the socket down
@@ -302,6 +305,7 @@ func (l *evloop) replicaInterest(r *relay) error {
 	}
 	lr.interest = want
 	lr.readsPaused.Store(want&syscall.EPOLLIN == 0 && ic.big.left == 0)
+	lr.writesHeld.Store(want&syscall.EPOLLOUT != 0)
 	return nil
 }
 

@@ -322,6 +322,55 @@ func TestRouteLoopReplicaFails(t *testing.T) {
 	})
 }
 
+// TestRouteLoopReplicaWritesHeld: requests the replica's socket does not
+// take (a batch of many MB pipelined in a read-only transaction there,
+// behind a read the replica holds on a lock) wait in the loop's pending
+// bytes, and the client is not read meanwhile, instead of the loop
+// thread blocking on the socket: another session goes on, and once the
+// lock goes every request is answered. (With the loop writing the replica
+// blocking, writesHeld is never set and the other session stalls.)
+func TestRouteLoopReplicaWritesHeld(t *testing.T) {
+	e, c, rc, rep := routedReader(t, Config{})
+	ctx := ctxT(t)
+	tx := holdTable(t, e, rep)
+	mustExec(t, c, "BEGIN READ ONLY")
+	if got := lastValue(t, c, "SELECT pg_is_in_recovery()"); got != "t" {
+		t.Fatalf("pg_is_in_recovery() %s in the read-only transaction, want t", got)
+	}
+	const n = 2000
+	pad := strings.Repeat("x", 8000)
+	var batch []byte
+	batch, _ = (&pgproto3.Parse{Query: "SELECT n FROM held"}).Encode(batch)
+	batch, _ = (&pgproto3.Bind{}).Encode(batch)
+	batch, _ = (&pgproto3.Execute{}).Encode(batch)
+	for range n {
+		batch, _ = (&pgproto3.Parse{Query: "SELECT 1 /* " + pad + " */"}).Encode(batch)
+		batch, _ = (&pgproto3.Bind{}).Encode(batch)
+		batch, _ = (&pgproto3.Execute{}).Encode(batch)
+	}
+	batch, _ = (&pgproto3.Sync{}).Encode(batch)
+	sent := make(chan error, 1)
+	go func() { _, err := c.Conn().Write(batch); sent <- err }()
+	if err := pgtest.Poll(ctx, func() (bool, error) { return rc.loop.writesHeld.Load(), nil }); err != nil {
+		t.Fatalf("the replica's socket never held requests back: %v", err)
+	}
+	other := e.reader(t, nil)
+	mustWhere(t, other, "SELECT 1, pg_is_in_recovery()", true)
+	mustExec(t, other, "INSERT INTO audit (note) VALUES ('meanwhile')")
+	if err := tx.Rollback(ctx); err != nil {
+		t.Fatal(err)
+	}
+	tags := commandTags(t, c, 1)
+	if err := <-sent; err != nil {
+		t.Fatal(err)
+	}
+	if len(tags) != n+1 {
+		t.Fatalf("%d answers, want %d", len(tags), n+1)
+	}
+	mustExec(t, c, "COMMIT")
+	wantNoClientGoroutine(t, e.proxy, sessionOf(t, e.proxy, c))
+}
+
 // blocker is a Handler that is not a LoopClient: its ClientMessage blocks
 // on a Query naming 'block' until the test releases it, and it records
 // the queries each session gives it, in order.
