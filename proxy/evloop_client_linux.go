@@ -33,8 +33,8 @@ type clientPark struct {
 
 // offCall is a blocking call of the client side that runs on a goroutine
 // of its own while the client side is parked (offClient). Its fields are
-// the loop thread's but for err, which the goroutine sets before it posts
-// its end to the loop thread.
+// the loop thread's: f's error reaches it in the task the goroutine posts
+// there when f has returned.
 type offCall struct {
 	f    func() error
 	drop func() // undoes what f did when the session has ended before k could run
@@ -105,7 +105,8 @@ func (s *Session) deliverOff(msg []byte) error {
 }
 
 // clientStream is a client message the loop passes on in pieces as they
-// arrive (left bytes to go): a CopyData larger than the buffer, each piece
+// arrive (left bytes to go; total is 0 when there is none: a stream
+// whose last piece is with the Handler off the loop has none left): a CopyData larger than the buffer, each piece
 // to the Handler (as Session.copyPieces), or one over MaxMessageSize
 // (over), dropped and then answered (Session.oversize), or a message the
 // memory budget cannot hold (overBudget), dropped and then the end.

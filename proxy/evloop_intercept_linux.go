@@ -89,7 +89,7 @@ type interceptState struct {
 	// taken while the buffer is larger, for one message (growClient).
 	clientSize int
 	grown      int64
-	// clientSrc is what the client framer reads: clientReader, or the
+	// clientSrc is what the client framer reads: loopClientReader, or the
 	// client's tls.Conn over it (sock.Read); a resized buffer reads it too.
 	clientSrc io.Reader
 	stream    clientStream // a message passed on in pieces (streamSteps)
