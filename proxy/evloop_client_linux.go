@@ -14,21 +14,99 @@ import (
 )
 
 // This file holds the client side of an intercepted session on the loop
-// (a LoopClient Handler's, evloop_intercept_linux.go): reading and
-// handling the client's messages (clientInline, clientSteps), the park of
-// the client side where the Handler waits and its resumption
-// (parkClient, resumeClient), and messages larger than the buffer, read
-// as they arrive (growClient, streamSteps).
+// (evloop_intercept_linux.go): reading and handling the client's messages
+// (clientInline, clientSteps), the park of the client side where the
+// Handler waits and its resumption (parkClient, resumeClient), the
+// blocking calls it makes off the loop meanwhile (offClient, deliverOff),
+// and messages larger than the buffer, read as they arrive (growClient,
+// streamSteps).
 
 // clientPark is what a parked client side waits for (ready) and what it
-// does then (k; nil: handle the message again).
+// does then (k; nil: handle the message again). mid: k is in the middle
+// of a message passed on in pieces (clientStream), which is not done
+// when k is.
 type clientPark struct {
 	ready func() bool
 	k     func() error
+	mid   bool
+}
+
+// offCall is a blocking call of the client side that runs on a goroutine
+// of its own while the client side is parked (offClient). Its fields are
+// the loop thread's: f's error reaches it in the task the goroutine posts
+// there when f has returned.
+type offCall struct {
+	f    func() error
+	drop func() // undoes what f did when the session has ended before k could run
+	// detached: f uses nothing of the session's (a dial, a replica's
+	// poll): the session's end does not wait for it.
+	detached bool
+	err      error
+	done     bool // f has returned: the park is over
+}
+
+// parkOff parks the client side of a session on the loop while f runs on
+// a goroutine, and runs k with f's error on the loop thread once it has
+// returned (see offClient). The goroutine starts once the client side has
+// stopped (clientStopped), so that it never runs beside it.
+func (s *Session) parkOff(f func() error, k func(error) error, drop func(), detached bool) error {
+	c := &offCall{f: f, drop: drop, detached: detached}
+	ic := s.loopRelay.intercept
+	ic.off = c
+	ic.park = &clientPark{ready: func() bool { return c.done }, k: func() error { return k(c.err) }}
+	return errParked
+}
+
+// startOff runs the blocking call c on a goroutine of its own; its end
+// is posted to the loop thread, which resumes the client side there
+// (resumeClient), or, if the session has left the loop meanwhile, drops
+// what f did. Loop thread, with the client side parked on c.
+func (l *evloop) startOff(r *relay, c *offCall) {
+	ic := r.intercept
+	ic.offCalls.Add(1)
+	if !c.detached {
+		ic.offs.Add(1)
+	}
+	go func() {
+		err := r.s.guard("client", c.f)
+		if !c.detached {
+			ic.offs.Done()
+		}
+		l.tasks.post(func() {
+			if !l.owns(r) {
+				if c.drop != nil {
+					c.drop()
+				}
+				return
+			}
+			c.err, c.done = err, true
+			l.onLoopThread(r, func() error {
+				if err := r.s.guard("client", func() error { return l.resumeClient(r) }); err != nil {
+					return err
+				}
+				return l.interceptInterest(r)
+			})
+		})
+	}()
+}
+
+// deliverOff passes msg to a Handler that is not a LoopClient (its
+// ClientMessage may block) off the loop (offClient), parking the client
+// side meanwhile. Its messages keep their order: the client is not read
+// until it has returned. Loop thread (Session.deliver).
+func (s *Session) deliverOff(msg []byte) error {
+	return s.parkOff(func() error { return s.deliver(msg) }, func(err error) error {
+		if err == nil && msg[0] == 'X' {
+			s.sw.Flush()
+			return errClientTerminate
+		}
+		return err
+	}, nil, false)
 }
 
 // clientStream is a client message the loop passes on in pieces as they
-// arrive (left bytes to go): a CopyData larger than the buffer, each piece
+// arrive (left bytes to go; total is 0 when there is none: a stream
+// whose last piece is with the Handler off the loop has none left): a CopyData larger than the buffer, each piece
 // to the Handler (as Session.copyPieces), or one over MaxMessageSize
 // (over), dropped and then answered (Session.oversize), or a message the
 // memory budget cannot hold (overBudget), dropped and then the end.
@@ -62,8 +140,9 @@ func (l *evloop) clientStopped(r *relay, err error) error {
 	ic := r.intercept
 	switch err {
 	case errWouldBlock:
-		if len(ic.serverPending) > 0 {
-			// Read on once the server has taken it (interceptEvent).
+		if len(ic.serverPending) > 0 || r.replicaPending() {
+			// Read on once the upstream has taken it (interceptEvent,
+			// replicaEvent).
 			return l.watchClient(r, clientOff)
 		}
 		return l.watchClient(r, clientLevel)
@@ -74,6 +153,10 @@ func (l *evloop) clientStopped(r *relay, err error) error {
 	case errParked:
 		ic.parks.Add(1)
 		r.s.srv.ops.stats.ClientParks.Add(1)
+		if c := ic.off; c != nil {
+			ic.off = nil
+			l.startOff(r, c)
+		}
 		return l.watchClient(r, clientOff)
 	}
 	return err
@@ -121,7 +204,7 @@ func (l *evloop) resumeClient(r *relay) error {
 		return l.clientStopped(r, err)
 	case err != nil:
 		return err
-	default:
+	case !p.mid:
 		r.messageDone(ic.parkedLen)
 	}
 	return l.clientInline(r)
@@ -161,10 +244,10 @@ func (l *evloop) watchClient(r *relay, ev uint32) error {
 func (r *relay) clientSteps() error {
 	s, ic := r.s, r.intercept
 	for {
-		if len(ic.serverPending) > 0 {
+		if len(ic.serverPending) > 0 || r.replicaPending() {
 			return errPaused
 		}
-		if ic.stream.left > 0 {
+		if ic.stream.total > 0 {
 			if err := r.streamSteps(); err != nil {
 				return err
 			}
@@ -235,7 +318,8 @@ func isDone(req *Request) bool {
 
 // streamSteps goes on with the client message the loop passes on in
 // pieces (clientStream) as far as its bytes have arrived; errWouldBlock
-// when they have not all.
+// when they have not all, errParked when the Handler is given a piece
+// off the loop (deliverOff: the stream goes on once it has taken it).
 func (r *relay) streamSteps() error {
 	s, st := r.s, &r.intercept.stream
 	for st.left > 0 {
@@ -260,9 +344,14 @@ func (r *relay) streamSteps() error {
 			piece := append(s.scratch[:headerLen], b...)
 			wire.PutHeader(piece, 'd', k)
 			s.cf.Discard(k)
+			st.left -= k
 			if err := s.deliver(piece); err != nil {
+				if err == errParked {
+					r.intercept.park.mid = true
+				}
 				return err
 			}
+			continue
 		}
 		st.left -= k
 	}

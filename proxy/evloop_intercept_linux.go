@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"runtime/debug"
+	"sync"
 	"sync/atomic"
 	"syscall"
 	"time"
@@ -21,29 +22,29 @@ import (
 // parking, large messages) is evloop_client_linux.go.
 
 // An intercepted session (one with a Handler) is relayed on the loop too,
-// message by message rather than byte by byte. Its server side never
-// blocks: the loop reads the server, frames it, calls the Handler's
-// ServerMessage and writes to the client inline (Session.serverMessage,
-// the same code as the server goroutine). A LoopClient Handler's client
-// messages are handled on the loop as well (clientInline), and so never
-// block either: where the Handler must wait for an answer (the write gate:
-// a write pipelined behind a SET in flight, a wrapped COPY FROM, a
-// settings read-back) it parks the client side (parkClient) with what it
-// waits for and the rest of its work; the loop stops reading that client
-// (its bytes stay buffered, in order), and once the server side, which
-// runs on the same thread, has answered, it runs the rest there
-// (resumeClient) and reads the client again. A message larger than the
-// buffer is read there too, without blocking, as it arrives (growClient,
-// streamSteps). The session has no client goroutine. A Handler that is
-// not a LoopClient keeps its client side on a goroutine
-// (Session.clientLoop), which reads the client itself and, when it must
-// wait for bytes, re-arms the loop's one-shot watch (clientReader); the
-// loop wakes it and yields at once, so it runs on the loop's own thread
-// instead of waking another (on a small VM a thread's wake-up costs tens
-// of microseconds), and it writes the server itself, blocking. Both
-// sockets leave Go's netpoller. The loop never blocks: what a socket does
-// not take waits (clientPending for the client, serverPending for the
-// server) and the other side is not read until it has gone.
+// message by message rather than byte by byte, both its sides. Its server
+// side never blocks: the loop reads the server, frames it, calls the
+// Handler's ServerMessage and writes to the client inline
+// (Session.serverMessage, the same code as the server goroutine). Its
+// client messages are handled on the loop as well (clientInline), and so
+// never block either: where a LoopClient Handler must wait for an answer
+// (the write gate: a write pipelined behind a SET in flight, a wrapped
+// COPY FROM, a settings read-back, a routed read) it parks the client
+// side (parkClient) with what it waits for and the rest of its work; the
+// loop stops reading that client (its bytes stay buffered, in order),
+// and once the server side, which runs on the same thread, has answered,
+// it runs the rest there (resumeClient) and reads the client again.
+// What cannot be done without blocking (dialing a replica, waiting for a
+// replica's poll under fence.read_policy=wait, the ClientMessage of a
+// Handler that is not a LoopClient, which may block) runs on a goroutine
+// of its own while the client side is parked (offClient), and the loop
+// goes on with the rest of the work when it has returned. A message
+// larger than the buffer is read there too, without blocking, as it
+// arrives (growClient, streamSteps). The session has no client
+// goroutine. Both sockets leave Go's netpoller. The loop never blocks:
+// what a socket does not take waits (clientPending for the client,
+// serverPending for the server) and the other side is not read until it
+// has gone.
 //
 // The Handler's ServerMessage runs on the loop thread, so it must not
 // block (fenceSession's holds its mutex only for short bookkeeping); a
@@ -63,16 +64,9 @@ type interceptState struct {
 	// The client's reads: clientReadFD, another duplicate of the client
 	// socket, is watched level-triggered while the loop reads it
 	// (clientWatchEv: what is registered; loop thread only, or
-	// attachIntercepted before the loop can see the session). A client
-	// goroutine (a Handler that is not a LoopClient) has it watched
-	// one-shot and is woken through clientReady (and runs on the loop's
-	// thread: see run); stop ends its wait at the session's end.
-	clientReadFD  int
-	clientWatchEv uint32
-	clientReady   chan struct{}
-	stop          chan struct{}
-
-	inlineClient    bool // a LoopClient: its client side is the loop's (fixed when attached)
+	// attachIntercepted before the loop can see the session).
+	clientReadFD    int
+	clientWatchEv   uint32
 	clientReadArmed bool // the loop may read the client (once) in this event
 	// clientEventCount counts the loop's events for clientReadFD (for
 	// observation: a watch left armed while the client is not read would
@@ -95,7 +89,7 @@ type interceptState struct {
 	// taken while the buffer is larger, for one message (growClient).
 	clientSize int
 	grown      int64
-	// clientSrc is what the client framer reads: clientReader, or the
+	// clientSrc is what the client framer reads: loopClientReader, or the
 	// client's tls.Conn over it (sock.Read); a resized buffer reads it too.
 	clientSrc io.Reader
 	stream    clientStream // a message passed on in pieces (streamSteps)
@@ -103,53 +97,37 @@ type interceptState struct {
 	// replica is the session's replica connection while the loop reads
 	// it (evloop_replica_linux.go). Loop thread only.
 	replica *loopReplica
+
+	// off is a blocking call to start once the client side has stopped
+	// (offClient); offs counts those running, which the session's end
+	// waits for (they may write the upstream sockets).
+	off  *offCall
+	offs sync.WaitGroup
+	// offCalls counts the blocking calls the client side has run off
+	// the loop (for observation: tests).
+	offCalls atomic.Int64
 }
 
 // errPaused ends clientSteps while the server has not taken what waits
 // in serverPending.
 var errPaused = errors.New("client paused until the server takes what waits")
 
-// clientReader is the client framer's reader once the client socket has
-// left Go's netpoller: the client goroutine reads the socket itself and,
-// when it is empty, re-arms the loop's one-shot watch and waits for it.
-type clientReader struct {
-	l *evloop
-	r *relay
-}
+// loopClientReader is the client framer's reader on the loop: one read
+// per readable event, errWouldBlock otherwise (as loopServerReader).
+type loopClientReader struct{ r *relay }
 
-func (cr clientReader) Read(b []byte) (int, error) {
-	ic := cr.r.intercept
-	if cr.r.s.onLoop {
-		return armedRead(ic.clientReadFD, &ic.clientReadArmed, b) // as loopServerReader
-	}
-	for {
-		ready := true // the goroutine reads whenever it is asked to
-		n, err := armedRead(ic.clientReadFD, &ready, b)
-		if err != errWouldBlock {
-			return n, err
-		}
-		if err := cr.l.ctl(syscall.EPOLL_CTL_MOD, ic.clientReadFD, clientWatch); err != nil {
-			return 0, err
-		}
-		select {
-		case <-ic.clientReady:
-		case <-ic.stop:
-			return 0, errSessionClosing
-		}
-	}
+func (cr loopClientReader) Read(b []byte) (int, error) {
+	return armedRead(cr.r.intercept.clientReadFD, &cr.r.intercept.clientReadArmed, b)
 }
 
 // The loop's interest in an intercepted session's client reads.
 // clientLevel is level-triggered: while the loop reads the client it
 // stays registered, so a message costs no epoll_ctl (re-arming a
 // one-shot watch per message cost CPU: docs/proxy.md, Performance).
-// clientWatch is one-shot: a client goroutine arms it when it must wait
-// for bytes. clientOff disarms the reads (a reset is still reported,
-// once) while the loop must not read the client (paused, PAUSE,
-// parked).
+// clientOff disarms the reads (a reset is still reported, once) while
+// the loop must not read the client (paused, PAUSE, parked).
 const (
 	clientLevel = syscall.EPOLLIN | syscall.EPOLLRDHUP
-	clientWatch = syscall.EPOLLIN | syscall.EPOLLRDHUP | syscall.EPOLLONESHOT
 	clientOff   = syscall.EPOLLONESHOT
 )
 
@@ -208,10 +186,11 @@ func writeOrHold(fd int, held *[]byte, b []byte) error {
 	return nil
 }
 
-// serverWriter is the client goroutine's writer to the server once the
-// server socket has left Go's netpoller: it writes what the socket takes
-// and, when it is full, waits for room in poll(2), as a blocking system
-// call (releasing its P).
+// serverWriter is the client side's writer to the server once the server
+// socket has left Go's netpoller: on the loop it writes what the socket
+// takes and holds the rest (serverPending); off it (a blocking call of
+// the client side, offClient) it waits for room in poll(2), as a blocking
+// system call (releasing its P).
 type serverWriter struct{ r *relay }
 
 func (sw serverWriter) Write(b []byte) (int, error) {
@@ -234,9 +213,9 @@ func (sw serverWriter) raw(b []byte) (int, error) {
 	return pollWrite(sw.r.serverFD, b)
 }
 
-// attachIntercepted moves an intercepted session s onto the loop (its client
-// side too, for a LoopClient Handler). It reports false, leaving s
-// untouched, when it cannot (dupSockets).
+// attachIntercepted moves an intercepted session s, both its sides, onto
+// the loop. It reports false, leaving s untouched, when it cannot
+// (dupSockets).
 func (l *evloop) attachIntercepted(s *Session) (*relay, bool) {
 	s.connMu.Lock()
 	defer s.connMu.Unlock()
@@ -254,18 +233,17 @@ func (l *evloop) attachIntercepted(s *Session) (*relay, bool) {
 	r := &relay{
 		s: s, l: l, clientFD: clientFD, serverFD: serverFD,
 		intercept: &interceptState{serverInterest: syscall.EPOLLIN | syscall.EPOLLRDHUP, clientReadFD: clientReadFD,
-			clientReady: make(chan struct{}, 1), stop: make(chan struct{}), clientSize: s.cf.R.Size()},
+			clientWatchEv: clientLevel, clientSize: s.cf.R.Size()},
 		done: make(chan error, 1),
 	}
 	// Both sockets leave Go's netpoller, or every response would wake it
-	// as well as the loop. The client side reads the client
-	// (clientReader) and writes the server (serverWriter); the loop reads
-	// the server and writes the client; all through the duplicates.
-	var cr, sr io.Reader = clientReader{l, r}, loopServerReader{r}
+	// as well as the loop. The loop reads both and writes both, through
+	// the duplicates.
+	var cr, sr io.Reader = loopClientReader{r}, loopServerReader{r}
 	r.client = takeSock(s.client, clientFD, cr, nil, &r.intercept.clientPending)
 	r.server = takeSock(s.server, serverFD, sr, serverWriter{r}.raw, &r.intercept.serverPending)
 	if r.client.tls != nil {
-		cr = &r.client // the plaintext, from its tls.Conn reading clientReader
+		cr = &r.client // the plaintext, from its tls.Conn reading loopClientReader
 	}
 	if r.server.tls != nil {
 		sr = &r.server // the same, reading loopServerReader
@@ -276,13 +254,10 @@ func (l *evloop) attachIntercepted(s *Session) (*relay, bool) {
 	s.cw.Reset(loopClientWriter{r})
 	s.sw.Reset(serverWriter{r})
 	s.loopRelay = r
-	r.intercept.clientWatchEv = clientWatch // the client goroutine's, waiting
-	// With read routing the client side stays on the goroutine: routing
-	// decisions wait (routeWait, evloop_replica_linux.go).
-	if lc, ok := s.h.(LoopClient); ok && lc.LoopClient() && s.srv.rs == nil {
-		r.intercept.inlineClient = true
-		r.intercept.clientWatchEv = clientLevel
-	}
+	// A Handler that is not a LoopClient may block in ClientMessage: it
+	// runs off the loop (deliverOff).
+	lc, ok := s.h.(LoopClient)
+	s.blocking = !ok || !lc.LoopClient()
 	// The client's writes are watched only while clientPending holds bytes.
 	l.publish(r, epollReg{clientReadFD, r.intercept.clientWatchEv}, epollReg{serverFD, r.intercept.serverInterest})
 	if r.client.tls != nil || r.server.tls != nil || len(read.client) > 0 || len(read.server) > 0 {
@@ -310,15 +285,7 @@ func (l *evloop) interceptEvent(r *relay, fd int, ev uint32) {
 		}
 		if fd == ic.clientReadFD {
 			ic.clientEventCount.Add(1)
-			switch {
-			case !ic.inlineClient:
-				select {
-				case ic.clientReady <- struct{}{}:
-				default:
-				}
-				l.wokeGoroutine = true
-				return nil
-			case ic.park != nil:
+			if ic.park != nil {
 				// Parked: the client is not read, and a reset ends the
 				// session, dropping what it waited for. A client that
 				// closed (or only shut its writing down) has what it
@@ -340,7 +307,7 @@ func (l *evloop) interceptEvent(r *relay, fd int, ev uint32) {
 			if err := drainHeld(r.serverFD, &ic.serverPending, ic.clientSize); err != nil {
 				return fmt.Errorf("server: %w", err)
 			}
-			if len(ic.serverPending) == 0 && ic.inlineClient && ic.park == nil {
+			if len(ic.serverPending) == 0 && ic.park == nil {
 				// Go on with the client's messages held meanwhile.
 				if err := l.clientInline(r); err != nil {
 					return err
@@ -465,52 +432,37 @@ func (l *evloop) interceptInterest(r *relay) error {
 	return l.replicaInterest(r) // evloop_replica_linux.go
 }
 
-// runIntercepted runs an intercepted session with its server side on the
-// loop, and its client side there too (a LoopClient) or on a goroutine;
-// it returns false, having done nothing, when the session must use
-// goroutines for both.
+// runIntercepted runs an intercepted session on the loop, both its
+// sides; it returns false, having done nothing, when the session must
+// use goroutines.
 func (s *Session) runIntercepted(l *evloop) (error, bool) {
 	r, ok := l.attachIntercepted(s)
 	if !ok {
 		return nil, false
 	}
 	s.srv.ops.stats.SessionsLoop.Add(1)
-	if r.intercept.inlineClient {
-		return s.end(interceptEnd{relayEnd: relayEnd{r}}, <-r.done), true
-	}
-	sd := newSides()
-	sd.run(func() error { return s.guard("client", s.clientLoop) })
-	sd.run(func() error { // the server side, on the loop
-		err := <-r.done
-		r.replicaLeft() // evloop_replica_linux.go
-		return err
-	})
-	return s.end(interceptEnd{relayEnd{r}, sd}, sd.first()), true
+	err := <-r.done
+	r.replicaLeft() // evloop_replica_linux.go
+	return s.end(interceptEnd{relayEnd{r}}, err), true
 }
 
 // interceptEnd is the end of an intercepted session on the loop
-// (Session.end): both its sides on the loop (sd nil), or its client side
-// on a goroutine.
-type interceptEnd struct {
-	relayEnd
-	sd *sides
-}
+// (Session.end).
+type interceptEnd struct{ relayEnd }
 
-// stop shuts the upstream down (the loop sees it and lets go of r) and
-// ends a client goroutine's wait for bytes.
+// stop shuts the upstreams down (the loop sees it and lets go of r; a
+// blocking call of the client side off the loop writing them gives up).
 func (e interceptEnd) stop() {
 	e.r.s.closeServer()
-	e.r.s.stopReplica() // ends a client goroutine's write to it (replica.go)
-	close(e.r.intercept.stop)
+	e.r.s.stopReplica() // replica.go
 }
 
-// wait waits for the client goroutine, if there is one: the loop has let
+// wait waits for the client side's blocking calls still running off the
+// loop (offClient) that may use the session's sockets: the loop has let
 // go of r already.
 func (e interceptEnd) wait() error {
-	if e.sd == nil {
-		return nil
-	}
-	return e.sd.wait()
+	e.r.intercept.offs.Wait()
+	return nil
 }
 
 // endServer closes the upstream sockets: stop told the backends to end

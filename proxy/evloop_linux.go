@@ -106,10 +106,9 @@ func (sl *serverLoop) stop() {
 }
 
 type evloop struct {
-	epfd          int
-	wokeGoroutine bool          // loop thread only: an event woke a client goroutine
-	quit          bool          // loop thread only: stop asked the loop to end
-	done          chan struct{} // closed when run has returned, its descriptors closed
+	epfd int
+	quit bool          // loop thread only: stop asked the loop to end
+	done chan struct{} // closed when run has returned, its descriptors closed
 
 	mu   sync.RWMutex
 	byFD map[int32]*relay // every relay, by each of its sockets
@@ -371,13 +370,6 @@ func (l *evloop) run() {
 				continue // ended earlier in this batch
 			}
 			l.event(r, int(ev.Fd), ev.Events)
-		}
-		if l.wokeGoroutine {
-			// A client goroutine was woken: yield so that it runs now,
-			// rather than after another thread steals it from this P.
-			l.wokeGoroutine = false
-			runtime.Gosched()
-			last = time.Now()
 		}
 	}
 	l.close()

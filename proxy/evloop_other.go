@@ -27,3 +27,11 @@ func (*loopReplica) release() {}
 
 // replicaOnLoop reports false: the replica's reader is a goroutine.
 func (s *Session) replicaOnLoop(rc *replicaConn) (bool, error) { return false, nil }
+
+// deliverOff and parkOff are never called: a session is never on a loop
+// here (offClient calls its f itself).
+func (s *Session) deliverOff([]byte) error                                     { return ErrWait }
+func (s *Session) parkOff(func() error, func(error) error, func(), bool) error { return ErrWait }
+
+// endOnLoop is never called: no loop reads a replica connection here.
+func (*loopReplica) endOnLoop() {}

@@ -17,50 +17,59 @@ import (
 // (read routing: replica.go): its registration on the loop as the
 // session's second upstream socket, the reading of it, and its end.
 
-// A session with read routing runs on the loop as an intercepted session
-// whose client side stays on its goroutine (Session.clientLoop), since the
-// routing decisions block (routeWait, fence.read_policy=wait, the fence
-// row check). The replica connection the client goroutine opens becomes a
-// second upstream socket of the session's relay: the loop reads it,
-// frames it and passes its messages on with the code that passes on the
-// primary's (Session.upstreamMessage, keeping replicaLoop's rules), into
-// the same client writer and clientPending. So the client gets one stream
-// in order, and the replica is not read while the client is behind, as
-// the primary is not. A message larger than the buffer, passed on in
-// pieces, is never cut by the other upstream's: neither upstream is read
-// (but to see it close) while the other is in the middle of one.
+// A session with read routing runs on the loop as any intercepted
+// session does, both its sides. The routing decisions that wait park the
+// client side (routeThen: the routed read's answer, the fence row check),
+// and what blocks runs off the loop meanwhile (offClient: the dial, the
+// replica's poll under fence.read_policy=wait). The replica connection
+// the client side opens becomes a second upstream socket of the session's
+// relay: the loop reads it, frames it and passes its messages on with the
+// code that passes on the primary's (Session.upstreamMessage, keeping
+// replicaLoop's rules), into the same client writer and clientPending. So
+// the client gets one stream in order, and the replica is not read while
+// the client is behind, as the primary is not. A message larger than the
+// buffer, passed on in pieces, is never cut by the other upstream's:
+// neither upstream is read (but to see it close) while the other is in
+// the middle of one. The loop writes requests to it as it writes the
+// primary: what the socket does not take waits (loopReplica.pending) and
+// the client is not read until it has gone.
 //
 // The replica's socket is a duplicate of the connection's, which leaves
-// Go's netpoller as the primary's does. Who does what with it:
+// Go's netpoller as the primary's does. Who does what with it, all on the
+// loop thread:
 //
-//   - the client goroutine opens the connection and posts its
-//     registration to the loop thread (replicaOnLoop); it writes requests
-//     to it itself, blocking (pollWrite), as it writes the primary;
-//   - the loop thread registers it (registerReplica), reads it, and ends
-//     it at its end of stream or a failure (endReplica): unregistered and
-//     forgotten first, then rc.done closed, which routeWait and
-//     dropReplica wait for;
+//   - the client side opens the connection (the dial off the loop) and
+//     registers it (replicaOnLoop, registerReplica), and writes requests
+//     to it;
+//   - the loop reads it, and ends it at its end of stream or a failure
+//     (endReplica): unregistered and forgotten first, then rc.done
+//     closed, which routeThen waits for;
+//   - the client side dropping it ends it at once (endOnLoop), then
+//     closes it (release);
 //   - when the session leaves the loop, l.end unregisters it with the
-//     relay's other sockets (relay.sockets), and the session's server-side
-//     goroutine closes rc.done (replicaLeft);
-//   - its owner closes the descriptor once the loop has let go of it
-//     (release): the client goroutine in dropReplica, or the session's end
+//     relay's other sockets (relay.sockets), and the session's goroutine
+//     closes rc.done (replicaLeft) and, at its end, the socket
 //     (closeReplica). stop (Terminate and shutdown, from any goroutine)
 //     never closes it, so that its number is not reused under the loop.
 
 // loopReplica is a replica connection the event loop reads.
 type loopReplica struct {
 	rc   *replicaConn
+	r    *relay
 	fd   int  // the duplicate of rc's socket
 	sock sock // fd, and rc's tls.Conn over it for TLS
 
 	// Loop thread only, once registered (interceptState.replica):
 	armed    bool       // the socket may be read (once) in this event
+	pending  []byte     // bytes for the replica its socket has not taken yet
 	big      bigMessage // the part of a large message still to pass on
 	interest uint32     // epoll interest registered
 	// readsPaused: the replica is not read until the client takes what
 	// waits in clientPending (for observation: tests).
 	readsPaused atomic.Bool
+	// writesHeld: bytes wait in pending for the socket to take them (for
+	// observation: tests).
+	writesHeld atomic.Bool
 
 	mu      sync.Mutex
 	stopped bool // stop has shut the socket down
@@ -74,7 +83,7 @@ type loopReplica struct {
 // not write too. A TLS connection is read through its tls.Conn, over
 // pgfence's transport (takeSock); one the loop cannot take (no socket to
 // duplicate) is an error then, and the caller reads from the primary.
-// Client goroutine, in openReplica.
+// Client side, in openReplica: on the loop thread.
 func (s *Session) replicaOnLoop(rc *replicaConn) (bool, error) {
 	s.connMu.Lock()
 	r := s.loopRelay
@@ -92,20 +101,55 @@ func (s *Session) replicaOnLoop(rc *replicaConn) (bool, error) {
 	}
 	// Out of Go's netpoller; its RemoteAddr still answers (cancelRoute).
 	// A TLS connection's tls.Conn reads the socket as the framer's reader
-	// does and writes it as the client goroutine does (takeSock).
-	lr := &loopReplica{rc: rc, fd: fd}
-	lr.sock = takeSock(rc.conn, fd, loopReplicaReader{lr}, fdWriter(fd).Write, nil)
+	// does and writes it as the client side does (takeSock).
+	lr := &loopReplica{rc: rc, r: r, fd: fd}
+	w := loopReplicaWriter{lr}
+	lr.sock = takeSock(rc.conn, fd, loopReplicaReader{lr}, w.Write, nil)
 	rc.loop = lr
 	if lr.sock.tls != nil {
 		rc.sw.Reset(lr.sock.tls)
 		rc.sf.R.Reset(&lr.sock)
 	} else {
-		rc.sw.Reset(fdWriter(fd))
+		rc.sw.Reset(w)
 		rc.sf.R.Reset(loopReplicaReader{lr})
 	}
-	l := r.l
-	l.tasks.post(func() { l.registerReplica(r, lr) })
+	r.l.registerReplica(r, lr)
 	return true, nil
+}
+
+// loopReplicaWriter is the client side's writer to the replica on the
+// loop: it writes what the socket takes and holds the rest in pending,
+// never blocking (as serverWriter does the primary's); off the loop it
+// waits for room (pollWrite).
+type loopReplicaWriter struct{ lr *loopReplica }
+
+func (w loopReplicaWriter) Write(b []byte) (int, error) {
+	lr := w.lr
+	if !lr.r.s.onLoop {
+		return pollWrite(lr.fd, b)
+	}
+	if err := writeOrHold(lr.fd, &lr.pending, b); err != nil {
+		return 0, err
+	}
+	return len(b), nil
+}
+
+// replicaPending reports whether bytes wait for r's replica socket to
+// take them: the client is not read meanwhile. Loop thread.
+func (r *relay) replicaPending() bool {
+	lr := r.intercept.replica
+	return lr != nil && len(lr.pending) > 0
+}
+
+// endOnLoop ends the replica connection on the loop at once, as its end
+// of stream would: the client side drops it (dropReplica), and the loop
+// thread, where it runs, could not wait for the loop to see its end.
+func (lr *loopReplica) endOnLoop() {
+	if r := lr.r; r.intercept.replica == lr {
+		r.l.endReplica(r, errSessionClosing)
+		return
+	}
+	lr.end(errSessionClosing)
 }
 
 // registerReplica makes lr the replica socket of r on the loop. If r has
@@ -142,7 +186,23 @@ func (rr loopReplicaReader) Read(b []byte) (int, error) {
 // replicaEvent handles an event of r's replica socket: readable, or
 // closed. Loop thread, from interceptEvent; an error ends the session.
 func (l *evloop) replicaEvent(r *relay, ev uint32) error {
-	r.intercept.replica.armed = true
+	lr := r.intercept.replica
+	if ev&syscall.EPOLLOUT != 0 {
+		if err := drainHeld(lr.fd, &lr.pending, r.intercept.clientSize); err != nil {
+			l.endReplica(r, fmt.Errorf("replica: %w", err))
+			return nil
+		}
+		if len(lr.pending) == 0 && len(r.intercept.serverPending) == 0 && r.intercept.park == nil {
+			// Go on with the client's messages held meanwhile.
+			if err := l.clientInline(r); err != nil {
+				return err
+			}
+		}
+		if ev&readable == 0 || r.intercept.replica != lr {
+			return nil
+		}
+	}
+	lr.armed = true
 	hangup := ev&(syscall.EPOLLRDHUP|syscall.EPOLLHUP|syscall.EPOLLERR) != 0
 	if hangup && r.intercept.big.left > 0 {
 		// Not into the middle of the primary's message: its end is read
@@ -234,6 +294,9 @@ func (l *evloop) replicaInterest(r *relay) error {
 			want |= syscall.EPOLLIN
 		}
 	}
+	if len(lr.pending) > 0 {
+		want |= syscall.EPOLLOUT
+	}
 	if want == lr.interest {
 		return nil
 	}
@@ -242,15 +305,18 @@ func (l *evloop) replicaInterest(r *relay) error {
 	}
 	lr.interest = want
 	lr.readsPaused.Store(want&syscall.EPOLLIN == 0 && ic.big.left == 0)
+	lr.writesHeld.Store(want&syscall.EPOLLOUT != 0)
 	return nil
 }
 
 // endReplica ends r's replica connection on the loop: its socket
-// unregistered and forgotten, then rc.done closed with err (the client
-// goroutine's dropReplica closes the socket). Loop thread.
+// unregistered and forgotten (with what still waited for it), then
+// rc.done closed with err (the client side's dropReplica closes the
+// socket). Loop thread.
 func (l *evloop) endReplica(r *relay, err error) {
 	lr := r.intercept.replica
 	r.intercept.replica = nil
+	lr.pending = nil
 	l.ctl(syscall.EPOLL_CTL_DEL, lr.fd, 0)
 	l.mu.Lock()
 	delete(l.byFD, int32(lr.fd))
@@ -311,12 +377,6 @@ func (lr *loopReplica) release() {
 		syscall.Close(lr.fd)
 	}
 }
-
-// fdWriter writes a non-blocking socket, waiting for room (pollWrite): the
-// client goroutine's writer to the replica on the loop.
-type fdWriter int
-
-func (w fdWriter) Write(b []byte) (int, error) { return pollWrite(int(w), b) }
 
 // pollWrite writes b to the non-blocking socket fd, waiting for room in
 // poll(2), as a blocking system call (releasing its P), when it is full.

@@ -34,14 +34,10 @@ import (
 // post-handshake message (a TLS 1.3 KeyUpdate) is handled inside the read;
 // its answer is written like any other ciphertext.
 //
-// On the pass-through relay only the loop thread calls the tls.Conns. An
-// intercepted session's client goroutine, when it has the client side,
-// reads the client while the loop writes it, and writes the upstream
-// while the loop reads it: tls.Conn allows one Read and one Write at a
-// time, but a KeyUpdate answered by the goroutine's read of the client
-// then appends to clientPending, which the loop also writes (a client
-// that asks for a KeyUpdate while its session's client side is on the
-// goroutine).
+// Only the loop thread reads the tls.Conns. The one call off it is a
+// blocking call of an intercepted session's client side (offClient: a
+// Handler that is not a LoopClient), which may write the upstream while
+// the loop reads it: tls.Conn allows one Read and one Write at a time.
 
 // sock is one socket of a relay: fd, and tls with its transport for TLS
 // (nil: plain). held, if not nil, is where the bytes the socket has not
@@ -280,16 +276,13 @@ func (k *sock) Read(b []byte) (int, error) {
 }
 
 // kickIntercepted is kick for an intercepted session: the loop reads
-// what the upstream's framer or tls.Conn holds, and the client's if the
-// client side is the loop's (a client goroutine reads its own).
+// what the upstream's framer or tls.Conn holds, and the client's.
 func (l *evloop) kickIntercepted(r *relay) error {
 	if err := r.serverSteps(false); err != nil {
 		return err
 	}
-	if r.intercept.inlineClient {
-		if err := l.clientInline(r); err != nil {
-			return err
-		}
+	if err := l.clientInline(r); err != nil {
+		return err
 	}
 	return l.interceptInterest(r)
 }

@@ -63,15 +63,19 @@ type gateConn interface {
 	// replicaInUse is the replica the session's replica connection is
 	// to, while that replica is healthy; else nil.
 	replicaInUse() *replica
-	useReplica(r *replica) error
+	// useReplica and routeThen run their continuation once done, on the
+	// loop after a park (replica.go); offClient runs a blocking call off
+	// the loop, the client side parked meanwhile.
+	useReplica(r *replica, k func(error) error) error
 	usePrimary() error
 	// startRouted marks that the client side is about to wait for a
-	// routed request (routeWait may retry it on the primary); fresh: it
+	// routed request (routeThen may retry it on the primary); fresh: it
 	// is the client's, so none of its answer has reached the client yet.
 	// stopRouted undoes it when the request could not be sent.
 	startRouted(fresh bool)
 	stopRouted()
-	routeWait(r *Request) (retry bool, err error)
+	routeThen(r *Request, k func(retry bool) error) error
+	offClient(f func() error, k func(error) error, drop func(), detached bool) error
 }
 
 var _ gateConn = (*Session)(nil)

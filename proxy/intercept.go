@@ -40,9 +40,9 @@ type Handler interface {
 	// length, body), before it is forwarded. msg is only valid during the
 	// call: copy what you keep. To inject, call s.Inject before returning
 	// Forward; to replace, call s.Inject or s.ForwardMessage and return
-	// Drop; to hold, copy msg, return Drop and send it later from this
-	// same goroutine (e.g. in the next ClientMessage call, or after
-	// waiting on an injected Request's Done).
+	// Drop; to hold, copy msg, return Drop and send it later from a
+	// ClientMessage call (this one, after waiting on an injected
+	// Request's Done, or the next).
 	ClientMessage(s *Session, msg []byte) (Verdict, error)
 
 	// ServerMessage is called for every server message. req is the
@@ -71,8 +71,18 @@ type Handler interface {
 // happened.) Meanwhile the loop does not read the client: its bytes wait,
 // in order.
 //
-// A Handler that does not implement LoopClient (or returns false) always
-// gets ClientMessage on a goroutine, where it may block.
+// A Handler that does not implement LoopClient (or returns false) gets
+// ClientMessage off the event loop's thread, where it may block, and
+// Session.OnLoop reports false. On the loop that is a goroutine started
+// for each message, not one goroutine for the session as on the
+// goroutine relay: calls still never overlap, each starts after the
+// previous one has returned (and sees what it did), and while one runs the
+// session's client is not read, so its messages keep their order; the
+// server side goes on meanwhile. The session's end waits for a call in
+// progress (its upstream closed first, so a write there fails), as it
+// waits for the goroutine relay's client goroutine. Every call costs a
+// goroutine's start and a wake-up of the loop; a Handler that never
+// blocks is cheaper as a LoopClient.
 type LoopClient interface {
 	LoopClient() bool
 }

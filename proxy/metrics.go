@@ -115,6 +115,9 @@ func (l *Latency) snapshot() (uint64, float64, map[float64]uint64) {
 type ServerStats struct {
 	SessionsTotal atomic.Int64 // proxied sessions opened
 	SessionsLoop  atomic.Int64 // of those, relayed by the event loop thread
+	// ClientGoroutines counts the sessions whose client side ran on a
+	// goroutine of its own (the goroutine relay), not on the event loop.
+	ClientGoroutines atomic.Int64
 	// ClientParks counts the times the event loop parked the client side
 	// of an intercepted session because the Handler had to wait for an
 	// earlier answer (a pipelined write behind a state change, a wrapped
@@ -291,7 +294,7 @@ type collector struct{ s *Server }
 var (
 	descSessions     = prometheus.NewDesc("pgfence_sessions", "Open proxied client sessions.", nil, nil)
 	descSessionsTot  = prometheus.NewDesc("pgfence_sessions_opened_total", "Proxied client sessions opened.", nil, nil)
-	descSessionsLoop = prometheus.NewDesc("pgfence_sessions_event_loop_total", "Proxied client sessions relayed by the event loop thread (sessions without read routing).", nil, nil)
+	descSessionsLoop = prometheus.NewDesc("pgfence_sessions_event_loop_total", "Proxied client sessions relayed by the event loop thread.", nil, nil)
 	descParks        = prometheus.NewDesc("pgfence_client_parks_total", "Times the event loop parked a session's client side because the write gate had to wait for an earlier answer (pipelined writes, wrapped COPY FROM, settings read-backs).", nil, nil)
 	descAdminTot     = prometheus.NewDesc("pgfence_admin_sessions_opened_total", "Admin console sessions opened.", nil, nil)
 	descRefused      = prometheus.NewDesc("pgfence_clients_refused_total", "Clients refused before their session started, by SQLSTATE.", []string{"code"}, nil)

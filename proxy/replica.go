@@ -8,6 +8,7 @@ import (
 	"sync"
 	"sync/atomic"
 
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgproto3"
 	"github.com/pgfence/pgfence/internal/wire"
 	"go.uber.org/zap"
@@ -19,7 +20,7 @@ import (
 // coherent:
 //
 //   - Only one upstream has requests in flight at a time. The client
-//     goroutine switches Session.sw (where requests go) only when nothing
+//     side switches Session.sw (where requests go) only when nothing
 //     is outstanding and the transaction status is idle; a transaction
 //     begun on the replica (BEGIN READ ONLY) stays there until it ends.
 //   - Each upstream connection has its own reader goroutine, or both are
@@ -27,11 +28,14 @@ import (
 //     match responses against the session's one outstanding-request queue
 //     and pass them through the Handler, and both write to the client
 //     through the same writer, which then locks (clientWriter).
-//   - A routed request is waited for before the client goroutine reads on
-//     (routeWait). If the replica fails before any of its response reached
-//     the client, the request is sent again to the primary; if part of it
+//   - A routed request is waited for before the client side reads on
+//     (routeThen: blocking on the goroutine relay, parked on the event
+//     loop). If the replica fails before any of its response reached the
+//     client, the request is sent again to the primary; if part of it
 //     did, or a read-only transaction was open there, the session ends
 //     with 08006, as it would if its backend had crashed.
+//   - What blocks (dialing the replica, waiting for its poll) runs off
+//     the event loop while the client side is parked (offClient).
 
 // clientWriter is the buffered writer to the client. With a replica
 // possible (shared), the two upstream readers lock it per Write and Flush;
@@ -80,7 +84,7 @@ type replicaConn struct {
 	done chan struct{} // closed when the reader goroutine ends
 	err  error         // why it ended (read after done)
 	// forwarded: a message of the current routed request reached the
-	// client (reset by the client goroutine before each routed request).
+	// client (reset by the client side before each routed request).
 	forwarded atomic.Bool
 	closeOnce sync.Once
 	// loop is set when the session's event loop reads the connection
@@ -104,7 +108,7 @@ func (rc *replicaConn) close() {
 
 // release closes the socket the event loop read rc through, once the loop
 // has let go of it (nothing to do for a reader goroutine's connection).
-// Its owner calls it: the client goroutine dropping rc, or the session's
+// Its owner calls it: the client side dropping rc, or the session's
 // end.
 func (rc *replicaConn) release() {
 	if rc.loop != nil {
@@ -114,12 +118,12 @@ func (rc *replicaConn) release() {
 
 // sessionRoute is a Session's routing state.
 type sessionRoute struct {
-	rep       *replicaConn // client goroutine writes; readers read under the session's use
+	rep       *replicaConn // the client side writes; readers read under the session's use
 	primarySW *bufio.Writer
 	onRep     atomic.Bool // requests currently go to the replica
-	waiting   atomic.Bool // the client goroutine waits for a routed request (retry possible)
+	waiting   atomic.Bool // the client side waits for a routed request (retry possible)
 	fatal     atomic.Pointer[ProtocolError]
-	mu        sync.Mutex // guards rep for readers outside the client goroutine (cancel, close)
+	mu        sync.Mutex // guards rep for readers outside the client side (cancel, close)
 }
 
 // errReplicaUnavailable: the replica could not be used; the caller goes to
@@ -127,13 +131,31 @@ type sessionRoute struct {
 var errReplicaUnavailable = errors.New("replica unavailable")
 
 // OnReplica reports whether the session's requests currently go to its
-// replica connection. Client goroutine.
+// replica connection. Client side.
 func (s *Session) OnReplica() bool { return s.rt.onRep.Load() }
 
+// offClient runs f, a call that may block, and then k with its error. On
+// a goroutine it calls them in turn; on the event loop f runs on a
+// goroutine of its own while the client side is parked, and k runs on
+// the loop thread once f has returned (evloop_client_linux.go), which may
+// be after the ClientMessage that called offClient has returned errParked.
+// f must touch nothing the loop thread does; detached: f uses nothing of
+// the session's, so the session's end does not wait for it, and drop
+// (if not nil) undoes what f did when the session has ended before k
+// could run.
+func (s *Session) offClient(f func() error, k func(error) error, drop func(), detached bool) error {
+	if !s.onLoop {
+		return k(f())
+	}
+	return s.parkOff(f, k, drop, detached)
+}
+
 // useReplica makes the replica connection (opening it to r when needed)
-// the upstream for the following requests. The caller guarantees nothing is
-// outstanding and the transaction status is idle. Client goroutine only.
-func (s *Session) useReplica(r *replica) error {
+// the upstream for the following requests, then runs k with the outcome
+// (errReplicaUnavailable: the caller goes to the primary). The caller
+// guarantees nothing is outstanding and the transaction status is idle.
+// Client side; on the loop the dial runs off it (offClient).
+func (s *Session) useReplica(r *replica, k func(error) error) error {
 	rc := s.rt.rep
 	if rc != nil {
 		select {
@@ -147,13 +169,34 @@ func (s *Session) useReplica(r *replica) error {
 		s.dropReplica()
 		rc = nil
 	}
-	if rc == nil {
-		var err error
-		if rc, err = s.openReplica(r); err != nil {
-			s.log.Info("cannot open a replica connection; reading from the primary", zap.String("replica", r.addr), zap.Error(err))
-			return fmt.Errorf("%w: %w", errReplicaUnavailable, err)
-		}
+	if rc != nil {
+		return k(s.switchReplica(rc))
 	}
+	var hj *pgconn.HijackedConn
+	dial := func() (err error) {
+		hj, err = s.srv.connectAs(r.cfg, s.User, s.Database, s.Params, s.proof) // as the primary's (server.go)
+		return err
+	}
+	opened := func(err error) error {
+		var rc *replicaConn
+		if err == nil {
+			rc, err = s.openReplica(r, hj)
+		}
+		if err != nil {
+			s.log.Info("cannot open a replica connection; reading from the primary", zap.String("replica", r.addr), zap.Error(err))
+			return k(fmt.Errorf("%w: %w", errReplicaUnavailable, err))
+		}
+		return k(s.switchReplica(rc))
+	}
+	return s.offClient(dial, opened, func() {
+		if hj != nil {
+			hj.Conn.Close()
+		}
+	}, true)
+}
+
+// switchReplica makes rc the upstream requests go to.
+func (s *Session) switchReplica(rc *replicaConn) error {
 	if !s.rt.onRep.Load() {
 		if err := s.sw.Flush(); err != nil {
 			return err
@@ -167,7 +210,7 @@ func (s *Session) useReplica(r *replica) error {
 
 // usePrimary makes the primary the upstream again. The caller guarantees
 // nothing is outstanding on the replica and no transaction is open there.
-// Client goroutine only.
+// Client side.
 func (s *Session) usePrimary() error {
 	if !s.rt.onRep.Load() {
 		return nil
@@ -181,14 +224,18 @@ func (s *Session) usePrimary() error {
 	return nil
 }
 
-// dropReplica closes the replica connection. Client goroutine, with the
-// replica not in use.
+// dropReplica closes the replica connection. Client side, with the
+// replica not in use; on the loop thread the loop lets go of it at once
+// (endOnLoop) rather than be waited for.
 func (s *Session) dropReplica() {
 	s.rt.mu.Lock()
 	rc := s.rt.rep
 	s.rt.rep = nil
 	s.rt.mu.Unlock()
 	if rc != nil {
+		if rc.loop != nil && s.onLoop {
+			rc.loop.endOnLoop() // evloop_replica_linux.go
+		}
 		rc.close()
 		<-rc.done
 		rc.release()
@@ -222,15 +269,11 @@ func (s *Session) closeReplica() {
 	}
 }
 
-// openReplica dials r as the client's user and database with the client's
-// startup parameters, as Server.open dials the primary.
-func (s *Session) openReplica(r *replica) (*replicaConn, error) {
-	srv := s.srv
-	hj, err := srv.connectAs(r.cfg, s.User, s.Database, s.Params, s.proof) // as the primary's (server.go)
-	if err != nil {
-		return nil, err
-	}
-	size := srv.cfg.BufferSize
+// openReplica makes hj, dialed to r as the client's user and database
+// with the client's startup parameters (as Server.open dials the
+// primary), the session's replica connection.
+func (s *Session) openReplica(r *replica, hj *pgconn.HijackedConn) (*replicaConn, error) {
+	size := s.srv.cfg.BufferSize
 	rc := &replicaConn{r: r, conn: hj.Conn, pid: hj.PID, key: hj.SecretKey, done: make(chan struct{}),
 		sw: bufio.NewWriterSize(hj.Conn, size)}
 	rc.sf = wire.Framer{R: bufio.NewReaderSize(hj.Conn, size), Flush: s.cw.Flush, From: "replica", Count: &s.info.stats.sent}
@@ -360,7 +403,7 @@ func (s *Session) handlerFailed(rc *replicaConn, err error) error {
 
 // replicaFailed decides what a lost replica connection means for the
 // session: nothing when the replica was not in use, a retry on the primary
-// when the client goroutine waits for a routed request (routeWait), and the
+// when the client side waits for a routed request (routeThen), and the
 // end of the session otherwise.
 func (s *Session) replicaFailed(err error) {
 	if !s.rt.onRep.Load() || s.rt.waiting.Load() {
@@ -386,25 +429,49 @@ func (s *Session) failReplica(err error) {
 	s.closeServer()
 }
 
-// routeWait waits for the routed request r (sent on the replica) to be
-// answered. It reports retry when the replica failed before anything of
-// the answer reached the client: the queue is then cleared and the caller
-// sends the request to the primary. Client goroutine only.
-func (s *Session) routeWait(r *Request) (retry bool, err error) {
+// routeThen runs k once the routed request r (sent on the replica) has
+// been answered, or the replica connection has ended first: then k's
+// retry says the replica failed before anything of the answer reached
+// the client, the queue has been cleared and the caller sends the request
+// to the primary. On a goroutine it blocks until then; on the loop it
+// parks the client side (parkClient), whose end stays unread until then
+// (only a reset ends the session meanwhile). Client side only.
+func (s *Session) routeThen(r *Request, k func(retry bool) error) error {
 	rc := s.rt.rep
+	// A failure to write is the reader's to notice: it ends rc.
+	_ = s.sw.Flush()
+	ended := func() bool { return isClosed(r.Done()) || isClosed(rc.done) }
+	answered := func() error {
+		retry, err := s.routed(r, rc)
+		if err != nil {
+			return err
+		}
+		return k(retry)
+	}
+	switch {
+	case ended():
+	case s.onLoop:
+		return s.parkClient(ended, answered)
+	default:
+		select {
+		case <-r.Done():
+		case <-rc.done:
+		case <-s.closing:
+			s.rt.waiting.Store(false)
+			return errSessionClosing
+		}
+	}
+	return answered()
+}
+
+// routed is the outcome of the routed request r, answered or ended with
+// its replica connection rc (routeThen).
+func (s *Session) routed(r *Request, rc *replicaConn) (retry bool, err error) {
 	defer s.rt.waiting.Store(false)
-	if err := s.sw.Flush(); err != nil {
-		// The reader notices too; wait for it below.
-		_ = err
-	}
-	select {
-	case <-r.Done():
+	if isClosed(r.Done()) {
 		return false, nil
-	case <-rc.done:
-	case <-s.closing:
-		return false, errSessionClosing
 	}
-	// The replica's reader ended with r unanswered.
+	// The replica connection ended with r unanswered.
 	if rc.forwarded.Load() {
 		return false, &ProtocolError{Code: "08006", Msg: "pgfence: the replica serving this read failed after part of the result was sent; reconnect and retry", Err: rc.err}
 	}
@@ -423,6 +490,16 @@ func (s *Session) routeWait(r *Request) (retry bool, err error) {
 	s.rt.onRep.Store(false)
 	s.dropReplica()
 	return true, nil
+}
+
+// isClosed reports whether ch is closed.
+func isClosed(ch <-chan struct{}) bool {
+	select {
+	case <-ch:
+		return true
+	default:
+		return false
+	}
 }
 
 // replicaCancelTarget is where a CancelRequest for sess goes while its

@@ -190,8 +190,9 @@ func (h *fenceSession) routeQuery(s gateConn, msg []byte, res *rewrite.Result) e
 		rs.stats.Primary.Add(1)
 		return h.toPrimary(s, msg, res)
 	}
-	ok, err := h.replicaCurrent(s, r, stmts, kind)
-	if err != nil || !ok {
+	// Each step may wait (parked on the loop): what follows it is its
+	// continuation. msg stays whole in the client framer meanwhile.
+	return h.replicaCurrent(s, r, stmts, kind, func(ok bool, err error) error {
 		if err != nil {
 			if pe, isPending := err.(*pendingError); isPending {
 				rs.stats.Pending.Add(1)
@@ -202,28 +203,46 @@ func (h *fenceSession) routeQuery(s gateConn, msg []byte, res *rewrite.Result) e
 			}
 			return err
 		}
-		rs.stats.Primary.Add(1)
-		return h.toPrimary(s, msg, res)
-	}
-	if err := s.useReplica(r); err != nil {
-		rs.stats.Primary.Add(1)
-		return h.toPrimary(s, msg, res)
-	}
+		if !ok {
+			rs.stats.Primary.Add(1)
+			return h.toPrimary(s, msg, res)
+		}
+		return s.useReplica(r, func(err error) error {
+			if err != nil {
+				rs.stats.Primary.Add(1)
+				return h.toPrimary(s, msg, res)
+			}
+			return h.sendRouted(s, msg, res)
+		})
+	})
+}
+
+// sendRouted sends a read to the replica connection in use and, if the
+// replica fails before answering it, to the primary. Client side.
+func (h *fenceSession) sendRouted(s gateConn, msg []byte, res *rewrite.Result) error {
+	rs := s.readRouter()
 	rs.stats.Replica.Add(1)
 	s.startRouted(true)
 	if err := h.sendClient(s, msg, res); err != nil {
 		s.stopRouted()
 		return err
 	}
-	retry, err := s.routeWait(h.last)
-	if err != nil || !retry {
-		return err
-	}
-	rs.stats.Retries.Add(1)
-	h.mu.Lock()
-	h.st.TxStatus('I')
-	h.mu.Unlock()
-	return h.sendClient(s, msg, res)
+	return s.routeThen(h.last, func(retry bool) error {
+		if !retry {
+			return nil
+		}
+		rs.stats.Retries.Add(1)
+		h.mu.Lock()
+		h.st.TxStatus('I')
+		h.mu.Unlock()
+		if err := h.sendClient(s, msg, res); err != nil {
+			return err
+		}
+		if res != nil && plan.ChangesState(res.Stmts...) {
+			h.markState() // as query does after a send that did not wait
+		}
+		return nil
+	})
 }
 
 func (h *fenceSession) toPrimary(s gateConn, msg []byte, res *rewrite.Result) error {
@@ -379,121 +398,160 @@ type pendingError struct{ e *fence.Error }
 func (p *pendingError) Error() string { return p.e.Message }
 
 // replicaCurrent decides whether r may serve the read now, waiting when
-// the session's policy says so. It returns a *pendingError for policy
-// pending. It may leave the session on the replica (after a fence-row
-// check); the caller switches as it decides.
-func (h *fenceSession) replicaCurrent(s gateConn, r *replica, stmts []*rewrite.Stmt, kind readKind) (bool, error) {
+// the session's policy says so, and runs k with the decision. The error
+// is a *pendingError for policy pending. It may leave the session on the
+// replica (after a fence-row check); the caller switches as it decides.
+// Client side; on the loop its waits park it.
+func (h *fenceSession) replicaCurrent(s gateConn, r *replica, stmts []*rewrite.Stmt, kind readKind, k func(ok bool, err error) error) error {
 	req, protected, catalogLSN := h.require(stmts, kind)
 	if !protected {
 		// Reads of unprotected data never wait and never get FN007.
-		return LSN(r.replay.Load()) >= catalogLSN, nil
+		return k(LSN(r.replay.Load()) >= catalogLSN, nil)
 	}
 	if req.blind {
-		return false, nil
+		return k(false, nil)
 	}
+	checked := LSN(r.replay.Load())
+	return h.replayed(s, r, req, func(ok bool, err error) error {
+		if ok || err != nil {
+			return k(ok, err)
+		}
+		switch strings.ToLower(h.get(session.ReadPolicy)) {
+		case "wait":
+			return h.waitReplay(s, r, req, checked, k)
+		case "pending":
+			replay := LSN(r.replay.Load())
+			msg := fmt.Sprintf("generation pending on replica: %s is not yet visible on replica %s", req.what, r.addr)
+			if req.check {
+				msg += fmt.Sprintf(" (its fence row there is behind; replayed up to %s)", replay)
+			} else {
+				msg += fmt.Sprintf(" (needs WAL position %s, replayed %s)", req.lsn, replay)
+			}
+			return k(false, &pendingError{&fence.Error{Code: fence.CodePending, Message: "pgfence: " + msg,
+				Hint: "retry shortly, or read from the primary with SET fence.read_policy = 'primary' (or 'wait')"}})
+		}
+		return k(false, nil)
+	})
+}
+
+// waitReplay waits, up to fence.read_wait, for r to have replayed what
+// req needs (fence.read_policy=wait), and runs k with the outcome. The
+// replica's polls are waited for off the loop (offClient): one wait
+// lasts until r is healthy and has replayed req.lsn, and, when its fence
+// row decides (req.check), replayed past checked, where the row was
+// last read; the fence row is read again then. The wait ends early when
+// the session ends.
+func (h *fenceSession) waitReplay(s gateConn, r *replica, req requirement, checked LSN, k func(bool, error) error) error {
 	rs := s.readRouter()
-	ok, err := h.replayed(s, r, req)
-	if ok || err != nil {
-		return ok, err
+	wait := DefaultReadWait
+	if v := h.get(session.ReadWait); v != "" {
+		if d, err := session.ParseDuration(v); err == nil {
+			wait = d
+		}
 	}
-	switch strings.ToLower(h.get(session.ReadPolicy)) {
-	case "wait":
-		wait := DefaultReadWait
-		if v := h.get(session.ReadWait); v != "" {
-			if d, err := session.ParseDuration(v); err == nil {
-				wait = d
-			}
+	rs.stats.Waits.Add(1)
+	rs.stats.Waiting.Add(1)
+	ctx, cancel := context.WithTimeout(context.Background(), wait)
+	ending := s.ending()
+	go func() {
+		// The wait is over, or the session ends (its continuation then
+		// never runs): the poll off the loop gives up.
+		select {
+		case <-ending:
+		case <-ctx.Done():
 		}
-		rs.stats.Waits.Add(1)
-		rs.stats.Waiting.Add(1)
-		defer rs.stats.Waiting.Add(-1)
-		ctx, cancel := context.WithTimeout(context.Background(), wait)
-		defer cancel()
-		go func() {
-			select {
-			case <-s.ending():
-				cancel()
-			case <-ctx.Done():
-			}
-		}()
-		for ctx.Err() == nil {
-			if _, err := r.refresh(ctx); err != nil {
-				break
-			}
-			if !r.healthy.Load() {
-				continue
-			}
-			if ok, err := h.replayed(s, r, req); ok || err != nil {
-				return ok, err
-			}
-		}
-		return false, nil
-	case "pending":
-		replay := LSN(r.replay.Load())
-		msg := fmt.Sprintf("generation pending on replica: %s is not yet visible on replica %s", req.what, r.addr)
-		if req.check {
-			msg += fmt.Sprintf(" (its fence row there is behind; replayed up to %s)", replay)
-		} else {
-			msg += fmt.Sprintf(" (needs WAL position %s, replayed %s)", req.lsn, replay)
-		}
-		return false, &pendingError{&fence.Error{Code: fence.CodePending, Message: "pgfence: " + msg,
-			Hint: "retry shortly, or read from the primary with SET fence.read_policy = 'primary' (or 'wait')"}}
+		cancel()
+		rs.stats.Waiting.Add(-1)
+	}()
+	done := func(ok bool, err error) error {
+		cancel()
+		return k(ok, err)
 	}
-	return false, nil
+	var poll func() error
+	poll = func() error {
+		var seen LSN
+		f := func() error {
+			for {
+				lsn, err := r.refresh(ctx)
+				if err != nil {
+					return err
+				}
+				if r.healthy.Load() && lsn >= req.lsn && (!req.check || lsn > checked) {
+					seen = lsn
+					return nil
+				}
+			}
+		}
+		return s.offClient(f, func(err error) error {
+			if err != nil {
+				return done(false, nil)
+			}
+			checked = seen
+			return h.replayed(s, r, req, func(ok bool, err error) error {
+				if ok || err != nil || ctx.Err() != nil {
+					return done(ok, err)
+				}
+				return poll()
+			})
+		}, nil, true)
+	}
+	return poll()
 }
 
 // replayed checks req against r's cached replay position, and against its
-// fence row when the proxy does not know the session's token.
-func (h *fenceSession) replayed(s gateConn, r *replica, req requirement) (bool, error) {
+// fence row when the proxy does not know the session's token, and runs k
+// with the outcome.
+func (h *fenceSession) replayed(s gateConn, r *replica, req requirement, k func(bool, error) error) error {
 	if LSN(r.replay.Load()) < req.lsn {
-		return false, nil
+		return k(false, nil)
 	}
 	if !req.check {
-		return true, nil
+		return k(true, nil)
 	}
-	return h.fenceRowCheck(s, r, req)
+	return h.fenceRowCheck(s, r, req, k)
 }
 
 // fenceRowCheck asks the replica whether its fence row for req.job has
-// reached req.token, on the session's replica connection. The answer also
-// teaches the takeover tracker a position for that token.
-func (h *fenceSession) fenceRowCheck(s gateConn, r *replica, req requirement) (bool, error) {
-	if err := s.useReplica(r); err != nil {
-		return false, nil
-	}
-	s.readRouter().stats.FenceChecks.Add(1)
-	q := fenceCheckQuery(req, h.cat.reached.Load())
-	h.mu.Lock()
-	h.rt.row = ""
-	h.mu.Unlock()
-	s.startRouted(false)
-	if err := h.send(s, queryMsg(nil, q), &tag{kind: 'Q', segs: []seg{{step: stepFenceCheck}}}, false); err != nil {
-		s.stopRouted()
-		return false, err
-	}
-	retry, err := s.routeWait(h.last)
-	if err != nil {
-		return false, err
-	}
-	if retry {
+// reached req.token, on the session's replica connection, and runs k with
+// the answer. The answer also teaches the takeover tracker a position for
+// that token.
+func (h *fenceSession) fenceRowCheck(s gateConn, r *replica, req requirement, k func(bool, error) error) error {
+	return s.useReplica(r, func(err error) error {
+		if err != nil {
+			return k(false, nil)
+		}
+		s.readRouter().stats.FenceChecks.Add(1)
+		q := fenceCheckQuery(req, h.cat.reached.Load())
 		h.mu.Lock()
-		h.st.TxStatus('I')
+		h.rt.row = ""
 		h.mu.Unlock()
-		return false, nil
-	}
-	h.mu.Lock()
-	row := h.rt.row
-	h.mu.Unlock()
-	tokText, lsnText, _ := strings.Cut(row, " ")
-	tok, err1 := strconv.ParseInt(tokText, 10, 64)
-	lsn, err2 := parseLSN(lsnText)
-	if err1 != nil || err2 != nil {
-		return false, nil
-	}
-	if tok > 0 && lsn > 0 {
-		h.cat.tk.record(req.job, takeover{token: tok, lsn: lsn}, false)
-	}
-	return tok >= req.token, nil
+		s.startRouted(false)
+		if err := h.send(s, queryMsg(nil, q), &tag{kind: 'Q', segs: []seg{{step: stepFenceCheck}}}, false); err != nil {
+			s.stopRouted()
+			return err
+		}
+		return s.routeThen(h.last, func(retry bool) error {
+			if retry {
+				h.mu.Lock()
+				h.st.TxStatus('I')
+				h.mu.Unlock()
+				return k(false, nil)
+			}
+			h.mu.Lock()
+			row := h.rt.row
+			h.mu.Unlock()
+			tokText, lsnText, _ := strings.Cut(row, " ")
+			tok, err1 := strconv.ParseInt(tokText, 10, 64)
+			lsn, err2 := parseLSN(lsnText)
+			if err1 != nil || err2 != nil {
+				return k(false, nil)
+			}
+			if tok > 0 && lsn > 0 {
+				h.cat.tk.record(req.job, takeover{token: tok, lsn: lsn}, false)
+			}
+			return k(tok >= req.token, nil)
+		})
+	})
 }
 
 // fenceCheckQuery asks a replica for "token replay_lsn": the largest token

@@ -62,6 +62,9 @@ type Session struct {
 	// observation: tests).
 	onLoop  bool
 	offLoop atomic.Int64
+	// blocking: the Handler is not a LoopClient, so its ClientMessage
+	// may block; on the event loop it runs off it (deliverOff).
+	blocking bool
 
 	// connMu orders closeServer (graceful shutdown runs it from another
 	// goroutine) against itself and against moving the session onto the
@@ -215,6 +218,7 @@ func (s *Session) guard(side string, f func() error) (err error) {
 
 // clientLoop forwards client messages upstream.
 func (s *Session) clientLoop() error {
+	s.srv.ops.stats.ClientGoroutines.Add(1)
 	size := s.cf.R.Size()
 	for {
 		typ, total, err := s.nextClient()
@@ -327,6 +331,9 @@ func (s *Session) interceptClient(total, size int) error {
 // deliver passes a whole client message to the Handler and forwards it
 // if the Handler says so.
 func (s *Session) deliver(msg []byte) error {
+	if s.onLoop && s.blocking {
+		return s.deliverOff(msg) // evloop_client_linux.go
+	}
 	if !s.onLoop {
 		s.offLoop.Add(1)
 	}
