@@ -1,4 +1,4 @@
-//go:build linux
+//go:build unix
 
 package proxy
 
@@ -17,7 +17,7 @@ import (
 
 // This file holds the event loop's pass-through relay (a session with no
 // Handler): its two pipes, the bytes read, framing-checked (scan) and
-// written on inline, the epoll interest kept in step with the buffers,
+// written on inline, the poller interest kept in step with the buffers,
 // the end of the session on the loop (passEnd), and leaveLoop, which
 // moves a session onto goroutines for a message over the limit.
 
@@ -34,7 +34,7 @@ type pipe struct {
 	heldBack   int
 	sc         wire.Scanner
 	fromClient bool
-	// held: PAUSE holds the client's next message (admin_pause_linux.go):
+	// held: PAUSE holds the client's next message (admin_pause_loop.go):
 	// it and what follows wait in heldBack, not passed on, and the source
 	// is not read.
 	held bool
@@ -58,14 +58,14 @@ func (l *evloop) attach(s *Session) (*relay, bool) {
 		server:         takeSock(s.server, serverFD, nil, nil, nil),
 		toServer:       pipe{buf: make([]byte, size), fromClient: true, sc: wire.Scanner{Max: s.srv.cfg.MaxMessageSize, From: "client", Client: true}},
 		toClient:       pipe{buf: make([]byte, size), sc: wire.Scanner{From: "server"}},
-		clientInterest: syscall.EPOLLIN | syscall.EPOLLRDHUP,
-		serverInterest: syscall.EPOLLIN | syscall.EPOLLRDHUP,
+		clientInterest: evIn | evRDHup,
+		serverInterest: evIn | evRDHup,
 		done:           make(chan error, 1),
 	}
 	r.toServer.src, r.toServer.dst = &r.client, &r.server
 	r.toClient.src, r.toClient.dst = &r.server, &r.client
 	s.loopRelay = r
-	l.publish(r, epollReg{clientFD, r.clientInterest}, epollReg{serverFD, r.serverInterest})
+	l.publish(r, pollReg{clientFD, r.clientInterest}, pollReg{serverFD, r.serverInterest})
 	if r.client.tls != nil || r.server.tls != nil {
 		l.kickTLS(r)
 	}
@@ -80,10 +80,10 @@ func (l *evloop) event(r *relay, fd int, ev uint32) {
 	var err error
 	if fd == r.clientFD {
 		r.clientEventCount.Add(1)
-		if r.toServer.held && ev&(syscall.EPOLLHUP|syscall.EPOLLERR) != 0 {
+		if r.toServer.held && ev&(evHup|evErr) != 0 {
 			err = fmt.Errorf("client: %w", io.EOF) // gone while PAUSE held it
 		}
-		if err == nil && ev&syscall.EPOLLOUT != 0 {
+		if err == nil && ev&evOut != 0 {
 			err = r.flush(&r.toClient)
 		}
 		if err == nil && ev&readable != 0 {
@@ -91,7 +91,7 @@ func (l *evloop) event(r *relay, fd int, ev uint32) {
 			err = r.pump(&r.toServer)
 		}
 	} else {
-		if ev&syscall.EPOLLOUT != 0 {
+		if ev&evOut != 0 {
 			err = r.flush(&r.toServer)
 		}
 		if err == nil && ev&readable != 0 {
@@ -113,31 +113,31 @@ func (l *evloop) event(r *relay, fd int, ev uint32) {
 	}
 }
 
-// interest keeps the epoll registration in step with the buffers: read a
+// interest keeps the poller registration in step with the buffers: read a
 // side only while its pipe has room, wait for writability only while
 // bytes wait for that side. On the common path nothing changes.
 func (l *evloop) interest(r *relay) error {
 	want := func(in *pipe, out *pipe) uint32 {
 		var e uint32
 		if !in.held { // PAUSE holds the client: do not read it
-			e = syscall.EPOLLRDHUP
+			e = evRDHup
 			if in.end+in.heldBack < len(in.buf) {
-				e |= syscall.EPOLLIN
+				e |= evIn
 			}
 		}
 		if out.start < out.end || out.dst.pending() {
-			e |= syscall.EPOLLOUT
+			e |= evOut
 		}
 		return e
 	}
 	if e := want(&r.toServer, &r.toClient); e != r.clientInterest {
-		if err := l.ctl(syscall.EPOLL_CTL_MOD, r.clientFD, e); err != nil {
+		if err := l.p.modify(r.clientFD, e); err != nil {
 			return err
 		}
 		r.clientInterest = e
 	}
 	if e := want(&r.toClient, &r.toServer); e != r.serverInterest {
-		if err := l.ctl(syscall.EPOLL_CTL_MOD, r.serverFD, e); err != nil {
+		if err := l.p.modify(r.serverFD, e); err != nil {
 			return err
 		}
 		r.serverInterest = e
@@ -156,7 +156,7 @@ func (r *relay) pump(p *pipe) error {
 		p.start = 0
 	}
 	if p.end+p.heldBack == len(p.buf) {
-		return nil // full: the destination is slow; EPOLLOUT resumes us
+		return nil // full: the destination is slow; evOut resumes us
 	}
 	n, err := p.src.read(p.buf[p.end+p.heldBack:])
 	if err == syscall.EAGAIN || err == syscall.EINTR {
@@ -172,7 +172,7 @@ func (r *relay) pump(p *pipe) error {
 	if n == 0 {
 		return fmt.Errorf("%s: %w", side, io.EOF)
 	}
-	r.counted(p, n) // SHOW STATS: admin_pause_linux.go
+	r.counted(p, n) // SHOW STATS: admin_pause_loop.go
 	stop := r.take(p, n)
 	if err := r.flush(p); err != nil {
 		return err
