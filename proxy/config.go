@@ -155,9 +155,14 @@ type Config struct {
 
 	// DisableEventLoop relays pass-through sessions (no Interceptor, no
 	// read routing) with two goroutines each instead of the
-	// Server's epoll loop thread (Linux only; see evloop_linux.go). For
+	// Server's event loop thread (see evloop.go). For
 	// diagnosis: both paths behave the same; the loop is faster.
 	DisableEventLoop bool
+
+	// Poller is what the event loop waits in (poller.go): "epoll" (Linux
+	// only) or "poll" (poll(2), every Unix). Empty means epoll on Linux,
+	// poll elsewhere. Another value, or "epoll" off Linux, is an error.
+	Poller string
 
 	// Interceptor, when non-nil, is given every session's messages; see
 	// Interceptor. Nil means pure pass-through.

@@ -411,27 +411,6 @@ func TestLoopBridged(t *testing.T) {
 	}
 }
 
-// tcpPair returns the two ends of a loopback TCP connection, closed when
-// t ends.
-func tcpPair(t *testing.T) (net.Conn, net.Conn) {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	a, err := net.Dial("tcp", ln.Addr().String())
-	if err != nil {
-		t.Fatal(err)
-	}
-	b, err := ln.Accept()
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { a.Close(); b.Close() })
-	return a, b
-}
-
 // TestLoopTakesFramed: what a session's framers have read and not
 // handled when it comes onto the loop (a whole message and part of the
 // next, each way) is passed on by the loop first, in front of what it

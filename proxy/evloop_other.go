@@ -1,14 +1,34 @@
-//go:build !linux
+//go:build !unix
 
 package proxy
 
-// relay is the event loop's session state; the loop exists on Linux only.
+import (
+	"fmt"
+	"runtime"
+)
+
+// The event loop runs on every Unix (evloop.go); this is what a build
+// elsewhere (not a target: Windows) needs to compile, every session on
+// goroutines.
+
+// relay is the event loop's session state.
 type relay struct{ intercept *struct{} }
 
 func (r *relay) stopServer() {}
 
 // serverLoop is a Server's event loop; there is none here.
-type serverLoop struct{}
+type serverLoop struct{ poller, used string }
+
+// defaultPoller is Config.Poller's default: none.
+const defaultPoller = ""
+
+// checkPoller refuses every poller but the default: there is none here.
+func checkPoller(kind string) error {
+	if kind != "" {
+		return fmt.Errorf("poller %q: there is no event loop on %s", kind, runtime.GOOS)
+	}
+	return nil
+}
 
 func (*serverLoop) stop() {}
 

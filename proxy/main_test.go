@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"net"
 	"os"
-	"runtime"
 	"sync"
 	"testing"
 	"time"
@@ -86,6 +85,9 @@ func startProxyLog(t testing.TB, cfg Config, log *zap.Logger) *testProxy {
 	if cfg.Primary == "" {
 		cfg.Primary = cluster.Primary.DSN("postgres")
 	}
+	if cfg.Poller == "" {
+		cfg.Poller = testPoller
+	}
 	if cfg.Auth == "" {
 		// The tests connect as roles without passwords unless they test
 		// authentication, which they then name (the default is
@@ -119,16 +121,22 @@ func startProxyLog(t testing.TB, cfg Config, log *zap.Logger) *testProxy {
 // started is the last proxy each test started (bothRelays checks it).
 var started sync.Map // testing.TB → *testProxy
 
-// bothRelays runs f four times: pass-through sessions relayed by the
-// event loop thread (the default) and by goroutines
+// testPoller is the Config.Poller of every test proxy whose Config names
+// none: PGFENCE_TEST_POLLER=poll runs the package's tests, the event
+// loop's all included, on the poll(2) poller.
+var testPoller = os.Getenv("PGFENCE_TEST_POLLER")
+
+// bothRelays runs f six times: pass-through sessions relayed by the
+// event loop thread (the default: epoll on Linux), by the loop waiting
+// in poll(2) (Config.Poller "poll"), and by goroutines
 // (Config.DisableEventLoop); then the same with the write gate
 // intercepting every message, as pgfence serve runs (no table is
 // protected, so the gate must be invisible), whose sessions have their
 // server side on the loop or on a goroutine. It checks that each mode
 // was really the one used: with the loop, every session the test's proxy
 // opened was on it (counted once its proxy has shut down, when every
-// session has ended); without, none. f must build its proxy's Config
-// with withRelay.
+// session has ended), on the mode's poller; without, none. f must build
+// its proxy's Config with withRelay.
 func bothRelays(t *testing.T, f func(t *testing.T, relay Config)) {
 	for _, mode := range []struct {
 		name string
@@ -136,8 +144,10 @@ func bothRelays(t *testing.T, f func(t *testing.T, relay Config)) {
 		gate bool
 	}{
 		{"event_loop", Config{}, false},
+		{"poll", Config{Poller: "poll"}, false},
 		{"goroutines", Config{DisableEventLoop: true}, false},
 		{"gate_event_loop", Config{}, true},
+		{"gate_poll", Config{Poller: "poll"}, true},
 		{"gate_goroutines", Config{DisableEventLoop: true}, true},
 	} {
 		t.Run(mode.name, func(t *testing.T) {
@@ -156,7 +166,7 @@ func bothRelays(t *testing.T, f func(t *testing.T, relay Config)) {
 				switch {
 				case mode.cfg.DisableEventLoop && looped != 0:
 					t.Errorf("%d sessions used the event loop with DisableEventLoop", looped)
-				case !mode.cfg.DisableEventLoop && runtime.GOOS == "linux" && (looped == 0 || looped != total):
+				case !mode.cfg.DisableEventLoop && (looped == 0 || looped != total):
 					t.Errorf("%d of %d sessions used the event loop, want all", looped, total)
 				}
 			})
@@ -168,6 +178,9 @@ func bothRelays(t *testing.T, f func(t *testing.T, relay Config)) {
 			tp = v.(*testProxy)
 			if tp.srv.cfg.Interceptor != cfg.Interceptor {
 				t.Fatal("the test's proxy does not have the mode's interceptor (build its Config with withRelay)")
+			}
+			if !mode.cfg.DisableEventLoop && tp.srv.loop.used != wantPoller(tp.srv.cfg.Poller) {
+				t.Errorf("the event loop ran with poller %q, want %q", tp.srv.loop.used, wantPoller(tp.srv.cfg.Poller))
 			}
 		})
 	}
@@ -192,10 +205,21 @@ func newGateWith(t testing.TB, cfg FenceConfig, log *zap.Logger) *Fence {
 	return gate
 }
 
+// wantPoller is the poller a loop runs with Config.Poller kind.
+func wantPoller(kind string) string {
+	if kind == "" {
+		return defaultPoller
+	}
+	return kind
+}
+
 // withRelay is cfg with the relay mode of bothRelays (and its write gate,
 // unless cfg has an Interceptor of its own).
 func withRelay(relay, cfg Config) Config {
 	cfg.DisableEventLoop = relay.DisableEventLoop
+	if cfg.Poller == "" {
+		cfg.Poller = relay.Poller
+	}
 	if cfg.Interceptor == nil {
 		cfg.Interceptor = relay.Interceptor
 	}

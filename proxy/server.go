@@ -52,8 +52,8 @@ type Server struct {
 
 	rs *replicas // read routing: replica positions and health (lsn.go); nil without
 
-	// loop relays its sessions on Linux (evloop_linux.go): started by
-	// the first session that can use it, stopped by Shutdown.
+	// loop relays its sessions (evloop.go): started by the first
+	// session that can use it, stopped by Shutdown.
 	loop serverLoop
 }
 
@@ -83,6 +83,10 @@ func New(cfg Config, log *zap.Logger) (*Server, error) {
 		cancels:   make(map[uint64]cancelTarget),
 		idle:      make(chan struct{}, 1),
 	}
+	if err := checkPoller(cfg.Poller); err != nil { // poller_*.go
+		return nil, fmt.Errorf("config: %w", err)
+	}
+	s.loop.poller = cfg.Poller
 	if s.primary, err = pgconn.ParseConfig(cfg.Primary); err != nil {
 		return nil, fmt.Errorf("config: primary: %w", err)
 	}
@@ -198,7 +202,7 @@ func (s *Server) untrack(c net.Conn) {
 // ended gracefully.
 func (s *Server) Shutdown(ctx context.Context) error {
 	s.draining.Store(true)
-	defer s.loop.stop()     // once the sessions have ended (wg.Wait below): evloop_linux.go
+	defer s.loop.stop()     // once the sessions have ended (wg.Wait below): evloop.go
 	s.stopControl()         // admin_pause.go: ends PAUSE waits
 	defer s.closeReplicas() // route.go
 	defer s.auth.close()

@@ -52,6 +52,9 @@ type serveConfig struct {
 	// NoEventLoop relays every session with goroutines instead of the
 	// event loop thread (docs/proxy.md, "The event loop").
 	NoEventLoop bool `toml:"no_event_loop"`
+	// Poller is what the event loop waits in: epoll (Linux) or poll
+	// (every Unix); empty: epoll on Linux, poll elsewhere.
+	Poller string `toml:"poller"`
 	// AdminUsers may use the admin console (psql ... pgfence).
 	AdminUsers []string `toml:"admin_users"`
 	// StatsUsers may use its SHOW commands, without fencing tokens.
@@ -260,6 +263,7 @@ func (c serveConfig) proxyConfig() (proxy.Config, error) {
 		AdminUsers:        c.AdminUsers,
 		StatsUsers:        c.StatsUsers,
 		DisableEventLoop:  c.NoEventLoop,
+		Poller:            c.Poller,
 		AuthQuery:         c.AuthQuery,
 		AllowRemoteTrust:  c.AllowRemoteTrust,
 	}

@@ -95,6 +95,7 @@ var configSamples = map[string]struct {
 	"gate_idle_timeout":  {`"2s"`, ptr("1d")},
 	"no_gate":            {`true`, ptr("true")},
 	"no_event_loop":      {`true`, ptr("true")},
+	"poller":             {`"poll"`, ptr("poll")},
 	"metrics_listen":     {`"127.0.0.1:9187"`, ptr("127.0.0.1:9188")},
 	"log_level":          {`"debug"`, ptr("warn")},
 	"log_format":         {`"json"`, ptr("text")},

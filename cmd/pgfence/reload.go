@@ -30,6 +30,7 @@ func (c serveConfig) extraSettings() []proxy.Setting {
 		{Key: "metrics_listen", Value: c.MetricsListen},
 		{Key: "no_gate", Value: strconv.FormatBool(c.NoGate)},
 		{Key: "no_event_loop", Value: strconv.FormatBool(c.NoEventLoop)},
+		{Key: "poller", Value: c.Poller},
 		{Key: "log_level", Value: lvl, Reloadable: true},
 		{Key: "log_format", Value: c.LogFormat},
 	}
@@ -65,6 +66,7 @@ func (c serveConfig) reloader(log *zap.Logger) func() (proxy.Config, *proxy.Relo
 			{"metrics_listen", next.MetricsListen != c.MetricsListen},
 			{"no_gate", next.NoGate != c.NoGate},
 			{"no_event_loop", next.NoEventLoop != c.NoEventLoop},
+			{"poller", next.Poller != c.Poller},
 		} {
 			if r.changed {
 				rep.Restart = append(rep.Restart, r.name)

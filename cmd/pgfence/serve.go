@@ -64,6 +64,7 @@ user to the password presented upstream for it. See docs/configuration.md.`,
 	f.String("memory-budget", "", "memory all sessions may spend on client messages held whole, e.g. 256MiB (PGFENCE_MEMORY_BUDGET; default 256MiB)")
 	f.Bool("no-gate", false, "turn the write gate off: a plain pass-through proxy, protected tables guarded by their backstop trigger only (PGFENCE_NO_GATE)")
 	f.Bool("no-event-loop", false, "relay every session with goroutines instead of the event loop thread; see docs/proxy.md (PGFENCE_NO_EVENT_LOOP)")
+	f.String("poller", "", "what the event loop waits in: epoll (Linux only) or poll (PGFENCE_POLLER; default epoll on Linux, poll elsewhere)")
 	f.String("shutdown-timeout", "", "how long open transactions may run after SIGTERM (PGFENCE_SHUTDOWN_TIMEOUT; default 30s)")
 	f.String("gate-idle-timeout", "", "end a session silent this long while its transaction holds a fence row (PGFENCE_GATE_IDLE_TIMEOUT; default 10s; keep it under the lease TTL; 0 means no bound)")
 	f.StringSlice("admin-users", nil, "users allowed into the admin console, the virtual database pgfence (PGFENCE_ADMIN_USERS, comma-separated)")

@@ -1,4 +1,4 @@
-//go:build linux
+//go:build unix
 
 package proxy
 
@@ -8,7 +8,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"syscall"
 
 	"github.com/pgfence/pgfence/internal/wire"
 )
@@ -229,7 +228,7 @@ func (l *evloop) watchClient(r *relay, ev uint32) error {
 	if ic.clientWatchEv == ev {
 		return nil
 	}
-	if err := l.ctl(syscall.EPOLL_CTL_MOD, ic.clientReadFD, ev); err != nil {
+	if err := l.p.modify(ic.clientReadFD, ev); err != nil {
 		return err
 	}
 	ic.clientWatchEv = ev

@@ -1,4 +1,4 @@
-//go:build linux
+//go:build unix
 
 package proxy
 
@@ -6,33 +6,32 @@ import (
 	"bufio"
 	"bytes"
 	"errors"
-	"fmt"
 	"io"
 	"runtime"
 	"sync"
 	"sync/atomic"
 	"syscall"
 	"time"
-	"unsafe"
 
 	"github.com/pgfence/pgfence/internal/wire"
 	"go.uber.org/zap"
 )
 
 // This file holds the event loop itself: its thread (run, and stop when
-// its Server shuts down), the epoll registration of a session's sockets,
-// the relay value both kinds of session have on the loop, the system
-// calls, and Session.runOnLoop, where a session comes onto the loop. The
-// pass-through relay is in evloop_relay_linux.go, an intercepted
-// session's in evloop_intercept_linux.go, PAUSE on the loop in
-// admin_pause_linux.go.
+// its Server shuts down), the registration of a session's sockets with
+// its poller, the relay value both kinds of session have on the loop, the
+// system calls, and Session.runOnLoop, where a session comes onto the
+// loop. The pass-through relay is in evloop_relay.go, an intercepted
+// session's in evloop_intercept.go, PAUSE on the loop in
+// admin_pause_loop.go; the pollers, which are all the loop knows of
+// epoll or poll(2), in poller.go.
 
 // The event loop relays the bytes of pass-through sessions (no Handler,
-// no read routing; TLS through its tls.Conn: evloop_tls_linux.go) on one
-// OS thread that waits in epoll_wait, the
-// way PgBouncer does, instead of two goroutines per session. Each Server
-// owns one (serverLoop), started by its first session and stopped, its
-// epoll fd closed, by Shutdown.
+// no read routing; TLS through its tls.Conn: evloop_tls.go) on one OS
+// thread that waits in epoll_wait (Linux) or poll(2) (the other Unixes,
+// or Config.Poller "poll"), the way PgBouncer does, instead of two
+// goroutines per session. Each Server owns one (serverLoop), started by
+// its first session and stopped, its poller closed, by Shutdown.
 //
 // Why: with goroutines, every hop of a query (client → proxy → server and
 // back) is a netpoller wake-up of a parked goroutine, handed between OS
@@ -41,12 +40,13 @@ import (
 // reads and writes inline has no hand-off at all. (The measurements behind
 // this file's choices are in docs/proxy.md, Performance.)
 //
-// The loop calls epoll_wait as a raw system call, so the runtime
+// The loop calls epoll_wait (on Linux poll(2) too: ppoll) as a raw
+// system call, so the runtime
 // does not hand its P to another thread on every wait (through
 // syscall.Syscall6 most of the gain is lost). The loop therefore
 // keeps one P busy; the process's GOMAXPROCS is raised by one while a loop
 // runs, so the rest of the proxy keeps the parallelism it had. The wait
-// stays interruptible: the runtime's preemption signal ends epoll_wait
+// stays interruptible: the runtime's preemption signal ends the wait
 // with EINTR, and the loop is preempted at its next function call, so it
 // never holds up a garbage collection.
 //
@@ -63,9 +63,13 @@ import (
 // thread.
 type serverLoop struct {
 	mu      sync.Mutex
+	poller  string // Config.Poller
 	l       *evloop
 	err     error // newEvloop's, kept: the loop is not tried again
 	stopped bool
+	// used is the name of the poller the loop was started with ("":
+	// never started), kept after stop (for observation: tests).
+	used string
 }
 
 // errLoopStopped: the Server has shut down, and its loop with it.
@@ -79,8 +83,9 @@ func (sl *serverLoop) get() (*evloop, error) {
 	case sl.stopped:
 		return nil, errLoopStopped
 	case sl.l == nil && sl.err == nil:
-		sl.l, sl.err = newEvloop()
+		sl.l, sl.err = newEvloop(sl.poller)
 		if sl.err == nil {
+			sl.used = sl.l.p.name()
 			runtime.GOMAXPROCS(runtime.GOMAXPROCS(0) + 1)
 			go sl.l.run()
 		}
@@ -89,7 +94,7 @@ func (sl *serverLoop) get() (*evloop, error) {
 }
 
 // stop ends the loop, if it was started, and waits until its thread has
-// closed the epoll fd; the loop is not started again. The Server calls it
+// closed its poller; the loop is not started again. The Server calls it
 // when its sessions have ended; a relay still on the loop then ends with
 // a shutdown.
 func (sl *serverLoop) stop() {
@@ -106,24 +111,26 @@ func (sl *serverLoop) stop() {
 }
 
 type evloop struct {
-	epfd int
+	p    poller
 	quit bool          // loop thread only: stop asked the loop to end
 	done chan struct{} // closed when run has returned, its descriptors closed
 
 	mu   sync.RWMutex
 	byFD map[int32]*relay // every relay, by each of its sockets
 
-	tasks loopTasks // functions other goroutines run on the loop thread (admin_pause_linux.go)
+	tasks loopTasks // functions other goroutines run on the loop thread (admin_pause_loop.go)
 }
 
-func newEvloop() (*evloop, error) {
-	fd, err := syscall.EpollCreate1(syscall.EPOLL_CLOEXEC)
+// newEvloop makes a loop waiting in the poller named kind (Config.Poller:
+// "" for the platform's default).
+func newEvloop(kind string) (*evloop, error) {
+	p, err := newPoller(kind)
 	if err != nil {
-		return nil, fmt.Errorf("epoll_create1: %w", err)
+		return nil, err
 	}
-	l := &evloop{epfd: fd, byFD: map[int32]*relay{}, done: make(chan struct{})}
+	l := &evloop{p: p, byFD: map[int32]*relay{}, done: make(chan struct{})}
 	if err := l.tasks.init(l); err != nil {
-		syscall.Close(fd)
+		p.close()
 		return nil, err
 	}
 	return l, nil
@@ -136,11 +143,11 @@ type relay struct {
 	l                  *evloop // the loop r is on: its Server's
 	clientFD, serverFD int
 	// client and server are the sockets as the relay reads and writes
-	// them (plain or TLS: evloop_tls_linux.go); their fds are clientFD
+	// them (plain or TLS: evloop_tls.go); their fds are clientFD
 	// and serverFD.
 	client, server                 sock
 	toServer, toClient             pipe
-	clientInterest, serverInterest uint32 // epoll interest registered for clientFD and serverFD
+	clientInterest, serverInterest uint32 // interest registered for clientFD and serverFD (evIn...)
 	done                           chan error
 	ended                          sync.Once
 
@@ -156,8 +163,8 @@ type relay struct {
 	intercept *interceptState
 }
 
-// epollReg is a socket and the events to watch it for.
-type epollReg struct {
+// pollReg is a socket and the events to watch it for.
+type pollReg struct {
 	fd     int
 	events uint32
 }
@@ -178,13 +185,13 @@ func (r *relay) sockets() []int {
 // comes before r can be found is reported again. A one-shot event is
 // not, so those are registered last, once r can be found. A
 // registration that fails ends r at once.
-func (l *evloop) publish(r *relay, regs ...epollReg) (*relay, bool) {
+func (l *evloop) publish(r *relay, regs ...pollReg) (*relay, bool) {
 	add := func(oneshot bool) bool {
 		for _, g := range regs {
-			if (g.events&syscall.EPOLLONESHOT != 0) != oneshot {
+			if (g.events&evOneShot != 0) != oneshot {
 				continue
 			}
-			if err := l.ctl(syscall.EPOLL_CTL_ADD, g.fd, g.events); err != nil {
+			if err := l.p.add(g.fd, g.events); err != nil {
 				l.end(r, err)
 				return false
 			}
@@ -286,11 +293,6 @@ func dupConn(c syscall.Conn) (int, error) {
 	return nfd, nil
 }
 
-func (l *evloop) ctl(op, fd int, events uint32) error {
-	ev := syscall.EpollEvent{Events: events, Fd: int32(fd)}
-	return syscall.EpollCtl(l.epfd, op, fd, &ev)
-}
-
 func (l *evloop) forget(r *relay) {
 	l.mu.Lock()
 	for _, fd := range r.sockets() {
@@ -315,14 +317,14 @@ const yieldEvery = 5 * time.Millisecond
 const yieldCheck = 64
 
 // run is the loop. It is locked to its OS thread, which blocks in
-// epoll_wait holding its P. Unlocked, the goroutine moved between threads
+// its poller's wait holding its P. Unlocked, the goroutine moved between threads
 // and the kernel moved the thread that ran it between CPUs about once per
 // transaction, which cost CPU per transaction; a yield now costs two
 // thread hand-offs, but the loop yields only every yieldEvery and after
 // waking a goroutine.
 func (l *evloop) run() {
 	runtime.LockOSThread()
-	events := make([]syscall.EpollEvent, 256)
+	events := make([]pollEvent, 256)
 	last := time.Now()
 	idle := false
 	work := 0 // events (and waits) since the clock was last read
@@ -332,9 +334,9 @@ func (l *evloop) run() {
 		if idle {
 			// Nothing for a while: wait as an ordinary system call,
 			// giving the P back, so an idle proxy costs nothing.
-			n, errno = epollWaitIdle(l.epfd, events)
+			n, errno = l.p.waitIdle(events)
 		} else {
-			n, errno = epollWait(l.epfd, events, int(yieldEvery/time.Millisecond))
+			n, errno = l.p.wait(events, int(yieldEvery/time.Millisecond))
 		}
 		idle = errno == 0 && n == 0
 		// The clock is read every yieldCheck events, or after a wait
@@ -350,9 +352,9 @@ func (l *evloop) run() {
 		}
 		if errno != 0 {
 			if errno == syscall.EINTR {
-				continue
+				continue // a signal, or the poll poller's wake-up (a change)
 			}
-			// EBADF/EINVAL cannot happen with our own epoll fd; back off
+			// EBADF/EINVAL cannot happen with our own poller; back off
 			// rather than spin if the impossible happens.
 			time.Sleep(10 * time.Millisecond)
 			continue
@@ -389,46 +391,19 @@ func (l *evloop) close() {
 		l.end(r, errShutdown)
 	}
 	l.tasks.close()
-	syscall.Close(l.epfd)
+	l.p.close()
 	runtime.UnlockOSThread()
 	close(l.done)
 }
 
-// epollWait waits up to msec milliseconds. It is a raw system call (see
-// the comment at the top); it is a separate function so the loop passes
-// a preemption check after every wake-up.
-//
-//go:noinline
-func epollWait(epfd int, events []syscall.EpollEvent, msec int) (int, syscall.Errno) {
-	n, _, errno := syscall.RawSyscall6(syscall.SYS_EPOLL_WAIT, uintptr(epfd), uintptr(unsafe.Pointer(&events[0])), uintptr(len(events)), uintptr(msec), 0, 0)
-	return int(n), errno
-}
-
-// epollWaitIdle waits without a timeout through the runtime's system
-// call path, which releases the P while blocked.
-func epollWaitIdle(epfd int, events []syscall.EpollEvent) (int, syscall.Errno) {
-	n, _, errno := syscall.Syscall6(syscall.SYS_EPOLL_WAIT, uintptr(epfd), uintptr(unsafe.Pointer(&events[0])), uintptr(len(events)), ^uintptr(0), 0, 0)
-	return int(n), errno
-}
-
-// rawIO reads or writes a non-blocking socket. It never blocks, so it
-// skips the runtime's system call bookkeeping, as epollWait does.
-func rawIO(trap uintptr, fd int, b []byte) (int, error) {
-	r, _, errno := syscall.RawSyscall(trap, uintptr(fd), uintptr(unsafe.Pointer(&b[0])), uintptr(len(b)))
-	if errno != 0 {
-		return -1, errno
-	}
-	return int(r), nil
-}
-
-const readable = syscall.EPOLLIN | syscall.EPOLLRDHUP | syscall.EPOLLHUP | syscall.EPOLLERR
+const readable = evIn | evRDHup | evHup | evErr
 
 // end takes r off the loop and hands it to its session goroutine with the
 // reason, once.
 func (l *evloop) end(r *relay, err error) {
 	r.ended.Do(func() {
 		for _, fd := range r.sockets() {
-			l.ctl(syscall.EPOLL_CTL_DEL, fd, 0) // not registered: ENOENT, harmless
+			l.p.remove(fd) // not registered: ENOENT, harmless
 		}
 		l.forget(r)
 		r.done <- err

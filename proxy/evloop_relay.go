@@ -1,4 +1,4 @@
-//go:build linux
+//go:build unix
 
 package proxy
 
@@ -16,7 +16,7 @@ import (
 
 // This file holds the event loop's pass-through relay (a session with no
 // Handler): its two pipes, the bytes read, framing-checked (scan) and
-// written on inline, the epoll interest kept in step with the buffers,
+// written on inline, the poller interest kept in step with the buffers,
 // the end of the session on the loop (passEnd), and a client message
 // over the limit, dropped as it arrives and answered in its place
 // (limits.go), with the server's answer to it.
@@ -34,7 +34,7 @@ type pipe struct {
 	heldBack   int
 	sc         wire.Scanner
 	fromClient bool
-	// held: PAUSE holds the client's next message (admin_pause_linux.go):
+	// held: PAUSE holds the client's next message (admin_pause_loop.go):
 	// it and what follows wait in heldBack, not passed on, and the source
 	// is not read.
 	held bool
@@ -85,8 +85,8 @@ func (l *evloop) attach(s *Session) (*relay, bool) {
 		server:         takeSock(s.server, serverFD, nil, nil, nil),
 		toServer:       pipe{buf: make([]byte, max(size, len(read.client))), fromClient: true, sc: wire.Scanner{Max: s.srv.cfg.MaxMessageSize, From: "client", Client: true}},
 		toClient:       pipe{buf: make([]byte, max(size, len(read.server))), sc: wire.Scanner{From: "server"}},
-		clientInterest: syscall.EPOLLIN | syscall.EPOLLRDHUP,
-		serverInterest: syscall.EPOLLIN | syscall.EPOLLRDHUP,
+		clientInterest: evIn | evRDHup,
+		serverInterest: evIn | evRDHup,
 		done:           make(chan error, 1),
 	}
 	r.toServer.src, r.toServer.dst = &r.client, &r.server
@@ -95,7 +95,7 @@ func (l *evloop) attach(s *Session) (*relay, bool) {
 	r.toClient.heldBack = copy(r.toClient.buf, read.server)
 	s.sw.Reset(insWriter{&r.toServer})
 	s.loopRelay = r
-	l.publish(r, epollReg{clientFD, r.clientInterest}, epollReg{serverFD, r.serverInterest})
+	l.publish(r, pollReg{clientFD, r.clientInterest}, pollReg{serverFD, r.serverInterest})
 	if r.client.tls != nil || r.server.tls != nil || len(read.client) > 0 || len(read.server) > 0 {
 		l.kick(r)
 	}
@@ -110,10 +110,10 @@ func (l *evloop) event(r *relay, fd int, ev uint32) {
 	var err error
 	if fd == r.clientFD {
 		r.clientEventCount.Add(1)
-		if (r.toServer.held || r.toServer.stalled) && ev&(syscall.EPOLLHUP|syscall.EPOLLERR) != 0 {
+		if (r.toServer.held || r.toServer.stalled) && ev&(evHup|evErr) != 0 {
 			err = fmt.Errorf("client: %w", io.EOF) // gone while not read (PAUSE, ins)
 		}
-		if err == nil && ev&syscall.EPOLLOUT != 0 {
+		if err == nil && ev&evOut != 0 {
 			err = r.flush(&r.toClient)
 		}
 		if err == nil && ev&readable != 0 {
@@ -121,10 +121,10 @@ func (l *evloop) event(r *relay, fd int, ev uint32) {
 			err = r.pump(&r.toServer)
 		}
 	} else {
-		if r.toClient.stalled && ev&(syscall.EPOLLHUP|syscall.EPOLLERR) != 0 {
+		if r.toClient.stalled && ev&(evHup|evErr) != 0 {
 			err = fmt.Errorf("server: %w", io.EOF) // gone while not read (ins)
 		}
-		if err == nil && ev&syscall.EPOLLOUT != 0 {
+		if err == nil && ev&evOut != 0 {
 			err = r.flush(&r.toServer)
 		}
 		if err == nil && ev&readable != 0 {
@@ -146,31 +146,31 @@ func (l *evloop) event(r *relay, fd int, ev uint32) {
 	}
 }
 
-// interest keeps the epoll registration in step with the buffers: read a
+// interest keeps the poller registration in step with the buffers: read a
 // side only while its pipe has room, wait for writability only while
 // bytes wait for that side. On the common path nothing changes.
 func (l *evloop) interest(r *relay) error {
 	want := func(in *pipe, out *pipe) uint32 {
 		var e uint32
 		if !in.held && !in.stalled { // PAUSE holds the client, or ins waits: do not read it
-			e = syscall.EPOLLRDHUP
+			e = evRDHup
 			if in.end+in.heldBack < len(in.buf) {
-				e |= syscall.EPOLLIN
+				e |= evIn
 			}
 		}
 		if out.start < out.end || len(out.ins) > 0 || out.dst.pending() {
-			e |= syscall.EPOLLOUT
+			e |= evOut
 		}
 		return e
 	}
 	if e := want(&r.toServer, &r.toClient); e != r.clientInterest {
-		if err := l.ctl(syscall.EPOLL_CTL_MOD, r.clientFD, e); err != nil {
+		if err := l.p.modify(r.clientFD, e); err != nil {
 			return err
 		}
 		r.clientInterest = e
 	}
 	if e := want(&r.toClient, &r.toServer); e != r.serverInterest {
-		if err := l.ctl(syscall.EPOLL_CTL_MOD, r.serverFD, e); err != nil {
+		if err := l.p.modify(r.serverFD, e); err != nil {
 			return err
 		}
 		r.serverInterest = e
@@ -189,7 +189,7 @@ func (r *relay) pump(p *pipe) error {
 		p.start = 0
 	}
 	if p.end+p.heldBack == len(p.buf) {
-		return nil // full: the destination is slow; EPOLLOUT resumes us
+		return nil // full: the destination is slow; evOut resumes us
 	}
 	n, err := p.src.read(p.buf[p.end+p.heldBack:])
 	if err == syscall.EAGAIN || err == syscall.EINTR {

@@ -1,3 +1,5 @@
+//go:build unix
+
 package proxy
 
 // clientEvents returns how many events the event loop has had for the

@@ -1,4 +1,4 @@
-//go:build linux
+//go:build unix
 
 package proxy
 
@@ -55,8 +55,8 @@ type interceptState struct {
 	big                bigMessage
 	serverReadArmed    bool   // the server socket may be read (once) in this event
 	clientPending      []byte // bytes for the client its socket has not taken yet
-	serverInterest     uint32 // epoll interest registered for the server socket
-	clientWriteWatched bool   // the client socket is registered (for EPOLLOUT)
+	serverInterest     uint32 // poller interest registered for the server socket
+	clientWriteWatched bool   // the client socket is registered (for evOut)
 	// serverReadsPaused: the server is not read until the client takes
 	// what waits in clientPending (for observation: tests).
 	serverReadsPaused atomic.Bool
@@ -127,8 +127,8 @@ func (cr loopClientReader) Read(b []byte) (int, error) {
 // clientOff disarms the reads (a reset is still reported, once) while
 // the loop must not read the client (paused, PAUSE, parked).
 const (
-	clientLevel = syscall.EPOLLIN | syscall.EPOLLRDHUP
-	clientOff   = syscall.EPOLLONESHOT
+	clientLevel = evIn | evRDHup
+	clientOff   = evOneShot
 )
 
 // loopServerReader is the server framer's reader on the loop: one read per
@@ -232,7 +232,7 @@ func (l *evloop) attachIntercepted(s *Session) (*relay, bool) {
 	syscall.CloseOnExec(clientReadFD)
 	r := &relay{
 		s: s, l: l, clientFD: clientFD, serverFD: serverFD,
-		intercept: &interceptState{serverInterest: syscall.EPOLLIN | syscall.EPOLLRDHUP, clientReadFD: clientReadFD,
+		intercept: &interceptState{serverInterest: evIn | evRDHup, clientReadFD: clientReadFD,
 			clientWatchEv: clientLevel, clientSize: s.cf.R.Size()},
 		done: make(chan error, 1),
 	}
@@ -259,7 +259,7 @@ func (l *evloop) attachIntercepted(s *Session) (*relay, bool) {
 	lc, ok := s.h.(LoopClient)
 	s.blocking = !ok || !lc.LoopClient()
 	// The client's writes are watched only while clientPending holds bytes.
-	l.publish(r, epollReg{clientReadFD, r.intercept.clientWatchEv}, epollReg{serverFD, r.intercept.serverInterest})
+	l.publish(r, pollReg{clientReadFD, r.intercept.clientWatchEv}, pollReg{serverFD, r.intercept.serverInterest})
 	if r.client.tls != nil || r.server.tls != nil || len(read.client) > 0 || len(read.server) > 0 {
 		l.kick(r)
 	}
@@ -293,7 +293,7 @@ func (l *evloop) interceptEvent(r *relay, fd int, ev uint32) {
 				// wait is over, as PostgreSQL handles what a client sent
 				// before its end: the reads after it meet the end, and
 				// a write to a client that is gone its reset.
-				if ev&(syscall.EPOLLHUP|syscall.EPOLLERR) != 0 {
+				if ev&(evHup|evErr) != 0 {
 					return fmt.Errorf("client: gone while parked: %w", io.EOF)
 				}
 				return nil
@@ -303,7 +303,7 @@ func (l *evloop) interceptEvent(r *relay, fd int, ev uint32) {
 			ic.clientReadArmed = false
 			return err
 		}
-		if fd == r.serverFD && ev&syscall.EPOLLOUT != 0 {
+		if fd == r.serverFD && ev&evOut != 0 {
 			if err := drainHeld(r.serverFD, &ic.serverPending, ic.clientSize); err != nil {
 				return fmt.Errorf("server: %w", err)
 			}
@@ -331,9 +331,9 @@ func (l *evloop) interceptEvent(r *relay, fd int, ev uint32) {
 		// even if the client is slow, so the end is seen; but not into
 		// the middle of the replica's message (its end is read after).
 		// A connection lost (reset) meanwhile ends the session there.
-		hangup := ev&(syscall.EPOLLRDHUP|syscall.EPOLLHUP|syscall.EPOLLERR) != 0
+		hangup := ev&(evRDHup|evHup|evErr) != 0
 		if hangup && !r.serverReadable() {
-			if ev&(syscall.EPOLLHUP|syscall.EPOLLERR) != 0 {
+			if ev&(evHup|evErr) != 0 {
 				return errors.New("server: connection lost while the replica's answer was passed on")
 			}
 			return nil
@@ -403,28 +403,30 @@ func (l *evloop) interceptInterest(r *relay) error {
 	// message would have to be read into it, or spin.
 	var serverInterest uint32
 	if r.serverReadable() {
-		serverInterest = syscall.EPOLLRDHUP
+		serverInterest = evRDHup
 		if len(ic.clientPending) < r.s.sf.R.Size() {
-			serverInterest |= syscall.EPOLLIN
+			serverInterest |= evIn
 		}
 	}
 	if len(ic.serverPending) > 0 {
-		serverInterest |= syscall.EPOLLOUT
+		serverInterest |= evOut
 	}
 	if serverInterest != ic.serverInterest {
-		if err := l.ctl(syscall.EPOLL_CTL_MOD, r.serverFD, serverInterest); err != nil {
+		if err := l.p.modify(r.serverFD, serverInterest); err != nil {
 			return err
 		}
 		ic.serverInterest = serverInterest
-		ic.serverReadsPaused.Store(serverInterest&syscall.EPOLLIN == 0)
-		ic.clientReadsPaused.Store(serverInterest&syscall.EPOLLOUT != 0)
+		ic.serverReadsPaused.Store(serverInterest&evIn == 0)
+		ic.clientReadsPaused.Store(serverInterest&evOut != 0)
 	}
 	if want := len(ic.clientPending) > 0; want != ic.clientWriteWatched {
-		op := syscall.EPOLL_CTL_DEL
+		var err error
 		if want {
-			op = syscall.EPOLL_CTL_ADD
+			err = l.p.add(r.clientFD, evOut)
+		} else {
+			err = l.p.remove(r.clientFD)
 		}
-		if err := l.ctl(op, r.clientFD, syscall.EPOLLOUT); err != nil {
+		if err != nil {
 			return err
 		}
 		ic.clientWriteWatched = want

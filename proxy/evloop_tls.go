@@ -1,4 +1,4 @@
-//go:build linux
+//go:build unix
 
 package proxy
 
@@ -25,7 +25,7 @@ import (
 // state across a read that would block (a temporary net.Error), a partial
 // record included, so the loop reads it as it reads a plain socket, with
 // one difference: tls.Conn may hold decrypted bytes, or whole records,
-// that are no longer in the socket, and no epoll event comes for them. So
+// that are no longer in the socket, and no poller event comes for them. So
 // a read drains it until it would block (or the caller's buffer is full:
 // then sock.more is set and the caller reads again when it has room), and
 // a session coming onto the loop is read once without an event

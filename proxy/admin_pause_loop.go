@@ -1,17 +1,14 @@
-//go:build linux
+//go:build unix
 
 package proxy
 
 import (
-	"encoding/binary"
 	"errors"
 	"fmt"
 	"runtime/debug"
 	"sync"
-	"syscall"
 
 	"go.uber.org/zap"
-	"golang.org/x/sys/unix"
 )
 
 // PAUSE on the event loop (admin_pause.go). The loop must not block, so
@@ -22,32 +19,34 @@ import (
 // posts the session back to the loop thread through loopTasks, where it
 // goes on exactly where it stopped, checking the pause again. A parked
 // session costs no CPU: no socket of it is watched for reading (a
-// client that hangs up is still noticed: EPOLLHUP is always reported, and
-// ends the session).
+// client that hangs up is still noticed: a hang-up, evHup, is always
+// reported, and ends the session).
 
 // errHold ends a scan or a client step on the loop: PAUSE holds the
 // client's next message.
 var errHold = errors.New("client message held by PAUSE")
 
-// loopTasks runs functions on the loop thread for other goroutines: an
-// eventfd the loop watches, and a queue.
+// loopTasks runs functions on the loop thread for other goroutines: a
+// wake-up descriptor the loop watches (an eventfd on Linux, a pipe
+// elsewhere: newWakeFD), with either poller, and a queue.
 type loopTasks struct {
-	fd     int
+	fd     int // the wake-up's read side, which the loop watches
+	wfd    int // its write side (fd itself for an eventfd)
 	mu     sync.Mutex
 	q      []func()
 	closed bool // the loop has stopped: posts are dropped
 }
 
 func (t *loopTasks) init(l *evloop) error {
-	fd, err := unix.Eventfd(0, unix.EFD_NONBLOCK|unix.EFD_CLOEXEC)
+	fd, wfd, err := newWakeFD()
 	if err != nil {
-		return fmt.Errorf("eventfd: %w", err)
+		return err
 	}
-	if err := l.ctl(syscall.EPOLL_CTL_ADD, fd, syscall.EPOLLIN); err != nil {
-		unix.Close(fd)
-		return fmt.Errorf("epoll_ctl eventfd: %w", err)
+	if err := l.p.add(fd, evIn); err != nil {
+		closeWakeFD(fd, wfd)
+		return fmt.Errorf("register the tasks' wake-up: %w", err)
 	}
-	t.fd = fd
+	t.fd, t.wfd = fd, wfd
 	return nil
 }
 
@@ -60,25 +59,22 @@ func (t *loopTasks) post(f func()) {
 		return
 	}
 	t.q = append(t.q, f)
-	var one [8]byte
-	binary.NativeEndian.PutUint64(one[:], 1)
-	unix.Write(t.fd, one[:]) // EAGAIN only when the counter is full: an event is due anyway
+	wake(t.wfd)
 }
 
-// close closes the eventfd and drops what is still queued. Loop thread,
+// close closes the wake-up and drops what is still queued. Loop thread,
 // as the loop stops.
 func (t *loopTasks) close() {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	t.closed = true
 	t.q = nil
-	unix.Close(t.fd)
+	closeWakeFD(t.fd, t.wfd)
 }
 
 // run runs the posted functions. Loop thread.
 func (t *loopTasks) run() {
-	var b [8]byte
-	unix.Read(t.fd, b[:])
+	drainWake(t.fd)
 	t.mu.Lock()
 	q := t.q
 	t.q = nil

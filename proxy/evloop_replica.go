@@ -1,4 +1,4 @@
-//go:build linux
+//go:build unix
 
 package proxy
 
@@ -63,7 +63,7 @@ type loopReplica struct {
 	armed    bool       // the socket may be read (once) in this event
 	pending  []byte     // bytes for the replica its socket has not taken yet
 	big      bigMessage // the part of a large message still to pass on
-	interest uint32     // epoll interest registered
+	interest uint32     // poller interest registered
 	// readsPaused: the replica is not read until the client takes what
 	// waits in clientPending (for observation: tests).
 	readsPaused atomic.Bool
@@ -164,9 +164,9 @@ func (l *evloop) registerReplica(r *relay, lr *loopReplica) {
 		lr.endLocked(errSessionClosing)
 		return
 	}
-	lr.interest = syscall.EPOLLIN | syscall.EPOLLRDHUP
-	if err := l.ctl(syscall.EPOLL_CTL_ADD, lr.fd, lr.interest); err != nil {
-		lr.endLocked(fmt.Errorf("replica: epoll_ctl: %w", err))
+	lr.interest = evIn | evRDHup
+	if err := l.p.add(lr.fd, lr.interest); err != nil {
+		lr.endLocked(fmt.Errorf("replica: poller: %w", err))
 		return
 	}
 	l.mu.Lock()
@@ -187,7 +187,7 @@ func (rr loopReplicaReader) Read(b []byte) (int, error) {
 // closed. Loop thread, from interceptEvent; an error ends the session.
 func (l *evloop) replicaEvent(r *relay, ev uint32) error {
 	lr := r.intercept.replica
-	if ev&syscall.EPOLLOUT != 0 {
+	if ev&evOut != 0 {
 		if err := drainHeld(lr.fd, &lr.pending, r.intercept.clientSize); err != nil {
 			l.endReplica(r, fmt.Errorf("replica: %w", err))
 			return nil
@@ -203,12 +203,12 @@ func (l *evloop) replicaEvent(r *relay, ev uint32) error {
 		}
 	}
 	lr.armed = true
-	hangup := ev&(syscall.EPOLLRDHUP|syscall.EPOLLHUP|syscall.EPOLLERR) != 0
+	hangup := ev&(evRDHup|evHup|evErr) != 0
 	if hangup && r.intercept.big.left > 0 {
 		// Not into the middle of the primary's message: its end is read
 		// after (replicaInterest). A connection lost meanwhile is the
 		// replica's failure (endReplica), as a read error would be.
-		if ev&(syscall.EPOLLHUP|syscall.EPOLLERR) != 0 {
+		if ev&(evHup|evErr) != 0 {
 			l.endReplica(r, errors.New("replica: connection lost"))
 		}
 		return nil
@@ -289,23 +289,23 @@ func (l *evloop) replicaInterest(r *relay) error {
 	// (interceptInterest).
 	var want uint32
 	if ic.big.left == 0 {
-		want = syscall.EPOLLRDHUP
+		want = evRDHup
 		if len(ic.clientPending) < r.s.sf.R.Size() {
-			want |= syscall.EPOLLIN
+			want |= evIn
 		}
 	}
 	if len(lr.pending) > 0 {
-		want |= syscall.EPOLLOUT
+		want |= evOut
 	}
 	if want == lr.interest {
 		return nil
 	}
-	if err := l.ctl(syscall.EPOLL_CTL_MOD, lr.fd, want); err != nil {
+	if err := l.p.modify(lr.fd, want); err != nil {
 		return err
 	}
 	lr.interest = want
-	lr.readsPaused.Store(want&syscall.EPOLLIN == 0 && ic.big.left == 0)
-	lr.writesHeld.Store(want&syscall.EPOLLOUT != 0)
+	lr.readsPaused.Store(want&evIn == 0 && ic.big.left == 0)
+	lr.writesHeld.Store(want&evOut != 0)
 	return nil
 }
 
@@ -317,7 +317,7 @@ func (l *evloop) endReplica(r *relay, err error) {
 	lr := r.intercept.replica
 	r.intercept.replica = nil
 	lr.pending = nil
-	l.ctl(syscall.EPOLL_CTL_DEL, lr.fd, 0)
+	l.p.remove(lr.fd)
 	l.mu.Lock()
 	delete(l.byFD, int32(lr.fd))
 	l.mu.Unlock()
