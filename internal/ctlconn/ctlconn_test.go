@@ -20,18 +20,26 @@ func TestMain(m *testing.M) {
 }
 
 // kept is a Conn on a test database, with the connect function its Do
-// calls, and a direct connection to watch it from.
+// calls, the backend of its first call, and a direct connection to watch
+// it from.
 type kept struct {
 	c        ctlconn.Conn[*pgx.Conn]
 	dsn      string
 	connects int
+	first    uint32
 	admin    *pgx.Conn
 }
 
-func newKept(t *testing.T) *kept {
+// newKept returns a kept connection after its first call.
+func newKept(t *testing.T, ctx context.Context) *kept {
+	t.Helper()
 	db := cluster.NewDatabase(t)
 	k := &kept{dsn: cluster.Primary.DSN(db), admin: cluster.Primary.MustConnect(t, db)}
 	t.Cleanup(k.c.Close)
+	var err error
+	if k.first, _, err = k.pid(ctx); err != nil {
+		t.Fatal(err)
+	}
 	return k
 }
 
@@ -40,15 +48,13 @@ func (k *kept) connect(ctx context.Context) (*pgx.Conn, error) {
 	return pgx.Connect(ctx, k.dsn)
 }
 
-// pid runs one Do that reads the backend's PID, counting its runs of f.
-func (k *kept) pid(t *testing.T, ctx context.Context, runs *int) (uint32, error) {
-	t.Helper()
-	var pid uint32
-	err := k.c.Do(ctx, k.connect, func(c *pgx.Conn) error {
-		*runs++
+// pid runs one Do that reads the backend's PID, and counts its runs of f.
+func (k *kept) pid(ctx context.Context) (pid uint32, runs int, err error) {
+	err = k.c.Do(ctx, k.connect, func(c *pgx.Conn) error {
+		runs++
 		return c.QueryRow(ctx, "SELECT pg_backend_pid()").Scan(&pid)
 	})
-	return pid, err
+	return pid, runs, err
 }
 
 func ctxT(t *testing.T) context.Context {
@@ -62,12 +68,7 @@ func ctxT(t *testing.T) context.Context {
 // place and is not run again.
 func TestConnKept(t *testing.T) {
 	ctx := ctxT(t)
-	k := newKept(t)
-	runs := 0
-	first, err := k.pid(t, ctx, &runs)
-	if err != nil {
-		t.Fatal(err)
-	}
+	k := newKept(t, ctx)
 	for _, sql := range []string{"SELECT 1/0", "SELECT 1 WHERE false"} {
 		runs := 0
 		err := k.c.Do(ctx, k.connect, func(c *pgx.Conn) error {
@@ -79,8 +80,8 @@ func TestConnKept(t *testing.T) {
 			t.Fatalf("%s: %d runs, %v; want 1 run and its error", sql, runs, err)
 		}
 	}
-	if pid, err := k.pid(t, ctx, &runs); err != nil || pid != first {
-		t.Fatalf("after the failed statements: backend %d, %v; want the kept %d", pid, err, first)
+	if pid, _, err := k.pid(ctx); err != nil || pid != k.first {
+		t.Fatalf("after the failed statements: backend %d, %v; want the kept %d", pid, err, k.first)
 	}
 	if k.connects != 1 {
 		t.Fatalf("%d connections opened, want 1", k.connects)
@@ -92,26 +93,19 @@ func TestConnKept(t *testing.T) {
 // that breaks a connection it has just opened is not run again.
 func TestConnReopened(t *testing.T) {
 	ctx := ctxT(t)
-	k := newKept(t)
-	runs := 0
-	first, err := k.pid(t, ctx, &runs)
-	if err != nil {
-		t.Fatal(err)
-	}
+	k := newKept(t, ctx)
 	var ended bool
-	if err := k.admin.QueryRow(ctx, "SELECT pg_terminate_backend($1, 60000)", first).Scan(&ended); err != nil || !ended {
-		t.Fatalf("terminate backend %d: %v, %v", first, ended, err)
+	if err := k.admin.QueryRow(ctx, "SELECT pg_terminate_backend($1, 60000)", k.first).Scan(&ended); err != nil || !ended {
+		t.Fatalf("terminate backend %d: %v, %v", k.first, ended, err)
 	}
-	runs = 0
-	second, err := k.pid(t, ctx, &runs)
-	if err != nil || runs != 2 || second == first {
-		t.Fatalf("after the kept backend ended: backend %d, %d runs, %v; want a new one than %d, 2 runs", second, runs, err, first)
+	if pid, runs, err := k.pid(ctx); err != nil || runs != 2 || pid == k.first {
+		t.Fatalf("after the kept backend ended: backend %d, %d runs, %v; want a new one than %d, 2 runs", pid, runs, err, k.first)
 	}
 
 	// Broken on a connection just opened: returned as it is.
 	k.c.Close()
-	runs = 0
-	err = k.c.Do(ctx, k.connect, func(c *pgx.Conn) error {
+	runs := 0
+	err := k.c.Do(ctx, k.connect, func(c *pgx.Conn) error {
 		runs++
 		_, err := c.Exec(ctx, "SELECT pg_terminate_backend(pg_backend_pid())")
 		return err
@@ -119,7 +113,7 @@ func TestConnReopened(t *testing.T) {
 	if err == nil || runs != 1 {
 		t.Fatalf("a call that ends its own new backend: %d runs, %v; want 1 run and its error", runs, err)
 	}
-	if _, err := k.pid(t, ctx, &runs); err != nil {
+	if _, _, err := k.pid(ctx); err != nil {
 		t.Fatalf("the next call: %v", err)
 	}
 	if k.connects != 4 {
