@@ -169,14 +169,9 @@ func cleanHistory(t *testing.T) *history {
 	}
 	h.expire("report")
 	other := connect(t, h.db)
-	pid := other.PgConn().PID()
-	done := make(chan error, 1)
-	go func() {
-		l, err := fence.Acquire(ctx, other, "report", "B", time.Minute)
-		h.leases["B"] = l
-		done <- err
-	}()
-	pgtest.WaitLockWait(t, h.admin, pid) // B's takeover waits on A's fence row lock
+	done := pgtest.Blocked(t, h.admin, other.PgConn().PID(), func() (fence.Lease, error) {
+		return fence.Acquire(ctx, other, "report", "B", time.Minute)
+	}) // B's takeover waits on A's fence row lock
 	if r, err := fence.Commit(ctx, txA, a.Generation(""), fence.PayloadDigest([]byte("A1")), fence.PayloadDigestVersion); err != nil || r != fence.Committed {
 		t.Fatalf("A's receipt: got %v, %v", r, err)
 	}
@@ -185,10 +180,12 @@ func cleanHistory(t *testing.T) *history {
 	}
 	h.clients = append(h.clients, audit.ClientRecord{Job: "report", Epoch: a.Epoch, Token: a.Token,
 		Digest: fence.PayloadDigest([]byte("A1")), Outcome: audit.OutcomeCommitted, At: time.Now()})
-	if err := <-done; err != nil {
-		t.Fatalf("B's takeover: %v", err)
+	r := <-done
+	if r.Err != nil {
+		t.Fatalf("B's takeover: %v", r.Err)
 	}
-	b := h.leases["B"]
+	b := r.Val
+	h.leases["B"] = b
 
 	// A again, now stale; B commits, then retries after a "lost" response.
 	if _, err := h.write(worker, a.Generation("second"), "A2"); !fence.IsStale(err) {

@@ -48,22 +48,9 @@ func TestAcceptance(t *testing.T) {
 		e.expireLease("report") // A's lease ran out while it was committing
 
 		connB := e.connect()
-		pidB := connB.PgConn().PID()
-		type acq struct {
-			l   fence.Lease
-			err error
-		}
-		done := make(chan acq, 1)
-		go func() {
-			l, err := fence.Acquire(ctx, connB, "report", "B", time.Minute)
-			done <- acq{l, err}
-		}()
-		pgtest.WaitLockWait(t, e.admin, pidB) // B's takeover waits on A's fence row lock
-		select {
-		case r := <-done:
-			t.Fatalf("B's acquire returned while A held the fence row: %+v", r)
-		default:
-		}
+		done := pgtest.Blocked(t, e.admin, connB.PgConn().PID(), func() (fence.Lease, error) {
+			return fence.Acquire(ctx, connB, "report", "B", time.Minute)
+		}) // B's takeover waits on A's fence row lock
 		if r, err := fence.Commit(ctx, txA, a.Generation(""), fence.PayloadDigest([]byte("A's report")), fence.PayloadDigestVersion); err != nil || r != fence.Committed {
 			t.Fatalf("A's commit: got %v, %v", r, err)
 		}
@@ -71,14 +58,14 @@ func TestAcceptance(t *testing.T) {
 			t.Fatalf("A's COMMIT: %v", err)
 		}
 		r := <-done
-		if r.err != nil {
-			t.Fatalf("B's acquire: %v", r.err)
+		if r.Err != nil {
+			t.Fatalf("B's acquire: %v", r.Err)
 		}
-		if r.l.Token != 18 {
-			t.Fatalf("B's token: got %d, want 18", r.l.Token)
+		if r.Val.Token != 18 {
+			t.Fatalf("B's token: got %d, want 18", r.Val.Token)
 		}
 		e.wantResult(t, "report", result{"A's report", 17})
-		e.wantWrite(t, connB, pgx.ReadCommitted, r.l.Generation(""), "B's report", fence.Committed)
+		e.wantWrite(t, connB, pgx.ReadCommitted, r.Val.Generation(""), "B's report", fence.Committed)
 		e.wantResult(t, "report", result{"B's report", 18})
 	})
 

@@ -341,39 +341,27 @@ func testA02(t *testing.T) {
 		execOK(t, tx, upsert, "job", "from A", la.Token)
 		// B's takeover waits for A's fence row lock.
 		bconn := e.direct(t)
-		bpid := bconn.PgConn().PID()
-		type res struct {
-			l   fence.Lease
-			err error
-		}
-		done := make(chan res, 1)
-		go func() {
-			l, err := fence.Acquire(ctx, bconn, "job", "b", time.Minute)
-			done <- res{l, err}
-		}()
-		pgtest.WaitLockWait(t, e.direct(t), bpid)
-		select {
-		case r := <-done:
-			t.Fatalf("B's acquire returned while A holds the fence: %+v", r)
-		default:
-		}
+		done := pgtest.Blocked(t, e.direct(t), bconn.PgConn().PID(), func() (fence.Lease, error) {
+			return fence.Acquire(ctx, bconn, "job", "b", time.Minute)
+		})
 		if err := tx.Commit(ctx); err != nil {
 			t.Fatalf("A's commit while B waits: %v", err)
 		}
 		r := <-done
-		if r.err != nil {
-			t.Fatalf("B's acquire: %v", r.err)
+		if r.Err != nil {
+			t.Fatalf("B's acquire: %v", r.Err)
 		}
-		if r.l.Token <= la.Token {
-			t.Fatalf("B got token %d, want > %d", r.l.Token, la.Token)
+		lb := r.Val
+		if lb.Token <= la.Token {
+			t.Fatalf("B got token %d, want > %d", lb.Token, la.Token)
 		}
 		// A's result stands (committed with the old token, legitimately).
 		e.wantResult(t, "job", "from A", la.Token)
 		e.wantCount(t, 1, "SELECT count(*) FROM fence.receipts WHERE token = $1", la.Token)
 		// B's write supersedes it.
-		b := e.mustConnect(t, client{lease: &r.l, mode: mode})
-		mustWriteTx(t, b, "", "job", "from B", r.l.Token)
-		e.wantResult(t, "job", "from B", r.l.Token)
+		b := e.mustConnect(t, client{lease: &lb, mode: mode})
+		mustWriteTx(t, b, "", "job", "from B", lb.Token)
+		e.wantResult(t, "job", "from B", lb.Token)
 		// And A is fenced off now: a new commit of its token (a new
 		// step; the committed one would be answered from its receipt)
 		// is stale.
@@ -401,16 +389,13 @@ func testA03(t *testing.T) {
 		}
 		lb.JobKey = "job"
 		// A's first protected write: its gate waits for the takeover.
-		werr := make(chan error, 1)
-		go func() {
-			_, err := tx.Exec(ctx, upsert, "job", "from A", la.Token)
-			werr <- err
-		}()
-		pgtest.WaitLockWait(t, e.direct(t), apid)
+		werr := pgtest.Blocked(t, e.direct(t), apid, func() (pgconn.CommandTag, error) {
+			return tx.Exec(ctx, upsert, "job", "from A", la.Token)
+		})
 		if err := btx.Commit(ctx); err != nil {
 			t.Fatal(err)
 		}
-		wantCode(t, <-werr, fence.CodeStale)
+		wantCode(t, (<-werr).Err, fence.CodeStale)
 		err := tx.Commit(ctx)
 		if !errors.Is(err, pgx.ErrTxCommitRollback) && pgtest.SQLState(err) != fence.CodeStale {
 			t.Fatalf("A's COMMIT after FN001: got %v, want a rollback", err)

@@ -128,6 +128,14 @@ func poolWaiting(t *testing.T, adm *pgx.Conn, db string) int {
 	return 0
 }
 
+// waitPoolWaiting polls SHOW POOLS until n clients wait in db's pool.
+func waitPoolWaiting(t *testing.T, adm *pgx.Conn, db string, n int) {
+	t.Helper()
+	if err := pgtest.Poll(ctxT(t), func() (bool, error) { return poolWaiting(t, adm, db) == n, nil }); err != nil {
+		t.Fatalf("SHOW POOLS cl_waiting of %s: %d, want %d: %v", db, poolWaiting(t, adm, db), n, err)
+	}
+}
+
 func execAsync(ctx context.Context, c *pgconn.PgConn, sql string) <-chan []*pgconn.Result {
 	ch := make(chan []*pgconn.Result, 1)
 	go func() {
@@ -217,9 +225,7 @@ func TestConsolePause(t *testing.T) {
 			c, err = pgconn.Connect(ctx, p.dsn(db))
 			cDone <- err
 		}()
-		if err := pgtest.Poll(ctx, func() (bool, error) { return poolWaiting(t, obs, db) == 3, nil }); err != nil {
-			t.Fatalf("SHOW POOLS cl_waiting: %d, want 3 (a, b and the new client)", poolWaiting(t, obs, db))
-		}
+		waitPoolWaiting(t, obs, db, 3) // a, b and the new client
 		// Nothing of b's reached PostgreSQL.
 		direct := connect(t, cluster.Primary.DSN(db))
 		wantValue(t, direct, "SELECT count(*) FROM t WHERE v = 10", "0")
@@ -354,9 +360,7 @@ func TestConsoleKill(t *testing.T) {
 		wantValue(t, direct, "SELECT count(*) FROM t", "0")
 		// Killed means paused: a new client waits.
 		cDone := connectAsync(ctx, p.dsn(db))
-		if err := pgtest.Poll(ctx, func() (bool, error) { return poolWaiting(t, adm, db) == 1, nil }); err != nil {
-			t.Fatal(err)
-		}
+		waitPoolWaiting(t, adm, db, 1)
 		execOK(t, adm, "RESUME "+db)
 		if err := <-cDone; err != nil {
 			t.Fatal(err)
@@ -528,9 +532,7 @@ func TestConsoleSwitchover(t *testing.T) {
 		}
 		cDone <- err
 	}()
-	if err := pgtest.Poll(ctx, func() (bool, error) { return poolWaiting(t, adm, e.db) == 1, nil }); err != nil {
-		t.Fatal(err)
-	}
+	waitPoolWaiting(t, adm, e.db, 1)
 	execOK(t, adm, "RESUME "+e.db)
 	if err := <-cDone; err != nil {
 		t.Fatalf("new client after RESUME: %v", err)
@@ -557,9 +559,7 @@ func TestConsolePauseShutdown(t *testing.T) {
 		rawSend(t, a, "SELECT 1")
 		rawSend(t, b, "SELECT 2")
 		cDone := connectAsync(ctx, p.dsn(db))
-		if err := pgtest.Poll(ctx, func() (bool, error) { return poolWaiting(t, obs, db) == 3, nil }); err != nil {
-			t.Fatalf("cl_waiting %d, want 3", poolWaiting(t, obs, db))
-		}
+		waitPoolWaiting(t, obs, db, 3)
 		shut := make(chan error, 1)
 		go func() { shut <- p.srv.Shutdown(ctx) }()
 		for _, c := range []*pgconn.PgConn{a, b} {

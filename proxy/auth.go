@@ -23,12 +23,13 @@ import (
 	"os"
 	"strconv"
 	"strings"
-	"sync"
 
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgproto3"
 	"github.com/xdg-go/scram"
 	"go.uber.org/zap"
+
+	"github.com/pgfence/pgfence/internal/ctlconn"
 )
 
 // Client authentication (docs/proxy.md, "Who may connect").
@@ -450,8 +451,7 @@ type authLookup struct {
 	cfg   *pgconn.Config
 	query string
 
-	mu   sync.Mutex
-	conn *pgconn.PgConn
+	conn ctlconn.Conn[*pgconn.PgConn]
 }
 
 // errAuthLookup marks a failure to look the role up: the client is
@@ -460,48 +460,32 @@ var errAuthLookup = errors.New("cannot look up the role's password in PostgreSQL
 
 // lookup returns the role's stored password (verifier or md5 hash), and
 // whether the query found the role with one. A role without a password
-// (NULL) is not found.
+// (NULL) is not found. A query that fails in PostgreSQL (a bad
+// auth_query, no privilege) is not asked again; one whose kept connection
+// broke (PostgreSQL restarted) is asked once more on a new one.
 func (l *authLookup) lookup(ctx context.Context, user string) (string, bool, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	for attempt := 0; ; attempt++ {
-		if l.conn == nil {
-			c, err := pgconn.ConnectConfig(ctx, l.cfg.Copy())
-			if err != nil {
-				return "", false, fmt.Errorf("%w: connect: %w", errAuthLookup, err)
-			}
-			l.conn = c
+	var stored []byte
+	err := l.conn.Do(ctx, l.connect, func(c *pgconn.PgConn) error {
+		res := c.ExecParams(ctx, l.query, [][]byte{[]byte(user)}, nil, nil, nil).Read()
+		if res.Err != nil {
+			return fmt.Errorf("auth query: %w", res.Err)
 		}
-		res := l.conn.ExecParams(ctx, l.query, [][]byte{[]byte(user)}, nil, nil, nil).Read()
-		if res.Err == nil {
-			if len(res.Rows) == 0 || len(res.Rows[0]) < 2 || res.Rows[0][1] == nil {
-				return "", false, nil
-			}
-			return string(res.Rows[0][1]), true, nil
+		if len(res.Rows) > 0 && len(res.Rows[0]) >= 2 {
+			stored = res.Rows[0][1]
 		}
-		var pg *pgconn.PgError
-		if errors.As(res.Err, &pg) && !l.conn.IsClosed() {
-			// The query itself fails (a bad auth_query, no privilege):
-			// asking again would not help.
-			return "", false, fmt.Errorf("%w: auth query: %w", errAuthLookup, res.Err)
-		}
-		l.conn.Close(context.Background())
-		l.conn = nil
-		if attempt > 0 || ctx.Err() != nil {
-			return "", false, fmt.Errorf("%w: %w", errAuthLookup, res.Err)
-		}
-		// The connection broke (PostgreSQL restarted): one new one.
+		return nil
+	})
+	if err != nil {
+		return "", false, fmt.Errorf("%w: %w", errAuthLookup, err)
 	}
+	return string(stored), stored != nil, nil
 }
 
-func (l *authLookup) close() {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	if l.conn != nil {
-		l.conn.Close(context.Background())
-		l.conn = nil
-	}
+func (l *authLookup) connect(ctx context.Context) (*pgconn.PgConn, error) {
+	return pgconn.ConnectConfig(ctx, l.cfg.Copy())
 }
+
+func (l *authLookup) close() { l.conn.Close() }
 
 // ---------------------------------------------------------------------------
 // Authenticating a client

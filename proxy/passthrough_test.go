@@ -126,15 +126,7 @@ func testPipelineWithErrorAndRecovery(t *testing.T, relay Config) {
 	if err := pl.Sync(); err != nil {
 		t.Fatal(err)
 	}
-	for i := 0; i < 100; i++ {
-		res, err := pl.GetResults()
-		if err != nil {
-			t.Fatal(err)
-		}
-		if _, err := res.(*pgconn.ResultReader).Close(); err != nil {
-			t.Fatalf("insert %d: %v", i, err)
-		}
-	}
+	mustResults(t, pl, 100, "insert")
 	res, _ := pl.GetResults()
 	r := res.(*pgconn.ResultReader).Read()
 	if r.Err != nil || string(r.Rows[0][0]) != "100" {
@@ -161,6 +153,25 @@ func testPipelineWithErrorAndRecovery(t *testing.T, relay Config) {
 	mustSync(t, pl)
 	if err := pl.Close(); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// mustResults reads the next n results of pl, each a statement's (what,
+// numbered from 0) that succeeded.
+func mustResults(t *testing.T, pl *pgconn.Pipeline, n int, what string) {
+	t.Helper()
+	for i := range n {
+		res, err := pl.GetResults()
+		if err != nil {
+			t.Fatal(err)
+		}
+		rr, ok := res.(*pgconn.ResultReader)
+		if !ok {
+			t.Fatalf("%s %d: got %T, want a statement's result", what, i, res)
+		}
+		if _, err := rr.Close(); err != nil {
+			t.Fatalf("%s %d: %v", what, i, err)
+		}
 	}
 }
 

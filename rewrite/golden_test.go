@@ -2,15 +2,14 @@ package rewrite
 
 import (
 	"bufio"
-	"flag"
 	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
-)
 
-var update = flag.Bool("update", false, "rewrite the golden files in testdata/classify")
+	"github.com/pgfence/pgfence/internal/golden"
+)
 
 const goldenDir = "../testdata/classify"
 
@@ -19,15 +18,8 @@ const goldenDir = "../testdata/classify"
 // compares the rendering with the matching .golden file. Run with -update
 // to regenerate, then review the diff.
 func TestGolden(t *testing.T) {
-	files, err := filepath.Glob(filepath.Join(goldenDir, "*.sql"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if len(files) == 0 {
-		t.Fatalf("no inputs in %s", goldenDir)
-	}
 	total := 0
-	for _, file := range files {
+	for _, file := range golden.Files(t, filepath.Join(goldenDir, "*.sql")) {
 		t.Run(filepath.Base(file), func(t *testing.T) {
 			cases := readCases(t, file)
 			total += len(cases)
@@ -36,21 +28,7 @@ func TestGolden(t *testing.T) {
 				b.WriteString(renderCase(c))
 				b.WriteString("\n")
 			}
-			got := b.String()
-			golden := strings.TrimSuffix(file, ".sql") + ".golden"
-			if *update {
-				if err := os.WriteFile(golden, []byte(got), 0o644); err != nil {
-					t.Fatal(err)
-				}
-				return
-			}
-			want, err := os.ReadFile(golden)
-			if err != nil {
-				t.Fatalf("%v (run go test ./rewrite -run TestGolden -update)", err)
-			}
-			if got != string(want) {
-				t.Errorf("classification of %s differs from %s:\n%s", file, golden, lineDiff(string(want), got))
-			}
+			golden.Check(t, strings.TrimSuffix(file, ".sql")+".golden", b.String())
 		})
 	}
 	if total < 60 {
@@ -195,29 +173,6 @@ func renderGUC(g GUC) string {
 	}
 	if g.Conditional {
 		b.WriteString(" conditional")
-	}
-	return b.String()
-}
-
-// lineDiff shows the first differing lines of two texts.
-func lineDiff(want, got string) string {
-	wl, gl := strings.Split(want, "\n"), strings.Split(got, "\n")
-	var b strings.Builder
-	n := 0
-	for i := 0; i < len(wl) || i < len(gl); i++ {
-		var w, g string
-		if i < len(wl) {
-			w = wl[i]
-		}
-		if i < len(gl) {
-			g = gl[i]
-		}
-		if w != g {
-			fmt.Fprintf(&b, "line %d:\n  got:  %s\n  want: %s\n", i+1, g, w)
-			if n++; n == 10 {
-				break
-			}
-		}
 	}
 	return b.String()
 }

@@ -2,7 +2,7 @@
 // a primary and, optionally, a streaming replica, for tests and for
 // `pgfence dev`, with the few helpers the packages' tests share around
 // them (NewDatabaseWith, Node.MustConnect, Cluster.Client, Poll,
-// WaitLockWait, SQLState).
+// WaitLockWait, Blocked, SQLState).
 //
 // It is not a general PostgreSQL manager: clusters live in a temporary
 // directory, run with fsync off, trust every local connection, and are

@@ -160,15 +160,52 @@ func WaitLockWait(t testing.TB, conn *pgx.Conn, pid uint32) {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
+	if err := poll(ctx, func() (bool, error) { return lockWaiting(ctx, conn, pid) }); err != nil {
+		t.Fatalf("pgtest: backend %d never waited for a lock: %v", pid, err)
+	}
+}
+
+// lockWaiting reports whether backend pid waits for a heavyweight lock.
+func lockWaiting(ctx context.Context, conn *pgx.Conn, pid uint32) (bool, error) {
+	var waiting bool
+	err := conn.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_locks l JOIN pg_stat_activity a USING (pid)
+		WHERE l.pid = $1 AND NOT l.granted AND a.wait_event_type = 'Lock')`, pid).Scan(&waiting)
+	return waiting, err
+}
+
+// Outcome is what a call started by Blocked returned.
+type Outcome[T any] struct {
+	Val T
+	Err error
+}
+
+// Blocked runs f in a goroutine and returns once backend pid, the one f
+// runs its statement on, waits for a lock (as WaitLockWait sees it on
+// conn), failing t when f returns first or the wait does not come within
+// a minute; f's outcome arrives on the channel when the test lets it go
+// on. It is the first half of an ordering test: one side blocked on a
+// lock the other holds.
+func Blocked[T any](t testing.TB, conn *pgx.Conn, pid uint32, f func() (T, error)) <-chan Outcome[T] {
+	t.Helper()
+	done := make(chan Outcome[T], 1)
+	go func() {
+		v, err := f()
+		done <- Outcome[T]{v, err}
+	}()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
 	err := poll(ctx, func() (bool, error) {
-		var waiting bool
-		err := conn.QueryRow(ctx, `SELECT EXISTS (SELECT 1 FROM pg_locks l JOIN pg_stat_activity a USING (pid)
-			WHERE l.pid = $1 AND NOT l.granted AND a.wait_event_type = 'Lock')`, pid).Scan(&waiting)
-		return waiting, err
+		select {
+		case o := <-done:
+			return false, fmt.Errorf("the call returned first: %+v", o)
+		default:
+		}
+		return lockWaiting(ctx, conn, pid)
 	})
 	if err != nil {
 		t.Fatalf("pgtest: backend %d never waited for a lock: %v", pid, err)
 	}
+	return done
 }
 
 // SQLState is the SQLSTATE err carries, or "" when it carries none.

@@ -38,6 +38,30 @@ func TestDatabaseClonedFromTemplate(t *testing.T) {
 	}
 }
 
+// TestBlocked: Blocked returns while its call waits for a lock the test
+// holds, and the call's outcome arrives once the lock is let go.
+func TestBlocked(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	db := cluster.NewDatabase(t)
+	holder, waiter := cluster.Primary.MustConnect(t, db), cluster.Primary.MustConnect(t, db)
+	if _, err := holder.Exec(ctx, "SELECT pg_advisory_lock(7)"); err != nil {
+		t.Fatal(err)
+	}
+	done := pgtest.Blocked(t, holder, waiter.PgConn().PID(), func() (int, error) {
+		var v int
+		err := waiter.QueryRow(ctx, "SELECT 7 FROM (SELECT pg_advisory_lock(7)) l").Scan(&v)
+		return v, err
+	})
+	if _, err := holder.Exec(ctx, "SELECT pg_advisory_unlock(7)"); err != nil {
+		t.Fatal(err)
+	}
+	if o := <-done; o.Err != nil || o.Val != 7 {
+		t.Fatalf("the blocked call: got %d, %v; want 7", o.Val, o.Err)
+	}
+}
+
 func TestReplicaPauseResume(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()

@@ -2,7 +2,6 @@ package plan_test
 
 import (
 	"bufio"
-	"flag"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -11,12 +10,11 @@ import (
 	"testing"
 
 	"github.com/pgfence/pgfence/fence"
+	"github.com/pgfence/pgfence/internal/golden"
 	"github.com/pgfence/pgfence/rewrite"
 	"github.com/pgfence/pgfence/rewrite/plan"
 	"github.com/pgfence/pgfence/session"
 )
-
-var update = flag.Bool("update", false, "rewrite the planned steps in testdata/plans")
 
 const plansDir = "../testdata/plans"
 
@@ -45,36 +43,20 @@ const separator = "----"
 // success: the session state follows the gate's steps and the client's
 // statements as the proxy's server side would make it follow them.
 func TestPlans(t *testing.T) {
-	files, err := filepath.Glob(filepath.Join(plansDir, "*.txt"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if len(files) == 0 {
-		t.Fatalf("no plans in %s", plansDir)
-	}
-	for _, file := range files {
+	for _, file := range golden.Files(t, filepath.Join(plansDir, "*.txt")) {
 		t.Run(strings.TrimSuffix(filepath.Base(file), ".txt"), func(t *testing.T) {
 			raw, err := os.ReadFile(file)
 			if err != nil {
 				t.Fatal(err)
 			}
-			input, want, found := strings.Cut(string(raw), "\n"+separator+"\n")
+			input, _, found := strings.Cut(string(raw), "\n"+separator+"\n")
 			if !found {
-				if !*update {
+				if !golden.Update() {
 					t.Fatalf("%s has no %q line (run go test ./rewrite/plan -run TestPlans -update)", file, separator)
 				}
 				input = strings.TrimSuffix(input, "\n")
 			}
-			got := runPlans(t, input)
-			if *update {
-				if err := os.WriteFile(file, []byte(input+"\n"+separator+"\n"+got), 0o644); err != nil {
-					t.Fatal(err)
-				}
-				return
-			}
-			if got != want {
-				t.Errorf("plans for %s differ from the file (run with -update and review the diff):\ngot:\n%s\nwant:\n%s", file, got, want)
-			}
+			golden.Check(t, file, input+"\n"+separator+"\n"+runPlans(t, input))
 		})
 	}
 }
