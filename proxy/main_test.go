@@ -179,8 +179,11 @@ func bothRelays(t *testing.T, f func(t *testing.T, relay Config)) {
 			if tp.srv.cfg.Interceptor != cfg.Interceptor {
 				t.Fatal("the test's proxy does not have the mode's interceptor (build its Config with withRelay)")
 			}
-			if !mode.cfg.DisableEventLoop && tp.srv.loop.used != wantPoller(tp.srv.cfg.Poller) {
-				t.Errorf("the event loop ran with poller %q, want %q", tp.srv.loop.used, wantPoller(tp.srv.cfg.Poller))
+			tp.srv.loop.mu.Lock() // get sets used under it, on the first session's goroutine
+			used := tp.srv.loop.used
+			tp.srv.loop.mu.Unlock()
+			if !mode.cfg.DisableEventLoop && used != wantPoller(tp.srv.cfg.Poller) {
+				t.Errorf("the event loop ran with poller %q, want %q", used, wantPoller(tp.srv.cfg.Poller))
 			}
 		})
 	}
