@@ -519,46 +519,12 @@ func FuzzLoopServerErrors(f *testing.F) {
 			off += total
 		}
 
-		fds, err := syscall.Socketpair(syscall.AF_UNIX, syscall.SOCK_STREAM|syscall.SOCK_NONBLOCK, 0)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer syscall.Close(fds[0])
-		defer syscall.Close(fds[1])
-		var got []byte
-		read := func() {
-			var b [4096]byte
-			for {
-				n, err := syscall.Read(fds[1], b[:])
-				if n <= 0 || err != nil {
-					return
-				}
-				got = append(got, b[:n]...)
-			}
-		}
 		s := &Session{srv: srv}
 		s.oversized.Store(true)
-		r := &relay{s: s, client: sock{fd: fds[0]}}
+		r := &relay{s: s}
 		p := &r.toClient
 		*p = pipe{dst: &r.client, buf: make([]byte, size), sc: wire.Scanner{From: "server"}}
-		var end error
-		for i, off := 0, 0; off < len(in) && end == nil; i++ {
-			n := min(len(in)-off, len(p.buf)-p.end-p.heldBack)
-			if i < len(cuts) {
-				n = min(n, int(cuts[i])+1)
-			}
-			if n == 0 {
-				t.Fatalf("no room in the buffer: %d bytes passed, %d held", p.end, p.heldBack)
-			}
-			copy(p.buf[p.end+p.heldBack:], in[off:off+n])
-			off += n
-			end = r.passOn(p, n)
-			for end == nil && (p.start < p.end || p.stalled) {
-				read()
-				end = r.flush(p)
-			}
-			read()
-		}
+		got, end := feedPipe(t, r, p, in, cuts)
 		if wantBad != (end != nil) {
 			t.Fatalf("ended with %v, want a bad header: %v", end, wantBad)
 		}

@@ -76,45 +76,12 @@ func FuzzLoopFraming(f *testing.F) {
 			break
 		}
 
-		// The relay, writing to one end of a socketpair, read at the other.
-		fds, err := syscall.Socketpair(syscall.AF_UNIX, syscall.SOCK_STREAM|syscall.SOCK_NONBLOCK, 0)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer syscall.Close(fds[0])
-		defer syscall.Close(fds[1])
-		var got []byte
-		read := func() {
-			var b [4096]byte
-			for {
-				n, err := syscall.Read(fds[1], b[:])
-				if n <= 0 || err != nil {
-					return
-				}
-				got = append(got, b[:n]...)
-			}
-		}
 		s := &Session{srv: srv}
-		r := &relay{s: s, server: sock{fd: fds[0]}}
+		r := &relay{s: s}
 		p := &r.toServer
 		*p = pipe{fromClient: true, dst: &r.server, buf: make([]byte, len(in)+headerLen), sc: wire.Scanner{Max: int(max), From: "client", Client: true}}
 		s.sw = bufio.NewWriter(insWriter{p})
-		off := 0
-		var end error
-		for i := 0; off < len(in) && end == nil; i++ {
-			n := len(in) - off
-			if i < len(cuts) {
-				n = min(n, int(cuts[i])+1)
-			}
-			copy(p.buf[p.end+p.heldBack:], in[off:off+n])
-			off += n
-			end = r.passOn(p, n)
-			for end == nil && (p.start < p.end || p.stalled) { // the socket was full
-				read()
-				end = r.flush(p)
-			}
-			read()
-		}
+		got, end := feedPipe(t, r, p, in, cuts)
 		var pe *ProtocolError
 		switch {
 		case wantEnd == nil && end != nil:
@@ -128,6 +95,51 @@ func FuzzLoopFraming(f *testing.F) {
 			t.Fatalf("passed on\n\t%q\nwant\n\t%q (the relay ends with %v)", got, want, wantEnd)
 		}
 	})
+}
+
+// feedPipe passes in through r's pipe p as the loop would read it, in
+// pieces cut at cuts (none larger than the buffer's room), its
+// destination one end of a socketpair read at the other; it returns what
+// reached the destination and how the relay ended.
+func feedPipe(t *testing.T, r *relay, p *pipe, in, cuts []byte) ([]byte, error) {
+	t.Helper()
+	fds, err := syscall.Socketpair(syscall.AF_UNIX, syscall.SOCK_STREAM|syscall.SOCK_NONBLOCK, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer syscall.Close(fds[0])
+	defer syscall.Close(fds[1])
+	*p.dst = sock{fd: fds[0]}
+	var got []byte
+	read := func() {
+		var b [4096]byte
+		for {
+			n, err := syscall.Read(fds[1], b[:])
+			if n <= 0 || err != nil {
+				return
+			}
+			got = append(got, b[:n]...)
+		}
+	}
+	var end error
+	for i, off := 0, 0; off < len(in) && end == nil; i++ {
+		n := min(len(in)-off, len(p.buf)-p.end-p.heldBack)
+		if i < len(cuts) {
+			n = min(n, int(cuts[i])+1)
+		}
+		if n == 0 {
+			t.Fatalf("no room in the buffer: %d bytes passed, %d held", p.end, p.heldBack)
+		}
+		copy(p.buf[p.end+p.heldBack:], in[off:off+n])
+		off += n
+		end = r.passOn(p, n)
+		for end == nil && (p.start < p.end || p.stalled) { // the socket was full
+			read()
+			end = r.flush(p)
+		}
+		read()
+	}
+	return got, end
 }
 
 // interceptedRelay returns the relay of the only session of p whose server side
