@@ -501,7 +501,7 @@ func (s *Session) runOnLoop() (error, bool) {
 		s.log.Warn("event loop unavailable; relaying with goroutines", zap.Error(err))
 		return nil, false
 	}
-	br, err := s.bridgeConns() // evloop_bridge_linux.go
+	br, err := s.bridgeConns() // evloop_bridge.go
 	if err != nil {
 		s.log.Warn("cannot bridge the connection to the event loop; relaying with goroutines", zap.Error(err))
 		return nil, false

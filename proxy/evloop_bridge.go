@@ -1,4 +1,4 @@
-//go:build linux
+//go:build unix
 
 package proxy
 
@@ -110,7 +110,15 @@ func (bs *bridges) wait() {
 
 // newBridge bridges c to a socketpair and returns the loop's end.
 func newBridge(c net.Conn) (net.Conn, *bridge, error) {
-	fds, err := syscall.Socketpair(syscall.AF_UNIX, syscall.SOCK_STREAM|syscall.SOCK_CLOEXEC, 0)
+	// SOCK_CLOEXEC is not on every Unix (macOS): close-on-exec is set
+	// under ForkLock, as the standard library does there.
+	syscall.ForkLock.RLock()
+	fds, err := syscall.Socketpair(syscall.AF_UNIX, syscall.SOCK_STREAM, 0)
+	if err == nil {
+		syscall.CloseOnExec(fds[0])
+		syscall.CloseOnExec(fds[1])
+	}
+	syscall.ForkLock.RUnlock()
 	if err != nil {
 		return nil, nil, fmt.Errorf("socketpair: %w", err)
 	}
