@@ -25,19 +25,17 @@ import (
 // transaction or has a request in flight. New connections to a paused
 // database wait after authentication, before the proxy connects upstream.
 //
-// The relay's side, in every path (the two goroutines of a session, the
-// event loop's pass-through relay and its intercepted sessions), is one
-// pair of calls around each client message: holdMessage before the
+// The relay's side, for both kinds of session on the event loop
+// (pass-through and intercepted), is one pair of calls around each client message: holdMessage before the
 // message is looked at, releaseMessage once it has been handled. Between
 // the two the session counts one more request in flight (Session.st), and
 // holdMessage checks the pause only after that increment, while PAUSE
 // sets the pause before it looks at the counts: whichever comes first, a
 // message cannot start a transaction that PAUSE does not see (Go's
 // atomics are sequentially consistent). A held message is not read any
-// further: a goroutine waits on a channel that RESUME closes; the event
-// loop, which must not block, stops reading that client (its bytes stay
+// further: the event loop, which must not block, stops reading that client (its bytes stay
 // where they are, the relay costs nothing while held) and RESUME posts the
-// session back to the loop thread (admin_pause_linux.go).
+// session back to the loop thread (admin_pause_loop.go).
 
 // dbControl is the state of PAUSE, DISABLE, RECONNECT and the console
 // commands that wait.
@@ -54,8 +52,8 @@ type dbControl struct {
 	all      bool            // PAUSE without a database
 	dbs      map[string]bool // PAUSE db, KILL db
 	disabled map[string]bool // DISABLE db
-	// resumed is closed (and replaced) at every RESUME: goroutines
-	// holding a message wait on it.
+	// resumed is closed (and replaced) at every RESUME: new clients
+	// waiting to be admitted (admit) wait on it.
 	resumed chan struct{}
 	// parked are the event loop's held sessions, woken at the next
 	// RESUME (each checks again, and parks again if still paused).
@@ -209,26 +207,6 @@ func (s *Session) readyForQuery(n int64) {
 func (s *Session) idleNow() {
 	s.info.stats.endQuery(s.TxStatus())
 	s.srv.ops.ctl.notify()
-}
-
-// waitResume waits, on a goroutine that may block, until the pause that
-// held the session's message may have ended (the caller calls
-// holdMessage again), or the session ends.
-func (s *Session) waitResume() error {
-	if err := s.sw.Flush(); err != nil {
-		return fmt.Errorf("server: %w", err)
-	}
-	s.info.holdSince.CompareAndSwap(0, monoNow())
-	ch := s.srv.ops.ctl.resumedChan(s.Database)
-	if ch == nil {
-		return nil
-	}
-	select {
-	case <-ch:
-		return nil
-	case <-s.closing:
-		return errSessionClosing
-	}
 }
 
 // park registers wake, to be called from any goroutine when the pause

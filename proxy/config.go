@@ -153,10 +153,13 @@ type Config struct {
 	// write buffers. Zero means DefaultBufferSize (32 KiB).
 	BufferSize int
 
-	// DisableEventLoop relays pass-through sessions (no Interceptor, no
-	// read routing) with two goroutines each instead of the
-	// Server's event loop thread (see evloop.go). For
-	// diagnosis: both paths behave the same; the loop is faster.
+	// DisableEventLoop once relayed sessions with two goroutines each
+	// instead of the event loop. There is one relay engine now, the
+	// loop (evloop.go); for the diagnosis the switch was for (ruling
+	// epoll out), it selects the poll poller.
+	//
+	// Deprecated: set Poller to "poll". With Poller "epoll" it is an
+	// error.
 	DisableEventLoop bool
 
 	// Poller is what the event loop waits in (poller.go): "epoll" (Linux

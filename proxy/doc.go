@@ -17,22 +17,27 @@
 //
 // # The wire loop
 //
-// Without the event loop (evloop_linux.go: on Linux each Server relays
-// most sessions on one thread of its own), each Session runs two
-// goroutines: client→server (clientLoop) and server→client (serverLoop).
-// The first to end closes both connections; run waits for both. Each
-// direction frames messages out of a large
-// bufio.Reader (wire.Framer) by decoding only the 5-byte header, and writes
-// them into a bufio.Writer for the other side. The writer is flushed
-// exactly when the reader has no complete input left (wire.Framer.Fill), so
-// pipelined messages coalesce into one write and nothing waits when idle.
-// Messages larger than the buffer are streamed through in pieces. The
-// pass-through path neither copies a message more than once nor
-// allocates (BenchmarkPassThrough, TestFramingAllocs).
+// Every session is relayed by one engine, its Server's event loop
+// (evloop.go): one OS thread that waits in epoll (Linux) or poll(2)
+// (every Unix) for the sockets of all its sessions, as PgBouncer does;
+// the package builds on Unix only. A pass-through session's bytes are
+// framed by an incremental scanner (wire.Scanner) decoding only the
+// 5-byte header, copied once into a buffer for the other side, and
+// written when the input runs dry, so pipelined messages coalesce into
+// one write (evloop_relay.go); the pass-through path allocates nothing
+// per message (BenchmarkPassThrough, TestFramingAllocs). An intercepted
+// session's messages are framed whole (wire.Framer) and given to its
+// Handler on the loop (evloop_intercept.go, evloop_client.go); what
+// would block there runs on a goroutine while its client side is
+// parked (offClient). A connection that is not a socket is bridged to
+// the loop by a byte pump (evloop_bridge.go). A session the loop cannot
+// take is refused with 53000, never relayed some other way
+// (Session.refuse).
 //
-// The server→client loop watches ReadyForQuery to track the transaction
-// status (Session.TxStatus), and the client→server loop counts requests
-// in flight; Shutdown closes a session only when it is idle in both senses.
+// The loop watches ReadyForQuery to track the transaction status
+// (Session.TxStatus) and counts requests in flight; Shutdown closes a
+// session only when it is idle in both senses. One teardown order ends
+// every session (end.go).
 //
 // # The seam for the write gate
 //

@@ -1,14 +1,12 @@
 package proxy
 
-import (
-	"sync"
-	"time"
-)
+import "time"
 
 // This file holds the end of a session, written once: Session.end orders
-// the steps, and a teardown does each step the way its transport must
-// (the goroutines here, the event loop's relays in
-// evloop_relay_linux.go and evloop_intercept_linux.go).
+// the steps, and a teardown does each step the way its relay must (the
+// event loop's pass-through and intercepted relays, in evloop_relay.go
+// and evloop_intercept.go; a session refused before it came onto the
+// loop, unrelayedEnd, here).
 
 // teardown is what differs, by transport, at the end of a session.
 type teardown interface {
@@ -73,47 +71,23 @@ func (s *Session) end(t teardown, err error) error {
 	return err
 }
 
-// sides runs the two sides of a session and reports the first to end.
-type sides struct {
-	wg   sync.WaitGroup
-	errc chan error
-}
+// unrelayedEnd is the end of a session that never came onto the loop
+// (Session.refuse): nothing relays it, so there is no side to stop or
+// wait for, and nothing is buffered but what the writers hold.
+type unrelayedEnd struct{ s *Session }
 
-func newSides() *sides { return &sides{errc: make(chan error, 2)} }
-
-// run runs f, one side, on a goroutine of its own.
-func (sd *sides) run(f func() error) {
-	sd.wg.Add(1)
-	go func() { defer sd.wg.Done(); sd.errc <- f() }()
-}
-
-// first waits for the first side to end and returns its error.
-func (sd *sides) first() error { return <-sd.errc }
-
-// wait waits for the other side and returns its error.
-func (sd *sides) wait() error {
-	sd.wg.Wait()
-	return <-sd.errc
-}
-
-// goroutineEnd is the end of a session relayed by two goroutines (run).
-type goroutineEnd struct {
-	s *Session
-	*sides
-}
-
-func (e goroutineEnd) stop() {
+func (e unrelayedEnd) stop() {
 	e.s.closeServer()  // Terminate and close: the upstream is done with here
 	e.s.closeReplica() // replica.go
-	e.s.client.SetReadDeadline(time.Now())
 }
 
-func (goroutineEnd) endServer()   {} // stop has closed it (closeServer)
-func (goroutineEnd) flushClient() {} // the server side flushed as it ended
+func (unrelayedEnd) wait() error  { return nil }
+func (unrelayedEnd) endServer()   {} // stop has closed it (closeServer)
+func (unrelayedEnd) flushClient() {} // dupSockets or bridgeConns flushed it, or the client is gone
 
-func (e goroutineEnd) tellClient(msg []byte) {
+func (e unrelayedEnd) tellClient(msg []byte) {
 	e.s.client.SetWriteDeadline(time.Now().Add(time.Second))
 	e.s.client.Write(msg)
 }
 
-func (e goroutineEnd) closeClient() { e.s.client.Close() }
+func (e unrelayedEnd) closeClient() { e.s.client.Close() }

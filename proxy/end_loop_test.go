@@ -36,13 +36,9 @@ import (
 // advisory lock the test holds, so the shutdown is started before the
 // ReadyForQuery is sent.
 //
-// On the event loop (with and without the gate) that remainder is what
-// the teardown's flushClient writes: the test waits until the session's
-// end has taken the sockets (the relay let go) before the client reads a
-// byte. On goroutines the server side cannot get there: it blocks in its
-// writer's flush to the client at the ReadyForQuery until the client
-// reads, so nothing is buffered at the end (goroutineEnd.flushClient does
-// nothing); the test checks the same stream, once the backend is idle.
+// That remainder (with and without the gate) is what the teardown's
+// flushClient writes: the test waits until the session's end has taken
+// the sockets (the relay let go) before the client reads a byte.
 func TestShutdownFlushesClientBeforeReason(t *testing.T) {
 	bothRelays(t, testShutdownFlushesClientBeforeReason)
 }
@@ -79,25 +75,15 @@ func testShutdownFlushesClientBeforeReason(t *testing.T, mode Config) {
 	if _, err := admin.Exec(ctx, "SELECT pg_advisory_unlock($1)", endFlushLock); err != nil {
 		t.Fatal(err)
 	}
-	if mode.DisableEventLoop {
-		// The query has finished upstream, but the server side is still
-		// blocked in its flush of the first result: the ReadyForQuery is
-		// not read until the client reads.
-		endFlushBackend(t, admin, pid, "state = 'idle'", true)
-		if s := endFlushSession(p); s == nil || s.st.Closed() {
-			t.Fatal("the session ended before its client read: its server side did not wait in its flush")
-		}
-	} else {
-		// The loop has read the ReadyForQuery (the query has finished
-		// upstream) and handed the session to its end, which holds the
-		// sockets now (letGo), the client still not reading. The client
-		// reads at once: flushClient waits a bounded time for room.
-		loopRelayWhere(t, p, "a session whose end has begun", func(r *relay) bool {
-			r.mu.Lock()
-			defer r.mu.Unlock()
-			return r.closed
-		})
-	}
+	// The loop has read the ReadyForQuery (the query has finished
+	// upstream) and handed the session to its end, which holds the
+	// sockets now (letGo), the client still not reading. The client
+	// reads at once: flushClient waits a bounded time for room.
+	loopRelayWhere(t, p, "a session whose end has begun", func(r *relay) bool {
+		r.mu.Lock()
+		defer r.mu.Unlock()
+		return r.closed
+	})
 
 	got := endFlushReadAll(t, c)
 	wantS := []string{"RowDescription"}
@@ -162,7 +148,7 @@ func endFlushPinSendBuffer(t *testing.T, p *testProxy) {
 	}
 }
 
-// endFlushSession is p's one session (nil if none yet).
+// endFlushSession is p's one session, nil before it has one.
 func endFlushSession(p *testProxy) *Session {
 	p.srv.mu.Lock()
 	defer p.srv.mu.Unlock()

@@ -1,5 +1,3 @@
-//go:build unix
-
 package proxy
 
 import (
@@ -13,24 +11,25 @@ import (
 	"syscall"
 	"time"
 
+	"fmt"
 	"github.com/pgfence/pgfence/internal/wire"
-	"go.uber.org/zap"
 )
 
 // This file holds the event loop itself: its thread (run, and stop when
 // its Server shuts down), the registration of a session's sockets with
 // its poller, the relay value both kinds of session have on the loop, the
-// system calls, and Session.runOnLoop, where a session comes onto the
-// loop. The pass-through relay is in evloop_relay.go, an intercepted
+// system calls, and dupSockets, where a session's sockets come onto the
+// loop (Session.run, session.go, brings it there). The pass-through relay is in evloop_relay.go, an intercepted
 // session's in evloop_intercept.go, PAUSE on the loop in
 // admin_pause_loop.go; the pollers, which are all the loop knows of
 // epoll or poll(2), in poller.go.
 
-// The event loop relays the bytes of pass-through sessions (no Handler,
-// no read routing; TLS through its tls.Conn: evloop_tls.go) on one OS
-// thread that waits in epoll_wait (Linux) or poll(2) (the other Unixes,
-// or Config.Poller "poll"), the way PgBouncer does, instead of two
-// goroutines per session. Each Server owns one (serverLoop), started by
+// The event loop relays every session (pass-through ones byte by byte,
+// intercepted ones message by message; TLS through its tls.Conn:
+// evloop_tls.go) on one OS thread that waits in epoll_wait (Linux) or
+// poll(2) (the other Unixes, or Config.Poller "poll"), the way PgBouncer
+// does, instead of two goroutines per session. It is the proxy's one
+// relay engine: the goroutine relay it replaced is gone. Each Server owns one (serverLoop), started by
 // its first session and stopped, its poller closed, by Shutdown.
 //
 // Why: with goroutines, every hop of a query (client → proxy → server and
@@ -52,45 +51,54 @@ import (
 //
 // The sockets leave Go's netpoller (their net.Conns are closed after the
 // file descriptors are duplicated), so an event wakes only this thread.
-// The loop validates framing exactly like the goroutine path (frontend
+// The loop validates framing with internal/wire's rules (frontend
 // message types, the message size limit, Terminate) and keeps the
-// session's transaction status and in-flight count, so graceful shutdown
-// and the admin console see the same session either way.
+// session's transaction status and in-flight count, which graceful
+// shutdown and the admin console read.
 
-// serverLoop is a Server's event loop: started by the first session that
-// can use it (runOnLoop), stopped by Shutdown once every session has ended.
+// serverLoop is a Server's event loop: started by its first session
+// (get), stopped by Shutdown once every session has ended.
 // Each Server has its own; several in one process (tests) each run a loop
 // thread.
 type serverLoop struct {
 	mu      sync.Mutex
 	poller  string // Config.Poller
 	l       *evloop
-	err     error // newEvloop's, kept: the loop is not tried again
 	stopped bool
 	// used is the name of the poller the loop was started with ("":
 	// never started), kept after stop (for observation: tests).
 	used string
+	// start makes the loop: newEvloop, or a test's stand-in.
+	start func(poller string) (*evloop, error)
 }
 
 // errLoopStopped: the Server has shut down, and its loop with it.
 var errLoopStopped = errors.New("event loop stopped: the server has shut down")
 
-// get returns the Server's event loop, starting it on first use.
+// get returns the Server's event loop, starting it on first use. A loop
+// that cannot be made (its poller needs descriptors the process may be
+// out of) is tried again by the next session: the one that asked is
+// refused meanwhile (Session.refuse).
 func (sl *serverLoop) get() (*evloop, error) {
 	sl.mu.Lock()
 	defer sl.mu.Unlock()
 	switch {
 	case sl.stopped:
 		return nil, errLoopStopped
-	case sl.l == nil && sl.err == nil:
-		sl.l, sl.err = newEvloop(sl.poller)
-		if sl.err == nil {
-			sl.used = sl.l.p.name()
-			runtime.GOMAXPROCS(runtime.GOMAXPROCS(0) + 1)
-			go sl.l.run()
+	case sl.l == nil:
+		start := sl.start
+		if start == nil {
+			start = newEvloop
 		}
+		l, err := start(sl.poller)
+		if err != nil {
+			return nil, fmt.Errorf("starting the event loop: %w", err)
+		}
+		sl.l, sl.used = l, l.p.name()
+		runtime.GOMAXPROCS(runtime.GOMAXPROCS(0) + 1)
+		go sl.l.run()
 	}
-	return sl.l, sl.err
+	return sl.l, nil
 }
 
 // stop ends the loop, if it was started, and waits until its thread has
@@ -211,9 +219,10 @@ func (l *evloop) publish(r *relay, regs ...pollReg) (*relay, bool) {
 }
 
 // dupSockets duplicates s's client and server sockets for the loop. The
-// caller holds s.connMu. It reports false, having changed nothing, for a
-// connection that is neither a socket nor TLS over our transport (runOnLoop
-// bridges those first), or an upstream already closed. A TLS connection is
+// caller holds s.connMu. It fails, having changed nothing, for a
+// connection that is neither a socket nor TLS over our transport (run
+// bridges those first), an upstream already closed (errShutdown), or a
+// descriptor the process cannot have. A TLS connection is
 // relayed through its tls.Conn (takeSock).
 //
 // What s's writers hold is written first; what its framers have read and
@@ -224,24 +233,29 @@ func (l *evloop) publish(r *relay, regs ...pollReg) (*relay, bool) {
 // (readStartupPacket, frameReader), so what a client or a server sent
 // behind them is still in the socket (or, with TLS, in the tls.Conn) for
 // the loop; a framer that had read ahead would give it here.
-func dupSockets(s *Session) (clientFD, serverFD int, read framed, ok bool) {
+func dupSockets(s *Session) (clientFD, serverFD int, read framed, err error) {
 	cc, ok1 := loopConn(s.client)
 	sc, ok2 := loopConn(s.server)
-	if !ok1 || !ok2 || s.serverClosed {
-		return -1, -1, framed{}, false
+	switch {
+	case s.serverClosed:
+		return -1, -1, framed{}, errShutdown // Shutdown's forced close came first
+	case !ok1 || !ok2:
+		return -1, -1, framed{}, errors.New("a connection is not a socket (bridgeConns did not bridge it)")
 	}
-	if s.sw.Flush() != nil || s.cw.Flush() != nil {
-		return -1, -1, framed{}, false
+	if err := s.sw.Flush(); err != nil {
+		return -1, -1, framed{}, fmt.Errorf("server: %w", err)
 	}
-	clientFD, err := dupConn(cc)
-	if err != nil {
-		return -1, -1, framed{}, false
+	if err := s.cw.Flush(); err != nil {
+		return -1, -1, framed{}, fmt.Errorf("client: %w", err)
+	}
+	if clientFD, err = dupConn(cc); err != nil {
+		return -1, -1, framed{}, fmt.Errorf("duplicating the client socket: %w", err)
 	}
 	if serverFD, err = dupConn(sc); err != nil {
 		syscall.Close(clientFD)
-		return -1, -1, framed{}, false
+		return -1, -1, framed{}, fmt.Errorf("duplicating the upstream socket: %w", err)
 	}
-	return clientFD, serverFD, framed{client: buffered(s.cf.R), server: buffered(s.sf.R)}, true
+	return clientFD, serverFD, framed{client: buffered(s.cf.R), server: buffered(s.sf.R)}, nil
 }
 
 // framed is what a session's framers had read from the client and the
@@ -488,42 +502,12 @@ func blockingWrite(fd int, b []byte, d time.Duration) {
 	}
 }
 
-// runOnLoop runs s on the loop until it ends; it returns false (having done
-// nothing) when s must use the goroutine path: the loop is disabled or
-// cannot start. A connection the loop cannot take as it is, one that is
-// not a socket, is bridged to it first (bridgeConns).
-func (s *Session) runOnLoop() (error, bool) {
-	if s.srv.cfg.DisableEventLoop {
-		return nil, false
-	}
-	l, err := s.srv.loop.get()
-	if err != nil {
-		s.log.Warn("event loop unavailable; relaying with goroutines", zap.Error(err))
-		return nil, false
-	}
-	br, err := s.bridgeConns() // evloop_bridge.go
-	if err != nil {
-		s.log.Warn("cannot bridge the connection to the event loop; relaying with goroutines", zap.Error(err))
-		return nil, false
-	}
-	var ok bool
-	if s.h != nil {
-		err, ok = s.runIntercepted(l)
-	} else {
-		err, ok = s.runPassThrough(l)
-	}
-	if ok {
-		br.wait() // the client has what the session sent it
-	}
-	return err, ok
-}
-
 // runPassThrough runs a pass-through session on the loop until it ends.
-func (s *Session) runPassThrough(l *evloop) (error, bool) {
-	r, ok := l.attach(s)
-	if !ok {
-		return nil, false
+func (s *Session) runPassThrough(l *evloop) error {
+	r, err := l.attach(s)
+	if err != nil {
+		return s.refuse(err)
 	}
 	s.srv.ops.stats.SessionsLoop.Add(1)
-	return s.end(passEnd{relayEnd{r}}, <-r.done), true
+	return s.end(passEnd{relayEnd{r}}, <-r.done)
 }

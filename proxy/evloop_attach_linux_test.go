@@ -443,9 +443,9 @@ func TestLoopTakesFramed(t *testing.T) {
 	if _, err := s.sf.R.Peek(len(c1) + 3); err != nil {
 		t.Fatal(err)
 	}
-	r, ok := l.attach(s)
-	if !ok {
-		t.Fatal("a session whose framers had read bytes was refused the loop")
+	r, err := l.attach(s)
+	if err != nil {
+		t.Fatalf("a session whose framers had read bytes was refused the loop: %v", err)
 	}
 	client.Write(q2[3:])
 	server.Write(z[3:])

@@ -1,5 +1,3 @@
-//go:build unix
-
 package proxy
 
 import (
@@ -30,9 +28,8 @@ import (
 // of its own: then such sessions would be relayed by another engine,
 // with its own framing, limits, PAUSE and gate handling to keep in step
 // with the loop's. The bridge is a byte pump, no protocol: everything the
-// proxy does with the session's messages is the loop's. It costs what the
-// goroutine relay cost (two goroutines and a copy each way) for these
-// connections only; a plain socket, or TLS that pgfence itself
+// proxy does with the session's messages is the loop's. It costs two
+// goroutines and a copy each way, for these connections only; a plain socket, or TLS that pgfence itself
 // terminates (over its tlsTransport), is taken by the loop directly.
 //
 // The bridge ends with the session: when the loop closes its end, the

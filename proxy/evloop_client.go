@@ -1,5 +1,3 @@
-//go:build unix
-
 package proxy
 
 import (
@@ -13,7 +11,7 @@ import (
 )
 
 // This file holds the client side of an intercepted session on the loop
-// (evloop_intercept_linux.go): reading and handling the client's messages
+// (evloop_intercept.go): reading and handling the client's messages
 // (clientInline, clientSteps), the park of the client side where the
 // Handler waits and its resumption (parkClient, resumeClient), the
 // blocking calls it makes off the loop meanwhile (offClient, deliverOff),
@@ -148,7 +146,7 @@ func (l *evloop) clientStopped(r *relay, err error) error {
 	case errPaused:
 		return l.watchClient(r, clientOff)
 	case errHold:
-		return l.parkIntercepted(r) // admin_pause_linux.go
+		return l.parkIntercepted(r) // admin_pause_loop.go
 	case errParked:
 		ic.parks.Add(1)
 		r.s.srv.ops.stats.ClientParks.Add(1)
@@ -273,7 +271,7 @@ func (r *relay) clientSteps() error {
 				continue
 			}
 		}
-		switch err := s.interceptClient(total, s.cf.R.Size()); {
+		switch err := s.interceptClient(total); {
 		case err == nil:
 		case errors.Is(err, errWouldBlock):
 			s.releaseMessage(false) // not whole yet: handled again

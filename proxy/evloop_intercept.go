@@ -1,5 +1,3 @@
-//go:build unix
-
 package proxy
 
 import (
@@ -19,7 +17,7 @@ import (
 // with a Handler): its state (interceptState), the readers and writers
 // the session's framers and writers use once its sockets are the loop's,
 // and the loop's handling of its events; its client side (reading,
-// parking, large messages) is evloop_client_linux.go.
+// parking, large messages) is evloop_client.go.
 
 // An intercepted session (one with a Handler) is relayed on the loop too,
 // message by message rather than byte by byte, both its sides. Its server
@@ -95,7 +93,7 @@ type interceptState struct {
 	stream    clientStream // a message passed on in pieces (streamSteps)
 
 	// replica is the session's replica connection while the loop reads
-	// it (evloop_replica_linux.go). Loop thread only.
+	// it (evloop_replica.go). Loop thread only.
 	replica *loopReplica
 
 	// off is a blocking call to start once the client side has stopped
@@ -216,18 +214,18 @@ func (sw serverWriter) raw(b []byte) (int, error) {
 // attachIntercepted moves an intercepted session s, both its sides, onto
 // the loop. It reports false, leaving s untouched, when it cannot
 // (dupSockets).
-func (l *evloop) attachIntercepted(s *Session) (*relay, bool) {
+func (l *evloop) attachIntercepted(s *Session) (*relay, error) {
 	s.connMu.Lock()
 	defer s.connMu.Unlock()
-	clientFD, serverFD, read, ok := dupSockets(s)
-	if !ok {
-		return nil, false
+	clientFD, serverFD, read, err := dupSockets(s)
+	if err != nil {
+		return nil, err
 	}
 	clientReadFD, err := syscall.Dup(clientFD)
 	if err != nil {
 		syscall.Close(clientFD)
 		syscall.Close(serverFD)
-		return nil, false
+		return nil, fmt.Errorf("duplicating the client socket: %w", err)
 	}
 	syscall.CloseOnExec(clientReadFD)
 	r := &relay{
@@ -263,7 +261,7 @@ func (l *evloop) attachIntercepted(s *Session) (*relay, bool) {
 	if r.client.tls != nil || r.server.tls != nil || len(read.client) > 0 || len(read.server) > 0 {
 		l.kick(r)
 	}
-	return r, true
+	return r, nil
 }
 
 // interceptEvent handles an event of an intercepted session: the server
@@ -281,7 +279,7 @@ func (l *evloop) interceptEvent(r *relay, fd int, ev uint32) {
 		}()
 		ic := r.intercept
 		if lr := ic.replica; lr != nil && fd == lr.fd {
-			return l.replicaEvent(r, ev) // evloop_replica_linux.go
+			return l.replicaEvent(r, ev) // evloop_replica.go
 		}
 		if fd == ic.clientReadFD {
 			ic.clientEventCount.Add(1)
@@ -431,21 +429,20 @@ func (l *evloop) interceptInterest(r *relay) error {
 		}
 		ic.clientWriteWatched = want
 	}
-	return l.replicaInterest(r) // evloop_replica_linux.go
+	return l.replicaInterest(r) // evloop_replica.go
 }
 
 // runIntercepted runs an intercepted session on the loop, both its
-// sides; it returns false, having done nothing, when the session must
-// use goroutines.
-func (s *Session) runIntercepted(l *evloop) (error, bool) {
-	r, ok := l.attachIntercepted(s)
-	if !ok {
-		return nil, false
+// sides, until it ends.
+func (s *Session) runIntercepted(l *evloop) error {
+	r, err := l.attachIntercepted(s)
+	if err != nil {
+		return s.refuse(err)
 	}
 	s.srv.ops.stats.SessionsLoop.Add(1)
-	err := <-r.done
-	r.replicaLeft() // evloop_replica_linux.go
-	return s.end(interceptEnd{relayEnd{r}}, err), true
+	err = <-r.done
+	r.replicaLeft() // evloop_replica.go
+	return s.end(interceptEnd{relayEnd{r}}, err)
 }
 
 // interceptEnd is the end of an intercepted session on the loop

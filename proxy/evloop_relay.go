@@ -1,5 +1,3 @@
-//go:build unix
-
 package proxy
 
 import (
@@ -70,12 +68,12 @@ func (w insWriter) Write(b []byte) (int, error) {
 // when s cannot be relayed there (the upstream already closed, or its
 // sockets not taken: dupSockets). What s's framers had read already is
 // the pipes' first bytes, scanned on the loop (kick).
-func (l *evloop) attach(s *Session) (*relay, bool) {
+func (l *evloop) attach(s *Session) (*relay, error) {
 	s.connMu.Lock()
 	defer s.connMu.Unlock()
-	clientFD, serverFD, read, ok := dupSockets(s)
-	if !ok {
-		return nil, false
+	clientFD, serverFD, read, err := dupSockets(s)
+	if err != nil {
+		return nil, err
 	}
 	// Out of Go's netpoller: only the loop waits on these sockets now.
 	size := s.srv.cfg.BufferSize
@@ -99,7 +97,7 @@ func (l *evloop) attach(s *Session) (*relay, bool) {
 	if r.client.tls != nil || r.server.tls != nil || len(read.client) > 0 || len(read.server) > 0 {
 		l.kick(r)
 	}
-	return r, true
+	return r, nil
 }
 
 func (l *evloop) event(r *relay, fd int, ev uint32) {
@@ -205,7 +203,7 @@ func (r *relay) pump(p *pipe) error {
 	if n == 0 {
 		return fmt.Errorf("%s: %w", side, io.EOF)
 	}
-	r.counted(p, n) // SHOW STATS: admin_pause_linux.go
+	r.counted(p, n) // SHOW STATS: admin_pause_loop.go
 	return r.passOn(p, n)
 }
 
@@ -298,8 +296,9 @@ func (r *relay) take(p *pipe, n int) error {
 }
 
 // answerOversized answers the client's message over the limit, now
-// dropped, as the goroutine path does (Session.oversize): its substitute
-// goes upstream in its place, into p.ins (insWriter).
+// dropped, as an intercepted session does (clientStream.over): its
+// substitute (substituteOversized) goes upstream in its place, into
+// p.ins (insWriter).
 func (r *relay) answerOversized(p *pipe) error {
 	s := r.s
 	typ, total := p.overTyp, p.overTotal
@@ -355,7 +354,7 @@ func (r *relay) flush(p *pipe) error {
 var errSplice = errors.New("message not passed on")
 
 // scan walks the message boundaries in b, newly read into p (its
-// scanner checks the framing as the goroutine path's framer does:
+// scanner checks the framing as an intercepted session's framer does:
 // FuzzScanner). It returns how many bytes of b to pass on and, when the
 // session must end after them, why: a protocol error, the client's
 // Terminate, the end of a graceful shutdown after a ReadyForQuery; or,
@@ -369,9 +368,9 @@ func (r *relay) scan(p *pipe, b []byte) (int, error) {
 	for {
 		lim := len(b)
 		if !p.fromClient && s.oversized.Load() {
-			// An ErrorResponse may answer a substitute (limits.go), as the
-			// goroutine path's server side checks: the scan goes one
-			// message at a time.
+			// An ErrorResponse may answer a substitute (limits.go), as an
+			// intercepted session's server side checks: the scan goes
+			// one message at a time.
 			var stop error
 			if lim, stop = r.serverError(p, b, i); lim < 0 {
 				return i, stop
@@ -429,8 +428,8 @@ func (r *relay) scan(p *pipe, b []byte) (int, error) {
 // scanner is in), or -1 when it stops at i: with nil, an ErrorResponse
 // not yet whole, held back until it is; with errSplice, one answering a
 // substitute, to be dropped, the proxy's own 54000 (p.ins) in its place.
-// As on the goroutine path (Session.upstreamMessage), a message larger
-// than the buffer is passed on as it is.
+// As for an intercepted session (Session.upstreamMessage), a message
+// larger than the buffer is passed on as it is.
 func (r *relay) serverError(p *pipe, b []byte, i int) (int, error) {
 	if left, _ := p.sc.Rest(); left > 0 {
 		return min(len(b), i+left), nil

@@ -1,5 +1,3 @@
-//go:build unix
-
 package proxy
 
 import (
@@ -24,8 +22,8 @@ import (
 // replica's poll under fence.read_policy=wait). The replica connection
 // the client side opens becomes a second upstream socket of the session's
 // relay: the loop reads it, frames it and passes its messages on with the
-// code that passes on the primary's (Session.upstreamMessage, keeping
-// replicaLoop's rules), into the same client writer and clientPending. So
+// code that passes on the primary's (Session.upstreamMessage, with the
+// replica's rules: replicaDrop, replicaFailed), into the same client writer and clientPending. So
 // the client gets one stream in order, and the replica is not read while
 // the client is behind, as the primary is not. A message larger than the
 // buffer, passed on in pieces, is never cut by the other upstream's:
@@ -78,26 +76,25 @@ type loopReplica struct {
 }
 
 // replicaOnLoop hands the new replica connection rc to the session's event
-// loop when the session is on it (reporting true), instead of a reader
-// goroutine: the loop writes the client, which a reader goroutine could
-// not write too. A TLS connection is read through its tls.Conn, over
-// pgfence's transport (takeSock); one the loop cannot take (no socket to
-// duplicate) is an error then, and the caller reads from the primary.
-// Client side, in openReplica: on the loop thread.
-func (s *Session) replicaOnLoop(rc *replicaConn) (bool, error) {
+// loop, which reads it as a second upstream socket of the session's relay.
+// A TLS connection is read through its tls.Conn, over pgfence's transport
+// (takeSock); one the loop cannot take (no socket to duplicate) is an
+// error, and the caller reads from the primary. Client side, in
+// openReplica.
+func (s *Session) replicaOnLoop(rc *replicaConn) error {
 	s.connMu.Lock()
 	r := s.loopRelay
 	s.connMu.Unlock()
 	if r == nil || r.intercept == nil {
-		return false, nil
+		return errors.New("replica connection: the session is not relayed by the event loop")
 	}
 	sc, ok := loopConn(rc.conn)
 	if !ok {
-		return true, errors.New("replica connection: the event loop needs a socket, plain or TLS over pgfence's transport")
+		return errors.New("replica connection: the event loop needs a socket, plain or TLS over pgfence's transport")
 	}
 	fd, err := dupConn(sc)
 	if err != nil {
-		return true, fmt.Errorf("replica connection: %w", err)
+		return fmt.Errorf("replica connection: %w", err)
 	}
 	// Out of Go's netpoller; its RemoteAddr still answers (cancelRoute).
 	// A TLS connection's tls.Conn reads the socket as the framer's reader
@@ -114,7 +111,7 @@ func (s *Session) replicaOnLoop(rc *replicaConn) (bool, error) {
 		rc.sf.R.Reset(loopReplicaReader{lr})
 	}
 	r.l.registerReplica(r, lr)
-	return true, nil
+	return nil
 }
 
 // loopReplicaWriter is the client side's writer to the replica on the
@@ -226,8 +223,8 @@ func (l *evloop) replicaEvent(r *relay, ev uint32) error {
 // the client keeps up and the primary is not in the middle of a message
 // (or always, with force: the replica closed), then flushes. A failure of
 // the replica ends its connection (endReplica), not the session:
-// replicaLoop's rules (upstreamMessage) decide what it means for the
-// session. Loop thread.
+// the replica's rules (upstreamMessage: replicaFailed) decide what it
+// means for the session. Loop thread.
 func (l *evloop) replicaSteps(r *relay, force bool) error {
 	s, ic := r.s, r.intercept
 	lr := ic.replica

@@ -24,18 +24,16 @@ import (
 )
 
 // The tests of a session with read routing on the event loop: the
-// primary's server side and the replica connection both read by the loop,
-// the client side on its goroutine (evloop_replica_linux.go). Each runs
-// in both relay modes, so the goroutine path (replicaLoop) is held to the
-// same answers.
+// primary's server side, the replica connection and the client side all
+// on the loop (evloop_replica.go). Each runs on both pollers.
 
-// replicaModes are the relay modes a routed session can use.
+// replicaModes are the pollers a routed session's loop can wait in.
 var replicaModes = []struct {
 	name  string
 	relay Config
 }{
 	{"event_loop", Config{}},
-	{"goroutines", Config{DisableEventLoop: true}},
+	{"poll", Config{Poller: "poll"}},
 }
 
 // routeSchema is fenceSchema with a table the tests lock on the primary:
@@ -69,8 +67,8 @@ func newRouteEnvReplica(t *testing.T, relay Config, replicaDSN string) *routeEnv
 	return &routeEnv{&fenceEnv{db: db, proxy: p, gate: gate}}
 }
 
-// wantRelayMode checks that s runs in relay's mode: on the loop, its
-// replica connection (open) read by the loop, or neither.
+// wantRelayMode checks that s runs in relay's mode: on the loop with
+// relay's poller, its replica connection (open) read by the loop.
 func wantRelayMode(t *testing.T, s *Session, relay Config) *replicaConn {
 	t.Helper()
 	s.connMu.Lock()
@@ -80,9 +78,14 @@ func wantRelayMode(t *testing.T, s *Session, relay Config) *replicaConn {
 	if rc == nil {
 		t.Fatal("the session has no replica connection")
 	}
-	want := !relay.DisableEventLoop
-	if onLoop != want || (rc.loop != nil) != want {
-		t.Fatalf("session on the loop %v, its replica read by the loop %v; want %v", onLoop, rc.loop != nil, want)
+	if !onLoop || rc.loop == nil {
+		t.Fatalf("session on the loop %v, its replica read by the loop %v; want both", onLoop, rc.loop != nil)
+	}
+	s.srv.loop.mu.Lock()
+	used := s.srv.loop.used
+	s.srv.loop.mu.Unlock()
+	if used != wantPoller(relay.Poller) {
+		t.Fatalf("the loop runs poller %q, want %q", used, wantPoller(relay.Poller))
 	}
 	return rc
 }
@@ -184,9 +187,8 @@ func TestReplicaSessionOnLoop(t *testing.T) {
 			mustWhere(t, c, "SELECT nextval('audit_id_seq'), pg_is_in_recovery()", false)
 			mustWhere(t, c, "SELECT 1, pg_is_in_recovery()", true)
 			wantRelayMode(t, sessionOf(t, e.proxy, c), m.relay)
-			looped := e.proxy.srv.ops.stats.SessionsLoop.Load()
-			if m.relay.DisableEventLoop != (looped == 0) {
-				t.Fatalf("%d sessions on the loop, DisableEventLoop %v", looped, m.relay.DisableEventLoop)
+			if looped := e.proxy.srv.ops.stats.SessionsLoop.Load(); looped == 0 {
+				t.Fatal("no session was on the loop")
 			}
 		})
 	}
@@ -455,10 +457,8 @@ func TestReplicaMessageNotCut(t *testing.T) {
 			wantRelayMode(t, s, m.relay)
 			const size = 32 << 20
 			sendRaw(t, c, fmt.Sprintf("SELECT repeat('w', %d), pg_is_in_recovery() /* not_cut */", size))
-			if !m.relay.DisableEventLoop {
-				// The replica waits to send the rest of the row.
-				replicaBackend(t, replicaConnOf(t, e), "not_cut", "Client")
-			}
+			// The replica waits to send the rest of the row.
+			replicaBackend(t, replicaConnOf(t, e), "not_cut", "Client")
 			prim, err := pgx.Connect(ctx, cluster.Primary.DSN(e.db))
 			if err != nil {
 				t.Fatal(err)
@@ -467,9 +467,7 @@ func TestReplicaMessageNotCut(t *testing.T) {
 			if _, err := prim.Exec(ctx, "NOTIFY ch, 'hello'"); err != nil {
 				t.Fatal(err)
 			}
-			if !m.relay.DisableEventLoop {
-				waitPrimaryBytes(t, s, "the notification")
-			}
+			waitPrimaryBytes(t, s, "the notification")
 			fe := pgproto3.NewFrontend(c.Conn(), c.Conn())
 			c.Conn().SetReadDeadline(time.Now().Add(time.Minute))
 			var got []string
@@ -623,7 +621,7 @@ func TestReplicaTLS(t *testing.T) {
 			pid := lastValue(t, c, "SELECT pg_backend_pid()")
 			mustExec(t, c, "COMMIT")
 			rc := wantRelayMode(t, sessionOf(t, p, c), m.relay)
-			if !m.relay.DisableEventLoop && rc.loop.sock.tls == nil {
+			if rc.loop.sock.tls == nil {
 				t.Fatal("the loop reads the replica connection without its tls.Conn")
 			}
 			rs, err := c.Exec(ctxT(t), "SELECT lpad(n::text, 3 << 20, 'z'), pg_is_in_recovery() FROM generate_series(1, 3) n").ReadAll()
@@ -655,7 +653,7 @@ func TestReplicaTLS(t *testing.T) {
 // inside it. (Reading a hung-up primary into the replica's message cut
 // the row with the FATAL.)
 func TestReplicaMessageNotCutByPrimaryEnd(t *testing.T) {
-	m := replicaModes[0] // the loop: goroutines read each upstream whole
+	m := replicaModes[0]
 	e := newRouteEnvRelay(t, m.relay)
 	c := e.reader(t, nil)
 	waitReplicaRead(t, c, "SELECT 1, pg_is_in_recovery()")

@@ -24,14 +24,10 @@ import (
 // fence.read_policy=wait run off the loop: offClient), and a Handler that
 // is not a LoopClient (each of its messages off the loop: deliverOff).
 
-// wantNoClientGoroutine fails t if a session of p has run its client side
-// on a goroutine (Session.clientLoop), or the gate's ClientMessage off
-// the loop.
+// wantNoClientGoroutine fails t if s has run the gate's ClientMessage
+// off the loop.
 func wantNoClientGoroutine(t *testing.T, p *testProxy, s *Session) {
 	t.Helper()
-	if n := p.srv.ops.stats.ClientGoroutines.Load(); n != 0 {
-		t.Errorf("%d sessions ran their client side on a goroutine, want 0", n)
-	}
 	if s != nil {
 		if n := s.offLoop.Load(); n != 0 {
 			t.Errorf("%d client messages handled off the loop, want 0", n)
@@ -101,7 +97,7 @@ func queryRows(t *testing.T, c *pgconn.PgConn, n int) []string {
 // batch of reads and writes answered in order. Its routed reads park the
 // client side and its replica connection is dialed off the loop; no
 // client goroutine. (With routed sessions' client side on a goroutine, as
-// before, ClientGoroutines and offLoop count it.)
+// before, offLoop counts it.)
 func TestRouteLoopReads(t *testing.T) {
 	e, c, _, _ := routedReader(t, Config{})
 	ctx := ctxT(t)
@@ -461,8 +457,5 @@ func TestBlockingHandlerOffLoop(t *testing.T) {
 	}
 	if n := r1.intercept.offCalls.Load(); n < 3 {
 		t.Errorf("%d calls off the loop, want one per message", n)
-	}
-	if n := p.srv.ops.stats.ClientGoroutines.Load(); n != 0 {
-		t.Errorf("%d sessions ran their client side on a goroutine, want 0", n)
 	}
 }

@@ -18,7 +18,7 @@ import (
 	"github.com/pgfence/pgfence/internal/pgtest"
 )
 
-// The tests of TLS sessions on the event loop (evloop_tls_linux.go): a
+// The tests of TLS sessions on the event loop (evloop_tls.go): a
 // TLS client, with and without the write gate, with a plain and a TLS
 // upstream. The session must be on the loop (its relay found there, with
 // TLS where the mode has it), and carry everything through TLS, sizes

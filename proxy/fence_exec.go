@@ -10,8 +10,9 @@ import (
 
 // Executing the gate's plans: sending the client's messages and the gate's
 // steps upstream, tagged (send), and waiting where a step depends on an
-// answer: every wait point is then (blocking on a goroutine, parking the
-// client side on the event loop), through settle, barrier and wait where
+// answer: every wait point is then (parking the client side on the
+// event loop; blocking, for a Handler off the loop that wraps the gate),
+// through settle, barrier and wait where
 // nothing of the message is done yet, settleThen and barrierThen where
 // the rest of the work is the continuation. The plans come from rewrite/plan; the
 // answers are interpreted in fence_server.go.
@@ -185,11 +186,12 @@ func (u *until) block(s gateConn) error {
 // then runs k once what u waits for has happened: at once if it has;
 // otherwise it flushes what is buffered for the server (with a Flush
 // inside an extended-protocol batch, so the server sends what it has for
-// the batch so far) and, on a goroutine, blocks until then; on the loop,
-// it parks the client side with k (gateConn.parkClient), and the loop
-// runs k on its thread when the server side has answered. k nil: nothing
-// more to do on a goroutine; on the loop, handle the message again
-// (ErrWait). Every wait point of the gate is written once, with then.
+// the batch so far) and, on the loop, parks the client side with k
+// (gateConn.parkClient), and the loop runs k on its thread when the
+// server side has answered; off the loop (a Handler that is not a
+// LoopClient wrapping the gate: deliverOff), it blocks until then. k
+// nil: on the loop, handle the message again (ErrWait); off it, nothing
+// more to do. Every wait point of the gate is written once, with then.
 func (h *fenceSession) then(s gateConn, u *until, k func() error) error {
 	if !u.poll() {
 		if h.inBatch && u.copyIn == nil {

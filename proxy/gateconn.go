@@ -39,7 +39,7 @@ type gateConn interface {
 	// parkClient, on the event loop (OnLoop), parks the client side until
 	// ready reports true, then runs k on the loop's thread (k nil: the
 	// message is handled again); it returns ErrWait for k nil, else
-	// errParked, for ClientMessage to return (evloop_intercept_linux.go).
+	// errParked, for ClientMessage to return (evloop_intercept.go).
 	parkClient(ready func() bool, k func() error) error
 
 	// Who the session is, for the gate's log lines: the id the client

@@ -73,14 +73,13 @@ type Handler interface {
 //
 // A Handler that does not implement LoopClient (or returns false) gets
 // ClientMessage off the event loop's thread, where it may block, and
-// Session.OnLoop reports false. On the loop that is a goroutine started
-// for each message, not one goroutine for the session as on the
-// goroutine relay: calls still never overlap, each starts after the
+// Session.OnLoop reports false. That is a goroutine started for each
+// message: calls never overlap, each starts after the
 // previous one has returned (and sees what it did), and while one runs the
 // session's client is not read, so its messages keep their order; the
 // server side goes on meanwhile. The session's end waits for a call in
-// progress (its upstream closed first, so a write there fails), as it
-// waits for the goroutine relay's client goroutine. Every call costs a
+// progress (its upstream closed first, so a write there fails). Every
+// call costs a
 // goroutine's start and a wake-up of the loop; a Handler that never
 // blocks is cheaper as a LoopClient.
 type LoopClient interface {

@@ -2,7 +2,6 @@ package proxy
 
 import (
 	"fmt"
-	"io"
 	"strconv"
 	"strings"
 	"sync/atomic"
@@ -85,16 +84,6 @@ func (s *Server) overBudget(total int) error {
 
 // oversizedPrefix starts the names of the substitutes' missing objects.
 const oversizedPrefix = "pgfence_oversized_"
-
-// oversize answers a message of type typ, total bytes long, over the
-// limit: it reads and drops the message, and sends PostgreSQL the
-// substitute that fails in its place (see the comment at the top).
-func (s *Session) oversize(typ byte, total int) error {
-	if err := s.cf.Stream(io.Discard, total); err != nil {
-		return fmt.Errorf("client: %w", err)
-	}
-	return s.substituteOversized(typ, total)
-}
 
 // substituteOversized answers a message of type typ and total bytes over
 // MaxMessageSize, read and dropped (the event loop drops it in pieces as

@@ -126,17 +126,15 @@ var started sync.Map // testing.TB → *testProxy
 // loop's all included, on the poll(2) poller.
 var testPoller = os.Getenv("PGFENCE_TEST_POLLER")
 
-// bothRelays runs f six times: pass-through sessions relayed by the
-// event loop thread (the default: epoll on Linux), by the loop waiting
-// in poll(2) (Config.Poller "poll"), and by goroutines
-// (Config.DisableEventLoop); then the same with the write gate
-// intercepting every message, as pgfence serve runs (no table is
-// protected, so the gate must be invisible), whose sessions have their
-// server side on the loop or on a goroutine. It checks that each mode
-// was really the one used: with the loop, every session the test's proxy
-// opened was on it (counted once its proxy has shut down, when every
-// session has ended), on the mode's poller; without, none. f must build
-// its proxy's Config with withRelay.
+// bothRelays runs f four times: pass-through sessions relayed by the
+// event loop thread waiting in the platform's default poller (epoll on
+// Linux) and in poll(2) (Config.Poller "poll"); then the same with the
+// write gate intercepting every message, as pgfence serve runs (no table
+// is protected, so the gate must be invisible). It checks that each mode
+// was really the one used: every session the test's proxy opened was on
+// the loop (counted once its proxy has shut down, when every session has
+// ended), on the mode's poller. f must build its proxy's Config with
+// withRelay.
 func bothRelays(t *testing.T, f func(t *testing.T, relay Config)) {
 	for _, mode := range []struct {
 		name string
@@ -145,10 +143,8 @@ func bothRelays(t *testing.T, f func(t *testing.T, relay Config)) {
 	}{
 		{"event_loop", Config{}, false},
 		{"poll", Config{Poller: "poll"}, false},
-		{"goroutines", Config{DisableEventLoop: true}, false},
 		{"gate_event_loop", Config{}, true},
 		{"gate_poll", Config{Poller: "poll"}, true},
-		{"gate_goroutines", Config{DisableEventLoop: true}, true},
 	} {
 		t.Run(mode.name, func(t *testing.T) {
 			cfg := mode.cfg
@@ -163,10 +159,7 @@ func bothRelays(t *testing.T, f func(t *testing.T, relay Config)) {
 				}
 				st := &tp.srv.ops.stats
 				looped, total := st.SessionsLoop.Load(), st.SessionsTotal.Load()
-				switch {
-				case mode.cfg.DisableEventLoop && looped != 0:
-					t.Errorf("%d sessions used the event loop with DisableEventLoop", looped)
-				case !mode.cfg.DisableEventLoop && (looped == 0 || looped != total):
+				if looped == 0 || looped != total {
 					t.Errorf("%d of %d sessions used the event loop, want all", looped, total)
 				}
 			})
@@ -182,7 +175,7 @@ func bothRelays(t *testing.T, f func(t *testing.T, relay Config)) {
 			tp.srv.loop.mu.Lock() // get sets used under it, on the first session's goroutine
 			used := tp.srv.loop.used
 			tp.srv.loop.mu.Unlock()
-			if !mode.cfg.DisableEventLoop && used != wantPoller(tp.srv.cfg.Poller) {
+			if used != wantPoller(tp.srv.cfg.Poller) {
 				t.Errorf("the event loop ran with poller %q, want %q", used, wantPoller(tp.srv.cfg.Poller))
 			}
 		})
@@ -219,7 +212,6 @@ func wantPoller(kind string) string {
 // withRelay is cfg with the relay mode of bothRelays (and its write gate,
 // unless cfg has an Interceptor of its own).
 func withRelay(relay, cfg Config) Config {
-	cfg.DisableEventLoop = relay.DisableEventLoop
 	if cfg.Poller == "" {
 		cfg.Poller = relay.Poller
 	}

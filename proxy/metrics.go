@@ -115,9 +115,6 @@ func (l *Latency) snapshot() (uint64, float64, map[float64]uint64) {
 type ServerStats struct {
 	SessionsTotal atomic.Int64 // proxied sessions opened
 	SessionsLoop  atomic.Int64 // of those, relayed by the event loop thread
-	// ClientGoroutines counts the sessions whose client side ran on a
-	// goroutine of its own (the goroutine relay), not on the event loop.
-	ClientGoroutines atomic.Int64
 	// ClientParks counts the times the event loop parked the client side
 	// of an intercepted session because the Handler had to wait for an
 	// earlier answer (a pipelined write behind a state change, a wrapped

@@ -23,14 +23,14 @@ import (
 //     side switches Session.sw (where requests go) only when nothing
 //     is outstanding and the transaction status is idle; a transaction
 //     begun on the replica (BEGIN READ ONLY) stays there until it ends.
-//   - Each upstream connection has its own reader goroutine, or both are
-//     read by the session's event loop (evloop_replica_linux.go); both
+//   - Both upstream connections are read by the session's event loop
+//     (evloop_replica.go), with the same code (upstreamMessage): both
 //     match responses against the session's one outstanding-request queue
 //     and pass them through the Handler, and both write to the client
-//     through the same writer, which then locks (clientWriter).
+//     through the same writer, which locks (clientWriter): the client
+//     side's calls off the loop (offClient) may write it too.
 //   - A routed request is waited for before the client side reads on
-//     (routeThen: blocking on the goroutine relay, parked on the event
-//     loop). If the replica fails before any of its response reached the
+//     (routeThen: the client side parks). If the replica fails before any of its response reached the
 //     client, the request is sent again to the primary; if part of it
 //     did, or a read-only transaction was open there, the session ends
 //     with 08006, as it would if its backend had crashed.
@@ -38,10 +38,9 @@ import (
 //     the event loop while the client side is parked (offClient).
 
 // clientWriter is the buffered writer to the client. With a replica
-// possible (shared), the two upstream readers lock it per Write and Flush;
-// a message is always written whole by one Write, except large primary
-// messages, which the primary streams only while it is the upstream in use
-// (the idle replica's messages are dropped).
+// possible (shared), it locks per Write and Flush: the loop thread writes
+// it, and so may the client side's blocking calls off the loop
+// (offClient) while the client side is parked.
 type clientWriter struct {
 	*bufio.Writer
 	mu     sync.Mutex
@@ -87,9 +86,9 @@ type replicaConn struct {
 	// client (reset by the client side before each routed request).
 	forwarded atomic.Bool
 	closeOnce sync.Once
-	// loop is set when the session's event loop reads the connection
-	// instead of a reader goroutine (evloop_replica_linux.go); conn is
-	// closed then, its socket a duplicate the loop watches.
+	// loop is the session's event loop's hold of the connection
+	// (evloop_replica.go): conn is closed, its socket a duplicate the
+	// loop watches.
 	loop *loopReplica
 }
 
@@ -134,10 +133,11 @@ var errReplicaUnavailable = errors.New("replica unavailable")
 // replica connection. Client side.
 func (s *Session) OnReplica() bool { return s.rt.onRep.Load() }
 
-// offClient runs f, a call that may block, and then k with its error. On
-// a goroutine it calls them in turn; on the event loop f runs on a
-// goroutine of its own while the client side is parked, and k runs on
-// the loop thread once f has returned (evloop_client_linux.go), which may
+// offClient runs f, a call that may block, and then k with its error. Off
+// the loop (a Handler that is not a LoopClient) it calls them in turn; on
+// the event loop f runs on a goroutine of its own while the client side
+// is parked, and k runs on
+// the loop thread once f has returned (evloop_client.go), which may
 // be after the ClientMessage that called offClient has returned errParked.
 // f must touch nothing the loop thread does; detached: f uses nothing of
 // the session's, so the session's end does not wait for it, and drop
@@ -234,7 +234,7 @@ func (s *Session) dropReplica() {
 	s.rt.mu.Unlock()
 	if rc != nil {
 		if rc.loop != nil && s.onLoop {
-			rc.loop.endOnLoop() // evloop_replica_linux.go
+			rc.loop.endOnLoop() // evloop_replica.go
 		}
 		rc.close()
 		<-rc.done
@@ -277,86 +277,16 @@ func (s *Session) openReplica(r *replica, hj *pgconn.HijackedConn) (*replicaConn
 	rc := &replicaConn{r: r, conn: hj.Conn, pid: hj.PID, key: hj.SecretKey, done: make(chan struct{}),
 		sw: bufio.NewWriterSize(hj.Conn, size)}
 	rc.sf = wire.Framer{R: bufio.NewReaderSize(hj.Conn, size), Flush: s.cw.Flush, From: "replica", Count: &s.info.stats.sent}
-	// The event loop reads it when the session is on the loop
-	// (evloop_replica_linux.go), else a reader goroutine.
-	onLoop, err := s.replicaOnLoop(rc)
-	if err != nil {
+	// The session's event loop reads it (evloop_replica.go).
+	if err := s.replicaOnLoop(rc); err != nil {
 		rc.close()
 		return nil, err
 	}
 	s.rt.mu.Lock()
 	s.rt.rep = rc
 	s.rt.mu.Unlock()
-	s.log.Debug("replica connection open", zap.String("replica", r.addr), zap.Uint32("replica_pid", hj.PID), zap.Bool("event_loop", onLoop))
-	if onLoop {
-		return rc, nil
-	}
-	go func() {
-		defer close(rc.done)
-		rc.err = s.guard("replica", func() error { return s.replicaLoop(rc) })
-	}()
+	s.log.Debug("replica connection open", zap.String("replica", r.addr), zap.Uint32("replica_pid", hj.PID))
 	return rc, nil
-}
-
-// replicaLoop is serverLoop for the replica connection. Messages larger
-// than the buffer are read whole (so each reaches the client in one
-// locked Write). It never ends the session by returning: a failure while
-// the replica serves a request that cannot be retried ends it through
-// failReplica.
-func (s *Session) replicaLoop(rc *replicaConn) error {
-	size := rc.sf.R.Size()
-	var big []byte
-	for {
-		typ, total, err := rc.sf.Next()
-		if err != nil {
-			s.cw.Flush()
-			s.replicaFailed(fmt.Errorf("replica: %w", err))
-			return err
-		}
-		var msg []byte
-		if total > size {
-			big, err = rc.sf.ReadInto(big[:0], total)
-			msg = big
-		} else {
-			msg, err = rc.sf.Whole(total)
-		}
-		if err != nil {
-			s.replicaFailed(fmt.Errorf("replica: %w", err))
-			return err
-		}
-		if typ == 'E' && s.oversized.Load() {
-			msg = s.srv.oversizedError(msg) // limits.go
-		}
-		if s.replicaDrop(rc, typ, msg) {
-			if total <= size {
-				rc.sf.Discard(total)
-			}
-			continue
-		}
-		fwd, err := s.interceptServer(msg)
-		if err != nil {
-			s.failReplica(err)
-			return err
-		}
-		if fwd {
-			rc.forwarded.Store(true)
-			if _, err := s.cw.Write(msg); err != nil {
-				return fmt.Errorf("client: %w", err)
-			}
-		}
-		if total <= size {
-			rc.sf.Discard(total)
-		} else if cap(big) > 4*size {
-			big = nil
-		}
-		if tx, ok := wire.ReadyStatus(msg); ok {
-			if s.ready(tx) {
-				s.cw.Flush()
-				s.closeServer()
-				return errShutdown
-			}
-		}
-	}
 }
 
 // replicaAnswers reports whether the replica connection serves a request

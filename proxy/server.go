@@ -83,6 +83,13 @@ func New(cfg Config, log *zap.Logger) (*Server, error) {
 		cancels:   make(map[uint64]cancelTarget),
 		idle:      make(chan struct{}, 1),
 	}
+	if cfg.DisableEventLoop {
+		if cfg.Poller != "" && cfg.Poller != "poll" {
+			return nil, fmt.Errorf("config: DisableEventLoop (no_event_loop) with poller %q: the first means poller \"poll\" now; set only poller", cfg.Poller)
+		}
+		log.Warn(`no_event_loop is deprecated: every session is relayed by the event loop; it now selects poller = "poll", which is what to set instead`)
+		cfg.Poller, s.cfg.Poller = "poll", "poll"
+	}
 	if err := checkPoller(cfg.Poller); err != nil { // poller_*.go
 		return nil, fmt.Errorf("config: %w", err)
 	}
@@ -310,6 +317,10 @@ func (s *Server) handle(c net.Conn) {
 		return
 	}
 	if !s.admit(conn, st, log) { // DISABLE, PAUSE: admin_pause.go
+		return
+	}
+	if _, err := s.loop.get(); err != nil { // evloop.go: before an upstream is opened for nothing
+		s.refuse(conn, relayRefusal(err), log, "event loop unavailable")
 		return
 	}
 	start := time.Now()

@@ -44,7 +44,7 @@ type Session struct {
 
 	h       Handler
 	q       wire.Queue
-	scratch []byte // reassembly buffer for large client messages (interceptor only)
+	scratch []byte // a large CopyData's piece, header and body (evloop_client.go: streamSteps)
 
 	// proof is what the client proved at login, presented upstream for
 	// its role (the replica connections are opened with it too).
@@ -70,7 +70,7 @@ type Session struct {
 	// goroutine) against itself and against moving the session onto the
 	// event loop.
 	connMu    sync.Mutex
-	loopRelay *relay // set when the event loop relays the session (evloop_linux.go)
+	loopRelay *relay // set when the event loop relays the session (evloop.go)
 	// closing is closed when the session starts to end, so a Handler
 	// waiting on a Request can give up.
 	closing chan struct{}
@@ -146,18 +146,50 @@ func (s *Session) ready(tx byte) bool {
 	return n == 0 && s.srv.draining.Load() && s.tryCloseIdle()
 }
 
-// run pumps messages both ways until either side ends, then closes both
-// connections. It returns the error that ended the session (nil for a
-// clean client exit).
+// run relays s on its Server's event loop until either side ends, then
+// closes both connections. It returns the error that ended the session
+// (nil for a clean client exit). A session the loop cannot take (the
+// loop, a bridge or a duplicate socket cannot be had: the proxy is out
+// of descriptors or memory) is refused with 53000 rather than relayed
+// some other way: there is one relay engine (evloop.go).
 func (s *Session) run() error {
-	if err, ok := s.runOnLoop(); ok {
-		return err
+	l, err := s.srv.loop.get()
+	if err != nil {
+		return s.refuse(err)
 	}
-	sd := newSides()
-	sd.run(func() error { return s.guard("client", s.clientLoop) })
-	sd.run(func() error { return s.guard("server", s.serverLoop) })
-	// The first side to end decides; end unblocks the other (end.go).
-	return s.end(goroutineEnd{s, sd}, sd.first())
+	br, err := s.bridgeConns() // evloop_bridge.go
+	if err != nil {
+		return s.refuse(err)
+	}
+	if s.h != nil {
+		err = s.runIntercepted(l) // evloop_intercept.go
+	} else {
+		err = s.runPassThrough(l) // evloop_relay.go
+	}
+	br.wait() // the client has what the session sent it
+	return err
+}
+
+// refuse ends s, which could not come onto the loop because of err, and
+// tells the client why (relayRefusal).
+func (s *Session) refuse(err error) error {
+	if err = relayRefusal(err); !errors.Is(err, errShutdown) {
+		s.log.Error("cannot relay the session on the event loop", zap.Error(err))
+	}
+	return s.end(unrelayedEnd{s}, err)
+}
+
+// relayRefusal is what a client is told when its session cannot come
+// onto the event loop because of err: 57P01 (errShutdown) when the
+// server is shutting down, else 53000 (insufficient_resources), as
+// PostgreSQL says when it cannot start a backend for want of resources.
+// No other engine relays it instead: there is one.
+func relayRefusal(err error) error {
+	if errors.Is(err, errShutdown) || errors.Is(err, errLoopStopped) {
+		return &ProtocolError{Code: "57P01", Msg: "terminating connection: pgfence is shutting down", Err: errShutdown}
+	}
+	return &ProtocolError{Code: "53000", Msg: "pgfence cannot relay this session",
+		Hint: "the proxy may be out of file descriptors (raise its ulimit -n) or memory; its log says which", Err: err}
 }
 
 // endReason turns the error that ended the session (and the other side's,
@@ -192,7 +224,7 @@ func (s *Session) closeServer() {
 	s.connMu.Lock()
 	defer s.connMu.Unlock()
 	if s.loopRelay != nil {
-		s.loopRelay.stopServer() // evloop_linux.go
+		s.loopRelay.stopServer() // evloop.go
 		return
 	}
 	if s.serverClosed {
@@ -216,62 +248,6 @@ func (s *Session) guard(side string, f func() error) (err error) {
 	return f()
 }
 
-// clientLoop forwards client messages upstream.
-func (s *Session) clientLoop() error {
-	s.srv.ops.stats.ClientGoroutines.Add(1)
-	size := s.cf.R.Size()
-	for {
-		typ, total, err := s.nextClient()
-		if err != nil {
-			return err
-		}
-		if s.holdMessage(typ) { // PAUSE: admin_pause.go
-			if err := s.waitResume(); err != nil {
-				return err
-			}
-			continue
-		}
-		if s.h == nil && total-headerLen <= s.cf.Max {
-			// Pass-through: the hot path.
-			if !s.account(typ) {
-				return errShutdown
-			}
-			if total <= size {
-				msg, err := s.cf.Whole(total)
-				if err != nil {
-					return fmt.Errorf("client: %w", err)
-				}
-				if _, err := s.sw.Write(msg); err != nil {
-					return fmt.Errorf("server: %w", err)
-				}
-				s.cf.Discard(total)
-			} else if err := s.cf.Stream(s.sw, total); err != nil {
-				return fmt.Errorf("client: %w", err)
-			}
-		} else if err := s.clientMessage(typ, total, size); err != nil {
-			return err
-		}
-		s.releaseMessage(true)
-		if typ == 'X' {
-			s.sw.Flush()
-			return errClientTerminate
-		}
-	}
-}
-
-// clientMessage handles a client message other than a pass-through one
-// within the limit: one over MaxMessageSize, a CopyData to stream in
-// pieces, or a message for the Handler.
-func (s *Session) clientMessage(typ byte, total, size int) error {
-	switch {
-	case total-headerLen > s.cf.Max:
-		return s.oversize(typ, total)
-	case typ == 'd' && total > size:
-		return s.copyPieces(total, size)
-	}
-	return s.interceptClient(total, size)
-}
-
 // nextClient reads the header of the client's next message, checked as
 // a client's (wire.Framer.Client). errWouldBlock (the event loop's reader
 // has nothing more) is returned as is. A message over MaxMessageSize is
@@ -289,42 +265,18 @@ func (s *Session) nextClient() (typ byte, total int, err error) {
 	return typ, total, nil
 }
 
-// interceptClient gives the client's next message, of total bytes, to the
-// Handler: whole, read into scratch when it is larger than the buffer,
-// which the memory budget must allow first (heldCost).
-func (s *Session) interceptClient(total, size int) error {
-	var msg []byte
-	var err error
-	if total <= size {
-		msg, err = s.cf.Whole(total)
-	} else {
-		cost := heldCost(total - headerLen)
-		if !s.srv.mem.take(cost) {
-			// Read and drop the message, so that the client, done
-			// sending, reads why its session ends.
-			if err := s.cf.Stream(io.Discard, total); err != nil {
-				return fmt.Errorf("client: %w", err)
-			}
-			return s.srv.overBudget(total)
-		}
-		defer s.srv.mem.give(cost)
-		if cap(s.scratch) < total {
-			s.scratch = make([]byte, 0, total) // one allocation of the size taken
-		}
-		s.scratch, err = s.cf.ReadInto(s.scratch[:0], total)
-		msg = s.scratch
-	}
+// interceptClient gives the client's next message, of total bytes,
+// whole in the client framer's buffer (clientSteps has grown the buffer
+// to hold it, within the memory budget: growClient), to the Handler.
+func (s *Session) interceptClient(total int) error {
+	msg, err := s.cf.Whole(total)
 	if err != nil {
 		return fmt.Errorf("client: %w", err)
 	}
 	if err := s.deliver(msg); err != nil {
 		return err // the message stays unconsumed (ErrWait: handled again; errParked: consumed when its continuation is done)
 	}
-	if total <= size {
-		s.cf.Discard(total)
-	} else if cap(s.scratch) > 4*size {
-		s.scratch = nil // do not pin a large buffer
-	}
+	s.cf.Discard(total)
 	return nil
 }
 
@@ -332,7 +284,7 @@ func (s *Session) interceptClient(total, size int) error {
 // if the Handler says so.
 func (s *Session) deliver(msg []byte) error {
 	if s.onLoop && s.blocking {
-		return s.deliverOff(msg) // evloop_client_linux.go
+		return s.deliverOff(msg) // evloop_client.go
 	}
 	if !s.onLoop {
 		s.offLoop.Add(1)
@@ -355,62 +307,22 @@ func (s *Session) deliver(msg []byte) error {
 	return nil
 }
 
-// copyPieces streams a CopyData larger than the buffer: it is passed on
-// (and to the Handler) as CopyData messages of at most the buffer's size,
-// so COPY data is never held whole. PostgreSQL reads COPY data as one
-// stream, whatever its message boundaries, and so does the gate's digest.
-func (s *Session) copyPieces(total, size int) error {
-	if cap(s.scratch) < size {
-		s.scratch = make([]byte, 0, size)
-	}
-	s.cf.Discard(headerLen) // next has read it
-	for left := total - headerLen; left > 0; {
-		b, err := s.cf.Piece(min(left, size-headerLen))
-		if err != nil {
-			return fmt.Errorf("client: %w", err)
-		}
-		piece := append(s.scratch[:headerLen], b...)
-		wire.PutHeader(piece, 'd', len(b))
-		s.cf.Discard(len(b))
-		left -= len(b)
-		if s.h == nil {
-			if _, err := s.sw.Write(piece); err != nil {
-				return fmt.Errorf("server: %w", err)
-			}
-		} else if err := s.deliver(piece); err != nil {
-			return err
-		}
-	}
-	return nil
-}
-
-// serverLoop forwards server messages to the client, watching
-// ReadyForQuery for the transaction status.
-func (s *Session) serverLoop() error {
-	for {
-		if err := s.serverMessage(nil); err != nil {
-			return err
-		}
-	}
-}
-
-// serverMessage forwards one server message to the client (through the
-// Handler, if any). On the goroutine path (big nil) it blocks until the
-// message has been read. On the event loop (big non-nil) the server
-// socket is non-blocking: it returns errWouldBlock, having consumed
-// nothing, when the message has not arrived whole, and a message larger
-// than the buffer is passed on (or dropped) in pieces as they come,
-// tracked in big.
+// serverMessage forwards one server message of an intercepted session to
+// the client through its Handler. The server socket is the loop's,
+// non-blocking: it returns errWouldBlock, having consumed nothing, when
+// the message has not arrived whole, and a message larger than the
+// buffer is passed on (or dropped) in pieces as they come, tracked in
+// big.
 func (s *Session) serverMessage(big *bigMessage) error { return s.upstreamMessage(&s.sf, nil, big) }
 
 // upstreamMessage is serverMessage for the upstream sf frames: the
-// primary's (rc nil) or, on the event loop, the replica connection rc's,
-// whose messages follow replicaLoop's rules as well: those that answer
+// primary's (rc nil) or the replica connection rc's, whose messages
+// follow the replica's rules as well: those that answer
 // nothing of the session's are dropped (replicaDrop), forwarding one sets
 // rc.forwarded, and a failure is the replica's (replicaFailed,
 // failReplica) before it is returned.
 func (s *Session) upstreamMessage(sf *wire.Framer, rc *replicaConn, big *bigMessage) error {
-	if big != nil && big.left > 0 {
+	if big.left > 0 {
 		return s.serverPiece(sf, rc, big)
 	}
 	size := sf.R.Size()
@@ -433,27 +345,17 @@ func (s *Session) upstreamMessage(sf *wire.Framer, rc *replicaConn, big *bigMess
 				return s.handlerFailed(rc, err)
 			}
 		}
-		if big != nil {
-			if fwd {
-				if rc != nil {
-					rc.forwarded.Store(true)
-				}
-				if _, err := s.cw.Write(h); err != nil {
-					return fmt.Errorf("client: %w", err)
-				}
+		if fwd {
+			if rc != nil {
+				rc.forwarded.Store(true)
 			}
-			sf.Discard(headerLen)
-			big.left, big.fwd = total-headerLen, fwd
-			return s.serverPiece(sf, rc, big)
+			if _, err := s.cw.Write(h); err != nil {
+				return fmt.Errorf("client: %w", err)
+			}
 		}
-		w := io.Writer(s.cw)
-		if !fwd {
-			w = io.Discard
-		}
-		if err := sf.Stream(w, total); err != nil {
-			return fmt.Errorf("%s: %w", sf.From, err)
-		}
-		return nil
+		sf.Discard(headerLen)
+		big.left, big.fwd = total-headerLen, fwd
+		return s.serverPiece(sf, rc, big)
 	}
 	msg, err := sf.Whole(total)
 	if err != nil {

@@ -6,19 +6,16 @@ import (
 )
 
 // tlsTransport is the connection under a client's tls.Conn (startup).
-// While the session is relayed by goroutines (the handshake, the
-// authentication, the startup, and the goroutine path) it is the accepted
-// socket. Once the event loop relays the session it is the loop's I/O on
+// Before the event loop relays the session (the handshake, the
+// authentication, the startup) it is the accepted socket. Once the loop
+// relays it it is the loop's I/O on
 // the socket (loop, set by the session goroutine before the loop can see
-// the session: evloop_tls_linux.go), which never blocks: a read with
+// the session: evloop_tls.go), which never blocks: a read with
 // nothing to read returns errTransportWouldBlock, which tls.Conn takes as
 // temporary, keeping its state and any partial record for the next read.
 type tlsTransport struct {
 	net.Conn
 	loop io.ReadWriteCloser
-	// held is ciphertext the loop wrote and the socket had not taken when
-	// the session left the loop for goroutines: written first, in order.
-	held []byte
 }
 
 func (t *tlsTransport) Read(b []byte) (int, error) {
@@ -31,12 +28,6 @@ func (t *tlsTransport) Read(b []byte) (int, error) {
 func (t *tlsTransport) Write(b []byte) (int, error) {
 	if t.loop != nil {
 		return t.loop.Write(b)
-	}
-	if len(t.held) > 0 {
-		if _, err := t.Conn.Write(t.held); err != nil {
-			return 0, err
-		}
-		t.held = nil
 	}
 	return t.Conn.Write(b)
 }

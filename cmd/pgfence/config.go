@@ -49,8 +49,9 @@ type serveConfig struct {
 	// measuring the proxy alone). Protected tables then rely on their
 	// backstop trigger only, without commit receipts.
 	NoGate bool `toml:"no_gate"`
-	// NoEventLoop relays every session with goroutines instead of the
-	// event loop thread (docs/proxy.md, "The event loop").
+	// NoEventLoop is deprecated: there is one relay engine, the event
+	// loop; true selects poller = "poll" (docs/proxy.md, "The event
+	// loop"), with a warning at startup.
 	NoEventLoop bool `toml:"no_event_loop"`
 	// Poller is what the event loop waits in: epoll (Linux) or poll
 	// (every Unix); empty: epoll on Linux, poll elsewhere.

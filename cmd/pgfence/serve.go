@@ -63,7 +63,7 @@ user to the password presented upstream for it. See docs/configuration.md.`,
 	f.String("max-message-size", "", "largest client message, e.g. 64MiB (PGFENCE_MAX_MESSAGE_SIZE; default 64MiB)")
 	f.String("memory-budget", "", "memory all sessions may spend on client messages held whole, e.g. 256MiB (PGFENCE_MEMORY_BUDGET; default 256MiB)")
 	f.Bool("no-gate", false, "turn the write gate off: a plain pass-through proxy, protected tables guarded by their backstop trigger only (PGFENCE_NO_GATE)")
-	f.Bool("no-event-loop", false, "relay every session with goroutines instead of the event loop thread; see docs/proxy.md (PGFENCE_NO_EVENT_LOOP)")
+	f.Bool("no-event-loop", false, "deprecated: the same as --poller poll (every session is relayed by the event loop); see docs/proxy.md (PGFENCE_NO_EVENT_LOOP)")
 	f.String("poller", "", "what the event loop waits in: epoll (Linux only) or poll (PGFENCE_POLLER; default epoll on Linux, poll elsewhere)")
 	f.String("shutdown-timeout", "", "how long open transactions may run after SIGTERM (PGFENCE_SHUTDOWN_TIMEOUT; default 30s)")
 	f.String("gate-idle-timeout", "", "end a session silent this long while its transaction holds a fence row (PGFENCE_GATE_IDLE_TIMEOUT; default 10s; keep it under the lease TTL; 0 means no bound)")

@@ -40,7 +40,7 @@ import (
 func main() {
 	dur, scale, rounds := pgbench.Flags(1)
 	only := flag.String("only", "", "run only the cells whose \"workload c=N\" matches this regexp")
-	goroutines := flag.Bool("goroutines", false, "relay pass-through sessions with goroutines instead of the event loop (proxy.Config.DisableEventLoop)")
+	poller := flag.String("poller", "", "what every pgfence column's event loop waits in: epoll or poll (proxy.Config.Poller; empty: the platform's default)")
 	gated := flag.Bool("gate", true, "add a column for pgfence with the write gate (as pgfence serve runs; no table protected, so it measures the interception cost alone)")
 	gatedWrite := flag.Bool("gated-write", true, "with -gate, also time a gated write transaction with pgbench against the same transaction direct, the seed's hand-written fence SQL and the protocol's SQL by hand")
 	cpuprofile := flag.String("cpuprofile", "", "write a CPU profile of the proxies (this process) to this file; needs -pgfence empty")
@@ -66,7 +66,7 @@ func main() {
 		fmt.Fprintln(os.Stderr, "benchproxy: -only:", err)
 		os.Exit(2)
 	}
-	if err := run(*dur, *scale, *rounds, onlyRe, *goroutines, *gated, *gated && *gatedWrite, *bin); err != nil {
+	if err := run(*dur, *scale, *rounds, onlyRe, *poller, *gated, *gated && *gatedWrite, *bin); err != nil {
 		fmt.Fprintln(os.Stderr, "benchproxy:", err)
 		pprof.StopCPUProfile()
 		os.Exit(1)
@@ -107,7 +107,7 @@ func procCPU(pid int) func() time.Duration {
 	}
 }
 
-func run(dur time.Duration, scale, rounds int, only *regexp.Regexp, goroutines, gated, gatedWrite bool, bin string) error {
+func run(dur time.Duration, scale, rounds int, only *regexp.Regexp, poller string, gated, gatedWrite bool, bin string) error {
 	ctx := context.Background()
 	c, err := pgtest.Start(ctx, pgtest.Options{})
 	if err != nil {
@@ -130,14 +130,16 @@ func run(dur time.Duration, scale, rounds int, only *regexp.Regexp, goroutines, 
 	start := func(cfg proxy.Config) (int, func() time.Duration, error) {
 		cfg.Primary = c.Primary.DSN("postgres")
 		cfg.Auth = proxy.AuthTrust // the throwaway cluster's roles have no passwords
-		cfg.DisableEventLoop = cfg.DisableEventLoop || goroutines
+		if cfg.Poller == "" {
+			cfg.Poller = poller
+		}
 		if bin != "" {
 			args := []string{}
 			if cfg.Interceptor == nil {
 				args = append(args, "--no-gate")
 			}
-			if cfg.DisableEventLoop {
-				args = append(args, "--no-event-loop")
+			if cfg.Poller != "" {
+				args = append(args, "--poller", cfg.Poller)
 			}
 			port, pid, stop, err := startServe(bin, cfg.Primary, args...)
 			if err != nil {
@@ -190,10 +192,10 @@ func run(dur time.Duration, scale, rounds int, only *regexp.Regexp, goroutines, 
 		targets = append(targets, target{"pgfence+gate", port, cpu})
 		if gatedWrite {
 			gport := 0
-			if !goroutines {
-				// The gate with both halves of its sessions on goroutines,
-				// for comparison.
-				if gport, _, err = start(proxy.Config{Interceptor: gate, DisableEventLoop: true}); err != nil {
+			if poller == "" || poller == "epoll" {
+				// The gate with its loop waiting in poll(2), for
+				// comparison.
+				if gport, _, err = start(proxy.Config{Interceptor: gate, Poller: "poll"}); err != nil {
 					return err
 				}
 			}
@@ -387,7 +389,7 @@ func numCPU() int {
 //
 // Latency ratios are printed (the targets: gated/direct ≤ 1.5,
 // gated/seed ≤ 1).
-func benchGatedWrite(ctx context.Context, c *pgtest.Cluster, db string, gatePort, goroutinePort int, relays map[string]int, dur time.Duration, rounds int) error {
+func benchGatedWrite(ctx context.Context, c *pgtest.Cluster, db string, gatePort, pollPort int, relays map[string]int, dur time.Duration, rounds int) error {
 	conn, err := c.Primary.Connect(ctx, db)
 	if err != nil {
 		return err
@@ -489,8 +491,8 @@ SELECT fence.protect('gw_results');
 		}
 	}
 	add(row{"ungated", gatePort, []string{gen}}, step+"BEGIN\\; SET LOCAL fence.step = 'u:s';\n"+upsert("gw_plain", l.Token)+"COMMIT;\n")
-	if goroutinePort != 0 {
-		add(row{"goroutines", goroutinePort, []string{gen}}, strings.ReplaceAll(scripts["gated"], "'g:s'", "'r:s'"))
+	if pollPort != 0 {
+		add(row{"poll", pollPort, []string{gen}}, strings.ReplaceAll(scripts["gated"], "'g:s'", "'r:s'"))
 	}
 	lat := map[string]float64{}
 	for r := 0; r < rounds; r++ {
@@ -532,8 +534,8 @@ SELECT fence.protect('gw_results');
 		fmt.Printf("the unfenced transaction through the floor relay (one read and one write per message, no parsing): %.3f ms, %.2f of direct\n", v, v/lat["direct"])
 	}
 	fmt.Printf("the same transaction on an unprotected table through the gate (classified, not gated): %.3f ms, %.2f of direct\n", lat["ungated"], lat["ungated"]/lat["direct"])
-	if g := lat["goroutines"]; g > 0 {
-		fmt.Printf("the gate without the event loop: %.3f ms, %.2f of direct, %.2f of fenced\n", g, g/lat["direct"], g/lat["fenced"])
+	if g := lat["poll"]; g > 0 {
+		fmt.Printf("the gate with its loop on poll(2): %.3f ms, %.2f of direct, %.2f of fenced\n", g, g/lat["direct"], g/lat["fenced"])
 	}
 	return nil
 }
