@@ -5,12 +5,16 @@ package proxy
 import (
 	"errors"
 	"fmt"
+	"runtime"
 	"strings"
 	"syscall"
 	"testing"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+	"go.uber.org/zap/zaptest/observer"
 )
 
 // TestRefusedWithoutLoop: there is one relay engine, the event loop, so a
@@ -76,4 +80,31 @@ func setLoopStart(p *testProxy, start func(string) (*evloop, error)) {
 	p.srv.loop.mu.Lock()
 	p.srv.loop.start = start
 	p.srv.loop.mu.Unlock()
+}
+
+// TestNoEventLoopSelectsPoll: DisableEventLoop (no_event_loop), which once
+// selected the goroutine relay, is deprecated: it selects the poll poller,
+// says so in a warning, and sessions are relayed by the loop waiting in
+// poll(2). Asked together with poller "epoll" it is a configuration error
+// rather than one of the two silently winning.
+func TestNoEventLoopSelectsPoll(t *testing.T) {
+	core, logs := observer.New(zapcore.WarnLevel)
+	p := startProxyLog(t, Config{DisableEventLoop: true}, zap.New(core))
+	if logs.FilterMessageSnippet("no_event_loop is deprecated").Len() != 1 {
+		t.Fatalf("warnings: %v, want one that no_event_loop is deprecated", logs.All())
+	}
+	c := connect(t, p.dsn(cluster.NewDatabase(t)))
+	mustExec(t, c, "SELECT 1")
+	p.srv.loop.mu.Lock()
+	used := p.srv.loop.used
+	p.srv.loop.mu.Unlock()
+	if used != "poll" {
+		t.Fatalf("the loop runs poller %q, want poll", used)
+	}
+	if runtime.GOOS == "linux" {
+		_, err := New(Config{Primary: cluster.Primary.DSN("postgres"), DisableEventLoop: true, Poller: "epoll"}, nil)
+		if err == nil || !strings.Contains(err.Error(), "no_event_loop") {
+			t.Fatalf("DisableEventLoop with poller epoll: %v, want a configuration error naming no_event_loop", err)
+		}
+	}
 }
