@@ -391,7 +391,7 @@ func (b *blocker) ClientMessage(s *Session, msg []byte) (Verdict, error) {
 		b.blocked <- struct{}{}
 		select {
 		case <-b.release:
-		case <-s.closing:
+		case <-s.Closing():
 		}
 	}
 	return Forward, nil

@@ -78,8 +78,9 @@ type Handler interface {
 // previous one has returned (and sees what it did), and while one runs the
 // session's client is not read, so its messages keep their order; the
 // server side goes on meanwhile. The session's end waits for a call in
-// progress (its upstream closed first, so a write there fails). Every
-// call costs a
+// progress (its upstream closed first, so a write there fails), so a
+// call that blocks must also wait on Session.Closing, which the end
+// closes first. Every call costs a
 // goroutine's start and a wake-up of the loop; a Handler that never
 // blocks is cheaper as a LoopClient.
 type LoopClient interface {

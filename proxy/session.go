@@ -89,6 +89,15 @@ func (s *Session) TxStatus() byte { return s.st.Tx() }
 // ErrWait instead (see LoopClient). Client side only.
 func (s *Session) OnLoop() bool { return s.onLoop }
 
+// Closing is closed when the session starts to end (the client or the
+// server gone, the console's KILL, Shutdown). A Handler that blocks (one
+// that is not a LoopClient: see LoopClient) must wait on it too, whatever
+// else it waits for, a Request's Done included: the session's end waits
+// for a ClientMessage in progress to return before it drains the queue,
+// which is what closes the Done of a Request never answered. Any
+// goroutine.
+func (s *Session) Closing() <-chan struct{} { return s.closing }
+
 // Logger returns the session's logger (with client, user and database).
 func (s *Session) Logger() *zap.Logger { return s.log }
 
