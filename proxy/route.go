@@ -631,60 +631,6 @@ func (h *fenceSession) sendClient(s gateConn, msg []byte, res *rewrite.Result) e
 	return nil
 }
 
-// initReplicas sets up read routing when replicas are configured, reads
-// may use them, and the interceptor routes reads (ReadRouter: the write
-// gate classifies statements). The pollers start at once; they connect in
-// the background.
-func (s *Server) initReplicas() {
-	if len(s.replicas) == 0 || s.cfg.NoReplicaReads {
-		return
-	}
-	rr, ok := s.cfg.Interceptor.(ReadRouter)
-	if !ok {
-		return
-	}
-	s.rs = newReplicas(s.primary, s.replicas, s.cfg.ReplicaPoll, s.cfg.ReplicaMaxLag, rr.RouteReads(), s.log.Named("replicas"))
-	s.SetReplicaStatus(s.rs.status)
-}
-
-func (s *Server) closeReplicas() {
-	if s.rs != nil {
-		s.rs.close()
-	}
-}
-
-// RouteStats returns the read-routing counters (nil without read routing).
-func (s *Server) RouteStats() *RouteStats {
-	if s.rs == nil {
-		return nil
-	}
-	return &s.rs.stats
-}
-
-// cancelRoute redirects a CancelRequest to the session's replica backend
-// while the session's requests run there.
-func (s *Server) cancelRoute(pid uint32, t cancelTarget) cancelTarget {
-	if s.rs == nil {
-		return t
-	}
-	s.mu.Lock()
-	var sess *Session
-	for _, ss := range s.conns {
-		if ss != nil && ss.cancelPID == pid {
-			sess = ss
-			break
-		}
-	}
-	s.mu.Unlock()
-	if sess == nil {
-		return t
-	}
-	if rt, ok := sess.replicaCancelTarget(); ok {
-		return rt
-	}
-	return t
-}
-
 // routeGated: a query the gate rewrites goes to the primary (it writes),
 // unless a read-only transaction is open on the replica, where it fails as
 // it would on the primary. Called after barrier.
