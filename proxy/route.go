@@ -19,7 +19,7 @@ import (
 // simple Query, whether it may run on a replica, and whether the replica
 // has replayed every takeover the read could depend on. The mechanism (a
 // session's replica connection) is in replica.go; takeover and replay
-// positions in lsn.go.
+// positions, and the Server's replica set that polls them, in lsn.go.
 //
 // What may go to a replica: a simple Query made only of plain reads
 // (SELECT/VALUES/TABLE/COPY TO without locking clauses, without functions
