@@ -8,14 +8,14 @@ import "time"
 // and evloop_intercept.go; a session refused before it came onto the
 // loop, unrelayedEnd, here).
 
-// teardown is what differs, by transport, at the end of a session.
+// teardown is what differs, by relay, at the end of a session.
 type teardown interface {
-	// stop makes both sides of the session return: the server side
-	// (closeServer: it may be blocked reading the upstream) and the
-	// client side (it may be blocked reading the client).
+	// stop makes whatever still works for the session return: the
+	// client side's calls off the loop (offClient), which may be blocked
+	// writing the upstream (closeServer ends it).
 	stop()
-	// wait waits until both sides have returned and reports the error
-	// of the one that ended second (nil if it had nothing to say).
+	// wait waits until they have returned and reports an error of
+	// theirs to consider with the first (nil if none had one to say).
 	wait() error
 	// endServer passes on what is still buffered for the upstream, tells
 	// the backend to end (Terminate) and closes the upstream socket.
@@ -29,25 +29,26 @@ type teardown interface {
 	closeClient()
 }
 
-// end ends s once the first of its sides has ended, with err, and
-// returns what run returns (nil for a clean client exit). The order is
-// the rules':
+// end ends s once its relay has ended with err (the loop has let go of
+// it), and returns what run returns (nil for a clean client exit). The
+// order is the rules':
 //
 //   - closing is closed first, so a Handler waiting on a Request gives up
-//     rather than keeping its side from returning;
-//   - both sides are stopped, and waited for, before anything else: from
-//     then on nothing else reads or writes the session's buffers and
-//     sockets, and the second side's error is known (endReason looks at
-//     both: a shutdown seen by either side is a shutdown);
+//     (Session.Closing) rather than keeping its call from returning;
+//   - what still works for the session (calls off the loop) is stopped,
+//     and waited for, before anything else: from then on nothing else
+//     reads or writes the session's buffers and sockets, and its error is
+//     known (endReason looks at both: a shutdown seen by either is a
+//     shutdown);
 //   - the upstream gets what was buffered for it, then Terminate, then
 //     the close: a Terminate after the close would be lost, and one
 //     before buffered bytes would cut them off. The event loop's
 //     pass-through relay does this in endServer, its buffer being the
-//     only one left; the goroutines and an intercepted session's loop
-//     half send Terminate and close in stop (closeServer, stopServer),
-//     as the way to unblock a side reading the upstream: what they have
-//     not written upstream by then is dropped, as a backend being ended
-//     would drop it;
+//     only one left; an intercepted session (and one refused before it
+//     came onto the loop) sends Terminate and closes in stop
+//     (closeServer, stopServer), as the way to unblock a call off the
+//     loop writing the upstream: what it has not written upstream by
+//     then is dropped, as a backend being ended would drop it;
 //   - the client gets what was buffered for it before the reason, so the
 //     error it reads last is why its session ended, and the reason
 //     before the close of its socket;
