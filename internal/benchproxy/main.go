@@ -40,6 +40,7 @@ import (
 func main() {
 	dur, scale, rounds := pgbench.Flags(1)
 	only := flag.String("only", "", "run only the cells whose \"workload c=N\" matches this regexp")
+	pollColumn := flag.Bool("poll-column", true, "with -gated-write, also time the gated write through the gate with its loop on poll(2) (off for a pgfence binary older than --poller)")
 	poller := flag.String("poller", "", "what every pgfence column's event loop waits in: epoll or poll (proxy.Config.Poller; empty: the platform's default)")
 	gated := flag.Bool("gate", true, "add a column for pgfence with the write gate (as pgfence serve runs; no table protected, so it measures the interception cost alone)")
 	gatedWrite := flag.Bool("gated-write", true, "with -gate, also time a gated write transaction with pgbench against the same transaction direct, the seed's hand-written fence SQL and the protocol's SQL by hand")
@@ -66,7 +67,7 @@ func main() {
 		fmt.Fprintln(os.Stderr, "benchproxy: -only:", err)
 		os.Exit(2)
 	}
-	if err := run(*dur, *scale, *rounds, onlyRe, *poller, *gated, *gated && *gatedWrite, *bin); err != nil {
+	if err := run(*dur, *scale, *rounds, onlyRe, *poller, *gated, *gated && *gatedWrite, *pollColumn, *bin); err != nil {
 		fmt.Fprintln(os.Stderr, "benchproxy:", err)
 		pprof.StopCPUProfile()
 		os.Exit(1)
@@ -107,7 +108,7 @@ func procCPU(pid int) func() time.Duration {
 	}
 }
 
-func run(dur time.Duration, scale, rounds int, only *regexp.Regexp, poller string, gated, gatedWrite bool, bin string) error {
+func run(dur time.Duration, scale, rounds int, only *regexp.Regexp, poller string, gated, gatedWrite, pollColumn bool, bin string) error {
 	ctx := context.Background()
 	c, err := pgtest.Start(ctx, pgtest.Options{})
 	if err != nil {
@@ -192,7 +193,7 @@ func run(dur time.Duration, scale, rounds int, only *regexp.Regexp, poller strin
 		targets = append(targets, target{"pgfence+gate", port, cpu})
 		if gatedWrite {
 			gport := 0
-			if poller == "" || poller == "epoll" {
+			if pollColumn && (poller == "" || poller == "epoll") {
 				// The gate with its loop waiting in poll(2), for
 				// comparison.
 				if gport, _, err = start(proxy.Config{Interceptor: gate, Poller: "poll"}); err != nil {
