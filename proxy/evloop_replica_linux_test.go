@@ -455,10 +455,7 @@ func TestReplicaMessageNotCut(t *testing.T) {
 			waitReplicaRead(t, c, "SELECT 1, pg_is_in_recovery()")
 			s := sessionOf(t, e.proxy, c)
 			wantRelayMode(t, s, m.relay)
-			const size = 32 << 20
-			sendRaw(t, c, fmt.Sprintf("SELECT repeat('w', %d), pg_is_in_recovery() /* not_cut */", size))
-			// The replica waits to send the rest of the row.
-			replicaBackend(t, replicaConnOf(t, e), "not_cut", "Client")
+			sendBigReplicaRow(t, e, c, "not_cut")
 			prim, err := pgx.Connect(ctx, cluster.Primary.DSN(e.db))
 			if err != nil {
 				t.Fatal(err)
@@ -468,36 +465,75 @@ func TestReplicaMessageNotCut(t *testing.T) {
 				t.Fatal(err)
 			}
 			waitPrimaryBytes(t, s, "the notification")
-			fe := pgproto3.NewFrontend(c.Conn(), c.Conn())
-			c.Conn().SetReadDeadline(time.Now().Add(time.Minute))
-			var got []string
-			for len(got) < 5 {
-				msg, err := fe.Receive()
-				if err != nil {
-					t.Fatalf("after %v: %v", got, err)
-				}
-				switch msg := msg.(type) {
-				case *pgproto3.DataRow:
-					if len(msg.Values) != 2 || len(msg.Values[0]) != size || string(msg.Values[1]) != "t" {
-						t.Fatalf("after %v: a row of %d values, not the replica's of %d bytes", got, len(msg.Values), size)
-					}
-					got = append(got, "row")
-				case *pgproto3.NotificationResponse:
-					got = append(got, "notify:"+msg.Payload)
-				case *pgproto3.ReadyForQuery:
-					got = append(got, "ready")
-				case *pgproto3.RowDescription, *pgproto3.CommandComplete:
-					got = append(got, "-")
-				default:
-					t.Fatalf("after %v: %T", got, msg)
+			got, err := bigRowAnswers(t, c, 5)
+			if err != nil {
+				t.Fatalf("after %v: %v", got, err)
+			}
+			for _, a := range got {
+				if a != "row" && a != "notify:hello" && a != "ready" && a != "-" {
+					t.Fatalf("after %v: %s", got, a)
 				}
 			}
-			c.Conn().SetReadDeadline(time.Time{})
 			if w := strings.Join(got, " "); !strings.Contains(w, "row") || !strings.Contains(w, "notify:hello") || !strings.Contains(w, "ready") {
 				t.Fatalf("got %s, want the row, the notification and ReadyForQuery", w)
 			}
 		})
 	}
+}
+
+// bigRow is the size of the replica row the message-order tests read: far
+// larger than every buffer, so that it is passed on in pieces.
+const bigRow = 32 << 20
+
+// sendBigReplicaRow sends on c, a routed session of e, a read of one
+// replica row of bigRow bytes marked marker, and returns once the replica
+// waits to send the rest of it to c, which does not read.
+func sendBigReplicaRow(t *testing.T, e *routeEnv, c *pgconn.PgConn, marker string) {
+	t.Helper()
+	sendRaw(t, c, fmt.Sprintf("SELECT repeat('w', %d), pg_is_in_recovery() /* %s */", bigRow, marker))
+	replicaBackend(t, replicaConnOf(t, e), marker, "Client")
+}
+
+// bigRowAnswers reads c's answers to sendBigReplicaRow's read, naming
+// each: "row" (checked to be the replica's row, whole), "notify:PAYLOAD",
+// "error:SQLSTATE", "ready", "notice", "parameter", or "-" for a
+// RowDescription or a CommandComplete; another type fails t. It stops at
+// n names (n < 0: none) or at the connection's end, whose error it
+// returns.
+func bigRowAnswers(t *testing.T, c *pgconn.PgConn, n int) ([]string, error) {
+	t.Helper()
+	fe := pgproto3.NewFrontend(c.Conn(), c.Conn())
+	c.Conn().SetReadDeadline(time.Now().Add(time.Minute))
+	defer c.Conn().SetReadDeadline(time.Time{})
+	var got []string
+	for n < 0 || len(got) < n {
+		msg, err := fe.Receive()
+		if err != nil {
+			return got, err
+		}
+		switch msg := msg.(type) {
+		case *pgproto3.DataRow:
+			if len(msg.Values) != 2 || len(msg.Values[0]) != bigRow || string(msg.Values[1]) != "t" {
+				t.Fatalf("after %v: a row of %d values, not the replica's of %d bytes", got, len(msg.Values), bigRow)
+			}
+			got = append(got, "row")
+		case *pgproto3.NotificationResponse:
+			got = append(got, "notify:"+msg.Payload)
+		case *pgproto3.ErrorResponse:
+			got = append(got, "error:"+msg.Code)
+		case *pgproto3.ReadyForQuery:
+			got = append(got, "ready")
+		case *pgproto3.NoticeResponse:
+			got = append(got, "notice")
+		case *pgproto3.ParameterStatus:
+			got = append(got, "parameter")
+		case *pgproto3.RowDescription, *pgproto3.CommandComplete:
+			got = append(got, "-")
+		default:
+			t.Fatalf("after %v: %T", got, msg)
+		}
+	}
+	return got, nil
 }
 
 // waitPrimaryBytes waits until what (bytes the primary sent) waits unread
@@ -659,37 +695,23 @@ func TestReplicaMessageNotCutByPrimaryEnd(t *testing.T) {
 	waitReplicaRead(t, c, "SELECT 1, pg_is_in_recovery()")
 	s := sessionOf(t, e.proxy, c)
 	wantRelayMode(t, s, m.relay)
-	const size = 32 << 20
-	sendRaw(t, c, fmt.Sprintf("SELECT repeat('w', %d), pg_is_in_recovery() /* not_cut_end */", size))
-	replicaBackend(t, replicaConnOf(t, e), "not_cut_end", "Client") // the replica waits to send the rest
+	sendBigReplicaRow(t, e, c, "not_cut_end")
 	prim := connect(t, cluster.Primary.DSN(e.db))
 	mustExec(t, prim, fmt.Sprintf("SELECT pg_terminate_backend(%d)", s.BackendPID))
 	waitPrimaryBytes(t, s, "the primary's FATAL")
-	fe := pgproto3.NewFrontend(c.Conn(), c.Conn())
-	c.Conn().SetReadDeadline(time.Now().Add(time.Minute))
-	var got []string
-	for {
-		msg, err := fe.Receive()
-		if err != nil {
-			if len(got) == 0 || got[len(got)-1] != "error:57P01" {
-				t.Fatalf("after %v: %v, want the replica's row, its end and then the primary's FATAL", got, err)
-			}
-			break
-		}
-		switch msg := msg.(type) {
-		case *pgproto3.DataRow:
-			if len(msg.Values) != 2 || len(msg.Values[0]) != size || string(msg.Values[1]) != "t" {
-				t.Fatalf("after %v: a row of %d values, not the replica's of %d bytes", got, len(msg.Values), size)
-			}
-			got = append(got, "row")
-		case *pgproto3.ErrorResponse:
-			got = append(got, "error:"+msg.Code)
-		case *pgproto3.ReadyForQuery:
-			got = append(got, "ready")
-		case *pgproto3.RowDescription, *pgproto3.CommandComplete, *pgproto3.NoticeResponse, *pgproto3.ParameterStatus:
+	all, err := bigRowAnswers(t, c, -1)
+	var got []string // the answers that say something: the rest passed over
+	for _, a := range all {
+		switch {
+		case a == "row", a == "ready", strings.HasPrefix(a, "error:"):
+			got = append(got, a)
+		case a == "-", a == "notice", a == "parameter":
 		default:
-			t.Fatalf("after %v: %T", got, msg)
+			t.Fatalf("after %v: %s", got, a)
 		}
+	}
+	if len(got) == 0 || got[len(got)-1] != "error:57P01" {
+		t.Fatalf("after %v: %v, want the replica's row, its end and then the primary's FATAL", got, err)
 	}
 	if w := strings.Join(got, " "); !strings.HasPrefix(w, "row ready") {
 		t.Fatalf("got %s, want the row and its ReadyForQuery before the primary's end", w)
