@@ -133,6 +133,53 @@ func holdTable(t *testing.T, e *routeEnv, rep *pgx.Conn) pgx.Tx {
 	return tx
 }
 
+// readHeld starts a read of held, marked marker, on c and returns its
+// answer's channel and the replica backend running it, once that waits
+// for the lock holdTable took; the backend must be rc's.
+func readHeld(t *testing.T, c *pgconn.PgConn, rc *replicaConn, rep *pgx.Conn, marker string) (<-chan readResultErr, int) {
+	t.Helper()
+	res := readAsync(t, c, "SELECT n, pg_is_in_recovery() FROM held /* "+marker+" */")
+	pid := replicaBackend(t, rep, marker, "Lock")
+	if pid != int(rc.pid) {
+		t.Fatalf("the read runs in replica backend %d, the session's replica connection is %d", pid, rc.pid)
+	}
+	return res, pid
+}
+
+// retryHeldOnPrimary terminates the replica backend pid, which runs
+// readHeld's read marked marker, and waits until the read, retried, waits
+// for the same lock on e's primary.
+func retryHeldOnPrimary(t *testing.T, e *routeEnv, rep *pgx.Conn, pid int, marker string) {
+	t.Helper()
+	ctx := ctxT(t)
+	if _, err := rep.Exec(ctx, "SELECT pg_terminate_backend($1)", pid); err != nil {
+		t.Fatal(err)
+	}
+	prim, err := pgx.Connect(ctx, cluster.Primary.DSN(e.db))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer prim.Close(ctx)
+	replicaBackend(t, prim, marker, "Lock")
+}
+
+// heldAnswer releases holdTable's lock (tx) and waits for res, readHeld's
+// answer, which must succeed with pg_is_in_recovery() = recovery: from
+// the replica ("t") or the primary ("f"), as where says.
+func heldAnswer(t *testing.T, tx pgx.Tx, res <-chan readResultErr, recovery, where string) {
+	t.Helper()
+	if err := tx.Rollback(ctxT(t)); err != nil {
+		t.Fatal(err)
+	}
+	r := <-res
+	if r.err != nil {
+		t.Fatalf("read: %v, want %s", r.err, where)
+	}
+	if got := string(r.rs[0].Rows[0][1]); got != recovery {
+		t.Fatalf("pg_is_in_recovery() %s, want %s (%s)", got, recovery, where)
+	}
+}
+
 // routedReader is a reader's session of a new routeEnv in relay's mode,
 // once the replica answers it, with its replica connection (checked to be
 // in that mode) and a direct connection to the replica.
@@ -238,34 +285,11 @@ func TestReplicaTerminatedBeforeAnswer(t *testing.T) {
 	for _, m := range replicaModes {
 		t.Run(m.name, func(t *testing.T) {
 			e, c, rc, rep := routedReader(t, m.relay)
-			ctx := ctxT(t)
 			tx := holdTable(t, e, rep)
 			retries := e.proxy.srv.RouteStats().Retries.Load()
-			res := readAsync(t, c, "SELECT n, pg_is_in_recovery() FROM held /* before_answer */")
-			pid := replicaBackend(t, rep, "before_answer", "Lock")
-			if pid != int(rc.pid) {
-				t.Fatalf("the read runs in replica backend %d, the session's replica connection is %d", pid, rc.pid)
-			}
-			if _, err := rep.Exec(ctx, "SELECT pg_terminate_backend($1)", pid); err != nil {
-				t.Fatal(err)
-			}
-			// Retried: it waits for the lock on the primary now.
-			prim, err := pgx.Connect(ctx, cluster.Primary.DSN(e.db))
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer prim.Close(ctx)
-			replicaBackend(t, prim, "before_answer", "Lock")
-			if err := tx.Rollback(ctx); err != nil {
-				t.Fatal(err)
-			}
-			r := <-res
-			if r.err != nil {
-				t.Fatalf("read: %v, want the primary's answer", r.err)
-			}
-			if got := string(r.rs[0].Rows[0][1]); got != "f" {
-				t.Fatalf("pg_is_in_recovery() %s, want f (retried on the primary)", got)
-			}
+			res, pid := readHeld(t, c, rc, rep, "before_answer")
+			retryHeldOnPrimary(t, e, rep, pid, "before_answer")
+			heldAnswer(t, tx, res, "f", "the primary's answer: retried there")
 			if n := e.proxy.srv.RouteStats().Retries.Load() - retries; n != 1 {
 				t.Fatalf("%d retries, want 1", n)
 			}
@@ -347,10 +371,7 @@ func TestReplicaCancel(t *testing.T) {
 			ctx := ctxT(t)
 			tx := holdTable(t, e, rep)
 			defer tx.Rollback(ctx)
-			res := readAsync(t, c, "SELECT n, pg_is_in_recovery() FROM held /* cancelled */")
-			if pid := replicaBackend(t, rep, "cancelled", "Lock"); pid != int(rc.pid) {
-				t.Fatalf("the read runs in replica backend %d, the session's replica connection is %d", pid, rc.pid)
-			}
+			res, _ := readHeld(t, c, rc, rep, "cancelled")
 			if err := c.CancelRequest(ctx); err != nil {
 				t.Fatal(err)
 			}
@@ -373,23 +394,13 @@ func TestReplicaShutdown(t *testing.T) {
 			e, c, rc, rep := routedReader(t, m.relay)
 			ctx := ctxT(t)
 			tx := holdTable(t, e, rep)
-			res := readAsync(t, c, "SELECT n, pg_is_in_recovery() FROM held /* at_shutdown */")
-			replicaBackend(t, rep, "at_shutdown", "Lock")
+			res, _ := readHeld(t, c, rc, rep, "at_shutdown")
 			shut := make(chan error, 1)
 			go func() { shut <- e.proxy.srv.Shutdown(ctx) }()
 			if err := pgtest.Poll(ctx, func() (bool, error) { return e.proxy.srv.draining.Load(), nil }); err != nil {
 				t.Fatal(err)
 			}
-			if err := tx.Rollback(ctx); err != nil {
-				t.Fatal(err)
-			}
-			r := <-res
-			if r.err != nil {
-				t.Fatalf("read: %v, want its answer before the shutdown", r.err)
-			}
-			if got := string(r.rs[0].Rows[0][1]); got != "t" {
-				t.Fatalf("pg_is_in_recovery() %s, want t", got)
-			}
+			heldAnswer(t, tx, res, "t", "the replica's answer before the shutdown")
 			if err := <-shut; err != nil {
 				t.Fatalf("Shutdown: %v, want a graceful end", err)
 			}

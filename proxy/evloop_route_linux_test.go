@@ -11,7 +11,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgproto3"
 
@@ -267,34 +266,15 @@ func TestRouteLoopEndWhileWaiting(t *testing.T) {
 func TestRouteLoopReplicaFails(t *testing.T) {
 	t.Run("before_answer", func(t *testing.T) {
 		e, c, rc, rep := routedReader(t, Config{})
-		ctx := ctxT(t)
 		tx := holdTable(t, e, rep)
 		r := loopRelayOf(t, e.proxy, c)
 		parks := r.intercept.parks.Load()
-		res := readAsync(t, c, "SELECT n, pg_is_in_recovery() FROM held /* loop_before_answer */")
-		pid := replicaBackend(t, rep, "loop_before_answer", "Lock")
-		if pid != int(rc.pid) {
-			t.Fatalf("the read runs in replica backend %d, the session's replica connection is %d", pid, rc.pid)
-		}
+		res, pid := readHeld(t, c, rc, rep, "loop_before_answer")
 		if n := r.intercept.parks.Load() - parks; n != 1 {
 			t.Fatalf("%d parks for the routed read, want 1", n)
 		}
-		if _, err := rep.Exec(ctx, "SELECT pg_terminate_backend($1)", pid); err != nil {
-			t.Fatal(err)
-		}
-		prim, err := pgx.Connect(ctx, cluster.Primary.DSN(e.db))
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer prim.Close(ctx)
-		replicaBackend(t, prim, "loop_before_answer", "Lock")
-		if err := tx.Rollback(ctx); err != nil {
-			t.Fatal(err)
-		}
-		a := <-res
-		if a.err != nil || string(a.rs[0].Rows[0][1]) != "f" {
-			t.Fatalf("read: %v %v, want the primary's answer", a.rs, a.err)
-		}
+		retryHeldOnPrimary(t, e, rep, pid, "loop_before_answer")
+		heldAnswer(t, tx, res, "f", "the primary's answer")
 		waitReplicaRead(t, c, "SELECT 1, pg_is_in_recovery()")
 		wantNoClientGoroutine(t, e.proxy, r.s)
 	})
