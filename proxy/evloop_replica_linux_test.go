@@ -180,14 +180,21 @@ func heldAnswer(t *testing.T, tx pgx.Tx, res <-chan readResultErr, recovery, whe
 	}
 }
 
-// routedReader is a reader's session of a new routeEnv in relay's mode,
-// once the replica answers it, with its replica connection (checked to be
-// in that mode) and a direct connection to the replica.
+// replicaReader is a reader's session of a new routeEnv in relay's mode,
+// once the replica answers it.
+func replicaReader(t *testing.T, relay Config) (*routeEnv, *pgconn.PgConn) {
+	t.Helper()
+	e := newRouteEnvRelay(t, relay)
+	c := e.reader(t, nil)
+	waitReplicaRead(t, c, "SELECT 1, pg_is_in_recovery()")
+	return e, c
+}
+
+// routedReader is replicaReader's session with its replica connection
+// (checked to be in relay's mode) and a direct connection to the replica.
 func routedReader(t *testing.T, relay Config) (e *routeEnv, c *pgconn.PgConn, rc *replicaConn, rep *pgx.Conn) {
 	t.Helper()
-	e = newRouteEnvRelay(t, relay)
-	c = e.reader(t, nil)
-	waitReplicaRead(t, c, "SELECT 1, pg_is_in_recovery()")
+	e, c = replicaReader(t, relay)
 	rc = wantRelayMode(t, sessionOf(t, e.proxy, c), relay)
 	return e, c, rc, replicaConnOf(t, e)
 }
@@ -226,9 +233,7 @@ type readResultErr struct {
 func TestReplicaSessionOnLoop(t *testing.T) {
 	for _, m := range replicaModes {
 		t.Run(m.name, func(t *testing.T) {
-			e := newRouteEnvRelay(t, m.relay)
-			c := e.reader(t, nil)
-			waitReplicaRead(t, c, "SELECT 1, pg_is_in_recovery()")
+			e, c := replicaReader(t, m.relay)
 			mustWhere(t, c, "SELECT count(*), pg_is_in_recovery() FROM audit", true)
 			mustExec(t, c, "INSERT INTO audit (note) VALUES ('w')")
 			mustWhere(t, c, "SELECT nextval('audit_id_seq'), pg_is_in_recovery()", false)
@@ -246,9 +251,7 @@ func TestReplicaSessionOnLoop(t *testing.T) {
 func TestReplicaLargeResult(t *testing.T) {
 	for _, m := range replicaModes {
 		t.Run(m.name, func(t *testing.T) {
-			e := newRouteEnvRelay(t, m.relay)
-			c := e.reader(t, nil)
-			waitReplicaRead(t, c, "SELECT 1, pg_is_in_recovery()")
+			e, c := replicaReader(t, m.relay)
 			for _, q := range []struct {
 				sql        string
 				rows, size int
@@ -701,9 +704,7 @@ func TestReplicaTLS(t *testing.T) {
 // the row with the FATAL.)
 func TestReplicaMessageNotCutByPrimaryEnd(t *testing.T) {
 	m := replicaModes[0]
-	e := newRouteEnvRelay(t, m.relay)
-	c := e.reader(t, nil)
-	waitReplicaRead(t, c, "SELECT 1, pg_is_in_recovery()")
+	e, c := replicaReader(t, m.relay)
 	s := sessionOf(t, e.proxy, c)
 	wantRelayMode(t, s, m.relay)
 	sendBigReplicaRow(t, e, c, "not_cut_end")
