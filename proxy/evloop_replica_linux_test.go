@@ -71,9 +71,7 @@ func newRouteEnvReplica(t *testing.T, relay Config, replicaDSN string) *routeEnv
 // relay's poller, its replica connection (open) read by the loop.
 func wantRelayMode(t *testing.T, s *Session, relay Config) *replicaConn {
 	t.Helper()
-	s.connMu.Lock()
-	onLoop := s.loopRelay != nil
-	s.connMu.Unlock()
+	onLoop := loopRelayNow(s) != nil
 	rc := s.replicaConnNow()
 	if rc == nil {
 		t.Fatal("the session has no replica connection")

@@ -37,10 +37,7 @@ func wantNoClientGoroutine(t *testing.T, p *testProxy, s *Session) {
 // loopRelayOf is the relay of c's session, which must be on p's loop.
 func loopRelayOf(t *testing.T, p *testProxy, c *pgconn.PgConn) *relay {
 	t.Helper()
-	s := sessionOf(t, p, c)
-	s.connMu.Lock()
-	r := s.loopRelay
-	s.connMu.Unlock()
+	r := loopRelayNow(sessionOf(t, p, c))
 	if r == nil || r.intercept == nil {
 		t.Fatal("the session is not an intercepted session on the event loop")
 	}

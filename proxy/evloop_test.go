@@ -154,21 +154,21 @@ func interceptedRelay(t *testing.T, p *testProxy) *relay {
 func loopRelayWhere(t *testing.T, p *testProxy, what string, ok func(*relay) bool) *relay {
 	t.Helper()
 	return pollFind(t, what+" on the event loop", func() (*relay, bool) {
-		p.srv.mu.Lock()
-		defer p.srv.mu.Unlock()
-		for _, s := range p.srv.conns {
-			if s == nil {
-				continue
-			}
-			s.connMu.Lock()
-			f := s.loopRelay
-			s.connMu.Unlock()
-			if f != nil && ok(f) {
-				return f, true
+		for _, s := range p.srv.sessions() {
+			if r := loopRelayNow(s); r != nil && ok(r) {
+				return r, true
 			}
 		}
 		return nil, false
 	})
+}
+
+// loopRelayNow is s's relay on the event loop, nil before s is on it
+// (once set, a session's loopRelay stays).
+func loopRelayNow(s *Session) *relay {
+	s.connMu.Lock()
+	defer s.connMu.Unlock()
+	return s.loopRelay
 }
 
 // bigResult is a query whose result (20 MB) is far larger than the
