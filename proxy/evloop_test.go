@@ -277,17 +277,37 @@ func (panicky) ServerMessage(s *Session, msg []byte, req *Request) (Verdict, err
 // TestHalfLoopHandlerPanic: a Handler that panics on the loop thread ends
 // its own session only; the loop and the other sessions go on.
 func TestHalfLoopHandlerPanic(t *testing.T) {
-	p := startProxy(t, Config{Interceptor: panicky{}})
-	db := cluster.NewDatabase(t)
-	ctx := ctxT(t)
-	other := connect(t, p.dsn(db))
-	bad := connect(t, p.dsn(db))
-	if _, err := bad.Exec(ctx, "SELECT 'boom'").ReadAll(); err == nil {
-		t.Fatal("the panicking session answered")
-	}
+	p, db, other, bad := panicSessions(t, panicky{})
+	wantBoomEnds(t, bad)
 	if p.srv.ops.stats.SessionsLoop.Load() != 2 {
 		t.Fatalf("%d sessions on the loop, want 2", p.srv.ops.stats.SessionsLoop.Load())
 	}
+	wantOthersFine(t, p, db, other)
+}
+
+// panicSessions is a proxy with h, a Handler that panics at a query
+// saying boom, and two sessions of one new database: other, and bad, the
+// one to panic.
+func panicSessions(t *testing.T, h Interceptor) (p *testProxy, db string, other, bad *pgconn.PgConn) {
+	t.Helper()
+	p = startProxy(t, Config{Interceptor: h})
+	db = cluster.NewDatabase(t)
+	return p, db, connect(t, p.dsn(db)), connect(t, p.dsn(db))
+}
+
+// wantBoomEnds sends bad the query that makes its Handler panic; it must
+// get no answer.
+func wantBoomEnds(t *testing.T, bad *pgconn.PgConn) {
+	t.Helper()
+	if _, err := bad.Exec(ctxT(t), "SELECT 'boom'").ReadAll(); err == nil {
+		t.Fatal("the panicking session answered")
+	}
+}
+
+// wantOthersFine checks that the panic of another session's Handler left
+// p going: other, opened before it, and a session opened now answer.
+func wantOthersFine(t *testing.T, p *testProxy, db string, other *pgconn.PgConn) {
+	t.Helper()
 	for _, c := range []*pgconn.PgConn{other, connect(t, p.dsn(db))} {
 		wantValue(t, c, "SELECT 'fine'", "fine")
 	}
