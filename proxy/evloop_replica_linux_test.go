@@ -131,17 +131,19 @@ func holdTable(t *testing.T, e *routeEnv, rep *pgx.Conn) pgx.Tx {
 	return tx
 }
 
-// readHeld starts a read of held, marked marker, on c and returns its
-// answer's channel and the replica backend running it, once that waits
-// for the lock holdTable took; the backend must be rc's.
-func readHeld(t *testing.T, c *pgconn.PgConn, rc *replicaConn, rep *pgx.Conn, marker string) (<-chan readResultErr, int) {
+// readHeld takes holdTable's lock and starts a read of held, marked
+// marker, on c, a routed session of e; it returns the lock's transaction,
+// the read's answer channel and the replica backend running the read, once
+// that waits for the lock; the backend must be rc's.
+func readHeld(t *testing.T, e *routeEnv, c *pgconn.PgConn, rc *replicaConn, rep *pgx.Conn, marker string) (pgx.Tx, <-chan readResultErr, int) {
 	t.Helper()
+	tx := holdTable(t, e, rep)
 	res := readAsync(t, c, "SELECT n, pg_is_in_recovery() FROM held /* "+marker+" */")
 	pid := replicaBackend(t, rep, marker, "Lock")
 	if pid != int(rc.pid) {
 		t.Fatalf("the read runs in replica backend %d, the session's replica connection is %d", pid, rc.pid)
 	}
-	return res, pid
+	return tx, res, pid
 }
 
 // retryHeldOnPrimary terminates the replica backend pid, which runs
@@ -161,7 +163,7 @@ func retryHeldOnPrimary(t *testing.T, e *routeEnv, rep *pgx.Conn, pid int, marke
 	replicaBackend(t, prim, marker, "Lock")
 }
 
-// heldAnswer releases holdTable's lock (tx) and waits for res, readHeld's
+// heldAnswer releases readHeld's lock (tx) and waits for res, readHeld's
 // answer, which must succeed with pg_is_in_recovery() = recovery: from
 // the replica ("t") or the primary ("f"), as where says.
 func heldAnswer(t *testing.T, tx pgx.Tx, res <-chan readResultErr, recovery, where string) {
@@ -286,9 +288,8 @@ func TestReplicaTerminatedBeforeAnswer(t *testing.T) {
 	for _, m := range replicaModes {
 		t.Run(m.name, func(t *testing.T) {
 			e, c, rc, rep := routedReader(t, m.relay)
-			tx := holdTable(t, e, rep)
 			retries := e.proxy.srv.RouteStats().Retries.Load()
-			res, pid := readHeld(t, c, rc, rep, "before_answer")
+			tx, res, pid := readHeld(t, e, c, rc, rep, "before_answer")
 			retryHeldOnPrimary(t, e, rep, pid, "before_answer")
 			heldAnswer(t, tx, res, "f", "the primary's answer: retried there")
 			if n := e.proxy.srv.RouteStats().Retries.Load() - retries; n != 1 {
@@ -370,9 +371,8 @@ func TestReplicaCancel(t *testing.T) {
 		t.Run(m.name, func(t *testing.T) {
 			e, c, rc, rep := routedReader(t, m.relay)
 			ctx := ctxT(t)
-			tx := holdTable(t, e, rep)
+			tx, res, _ := readHeld(t, e, c, rc, rep, "cancelled")
 			defer tx.Rollback(ctx)
-			res, _ := readHeld(t, c, rc, rep, "cancelled")
 			if err := c.CancelRequest(ctx); err != nil {
 				t.Fatal(err)
 			}
@@ -394,8 +394,7 @@ func TestReplicaShutdown(t *testing.T) {
 		t.Run(m.name, func(t *testing.T) {
 			e, c, rc, rep := routedReader(t, m.relay)
 			ctx := ctxT(t)
-			tx := holdTable(t, e, rep)
-			res, _ := readHeld(t, c, rc, rep, "at_shutdown")
+			tx, res, _ := readHeld(t, e, c, rc, rep, "at_shutdown")
 			shut := make(chan error, 1)
 			go func() { shut <- e.proxy.srv.Shutdown(ctx) }()
 			if err := pgtest.Poll(ctx, func() (bool, error) { return e.proxy.srv.draining.Load(), nil }); err != nil {

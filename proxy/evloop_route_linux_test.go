@@ -263,10 +263,9 @@ func TestRouteLoopEndWhileWaiting(t *testing.T) {
 func TestRouteLoopReplicaFails(t *testing.T) {
 	t.Run("before_answer", func(t *testing.T) {
 		e, c, rc, rep := routedReader(t, Config{})
-		tx := holdTable(t, e, rep)
 		r := loopRelayOf(t, e.proxy, c)
 		parks := r.intercept.parks.Load()
-		res, pid := readHeld(t, c, rc, rep, "loop_before_answer")
+		tx, res, pid := readHeld(t, e, c, rc, rep, "loop_before_answer")
 		if n := r.intercept.parks.Load() - parks; n != 1 {
 			t.Fatalf("%d parks for the routed read, want 1", n)
 		}
