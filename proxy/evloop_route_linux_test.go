@@ -183,22 +183,6 @@ func TestRouteLoopWaitForReplay(t *testing.T) {
 	wantNoClientGoroutine(t, e.proxy, r.s)
 }
 
-// waitReplayWait waits until a read waits for replay (stats.Waiting),
-// failing if res answers first.
-func waitReplayWait(t *testing.T, stats *RouteStats, res <-chan readResultErr) {
-	t.Helper()
-	if err := pgtest.Poll(ctxT(t), func() (bool, error) {
-		select {
-		case a := <-res:
-			return false, fmt.Errorf("answered before replay resumed: %+v", a)
-		default:
-		}
-		return stats.Waiting.Load() == 1, nil
-	}); err != nil {
-		t.Fatal(err)
-	}
-}
-
 // TestRouteLoopEndWhileWaiting: a session whose read waits for replay
 // (read_wait far beyond the test's time) ends at once when the proxy
 // shuts down, when the console kills it, and when its client resets the
