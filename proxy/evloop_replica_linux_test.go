@@ -330,13 +330,10 @@ func TestReplicaTerminatedMidResult(t *testing.T) {
 			if _, err := rep.Exec(ctx, "SELECT pg_terminate_backend($1)", pid); err != nil {
 				t.Fatal(err)
 			}
-			fe := pgproto3.NewFrontend(c.Conn(), c.Conn())
-			c.Conn().SetReadDeadline(time.Now().Add(time.Minute))
-			rows := 0
-			for {
-				msg, err := fe.Receive()
-				if err != nil {
-					t.Fatalf("after %d rows: %v, want an ErrorResponse 08006", rows, err)
+			rows, ended := 0, false
+			err := receiveEach(c, time.Minute, func(msg pgproto3.BackendMessage) bool {
+				if ended {
+					t.Fatal("the session goes on after 08006")
 				}
 				switch msg := msg.(type) {
 				case *pgproto3.DataRow:
@@ -344,20 +341,19 @@ func TestReplicaTerminatedMidResult(t *testing.T) {
 						t.Fatalf("row %d from the primary", rows)
 					}
 					rows++
-					continue
 				case *pgproto3.ErrorResponse:
 					if msg.Code != "08006" || rows == 0 || rows == 50000 {
 						t.Fatalf("error %s (%s) after %d rows, want 08006 after some of 50000", msg.Code, msg.Message, rows)
 					}
+					ended = true // and the session with it: nothing may follow
 				case *pgproto3.RowDescription:
-					continue
 				default:
 					t.Fatalf("%T after %d rows, want the rows then an ErrorResponse 08006", msg, rows)
 				}
-				break
-			}
-			if _, err := fe.Receive(); err == nil {
-				t.Fatal("the session goes on after 08006")
+				return true
+			})
+			if !ended {
+				t.Fatalf("after %d rows: %v, want an ErrorResponse 08006", rows, err)
 			}
 			<-rc.done
 		})
@@ -513,15 +509,8 @@ func sendBigReplicaRow(t *testing.T, e *routeEnv, c *pgconn.PgConn, marker strin
 // returns.
 func bigRowAnswers(t *testing.T, c *pgconn.PgConn, n int) ([]string, error) {
 	t.Helper()
-	fe := pgproto3.NewFrontend(c.Conn(), c.Conn())
-	c.Conn().SetReadDeadline(time.Now().Add(time.Minute))
-	defer c.Conn().SetReadDeadline(time.Time{})
 	var got []string
-	for n < 0 || len(got) < n {
-		msg, err := fe.Receive()
-		if err != nil {
-			return got, err
-		}
+	err := receiveEach(c, time.Minute, func(msg pgproto3.BackendMessage) bool {
 		switch msg := msg.(type) {
 		case *pgproto3.DataRow:
 			if len(msg.Values) != 2 || len(msg.Values[0]) != bigRow || string(msg.Values[1]) != "t" {
@@ -543,8 +532,9 @@ func bigRowAnswers(t *testing.T, c *pgconn.PgConn, n int) ([]string, error) {
 		default:
 			t.Fatalf("after %v: %T", got, msg)
 		}
-	}
-	return got, nil
+		return n < 0 || len(got) < n
+	})
+	return got, err
 }
 
 // waitPrimaryBytes waits until what (bytes the primary sent) waits unread

@@ -50,19 +50,10 @@ func loopRelayOf(t *testing.T, p *testProxy, c *pgconn.PgConn) *relay {
 // the session ends after it).
 func queryRows(t *testing.T, c *pgconn.PgConn, n int) []string {
 	t.Helper()
-	fe := pgproto3.NewFrontend(c.Conn(), c.Conn())
-	c.Conn().SetReadDeadline(time.Now().Add(30 * time.Second))
-	defer c.Conn().SetReadDeadline(time.Time{})
 	var out []string
 	cur := ""
-	for rfq := 0; rfq < n; {
-		m, err := fe.Receive()
-		if err != nil {
-			if len(cur) == 5 {
-				return append(out, cur) // a SQLSTATE, then the end
-			}
-			t.Fatalf("after %v: %v", out, err)
-		}
+	rfq := 0
+	err := receiveEach(c, 30*time.Second, func(m pgproto3.BackendMessage) bool {
 		switch m := m.(type) {
 		case *pgproto3.DataRow:
 			if cur == "" {
@@ -83,6 +74,13 @@ func queryRows(t *testing.T, c *pgconn.PgConn, n int) []string {
 			cur = ""
 			rfq++
 		}
+		return rfq < n
+	})
+	if err != nil {
+		if len(cur) == 5 {
+			return append(out, cur) // a SQLSTATE, then the end
+		}
+		t.Fatalf("after %v: %v", out, err)
 	}
 	return out
 }

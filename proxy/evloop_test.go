@@ -206,14 +206,8 @@ func TestHalfLoopSlowClient(t *testing.T) {
 	other := connect(t, p.dsn(db))
 	wantValue(t, other, "SELECT 'other'", "other")
 
-	fe := pgproto3.NewFrontend(slow.Conn(), slow.Conn())
-	slow.Conn().SetReadDeadline(time.Now().Add(30 * time.Second))
 	rows := 0
-	for {
-		m, err := fe.Receive()
-		if err != nil {
-			t.Fatalf("after %d rows: %v", rows, err)
-		}
+	if err := receiveEach(slow, 30*time.Second, func(m pgproto3.BackendMessage) bool {
 		switch m := m.(type) {
 		case *pgproto3.DataRow:
 			if len(m.Values) != 1 || len(m.Values[0]) != 1000 {
@@ -222,12 +216,13 @@ func TestHalfLoopSlowClient(t *testing.T) {
 			rows++
 		case *pgproto3.ErrorResponse:
 			t.Fatalf("error after %d rows: %s", rows, m.Message)
+		case *pgproto3.ReadyForQuery:
+			return false
 		}
-		if _, ok := m.(*pgproto3.ReadyForQuery); ok {
-			break
-		}
+		return true
+	}); err != nil {
+		t.Fatalf("after %d rows: %v", rows, err)
 	}
-	slow.Conn().SetReadDeadline(time.Time{})
 	if rows != 20000 {
 		t.Fatalf("got %d rows, want 20000", rows)
 	}
@@ -657,15 +652,9 @@ func wantTags(t *testing.T, c *pgconn.PgConn, n int, want string) {
 // their command tags; an ErrorResponse fails the test.
 func commandTags(t *testing.T, c *pgconn.PgConn, n int) []string {
 	t.Helper()
-	fe := pgproto3.NewFrontend(c.Conn(), c.Conn())
-	c.Conn().SetReadDeadline(time.Now().Add(30 * time.Second))
-	defer c.Conn().SetReadDeadline(time.Time{})
 	var tags []string
-	for rfq := 0; rfq < n; {
-		m, err := fe.Receive()
-		if err != nil {
-			t.Fatalf("after %v: %v", tags, err)
-		}
+	rfq := 0
+	if err := receiveEach(c, 30*time.Second, func(m pgproto3.BackendMessage) bool {
 		switch m := m.(type) {
 		case *pgproto3.CommandComplete:
 			tags = append(tags, string(m.CommandTag))
@@ -674,8 +663,30 @@ func commandTags(t *testing.T, c *pgconn.PgConn, n int) []string {
 		case *pgproto3.ReadyForQuery:
 			rfq++
 		}
+		return rfq < n
+	}); err != nil {
+		t.Fatalf("after %v: %v", tags, err)
 	}
 	return tags
+}
+
+// receiveEach reads c's answers as raw messages, handing each to f (valid
+// only during the call) until f returns false, with a read deadline of d
+// from now, reset at the end. It returns Receive's error, which ends it
+// too.
+func receiveEach(c *pgconn.PgConn, d time.Duration, f func(pgproto3.BackendMessage) bool) error {
+	fe := pgproto3.NewFrontend(c.Conn(), c.Conn())
+	c.Conn().SetReadDeadline(time.Now().Add(d))
+	defer c.Conn().SetReadDeadline(time.Time{})
+	for {
+		m, err := fe.Receive()
+		if err != nil {
+			return err
+		}
+		if !f(m) {
+			return nil
+		}
+	}
 }
 
 // lockedGateSession starts a proxy with the write gate and a session
