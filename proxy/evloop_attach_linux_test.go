@@ -44,16 +44,8 @@ func wantAllOnLoop(t *testing.T, p *testProxy) {
 	if looped, total := st.SessionsLoop.Load(), st.SessionsTotal.Load(); looped != total || total == 0 {
 		t.Fatalf("%d of %d sessions on the event loop, want all", looped, total)
 	}
-	p.srv.mu.Lock()
-	defer p.srv.mu.Unlock()
-	for _, s := range p.srv.conns {
-		if s == nil {
-			continue
-		}
-		s.connMu.Lock()
-		r := s.loopRelay
-		s.connMu.Unlock()
-		if r == nil {
+	for _, s := range p.srv.sessions() {
+		if loopRelayNow(s) == nil {
 			t.Fatalf("session of backend %d is not on the event loop", s.BackendPID)
 		}
 	}

@@ -300,21 +300,13 @@ func (parkPanicky) ClientMessage(s *Session, msg []byte) (Verdict, error) {
 // the loop resumes the parked client side ends its own session only; the
 // loop and the other sessions go on.
 func TestParkContinuationPanic(t *testing.T) {
-	p := startProxy(t, Config{Interceptor: parkPanicky{}})
-	db := cluster.NewDatabase(t)
-	ctx := ctxT(t)
-	other := connect(t, p.dsn(db))
-	bad := connect(t, p.dsn(db))
+	p, db, other, bad := panicSessions(t, parkPanicky{})
 	r := loopRelayWhere(t, p, "the panicking session", func(r *relay) bool {
 		return r.intercept != nil && r.s.cancelPID == bad.PID()
 	})
-	if _, err := bad.Exec(ctx, "SELECT 'boom'").ReadAll(); err == nil {
-		t.Fatal("the panicking session answered")
-	}
+	wantBoomEnds(t, bad)
 	if n := r.intercept.parks.Load(); n != 1 {
 		t.Fatalf("%d parks, want 1", n)
 	}
-	for _, c := range []*pgconn.PgConn{other, connect(t, p.dsn(db))} {
-		wantValue(t, c, "SELECT 'fine'", "fine")
-	}
+	wantOthersFine(t, p, db, other)
 }

@@ -11,7 +11,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgproto3"
 
@@ -38,10 +37,7 @@ func wantNoClientGoroutine(t *testing.T, p *testProxy, s *Session) {
 // loopRelayOf is the relay of c's session, which must be on p's loop.
 func loopRelayOf(t *testing.T, p *testProxy, c *pgconn.PgConn) *relay {
 	t.Helper()
-	s := sessionOf(t, p, c)
-	s.connMu.Lock()
-	r := s.loopRelay
-	s.connMu.Unlock()
+	r := loopRelayNow(sessionOf(t, p, c))
 	if r == nil || r.intercept == nil {
 		t.Fatal("the session is not an intercepted session on the event loop")
 	}
@@ -54,19 +50,10 @@ func loopRelayOf(t *testing.T, p *testProxy, c *pgconn.PgConn) *relay {
 // the session ends after it).
 func queryRows(t *testing.T, c *pgconn.PgConn, n int) []string {
 	t.Helper()
-	fe := pgproto3.NewFrontend(c.Conn(), c.Conn())
-	c.Conn().SetReadDeadline(time.Now().Add(30 * time.Second))
-	defer c.Conn().SetReadDeadline(time.Time{})
 	var out []string
 	cur := ""
-	for rfq := 0; rfq < n; {
-		m, err := fe.Receive()
-		if err != nil {
-			if len(cur) == 5 {
-				return append(out, cur) // a SQLSTATE, then the end
-			}
-			t.Fatalf("after %v: %v", out, err)
-		}
+	rfq := 0
+	err := receiveEach(c, 30*time.Second, func(m pgproto3.BackendMessage) bool {
 		switch m := m.(type) {
 		case *pgproto3.DataRow:
 			if cur == "" {
@@ -87,6 +74,13 @@ func queryRows(t *testing.T, c *pgconn.PgConn, n int) []string {
 			cur = ""
 			rfq++
 		}
+		return rfq < n
+	})
+	if err != nil {
+		if len(cur) == 5 {
+			return append(out, cur) // a SQLSTATE, then the end
+		}
+		t.Fatalf("after %v: %v", out, err)
 	}
 	return out
 }
@@ -187,22 +181,6 @@ func TestRouteLoopWaitForReplay(t *testing.T) {
 	wantNoClientGoroutine(t, e.proxy, r.s)
 }
 
-// waitReplayWait waits until a read waits for replay (stats.Waiting),
-// failing if res answers first.
-func waitReplayWait(t *testing.T, stats *RouteStats, res <-chan readResultErr) {
-	t.Helper()
-	if err := pgtest.Poll(ctxT(t), func() (bool, error) {
-		select {
-		case a := <-res:
-			return false, fmt.Errorf("answered before replay resumed: %+v", a)
-		default:
-		}
-		return stats.Waiting.Load() == 1, nil
-	}); err != nil {
-		t.Fatal(err)
-	}
-}
-
 // TestRouteLoopEndWhileWaiting: a session whose read waits for replay
 // (read_wait far beyond the test's time) ends at once when the proxy
 // shuts down, when the console kills it, and when its client resets the
@@ -267,34 +245,14 @@ func TestRouteLoopEndWhileWaiting(t *testing.T) {
 func TestRouteLoopReplicaFails(t *testing.T) {
 	t.Run("before_answer", func(t *testing.T) {
 		e, c, rc, rep := routedReader(t, Config{})
-		ctx := ctxT(t)
-		tx := holdTable(t, e, rep)
 		r := loopRelayOf(t, e.proxy, c)
 		parks := r.intercept.parks.Load()
-		res := readAsync(t, c, "SELECT n, pg_is_in_recovery() FROM held /* loop_before_answer */")
-		pid := replicaBackend(t, rep, "loop_before_answer", "Lock")
-		if pid != int(rc.pid) {
-			t.Fatalf("the read runs in replica backend %d, the session's replica connection is %d", pid, rc.pid)
-		}
+		tx, res, pid := readHeld(t, e, c, rc, rep, "loop_before_answer")
 		if n := r.intercept.parks.Load() - parks; n != 1 {
 			t.Fatalf("%d parks for the routed read, want 1", n)
 		}
-		if _, err := rep.Exec(ctx, "SELECT pg_terminate_backend($1)", pid); err != nil {
-			t.Fatal(err)
-		}
-		prim, err := pgx.Connect(ctx, cluster.Primary.DSN(e.db))
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer prim.Close(ctx)
-		replicaBackend(t, prim, "loop_before_answer", "Lock")
-		if err := tx.Rollback(ctx); err != nil {
-			t.Fatal(err)
-		}
-		a := <-res
-		if a.err != nil || string(a.rs[0].Rows[0][1]) != "f" {
-			t.Fatalf("read: %v %v, want the primary's answer", a.rs, a.err)
-		}
+		retryHeldOnPrimary(t, e, rep, pid, "loop_before_answer")
+		heldAnswer(t, tx, res, "f", "the primary's answer")
 		waitReplicaRead(t, c, "SELECT 1, pg_is_in_recovery()")
 		wantNoClientGoroutine(t, e.proxy, r.s)
 	})

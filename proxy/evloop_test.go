@@ -154,21 +154,21 @@ func interceptedRelay(t *testing.T, p *testProxy) *relay {
 func loopRelayWhere(t *testing.T, p *testProxy, what string, ok func(*relay) bool) *relay {
 	t.Helper()
 	return pollFind(t, what+" on the event loop", func() (*relay, bool) {
-		p.srv.mu.Lock()
-		defer p.srv.mu.Unlock()
-		for _, s := range p.srv.conns {
-			if s == nil {
-				continue
-			}
-			s.connMu.Lock()
-			f := s.loopRelay
-			s.connMu.Unlock()
-			if f != nil && ok(f) {
-				return f, true
+		for _, s := range p.srv.sessions() {
+			if r := loopRelayNow(s); r != nil && ok(r) {
+				return r, true
 			}
 		}
 		return nil, false
 	})
+}
+
+// loopRelayNow is s's relay on the event loop, nil before s is on it
+// (once set, a session's loopRelay stays).
+func loopRelayNow(s *Session) *relay {
+	s.connMu.Lock()
+	defer s.connMu.Unlock()
+	return s.loopRelay
 }
 
 // bigResult is a query whose result (20 MB) is far larger than the
@@ -206,14 +206,8 @@ func TestHalfLoopSlowClient(t *testing.T) {
 	other := connect(t, p.dsn(db))
 	wantValue(t, other, "SELECT 'other'", "other")
 
-	fe := pgproto3.NewFrontend(slow.Conn(), slow.Conn())
-	slow.Conn().SetReadDeadline(time.Now().Add(30 * time.Second))
 	rows := 0
-	for {
-		m, err := fe.Receive()
-		if err != nil {
-			t.Fatalf("after %d rows: %v", rows, err)
-		}
+	if err := receiveEach(slow, 30*time.Second, func(m pgproto3.BackendMessage) bool {
 		switch m := m.(type) {
 		case *pgproto3.DataRow:
 			if len(m.Values) != 1 || len(m.Values[0]) != 1000 {
@@ -222,12 +216,13 @@ func TestHalfLoopSlowClient(t *testing.T) {
 			rows++
 		case *pgproto3.ErrorResponse:
 			t.Fatalf("error after %d rows: %s", rows, m.Message)
+		case *pgproto3.ReadyForQuery:
+			return false
 		}
-		if _, ok := m.(*pgproto3.ReadyForQuery); ok {
-			break
-		}
+		return true
+	}); err != nil {
+		t.Fatalf("after %d rows: %v", rows, err)
 	}
-	slow.Conn().SetReadDeadline(time.Time{})
 	if rows != 20000 {
 		t.Fatalf("got %d rows, want 20000", rows)
 	}
@@ -277,17 +272,37 @@ func (panicky) ServerMessage(s *Session, msg []byte, req *Request) (Verdict, err
 // TestHalfLoopHandlerPanic: a Handler that panics on the loop thread ends
 // its own session only; the loop and the other sessions go on.
 func TestHalfLoopHandlerPanic(t *testing.T) {
-	p := startProxy(t, Config{Interceptor: panicky{}})
-	db := cluster.NewDatabase(t)
-	ctx := ctxT(t)
-	other := connect(t, p.dsn(db))
-	bad := connect(t, p.dsn(db))
-	if _, err := bad.Exec(ctx, "SELECT 'boom'").ReadAll(); err == nil {
-		t.Fatal("the panicking session answered")
-	}
+	p, db, other, bad := panicSessions(t, panicky{})
+	wantBoomEnds(t, bad)
 	if p.srv.ops.stats.SessionsLoop.Load() != 2 {
 		t.Fatalf("%d sessions on the loop, want 2", p.srv.ops.stats.SessionsLoop.Load())
 	}
+	wantOthersFine(t, p, db, other)
+}
+
+// panicSessions is a proxy with h, a Handler that panics at a query
+// saying boom, and two sessions of one new database: other, and bad, the
+// one to panic.
+func panicSessions(t *testing.T, h Interceptor) (p *testProxy, db string, other, bad *pgconn.PgConn) {
+	t.Helper()
+	p = startProxy(t, Config{Interceptor: h})
+	db = cluster.NewDatabase(t)
+	return p, db, connect(t, p.dsn(db)), connect(t, p.dsn(db))
+}
+
+// wantBoomEnds sends bad the query that makes its Handler panic; it must
+// get no answer.
+func wantBoomEnds(t *testing.T, bad *pgconn.PgConn) {
+	t.Helper()
+	if _, err := bad.Exec(ctxT(t), "SELECT 'boom'").ReadAll(); err == nil {
+		t.Fatal("the panicking session answered")
+	}
+}
+
+// wantOthersFine checks that the panic of another session's Handler left
+// p going: other, opened before it, and a session opened now answer.
+func wantOthersFine(t *testing.T, p *testProxy, db string, other *pgconn.PgConn) {
+	t.Helper()
 	for _, c := range []*pgconn.PgConn{other, connect(t, p.dsn(db))} {
 		wantValue(t, c, "SELECT 'fine'", "fine")
 	}
@@ -637,15 +652,9 @@ func wantTags(t *testing.T, c *pgconn.PgConn, n int, want string) {
 // their command tags; an ErrorResponse fails the test.
 func commandTags(t *testing.T, c *pgconn.PgConn, n int) []string {
 	t.Helper()
-	fe := pgproto3.NewFrontend(c.Conn(), c.Conn())
-	c.Conn().SetReadDeadline(time.Now().Add(30 * time.Second))
-	defer c.Conn().SetReadDeadline(time.Time{})
 	var tags []string
-	for rfq := 0; rfq < n; {
-		m, err := fe.Receive()
-		if err != nil {
-			t.Fatalf("after %v: %v", tags, err)
-		}
+	rfq := 0
+	if err := receiveEach(c, 30*time.Second, func(m pgproto3.BackendMessage) bool {
 		switch m := m.(type) {
 		case *pgproto3.CommandComplete:
 			tags = append(tags, string(m.CommandTag))
@@ -654,8 +663,30 @@ func commandTags(t *testing.T, c *pgconn.PgConn, n int) []string {
 		case *pgproto3.ReadyForQuery:
 			rfq++
 		}
+		return rfq < n
+	}); err != nil {
+		t.Fatalf("after %v: %v", tags, err)
 	}
 	return tags
+}
+
+// receiveEach reads c's answers as raw messages, handing each to f (valid
+// only during the call) until f returns false, with a read deadline of d
+// from now, reset at the end. It returns Receive's error, which ends it
+// too.
+func receiveEach(c *pgconn.PgConn, d time.Duration, f func(pgproto3.BackendMessage) bool) error {
+	fe := pgproto3.NewFrontend(c.Conn(), c.Conn())
+	c.Conn().SetReadDeadline(time.Now().Add(d))
+	defer c.Conn().SetReadDeadline(time.Time{})
+	for {
+		m, err := fe.Receive()
+		if err != nil {
+			return err
+		}
+		if !f(m) {
+			return nil
+		}
+	}
 }
 
 // lockedGateSession starts a proxy with the write gate and a session

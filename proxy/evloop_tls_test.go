@@ -122,15 +122,7 @@ func testLoopTLS(t *testing.T, m tlsMode) {
 	if err := pl.Sync(); err != nil {
 		t.Fatal(err)
 	}
-	for i := range 50 {
-		res, err := pl.GetResults()
-		if err != nil {
-			t.Fatal(err)
-		}
-		if _, err := res.(*pgconn.ResultReader).Close(); err != nil {
-			t.Fatalf("pipelined insert %d: %v", i, err)
-		}
-	}
+	mustResults(t, pl, 50, "pipelined insert")
 	pres, _ := pl.GetResults()
 	if r := pres.(*pgconn.ResultReader).Read(); r.Err != nil || string(r.Rows[0][0]) != "50" {
 		t.Fatalf("pipelined count: got %q, %v; want 50", r.Rows, r.Err)

@@ -137,6 +137,22 @@ func mustWhere(t *testing.T, c *pgconn.PgConn, sql string, replica bool) []strin
 	return vals
 }
 
+// waitReplayWait waits until a read waits for replay (stats.Waiting),
+// failing if its answer arrives on res first.
+func waitReplayWait[A any](t *testing.T, stats *RouteStats, res <-chan A) {
+	t.Helper()
+	if err := pgtest.Poll(ctxT(t), func() (bool, error) {
+		select {
+		case a := <-res:
+			return false, fmt.Errorf("answered before replay resumed: %+v", a)
+		default:
+		}
+		return stats.Waiting.Load() == 1, nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+}
+
 // waitReplicaRead waits until sql on c (a read of where's form) is answered
 // by the replica.
 func waitReplicaRead(t *testing.T, c *pgconn.PgConn, sql string) {
@@ -248,17 +264,7 @@ func TestAcceptanceReads(t *testing.T) {
 			v, r, err := where(t, rw, readResult)
 			done <- answer{v, r, err}
 		}()
-		stats := e.proxy.srv.RouteStats()
-		if err := pgtest.Poll(ctxT(t), func() (bool, error) {
-			select {
-			case a := <-done:
-				return false, fmt.Errorf("wait policy answered before replay resumed: %+v", a)
-			default:
-			}
-			return stats.Waiting.Load() == 1, nil
-		}); err != nil {
-			t.Fatal(err)
-		}
+		waitReplayWait(t, e.proxy.srv.RouteStats(), done)
 		if err := cluster.ResumeReplay(ctxT(t)); err != nil {
 			t.Fatal(err)
 		}
