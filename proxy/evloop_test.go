@@ -343,6 +343,14 @@ func (c *chunkReader) Read(b []byte) (int, error) {
 	return n, nil
 }
 
+// forwardAll is a Handler that lets every message through.
+type forwardAll struct{}
+
+func (forwardAll) Open(*Session) (Handler, error)                            { return forwardAll{}, nil }
+func (forwardAll) Close(*Session)                                            {}
+func (forwardAll) ClientMessage(*Session, []byte) (Verdict, error)           { return Forward, nil }
+func (forwardAll) ServerMessage(*Session, []byte, *Request) (Verdict, error) { return Forward, nil }
+
 // FuzzServerMessageResume: on the event loop the server side reads a
 // non-blocking socket, so Session.serverMessage returns errWouldBlock
 // whenever a message has not arrived whole and is called again when more
@@ -379,7 +387,7 @@ func FuzzServerMessageResume(f *testing.F) {
 
 		var out bytes.Buffer
 		cr := &chunkReader{in: stream, cuts: cuts}
-		s := &Session{srv: &Server{}, cw: &clientWriter{Writer: bufio.NewWriterSize(&out, 1024)}}
+		s := &Session{srv: &Server{}, h: forwardAll{}, cw: &clientWriter{Writer: bufio.NewWriterSize(&out, 1024)}}
 		s.sf = wire.Framer{R: bufio.NewReaderSize(cr, 1024), Flush: s.cw.Flush, From: "server"}
 		var bm bigMessage
 		cr.arm()

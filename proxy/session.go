@@ -345,22 +345,14 @@ func (s *Session) upstreamMessage(sf *wire.Framer, rc *replicaConn, big *bigMess
 	}
 	if total > size {
 		h, _ := sf.Whole(headerLen) // next has read it
-		fwd := true
-		switch {
-		case rc != nil && !s.replicaAnswers():
-			fwd = false
-		case s.h != nil:
+		fwd := false
+		if rc == nil || s.replicaAnswers() {
 			if fwd, err = s.interceptServer(h); err != nil {
 				return s.handlerFailed(rc, err)
 			}
 		}
-		if fwd {
-			if rc != nil {
-				rc.forwarded.Store(true)
-			}
-			if _, err := s.cw.Write(h); err != nil {
-				return fmt.Errorf("client: %w", err)
-			}
+		if err := s.forward(rc, h, fwd); err != nil {
+			return err
 		}
 		sf.Discard(headerLen)
 		big.left, big.fwd = total-headerLen, fwd
@@ -380,19 +372,12 @@ func (s *Session) upstreamMessage(sf *wire.Framer, rc *replicaConn, big *bigMess
 		sf.Discard(total)
 		return nil
 	}
-	fwd := true
-	if s.h != nil {
-		if fwd, err = s.interceptServer(msg); err != nil {
-			return s.handlerFailed(rc, err)
-		}
+	fwd, err := s.interceptServer(msg)
+	if err != nil {
+		return s.handlerFailed(rc, err)
 	}
-	if fwd {
-		if rc != nil {
-			rc.forwarded.Store(true)
-		}
-		if _, err := s.cw.Write(msg); err != nil {
-			return fmt.Errorf("client: %w", err)
-		}
+	if err := s.forward(rc, msg, fwd); err != nil {
+		return err
 	}
 	if tx, ok := wire.ReadyStatus(msg); ok {
 		sf.Discard(total)
@@ -406,6 +391,22 @@ func (s *Session) upstreamMessage(sf *wire.Framer, rc *replicaConn, big *bigMess
 		return nil
 	}
 	sf.Discard(total)
+	return nil
+}
+
+// forward writes msg, an upstream's message (or a large one's header),
+// to the client when the Handler let it through (fwd); one of the replica
+// connection rc's marks that its answer has begun to reach the client.
+func (s *Session) forward(rc *replicaConn, msg []byte, fwd bool) error {
+	if !fwd {
+		return nil
+	}
+	if rc != nil {
+		rc.forwarded.Store(true)
+	}
+	if _, err := s.cw.Write(msg); err != nil {
+		return fmt.Errorf("client: %w", err)
+	}
 	return nil
 }
 
