@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"bufio"
+	"context"
 	"errors"
 	"fmt"
 	"net"
@@ -174,7 +175,7 @@ func (s *Session) useReplica(r *replica, k func(error) error) error {
 	}
 	var hj *pgconn.HijackedConn
 	dial := func() (err error) {
-		hj, err = s.srv.connectAs(r.cfg, s.User, s.Database, s.Params, s.proof) // as the primary's (server.go)
+		hj, err = s.dialReplica(r)
 		return err
 	}
 	opened := func(err error) error {
@@ -193,6 +194,37 @@ func (s *Session) useReplica(r *replica, k func(error) error) error {
 			hj.Conn.Close()
 		}
 	}, true)
+}
+
+// dialReplica connects to r as the session's user, as connectAs does
+// for the primary (server.go), but gives up as soon as the session starts
+// to end: on the loop the dial runs detached (offClient), and nothing else
+// would stop it before ConnectTimeout; its connection, once the loop has
+// stopped, would be closed only at the Server's shutdown. A connection
+// that completes after the session started to end is closed here, at once.
+func (s *Session) dialReplica(r *replica) (*pgconn.HijackedConn, error) {
+	pc := s.srv.upstreamConfig(r.cfg, s.User, s.Database, s.Params)
+	ctx, cancel := context.WithTimeout(context.Background(), pc.ConnectTimeout)
+	defer cancel()
+	go func() {
+		select {
+		case <-s.closing:
+			cancel()
+		case <-ctx.Done():
+		}
+	}()
+	hj, err := dialUpstream(ctx, pc, s.srv.upstreamCredentials(r.cfg, s.User, s.proof))
+	if err != nil {
+		if isClosed(s.closing) {
+			return nil, fmt.Errorf("%w: %w", errSessionClosing, err)
+		}
+		return nil, err
+	}
+	if isClosed(s.closing) {
+		hj.Conn.Close()
+		return nil, errSessionClosing
+	}
+	return hj, nil
 }
 
 // switchReplica makes rc the upstream requests go to.
