@@ -77,15 +77,20 @@ func (*epoller) name() string { return "epoll" }
 // the comment at the top of evloop.go); it is a separate function so the
 // loop passes a preemption check after every wake-up.
 //
+// Both waits are epoll_pwait with a nil signal mask, which is epoll_wait
+// exactly (epoll_pwait(2)): linux/arm64 (and riscv64, loong64) has no
+// epoll_wait system call at all, and one call on every Linux keeps a
+// single code path. A nil mask makes the kernel ignore the mask size.
+//
 //go:noinline
 func epollWait(epfd int, events []syscall.EpollEvent, msec int) (int, syscall.Errno) {
-	n, _, errno := syscall.RawSyscall6(syscall.SYS_EPOLL_WAIT, uintptr(epfd), uintptr(unsafe.Pointer(&events[0])), uintptr(len(events)), uintptr(msec), 0, 0)
+	n, _, errno := syscall.RawSyscall6(syscall.SYS_EPOLL_PWAIT, uintptr(epfd), uintptr(unsafe.Pointer(&events[0])), uintptr(len(events)), uintptr(msec), 0, 0)
 	return int(n), errno
 }
 
 // epollWaitIdle waits without a timeout through the runtime's system
 // call path, which releases the P while blocked.
 func epollWaitIdle(epfd int, events []syscall.EpollEvent) (int, syscall.Errno) {
-	n, _, errno := syscall.Syscall6(syscall.SYS_EPOLL_WAIT, uintptr(epfd), uintptr(unsafe.Pointer(&events[0])), uintptr(len(events)), ^uintptr(0), 0, 0)
+	n, _, errno := syscall.Syscall6(syscall.SYS_EPOLL_PWAIT, uintptr(epfd), uintptr(unsafe.Pointer(&events[0])), uintptr(len(events)), ^uintptr(0), 0, 0)
 	return int(n), errno
 }
