@@ -187,11 +187,11 @@ func sendRaw(t *testing.T, c *pgconn.PgConn, sql string) {
 	}
 }
 
-// TestHalfLoopSlowClient: an intercepted session whose client does not
+// TestInterceptLoopSlowClient: an intercepted session whose client does not
 // read makes the loop stop reading that server (its buffer for the client
 // is full) without holding up other sessions; once the client reads, it
 // gets every row, in order, and the session goes on.
-func TestHalfLoopSlowClient(t *testing.T) {
+func TestInterceptLoopSlowClient(t *testing.T) {
 	p := startProxy(t, Config{Interceptor: newGate(t), BufferSize: 4096})
 	db := cluster.NewDatabase(t)
 	ctx := ctxT(t)
@@ -232,10 +232,10 @@ func TestHalfLoopSlowClient(t *testing.T) {
 	wantValue(t, slow, "SELECT 'again'", "again")
 }
 
-// TestHalfLoopShutdownWhilePaused: graceful shutdown ends an intercepted
+// TestInterceptLoopShutdownWhilePaused: graceful shutdown ends an intercepted
 // session stalled on a client that does not read (the loop is not waiting
 // for that server, yet sees it closed), and Shutdown returns.
-func TestHalfLoopShutdownWhilePaused(t *testing.T) {
+func TestInterceptLoopShutdownWhilePaused(t *testing.T) {
 	p := startProxy(t, Config{Interceptor: newGate(t), BufferSize: 4096})
 	db := cluster.NewDatabase(t)
 	slow := connect(t, p.dsn(db))
@@ -269,9 +269,9 @@ func (panicky) ServerMessage(s *Session, msg []byte, req *Request) (Verdict, err
 	return Forward, nil
 }
 
-// TestHalfLoopHandlerPanic: a Handler that panics on the loop thread ends
+// TestInterceptLoopHandlerPanic: a Handler that panics on the loop thread ends
 // its own session only; the loop and the other sessions go on.
-func TestHalfLoopHandlerPanic(t *testing.T) {
+func TestInterceptLoopHandlerPanic(t *testing.T) {
 	p, db, other, bad := panicSessions(t, panicky{})
 	wantBoomEnds(t, bad)
 	if p.srv.ops.stats.SessionsLoop.Load() != 2 {
@@ -416,12 +416,12 @@ func FuzzServerMessageResume(f *testing.F) {
 	})
 }
 
-// TestHalfLoopInlineClient: a write gate session's client messages are
+// TestInterceptLoopInlineClient: a write gate session's client messages are
 // handled on the loop itself, and a message that must wait (a write
 // pipelined behind a SET that has not been answered) parks the client
 // side there, in order, after which the client is read again; no client
 // message is ever handled off the loop.
-func TestHalfLoopInlineClient(t *testing.T) {
+func TestInterceptLoopInlineClient(t *testing.T) {
 	p := startProxy(t, Config{Interceptor: newGate(t)})
 	db := cluster.NewDatabase(t)
 	ctx := ctxT(t)
@@ -466,12 +466,12 @@ func TestHalfLoopInlineClient(t *testing.T) {
 	}
 }
 
-// TestHalfLoopSlowServer: when the upstream does not read (its backend
+// TestInterceptLoopSlowServer: when the upstream does not read (its backend
 // waits for a lock) the loop keeps what the server socket cannot take and
 // stops reading that client, without holding up other sessions; once the
 // lock goes, every query runs, in order, the pipeline's last write (for
 // which the gate must park the client side) included.
-func TestHalfLoopSlowServer(t *testing.T) {
+func TestInterceptLoopSlowServer(t *testing.T) {
 	p, db, holder, c, r := lockedGateSession(t)
 	ctx := ctxT(t)
 
@@ -548,13 +548,13 @@ func TestHalfLoopSlowServer(t *testing.T) {
 	wantValue(t, c, "SELECT 'again'", "again")
 }
 
-// TestHalfLoopParkUnwatched: while a session's client side is parked (a
+// TestInterceptLoopParkUnwatched: while a session's client side is parked (a
 // write waits for an answer held up by a lock), the loop does not watch
 // the client's socket for reading: bytes the client sends meanwhile must
 // not wake the loop again and again (a level-triggered watch left on
 // would). Once the lock goes, everything is answered in order, on the
 // loop, and the client is read again.
-func TestHalfLoopParkUnwatched(t *testing.T) {
+func TestInterceptLoopParkUnwatched(t *testing.T) {
 	p, db, holder, c, r := lockedGateSession(t)
 	ctx := ctxT(t)
 	// The INSERT must wait for the SET's answer, which waits behind the
@@ -595,13 +595,13 @@ func TestLoopClientWaitsForServerPending(t *testing.T) {
 	}
 }
 
-// TestHalfLoopCopyFrom: a COPY FROM STDIN the gate leaves alone (an
+// TestInterceptLoopCopyFrom: a COPY FROM STDIN the gate leaves alone (an
 // unprotected table, no gated transaction) is relayed on the loop
 // without a park; one into a protected table is gated, which waits for
 // its CopyInResponse and its end, so the client side parks (on the loop:
 // no message off it), and commits with its receipt. Both with psql's way
 // (the data after CopyInResponse).
-func TestHalfLoopCopyFrom(t *testing.T) {
+func TestInterceptLoopCopyFrom(t *testing.T) {
 	e := newFenceEnv(t)
 	ctx := ctxT(t)
 	l := e.acquire(t, "copyjob", "a", time.Minute)
