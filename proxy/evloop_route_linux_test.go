@@ -34,11 +34,18 @@ func wantNoClientGoroutine(t *testing.T, p *testProxy, s *Session) {
 	}
 }
 
-// loopRelayOf is the relay of c's session, which must be on p's loop.
+// loopRelayOf is the relay of c's session, which must be on p's loop. A
+// session comes onto the loop just after its client has been told it is
+// ready (Server.open, then Session.run), so a client that has only just
+// connected may be found before it is there: its relay is waited for.
 func loopRelayOf(t *testing.T, p *testProxy, c *pgconn.PgConn) *relay {
 	t.Helper()
-	r := loopRelayNow(sessionOf(t, p, c))
-	if r == nil || r.intercept == nil {
+	s := sessionOf(t, p, c)
+	r := pollFind(t, "the session on the event loop", func() (*relay, bool) {
+		r := loopRelayNow(s)
+		return r, r != nil
+	})
+	if r.intercept == nil {
 		t.Fatal("the session is not an intercepted session on the event loop")
 	}
 	return r
