@@ -2,7 +2,6 @@ package proxy
 
 import (
 	"bufio"
-	"context"
 	"errors"
 	"fmt"
 	"net"
@@ -175,7 +174,7 @@ func (s *Session) useReplica(r *replica, k func(error) error) error {
 	}
 	var hj *pgconn.HijackedConn
 	dial := func() (err error) {
-		hj, err = s.dialReplica(r)
+		hj, err = s.srv.connectAs(r.cfg, s.User, s.Database, s.Params, s.proof, s.closing) // as the primary's (server.go)
 		return err
 	}
 	opened := func(err error) error {
@@ -194,86 +193,6 @@ func (s *Session) useReplica(r *replica, k func(error) error) error {
 			hj.Conn.Close()
 		}
 	}, true)
-}
-
-// dialReplica connects to r as the session's user, as connectAs does
-// for the primary (server.go), but gives up as soon as the session starts
-// to end: on the loop the dial runs detached (offClient), and nothing else
-// would stop it before ConnectTimeout; its connection, once the loop has
-// stopped, would be closed only at the Server's shutdown. A connection
-// that completes after the session started to end is closed here, at once.
-//
-// Cancelling the context alone is not enough: the startup exchange on the
-// new connection (startUpstream) heeds only the context's deadline, so
-// the session's end closes the connection being dialed itself.
-func (s *Session) dialReplica(r *replica) (*pgconn.HijackedConn, error) {
-	pc := s.srv.upstreamConfig(r.cfg, s.User, s.Database, s.Params) // a copy of r.cfg
-	ctx, cancel := context.WithTimeout(context.Background(), pc.ConnectTimeout)
-	defer cancel()
-	d := &endableDial{}
-	pc.DialFunc = d.wrap(pc.DialFunc)
-	finished := make(chan struct{})
-	watched := make(chan struct{})
-	go func() {
-		defer close(watched)
-		select {
-		case <-s.closing:
-			cancel()
-			d.end()
-		case <-finished:
-		}
-	}()
-	hj, err := dialUpstream(ctx, pc, s.srv.upstreamCredentials(r.cfg, s.User, s.proof))
-	close(finished)
-	<-watched // d.end has run, or never will
-	if err != nil {
-		if isClosed(s.closing) {
-			return nil, fmt.Errorf("%w: %w", errSessionClosing, err)
-		}
-		return nil, err
-	}
-	if isClosed(s.closing) {
-		hj.Conn.Close()
-		return nil, errSessionClosing
-	}
-	return hj, nil
-}
-
-// endableDial tracks the connections a dial makes, so that end closes
-// them, and any made later as soon as they are made.
-type endableDial struct {
-	mu    sync.Mutex
-	conns []net.Conn
-	ended bool
-}
-
-func (d *endableDial) wrap(dial pgconn.DialFunc) pgconn.DialFunc {
-	if dial == nil {
-		dial = (&net.Dialer{}).DialContext
-	}
-	return func(ctx context.Context, network, addr string) (net.Conn, error) {
-		c, err := dial(ctx, network, addr)
-		if err != nil {
-			return nil, err
-		}
-		d.mu.Lock()
-		defer d.mu.Unlock()
-		if d.ended {
-			c.Close()
-			return nil, errSessionClosing
-		}
-		d.conns = append(d.conns, c)
-		return c, nil
-	}
-}
-
-func (d *endableDial) end() {
-	d.mu.Lock()
-	defer d.mu.Unlock()
-	d.ended = true
-	for _, c := range d.conns {
-		c.Close()
-	}
 }
 
 // switchReplica makes rc the upstream requests go to.

@@ -319,7 +319,8 @@ func (s *Server) handle(c net.Conn) {
 	if !s.admit(conn, st, log) { // DISABLE, PAUSE: admin_pause.go
 		return
 	}
-	if _, err := s.loop.get(); err != nil { // evloop.go: before an upstream is opened for nothing
+	l, err := s.loop.get() // evloop.go: before an upstream is opened for nothing
+	if err != nil {
 		s.refuse(conn, relayRefusal(err), log, "event loop unavailable")
 		return
 	}
@@ -332,7 +333,7 @@ func (s *Server) handle(c net.Conn) {
 	s.ops.stats.SessionsTotal.Add(1)
 	log = sess.log // carries backend_pid
 	log.Info("session open")
-	err = sess.run()
+	err = sess.run(l)
 	s.dropCancelKey(sess)
 	s.sessionEnded(sess) // admin_pause.go
 	fields := []zap.Field{zap.Float64("duration_ms", float64(time.Since(start).Microseconds())/1000)}
@@ -465,14 +466,90 @@ func mayTLS(pc *pgconn.Config) bool {
 }
 
 // connectAs opens a connection to base's server as the client's role
-// (user, database and startup parameters of s), authenticated with what
-// the client proved (s.proof). The primary's and the replicas'
-// connections are opened the same way.
-func (s *Server) connectAs(base *pgconn.Config, user, db string, params map[string]string, proof *Proof) (*pgconn.HijackedConn, error) {
-	pc := s.upstreamConfig(base, user, db, params)
+// (user, database and startup parameters), authenticated with what the
+// client proved (proof). The primary's and the replicas' connections are
+// opened the same way. ending, when not nil, ends the dial as soon as it
+// is closed (a routed session's replica dial runs detached on the loop,
+// offClient, and nothing else would stop it before ConnectTimeout; its
+// connection, once the loop has stopped, would be closed only at the
+// Server's shutdown), and a connection that completes after that is
+// closed at once.
+//
+// Cancelling the context alone is not enough: the startup exchange on the
+// new connection (startUpstream) heeds only the context's deadline, so
+// ending closes the connection being dialed itself.
+func (s *Server) connectAs(base *pgconn.Config, user, db string, params map[string]string, proof *Proof, ending <-chan struct{}) (*pgconn.HijackedConn, error) {
+	pc := s.upstreamConfig(base, user, db, params) // a copy of base
 	ctx, cancel := context.WithTimeout(context.Background(), pc.ConnectTimeout)
 	defer cancel()
-	return dialUpstream(ctx, pc, s.upstreamCredentials(base, user, proof))
+	creds := s.upstreamCredentials(base, user, proof)
+	if ending == nil {
+		return dialUpstream(ctx, pc, creds)
+	}
+	d := &endableDial{}
+	pc.DialFunc = d.wrap(pc.DialFunc)
+	finished := make(chan struct{})
+	watched := make(chan struct{})
+	go func() {
+		defer close(watched)
+		select {
+		case <-ending:
+			cancel()
+			d.end()
+		case <-finished:
+		}
+	}()
+	hj, err := dialUpstream(ctx, pc, creds)
+	close(finished)
+	<-watched // d.end has run, or never will
+	if err != nil {
+		if isClosed(ending) {
+			return nil, fmt.Errorf("%w: %w", errSessionClosing, err)
+		}
+		return nil, err
+	}
+	if isClosed(ending) {
+		hj.Conn.Close()
+		return nil, errSessionClosing
+	}
+	return hj, nil
+}
+
+// endableDial tracks the connections a dial makes, so that end closes
+// them, and any made later as soon as they are made.
+type endableDial struct {
+	mu    sync.Mutex
+	conns []net.Conn
+	ended bool
+}
+
+func (d *endableDial) wrap(dial pgconn.DialFunc) pgconn.DialFunc {
+	if dial == nil {
+		dial = (&net.Dialer{}).DialContext
+	}
+	return func(ctx context.Context, network, addr string) (net.Conn, error) {
+		c, err := dial(ctx, network, addr)
+		if err != nil {
+			return nil, err
+		}
+		d.mu.Lock()
+		defer d.mu.Unlock()
+		if d.ended {
+			c.Close()
+			return nil, errSessionClosing
+		}
+		d.conns = append(d.conns, c)
+		return c, nil
+	}
+}
+
+func (d *endableDial) end() {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.ended = true
+	for _, c := range d.conns {
+		c.Close()
+	}
 }
 
 // open connects upstream for an authenticated client, finishes the
@@ -488,7 +565,7 @@ func (s *Server) connectAs(base *pgconn.Config, user, db string, params map[stri
 // goes, the client's connection is closed, never moved to another one.
 func (s *Server) open(raw, c net.Conn, st *startup, proof *Proof, log *zap.Logger) (*Session, error) {
 	user, db := st.params["user"], st.params["database"]
-	hj, err := s.connectAs(s.primary, user, db, st.params, proof)
+	hj, err := s.connectAs(s.primary, user, db, st.params, proof, nil)
 	if err != nil {
 		var pg *pgconn.PgError
 		var pe *ProtocolError

@@ -155,17 +155,13 @@ func (s *Session) ready(tx byte) bool {
 	return n == 0 && s.srv.draining.Load() && s.tryCloseIdle()
 }
 
-// run relays s on its Server's event loop until either side ends, then
+// run relays s on its Server's event loop l until either side ends, then
 // closes both connections. It returns the error that ended the session
 // (nil for a clean client exit). A session the loop cannot take (the
 // loop, a bridge or a duplicate socket cannot be had: the proxy is out
 // of descriptors or memory) is refused with 53000 rather than relayed
 // some other way: there is one relay engine (evloop.go).
-func (s *Session) run() error {
-	l, err := s.srv.loop.get()
-	if err != nil {
-		return s.refuse(err)
-	}
+func (s *Session) run(l *evloop) error {
 	br, err := s.bridgeConns() // evloop_bridge.go
 	if err != nil {
 		return s.refuse(err)
