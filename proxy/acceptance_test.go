@@ -222,10 +222,16 @@ func (e *fenceEnv) waitGone(t *testing.T, pid uint32) {
 func (e *fenceEnv) fenceRowFree(t *testing.T, job string) bool {
 	t.Helper()
 	ctx := ctxT(t)
-	c := e.direct(t)
+	// A connection of its own, closed at once: callers poll this, and
+	// e.direct's connections live until the test ends.
+	c, err := cluster.Primary.Connect(ctx, e.db)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close(context.Background())
 	tx := beginOK(t, c)
 	defer tx.Rollback(ctx)
-	_, err := tx.Exec(ctx, "SELECT 1 FROM fence.fences WHERE job_key = $1 FOR UPDATE NOWAIT", job)
+	_, err = tx.Exec(ctx, "SELECT 1 FROM fence.fences WHERE job_key = $1 FOR UPDATE NOWAIT", job)
 	if pgtest.SQLState(err) == "55P03" {
 		return false
 	}

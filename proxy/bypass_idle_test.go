@@ -110,6 +110,68 @@ func bypassIdle(t *testing.T) {
 		})
 	}
 
+	// Keepalives are not talk: a client that holds the row and sends only
+	// messages that ask the server for nothing new (Flush, Sync, Describe
+	// or Close of what it already has, empty COPY data) is as silent as one
+	// that sends nothing, and is ended after the bound too (issue 30: a
+	// Flush every few seconds after an Execute kept the row locked).
+	keepalives := []struct {
+		name string
+		hold func(t *testing.T, e *reservedEnv, c *pgx.Conn)
+		ping []pgproto3.FrontendMessage
+	}{
+		{"flush_after_execute", func(t *testing.T, e *reservedEnv, c *pgx.Conn) {
+			rawUntil(t, c.PgConn(), 'C', &pgproto3.Parse{Query: ins(e)}, &pgproto3.Bind{}, &pgproto3.Execute{}, &pgproto3.Flush{})
+		}, []pgproto3.FrontendMessage{&pgproto3.Flush{}}},
+		{"sync_in_transaction", func(t *testing.T, e *reservedEnv, c *pgx.Conn) {
+			idleExec(t, c, pgx.QueryExecModeSimpleProtocol, "BEGIN", ins(e))
+		}, []pgproto3.FrontendMessage{&pgproto3.Sync{}}},
+		{"describe_statement", func(t *testing.T, e *reservedEnv, c *pgx.Conn) {
+			idleExec(t, c, pgx.QueryExecModeSimpleProtocol, "BEGIN", ins(e))
+			rawUntil(t, c.PgConn(), 'Z', &pgproto3.Parse{Name: "ka", Query: "SELECT 1"}, &pgproto3.Sync{})
+		}, []pgproto3.FrontendMessage{&pgproto3.Describe{ObjectType: 'S', Name: "ka"}, &pgproto3.Flush{}}},
+		{"close_unknown_portal", func(t *testing.T, e *reservedEnv, c *pgx.Conn) {
+			idleExec(t, c, pgx.QueryExecModeSimpleProtocol, "BEGIN", ins(e))
+		}, []pgproto3.FrontendMessage{&pgproto3.Close{ObjectType: 'P', Name: "nothing"}, &pgproto3.Flush{}}},
+		{"empty_copy_data", func(t *testing.T, e *reservedEnv, c *pgx.Conn) {
+			rawUntil(t, c.PgConn(), 'G', &pgproto3.Query{String: "COPY results (job_key, payload, token) FROM STDIN"})
+		}, []pgproto3.FrontendMessage{&pgproto3.CopyData{Data: []byte{}}}},
+	}
+	for _, c := range keepalives {
+		t.Run("keepalive_"+c.name, func(t *testing.T) {
+			t.Parallel()
+			e := newIdleEnv(t)
+			conn := e.mustConnect(t, client{lease: &e.lease})
+			before := e.snapshot(t)
+			c.hold(t, e, conn)
+			e.wantHeld(t)
+			stop := make(chan struct{})
+			pinged := make(chan struct{})
+			go func() {
+				defer close(pinged)
+				fe := conn.PgConn().Frontend()
+				for {
+					select {
+					case <-stop:
+						return
+					case <-time.After(idleBound / 4): // pacing the client's own traffic, not ordering events
+					}
+					for _, m := range c.ping {
+						fe.Send(m)
+					}
+					if fe.Flush() != nil {
+						return
+					}
+				}
+			}()
+			e.waitRowFree(t)
+			close(stop)
+			<-pinged
+			e.unchanged(t, before)
+			wantEndedWith(t, conn.PgConn(), fence.CodeGateTimeout)
+		})
+	}
+
 	// Not ended: a holder whose server is working (a slow statement), and
 	// a holder that keeps talking.
 	t.Run("busy_server_not_ended", func(t *testing.T) {
@@ -174,6 +236,25 @@ func rawUntil(t *testing.T, c *pgconn.PgConn, want byte, msgs ...pgproto3.Fronte
 			got = 'Z'
 		}
 		if got == want {
+			return
+		}
+	}
+}
+
+// wantEndedWith reads c's connection, skipping what the server answered
+// before, until the error that ended the session, and checks its code.
+func wantEndedWith(t *testing.T, c *pgconn.PgConn, code string) {
+	t.Helper()
+	fe := c.Frontend()
+	for {
+		m, err := fe.Receive()
+		if err != nil {
+			t.Fatalf("the session ended without an error (want %s): %v", code, err)
+		}
+		if e, ok := m.(*pgproto3.ErrorResponse); ok {
+			if e.Code != code {
+				t.Fatalf("got error %s (%s), want %s", e.Code, e.Message, code)
+			}
 			return
 		}
 	}

@@ -20,7 +20,9 @@ func (h *fenceSession) ClientMessage(s *Session, msg []byte) (Verdict, error) {
 }
 
 func (h *fenceSession) clientMessage(s *Session, msg []byte) (Verdict, error) {
-	h.idle.clientMsgs.Add(1)
+	if asksWork(msg) {
+		h.idle.clientMsgs.Add(1)
+	}
 	if msg[0] != 'Q' && s.readRouter() != nil { // read routing: upstream and named statements (route.go)
 		if err := h.routeMsg(s, msg); err != nil {
 			return Drop, err
@@ -50,6 +52,21 @@ func (h *fenceSession) clientMessage(s *Session, msg []byte) (Verdict, error) {
 		return h.copyDone(s, msg)
 	}
 	return Forward, nil
+}
+
+// asksWork reports whether a client message asks the server for
+// something new, which restarts the gate's idle clock (fence_idle.go).
+// Flush, Sync, Describe, Close and empty COPY data do not: a client that
+// holds a fence row and sends only those is as silent as one that sends
+// nothing, and a keepalive of them must not pin the row (issue 30).
+func asksWork(msg []byte) bool {
+	switch msg[0] {
+	case 'H', 'S', 'D', 'C':
+		return false
+	case 'd':
+		return len(msg) > 5
+	}
+	return true
 }
 
 // closeWhat names the object a Close or Describe of type typ refers to.

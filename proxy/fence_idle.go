@@ -28,7 +28,9 @@ import (
 // fence generation, or its transaction called a fence function; its
 // transaction is open (or a request is in flight); and the server is not
 // working for it (nothing outstanding, or only a COPY waiting for the
-// client's data). A client's message, any message, restarts the clock.
+// client's data). A client's message that asks the server for something
+// new restarts the clock (asksWork): Flush, Sync, Describe, Close and
+// empty COPY data do not, so a keepalive of them cannot pin the row.
 // The watchdog looks every quarter of the bound, so a session is ended
 // between one bound and one and a quarter after it fell silent.
 
