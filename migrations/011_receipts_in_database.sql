@@ -64,13 +64,17 @@ as $$
 $$;
 
 -- refuse_prepare makes this transaction one PostgreSQL will not PREPARE:
--- it opens a temporary relation of the session (pg_relation_size by OID
--- opens it; to_regclass alone does not), creating one when there is none.
--- Any relation in the session's temporary schema will do, so one a client
--- put under that name serves as well; pg_relation_size runs none of its
--- code (a view's functions, a table's triggers), whatever it is. With
+-- it opens a temporary relation of the session, creating it when there
+-- is none. pg_get_replica_identity_index opens the relation by OID (the
+-- cheapest function that does: 5 µs; pg_relation_size also stats its
+-- files, 23 µs; to_regclass alone opens nothing) and runs none of its
+-- code. The name is looked up in the session's own temporary schema, where
+-- only the session itself creates objects: a table a client put there
+-- first serves as well (any relation but an index or a composite type,
+-- which make this raise, stopping only that client's own writes). With
 -- max_prepared_transactions = 0 (a setting only a restart changes)
--- PostgreSQL refuses every PREPARE, and this does nothing.
+-- PostgreSQL refuses every PREPARE, and this does nothing. fence.gate and
+-- fence.backstop inline the common case (the table exists).
 create function fence.refuse_prepare() returns void
 language plpgsql
 set search_path = pg_catalog, fence
@@ -85,7 +89,7 @@ begin
   if v is null then
     create temporary table pgfence_no_prepare () using heap;
   else
-    perform pg_catalog.pg_relation_size(v);
+    perform pg_catalog.pg_get_replica_identity_index(v);
   end if;
 end
 $$;
@@ -291,9 +295,27 @@ begin
 end
 $$;
 
+-- refuse_truncate: TRUNCATE of a keyed member by a fenced session that is
+-- not a bypass member removes every job's rows, and no row trigger sees
+-- them go: FN008.
+create function fence.refuse_truncate(p_rel regclass, p_job_key text) returns void
+language plpgsql
+set search_path = pg_catalog, fence
+as $$
+begin
+  if exists (select 1 from fence.protected_tables q where q.relid = p_rel and q.job_key_column is not null)
+     and not fence.definer_bypass() then
+    raise exception 'fencing required: TRUNCATE of protected table % would remove the rows of every job, and this session is fenced for job "%"',
+        p_rel, p_job_key
+      using errcode = 'FN008',
+            hint = 'delete this job''s own rows with DELETE … WHERE on the job-key column; emptying the whole table needs a member of pgfence_bypass';
+  end if;
+end
+$$;
+
 -- backstop: the BEFORE statement trigger for writers with fence metadata
--- (its WHEN clause). The settings are read once (fence.metadata), the
--- generation checked and the provisional receipt written (fence.enter).
+-- (its WHEN clause). The settings are read once, the generation checked
+-- and the provisional receipt written (fence.enter, inlined).
 -- TRUNCATE of a keyed table is refused to every fenced session that is
 -- not a bypass member: it removes every job's rows, and no row trigger
 -- sees them go.
@@ -303,18 +325,56 @@ security definer
 set search_path = pg_catalog, fence
 as $$
 declare
-  m record;
+  v_key text collate pg_catalog."default" := pg_catalog.current_setting('fence.job_key', true);
+  v_epoch_s text := pg_catalog.current_setting('fence.epoch', true);
+  v_token_s text := pg_catalog.current_setting('fence.token', true);
+  v_step text collate pg_catalog."default" := coalesce(pg_catalog.current_setting('fence.step', true), '');
+  v_epoch bigint;
+  v_token bigint;
+  v_xid xid8;
+  v_ours boolean;
+  v_rel regclass;
 begin
-  m := fence.metadata(format('%s on protected table %I.%I', tg_op, tg_table_schema, tg_table_name));
-  if tg_op = 'TRUNCATE' and exists (select 1 from fence.protected_tables q
-                                     where q.relid = tg_relid and q.job_key_column is not null)
-     and not fence.definer_bypass() then
-    raise exception 'fencing required: TRUNCATE of protected table %.% would remove the rows of every job, and this session is fenced for job "%"',
-        quote_ident(tg_table_schema), quote_ident(tg_table_name), m.job_key
-      using errcode = 'FN008',
-            hint = 'delete this job''s own rows with DELETE … WHERE on the job-key column; emptying the whole table needs a member of pgfence_bypass';
+  if v_key is null or v_key = '' or v_epoch_s !~ '^\s*-?[0-9]{1,18}\s*$' or v_token_s !~ '^\s*-?[0-9]{1,18}\s*$'
+     or v_epoch_s is null or v_token_s is null then
+    perform fence.metadata(format('%s on protected table %I.%I', tg_op, tg_table_schema, tg_table_name)); -- raises FN008
   end if;
-  perform fence.enter(m.job_key, m.epoch, m.token, m.step);
+  v_epoch := trim(v_epoch_s)::bigint;
+  v_token := trim(v_token_s)::bigint;
+  if tg_op = 'TRUNCATE' then
+    perform fence.refuse_truncate(tg_relid, v_key);
+  end if;
+  -- fence.enter, inlined (keep the two in step): the statement trigger
+  -- runs for every write, twice for an upsert.
+  v_xid := pg_catalog.pg_current_xact_id();
+  select r.job_key is not null into v_ours
+    from fence.fences fe
+    left join fence.receipts r
+      on r.job_key = fe.job_key and r.epoch = v_epoch and r.token = v_token and r.step = v_step
+   where fe.job_key = v_key and fe.epoch = v_epoch and fe.max_issued_token = v_token
+     and fe.retired_at is null and fe.owner_role = session_user
+     and (r.job_key is null or r.backstop_xid = v_xid)
+     for update of fe;
+  if found then
+    if v_ours then
+      return null;
+    end if;
+    insert into fence.receipts (job_key, epoch, token, step, payload_digest, digest_version, backstop_xid)
+    values (v_key, v_epoch, v_token, v_step, sha256(convert_to(coalesce(current_query(), ''), 'UTF8')), 'backstop-v1', v_xid)
+    on conflict (job_key, epoch, token, step) do nothing;
+    if found then
+      if pg_catalog.current_setting('max_prepared_transactions') <> '0' then
+        v_rel := pg_catalog.to_regclass('pg_temp.pgfence_no_prepare');
+        if v_rel is null then
+          perform fence.refuse_prepare();
+        else
+          perform pg_catalog.pg_get_replica_identity_index(v_rel);
+        end if;
+      end if;
+      return null;
+    end if;
+  end if;
+  perform fence.gate_slow(v_key, v_epoch, v_token, v_step);
   return null;
 end
 $$;
@@ -383,6 +443,7 @@ as $$
 declare
   v_key text collate pg_catalog."default" := gate.job_key;
   v_step text collate pg_catalog."default" := coalesce(gate.step, '');
+  v_rel regclass;
 begin
   if gate.job_key is null or gate.epoch is null or gate.token is null then
     raise exception 'fence.gate needs a job key, an epoch and a token (got %, %, %)',
@@ -400,8 +461,14 @@ begin
      for update of fe
   on conflict (job_key, epoch, token, step) do nothing;
   if found then
+    -- fence.refuse_prepare, its common case inlined.
     if pg_catalog.current_setting('max_prepared_transactions') <> '0' then
-      perform fence.refuse_prepare();
+      v_rel := pg_catalog.to_regclass('pg_temp.pgfence_no_prepare');
+      if v_rel is null then
+        perform fence.refuse_prepare();
+      else
+        perform pg_catalog.pg_get_replica_identity_index(v_rel);
+      end if;
     end if;
     return 'ok';
   end if;
@@ -474,7 +541,7 @@ begin
   end if;
   if v_ours then
     update fence.receipts r
-       set payload_digest = p_digest, digest_version = p_version, committed_at = pg_catalog.clock_timestamp()
+       set payload_digest = p_digest, digest_version = p_version
      where r.job_key = v_key and r.epoch = p_epoch and r.token = p_token and r.step = v_step;
     return 'committed';
   end if;
@@ -518,7 +585,7 @@ begin
       using errcode = '22023';
   end if;
   update fence.receipts r
-     set payload_digest = commit.digest, digest_version = commit.digest_version, committed_at = pg_catalog.clock_timestamp()
+     set payload_digest = commit.digest, digest_version = commit.digest_version
    where r.job_key = v_key and r.epoch = commit.epoch and r.token = commit.token and r.step = v_step
      and r.backstop_xid = pg_catalog.pg_current_xact_id_if_assigned()
      and exists (select 1 from fence.fences fe
@@ -702,6 +769,6 @@ drop function fence.backstop_row();
 
 revoke all on function fence.definer_bypass(), fence.refuse_prepare(), fence.refuse_generation(text, bigint, bigint, boolean),
   fence.replay_mode(text, bigint, bigint, text), fence.enter(text, bigint, bigint, text),
-  fence.metadata(text), fence.receipt_answer(fence.receipts, bytea, text), fence.install_job_key(regclass, text)
+  fence.metadata(text), fence.refuse_truncate(regclass, text), fence.receipt_answer(fence.receipts, bytea, text), fence.install_job_key(regclass, text)
   from public;
 grant execute on function fence.backstop_rows() to public;
