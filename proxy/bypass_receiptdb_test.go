@@ -49,8 +49,8 @@ create view public.replacing as select rt_replace() as r;
 create table public.replaces (id int, r text default rt_replace());
 create function public.replaces_fire() returns trigger language plpgsql as $$ begin perform rt_replace(); return null; end $$;
 create trigger replaces_fire after insert on public.replaces for each statement execute function public.replaces_fire();
-grant select on replacing to ` + w + `;
-grant insert on replaces to ` + w + `;
+grant select on replacing to `+w+`;
+grant insert on replaces to `+w+`;
 `)
 	receipts := func(t *testing.T, step string) int {
 		t.Helper()
