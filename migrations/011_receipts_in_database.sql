@@ -398,30 +398,50 @@ security definer
 set search_path = pg_catalog, fence
 as $$
 declare
+  v_key text collate pg_catalog."default" := pg_catalog.current_setting('fence.job_key', true);
+  v_epoch_s text := pg_catalog.current_setting('fence.epoch', true);
+  v_token_s text := pg_catalog.current_setting('fence.token', true);
+  v_step text collate pg_catalog."default" := coalesce(pg_catalog.current_setting('fence.step', true), '');
   v_col text := tg_argv[0];
-  v_what text := format('%s on protected table %I.%I', tg_op, tg_table_schema, tg_table_name);
-  m record;
   v_row text;
   v_bad boolean;
 begin
-  if coalesce(pg_catalog.current_setting('fence.job_key', true), '') = '' and fence.definer_bypass() then
-    return null;
+  if v_key is null or v_key = '' or v_epoch_s is null or v_token_s is null
+     or v_epoch_s !~ '^\s*-?[0-9]{1,18}\s*$' or v_token_s !~ '^\s*-?[0-9]{1,18}\s*$' then
+    if coalesce(v_key, '') = '' and fence.definer_bypass() then
+      return null;
+    end if;
+    -- (Reads the settings again only to say which is missing: it raises.)
+    perform fence.metadata(format('%s on protected table %I.%I', tg_op, tg_table_schema, tg_table_name));
   end if;
-  m := fence.metadata(v_what);
-  if fence.enter(m.job_key, m.epoch, m.token, m.step) = 'replay' then
+  if fence.enter(v_key, trim(v_epoch_s)::bigint, trim(v_token_s)::bigint, v_step) = 'replay' then
     return null; -- nothing of this transaction can commit
   end if;
+  -- No rows (an upsert whose rows all conflicted fires the insert trigger
+  -- too): nothing to compare, and no query to plan.
+  if tg_op = 'DELETE' then
+    perform from pgfence_old limit 1;
+  else
+    perform from pgfence_new limit 1;
+  end if;
+  if not found then
+    return null;
+  end if;
+  -- The column is the trigger's argument, so the query is planned here;
+  -- the comparison runs only pg_catalog's cast and operator (this is a
+  -- definer function: no conversion of a row that could call a client's
+  -- function, such as to_jsonb with a cast to json, is done).
   execute format(case tg_op
       when 'INSERT' then 'select true, x.v from (select n.%1$I::pg_catalog.text as v from pgfence_new n) x'
       when 'DELETE' then 'select true, x.v from (select o.%1$I::pg_catalog.text as v from pgfence_old o) x'
       else 'select true, x.v from (select n.%1$I::pg_catalog.text as v from pgfence_new n
                                   union all select o.%1$I::pg_catalog.text from pgfence_old o) x' end
       || ' where not coalesce((x.v collate pg_catalog."C") operator(pg_catalog.=) $1, false) limit 1', v_col)
-    into v_bad, v_row using m.job_key;
+    into v_bad, v_row using v_key;
   if v_bad then
     raise exception 'fencing required: % of a row with %.% = % on %.%, but this session is fenced for job "%"',
         tg_op, quote_ident(tg_table_name), quote_ident(v_col), coalesce(quote_literal(v_row), 'NULL'),
-        quote_ident(tg_table_schema), quote_ident(tg_table_name), m.job_key
+        quote_ident(tg_table_schema), quote_ident(tg_table_name), v_key
       using errcode = 'FN008',
             hint = format('a fenced session may only write rows whose %s is its own fence.job_key', v_col);
   end if;
