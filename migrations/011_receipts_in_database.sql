@@ -23,7 +23,7 @@
 --    row trigger read fence.job_key per row, so a function called in the
 --    statement could switch jobs half-way. It is replaced by AFTER ...
 --    FOR EACH STATEMENT triggers with transition tables, one per event,
---    on every member of a keyed tree (fence.backstop_rows): they read the
+--    on every member of a keyed tree (fence.backstop_rows_*): they read the
 --    settings once, verify that generation (current, the caller's, the
 --    fence row locked, its receipt this transaction's) and check every
 --    old and new row of the statement in one query, comparing bytes
@@ -383,71 +383,118 @@ $$;
 -- _update and _delete of a keyed member (argument: the job-key column),
 -- with the statement's rows in the transition tables pgfence_new and
 -- pgfence_old. The settings are read once; that generation is verified
--- here (fence.enter: current, the caller's, the fence row locked, its
--- receipt this transaction's) and every row of the statement, old and
--- new, must carry its job key, compared as bytes: the value cast to text
--- (a domain's or varchar's base, char's without padding) under COLLATE
--- "C", so no collation of the column makes two keys equal. Whatever code
--- ran during the statement, its rows are judged against one read verified
--- in this function. A session without metadata is exempt only as a
--- bypass member (the BEFORE trigger refused everyone else already; code
--- that cleared the settings during the statement is refused here).
-create function fence.backstop_rows() returns trigger
+-- here (this transaction's receipt of it, which only a check of the
+-- generation under the fence row's lock writes, or fence.enter's check
+-- now) and every row of the
+-- statement, old and new, must carry its job key, compared as bytes: the
+-- value cast to text (a domain's or varchar's base, char's without
+-- padding) under COLLATE "C", so no collation of the column makes two
+-- keys equal. Whatever code ran during the statement, its rows are judged
+-- against one read verified in this function. A session without metadata
+-- is exempt only as a bypass member (the BEFORE trigger refused everyone
+-- else already; code that cleared the settings during the statement is
+-- refused here).
+--
+-- The column is part of the query, and a query planned for each statement
+-- (EXECUTE) cost more than the rest of the check, so the function is made
+-- once per job-key column name, with the column in static SQL whose plan
+-- PL/pgSQL keeps (per trigger): fence.backstop_rows_<md5 of the name>.
+-- It is a definer function, so it converts no row (to_jsonb would call a
+-- cast to json a client made for a composite column's type); it runs only
+-- pg_catalog's cast to text and operator.
+create function fence.job_key_function_name(p_column text) returns name
+language sql immutable
+set search_path = pg_catalog
+as $$
+  select ('backstop_rows_' || md5(p_column))::name
+$$;
+
+create function fence.job_key_function(p_column text) returns regprocedure
+language plpgsql
+set search_path = pg_catalog, fence
+as $f$
+declare
+  v_name name := fence.job_key_function_name(p_column);
+  v regprocedure := pg_catalog.to_regprocedure(format('fence.%I()', v_name));
+begin
+  if v is not null then
+    return v;
+  end if;
+  execute format($body$
+create function fence.%1$I() returns trigger
 language plpgsql
 security definer
 set search_path = pg_catalog, fence
 as $$
+-- The job-key check of column %2$I (fence.job_key_function, migration 011).
 declare
   v_key text collate pg_catalog."default" := pg_catalog.current_setting('fence.job_key', true);
   v_epoch_s text := pg_catalog.current_setting('fence.epoch', true);
   v_token_s text := pg_catalog.current_setting('fence.token', true);
   v_step text collate pg_catalog."default" := coalesce(pg_catalog.current_setting('fence.step', true), '');
-  v_col text := tg_argv[0];
-  v_row text;
+  v_epoch bigint;
+  v_token bigint;
+  v_rows boolean;
   v_bad boolean;
+  v_row text;
 begin
+  if tg_op = 'INSERT' then
+    select true, bool_or(not coalesce((n.%2$I::pg_catalog.text collate pg_catalog."C") operator(pg_catalog.=) v_key, false)),
+           min(n.%2$I::pg_catalog.text) filter (where not coalesce((n.%2$I::pg_catalog.text collate pg_catalog."C") operator(pg_catalog.=) v_key, false))
+      into v_rows, v_bad, v_row from pgfence_new n;
+  elsif tg_op = 'DELETE' then
+    select true, bool_or(not coalesce((o.%2$I::pg_catalog.text collate pg_catalog."C") operator(pg_catalog.=) v_key, false)),
+           min(o.%2$I::pg_catalog.text) filter (where not coalesce((o.%2$I::pg_catalog.text collate pg_catalog."C") operator(pg_catalog.=) v_key, false))
+      into v_rows, v_bad, v_row from pgfence_old o;
+  else
+    select true, bool_or(not coalesce((x.v collate pg_catalog."C") operator(pg_catalog.=) v_key, false)),
+           min(x.v) filter (where not coalesce((x.v collate pg_catalog."C") operator(pg_catalog.=) v_key, false))
+      into v_rows, v_bad, v_row
+      from (select n.%2$I::pg_catalog.text as v from pgfence_new n
+            union all select o.%2$I::pg_catalog.text from pgfence_old o) x;
+  end if;
+  if v_rows is not true then
+    return null; -- no rows (an upsert whose rows all conflicted fires the insert trigger too)
+  end if;
   if v_key is null or v_key = '' or v_epoch_s is null or v_token_s is null
      or v_epoch_s !~ '^\s*-?[0-9]{1,18}\s*$' or v_token_s !~ '^\s*-?[0-9]{1,18}\s*$' then
     if coalesce(v_key, '') = '' and fence.definer_bypass() then
       return null;
     end if;
     -- (Reads the settings again only to say which is missing: it raises.)
-    perform fence.metadata(format('%s on protected table %I.%I', tg_op, tg_table_schema, tg_table_name));
+    perform fence.metadata(format('%%s on protected table %%I.%%I', tg_op, tg_table_schema, tg_table_name));
   end if;
-  if fence.enter(v_key, trim(v_epoch_s)::bigint, trim(v_token_s)::bigint, v_step) = 'replay' then
-    return null; -- nothing of this transaction can commit
-  end if;
-  -- No rows (an upsert whose rows all conflicted fires the insert trigger
-  -- too): nothing to compare, and no query to plan.
-  if tg_op = 'DELETE' then
-    perform from pgfence_old limit 1;
-  else
-    perform from pgfence_new limit 1;
-  end if;
+  v_epoch := trim(v_epoch_s)::bigint;
+  v_token := trim(v_token_s)::bigint;
+  -- The generation read is verified when this transaction has its
+  -- receipt: only fence.gate, the backstop or fence.enter wrote that,
+  -- after checking the generation current and the caller's, with the
+  -- fence row locked, and the lock is held as long as the receipt is (the
+  -- same subtransaction wrote both). Else fence.enter checks it now.
+  perform from fence.receipts r
+   where r.job_key = v_key and r.epoch = v_epoch and r.token = v_token and r.step = v_step
+     and r.backstop_xid = pg_catalog.pg_current_xact_id();
   if not found then
-    return null;
+    if fence.enter(v_key, v_epoch, v_token, v_step) = 'replay' then
+      return null; -- nothing of this transaction can commit
+    end if;
   end if;
-  -- The column is the trigger's argument, so the query is planned here;
-  -- the comparison runs only pg_catalog's cast and operator (this is a
-  -- definer function: no conversion of a row that could call a client's
-  -- function, such as to_jsonb with a cast to json, is done).
-  execute format(case tg_op
-      when 'INSERT' then 'select true, x.v from (select n.%1$I::pg_catalog.text as v from pgfence_new n) x'
-      when 'DELETE' then 'select true, x.v from (select o.%1$I::pg_catalog.text as v from pgfence_old o) x'
-      else 'select true, x.v from (select n.%1$I::pg_catalog.text as v from pgfence_new n
-                                  union all select o.%1$I::pg_catalog.text from pgfence_old o) x' end
-      || ' where not coalesce((x.v collate pg_catalog."C") operator(pg_catalog.=) $1, false) limit 1', v_col)
-    into v_bad, v_row using v_key;
   if v_bad then
-    raise exception 'fencing required: % of a row with %.% = % on %.%, but this session is fenced for job "%"',
-        tg_op, quote_ident(tg_table_name), quote_ident(v_col), coalesce(quote_literal(v_row), 'NULL'),
+    raise exception 'fencing required: %% of a row with %%.%% = %% on %%.%%, but this session is fenced for job "%%"',
+        tg_op, quote_ident(tg_table_name), %3$L, coalesce(quote_literal(v_row), 'NULL'),
         quote_ident(tg_table_schema), quote_ident(tg_table_name), v_key
       using errcode = 'FN008',
-            hint = format('a fenced session may only write rows whose %s is its own fence.job_key', v_col);
+            hint = %4$L;
   end if;
   return null;
 end
-$$;
+$$
+$body$, v_name, p_column, quote_ident(p_column),
+    format('a fenced session may only write rows whose %s is its own fence.job_key', p_column));
+  execute format('grant execute on function fence.%I() to public', v_name);
+  return pg_catalog.to_regprocedure(format('fence.%I()', v_name));
+end
+$f$;
 
 -- gate: as in 006, and the gate is the transaction's first fenced write:
 -- in one statement it locks the fence row (only a current generation of
@@ -685,13 +732,17 @@ create function fence.install_job_key(rel regclass, p_column text) returns void
 language plpgsql
 set search_path = pg_catalog, fence
 as $$
+declare
+  v_fn text;
 begin
+  perform fence.job_key_function(p_column);
+  v_fn := format('fence.%I', fence.job_key_function_name(p_column));
   execute format('create trigger pgfence_job_key_insert after insert on %s referencing new table as pgfence_new '
-                 'for each statement execute function fence.backstop_rows(%L)', rel, p_column);
+                 'for each statement execute function %s(%L)', rel, v_fn, p_column);
   execute format('create trigger pgfence_job_key_update after update on %s referencing old table as pgfence_old new table as pgfence_new '
-                 'for each statement execute function fence.backstop_rows(%L)', rel, p_column);
+                 'for each statement execute function %s(%L)', rel, v_fn, p_column);
   execute format('create trigger pgfence_job_key_delete after delete on %s referencing old table as pgfence_old '
-                 'for each statement execute function fence.backstop_rows(%L)', rel, p_column);
+                 'for each statement execute function %s(%L)', rel, v_fn, p_column);
 end
 $$;
 
@@ -725,6 +776,7 @@ declare
   v text;
   v_keyed boolean := p.job_key_column is not null;
   v_args bytea := convert_to(coalesce(p.job_key_column, ''), pg_catalog.getdatabaseencoding()) || decode('00', 'hex');
+  v_rows oid := coalesce(pg_catalog.to_regprocedure(format('fence.%I()', fence.job_key_function_name(coalesce(p.job_key_column, '')))), 0);
 begin
   select c.relkind, n.nspname, c.relname, c.relowner into v_kind, v_schema, v_name, v_owner
     from pg_catalog.pg_class c join pg_catalog.pg_namespace n on n.oid = c.relnamespace
@@ -738,12 +790,12 @@ begin
                                                      when t.tgenabled = 'D' then 'disable'
                                                      else 'change the firing mode of' end, e.name), ', ')
     into v
-    from (values ('pgfence_backstop', 'fence.backstop()'::regprocedure, 2|4|8|16|32, true, null::bytea, null::name, null::name),
+    from (values ('pgfence_backstop', 'fence.backstop()'::regprocedure::oid, 2|4|8|16|32, true, null::bytea, null::name, null::name),
                  ('pgfence_backstop_nometa', 'fence.backstop_nometa()'::regprocedure, 2|4|8|16|32, true, null, null, null),
                  ('pgfence_replay', 'fence.replay_skip()'::regprocedure, 1|2|4|8|16, v_kind = 'r', null, null, null),
-                 ('pgfence_job_key_insert', 'fence.backstop_rows()'::regprocedure, 4, v_keyed, v_args, null, 'pgfence_new'),
-                 ('pgfence_job_key_update', 'fence.backstop_rows()'::regprocedure, 16, v_keyed, v_args, 'pgfence_old', 'pgfence_new'),
-                 ('pgfence_job_key_delete', 'fence.backstop_rows()'::regprocedure, 8, v_keyed, v_args, 'pgfence_old', null))
+                 ('pgfence_job_key_insert', v_rows, 4, v_keyed, v_args, null, 'pgfence_new'),
+                 ('pgfence_job_key_update', v_rows, 16, v_keyed, v_args, 'pgfence_old', 'pgfence_new'),
+                 ('pgfence_job_key_delete', v_rows, 8, v_keyed, v_args, 'pgfence_old', null))
            e(name, fn, typ, wanted, args, old, new)
     left join pg_catalog.pg_trigger t on t.tgrelid = p.relid and t.tgname = e.name
    where e.wanted and (t.oid is null or t.tgfoid <> e.fn or t.tgtype <> e.typ or t.tgenabled <> 'O'
@@ -789,6 +841,5 @@ drop function fence.backstop_row();
 
 revoke all on function fence.definer_bypass(), fence.refuse_prepare(), fence.refuse_generation(text, bigint, bigint, boolean),
   fence.replay_mode(text, bigint, bigint, text), fence.enter(text, bigint, bigint, text),
-  fence.metadata(text), fence.refuse_truncate(regclass, text), fence.receipt_answer(fence.receipts, bytea, text), fence.install_job_key(regclass, text)
+  fence.metadata(text), fence.refuse_truncate(regclass, text), fence.job_key_function(text), fence.job_key_function_name(text), fence.receipt_answer(fence.receipts, bytea, text), fence.install_job_key(regclass, text)
   from public;
-grant execute on function fence.backstop_rows() to public;
