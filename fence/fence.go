@@ -170,7 +170,9 @@ func Retire(ctx context.Context, db DBTX, jobKey string, opts RetireOptions) err
 // transaction-local settings fence.job_key, fence.epoch, fence.token and
 // fence.step (so the backstop triggers of protected tables let the
 // transaction's writes through) and calls fence.gate, which locks the fence
-// row until the transaction ends. tx must be a transaction.
+// row until the transaction ends and writes the transaction's provisional
+// receipt (it commits with the transaction even if Commit is never called,
+// so a retry is a replay). tx must be a transaction.
 func Gate(ctx context.Context, tx DBTX, g Generation) (GateResult, error) {
 	var res string
 	err := tx.QueryRow(ctx, `select fence.gate($1, $2, $3, $4),
@@ -205,11 +207,11 @@ func Commit(ctx context.Context, tx DBTX, g Generation, digest []byte, version s
 // CommitIfWritten is Commit for a transaction whose writes the caller
 // cannot see (a function, a DO block, a trigger): it writes the receipt
 // for g, with Commit's checks and errors, only when the transaction
-// changed a protected table under g (the backstop marked it), and answers
-// NotWritten otherwise. A transaction that entered replay mode for g gives
-// Replayed or CodeConflict, as Commit does. Without either call, the
-// backstop writes the receipt of a marked transaction itself at COMMIT,
-// with digest version BackstopDigestVersion.
+// changed a protected table under g (the backstop wrote its provisional
+// receipt), and answers NotWritten otherwise. A transaction that entered
+// replay mode for g gives Replayed or CodeConflict, as Commit does. Without
+// either call, the provisional receipt commits as it is, with digest
+// version BackstopDigestVersion.
 func CommitIfWritten(ctx context.Context, tx DBTX, g Generation, digest []byte, version string) (CommitResult, error) {
 	return receipt(ctx, tx, "fence.commit_if_written", g, digest, version)
 }
@@ -237,9 +239,11 @@ func receipt(ctx context.Context, tx DBTX, fn string, g Generation, digest []byt
 	return 0, fmt.Errorf("commit %s: unexpected answer %q", g, res)
 }
 
-// BackstopDigestVersion is the digest version of a receipt the backstop
-// wrote at COMMIT because nobody else did: SHA-256 of the text of the
-// statement that first changed a protected table under the generation.
+// BackstopDigestVersion is the digest version of the provisional receipt
+// the database writes at a transaction's first fenced write (fence.gate or
+// the backstop), which Commit replaces: SHA-256 of the text of that
+// statement. A receipt that commits with it was never given a digest by
+// Commit or CommitIfWritten.
 const BackstopDigestVersion = "backstop-v1"
 
 // PayloadDigestVersion is the digest version RunTx stores: SHA-256 of the

@@ -161,39 +161,58 @@ func TestOpaqueWriteReceipt(t *testing.T) {
 	}
 }
 
-// TestPrepareAfterOpaqueWrite: PREPARE TRANSACTION after a write nobody
-// receipted is refused (FN009) and leaves the fence row free; this
-// cluster allows prepared transactions, so only the backstop refuses it.
-func TestPrepareAfterOpaqueWrite(t *testing.T) {
+// TestPrepareAfterFencedWrite: PREPARE TRANSACTION after any fenced
+// write is refused by PostgreSQL itself (0A000: the first fenced write
+// opened a temporary relation), however the statement is written, and
+// leaves the fence row free; this cluster allows prepared transactions.
+func TestPrepareAfterFencedWrite(t *testing.T) {
 	t.Parallel()
 	e, w1, _, l := trustEnv(t)
 	ctx := ctxT(t)
-	for _, q := range []string{
-		"begin; update results set payload = 'x'; prepare transaction 'p1'",
-		"begin; update results set payload = 'x'; /* the end */ PREPARE\n\tTRANSACTION 'p2'",
+	gate := func(step string) string {
+		return fmt.Sprintf("select fence.gate('report', %d, %d, '%s')", l.Epoch, l.Token, step)
+	}
+	commit := func(step string) string {
+		return fmt.Sprintf("select fence.commit('report', %d, %d, '%s', '\\x01', 'v1')", l.Epoch, l.Token, step)
+	}
+	for i, q := range []string{
+		"begin; update results set payload = 'x'; prepare transaction 'p'",
+		"begin; update results set payload = 'x'; /* the end */ PREPARE\n\tTRANSACTION 'p'",
+		"begin; update results set payload = 'x'; prepare -- a comment PostgreSQL ends at CR\r transaction 'p'",
+		"begin; update results set payload = 'x'; prepare /* nested /* comment */ here */ transaction 'p'",
+		"begin; do $$ begin update results set payload = 'x'; end $$; prepare transaction 'p'",
+		"begin; savepoint s; update results set payload = 'x'; release s; prepare transaction 'p'",
+		"begin; savepoint s; update results set payload = 'x'; rollback to s; prepare transaction 'p'",
+		// fence.commit wrote the receipt (the proxy, RunTx): refused too.
+		"begin; " + gate("g") + "; update results set payload = 'x'; " + commit("g") + "; prepare transaction 'p'",
+		// The gate alone is the transaction's first fenced write.
+		"begin; " + gate("g2") + "; prepare transaction 'p'",
 	} {
-		if err := setGUCs(ctx, w1, l.Generation("")); err != nil {
+		if err := setGUCs(ctx, w1, l.Generation(fmt.Sprint("p", i))); err != nil {
 			t.Fatal(err)
 		}
 		_, err := w1.Exec(ctx, q, pgx.QueryExecModeSimpleProtocol)
-		wantCode(t, err, fence.CodeUnsupported)
+		wantCode(t, err, "0A000")
 		w1.Exec(ctx, "rollback")
 	}
 	e.wantCount(t, 0, "select count(*) from pg_prepared_xacts")
+	e.wantCount(t, 0, "select count(*) from fence.receipts")
 	if _, err := e.admin.Exec(ctx, "begin; select 1 from fence.fences for update nowait; rollback"); err != nil {
 		t.Fatalf("the fence row stays locked: %v", err)
 	}
-	// Without a protected write PREPARE works (prepared transactions are
-	// on in this cluster).
+	// Without a fenced write PREPARE works (prepared transactions are on
+	// in this cluster), in the same session too.
 	if _, err := w1.Exec(ctx, "begin; insert into audit values ('x', 1, 'y'); prepare transaction 'p3'", pgx.QueryExecModeSimpleProtocol); err != nil {
 		t.Fatalf("prepare without a protected write: %v", err)
 	}
 	e.exec("rollback prepared 'p3'")
 }
 
-// TestForgedMarkCostsOnlyTheForger: the backstop's pgfence.marked setting
-// only saves work. Forging it skips the forger's own receipt, and no check.
-func TestForgedMarkCostsOnlyTheForger(t *testing.T) {
+// TestForgedMarkChangesNothing: pgfence.marked, the setting by which
+// the backstop once skipped marking a transaction, is read by nobody: a
+// client that forges it, or gates and never calls fence.commit, still
+// commits exactly one receipt, and skips no check.
+func TestForgedMarkChangesNothing(t *testing.T) {
 	t.Parallel()
 	e, w1, _, _ := trustEnv(t)
 	ctx := ctxT(t)
@@ -221,8 +240,9 @@ func TestForgedMarkCostsOnlyTheForger(t *testing.T) {
 			t.Fatalf("current generation with a forged mark: %v", err)
 		}
 	}
-	// Gating is the same declaration: a transaction that gates writes its
-	// own receipt with fence.commit; one that then does not has none.
+	e.wantCount(t, 1, "select count(*) from fence.receipts where step = '' and digest_version = 'backstop-v1'")
+	// A transaction that gates and commits without fence.commit has the
+	// receipt its gate wrote.
 	tx, err := w1.Begin(ctx)
 	if err != nil {
 		t.Fatal(err)
@@ -236,7 +256,16 @@ func TestForgedMarkCostsOnlyTheForger(t *testing.T) {
 	if err := tx.Commit(ctx); err != nil {
 		t.Fatal(err)
 	}
-	e.wantCount(t, 0, "select count(*) from fence.receipts")
+	e.wantCount(t, 1, "select count(*) from fence.receipts where step = 'gated' and digest_version = 'backstop-v1'")
+	// Its retry is a replay.
+	tx, err = w1.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(ctx)
+	if r, err := fence.Gate(ctx, tx, cur.Generation("gated")); err != nil || r != fence.GateReplay {
+		t.Fatalf("retry's gate: %v, %v; want replay", r, err)
+	}
 }
 
 // TestProtectTree: a whole tree is protected, listed with its root, and

@@ -179,3 +179,112 @@ drop table other2, part, part_1;`); err != nil {
 		t.Fatalf("apply again: %v", err)
 	}
 }
+
+// TestUpgradeReceiptsInPlace: 011 upgrades a live database: leases held,
+// receipts present, a fenced transaction in flight across the migration,
+// keyed and unkeyed protected tables, partition and inheritance trees.
+// Afterwards every keyed member has the statement job-key triggers and no
+// row trigger, the DDL guard finds every member as installed, old
+// receipts still answer retries, and the transaction that marked its
+// write under 010 commits with its one receipt.
+func TestUpgradeReceiptsInPlace(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	db := cluster.NewDatabase(t)
+	conn := connect(t, ctx, db, "")
+	if err := migrations.MigrateTo(ctx, conn, 10); err != nil {
+		t.Fatal(err)
+	}
+	prefix, _, _ := strings.Cut(db, "_")
+	w := prefix + "_w"
+	if _, err := conn.Exec(ctx, fmt.Sprintf(`
+create role %[1]s login in role pgfence_worker;
+create table kt (k int primary key, job_key text not null, v text);
+create table ut (k int primary key, v text);
+create table kp (k int not null, job_key text not null, v text) partition by range (k);
+create table kp_1 partition of kp for values from (0) to (10);
+create table kp_2 partition of kp for values from (10) to (20) partition by range (k);
+create table kp_2a partition of kp_2 for values from (10) to (20);
+create table ki (k int, job_key text not null, v text);
+create table ki_c () inherits (ki);
+grant all on kt, ut, kp, kp_1, kp_2, kp_2a, ki, ki_c to %[1]s;
+select fence.protect('kt', 'job_key'), fence.protect('ut'), fence.protect('kp', 'job_key'), fence.protect('ki', 'job_key');`, w)); err != nil {
+		t.Fatal(err)
+	}
+	wc := connect(t, ctx, db, w)
+	var epoch, token int64
+	if err := wc.QueryRow(ctx, "select epoch, token from fence.acquire('j', 'h', '1 hour')").Scan(&epoch, &token); err != nil {
+		t.Fatal(err)
+	}
+	set := fmt.Sprintf("set fence.job_key = 'j'; set fence.epoch = %d; set fence.token = %d", epoch, token)
+	// A receipt from before: 010's fence.commit.
+	if _, err := wc.Exec(ctx, set+fmt.Sprintf("; set fence.step = 'before'; begin; select fence.gate('j', %d, %d, 'before'); insert into kt values (1, 'j', 'before'); select fence.commit('j', %[1]d, %[2]d, 'before', '\\x01', 'v1'); commit", epoch, token)); err != nil {
+		t.Fatal(err)
+	}
+	// In flight across the migration: a write 010 marked, not receipted
+	// (the table it writes is one the migration does not lock).
+	flight := connect(t, ctx, db, w)
+	if _, err := flight.Exec(ctx, set+"; set fence.step = 'flight'; begin; do $$ begin insert into ut values (1, 'in flight'); end $$"); err != nil {
+		t.Fatal(err)
+	}
+	if err := migrations.Apply(ctx, conn); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := flight.Exec(ctx, "commit"); err != nil {
+		t.Fatalf("the transaction in flight: %v", err)
+	}
+	count := func(q string, args ...any) int {
+		t.Helper()
+		var n int
+		if err := conn.QueryRow(ctx, q, args...).Scan(&n); err != nil {
+			t.Fatalf("%s: %v", q, err)
+		}
+		return n
+	}
+	if n := count("select count(*) from fence.receipts where step = 'flight' and digest_version = 'backstop-v1'"); n != 1 {
+		t.Fatalf("%d receipts of the transaction in flight, want 1", n)
+	}
+	var got string
+	if err := conn.QueryRow(ctx, `select string_agg(format('%s:%s', tgrelid::regclass, tgname), ' ' order by tgrelid::regclass::text, tgname)
+from pg_trigger where tgname like 'pgfence\_job\_key%'`).Scan(&got); err != nil {
+		t.Fatal(err)
+	}
+	var want []string
+	for _, m := range []string{"ki", "ki_c", "kp", "kp_1", "kp_2", "kp_2a", "kt"} {
+		for _, e := range []string{"delete", "insert", "update"} {
+			want = append(want, m+":pgfence_job_key_"+e)
+		}
+	}
+	if got != strings.Join(want, " ") {
+		t.Fatalf("job-key triggers after the upgrade:\n got %s\nwant %s", got, strings.Join(want, " "))
+	}
+	if n := count("select count(*) from fence.protected_tables p where fence.backstop_problem(p) is not null"); n != 0 {
+		t.Fatalf("%d members not as installed after the upgrade", n)
+	}
+	if n := count("select count(*) from pg_proc where proname = 'backstop_row' and pronamespace = 'fence'::regnamespace"); n != 0 {
+		t.Fatal("fence.backstop_row is still there")
+	}
+	// The guard is satisfied: an owner's harmless DDL passes.
+	if _, err := conn.Exec(ctx, "alter table kp add column note text; comment on table ki is 'x'"); err != nil {
+		t.Fatalf("DDL after the upgrade: %v", err)
+	}
+	// The old receipt answers its retry; another job's rows are refused
+	// by the new triggers, on every member; the job's own rows are written
+	// with one receipt.
+	if _, err := wc.Exec(ctx, "set fence.step = 'before'; begin; insert into kt values (2, 'j', 'retry'); commit"); pgtest.SQLState(err) != "FN00R" {
+		t.Fatalf("retry of an old receipt: %v, want FN00R", err)
+	}
+	wc.Exec(ctx, "rollback")
+	if _, err := wc.Exec(ctx, "set fence.step = 'after'; insert into kp values (1, 'j', 'x'), (15, 'j', 'y'); insert into ki_c values (1, 'j', 'z')"); err != nil {
+		t.Fatalf("own rows after the upgrade: %v", err)
+	}
+	if n := count("select count(*) from fence.receipts where step = 'after'"); n != 1 {
+		t.Fatalf("%d receipts of the write after the upgrade, want 1", n)
+	}
+	for i, q := range []string{"insert into kt values (3, 'other', 'x')", "insert into kp values (11, 'other', 'x')", "insert into kp_2a values (12, 'other', 'x')",
+		"insert into ki_c values (2, 'other', 'x')", "update ki set job_key = 'other'", "update kp set job_key = 'other' where k = 15"} {
+		if _, err := wc.Exec(ctx, fmt.Sprintf("set fence.step = 'refused %d'; %s", i, q)); pgtest.SQLState(err) != "FN008" {
+			t.Fatalf("%s after the upgrade: %v, want FN008", q, err)
+		}
+	}
+}

@@ -33,6 +33,11 @@ func init() { registerBypass("current", bypassCurrent) }
 // (FN001). Then the database's own refusals: the rows of
 // fence.protected_tables cannot be removed or disabled behind
 // fence.unprotect (FN010), and a row must name a protectable table.
+// currentTriggers is the backstop's trigger count on a keyed table: the
+// two statement triggers, the replay row trigger and (migration 011) the
+// three job-key statement triggers.
+const currentTriggers = 6
+
 func bypassCurrent(t *testing.T) {
 	t.Run("fence_protect", func(t *testing.T) {
 		e := newCurrentEnv(t, cluster.Primary, "", "")
@@ -80,8 +85,8 @@ func bypassCurrent(t *testing.T) {
 			// pg_restore --clean over the restored database, with the
 			// proxy's sessions still in it: no error, and still fenced.
 			currentTool(t, cluster.Primary, "pg_restore", "--clean", "-d", db, archive)
-			if n := currentCount(t, e.admin, "select count(*) from pg_trigger where tgrelid = 'cur_t'::regclass and tgname like 'pgfence%'"); n != 4 {
-				t.Fatalf("cur_t has %d pgfence triggers after pg_restore --clean, want 4", n)
+			if n := currentCount(t, e.admin, "select count(*) from pg_trigger where tgrelid = 'cur_t'::regclass and tgname like 'pgfence%'"); n != currentTriggers {
+				t.Fatalf("cur_t has %d pgfence triggers after pg_restore --clean, want %d", n, currentTriggers)
 			}
 			before := e.state(t)
 			if err := currentRun(t, e.unfenced, "update cur_t set n = n + 1 where k = 1"); pgtest.SQLState(err) != fence.CodeFencingRequired {
@@ -99,8 +104,8 @@ func bypassCurrent(t *testing.T) {
 		currentTool(t, cluster.Primary, "pg_restore", "-s", "-d", db, archive)
 		currentTool(t, cluster.Primary, "pg_restore", "-a", "-n", "fence", "-t", "protected_tables", "-d", db, archive)
 		admin := currentAdmin(t, cluster.Primary, db)
-		if n := currentCount(t, admin, "select count(*) from pg_trigger where tgrelid = 'cur_t'::regclass and tgname like 'pgfence%'"); n != 4 {
-			t.Fatalf("cur_t has %d pgfence triggers, want 4", n)
+		if n := currentCount(t, admin, "select count(*) from pg_trigger where tgrelid = 'cur_t'::regclass and tgname like 'pgfence%'"); n != currentTriggers {
+			t.Fatalf("cur_t has %d pgfence triggers, want %d", n, currentTriggers)
 		}
 		if n := currentCount(t, admin, "select count(*) from fence.protected_tables"); n != 1 {
 			t.Fatalf("%d protected tables, want 1", n)
@@ -222,8 +227,8 @@ func (e *currentEnv) catalog(t *testing.T) *catalog {
 func (e *currentEnv) check(t *testing.T, replayNotice bool) {
 	t.Helper()
 	ctx := ctxT(t)
-	if n := currentCount(t, e.admin, "select count(*) from pg_trigger where tgrelid = 'cur_t'::regclass and tgname like 'pgfence%'"); n != 4 {
-		t.Fatalf("cur_t has %d pgfence triggers after the change, want 4", n)
+	if n := currentCount(t, e.admin, "select count(*) from pg_trigger where tgrelid = 'cur_t'::regclass and tgname like 'pgfence%'"); n != currentTriggers {
+		t.Fatalf("cur_t has %d pgfence triggers after the change, want %d", n, currentTriggers)
 	}
 	// The generations, after the change (a restore brings the schema).
 	w, err := pgx.Connect(ctx, fmt.Sprintf("postgres://%s@%s/%s?sslmode=disable", e.role, e.node.Addr(), e.db))
@@ -550,8 +555,8 @@ create table cur_tree_1 partition of cur_tree for values in (1);`)
 		// session_replication_role = replica (a logical replication
 		// apply, or a superuser) does not skip the triggers.
 		currentExec(t, admin, "begin; set local session_replication_role = replica; "+row("'cur_other'", "'job_key'")+"; commit")
-		if n := currentCount(t, admin, "select count(*) from pg_trigger where tgrelid = 'cur_other'::regclass and tgname like 'pgfence%'"); n != 4 {
-			t.Fatalf("cur_other has %d pgfence triggers, want 4", n)
+		if n := currentCount(t, admin, "select count(*) from pg_trigger where tgrelid = 'cur_other'::regclass and tgname like 'pgfence%'"); n != currentTriggers {
+			t.Fatalf("cur_other has %d pgfence triggers, want %d", n, currentTriggers)
 		}
 	})
 	t.Run("harmless_update", func(t *testing.T) {

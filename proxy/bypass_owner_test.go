@@ -22,7 +22,9 @@ func bypassOwner(t *testing.T) {
 		{"disable_trigger_user_then_write", "begin; alter table res disable trigger user; do $$ begin update res set v = 'zombie'; end $$; commit"},
 		{"disable_trigger_all", "alter table app.ledger disable trigger all"},
 		{"disable_trigger_by_name", "alter table res_1 disable trigger pgfence_backstop_nometa"},
-		{"disable_job_key_trigger", "alter table app.ledger disable trigger pgfence_job_key"},
+		{"disable_job_key_trigger", "alter table app.ledger disable trigger pgfence_job_key_update"},
+		{"disable_job_key_insert_trigger", "alter table app.ledger disable trigger pgfence_job_key_insert"},
+		{"drop_job_key_delete_trigger", "drop trigger pgfence_job_key_delete on app.ledger"},
 		{"enable_replica_trigger", "alter table inh_c enable replica trigger pgfence_backstop"},
 		{"enable_always_trigger", "alter table inh enable always trigger pgfence_backstop"},
 		{"drop_trigger", "drop trigger pgfence_backstop on res"},
@@ -31,7 +33,7 @@ func bypassOwner(t *testing.T) {
 			"create function public.noop() returns trigger language plpgsql as $$ begin return null; end $$; " +
 				"create or replace trigger pgfence_backstop before insert on app.ledger for each statement execute function public.noop()"},
 		// A trigger that fires before the backstop's could change what it
-		// reads; one after pgfence_job_key could change a row's job key.
+		// reads; one could change a row's job key after the job-key check.
 		{"create_trigger",
 			"create function public.rekey() returns trigger language plpgsql as $$ begin new.job_key := 'job2'; return new; end $$; " +
 				"create trigger zz_rekey before insert or update on app.ledger for each row execute function public.rekey()"},

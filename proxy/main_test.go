@@ -38,6 +38,11 @@ func TestMain(m *testing.M) {
 		// Read routing's tests need a streaming replica (route_test.go);
 		// everything else uses the primary.
 		Replica: true,
+		// Prepared transactions are on, as a DBA may have them for other
+		// applications: the database then refuses PREPARE after a fenced
+		// write itself (0A000), which TestBypass/prepare attacks, and every
+		// gated session runs with that guard.
+		Settings: map[string]string{"max_prepared_transactions": "4"},
 		// The upstream demands SCRAM for this role, so tests prove the
 		// proxy authenticates upstream with the configured password.
 		// The auth tests' roles get what their group says
