@@ -616,10 +616,12 @@ end
 $$;
 
 -- guard_ddl_end (008), now also refusing changes of what protected rows
--- read: the trees of the tables a command touched (as before), of the
--- tables whose policies it created or altered, and of the tables that use
--- a type it changed (an enum, a domain, a composite, a table's row type)
--- are checked member by member: backstop_problem, then read_check.
+-- read: every member of the trees of the tables a command touched is
+-- checked as before (backstop_problem, membership) and then against its
+-- read shape (read_check); so is every protected table whose policy the
+-- command created or altered, or that uses a type it changed (an enum, a
+-- domain, a composite, a table's row type): those commands cannot change
+-- a tree's membership or its triggers, so only their shapes are read.
 create or replace function fence.guard_ddl_end() returns event_trigger
 language plpgsql
 security definer
@@ -630,6 +632,8 @@ declare
   p fence.protected_tables;
   v_roots regclass[] := '{}';
   v_types oid[] := '{}';
+  v_shapes regclass[] := '{}';
+  v_checked regclass[] := '{}';
   v_root regclass;
   v_rel regclass;
   v_column text;
@@ -666,10 +670,9 @@ begin
       v_types := v_types || r.objid;
     elsif r.classid = 'pg_catalog.pg_policy'::regclass then
       -- CREATE POLICY, ALTER POLICY (DROP POLICY: sql_drop).
-      v_roots := v_roots || array(
-        select q.root from pg_catalog.pg_policy pol join fence.protected_tables q on q.relid = pol.polrelid
+      v_shapes := v_shapes || array(
+        select q.relid from pg_catalog.pg_policy pol join fence.protected_tables q on q.relid = pol.polrelid
          where pol.oid = r.objid);
-      v_tag := coalesce(v_tag, r.command_tag);
     elsif r.classid in ('pg_catalog.pg_trigger'::regclass, 'pg_catalog.pg_rewrite'::regclass) then
       -- CREATE [OR REPLACE] TRIGGER, ALTER TRIGGER, CREATE [OR REPLACE]
       -- RULE on a protected table. Any trigger: one that fires before the
@@ -699,10 +702,9 @@ begin
     end if;
   end loop;
   if cardinality(v_types) > 0 then
-    v_roots := v_roots || array(
-      select q.root from fence.tables_using_types(v_types) u join fence.protected_tables q on q.relid = u);
+    v_shapes := v_shapes || array(select u from fence.tables_using_types(v_types) u);
   end if;
-  if cardinality(v_roots) = 0 then
+  if cardinality(v_roots) = 0 and cardinality(v_shapes) = 0 then
     return;
   end if;
   v_tag := coalesce(v_tag, tg_tag);
@@ -723,6 +725,7 @@ begin
                 hint = 'ask a member of pgfence_bypass (a DBA) to make this change';
       end if;
       v_read := fence.read_check(p.relid, v_allowed);
+      v_checked := v_checked || p.relid;
       if v_read is not null then
         raise exception '% on protected table % would %: that needs pgfence_bypass, and role "%" is not a member',
             v_tag, p.relid, v_read, session_user
@@ -746,6 +749,18 @@ begin
     end loop;
     if fence.sync_tree(v_root, v_column, v_allowed) then
       v_changed := true;
+    end if;
+  end loop;
+  for v_rel in select distinct u.rel from unnest(v_shapes) as u(rel)
+                where u.rel <> all (v_checked)
+                  and exists (select 1 from pg_catalog.pg_class c where c.oid = u.rel) loop
+    v_read := fence.read_check(v_rel, v_allowed);
+    if v_read is not null then
+      raise exception '% on protected table % would %: that needs pgfence_bypass, and role "%" is not a member',
+          v_tag, v_rel, v_read, session_user
+        using errcode = 'FN010',
+              detail = 'only a fenced write may change what a protected table''s existing rows read',
+              hint = 'make the change with a gated write, or ask a member of pgfence_bypass (a DBA) to make it';
     end if;
   end loop;
   if v_changed then
