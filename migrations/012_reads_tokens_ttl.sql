@@ -770,10 +770,12 @@ end
 $$;
 
 -- guard_sql_drop (008), now also refusing, for non-administrators, the
--- drop of a protected table's column or policy, however it comes: ALTER
--- TABLE … DROP COLUMN, DROP POLICY, and DROP TYPE, DROP DOMAIN, DROP
--- COLLATION, DROP FUNCTION … CASCADE. An administrator's such drop
--- records the table's new shape.
+-- drop of a protected table's column or policy, or of an attribute of a
+-- composite (or a column of a table) whose row type a protected column
+-- holds, however it comes: ALTER TABLE … DROP COLUMN, DROP POLICY, and
+-- DROP TYPE, DROP DOMAIN, DROP COLLATION, DROP FUNCTION … CASCADE (a DROP
+-- reaches ddl_command_end with no command to look at). An administrator's
+-- such drop records the tables' new shapes.
 create or replace function fence.guard_sql_drop() returns event_trigger
 language plpgsql
 security definer
@@ -785,6 +787,7 @@ declare
   v_allowed boolean;
   v_changed boolean := false;
   v_reshape regclass[] := '{}';
+  v_types oid[] := '{}';
 begin
   if fence.guard_idle() then
     return;
@@ -815,6 +818,10 @@ begin
                 hint = 'ask a member of pgfence_bypass (a DBA) to make this change';
       end if;
       v_reshape := v_reshape || r.objid::regclass;
+    elsif r.classid = 'pg_catalog.pg_class'::regclass and r.objsubid > 0 then
+      -- An attribute of a composite type, or a column of another table:
+      -- its row type may be what a protected column holds.
+      v_types := v_types || array(select c.reltype from pg_catalog.pg_class c where c.oid = r.objid and c.reltype <> 0);
     elsif r.classid = 'pg_catalog.pg_policy'::regclass then
       v_rel := to_regclass(format('%I.%I', r.address_names[1], r.address_names[2]));
       if v_rel is not null and exists (select 1 from fence.protected_tables q where q.relid = v_rel) then
@@ -842,6 +849,19 @@ begin
       end if;
     end if;
   end loop;
+  if cardinality(v_types) > 0 then
+    for v_rel in select u from fence.tables_using_types(v_types) u loop
+      v_allowed := coalesce(v_allowed, fence.is_admin());
+      if not v_allowed then
+        raise exception '% would change what the rows of protected table % read (an attribute of a type its columns hold goes): that needs pgfence_bypass, and role "%" is not a member',
+            tg_tag, v_rel, session_user
+          using errcode = 'FN010',
+                detail = 'only a fenced write may change what a protected table''s existing rows read',
+                hint = 'ask a member of pgfence_bypass (a DBA) to make this change';
+      end if;
+      v_reshape := v_reshape || v_rel;
+    end loop;
+  end if;
   -- An administrator's drop: the recorded shape follows.
   perform fence.read_check(u.rel, true)
      from (select distinct x.rel from unnest(v_reshape) x(rel)) u

@@ -110,6 +110,8 @@ func bypassOwnerReads(t *testing.T) {
 		{"drop_domain_cascade", "drop domain app.dmood cascade"},
 		{"drop_composite_cascade", "drop type app.pair cascade"},
 		{"drop_policy_function_cascade", "drop function app.visible(int) cascade"},
+		// A drop that takes an attribute of a composite a column holds.
+		{"drop_enum_cascade_from_composite", "drop type app.mood4 cascade"},
 	}))
 
 	t.Run("ordinary_changes_pass", func(t *testing.T) {
