@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -184,9 +185,21 @@ func (t *takeovers) note(payload string) bool {
 	return true
 }
 
-// possibleJobKey: fence.fences can have a row for key.
+// possibleJobKey: fence.fences can have a row for key (text has no NUL,
+// and what the proxy sends is UTF-8).
 func possibleJobKey(key string) bool {
-	return key != "" && len(key) <= 4*maxJobKeyLen && utf8.RuneCountInString(key) <= maxJobKeyLen
+	return key != "" && len(key) <= 4*maxJobKeyLen && utf8.ValidString(key) &&
+		utf8.RuneCountInString(key) <= maxJobKeyLen && !strings.ContainsRune(key, 0)
+}
+
+// isASCII reports whether s is all ASCII.
+func isASCII(s string) bool {
+	for i := 0; i < len(s); i++ {
+		if s[i] >= utf8.RuneSelf {
+			return false
+		}
+	}
+	return true
 }
 
 // hint asks the watcher to read job's fence row (a reader carries a
@@ -350,10 +363,20 @@ func (t *takeovers) verify(ctx context.Context, conn *pgconn.PgConn, schema bool
 		return nil
 	}
 	notified := dropped
+	// A key the server cannot convert would fail the whole read: in a
+	// database whose encoding is neither UTF8 nor SQL_ASCII (both take any
+	// UTF-8 without NUL), a key that is not ASCII is covered by position
+	// instead, as a dropped one, and its readers use the fence-row check.
+	enc := conn.ParameterStatus("server_encoding")
+	asciiOnly := enc != "UTF8" && enc != "SQL_ASCII"
 	keys := make([]string, 0, len(jobs))
 	for k, n := range jobs {
-		keys = append(keys, k)
 		notified = notified || n
+		if asciiOnly && !isASCII(k) {
+			dropped = dropped || n
+			continue
+		}
+		keys = append(keys, k)
 	}
 	fallback := func() error {
 		if !notified {

@@ -14,13 +14,17 @@ import (
 func TestTakeoversBounded(t *testing.T) {
 	var tk takeovers
 	for _, p := range []string{`not json`, `[1]`, `{"job_key": 7}`, `{"job_key": ""}`, `{}`, ``,
-		`{"job_key": "` + strings.Repeat("x", maxJobKeyLen+1) + `"}`, `{"job_key": null, "token": 1}`} {
+		`{"job_key": "` + strings.Repeat("x", maxJobKeyLen+1) + `"}`, `{"job_key": null, "token": 1}`,
+		`{"job_key": "a\u0000b"}`} {
 		if tk.note(p) {
 			t.Fatalf("payload %.40q named a job", p)
 		}
 	}
 	if tk.hasPending() {
 		t.Fatal("payloads that name no job left something to read")
+	}
+	if possibleJobKey("a\xffb") || !possibleJobKey("é") {
+		t.Fatal("possibleJobKey: invalid UTF-8 is no key, a non-ASCII one is")
 	}
 	for i := range 2000 {
 		tk.hint(fmt.Sprintf("hint-%d", i))
