@@ -60,8 +60,8 @@ func TestApplyTwice(t *testing.T) {
 		}
 	}
 	tables, functions := schemaSummary(t, ctx, db)
-	if tables != 14 {
-		t.Errorf("fence tables: got %d, want 14", tables)
+	if tables != 15 { // 012 adds fence.read_shapes
+		t.Errorf("fence tables: got %d, want 15", tables)
 	}
 	if functions < 15 {
 		t.Errorf("fence functions: got %d, want at least 15", functions)
@@ -114,8 +114,8 @@ func TestApplyConcurrently(t *testing.T) {
 		t.Fatalf("version %d, want %d", v, latest)
 	}
 	tables, _ := schemaSummary(t, ctx, db)
-	if tables != 14 {
-		t.Errorf("fence tables: got %d, want 14", tables)
+	if tables != 15 { // 012 adds fence.read_shapes
+		t.Errorf("fence tables: got %d, want 15", tables)
 	}
 	// The protocol works after a concurrent migration.
 	var token int64

@@ -9,6 +9,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/internal/pgtest"
 	"github.com/pgfence/pgfence/migrations"
 )
@@ -286,5 +287,118 @@ from pg_trigger where tgname like 'pgfence\_job\_key%'`).Scan(&got); err != nil 
 		if _, err := wc.Exec(ctx, fmt.Sprintf("set fence.step = 'refused %d'; %s", i, q)); pgtest.SQLState(err) != "FN008" {
 			t.Fatalf("%s after the upgrade: %v, want FN008", q, err)
 		}
+	}
+}
+
+// TestUpgradeLiveTo12: migration 12 upgrades a database in use in place.
+// Leases held before it are renewed and written under after it (one held
+// for longer than the new cap keeps its time), receipts answer retries,
+// consumer watermarks stand; the protected tables' read shapes are
+// recorded at once, so a table owner's DROP COLUMN right after the
+// upgrade is refused; notifications no longer carry the token.
+func TestUpgradeLiveTo12(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	db := cluster.NewDatabase(t)
+	conn := connect(t, ctx, db, "")
+	if err := migrations.MigrateTo(ctx, conn, 11); err != nil {
+		t.Fatal(err)
+	}
+	prefix, _, _ := strings.Cut(db, "_")
+	owner, worker := prefix+"_owner", prefix+"_worker"
+	if _, err := conn.Exec(ctx, fmt.Sprintf(`
+create role %[1]s login;
+create role %[2]s login in role pgfence_worker;
+grant create on schema public to %[1]s;
+set session authorization %[1]s;
+create table results (job_key text primary key, v text not null, n int);
+grant select, insert, update, delete on results to %[2]s;
+reset session authorization;
+select fence.protect('results', 'job_key');`, owner, worker)); err != nil {
+		t.Fatal(err)
+	}
+	w := connect(t, ctx, db, worker)
+	held, err := fence.Acquire(ctx, w, "job", "w", time.Hour)
+	if err != nil {
+		t.Fatal(err)
+	}
+	squat, err := fence.Acquire(ctx, w, "squat", "w", 100*365*24*time.Hour)
+	if err != nil {
+		t.Fatalf("a century-long lease before the cap: %v", err)
+	}
+	write := func(step, v string) (fence.CommitResult, error) {
+		return fence.RunTx(ctx, w, held.Generation(step), []byte(v), func(ctx context.Context, tx pgx.Tx) error {
+			_, err := tx.Exec(ctx, "insert into results values ('job', $1) on conflict (job_key) do update set v = excluded.v", v)
+			return err
+		})
+	}
+	if res, err := write("before", "before"); err != nil || res != fence.Committed {
+		t.Fatalf("write before the upgrade: %v, %v", res, err)
+	}
+	if ok, err := fence.AcceptEvent(ctx, w, "mailer", "job", held.Epoch, held.Token); err != nil || !ok {
+		t.Fatalf("accept before the upgrade: %v, %v", ok, err)
+	}
+	var squatUntil time.Time
+	if err := conn.QueryRow(ctx, "select expires_at from fence.leases where job_key = 'squat'").Scan(&squatUntil); err != nil {
+		t.Fatal(err)
+	}
+
+	if err := migrations.MigrateTo(ctx, conn, 12); err != nil {
+		t.Fatalf("upgrade to 12: %v", err)
+	}
+
+	// The held lease goes on: renewed, written under, its receipt answers
+	// the retry of the write before the upgrade.
+	if _, err := fence.Renew(ctx, w, "job", held.Token, time.Minute); err != nil {
+		t.Fatalf("renew after the upgrade: %v", err)
+	}
+	if res, err := write("before", "before"); err != nil || res != fence.Replayed {
+		t.Fatalf("retry of the write before the upgrade: %v, %v; want a replay", res, err)
+	}
+	if res, err := write("after", "after"); err != nil || res != fence.Committed {
+		t.Fatalf("write after the upgrade: %v, %v", res, err)
+	}
+	if ok, err := fence.AcceptEvent(ctx, w, "mailer", "job", held.Epoch, held.Token); err != nil || !ok {
+		t.Fatalf("accept of the current generation after the upgrade: %v, %v", ok, err)
+	}
+	if ok, err := fence.AcceptEvent(ctx, w, "mailer", "job", held.Epoch, held.Token+1000); err != nil || ok {
+		t.Fatalf("accept of a generation never issued: %v, %v; want false", ok, err)
+	}
+	// The squatter keeps what it had (the cap is for new leases and
+	// renewals); renewing it for as long is refused.
+	var until time.Time
+	var cap string
+	if err := conn.QueryRow(ctx, "select l.expires_at, s.value from fence.leases l, fence.settings s where l.job_key = 'squat' and s.name = 'max_lease_ttl'").Scan(&until, &cap); err != nil {
+		t.Fatal(err)
+	}
+	if !until.Equal(squatUntil) || cap != "1 day" {
+		t.Fatalf("after the upgrade: the long lease ends %v (was %v), the cap is %q", until, squatUntil, cap)
+	}
+	if _, err := fence.Renew(ctx, w, "squat", squat.Token, 100*365*24*time.Hour); pgtest.SQLState(err) != "22023" {
+		t.Fatalf("renewing the long lease for a century: %v, want 22023", err)
+	}
+	// The shape of results was recorded by the upgrade: its owner's DDL
+	// that changes what rows read is refused, the rest passes.
+	o := connect(t, ctx, db, owner)
+	if _, err := o.Exec(ctx, "alter table results drop column n"); pgtest.SQLState(err) != "FN010" {
+		t.Fatalf("the owner's drop column after the upgrade: %v, want FN010", err)
+	}
+	if _, err := o.Exec(ctx, "alter table results add column m int; alter table results alter column m set default 1"); err != nil {
+		t.Fatalf("the owner's ordinary change after the upgrade: %v", err)
+	}
+	// Takeovers are notified without their token.
+	if _, err := conn.Exec(ctx, "listen pgfence_takeover"); err != nil {
+		t.Fatal(err)
+	}
+	l, err := fence.Acquire(ctx, conn, "new-job", "a", time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	n, err := conn.WaitForNotification(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := fmt.Sprintf(`{"job_key" : "new-job", "epoch" : %d}`, l.Epoch); n.Payload != want {
+		t.Fatalf("takeover notification %q, want %q (no token)", n.Payload, want)
 	}
 }

@@ -122,6 +122,7 @@ func (cs *catalogs) get(ctx context.Context, db string) (*catalog, error) {
 	c, ok := cs.dbs[db]
 	if !ok || c.gone.Load() {
 		c = &catalog{db: db, ready: make(chan struct{}), done: make(chan struct{})}
+		c.tk.kick = make(chan struct{}, 1)
 		c.ctx, c.stop = context.WithCancel(cs.ctx)
 		cs.dbs[db] = c
 		cs.wg.Add(1)
@@ -274,13 +275,11 @@ func (cs *catalogs) listen(c *catalog, loaded func()) error {
 	cfg.RuntimeParams["jit"] = "off"
 	cfg.RuntimeParams["application_name"] = watcherAppName
 	var reload atomic.Bool
-	var notesMu sync.Mutex
-	var notes []string // pgfence_takeover payloads not yet stamped with a position
 	cfg.OnNotification = func(_ *pgconn.PgConn, n *pgconn.Notification) {
 		if n.Channel == takeoverChannel {
-			notesMu.Lock()
-			notes = append(notes, n.Payload)
-			notesMu.Unlock()
+			// Only a hint: the job's fence row is read before anything is
+			// recorded (lsn.go).
+			c.tk.note(n.Payload)
 			return
 		}
 		if cs.deaf.Load() {
@@ -294,13 +293,6 @@ func (cs *catalogs) listen(c *catalog, loaded func()) error {
 		c.ddlSeen.Add(1)
 		c.reads.Store(nil)
 		reload.Store(true)
-	}
-	takeNotes := func() []string {
-		notesMu.Lock()
-		defer notesMu.Unlock()
-		n := notes
-		notes = nil
-		return n
 	}
 	ctx, cancel := context.WithTimeout(c.ctx, 10*time.Second)
 	conn, err := pgconn.ConnectConfig(ctx, cfg)
@@ -330,18 +322,22 @@ func (cs *catalogs) listen(c *catalog, loaded func()) error {
 	log := cs.log.With(zap.String("database", c.db))
 	for {
 		// Notifications may arrive while a query runs: handle them
-		// before waiting for more.
-		if n := takeNotes(); len(n) > 0 {
-			if err := c.tk.recordNotes(c.ctx, conn, n, log); err != nil {
+		// before waiting for more. The takeovers pending (notified or
+		// hinted) are read in one query, then a reload if one is due, so
+		// that a stream of notifications delays neither.
+		if c.tk.hasPending() {
+			if err := c.tk.verify(c.ctx, conn, c.schema.Load(), log); err != nil {
 				return err
 			}
-			continue
 		}
 		// Coalesce a burst of notifications into one reload.
 		if reload.Swap(false) {
 			if err := cs.load(c, conn); err != nil {
 				return err
 			}
+			continue
+		}
+		if c.tk.hasPending() {
 			continue
 		}
 		timedOut, err := c.wait(conn, !cs.deaf.Load(), cs.refresh)
@@ -359,14 +355,24 @@ func (cs *catalogs) listen(c *catalog, loaded func()) error {
 // wait: pgconn's default context handling sets a deadline, and a timeout
 // does not close it.
 func (c *catalog) wait(conn *pgconn.PgConn, periodic bool, every time.Duration) (timedOut bool, err error) {
-	ctx, cancel := c.ctx, context.CancelFunc(func() {})
+	ctx, cancel := context.WithCancel(c.ctx)
 	if periodic {
 		ctx, cancel = context.WithTimeout(c.ctx, every)
 	}
 	defer cancel()
+	// A reader's hint (takeovers.hint) ends the wait too.
+	stop := make(chan struct{})
+	defer close(stop)
+	go func() {
+		select {
+		case <-c.tk.kick:
+			cancel()
+		case <-stop:
+		}
+	}()
 	err = conn.WaitForNotification(ctx)
-	if err != nil && c.ctx.Err() == nil && errors.Is(ctx.Err(), context.DeadlineExceeded) {
-		return true, nil
+	if err != nil && c.ctx.Err() == nil && ctx.Err() != nil {
+		return errors.Is(ctx.Err(), context.DeadlineExceeded), nil
 	}
 	return false, err
 }

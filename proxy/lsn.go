@@ -3,10 +3,14 @@ package proxy
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
+	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
+	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5/pgconn"
 	"go.uber.org/zap"
@@ -34,25 +38,68 @@ func parseLSN(s string) (LSN, error) {
 // takeoverChannel is the channel fence.acquire and fence.retire notify.
 const takeoverChannel = "pgfence_takeover"
 
-// takeover is the latest generation of one job the proxy knows, with a
-// primary WAL position at or after the end of its commit record.
+// takeover is the latest generation of one job the proxy has read from
+// the primary's fence row (fence.fences), with a primary WAL position at
+// or after the end of the commit that made the row so.
 type takeover struct {
 	epoch, token int64
+	retired      bool
 	lsn          LSN
 }
 
-// takeovers is what one database's watcher learned from pgfence_takeover
-// (DESIGN §6): per job the latest takeover and its position, the largest
-// takeover position, and the floor: the primary's position when the
-// watcher last (re)connected, which covers every takeover before it.
-// Readers need no lock for the hot path: floor and max are atomics.
+// Bounds of what the takeover tracker holds, whatever is notified.
+const (
+	// maxPendingJobs and maxPendingBytes bound the job keys waiting to be
+	// read (notified or hinted); readers' hints get half of them, so that
+	// they cannot crowd out notifications.
+	maxPendingJobs  = 1024
+	maxPendingBytes = 256 << 10
+	// maxKnownJobs and maxKnownBytes bound the jobs known; past them an
+	// arbitrary one is forgotten (its readers fall back to the replica's
+	// fence row until it is read again).
+	maxKnownJobs  = 65536
+	maxKnownBytes = 8 << 20
+	// maxJobKeyLen is fence.fences' limit on a job key (characters): a
+	// longer key names no job.
+	maxJobKeyLen = 200
+	// hintEvery spaces the reads that readers' hints ask for.
+	hintEvery = 20 * time.Millisecond
+)
+
+// takeovers is what one database's watcher knows of takeovers (DESIGN
+// §6): per job the latest generation and its position, the largest
+// position of a takeover it was notified of, and the floor: the primary's
+// position when the watcher last (re)connected, which covers every
+// takeover before it. Readers need no lock for the hot path: floor and
+// max are atomics.
+//
+// A pgfence_takeover notification is a hint and nothing more: any login
+// may NOTIFY any payload. It names a job whose fence row the watcher then
+// reads on its own connection (verify), and only what that row says is
+// recorded: never a token, an epoch or a position from a payload. A
+// reader whose generation the proxy does not know asks for the same
+// (hint). Pending job keys are coalesced and bounded; so are the jobs
+// known.
 type takeovers struct {
 	floor atomic.Uint64
 	max   atomic.Uint64
-	seen  atomic.Int64 // notifications recorded (tests observe it)
+	// warned: the last read of fence.fences failed, and said so once.
+	warned atomic.Bool
 
-	mu   sync.RWMutex
-	jobs map[string]takeover
+	mu    sync.RWMutex
+	jobs  map[string]takeover
+	bytes int // of the keys in jobs
+
+	pmu      sync.Mutex
+	pending  map[string]bool // job key → a notification named it (else only a reader's hint)
+	pbytes   int
+	hinted   int // pending keys from hints only, and their bytes
+	hbytes   int
+	dropped  bool // notifications were dropped: the next read covers them by position
+	ignored  int  // payloads naming no job since the last read
+	lastHint time.Time
+	hintWait bool // a delayed kick is armed
+	kick     chan struct{}
 }
 
 // lookup returns the latest takeover of job known.
@@ -63,25 +110,49 @@ func (t *takeovers) lookup(job string) (takeover, bool) {
 	return tk, ok
 }
 
-// record keeps tk for job when it is newer than what is known. fromNotify
-// says it came from a notification (it then raises max).
-func (t *takeovers) record(job string, tk takeover, fromNotify bool) {
+// update records what job's fence row showed at lsn and returns the
+// job's takeover now and whether the row was new to the tracker (a newer
+// token, or the epoch or retirement changed). A token already known keeps
+// its earlier, smaller position.
+func (t *takeovers) update(job string, row takeover) (takeover, bool) {
 	t.mu.Lock()
+	defer t.mu.Unlock()
 	if t.jobs == nil {
 		t.jobs = map[string]takeover{}
 	}
-	if old, ok := t.jobs[job]; !ok || tk.token > old.token || tk.token == old.token && tk.lsn < old.lsn {
-		t.jobs[job] = tk
+	old, ok := t.jobs[job]
+	switch {
+	case ok && row.token < old.token:
+		return old, false // a read older than what is known (cannot happen: rows only grow)
+	case ok && row.token == old.token:
+		if row.epoch == old.epoch && row.retired == old.retired {
+			return old, false
+		}
+		row.lsn = old.lsn
+		t.jobs[job] = row
+		return row, true
 	}
-	t.mu.Unlock()
-	if fromNotify {
-		for {
-			m := t.max.Load()
-			if uint64(tk.lsn) <= m || t.max.CompareAndSwap(m, uint64(tk.lsn)) {
+	if !ok {
+		for k := range t.jobs {
+			if len(t.jobs) < maxKnownJobs && t.bytes+len(job) <= maxKnownBytes {
 				break
 			}
+			delete(t.jobs, k)
+			t.bytes -= len(k)
 		}
-		t.seen.Add(1)
+		t.bytes += len(job)
+	}
+	t.jobs[job] = row
+	return row, true
+}
+
+// raise makes max at least lsn.
+func (t *takeovers) raise(lsn LSN) {
+	for {
+		m := t.max.Load()
+		if uint64(lsn) <= m || t.max.CompareAndSwap(m, uint64(lsn)) {
+			return
+		}
 	}
 }
 
@@ -89,12 +160,130 @@ func (t *takeovers) record(job string, tk takeover, fromNotify bool) {
 // takeover seen, and everything before the watcher started.
 func (t *takeovers) all() LSN { return LSN(max(t.floor.Load(), t.max.Load())) }
 
-// takeoverNote is a pgfence_takeover payload.
+// takeoverNote is the part of a pgfence_takeover payload the proxy reads:
+// the job it names. (Migration 012 sends the job key and epoch; older
+// schemas also a token, which is ignored.)
 type takeoverNote struct {
-	JobKey  string `json:"job_key"`
-	Epoch   int64  `json:"epoch"`
-	Token   int64  `json:"token"`
-	Retired bool   `json:"retired"`
+	JobKey string `json:"job_key"`
+}
+
+// note takes a pgfence_takeover payload (on the watcher's goroutine, as
+// pgconn receives it). It reports whether the payload named a job key.
+func (t *takeovers) note(payload string) bool {
+	var n takeoverNote
+	if err := json.Unmarshal([]byte(payload), &n); err != nil || !possibleJobKey(n.JobKey) {
+		t.pmu.Lock()
+		t.ignored++
+		t.pmu.Unlock()
+		return false
+	}
+	t.add(n.JobKey, true)
+	return true
+}
+
+// possibleJobKey: fence.fences can have a row for key (text has no NUL,
+// and what the proxy sends is UTF-8).
+func possibleJobKey(key string) bool {
+	return key != "" && len(key) <= 4*maxJobKeyLen && utf8.ValidString(key) &&
+		utf8.RuneCountInString(key) <= maxJobKeyLen && !strings.ContainsRune(key, 0)
+}
+
+// isASCII reports whether s is all ASCII.
+func isASCII(s string) bool {
+	for i := 0; i < len(s); i++ {
+		if s[i] >= utf8.RuneSelf {
+			return false
+		}
+	}
+	return true
+}
+
+// hint asks the watcher to read job's fence row (a reader carries a
+// generation of job the proxy does not know). The reads are spaced by
+// hintEvery; hints of the same job coalesce. Any goroutine.
+func (t *takeovers) hint(job string) {
+	if !possibleJobKey(job) || !t.add(job, false) {
+		return
+	}
+	t.pmu.Lock()
+	defer t.pmu.Unlock()
+	if t.hintWait {
+		return
+	}
+	if wait := time.Until(t.lastHint.Add(hintEvery)); wait > 0 {
+		t.hintWait = true
+		time.AfterFunc(wait, func() {
+			t.pmu.Lock()
+			t.hintWait = false
+			t.lastHint = time.Now()
+			t.pmu.Unlock()
+			t.wake()
+		})
+		return
+	}
+	t.lastHint = time.Now()
+	t.wake()
+}
+
+// wake tells the watcher there is something to read.
+func (t *takeovers) wake() {
+	select {
+	case t.kick <- struct{}{}:
+	default:
+	}
+}
+
+// add makes job pending and reports whether it was not already. A full
+// set drops the key: a notification's is covered by position instead
+// (dropped), a hint's is asked again by its reader's next read. Hints
+// hold at most half the set.
+func (t *takeovers) add(job string, notified bool) bool {
+	t.pmu.Lock()
+	defer t.pmu.Unlock()
+	if n, ok := t.pending[job]; ok {
+		if notified && !n {
+			t.pending[job] = true
+			t.hinted--
+			t.hbytes -= len(job)
+		}
+		return false
+	}
+	full := len(t.pending) >= maxPendingJobs || t.pbytes+len(job) > maxPendingBytes
+	if !notified {
+		full = full || t.hinted >= maxPendingJobs/2 || t.hbytes+len(job) > maxPendingBytes/2
+	}
+	if full {
+		if notified {
+			t.dropped = true
+		}
+		return false
+	}
+	if t.pending == nil {
+		t.pending = map[string]bool{}
+	}
+	t.pending[job] = notified
+	t.pbytes += len(job)
+	if !notified {
+		t.hinted++
+		t.hbytes += len(job)
+	}
+	return true
+}
+
+// hasPending reports whether a read is due.
+func (t *takeovers) hasPending() bool {
+	t.pmu.Lock()
+	defer t.pmu.Unlock()
+	return len(t.pending) > 0 || t.dropped
+}
+
+// take empties the pending set.
+func (t *takeovers) take() (jobs map[string]bool, dropped bool, ignored int) {
+	t.pmu.Lock()
+	defer t.pmu.Unlock()
+	jobs, dropped, ignored = t.pending, t.dropped, t.ignored
+	t.pending, t.pbytes, t.hinted, t.hbytes, t.dropped, t.ignored = nil, 0, 0, 0, false, 0
+	return jobs, dropped, ignored
 }
 
 // insertLSNQuery is the primary's WAL insert position, the end of every
@@ -142,26 +331,139 @@ func queryLSN(ctx context.Context, conn *pgconn.PgConn, sql string) (LSN, error)
 	return parseLSN(v)
 }
 
-// recordNotes stamps the pending notifications with the primary's insert
-// position, now that they have been delivered (insertLSNQuery).
-func (t *takeovers) recordNotes(ctx context.Context, conn *pgconn.PgConn, notes []string, log *zap.Logger) error {
-	if len(notes) == 0 {
+// verifyQuery reads the fence rows of the jobs in $1 (a text array) and,
+// evaluated after the statement's snapshot was taken, the primary's insert
+// position: every row it returns was committed before that position
+// (insertLSNQuery). Qualified throughout: it runs on the watcher's own
+// connection, under the database's settings.
+const verifyQuery = `SELECT l.lsn, f.job_key, f.epoch::pg_catalog.text, f.max_issued_token::pg_catalog.text,
+  (f.retired_at IS NOT NULL)::pg_catalog.text
+FROM (` + insertLSNQuery + `) AS l(lsn)
+LEFT JOIN fence.fences AS f ON f.job_key OPERATOR(pg_catalog.=) ANY ($1::pg_catalog.text[])`
+
+// verify reads the fence rows of the pending jobs on the watcher's
+// connection and records what they say (update), at the position read with
+// them. A job a notification named raises max to the position of its
+// latest takeover: its own, or the one just read if the row changed.
+// A notification dropped for want of room raises max to the position read
+// now, which covers every takeover committed before it. Without the
+// fence schema (schema false), or when the rows cannot be read (no
+// privilege), only max is raised: readers with fence metadata then fall
+// back to the replica's fence row.
+func (t *takeovers) verify(ctx context.Context, conn *pgconn.PgConn, schema bool, log *zap.Logger) error {
+	jobs, dropped, ignored := t.take()
+	if ignored > 0 {
+		log.Debug("ignoring takeover notifications that name no job", zap.Int("count", ignored))
+	}
+	if len(jobs) == 0 && !dropped {
 		return nil
 	}
-	lsn, err := insertLSN(ctx, conn)
-	if err != nil {
-		return err
-	}
-	for _, p := range notes {
-		var n takeoverNote
-		if err := json.Unmarshal([]byte(p), &n); err != nil || n.JobKey == "" {
-			log.Warn("ignoring malformed takeover notification", zap.String("payload", p), zap.Error(err))
+	notified := dropped
+	// A key the server cannot convert would fail the whole read: in a
+	// database whose encoding is neither UTF8 nor SQL_ASCII (both take any
+	// UTF-8 without NUL), a key that is not ASCII is covered by position
+	// instead, as a dropped one, and its readers use the fence-row check.
+	enc := conn.ParameterStatus("server_encoding")
+	asciiOnly := enc != "UTF8" && enc != "SQL_ASCII"
+	keys := make([]string, 0, len(jobs))
+	for k, n := range jobs {
+		notified = notified || n
+		if asciiOnly && !isASCII(k) {
+			dropped = dropped || n
 			continue
 		}
-		t.record(n.JobKey, takeover{epoch: n.Epoch, token: n.Token, lsn: lsn}, true)
-		log.Debug("takeover seen", zap.String("job_key", n.JobKey), zap.Int64("token", n.Token), zap.Stringer("lsn", lsn))
+		keys = append(keys, k)
 	}
+	fallback := func() error {
+		if !notified {
+			return nil
+		}
+		lsn, err := insertLSN(ctx, conn)
+		if err != nil {
+			return err
+		}
+		t.raise(lsn)
+		return nil
+	}
+	if !schema {
+		return fallback()
+	}
+	rr := conn.ExecParams(ctx, verifyQuery, [][]byte{textArray(keys)}, nil, nil, nil)
+	type row struct {
+		job string
+		tk  takeover
+	}
+	var rows []row
+	var lsnText string
+	var bad error
+	for rr.NextRow() {
+		v := rr.Values()
+		lsnText = string(v[0])
+		if v[1] == nil {
+			continue
+		}
+		epoch, err1 := strconv.ParseInt(string(v[2]), 10, 64)
+		token, err2 := strconv.ParseInt(string(v[3]), 10, 64)
+		if err := errors.Join(err1, err2); err != nil {
+			bad = err
+			continue
+		}
+		rows = append(rows, row{string(v[1]), takeover{epoch: epoch, token: token, retired: string(v[4]) == "true"}})
+	}
+	if _, err := rr.Close(); err != nil {
+		var pg *pgconn.PgError
+		if errors.As(err, &pg) {
+			if !t.warned.Swap(true) {
+				log.Warn("cannot read fence.fences to verify takeovers; readers with fence metadata fall back to the replica's fence row", zap.Error(err))
+			}
+			return fallback()
+		}
+		return err
+	}
+	lsn, err := parseLSN(lsnText)
+	if err == nil {
+		err = bad
+	}
+	if err != nil {
+		return fmt.Errorf("verify takeovers: %w", err)
+	}
+	for _, r := range rows {
+		r.tk.lsn = lsn
+		tk, changed := t.update(r.job, r.tk)
+		if !jobs[r.job] {
+			continue
+		}
+		if changed {
+			t.raise(lsn)
+		} else {
+			t.raise(tk.lsn)
+		}
+		log.Debug("takeover seen", zap.String("job_key", r.job), zap.Int64("epoch", tk.epoch), zap.Stringer("lsn", tk.lsn))
+	}
+	if dropped {
+		t.raise(lsn)
+	}
+	t.warned.Store(false)
 	return nil
+}
+
+// textArray is keys as a PostgreSQL text array literal.
+func textArray(keys []string) []byte {
+	b := []byte{'{'}
+	for i, k := range keys {
+		if i > 0 {
+			b = append(b, ',')
+		}
+		b = append(b, '"')
+		for j := 0; j < len(k); j++ {
+			if k[j] == '"' || k[j] == '\\' {
+				b = append(b, '\\')
+			}
+			b = append(b, k[j])
+		}
+		b = append(b, '"')
+	}
+	return append(b, '}')
 }
 
 // ---------------------------------------------------------------------------

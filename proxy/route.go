@@ -325,10 +325,16 @@ type requirement struct {
 // catalog as the proxy knows it will do: catalogLSN).
 //
 // A reader whose generation the proxy has not seen yet, or that demands
-// fence.min_lsn, is protected whatever relation it names: the catalog may have
-// changed before that generation in a way the proxy has not heard of
-// (DDL is notified in commit order with takeovers, so a reader whose
-// takeover has been seen reads a catalog that is current up to it).
+// fence.min_lsn, is protected whatever relation it names: the catalog may
+// have changed before that generation in a way the proxy has not heard
+// of. So is a reader whose generation's takeover is newer than the read
+// set: the watcher reads a job's fence row when a notification or a
+// reader names the job, and may find a takeover whose notification (and
+// the DDL notified before it) has not arrived yet. When the set's
+// position is at or past the takeover's, a replica that may serve the
+// read (it has replayed the set's position) has replayed the takeover
+// too, whatever the set says; otherwise the read needs the takeover's
+// position, whatever it names.
 func (h *fenceSession) require(stmts []*rewrite.Stmt, kind readKind) (req requirement, protected bool, catalogLSN LSN) {
 	prot := h.cat.prot.Load()
 	if prot.Len() == 0 {
@@ -348,6 +354,11 @@ func (h *fenceSession) require(stmts []*rewrite.Stmt, kind readKind) (req requir
 	if gen {
 		seen, known = tk.lookup(job)
 		known = known && seen.token >= token
+		if !known {
+			// Ask the watcher to read the job's fence row: later reads
+			// of this generation then need no fence-row check.
+			tk.hint(job)
+		}
 	}
 	rd := h.cat.reads.Load()
 	// A read-only transaction may read anything later; a read of no
@@ -360,7 +371,10 @@ func (h *fenceSession) require(stmts []*rewrite.Stmt, kind readKind) (req requir
 			if protected {
 				break
 			}
-			protected = gen && !known || minText != "" || rd.exposes(rel)
+			// A known takeover newer than the read set may have been
+			// read from its fence row before the DDL notified ahead of it
+			// arrived: the set cannot vouch for relations then.
+			protected = gen && (!known || rd.position() < seen.lsn) || minText != "" || rd.exposes(rel)
 		}
 	}
 	if !protected && !relations {
@@ -513,8 +527,7 @@ func (h *fenceSession) replayed(s gateConn, r *replica, req requirement, k func(
 
 // fenceRowCheck asks the replica whether its fence row for req.job has
 // reached req.token, on the session's replica connection, and runs k with
-// the answer. The answer also teaches the takeover tracker a position for
-// that token.
+// the answer.
 func (h *fenceSession) fenceRowCheck(s gateConn, r *replica, req requirement, k func(bool, error) error) error {
 	return s.useReplica(r, func(err error) error {
 		if err != nil {
@@ -542,13 +555,14 @@ func (h *fenceSession) fenceRowCheck(s gateConn, r *replica, req requirement, k 
 			h.mu.Unlock()
 			tokText, lsnText, _ := strings.Cut(row, " ")
 			tok, err1 := strconv.ParseInt(tokText, 10, 64)
-			lsn, err2 := parseLSN(lsnText)
+			_, err2 := parseLSN(lsnText)
 			if err1 != nil || err2 != nil {
 				return k(false, nil)
 			}
-			if tok > 0 && lsn > 0 {
-				h.cat.tk.record(req.job, takeover{token: tok, lsn: lsn}, false)
-			}
+			// The answer decides this read only: it came over the
+			// client's own connection, as its role, under its settings,
+			// so it is the client's to shape. What other readers go by
+			// is the fence row the watcher reads (require's hint).
 			return k(tok >= req.token, nil)
 		})
 	})
@@ -561,17 +575,17 @@ func (h *fenceSession) fenceRowCheck(s gateConn, r *replica, req requirement, k 
 // client's role on the session's replica connection: without the function
 // that role needs SELECT on fence.fences.
 func fenceCheckQuery(req requirement, reached bool) string {
-	lsn := " || ' ' || coalesce(pg_catalog.pg_last_wal_replay_lsn()::text, '0/0')"
+	lsn := " OPERATOR(pg_catalog.||) ' ' OPERATOR(pg_catalog.||) coalesce(pg_catalog.pg_last_wal_replay_lsn()::pg_catalog.text, '0/0')"
 	if reached {
-		epoch := "NULL::bigint"
+		epoch := "NULL::pg_catalog.int8"
 		if req.epoch > 0 {
 			epoch = strconv.FormatInt(req.epoch, 10)
 		}
-		return fmt.Sprintf("SELECT (CASE WHEN fence.replica_reached(%s, %s, %d) THEN %d ELSE 0 END)::text",
+		return fmt.Sprintf("SELECT (CASE WHEN fence.replica_reached(%s, %s, %d) THEN %d ELSE 0 END)::pg_catalog.text",
 			plan.Literal(req.job), epoch, req.token, req.token) + lsn
 	}
-	return "SELECT coalesce((SELECT max_issued_token FROM fence.fences WHERE job_key = " + plan.Literal(req.job) +
-		"), 0)::text" + lsn
+	return "SELECT coalesce((SELECT max_issued_token FROM fence.fences WHERE job_key OPERATOR(pg_catalog.=) " + plan.Literal(req.job) +
+		"), 0)::pg_catalog.text" + lsn
 }
 
 // routeRow takes the DataRow of a routing query. Server goroutine, under

@@ -24,6 +24,16 @@ func TestFenceCLI(t *testing.T) {
 	if out := mustRun(t, "migrate", "--database", dsn); !strings.Contains(out, "up to date") {
 		t.Fatalf("migrate again: %q", out)
 	}
+	// It says how leases are taken: job authorization off (with the way to
+	// turn it on), the TTL limit.
+	if out := mustRun(t, "migrate", "--database", dsn); !strings.Contains(out, "job authorization is off") ||
+		!strings.Contains(out, "fence.set_job_authorization(true)") || !strings.Contains(out, "limited to 1 day") {
+		t.Fatalf("migrate does not say how leases are taken: %q", out)
+	}
+	if out := mustRun(t, "migrate", "--database", dsn, "--json"); !strings.Contains(out, `"job_authorization":false`) ||
+		!strings.Contains(out, `"max_lease_ttl":"1 day"`) {
+		t.Fatalf("migrate --json: %q", out)
+	}
 	// --database defaults to the environment.
 	t.Run("database_from_env", func(t *testing.T) {
 		root := newRootCmd()

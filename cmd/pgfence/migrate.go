@@ -2,6 +2,8 @@ package main
 
 import (
 	"context"
+	"fmt"
+	"strings"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/spf13/cobra"
@@ -23,7 +25,12 @@ Run it as a DBA: a role that may create schemas in the database and create
 roles. Then grant pgfence_worker to each application role that takes leases
 or writes protected tables:
 
-    GRANT pgfence_worker TO app;`,
+    GRANT pgfence_worker TO app;
+
+It says how leases are taken there. Job authorization is off unless a DBA
+turned it on: any worker may acquire any job key. Leases of roles that are
+not administrators last at most max_lease_ttl (1 day unless a DBA moved it
+with fence.set_max_lease_ttl).`,
 		Args: cobra.NoArgs,
 		RunE: db.runE(func(ctx context.Context, conn *pgx.Conn, _ []string) (output, error) {
 			before, err := migrations.Current(ctx, conn)
@@ -37,13 +44,40 @@ or writes protected tables:
 			if err != nil {
 				return output{}, err
 			}
-			text := textf("fence schema migrated from version %d to %d", before, after)
+			line := fmt.Sprintf("fence schema migrated from version %d to %d", before, after)
 			if before == after {
-				text = textf("fence schema is up to date (version %d)", after)
+				line = fmt.Sprintf("fence schema is up to date (version %d)", after)
 			}
-			return output{json: map[string]any{"from_version": before, "version": after, "migrated": before != after}, text: text}, nil
+			auth, ttl, err := leaseDefaults(ctx, conn)
+			if err != nil {
+				return output{}, err
+			}
+			lines := []string{line}
+			if !auth {
+				lines = append(lines, "job authorization is off: any role in pgfence_worker may acquire any job key, a key another role will need included (docs/security.md);",
+					"  to allow each role only its own keys: SELECT fence.set_job_authorization(true); SELECT fence.grant_job('<role>', '<pattern>');")
+			}
+			if ttl == nil {
+				lines = append(lines, "leases have no time limit: a worker may hold one as long as it asks; SELECT fence.set_max_lease_ttl('1 day'); sets one")
+			} else {
+				lines = append(lines, fmt.Sprintf("leases of non-administrators are limited to %s (fence.set_max_lease_ttl moves the limit)", *ttl))
+			}
+			return output{json: map[string]any{"from_version": before, "version": after, "migrated": before != after,
+				"job_authorization": auth, "max_lease_ttl": ttl},
+				text: textf("%s", strings.Join(lines, "\n"))}, nil
 		}),
 	}
 	db.addFlag(cmd.Flags())
 	return cmd
+}
+
+// leaseDefaults reads whether job authorization is on and the lease TTL
+// limit (nil: none) of a migrated database.
+func leaseDefaults(ctx context.Context, conn *pgx.Conn) (auth bool, ttl *string, err error) {
+	err = conn.QueryRow(ctx, `select coalesce((select s.value = 'on' from fence.settings s where s.name = 'job_authorization'), false),
+		(select s.value from fence.settings s where s.name = 'max_lease_ttl')`).Scan(&auth, &ttl)
+	if err != nil {
+		return false, nil, fmt.Errorf("read the lease settings: %w", err)
+	}
+	return auth, ttl, nil
 }
