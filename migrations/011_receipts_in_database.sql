@@ -424,7 +424,7 @@ begin
 create function fence.%1$I() returns trigger
 language plpgsql
 security definer
-set search_path = pg_catalog, fence
+set search_path = pg_catalog, fence, pg_temp
 as $$
 -- The job-key check of column %2$I (fence.job_key_function, migration 011).
 declare

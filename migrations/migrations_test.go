@@ -3,6 +3,7 @@ package migrations_test
 import (
 	"context"
 	"os"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -134,5 +135,57 @@ func TestApplyConcurrentDatabases(t *testing.T) {
 		if err != nil {
 			t.Errorf("database %s: %v", dbs[i], err)
 		}
+	}
+}
+
+// TestFunctionsPinTempLast: every function of schema fence that runs as
+// its owner, or pins a search_path at all, lists pg_temp last in it, so a
+// caller's temporary domain, table or view can never stand in for a type
+// or relation the function names (migration 013). A later migration's
+// CREATE OR REPLACE that brings back a path without pg_temp fails here.
+func TestFunctionsPinTempLast(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	db := cluster.NewDatabase(t)
+	conn, err := cluster.Primary.Connect(ctx, db)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(ctx)
+	if err := migrations.Apply(ctx, conn); err != nil {
+		t.Fatal(err)
+	}
+	// Functions made after the migrations too: fence.protect makes the
+	// job-key check of a column name it has not seen.
+	if _, err := conn.Exec(ctx, "create table tl (k int, fresh_key_column text); select fence.protect('tl', 'fresh_key_column')"); err != nil {
+		t.Fatal(err)
+	}
+	rows, err := conn.Query(ctx, `
+select p.oid::regprocedure::text, p.prosecdef, coalesce((select c from unnest(p.proconfig) c where c like 'search_path=%'), '')
+  from pg_proc p where p.pronamespace = 'fence'::regnamespace order by 1`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rows.Close()
+	n := 0
+	for rows.Next() {
+		var fn, path string
+		var definer bool
+		if err := rows.Scan(&fn, &definer, &path); err != nil {
+			t.Fatal(err)
+		}
+		n++
+		switch {
+		case path == "" && definer:
+			t.Errorf("%s is SECURITY DEFINER without a pinned search_path", fn)
+		case path != "" && !strings.HasSuffix(strings.TrimSpace(path), "pg_temp"):
+			t.Errorf("%s: %s, want pg_temp last", fn, path)
+		}
+	}
+	if err := rows.Err(); err != nil {
+		t.Fatal(err)
+	}
+	if n == 0 {
+		t.Fatal("no functions in schema fence")
 	}
 }
