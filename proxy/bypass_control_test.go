@@ -7,6 +7,7 @@ import (
 	"net/url"
 	"os"
 	"os/exec"
+	"regexp"
 	"strings"
 	"testing"
 	"time"
@@ -14,8 +15,14 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 
+	"go.uber.org/zap"
+	"go.uber.org/zap/zaptest"
+	"go.uber.org/zap/zaptest/observer"
+
+	"github.com/pgfence/pgfence/internal/ownsql"
 	"github.com/pgfence/pgfence/internal/pgtest"
 	"github.com/pgfence/pgfence/internal/testbin"
+	"github.com/pgfence/pgfence/rewrite"
 )
 
 // TestBypass/control (issue 30, HIGH 1): pgfence's own SQL in a database
@@ -518,6 +525,27 @@ func bypassControl(t *testing.T) {
 		controlCase{"fake/cli_protect_add", trapFake, driveCLI(true, "protect", "add", "results")},
 		controlCase{"grant/in_session_gated_write", trapGrant, driveGatedWrite},
 	)
+	cases = append(cases,
+		controlCase{"fake/untrusted_reported", trapFake, driveUntrustedReported},
+		controlCase{"grant/untrusted_reported", trapGrant, driveUntrustedReported},
+		controlCase{"fake_rls/watcher_load_least_privilege", trapFakeRLS, driveLeastPrivilege(false)},
+		controlCase{"fake_rls/console_admin_least_privilege", trapFakeRLS, driveLeastPrivilege(true)},
+		controlCase{"pins/standard_conforming_strings_read_set", trapOwner, drivePinnedReadSet},
+		controlCase{"pins/role_console", trapOwner, drivePinnedRole},
+		controlCase{"pins/client_encoding_names", trapOwner, drivePinnedEncoding},
+		controlCase{"pins/local_preload_libraries_console", trapOwner, drivePinnedLibraries},
+		controlCase{"pins/dsn_options", trapOwner, driveDSNOptions},
+		controlCase{"pins/alter_role_in_database", trapOwner, driveRoleSetting},
+	)
+	cases = append(cases,
+		controlCase{"least_privilege/watcher_takeover_reads_console", trapOwner, driveControlRole},
+		controlCase{"least_privilege/auth_lookup_function", trapOwner, driveAuthFunction},
+		controlCase{"superuser_warning", trapOwner, driveSuperuserWarning},
+		controlCase{"every_text", trapOwner, driveEveryText},
+	)
+	for _, p := range controlPins {
+		cases = append(cases, controlCase{"pins/" + p.setting, trapOwner, drivePin(p.setting, p.hostile, p.want)})
+	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
 			e := newTrapEnv(t, c.kind)
@@ -525,6 +553,214 @@ func bypassControl(t *testing.T) {
 			e.noFire(t)
 		})
 	}
+}
+
+// controlPins: a setting a database's owner may set for every session
+// there, a value of it that would turn a control connection (the DSN's
+// user: a superuser) against the proxy, and what the connection runs with.
+var controlPins = []struct{ setting, hostile, want string }{
+	{"search_path", "public", "pg_catalog, pg_temp"},
+	{"role", "WORKER", "none"},
+	{"local_preload_libraries", "pgfence_no_such_library", ""},
+	{"client_encoding", "LATIN1", "UTF8"},
+	{"standard_conforming_strings", "off", "on"},
+	{"transform_null_equals", "on", "off"},
+	{"statement_timeout", "1", "0"},
+	{"lock_timeout", "1", "0"},
+	{"idle_in_transaction_session_timeout", "1", "0"},
+	{"idle_session_timeout", "1", "0"},
+	{"exit_on_error", "on", "off"},
+	{"default_transaction_read_only", "off", "on"},
+	{"row_security", "on", "off"},
+	{"jit", "on", "off"},
+}
+
+// ownerSets runs ALTER DATABASE e.db SET setting = value as the worker,
+// the database's owner (a new session there gets it from then on).
+func (e *trapEnv) ownerSets(t *testing.T, setting, value string) {
+	t.Helper()
+	execOK(t, connectRole(t, e.db, e.worker), fmt.Sprintf("ALTER DATABASE %s SET %s = %s",
+		pgx.Identifier{e.db}.Sanitize(), setting, pgx.Identifier{strings.ReplaceAll(value, "WORKER", e.worker)}.Sanitize()))
+}
+
+// controlSetting opens a control connection to e.db as the proxy would
+// (the cluster's superuser, settings pinned) with cfg's changes, and
+// returns setting there and the connection's current_user.
+func (e *trapEnv) controlSetting(t *testing.T, setting string, change func(*pgconn.Config)) (string, string) {
+	t.Helper()
+	base, err := pgconn.ParseConfig(cluster.Primary.DSN("postgres"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if change != nil {
+		change(base)
+	}
+	c := connectConfig(t, controlConfig(base, e.db, "pgfence pin check"))
+	res := c.ExecParams(ctxT(t), "SELECT pg_catalog.current_setting($1), current_user::pg_catalog.text", [][]byte{[]byte(setting)}, nil, nil, nil).Read()
+	if res.Err != nil || len(res.Rows) != 1 {
+		t.Fatalf("read %s: %v", setting, res.Err)
+	}
+	return string(res.Rows[0][0]), string(res.Rows[0][1])
+}
+
+// drivePin: the database's owner sets setting to hostile; a control
+// connection still runs with want, as the DSN's own user.
+func drivePin(setting, hostile, want string) func(t *testing.T, e *trapEnv) {
+	return func(t *testing.T, e *trapEnv) {
+		e.ownerSets(t, setting, hostile)
+		got, user := e.controlSetting(t, setting, nil)
+		if got != want || user != "postgres" {
+			t.Fatalf("a control connection runs with %s = %q as %s, want %q as postgres", setting, got, user, want)
+		}
+	}
+}
+
+// driveDSNOptions: the DSN's own options do not unpin either.
+func driveDSNOptions(t *testing.T, e *trapEnv) {
+	got, user := e.controlSetting(t, "search_path", func(c *pgconn.Config) {
+		c.RuntimeParams["options"] = "-c search_path=trap,public -c role=" + e.worker
+	})
+	if got != ownsql.SearchPath || user != "postgres" {
+		t.Fatalf("search_path %q as %s, want %q as postgres", got, user, ownsql.SearchPath)
+	}
+}
+
+// driveRoleSetting: nor do the DSN user's own settings in the database.
+func driveRoleSetting(t *testing.T, e *trapEnv) {
+	execOK(t, e.su, "ALTER ROLE postgres IN DATABASE "+pgx.Identifier{e.db}.Sanitize()+" SET search_path = trap, public")
+	t.Cleanup(func() {
+		e.su.Exec(context.Background(), "ALTER ROLE postgres IN DATABASE "+pgx.Identifier{e.db}.Sanitize()+" RESET search_path")
+	})
+	if got, _ := e.controlSetting(t, "search_path", nil); got != ownsql.SearchPath {
+		t.Fatalf("search_path %q, want %q", got, ownsql.SearchPath)
+	}
+	p, _ := trapProxy(t, true, Config{})
+	e.session(t, p)
+	e.lease(t)
+	showFencesOK(t, p, e.db)
+}
+
+// showFencesOK runs SHOW FENCES db as an admin, which must answer with a
+// row showing a token.
+func showFencesOK(t *testing.T, p *testProxy, db string) {
+	t.Helper()
+	c, err := consoleConnect(t, p, "admin", consolePassword("admin"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	rows := show(t, c, "SHOW FENCES "+db)
+	if len(rows) == 0 || rows[0]["max_issued_token"] == "" {
+		t.Fatalf("SHOW FENCES %s: %v, want a fence row with its token", db, rows)
+	}
+}
+
+// drivePinnedReadSet: with standard_conforming_strings off for the
+// database, the read set still finds a view that runs SQL (query_to_xml).
+func drivePinnedReadSet(t *testing.T, e *trapEnv) {
+	execOK(t, e.su, "CREATE VIEW public.v_xml AS SELECT pg_catalog.query_to_xml('SELECT payload FROM public.results', false, false, '')::pg_catalog.text AS payload")
+	e.ownerSets(t, "standard_conforming_strings", "off")
+	p, g := trapProxy(t, true, Config{})
+	e.session(t, p)
+	cat := catalogOf(t, g, e.db)
+	if err := pgtest.Poll(ctxT(t), func() (bool, error) { return cat.reads.Load() != nil, nil }); err != nil {
+		t.Fatalf("no read set: %v", err)
+	}
+	if !cat.reads.Load().exposes(rewrite.RelName{Schema: "public", Name: "v_xml"}) {
+		t.Fatal("a view calling query_to_xml is not in the read set as reaching protected data")
+	}
+}
+
+// drivePinnedRole: with role set to the worker for the database, SHOW
+// FENCES still reads as the DSN's user.
+func drivePinnedRole(t *testing.T, e *trapEnv) {
+	e.lease(t)
+	e.ownerSets(t, "role", "WORKER")
+	p, _ := trapProxy(t, false, Config{})
+	showFencesOK(t, p, e.db)
+}
+
+// drivePinnedEncoding: with client_encoding LATIN1 for the database, the
+// watcher still reads a protected table's name as it is.
+func drivePinnedEncoding(t *testing.T, e *trapEnv) {
+	execOK(t, e.su, `CREATE TABLE public."résultats" (k pg_catalog.int4); SELECT fence.protect('public."résultats"')`)
+	e.ownerSets(t, "client_encoding", "LATIN1")
+	p, g := trapProxy(t, false, Config{})
+	e.session(t, p)
+	if !catalogOf(t, g, e.db).prot.Load().Matches(rewrite.RelName{Schema: "public", Name: "résultats"}, nil) {
+		t.Fatal("the watcher does not know public.résultats as protected")
+	}
+}
+
+// drivePinnedLibraries: a library name that is not there, loaded into
+// every session of the database, does not keep SHOW FENCES out of it.
+func drivePinnedLibraries(t *testing.T, e *trapEnv) {
+	e.lease(t)
+	e.ownerSets(t, "local_preload_libraries", "pgfence_no_such_library")
+	p, _ := trapProxy(t, false, Config{})
+	showFencesOK(t, p, e.db)
+}
+
+// driveUntrustedReported: a database whose schema fence is not trusted is
+// treated as having none, and the catalog says why, distinctly from a
+// database with no schema fence.
+func driveUntrustedReported(t *testing.T, e *trapEnv) {
+	p, g := trapProxy(t, false, Config{})
+	e.session(t, p)
+	cat := catalogOf(t, g, e.db)
+	if cat.schema.Load() || cat.prot.Load().Len() != 0 || cat.untrusted.Load() == nil {
+		t.Fatalf("schema %v, %d protected tables, untrusted %v: want no schema, none, and why", cat.schema.Load(), cat.prot.Load().Len(), cat.untrusted.Load())
+	}
+	t.Logf("untrusted: %s", *cat.untrusted.Load())
+	plain := cluster.NewDatabase(t)
+	execOK(t, cluster.Primary.MustConnect(t, plain), "DROP SCHEMA fence CASCADE")
+	e2 := &trapEnv{db: plain, worker: e.worker}
+	e2.session(t, p)
+	if c := catalogOf(t, g, plain); c.schema.Load() || c.untrusted.Load() != nil {
+		t.Fatalf("a database without schema fence: schema %v, untrusted %v", c.schema.Load(), c.untrusted.Load())
+	}
+}
+
+// driveLeastPrivilege: the proxy's DSN is a role that is no superuser (a
+// member of pgfence_control, where the database has it): the fake fence's
+// row security would run its policy as that role. console: SHOW FENCES by
+// an admin, else a session (the watcher).
+func driveLeastPrivilege(console bool) func(t *testing.T, e *trapEnv) {
+	return func(t *testing.T, e *trapEnv) {
+		ctl := controlRole(t)
+		p, _ := leastPrivilegeProxy(t, ctl, Config{})
+		if console {
+			c, err := consoleConnect(t, p, "admin", consolePassword("admin"))
+			if err != nil {
+				t.Fatal(err)
+			}
+			rows, err := c.Query(ctxT(t), "SHOW FENCES "+e.db)
+			if err == nil {
+				rows.Close()
+				err = rows.Err()
+			}
+			t.Logf("SHOW FENCES: %v", err)
+			return
+		}
+		e.session(t, p)
+	}
+}
+
+// controlRole is a LOGIN role for the proxy's DSN that is a member of
+// pgfence_control and nothing more.
+func controlRole(t *testing.T) string {
+	t.Helper()
+	db := cluster.NewDatabase(t)
+	prefix, _, _ := strings.Cut(db, "_")
+	role := prefix + "_control"
+	execOK(t, cluster.Primary.MustConnect(t, "postgres"), "CREATE ROLE "+role+" LOGIN IN ROLE pgfence_control")
+	return role
+}
+
+// leastPrivilegeProxy is trapProxy with role as the primary's (and, with
+// cfg.Replicas not nil, the replica's) DSN user.
+func leastPrivilegeProxy(t *testing.T, role string, cfg Config) (*testProxy, *Fence) {
+	t.Helper()
+	return leastPrivilegeProxyLog(t, role, cfg, zaptest.NewLogger(t))
 }
 
 // driveWatcherLoad: a session starts the database's watcher (LISTEN, the
@@ -650,8 +886,10 @@ func driveAuth(t *testing.T, e *trapEnv) {
 	t.Logf("login as auth_alice: %v", err)
 }
 
-// driveCLI runs the pgfence CLI as the superuser against e.db. refused:
-// it may fail (a database whose fence schema is not pgfence's).
+// driveCLI runs the pgfence CLI as the superuser against e.db. In a
+// database whose fence schema (or tern's version table) is not a
+// superuser's it must refuse, with exit code 78 (EX_CONFIG); elsewhere it
+// must succeed. mayFail: the command may fail there for its own reasons.
 func driveCLI(mayFail bool, args ...string) func(t *testing.T, e *trapEnv) {
 	return func(t *testing.T, e *trapEnv) {
 		cmd := exec.Command(testbin.Pgfence(t), append(args, "--database", cluster.Primary.DSN(e.db))...)
@@ -662,7 +900,13 @@ func driveCLI(mayFail bool, args ...string) func(t *testing.T, e *trapEnv) {
 			t.Fatal(err)
 		}
 		t.Logf("pgfence %s: %v\n%s", strings.Join(args, " "), err, out)
-		if err != nil && !mayFail && (e.kind == trapCreate || e.kind == trapOwner) {
+		if e.kind == trapFake || e.kind == trapFakeRLS || e.kind == trapPremigrate {
+			if !errors.As(err, &ee) || ee.ExitCode() != 78 || !strings.Contains(string(out), "trust") {
+				t.Errorf("pgfence %s in a database whose fence is not pgfence's: %v, want exit 78 saying it does not trust it", strings.Join(args, " "), err)
+			}
+			return
+		}
+		if err != nil && !mayFail {
 			t.Errorf("pgfence %s failed in a database whose fence schema is pgfence's: %v\n%s", strings.Join(args, " "), err, out)
 		}
 	}
@@ -715,4 +959,263 @@ func driveGatedWrite(t *testing.T, e *trapEnv) {
 	rr := c.ExecParams(ctxT(t), "INSERT INTO results VALUES ($1, $2, 2) ON CONFLICT (job_key) DO NOTHING", [][]byte{[]byte("job2"), []byte("extended")}, nil, nil, nil)
 	_, err = rr.Close()
 	t.Logf("extended: %v", err)
+}
+
+// driveControlRole: with a member of pgfence_control as the DSN's user
+// (no superuser), in the trapped database, everything the control
+// connections do works: the watcher and its read set, a takeover, the
+// pollers, SHOW FENCES with tokens for an admin; and nobody warns that the
+// control user is a superuser.
+func driveControlRole(t *testing.T, e *trapEnv) {
+	ctl := controlRole(t)
+	core, logs := observer.New(zap.WarnLevel)
+	p, g := leastPrivilegeProxyLog(t, ctl, Config{Replicas: []string{}}, zap.New(core))
+	e.session(t, p)
+	waitHealthy(t, p)
+	cat := catalogOf(t, g, e.db)
+	if err := pgtest.Poll(ctxT(t), func() (bool, error) { return cat.reads.Load() != nil && cat.reached.Load(), nil }); err != nil {
+		t.Fatalf("no read set or no replica_reached for the control role: %v", err)
+	}
+	n := cat.tk.seen.Load()
+	e.lease(t)
+	if err := pgtest.Poll(ctxT(t), func() (bool, error) { return cat.tk.seen.Load() > n, nil }); err != nil {
+		t.Fatalf("the takeover was never recorded: %v", err)
+	}
+	showFencesOK(t, p, e.db)
+	if err := p.srv.CheckControlRole(ctxT(t)); err != nil {
+		t.Fatal(err)
+	}
+	for _, l := range logs.All() {
+		if strings.Contains(l.Message, "superuser") {
+			t.Fatalf("warned of a superuser: %s", l.Message)
+		}
+	}
+}
+
+// driveAuthFunction: auth postgres with a control role that cannot read
+// pg_shadow, through the SECURITY DEFINER lookup docs/proxy.md describes,
+// in the trapped database.
+func driveAuthFunction(t *testing.T, e *trapEnv) {
+	authRoles(t)
+	ctl := controlRole(t)
+	execOK(t, e.su, `
+CREATE SCHEMA pgfence_auth;
+CREATE FUNCTION pgfence_auth.lookup(p_user text, OUT usename name, OUT passwd text)
+  LANGUAGE sql STABLE SECURITY DEFINER SET search_path = pg_catalog, pg_temp
+  AS $$ SELECT usename, passwd FROM pg_catalog.pg_shadow
+        WHERE usename = p_user AND (valuntil IS NULL OR valuntil > now()) $$;
+REVOKE ALL ON FUNCTION pgfence_auth.lookup(text) FROM PUBLIC;
+GRANT USAGE ON SCHEMA pgfence_auth TO `+ctl+`;
+GRANT EXECUTE ON FUNCTION pgfence_auth.lookup(text) TO `+ctl)
+	p := startProxy(t, Config{Primary: fmt.Sprintf("postgres://%s@%s/%s?sslmode=disable", ctl, cluster.Primary.Addr(), e.db),
+		Auth: AuthPostgres, AuthQuery: "SELECT usename, passwd FROM pgfence_auth.lookup($1)"})
+	c, err := pgconn.Connect(ctxT(t), fmt.Sprintf("postgres://auth_alice:alice-pw@127.0.0.1:%d/%s?sslmode=disable", p.addr.Port, e.db))
+	if err != nil {
+		t.Fatalf("login through the lookup function: %v", err)
+	}
+	c.Close(context.Background())
+}
+
+// driveSuperuserWarning: a superuser as the DSN's user is warned of, once.
+func driveSuperuserWarning(t *testing.T, e *trapEnv) {
+	prefix, _, _ := strings.Cut(e.db, "_")
+	su := prefix + "_dsn_su"
+	execOK(t, e.su, "CREATE ROLE "+su+" LOGIN SUPERUSER")
+	core, logs := observer.New(zap.WarnLevel)
+	p, _ := leastPrivilegeProxyLog(t, su, Config{}, zap.New(core))
+	for range 2 {
+		if err := p.srv.CheckControlRole(ctxT(t)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	e.session(t, p)
+	n := 0
+	for _, l := range logs.All() {
+		if strings.Contains(l.Message, "control connections run as a superuser") {
+			n++
+		}
+	}
+	if n != 1 {
+		t.Fatalf("warned %d times that the control user is a superuser, want once", n)
+	}
+}
+
+// driveEveryText: one database with every trap its owner can lay, every
+// path that sends pgfence's own SQL driven there; then every text the
+// proxy registers (ownTexts) must be in the servers' statement logs,
+// logged by a control connection (application pgfence ...) or by the
+// client's own session, as registered.
+func driveEveryText(t *testing.T, e *trapEnv) {
+	const app = "every_text_client"
+	from := map[*pgtest.Node]int64{}
+	for _, n := range []*pgtest.Node{cluster.Primary, cluster.Replica} {
+		fi, err := os.Stat(n.LogPath)
+		if err != nil {
+			t.Fatal(err)
+		}
+		from[n] = fi.Size()
+	}
+	execOK(t, e.su, "CREATE FUNCTION public.noop() RETURNS pg_catalog.int4 LANGUAGE sql AS 'SELECT 1'; GRANT EXECUTE ON FUNCTION public.noop() TO PUBLIC")
+	p, g := trapProxy(t, true, Config{})
+	cat := func() *catalog { return catalogOf(t, g, e.db) }
+	client := func(opts ...string) *pgconn.PgConn {
+		t.Helper()
+		cfg, err := pgconn.ParseConfig(fmt.Sprintf("postgres://%s@127.0.0.1:%d/%s?sslmode=disable&application_name=%s", url.PathEscape(e.worker), p.addr.Port, e.db, app))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(opts) > 0 {
+			cfg.RuntimeParams["options"] = strings.Join(opts, " ")
+		}
+		return connectConfig(t, cfg)
+	}
+	// The watcher, its read set and the pollers.
+	c := client()
+	waitHealthy(t, p)
+	if err := pgtest.Poll(ctxT(t), func() (bool, error) { return cat().reads.Load() != nil, nil }); err != nil {
+		t.Fatal(err)
+	}
+	// A takeover through the proxy: recorded by the watcher, and the
+	// client told fence.commit_lsn.
+	var epoch, token string
+	res := c.Exec(ctxT(t), "SELECT epoch::pg_catalog.text, token::pg_catalog.text FROM fence.acquire(E'job', E'h', '1 hour'::interval)").ReadAll
+	if r, err := res(); err != nil || len(r) == 0 || len(r[0].Rows) == 0 {
+		t.Fatalf("acquire: %v", err)
+	} else {
+		epoch, token = string(r[0].Rows[0][0]), string(r[0].Rows[0][1])
+	}
+	if err := pgtest.Poll(ctxT(t), func() (bool, error) {
+		tk, ok := cat().tk.lookup("job")
+		return ok && fmt.Sprint(tk.token) == token, nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	// Gated writes and receipts, simple and extended, seen into and not.
+	gen := func(step string) *pgconn.PgConn {
+		return client(fmt.Sprintf("-c fence.job_key=job -c fence.epoch=%s -c fence.token=%s -c fence.step=%s", epoch, token, step))
+	}
+	for i, q := range []string{
+		"BEGIN; INSERT INTO results VALUES (E'job', E'simple', 1); COMMIT",
+		"INSERT INTO results VALUES (E'job2', E'autocommit', 1)",
+		"BEGIN; SELECT public.noop(); COMMIT",
+		"BEGIN; INSERT INTO results VALUES (E'job3', E'simple', 1); INSERT INTO results VALUES (E'job5', E'simple', 1); COMMIT",
+	} {
+		if _, err := gen(fmt.Sprintf("s%d", i)).Exec(ctxT(t), q).ReadAll(); err != nil {
+			t.Fatalf("write %d: %s: %v", i, q, err)
+		}
+	}
+	for i, stmts := range [][]string{
+		{"BEGIN", "INSERT INTO results VALUES ($1, E'extended', 1)", "COMMIT"},
+		{"BEGIN", "SELECT public.noop()", "COMMIT"},
+	} {
+		b := &pgconn.Batch{}
+		for _, q := range stmts {
+			var args [][]byte
+			if strings.Contains(q, "$1") {
+				args = [][]byte{[]byte(fmt.Sprintf("ext%d", i))}
+			}
+			b.ExecParams(q, args, nil, nil, nil)
+		}
+		if _, err := gen(fmt.Sprintf("b%d", i)).ExecBatch(ctxT(t), b).ReadAll(); err != nil {
+			t.Fatalf("batch %d: %v", i, err)
+		}
+	}
+	// A setting the proxy cannot follow from the text: read back.
+	w := gen("r")
+	mustExec(t, w, "SELECT pg_catalog.set_config('fence.step', pg_catalog.concat('y', ''), false)")
+	mustExec(t, w, "BEGIN; INSERT INTO results VALUES (E'job4', E'after', 1); COMMIT")
+	// A refusal.
+	_, err := w.Exec(ctxT(t), "PREPARE pgfence_x AS SELECT 1").ReadAll()
+	t.Logf("refused: %v", err)
+	// The replica's own fence row, with and without replica_reached.
+	before := p.srv.rs.stats.FenceChecks.Load()
+	_, err = client("-c fence.job_key=unseen -c fence.token=999999").Exec(ctxT(t), "SELECT job_key FROM results").ReadAll()
+	t.Logf("read with an unseen generation: %v", err)
+	execOK(t, e.su, "DROP FUNCTION fence.replica_reached(text, bigint, bigint)")
+	if err := pgtest.Poll(ctxT(t), func() (bool, error) { return !cat().reached.Load(), nil }); err != nil {
+		t.Fatal(err)
+	}
+	if err := cluster.WaitReplicaCaughtUp(ctxT(t)); err != nil {
+		t.Fatal(err)
+	}
+	_, err = client("-c fence.job_key=unseen -c fence.token=999998").Exec(ctxT(t), "SELECT job_key FROM results").ReadAll()
+	t.Logf("read with an unseen generation: %v", err)
+	if p.srv.rs.stats.FenceChecks.Load() < before+2 {
+		t.Fatalf("%d fence-row checks, want 2", p.srv.rs.stats.FenceChecks.Load()-before)
+	}
+	// The console, and the auth lookup in this database.
+	showFencesOK(t, p, e.db)
+	driveAuth(t, e)
+
+	// Every own text, found where it runs.
+	var logged []loggedStatement
+	for n, off := range from {
+		logged = append(logged, statementLog(t, n, off)...)
+	}
+	for _, o := range ownTexts {
+		found := false
+		for _, l := range logged {
+			if !strings.Contains(l.sql, o.match) {
+				continue
+			}
+			if o.where == onControl && strings.HasPrefix(l.app, "pgfence ") || o.where == onSession && l.app == app {
+				found = true
+				break
+			}
+		}
+		if !found {
+			t.Errorf("%s was not run in the trapped database (where %d): %s", o.name, o.where, o.match)
+		}
+	}
+}
+
+// loggedStatement is a statement a server logged (log_statement = all):
+// the application that sent it and its text.
+type loggedStatement struct{ app, sql string }
+
+var logLine = regexp.MustCompile(`^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+ \S+ \[\d+\] (.*?) ?LOG:  (?:statement|execute [^:]*): (.*)$`)
+
+// statementLog reads the statements n logged after offset.
+func statementLog(t *testing.T, n *pgtest.Node, offset int64) []loggedStatement {
+	t.Helper()
+	b, err := os.ReadFile(n.LogPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out []loggedStatement
+	var cur *loggedStatement
+	for _, l := range strings.Split(string(b[offset:]), "\n") {
+		if m := logLine.FindStringSubmatch(l); m != nil {
+			out = append(out, loggedStatement{app: m[1], sql: m[2]})
+			cur = &out[len(out)-1]
+			continue
+		}
+		if rest, ok := strings.CutPrefix(l, "\t"); ok && cur != nil {
+			cur.sql += "\n" + rest
+			continue
+		}
+		cur = nil
+	}
+	return out
+}
+
+// leastPrivilegeProxyLog is leastPrivilegeProxy logging to log.
+func leastPrivilegeProxyLog(t *testing.T, role string, cfg Config, log *zap.Logger) (*testProxy, *Fence) {
+	t.Helper()
+	dsn := func(n *pgtest.Node) string {
+		return fmt.Sprintf("postgres://%s@%s/postgres?sslmode=disable", role, n.Addr())
+	}
+	gate, err := NewFence(FenceConfig{Primary: dsn(cluster.Primary)}, log)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(gate.Close)
+	cfg.Interceptor = gate
+	cfg.Primary = dsn(cluster.Primary)
+	if cfg.Replicas != nil {
+		cfg.Replicas = []string{dsn(cluster.Replica)}
+		cfg.ReplicaPoll = 10 * time.Millisecond
+		cfg.ReplicaMaxLag = time.Minute
+	}
+	return startProxyLog(t, withConsole(cfg), log), gate
 }

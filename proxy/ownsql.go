@@ -73,15 +73,17 @@ func init() {
 		own("gate statement "+s.Name, onSession, s.SQL)
 	}
 	g := sampleGeneration
-	ownTemplate("gate step (simple protocol)", onSession, plan.GateSQL(g), "SELECT fence.gate(E'job'::pg_catalog.text, ")
-	ownTemplate("receipt step (simple protocol)", onSession, plan.CommitSQL(true, g, []byte{1}, "v"), "SELECT fence.commit(E'job'::pg_catalog.text, ")
-	ownTemplate("receipt step if written (simple protocol)", onSession, plan.CommitSQL(false, g, []byte{1}, "v"), "SELECT fence.commit_if_written(E'job'::pg_catalog.text, ")
+	ownTemplate("gate step (simple protocol)", onSession, plan.GateSQL(g), "SELECT fence.gate(E'")
+	ownTemplate("receipt step (simple protocol)", onSession, plan.CommitSQL(true, g, []byte{1}, "v"), "SELECT fence.commit(E'")
+	ownTemplate("receipt step if written (simple protocol)", onSession, plan.CommitSQL(false, g, []byte{1}, "v"), "SELECT fence.commit_if_written(E'")
+	own("receipt savepoint's end (simple protocol)", onSession, plan.RestoreSQL)
+	ownTemplate("refusal", onSession, plan.RaiseSQL(&fence.Error{Code: "FN013", Message: "m"}), "DO $pgfence$BEGIN RAISE EXCEPTION USING ERRCODE = E'")
 	own("settings read-back", onSession, settingsSQL)
 	own("commit_lsn", onSession, insertLSNQuery)
 	ownTemplate("replica fence-row check (replica_reached)", onSession, fenceCheckQuery(requirement{job: "job", token: 2, epoch: 1}, true),
-		"SELECT (CASE WHEN fence.replica_reached(E'job'::pg_catalog.text, ")
+		"SELECT (CASE WHEN fence.replica_reached(E'")
 	ownTemplate("replica fence-row check (fence.fences)", onSession, fenceCheckQuery(requirement{job: "job", token: 2}, false),
-		"SELECT coalesce((SELECT f.max_issued_token FROM fence.fences AS f WHERE f.job_key OPERATOR(pg_catalog.=) E'job'::pg_catalog.text")
+		"SELECT coalesce((SELECT f.max_issued_token FROM fence.fences AS f WHERE f.job_key OPERATOR(pg_catalog.=) E'")
 }
 
 // sampleGeneration instantiates the templates (every_text drives job
