@@ -565,6 +565,8 @@ var controlPins = []struct{ setting, hostile, want string }{
 	{"client_encoding", "LATIN1", "UTF8"},
 	{"standard_conforming_strings", "off", "on"},
 	{"transform_null_equals", "on", "off"},
+	{"default_transaction_isolation", "serializable", "read committed"},
+	{"default_transaction_deferrable", "on", "off"},
 	{"statement_timeout", "1", "0"},
 	{"lock_timeout", "1", "0"},
 	{"idle_in_transaction_session_timeout", "1", "0"},

@@ -64,6 +64,11 @@ var pins = map[string]string{
 	"standard_conforming_strings": "on",
 	// = NULL read as IS NULL.
 	"transform_null_equals": "off",
+	// A serializable, deferrable default makes a read-only statement wait
+	// for a safe snapshot, as long as someone's serializable transaction
+	// stays open.
+	"default_transaction_isolation":  "read committed",
+	"default_transaction_deferrable": "off",
 	// Timeouts that would end pgfence's statements or its idle watcher
 	// (it waits for notifications between statements), and an error that
 	// would end the session.
