@@ -229,8 +229,8 @@ type auditor struct {
 func (a *auditor) run(ctx context.Context) error {
 	var tcs string
 	var hasFence bool
-	err := a.q.QueryRow(ctx, `select current_setting('track_commit_timestamp'),
-		to_regclass('fence.receipts') is not null, to_regclass('fence.consumer_log') is not null`).Scan(&tcs, &hasFence, &a.hasLog)
+	err := a.q.QueryRow(ctx, `select pg_catalog.current_setting('track_commit_timestamp'),
+		pg_catalog.to_regclass('fence.receipts') is not null, pg_catalog.to_regclass('fence.consumer_log') is not null`).Scan(&tcs, &hasFence, &a.hasLog)
 	if err != nil {
 		return fmt.Errorf("read settings: %w", err)
 	}

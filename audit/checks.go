@@ -107,7 +107,7 @@ func (a *auditor) checkResultTable(ctx context.Context, t ResultTable) error {
 		return fmt.Errorf("result table %q needs a table, a job key column and a token column", t.Table)
 	}
 	var rel string
-	if err := a.q.QueryRow(ctx, "select $1::regclass::text", t.Table).Scan(&rel); err != nil {
+	if err := a.q.QueryRow(ctx, "select $1::pg_catalog.regclass::pg_catalog.text", t.Table).Scan(&rel); err != nil {
 		return fmt.Errorf("resolve: %w", err)
 	}
 	job := "t." + pgx.Identifier{t.JobKeyColumn}.Sanitize()

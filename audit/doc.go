@@ -5,7 +5,12 @@
 // Run reads, in one REPEATABLE READ READ ONLY transaction (a consistent
 // snapshot; it writes nothing), the receipts, the issuance log, epochs,
 // fences, gc watermarks, fence.consumer_log and the result tables the
-// caller names, and reports violations of:
+// caller names, and reports violations of the guarantees below. Its SQL
+// names pg_catalog's functions and operators without their schema in
+// places: run it on a connection that pins search_path to pg_catalog,
+// pg_temp in its startup parameters (internal/ownsql.Pin), as pgfence
+// audit does, whenever the database is one others may create objects in
+// or own (docs/security.md, "pgfence's own SQL"). It reports violations of:
 //
 //  1. (L2) no business commit under a token after a larger token of the
 //     same job had been issued and committed;

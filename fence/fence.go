@@ -111,7 +111,7 @@ func interval(d time.Duration) pgtype.Interval {
 // same holder re-acquiring gets a new token.
 func Acquire(ctx context.Context, db DBTX, jobKey, holder string, ttl time.Duration) (Lease, error) {
 	l := Lease{JobKey: jobKey, Holder: holder}
-	err := db.QueryRow(ctx, "select epoch, token, expires_at from fence.acquire($1, $2, $3)",
+	err := db.QueryRow(ctx, "select epoch, token, expires_at from fence.acquire($1::pg_catalog.text, $2::pg_catalog.text, $3::pg_catalog.interval)",
 		jobKey, holder, interval(ttl)).Scan(&l.Epoch, &l.Token, &l.ExpiresAt)
 	if err != nil {
 		return Lease{}, fmt.Errorf("acquire %q: %w", jobKey, FromPostgres(err))
@@ -123,7 +123,7 @@ func Acquire(ctx context.Context, db DBTX, jobKey, holder string, ttl time.Durat
 // new expiry.
 func Renew(ctx context.Context, db DBTX, jobKey string, token int64, ttl time.Duration) (time.Time, error) {
 	var exp time.Time
-	if err := db.QueryRow(ctx, "select fence.renew($1, $2, $3)", jobKey, token, interval(ttl)).Scan(&exp); err != nil {
+	if err := db.QueryRow(ctx, "select fence.renew($1::pg_catalog.text, $2::pg_catalog.int8, $3::pg_catalog.interval)", jobKey, token, interval(ttl)).Scan(&exp); err != nil {
 		return time.Time{}, fmt.Errorf("renew %q: %w", jobKey, FromPostgres(err))
 	}
 	return exp, nil
@@ -132,7 +132,7 @@ func Renew(ctx context.Context, db DBTX, jobKey string, token int64, ttl time.Du
 // Release ends the lease held with token now. The token stays the fence's
 // current one until the next Acquire.
 func Release(ctx context.Context, db DBTX, jobKey string, token int64) error {
-	if _, err := db.Exec(ctx, "select fence.release($1, $2)", jobKey, token); err != nil {
+	if _, err := db.Exec(ctx, "select fence.release($1::pg_catalog.text, $2::pg_catalog.int8)", jobKey, token); err != nil {
 		return fmt.Errorf("release %q: %w", jobKey, FromPostgres(err))
 	}
 	return nil
@@ -160,7 +160,7 @@ func Retire(ctx context.Context, db DBTX, jobKey string, opts RetireOptions) err
 	if opts.Token != 0 {
 		token = &opts.Token
 	}
-	if _, err := db.Exec(ctx, "select fence.retire($1, $2, $3)", jobKey, token, opts.Force); err != nil {
+	if _, err := db.Exec(ctx, "select fence.retire($1::pg_catalog.text, $2::pg_catalog.int8, $3::pg_catalog.bool)", jobKey, token, opts.Force); err != nil {
 		return fmt.Errorf("retire %q: %w", jobKey, FromPostgres(err))
 	}
 	return nil
@@ -175,9 +175,9 @@ func Retire(ctx context.Context, db DBTX, jobKey string, opts RetireOptions) err
 // so a retry is a replay). tx must be a transaction.
 func Gate(ctx context.Context, tx DBTX, g Generation) (GateResult, error) {
 	var res string
-	err := tx.QueryRow(ctx, `select fence.gate($1, $2, $3, $4),
-		set_config('fence.job_key', $1, true), set_config('fence.epoch', $2::bigint::text, true),
-		set_config('fence.token', $3::bigint::text, true), set_config('fence.step', $4, true)`,
+	err := tx.QueryRow(ctx, `select fence.gate($1::pg_catalog.text, $2::pg_catalog.int8, $3::pg_catalog.int8, $4::pg_catalog.text),
+		pg_catalog.set_config('fence.job_key', $1, true), pg_catalog.set_config('fence.epoch', $2::pg_catalog.int8::pg_catalog.text, true),
+		pg_catalog.set_config('fence.token', $3::pg_catalog.int8::pg_catalog.text, true), pg_catalog.set_config('fence.step', $4, true)`,
 		g.JobKey, g.Epoch, g.Token, g.Step).Scan(&res, nil, nil, nil, nil)
 	if err != nil {
 		return 0, fmt.Errorf("gate %s: %w", g, FromPostgres(err))
@@ -221,7 +221,7 @@ func CommitIfWritten(ctx context.Context, tx DBTX, g Generation, digest []byte, 
 // Replayed when the server answers FN00R.
 func receipt(ctx context.Context, tx DBTX, fn string, g Generation, digest []byte, version string) (CommitResult, error) {
 	var res string
-	err := tx.QueryRow(ctx, "select "+fn+"($1, $2, $3, $4, $5, $6)",
+	err := tx.QueryRow(ctx, "select "+fn+"($1::pg_catalog.text, $2::pg_catalog.int8, $3::pg_catalog.int8, $4::pg_catalog.text, $5::pg_catalog.bytea, $6::pg_catalog.text)",
 		g.JobKey, g.Epoch, g.Token, g.Step, digest, version).Scan(&res)
 	if err != nil {
 		err = FromPostgres(err)
@@ -315,7 +315,7 @@ func RunTxOptions(ctx context.Context, db Beginner, opts pgx.TxOptions, g Genera
 // CodeExpired. Jobs whose fence row is locked are skipped this time.
 func GC(ctx context.Context, db DBTX, keep time.Duration) (int64, error) {
 	var n int64
-	if err := db.QueryRow(ctx, "select fence.gc($1)", interval(keep)).Scan(&n); err != nil {
+	if err := db.QueryRow(ctx, "select fence.gc($1::pg_catalog.interval)", interval(keep)).Scan(&n); err != nil {
 		return 0, fmt.Errorf("gc: %w", FromPostgres(err))
 	}
 	return n, nil
@@ -328,7 +328,7 @@ func GC(ctx context.Context, db DBTX, keep time.Duration) (int64, error) {
 // tokens are rejected and change nothing.
 func AcceptEvent(ctx context.Context, db DBTX, consumer, jobKey string, epoch, token int64) (bool, error) {
 	var ok bool
-	if err := db.QueryRow(ctx, "select fence.accept_event($1, $2, $3, $4)", consumer, jobKey, epoch, token).Scan(&ok); err != nil {
+	if err := db.QueryRow(ctx, "select fence.accept_event($1::pg_catalog.text, $2::pg_catalog.text, $3::pg_catalog.int8, $4::pg_catalog.int8)", consumer, jobKey, epoch, token).Scan(&ok); err != nil {
 		return false, fmt.Errorf("accept event %s@%d/%d for %q: %w", jobKey, epoch, token, consumer, FromPostgres(err))
 	}
 	return ok, nil
@@ -347,7 +347,7 @@ func Protect(ctx context.Context, db DBTX, table, jobKeyColumn string) error {
 	if jobKeyColumn != "" {
 		col = &jobKeyColumn
 	}
-	if _, err := db.Exec(ctx, "select fence.protect($1::regclass, $2)", table, col); err != nil {
+	if _, err := db.Exec(ctx, "select fence.protect($1::pg_catalog.regclass, $2::pg_catalog.text)", table, col); err != nil {
 		return fmt.Errorf("protect %s: %w", table, FromPostgres(err))
 	}
 	return nil
@@ -357,7 +357,7 @@ func Protect(ctx context.Context, db DBTX, table, jobKeyColumn string) error {
 // whole tree; a table that is not protected is left as it is. It needs an
 // administrator (pgfence_bypass or a superuser): else CodeProtectionLocked.
 func Unprotect(ctx context.Context, db DBTX, table string) error {
-	if _, err := db.Exec(ctx, "select fence.unprotect($1::regclass)", table); err != nil {
+	if _, err := db.Exec(ctx, "select fence.unprotect($1::pg_catalog.regclass)", table); err != nil {
 		return fmt.Errorf("unprotect %s: %w", table, FromPostgres(err))
 	}
 	return nil
@@ -377,11 +377,11 @@ type ProtectedTable struct {
 // protected tree, by schema and name. Names are the tables' current ones:
 // protection follows the table, not its name.
 func ProtectedTables(ctx context.Context, db DBTX) ([]ProtectedTable, error) {
-	rows, err := db.Query(ctx, `select coalesce(n.nspname, p.schema_name), coalesce(c.relname, p.table_name),
-		coalesce(p.root::text, ''), coalesce(p.job_key_column, ''), p.protected_at, c.oid is not null
-		from fence.protected_tables p
-		left join pg_catalog.pg_class c on c.oid = p.relid
-		left join pg_catalog.pg_namespace n on n.oid = c.relnamespace
+	rows, err := db.Query(ctx, `select coalesce(n.nspname::pg_catalog.text, p.schema_name), coalesce(c.relname::pg_catalog.text, p.table_name),
+		coalesce(p.root::pg_catalog.text, ''), coalesce(p.job_key_column, ''), p.protected_at, c.oid is not null
+		from fence.protected_tables as p
+		left join pg_catalog.pg_class as c on c.oid operator(pg_catalog.=) p.relid::pg_catalog.oid
+		left join pg_catalog.pg_namespace as n on n.oid operator(pg_catalog.=) c.relnamespace
 		order by 1, 2`)
 	if err != nil {
 		return nil, fmt.Errorf("list protected tables: %w", err)

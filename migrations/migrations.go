@@ -18,10 +18,13 @@ package migrations
 import (
 	"context"
 	"embed"
+	"errors"
 	"fmt"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/tern/v2/migrate"
+
+	"github.com/pgfence/pgfence/internal/ownsql"
 )
 
 // VersionTable records the applied schema version.
@@ -31,8 +34,13 @@ const VersionTable = "public.pgfence_schema_version"
 var files embed.FS
 
 // Apply brings the fence schema in the connected database up to date. It is
-// safe to call repeatedly and from several processes at once.
+// safe to call repeatedly and from several processes at once. It refuses
+// (Preflight) a database where what it would run or read was made by
+// someone other than a superuser.
 func Apply(ctx context.Context, conn *pgx.Conn) error {
+	if err := Preflight(ctx, conn); err != nil {
+		return err
+	}
 	m, err := migrate.NewMigrator(ctx, conn, VersionTable)
 	if err != nil {
 		return fmt.Errorf("migrations: prepare %s: %w", VersionTable, err)
@@ -50,6 +58,9 @@ func Apply(ctx context.Context, conn *pgx.Conn) error {
 // for tests of upgrades, and for upgrading in stages. Apply is MigrateTo
 // the latest version.
 func MigrateTo(ctx context.Context, conn *pgx.Conn, version int32) error {
+	if err := Preflight(ctx, conn); err != nil {
+		return err
+	}
 	m, err := migrate.NewMigrator(ctx, conn, VersionTable)
 	if err != nil {
 		return fmt.Errorf("migrations: prepare %s: %w", VersionTable, err)
@@ -59,6 +70,59 @@ func MigrateTo(ctx context.Context, conn *pgx.Conn, version int32) error {
 	}
 	if err := m.MigrateTo(ctx, version); err != nil {
 		return fmt.Errorf("migrations: apply: %w", err)
+	}
+	return nil
+}
+
+// versionTableSQL reads, from pg_catalog alone, who made VersionTable and
+// what it is: owner is a superuser, relkind, row security, triggers.
+const versionTableSQL = `SELECT o.rolsuper, c.relkind::pg_catalog.text, c.relrowsecurity,
+  EXISTS (SELECT FROM pg_catalog.pg_trigger AS t WHERE t.tgrelid OPERATOR(pg_catalog.=) c.oid),
+  EXISTS (SELECT FROM pg_catalog.pg_rewrite AS r WHERE r.ev_class OPERATOR(pg_catalog.=) c.oid)
+FROM pg_catalog.pg_class AS c
+  JOIN pg_catalog.pg_namespace AS n ON n.oid OPERATOR(pg_catalog.=) c.relnamespace
+  JOIN pg_catalog.pg_roles AS o ON o.oid OPERATOR(pg_catalog.=) c.relowner
+WHERE n.nspname OPERATOR(pg_catalog.=) 'public' AND c.relname OPERATOR(pg_catalog.=) 'pgfence_schema_version'`
+
+// ErrUntrusted is returned (wrapped) by Apply and MigrateTo for a database
+// where a schema named fence, or the version table, exists and is not a
+// superuser's plain work.
+var ErrUntrusted = errors.New("migrations: refusing to build on what pgfence does not trust")
+
+// Preflight checks, from pg_catalog alone, that what a migration would
+// read, run or build on is a superuser's: schema fence, if it exists, and
+// everything in it (ownsql.Check); the version table, if it exists, a
+// plain table a superuser owns, without row security, triggers or rules.
+// A migration runs as a superuser; a schema named fence or a version
+// table that a worker made first (in a database it owns, or in schema
+// public where it may create tables) would run the worker's code with a
+// superuser's rights. Run migrations on a connection that pins its
+// search_path too (internal/ownsql.Pin; pgfence migrate does): their SQL
+// names pg_catalog's functions without the schema. A connection that is
+// not a superuser's is not checked: it has only its own rights to lose,
+// and migrations from version 5 on refuse it (42501).
+func Preflight(ctx context.Context, conn *pgx.Conn) error {
+	if conn.PgConn().ParameterStatus("is_superuser") != "on" {
+		return nil
+	}
+	trust, err := ownsql.Check(ctx, conn.PgConn(), nil)
+	if err != nil {
+		return fmt.Errorf("migrations: %w", err)
+	}
+	if trust.Untrusted() {
+		return fmt.Errorf("%w: %s (schema fence and everything in it must be a superuser's)", ErrUntrusted, trust.Problem)
+	}
+	var super, rls, triggers, rules bool
+	var kind string
+	err = conn.QueryRow(ctx, versionTableSQL).Scan(&super, &kind, &rls, &triggers, &rules)
+	switch {
+	case errors.Is(err, pgx.ErrNoRows):
+		return nil
+	case err != nil:
+		return fmt.Errorf("migrations: read %s: %w", VersionTable, err)
+	case !super || kind != "r" || rls || triggers || rules:
+		return fmt.Errorf("%w: %s is not a plain table of a superuser's (a superuser owner: %v, relkind %q, row security %v, triggers %v, rules %v)",
+			ErrUntrusted, VersionTable, super, kind, rls, triggers, rules)
 	}
 	return nil
 }
@@ -77,9 +141,13 @@ func Latest() (int32, error) {
 
 // Current reports the version applied in the connected database (0 when
 // pgfence was never migrated there).
+// It reads the version table only after Preflight.
 func Current(ctx context.Context, conn *pgx.Conn) (int32, error) {
+	if err := Preflight(ctx, conn); err != nil {
+		return 0, err
+	}
 	var exists bool
-	if err := conn.QueryRow(ctx, "select to_regclass($1) is not null", VersionTable).Scan(&exists); err != nil {
+	if err := conn.QueryRow(ctx, "select pg_catalog.to_regclass($1) is not null", VersionTable).Scan(&exists); err != nil {
 		return 0, fmt.Errorf("migrations: read version: %w", err)
 	}
 	if !exists {

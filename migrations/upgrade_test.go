@@ -2,6 +2,7 @@ package migrations_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strings"
 	"testing"
@@ -62,6 +63,15 @@ func TestMigrateNeedsSuperuser(t *testing.T) {
 		t.Fatalf("versions 1-4 as a non-superuser: %v", err)
 	}
 	wantRefused(t, ctx, conn, "42501", "must run as a superuser", 4)
+	// A superuser does not build on a schema fence someone else owns
+	// (issue 30: its functions would run the owner's code with the
+	// superuser's rights) until it is a superuser's.
+	if err := migrations.Apply(ctx, admin); !errors.Is(err, migrations.ErrUntrusted) {
+		t.Fatalf("apply as a superuser on the migrator's schema fence: %v, want ErrUntrusted", err)
+	}
+	if _, err := admin.Exec(ctx, "reassign owned by "+role+" to current_user"); err != nil {
+		t.Fatal(err)
+	}
 	if err := migrations.Apply(ctx, admin); err != nil {
 		t.Fatalf("apply as a superuser afterwards: %v", err)
 	}

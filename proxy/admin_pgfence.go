@@ -13,6 +13,9 @@ import (
 
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgproto3"
+	"go.uber.org/zap"
+
+	"github.com/pgfence/pgfence/internal/ownsql"
 )
 
 // pgfence's own console commands, which PgBouncer does not have: SHOW
@@ -66,10 +69,24 @@ func sessionGate(ss *Session) gateInfo {
 	return gateInfo{gen: gs.Gen, hasGen: gs.HasGen, gated: gs.Gated, replay: gs.Replay}
 }
 
-const fencesSQL = `SELECT f.job_key, f.epoch::text, f.max_issued_token::text, l.holder, l.token::text,
- to_char(l.expires_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.MS"Z"'),
- (l.expires_at > now())::text, (f.retired_at IS NOT NULL)::text
-FROM fence.fences f LEFT JOIN fence.leases l USING (job_key) ORDER BY f.job_key`
+// fencesSQL reads the fences and leases of a database, once ownsql.Check
+// has found them a superuser's plain tables.
+var fencesSQL = own("console: SHOW FENCES", onControl, `SELECT f.job_key, f.epoch::pg_catalog.text, f.max_issued_token::pg_catalog.text,
+ l.holder, l.token::pg_catalog.text,
+ pg_catalog.to_char(l.expires_at AT TIME ZONE 'UTC', 'YYYY-MM-DD"T"HH24:MI:SS.MS"Z"'),
+ (l.expires_at OPERATOR(pg_catalog.>) pg_catalog.now())::pg_catalog.text, (f.retired_at IS NOT NULL)::pg_catalog.text
+FROM fence.fences AS f LEFT JOIN fence.leases AS l ON l.job_key OPERATOR(pg_catalog.=) f.job_key
+ORDER BY f.job_key`)
+
+// consoleAppName names the console's control connections.
+const consoleAppName = "pgfence console"
+
+// errNoFence and errUntrustedFence: readFences found no schema fence, or
+// one pgfence does not trust.
+var (
+	errNoFence        = errors.New("no fence schema")
+	errUntrustedFence = errors.New("its schema fence is not pgfence's to trust, so it is not read")
+)
 
 // showFences reads fence.fences and fence.leases of db, or of every
 // database with an open session, through control connections.
@@ -92,10 +109,9 @@ func (s *Server) showFences(con *console, db string) (*adminTable, *pgproto3.Err
 		}
 	}
 	for _, d := range dbs {
-		rows, err := s.controlQuery(d, fencesSQL)
+		rows, err := s.readFences(d)
 		if err != nil {
-			var pg *pgconn.PgError
-			if errors.As(err, &pg) && pg.Code == "3F000" && db == "" {
+			if errors.Is(err, errNoFence) && db == "" {
 				continue // no fence schema in that database
 			}
 			if db != "" {
@@ -112,22 +128,41 @@ func (s *Server) showFences(con *console, db string) (*adminTable, *pgproto3.Err
 	return t, nil
 }
 
-// controlQuery runs sql on db with the primary DSN's credentials and
-// returns the rows as text (NULL as "").
-func (s *Server) controlQuery(db, sql string) ([][]string, error) {
-	pc := s.primary.Copy()
-	pc.Database = db
-	if pc.ConnectTimeout == 0 {
-		pc.ConnectTimeout = s.cfg.ConnectTimeout
+// readFences runs fencesSQL in db on a control connection (the primary
+// DSN's credentials, pinned settings) after ownsql.Check, in one
+// read-only snapshot, and returns the rows as text (NULL as "").
+func (s *Server) readFences(db string) ([][]string, error) {
+	timeout := s.primary.ConnectTimeout
+	if timeout == 0 {
+		timeout = s.cfg.ConnectTimeout
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), pc.ConnectTimeout+10*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), timeout+10*time.Second)
 	defer cancel()
-	c, err := pgconn.ConnectConfig(ctx, pc)
+	base := s.primary
+	if base.ConnectTimeout == 0 {
+		base = base.Copy()
+		base.ConnectTimeout = s.cfg.ConnectTimeout
+	}
+	c, err := dialControl(ctx, base, db, consoleAppName, s.log, nil)
 	if err != nil {
 		return nil, fmt.Errorf("connect: %w", err)
 	}
 	defer c.Close(context.Background())
-	res, err := c.Exec(ctx, sql).ReadAll()
+	if _, err := c.Exec(ctx, loadBeginSQL).ReadAll(); err != nil {
+		return nil, err
+	}
+	trust, err := ownsql.Check(ctx, c, []ownsql.Rel{ownsql.Fences, ownsql.Leases})
+	switch {
+	case err != nil:
+		return nil, err
+	case !trust.Schema:
+		return nil, errNoFence
+	case !trust.Trusted():
+		s.log.Warn("SHOW FENCES: this database's schema fence is not pgfence's to trust, so it is not read",
+			zap.String("database", db), zap.String("why", trust.Problem))
+		return nil, fmt.Errorf("%w: %s", errUntrustedFence, trust.Problem)
+	}
+	res, err := c.Exec(ctx, fencesSQL).ReadAll()
 	if err != nil {
 		return nil, err
 	}

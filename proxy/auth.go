@@ -59,7 +59,7 @@ const DefaultSCRAMIterations = 4096
 
 // DefaultAuthQuery is the query Config.AuthQuery defaults to: PgBouncer's
 // auth_query, with expired passwords left out as PostgreSQL refuses them.
-const DefaultAuthQuery = "SELECT usename, passwd FROM pg_catalog.pg_shadow WHERE usename = $1 AND (valuntil IS NULL OR valuntil > now())"
+const DefaultAuthQuery = "SELECT usename, passwd FROM pg_catalog.pg_shadow WHERE usename OPERATOR(pg_catalog.=) $1 AND (valuntil IS NULL OR valuntil OPERATOR(pg_catalog.>) pg_catalog.now())"
 
 // authHint is told to every client that fails authentication: it says
 // why without saying whether the role exists.
@@ -450,6 +450,7 @@ func serverEndPoint(cfg *tls.Config) scram.ChannelBinding {
 type authLookup struct {
 	cfg   *pgconn.Config
 	query string
+	log   *zap.Logger
 
 	conn ctlconn.Conn[*pgconn.PgConn]
 }
@@ -481,9 +482,16 @@ func (l *authLookup) lookup(ctx context.Context, user string) (string, bool, err
 	return string(stored), stored != nil, nil
 }
 
+// connect opens the lookup's control connection, its settings pinned
+// (dialControl): a custom auth_query names its objects by schema.
 func (l *authLookup) connect(ctx context.Context) (*pgconn.PgConn, error) {
-	return pgconn.ConnectConfig(ctx, l.cfg.Copy())
+	return dialControl(ctx, l.cfg, "", authAppName, l.log, nil)
 }
+
+// authAppName names the auth lookup's connection in pg_stat_activity.
+const authAppName = "pgfence auth lookup"
+
+func init() { own("auth lookup (the default auth_query)", onControl, DefaultAuthQuery) }
 
 func (l *authLookup) close() { l.conn.Close() }
 

@@ -12,6 +12,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"go.uber.org/zap"
 
+	"github.com/pgfence/pgfence/internal/ownsql"
 	"github.com/pgfence/pgfence/rewrite"
 )
 
@@ -89,6 +90,12 @@ type catalog struct {
 	// so a fenced transaction the gate cannot see into ends with
 	// commit_if_written even while prot is empty (fence_session.go).
 	schema atomic.Bool
+	// untrusted says why a schema named fence was not read (ownsql.Check:
+	// not a superuser's, or not made of plain tables): the database is
+	// then treated as having no fence schema (schema is false), but this
+	// tells the two apart. nil when there is no such schema or it is
+	// trusted.
+	untrusted atomic.Pointer[string]
 	// ddlSeen counts pgfence_protected notifications: a load that one
 	// arrived during read the catalog before that change.
 	ddlSeen atomic.Uint64
@@ -268,14 +275,8 @@ func databaseGone(err error) bool {
 // listen connects, LISTENs, loads, then reloads on every notification
 // and, with read routing, every cs.refresh.
 func (cs *catalogs) listen(c *catalog, loaded func()) error {
-	cfg := cs.base.Copy()
-	cfg.Database = c.db
-	// The read-set query is planned above the JIT threshold; compiling
-	// it costs more than running it.
-	cfg.RuntimeParams["jit"] = "off"
-	cfg.RuntimeParams["application_name"] = watcherAppName
 	var reload atomic.Bool
-	cfg.OnNotification = func(_ *pgconn.PgConn, n *pgconn.Notification) {
+	onNote := func(_ *pgconn.PgConn, n *pgconn.Notification) {
 		if n.Channel == takeoverChannel {
 			// Only a hint: the job's fence row is read before anything is
 			// recorded (lsn.go).
@@ -294,14 +295,17 @@ func (cs *catalogs) listen(c *catalog, loaded func()) error {
 		c.reads.Store(nil)
 		reload.Store(true)
 	}
+	// The read-set query is planned above the JIT threshold; compiling
+	// it costs more than running it: control connections run with jit
+	// off (ownsql.PinReadOnly).
 	ctx, cancel := context.WithTimeout(c.ctx, 10*time.Second)
-	conn, err := pgconn.ConnectConfig(ctx, cfg)
+	conn, err := dialControl(ctx, cs.base, c.db, watcherAppName, cs.log, func(cfg *pgconn.Config) { cfg.OnNotification = onNote })
 	cancel()
 	if err != nil {
 		return err
 	}
 	defer conn.Close(context.Background())
-	if _, err := conn.Exec(c.ctx, "LISTEN pgfence_protected; LISTEN "+takeoverChannel).ReadAll(); err != nil {
+	if _, err := conn.Exec(c.ctx, listenSQL).ReadAll(); err != nil {
 		return err
 	}
 	if err := cs.load(c, conn); err != nil {
@@ -377,25 +381,47 @@ func (c *catalog) wait(conn *pgconn.PgConn, periodic bool, every time.Duration) 
 	return false, err
 }
 
-const protectedQuery = `SELECT n.nspname, c.relname
-FROM fence.protected_tables p
-JOIN pg_catalog.pg_class c ON c.oid = p.relid
-JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace`
+// listenSQL subscribes the watcher to both channels.
+var listenSQL = own("watcher: listen", onControl, "LISTEN pgfence_protected; LISTEN "+takeoverChannel)
 
-// load reads the protected tables and, with read routing and a protected
-// table, whether the catalog is tracked and, if it is, the read set.
-func (cs *catalogs) load(c *catalog, conn *pgconn.PgConn) error {
+// protectedQuery lists the protected tables. It runs only after
+// ownsql.Check has found fence.protected_tables a superuser's plain table.
+var protectedQuery = own("watcher: protected tables", onControl, `SELECT n.nspname, c.relname
+FROM fence.protected_tables AS p
+JOIN pg_catalog.pg_class AS c ON c.oid OPERATOR(pg_catalog.=) p.relid::pg_catalog.oid
+JOIN pg_catalog.pg_namespace AS n ON n.oid OPERATOR(pg_catalog.=) c.relnamespace`)
+
+// The watcher's load reads in one snapshot: the check of schema fence and
+// everything read from fence and from the catalog after it.
+var (
+	loadBeginSQL  = own("watcher: load begins", onControl, "BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+	loadCommitSQL = own("watcher: load ends", onControl, "COMMIT")
+	checkSQL      = own("fence schema check", onControl, ownsql.CheckSQL)
+)
+
+// load reads, in one snapshot, whether the database has a fence schema
+// pgfence trusts (ownsql.Check: a superuser's, of plain tables), the
+// protected tables and, with read routing and a protected table, whether
+// the catalog is tracked and, if it is, the read set. A schema named fence
+// that is not trusted is not read: the database is treated as having
+// none, and c.untrusted says why (logged at WARN when first found).
+func (cs *catalogs) load(c *catalog, conn *pgconn.PgConn) (err error) {
 	seen := c.ddlSeen.Load()
-	var has string
-	rr := conn.ExecParams(c.ctx, "SELECT coalesce(to_regclass('fence.protected_tables')::text, '')", nil, nil, nil, nil)
-	for rr.NextRow() {
-		has = string(rr.Values()[0])
-	}
-	if _, err := rr.Close(); err != nil {
+	if _, err := conn.Exec(c.ctx, loadBeginSQL).ReadAll(); err != nil {
 		return err
 	}
+	defer func() {
+		if err == nil {
+			_, err = conn.Exec(c.ctx, loadCommitSQL).ReadAll()
+		}
+	}()
+	trust, err := ownsql.Check(c.ctx, conn, []ownsql.Rel{ownsql.ProtectedTables})
+	if err != nil {
+		return err
+	}
+	cs.noteTrust(c, trust)
 	var rels []rewrite.RelName
-	if has != "" {
+	if trust.Trusted() {
 		rr := conn.ExecParams(c.ctx, protectedQuery, nil, nil, nil, nil)
 		for rr.NextRow() {
 			v := rr.Values()
@@ -421,7 +447,7 @@ func (cs *catalogs) load(c *catalog, conn *pgconn.PgConn) error {
 			c.last = rd
 		}
 	}
-	c.schema.Store(has != "")
+	c.schema.Store(trust.Trusted())
 	c.prot.Store(prot)
 	if c.ddlSeen.Load() != seen {
 		rd = nil // a change arrived while this load read: it may predate it
@@ -429,6 +455,21 @@ func (cs *catalogs) load(c *catalog, conn *pgconn.PgConn) error {
 	c.reads.Store(rd)
 	c.loads.Add(1)
 	return nil
+}
+
+// noteTrust records what ownsql.Check found of c's schema fence, and logs
+// at WARN when it finds one it does not trust (again only once that
+// changes).
+func (cs *catalogs) noteTrust(c *catalog, trust ownsql.Trust) {
+	if !trust.Untrusted() {
+		c.untrusted.Store(nil)
+		return
+	}
+	why := trust.Problem
+	if old := c.untrusted.Swap(&why); old == nil || *old != why {
+		cs.log.Warn("this database's schema fence is not pgfence's to trust, so it is not read: the database is treated as having no fence schema",
+			zap.String("database", c.db), zap.String("why", why))
+	}
 }
 
 // readSet says which relation names a read may reach protected data
@@ -494,63 +535,72 @@ func (r *readSet) position() LSN {
 // created by initdb (OID below FirstNormalObjectId, 16384) are trusted:
 // system views read system catalogs and built-in functions only.
 const readSetCTE = `WITH RECURSIVE
-prot(oid) AS (SELECT relid FROM fence.protected_tables),
-down(oid) AS (SELECT oid FROM prot
-  UNION SELECT i.inhrelid FROM pg_catalog.pg_inherits i JOIN down d ON i.inhparent = d.oid),
-up(oid) AS (SELECT oid FROM prot
-  UNION SELECT i.inhparent FROM pg_catalog.pg_inherits i JOIN up u ON i.inhrelid = u.oid),
-runs_sql(oids) AS (SELECT array_agg(oid) FROM pg_catalog.pg_proc
-  WHERE pronamespace = 'pg_catalog'::regnamespace AND proname IN ('query_to_xml', 'query_to_xmlschema',
-    'query_to_xml_and_xmlschema', 'table_to_xml', 'table_to_xmlschema', 'table_to_xml_and_xmlschema',
-    'cursor_to_xml', 'cursor_to_xmlschema', 'schema_to_xml', 'schema_to_xmlschema',
-    'schema_to_xml_and_xmlschema', 'database_to_xml', 'database_to_xmlschema',
-    'database_to_xml_and_xmlschema', 'ts_stat', 'ts_rewrite', 'currtid2')),
+prot(oid) AS (SELECT p.relid::pg_catalog.oid FROM fence.protected_tables AS p),
+down(oid) AS (SELECT prot.oid FROM prot
+  UNION SELECT i.inhrelid FROM pg_catalog.pg_inherits AS i JOIN down AS d ON i.inhparent OPERATOR(pg_catalog.=) d.oid),
+up(oid) AS (SELECT prot.oid FROM prot
+  UNION SELECT i.inhparent FROM pg_catalog.pg_inherits AS i JOIN up AS u ON i.inhrelid OPERATOR(pg_catalog.=) u.oid),
+runs_sql(oids) AS (SELECT pg_catalog.array_agg(p.oid) FROM pg_catalog.pg_proc AS p
+  WHERE p.pronamespace OPERATOR(pg_catalog.=) 'pg_catalog'::pg_catalog.regnamespace::pg_catalog.oid
+    AND p.proname OPERATOR(pg_catalog.=) ANY ('{query_to_xml,query_to_xmlschema,query_to_xml_and_xmlschema,table_to_xml,table_to_xmlschema,table_to_xml_and_xmlschema,cursor_to_xml,cursor_to_xmlschema,schema_to_xml,schema_to_xmlschema,schema_to_xml_and_xmlschema,database_to_xml,database_to_xmlschema,database_to_xml_and_xmlschema,ts_stat,ts_rewrite,currtid2}'::pg_catalog.name[])),
 exprs(rel, classid, objid, tree) AS (
-  SELECT ev_class, 'pg_catalog.pg_rewrite'::regclass, oid, ev_action::text
-    FROM pg_catalog.pg_rewrite WHERE ev_type = '1' AND ev_class >= 16384
+  SELECT r.ev_class, 'pg_catalog.pg_rewrite'::pg_catalog.regclass::pg_catalog.oid, r.oid, r.ev_action::pg_catalog.text
+    FROM pg_catalog.pg_rewrite AS r
+    WHERE r.ev_type OPERATOR(pg_catalog.=) '1'::pg_catalog."char" AND r.ev_class OPERATOR(pg_catalog.>=) '16384'::pg_catalog.oid
   UNION ALL
-  SELECT polrelid, 'pg_catalog.pg_policy'::regclass, oid, coalesce(polqual::text, '')
-    FROM pg_catalog.pg_policy WHERE polrelid >= 16384),
+  SELECT po.polrelid, 'pg_catalog.pg_policy'::pg_catalog.regclass::pg_catalog.oid, po.oid, coalesce(po.polqual::pg_catalog.text, '')
+    FROM pg_catalog.pg_policy AS po WHERE po.polrelid OPERATOR(pg_catalog.>=) '16384'::pg_catalog.oid),
 opaque(oid) AS (
-  SELECT e.rel FROM exprs e
-  WHERE EXISTS (SELECT FROM pg_catalog.pg_depend d
-      WHERE d.classid = e.classid AND d.objid = e.objid AND d.refobjid >= 16384
-        AND (d.refclassid IN ('pg_catalog.pg_proc'::regclass, 'pg_catalog.pg_operator'::regclass)
-          OR d.refclassid = 'pg_catalog.pg_type'::regclass
-             AND EXISTS (SELECT FROM pg_catalog.pg_type t WHERE t.oid = d.refobjid AND t.typtype = 'd')))
-     OR EXISTS (SELECT FROM regexp_matches(e.tree, ':(?:funcid|aggfnoid|winfnoid) (\d+)', 'g') m, runs_sql r
-      WHERE m[1]::oid = ANY (r.oids))),
+  SELECT e.rel FROM exprs AS e
+  WHERE EXISTS (SELECT FROM pg_catalog.pg_depend AS d
+      WHERE d.classid OPERATOR(pg_catalog.=) e.classid AND d.objid OPERATOR(pg_catalog.=) e.objid
+        AND d.refobjid OPERATOR(pg_catalog.>=) '16384'::pg_catalog.oid
+        AND (d.refclassid OPERATOR(pg_catalog.=) ANY (ARRAY['pg_catalog.pg_proc'::pg_catalog.regclass::pg_catalog.oid,
+                                                           'pg_catalog.pg_operator'::pg_catalog.regclass::pg_catalog.oid])
+          OR d.refclassid OPERATOR(pg_catalog.=) 'pg_catalog.pg_type'::pg_catalog.regclass::pg_catalog.oid
+             AND EXISTS (SELECT FROM pg_catalog.pg_type AS t
+                 WHERE t.oid OPERATOR(pg_catalog.=) d.refobjid AND t.typtype OPERATOR(pg_catalog.=) 'd'::pg_catalog."char")))
+     OR EXISTS (SELECT FROM pg_catalog.regexp_matches(e.tree, ':(?:funcid|aggfnoid|winfnoid) ([0-9]+)', 'g') AS m, runs_sql AS r
+      WHERE m[1]::pg_catalog.oid OPERATOR(pg_catalog.=) ANY (r.oids))),
 edges(rel, ref) AS (
-  SELECT e.rel, d.refobjid FROM exprs e JOIN pg_catalog.pg_depend d
-    ON d.classid = e.classid AND d.objid = e.objid
-   AND d.refclassid = 'pg_catalog.pg_class'::regclass AND d.refobjid <> e.rel),
+  SELECT e.rel, d.refobjid FROM exprs AS e JOIN pg_catalog.pg_depend AS d
+    ON d.classid OPERATOR(pg_catalog.=) e.classid AND d.objid OPERATOR(pg_catalog.=) e.objid
+   AND d.refclassid OPERATOR(pg_catalog.=) 'pg_catalog.pg_class'::pg_catalog.regclass::pg_catalog.oid
+   AND d.refobjid OPERATOR(pg_catalog.<>) e.rel),
 exposed(oid) AS (
-  SELECT oid FROM down UNION SELECT oid FROM up UNION SELECT oid FROM opaque
-  UNION SELECT oid FROM pg_catalog.pg_class WHERE relkind = 'f' OR relnamespace = 'fence'::regnamespace
-  UNION SELECT g.rel FROM edges g JOIN exposed x ON x.oid = g.ref),
+  SELECT down.oid FROM down UNION SELECT up.oid FROM up UNION SELECT opaque.oid FROM opaque
+  UNION SELECT c.oid FROM pg_catalog.pg_class AS c
+    WHERE c.relkind OPERATOR(pg_catalog.=) 'f'::pg_catalog."char"
+       OR c.relnamespace OPERATOR(pg_catalog.=) 'fence'::pg_catalog.regnamespace::pg_catalog.oid
+  UNION SELECT g.rel FROM edges AS g JOIN exposed AS x ON x.oid OPERATOR(pg_catalog.=) g.ref),
 rels(nspname, relname, exposed) AS (
-  SELECT n.nspname::text, c.relname::text, c.oid IN (SELECT oid FROM exposed)
-  FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
-  WHERE c.relkind IN ('r', 'p', 'v', 'm', 'f', 'S') AND c.relpersistence <> 't'),
-trusted(langs) AS (SELECT array_agg(oid) FROM pg_catalog.pg_language WHERE lanname IN ('c', 'internal')),
+  SELECT n.nspname::pg_catalog.text, c.relname::pg_catalog.text, c.oid OPERATOR(pg_catalog.=) ANY (SELECT exposed.oid FROM exposed)
+  FROM pg_catalog.pg_class AS c JOIN pg_catalog.pg_namespace AS n ON n.oid OPERATOR(pg_catalog.=) c.relnamespace
+  WHERE c.relkind OPERATOR(pg_catalog.=) ANY ('{r,p,v,m,f,S}'::pg_catalog."char"[])
+    AND c.relpersistence OPERATOR(pg_catalog.<>) 't'::pg_catalog."char"),
+trusted(langs) AS (SELECT pg_catalog.array_agg(l.oid) FROM pg_catalog.pg_language AS l
+  WHERE l.lanname OPERATOR(pg_catalog.=) ANY ('{c,internal}'::pg_catalog.name[])),
 everything(all_exposed) AS (SELECT
-     EXISTS (SELECT FROM pg_catalog.pg_operator o JOIN pg_catalog.pg_proc p ON p.oid = o.oprcode, trusted
-             WHERE o.oid >= 16384 AND p.prolang <> ALL (trusted.langs))
-  OR EXISTS (SELECT FROM pg_catalog.pg_amproc a JOIN pg_catalog.pg_proc p ON p.oid = a.amproc, trusted
-             WHERE a.oid >= 16384 AND p.prolang <> ALL (trusted.langs))
-  OR EXISTS (SELECT FROM pg_catalog.pg_cast k JOIN pg_catalog.pg_proc p ON p.oid = k.castfunc, trusted
-             WHERE k.oid >= 16384 AND p.prolang <> ALL (trusted.langs))
-  OR EXISTS (SELECT FROM pg_catalog.pg_constraint k JOIN pg_catalog.pg_depend d
-               ON d.classid = 'pg_catalog.pg_constraint'::regclass AND d.objid = k.oid
-              AND d.refclassid = 'pg_catalog.pg_proc'::regclass AND d.refobjid >= 16384
-             WHERE k.contypid <> 0))
+     EXISTS (SELECT FROM pg_catalog.pg_operator AS o JOIN pg_catalog.pg_proc AS p ON p.oid OPERATOR(pg_catalog.=) o.oprcode::pg_catalog.oid, trusted
+             WHERE o.oid OPERATOR(pg_catalog.>=) '16384'::pg_catalog.oid AND p.prolang OPERATOR(pg_catalog.<>) ALL (trusted.langs))
+  OR EXISTS (SELECT FROM pg_catalog.pg_amproc AS a JOIN pg_catalog.pg_proc AS p ON p.oid OPERATOR(pg_catalog.=) a.amproc::pg_catalog.oid, trusted
+             WHERE a.oid OPERATOR(pg_catalog.>=) '16384'::pg_catalog.oid AND p.prolang OPERATOR(pg_catalog.<>) ALL (trusted.langs))
+  OR EXISTS (SELECT FROM pg_catalog.pg_cast AS k JOIN pg_catalog.pg_proc AS p ON p.oid OPERATOR(pg_catalog.=) k.castfunc, trusted
+             WHERE k.oid OPERATOR(pg_catalog.>=) '16384'::pg_catalog.oid AND p.prolang OPERATOR(pg_catalog.<>) ALL (trusted.langs))
+  OR EXISTS (SELECT FROM pg_catalog.pg_constraint AS k JOIN pg_catalog.pg_depend AS d
+               ON d.classid OPERATOR(pg_catalog.=) 'pg_catalog.pg_constraint'::pg_catalog.regclass::pg_catalog.oid
+              AND d.objid OPERATOR(pg_catalog.=) k.oid
+              AND d.refclassid OPERATOR(pg_catalog.=) 'pg_catalog.pg_proc'::pg_catalog.regclass::pg_catalog.oid
+              AND d.refobjid OPERATOR(pg_catalog.>=) '16384'::pg_catalog.oid
+             WHERE k.contypid OPERATOR(pg_catalog.<>) '0'::pg_catalog.oid))
 `
 
 // readSetHashQuery fingerprints the set, so an unchanged catalog is not
 // transferred again.
-const readSetHashQuery = readSetCTE + `SELECT md5(coalesce(string_agg(format('%I.%I:%s', nspname, relname, exposed), ','
-    ORDER BY nspname, relname), '')) || ' ' || (SELECT all_exposed FROM everything)::text
-FROM rels`
+var readSetHashQuery = own("watcher: read set hash", onControl, readSetCTE+`SELECT pg_catalog.md5(coalesce(pg_catalog.string_agg(
+    pg_catalog.format('%I.%I:%s', rels.nspname, rels.relname, rels.exposed), ',' ORDER BY rels.nspname, rels.relname), ''))
+  OPERATOR(pg_catalog.||) ' ' OPERATOR(pg_catalog.||) (SELECT everything.all_exposed FROM everything)::pg_catalog.text
+FROM rels`)
 
 // ddlTrigger is the event trigger that makes a database's catalog
 // tracked: on ddl_command_end, enabled ALWAYS (it fires whatever
@@ -559,10 +609,15 @@ FROM rels`
 const ddlTrigger = "pgfence_catalog_changed"
 
 // catalogModeQuery: is the catalog tracked (ddlTrigger), and does
-// fence.replica_reached exist.
-const catalogModeQuery = `SELECT EXISTS (SELECT FROM pg_catalog.pg_event_trigger
-    WHERE evtname = '` + ddlTrigger + `' AND evtevent = 'ddl_command_end' AND evtenabled = 'A' AND evttags IS NULL)::text,
-  (to_regprocedure('fence.replica_reached(text,bigint,bigint)') IS NOT NULL)::text`
+// fence.replica_reached exist, a superuser's function (the replica
+// fence-row check calls it on the client's session).
+var catalogModeQuery = own("watcher: catalog mode", onControl, `SELECT EXISTS (SELECT FROM pg_catalog.pg_event_trigger AS e
+    WHERE e.evtname OPERATOR(pg_catalog.=) '`+ddlTrigger+`'::pg_catalog.name
+      AND e.evtevent OPERATOR(pg_catalog.=) 'ddl_command_end'::pg_catalog.name
+      AND e.evtenabled OPERATOR(pg_catalog.=) 'A'::pg_catalog."char" AND e.evttags IS NULL)::pg_catalog.text,
+  EXISTS (SELECT FROM pg_catalog.pg_proc AS p JOIN pg_catalog.pg_roles AS o ON o.oid OPERATOR(pg_catalog.=) p.proowner
+    WHERE p.oid OPERATOR(pg_catalog.=) pg_catalog.to_regprocedure('fence.replica_reached(pg_catalog.text,pg_catalog.int8,pg_catalog.int8)')::pg_catalog.oid
+      AND o.rolsuper)::pg_catalog.text`)
 
 func catalogMode(ctx context.Context, conn *pgconn.PgConn) (tracked, reached bool, err error) {
 	rr := conn.ExecParams(ctx, catalogModeQuery, nil, nil, nil, nil)
@@ -576,7 +631,7 @@ func catalogMode(ctx context.Context, conn *pgconn.PgConn) (tracked, reached boo
 	return tracked, reached, nil
 }
 
-const readSetQuery = readSetCTE + `SELECT nspname, relname, exposed::text FROM rels`
+var readSetQuery = own("watcher: read set", onControl, readSetCTE+`SELECT rels.nspname, rels.relname, rels.exposed::pg_catalog.text FROM rels`)
 
 // loadReadSet reads the read set, or returns old when the catalog has not
 // changed since old was read.

@@ -85,6 +85,9 @@ type takeovers struct {
 	max   atomic.Uint64
 	// warned: the last read of fence.fences failed, and said so once.
 	warned atomic.Bool
+	// verified counts the reads of fence.fences that completed (tests
+	// observe it).
+	verified atomic.Uint64
 
 	mu    sync.RWMutex
 	jobs  map[string]takeover
@@ -301,11 +304,14 @@ func (t *takeovers) take() (jobs map[string]bool, dropped bool, ignored int) {
 // reports the page boundary (the end of the last record). The query
 // reports the boundary then, or a replica that has replayed everything
 // would look one header behind until more WAL comes.
-const insertLSNQuery = `SELECT (CASE
-  WHEN (l - '0/0') % (SELECT setting::numeric FROM pg_catalog.pg_settings WHERE name = 'wal_segment_size') = 40 THEN l - 40
-  WHEN (l - '0/0') % current_setting('wal_block_size')::numeric = 24 THEN l - 24
-  ELSE l END)::text
-FROM pg_catalog.pg_current_wal_insert_lsn() AS l`
+var insertLSNQuery = own("wal insert position", onControl, `SELECT (CASE
+  WHEN ((l OPERATOR(pg_catalog.-) '0/0'::pg_catalog.pg_lsn) OPERATOR(pg_catalog.%) (SELECT s.setting::pg_catalog.numeric
+      FROM pg_catalog.pg_settings AS s WHERE s.name OPERATOR(pg_catalog.=) 'wal_segment_size'::pg_catalog.text))
+    OPERATOR(pg_catalog.=) '40'::pg_catalog.numeric THEN l OPERATOR(pg_catalog.-) '40'::pg_catalog.numeric
+  WHEN ((l OPERATOR(pg_catalog.-) '0/0'::pg_catalog.pg_lsn) OPERATOR(pg_catalog.%) pg_catalog.current_setting('wal_block_size')::pg_catalog.numeric)
+    OPERATOR(pg_catalog.=) '24'::pg_catalog.numeric THEN l OPERATOR(pg_catalog.-) '24'::pg_catalog.numeric
+  ELSE l END)::pg_catalog.text
+FROM pg_catalog.pg_current_wal_insert_lsn() AS l`)
 
 // insertLSN runs insertLSNQuery.
 func insertLSN(ctx context.Context, conn *pgconn.PgConn) (LSN, error) {
@@ -316,8 +322,15 @@ func insertLSN(ctx context.Context, conn *pgconn.PgConn) (LSN, error) {
 // have reached replicas, for the replay lag (not for takeovers: see
 // insertLSNQuery).
 func writeLSN(ctx context.Context, conn *pgconn.PgConn) (LSN, error) {
-	return queryLSN(ctx, conn, "SELECT pg_current_wal_lsn()::text")
+	return queryLSN(ctx, conn, writeLSNQuery)
 }
+
+// writeLSNQuery is the primary's WAL write position.
+var writeLSNQuery = own("poller: primary's wal write position", onControl, "SELECT pg_catalog.pg_current_wal_lsn()::pg_catalog.text")
+
+// replayQuery is a replica's replay position and whether it is one.
+var replayQuery = own("poller: replica's replay position", onControl,
+	"SELECT coalesce(pg_catalog.pg_last_wal_replay_lsn()::pg_catalog.text, ''), pg_catalog.pg_is_in_recovery()::pg_catalog.text")
 
 func queryLSN(ctx context.Context, conn *pgconn.PgConn, sql string) (LSN, error) {
 	var v string
@@ -336,10 +349,10 @@ func queryLSN(ctx context.Context, conn *pgconn.PgConn, sql string) (LSN, error)
 // position: every row it returns was committed before that position
 // (insertLSNQuery). Qualified throughout: it runs on the watcher's own
 // connection, under the database's settings.
-const verifyQuery = `SELECT l.lsn, f.job_key, f.epoch::pg_catalog.text, f.max_issued_token::pg_catalog.text,
+var verifyQuery = own("takeover verification", onControl, `SELECT l.lsn, f.job_key, f.epoch::pg_catalog.text, f.max_issued_token::pg_catalog.text,
   (f.retired_at IS NOT NULL)::pg_catalog.text
 FROM (` + insertLSNQuery + `) AS l(lsn)
-LEFT JOIN fence.fences AS f ON f.job_key OPERATOR(pg_catalog.=) ANY ($1::pg_catalog.text[])`
+LEFT JOIN fence.fences AS f ON f.job_key OPERATOR(pg_catalog.=) ANY ($1::pg_catalog.text[])`)
 
 // verify reads the fence rows of the pending jobs on the watcher's
 // connection and records what they say (update), at the position read with
@@ -383,6 +396,7 @@ func (t *takeovers) verify(ctx context.Context, conn *pgconn.PgConn, schema bool
 			return err
 		}
 		t.raise(lsn)
+		t.verified.Add(1)
 		return nil
 	}
 	if !schema {
@@ -444,6 +458,7 @@ func (t *takeovers) verify(ctx context.Context, conn *pgconn.PgConn, schema bool
 		t.raise(lsn)
 	}
 	t.warned.Store(false)
+	t.verified.Add(1)
 	return nil
 }
 
@@ -597,12 +612,9 @@ func (pc *pollConn) use(rs *replicas) (*pgconn.PgConn, error) {
 	if db == "" || pc.conn != nil {
 		return pc.conn, nil
 	}
-	cfg := pc.cfg.Copy()
-	cfg.Database = db
-	cfg.RuntimeParams["application_name"] = pollerAppName
 	ctx, cancel := context.WithTimeout(rs.ctx, 5*time.Second)
 	defer cancel()
-	c, err := pgconn.ConnectConfig(ctx, cfg)
+	c, err := dialControl(ctx, pc.cfg, db, pollerAppName, rs.log, nil)
 	if pc.failed = err != nil; err != nil {
 		return nil, err
 	}
@@ -708,7 +720,7 @@ func (rs *replicas) pollReplica(r *replica) {
 		switch {
 		case conn != nil:
 			ctx, cancel := context.WithTimeout(rs.ctx, 5*time.Second)
-			rr := conn.ExecParams(ctx, "SELECT coalesce(pg_last_wal_replay_lsn()::text, ''), pg_is_in_recovery()::text", nil, nil, nil, nil)
+			rr := conn.ExecParams(ctx, replayQuery, nil, nil, nil, nil)
 			var lsnText, rec string
 			for rr.NextRow() {
 				lsnText, rec = string(rr.Values()[0]), string(rr.Values()[1])

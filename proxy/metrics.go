@@ -184,7 +184,7 @@ const DefaultHealthInterval = 5 * time.Second
 // database) and closes the connection.
 func (s *Server) ping(ctx context.Context, role string, pc *pgconn.Config) UpstreamStatus {
 	st := UpstreamStatus{Role: role, Addr: fmt.Sprintf("%s:%d", pc.Host, pc.Port), Checked: time.Now()}
-	c := pc.Copy()
+	c := controlConfig(pc, "", "pgfence health check") // it runs no SQL, but starts a session
 	if c.ConnectTimeout == 0 || c.ConnectTimeout > s.cfg.ConnectTimeout {
 		c.ConnectTimeout = s.cfg.ConnectTimeout
 	}

@@ -576,16 +576,18 @@ func (h *fenceSession) fenceRowCheck(s gateConn, r *replica, req requirement, k 
 // that role needs SELECT on fence.fences.
 func fenceCheckQuery(req requirement, reached bool) string {
 	lsn := " OPERATOR(pg_catalog.||) ' ' OPERATOR(pg_catalog.||) coalesce(pg_catalog.pg_last_wal_replay_lsn()::pg_catalog.text, '0/0')"
+	token := "'" + strconv.FormatInt(req.token, 10) + "'::pg_catalog.int8"
+	job := plan.Literal(req.job) + "::pg_catalog.text"
 	if reached {
 		epoch := "NULL::pg_catalog.int8"
 		if req.epoch > 0 {
-			epoch = strconv.FormatInt(req.epoch, 10)
+			epoch = "'" + strconv.FormatInt(req.epoch, 10) + "'::pg_catalog.int8"
 		}
-		return fmt.Sprintf("SELECT (CASE WHEN fence.replica_reached(%s, %s, %d) THEN %d ELSE 0 END)::pg_catalog.text",
-			plan.Literal(req.job), epoch, req.token, req.token) + lsn
+		return "SELECT (CASE WHEN fence.replica_reached(" + job + ", " + epoch + ", " + token + ") THEN " + token +
+			" ELSE '0'::pg_catalog.int8 END)::pg_catalog.text" + lsn
 	}
-	return "SELECT coalesce((SELECT max_issued_token FROM fence.fences WHERE job_key OPERATOR(pg_catalog.=) " + plan.Literal(req.job) +
-		"), 0)::pg_catalog.text" + lsn
+	return "SELECT coalesce((SELECT f.max_issued_token FROM fence.fences AS f WHERE f.job_key OPERATOR(pg_catalog.=) " + job +
+		"), '0'::pg_catalog.int8)::pg_catalog.text" + lsn
 }
 
 // routeRow takes the DataRow of a routing query. Server goroutine, under

@@ -109,7 +109,7 @@ func New(cfg Config, log *zap.Logger) (*Server, error) {
 	rand.Read(tag[:])
 	s.oversizedTag = oversizedPrefix + hex.EncodeToString(tag[:]) // limits.go
 	s.mem.limit = int64(cfg.MemoryBudget)
-	s.auth = &authLookup{cfg: s.primary, query: cfg.AuthQuery}
+	s.auth = &authLookup{cfg: s.primary, query: cfg.AuthQuery, log: log}
 	if heldCost(cfg.MaxMessageSize) > int64(cfg.MemoryBudget) && cfg.Interceptor != nil {
 		log.Warn("memory_budget cannot hold a message of max_message_size: such messages get 53200; raise memory_budget or lower max_message_size",
 			zap.Int("memory_budget", cfg.MemoryBudget), zap.Int("max_message_size", cfg.MaxMessageSize), zap.Int64("held_message_cost", heldCost(cfg.MaxMessageSize)))

@@ -56,6 +56,11 @@ run, the codes of docs/cli.md (64 bad flags, 69 database unreachable, ...).`,
 			}
 			var rep *audit.Report
 			err = db.with(cmd, func(ctx context.Context, conn *pgx.Conn) (err error) {
+				for i, r := range opts.Results {
+					if opts.Results[i].Table, err = db.qualify(ctx, conn, r.Table); err != nil {
+						return fmt.Errorf("--result %s: %w", r.Table, err)
+					}
+				}
 				rep, err = audit.Run(ctx, conn, opts)
 				return err
 			})

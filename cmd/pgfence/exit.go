@@ -22,6 +22,7 @@ import (
 
 	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/internal/runner"
+	"github.com/pgfence/pgfence/migrations"
 )
 
 // Exit codes, one table for every command (sysexits.h where it has a
@@ -70,6 +71,9 @@ func exitWith(err error) *exitError {
 // classify maps an error to an exit code and, where the fix is known, a
 // hint.
 func classify(err error) (int, string) {
+	if errors.Is(err, migrations.ErrUntrusted) {
+		return exitConfig, "what pgfence migrate would build on must be a superuser's: see docs/security.md, \"pgfence's own SQL\""
+	}
 	switch fence.Code(err) {
 	case fence.CodeStale, fence.CodeRetired:
 		return exitLeaseLost, ""

@@ -18,14 +18,16 @@ func newMigrateCmd() *cobra.Command {
 		Short: "Install or upgrade the fence schema in a database (a DBA, once)",
 		Long: `Install or upgrade pgfence's schema "fence" (sequences, fences, leases,
 receipts, the protocol functions and the backstop trigger) and the roles
-pgfence_worker and pgfence_bypass. Safe to run repeatedly and concurrently;
-the applied version is kept in public.pgfence_schema_version.
+pgfence_worker, pgfence_bypass and pgfence_control. Safe to run repeatedly and
+concurrently; the applied version is kept in public.pgfence_schema_version.
 
-Run it as a DBA: a role that may create schemas in the database and create
-roles. Then grant pgfence_worker to each application role that takes leases
-or writes protected tables:
+Run it as a superuser. It refuses a database where a schema "fence" or the
+version table exists and is not a superuser's. Then grant pgfence_worker to
+each application role that takes leases or writes protected tables, and
+pgfence_control to the login role of the proxy's primary DSN:
 
     GRANT pgfence_worker TO app;
+    GRANT pgfence_control TO pgfence;
 
 It says how leases are taken there. Job authorization is off unless a DBA
 turned it on: any worker may acquire any job key. Leases of roles that are

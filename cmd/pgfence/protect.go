@@ -34,7 +34,11 @@ proxy.`,
 		Short: "Protect a table and its partitions or children (a no-op if already protected the same way)",
 		Args:  cobra.ExactArgs(1),
 		RunE: db.runE(func(ctx context.Context, conn *pgx.Conn, args []string) (output, error) {
-			return protected(args[0], true, fence.Protect(ctx, conn, args[0], column))
+			table, err := db.qualify(ctx, conn, args[0])
+			if err != nil {
+				return output{}, err
+			}
+			return protected(args[0], true, fence.Protect(ctx, conn, table, column))
 		}),
 	}
 	add.Flags().StringVar(&column, "job-key-column", "", "also scope rows: a fenced session may only write rows whose COLUMN equals its fence.job_key")
@@ -44,7 +48,11 @@ proxy.`,
 		Short: "Remove the protection from a table and its tree (a no-op if not protected; needs pgfence_bypass)",
 		Args:  cobra.ExactArgs(1),
 		RunE: db.runE(func(ctx context.Context, conn *pgx.Conn, args []string) (output, error) {
-			return protected(args[0], false, fence.Unprotect(ctx, conn, args[0]))
+			table, err := db.qualify(ctx, conn, args[0])
+			if err != nil {
+				return output{}, err
+			}
+			return protected(args[0], false, fence.Unprotect(ctx, conn, table))
 		}),
 	}
 

@@ -117,6 +117,13 @@ func runServe(ctx context.Context, c serveConfig, log *zap.Logger) error {
 		return listenError(c.Listen, "--listen", err)
 	}
 	log.Info("listening", zap.String("addr", ln.Addr().String()), zap.String("auth", string(pc.Auth)), zap.Bool("tls", pc.TLS != nil))
+	// Warn now, not at the first session, when the control connections
+	// would run as a superuser (docs/security.md, "pgfence's own SQL").
+	go func() {
+		if err := srv.CheckControlRole(ctx); err != nil {
+			log.Debug("cannot check the primary DSN's role", zap.Error(err))
+		}
+	}()
 	serveErr := make(chan error, 1)
 	go func() { serveErr <- srv.Serve(ctx, ln) }()
 	select {

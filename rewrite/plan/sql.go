@@ -71,10 +71,18 @@ func CommitArgs(g fence.Generation, digest []byte, version string) [][]byte {
 		[]byte(g.Step), []byte(`\x` + hex.EncodeToString(digest)), []byte(version)}
 }
 
-// GateSQL is the lock check for g as a statement of a simple query.
+// GateSQL is the lock check for g as a statement of a simple query. Like
+// Statements, it names every argument's type by its schema, and writes
+// numbers as quoted literals: an integer literal would be an int4 (which a
+// function of a client's own could match better than fence.gate's bigint)
+// and a negative one a prefix operator looked up on the search_path.
 func GateSQL(g fence.Generation) string {
-	return fmt.Sprintf("SELECT fence.gate(%s, %d, %d, %s)", Literal(g.JobKey), g.Epoch, g.Token, Literal(g.Step))
+	return fmt.Sprintf("SELECT fence.gate(%s, %s, %s, %s)", textArg(g.JobKey), int8Arg(g.Epoch), int8Arg(g.Token), textArg(g.Step))
 }
+
+// textArg and int8Arg are a step's arguments, typed (GateSQL).
+func textArg(s string) string { return Literal(s) + "::pg_catalog.text" }
+func int8Arg(n int64) string  { return "'" + strconv.FormatInt(n, 10) + "'::pg_catalog.int8" }
 
 // CommitSQL is the receipt step for a digest as a statement of a simple
 // query: fence.commit after the gate, else (a tentative transaction)
@@ -87,8 +95,8 @@ func CommitSQL(gated bool, g fence.Generation, digest []byte, version string) st
 	}
 	// E'' for the digest too: with standard_conforming_strings off a
 	// plain '\x..' would be read as escapes.
-	return fmt.Sprintf("SELECT %s(%s, %d, %d, %s, E'\\\\x%s'::pg_catalog.bytea, %s)",
-		fn, Literal(g.JobKey), g.Epoch, g.Token, Literal(g.Step), hex.EncodeToString(digest), Literal(version))
+	return fmt.Sprintf("SELECT %s(%s, %s, %s, %s, E'\\\\x%s'::pg_catalog.bytea, %s)",
+		fn, textArg(g.JobKey), int8Arg(g.Epoch), int8Arg(g.Token), textArg(g.Step), hex.EncodeToString(digest), textArg(version))
 }
 
 // RaiseSQL is a statement that fails with e, so the server aborts the
