@@ -351,7 +351,7 @@ func queryLSN(ctx context.Context, conn *pgconn.PgConn, sql string) (LSN, error)
 // connection, under the database's settings.
 var verifyQuery = own("takeover verification", onControl, `SELECT l.lsn, f.job_key, f.epoch::pg_catalog.text, f.max_issued_token::pg_catalog.text,
   (f.retired_at IS NOT NULL)::pg_catalog.text
-FROM (` + insertLSNQuery + `) AS l(lsn)
+FROM (`+insertLSNQuery+`) AS l(lsn)
 LEFT JOIN fence.fences AS f ON f.job_key OPERATOR(pg_catalog.=) ANY ($1::pg_catalog.text[])`)
 
 // verify reads the fence rows of the pending jobs on the watcher's
