@@ -165,6 +165,7 @@ func (s *Server) showFenceStats() *adminTable {
 	for _, c := range codes {
 		n("clients_refused_"+c, refused[c])
 	}
+	n("accept_errors", st.AcceptErrors.Load())
 	n("upstream_connect_errors", st.UpstreamErrors.Load())
 	n("reads_primary", st.ReadsPrimary.Load())
 	n("reads_replica", st.ReadsReplica.Load())

@@ -108,6 +108,9 @@ func (f *Fence) Open(s *Session) (Handler, error) {
 	cat, err := f.cats.get(ctx, s.Database)
 	if err != nil {
 		s.Logger().Warn("cannot load protected tables; refusing the session", zap.Error(err))
+		if pe := resourceRefusal(err, "its control connection to PostgreSQL"); pe != nil { // accept.go
+			return nil, pe
+		}
 		return nil, &ProtocolError{Code: "58000", Msg: fmt.Sprintf("pgfence: cannot read the protected tables of database %q; try again shortly", s.Database), Err: err}
 	}
 	if !cat.schema.Load() {

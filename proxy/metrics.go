@@ -122,8 +122,12 @@ type ServerStats struct {
 	ClientParks    atomic.Int64
 	AdminSessions  atomic.Int64 // admin console sessions opened
 	UpstreamErrors atomic.Int64 // upstream connections that failed (not refusals by PostgreSQL)
-	ReadsPrimary   atomic.Int64 // reads routed to the primary (read routing)
-	ReadsReplica   atomic.Int64 // reads routed to a replica (read routing)
+	// AcceptErrors counts the accepts that failed and were retried after
+	// a back-off: out of descriptors (EMFILE, ENFILE) or kernel memory,
+	// or a connection that failed before it was taken (accept.go).
+	AcceptErrors atomic.Int64
+	ReadsPrimary atomic.Int64 // reads routed to the primary (read routing)
+	ReadsReplica atomic.Int64 // reads routed to a replica (read routing)
 
 	mu      sync.Mutex
 	refused map[string]int64 // clients refused, by SQLSTATE
@@ -295,6 +299,7 @@ var (
 	descParks        = prometheus.NewDesc("pgfence_client_parks_total", "Times the event loop parked a session's client side because the write gate had to wait for an earlier answer (pipelined writes, wrapped COPY FROM, settings read-backs).", nil, nil)
 	descAdminTot     = prometheus.NewDesc("pgfence_admin_sessions_opened_total", "Admin console sessions opened.", nil, nil)
 	descRefused      = prometheus.NewDesc("pgfence_clients_refused_total", "Clients refused before their session started, by SQLSTATE.", []string{"code"}, nil)
+	descAcceptErrors = prometheus.NewDesc("pgfence_accept_errors_total", "Accepts of client connections that failed and were retried after a back-off (out of file descriptors, EMFILE/ENFILE, or kernel memory; a connection that failed before it was taken).", nil, nil)
 	descUpErrors     = prometheus.NewDesc("pgfence_upstream_connection_errors_total", "Upstream connections that could not be opened (network, TLS, timeouts; not refusals by PostgreSQL).", nil, nil)
 	descReads        = prometheus.NewDesc("pgfence_read_routes_total", "Reads routed, by route.", []string{"route"}, nil)
 	descGate         = prometheus.NewDesc("pgfence_gate_transactions_total", "Gated transactions by outcome: gated (passed the fence check), committed (new receipt), replayed (idempotent replay).", []string{"outcome"}, nil)
@@ -307,7 +312,7 @@ var (
 )
 
 func (c *collector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{descSessions, descSessionsTot, descSessionsLoop, descParks, descAdminTot, descRefused, descUpErrors, descReads,
+	for _, d := range []*prometheus.Desc{descSessions, descSessionsTot, descSessionsLoop, descParks, descAdminTot, descRefused, descAcceptErrors, descUpErrors, descReads,
 		descGate, descGateErr, descClassified, descLatency, descUp, descLag, descLagBytes} {
 		ch <- d
 	}
@@ -327,6 +332,7 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 	for code, n := range st.Refused() {
 		counter(descRefused, n, code)
 	}
+	counter(descAcceptErrors, st.AcceptErrors.Load())
 	counter(descUpErrors, st.UpstreamErrors.Load())
 	counter(descReads, st.ReadsPrimary.Load(), "primary")
 	counter(descReads, st.ReadsReplica.Load(), "replica")
