@@ -305,6 +305,10 @@ var (
 	descGate         = prometheus.NewDesc("pgfence_gate_transactions_total", "Gated transactions by outcome: gated (passed the fence check), committed (new receipt), replayed (idempotent replay).", []string{"outcome"}, nil)
 	descGateErr      = prometheus.NewDesc("pgfence_gate_errors_total", "Errors of class FN the clients got, by SQLSTATE (FN001 stale, FN003 conflict, FN004 retired, FN005 unknown job, FN006 receipt pruned, FN008 fencing required, FN009 unsupported).", []string{"code"}, nil)
 	descClassified   = prometheus.NewDesc("pgfence_statements_classified_total", "Statements classified by the gate.", nil, nil)
+	descCacheBytes   = prometheus.NewDesc("pgfence_cache_bytes", "Bytes the write gate's classifier and plan caches hold, as estimated (bounded by cache_memory, within memory_budget).", nil, nil)
+	descCacheEntries = prometheus.NewDesc("pgfence_cache_entries", "Entries in the write gate's classifier and plan caches.", nil, nil)
+	descCacheEvict   = prometheus.NewDesc("pgfence_cache_evictions_total", "Entries evicted from the write gate's caches to make room (least recently used first).", nil, nil)
+	descCacheUncache = prometheus.NewDesc("pgfence_cache_uncached_total", "Statements classified and not cached: larger than cache_memory, or no room in memory_budget.", nil, nil)
 	descLatency      = prometheus.NewDesc("pgfence_gate_step_duration_seconds", "Time from sending a gate step upstream to its response, by step (gate: fence check; commit: receipt).", []string{"step"}, nil)
 	descUp           = prometheus.NewDesc("pgfence_upstream_up", "1 when the upstream was reachable at its last check.", []string{"role", "addr"}, nil)
 	descLag          = prometheus.NewDesc("pgfence_replica_lag_seconds", "Replay lag of each replica, when known.", []string{"addr"}, nil)
@@ -313,7 +317,7 @@ var (
 
 func (c *collector) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{descSessions, descSessionsTot, descSessionsLoop, descParks, descAdminTot, descRefused, descAcceptErrors, descUpErrors, descReads,
-		descGate, descGateErr, descClassified, descLatency, descUp, descLag, descLagBytes} {
+		descGate, descGateErr, descClassified, descCacheBytes, descCacheEntries, descCacheEvict, descCacheUncache, descLatency, descUp, descLag, descLagBytes} {
 		ch <- d
 	}
 }
@@ -342,6 +346,12 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 		counter(descGate, fs.Replayed.Load(), "replayed")
 		fs.Codes.each(func(code string, n int64) { counter(descGateErr, n, code) })
 		counter(descClassified, fs.Classified.Load())
+		if fs.Cache != nil {
+			ch <- prometheus.MustNewConstMetric(descCacheBytes, prometheus.GaugeValue, float64(fs.Cache.Bytes()))
+			ch <- prometheus.MustNewConstMetric(descCacheEntries, prometheus.GaugeValue, float64(fs.Cache.Entries()))
+			counter(descCacheEvict, fs.Cache.Evictions())
+			counter(descCacheUncache, fs.Cache.Uncached())
+		}
 		for _, l := range []struct {
 			step string
 			h    *Latency

@@ -112,6 +112,9 @@ func New(cfg Config, log *zap.Logger) (*Server, error) {
 	rand.Read(tag[:])
 	s.oversizedTag = oversizedPrefix + hex.EncodeToString(tag[:]) // limits.go
 	s.mem.limit = int64(cfg.MemoryBudget)
+	if cu, ok := cfg.Interceptor.(CacheMemoryUser); ok { // the gate's caches share the budget (limits.go)
+		s.mem.shrink = cu.UseMemory(s.mem.limit, cacheBudget{&s.mem})
+	}
 	s.auth = &authLookup{cfg: s.primary, query: cfg.AuthQuery}
 	if heldCost(cfg.MaxMessageSize) > int64(cfg.MemoryBudget) && cfg.Interceptor != nil {
 		log.Warn("memory_budget cannot hold a message of max_message_size: such messages get 53200; raise memory_budget or lower max_message_size",
