@@ -235,6 +235,9 @@ func (h *fenceSession) execute(s gateConn, msg []byte) error {
 		params = paramFunc(cp, h.be.text.codec)
 	}
 	ep := h.batch.Execute(h.planSession(), plan.Exec{Stmt: st, Portal: m.Portal, Params: params, Bound: cp})
+	if e := h.noFenceSchema(st); e != nil { // fence_plan.go
+		ep = plan.ExecPlan{Refusal: e}
+	}
 	h.mu.Unlock()
 	if ep.Refusal != nil {
 		if err := h.raiseInBatch(s, ep.Refusal); err != nil {

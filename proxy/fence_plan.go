@@ -1,8 +1,15 @@
 package proxy
 
 import (
+	"fmt"
+	"strings"
+
+	"go.uber.org/zap"
+
+	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/rewrite"
 	"github.com/pgfence/pgfence/rewrite/plan"
+	"github.com/pgfence/pgfence/session"
 )
 
 // protectedWrite reports whether st may write a protected table. Callers
@@ -25,7 +32,7 @@ func (h *fenceSession) protectedWrite(st *rewrite.Stmt) bool {
 // writes the receipt, and answers a retry as the gate answers a replay.
 // A database without the schema pays nothing.
 func (h *fenceSession) maybeWrite(st *rewrite.Stmt) bool {
-	if st == nil || !h.cat.schema.Load() {
+	if st == nil || !h.fenceUsable() {
 		return false
 	}
 	// A COPY FROM into another table is left out: a trigger of that table
@@ -33,6 +40,69 @@ func (h *fenceSession) maybeWrite(st *rewrite.Stmt) bool {
 	// itself (backstop-v1), and wrapping every COPY of a fenced session
 	// would move its data off the event loop.
 	return st.Kind != rewrite.CopyFrom && (st.Writes() || plan.Opaque(st))
+}
+
+// fenceUsable reports whether the session's database has a fence schema
+// the gate can rely on. It is the one predicate for "no fence schema":
+// where it is false the gate adds nothing to any transaction, and a
+// session that presents fence metadata has its writes refused (FN014,
+// noFenceSchema). A fence schema the proxy does not trust (not owned by a
+// superuser) must count as none here. Callers hold h.mu, or need no
+// consistency with the rest of the session's state.
+func (h *fenceSession) fenceUsable() bool { return h.cat.schema.Load() }
+
+// noFenceSchema refuses, with FN014, the first of stmts that writes or may
+// write (DML, COPY FROM, DDL that writes rows, CALL, DO, a function call,
+// EXECUTE) in a session that presents fence metadata — fence.job_key,
+// fence.epoch or fence.token set, by the startup options, an earlier SET
+// or set_config, or a SET in stmts themselves — in a database without a
+// usable fence schema (fenceUsable): the client means its writes to be
+// fenced, and nothing can fence them there. It returns nil otherwise:
+// unfenced work passes, as PostgreSQL lets it, and so do a fenced
+// session's reads. The session itself is not refused at its start: tools
+// that carry PGOPTIONS everywhere still connect and read. Callers hold
+// h.mu, with the session state settled.
+func (h *fenceSession) noFenceSchema(stmts ...*rewrite.Stmt) *fence.Error {
+	if h.fenceUsable() || !presentsFence(h.st, stmts) {
+		return nil
+	}
+	for _, st := range stmts {
+		if st.Writes() || plan.Opaque(st) || st.Kind == rewrite.CopyFrom {
+			h.f.warnOnce("fencedNoSchema:"+h.db, "fenced client in a database without a fence schema: its writes are refused (FN014) until `pgfence migrate` runs",
+				zap.String("database", h.db), zap.String("user", h.user))
+			return &fence.Error{Code: fence.CodeNotInstalled,
+				Message: fmt.Sprintf("pgfence: database %q has no fence schema, so the fence metadata this session presents (fence.job_key, fence.epoch, fence.token) cannot fence its writes: refused", h.db),
+				Hint: fmt.Sprintf("a DBA runs: pgfence migrate --database 'postgres://<dba>@<host>/%s'; or connect without fence metadata (PGOPTIONS) to write unfenced", h.db)}
+		}
+	}
+	return nil
+}
+
+// noFenceSchemaCall is noFenceSchema for a FunctionCall message (the
+// fast path), which calls a function by its OID: one that may write.
+func (h *fenceSession) noFenceSchemaCall() *fence.Error {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.noFenceSchema(&rewrite.Stmt{Kind: rewrite.Other, Opaque: true})
+}
+
+// presentsFence reports whether a session in state ss presents fence
+// metadata to stmts: one of the generation's settings is set, or a
+// statement of stmts sets one.
+func presentsFence(ss *session.State, stmts []*rewrite.Stmt) bool {
+	for _, name := range []string{session.JobKey, session.Epoch, session.Token} {
+		if _, ok := ss.Get(name); ok {
+			return true
+		}
+	}
+	for _, st := range stmts {
+		for _, g := range st.GUCs {
+			if g.Op == rewrite.GUCSet && strings.HasPrefix(strings.ToLower(g.Name), "fence.") {
+				return true
+			}
+		}
+	}
+	return false
 }
 
 // planTables answers the planner's questions about the protected tables
