@@ -72,7 +72,7 @@ func (h *fenceSession) noFenceSchema(stmts ...*rewrite.Stmt) *fence.Error {
 				zap.String("database", h.db), zap.String("user", h.user))
 			return &fence.Error{Code: fence.CodeNotInstalled,
 				Message: fmt.Sprintf("pgfence: database %q has no fence schema, so the fence metadata this session presents (fence.job_key, fence.epoch, fence.token) cannot fence its writes: refused", h.db),
-				Hint: fmt.Sprintf("a DBA runs: pgfence migrate --database 'postgres://<dba>@<host>/%s'; or connect without fence metadata (PGOPTIONS) to write unfenced", h.db)}
+				Hint:    fmt.Sprintf("a DBA runs: pgfence migrate --database 'postgres://<dba>@<host>/%s'; or connect without fence metadata (PGOPTIONS) to write unfenced", h.db)}
 		}
 	}
 	return nil
