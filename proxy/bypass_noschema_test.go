@@ -252,6 +252,28 @@ func bypassNoSchema(t *testing.T) {
 		}
 	})
 
+	// A schema named fence that a non-superuser made is no fence schema:
+	// the write is still refused (the probe asks for one a superuser owns).
+	t.Run("fake_schema_by_worker", func(t *testing.T) {
+		id := pgx.Identifier{e.role}.Sanitize()
+		if _, err := e.admin.Exec(ctx, "GRANT CREATE ON DATABASE "+e.db+" TO "+id); err != nil {
+			t.Fatal(err)
+		}
+		w := e.connect(t, nil)
+		if _, err := w.Exec(ctx, "CREATE SCHEMA fence").ReadAll(); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { e.admin.Exec(context.Background(), "DROP SCHEMA IF EXISTS fence CASCADE") })
+		before := e.notes(t)
+		_, err := e.connect(t, &noSchemaGen).Exec(ctx, "INSERT INTO notes VALUES (26, 'x')").ReadAll()
+		if pgtest.SQLState(err) != fence.CodeNotInstalled {
+			t.Fatalf("a fenced write with a worker's schema fence: %v, want %s", err, fence.CodeNotInstalled)
+		}
+		if after := e.notes(t); after != before {
+			t.Fatalf("notes changed: %q, was %q", after, before)
+		}
+	})
+
 	// Controls: such a session starts and reads; a session without fence
 	// metadata writes, as PostgreSQL lets it.
 	t.Run("control_reads", func(t *testing.T) {

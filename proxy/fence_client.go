@@ -105,7 +105,8 @@ func (h *fenceSession) query(s gateConn, msg []byte) error {
 	h.mu.Lock()
 	if e := h.noFenceSchema(res.Stmts...); e != nil { // fence_plan.go
 		h.mu.Unlock()
-		return h.refuseQuery(s, e)
+		h.f.Stats.Classified.Add(int64(len(res.Stmts)))
+		return h.probeQuery(s, sql, res, e)
 	}
 	q := h.f.plans.PlanQuery(h.planSession(), res.Stmts)
 	h.mu.Unlock()

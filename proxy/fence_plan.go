@@ -3,6 +3,7 @@ package proxy
 import (
 	"fmt"
 	"strings"
+	"unicode/utf8"
 
 	"go.uber.org/zap"
 
@@ -51,19 +52,27 @@ func (h *fenceSession) maybeWrite(st *rewrite.Stmt) bool {
 // consistency with the rest of the session's state.
 func (h *fenceSession) fenceUsable() bool { return h.cat.schema.Load() }
 
-// noFenceSchema refuses, with FN014, the first of stmts that writes or may
-// write (DML, COPY FROM, DDL that writes rows, CALL, DO, a function call,
+// noFenceSchema is FN014 for the first of stmts that writes or may write
+// (DML, COPY FROM, DDL that writes rows, CALL, DO, a function call,
 // EXECUTE) in a session that presents fence metadata — fence.job_key,
 // fence.epoch or fence.token set, by the startup options, an earlier SET
-// or set_config, or a SET in stmts themselves — in a database without a
-// usable fence schema (fenceUsable): the client means its writes to be
-// fenced, and nothing can fence them there. It returns nil otherwise:
-// unfenced work passes, as PostgreSQL lets it, and so do a fenced
-// session's reads. The session itself is not refused at its start: tools
-// that carry PGOPTIONS everywhere still connect and read. Callers hold
-// h.mu, with the session state settled.
+// or set_config, or a SET in stmts themselves — in a database the proxy
+// knows no usable fence schema of (fenceUsable): the client means its
+// writes to be fenced, and nothing can fence them there. It returns nil
+// otherwise: unfenced work passes, as PostgreSQL lets it, and so do a
+// fenced session's reads, and statements in a failed transaction (the
+// server refuses them). The session itself is not refused at its start:
+// tools that carry PGOPTIONS everywhere still connect and read.
+//
+// The proxy's knowledge may be old: a database restored whole after the
+// proxy's first session in it has the schema before the catalog is read
+// again (docs/security.md, "The protected set is always current"). So the
+// refusal is sent as noSchemaProbe, which the server raises only if the
+// database still has no fence schema owned by a superuser when the
+// statement runs; otherwise the statement runs, fenced by the backstop,
+// as before. Callers hold h.mu, with the session state settled.
 func (h *fenceSession) noFenceSchema(stmts ...*rewrite.Stmt) *fence.Error {
-	if h.fenceUsable() || !presentsFence(h.st, stmts) {
+	if h.fenceUsable() || h.st.Tx() == session.Failed || !presentsFence(h.st, stmts) {
 		return nil
 	}
 	for _, st := range stmts {
@@ -71,11 +80,34 @@ func (h *fenceSession) noFenceSchema(stmts ...*rewrite.Stmt) *fence.Error {
 			h.f.warnOnce("fencedNoSchema:"+h.db, "fenced client in a database without a fence schema: its writes are refused (FN014) until `pgfence migrate` runs",
 				zap.String("database", h.db), zap.String("user", h.user))
 			return &fence.Error{Code: fence.CodeNotInstalled,
-				Message: fmt.Sprintf("pgfence: database %q has no fence schema, so the fence metadata this session presents (fence.job_key, fence.epoch, fence.token) cannot fence its writes: refused", h.db),
+				Message: fmt.Sprintf("pgfence: database %q has no fence schema (none owned by a superuser), so the fence metadata this session presents (fence.job_key, fence.epoch, fence.token) cannot fence its writes: refused", h.db),
 				Hint:    fmt.Sprintf("a DBA runs: pgfence migrate --database 'postgres://<dba>@<host>/%s'; or connect without fence metadata (PGOPTIONS) to write unfenced", h.db)}
 		}
 	}
 	return nil
+}
+
+// noSchemaProbe is a statement that fails with e unless the database has a
+// schema fence owned by a superuser. Everything in it is qualified: it
+// runs with the client's search_path.
+func noSchemaProbe(e *fence.Error) string {
+	return "DO $pgfence$BEGIN IF NOT EXISTS (SELECT FROM pg_catalog.pg_namespace n JOIN pg_catalog.pg_roles r" +
+		" ON r.oid OPERATOR(pg_catalog.=) n.nspowner WHERE n.nspname OPERATOR(pg_catalog.=) " + plan.Literal("fence") +
+		" AND r.rolsuper) THEN RAISE EXCEPTION USING ERRCODE = " + plan.Literal(e.Code) + ", MESSAGE = " + plan.Literal(e.Message) +
+		", HINT = " + plan.Literal(e.Hint) + "; END IF; END$pgfence$"
+}
+
+// probeQuery sends a simple query of a fenced session in a database the
+// proxy knows no fence schema of with noSchemaProbe before it, in the
+// same query: the server skips the client's statements if the probe fails.
+func (h *fenceSession) probeQuery(s gateConn, sql string, res *rewrite.Result, e *fence.Error) error {
+	probe := noSchemaProbe(e) + ";"
+	segs := append([]seg{{step: stepRaise, stmt: res.Stmts[0]}}, clientSegs(res)...)
+	t := &tag{kind: 'Q', segs: segs, inserts: plan.Insertions{{At: 0, N: utf8.RuneCountInString(probe)}}}
+	if plan.ChangesState(res.Stmts...) {
+		defer h.markState()
+	}
+	return h.send(s, h.qmsg(probe+sql), t, true)
 }
 
 // noFenceSchemaCall is noFenceSchema for a FunctionCall message (the
