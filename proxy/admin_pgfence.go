@@ -200,6 +200,7 @@ func (s *Server) showFenceStats() *adminTable {
 	for _, c := range codes {
 		n("clients_refused_"+c, refused[c])
 	}
+	n("accept_errors", st.AcceptErrors.Load())
 	n("upstream_connect_errors", st.UpstreamErrors.Load())
 	n("reads_primary", st.ReadsPrimary.Load())
 	n("reads_replica", st.ReadsReplica.Load())
@@ -212,6 +213,12 @@ func (s *Server) showFenceStats() *adminTable {
 		fs.Codes.each(func(code string, v int64) { n("errors_"+strings.ReplaceAll(code, " ", "_"), v) })
 		n("unfenced_writes", fs.Unfenced.Load())
 		n("statements_classified", fs.Classified.Load())
+		if fs.Cache != nil {
+			n("cache_bytes", fs.Cache.Bytes())
+			n("cache_entries", fs.Cache.Entries())
+			n("cache_evictions", fs.Cache.Evictions())
+			n("cache_uncached", fs.Cache.Uncached())
+		}
 		n("gate_step_count", int64(fs.GateLatency.Count()))
 		t.add("gate_step_avg_ms", fmt.Sprintf("%.3f", float64(fs.GateLatency.Mean())/1e6))
 		n("commit_step_count", int64(fs.CommitLatency.Count()))

@@ -528,6 +528,9 @@ func (s *Server) authenticate(c net.Conn, st *startup, log *zap.Logger) (*Proof,
 		stored, found, err := s.auth.lookup(ctx, user)
 		if err != nil {
 			log.Warn("auth query failed", zap.Error(err))
+			if pe := resourceRefusal(err, "its connection for looking up passwords"); pe != nil { // accept.go
+				return nil, pe
+			}
 			return nil, &ProtocolError{Code: "08006", Msg: "pgfence: " + errAuthLookup.Error() + "; see the proxy's log", Err: err}
 		}
 		if !found {

@@ -112,25 +112,32 @@ func bypassCurrent(t *testing.T) {
 		}
 	})
 	t.Run("no_fence_schema", func(t *testing.T) {
-		// A database without the fence schema: a fenced session's writes
-		// and opaque statements go as they are, with no receipt step
-		// (commit_if_written does not exist there: FN014 if one ran).
+		// A database without the fence schema: nothing gets a gate or
+		// receipt step (commit_if_written does not exist there). A fenced
+		// session's writes and opaque statements are refused with FN014
+		// (issue 30: they went as they were, unfenced; TestBypass/noschema),
+		// its reads and DDL pass, and an unfenced session's writes pass.
 		db := currentEmptyDatabase(t, cluster.Primary, "cur_noschema")
 		gate, p := currentProxy(t, cluster.Primary, false)
-		conn := connect(t, fmt.Sprintf("postgres://postgres@%s/%s?sslmode=disable", p.addr, db))
-		for _, sql := range []string{
-			"set fence.job_key = 'j'; set fence.epoch = 1; set fence.token = 1",
-			"create table cur_x (k int)",
-			"insert into cur_x values (1)",
-			"begin; do $$ begin insert into cur_x values (2); end $$; update cur_x set k = k + 10; commit",
-			"select count(*) from cur_x",
+		dsn := fmt.Sprintf("postgres://postgres@%s/%s?sslmode=disable", p.addr, db)
+		conn := connect(t, dsn)
+		for _, step := range []struct{ sql, code string }{
+			{"set fence.job_key = 'j'; set fence.epoch = 1; set fence.token = 1", ""},
+			{"create table cur_x (k int)", ""},
+			{"insert into cur_x values (1)", fence.CodeNotInstalled},
+			{"begin; do $$ begin insert into cur_x values (2); end $$; update cur_x set k = k + 10; commit", fence.CodeNotInstalled},
+			{"rollback", ""},
+			{"select count(*) from cur_x", ""},
 		} {
-			if err := currentRun(t, conn, sql); err != nil {
-				t.Fatalf("%s: %v", sql, err)
+			if err := currentRun(t, conn, step.sql); pgtest.SQLState(err) != step.code {
+				t.Fatalf("%s: %v, want SQLSTATE %q", step.sql, err, step.code)
 			}
 		}
-		if got := gate.Stats.Gated.Load() + gate.Stats.Committed.Load() + gate.Stats.Refused.Load(); got != 0 {
-			t.Fatalf("the gate acted %d times in a database without the fence schema", got)
+		if err := currentRun(t, connect(t, dsn), "insert into cur_x values (3)"); err != nil {
+			t.Fatalf("an unfenced session's write: %v", err)
+		}
+		if got := gate.Stats.Gated.Load() + gate.Stats.Committed.Load(); got != 0 {
+			t.Fatalf("the gate gated %d times in a database without the fence schema", got)
 		}
 	})
 	t.Run("pg_dumpall_cluster", currentCluster)

@@ -11,6 +11,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/pgfence/pgfence/fence"
+	"github.com/pgfence/pgfence/internal/lru"
 	"github.com/pgfence/pgfence/rewrite"
 	"github.com/pgfence/pgfence/rewrite/plan"
 	"github.com/pgfence/pgfence/session"
@@ -21,6 +22,8 @@ import (
 // commit receipt (fence.commit), as DESIGN §3–§5 describe. Create it with
 // NewFence and set it as Config.Interceptor.
 type Fence struct {
+	cache      *lru.Pool // the classifier's and the plans' (CacheMemory)
+	cacheSized bool      // CacheMemory was given
 	classifier *rewrite.Classifier
 	plans      *plan.Cache // simple queries' plans, by what the planner reads
 	cats       *catalogs
@@ -48,6 +51,10 @@ type FenceStats struct {
 	Codes         CodeCounts // FN errors the clients got, by SQLSTATE
 	GateLatency   Latency    // gate step: sent upstream → its response
 	CommitLatency Latency    // receipt step: sent upstream → its response
+
+	// Cache holds the classifier's and the plans' cached entries: its
+	// bytes, entries, evictions and the statements it did not cache.
+	Cache *lru.Pool
 }
 
 // FenceConfig configures NewFence.
@@ -56,10 +63,15 @@ type FenceConfig struct {
 	// fence.protected_tables of each database (and LISTEN for changes).
 	// Its database is replaced by each client's.
 	Primary string
-	// ClassifierCacheSize is the number of statement texts whose
-	// classification is cached, and of rewritten queries' plans. Zero
-	// means 10000.
-	ClassifierCacheSize int
+	// CacheMemory bounds what the caches of statement classifications
+	// and of rewritten queries' plans hold together, in bytes of heap as
+	// estimated (rewrite/cachecost.go), least recently used first out. A
+	// statement that would cost more is classified and not cached. Under a
+	// Server the caches also count against its MemoryBudget and give way
+	// to client messages (limits.go). Zero means an eighth of the
+	// Server's MemoryBudget (64 MiB by default; rewrite.DefaultCacheMemory
+	// without a Server).
+	CacheMemory int64
 	// GateIdleTimeout bounds how long a client may stay silent while its
 	// transaction holds (or may hold) a fence row: past it the session is
 	// ended, its transaction rolled back, and the client told FN012 (see
@@ -78,20 +90,24 @@ func NewFence(cfg FenceConfig, log *zap.Logger) (*Fence, error) {
 	if err != nil {
 		return nil, fmt.Errorf("fence: parse primary dsn: %w", err)
 	}
-	if cfg.ClassifierCacheSize == 0 {
-		cfg.ClassifierCacheSize = 10000
-	}
 	if cfg.GateIdleTimeout == 0 {
 		cfg.GateIdleTimeout = DefaultGateIdleTimeout
 	}
+	cache := lru.NewPool(rewrite.DefaultCacheMemory)
+	if cfg.CacheMemory > 0 {
+		cache = lru.NewPool(cfg.CacheMemory)
+	}
 	f := &Fence{
-		classifier: rewrite.NewClassifier(cfg.ClassifierCacheSize),
-		plans:      plan.NewCache(cfg.ClassifierCacheSize),
+		cache:      cache,
+		cacheSized: cfg.CacheMemory > 0,
+		classifier: rewrite.NewClassifier(cache),
+		plans:      plan.NewCache(cache),
 		cats:       newCatalogs(pc, cfg.CatalogRefresh, log.Named("catalog")),
 		log:        log,
 		idle:       newWatchdog(cfg.GateIdleTimeout, log.Named("gate")),
 	}
 	f.refusals = refusalLogger(log, &f.Stats.RefusalsNotLogged)
+	f.Stats.Cache = cache
 	return f, nil
 }
 
@@ -108,6 +124,9 @@ func (f *Fence) Open(s *Session) (Handler, error) {
 	cat, err := f.cats.get(ctx, s.Database)
 	if err != nil {
 		s.Logger().Warn("cannot load protected tables; refusing the session", zap.Error(err))
+		if pe := resourceRefusal(err, "its control connection to PostgreSQL"); pe != nil { // accept.go
+			return nil, pe
+		}
 		return nil, &ProtocolError{Code: "58000", Msg: fmt.Sprintf("pgfence: cannot read the protected tables of database %q; try again shortly", s.Database), Err: err}
 	}
 	if !cat.schema.Load() {

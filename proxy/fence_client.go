@@ -42,6 +42,9 @@ func (h *fenceSession) clientMessage(s *Session, msg []byte) (Verdict, error) {
 	case 'C', 'D':
 		return h.closeOrDescribe(s, msg)
 	case 'F':
+		if e := h.noFenceSchemaCall(); e != nil { // fence_plan.go
+			return Drop, h.refuseQuery(s, e)
+		}
 		return Drop, h.send(s, msg, &tag{kind: msg[0]}, true)
 	case 'H':
 		return Forward, nil
@@ -117,6 +120,11 @@ func (h *fenceSession) query(s gateConn, msg []byte) error {
 		}
 	}
 	h.mu.Lock()
+	if e := h.noFenceSchema(res.Stmts...); e != nil { // fence_plan.go
+		h.mu.Unlock()
+		h.f.Stats.Classified.Add(int64(len(res.Stmts)))
+		return h.probeQuery(s, sql, res, e)
+	}
 	q := h.f.plans.PlanQuery(h.planSession(), res.Stmts)
 	h.mu.Unlock()
 	h.f.Stats.Classified.Add(int64(len(res.Stmts)))

@@ -235,7 +235,14 @@ func (h *fenceSession) execute(s gateConn, msg []byte) error {
 		params = paramFunc(cp, h.be.text.codec)
 	}
 	ep := h.batch.Execute(h.planSession(), plan.Exec{Stmt: st, Portal: m.Portal, Params: params, Bound: cp})
+	noSchema := h.noFenceSchema(st) // fence_plan.go
 	h.mu.Unlock()
+	if noSchema != nil && ep.Refusal == nil {
+		// The server skips the Execute if the probe fails.
+		if err := h.raiseSQLInBatch(s, noSchemaProbe(noSchema), true); err != nil {
+			return err
+		}
+	}
 	if ep.Refusal != nil {
 		if err := h.raiseInBatch(s, ep.Refusal); err != nil {
 			return err
@@ -400,12 +407,19 @@ func (h *fenceSession) execNamed(s gateConn, stmt string, args [][]byte, t *tag)
 // it, parsed and executed through the gate's portal (the client's unnamed
 // statement is left alone). The server then skips to Sync.
 func (h *fenceSession) raiseInBatch(s gateConn, e *fence.Error) error {
+	return h.raiseSQLInBatch(s, plan.RaiseSQL(e), false)
+}
+
+// raiseSQLInBatch is raiseInBatch of sql, a statement that raises, or
+// may (mayPass: then the portal is closed after it, as the transaction
+// may go on).
+func (h *fenceSession) raiseSQLInBatch(s gateConn, sql string, mayPass bool) error {
 	const name = plan.RaiseStatement
 	buf, _ := (&pgproto3.Close{ObjectType: 'S', Name: name}).Encode(nil)
 	if err := h.send(s, buf, &tag{kind: 'C', step: stepRaise}, false); err != nil {
 		return err
 	}
-	buf, _ = (&pgproto3.Parse{Name: name, Query: string(h.encode(plan.RaiseSQL(e)))}).Encode(buf[:0])
+	buf, _ = (&pgproto3.Parse{Name: name, Query: string(h.encode(sql))}).Encode(buf[:0])
 	if err := h.send(s, buf, &tag{kind: 'P', step: stepRaise}, false); err != nil {
 		return err
 	}
@@ -421,5 +435,9 @@ func (h *fenceSession) raiseInBatch(s gateConn, e *fence.Error) error {
 		return err
 	}
 	buf, _ = (&pgproto3.Execute{Portal: plan.Portal}).Encode(buf[:0])
-	return h.send(s, buf, &tag{kind: 'E', step: stepRaise}, false)
+	if err := h.send(s, buf, &tag{kind: 'E', step: stepRaise}, false); err != nil || !mayPass {
+		return err
+	}
+	buf, _ = (&pgproto3.Close{ObjectType: 'P', Name: plan.Portal}).Encode(buf[:0])
+	return h.send(s, buf, &tag{kind: 'C', step: stepRaise}, false)
 }

@@ -1,8 +1,16 @@
 package proxy
 
 import (
+	"fmt"
+	"strings"
+	"unicode/utf8"
+
+	"go.uber.org/zap"
+
+	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/rewrite"
 	"github.com/pgfence/pgfence/rewrite/plan"
+	"github.com/pgfence/pgfence/session"
 )
 
 // protectedWrite reports whether st may write a protected table. Callers
@@ -25,7 +33,7 @@ func (h *fenceSession) protectedWrite(st *rewrite.Stmt) bool {
 // writes the receipt, and answers a retry as the gate answers a replay.
 // A database without the schema pays nothing.
 func (h *fenceSession) maybeWrite(st *rewrite.Stmt) bool {
-	if st == nil || !h.cat.schema.Load() {
+	if st == nil || !h.fenceUsable() {
 		return false
 	}
 	// A COPY FROM into another table is left out: a trigger of that table
@@ -33,6 +41,100 @@ func (h *fenceSession) maybeWrite(st *rewrite.Stmt) bool {
 	// itself (backstop-v1), and wrapping every COPY of a fenced session
 	// would move its data off the event loop.
 	return st.Kind != rewrite.CopyFrom && (st.Writes() || plan.Opaque(st))
+}
+
+// fenceUsable reports whether the session's database has a fence schema
+// the gate can rely on. It is the one predicate for "no fence schema":
+// where it is false the gate adds nothing to any transaction, and a
+// session that presents fence metadata has its writes refused (FN014,
+// noFenceSchema). A fence schema the proxy does not trust (not owned by a
+// superuser) must count as none here. Callers hold h.mu, or need no
+// consistency with the rest of the session's state.
+func (h *fenceSession) fenceUsable() bool { return h.cat.schema.Load() }
+
+// noFenceSchema is FN014 for the first of stmts that writes or may write
+// (DML, COPY FROM, DDL that writes rows, CALL, DO, a function call,
+// EXECUTE) in a session that presents fence metadata — fence.job_key,
+// fence.epoch or fence.token set, by the startup options, an earlier SET
+// or set_config, or a SET in stmts themselves — in a database the proxy
+// knows no usable fence schema of (fenceUsable): the client means its
+// writes to be fenced, and nothing can fence them there. It returns nil
+// otherwise: unfenced work passes, as PostgreSQL lets it, and so do a
+// fenced session's reads, and statements in a failed transaction (the
+// server refuses them). The session itself is not refused at its start:
+// tools that carry PGOPTIONS everywhere still connect and read.
+//
+// The proxy's knowledge may be old: a database restored whole after the
+// proxy's first session in it has the schema before the catalog is read
+// again (docs/security.md, "The protected set is always current"). So the
+// refusal is sent as noSchemaProbe, which the server raises only if the
+// database still has no fence schema owned by a superuser when the
+// statement runs; otherwise the statement runs, fenced by the backstop,
+// as before. Callers hold h.mu, with the session state settled.
+func (h *fenceSession) noFenceSchema(stmts ...*rewrite.Stmt) *fence.Error {
+	if h.fenceUsable() || h.st.Tx() == session.Failed || !presentsFence(h.st, stmts) {
+		return nil
+	}
+	for _, st := range stmts {
+		if st.Writes() || plan.Opaque(st) || st.Kind == rewrite.CopyFrom {
+			h.f.warnOnce("fencedNoSchema:"+h.db, "fenced client in a database without a fence schema: its writes are refused (FN014) until `pgfence migrate` runs",
+				zap.String("database", h.db), zap.String("user", h.user))
+			return &fence.Error{Code: fence.CodeNotInstalled,
+				Message: fmt.Sprintf("pgfence: database %q has no fence schema (none owned by a superuser), so the fence metadata this session presents (fence.job_key, fence.epoch, fence.token) cannot fence its writes: refused", h.db),
+				Hint:    fmt.Sprintf("a DBA runs: pgfence migrate --database 'postgres://<dba>@<host>/%s'; or connect without fence metadata (PGOPTIONS) to write unfenced", h.db)}
+		}
+	}
+	return nil
+}
+
+// noSchemaProbe is a statement that fails with e unless the database has a
+// schema fence owned by a superuser. Everything in it is qualified: it
+// runs with the client's search_path.
+func noSchemaProbe(e *fence.Error) string {
+	return "DO $pgfence$BEGIN IF NOT EXISTS (SELECT FROM pg_catalog.pg_namespace n JOIN pg_catalog.pg_roles r" +
+		" ON r.oid OPERATOR(pg_catalog.=) n.nspowner WHERE n.nspname OPERATOR(pg_catalog.=) " + plan.Literal("fence") +
+		" AND r.rolsuper) THEN RAISE EXCEPTION USING ERRCODE = " + plan.Literal(e.Code) + ", MESSAGE = " + plan.Literal(e.Message) +
+		", HINT = " + plan.Literal(e.Hint) + "; END IF; END$pgfence$"
+}
+
+// probeQuery sends a simple query of a fenced session in a database the
+// proxy knows no fence schema of with noSchemaProbe before it, in the
+// same query: the server skips the client's statements if the probe fails.
+func (h *fenceSession) probeQuery(s gateConn, sql string, res *rewrite.Result, e *fence.Error) error {
+	probe := noSchemaProbe(e) + ";"
+	segs := append([]seg{{step: stepRaise, stmt: res.Stmts[0]}}, clientSegs(res)...)
+	t := &tag{kind: 'Q', segs: segs, inserts: plan.Insertions{{At: 0, N: utf8.RuneCountInString(probe)}}}
+	if plan.ChangesState(res.Stmts...) {
+		defer h.markState()
+	}
+	return h.send(s, h.qmsg(probe+sql), t, true)
+}
+
+// noFenceSchemaCall is noFenceSchema for a FunctionCall message (the
+// fast path), which calls a function by its OID: one that may write.
+func (h *fenceSession) noFenceSchemaCall() *fence.Error {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.noFenceSchema(&rewrite.Stmt{Kind: rewrite.Other, Opaque: true})
+}
+
+// presentsFence reports whether a session in state ss presents fence
+// metadata to stmts: one of the generation's settings is set, or a
+// statement of stmts sets one.
+func presentsFence(ss *session.State, stmts []*rewrite.Stmt) bool {
+	for _, name := range []string{session.JobKey, session.Epoch, session.Token} {
+		if _, ok := ss.Get(name); ok {
+			return true
+		}
+	}
+	for _, st := range stmts {
+		for _, g := range st.GUCs {
+			if g.Op == rewrite.GUCSet && strings.HasPrefix(strings.ToLower(g.Name), "fence.") {
+				return true
+			}
+		}
+	}
+	return false
 }
 
 // planTables answers the planner's questions about the protected tables

@@ -46,30 +46,64 @@ const heldMessageCost = 8
 // budget.
 func heldCost(n int) int64 { return int64(n) * heldMessageCost }
 
-// memBudget is the memory budget for held client messages.
+// memBudget is the memory budget for held client messages, which the
+// write gate's caches share (CacheMemoryUser): they take what messages
+// leave, up to their own bound (FenceConfig.CacheMemory), and give way to
+// a message that does not fit (shrink), so a message fits whenever it
+// would without them.
 type memBudget struct {
 	limit int64
-	used  atomic.Int64
-	peak  atomic.Int64 // the most used at once (for observation: tests)
+	total atomic.Int64 // held messages and cached entries
+	used  atomic.Int64 // held messages
+	peak  atomic.Int64 // the most messages held at once (for observation: tests)
+	// shrink makes the caches give at least n bytes back; nil without
+	// caches.
+	shrink func(n int64) int64
 }
 
-// take reserves n bytes, or reports false when they do not fit.
+// take reserves n bytes for a message, or reports false when they do not
+// fit even with the caches empty.
 func (m *memBudget) take(n int64) bool {
-	for {
-		u := m.used.Load()
-		if u+n > m.limit {
+	if !m.reserve(n) {
+		if m.shrink == nil || n > m.limit-m.used.Load() {
 			return false
 		}
-		if m.used.CompareAndSwap(u, u+n) {
-			for p := m.peak.Load(); u+n > p && !m.peak.CompareAndSwap(p, u+n); p = m.peak.Load() {
-			}
+		m.shrink(m.total.Load() + n - m.limit)
+		if !m.reserve(n) {
+			return false
+		}
+	}
+	u := m.used.Add(n)
+	for p := m.peak.Load(); u > p && !m.peak.CompareAndSwap(p, u); p = m.peak.Load() {
+	}
+	return true
+}
+
+// reserve takes n bytes of the budget if they fit.
+func (m *memBudget) reserve(n int64) bool {
+	for {
+		t := m.total.Load()
+		if t+n > m.limit {
+			return false
+		}
+		if m.total.CompareAndSwap(t, t+n) {
 			return true
 		}
 	}
 }
 
-// give returns n bytes taken.
-func (m *memBudget) give(n int64) { m.used.Add(-n) }
+// give returns n bytes taken for a message.
+func (m *memBudget) give(n int64) {
+	m.used.Add(-n)
+	m.total.Add(-n)
+}
+
+// cacheBudget is the budget as the caches take from it (lru.Budget):
+// what messages leave, never making them give way.
+type cacheBudget struct{ m *memBudget }
+
+func (b cacheBudget) Take(n int64) bool { return b.m.reserve(n) }
+func (b cacheBudget) Give(n int64)      { b.m.total.Add(-n) }
 
 // overBudget is the error for a message the budget cannot hold: the
 // session ends with it.

@@ -122,8 +122,12 @@ type ServerStats struct {
 	ClientParks    atomic.Int64
 	AdminSessions  atomic.Int64 // admin console sessions opened
 	UpstreamErrors atomic.Int64 // upstream connections that failed (not refusals by PostgreSQL)
-	ReadsPrimary   atomic.Int64 // reads routed to the primary (read routing)
-	ReadsReplica   atomic.Int64 // reads routed to a replica (read routing)
+	// AcceptErrors counts the accepts that failed and were retried after
+	// a back-off: out of descriptors (EMFILE, ENFILE) or kernel memory,
+	// or a connection that failed before it was taken (accept.go).
+	AcceptErrors atomic.Int64
+	ReadsPrimary atomic.Int64 // reads routed to the primary (read routing)
+	ReadsReplica atomic.Int64 // reads routed to a replica (read routing)
 
 	mu      sync.Mutex
 	refused map[string]int64 // clients refused, by SQLSTATE
@@ -295,11 +299,16 @@ var (
 	descParks        = prometheus.NewDesc("pgfence_client_parks_total", "Times the event loop parked a session's client side because the write gate had to wait for an earlier answer (pipelined writes, wrapped COPY FROM, settings read-backs).", nil, nil)
 	descAdminTot     = prometheus.NewDesc("pgfence_admin_sessions_opened_total", "Admin console sessions opened.", nil, nil)
 	descRefused      = prometheus.NewDesc("pgfence_clients_refused_total", "Clients refused before their session started, by SQLSTATE.", []string{"code"}, nil)
+	descAcceptErrors = prometheus.NewDesc("pgfence_accept_errors_total", "Accepts of client connections that failed and were retried after a back-off (out of file descriptors, EMFILE/ENFILE, or kernel memory; a connection that failed before it was taken).", nil, nil)
 	descUpErrors     = prometheus.NewDesc("pgfence_upstream_connection_errors_total", "Upstream connections that could not be opened (network, TLS, timeouts; not refusals by PostgreSQL).", nil, nil)
 	descReads        = prometheus.NewDesc("pgfence_read_routes_total", "Reads routed, by route.", []string{"route"}, nil)
 	descGate         = prometheus.NewDesc("pgfence_gate_transactions_total", "Gated transactions by outcome: gated (passed the fence check), committed (new receipt), replayed (idempotent replay).", []string{"outcome"}, nil)
 	descGateErr      = prometheus.NewDesc("pgfence_gate_errors_total", "Errors of class FN the clients got, by SQLSTATE (FN001 stale, FN003 conflict, FN004 retired, FN005 unknown job, FN006 receipt pruned, FN008 fencing required, FN009 unsupported).", []string{"code"}, nil)
 	descClassified   = prometheus.NewDesc("pgfence_statements_classified_total", "Statements classified by the gate.", nil, nil)
+	descCacheBytes   = prometheus.NewDesc("pgfence_cache_bytes", "Bytes the write gate's classifier and plan caches hold, as estimated (bounded by cache_memory, within memory_budget).", nil, nil)
+	descCacheEntries = prometheus.NewDesc("pgfence_cache_entries", "Entries in the write gate's classifier and plan caches.", nil, nil)
+	descCacheEvict   = prometheus.NewDesc("pgfence_cache_evictions_total", "Entries evicted from the write gate's caches to make room (least recently used first).", nil, nil)
+	descCacheUncache = prometheus.NewDesc("pgfence_cache_uncached_total", "Statements classified and not cached: larger than cache_memory, or no room in memory_budget.", nil, nil)
 	descLatency      = prometheus.NewDesc("pgfence_gate_step_duration_seconds", "Time from sending a gate step upstream to its response, by step (gate: fence check; commit: receipt).", []string{"step"}, nil)
 	descUp           = prometheus.NewDesc("pgfence_upstream_up", "1 when the upstream was reachable at its last check.", []string{"role", "addr"}, nil)
 	descLag          = prometheus.NewDesc("pgfence_replica_lag_seconds", "Replay lag of each replica, when known.", []string{"addr"}, nil)
@@ -307,8 +316,8 @@ var (
 )
 
 func (c *collector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{descSessions, descSessionsTot, descSessionsLoop, descParks, descAdminTot, descRefused, descUpErrors, descReads,
-		descGate, descGateErr, descClassified, descLatency, descUp, descLag, descLagBytes} {
+	for _, d := range []*prometheus.Desc{descSessions, descSessionsTot, descSessionsLoop, descParks, descAdminTot, descRefused, descAcceptErrors, descUpErrors, descReads,
+		descGate, descGateErr, descClassified, descCacheBytes, descCacheEntries, descCacheEvict, descCacheUncache, descLatency, descUp, descLag, descLagBytes} {
 		ch <- d
 	}
 }
@@ -327,6 +336,7 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 	for code, n := range st.Refused() {
 		counter(descRefused, n, code)
 	}
+	counter(descAcceptErrors, st.AcceptErrors.Load())
 	counter(descUpErrors, st.UpstreamErrors.Load())
 	counter(descReads, st.ReadsPrimary.Load(), "primary")
 	counter(descReads, st.ReadsReplica.Load(), "replica")
@@ -336,6 +346,12 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 		counter(descGate, fs.Replayed.Load(), "replayed")
 		fs.Codes.each(func(code string, n int64) { counter(descGateErr, n, code) })
 		counter(descClassified, fs.Classified.Load())
+		if fs.Cache != nil {
+			ch <- prometheus.MustNewConstMetric(descCacheBytes, prometheus.GaugeValue, float64(fs.Cache.Bytes()))
+			ch <- prometheus.MustNewConstMetric(descCacheEntries, prometheus.GaugeValue, float64(fs.Cache.Entries()))
+			counter(descCacheEvict, fs.Cache.Evictions())
+			counter(descCacheUncache, fs.Cache.Uncached())
+		}
 		for _, l := range []struct {
 			step string
 			h    *Latency

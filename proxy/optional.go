@@ -1,6 +1,9 @@
 package proxy
 
-import "github.com/pgfence/pgfence/fence"
+import (
+	"github.com/pgfence/pgfence/fence"
+	"github.com/pgfence/pgfence/internal/lru"
+)
 
 // What the proxy asks of an Interceptor or Handler beyond the Interceptor
 // interface, each optional: the console, the metrics and read routing
@@ -45,6 +48,26 @@ type ReadRouter interface {
 	RouteReads() (sessionDB func(prev string, failed bool) string)
 }
 
+// CacheMemoryUser is implemented by an Interceptor whose caches count
+// against the Server's memory budget (Config.MemoryBudget, limits.go). New
+// calls UseMemory once, before it serves, with the budget and what the
+// caches take their bytes from; the function returned makes the caches
+// give at least n bytes back (evicting their least recently used
+// entries), which the Server calls when a client message does not fit.
+type CacheMemoryUser interface {
+	UseMemory(budget int64, b lru.Budget) (shrink func(n int64) int64)
+}
+
+// UseMemory implements CacheMemoryUser: the caches get an eighth of the
+// budget unless FenceConfig.CacheMemory says how much.
+func (f *Fence) UseMemory(budget int64, b lru.Budget) func(n int64) int64 {
+	if !f.cacheSized {
+		f.cache.SetMax(budget / 8)
+	}
+	f.cache.SetBudget(b)
+	return f.cache.Shrink
+}
+
 // GateStats implements GateStatsReporter.
 func (f *Fence) GateStats() *FenceStats { return &f.Stats }
 
@@ -66,5 +89,6 @@ func (s *Server) gateStats() *FenceStats {
 var (
 	_ GateStatsReporter = (*Fence)(nil)
 	_ ReadRouter        = (*Fence)(nil)
+	_ CacheMemoryUser   = (*Fence)(nil)
 	_ GateReporter      = (*fenceSession)(nil)
 )

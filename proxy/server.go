@@ -40,6 +40,8 @@ type Server struct {
 
 	clients  atomic.Int64 // sessions counted against MaxClients
 	draining atomic.Bool
+	shut     chan struct{} // closed by Shutdown (shutOnce): ends Serve's waits
+	shutOnce sync.Once
 
 	mu        sync.Mutex
 	listeners map[net.Listener]struct{}
@@ -82,6 +84,7 @@ func New(cfg Config, log *zap.Logger) (*Server, error) {
 		conns:     make(map[net.Conn]*Session),
 		cancels:   make(map[uint64]cancelTarget),
 		idle:      make(chan struct{}, 1),
+		shut:      make(chan struct{}),
 	}
 	if cfg.DisableEventLoop {
 		if cfg.Poller != "" && cfg.Poller != "poll" {
@@ -109,6 +112,9 @@ func New(cfg Config, log *zap.Logger) (*Server, error) {
 	rand.Read(tag[:])
 	s.oversizedTag = oversizedPrefix + hex.EncodeToString(tag[:]) // limits.go
 	s.mem.limit = int64(cfg.MemoryBudget)
+	if cu, ok := cfg.Interceptor.(CacheMemoryUser); ok { // the gate's caches share the budget (limits.go)
+		s.mem.shrink = cu.UseMemory(s.mem.limit, cacheBudget{&s.mem})
+	}
 	s.auth = &authLookup{cfg: s.primary, query: cfg.AuthQuery, log: log}
 	if heldCost(cfg.MaxMessageSize) > int64(cfg.MemoryBudget) && cfg.Interceptor != nil {
 		log.Warn("memory_budget cannot hold a message of max_message_size: such messages get 53200; raise memory_budget or lower max_message_size",
@@ -148,7 +154,7 @@ func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
 	stop := context.AfterFunc(ctx, func() { ln.Close() })
 	defer stop()
 
-	var delay time.Duration
+	var backoff acceptBackoff // accept.go
 	for {
 		c, err := ln.Accept()
 		if err != nil {
@@ -159,16 +165,22 @@ func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
 			if ctx.Err() != nil {
 				return ctx.Err()
 			}
-			var ne net.Error
-			if errors.As(err, &ne) && ne.Timeout() {
-				delay = min(max(2*delay, 5*time.Millisecond), time.Second)
-				s.log.Warn("accept failed; retrying", zap.Error(err), zap.Int64("delay_ms", delay.Milliseconds()))
-				time.Sleep(delay)
-				continue
+			if !acceptRetryable(err) {
+				return fmt.Errorf("accept: %w", err)
 			}
-			return fmt.Errorf("accept: %w", err)
+			// Out of descriptors (EMFILE) and the like: the sessions
+			// open go on, new clients wait in the backlog.
+			wait := time.NewTimer(backoff.failed(s, ln, err))
+			select {
+			case <-wait.C:
+			case <-ctx.Done():
+				wait.Stop()
+			case <-s.shut:
+				wait.Stop()
+			}
+			continue
 		}
-		delay = 0
+		backoff.succeeded(s, ln)
 		if !s.track(c, nil) {
 			c.Close()
 			continue
@@ -209,6 +221,7 @@ func (s *Server) untrack(c net.Conn) {
 // ended gracefully.
 func (s *Server) Shutdown(ctx context.Context) error {
 	s.draining.Store(true)
+	s.shutOnce.Do(func() { close(s.shut) })
 	defer s.loop.stop()     // once the sessions have ended (wg.Wait below): evloop.go
 	s.stopControl()         // admin_pause.go: ends PAUSE waits
 	defer s.closeReplicas() // route.go
@@ -575,6 +588,10 @@ func (s *Server) open(raw, c net.Conn, st *startup, proof *Proof, log *zap.Logge
 			return nil, pg
 		case errors.As(err, &pe):
 			log.Info("upstream connection not authenticated", zap.Error(err))
+			return nil, pe
+		}
+		if pe := resourceRefusal(err, "a connection to PostgreSQL"); pe != nil { // accept.go
+			log.Warn("upstream connect failed: out of descriptors", zap.Error(err))
 			return nil, pe
 		}
 		log.Warn("upstream connect failed", zap.Error(err))

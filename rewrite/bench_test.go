@@ -41,7 +41,7 @@ func BenchmarkCanonical(b *testing.B) {
 func BenchmarkClassifyCached(b *testing.B) {
 	for _, q := range benchQueries {
 		b.Run(q.name, func(b *testing.B) {
-			c := NewClassifier(1024)
+			c := NewClassifier(nil)
 			c.Classify(q.sql)
 			b.ReportAllocs()
 			for b.Loop() {
@@ -54,7 +54,7 @@ func BenchmarkClassifyCached(b *testing.B) {
 // BenchmarkClassifyCachedParallel measures the shared cache under
 // concurrent sessions.
 func BenchmarkClassifyCachedParallel(b *testing.B) {
-	c := NewClassifier(1024)
+	c := NewClassifier(nil)
 	keys := make([]string, 64)
 	for i := range keys {
 		keys[i] = "SELECT * FROM t WHERE id = " + strconv.Itoa(i)
@@ -74,7 +74,7 @@ func BenchmarkClassifyCachedParallel(b *testing.B) {
 // pgbench -S and ORMs that inline values send): an exact-text miss served
 // by the shape cache instead of a parse.
 func BenchmarkClassifyShape(b *testing.B) {
-	c := NewClassifier(1024)
+	c := NewClassifier(nil)
 	texts := make([]string, 4096)
 	for i := range texts {
 		texts[i] = "SELECT abalance FROM pgbench_accounts WHERE aid = " + strconv.Itoa(100000+i*7919)
@@ -94,7 +94,7 @@ func BenchmarkClassifyShape(b *testing.B) {
 // '...'", a new text every transaction, through ClassifyShared (the
 // gate's path): one parse per shape, then the value is put in.
 func BenchmarkClassifyFenceStep(b *testing.B) {
-	c := NewClassifier(1024)
+	c := NewClassifier(nil)
 	texts := make([]string, 4096)
 	for i := range texts {
 		texts[i] = "BEGIN; SET LOCAL fence.step = 'nightly-" + strconv.Itoa(100000+i*7919) + "'"

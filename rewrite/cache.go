@@ -4,11 +4,13 @@ import (
 	"strings"
 	"unicode/utf8"
 
-	lru "github.com/hashicorp/golang-lru/v2"
+	"github.com/pgfence/pgfence/internal/lru"
 )
 
-// Classifier classifies statements through two LRU caches shared by all
-// sessions, and is safe for concurrent use:
+// Classifier classifies statements through LRU caches shared by all
+// sessions, bounded together by the bytes their entries cost (an
+// lru.Pool, which the plan cache may share; cachecost.go), and is safe
+// for concurrent use:
 //
 //   - by the exact statement text (parse errors are cached too);
 //   - by the statement's shape — its text with every numeric and string
@@ -24,6 +26,7 @@ import (
 //     block comments, backslashes in strings, set_config calls) are never
 //     shared.
 type Classifier struct {
+	pool    *lru.Pool
 	cache   *lru.Cache[string, entry]
 	shapes  *lru.Cache[string, *Result]
 	wshapes *lru.Cache[string, *Result] // writes, for ClassifyShared only
@@ -43,29 +46,19 @@ type entry struct {
 	err error
 }
 
-// NewClassifier returns a Classifier caching up to size query strings and
-// size shapes (at least 1 each).
-func NewClassifier(size int) *Classifier {
-	if size < 1 {
-		size = 1
+// DefaultCacheMemory is the bound of a Classifier's caches made without a
+// pool of their own.
+const DefaultCacheMemory = 64 << 20
+
+// NewClassifier returns a Classifier caching in p (nil: a pool of its own,
+// of DefaultCacheMemory). A statement whose entry would cost more than
+// the pool's bound is classified and not cached.
+func NewClassifier(p *lru.Pool) *Classifier {
+	if p == nil {
+		p = lru.NewPool(DefaultCacheMemory)
 	}
-	c, err := lru.New[string, entry](size)
-	if err != nil {
-		panic("rewrite: " + err.Error()) // unreachable: size > 0
-	}
-	s, err := lru.New[string, *Result](size)
-	if err != nil {
-		panic("rewrite: " + err.Error()) // unreachable: size > 0
-	}
-	w, err := lru.New[string, *Result](size)
-	if err != nil {
-		panic("rewrite: " + err.Error()) // unreachable: size > 0
-	}
-	g, err := lru.New[string, gshape](size)
-	if err != nil {
-		panic("rewrite: " + err.Error()) // unreachable: size > 0
-	}
-	return &Classifier{cache: c, shapes: s, wshapes: w, gshapes: g}
+	return &Classifier{pool: p, cache: lru.New[string, entry](p), shapes: lru.New[string, *Result](p),
+		wshapes: lru.New[string, *Result](p), gshapes: lru.New[string, gshape](p)}
 }
 
 // Classify returns the cached classification of sql, classifying and
@@ -86,10 +79,10 @@ func (c *Classifier) Classify(sql string) (*Result, error) {
 	}
 	res, err := Classify(sql)
 	if keyed && literals && err == nil && shareable(res) {
-		c.shapes.Add(key, res)
+		c.shapes.Add(key, res, entryCost(len(key)+len(sql), res, nil))
 		return res, nil
 	}
-	c.cache.Add(sql, entry{res: res, err: err})
+	c.cache.Add(sql, entry{res: res, err: err}, entryCost(len(sql), res, err))
 	return res, err
 }
 
@@ -104,7 +97,7 @@ func (c *Classifier) ClassifyWith(sql string, o Options) (*Result, error) {
 		return e.res, e.err
 	}
 	res, err := ClassifyWith(sql, o)
-	c.cache.Add(key, entry{res: res, err: err})
+	c.cache.Add(key, entry{res: res, err: err}, entryCost(len(key)+len(sql), res, err))
 	return res, err
 }
 
@@ -149,16 +142,16 @@ func (c *Classifier) ClassifyShared(sql string) (res *Result, shared bool, err e
 	res, err = Classify(sql)
 	switch {
 	case err == nil && shareable(res):
-		c.shapes.Add(key, res)
+		c.shapes.Add(key, res, entryCost(len(key)+len(sql), res, nil))
 	case err == nil && shareableWrite(res):
-		c.wshapes.Add(key, res)
+		c.wshapes.Add(key, res, entryCost(len(key)+len(sql), res, nil))
 	default:
 		if err != nil {
-			c.cache.Add(sql, entry{res: res, err: err})
+			c.cache.Add(sql, entry{res: res, err: err}, entryCost(len(sql), res, err))
 		} else if g, ok := fenceSetShape(sql, res); ok {
-			c.gshapes.Add(key, g)
+			c.gshapes.Add(key, g, entryCost(len(key)+len(sql), res, nil))
 		} else {
-			c.cache.Add(sql, entry{res: res, err: err})
+			c.cache.Add(sql, entry{res: res, err: err}, entryCost(len(sql), res, err))
 		}
 	}
 	return res, false, err
@@ -243,6 +236,10 @@ func (g gshape) apply(sql string) *Result {
 func (c *Classifier) Len() int {
 	return c.cache.Len() + c.shapes.Len() + c.wshapes.Len() + c.gshapes.Len()
 }
+
+// Pool returns the pool the Classifier caches in: its bytes, evictions
+// and the statements it did not cache.
+func (c *Classifier) Pool() *lru.Pool { return c.pool }
 
 // plainSingle returns res's statement when res is one statement without
 // session effects — it sets no GUC, calls nothing in schema fence and is

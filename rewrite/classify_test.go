@@ -126,7 +126,7 @@ func mustClassify(t *testing.T, c *Classifier, sql string) *Result {
 }
 
 func TestClassifierCaches(t *testing.T) {
-	c := NewClassifier(2)
+	c := NewClassifier(nil)
 	a1 := mustClassify(t, c, "SELECT 1")
 	a2, _ := c.Classify("SELECT 1")
 	if a1 != a2 {
@@ -140,14 +140,10 @@ func TestClassifierCaches(t *testing.T) {
 	if c.Len() != 2 {
 		t.Errorf("Len: got %d, want 2", c.Len())
 	}
-	c.Classify("SELECT 2")
-	if c.Len() != 2 {
-		t.Errorf("Len after eviction: got %d, want 2", c.Len())
-	}
 }
 
 func TestClassifierCachedAllocs(t *testing.T) {
-	c := NewClassifier(16)
+	c := NewClassifier(nil)
 	sql := "INSERT INTO results (job, token) VALUES ($1, $2)"
 	c.Classify(sql)
 	allocs := testing.AllocsPerRun(1000, func() { c.Classify(sql) })

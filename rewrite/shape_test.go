@@ -40,7 +40,7 @@ func TestShapeKey(t *testing.T) {
 // once; anything whose literals could matter is classified from its own
 // text.
 func TestClassifierSharesShapes(t *testing.T) {
-	c := NewClassifier(64)
+	c := NewClassifier(nil)
 	a := mustClassify(t, c, "SELECT abalance FROM pgbench_accounts WHERE aid = 1")
 	b := mustClassify(t, c, "select abalance from pgbench_accounts where aid = 987654")
 	if a != b {
@@ -154,7 +154,7 @@ func checkShapeShared(t *testing.T, sql string, res *Result) {
 // parse through ClassifyShared, flagged shared; Classify still parses
 // each from its own text.
 func TestClassifySharedWrites(t *testing.T) {
-	c := NewClassifier(64)
+	c := NewClassifier(nil)
 	a, shared, err := c.ClassifyShared("UPDATE pgbench_accounts SET abalance = abalance + -4017 WHERE aid = 71833")
 	if err != nil || shared {
 		t.Fatalf("first write of a shape: shared %v, err %v", shared, err)
@@ -186,7 +186,7 @@ func TestClassifySharedWrites(t *testing.T) {
 // transaction, is parsed once per shape; each text still gets its own
 // value and statement text, exactly as a parse of its own would give.
 func TestFenceSetShapes(t *testing.T) {
-	c := NewClassifier(64)
+	c := NewClassifier(nil)
 	first := "BEGIN; SET LOCAL fence.step = 's1'"
 	if _, shared, err := c.ClassifyShared(first); err != nil || shared {
 		t.Fatalf("first text: shared %v, err %v", shared, err)
@@ -284,7 +284,7 @@ func checkFenceSetShape(t *testing.T, sql string, res *Result) {
 // is an error, not a panic (a session's simple Query "SELEC 'x'" once
 // ended in one).
 func TestClassifySharedParseError(t *testing.T) {
-	c := NewClassifier(16)
+	c := NewClassifier(nil)
 	for i := 0; i < 2; i++ {
 		if _, _, err := c.ClassifyShared("SELEC 'x'"); err == nil {
 			t.Fatal("SELEC 'x' classified")

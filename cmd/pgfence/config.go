@@ -42,6 +42,7 @@ type serveConfig struct {
 	MaxClients        int               `toml:"max_clients"`
 	MaxMessageSize    string            `toml:"max_message_size"`
 	MemoryBudget      string            `toml:"memory_budget"`
+	CacheMemory       string            `toml:"cache_memory"`
 	ShutdownTimeout   string            `toml:"shutdown_timeout"`
 	GateIdleTimeout   string            `toml:"gate_idle_timeout"`
 	UpstreamPasswords map[string]string `toml:"upstream_passwords" flag:"-"`

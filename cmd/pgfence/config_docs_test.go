@@ -85,6 +85,7 @@ var configSamples = map[string]struct {
 	"auth_query":         {`"SELECT usename, passwd FROM pgfence_auth.lookup($1)"`, ptr("SELECT usename, passwd FROM pgfence_auth.lookup($1)")},
 	"allow_remote_trust": {`true`, ptr("true")},
 	"memory_budget":      {`"256MiB"`, ptr("128MiB")},
+	"cache_memory":       {`"16MiB"`, ptr("8MiB")},
 	"upstream_passwords": {`{ worker = "secret" }`, nil},
 	"admin_users":        {`["dba"]`, ptr("dba,ops")},
 	"stats_users":        {`["grafana"]`, ptr("grafana,ops")},

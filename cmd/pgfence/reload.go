@@ -31,6 +31,7 @@ func (c serveConfig) extraSettings() []proxy.Setting {
 		{Key: "no_gate", Value: strconv.FormatBool(c.NoGate)},
 		{Key: "no_event_loop", Value: strconv.FormatBool(c.NoEventLoop)},
 		{Key: "poller", Value: c.Poller},
+		{Key: "cache_memory", Value: c.CacheMemory, Default: "memory_budget / 8"},
 		{Key: "log_level", Value: lvl, Reloadable: true},
 		{Key: "log_format", Value: c.LogFormat},
 	}
@@ -67,6 +68,7 @@ func (c serveConfig) reloader(log *zap.Logger) func() (proxy.Config, *proxy.Relo
 			{"no_gate", next.NoGate != c.NoGate},
 			{"no_event_loop", next.NoEventLoop != c.NoEventLoop},
 			{"poller", next.Poller != c.Poller},
+			{"cache_memory", next.CacheMemory != c.CacheMemory},
 		} {
 			if r.changed {
 				rep.Restart = append(rep.Restart, r.name)

@@ -61,7 +61,8 @@ user to the password presented upstream for it. See docs/configuration.md.`,
 	f.Bool("allow-remote-trust", false, "let auth trust serve a non-loopback listen address: anyone who reaches it connects as any user (PGFENCE_ALLOW_REMOTE_TRUST)")
 	f.Int("max-clients", 0, fmt.Sprintf("maximum concurrent clients (PGFENCE_MAX_CLIENTS; default %d)", proxy.DefaultMaxClients))
 	f.String("max-message-size", "", "largest client message, e.g. 64MiB (PGFENCE_MAX_MESSAGE_SIZE; default 64MiB)")
-	f.String("memory-budget", "", "memory all sessions may spend on client messages held whole, e.g. 256MiB (PGFENCE_MEMORY_BUDGET; default 256MiB)")
+	f.String("memory-budget", "", "memory all sessions may spend on client messages held whole, and the write gate's caches, e.g. 256MiB (PGFENCE_MEMORY_BUDGET; default 512MiB)")
+	f.String("cache-memory", "", "of memory_budget, what the write gate's statement and plan caches may hold, e.g. 32MiB (PGFENCE_CACHE_MEMORY; default an eighth of memory_budget)")
 	f.Bool("no-gate", false, "turn the write gate off: a plain pass-through proxy, protected tables guarded by their backstop trigger only (PGFENCE_NO_GATE)")
 	f.Bool("no-event-loop", false, "deprecated: the same as --poller poll (every session is relayed by the event loop); see docs/proxy.md (PGFENCE_NO_EVENT_LOOP)")
 	f.String("poller", "", "what the event loop waits in: epoll (Linux only) or poll (PGFENCE_POLLER; default epoll on Linux, poll elsewhere)")
@@ -92,6 +93,17 @@ func runServe(ctx context.Context, c serveConfig, log *zap.Logger) error {
 			if d == 0 {
 				fc.GateIdleTimeout = -1 // no bound
 			}
+		}
+		if c.CacheMemory != "" {
+			n, err := parseSizeUpTo(c.CacheMemory, 1<<40)
+			budget := pc.MemoryBudget
+			if budget == 0 {
+				budget = proxy.DefaultMemoryBudget
+			}
+			if err != nil || n > budget {
+				return &exitError{code: exitConfig, msg: fmt.Sprintf("cache_memory: want a size such as 64MiB, at most memory_budget (%d bytes), got %q", budget, c.CacheMemory)}
+			}
+			fc.CacheMemory = int64(n)
 		}
 		gate, err := proxy.NewFence(fc, log.Named("gate"))
 		if err != nil {

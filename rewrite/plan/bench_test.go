@@ -39,7 +39,7 @@ func BenchmarkPlanQuery(b *testing.B) {
 				stmts := classify(b, c.sql)
 				planQuery := plan.PlanQuery
 				if mode != "" {
-					planQuery = plan.NewCache(100).PlanQuery
+					planQuery = plan.NewCache(nil).PlanQuery
 				}
 				steps := [2]string{"a", "b"}
 				b.ReportAllocs()

@@ -5,10 +5,10 @@ import (
 	"encoding/binary"
 	"hash/maphash"
 	"sync"
-
-	lru "github.com/hashicorp/golang-lru/v2"
+	"unsafe"
 
 	"github.com/pgfence/pgfence/fence"
+	"github.com/pgfence/pgfence/internal/lru"
 	"github.com/pgfence/pgfence/rewrite"
 	"github.com/pgfence/pgfence/session"
 )
@@ -84,6 +84,11 @@ import (
 //
 // A plan from the cache is shared: its Steps, Digest.Stmts, Digest.Sum
 // and CopyReceipt must not be modified (the proxy only reads them).
+//
+// The cache is bounded by the bytes its plans cost (an lru.Pool, which
+// the classifier's caches may share): a key and a plan are small (a few
+// hundred bytes, the facts of at most 64 statements and the generation's
+// strings), but a client chooses the generation's.
 type Cache struct {
 	lru  *lru.Cache[uint64, *cached]
 	seed maphash.Seed
@@ -97,13 +102,13 @@ type cached struct {
 	q   Query
 }
 
-// NewCache returns a Cache of up to size plans (at least 1).
-func NewCache(size int) *Cache {
-	c, err := lru.New[uint64, *cached](max(size, 1))
-	if err != nil {
-		panic("plan: " + err.Error()) // unreachable: size > 0
+// NewCache returns a Cache of plans in p (nil: a pool of its own, of
+// rewrite.DefaultCacheMemory).
+func NewCache(p *lru.Pool) *Cache {
+	if p == nil {
+		p = lru.NewPool(rewrite.DefaultCacheMemory)
 	}
-	return &Cache{lru: c, seed: maphash.MakeSeed()}
+	return &Cache{lru: lru.New[uint64, *cached](p), seed: maphash.MakeSeed()}
 }
 
 // PlanQuery is the package's PlanQuery, its rewriting taken from the
@@ -136,9 +141,28 @@ func (c *Cache) rewrite(ss Session, stmts []*rewrite.Stmt, protected uint64) Que
 	}
 	q := rewriteQuery(ss, stmts)
 	if !refuses(&q) && placed(&q, stmts) {
-		c.lru.Add(h, &cached{key: string(k.b), q: q})
+		e := &cached{key: string(k.b), q: q}
+		c.lru.Add(h, e, e.cost())
 	}
 	return q
+}
+
+// cost is what e costs the pool, besides lru.EntryOverhead.
+func (e *cached) cost() int64 {
+	n := int64(unsafe.Sizeof(*e)) + int64(len(e.key)) + stepsCost(e.q.Steps)
+	if e.q.CopyReceipt != nil {
+		n += stepsCost([]Step{*e.q.CopyReceipt})
+	}
+	return n
+}
+
+// stepsCost is what steps cost on the heap.
+func stepsCost(steps []Step) int64 {
+	n := int64(len(steps)) * int64(unsafe.Sizeof(Step{}))
+	for _, st := range steps {
+		n += int64(len(st.Gen.JobKey) + len(st.Gen.Step) + 8*len(st.Digest.Stmts) + len(st.Digest.Sum) + len(st.Digest.Version))
+	}
+	return n
 }
 
 // keys are the key buffers, reused: a lookup allocates nothing.

@@ -27,7 +27,7 @@ import (
 // the cache warmed by every file's sessions), and for the generated
 // corpus, the cached plan is PlanQuery's.
 func TestPlanCache(t *testing.T) {
-	c := plan.NewCache(1000)
+	c := plan.NewCache(nil)
 	for pass := range 2 {
 		if d := goldenDiffers(t, c); len(d) > 0 {
 			t.Fatalf("pass %d: cached plans differ from PlanQuery's for %d golden queries:\n%s", pass, len(d), strings.Join(d, "\n"))
@@ -53,7 +53,7 @@ func TestPlanCacheKeyFacts(t *testing.T) {
 		if plan.FactName(f) == "" {
 			t.Errorf("fact %d has no name", f)
 		}
-		c := plan.NewCache(100000)
+		c := plan.NewCache(nil)
 		c.Omit(f)
 		n := 0
 		for range 2 { // the second time, each entry is there before every query of its key
@@ -100,7 +100,7 @@ func TestPlanCacheHits(t *testing.T) {
 		}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			c := plan.NewCache(10)
+			c := plan.NewCache(nil)
 			for i, sql := range tc.sqls {
 				cc := caseSpec{opts: []string{markOpts}, setups: tc.setups, sql: sql}.build(t)
 				want := plan.PlanQuery(cc.ss, cc.stmts)
@@ -124,7 +124,7 @@ func FuzzPlanCache(f *testing.F) {
 	f.Add([]byte{0})
 	f.Add([]byte{1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16})
 	f.Add([]byte("gated commit with a new step"))
-	c := plan.NewCache(10000)
+	c := plan.NewCache(nil)
 	f.Fuzz(func(t *testing.T, data []byte) {
 		cc := newCacheCase(t, &byteChooser{data: data})
 		if d := corpusDiffers(c, []cacheCase{cc}); len(d) > 0 {
