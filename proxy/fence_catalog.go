@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -492,19 +493,34 @@ func (cs *catalogs) noteTrust(c *catalog, trust ownsql.Trust) {
 // never a stale answer. An unqualified name is safe only when every known
 // relation of that name, in any schema, is: the search_path need not be
 // resolved and nothing on it can shadow a safe name unseen.
+//
+// The system relations that hold values of every table's columns (the
+// planner's statistics: pg_statistic, pg_statistic_ext_data and the views
+// pg_stats, pg_stats_ext, pg_stats_ext_exprs over them; pg_largeobject)
+// expose protected data too: a lagging replica's statistics show the
+// previous generation's values.
 type readSet struct {
 	rels  map[rewrite.RelName]bool // schema-qualified name → exposes protected data
 	names map[string]bool          // unqualified name → some relation of that name exposes
 	// all: the database has user-defined operators, casts, operator-class
-	// support functions or domain checks written in a language other
-	// than C: they run inside any expression, so every read may reach
-	// protected data.
+	// support functions, range subtype differences, type I/O functions or
+	// domain checks that run code other than C, or a built-in that runs
+	// SQL (query_to_xml, ts_rewrite, ...: readCodeQuery): they run inside
+	// any expression, not only where a statement names them
+	// (rewrite.Stmt.CatalogExprs), so every such read may reach protected
+	// data.
 	all bool
+	// colFuncs are the names of the functions a read may call by writing
+	// them as a field (n.f, (expr).f: rewrite.Stmt.Fields): a user's
+	// function or aggregate not written in C, or a built-in that runs SQL,
+	// callable with one argument.
+	colFuncs map[string]bool
 	// lsn is the primary's position after the set was read: a replica
 	// that has not replayed it may still have older definitions, so a
 	// read the set calls safe needs it (route.go).
 	lsn  LSN
 	hash string
+	code string // readCode's fingerprint
 }
 
 // exposes reports whether a read of rel may reach protected data. A nil
@@ -521,6 +537,26 @@ func (r *readSet) exposes(rel rewrite.RelName) bool {
 	return !ok || exp
 }
 
+// runsCode reports whether st's expressions may run code that reaches
+// protected data where the statement names no relation or function for
+// it: an operator, cast or domain check of the database's (all), or a
+// function called as a field (colFuncs). A nil set (not loaded) says yes
+// for anything resolved through the catalog.
+func (r *readSet) runsCode(st *rewrite.Stmt) bool {
+	if !st.CatalogExprs {
+		return false
+	}
+	if r == nil || r.all {
+		return true
+	}
+	for _, f := range st.Fields {
+		if r.colFuncs[f] {
+			return true
+		}
+	}
+	return false
+}
+
 // position is the set's lsn (0 for a nil set).
 func (r *readSet) position() LSN {
 	if r == nil {
@@ -533,7 +569,11 @@ func (r *readSet) position() LSN {
 // query can name (tables, partitioned tables, views, materialized views,
 // foreign tables, sequences; not other sessions' temporary ones). Objects
 // created by initdb (OID below FirstNormalObjectId, 16384) are trusted:
-// system views read system catalogs and built-in functions only.
+// system views read system catalogs and built-in functions only, except
+// the statistics and large objects (statsRels). A rule or policy that
+// reads a catalog initdb pinned has no pg_depend row for it: its tree is
+// searched for the OIDs of the pinned ones, as for the built-ins that run
+// SQL (runs_sql).
 const readSetCTE = `WITH RECURSIVE
 prot(oid) AS (SELECT p.relid::pg_catalog.oid FROM fence.protected_tables AS p),
 down(oid) AS (SELECT prot.oid FROM prot
@@ -561,7 +601,10 @@ opaque(oid) AS (
              AND EXISTS (SELECT FROM pg_catalog.pg_type AS t
                  WHERE t.oid OPERATOR(pg_catalog.=) d.refobjid AND t.typtype OPERATOR(pg_catalog.=) 'd'::pg_catalog."char")))
      OR EXISTS (SELECT FROM pg_catalog.regexp_matches(e.tree, ':(?:funcid|aggfnoid|winfnoid) ([0-9]+)', 'g') AS m, runs_sql AS r
-      WHERE m[1]::pg_catalog.oid OPERATOR(pg_catalog.=) ANY (r.oids))),
+      WHERE m[1]::pg_catalog.oid OPERATOR(pg_catalog.=) ANY (r.oids))
+     OR EXISTS (SELECT FROM pg_catalog.regexp_matches(e.tree, ':relid ([0-9]+)', 'g') AS m
+      WHERE m[1]::pg_catalog.oid OPERATOR(pg_catalog.=) ANY (ARRAY['pg_catalog.pg_statistic'::pg_catalog.regclass::pg_catalog.oid,
+        'pg_catalog.pg_statistic_ext_data'::pg_catalog.regclass::pg_catalog.oid, 'pg_catalog.pg_largeobject'::pg_catalog.regclass::pg_catalog.oid]))),
 edges(rel, ref) AS (
   SELECT e.rel, d.refobjid FROM exprs AS e JOIN pg_catalog.pg_depend AS d
     ON d.classid OPERATOR(pg_catalog.=) e.classid AND d.objid OPERATOR(pg_catalog.=) e.objid
@@ -572,6 +615,9 @@ exposed(oid) AS (
   UNION SELECT c.oid FROM pg_catalog.pg_class AS c
     WHERE c.relkind OPERATOR(pg_catalog.=) 'f'::pg_catalog."char"
        OR c.relnamespace OPERATOR(pg_catalog.=) 'fence'::pg_catalog.regnamespace::pg_catalog.oid
+  UNION SELECT c.oid FROM pg_catalog.pg_class AS c
+    WHERE c.relnamespace OPERATOR(pg_catalog.=) 'pg_catalog'::pg_catalog.regnamespace::pg_catalog.oid
+      AND c.relname OPERATOR(pg_catalog.=) ANY ('` + statsRels + `'::pg_catalog.name[])
   UNION SELECT g.rel FROM edges AS g JOIN exposed AS x ON x.oid OPERATOR(pg_catalog.=) g.ref),
 rels(nspname, relname, exposed) AS (
   SELECT n.nspname::pg_catalog.text, c.relname::pg_catalog.text, c.oid OPERATOR(pg_catalog.=) ANY (SELECT exposed.oid FROM exposed)
@@ -633,6 +679,93 @@ func catalogMode(ctx context.Context, conn *pgconn.PgConn) (tracked, reached boo
 
 var readSetQuery = own("watcher: read set", onControl, readSetCTE+`SELECT rels.nspname, rels.relname, rels.exposed::pg_catalog.text FROM rels`)
 
+// statsRels are the system relations that hold values of every table's
+// columns: the planner's statistics, and the views over them; large
+// objects.
+const statsRels = "{pg_statistic,pg_statistic_ext_data,pg_stats,pg_stats_ext,pg_stats_ext_exprs,pg_largeobject}"
+
+// readCodeQuery reads, beside the read set, what code the database runs
+// inside expressions (rows "all", "true" or "false") and which functions a
+// read may call as a field (rows "field", name): readSet.all and
+// readSet.colFuncs. The code: every function not written in C or internal
+// whose OID is a user's, and the built-ins that run SQL or read relations
+// by name (runs_sql, as in readSetCTE). It counts where it is an
+// operator's, an operator class's support function, a cast's, a range's
+// subtype difference, a type's I/O or analyze function, or where a domain's
+// CHECK calls a user's function, or one of those built-ins, or reads a
+// statistics catalog (its tree is searched: a pinned built-in has no
+// pg_depend row). A field can be any function callable with one argument
+// (its others have defaults): a user's not written in C, a user's
+// aggregate, or one of those built-ins.
+var readCodeQuery = own("watcher: read set code", onControl, `WITH
+trusted(langs) AS (SELECT pg_catalog.array_agg(l.oid) FROM pg_catalog.pg_language AS l
+  WHERE l.lanname OPERATOR(pg_catalog.=) ANY ('{c,internal}'::pg_catalog.name[])),
+runs_sql(oids) AS (SELECT pg_catalog.array_agg(p.oid) FROM pg_catalog.pg_proc AS p
+  WHERE p.pronamespace OPERATOR(pg_catalog.=) 'pg_catalog'::pg_catalog.regnamespace::pg_catalog.oid
+    AND p.proname OPERATOR(pg_catalog.=) ANY ('{query_to_xml,query_to_xmlschema,query_to_xml_and_xmlschema,table_to_xml,table_to_xmlschema,table_to_xml_and_xmlschema,cursor_to_xml,cursor_to_xmlschema,schema_to_xml,schema_to_xmlschema,schema_to_xml_and_xmlschema,database_to_xml,database_to_xmlschema,database_to_xml_and_xmlschema,ts_stat,ts_rewrite,currtid2}'::pg_catalog.name[])),
+code(oids) AS (SELECT coalesce(pg_catalog.array_agg(p.oid), '{}'::pg_catalog.oid[]) OPERATOR(pg_catalog.||) (SELECT r.oids FROM runs_sql AS r)
+  FROM pg_catalog.pg_proc AS p, trusted
+  WHERE p.oid OPERATOR(pg_catalog.>=) '16384'::pg_catalog.oid AND p.prolang OPERATOR(pg_catalog.<>) ALL (trusted.langs)),
+reaches(oids) AS (SELECT r.oids OPERATOR(pg_catalog.||) (SELECT pg_catalog.array_agg(c.oid) FROM pg_catalog.pg_class AS c
+    WHERE c.relnamespace OPERATOR(pg_catalog.=) 'pg_catalog'::pg_catalog.regnamespace::pg_catalog.oid
+      AND c.relname OPERATOR(pg_catalog.=) ANY ('` + statsRels + `'::pg_catalog.name[]))
+  FROM runs_sql AS r)
+SELECT 'all', (
+     EXISTS (SELECT FROM pg_catalog.pg_operator AS o, code
+             WHERE o.oid OPERATOR(pg_catalog.>=) '16384'::pg_catalog.oid AND o.oprcode::pg_catalog.oid OPERATOR(pg_catalog.=) ANY (code.oids))
+  OR EXISTS (SELECT FROM pg_catalog.pg_amproc AS a, code
+             WHERE a.oid OPERATOR(pg_catalog.>=) '16384'::pg_catalog.oid AND a.amproc::pg_catalog.oid OPERATOR(pg_catalog.=) ANY (code.oids))
+  OR EXISTS (SELECT FROM pg_catalog.pg_cast AS k, code
+             WHERE k.oid OPERATOR(pg_catalog.>=) '16384'::pg_catalog.oid AND k.castfunc OPERATOR(pg_catalog.=) ANY (code.oids))
+  OR EXISTS (SELECT FROM pg_catalog.pg_range AS g, code
+             WHERE g.rngtypid OPERATOR(pg_catalog.>=) '16384'::pg_catalog.oid AND g.rngsubdiff::pg_catalog.oid OPERATOR(pg_catalog.=) ANY (code.oids))
+  OR EXISTS (SELECT FROM pg_catalog.pg_type AS t, code
+             WHERE t.oid OPERATOR(pg_catalog.>=) '16384'::pg_catalog.oid
+               AND ARRAY[t.typinput::pg_catalog.oid, t.typoutput::pg_catalog.oid, t.typreceive::pg_catalog.oid, t.typsend::pg_catalog.oid,
+                         t.typmodin::pg_catalog.oid, t.typmodout::pg_catalog.oid, t.typanalyze::pg_catalog.oid, t.typsubscript::pg_catalog.oid]
+                   OPERATOR(pg_catalog.&&) code.oids)
+  OR EXISTS (SELECT FROM pg_catalog.pg_constraint AS k
+             WHERE k.contypid OPERATOR(pg_catalog.<>) '0'::pg_catalog.oid AND (
+                 EXISTS (SELECT FROM pg_catalog.pg_depend AS d
+                         WHERE d.classid OPERATOR(pg_catalog.=) 'pg_catalog.pg_constraint'::pg_catalog.regclass::pg_catalog.oid
+                           AND d.objid OPERATOR(pg_catalog.=) k.oid
+                           AND d.refclassid OPERATOR(pg_catalog.=) 'pg_catalog.pg_proc'::pg_catalog.regclass::pg_catalog.oid
+                           AND d.refobjid OPERATOR(pg_catalog.>=) '16384'::pg_catalog.oid)
+              OR EXISTS (SELECT FROM pg_catalog.regexp_matches(coalesce(k.conbin::pg_catalog.text, ''), ':(?:funcid|opfuncid|relid) ([0-9]+)', 'g') AS m, reaches AS r
+                         WHERE m[1]::pg_catalog.oid OPERATOR(pg_catalog.=) ANY (r.oids))))
+  )::pg_catalog.text
+UNION ALL
+SELECT DISTINCT 'field', p.proname::pg_catalog.text FROM pg_catalog.pg_proc AS p, trusted, runs_sql AS r
+WHERE (p.oid OPERATOR(pg_catalog.>=) '16384'::pg_catalog.oid
+       AND (p.prolang OPERATOR(pg_catalog.<>) ALL (trusted.langs) OR p.prokind OPERATOR(pg_catalog.=) ANY ('{a,w}'::pg_catalog."char"[]))
+    OR p.oid OPERATOR(pg_catalog.=) ANY (r.oids))
+  AND p.prokind OPERATOR(pg_catalog.<>) 'p'::pg_catalog."char" AND p.pronargs OPERATOR(pg_catalog.>=) '1'::pg_catalog.int2
+  AND p.pronargs OPERATOR(pg_catalog.-) p.pronargdefaults OPERATOR(pg_catalog.<=) '1'::pg_catalog.int2`)
+
+// readCode runs readCodeQuery: whether the database runs code inside
+// expressions, the functions callable as a field, and a fingerprint of
+// both.
+func readCode(ctx context.Context, conn *pgconn.PgConn) (all bool, fields map[string]bool, hash string, err error) {
+	fields = map[string]bool{}
+	var names []string
+	rr := conn.ExecParams(ctx, readCodeQuery, nil, nil, nil, nil)
+	for rr.NextRow() {
+		v := rr.Values()
+		switch string(v[0]) {
+		case "all":
+			all = string(v[1]) == "true"
+		case "field":
+			fields[string(v[1])] = true
+			names = append(names, string(v[1]))
+		}
+	}
+	if _, err := rr.Close(); err != nil {
+		return false, nil, "", fmt.Errorf("read set code: %w", err)
+	}
+	slices.Sort(names)
+	return all, fields, fmt.Sprintf("%v %q", all, names), nil
+}
+
 // loadReadSet reads the read set, or returns old when the catalog has not
 // changed since old was read.
 func loadReadSet(ctx context.Context, conn *pgconn.PgConn, old *readSet) (*readSet, error) {
@@ -644,10 +777,15 @@ func loadReadSet(ctx context.Context, conn *pgconn.PgConn, old *readSet) (*readS
 	if _, err := rr.Close(); err != nil {
 		return nil, fmt.Errorf("read set: %w", err)
 	}
-	if old != nil && old.hash == hash {
+	all, fields, code, err := readCode(ctx, conn)
+	if err != nil {
+		return nil, err
+	}
+	if old != nil && old.hash == hash && old.code == code {
 		return old, nil
 	}
-	rd := &readSet{rels: map[rewrite.RelName]bool{}, names: map[string]bool{}, all: strings.HasSuffix(hash, " true"), hash: hash}
+	rd := &readSet{rels: map[rewrite.RelName]bool{}, names: map[string]bool{}, all: all || strings.HasSuffix(hash, " true"),
+		colFuncs: fields, hash: hash, code: code}
 	rr = conn.ExecParams(ctx, readSetQuery, nil, nil, nil, nil)
 	for rr.NextRow() {
 		v := rr.Values()

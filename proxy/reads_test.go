@@ -11,6 +11,7 @@ import (
 
 	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/internal/pgtest"
+	"github.com/pgfence/pgfence/rewrite"
 )
 
 // readsWALWriterDelay keeps asynchronous commits unwritten for up to 10s
@@ -315,4 +316,107 @@ func TestReadRoutingReplicaReached(t *testing.T) {
 	future := e.reader(t, nil, opts("job", b.Token+1000, "-c fence.read_policy=pending")...)
 	_, _, err := where(t, future, readResult)
 	wantCode(t, err, fence.CodePending)
+}
+
+// TestReadSetCode: what the read set says about code a read runs without
+// naming it (issue 30): a database with an operator, cast, domain check or
+// range difference of a user's, or of a built-in that runs SQL, has every
+// read that resolves one through the catalog protected (readSet.all); a
+// function or aggregate callable as a field is listed by name
+// (readSet.colFuncs); the planner's statistics, and views over them
+// (pinned catalogs have no pg_depend row), expose protected data.
+func TestReadSetCode(t *testing.T) {
+	e := newRouteEnv(t)
+	ctx := ctxT(t)
+	direct := e.direct(t)
+	cat := catalogOf(t, e.gate, e.db)
+	reload := func(sql string) *readSet {
+		t.Helper()
+		seen := cat.ddlSeen.Load()
+		execOK(t, direct, sql)
+		var rd *readSet
+		if err := pgtest.Poll(ctx, func() (bool, error) {
+			rd = cat.reads.Load()
+			return cat.ddlSeen.Load() > seen && rd != nil, nil
+		}); err != nil {
+			t.Fatalf("%s: the catalog was not read again: %v", sql, err)
+		}
+		return rd
+	}
+	rd := reload("CREATE TABLE quiet (n int)")
+	if rd.all || rd.colFuncs["peekattr"] || !rd.colFuncs["ts_stat"] {
+		t.Fatalf("a database without user code: all=%v colFuncs=%v", rd.all, rd.colFuncs)
+	}
+	for _, rel := range []rewrite.RelName{{Name: "pg_stats"}, {Schema: "pg_catalog", Name: "pg_statistic"},
+		{Name: "pg_stats_ext"}, {Name: "pg_stats_ext_exprs"}, {Name: "pg_statistic_ext_data"}, {Name: "pg_largeobject"}} {
+		if !rd.exposes(rel) {
+			t.Errorf("%s is not exposed: the replica's statistics show the previous generation's values", rel)
+		}
+	}
+	for _, rel := range []rewrite.RelName{{Name: "pg_class"}, {Name: "pg_stat_activity"}, {Name: "quiet"}} {
+		if rd.exposes(rel) {
+			t.Errorf("%s is exposed", rel)
+		}
+	}
+	for _, c := range []struct{ name, create, drop string }{
+		{"operator running SQL", "CREATE OPERATOR @@? (LEFTARG = tsquery, RIGHTARG = text, FUNCTION = ts_rewrite)", "DROP OPERATOR @@? (tsquery, text)"},
+		{"operator in SQL", "CREATE FUNCTION same(int, int) RETURNS bool LANGUAGE sql IMMUTABLE AS 'SELECT $1 = $2'; CREATE OPERATOR === (LEFTARG = int, RIGHTARG = int, FUNCTION = same)",
+			"DROP OPERATOR === (int, int); DROP FUNCTION same(int, int)"},
+		{"domain check running SQL", "CREATE DOMAIN dx AS text CHECK (query_to_xml('SELECT payload FROM results', false, false, '')::text <> VALUE)", "DROP DOMAIN dx"},
+		{"domain check in plpgsql", "CREATE FUNCTION chk(text) RETURNS bool LANGUAGE plpgsql AS 'BEGIN RETURN true; END'; CREATE DOMAIN dp AS text CHECK (chk(VALUE))",
+			"DROP DOMAIN dp; DROP FUNCTION chk(text)"},
+		{"cast in SQL", "CREATE TYPE jr AS (k text); CREATE FUNCTION jr_text(jr) RETURNS text LANGUAGE sql AS 'SELECT $1.k'; CREATE CAST (jr AS text) WITH FUNCTION jr_text(jr)",
+			"DROP CAST (jr AS text); DROP FUNCTION jr_text(jr); DROP TYPE jr"},
+		{"range difference in plpgsql", "CREATE FUNCTION tdiff(a text, b text) RETURNS float8 LANGUAGE plpgsql IMMUTABLE AS 'BEGIN RETURN 0; END'; CREATE TYPE trange AS RANGE (subtype = text, subtype_diff = tdiff)",
+			"DROP TYPE trange; DROP FUNCTION tdiff(text, text)"},
+	} {
+		if rd := reload(c.create); !rd.all {
+			t.Errorf("%s: all is false", c.name)
+		}
+		if rd := reload(c.drop); rd.all {
+			t.Errorf("after dropping the %s: all is still true", c.name)
+		}
+	}
+	rd = reload(`CREATE FUNCTION peekattr(a audit) RETURNS text LANGUAGE sql STABLE AS 'SELECT payload FROM results LIMIT 1';
+		CREATE FUNCTION twoargs(a audit, b int) RETURNS text LANGUAGE sql AS 'SELECT 1::text';
+		CREATE FUNCTION onedefault(a audit, b int DEFAULT 0) RETURNS text LANGUAGE sql AS 'SELECT 1::text';
+		CREATE AGGREGATE agg_any(anycompatible) (SFUNC = array_append, STYPE = anycompatiblearray);
+		CREATE PROCEDURE proc(a int) LANGUAGE sql AS 'SELECT 1';
+		CREATE VIEW v_statistic AS SELECT s.stavalues1::text AS vals FROM pg_statistic s;
+		CREATE VIEW v_stats AS SELECT most_common_vals::text AS mcv FROM pg_stats`)
+	for name, want := range map[string]bool{"peekattr": true, "onedefault": true, "agg_any": true, "ts_stat": true,
+		"twoargs": false, "proc": false, "lower": false, "query_to_xml": false} {
+		if rd.colFuncs[name] != want {
+			t.Errorf("colFuncs[%s] = %v, want %v", name, rd.colFuncs[name], want)
+		}
+	}
+	for _, v := range []string{"v_statistic", "v_stats"} {
+		if !rd.exposes(rewrite.RelName{Schema: "public", Name: v}) {
+			t.Errorf("%s, a view over the statistics, is not exposed", v)
+		}
+	}
+	if rd.all {
+		t.Error("functions callable as fields made every read protected")
+	}
+	for _, c := range []struct {
+		sql  string
+		runs bool
+	}{
+		{"SELECT a.peekattr FROM audit a", true},
+		{"SELECT (1).ts_stat", true},
+		{"SELECT a.note FROM audit a", false},
+		{"SELECT 1 + 1", false},
+		{"SELECT 1", false},
+	} {
+		res, err := rewrite.Classify(c.sql)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := rd.runsCode(res.Stmts[0]); got != c.runs {
+			t.Errorf("%s: runsCode %v, want %v", c.sql, got, c.runs)
+		}
+		if !(*readSet)(nil).runsCode(res.Stmts[0]) && res.Stmts[0].CatalogExprs {
+			t.Errorf("%s: a set not loaded says no", c.sql)
+		}
+	}
 }

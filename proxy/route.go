@@ -68,6 +68,12 @@ type routeState struct {
 	fenceTx bool   // a fence.* function ran in the open transaction
 	row     string // the answer of the last routing query
 	stmts   stmtCopies
+	// checked: what this session's fence-row checks found, by job (the
+	// largest token the replica showed and its replay position then).
+	// It runs in the client's own session, where the client's objects and
+	// settings can change its answer: it decides this session's reads
+	// only, never the database's takeover tracker.
+	checked map[string]takeover
 }
 
 // ParamCommitLSN is the ParameterStatus pgfence sends after a transaction
@@ -314,8 +320,7 @@ type requirement struct {
 	token int64
 	check bool
 	// blind: the proxy cannot tell which takeovers the read needs (its
-	// watcher is reconnecting and the reader carries no generation): no
-	// replica may serve it.
+	// watcher is reconnecting): no replica may serve it.
 	blind bool
 	what  string // for messages
 }
@@ -324,17 +329,22 @@ type requirement struct {
 // reach no protected data (any healthy replica that has replayed the
 // catalog as the proxy knows it will do: catalogLSN).
 //
-// A reader whose generation the proxy has not seen yet, or that demands
+// A read is protected when it may reach protected data: through a
+// relation it names (readSet.exposes), or through code the database runs
+// inside its expressions where it names none (an operator, a cast, a
+// domain's check, a function written as a field: readSet.runsCode); and
+// every read-only transaction. A protected read needs every takeover the
+// proxy has seen, and everything before its watcher started (tk.all), as
+// a reader without fence metadata does, and on top of that the reader's
+// own generation and fence.min_lsn: metadata never makes a reader's
+// guarantee weaker. A generation the watcher has not seen yet is checked
+// on the replica's fence row (or was, by this session: rt.checked).
+//
+// A reader whose generation the watcher has not seen yet, or that demands
 // fence.min_lsn, is protected whatever relation it names: the catalog may
-// have changed before that generation in a way the proxy has not heard
-// of. So is a reader whose generation's takeover is newer than the read
-// set: the watcher reads a job's fence row when a notification or a
-// reader names the job, and may find a takeover whose notification (and
-// the DDL notified before it) has not arrived yet. When the set's
-// position is at or past the takeover's, a replica that may serve the
-// read (it has replayed the set's position) has replayed the takeover
-// too, whatever the set says; otherwise the read needs the takeover's
-// position, whatever it names.
+// have changed before that generation in a way the proxy has not heard of
+// (DDL is notified in commit order with takeovers, so a reader whose
+// takeover has been seen reads a catalog that is current up to it).
 func (h *fenceSession) require(stmts []*rewrite.Stmt, kind readKind) (req requirement, protected bool, catalogLSN LSN) {
 	prot := h.cat.prot.Load()
 	if prot.Len() == 0 {
@@ -350,7 +360,7 @@ func (h *fenceSession) require(stmts []*rewrite.Stmt, kind readKind) (req requir
 	token, terr := strconv.ParseInt(strings.TrimSpace(tokText), 10, 64)
 	gen := job != "" && terr == nil && token > 0
 	var seen takeover
-	known := false
+	known := false // the watcher has seen the session's generation
 	if gen {
 		seen, known = tk.lookup(job)
 		known = known && seen.token >= token
@@ -361,41 +371,47 @@ func (h *fenceSession) require(stmts []*rewrite.Stmt, kind readKind) (req requir
 		}
 	}
 	rd := h.cat.reads.Load()
-	// A read-only transaction may read anything later; a read of no
-	// relation reads no protected data, whatever the catalog says.
+	// A read-only transaction may read anything later. A read that
+	// names no relation and nothing the catalog resolves (SELECT 1,
+	// SELECT now()) reads no protected data, whatever the catalog says.
 	protected = kind == roTx
-	relations := false
+	catalog := false // the answer rests on the read set
 	for _, st := range stmts {
 		for _, rel := range st.ReadRelations {
-			relations = true
-			if protected {
-				break
-			}
-			// A known takeover newer than the read set may have been
-			// read from its fence row before the DDL notified ahead of it
-			// arrived: the set cannot vouch for relations then.
-			protected = gen && (!known || rd.position() < seen.lsn) || minText != "" || rd.exposes(rel)
+			catalog = true
+			protected = protected || rd.exposes(rel)
+		}
+		if st.CatalogExprs {
+			catalog = true
+			protected = protected || rd.runsCode(st)
 		}
 	}
-	if !protected && !relations {
+	if !protected && !catalog {
 		return req, false, 0 // no catalog to agree on
 	}
-	if !protected {
+	// A known takeover newer than the read set may have been read from
+	// its fence row before the DDL notified ahead of it arrived: the set
+	// cannot vouch for the relations then.
+	if !protected && !(gen && (!known || rd.position() < seen.lsn) || minText != "") {
 		return req, false, rd.position()
 	}
-	switch {
-	case gen && known:
-		req.what = fmt.Sprintf("job %q token %d", job, token)
-		req.lsn = seen.lsn
-	case gen:
-		req.what = fmt.Sprintf("job %q token %d", job, token)
-		req.job, req.token, req.check = job, token, true
-		req.epoch, _ = strconv.ParseInt(strings.TrimSpace(epochText), 10, 64)
-	default:
-		req.lsn = tk.all()
-		req.what = "every takeover seen so far"
-		// Takeovers while the watcher reconnects are seen by nobody.
-		req.blind = !h.cat.live.Load()
+	req.lsn = tk.all()
+	req.what = "every takeover seen so far"
+	// Takeovers while the watcher reconnects are seen by nobody.
+	req.blind = !h.cat.live.Load()
+	if gen {
+		req.what = fmt.Sprintf("job %q token %d and every takeover seen so far", job, token)
+		if !known {
+			if c, ok := h.rt.checked[job]; ok && c.token >= token {
+				seen, known = c, true
+			}
+		}
+		if known {
+			req.lsn = max(req.lsn, seen.lsn)
+		} else {
+			req.job, req.token, req.check = job, token, true
+			req.epoch, _ = strconv.ParseInt(strings.TrimSpace(epochText), 10, 64)
+		}
 	}
 	if minText != "" {
 		if m, err := parseLSN(minText); err == nil && m > req.lsn {
@@ -527,7 +543,10 @@ func (h *fenceSession) replayed(s gateConn, r *replica, req requirement, k func(
 
 // fenceRowCheck asks the replica whether its fence row for req.job has
 // reached req.token, on the session's replica connection, and runs k with
-// the answer.
+// the answer. The answer is this session's only (rt.checked): the query
+// runs in the client's session, whose own objects and settings (a
+// search_path, an operator) may have made it up, so it must not teach
+// the database's takeover tracker, which every session trusts.
 func (h *fenceSession) fenceRowCheck(s gateConn, r *replica, req requirement, k func(bool, error) error) error {
 	return s.useReplica(r, func(err error) error {
 		if err != nil {
@@ -555,14 +574,18 @@ func (h *fenceSession) fenceRowCheck(s gateConn, r *replica, req requirement, k 
 			h.mu.Unlock()
 			tokText, lsnText, _ := strings.Cut(row, " ")
 			tok, err1 := strconv.ParseInt(tokText, 10, 64)
-			_, err2 := parseLSN(lsnText)
+			lsn, err2 := parseLSN(lsnText)
 			if err1 != nil || err2 != nil {
 				return k(false, nil)
 			}
-			// The answer decides this read only: it came over the
-			// client's own connection, as its role, under its settings,
-			// so it is the client's to shape. What other readers go by
-			// is the fence row the watcher reads (require's hint).
+			if tok > 0 && lsn > 0 {
+				if old, ok := h.rt.checked[req.job]; !ok || tok > old.token || tok == old.token && lsn < old.lsn {
+					if h.rt.checked == nil {
+						h.rt.checked = map[string]takeover{}
+					}
+					h.rt.checked[req.job] = takeover{token: tok, lsn: lsn}
+				}
+			}
 			return k(tok >= req.token, nil)
 		})
 	})

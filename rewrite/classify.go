@@ -179,7 +179,7 @@ type Stmt struct {
 	// locked, or referenced by utility statements), without CTE names.
 	ReadRelations []RelName
 
-	Opaque           bool // CALL, DO, or a call of a function not known to be read-only
+	Opaque           bool // CALL, DO, or a call of a function not known to be read-only (plain EXPLAIN's too: the planner runs immutable ones)
 	LockingRead      bool // FOR UPDATE / NO KEY UPDATE / SHARE / KEY SHARE anywhere
 	CallsFence       bool // calls a function in schema fence
 	PrimaryOnlyFuncs bool // calls a function that needs the primary (nextval, advisory locks, pg_notify, set_config, fence.*, ...)
@@ -188,6 +188,18 @@ type Stmt struct {
 	// SELECT INTO TEMP, pg_temp.x): the session has, or will have,
 	// objects only its own backend sees.
 	Temp bool
+
+	// CatalogExprs: an expression PostgreSQL resolves through the catalog
+	// where code a user defined may run: an operator (any A_Expr, IN,
+	// LIKE, a comparison with a subquery, a row comparison, CASE x WHEN,
+	// JOIN USING, ORDER BY USING), a type not named in pg_catalog (a cast
+	// to a domain or a user's type), a name after a dot (Fields), or a
+	// node the classifier does not know (exprs.go). A statement without
+	// one runs only built-in code besides the functions it calls by name.
+	CatalogExprs bool
+	// Fields are the names after a dot (n.f, (expr).f): PostgreSQL calls
+	// a function f of the value before the dot when it has no field f.
+	Fields []string
 
 	// GUCs are the parameter changes the statement makes, in order.
 	GUCs []GUC
@@ -447,11 +459,20 @@ func classifyExplain(st *Stmt, w *walker, ex *pg_query.ExplainStmt) {
 	q := ex.Query
 	if !st.Analyze {
 		// Plain EXPLAIN plans the statement without running it: nothing
-		// is written, no function is called.
+		// is written. But the planner folds constants, running every
+		// immutable function (a user's too) and, to estimate, stable
+		// ones: the calls count as calls (walker.planned). EXPLAIN
+		// EXECUTE plans a prepared statement the classifier cannot see
+		// here: opaque.
 		w.noexec++
+		w.planned++
 		w.walk(q)
+		w.planned--
 		w.noexec--
 		st.Kind = Read
+		if q.GetExecuteStmt() != nil {
+			st.Opaque = true
+		}
 		return
 	}
 	switch n := q.GetNode().(type) {

@@ -21,6 +21,9 @@ type walker struct {
 	// (plain EXPLAIN, function bodies, rule actions): their writes count
 	// as references only and their calls are not made.
 	noexec int
+	// planned > 0 inside the statement of a plain EXPLAIN: not run, but
+	// planned, and planning runs the functions it folds into constants.
+	planned int
 	// targets are RangeVars already recorded as write targets.
 	targets map[*pg_query.RangeVar]bool
 	// ctes is the stack of CTE names in scope.
@@ -153,7 +156,8 @@ func (w *walker) walkMsg(m protoreflect.Message) {
 		return
 	}
 	depth := len(w.ctes)
-	noexec := w.noexec
+	noexec, planned := w.noexec, w.planned
+	w.noteExpr(m.Interface())
 	// with: the statement's WITH clause, walked first (its CTE names are
 	// in scope for the rest of the statement) and skipped below.
 	var with *pg_query.WithClause
@@ -192,6 +196,7 @@ func (w *walker) walkMsg(m protoreflect.Message) {
 		}
 		if !analyze {
 			w.noexec++
+			w.planned++
 		}
 	case *pg_query.CreateFunctionStmt, *pg_query.RuleStmt:
 		w.noexec++
@@ -216,8 +221,15 @@ func (w *walker) walkMsg(m protoreflect.Message) {
 			w.st.Params = int(n.Number)
 		}
 	case *pg_query.FuncCall:
-		if w.noexec == 0 {
+		switch {
+		case w.noexec == 0:
 			w.funcCall(n)
+		case w.planned > 0:
+			// Planned, not run: the call may be folded, but a
+			// set_config in it changes nothing.
+			gucs := len(w.st.GUCs)
+			w.funcCall(n)
+			w.st.GUCs = w.st.GUCs[:gucs]
 		}
 	}
 
@@ -242,7 +254,7 @@ func (w *walker) walkMsg(m protoreflect.Message) {
 		}
 	}
 	w.ctes = w.ctes[:depth]
-	w.noexec = noexec
+	w.noexec, w.planned = noexec, planned
 }
 
 func (w *walker) funcCall(fc *pg_query.FuncCall) {
