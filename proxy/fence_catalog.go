@@ -708,7 +708,7 @@ code(oids) AS (SELECT coalesce(pg_catalog.array_agg(p.oid), '{}'::pg_catalog.oid
   WHERE p.oid OPERATOR(pg_catalog.>=) '16384'::pg_catalog.oid AND p.prolang OPERATOR(pg_catalog.<>) ALL (trusted.langs)),
 reaches(oids) AS (SELECT r.oids OPERATOR(pg_catalog.||) (SELECT pg_catalog.array_agg(c.oid) FROM pg_catalog.pg_class AS c
     WHERE c.relnamespace OPERATOR(pg_catalog.=) 'pg_catalog'::pg_catalog.regnamespace::pg_catalog.oid
-      AND c.relname OPERATOR(pg_catalog.=) ANY ('` + statsRels + `'::pg_catalog.name[]))
+      AND c.relname OPERATOR(pg_catalog.=) ANY ('`+statsRels+`'::pg_catalog.name[]))
   FROM runs_sql AS r)
 SELECT 'all', (
      EXISTS (SELECT FROM pg_catalog.pg_operator AS o, code
