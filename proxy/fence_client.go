@@ -42,7 +42,7 @@ func (h *fenceSession) clientMessage(s *Session, msg []byte) (Verdict, error) {
 	case 'C', 'D':
 		return h.closeOrDescribe(s, msg)
 	case 'F':
-		if e := h.noFenceSchemaCall(); e != nil { // fence_plan.go
+		if e := h.noFenceSchemaCall(msg); e != nil { // fence_plan.go
 			return Drop, h.refuseQuery(s, e)
 		}
 		return Drop, h.send(s, msg, &tag{kind: msg[0]}, true)

@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"encoding/binary"
 	"fmt"
 	"strings"
 	"unicode/utf8"
@@ -76,7 +77,14 @@ func (h *fenceSession) noFenceSchema(stmts ...*rewrite.Stmt) *fence.Error {
 		return nil
 	}
 	for _, st := range stmts {
-		if st.Writes() || plan.Opaque(st) || st.Kind == rewrite.CopyFrom {
+		// What writes, and the statements that are there to run code
+		// (CALL, DO, EXECUTE). A read that calls functions passes: tools
+		// that carry PGOPTIONS everywhere read the catalogs with
+		// built-ins the classifier does not know by name (pg_dumpall:
+		// acldefault, array_to_string, shobj_description), and where
+		// there is no fence schema nothing is protected. A SELECT of a
+		// user's function that writes is the gap (docs/security.md).
+		if st.Writes() || st.Kind == rewrite.CopyFrom || st.Kind == rewrite.Call || st.Kind == rewrite.Do || st.Kind == rewrite.Execute {
 			h.f.warnOnce("fencedNoSchema:"+h.db, "fenced client in a database without a fence schema: its writes are refused (FN014) until `pgfence migrate` runs",
 				zap.String("database", h.db), zap.String("user", h.user))
 			return &fence.Error{Code: fence.CodeNotInstalled,
@@ -111,12 +119,24 @@ func (h *fenceSession) probeQuery(s gateConn, sql string, res *rewrite.Result, e
 }
 
 // noFenceSchemaCall is noFenceSchema for a FunctionCall message (the
-// fast path), which calls a function by its OID: one that may write.
-func (h *fenceSession) noFenceSchemaCall() *fence.Error {
+// fast path), which calls a function by its OID msg names: a user's
+// function (an OID from FirstNormalObjectId on) may write. A built-in's
+// (below it: libpq's large-object calls, which pg_restore makes) passes,
+// as a read calling a built-in does: the message cannot carry the
+// server-side probe, and the proxy's knowledge of the schema may be older
+// than a restore running through this very session.
+func (h *fenceSession) noFenceSchemaCall(msg []byte) *fence.Error {
+	if len(msg) >= 9 && binary.BigEndian.Uint32(msg[5:9]) < firstNormalObjectID {
+		return nil
+	}
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	return h.noFenceSchema(&rewrite.Stmt{Kind: rewrite.Other, Opaque: true})
+	return h.noFenceSchema(&rewrite.Stmt{Kind: rewrite.Call, Opaque: true, UserCalls: true})
 }
+
+// firstNormalObjectID is PostgreSQL's FirstNormalObjectId: every OID below
+// it was made by initdb.
+const firstNormalObjectID = 16384
 
 // presentsFence reports whether a session in state ss presents fence
 // metadata to stmts: one of the generation's settings is set, or a

@@ -180,6 +180,7 @@ type Stmt struct {
 	ReadRelations []RelName
 
 	Opaque           bool // CALL, DO, or a call of a function not known to be read-only (plain EXPLAIN's too: the planner runs immutable ones)
+	UserCalls        bool // calls a function not known to be read-only that is not named pg_catalog.<name> (may be anyone's)
 	LockingRead      bool // FOR UPDATE / NO KEY UPDATE / SHARE / KEY SHARE anywhere
 	CallsFence       bool // calls a function in schema fence
 	PrimaryOnlyFuncs bool // calls a function that needs the primary (nextval, advisory locks, pg_notify, set_config, fence.*, ...)
@@ -471,7 +472,7 @@ func classifyExplain(st *Stmt, w *walker, ex *pg_query.ExplainStmt) {
 		w.noexec--
 		st.Kind = Read
 		if q.GetExecuteStmt() != nil {
-			st.Opaque = true
+			st.Opaque, st.UserCalls = true, true
 		}
 		return
 	}

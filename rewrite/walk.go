@@ -273,6 +273,9 @@ func (w *walker) funcCall(fc *pg_query.FuncCall) {
 	case builtin && readOnlyFuncs[fn.Name]:
 	default:
 		w.st.Opaque = true
+		if fn.Schema != "pg_catalog" {
+			w.st.UserCalls = true
+		}
 	}
 }
 
@@ -282,7 +285,7 @@ func (w *walker) setConfig(fc *pg_query.FuncCall) {
 	if len(fc.Args) != 3 {
 		// Not the built-in set_config (it takes three arguments): a
 		// user function of that name; nothing known.
-		w.st.Opaque = true
+		w.st.Opaque, w.st.UserCalls = true, true
 		return
 	}
 	var null bool
