@@ -298,6 +298,18 @@ func (c *cast) as(t *testing.T, role string, sql string) {
 	}
 }
 
+// refusedAs runs sql as role on a direct connection and fails t unless
+// it is refused with code (a set-up step that a defence now stops earlier
+// than the one the case is about: the case then goes on as someone the
+// earlier defence lets through, so that both stay tested).
+func (c *cast) refusedAs(t *testing.T, role, sql, code string) {
+	t.Helper()
+	err := castExec(ctxT(t), c.connect(t, "direct", role, nil), sql, "")
+	if got := pgtest.SQLState(err); got != code {
+		t.Fatalf("%s as %s: got %v (SQLSTATE %q), want SQLSTATE %s", sql, role, err, got, code)
+	}
+}
+
 // currentWrites is a class's control: the worker holding the current
 // generation runs sql(route) by every route, fence.step naming the route,
 // and it must succeed, so that the class's refusals are the fence's and

@@ -935,7 +935,11 @@ func driveFenceCheck(t *testing.T, e *trapEnv) {
 	p, g := trapProxy(t, true, Config{})
 	c := e.session(t, p, "-c fence.job_key=unseen -c fence.token=999999")
 	waitHealthy(t, p)
-	_ = g
+	if e.kind != trapFake {
+		// Before the replica has replayed the catalog the gate judged by,
+		// every read goes to the primary and asks no fence row.
+		waitCatalogReplayed(t, p, g, e.db)
+	}
 	before := p.srv.rs.stats.FenceChecks.Load()
 	res, err := c.Exec(ctxT(t), "SELECT job_key FROM results").ReadAll()
 	t.Logf("protected read: %v %v", len(res), err)

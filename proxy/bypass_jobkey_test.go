@@ -149,8 +149,12 @@ union all select 'kparents ' || r::text from kparents r`
 		c.as(t, c.owner, `alter table kt add constraint kt_switch check (rt_check(v))`)
 		c.tryRows(t, attempt{role: w, lease: cur, sql: "insert into kt (k, job_key, v) values (3, 'job', 'x')", code: notOwner}, rows)
 		c.as(t, c.dba, "alter table kt drop constraint kt_switch")
-		c.as(t, c.owner, `alter table kt enable row level security;
-create policy kt_all on kt using (true) with check (rt_check(v));`)
+		// The DDL guard refuses the owner a policy on a protected table
+		// (FN010); one a bypass member adds must still not switch keys.
+		rls := `alter table kt enable row level security;
+create policy kt_all on kt using (true) with check (rt_check(v));`
+		c.refusedAs(t, c.owner, rls, "FN010")
+		c.as(t, c.dba, rls)
 		c.tryRows(t, attempt{role: w, lease: cur, sql: "update kt set v = 'x' where k = 2", code: notOwner}, rows)
 		c.as(t, c.dba, "drop policy kt_all on kt; alter table kt disable row level security")
 	})
@@ -164,11 +168,14 @@ create table public.kc (k int primary key, job_key text collate public.nd not nu
 create table public.kd (k int primary key, job_key public.jk not null);
 grant select, insert, update, delete on kc, kd to `+pgx.Identifier{w}.Sanitize())
 		c.as(t, c.su, "select fence.protect('kc', 'job_key')")
-		// A domain is not a job-key type: the owner makes it one after
-		// protecting (no rewrite, so the DDL guard lets it pass).
+		// A domain is not a job-key type: it is made one after protecting.
 		c.as(t, c.owner, "alter table kd alter column job_key type text")
 		c.as(t, c.su, "select fence.protect('kd', 'job_key')")
-		c.as(t, c.owner, "alter table kd alter column job_key type public.jk")
+		// The DDL guard refuses the owner a type change of a read shape
+		// (FN010); the key must still compare bytes when a bypass member
+		// makes it.
+		c.refusedAs(t, c.owner, "alter table kd alter column job_key type public.jk", "FN010")
+		c.as(t, c.dba, "alter table kd alter column job_key type public.jk")
 		kc := rows + ` union all select 'kc ' || r::text from kc r union all select 'kd ' || r::text from kd r`
 		for _, tc := range []castCase{
 			{"case_insensitive_key", attempt{sql: "insert into kc values (1, 'JOB')", code: noMeta}},
