@@ -387,6 +387,7 @@ func testBypassReads(t *testing.T, tracked bool) {
 		readsCheck(t, r, readsCase{sql: "FETCH ALL FROM c"})
 	})
 	t.Run("extended_protocol", func(t *testing.T) {
+		ctx := ctxT(t) // each its own deadline: the class takes over 30 s under load
 		for _, policy := range []string{"pending", "primary"} {
 			w := readsPgx(t, e, opts("job", b.Token, "-c fence.read_policy="+policy)...)
 			var payload string
@@ -400,6 +401,7 @@ func testBypassReads(t *testing.T, tracked bool) {
 		}
 	})
 	t.Run("extended_read_only_transaction", func(t *testing.T) {
+		ctx := ctxT(t) // each its own deadline: the class takes over 30 s under load
 		w := readsPgx(t, e)
 		tx, err := w.BeginTx(ctx, pgx.TxOptions{AccessMode: pgx.ReadOnly})
 		if err != nil {
@@ -416,6 +418,7 @@ func testBypassReads(t *testing.T, tracked bool) {
 		}
 	})
 	t.Run("extended_read_only_transaction_pending", func(t *testing.T) {
+		ctx := ctxT(t) // each its own deadline: the class takes over 30 s under load
 		w := readsPgx(t, e, opts("job", b.Token, "-c fence.read_policy=pending")...)
 		_, err := w.BeginTx(ctx, pgx.TxOptions{AccessMode: pgx.ReadOnly})
 		wantCode(t, err, pending)
