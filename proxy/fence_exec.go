@@ -194,7 +194,10 @@ func (u *until) block(s gateConn) error {
 // more to do. Every wait point of the gate is written once, with then.
 func (h *fenceSession) then(s gateConn, u *until, k func() error) error {
 	if !u.poll() {
-		if h.inBatch && u.copyIn == nil {
+		if h.inBatch {
+			// A Flush makes the server send what it has for the batch
+			// (an error is sent only at a Flush or Sync); a server in
+			// COPY ignores it.
 			if _, err := s.Inject([]byte{'H', 0, 0, 0, 4}, nil); err != nil {
 				return err
 			}

@@ -219,6 +219,9 @@ func (h *fenceSession) execute(s gateConn, msg []byte) error {
 	if st == nil {
 		return h.send(s, msg, t, true)
 	}
+	if st.Kind == rewrite.CopyFrom {
+		t.started = make(chan struct{})
+	}
 	if plan.MayNeedGate(st) {
 		if h.unsettled() {
 			if err := h.settle(s); err != nil {
@@ -250,7 +253,7 @@ func (h *fenceSession) execute(s gateConn, msg []byte) error {
 		return h.send(s, msg, t, true)
 	}
 	if !ep.Decides {
-		if err := h.send(s, msg, t, true); err != nil {
+		if err := h.sendExecute(s, msg, t); err != nil {
 			return err
 		}
 		if plan.ChangesState(st) {
@@ -286,13 +289,60 @@ func (h *fenceSession) executeDeciding(s gateConn, msg []byte, t *tag, st *rewri
 		// Its data goes into the digest (copyDigest), up to CopyDone.
 		h.copyDigested, h.copiesLeft = true, 1
 	}
-	if err := h.send(s, msg, t, true); err != nil {
+	if err := h.sendExecute(s, msg, t); err != nil {
 		return err
 	}
 	if ep.AwaitCommit {
 		h.commitReq = h.last
 	}
 	return nil
+}
+
+// sendExecute sends the client's Execute tagged t; for a COPY FROM
+// (t.started) it remembers the request until the COPY's data ends
+// (copyExec).
+func (h *fenceSession) sendExecute(s gateConn, msg []byte, t *tag) error {
+	if err := h.send(s, msg, t, true); err != nil {
+		return err
+	}
+	if t.started != nil {
+		h.copyExec = &copyExec{r: h.last, started: t.started}
+	}
+	return nil
+}
+
+// copyExec is an Execute of a COPY FROM whose data has not ended: r is
+// its request, started is closed when the server starts the COPY.
+type copyExec struct {
+	r       *Request
+	started <-chan struct{}
+}
+
+// copySync decides a Sync that comes after an Execute of a COPY FROM and
+// before its data ended, as libpq sends it (PQexecParams: Parse, Bind,
+// Describe, Execute, Sync in one write; the data, CopyDone and a second
+// Sync once the server has answered CopyInResponse). PostgreSQL ignores
+// a Sync that reaches it during COPY FROM STDIN (copyfromparse.c), so
+// the batch does not end there: the gate waits until it knows whether
+// the COPY started (the client itself waits for that answer, so this
+// costs it nothing) and, if it did, drops the Sync, sends nothing before
+// it, and plans the batch's end at the Sync after the data. If the COPY
+// did not start (an error before it, a COPY from a file), the Sync ends
+// the batch as any other. ignored reports that the Sync is dropped.
+func (h *fenceSession) copySync(s gateConn) (ignored bool, err error) {
+	ce := h.copyExec
+	if ce == nil {
+		return false, nil
+	}
+	u := &until{r: ce.r, copyIn: ce.started}
+	if !u.poll() {
+		return false, h.then(s, u, nil) // ErrWait on the loop: nothing done yet
+	}
+	if u.started {
+		return true, nil
+	}
+	h.copyExec = nil
+	return false, nil
 }
 
 // execStep runs a planned step of the extended protocol in the current
@@ -320,6 +370,9 @@ func (h *fenceSession) execStep(s gateConn, ps *plan.Step, about *rewrite.Stmt) 
 // ends here with the receipt step, which PostgreSQL skips when anything
 // before it in the batch failed (the transaction then rolls back).
 func (h *fenceSession) sync(s gateConn, msg []byte) error {
+	if ignored, err := h.copySync(s); ignored || err != nil {
+		return err
+	}
 	sp := h.batch.Sync()
 	if sp.Receipt != nil {
 		if err := h.execStep(s, sp.Receipt, nil); err != nil {

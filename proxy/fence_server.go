@@ -145,6 +145,11 @@ func (h *fenceSession) queryResponse(s gateConn, msg []byte, t *tag) (Verdict, e
 
 func (h *fenceSession) executeResponse(s gateConn, msg []byte, t *tag) (Verdict, error) {
 	switch msg[0] {
+	case 'G':
+		if t.started != nil {
+			close(t.started) // the COPY has started: a Sync now is ignored (copyExec)
+			t.started = nil
+		}
 	case 'C':
 		h.timeStep(t, t.step)
 		sg := seg{step: t.step, gen: t.gen, beforeCommit: t.beforeCommit}

@@ -64,7 +64,12 @@ type fenceSession struct {
 	copyDigested bool       // CopyData goes into the digest
 	copiesLeft   int        // COPY FROM statements of the current query not yet done
 	copyQuery    *tag       // the current query's, while copyReceipt
-	stateReq     *Request   // the last request sent that changes session or gate state
+	// copyExec is the client's last Execute of a COPY FROM, until the
+	// client ends the COPY's data (or it is known not to have started):
+	// a Sync that comes meanwhile may be one the server ignores
+	// (fence_extended.go, sync).
+	copyExec *copyExec
+	stateReq *Request // the last request sent that changes session or gate state
 	// seq numbers the requests sent (tag.seq); encSeq is the last that
 	// may have changed how the server reads the client's text, gucSeq the
 	// last that may have changed the tracked settings unseen, resyncInTx
@@ -145,6 +150,9 @@ type tag struct {
 	// never changed: the client side waits on it while the server side
 	// sends.
 	copyIn chan struct{}
+	// started, for the client's Execute of a COPY FROM, is closed when
+	// the server starts the COPY (CopyInResponse): see copyExec.
+	started chan struct{}
 
 	// Parse / Bind / Execute / Close
 	name    string
