@@ -185,6 +185,13 @@ type Stmt struct {
 	CallsFence       bool // calls a function in schema fence
 	PrimaryOnlyFuncs bool // calls a function that needs the primary (nextval, advisory locks, pg_notify, set_config, fence.*, ...)
 	UnknownGUCWrite  bool // a set_config call whose parameter name cannot be determined
+	// Builtins are the functions the statement calls by an unqualified
+	// name that the classifier took for PostgreSQL's built-ins (neither
+	// Opaque nor, but for PrimaryOnlyFuncs, anything else): in order,
+	// without duplicates. A function of that name outside pg_catalog may
+	// be the one PostgreSQL calls (an overload, a search_path that puts
+	// pg_catalog later), which the caller, knowing the database, checks.
+	Builtins []string
 	// Temp: the statement names a temporary relation (CREATE TEMP ...,
 	// SELECT INTO TEMP, pg_temp.x): the session has, or will have,
 	// objects only its own backend sees.
