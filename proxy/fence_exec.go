@@ -251,13 +251,9 @@ func (h *fenceSession) runQuery(s gateConn, sql string, res *rewrite.Result, q *
 	t.sent = time.Now() // metrics: step latency
 	switch q.Ending {
 	case plan.LoneCommit:
-		// The receipt as the gate's prepared statement (parsed once per
-		// connection, not per commit), a Sync whose ReadyForQuery is
-		// hidden, then the client's COMMIT.
+		// The receipt as the gate's named statement (execNamed), a Sync
+		// whose ReadyForQuery is hidden, then the client's COMMIT.
 		r := &q.Steps[0]
-		if err := h.prepareGate(s); err != nil {
-			return err
-		}
 		if err := h.execNamed(s, plan.ReceiptStatement(r.Gated), plan.CommitArgs(r.Gen, sum, version),
 			&tag{kind: 'E', step: stepReceipt, gen: r.Gen, beforeCommit: true, sent: time.Now()}); err != nil {
 			return err

@@ -15,7 +15,7 @@ import (
 // statements and portals as the client side keeps them (with their
 // classification and parameters), and each Execute and Sync planned by
 // the session's plan.Batch and run as the gate's own named statements
-// (prepared once per upstream connection, prepareGate).
+// (parsed right before each use, execNamed).
 
 // parse handles a Parse: the statement is classified and kept (as soon as
 // the Parse is sent: a failed Parse makes the server skip to Sync anyway).
@@ -275,11 +275,6 @@ func (h *fenceSession) executeDeciding(s gateConn, msg []byte, t *tag, st *rewri
 	if ep.Unfenced {
 		h.f.Stats.Unfenced.Add(1)
 	}
-	if ep.Prepare {
-		if err := h.prepareGate(s); err != nil {
-			return err
-		}
-	}
 	for i := range ep.Before {
 		if err := h.execStep(s, &ep.Before[i], st); err != nil {
 			return err
@@ -390,58 +385,31 @@ func (h *fenceSession) sync(s gateConn, msg []byte) error {
 	return h.send(s, msg, &tag{kind: 'S'}, true)
 }
 
-// prepareGate parses the gate's named statements once per upstream
-// connection (again after DISCARD ALL / DEALLOCATE ALL).
-func (h *fenceSession) prepareGate(s gateConn) error {
-	if r := h.be.prepareReq; r != nil {
-		// The last Parse of them: PostgreSQL skips it, without a word,
-		// when an earlier message of its batch failed. (Settled by now:
-		// the gate step that followed it changed the state. So this
-		// never waits: on the loop a wait here, with the message half
-		// done, could not be handled again.)
-		if err := h.wait(s, r); err != nil {
-			return err
-		}
-		h.be.prepareReq = nil
-		if r.Skipped || r.Error != nil {
-			h.mu.Lock()
-			h.be.prepared = false
-			h.mu.Unlock()
-		}
-	}
-	h.mu.Lock()
-	done := h.be.prepared
-	h.be.prepared = true
-	h.mu.Unlock()
-	if done && !h.be.tainted {
-		return nil
-	}
-	h.be.tainted = false
-	// Close first (closing a statement that does not exist is not an
-	// error): after a DO block, say, a statement of that name may be a
-	// client's stand-in.
-	var buf []byte
-	for _, gs := range plan.Statements {
-		buf, _ = (&pgproto3.Close{ObjectType: 'S', Name: gs.Name}).Encode(buf[:0])
-		if err := h.send(s, buf, &tag{kind: 'C', step: stepPrepare}, false); err != nil {
-			return err
-		}
-		buf, _ = (&pgproto3.Parse{Name: gs.Name, Query: gs.SQL}).Encode(buf[:0])
-		if err := h.send(s, buf, &tag{kind: 'P', step: stepPrepare}, false); err != nil {
-			return err
-		}
-	}
-	h.be.prepareReq = h.last
-	return nil
-}
-
-// execNamed runs one of the gate's named statements in the current batch:
-// Bind to the gate's portal, Execute, Close the portal.
+// execNamed runs one of the gate's named statements (plan.Statements) in
+// the current batch: Close and Parse it, Bind it to the gate's portal,
+// Execute, Close the portal.
+//
+// It is parsed for each use, in the same message stream as its Execute:
+// no client code runs between the two. Parsed once and kept, it could be
+// replaced by any code of the client's that the proxy cannot see into (a
+// view's function, a trigger, an operator, a domain's check, a column's
+// default: DEALLOCATE and PREPARE under its name, which the session's own
+// code reads in pg_prepared_statements), and the receipt step would then
+// write nothing. The Close makes room for the Parse whatever holds the
+// name (the gate's last use, or a client's stand-in).
 func (h *fenceSession) execNamed(s gateConn, stmt string, args [][]byte, t *tag) error {
 	for i, a := range args {
 		args[i] = h.encode(string(a)) // text parameters are in the client's encoding
 	}
-	buf, _ := (&pgproto3.Bind{DestinationPortal: plan.Portal, PreparedStatement: stmt, Parameters: args}).Encode(nil)
+	buf, _ := (&pgproto3.Close{ObjectType: 'S', Name: stmt}).Encode(nil)
+	if err := h.send(s, buf, &tag{kind: 'C', step: stepPrepare}, false); err != nil {
+		return err
+	}
+	buf, _ = (&pgproto3.Parse{Name: stmt, Query: plan.StatementSQL(stmt)}).Encode(buf[:0])
+	if err := h.send(s, buf, &tag{kind: 'P', step: stepPrepare}, false); err != nil {
+		return err
+	}
+	buf, _ = (&pgproto3.Bind{DestinationPortal: plan.Portal, PreparedStatement: stmt, Parameters: args}).Encode(buf[:0])
 	if err := h.send(s, buf, &tag{kind: 'B', step: t.step}, false); err != nil {
 		return err
 	}

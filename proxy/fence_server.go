@@ -232,7 +232,6 @@ func (h *fenceSession) onError(s gateConn, msg []byte, t *tag) (Verdict, error) 
 	h.timeStep(t, st)
 	h.st.Fail()
 	if st == stepPrepare {
-		h.be.prepared = false
 		s.Logger().Warn("cannot prepare the gate's statements", zap.ByteString("error", msg))
 	}
 	if h.errShown || st == stepRollback || st == stepRestore {
@@ -297,9 +296,6 @@ func (h *fenceSession) applyClient(st *rewrite.Stmt, msg []byte, cp *clientPorta
 		bound = cp
 	}
 	plan.Completed(h.planSession(), st, bound) // tentative, digest
-	if st.Kind == rewrite.Discard && st.Name == "ALL" || st.Kind == rewrite.Deallocate && st.All {
-		h.be.prepared = false
-	}
 	var pf session.ParamFunc
 	if cp != nil {
 		pf = paramFunc(cp, h.be.text.codec)

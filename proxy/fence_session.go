@@ -48,7 +48,7 @@ type fenceSession struct {
 	cat      *catalog
 	user, db string // the session's role and database (for the log)
 
-	mu sync.Mutex // guards st, and be's stmts, prepared and text
+	mu sync.Mutex // guards st, and be's stmts and text
 	st *session.State
 	// be is the gate's view of the upstream connection (fence_backend.go).
 	be *gateBackend
@@ -100,7 +100,7 @@ const (
 	stepCommitWrapped             // COMMIT closing the transaction wrapped around a protected COPY FROM
 	stepRaise                     // a DO block raising the gate's own error
 	stepRollback                  // ROLLBACK after a gated commit (no-op on success)
-	stepPrepare                   // Parse of the gate's named statements
+	stepPrepare                   // Close and Parse of a gate's named statement before its use (execNamed)
 	stepSavepoint                 // SAVEPOINT before the receipt step in a client's query
 	stepRestore                   // ROLLBACK TO that savepoint after a failed receipt step
 	stepSettings                  // the settings read back (fence_text.go)

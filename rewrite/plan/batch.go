@@ -62,9 +62,6 @@ type ExecPlan struct {
 	// made from the settled session state and the Execute changes what
 	// the gate decides from.
 	Decides bool
-	// Prepare: the gate's named statements (Statements) are used in
-	// this batch, here or at its Sync: parse them first if needed.
-	Prepare bool
 	// Before are the steps before the client's Execute: Gate, or
 	// Savepoint and Receipt, or Raise.
 	Before []Step
@@ -121,7 +118,6 @@ func (b *Batch) Execute(ss Session, in Exec) ExecPlan {
 		p.Unfenced = true
 		p.Before = []Step{{Kind: Raise, Stmt: 0, Err: fencingRequired(ss.Tables.ProtectedTable(s), st, overlay{})}}
 	case need:
-		p.Prepare = true
 		if !explicit {
 			// An implicit transaction (up to Sync): the receipt ends it
 			// at the Sync, and PostgreSQL commits it only if nothing
@@ -137,13 +133,11 @@ func (b *Batch) Execute(ss Session, in Exec) ExecPlan {
 		// an explicit one gets it at its COMMIT (the server side
 		// records the transaction as tentative).
 		if !explicit && !b.wrapped {
-			p.Prepare = true
-			b.wrap(st, gen)
+				b.wrap(st, gen)
 		}
 	case prepareTx:
 		p.Before = []Step{{Kind: Raise, Stmt: 0, Err: prepareTransaction(g.Gen, "commit the transaction with COMMIT")}}
 	case commit:
-		p.Prepare = true
 		if explicit {
 			// The receipt in a savepoint: after the Sync, the
 			// transaction is ended only if the receipt failed.

@@ -39,8 +39,8 @@ const (
 // Statement is one of the gate's named statements.
 type Statement struct{ Name, SQL string }
 
-// Statements are the gate's named statements, prepared once per upstream
-// connection. Their SQL names every type by its schema, so that no
+// Statements are the gate's named statements, which the proxy parses right
+// before each use (so no client code can replace them). Their SQL names every type by its schema, so that no
 // search_path (which a client sets) can put a type or cast of its own in
 // the gate's arguments. Parameters: GateArgs and CommitArgs.
 var Statements = []Statement{
@@ -48,6 +48,17 @@ var Statements = []Statement{
 	{CommitStatement, "SELECT fence.commit($1::pg_catalog.text, $2::pg_catalog.int8, $3::pg_catalog.int8, $4::pg_catalog.text, $5::pg_catalog.bytea, $6::pg_catalog.text)"},
 	{CommitIfStatement, "SELECT fence.commit_if_written($1::pg_catalog.text, $2::pg_catalog.int8, $3::pg_catalog.int8, $4::pg_catalog.text, $5::pg_catalog.bytea, $6::pg_catalog.text)"},
 	{SavepointStatement, "SAVEPOINT " + ReceiptSavepoint},
+}
+
+// StatementSQL is the SQL of the gate's named statement name ("" for a
+// name that is not one of Statements).
+func StatementSQL(name string) string {
+	for _, s := range Statements {
+		if s.Name == name {
+			return s.SQL
+		}
+	}
+	return ""
 }
 
 // ReceiptStatement is the named statement of a receipt step: fence.commit
