@@ -103,6 +103,7 @@ func (h *fenceSession) query(s gateConn, msg []byte) error {
 		// The server reports the syntax error (or the empty query).
 		return h.routeQuery(s, msg, nil) // route.go
 	}
+	res = h.userCode(res) // fence_usercode.go: built-ins the database overrides
 	if plan.MayNeedGate(res.Stmts...) {
 		if h.unsettled() {
 			if err := h.settle(s); err != nil {
@@ -118,6 +119,7 @@ func (h *fenceSession) query(s gateConn, msg []byte) error {
 		if res, err = h.f.classifier.ClassifyWith(sql, opts); err != nil {
 			return h.routeQuery(s, msg, nil) // unreachable: its shape parsed
 		}
+		res = h.userCode(res)
 	}
 	h.mu.Lock()
 	if e := h.noFenceSchema(res.Stmts...); e != nil { // fence_plan.go

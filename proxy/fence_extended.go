@@ -33,7 +33,9 @@ func (h *fenceSession) parse(s gateConn, msg []byte) (Verdict, error) {
 	}
 	var res *rewrite.Result
 	if err == nil {
-		res, err = h.f.classifier.ClassifyWith(sql, opts)
+		if res, err = h.f.classifier.ClassifyWith(sql, opts); err == nil {
+			res = h.userCode(res) // fence_usercode.go: built-ins the database overrides
+		}
 	}
 	if err != nil {
 		if h.strict(true) {
