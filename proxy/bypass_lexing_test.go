@@ -15,7 +15,7 @@ import (
 // built-in — may switch standard_conforming_strings off or
 // client_encoding to SJIS; the server reports the new value only when
 // the statement ends, and a query pipelined behind it would be read under
-// the old rules: `SELECT 'a\'' ; COMMIT ; --'` is one SELECT to a reader
+// the old rules: `SELECT 'a\” ; COMMIT ; --'` is one SELECT to a reader
 // with the setting on and a COMMIT to the server with it off. While
 // such a statement is in flight, the gate reads later text that the
 // settings could change only once every reading it could have agrees, or

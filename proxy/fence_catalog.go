@@ -70,7 +70,7 @@ type catalog struct {
 	ctx  context.Context
 	stop context.CancelFunc
 
-	prot  atomic.Pointer[rewrite.Protected]
+	prot atomic.Pointer[rewrite.Protected]
 	// code: which built-in names and expressions run client code in the
 	// database (fence_usercode.go); nil while not known.
 	code  atomic.Pointer[userCode]

@@ -221,14 +221,14 @@ func TestSameASCII(t *testing.T) {
 		want bool
 	}{
 		{"SELECT 'a\\''; COMMIT", true},
-		{"SELECT 'caf\xc3\xa9'", true},           // UTF-8 é: every pairing keeps the quote
-		{"SELECT '\xe9'", true},                  // LATIN1 é: a lead byte before a quote is invalid where it would pair
+		{"SELECT 'caf\xc3\xa9'", true},          // UTF-8 é: every pairing keeps the quote
+		{"SELECT '\xe9'", true},                 // LATIN1 é: a lead byte before a quote is invalid where it would pair
 		{"SELECT E'\xc3\x81\\'; COMMIT", false}, // SJIS: 0x81 0x5C is one character
 		{"SELECT '\x95\\'", false},
 		{"SELECT '\x81\x30\x81\x30'", false}, // GB18030: four bytes, two of them digits
 		{"SELECT '\xa4\xa2'", true},          // EUC-JP あ: both bytes high
 		{"SELECT '\xa4a'", false},            // BIG5/GBK/UHC: 0xA4 0x61 is one character
-		{"SELECT '\xe2\x82\xac'", true},     // UTF-8 €: BIG5 pairs 0xAC with the quote, which its conversion refuses
+		{"SELECT '\xe2\x82\xac'", true},      // UTF-8 €: BIG5 pairs 0xAC with the quote, which its conversion refuses
 	} {
 		if got := SameASCII([]byte(c.b)); got != c.want {
 			t.Errorf("SameASCII(%q) = %v, want %v", c.b, got, c.want)

@@ -133,7 +133,7 @@ func (b *Batch) Execute(ss Session, in Exec) ExecPlan {
 		// an explicit one gets it at its COMMIT (the server side
 		// records the transaction as tentative).
 		if !explicit && !b.wrapped {
-				b.wrap(st, gen)
+			b.wrap(st, gen)
 		}
 	case prepareTx:
 		p.Before = []Step{{Kind: Raise, Stmt: 0, Err: prepareTransaction(g.Gen, "commit the transaction with COMMIT")}}
