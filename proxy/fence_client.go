@@ -30,6 +30,13 @@ func (h *fenceSession) clientMessage(s *Session, msg []byte) (Verdict, error) {
 	}
 	switch msg[0] {
 	case 'Q':
+		if h.inBatch && h.batch.MayEnd() {
+			// A Query inside an extended batch ends its implicit
+			// transaction: the receipt is bound to it (captureTx).
+			if err := h.captureTx(s); err != nil {
+				return Drop, err
+			}
+		}
 		return Drop, h.query(s, msg)
 	case 'P':
 		return h.parse(s, msg) // fence_extended.go
@@ -44,6 +51,13 @@ func (h *fenceSession) clientMessage(s *Session, msg []byte) (Verdict, error) {
 	case 'F':
 		if e := h.noFenceSchemaCall(msg); e != nil { // fence_plan.go
 			return Drop, h.refuseQuery(s, e)
+		}
+		if h.inBatch && h.batch.MayEnd() {
+			// PostgreSQL commits the batch's implicit transaction after a
+			// function call: the receipt is bound to it (captureTx).
+			if err := h.captureTx(s); err != nil {
+				return Drop, err
+			}
 		}
 		return Drop, h.send(s, msg, &tag{kind: msg[0]}, true)
 	case 'H':

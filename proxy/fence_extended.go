@@ -254,6 +254,11 @@ func (h *fenceSession) execute(s gateConn, msg []byte) error {
 		}
 		return h.send(s, msg, t, true)
 	}
+	if ep.CaptureTx {
+		if err := h.captureTx(s); err != nil {
+			return err
+		}
+	}
 	if !ep.Decides {
 		if err := h.sendExecute(s, msg, t); err != nil {
 			return err
@@ -308,6 +313,27 @@ func (h *fenceSession) sendExecute(s gateConn, msg []byte, t *tag) error {
 	return nil
 }
 
+// captureTx reads the wrapped batch's transaction id (plan.TxStatement)
+// before something that may end the transaction: a CALL or DO, which
+// PostgreSQL runs non-atomically in an extended batch's implicit
+// transaction (a COMMIT inside it commits the gated write, and the rest
+// of the batch runs in a new transaction), or a Query or FunctionCall
+// message, after which PostgreSQL commits it. The batch's receipt at the
+// Sync then runs as plan.TxReceiptStatement, bound to that id: in the
+// gated transaction fence.commit, in any other what commit_if_written
+// does for it. The database wrote the gated transaction's receipt at its
+// first fenced write (migration 011), so it has one however it ended.
+func (h *fenceSession) captureTx(s gateConn) error {
+	h.mu.Lock()
+	h.txID = ""
+	h.mu.Unlock()
+	if err := h.execNamed(s, plan.TxStatement, nil, &tag{kind: 'E', step: stepTxID}); err != nil {
+		return err
+	}
+	h.txReq = h.last // the portal's Close, answered after the Execute
+	return nil
+}
+
 // copyExec is an Execute of a COPY FROM whose data has not ended: r is
 // its request, started is closed when the server starts the COPY.
 type copyExec struct {
@@ -356,8 +382,16 @@ func (h *fenceSession) execStep(s gateConn, ps *plan.Step, about *rewrite.Stmt) 
 	case plan.Receipt:
 		h.mu.Lock()
 		sum, version := plan.Resolve(ps.Digest, h.st, nil)
+		txID := h.txID
 		h.mu.Unlock()
-		return h.execNamed(s, plan.ReceiptStatement(ps.Gated), plan.CommitArgs(ps.Gen, sum, version),
+		stmt, args := plan.ReceiptStatement(ps.Gated), plan.CommitArgs(ps.Gen, sum, version)
+		if ps.TxBound && txID != "" {
+			// In the transaction of txID fence.commit, in another the
+			// receipt of that one (captureTx). No id: the read failed,
+			// so did the batch, and the server skips this step.
+			stmt, args = plan.TxReceiptStatement, append(args, []byte(txID))
+		}
+		return h.execNamed(s, stmt, args,
 			&tag{kind: 'E', step: stepReceipt, gen: ps.Gen, beforeCommit: ps.BeforeCommit})
 	}
 	return nil
@@ -369,6 +403,15 @@ func (h *fenceSession) execStep(s gateConn, ps *plan.Step, about *rewrite.Stmt) 
 func (h *fenceSession) sync(s gateConn, msg []byte) error {
 	if ignored, err := h.copySync(s); ignored || err != nil {
 		return err
+	}
+	if r := h.txReq; r != nil {
+		// The receipt is bound to the transaction id read before a CALL
+		// or DO (captureTx): wait for it (rarely at all: it was sent
+		// before them). Nothing of the Sync is done yet.
+		if err := h.wait(s, r); err != nil {
+			return err
+		}
+		h.txReq = nil
 	}
 	sp := h.batch.Sync()
 	if sp.Receipt != nil {

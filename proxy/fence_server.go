@@ -165,6 +165,8 @@ func (h *fenceSession) executeResponse(s gateConn, msg []byte, t *tag) (Verdict,
 			h.receiptResult(msg)
 		case stepSettings:
 			h.applySettings(s, msg, t)
+		case stepTxID:
+			h.txID = rowValue(msg)
 		}
 	}
 	if t.step != stepClient {

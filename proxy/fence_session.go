@@ -69,6 +69,11 @@ type fenceSession struct {
 	// a Sync that comes meanwhile may be one the server ignores
 	// (fence_extended.go, sync).
 	copyExec *copyExec
+	// txReq is the gate's read of the wrapped batch's transaction id
+	// (plan.TxStatement), until the batch's Sync; txID (under mu) its
+	// answer: the receipt at the Sync is bound to it (fence_extended.go).
+	txReq    *Request
+	txID     string
 	stateReq *Request // the last request sent that changes session or gate state
 	// seq numbers the requests sent (tag.seq); encSeq is the last that
 	// may have changed how the server reads the client's text, gucSeq the
@@ -104,6 +109,7 @@ const (
 	stepSavepoint                 // SAVEPOINT before the receipt step in a client's query
 	stepRestore                   // ROLLBACK TO that savepoint after a failed receipt step
 	stepSettings                  // the settings read back (fence_text.go)
+	stepTxID                      // the wrapped batch's transaction id, read before a CALL or DO (plan.TxStatement)
 
 	// Read routing's own requests (route.go).
 	stepFenceCheck // SELECT the replica's fence row

@@ -50,12 +50,32 @@ var Statements = []Statement{
 	{SavepointStatement, "SAVEPOINT " + ReceiptSavepoint},
 }
 
+// The gate's statements for a transaction that may end before its
+// receipt step (Batch, Step.TxBound): TxStatement reads the transaction's
+// id, and TxReceiptStatement is fence.commit in that transaction ($7 its
+// id), fence.commit_if_written in any other.
+const (
+	TxStatement        = "pgfence_xid"
+	TxReceiptStatement = "pgfence_commit_tx"
+)
+
+// TxStatements are the SQL of TxStatement and TxReceiptStatement, every
+// name and type qualified as in Statements.
+var TxStatements = []Statement{
+	{TxStatement, "SELECT pg_catalog.pg_current_xact_id()::pg_catalog.text"},
+	{TxReceiptStatement, "SELECT CASE WHEN pg_catalog.pg_current_xact_id_if_assigned() OPERATOR(pg_catalog.=) $7::pg_catalog.xid8" +
+		" THEN fence.commit($1::pg_catalog.text, $2::pg_catalog.int8, $3::pg_catalog.int8, $4::pg_catalog.text, $5::pg_catalog.bytea, $6::pg_catalog.text)" +
+		" ELSE fence.commit_if_written($1::pg_catalog.text, $2::pg_catalog.int8, $3::pg_catalog.int8, $4::pg_catalog.text, $5::pg_catalog.bytea, $6::pg_catalog.text) END"},
+}
+
 // StatementSQL is the SQL of the gate's named statement name ("" for a
-// name that is not one of Statements).
+// name that is not one of Statements or TxStatements).
 func StatementSQL(name string) string {
-	for _, s := range Statements {
-		if s.Name == name {
-			return s.SQL
+	for _, list := range [][]Statement{Statements, TxStatements} {
+		for _, s := range list {
+			if s.Name == name {
+				return s.SQL
+			}
 		}
 	}
 	return ""
