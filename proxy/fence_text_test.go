@@ -40,3 +40,24 @@ func TestReadsAlike(t *testing.T) {
 		}
 	}
 }
+
+// BenchmarkReadsAlike: what the gate spends on a text it reads while a
+// statement that may switch the lexing settings is in flight (ASCII text
+// without a backslash spends nothing: it is not sensitive).
+func BenchmarkReadsAlike(b *testing.B) {
+	for _, c := range []struct{ name, text string }{
+		{"non_ascii_literal", "INSERT INTO results (job_key, payload, token) VALUES ('job', 'caf\xc3\xa9 cr\xc3\xa8me', 7)"},
+		{"backslash_literal", `INSERT INTO results (job_key, payload, token) VALUES ('job', 'a\\b', 7)`},
+	} {
+		b.Run(c.name, func(b *testing.B) {
+			h := &fenceSession{f: &Fence{classifier: rewrite.NewClassifier(16)},
+				be: &gateBackend{text: newTextState(map[string]string{"client_encoding": "UTF8", "server_encoding": "UTF8"}, zap.NewNop())}}
+			raw := []byte(c.text)
+			for i := 0; i < b.N; i++ {
+				if !h.readsAlike(raw) {
+					b.Fatal("does not read alike")
+				}
+			}
+		})
+	}
+}

@@ -430,6 +430,11 @@ func asciiString(s string) bool {
 	return true
 }
 
+// asciiTrails are the encodings in which a multi-byte character may end
+// in an ASCII byte (by PostgreSQL's rules, verify): in every other one
+// each byte of such a character is above 0x7F (TestASCIITrails).
+var asciiTrails = []ID{SJIS, ShiftJIS2004, BIG5, GBK, UHC, GB18030}
+
 // SameASCII reports whether, in every encoding PostgreSQL accepts from a
 // client, each ASCII byte of b that the encoding accepts is a character
 // of its own: no multi-byte character takes an ASCII byte in. Text for
@@ -443,7 +448,7 @@ func SameASCII(b []byte) bool {
 	if ascii(b) {
 		return true
 	}
-	for id := ID(0); id < numIDs; id++ {
+	for _, id := range asciiTrails {
 		for i := 0; i < len(b); {
 			if b[i] < 0x80 {
 				i++

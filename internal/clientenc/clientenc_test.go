@@ -5,6 +5,7 @@ import (
 	"flag"
 	"math/rand/v2"
 	"os"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -273,4 +274,26 @@ func FuzzSameASCII(f *testing.F) {
 			}
 		}
 	})
+}
+
+// TestASCIITrails: only the encodings SameASCII checks let a multi-byte
+// character take an ASCII byte in; in every other one, no character that
+// starts with a byte above 0x7F has an ASCII byte after it.
+func TestASCIITrails(t *testing.T) {
+	for id := ID(0); id < numIDs; id++ {
+		if slices.Contains(asciiTrails, id) {
+			continue
+		}
+		for lead := 0x80; lead <= 0xff; lead++ {
+			for _, x := range []byte{0x01, '\'', '\\', ';', '0', 'A', 0x7f} {
+				for pos := 1; pos < 4; pos++ {
+					b := []byte{byte(lead), 0xa1, 0xa1, 0xa1}
+					b[pos] = x
+					if n := verify(id, b); n > pos {
+						t.Errorf("%s: %x is a character of %d bytes with the ASCII byte %#x in it", id, b[:n], n, x)
+					}
+				}
+			}
+		}
+	}
 }
