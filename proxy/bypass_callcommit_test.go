@@ -38,13 +38,6 @@ CREATE PROCEDURE p_nocommit() LANGUAGE plpgsql AS $$ BEGIN INSERT INTO notes VAL
 CREATE PROCEDURE p_write() LANGUAGE plpgsql AS $$ BEGIN UPDATE results SET payload = 'by p_write' WHERE job_key = 'r'; COMMIT; END $$;
 `
 
-// needs011 marks a case that holds only with the database writing the
-// gated transaction's receipt at its first fenced write.
-func needs011(t *testing.T) {
-	t.Helper()
-	t.Skip("needs migration 011 (receipts)")
-}
-
 func newCallCommitEnv(t *testing.T) *reservedEnv {
 	t.Helper()
 	e := newReservedEnv(t)
@@ -147,7 +140,6 @@ func bypassCallCommit(t *testing.T) {
 		for _, route := range castRoutes {
 			t.Run("retry_after_"+end+"_"+route, func(t *testing.T) {
 				if route == "proxy" {
-					needs011(t) // the gated transaction's receipt is the database's
 				}
 				t.Parallel()
 				e := newCallCommitEnv(t)
@@ -188,7 +180,6 @@ func bypassCallCommit(t *testing.T) {
 	// write has the receipt, and the batch's own receipt step, in the new
 	// transaction, writes none and refuses nothing.
 	t.Run("procedure_writes_and_commits", func(t *testing.T) {
-		needs011(t)
 		t.Parallel()
 		e := newCallCommitEnv(t)
 		c := e.connRoute(t, "proxy", "pw")
@@ -244,7 +235,6 @@ func bypassCallCommit(t *testing.T) {
 	// implicit transaction when it ends (as the procedure's COMMIT does):
 	// the receipt step at the Sync is bound to the gated transaction too.
 	t.Run("query_inside_batch", func(t *testing.T) {
-		needs011(t)
 		t.Parallel()
 		e := newCallCommitEnv(t)
 		c := e.connRoute(t, "proxy", "q")

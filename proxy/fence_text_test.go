@@ -50,7 +50,7 @@ func BenchmarkReadsAlike(b *testing.B) {
 		{"backslash_literal", `INSERT INTO results (job_key, payload, token) VALUES ('job', 'a\\b', 7)`},
 	} {
 		b.Run(c.name, func(b *testing.B) {
-			h := &fenceSession{f: &Fence{classifier: rewrite.NewClassifier(16)},
+			h := &fenceSession{f: &Fence{classifier: rewrite.NewClassifier(nil)},
 				be: &gateBackend{text: newTextState(map[string]string{"client_encoding": "UTF8", "server_encoding": "UTF8"}, zap.NewNop())}}
 			raw := []byte(c.text)
 			for i := 0; i < b.N; i++ {
