@@ -203,17 +203,8 @@ func TestRunForwardsSignals(t *testing.T) {
 	cfg.Signals = sigs
 	done := runAsync(cfg, zaptest.NewLogger(t))
 	eventually(t, 30*time.Second, "the command to start", func() bool { return f.exists("ready") })
-	// dash can miss a trapped signal that arrives while it forks its
-	// next command (seen under load: forwarded 15 ms after start, never
-	// trapped), so the signal is sent again, through the runner, until
-	// the command records it: what is tested is that the runner forwards.
-	eventually(t, 30*time.Second, "the command to receive SIGHUP", func() bool {
-		select {
-		case sigs <- syscall.SIGHUP:
-		default:
-		}
-		return f.exists("hup")
-	})
+	sigs <- syscall.SIGHUP
+	eventually(t, 30*time.Second, "the command to receive SIGHUP", func() bool { return f.exists("hup") })
 	sigs <- syscall.SIGTERM
 	r := await(t, done)
 	if r.err != nil || r.code != 42 {
