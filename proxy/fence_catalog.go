@@ -71,8 +71,8 @@ type catalog struct {
 	stop context.CancelFunc
 
 	prot atomic.Pointer[rewrite.Protected]
-	// code: which built-in names and expressions run client code in the
-	// database (fence_usercode.go); nil while not known.
+	// code: which built-in names the database also defines outside
+	// pg_catalog (fence_usercode.go); nil until the first load.
 	code  atomic.Pointer[userCode]
 	reads atomic.Pointer[readSet] // nil: not known (every read may reach protected data)
 	last  *readSet                // the last set read (watcher goroutine), to skip unchanged ones
@@ -297,7 +297,6 @@ func (cs *catalogs) listen(c *catalog, loaded func()) error {
 		// recorded after the set was dropped (route.go relies on it).
 		c.ddlSeen.Add(1)
 		c.reads.Store(nil)
-		c.code.Store(nil)
 		reload.Store(true)
 	}
 	// The read-set query is planned above the JIT threshold; compiling
@@ -462,10 +461,14 @@ func (cs *catalogs) load(c *catalog, conn *pgconn.PgConn) (err error) {
 	c.schema.Store(trust.Trusted())
 	c.prot.Store(prot)
 	if c.ddlSeen.Load() != seen {
-		rd, code = nil, nil // a change arrived while this load read: it may predate it
+		rd = nil // a change arrived while this load read: it may predate it
 	}
-	c.reads.Store(rd)
+	// code before reads: a read set is never used with an older code's
+	// names. code is not dropped at a DDL notification: a read meanwhile
+	// is protected anyway (no read set), and the gate's window until the
+	// reload is the documented limit (security.md, built-ins by name).
 	c.code.Store(code)
+	c.reads.Store(rd)
 	c.loads.Add(1)
 	return nil
 }

@@ -33,8 +33,8 @@ import (
 // is the read set's business: readCodeQuery in fence_catalog.go.)
 
 // userCode is what a database makes of the names and expressions the
-// classifier trusts. A nil *userCode is not known (not loaded yet, or a
-// DDL notification arrived since): nothing is trusted.
+// classifier trusts. A nil *userCode is not known (not loaded yet):
+// nothing is trusted. A DDL notification does not drop it (fence_catalog.go).
 type userCode struct {
 	shadowed map[string]bool // trusted names that exist outside pg_catalog too
 }
