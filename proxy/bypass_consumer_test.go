@@ -36,12 +36,17 @@ func bypassConsumer(t *testing.T) {
 		rejected("token_of_another_job", w, accept("job", cur.Epoch, other.Token)),
 		rejected("epoch_of_another_job", w, accept("job", other.Epoch, other.Token)),
 		rejected("job_never_acquired", w, accept("nobody", cur.Epoch, cur.Token)),
-		rejected("forged_by_another_worker", c.worker2, accept("job", cur.Epoch, cur.Token+7)),
 		rejected("forged_in_the_consumer_transaction", w,
 			fmt.Sprintf("begin; insert into notes (note) values ('applied'); select fence.accept_event('mailer', 'job', %d, %d); commit", cur.Epoch, cur.Token+5)),
 	} {
 		t.Run(tc.name, func(t *testing.T) { c.tryRejected(t, tc.a) })
 	}
+	// Another role's event under this consumer: since migration 015 a
+	// consumer is its role's, and another role is refused (42501) rather
+	// than answered false; the watermark is unchanged either way.
+	t.Run("forged_by_another_worker", func(t *testing.T) {
+		c.try(t, attempt{role: c.worker2, sql: accept("job", cur.Epoch, cur.Token+7), code: "42501"})
+	})
 	t.Run("real_generations_still_decided", func(t *testing.T) {
 		// The watermark is where the real events left it: the current
 		// generation is accepted again, the stale one rejected.

@@ -78,8 +78,12 @@ func bypassTokens(t *testing.T) {
 	t.Run("accept_event_does_not_tell_issued", func(t *testing.T) {
 		// The consumer has accepted the current generation; an older
 		// issued token and one never issued get the same answer, and
-		// neither moves the watermark.
-		c.as(t, w, fn("select fence.accept_event('probe', 'leak', %d, %d)", cur.Epoch, cur.Token))
+		// neither moves the watermark. The prober is another role than
+		// the job's (w2): since migration 015 a consumer is the role's
+		// that first accepted under it, so the probe runs under a
+		// consumer of w2's own (under w's it would get 42501 for every
+		// event alike: TestBypass/rowlocks).
+		c.as(t, w2, fn("select fence.accept_event('probe', 'leak', %d, %d)", cur.Epoch, cur.Token))
 		for _, route := range castRoutes {
 			for _, ev := range []struct {
 				name         string

@@ -148,18 +148,35 @@ func RaiseSQL(e *fence.Error) string {
 const RestoreSQL = "ROLLBACK TO SAVEPOINT " + ReceiptSavepoint + "; ROLLBACK"
 
 // Literal quotes s as an escape-string literal, correct whatever
-// standard_conforming_strings is.
+// standard_conforming_strings and client_encoding are: it is ASCII
+// throughout (every client encoding PostgreSQL has reads ASCII alike, so
+// no byte of it can end a multibyte character and swallow a quote), it
+// never contains a dollar sign (so it cannot end the dollar quote of a DO
+// body it is put in, RaiseSQL), and every character that is not printable
+// ASCII is a Unicode escape (a control character, a byte escape). A NUL,
+// which no PostgreSQL string can hold, and invalid UTF-8 become U+FFFD.
 func Literal(s string) string {
 	var b strings.Builder
+	b.Grow(len(s) + 4)
 	b.WriteString("E'")
 	for _, r := range s {
-		switch r {
-		case '\'':
+		switch {
+		case r == '\'':
 			b.WriteString("''")
-		case '\\':
+		case r == '\\':
 			b.WriteString(`\\`)
-		default:
+		case r == '$':
+			b.WriteString(`\x24`)
+		case r == 0:
+			b.WriteString(`\uFFFD`)
+		case r < 0x20 || r == 0x7f:
+			fmt.Fprintf(&b, `\x%02x`, r)
+		case r < 0x7f:
 			b.WriteRune(r)
+		case r <= 0xffff:
+			fmt.Fprintf(&b, `\u%04X`, r)
+		default:
+			fmt.Fprintf(&b, `\U%08X`, r)
 		}
 	}
 	b.WriteByte('\'')
