@@ -22,6 +22,12 @@ import (
 func (h *fenceSession) send(s gateConn, msg []byte, t *tag, visible bool) error {
 	switch msg[0] {
 	case 'P', 'B', 'E', 'D', 'C', 'H':
+		if !h.inBatch {
+			// A batch starts: what it binds comes from the server's
+			// answers to everything before it, or from the batch itself.
+			clear(h.batchStmts)
+			h.stmtWait = h.last
+		}
 		h.inBatch = true
 	case 'S':
 		h.inBatch = false

@@ -54,9 +54,16 @@ type fenceSession struct {
 	be *gateBackend
 
 	// Client goroutine only.
-	last         *Request // the last request sent upstream
-	inBatch      bool     // extended-protocol messages sent since the last Sync
-	stmts        map[string]*clientStmt
+	last    *Request               // the last request sent upstream
+	inBatch bool                   // extended-protocol messages sent since the last Sync
+	stmts   map[string]*clientStmt // as sent: read routing's copies (route.go)
+	// batchStmts: the client's Parses (and Closes: nil) of the current
+	// batch, what a Bind later in the batch runs if it runs at all; before
+	// the batch, what the server answered (gateBackend.stmts), once
+	// stmtWait, the last request sent before the batch, is answered
+	// (boundStmt, fence_extended.go).
+	batchStmts   map[string]*clientStmt
+	stmtWait     *Request
 	portals      map[string]*clientPortal
 	batch        plan.Batch // extended: the planner's view of the current batch
 	commitReq    *Request   // extended: a gated COMMIT whose restoring query is due (batch.Restoring)
