@@ -36,12 +36,22 @@ func (h *fenceSession) send(s gateConn, msg []byte, t *tag, visible bool) error 
 	if t != nil {
 		t.seq = h.seq
 	}
+	copyFrom := msg[0] == 'Q' && visible && t != nil && segsCopyFrom(t.segs)
+	if copyFrom {
+		select {
+		case <-h.copyStarted: // an earlier query's
+		default:
+		}
+	}
 	r, err := s.inject(msg, t, visible)
 	if err != nil {
 		return err
 	}
 	if r != nil {
 		h.last = r
+		if copyFrom {
+			h.copyFromReq = r
+		}
 	}
 	if visible && t != nil {
 		h.noteSent(t)

@@ -44,6 +44,10 @@ func (h *fenceSession) ServerMessage(s *Session, msg []byte, req *Request) (Verd
 	switch msg[0] {
 	case 'G':
 		h.idle.copyWait.Store(true) // the server waits for the client's data
+		select {
+		case h.copyStarted <- struct{}{}:
+		default:
+		}
 	case 'C', 'E', 'Z':
 		h.idle.copyWait.Store(false)
 	}
