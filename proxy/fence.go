@@ -145,14 +145,16 @@ func (f *Fence) Open(s *Session) (Handler, error) {
 		return nil, &ProtocolError{Code: "22023", Msg: err.Error(), Err: err}
 	}
 	h := &fenceSession{
-		f:       f,
-		cat:     cat,
-		st:      st,
-		be:      be,
-		user:    s.User,
-		db:      s.Database,
-		stmts:   map[string]*clientStmt{},
-		portals: map[string]*clientPortal{},
+		f:           f,
+		cat:         cat,
+		st:          st,
+		be:          be,
+		user:        s.User,
+		db:          s.Database,
+		stmts:       map[string]*clientStmt{},
+		batchStmts:  map[string]*clientStmt{},
+		copyStarted: make(chan struct{}, 1),
+		portals:     map[string]*clientPortal{},
 	}
 	f.idle.add(h, s)
 	return h, nil

@@ -45,6 +45,11 @@ func (h *fenceSession) clientMessage(s *Session, msg []byte) (Verdict, error) {
 	case 'E':
 		return Drop, h.execute(s, msg)
 	case 'S':
+		if fwd, err := h.syncInCopy(s); err != nil {
+			return Drop, err
+		} else if fwd {
+			return Drop, s.ForwardIgnored(msg)
+		}
 		return Drop, h.sync(s, msg)
 	case 'C', 'D':
 		return h.closeOrDescribe(s, msg)

@@ -22,6 +22,12 @@ import (
 func (h *fenceSession) send(s gateConn, msg []byte, t *tag, visible bool) error {
 	switch msg[0] {
 	case 'P', 'B', 'E', 'D', 'C', 'H':
+		if !h.inBatch {
+			// A batch starts: what it binds comes from the server's
+			// answers to everything before it, or from the batch itself.
+			clear(h.batchStmts)
+			h.stmtWait = h.last
+		}
 		h.inBatch = true
 	case 'S':
 		h.inBatch = false
@@ -30,12 +36,22 @@ func (h *fenceSession) send(s gateConn, msg []byte, t *tag, visible bool) error 
 	if t != nil {
 		t.seq = h.seq
 	}
+	copyFrom := msg[0] == 'Q' && visible && t != nil && segsCopyFrom(t.segs)
+	if copyFrom {
+		select {
+		case <-h.copyStarted: // an earlier query's
+		default:
+		}
+	}
 	r, err := s.inject(msg, t, visible)
 	if err != nil {
 		return err
 	}
 	if r != nil {
 		h.last = r
+		if copyFrom {
+			h.copyFromReq = r
+		}
 	}
 	if visible && t != nil {
 		h.noteSent(t)

@@ -17,8 +17,10 @@ import (
 // the session's plan.Batch and run as the gate's own named statements
 // (parsed right before each use, execNamed).
 
-// parse handles a Parse: the statement is classified and kept (as soon as
-// the Parse is sent: a failed Parse makes the server skip to Sync anyway).
+// parse handles a Parse: the statement is classified and kept for the
+// rest of its batch (batchStmts: a Bind after it in the batch runs only if
+// it succeeded); beyond the batch, what the server answered counts
+// (boundStmt).
 func (h *fenceSession) parse(s gateConn, msg []byte) (Verdict, error) {
 	var m pgproto3.Parse
 	if err := m.Decode(msg[headerLen:]); err != nil {
@@ -48,7 +50,11 @@ func (h *fenceSession) parse(s gateConn, msg []byte) (Verdict, error) {
 		cs.msg = append([]byte(nil), msg...)
 	}
 	h.stmts[m.Name] = cs
-	return Drop, h.send(s, msg, &tag{kind: 'P', name: m.Name, res: res, oids: m.ParameterOIDs}, true)
+	if err := h.send(s, msg, &tag{kind: 'P', name: m.Name, res: res, oids: m.ParameterOIDs}, true); err != nil {
+		return Drop, err
+	}
+	h.batchStmts[m.Name] = cs
+	return Drop, nil
 }
 
 // bind handles a Bind: the portal is kept with a copy of its parameters.
@@ -63,17 +69,15 @@ func (h *fenceSession) bind(s gateConn, msg []byte) (Verdict, error) {
 	if e := plan.CheckName("portal", m.DestinationPortal); e != nil {
 		return Drop, h.raiseInBatch(s, e)
 	}
-	cp := &clientPortal{formats: append([]int16(nil), m.ParameterFormatCodes...)}
+	stmt, oids, err := h.boundStmt(s, m.PreparedStatement)
+	if err != nil {
+		return Drop, err // ErrWait on the loop: nothing done yet
+	}
+	cp := &clientPortal{formats: append([]int16(nil), m.ParameterFormatCodes...), stmt: stmt, oids: oids}
 	cp.params = make([][]byte, len(m.Parameters))
 	for i, p := range m.Parameters {
 		if p != nil {
 			cp.params[i] = append(make([]byte, 0, len(p)), p...)
-		}
-	}
-	if cs := h.stmts[m.PreparedStatement]; cs != nil {
-		cp.oids = cs.oids
-		if cs.res != nil && len(cs.res.Stmts) == 1 {
-			cp.stmt = cs.res.Stmts[0]
 		}
 	}
 	h.portals[m.DestinationPortal] = cp
@@ -102,21 +106,73 @@ func (h *fenceSession) closeOrDescribe(s gateConn, msg []byte) (Verdict, error) 
 	} else {
 		delete(h.portals, name)
 	}
-	return Drop, h.send(s, msg, &tag{kind: 'C', closeOf: body[0], name: name}, true)
+	if err := h.send(s, msg, &tag{kind: 'C', closeOf: body[0], name: name}, true); err != nil {
+		return Drop, err
+	}
+	if body[0] == 'S' {
+		h.batchStmts[name] = nil
+	}
+	return Drop, nil
 }
 
-// clientStmt is a statement the client parsed (speculatively: kept as soon as
-// the Parse is sent; a failed Parse makes the server skip to Sync anyway).
+// boundStmt returns the statement (and its parameter types) a Bind of
+// name will run, as the server will have it: the last Parse or Close of
+// name earlier in the same batch (the Bind runs only if it succeeded: an
+// error skips the rest of the batch), else the statement the server
+// accepted (gateBackend.stmts: a ParseComplete, PREPARE's
+// CommandComplete, a CloseComplete or DEALLOCATE applied; a Parse refused
+// or skipped changed nothing). That needs every request sent before the
+// batch answered: when one is not, it waits (a round trip only for a
+// client that binds, in a new batch, before the answers to its earlier
+// batches are in). nil: a statement the gate does not know (the server
+// refuses the Bind, or it is unclassified and the Execute is planned as
+// such). Issue 30, attack round B, H3.
+func (h *fenceSession) boundStmt(s gateConn, name string) (*rewrite.Stmt, []uint32, error) {
+	if h.inBatch {
+		if cs, ok := h.batchStmts[name]; ok {
+			if cs == nil {
+				return nil, nil, nil
+			}
+			var st *rewrite.Stmt
+			if cs.res != nil && len(cs.res.Stmts) == 1 {
+				st = cs.res.Stmts[0]
+			}
+			return st, cs.oids, nil
+		}
+	}
+	r := h.stmtWait
+	if !h.inBatch {
+		r = h.last // this Bind starts a batch
+	}
+	if r != nil {
+		if err := h.wait(s, r); err != nil {
+			return nil, nil, err
+		}
+		if h.inBatch {
+			h.stmtWait = nil
+		}
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	p, ok := h.be.stmts.Statement(name)
+	if !ok {
+		return nil, nil, nil
+	}
+	return p.Stmt, p.ParamOIDs, nil
+}
+
+// clientStmt is a statement the client parsed.
 //
-// Prepared statements are tracked twice, for two different moments:
-// fenceSession.stmts (these) as the client sent them, which is what the
-// client side plans a Bind and an Execute with before the server has
-// answered the Parse; and the upstream connection's as the server accepted
-// them (ParseComplete, PREPARE's CommandComplete: gateBackend.stmts, a
-// session.Statements the session's State refers to), which is what an
-// EXECUTE's effects on the settings are read from (session.State.Apply). Read
-// routing's copy of each named Parse is msg here, and where each version
-// exists is route.go's stmtCopies (per upstream connection).
+// Prepared statements are tracked as the server accepted them
+// (ParseComplete, PREPARE's CommandComplete, CloseComplete, DEALLOCATE:
+// gateBackend.stmts, a session.Statements the session's State refers to),
+// which is what a Bind is planned with (boundStmt) and what an EXECUTE's
+// effects on the settings are read from (session.State.Apply); within a
+// batch, a Bind after a Parse of its statement uses that Parse
+// (fenceSession.batchStmts), which it runs if it runs at all. Read
+// routing's copy of each named Parse, as the client sent it, is msg in
+// fenceSession.stmts, and where each version exists is route.go's
+// stmtCopies (per upstream connection).
 type clientStmt struct {
 	res  *rewrite.Result
 	oids []uint32

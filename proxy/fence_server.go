@@ -44,6 +44,10 @@ func (h *fenceSession) ServerMessage(s *Session, msg []byte, req *Request) (Verd
 	switch msg[0] {
 	case 'G':
 		h.idle.copyWait.Store(true) // the server waits for the client's data
+		select {
+		case h.copyStarted <- struct{}{}:
+		default:
+		}
 	case 'C', 'E', 'Z':
 		h.idle.copyWait.Store(false)
 	}
@@ -55,6 +59,11 @@ func (h *fenceSession) ServerMessage(s *Session, msg []byte, req *Request) (Verd
 		}
 		if err := h.st.TxStatus(msg[headerLen]); err != nil && t.step != stepRollback {
 			s.Logger().Debug("session state resynchronised", zap.Error(err))
+		}
+		if t.kind == 'Q' {
+			// A simple Query drops the unnamed statement (PostgreSQL's
+			// exec_simple_query), the gate's own queries too.
+			h.be.stmts.CloseStatement("")
 		}
 		if t.seq > h.be.text.knownSeq {
 			h.be.text.knownSeq = t.seq // every ParameterStatus before it is in

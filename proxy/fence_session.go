@@ -54,10 +54,23 @@ type fenceSession struct {
 	be *gateBackend
 
 	// Client goroutine only.
-	last         *Request // the last request sent upstream
-	inBatch      bool     // extended-protocol messages sent since the last Sync
-	stmts        map[string]*clientStmt
-	portals      map[string]*clientPortal
+	last    *Request               // the last request sent upstream
+	inBatch bool                   // extended-protocol messages sent since the last Sync
+	stmts   map[string]*clientStmt // as sent: read routing's copies (route.go)
+	// batchStmts: the client's Parses (and Closes: nil) of the current
+	// batch, what a Bind later in the batch runs if it runs at all; before
+	// the batch, what the server answered (gateBackend.stmts), once
+	// stmtWait, the last request sent before the batch, is answered
+	// (boundStmt, fence_extended.go).
+	batchStmts map[string]*clientStmt
+	stmtWait   *Request
+	portals    map[string]*clientPortal
+	// copyFromReq: the last client Query with a COPY FROM, while it may be
+	// unanswered; copyStarted gets a token (server side) at each
+	// CopyInResponse. A Sync during its COPY's data is ignored by
+	// PostgreSQL (syncInCopy, fence_copy.go).
+	copyFromReq  *Request
+	copyStarted  chan struct{}
 	batch        plan.Batch // extended: the planner's view of the current batch
 	commitReq    *Request   // extended: a gated COMMIT whose restoring query is due (batch.Restoring)
 	copyReceipt  *plan.Step // simple protocol: a gated COPY FROM is streaming; its receipt, to send after it

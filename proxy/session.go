@@ -116,6 +116,17 @@ func (s *Session) ForwardMessage(msg []byte) error {
 	return err
 }
 
+// ForwardIgnored passes msg upstream as it is, awaiting no answer: a
+// message PostgreSQL reads and ignores where it is (a Sync during a
+// simple query's COPY data). Client goroutine only.
+func (s *Session) ForwardIgnored(msg []byte) error {
+	if !s.account(msg[0]) {
+		return errShutdown
+	}
+	_, err := s.sw.Write(msg)
+	return err
+}
+
 // Inject sends a message upstream on the proxy's own behalf; its responses
 // are matched by the queue and swallowed, delivered to the Handler's
 // ServerMessage with the returned Request. For a message type without a

@@ -271,12 +271,20 @@ func shareableWrite(res *Result) bool {
 	return st != nil && st.Kind == Write
 }
 
-// ShapeKey returns sql's shape: numeric and string literals replaced by
-// '?', unquoted text lowercased, quoted identifiers, $n parameters and
-// line comments kept. ok is false when the text is not valid UTF-8 or has
-// something the scanner does not model exactly (dollar quoting, block
-// comments, a backslash in a string or outside one, an unterminated
-// literal) or calls set_config, whose literal arguments name a GUC.
+// ShapeKey returns sql's shape: sql with every literal replaced by a
+// canonical literal of the same kind — a string's body emptied (”, b”,
+// x”, n”, u&”), an integer that PostgreSQL reads as an int4 by 0, any
+// other number by 0.0 — and unquoted text lowercased; quoted identifiers,
+// $n parameters, line comments and whitespace are kept as they are. The
+// shape is itself SQL that PostgreSQL's lexer reads token for token as it
+// reads sql, literal values aside, so two texts of one shape are read
+// alike (TestShapeLexesAsText checks this against libpg_query's lexer).
+// ok is false when the text is not valid UTF-8 or has something the
+// scanner does not model exactly (dollar quoting, block comments, a
+// backslash anywhere, E” strings, U&"" identifiers, a number or a
+// parameter run into letters, an unterminated literal, a control
+// character other than tab, newline, carriage return and form feed) or
+// calls set_config, whose literal arguments name a GUC.
 func ShapeKey(sql string) (key string, ok bool) {
 	key, ok, _ = shapeKey(sql)
 	return key, ok
@@ -299,30 +307,57 @@ type span struct {
 
 // scanShape is shapeKey, also appending every literal's span to spans when
 // spans is not nil.
+//
+// It follows PostgreSQL's scan.l where a token's end is decided: a "--"
+// comment runs up to a newline or a carriage return ({non_newline} is
+// [^\n\r]); a string literal runs to the quote that is not doubled
+// (standard_conforming_strings on: a text with a backslash is refused, so
+// off makes no difference); a prefix (n, u&) starts a literal only where
+// it does not continue a word, and e, b and x are refused (an escape
+// string; a bit string, in which a doubled quote is two); a number is {decinteger}, {numeric} or {real}, and anything
+// that runs on from it into a word or another dot is refused (PostgreSQL
+// versions differ there: junk, hexadecimal, underscores, "1..2"). What
+// the scanner does not end a token at, it copies, so any other byte — a
+// space of any kind, an operator, a letter — is compared as it is.
 func scanShape(sql string, spans *[]span) (key string, ok, literals bool) {
 	if !utf8.ValidString(sql) {
 		return "", false, false
 	}
 	b := make([]byte, 0, len(sql))
 	n := len(sql)
+	// word reports whether the key so far ends inside a word: the next
+	// letter or digit continues it.
+	word := func() bool { return len(b) > 0 && identByte(b[len(b)-1]) }
+	// prefix reports whether the key ends with the literal prefix p
+	// starting a token.
+	prefix := func(p string) bool {
+		k := len(b) - len(p)
+		return k >= 0 && string(b[k:]) == p && (k == 0 || !identByte(b[k-1]))
+	}
 	for i := 0; i < n; {
 		c := sql[i]
 		switch {
 		case c == '\'':
-			if len(b) > 0 && (b[len(b)-1] == 'e') && (len(b) < 2 || !identByte(b[len(b)-2])) {
-				return "", false, false // E'...' escape string
+			if prefix("e") || prefix("b") || prefix("x") {
+				// E'...': an escape string; B'...', X'...': a quote
+				// doubled inside ends them, and a string continuing one
+				// on the next line is read the same way.
+				return "", false, false
 			}
 			j, closed := closingQuote(sql, i)
 			if !closed || strings.IndexByte(sql[i:j], '\\') >= 0 {
 				return "", false, false // unterminated, or a backslash: standard_conforming_strings off would make it an escape
 			}
-			b = append(b, '?')
+			b = append(b, "''"...)
 			literals = true
 			if spans != nil {
 				*spans = append(*spans, span{start: i, end: j + 1, str: true})
 			}
 			i = j + 1
 		case c == '"':
+			if prefix("u&") {
+				return "", false, false // U&"..." UESCAPE '.': the identifier depends on a literal
+			}
 			j, closed := closingQuote(sql, i)
 			if !closed {
 				return "", false, false
@@ -330,30 +365,45 @@ func scanShape(sql string, spans *[]span) (key string, ok, literals bool) {
 			b = append(b, sql[i:j+1]...)
 			i = j + 1
 		case c == '$':
-			if i+1 >= n || sql[i+1] < '0' || sql[i+1] > '9' || len(b) > 0 && identByte(b[len(b)-1]) {
+			if i+1 >= n || !isDigit(sql[i+1]) || word() {
 				return "", false, false // dollar quote, or $ inside a word
 			}
 			j := i + 1
-			for j < n && sql[j] >= '0' && sql[j] <= '9' {
+			for j < n && isDigit(sql[j]) {
 				j++
+			}
+			if j < n && (identByte(lowerByte(sql[j])) || sql[j] == '.') {
+				return "", false, false // $1abc: junk after a parameter
 			}
 			b = append(b, sql[i:j]...)
 			i = j
 		case c == '-' && i+1 < n && sql[i+1] == '-':
-			j := strings.IndexByte(sql[i:], '\n')
-			if j < 0 {
-				j = n - i
-			}
-			b = append(b, sql[i:i+j]...)
-			i += j
-		case c == '/' && i+1 < n && sql[i+1] == '*', c == '\\':
-			return "", false, false
-		case c >= '0' && c <= '9' && (len(b) == 0 || !identByte(b[len(b)-1])):
-			j := i
-			for j < n && (sql[j] >= '0' && sql[j] <= '9' || sql[j] == '.' || sql[j] == '_') {
+			j := i + 2
+			for j < n && sql[j] != '\n' && sql[j] != '\r' {
+				if sql[j] < 0x20 && sql[j] != '\t' && sql[j] != '\f' {
+					return "", false, false
+				}
 				j++
 			}
-			b = append(b, '?')
+			b = append(b, sql[i:j]...)
+			i = j
+		case c == '/' && i+1 < n && sql[i+1] == '*', c == '\\':
+			return "", false, false
+		case c == '.' && i+1 < n && isDigit(sql[i+1]) && len(b) > 0 && b[len(b)-1] == '.':
+			return "", false, false // "..": DOT_DOT, then a number
+		case isDigit(c) && !word(), c == '.' && i+1 < n && isDigit(sql[i+1]):
+			j, float, ok := scanNumber(sql, i)
+			if !ok {
+				return "", false, false
+			}
+			switch {
+			case c == '.':
+				b = append(b, ".0"...) // after a word's digit, 0.0 would run into it
+			case float:
+				b = append(b, "0.0"...)
+			default:
+				b = append(b, '0')
+			}
 			literals = true
 			if spans != nil {
 				*spans = append(*spans, span{start: i, end: j})
@@ -362,6 +412,8 @@ func scanShape(sql string, spans *[]span) (key string, ok, literals bool) {
 		case c >= 'A' && c <= 'Z':
 			b = append(b, c+'a'-'A')
 			i++
+		case c < 0x20 && c != '\t' && c != '\n' && c != '\r' && c != '\f', c == 0x7f:
+			return "", false, false // not whitespace to every PostgreSQL (\v is since 16)
 		default:
 			b = append(b, c)
 			i++
@@ -372,6 +424,69 @@ func scanShape(sql string, spans *[]span) (key string, ok, literals bool) {
 		return "", false, false
 	}
 	return key, true, literals
+}
+
+// scanNumber reads the number starting at sql[i] (a digit, or a dot
+// before one) as PostgreSQL's lexer does: {decinteger} (an int4 when it
+// fits, float otherwise), {numeric} or {real} (float). ok is false where
+// versions of PostgreSQL read the text differently or as an error: the
+// number runs on into a letter, a digit's underscore, a $ or another dot
+// (junk, 0x1F, 1_000, 1..2, 1.2.3), or an exponent has no digits.
+func scanNumber(sql string, i int) (end int, float, ok bool) {
+	n := len(sql)
+	j := i
+	for j < n && isDigit(sql[j]) {
+		j++
+	}
+	digits := sql[i:j]
+	if j < n && sql[j] == '.' {
+		if j+1 < n && sql[j+1] == '.' {
+			return 0, false, false
+		}
+		float = true
+		j++
+		for j < n && isDigit(sql[j]) {
+			j++
+		}
+	}
+	if j < n && (sql[j] == 'e' || sql[j] == 'E') {
+		float = true
+		k := j + 1
+		if k < n && (sql[k] == '+' || sql[k] == '-') {
+			k++
+		}
+		if k >= n || !isDigit(sql[k]) {
+			return 0, false, false
+		}
+		for k < n && isDigit(sql[k]) {
+			k++
+		}
+		j = k
+	}
+	if j < n && (identByte(lowerByte(sql[j])) || sql[j] == '.') {
+		return 0, false, false
+	}
+	if !float && !fitsInt4(digits) {
+		float = true
+	}
+	return j, float, true
+}
+
+// fitsInt4 reports whether the decimal digits d are at most 2^31-1, which
+// PostgreSQL's lexer reads as an integer constant (a float one otherwise).
+func fitsInt4(d string) bool {
+	d = strings.TrimLeft(d, "0")
+	const max = "2147483647"
+	return len(d) < len(max) || len(d) == len(max) && d <= max
+}
+
+func isDigit(c byte) bool { return c >= '0' && c <= '9' }
+
+func lowerByte(c byte) byte {
+	if c >= 'A' && c <= 'Z' {
+		return c + 'a' - 'A'
+	}
+	return c
 }
 
 // closingQuote finds the quote that closes the quoted string literal or

@@ -11,11 +11,13 @@ func TestShapeKey(t *testing.T) {
 		in, want string
 		ok       bool
 	}{
-		{"SELECT abalance FROM pgbench_accounts WHERE aid = 81234;", "select abalance from pgbench_accounts where aid = ?;", true},
-		{"select x FROM T1 where s = 'it''s' and n = 1.5e3", "select x from t1 where s = ? and n = ?e3", true},
+		{"SELECT abalance FROM pgbench_accounts WHERE aid = 81234;", "select abalance from pgbench_accounts where aid = 0;", true},
+		{"select x FROM T1 where s = 'it''s' and n = 1.5e3", "select x from t1 where s = '' and n = 0.0", true},
 		{`SELECT "Mixed Case", "a""b" FROM "T" WHERE v = $1`, `SELECT "Mixed Case", "a""b" from "T" where v = $1`[:0] + `select "Mixed Case", "a""b" from "T" where v = $1`, true},
-		{"SELECT 1 -- it's a comment\n, 2", "select ? -- it's a comment\n, ?", true},
-		{"SELECT b'0101', x'ff', n'x', u&'x'", "select b?, x?, n?, u&?", true},
+		{"SELECT 1 -- it's a comment\n, 2", "select 0 -- it's a comment\n, 0", true},
+		{"SELECT n'x', u&'x', xb'1'", "select n'', u&'', xb''", true},
+		{"SELECT b'0101'", "", false},
+		{"SELECT X'ff'", "", false},
 		{"SELECT E'a\\'b'", "", false},
 		{"SELECT e'x'", "", false},
 		{"SELECT 'a\\b'", "", false},
@@ -27,6 +29,13 @@ func TestShapeKey(t *testing.T) {
 		{"SELECT set_config('fence.token', '5', false)", "", false},
 		{"SELECT pg_catalog.SET_CONFIG('search_path', 'x', false)", "", false},
 		{"SELECT '\xff'", "", false},
+		{"SELECT 1 --\r, 'a\n' AS b", "select 0 --\r, '' as b", true},
+		{"SELECT 2147483648, .5, a1.5, 1e-3", "select 0.0, .0, a1.0, 0.0", true},
+		{"SELECT 0x1F", "", false},
+		{"SELECT 1..2", "", false},
+		{"SELECT $1a", "", false},
+		{`SELECT U&"x" FROM t`, "", false},
+		{"SELECT 1\v", "", false},
 	}
 	for _, tc := range tests {
 		got, ok := ShapeKey(tc.in)
