@@ -25,7 +25,9 @@ import (
 // (SELECT/VALUES/TABLE/COPY TO without locking clauses, without functions
 // that need the primary or may write, without parameter changes), run in
 // autocommit, and a transaction begun with BEGIN READ ONLY (it then stays
-// on the replica until it ends). Everything else, the extended protocol
+// on the replica until it ends; what follows its end in the same query is
+// routed afresh, and nothing inside it may change the replica's session
+// alone: replstate.go). Everything else, the extended protocol
 // included, goes to the primary. A session that changed a parameter other
 // than fence.* (SET, RESET, set_config) or created temporary objects is
 // pinned to the primary until DISCARD ALL, since its replica connection
