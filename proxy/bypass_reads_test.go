@@ -262,15 +262,18 @@ func testBypassReads(t *testing.T, tracked bool) {
 		ddl = sc.e.reader(t, nil)
 		mustExec(t, ddl, "CREATE OR REPLACE VIEW v_safe AS SELECT payload FROM results")
 	}, func(sc *readsScene) {
-		// A statement prepared on the primary and, in a read-only
-		// transaction, on the replica too, where it stays: EXPLAIN
-		// EXECUTE plans it, folding peek.
+		// A statement prepared on the primary; preparing it on the
+		// replica too, in a read-only transaction, is refused (0A000:
+		// it would be the replica session's alone, TestBypass/replstate):
+		// EXPLAIN EXECUTE plans the primary's, folding peek.
 		prepared = sc.e.reader(t, nil, "-c fence.read_policy=primary")
 		mustExec(t, prepared, "PREPARE peekp AS SELECT public.peek('job')")
 		mustExec(t, prepared, "BEGIN READ ONLY")
 		mustWhere(t, prepared, "SELECT 1, pg_is_in_recovery()", true)
-		mustExec(t, prepared, "PREPARE peekp AS SELECT public.peek('job')")
-		mustExec(t, prepared, "COMMIT")
+		if _, err := prepared.Exec(ctxT(t), "PREPARE peekp AS SELECT public.peek('job')").ReadAll(); pgtest.SQLState(err) != "0A000" {
+			t.Fatalf("PREPARE on the replica: %v, want 0A000", err)
+		}
+		mustExec(t, prepared, "ROLLBACK")
 	})
 	e, direct, b := sc.e, sc.direct, sc.b
 	var toast string // the protected table's TOAST relation, read directly
@@ -368,8 +371,9 @@ func testBypassReads(t *testing.T, tracked bool) {
 	}
 	sc.run(t, cases)
 	t.Run("explain_execute_prepared", func(t *testing.T) {
-		// peekp exists on the replica connection too; EXPLAIN EXECUTE
-		// plans it, and the planner folds peek.
+		// peekp exists on the primary only (its PREPARE on the replica
+		// was refused); EXPLAIN EXECUTE plans it, and the planner folds
+		// peek.
 		readsCheck(t, prepared, readsCase{sql: "EXPLAIN VERBOSE EXECUTE peekp", want: "'B'::text"})
 		readsCheck(t, prepared, readsCase{sql: "EXPLAIN (COSTS OFF, VERBOSE) EXECUTE peekp", want: "'B'::text"})
 	})

@@ -54,6 +54,12 @@ func (h *fenceSession) clientMessage(s *Session, msg []byte) (Verdict, error) {
 	case 'C', 'D':
 		return h.closeOrDescribe(s, msg)
 	case 'F':
+		if s.OnReplica() {
+			// A function call may change the session's settings unseen
+			// (replstate.go); in a transaction on the replica only the
+			// replica's would change.
+			return Drop, h.refuseQuery(s, errReplicaState())
+		}
 		if e := h.noFenceSchemaCall(msg); e != nil { // fence_plan.go
 			return Drop, h.refuseQuery(s, e)
 		}
@@ -173,6 +179,12 @@ func (h *fenceSession) query(s gateConn, msg []byte) error {
 func (h *fenceSession) gatedQuery(s gateConn, sql string, res *rewrite.Result, q *plan.Query) error {
 	if err := h.routeGated(s); err != nil { // route.go
 		return err
+	}
+	if s.OnReplica() {
+		// Inside the transaction open on the replica (replstate.go).
+		if e := replicaGated(res.Stmts); e != nil {
+			return h.refuseQuery(s, e)
+		}
 	}
 	return h.runQuery(s, sql, res, q)
 }

@@ -259,6 +259,12 @@ func (h *fenceSession) execute(s gateConn, msg []byte) error {
 	if cp != nil {
 		st = cp.stmt
 	}
+	if s.OnReplica() {
+		// Inside the transaction open on the replica (replstate.go).
+		if e := h.replicaBatch(st); e != nil {
+			return h.raiseInBatch(s, e)
+		}
+	}
 	if r := h.commitReq; r != nil && h.batch.Restoring() {
 		// The client goes on after a gated COMMIT, before its Sync. Once
 		// the COMMIT is known to have committed, nothing is left to end

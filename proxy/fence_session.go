@@ -128,13 +128,14 @@ const (
 	stepFenceCheck // SELECT the replica's fence row
 	stepLSN        // the WAL insert position after a fence.* call (insertLSNQuery)
 	stepStmtCopy   // Parse/Close of a named statement on the other upstream
+	stepAlign      // SET of the replica session's lexing settings to the primary's (replstate.go)
 )
 
 // routing reports whether the step is one of read routing's own requests,
 // whose answers and failures are the router's business (route.go).
 func (s step) routing() bool {
 	switch s {
-	case stepFenceCheck, stepLSN, stepStmtCopy:
+	case stepFenceCheck, stepLSN, stepStmtCopy, stepAlign:
 		return true
 	}
 	return false

@@ -75,6 +75,7 @@ type textState struct {
 	codec     *clientenc.Codec
 	scsOff    bool   // standard_conforming_strings off
 	serverEnc string // server_encoding, fixed for the session
+	encName   string // client_encoding as the server last reported it
 	// knownSeq: the requests up to this one (fenceSession.seq) have been
 	// answered through a ReadyForQuery or a resync, so codec and scsOff
 	// are the server's as of then. gucSeq: likewise for the tracked
@@ -99,6 +100,7 @@ func newTextState(params map[string]string, log *zap.Logger) textState {
 // clientenc does not know (none of PostgreSQL's is missing) leaves the
 // codec nil, which refuses every text that is not plain ASCII.
 func (ts *textState) setEncoding(name string, log *zap.Logger) {
+	ts.encName = name
 	c, err := clientenc.New(name, ts.serverEnc)
 	if err != nil {
 		log.Warn("cannot read this client_encoding; refusing non-ASCII text", zap.String("client_encoding", name), zap.Error(err))

@@ -76,6 +76,12 @@ type gateConn interface {
 	stopRouted()
 	routeThen(r *Request, k func(retry bool) error) error
 	offClient(f func() error, k func(error) error, drop func(), detached bool) error
+	// replicaText is what the replica connection's backend last reported
+	// (or was last set to) of standard_conforming_strings and
+	// client_encoding; ok is false without a replica connection.
+	// setReplicaText records a change the client side sends it.
+	replicaText() (scs, enc string, ok bool)
+	setReplicaText(scs, enc string)
 }
 
 var _ gateConn = (*Session)(nil)

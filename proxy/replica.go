@@ -86,6 +86,13 @@ type replicaConn struct {
 	// client (reset by the client side before each routed request).
 	forwarded atomic.Bool
 	closeOnce sync.Once
+	// textMu guards scs and enc: the replica backend's
+	// standard_conforming_strings and client_encoding, as it reported
+	// them (at startup, and in every ParameterStatus since, which the
+	// client never sees: its view is the primary's) or as the client
+	// side last set them (replstate.go).
+	textMu   sync.Mutex
+	scs, enc string
 	// loop is the session's event loop's hold of the connection
 	// (evloop_replica.go): conn is closed, its socket a duplicate the
 	// loop watches.
@@ -275,7 +282,8 @@ func (s *Session) closeReplica() {
 func (s *Session) openReplica(r *replica, hj *pgconn.HijackedConn) (*replicaConn, error) {
 	size := s.srv.cfg.BufferSize
 	rc := &replicaConn{r: r, conn: hj.Conn, pid: hj.PID, key: hj.SecretKey, done: make(chan struct{}),
-		sw: bufio.NewWriterSize(hj.Conn, size)}
+		sw:  bufio.NewWriterSize(hj.Conn, size),
+		scs: hj.ParameterStatuses["standard_conforming_strings"], enc: hj.ParameterStatuses["client_encoding"]}
 	rc.sf = wire.Framer{R: bufio.NewReaderSize(hj.Conn, size), Flush: s.cw.Flush, From: "replica", Count: &s.info.stats.sent}
 	// The session's event loop reads it (evloop_replica.go).
 	if err := s.replicaOnLoop(rc); err != nil {
@@ -453,4 +461,47 @@ func fatalError(msg []byte) bool {
 		return false
 	}
 	return e.SeverityUnlocalized == "FATAL" || e.SeverityUnlocalized == "PANIC" || e.Severity == "FATAL" || e.Severity == "PANIC"
+}
+
+// replicaText: see gateConn.
+func (s *Session) replicaText() (scs, enc string, ok bool) {
+	rc := s.rt.rep
+	if rc == nil {
+		return "", "", false
+	}
+	rc.textMu.Lock()
+	defer rc.textMu.Unlock()
+	return rc.scs, rc.enc, true
+}
+
+func (s *Session) setReplicaText(scs, enc string) {
+	if rc := s.rt.rep; rc != nil {
+		rc.textMu.Lock()
+		rc.scs, rc.enc = scs, enc
+		rc.textMu.Unlock()
+	}
+}
+
+// replicaReport takes a ParameterStatus of the replica connection rc that
+// says how its backend reads text: recorded, never passed on (the
+// client's and the gate's view of the session is the primary's). It
+// reports whether msg was one.
+func replicaReport(rc *replicaConn, msg []byte) bool {
+	var ps pgproto3.ParameterStatus
+	if err := ps.Decode(msg[headerLen:]); err != nil {
+		return false
+	}
+	switch ps.Name {
+	case "standard_conforming_strings":
+		rc.textMu.Lock()
+		rc.scs = ps.Value
+		rc.textMu.Unlock()
+	case "client_encoding":
+		rc.textMu.Lock()
+		rc.enc = ps.Value
+		rc.textMu.Unlock()
+	default:
+		return false
+	}
+	return true
 }

@@ -25,7 +25,9 @@ import (
 // (SELECT/VALUES/TABLE/COPY TO without locking clauses, without functions
 // that need the primary or may write, without parameter changes), run in
 // autocommit, and a transaction begun with BEGIN READ ONLY (it then stays
-// on the replica until it ends). Everything else, the extended protocol
+// on the replica until it ends; what follows its end in the same query is
+// routed afresh, and nothing inside it may change the replica's session
+// alone: replstate.go). Everything else, the extended protocol
 // included, goes to the primary. A session that changed a parameter other
 // than fence.* (SET, RESET, set_config) or created temporary objects is
 // pinned to the primary until DISCARD ALL, since its replica connection
@@ -64,10 +66,13 @@ type RouteStats struct {
 // routeState is a fenceSession's routing state. Client goroutine, except
 // row (written by a server goroutine under h.mu).
 type routeState struct {
-	pinned  bool   // a SET or temporary object made the primary session special
-	fenceTx bool   // a fence.* function ran in the open transaction
-	row     string // the answer of the last routing query
-	stmts   stmtCopies
+	pinned bool // a SET or temporary object made the primary session special
+	// batchEnded: an extended-protocol batch on the replica has ended its
+	// transaction; nothing more runs there before the Sync (replstate.go).
+	batchEnded bool
+	fenceTx    bool   // a fence.* function ran in the open transaction
+	row        string // the answer of the last routing query
+	stmts      stmtCopies
 	// checked: what this session's fence-row checks found, by job (the
 	// largest token the replica showed and its replay position then).
 	// It runs in the client's own session, where the client's objects and
@@ -170,8 +175,9 @@ func (h *fenceSession) routeQuery(s gateConn, msg []byte, res *rewrite.Result) e
 			}
 		}
 		if h.tx() != session.Idle {
-			// The read-only transaction continues on the replica.
-			return h.sendClient(s, msg, res)
+			// The read-only transaction continues on the replica, up to
+			// its end (replstate.go).
+			return h.inReplicaTx(s, msg, res)
 		}
 	}
 	kind := classifyRead(stmts)
@@ -229,6 +235,11 @@ func (h *fenceSession) sendRouted(s gateConn, msg []byte, res *rewrite.Result) e
 	rs := s.readRouter()
 	rs.stats.Replica.Add(1)
 	s.startRouted(true)
+	// The replica reads the text as the gate did (replstate.go).
+	if err := h.alignReplica(s, msg[headerLen:len(msg)-1]); err != nil {
+		s.stopRouted()
+		return err
+	}
 	if err := h.sendClient(s, msg, res); err != nil {
 		s.stopRouted()
 		return err
@@ -721,8 +732,18 @@ func (h *fenceSession) routeMsg(s gateConn, msg []byte) error {
 	body := msg[headerLen:]
 	var name string
 	switch msg[0] {
+	case 'S':
+		h.rt.batchEnded = false
 	case 'P':
-		name, _, _ = cstring(body)
+		var text []byte
+		name, text, _ = cstring(body)
+		if up == onReplica {
+			// Read there as the gate reads it (replstate.go).
+			q, _, _ := cstring(text)
+			if err := h.alignReplicaBatch(s, []byte(q)); err != nil {
+				return err
+			}
+		}
 		if name == "" || plan.Reserved(name) {
 			return nil // a reserved name: the gate refuses it (FN013), routing never follows it
 		}
@@ -756,6 +777,13 @@ func (h *fenceSession) routeMsg(s gateConn, msg []byte) error {
 		p = cs.msg
 	}
 	if p != nil && sc.on[name]&up == 0 {
+		if up == onReplica {
+			_, text, _ := cstring(p[headerLen:])
+			q, _, _ := cstring(text)
+			if err := h.alignReplicaBatch(s, []byte(q)); err != nil {
+				return err
+			}
+		}
 		if sc.stale[name]&up != 0 {
 			if err := h.closeCopy(s, name); err != nil {
 				return err

@@ -375,6 +375,10 @@ func (s *Session) upstreamMessage(sf *wire.Framer, rc *replicaConn, big *bigMess
 	if typ == 'E' && s.oversized.Load() {
 		msg = s.srv.oversizedError(msg)
 	}
+	if rc != nil && typ == 'S' && replicaReport(rc, msg) {
+		sf.Discard(total)
+		return nil
+	}
 	if rc != nil && s.replicaDrop(rc, typ, msg) {
 		sf.Discard(total)
 		return nil
