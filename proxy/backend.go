@@ -21,8 +21,7 @@ import (
 // side of the seam (the write gate's: gateBackend, fence_backend.go):
 // the prepared statements and portals that exist on this connection as it
 // accepted them (session.Statements, which the client's session.State
-// refers to), whether the gate's named statements exist on it, and how it
-// reads the client's text. The client's side keeps what is the client's:
+// refers to), and how it reads the client's text. The client's side keeps what is the client's:
 // its settings as it set them (session.State's GUCs), its prepared
 // statements as it named and classified them (fenceSession.stmts).
 //
@@ -47,8 +46,8 @@ import (
 //     gateBackend.stmts); then the session's State is attached to the new
 //     backend's statements (session.State.Attach); portals do not survive
 //     a transaction and need nothing;
-//   - the gate's named statements: nothing, if gateBackend says this
-//     backend has them and is not tainted, else prepareGate's Parse;
+//   - the gate's named statements: nothing (they are parsed for each
+//     use);
 //   - the identity: BackendPID and the cancel key the client was given
 //     stay the client's (the cancel map would point the client's key at
 //     the new backend's real key), so pg_backend_pid() would no longer

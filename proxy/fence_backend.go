@@ -7,9 +7,9 @@ import (
 )
 
 // gateBackend is what the write gate knows of one upstream connection, as
-// opposed to the client it serves: the named statements and portals that
-// exist on it, the client's (stmts) and the gate's own (prepared), and how
-// it reads the client's text. fenceSession holds it by pointer, one per
+// opposed to the client it serves: the client's named statements and
+// portals that exist on it (stmts), and how it reads the client's text.
+// (The gate's own named statements are parsed for each use: execNamed.) fenceSession holds it by pointer, one per
 // upstream connection (backend, backend.go); a hand-off of the backend to
 // another client (transaction pooling) would hand this over with it,
 // attach its stmts to that client's session.State (State.Attach), and
@@ -22,8 +22,8 @@ import (
 // core that backend serves knows no statement, and any other Handler
 // would keep its own.
 //
-// stmts, prepared and text are shared by the client and server sides,
-// under fenceSession.mu; prepareReq and tainted are the client side's.
+// stmts and text are shared by the client and server sides, under
+// fenceSession.mu.
 type gateBackend struct {
 	// stmts are the client's prepared statements and portals as this
 	// connection accepted them; the session's State refers to them
@@ -32,21 +32,6 @@ type gateBackend struct {
 	// named statement again on whichever upstream the client uses it
 	// (route.go, stmtCopies), so they are one namespace.
 	stmts *session.Statements
-	// prepared: the gate's named statements (plan.Statements) exist
-	// upstream, or their Parse is on its way (prepareGate). Beside stmts
-	// rather than in them: it is set when the Parse is sent, and cleared
-	// by the gate's server side on its failure and on DISCARD ALL or
-	// DEALLOCATE ALL (applyClient).
-	prepared bool
-	// prepareReq is the last Parse of the gate's statements, until known
-	// done (prepareGate).
-	prepareReq *Request
-	// tainted: since the gate's statements were last parsed, the client
-	// ran something that can execute SQL the proxy cannot see (a DO
-	// block, a procedure, a user function: any of them may DEALLOCATE
-	// and PREPARE under the gate's names), so they are parsed again
-	// before their next use (prepareGate).
-	tainted bool
 
 	text    textState // how the server reads the client's text (fence_text.go)
 	appName string    // application_name as the server last reported it (for the log)

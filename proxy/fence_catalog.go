@@ -70,7 +70,10 @@ type catalog struct {
 	ctx  context.Context
 	stop context.CancelFunc
 
-	prot  atomic.Pointer[rewrite.Protected]
+	prot atomic.Pointer[rewrite.Protected]
+	// code: which built-in names and expressions run client code in the
+	// database (fence_usercode.go); nil while not known.
+	code  atomic.Pointer[userCode]
 	reads atomic.Pointer[readSet] // nil: not known (every read may reach protected data)
 	last  *readSet                // the last set read (watcher goroutine), to skip unchanged ones
 	ready chan struct{}           // closed after the first load (successful or not)
@@ -294,6 +297,7 @@ func (cs *catalogs) listen(c *catalog, loaded func()) error {
 		// recorded after the set was dropped (route.go relies on it).
 		c.ddlSeen.Add(1)
 		c.reads.Store(nil)
+		c.code.Store(nil)
 		reload.Store(true)
 	}
 	// The read-set query is planned above the JIT threshold; compiling
@@ -433,6 +437,13 @@ func (cs *catalogs) load(c *catalog, conn *pgconn.PgConn) (err error) {
 		}
 	}
 	prot := rewrite.NewProtected(rels)
+	code := &userCode{}
+	if prot.Len() > 0 {
+		var err error
+		if code, err = loadUserCode(c.ctx, conn); err != nil {
+			return err
+		}
+	}
 	var rd *readSet
 	if cs.reads.Load() && prot.Len() > 0 {
 		tracked, reached, err := catalogMode(c.ctx, conn)
@@ -451,9 +462,10 @@ func (cs *catalogs) load(c *catalog, conn *pgconn.PgConn) (err error) {
 	c.schema.Store(trust.Trusted())
 	c.prot.Store(prot)
 	if c.ddlSeen.Load() != seen {
-		rd = nil // a change arrived while this load read: it may predate it
+		rd, code = nil, nil // a change arrived while this load read: it may predate it
 	}
 	c.reads.Store(rd)
+	c.code.Store(code)
 	c.loads.Add(1)
 	return nil
 }

@@ -30,6 +30,13 @@ func (h *fenceSession) clientMessage(s *Session, msg []byte) (Verdict, error) {
 	}
 	switch msg[0] {
 	case 'Q':
+		if h.inBatch && h.batch.MayEnd() {
+			// A Query inside an extended batch ends its implicit
+			// transaction: the receipt is bound to it (captureTx).
+			if err := h.captureTx(s); err != nil {
+				return Drop, err
+			}
+		}
 		return Drop, h.query(s, msg)
 	case 'P':
 		return h.parse(s, msg) // fence_extended.go
@@ -44,6 +51,13 @@ func (h *fenceSession) clientMessage(s *Session, msg []byte) (Verdict, error) {
 	case 'F':
 		if e := h.noFenceSchemaCall(msg); e != nil { // fence_plan.go
 			return Drop, h.refuseQuery(s, e)
+		}
+		if h.inBatch && h.batch.MayEnd() {
+			// PostgreSQL commits the batch's implicit transaction after a
+			// function call: the receipt is bound to it (captureTx).
+			if err := h.captureTx(s); err != nil {
+				return Drop, err
+			}
 		}
 		return Drop, h.send(s, msg, &tag{kind: msg[0]}, true)
 	case 'H':
@@ -103,6 +117,7 @@ func (h *fenceSession) query(s gateConn, msg []byte) error {
 		// The server reports the syntax error (or the empty query).
 		return h.routeQuery(s, msg, nil) // route.go
 	}
+	res = h.userCode(res) // fence_usercode.go: built-ins the database overrides
 	if plan.MayNeedGate(res.Stmts...) {
 		if h.unsettled() {
 			if err := h.settle(s); err != nil {
@@ -118,6 +133,7 @@ func (h *fenceSession) query(s gateConn, msg []byte) error {
 		if res, err = h.f.classifier.ClassifyWith(sql, opts); err != nil {
 			return h.routeQuery(s, msg, nil) // unreachable: its shape parsed
 		}
+		res = h.userCode(res)
 	}
 	h.mu.Lock()
 	if e := h.noFenceSchema(res.Stmts...); e != nil { // fence_plan.go

@@ -27,6 +27,7 @@ func (h *fenceSession) copyData(msg []byte) {
 // copyDone handles the client's CopyDone or CopyFail: the end of a COPY's
 // data, after which a wrapped COPY's transaction gets its receipt.
 func (h *fenceSession) copyDone(s gateConn, msg []byte) (Verdict, error) {
+	h.copyExec = nil // a Sync after this ends the batch (copySync)
 	if h.copiesLeft > 0 {
 		h.copiesLeft--
 	}

@@ -194,7 +194,10 @@ func (u *until) block(s gateConn) error {
 // more to do. Every wait point of the gate is written once, with then.
 func (h *fenceSession) then(s gateConn, u *until, k func() error) error {
 	if !u.poll() {
-		if h.inBatch && u.copyIn == nil {
+		if h.inBatch {
+			// A Flush makes the server send what it has for the batch
+			// (an error is sent only at a Flush or Sync); a server in
+			// COPY ignores it.
 			if _, err := s.Inject([]byte{'H', 0, 0, 0, 4}, nil); err != nil {
 				return err
 			}
@@ -248,13 +251,9 @@ func (h *fenceSession) runQuery(s gateConn, sql string, res *rewrite.Result, q *
 	t.sent = time.Now() // metrics: step latency
 	switch q.Ending {
 	case plan.LoneCommit:
-		// The receipt as the gate's prepared statement (parsed once per
-		// connection, not per commit), a Sync whose ReadyForQuery is
-		// hidden, then the client's COMMIT.
+		// The receipt as the gate's named statement (execNamed), a Sync
+		// whose ReadyForQuery is hidden, then the client's COMMIT.
 		r := &q.Steps[0]
-		if err := h.prepareGate(s); err != nil {
-			return err
-		}
 		if err := h.execNamed(s, plan.ReceiptStatement(r.Gated), plan.CommitArgs(r.Gen, sum, version),
 			&tag{kind: 'E', step: stepReceipt, gen: r.Gen, beforeCommit: true, sent: time.Now()}); err != nil {
 			return err

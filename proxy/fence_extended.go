@@ -15,7 +15,7 @@ import (
 // statements and portals as the client side keeps them (with their
 // classification and parameters), and each Execute and Sync planned by
 // the session's plan.Batch and run as the gate's own named statements
-// (prepared once per upstream connection, prepareGate).
+// (parsed right before each use, execNamed).
 
 // parse handles a Parse: the statement is classified and kept (as soon as
 // the Parse is sent: a failed Parse makes the server skip to Sync anyway).
@@ -33,7 +33,9 @@ func (h *fenceSession) parse(s gateConn, msg []byte) (Verdict, error) {
 	}
 	var res *rewrite.Result
 	if err == nil {
-		res, err = h.f.classifier.ClassifyWith(sql, opts)
+		if res, err = h.f.classifier.ClassifyWith(sql, opts); err == nil {
+			res = h.userCode(res) // fence_usercode.go: built-ins the database overrides
+		}
 	}
 	if err != nil {
 		if h.strict(true) {
@@ -219,6 +221,9 @@ func (h *fenceSession) execute(s gateConn, msg []byte) error {
 	if st == nil {
 		return h.send(s, msg, t, true)
 	}
+	if st.Kind == rewrite.CopyFrom {
+		t.started = make(chan struct{})
+	}
 	if plan.MayNeedGate(st) {
 		if h.unsettled() {
 			if err := h.settle(s); err != nil {
@@ -249,8 +254,13 @@ func (h *fenceSession) execute(s gateConn, msg []byte) error {
 		}
 		return h.send(s, msg, t, true)
 	}
+	if ep.CaptureTx {
+		if err := h.captureTx(s); err != nil {
+			return err
+		}
+	}
 	if !ep.Decides {
-		if err := h.send(s, msg, t, true); err != nil {
+		if err := h.sendExecute(s, msg, t); err != nil {
 			return err
 		}
 		if plan.ChangesState(st) {
@@ -272,11 +282,6 @@ func (h *fenceSession) executeDeciding(s gateConn, msg []byte, t *tag, st *rewri
 	if ep.Unfenced {
 		h.f.Stats.Unfenced.Add(1)
 	}
-	if ep.Prepare {
-		if err := h.prepareGate(s); err != nil {
-			return err
-		}
-	}
 	for i := range ep.Before {
 		if err := h.execStep(s, &ep.Before[i], st); err != nil {
 			return err
@@ -286,13 +291,81 @@ func (h *fenceSession) executeDeciding(s gateConn, msg []byte, t *tag, st *rewri
 		// Its data goes into the digest (copyDigest), up to CopyDone.
 		h.copyDigested, h.copiesLeft = true, 1
 	}
-	if err := h.send(s, msg, t, true); err != nil {
+	if err := h.sendExecute(s, msg, t); err != nil {
 		return err
 	}
 	if ep.AwaitCommit {
 		h.commitReq = h.last
 	}
 	return nil
+}
+
+// sendExecute sends the client's Execute tagged t; for a COPY FROM
+// (t.started) it remembers the request until the COPY's data ends
+// (copyExec).
+func (h *fenceSession) sendExecute(s gateConn, msg []byte, t *tag) error {
+	if err := h.send(s, msg, t, true); err != nil {
+		return err
+	}
+	if t.started != nil {
+		h.copyExec = &copyExec{r: h.last, started: t.started}
+	}
+	return nil
+}
+
+// captureTx reads the wrapped batch's transaction id (plan.TxStatement)
+// before something that may end the transaction: a CALL or DO, which
+// PostgreSQL runs non-atomically in an extended batch's implicit
+// transaction (a COMMIT inside it commits the gated write, and the rest
+// of the batch runs in a new transaction), or a Query or FunctionCall
+// message, after which PostgreSQL commits it. The batch's receipt at the
+// Sync then runs as plan.TxReceiptStatement, bound to that id: in the
+// gated transaction fence.commit, in any other what commit_if_written
+// does for it. The database wrote the gated transaction's receipt at its
+// first fenced write (migration 011), so it has one however it ended.
+func (h *fenceSession) captureTx(s gateConn) error {
+	h.mu.Lock()
+	h.txID = ""
+	h.mu.Unlock()
+	if err := h.execNamed(s, plan.TxStatement, nil, &tag{kind: 'E', step: stepTxID}); err != nil {
+		return err
+	}
+	h.txReq = h.last // the portal's Close, answered after the Execute
+	return nil
+}
+
+// copyExec is an Execute of a COPY FROM whose data has not ended: r is
+// its request, started is closed when the server starts the COPY.
+type copyExec struct {
+	r       *Request
+	started <-chan struct{}
+}
+
+// copySync decides a Sync that comes after an Execute of a COPY FROM and
+// before its data ended, as libpq sends it (PQexecParams: Parse, Bind,
+// Describe, Execute, Sync in one write; the data, CopyDone and a second
+// Sync once the server has answered CopyInResponse). PostgreSQL ignores
+// a Sync that reaches it during COPY FROM STDIN (copyfromparse.c), so
+// the batch does not end there: the gate waits until it knows whether
+// the COPY started (the client itself waits for that answer, so this
+// costs it nothing) and, if it did, drops the Sync, sends nothing before
+// it, and plans the batch's end at the Sync after the data. If the COPY
+// did not start (an error before it, a COPY from a file), the Sync ends
+// the batch as any other. ignored reports that the Sync is dropped.
+func (h *fenceSession) copySync(s gateConn) (ignored bool, err error) {
+	ce := h.copyExec
+	if ce == nil {
+		return false, nil
+	}
+	u := &until{r: ce.r, copyIn: ce.started}
+	if !u.poll() {
+		return false, h.then(s, u, nil) // ErrWait on the loop: nothing done yet
+	}
+	if u.started {
+		return true, nil
+	}
+	h.copyExec = nil
+	return false, nil
 }
 
 // execStep runs a planned step of the extended protocol in the current
@@ -309,8 +382,16 @@ func (h *fenceSession) execStep(s gateConn, ps *plan.Step, about *rewrite.Stmt) 
 	case plan.Receipt:
 		h.mu.Lock()
 		sum, version := plan.Resolve(ps.Digest, h.st, nil)
+		txID := h.txID
 		h.mu.Unlock()
-		return h.execNamed(s, plan.ReceiptStatement(ps.Gated), plan.CommitArgs(ps.Gen, sum, version),
+		stmt, args := plan.ReceiptStatement(ps.Gated), plan.CommitArgs(ps.Gen, sum, version)
+		if ps.TxBound && txID != "" {
+			// In the transaction of txID fence.commit, in another the
+			// receipt of that one (captureTx). No id: the read failed,
+			// so did the batch, and the server skips this step.
+			stmt, args = plan.TxReceiptStatement, append(args, []byte(txID))
+		}
+		return h.execNamed(s, stmt, args,
 			&tag{kind: 'E', step: stepReceipt, gen: ps.Gen, beforeCommit: ps.BeforeCommit})
 	}
 	return nil
@@ -320,6 +401,18 @@ func (h *fenceSession) execStep(s gateConn, ps *plan.Step, about *rewrite.Stmt) 
 // ends here with the receipt step, which PostgreSQL skips when anything
 // before it in the batch failed (the transaction then rolls back).
 func (h *fenceSession) sync(s gateConn, msg []byte) error {
+	if ignored, err := h.copySync(s); ignored || err != nil {
+		return err
+	}
+	if r := h.txReq; r != nil {
+		// The receipt is bound to the transaction id read before a CALL
+		// or DO (captureTx): wait for it (rarely at all: it was sent
+		// before them). Nothing of the Sync is done yet.
+		if err := h.wait(s, r); err != nil {
+			return err
+		}
+		h.txReq = nil
+	}
 	sp := h.batch.Sync()
 	if sp.Receipt != nil {
 		if err := h.execStep(s, sp.Receipt, nil); err != nil {
@@ -337,58 +430,31 @@ func (h *fenceSession) sync(s gateConn, msg []byte) error {
 	return h.send(s, msg, &tag{kind: 'S'}, true)
 }
 
-// prepareGate parses the gate's named statements once per upstream
-// connection (again after DISCARD ALL / DEALLOCATE ALL).
-func (h *fenceSession) prepareGate(s gateConn) error {
-	if r := h.be.prepareReq; r != nil {
-		// The last Parse of them: PostgreSQL skips it, without a word,
-		// when an earlier message of its batch failed. (Settled by now:
-		// the gate step that followed it changed the state. So this
-		// never waits: on the loop a wait here, with the message half
-		// done, could not be handled again.)
-		if err := h.wait(s, r); err != nil {
-			return err
-		}
-		h.be.prepareReq = nil
-		if r.Skipped || r.Error != nil {
-			h.mu.Lock()
-			h.be.prepared = false
-			h.mu.Unlock()
-		}
-	}
-	h.mu.Lock()
-	done := h.be.prepared
-	h.be.prepared = true
-	h.mu.Unlock()
-	if done && !h.be.tainted {
-		return nil
-	}
-	h.be.tainted = false
-	// Close first (closing a statement that does not exist is not an
-	// error): after a DO block, say, a statement of that name may be a
-	// client's stand-in.
-	var buf []byte
-	for _, gs := range plan.Statements {
-		buf, _ = (&pgproto3.Close{ObjectType: 'S', Name: gs.Name}).Encode(buf[:0])
-		if err := h.send(s, buf, &tag{kind: 'C', step: stepPrepare}, false); err != nil {
-			return err
-		}
-		buf, _ = (&pgproto3.Parse{Name: gs.Name, Query: gs.SQL}).Encode(buf[:0])
-		if err := h.send(s, buf, &tag{kind: 'P', step: stepPrepare}, false); err != nil {
-			return err
-		}
-	}
-	h.be.prepareReq = h.last
-	return nil
-}
-
-// execNamed runs one of the gate's named statements in the current batch:
-// Bind to the gate's portal, Execute, Close the portal.
+// execNamed runs one of the gate's named statements (plan.Statements) in
+// the current batch: Close and Parse it, Bind it to the gate's portal,
+// Execute, Close the portal.
+//
+// It is parsed for each use, in the same message stream as its Execute:
+// no client code runs between the two. Parsed once and kept, it could be
+// replaced by any code of the client's that the proxy cannot see into (a
+// view's function, a trigger, an operator, a domain's check, a column's
+// default: DEALLOCATE and PREPARE under its name, which the session's own
+// code reads in pg_prepared_statements), and the receipt step would then
+// write nothing. The Close makes room for the Parse whatever holds the
+// name (the gate's last use, or a client's stand-in).
 func (h *fenceSession) execNamed(s gateConn, stmt string, args [][]byte, t *tag) error {
 	for i, a := range args {
 		args[i] = h.encode(string(a)) // text parameters are in the client's encoding
 	}
-	buf, _ := (&pgproto3.Bind{DestinationPortal: plan.Portal, PreparedStatement: stmt, Parameters: args}).Encode(nil)
+	buf, _ := (&pgproto3.Close{ObjectType: 'S', Name: stmt}).Encode(nil)
+	if err := h.send(s, buf, &tag{kind: 'C', step: stepPrepare}, false); err != nil {
+		return err
+	}
+	buf, _ = (&pgproto3.Parse{Name: stmt, Query: plan.StatementSQL(stmt)}).Encode(buf[:0])
+	if err := h.send(s, buf, &tag{kind: 'P', step: stepPrepare}, false); err != nil {
+		return err
+	}
+	buf, _ = (&pgproto3.Bind{DestinationPortal: plan.Portal, PreparedStatement: stmt, Parameters: args}).Encode(buf[:0])
 	if err := h.send(s, buf, &tag{kind: 'B', step: t.step}, false); err != nil {
 		return err
 	}

@@ -145,6 +145,11 @@ func (h *fenceSession) queryResponse(s gateConn, msg []byte, t *tag) (Verdict, e
 
 func (h *fenceSession) executeResponse(s gateConn, msg []byte, t *tag) (Verdict, error) {
 	switch msg[0] {
+	case 'G':
+		if t.started != nil {
+			close(t.started) // the COPY has started: a Sync now is ignored (copyExec)
+			t.started = nil
+		}
 	case 'C':
 		h.timeStep(t, t.step)
 		sg := seg{step: t.step, gen: t.gen, beforeCommit: t.beforeCommit}
@@ -160,6 +165,8 @@ func (h *fenceSession) executeResponse(s gateConn, msg []byte, t *tag) (Verdict,
 			h.receiptResult(msg)
 		case stepSettings:
 			h.applySettings(s, msg, t)
+		case stepTxID:
+			h.txID = rowValue(msg)
 		}
 	}
 	if t.step != stepClient {
@@ -227,7 +234,6 @@ func (h *fenceSession) onError(s gateConn, msg []byte, t *tag) (Verdict, error) 
 	h.timeStep(t, st)
 	h.st.Fail()
 	if st == stepPrepare {
-		h.be.prepared = false
 		s.Logger().Warn("cannot prepare the gate's statements", zap.ByteString("error", msg))
 	}
 	if h.errShown || st == stepRollback || st == stepRestore {
@@ -292,9 +298,6 @@ func (h *fenceSession) applyClient(st *rewrite.Stmt, msg []byte, cp *clientPorta
 		bound = cp
 	}
 	plan.Completed(h.planSession(), st, bound) // tentative, digest
-	if st.Kind == rewrite.Discard && st.Name == "ALL" || st.Kind == rewrite.Deallocate && st.All {
-		h.be.prepared = false
-	}
 	var pf session.ParamFunc
 	if cp != nil {
 		pf = paramFunc(cp, h.be.text.codec)

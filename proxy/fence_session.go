@@ -48,7 +48,7 @@ type fenceSession struct {
 	cat      *catalog
 	user, db string // the session's role and database (for the log)
 
-	mu sync.Mutex // guards st, and be's stmts, prepared and text
+	mu sync.Mutex // guards st, and be's stmts and text
 	st *session.State
 	// be is the gate's view of the upstream connection (fence_backend.go).
 	be *gateBackend
@@ -64,7 +64,17 @@ type fenceSession struct {
 	copyDigested bool       // CopyData goes into the digest
 	copiesLeft   int        // COPY FROM statements of the current query not yet done
 	copyQuery    *tag       // the current query's, while copyReceipt
-	stateReq     *Request   // the last request sent that changes session or gate state
+	// copyExec is the client's last Execute of a COPY FROM, until the
+	// client ends the COPY's data (or it is known not to have started):
+	// a Sync that comes meanwhile may be one the server ignores
+	// (fence_extended.go, sync).
+	copyExec *copyExec
+	// txReq is the gate's read of the wrapped batch's transaction id
+	// (plan.TxStatement), until the batch's Sync; txID (under mu) its
+	// answer: the receipt at the Sync is bound to it (fence_extended.go).
+	txReq    *Request
+	txID     string
+	stateReq *Request // the last request sent that changes session or gate state
 	// seq numbers the requests sent (tag.seq); encSeq is the last that
 	// may have changed how the server reads the client's text, gucSeq the
 	// last that may have changed the tracked settings unseen, resyncInTx
@@ -95,10 +105,11 @@ const (
 	stepCommitWrapped             // COMMIT closing the transaction wrapped around a protected COPY FROM
 	stepRaise                     // a DO block raising the gate's own error
 	stepRollback                  // ROLLBACK after a gated commit (no-op on success)
-	stepPrepare                   // Parse of the gate's named statements
+	stepPrepare                   // Close and Parse of a gate's named statement before its use (execNamed)
 	stepSavepoint                 // SAVEPOINT before the receipt step in a client's query
 	stepRestore                   // ROLLBACK TO that savepoint after a failed receipt step
 	stepSettings                  // the settings read back (fence_text.go)
+	stepTxID                      // the wrapped batch's transaction id, read before a CALL or DO (plan.TxStatement)
 
 	// Read routing's own requests (route.go).
 	stepFenceCheck // SELECT the replica's fence row
@@ -145,6 +156,9 @@ type tag struct {
 	// never changed: the client side waits on it while the server side
 	// sends.
 	copyIn chan struct{}
+	// started, for the client's Execute of a COPY FROM, is closed when
+	// the server starts the COPY (CopyInResponse): see copyExec.
+	started chan struct{}
 
 	// Parse / Bind / Execute / Close
 	name    string

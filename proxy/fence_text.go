@@ -144,7 +144,7 @@ func (h *fenceSession) decodeText(s gateConn, raw []byte) (string, rewrite.Optio
 		h.mu.Lock()
 		uncertain := h.encSeq > h.be.text.knownSeq
 		h.mu.Unlock()
-		if uncertain {
+		if uncertain && !h.readsAlike(raw) {
 			if err := h.knowText(s); err != nil {
 				return "", rewrite.Options{}, err
 			}
@@ -163,6 +163,76 @@ func (h *fenceSession) decodeText(s gateConn, raw []byte) (string, rewrite.Optio
 	}
 	sql, err := c.Decode(raw)
 	return sql, opts, err
+}
+
+// readsAlike reports whether raw classifies alike under every
+// client_encoding and standard_conforming_strings a statement in flight
+// may have switched to, so it can be read at once with the settings the
+// gate knows: every encoding reads its ASCII bytes as the same characters
+// (clientenc.SameASCII) and its classification holds no name or value
+// with another character (rewrite.Result.ASCIINames), no dollar-quote tag
+// has one (two byte sequences may read as the same tag in one encoding
+// and not in another), and, if it has a backslash, it classifies alike
+// with standard_conforming_strings on and off (rewrite.SameClass). Text
+// the gate cannot read with its settings does not read alike: the server
+// may have switched to the encoding that reads it.
+func (h *fenceSession) readsAlike(raw []byte) bool {
+	high := false
+	for _, c := range raw {
+		if c >= 0x80 {
+			high = true
+			break
+		}
+	}
+	if high && (!clientenc.SameASCII(raw) || dollarTagHigh(raw)) {
+		return false
+	}
+	h.mu.Lock()
+	c, scsOff := h.be.text.codec, h.be.text.scsOff
+	h.mu.Unlock()
+	sql := string(raw)
+	if high {
+		if c == nil {
+			return false
+		}
+		var err error
+		if sql, err = c.Decode(raw); err != nil {
+			return false
+		}
+	}
+	res, err := h.f.classifier.ClassifyWith(sql, rewrite.Options{NonStandardStrings: scsOff})
+	if err != nil || high && !res.ASCIINames() {
+		return false
+	}
+	if strings.IndexByte(sql, '\\') < 0 {
+		return true
+	}
+	other, err := h.f.classifier.ClassifyWith(sql, rewrite.Options{NonStandardStrings: !scsOff})
+	return err == nil && rewrite.SameClass(res, other)
+}
+
+// dollarTagHigh reports whether raw has a dollar-quote tag (or what may
+// be one: $, identifier characters, $) with a byte above 0x7F.
+func dollarTagHigh(raw []byte) bool {
+	for i, c := range raw {
+		if c != '$' {
+			continue
+		}
+		high := false
+		j := i + 1
+		for ; j < len(raw); j++ {
+			b := raw[j]
+			if b >= 0x80 {
+				high = true
+			} else if !(b >= 'a' && b <= 'z' || b >= 'A' && b <= 'Z' || b >= '0' && b <= '9' || b == '_') {
+				break
+			}
+		}
+		if high && j < len(raw) && raw[j] == '$' {
+			return true
+		}
+	}
+	return false
 }
 
 // knowText waits until the gate knows the client_encoding and
@@ -333,8 +403,7 @@ func rowValues(msg []byte) []*string {
 }
 
 // noteSent records what a client request sent upstream may have changed
-// that the gate cannot see from its text (see the file comment and
-// gateBackend.tainted).
+// that the gate cannot see from its text (see the file comment).
 func (h *fenceSession) noteSent(t *tag) {
 	var stmts []*rewrite.Stmt
 	var pf session.ParamFunc
@@ -367,14 +436,12 @@ func (h *fenceSession) noteSent(t *tag) {
 	default:
 		return
 	}
-	taint, enc, guc, txEnd := unknown, unknown, unknown, false
+	enc, guc, txEnd := unknown, unknown, false
 	for _, st := range stmts {
 		if st.CallsFence {
 			h.idle.fenceCall.Store(t.seq) // fence.gate, fence.acquire...: may lock a fence row
 		}
-		op := plan.Opaque(st)
-		taint = taint || op
-		enc = enc || op || changesText(st)
+		enc = enc || !runsNoCode(st) || changesText(st)
 		if !guc {
 			h.mu.Lock()
 			guc = h.st.Uncertain(st, pf)
@@ -385,9 +452,6 @@ func (h *fenceSession) noteSent(t *tag) {
 			txEnd = true
 		}
 	}
-	if taint {
-		h.be.tainted = true
-	}
 	if enc {
 		h.encSeq = t.seq
 	}
@@ -397,6 +461,25 @@ func (h *fenceSession) noteSent(t *tag) {
 			h.resyncInTx = false
 		}
 	}
+}
+
+// runsNoCode reports whether st certainly runs no code but PostgreSQL's
+// own, so it cannot change a setting unseen. Client code runs in far more
+// places than a function call the proxy can see: a view's or a policy's
+// function, a trigger, a rule, a column's default, a domain's check, an
+// operator, a cast, an index expression, a deferred trigger at COMMIT. So
+// only statements that evaluate nothing of the client's qualify:
+// transaction and savepoint control that fires no trigger, SET and RESET
+// (whose own effects changesText weighs), PREPARE (parsed, not run),
+// DEALLOCATE, LISTEN, UNLISTEN, DISCARD.
+func runsNoCode(st *rewrite.Stmt) bool {
+	switch st.Kind {
+	case rewrite.Begin, rewrite.Savepoint, rewrite.Release, rewrite.RollbackTo, rewrite.Rollback,
+		rewrite.Set, rewrite.Reset, rewrite.ResetAll, rewrite.Prepare, rewrite.Deallocate,
+		rewrite.Listen, rewrite.Unlisten, rewrite.Discard:
+		return len(st.Builtins) == 0 && !st.Opaque
+	}
+	return false
 }
 
 // changesText reports whether st may change how the server reads the

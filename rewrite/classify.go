@@ -185,6 +185,13 @@ type Stmt struct {
 	CallsFence       bool // calls a function in schema fence
 	PrimaryOnlyFuncs bool // calls a function that needs the primary (nextval, advisory locks, pg_notify, set_config, fence.*, ...)
 	UnknownGUCWrite  bool // a set_config call whose parameter name cannot be determined
+	// Builtins are the functions the statement calls by an unqualified
+	// name that the classifier took for PostgreSQL's built-ins (neither
+	// Opaque nor, but for PrimaryOnlyFuncs, anything else): in order,
+	// without duplicates. A function of that name outside pg_catalog may
+	// be the one PostgreSQL calls (an overload, a search_path that puts
+	// pg_catalog later), which the caller, knowing the database, checks.
+	Builtins []string
 	// Temp: the statement names a temporary relation (CREATE TEMP ...,
 	// SELECT INTO TEMP, pg_temp.x): the session has, or will have,
 	// objects only its own backend sees.
@@ -218,11 +225,18 @@ type Stmt struct {
 	Explain bool
 	Analyze bool
 
-	node       *pg_query.Node
-	version    int32 // parse tree version, required by the deparser
-	canonOnce  sync.Once
-	canonical  string
-	deparseErr error
+	node    *pg_query.Node
+	version int32 // parse tree version, required by the deparser
+	// canon is the canonical SQL of a write, computed once (Canonical),
+	// and shared by a copy made with RunsUserCode; nil for other
+	// statements.
+	canon *canonical
+}
+
+type canonical struct {
+	once sync.Once
+	text string
+	err  error // the deparser's, when it failed (text is then the statement's own)
 }
 
 // Writes reports whether the statement writes any relation. Use it, not
@@ -243,19 +257,41 @@ func (s *Stmt) Writes() bool { return len(s.WriteTargets) > 0 }
 // error, the statement's text is used too, still deterministic for a given
 // text.
 func (s *Stmt) Canonical() string {
-	s.canonOnce.Do(func() {
-		s.canonical = strings.TrimSpace(s.SQL)
-		if s.node == nil || !s.Writes() {
-			return
-		}
+	c := s.canon
+	if c == nil || s.node == nil || !s.Writes() {
+		return strings.TrimSpace(s.SQL)
+	}
+	c.once.Do(func() {
+		c.text = strings.TrimSpace(s.SQL)
 		out, err := pg_query.Deparse(&pg_query.ParseResult{Version: s.version, Stmts: []*pg_query.RawStmt{{Stmt: s.node}}})
 		if err != nil {
-			s.deparseErr = err
+			c.err = err
 			return
 		}
-		s.canonical = out
+		c.text = out
 	})
-	return s.canonical
+	return c.text
+}
+
+// RunsUserCode returns a copy of s marked Opaque: the caller knows that
+// a function s calls by a built-in's name alone (Builtins), or an
+// operator, cast or check s may evaluate, is client code in its
+// database. With settings, the set_config s calls is such a function:
+// its effects are unknown (UnknownGUCWrite) rather than those of
+// PostgreSQL's set_config.
+func (s *Stmt) RunsUserCode(settings bool) *Stmt {
+	c := *s
+	c.Opaque = true
+	if settings {
+		c.GUCs = nil
+		for _, g := range s.GUCs {
+			if !g.Func {
+				c.GUCs = append(c.GUCs, g)
+			}
+		}
+		c.UnknownGUCWrite = true
+	}
+	return &c
 }
 
 // Result is the classification of a whole query string.
@@ -353,6 +389,11 @@ func stmtText(sql string, raw *pg_query.RawStmt) string {
 
 func classifyNode(node *pg_query.Node, text string, version int32) *Stmt {
 	st := &Stmt{SQL: text, node: node, version: version}
+	defer func() {
+		if st.Writes() {
+			st.canon = new(canonical)
+		}
+	}()
 	w := walker{st: st}
 	switch n := node.GetNode().(type) {
 	case *pg_query.Node_SelectStmt:

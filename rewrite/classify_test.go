@@ -86,8 +86,8 @@ func canon(t *testing.T, sql string) string {
 	}
 	s := res.Stmts[0]
 	c := s.Canonical()
-	if s.deparseErr != nil {
-		t.Fatalf("deparse %q: %v", sql, s.deparseErr)
+	if s.canon != nil && s.canon.err != nil {
+		t.Fatalf("deparse %q: %v", sql, s.canon.err)
 	}
 	return c
 }

@@ -1,24 +1,64 @@
 package rewrite
 
-import "strings"
+import (
+	"slices"
+	"strings"
+)
 
-// primaryOnlyFuncs reports whether a built-in function (unqualified or in
-// pg_catalog) must run on the primary: it writes (sequences, notifications,
-// large objects), takes locks that others must see, assigns a transaction
-// id, or changes session state the proxy tracks.
+// primaryOnly are the built-in functions (unqualified or in pg_catalog)
+// that must run on the primary: they write (sequences, notifications,
+// large objects), take locks that others must see, assign a transaction
+// id, or change session state the proxy tracks; so do those whose names
+// begin with one of primaryOnlyPrefixes (advisory locks).
+var (
+	primaryOnly = map[string]bool{}
+	// primaryOnlyPrefixes: advisory locks.
+	primaryOnlyPrefixes = []string{"pg_advisory_", "pg_try_advisory_"}
+)
+
+func init() {
+	for _, f := range strings.Fields(`
+		nextval setval currval lastval
+		txid_current txid_current_if_assigned pg_current_xact_id pg_current_xact_id_if_assigned
+		pg_notify set_config
+		pg_backend_pid
+		pg_current_wal_lsn pg_current_wal_insert_lsn pg_current_wal_flush_lsn pg_switch_wal pg_create_restore_point
+		lo_create lo_creat lo_import lo_unlink lo_put lo_from_bytea lo_open lo_truncate lo_truncate64 lowrite
+	`) {
+		primaryOnly[f] = true // pg_backend_pid: the session's backend is the primary's (BackendKeyData says so)
+	}
+}
+
+// primaryOnlyFuncs reports whether the built-in function name must run on
+// the primary (primaryOnly).
 func primaryOnlyFuncs(name string) bool {
-	switch name {
-	case "nextval", "setval", "currval", "lastval",
-		"txid_current", "txid_current_if_assigned",
-		"pg_current_xact_id", "pg_current_xact_id_if_assigned",
-		"pg_notify", "set_config",
-		"pg_backend_pid", // the session's backend is the primary's: BackendKeyData says so
-		"pg_current_wal_lsn", "pg_current_wal_insert_lsn", "pg_current_wal_flush_lsn",
-		"pg_switch_wal", "pg_create_restore_point",
-		"lo_create", "lo_creat", "lo_import", "lo_unlink", "lo_put", "lo_from_bytea", "lo_open", "lo_truncate", "lo_truncate64", "lowrite":
+	if primaryOnly[name] {
 		return true
 	}
-	return strings.HasPrefix(name, "pg_advisory_") || strings.HasPrefix(name, "pg_try_advisory_")
+	for _, p := range primaryOnlyPrefixes {
+		if strings.HasPrefix(name, p) {
+			return true
+		}
+	}
+	return false
+}
+
+// TrustedByName returns the names the classifier takes for PostgreSQL's
+// built-ins when a statement calls them unqualified (Stmt.Builtins
+// records which it relied on), sorted, and the prefixes of further such
+// names. The proxy asks a database which of them it also has outside
+// pg_catalog: PostgreSQL may call those instead.
+func TrustedByName() (names, prefixes []string) {
+	for n := range readOnlyFuncs {
+		names = append(names, n)
+	}
+	for n := range primaryOnly {
+		if !readOnlyFuncs[n] {
+			names = append(names, n)
+		}
+	}
+	slices.Sort(names)
+	return names, slices.Clone(primaryOnlyPrefixes)
 }
 
 // readOnlyFuncs are common built-in functions that cannot write anything, so

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"unicode/utf8"
@@ -75,6 +76,7 @@ func FuzzClassify(f *testing.F) {
 		}
 		checkShapeShared(t, sql, res)
 		checkFenceSetShape(t, sql, res)
+		checkReadings(t, sql, res)
 		if len(tree.Stmts) != len(res.Stmts) {
 			t.Fatalf("got %d statements, parse tree has %d", len(res.Stmts), len(tree.Stmts))
 		}
@@ -211,4 +213,26 @@ func crudeAnalyze(explain map[string]any) bool {
 		}
 	}
 	return analyze
+}
+
+// checkReadings: the names a classification trusts as built-ins are the
+// classifier's trusted names, and a text without a backslash classifies
+// alike whatever standard_conforming_strings says (SameClass).
+func checkReadings(t *testing.T, sql string, res *Result) {
+	t.Helper()
+	names, prefixes := TrustedByName()
+	for _, st := range res.Stmts {
+		for _, n := range st.Builtins {
+			if !slices.Contains(names, n) && !slices.ContainsFunc(prefixes, func(p string) bool { return strings.HasPrefix(n, p) }) {
+				t.Fatalf("%q trusts %q as a built-in, which TrustedByName does not list", sql, n)
+			}
+		}
+	}
+	if strings.Contains(sql, `\`) {
+		return
+	}
+	off, err := ClassifyWith(sql, Options{NonStandardStrings: true})
+	if err != nil || !SameClass(res, off) {
+		t.Fatalf("%q classifies otherwise with standard_conforming_strings off (%v)", sql, err)
+	}
 }

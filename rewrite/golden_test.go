@@ -109,6 +109,9 @@ func renderStmt(b *strings.Builder, indent, label string, s *Stmt) {
 	if s.Params > 0 {
 		fmt.Fprintf(b, indent+"   params: %d\n", s.Params)
 	}
+	if len(s.Builtins) > 0 {
+		fmt.Fprintf(b, indent+"   built-ins by name: %s\n", strings.Join(s.Builtins, ", "))
+	}
 	if s.Executes != "" {
 		fmt.Fprintf(b, indent+"   executes: %s\n", s.Executes)
 	}
@@ -118,8 +121,8 @@ func renderStmt(b *strings.Builder, indent, label string, s *Stmt) {
 	if s.Writes() {
 		fmt.Fprintf(b, indent+"   canonical: %s\n", s.Canonical())
 	}
-	if s.deparseErr != nil {
-		fmt.Fprintf(b, indent+"   deparse error: %v\n", s.deparseErr)
+	if s.canon != nil && s.canon.err != nil {
+		fmt.Fprintf(b, indent+"   deparse error: %v\n", s.canon.err)
 	}
 	if s.Inner != nil {
 		renderStmt(b, indent+"   ", "inner", s.Inner)

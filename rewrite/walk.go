@@ -5,6 +5,7 @@ package rewrite
 // see into; classifyNode (classify.go) starts it.
 
 import (
+	"slices"
 	"strconv"
 	"strings"
 
@@ -267,15 +268,25 @@ func (w *walker) funcCall(fc *pg_query.FuncCall) {
 		w.st.Opaque = true
 	case builtin && primaryOnlyFuncs(fn.Name):
 		w.st.PrimaryOnlyFuncs = true
+		w.trusted(fn)
 		if fn.Name == "set_config" {
 			w.setConfig(fc)
 		}
 	case builtin && readOnlyFuncs[fn.Name]:
+		w.trusted(fn)
 	default:
 		w.st.Opaque = true
 		if fn.Schema != "pg_catalog" {
 			w.st.UserCalls = true
 		}
+	}
+}
+
+// trusted records a call of a function taken for a built-in by its name
+// alone (Stmt.Builtins); a call qualified with pg_catalog is exact.
+func (w *walker) trusted(fn RelName) {
+	if fn.Schema == "" && !slices.Contains(w.st.Builtins, fn.Name) {
+		w.st.Builtins = append(w.st.Builtins, fn.Name)
 	}
 }
 

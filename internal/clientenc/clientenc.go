@@ -321,11 +321,34 @@ func (c *Codec) Decode(b []byte) (string, error) {
 		}
 		return sb.String(), nil
 	}
-	s, err := c.x.NewDecoder().Bytes(b)
-	if err != nil || strings.ContainsRune(string(s), utf8.RuneError) && !(c.rules == GB18030 && gb18030HasFFFD(b)) {
-		return "", c.firstUntranslatable(b)
+	// Character by character, as PostgreSQL splits them (verify): x/text
+	// splits some text otherwise (GBK's 0x80 is a character of its own
+	// there, the first byte of a pair for PostgreSQL, which then finds
+	// no character for the pair and refuses the text). Each character
+	// must be one that maps to exactly one rune.
+	dec := c.x.NewDecoder()
+	var sb strings.Builder
+	sb.Grow(len(b) * 2)
+	var buf [16]byte
+	for i := 0; i < len(b); {
+		x := b[i]
+		if x < 0x80 {
+			sb.WriteByte(x)
+			i++
+			continue
+		}
+		n := verify(c.rules, b[i:]) // > 0: checked above
+		ch := b[i : i+n]
+		dec.Reset()
+		nd, _, err := dec.Transform(buf[:], ch, true)
+		r, size := utf8.DecodeRune(buf[:nd])
+		if err != nil || nd == 0 || size != nd || r < 0x80 || r == utf8.RuneError && !(c.rules == GB18030 && gb18030HasFFFD(ch)) {
+			return "", c.untranslatable(ch)
+		}
+		sb.Write(buf[:nd])
+		i += n
 	}
-	return string(s), nil
+	return sb.String(), nil
 }
 
 // Encode returns s (UTF-8) in the client's encoding: the inverse of
@@ -371,22 +394,6 @@ func (c *Codec) untranslatable(ch []byte) *Error {
 	return &Error{Code: "22P05", Message: fmt.Sprintf("character with byte sequence %s in encoding %q has no equivalent in encoding \"UTF8\"", hexBytes(ch), c.rules.String())}
 }
 
-// firstUntranslatable names the first character of b x/text cannot map.
-func (c *Codec) firstUntranslatable(b []byte) *Error {
-	dec := c.x.NewDecoder()
-	for i := 0; i < len(b); {
-		n := 1
-		if b[i] >= 0x80 {
-			n = verify(c.rules, b[i:])
-		}
-		if s, err := dec.Bytes(b[i : i+n]); err != nil || strings.ContainsRune(string(s), utf8.RuneError) && !gb18030HasFFFD(b[i:i+n]) {
-			return c.untranslatable(b[i : i+n])
-		}
-		i += n
-	}
-	return &Error{Code: "22P05", Message: fmt.Sprintf("text in encoding %q has no equivalent in encoding \"UTF8\"", c.rules.String())}
-}
-
 // gb18030HasFFFD reports whether b holds GB18030's own encoding of U+FFFD
 // (0x84 0x31 0xA4 0x37), which x/text decodes as the replacement character
 // it is.
@@ -418,6 +425,48 @@ func asciiString(s string) bool {
 	for i := 0; i < len(s); i++ {
 		if s[i] >= 0x80 {
 			return false
+		}
+	}
+	return true
+}
+
+// asciiTrails are the encodings in which a multi-byte character may end
+// in an ASCII byte (by PostgreSQL's rules, verify): in every other one
+// each byte of such a character is above 0x7F (TestASCIITrails).
+var asciiTrails = []ID{SJIS, ShiftJIS2004, BIG5, GBK, UHC, GB18030}
+
+// SameASCII reports whether, in every encoding PostgreSQL accepts from a
+// client, each ASCII byte of b that the encoding accepts is a character
+// of its own: no multi-byte character takes an ASCII byte in. Text for
+// which it holds has the same ASCII structure (its quotes, backslashes,
+// semicolons, comment marks, keywords) whatever the client_encoding is,
+// or is refused (an encoding in which b is invalid reads nothing of it).
+// In SJIS, SHIFT_JIS_2004, BIG5, GBK, UHC and GB18030 the second byte of
+// a character may be ASCII: 0x81 0x5C is one SJIS character, and a
+// backslash read byte by byte.
+func SameASCII(b []byte) bool {
+	if ascii(b) {
+		return true
+	}
+	for _, id := range asciiTrails {
+		for i := 0; i < len(b); {
+			if b[i] < 0x80 {
+				i++
+				continue
+			}
+			n := verify(id, b[i:])
+			if n < 0 || n == 2 && b[i+1] < 0x40 && (id == BIG5 || id == GBK || id == UHC) {
+				// Invalid in id: the server refuses the text. (BIG5,
+				// GBK and UHC pairs are checked only by their
+				// conversion, which knows no second byte below 0x40.)
+				break
+			}
+			for _, x := range b[i+1 : i+n] {
+				if x < 0x80 {
+					return false
+				}
+			}
+			i += n
 		}
 	}
 	return true

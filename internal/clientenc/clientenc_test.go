@@ -5,6 +5,7 @@ import (
 	"flag"
 	"math/rand/v2"
 	"os"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -69,7 +70,7 @@ func TestAgainstPostgres(t *testing.T) {
 	crafted := map[ID][][]byte{
 		SJIS:    {{0x95, 0x5c}, {0x81, 0x27}, {0x82, 0xa0}, {0xa1}, {0x81, 0x7f}, {0x95, 0x5c, 0x27}},
 		BIG5:    {{0xa4, 0x5c}, {0xa1, 0x27}, {0xa4, 0x40}, {0xa5, 0x5c, 0x27}},
-		GBK:     {{0x81, 0x5c}, {0xb0, 0xa1}, {0x81, 0x27}},
+		GBK:     {{0x81, 0x5c}, {0xb0, 0xa1}, {0x81, 0x27}, {0x80, 0xfe, 0x41}, {0x80}},
 		UHC:     {{0x81, 0x5c}, {0xb0, 0xa1}, {0x81, 0x27}},
 		GB18030: {{0x81, 0x30, 0x81, 0x30}, {0x84, 0x31, 0xa4, 0x37}, {0x81, 0x5c}, {0x81, 0x30, 0x27}},
 		UTF8:    {{0xc3, 0xa9}, {0xc0, 0xa7}, {0xed, 0xa0, 0x80}, {0xf4, 0x90, 0x80, 0x80}, {0xe2, 0x82}},
@@ -210,4 +211,89 @@ func FuzzDecode(f *testing.F) {
 			t.Fatalf("%s: %x → %q → %x → %q, %v", id, b, s, e, again, err)
 		}
 	})
+}
+
+// TestSameASCII: text whose ASCII bytes every client encoding reads as
+// themselves, and text one of them reads otherwise (a trailing byte that
+// is ASCII: a backslash, a quote's neighbour, GB18030's digits).
+func TestSameASCII(t *testing.T) {
+	for _, c := range []struct {
+		b    string
+		want bool
+	}{
+		{"SELECT 'a\\''; COMMIT", true},
+		{"SELECT 'caf\xc3\xa9'", true},          // UTF-8 é: every pairing keeps the quote
+		{"SELECT '\xe9'", true},                 // LATIN1 é: a lead byte before a quote is invalid where it would pair
+		{"SELECT E'\xc3\x81\\'; COMMIT", false}, // SJIS: 0x81 0x5C is one character
+		{"SELECT '\x95\\'", false},
+		{"SELECT '\x81\x30\x81\x30'", false}, // GB18030: four bytes, two of them digits
+		{"SELECT '\xa4\xa2'", true},          // EUC-JP あ: both bytes high
+		{"SELECT '\xa4a'", false},            // BIG5/GBK/UHC: 0xA4 0x61 is one character
+		{"SELECT '\xe2\x82\xac'", true},      // UTF-8 €: BIG5 pairs 0xAC with the quote, which its conversion refuses
+	} {
+		if got := SameASCII([]byte(c.b)); got != c.want {
+			t.Errorf("SameASCII(%q) = %v, want %v", c.b, got, c.want)
+		}
+	}
+}
+
+// FuzzSameASCII: when SameASCII holds, every encoding that decodes the
+// text reads exactly its ASCII bytes, in order, as its ASCII characters.
+func FuzzSameASCII(f *testing.F) {
+	f.Add([]byte("SELECT E'\xc3\x81\\'; COMMIT"))
+	f.Add([]byte("SELECT 'caf\xc3\xa9'"))
+	f.Add([]byte{0x81, 0x30, 0x81, 0x30, 0x27})
+	f.Add([]byte{0xa4, 0x61, 0x5c})
+	f.Fuzz(func(t *testing.T, b []byte) {
+		if !SameASCII(b) {
+			return
+		}
+		var want []byte
+		for _, x := range b {
+			if x < 0x80 {
+				want = append(want, x)
+			}
+		}
+		for id := ID(0); id < numIDs; id++ {
+			c, err := New(id.String(), "UTF8")
+			if err != nil {
+				t.Fatal(err)
+			}
+			s, err := c.Decode(b)
+			if err != nil {
+				continue
+			}
+			var got []byte
+			for i := 0; i < len(s); i++ {
+				if s[i] < 0x80 {
+					got = append(got, s[i])
+				}
+			}
+			if string(got) != string(want) {
+				t.Fatalf("%s reads %x with ASCII %q, want %q", id, b, got, want)
+			}
+		}
+	})
+}
+
+// TestASCIITrails: only the encodings SameASCII checks let a multi-byte
+// character take an ASCII byte in; in every other one, no character that
+// starts with a byte above 0x7F has an ASCII byte after it.
+func TestASCIITrails(t *testing.T) {
+	for id := ID(0); id < numIDs; id++ {
+		if slices.Contains(asciiTrails, id) {
+			continue
+		}
+		for lead := 0x80; lead <= 0xff; lead++ {
+			for _, x := range []byte{0x01, '\'', '\\', ';', '0', 'A', 0x7f} {
+				for pos := 1; pos < 4; pos++ {
+					b := []byte{byte(lead), 0xa1, 0xa1, 0xa1}
+					b[pos] = x
+					if n := verify(id, b); n > pos {
+						t.Errorf("%s: %x is a character of %d bytes with the ASCII byte %#x in it", id, b[:n], n, x)
+					}
+				}
+			}
+		}
+	}
 }

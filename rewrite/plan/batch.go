@@ -34,6 +34,10 @@ type Batch struct {
 	// restore: a receipt went before the COMMIT of the client's own
 	// transaction, in a savepoint: after the Sync, the restoring query.
 	restore bool
+	// bound: wrapped and gated, and the transaction's id is taken
+	// because something that may end the transaction runs after the
+	// gate: the receipt is bound to it (Step.TxBound).
+	bound bool
 }
 
 // Exec is an Execute as the planner sees it.
@@ -62,9 +66,6 @@ type ExecPlan struct {
 	// made from the settled session state and the Execute changes what
 	// the gate decides from.
 	Decides bool
-	// Prepare: the gate's named statements (Statements) are used in
-	// this batch, here or at its Sync: parse them first if needed.
-	Prepare bool
 	// Before are the steps before the client's Execute: Gate, or
 	// Savepoint and Receipt, or Raise.
 	Before []Step
@@ -80,6 +81,12 @@ type ExecPlan struct {
 	// committed before the Sync, tell the Batch (Committed): nothing is
 	// left to restore.
 	AwaitCommit bool
+	// CaptureTx: take the transaction's id (TxStatement) before the
+	// client's Execute: it is a CALL or a DO after the gate of a wrapped
+	// batch, which PostgreSQL runs non-atomically there, so a COMMIT
+	// inside it ends the gated transaction and the rest of the batch
+	// runs in another. The batch's receipt is bound to the id.
+	CaptureTx bool
 }
 
 // Execute plans the Execute of in.Stmt (not nil) in session ss.
@@ -103,6 +110,9 @@ func (b *Batch) Execute(ss Session, in Exec) ExecPlan {
 		// skips both, and the receipt would be skipped too.)
 		b.wrapped = false
 	}
+	if (s.Kind == rewrite.Call || s.Kind == rewrite.Do) && b.MayEnd() {
+		p.CaptureTx = true
+	}
 	if !need && !tentative && !commit && !prepareTx {
 		if b.wrapped {
 			b.add(s, in) // the receipt at the Sync covers every write of the batch
@@ -121,7 +131,6 @@ func (b *Batch) Execute(ss Session, in Exec) ExecPlan {
 		p.Unfenced = true
 		p.Before = []Step{{Kind: Raise, Stmt: 0, Err: fencingRequired(ss.Tables.ProtectedTable(s), st, overlay{})}}
 	case need:
-		p.Prepare = true
 		if !explicit {
 			// An implicit transaction (up to Sync): the receipt ends it
 			// at the Sync, and PostgreSQL commits it only if nothing
@@ -137,13 +146,11 @@ func (b *Batch) Execute(ss Session, in Exec) ExecPlan {
 		// an explicit one gets it at its COMMIT (the server side
 		// records the transaction as tentative).
 		if !explicit && !b.wrapped {
-			p.Prepare = true
 			b.wrap(st, gen)
 		}
 	case prepareTx:
 		p.Before = []Step{{Kind: Raise, Stmt: 0, Err: prepareTransaction(g.Gen, "commit the transaction with COMMIT")}}
 	case commit:
-		p.Prepare = true
 		if explicit {
 			// The receipt in a savepoint: after the Sync, the
 			// transaction is ended only if the receipt failed.
@@ -194,6 +201,20 @@ func (b *Batch) add(st *rewrite.Stmt, in Exec) {
 	b.digest.Statement(st.Canonical(), in.Bound.DigestParams())
 }
 
+// MayEnd is told that something that may end the implicit transaction
+// comes next in the batch (a CALL or DO, a Query or FunctionCall message,
+// which PostgreSQL ends the transaction after). It reports whether the
+// caller must take the transaction's id (TxStatement) before it: the
+// batch is wrapped and gated, and its receipt is not bound yet; from
+// then on it is (Step.TxBound).
+func (b *Batch) MayEnd() bool {
+	if !b.wrapped || !b.gated || b.bound {
+		return false
+	}
+	b.bound = true
+	return true
+}
+
 // CopyDigest is the digest a COPY's data goes into while the batch is
 // wrapped (nil otherwise: the transaction's).
 func (b *Batch) CopyDigest() *fence.Digest {
@@ -232,7 +253,8 @@ func (b *Batch) Sync() SyncPlan {
 		if b.client == nil {
 			d.Sum, d.Version = b.digest.Sum(), fence.DigestVersion
 		}
-		p.Receipt = &Step{Kind: Receipt, Stmt: -1, Gen: b.gen, Gated: b.gated, Digest: d}
+		p.Receipt = &Step{Kind: Receipt, Stmt: -1, Gen: b.gen, Gated: b.gated, TxBound: b.bound, Digest: d}
+		b.bound = false
 	}
 	if b.restore {
 		b.restore = false

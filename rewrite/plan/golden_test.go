@@ -388,7 +388,7 @@ func (s *sim) execute(name string) {
 	for _, f := range []struct {
 		on   bool
 		name string
-	}{{ep.Decides, "decides"}, {ep.Prepare, "prepare"}, {ep.CopyDigested, "copy digested"}, {ep.Unfenced, "unfenced"}, {ep.AwaitCommit, "await commit"}} {
+	}{{ep.Decides, "decides"}, {ep.CaptureTx, "capture tx"}, {ep.CopyDigested, "copy digested"}, {ep.Unfenced, "unfenced"}, {ep.AwaitCommit, "await commit"}} {
 		if f.on {
 			flags = append(flags, f.name)
 		}
@@ -397,8 +397,8 @@ func (s *sim) execute(name string) {
 		flags = []string{"pass-through"}
 	}
 	s.printf("  plan: %s\n  sent:\n", strings.Join(flags, ", "))
-	if ep.Prepare {
-		s.printf("    Close/Parse %s, %s, %s, %s (once per connection)\n", plan.GateStatement, plan.CommitStatement, plan.CommitIfStatement, plan.SavepointStatement)
+	if ep.CaptureTx {
+		s.printf("    Close/Parse/Bind/Execute %s\n", plan.TxStatement)
 	}
 	for _, step := range ep.Before {
 		s.showNamed(step)
@@ -417,15 +417,19 @@ func (s *sim) execute(name string) {
 func (s *sim) showNamed(step plan.Step) {
 	switch step.Kind {
 	case plan.Gate:
-		s.printf("    %s: Bind/Execute %s%s\n", step, plan.GateStatement, args(plan.GateArgs(step.Gen)))
+		s.printf("    %s: Close/Parse/Bind/Execute %s%s\n", step, plan.GateStatement, args(plan.GateArgs(step.Gen)))
 		if !s.failed {
 			plan.Gated(s.st, step.Gen, false)
 		}
 	case plan.Savepoint:
-		s.printf("    %s: Bind/Execute %s\n", step, plan.SavepointStatement)
+		s.printf("    %s: Close/Parse/Bind/Execute %s\n", step, plan.SavepointStatement)
 	case plan.Receipt:
 		sum, version := plan.Resolve(step.Digest, s.st, nil)
-		s.printf("    %s: Bind/Execute %s%s\n", step, plan.ReceiptStatement(step.Gated), args(plan.CommitArgs(step.Gen, sum, version)))
+		name := plan.ReceiptStatement(step.Gated)
+		if step.TxBound {
+			name += " (bound to the transaction: " + plan.TxReceiptStatement + ")"
+		}
+		s.printf("    %s: Close/Parse/Bind/Execute %s%s\n", step, name, args(plan.CommitArgs(step.Gen, sum, version)))
 	case plan.Raise:
 		s.printf("    %s: Parse/Bind/Execute %s: %s\n", step, plan.RaiseStatement, plan.RaiseSQL(step.Err))
 		s.fail()

@@ -39,8 +39,8 @@ const (
 // Statement is one of the gate's named statements.
 type Statement struct{ Name, SQL string }
 
-// Statements are the gate's named statements, prepared once per upstream
-// connection. Their SQL names every type by its schema, so that no
+// Statements are the gate's named statements, which the proxy parses right
+// before each use (so no client code can replace them). Their SQL names every type by its schema, so that no
 // search_path (which a client sets) can put a type or cast of its own in
 // the gate's arguments. Parameters: GateArgs and CommitArgs.
 var Statements = []Statement{
@@ -48,6 +48,37 @@ var Statements = []Statement{
 	{CommitStatement, "SELECT fence.commit($1::pg_catalog.text, $2::pg_catalog.int8, $3::pg_catalog.int8, $4::pg_catalog.text, $5::pg_catalog.bytea, $6::pg_catalog.text)"},
 	{CommitIfStatement, "SELECT fence.commit_if_written($1::pg_catalog.text, $2::pg_catalog.int8, $3::pg_catalog.int8, $4::pg_catalog.text, $5::pg_catalog.bytea, $6::pg_catalog.text)"},
 	{SavepointStatement, "SAVEPOINT " + ReceiptSavepoint},
+}
+
+// The gate's statements for a transaction that may end before its
+// receipt step (Batch, Step.TxBound): TxStatement reads the transaction's
+// id, and TxReceiptStatement is fence.commit in that transaction ($7 its
+// id), fence.commit_if_written in any other.
+const (
+	TxStatement        = "pgfence_xid"
+	TxReceiptStatement = "pgfence_commit_tx"
+)
+
+// TxStatements are the SQL of TxStatement and TxReceiptStatement, every
+// name and type qualified as in Statements.
+var TxStatements = []Statement{
+	{TxStatement, "SELECT pg_catalog.pg_current_xact_id()::pg_catalog.text"},
+	{TxReceiptStatement, "SELECT CASE WHEN pg_catalog.pg_current_xact_id_if_assigned() OPERATOR(pg_catalog.=) $7::pg_catalog.xid8" +
+		" THEN fence.commit($1::pg_catalog.text, $2::pg_catalog.int8, $3::pg_catalog.int8, $4::pg_catalog.text, $5::pg_catalog.bytea, $6::pg_catalog.text)" +
+		" ELSE fence.commit_if_written($1::pg_catalog.text, $2::pg_catalog.int8, $3::pg_catalog.int8, $4::pg_catalog.text, $5::pg_catalog.bytea, $6::pg_catalog.text) END"},
+}
+
+// StatementSQL is the SQL of the gate's named statement name ("" for a
+// name that is not one of Statements or TxStatements).
+func StatementSQL(name string) string {
+	for _, list := range [][]Statement{Statements, TxStatements} {
+		for _, s := range list {
+			if s.Name == name {
+				return s.SQL
+			}
+		}
+	}
+	return ""
 }
 
 // ReceiptStatement is the named statement of a receipt step: fence.commit

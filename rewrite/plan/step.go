@@ -65,7 +65,13 @@ type Step struct {
 	// BeforeCommit: a receipt right before the client's COMMIT, which
 	// on a replay must still be answered COMMIT.
 	BeforeCommit bool
-	Digest       Digest // Receipt: what its digest covers
+	// TxBound: a receipt of an extended batch's implicit transaction in
+	// which something that may end it ran after the gate (a CALL or DO
+	// that commits inside, a Query or FunctionCall message): it runs as
+	// TxReceiptStatement, bound to the transaction id taken before that
+	// (ExecPlan.CaptureTx, Batch.MayEnd).
+	TxBound bool
+	Digest  Digest // Receipt: what its digest covers
 
 	Err *fence.Error // Raise: the refusal
 }

@@ -32,3 +32,9 @@ VACUUM results
 -- comment only
 SELECT FROM WHERE
 INSERT INTO results VALUES (1)); DELETE FROM results
+EXPLAIN VERBOSE SELECT my_immutable('x')
+EXPLAIN SELECT lower('x') FROM t WHERE a = 1
+SELECT version('x'), pg_catalog.version(), public.version('y')
+SELECT 1 OPERATOR(public.#@#) 2, 'x'::mydomain
+SELECT CASE x WHEN 1 THEN 'a' END, CASE WHEN true THEN 1 END FROM t
+SELECT 1 WHERE 2 = ANY (ARRAY[1, 2])
