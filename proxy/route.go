@@ -355,7 +355,14 @@ type requirement struct {
 // (DDL is notified in commit order with takeovers, so a reader whose
 // takeover has been seen reads a catalog that is current up to it).
 func (h *fenceSession) require(stmts []*rewrite.Stmt, kind readKind) (req requirement, protected bool, catalogLSN LSN) {
-	return h.requireWith(stmts, kind, h.readVals())
+	var v readVals // the four a requirement reads (not the policy's: the common path reads those only when it must)
+	h.mu.Lock()
+	v.job, _ = h.st.Get(session.JobKey)
+	v.epoch, _ = h.st.Get(session.Epoch)
+	v.token, _ = h.st.Get(session.Token)
+	v.minLSN, _ = h.st.Get(session.MinLSN)
+	h.mu.Unlock()
+	return h.requireWith(stmts, kind, v)
 }
 
 // readVals are the settings a read's requirement and policy depend on.
