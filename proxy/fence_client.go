@@ -63,6 +63,9 @@ func (h *fenceSession) clientMessage(s *Session, msg []byte) (Verdict, error) {
 		if e := h.noFenceSchemaCall(msg); e != nil { // fence_plan.go
 			return Drop, h.refuseQuery(s, e)
 		}
+		if e := h.txReadRefusal(s, nil); e != nil { // route_rotx.go
+			return Drop, h.refuseQuery(s, e)
+		}
 		if h.inBatch && h.batch.MayEnd() {
 			// PostgreSQL commits the batch's implicit transaction after a
 			// function call: the receipt is bound to it (captureTx).

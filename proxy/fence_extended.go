@@ -280,6 +280,13 @@ func (h *fenceSession) execute(s gateConn, msg []byte) error {
 		}
 	}
 	t := &tag{kind: 'E', portal: m.Portal, cp: cp}
+	if e := h.txReadRefusal(s, st); e != nil { // route_rotx.go
+		// The server skips the Execute after the refusal, to the Sync.
+		if err := h.raiseInBatch(s, e); err != nil {
+			return err
+		}
+		return h.send(s, msg, t, true)
+	}
 	if st == nil {
 		return h.send(s, msg, t, true)
 	}

@@ -25,7 +25,11 @@ import (
 // the client is told why (FN012) when it next reads.
 //
 // A session is watched while it holds or may hold a fence row: it has a
-// fence generation, or its transaction called a fence function; its
+// fence generation, or its transaction called a fence function, or — in a
+// database with protected tables — ran anything that may lock rows a
+// gated write would wait for while holding its fence row (a write, a
+// locking read, LOCK, DDL, code the proxy cannot see into: fence_text.go,
+// mayLock; issue 30, attacker D's M1), with fence metadata or without; its
 // transaction is open (or a request is in flight); and the server is not
 // working for it (nothing outstanding, or only a COPY waiting for the
 // client's data). A client's message that asks the server for something
@@ -155,7 +159,7 @@ func (w *watchdog) expire(h *fenceSession, s gateConn) {
 	h.mu.Unlock()
 	what := fmt.Sprintf("job %q's fence row (token %d)", gen.JobKey, gen.Token)
 	if gen.JobKey == "" {
-		what = "a fence row"
+		what = "a fence row, or locks on protected data a gated write waits for,"
 	}
 	msg := fmt.Sprintf("pgfence ended this session: its transaction held %s while the client was silent for %s (gate_idle_timeout), so a takeover could not proceed; the transaction was rolled back. Reconnect and retry; keep a gated transaction short, or raise gate_idle_timeout (keep it under the lease TTL)", what, w.bound)
 	w.log.Info("gated transaction idle past the bound; ending the session",

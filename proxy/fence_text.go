@@ -439,9 +439,15 @@ func (h *fenceSession) noteSent(t *tag) {
 		return
 	}
 	enc, guc, txEnd := unknown, unknown, false
+	if unknown && h.protects() {
+		h.idle.fenceCall.Store(t.seq) // may lock protected rows (fence_idle.go)
+	}
 	for _, st := range stmts {
-		if st.CallsFence {
-			h.idle.fenceCall.Store(t.seq) // fence.gate, fence.acquire...: may lock a fence row
+		if st.CallsFence || mayLock(st) && h.protects() {
+			// fence.gate, fence.acquire...: may lock a fence row; a
+			// write, a locking read, LOCK, code: may lock protected
+			// rows a gated write (holding its fence row) then waits for.
+			h.idle.fenceCall.Store(t.seq)
 		}
 		enc = enc || !runsNoCode(st) || changesText(st)
 		if !guc {
@@ -474,6 +480,34 @@ func (h *fenceSession) noteSent(t *tag) {
 // transaction and savepoint control that fires no trigger, SET and RESET
 // (whose own effects changesText weighs), PREPARE (parsed, not run),
 // DEALLOCATE, LISTEN, UNLISTEN, DISCARD.
+// mayLock reports whether st may take a lock a gated write could wait
+// for: anything but a plain read or a statement that reads nothing
+// (issue 30, attacker D's M1: a worker's FOR UPDATE or LOCK TABLE without
+// fence metadata, left idle, held another role's gated write, and with it
+// that job's fence row and its takeover).
+func mayLock(st *rewrite.Stmt) bool {
+	if runsNoCode(st) {
+		return false
+	}
+	switch st.Kind {
+	case rewrite.Read, rewrite.CopyTo:
+		return st.LockingRead || st.Opaque || st.UserCalls || st.PrimaryOnlyFuncs || st.Executes != ""
+	case rewrite.Commit, rewrite.Notify:
+		return false
+	}
+	return true
+}
+
+// protects reports whether the session's database has protected tables
+// (as far as the catalog knows; unknown counts as yes).
+func (h *fenceSession) protects() bool {
+	if h.cat == nil {
+		return true
+	}
+	p := h.cat.prot.Load()
+	return p == nil || p.Len() > 0
+}
+
 func runsNoCode(st *rewrite.Stmt) bool {
 	switch st.Kind {
 	case rewrite.Begin, rewrite.Savepoint, rewrite.Release, rewrite.RollbackTo, rewrite.Rollback,

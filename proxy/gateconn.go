@@ -63,6 +63,9 @@ type gateConn interface {
 	// replicaInUse is the replica the session's replica connection is
 	// to, while that replica is healthy; else nil.
 	replicaInUse() *replica
+	// replicaOpen is the replica the session's replica connection is to,
+	// healthy or not; nil when it has none.
+	replicaOpen() *replica
 	// useReplica and routeThen run their continuation once done, on the
 	// loop after a park (replica.go); offClient runs a blocking call off
 	// the loop, the client side parked meanwhile.
@@ -131,6 +134,13 @@ func (s *Session) readRouter() *replicas { return s.srv.rs }
 
 func (s *Session) replicaInUse() *replica {
 	if rc := s.rt.rep; rc != nil && rc.r.healthy.Load() {
+		return rc.r
+	}
+	return nil
+}
+
+func (s *Session) replicaOpen() *replica {
+	if rc := s.rt.rep; rc != nil {
 		return rc.r
 	}
 	return nil

@@ -139,15 +139,14 @@ func errReplicaBatchEnd() *fence.Error {
 // (replicaOnlyState) and, when the query goes on after it, it is split
 // (splitAtTxEnd). Otherwise the query is sent there, in line with the
 // primary's lexing settings. Client side, with nothing outstanding.
-func (h *fenceSession) inReplicaTx(s gateConn, msg []byte, res *rewrite.Result) error {
+func (h *fenceSession) inReplicaTx(s gateConn, msg []byte, res *rewrite.Result, stmts []*rewrite.Stmt) error {
 	raw := msg[headerLen : len(msg)-1]
 	if res == nil {
 		if err := h.alignReplica(s, raw); err != nil {
 			return err
 		}
-		return h.sendClient(s, msg, res)
+		return h.routeInTx(s, msg, res, stmts)
 	}
-	stmts := res.Stmts
 	end := len(stmts)
 	if i := txEnd(stmts); i >= 0 {
 		end = i + 1
@@ -161,7 +160,23 @@ func (h *fenceSession) inReplicaTx(s gateConn, msg []byte, res *rewrite.Result) 
 		return err
 	}
 	if end == len(stmts) {
-		return h.sendClient(s, msg, res)
+		return h.routeInTx(s, msg, res, stmts)
+	}
+	// The part up to the end runs in the transaction: judged against
+	// its snapshots first, refused rather than waited for (a rare shape);
+	// the rest is routed afresh.
+	if r := s.replicaOpen(); r != nil && h.tx() != session.Failed {
+		head, neutral, cursor := stmts[:end], true, false
+		for _, st := range head {
+			neutral = neutral && neutralStmt(st)
+			cursor = cursor || readsCursor(st)
+		}
+		if !neutral {
+			if req, protected, _ := h.txRequire(head); protected && (req.blind || req.check || req.lsn > h.txBound(cursor)) {
+				return h.refuseInTx(s, r, req, "the transaction's snapshot, or a cursor's, was taken before")
+			}
+		}
+		h.noteHold(head, false)
 	}
 	return h.splitAtTxEnd(s, msg, res, end)
 }

@@ -73,6 +73,11 @@ type routeState struct {
 	fenceTx    bool   // a fence.* function ran in the open transaction
 	row        string // the answer of the last routing query
 	stmts      stmtCopies
+	// ro: the read-only transaction open on the replica (route_rotx.go).
+	ro roTxState
+	// holdFloor: a lower bound of the snapshots of the WITH HOLD cursors
+	// that may be open on the replica connection; 0: none can be.
+	holdFloor LSN
 	// checked: what this session's fence-row checks found, by job (the
 	// largest token the replica showed and its replay position then).
 	// It runs in the client's own session, where the client's objects and
@@ -176,8 +181,9 @@ func (h *fenceSession) routeQuery(s gateConn, msg []byte, res *rewrite.Result) e
 		}
 		if h.tx() != session.Idle {
 			// The read-only transaction continues on the replica, up to
-			// its end (replstate.go).
-			return h.inReplicaTx(s, msg, res)
+			// its end (replstate.go), each request judged against the
+			// snapshots it may read (route_rotx.go).
+			return h.inReplicaTx(s, msg, res, stmts)
 		}
 	}
 	kind := classifyRead(stmts)
@@ -223,6 +229,9 @@ func (h *fenceSession) routeQuery(s gateConn, msg []byte, res *rewrite.Result) e
 			if err != nil {
 				rs.stats.Primary.Add(1)
 				return h.toPrimary(s, msg, res)
+			}
+			if kind == roTx {
+				h.beginOnReplica(r, stmts)
 			}
 			return h.sendRouted(s, msg, res)
 		})
@@ -357,16 +366,42 @@ type requirement struct {
 // (DDL is notified in commit order with takeovers, so a reader whose
 // takeover has been seen reads a catalog that is current up to it).
 func (h *fenceSession) require(stmts []*rewrite.Stmt, kind readKind) (req requirement, protected bool, catalogLSN LSN) {
+	var v readVals // the four a requirement reads (not the policy's: the common path reads those only when it must)
+	h.mu.Lock()
+	v.job, _ = h.st.Get(session.JobKey)
+	v.epoch, _ = h.st.Get(session.Epoch)
+	v.token, _ = h.st.Get(session.Token)
+	v.minLSN, _ = h.st.Get(session.MinLSN)
+	h.mu.Unlock()
+	return h.requireWith(stmts, kind, v)
+}
+
+// readVals are the settings a read's requirement and policy depend on.
+type readVals struct {
+	job, epoch, token, minLSN, policy, wait string
+}
+
+// readVals reads them from the session state.
+func (h *fenceSession) readVals() readVals {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	var v readVals
+	v.job, _ = h.st.Get(session.JobKey)
+	v.epoch, _ = h.st.Get(session.Epoch)
+	v.token, _ = h.st.Get(session.Token)
+	v.minLSN, _ = h.st.Get(session.MinLSN)
+	v.policy, _ = h.st.Get(session.ReadPolicy)
+	v.wait, _ = h.st.Get(session.ReadWait)
+	return v
+}
+
+// requireWith is require with the settings v.
+func (h *fenceSession) requireWith(stmts []*rewrite.Stmt, kind readKind, v readVals) (req requirement, protected bool, catalogLSN LSN) {
 	prot := h.cat.prot.Load()
 	if prot.Len() == 0 {
 		return req, false, 0
 	}
-	h.mu.Lock()
-	job, _ := h.st.Get(session.JobKey)
-	epochText, _ := h.st.Get(session.Epoch)
-	tokText, _ := h.st.Get(session.Token)
-	minText, _ := h.st.Get(session.MinLSN)
-	h.mu.Unlock()
+	job, epochText, tokText, minText := v.job, v.epoch, v.token, v.minLSN
 	tk := &h.cat.tk
 	token, terr := strconv.ParseInt(strings.TrimSpace(tokText), 10, 64)
 	gen := job != "" && terr == nil && token > 0
