@@ -142,11 +142,22 @@ func (h *fenceSession) txVals(stmts []*rewrite.Stmt) (cur, next readVals, change
 // settings it makes itself.
 func (h *fenceSession) txRequire(stmts []*rewrite.Stmt) (req requirement, protected bool, v readVals) {
 	cur, next, changed := h.txVals(stmts)
-	req, protected, _ = h.requireWith(stmts, roTx, cur)
+	// The request is judged by what it reads itself: plain reads as an
+	// autocommit read would be (SELECT 1 reads nothing protected, whatever
+	// the snapshot); anything else (a cursor's DECLARE, what the
+	// classifier cannot call a plain read) as the transaction was, able
+	// to read anything.
+	kind := autoRead
+	for _, st := range stmts {
+		if !neutralStmt(st) && (!plainRead(st) || declares(st)) {
+			kind = roTx
+		}
+	}
+	req, protected, _ = h.requireWith(stmts, kind, cur)
 	if !changed {
 		return req, protected, cur
 	}
-	r2, p2, _ := h.requireWith(stmts, roTx, next)
+	r2, p2, _ := h.requireWith(stmts, kind, next)
 	if !protected {
 		return r2, p2, next
 	}
