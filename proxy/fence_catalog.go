@@ -533,7 +533,11 @@ type readSet struct {
 	// lsn is the primary's position after the set was read: a replica
 	// that has not replayed it may still have older definitions, so a
 	// read the set calls safe needs it (route.go).
-	lsn  LSN
+	lsn LSN
+	// upto is the primary's position after the watcher's last load that
+	// found the set unchanged (lsn when it was read): the set holds for
+	// every takeover before it.
+	upto LSN
 	hash string
 	code string // readCode's fingerprint
 }
@@ -578,6 +582,15 @@ func (r *readSet) position() LSN {
 		return 0
 	}
 	return r.lsn
+}
+
+// vouched is the position up to which the set is known to hold: the
+// watcher's last load that found it unchanged (or read it).
+func (r *readSet) vouched() LSN {
+	if r == nil {
+		return 0
+	}
+	return r.upto
 }
 
 // readSetCTE computes rels(nspname, relname, exposed) for every relation a
@@ -797,7 +810,16 @@ func loadReadSet(ctx context.Context, conn *pgconn.PgConn, old *readSet) (*readS
 		return nil, err
 	}
 	if old != nil && old.hash == hash && old.code == code {
-		return old, nil
+		// Unchanged: the same set, valid from the same position, now
+		// vouched for up to this one (route.go: a set vouched for only up
+		// to before a takeover the reader carries cannot judge its read).
+		lsn, err := insertLSN(ctx, conn)
+		if err != nil {
+			return nil, err
+		}
+		cp := *old
+		cp.upto = lsn
+		return &cp, nil
 	}
 	rd := &readSet{rels: map[rewrite.RelName]bool{}, names: map[string]bool{}, all: all || strings.HasSuffix(hash, " true"),
 		colFuncs: fields, hash: hash, code: code}
@@ -818,6 +840,6 @@ func loadReadSet(ctx context.Context, conn *pgconn.PgConn, old *readSet) (*readS
 	if err != nil {
 		return nil, err
 	}
-	rd.lsn = lsn
+	rd.lsn, rd.upto = lsn, lsn
 	return rd, nil
 }

@@ -438,7 +438,7 @@ func (h *fenceSession) requireWith(stmts []*rewrite.Stmt, kind readKind, v readV
 	// A known takeover newer than the read set may have been read from
 	// its fence row before the DDL notified ahead of it arrived: the set
 	// cannot vouch for the relations then.
-	if !protected && !(gen && (!known || rd.position() < seen.lsn) || minText != "") {
+	if !protected && !(gen && (!known || rd.vouched() < seen.lsn) || minText != "") {
 		return req, false, rd.position()
 	}
 	req.lsn = tk.all()
