@@ -419,6 +419,7 @@ func parseBool(s string) (bool, bool) {
 //     json_object is not a trusted name, so it is opaque);
 //   - system_user, a function call to 16 and a column to 15 (which reads
 //     it from a relation the statement names, running nothing).
+//
 // New unreserved keywords change nothing an older server accepts, and the
 // other productions 16 and 17 added (MERGE ... RETURNING and BY SOURCE,
 // AT LOCAL, new EXPLAIN, COPY and VACUUM options, numeric literals with
