@@ -129,7 +129,7 @@ col AS (SELECT a.attname, pg_catalog.format_type(a.atttypid, NULL) AS shown,
   FROM pg_catalog.pg_attribute AS a, rel
   WHERE a.attrelid OPERATOR(pg_catalog.=) rel.oid AND a.attnum OPERATOR(pg_catalog.>) 0 AND NOT a.attisdropped
     AND a.attname OPERATOR(pg_catalog.=) ANY (ARRAY[$2, $3]::pg_catalog.name[]))
-SELECT pg_catalog.format('%I.%I', n.nspname, c.relname),
+SELECT c.oid::pg_catalog.regclass::pg_catalog.text,
   pg_catalog.concat_ws('; ',
     CASE WHEN c.relkind OPERATOR(pg_catalog.<>) ALL (ARRAY['r', 'p']::pg_catalog."char"[])
       THEN pg_catalog.format('is not a table (relkind %s)', c.relkind) END,
@@ -141,8 +141,7 @@ SELECT pg_catalog.format('%I.%I', n.nspname, c.relname),
       WHERE m.relrowsecurity LIMIT 1),
     (SELECT pg_catalog.format('column %I has type %s, not a built-in one', col.attname, col.shown)
        FROM col WHERE NOT col.builtin LIMIT 1))
-FROM rel JOIN pg_catalog.pg_class AS c ON c.oid OPERATOR(pg_catalog.=) rel.oid
-  JOIN pg_catalog.pg_namespace AS n ON n.oid OPERATOR(pg_catalog.=) c.relnamespace`
+FROM rel JOIN pg_catalog.pg_class AS c ON c.oid OPERATOR(pg_catalog.=) rel.oid`
 
 func (a *auditor) checkResultTable(ctx context.Context, t ResultTable) error {
 	if t.Table == "" || t.JobKeyColumn == "" || t.TokenColumn == "" {
