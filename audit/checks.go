@@ -102,13 +102,57 @@ func (a *auditor) checkReceipts(ctx context.Context) error {
 	return nil
 }
 
+// readableSQL resolves a result table ($1, qualified by the caller: the
+// connection's search_path is pinned) and says what would make reading it
+// run code that is not PostgreSQL's own as the auditor, who is often a
+// superuser, in a database whose users may have laid it for them
+// (issue 30, attacker C's H3: a view dba.results whose function ran COPY
+// ... TO PROGRAM as the DBA). Reading a plain table runs no code of its
+// owner's but: its row-security policies (the connection pins
+// row_security off, so PostgreSQL refuses a read a policy would apply to
+// rather than run it; a table with row security is refused here first),
+// the type input, output and cast functions of the columns read (built-in
+// types only, through any domain: base types and their casts are a
+// superuser's to make), and its inheritance children and partitions,
+// which must be plain tables too (a foreign table runs its wrapper). Views,
+// materialized views, foreign tables, sequences are refused. Every name
+// and operator is qualified; nothing here runs anything of the relation.
+const readableSQL = `WITH RECURSIVE rel AS (SELECT $1::pg_catalog.regclass::pg_catalog.oid AS oid),
+tree AS (SELECT rel.oid FROM rel
+  UNION SELECT i.inhrelid FROM pg_catalog.pg_inherits AS i JOIN tree ON i.inhparent OPERATOR(pg_catalog.=) tree.oid),
+col AS (SELECT a.attname, pg_catalog.format_type(a.atttypid, NULL) AS shown,
+    (WITH RECURSIVE d AS (SELECT a.atttypid AS t
+        UNION SELECT ty.typbasetype FROM pg_catalog.pg_type AS ty JOIN d ON ty.oid OPERATOR(pg_catalog.=) d.t
+        WHERE ty.typtype OPERATOR(pg_catalog.=) 'd'::pg_catalog."char")
+     SELECT pg_catalog.bool_and(ty.typnamespace OPERATOR(pg_catalog.=) 11::pg_catalog.oid)
+     FROM d JOIN pg_catalog.pg_type AS ty ON ty.oid OPERATOR(pg_catalog.=) d.t) AS builtin
+  FROM pg_catalog.pg_attribute AS a, rel
+  WHERE a.attrelid OPERATOR(pg_catalog.=) rel.oid AND a.attnum OPERATOR(pg_catalog.>) 0 AND NOT a.attisdropped
+    AND a.attname OPERATOR(pg_catalog.=) ANY (ARRAY[$2, $3]::pg_catalog.name[]))
+SELECT c.oid::pg_catalog.regclass::pg_catalog.text,
+  pg_catalog.concat_ws('; ',
+    CASE WHEN c.relkind OPERATOR(pg_catalog.<>) ALL (ARRAY['r', 'p']::pg_catalog."char"[])
+      THEN pg_catalog.format('is not a table (relkind %s)', c.relkind) END,
+    (SELECT pg_catalog.format('has a member %s that is not a plain table', t.oid::pg_catalog.regclass)
+       FROM tree AS t JOIN pg_catalog.pg_class AS m ON m.oid OPERATOR(pg_catalog.=) t.oid
+      WHERE m.relkind OPERATOR(pg_catalog.<>) ALL (ARRAY['r', 'p']::pg_catalog."char"[]) LIMIT 1),
+    (SELECT pg_catalog.format('has row security (%s)', t.oid::pg_catalog.regclass)
+       FROM tree AS t JOIN pg_catalog.pg_class AS m ON m.oid OPERATOR(pg_catalog.=) t.oid
+      WHERE m.relrowsecurity LIMIT 1),
+    (SELECT pg_catalog.format('column %I has type %s, not a built-in one', col.attname, col.shown)
+       FROM col WHERE NOT col.builtin LIMIT 1))
+FROM rel JOIN pg_catalog.pg_class AS c ON c.oid OPERATOR(pg_catalog.=) rel.oid`
+
 func (a *auditor) checkResultTable(ctx context.Context, t ResultTable) error {
 	if t.Table == "" || t.JobKeyColumn == "" || t.TokenColumn == "" {
 		return fmt.Errorf("result table %q needs a table, a job key column and a token column", t.Table)
 	}
-	var rel string
-	if err := a.q.QueryRow(ctx, "select $1::pg_catalog.regclass::pg_catalog.text", t.Table).Scan(&rel); err != nil {
+	var rel, problem string
+	if err := a.q.QueryRow(ctx, readableSQL, t.Table, t.JobKeyColumn, t.TokenColumn).Scan(&rel, &problem); err != nil {
 		return fmt.Errorf("resolve: %w", err)
+	}
+	if problem != "" {
+		return fmt.Errorf("%s %s: the audit reads only a plain table whose reading runs nothing of anyone's (docs/security.md, \"pgfence's own SQL\")", rel, problem)
 	}
 	job := "t." + pgx.Identifier{t.JobKeyColumn}.Sanitize()
 	tok := "t." + pgx.Identifier{t.TokenColumn}.Sanitize()

@@ -1133,6 +1133,13 @@ func driveEveryText(t *testing.T, e *trapEnv) {
 	// A refusal.
 	_, err := w.Exec(ctxT(t), "PREPARE pgfence_x AS SELECT 1").ReadAll()
 	t.Logf("refused: %v", err)
+	// PREPARE TRANSACTION after a lock on a protected table: the lock
+	// probe, refused.
+	pt := client("")
+	mustExec(t, pt, "BEGIN; SELECT job_key FROM results FOR UPDATE")
+	_, err = pt.Exec(ctxT(t), "PREPARE TRANSACTION 'pgfence_control'").ReadAll()
+	wantCode(t, err, "FN009")
+	mustExec(t, pt, "ROLLBACK")
 	// The replica's own fence row, with and without replica_reached.
 	before := p.srv.rs.stats.FenceChecks.Load()
 	_, err = client("-c fence.job_key=unseen -c fence.token=999999").Exec(ctxT(t), "SELECT job_key FROM results").ReadAll()

@@ -436,7 +436,7 @@ func (cs *catalogs) load(c *catalog, conn *pgconn.PgConn) (err error) {
 		}
 	}
 	prot := rewrite.NewProtected(rels)
-	code := &userCode{}
+	code := &userCode{major: serverMajor(conn.ParameterStatus("server_version"))}
 	if prot.Len() > 0 {
 		var err error
 		if code, err = loadUserCode(c.ctx, conn); err != nil {

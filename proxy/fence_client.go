@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/rewrite"
 	"github.com/pgfence/pgfence/rewrite/plan"
 )
@@ -156,8 +157,19 @@ func (h *fenceSession) query(s gateConn, msg []byte) error {
 		return h.probeQuery(s, sql, res, e)
 	}
 	q := h.f.plans.PlanQuery(h.planSession(), res.Stmts)
+	probePrepare := q.Action == plan.PassThrough && h.prepareProbed(res.Stmts) // fence_plan.go
 	h.mu.Unlock()
 	h.f.Stats.Classified.Add(int64(len(res.Stmts)))
+	if probePrepare {
+		if res.Stmts[0].Kind != rewrite.PrepareTransaction {
+			// The probe must run right before the PREPARE, after the
+			// statements before it took their locks.
+			return h.refuseQuery(s, &fence.Error{Code: fence.CodeUnsupported,
+				Message: "PREPARE TRANSACTION must be a query of its own in a database with protected tables",
+				Hint:    "send PREPARE TRANSACTION alone"})
+		}
+		return h.probeQueryWith(s, sql, res, prepareLockProbe)
+	}
 	switch q.Action {
 	case plan.Refuse:
 		return h.refuseQuery(s, q.Refusal)

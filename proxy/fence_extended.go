@@ -310,7 +310,14 @@ func (h *fenceSession) execute(s gateConn, msg []byte) error {
 	}
 	ep := h.batch.Execute(h.planSession(), plan.Exec{Stmt: st, Portal: m.Portal, Params: params, Bound: cp})
 	noSchema := h.noFenceSchema(st) // fence_plan.go
+	probePrepare := ep.Refusal == nil && noSchema == nil && h.prepareProbed([]*rewrite.Stmt{st})
 	h.mu.Unlock()
+	if probePrepare {
+		// The server skips the Execute if the probe fails (fence_plan.go).
+		if err := h.raiseSQLInBatch(s, prepareLockProbe, true); err != nil {
+			return err
+		}
+	}
 	if noSchema != nil && ep.Refusal == nil {
 		// The server skips the Execute if the probe fails.
 		if err := h.raiseSQLInBatch(s, noSchemaProbe(noSchema), true); err != nil {

@@ -105,11 +105,57 @@ func noSchemaProbe(e *fence.Error) string {
 		", HINT = " + plan.Literal(e.Hint) + "; END IF; END$pgfence$"
 }
 
+// prepareLockProbe fails with FN009 when this backend holds any lock on
+// a protected table (issue 30, attacker C's M1): a prepared transaction
+// keeps its locks after its client has gone, until an administrator
+// ends it, so one that read FOR UPDATE another job's rows, locked a
+// protected table or wrote it pins that job for ever. The database
+// refuses PREPARE only after a fenced write (a temporary relation opened
+// then); a locking read runs no pgfence code. PostgreSQL's own lock table
+// decides, not the text: a lock taken through a view, a function or a
+// CTE counts. A protected table is one with a trigger calling a function
+// of schema fence (pg_trigger and pg_proc are readable by every role,
+// fence.protected_tables is not); a client that puts such a trigger on
+// its own table only refuses its own PREPARE. Sent by the proxy right
+// before a client's PREPARE TRANSACTION, in the client's transaction,
+// with the client's search_path: everything is qualified.
+var prepareLockProbe = own("PREPARE TRANSACTION lock probe", onSession, `DO $pgfence$BEGIN IF EXISTS (SELECT FROM pg_catalog.pg_locks AS l
+  JOIN pg_catalog.pg_trigger AS t ON t.tgrelid OPERATOR(pg_catalog.=) l.relation
+  JOIN pg_catalog.pg_proc AS f ON f.oid OPERATOR(pg_catalog.=) t.tgfoid
+  JOIN pg_catalog.pg_namespace AS n ON n.oid OPERATOR(pg_catalog.=) f.pronamespace
+  WHERE l.pid OPERATOR(pg_catalog.=) pg_catalog.pg_backend_pid() AND l.locktype OPERATOR(pg_catalog.=) 'relation'
+    AND l.database OPERATOR(pg_catalog.=) (SELECT d.oid FROM pg_catalog.pg_database AS d WHERE d.datname OPERATOR(pg_catalog.=) pg_catalog.current_database())
+    AND n.nspname OPERATOR(pg_catalog.=) 'fence') THEN
+  RAISE EXCEPTION USING ERRCODE = 'FN009', MESSAGE = 'PREPARE TRANSACTION is not supported in a transaction that locked a protected table (read it FOR UPDATE or FOR SHARE, locked or wrote it): a prepared transaction keeps its locks after its client has gone',
+    HINT = 'COMMIT or ROLLBACK the transaction';
+END IF; END$pgfence$`)
+
+// prepareProbed reports whether stmts has a PREPARE TRANSACTION the lock
+// probe must precede: in a database with a fence schema and protected
+// tables. Callers hold h.mu.
+func (h *fenceSession) prepareProbed(stmts []*rewrite.Stmt) bool {
+	if !h.fenceUsable() || h.cat.prot.Load().Len() == 0 {
+		return false
+	}
+	for _, st := range stmts {
+		if st.Kind == rewrite.PrepareTransaction {
+			return true
+		}
+	}
+	return false
+}
+
 // probeQuery sends a simple query of a fenced session in a database the
 // proxy knows no fence schema of with noSchemaProbe before it, in the
 // same query: the server skips the client's statements if the probe fails.
 func (h *fenceSession) probeQuery(s gateConn, sql string, res *rewrite.Result, e *fence.Error) error {
-	probe := noSchemaProbe(e) + ";"
+	return h.probeQueryWith(s, sql, res, noSchemaProbe(e))
+}
+
+// probeQueryWith sends a simple query with probe before it, in the same
+// query: the server skips the client's statements if the probe fails.
+func (h *fenceSession) probeQueryWith(s gateConn, sql string, res *rewrite.Result, probe string) error {
+	probe += ";"
 	segs := append([]seg{{step: stepRaise, stmt: res.Stmts[0]}}, clientSegs(res)...)
 	t := &tag{kind: 'Q', segs: segs, inserts: plan.Insertions{{At: 0, N: utf8.RuneCountInString(probe)}}}
 	if plan.ChangesState(res.Stmts...) {

@@ -37,6 +37,28 @@ import (
 // nothing is trusted. A DDL notification does not drop it (fence_catalog.go).
 type userCode struct {
 	shadowed map[string]bool // trusted names that exist outside pg_catalog too
+	// major is the server's PostgreSQL major version (its server_version
+	// ParameterStatus), 0 when unknown: a statement is judged as that
+	// version's grammar reads it (rewrite.Stmt.ForServer), not only as
+	// the classifier's (PostgreSQL 17's) does.
+	major int
+}
+
+// serverMajor is the major version in a server_version ParameterStatus
+// ("15.18 (Debian 15.18-0+deb12u1)", "9.6.24", "17beta1"), 0 when it
+// cannot be read: older than every grammar, the safe side.
+func serverMajor(v string) int {
+	n := 0
+	for _, c := range v {
+		if c < '0' || c > '9' {
+			break
+		}
+		n = n*10 + int(c-'0')
+		if n > 1000 {
+			return 0
+		}
+	}
+	return n
 }
 
 // shadowedQuery lists the trusted names ($1, and those beginning with one
@@ -58,7 +80,7 @@ var trustedNames, trustedPrefixes = func() ([]byte, []byte) {
 // loadUserCode reads what the database makes of the trusted names and
 // expressions.
 func loadUserCode(ctx context.Context, conn *pgconn.PgConn) (*userCode, error) {
-	uc := &userCode{shadowed: map[string]bool{}}
+	uc := &userCode{shadowed: map[string]bool{}, major: serverMajor(conn.ParameterStatus("server_version"))}
 	rr := conn.ExecParams(ctx, shadowedQuery, [][]byte{trustedNames, trustedPrefixes}, nil, nil, nil)
 	for rr.NextRow() {
 		uc.shadowed[string(rr.Values()[0])] = true
@@ -97,15 +119,27 @@ func (h *fenceSession) userCode(res *rewrite.Result) *rewrite.Result {
 	}
 	uc := h.cat.code.Load()
 	var out *rewrite.Result
+	major := 0 // unknown (not loaded): older than every grammar
+	if uc != nil {
+		major = uc.major
+	}
 	for i, st := range res.Stmts {
-		if uc.trusts(st) {
+		// As the server's grammar reads it (issue 30, attacker C's H2):
+		// json_scalar('k') is SQL/JSON syntax to the classifier and a
+		// call of a function json_scalar to a server older than 17.
+		// Two compares for every statement; a copy only for those.
+		old := st.ForServer(major)
+		if old == st && uc.trusts(st) {
 			continue
 		}
 		if out == nil {
 			out = &rewrite.Result{Stmts: append([]*rewrite.Stmt(nil), res.Stmts...)}
 		}
-		settings := slices.Contains(st.Builtins, "set_config") && (uc == nil || uc.shadowed["set_config"])
-		out.Stmts[i] = st.RunsUserCode(settings)
+		if !uc.trusts(st) {
+			settings := slices.Contains(st.Builtins, "set_config") && (uc == nil || uc.shadowed["set_config"])
+			old = old.RunsUserCode(settings)
+		}
+		out.Stmts[i] = old
 	}
 	if out == nil {
 		return res

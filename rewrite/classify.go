@@ -192,6 +192,23 @@ type Stmt struct {
 	// be the one PostgreSQL calls (an overload, a search_path that puts
 	// pg_catalog later), which the caller, knowing the database, checks.
 	Builtins []string
+	// GrammarCalls is the oldest PostgreSQL major version whose grammar
+	// reads every construct of the statement as the classifier (pg_query,
+	// PostgreSQL 17's grammar) did; 0 when any supported version does.
+	// PostgreSQL 16 and 17 made syntax of names that older servers read
+	// as plain function calls (json_scalar('k'), json_array(...),
+	// json(...), merge_action(), ...: SQL/JSON constructors and queries,
+	// IS JSON, MERGE support functions), so on an older server the
+	// statement calls functions by those names, which may be anyone's:
+	// the caller, knowing the server's version, treats it as running
+	// client code (RunsUserCode).
+	GrammarCalls int
+	// GrammarTypes: below this major version a type name the classifier
+	// read as pg_catalog's own (json, a keyword since 16) is looked up on
+	// the search path instead, where a domain or a user's type may shadow
+	// it: the caller counts the statement as resolving something through
+	// the catalog (CatalogExprs).
+	GrammarTypes int
 	// Temp: the statement names a temporary relation (CREATE TEMP ...,
 	// SELECT INTO TEMP, pg_temp.x): the session has, or will have,
 	// objects only its own backend sees.
@@ -292,6 +309,28 @@ func (s *Stmt) RunsUserCode(settings bool) *Stmt {
 		c.UnknownGUCWrite = true
 	}
 	return &c
+}
+
+// ForServer returns s as a server of PostgreSQL major version major reads
+// it (GrammarCalls, GrammarTypes): s itself when that is as classified,
+// else a copy that runs client code or resolves a type through the
+// catalog. A major of 0 (unknown) is older than every grammar.
+func (s *Stmt) ForServer(major int) *Stmt {
+	calls, types := major < s.GrammarCalls, major < s.GrammarTypes
+	if !calls && !types {
+		return s
+	}
+	c := s
+	if calls {
+		c = c.RunsUserCode(false)
+	} else {
+		cc := *c
+		c = &cc
+	}
+	if types {
+		c.CatalogExprs = true
+	}
+	return c
 }
 
 // Result is the classification of a whole query string.

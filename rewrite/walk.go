@@ -159,6 +159,7 @@ func (w *walker) walkMsg(m protoreflect.Message) {
 	depth := len(w.ctes)
 	noexec, planned := w.noexec, w.planned
 	w.noteExpr(m.Interface())
+	w.noteGrammar(m)
 	// with: the statement's WITH clause, walked first (its CTE names are
 	// in scope for the rest of the statement) and skipped below.
 	var with *pg_query.WithClause
@@ -397,4 +398,53 @@ func parseBool(s string) (bool, bool) {
 		return false, true
 	}
 	return false, false
+}
+
+// noteGrammar records the constructs an older server's grammar reads
+// otherwise than PostgreSQL 17's (Stmt.GrammarCalls, GrammarTypes). Found
+// by diffing the keyword lists (pg_get_keywords() of PostgreSQL 15 against
+// pg_query's kwlist.h): 16 and 17 added keywords only, none changed its
+// category, and the ones that are not unreserved (json, json_array,
+// json_arrayagg, json_exists, json_object, json_objectagg, json_query,
+// json_scalar, json_serialize, json_table, json_value, merge_action,
+// system_user) are exactly where 17 makes syntax of text an older server
+// reads as a name:
+//   - a SQL/JSON node or MERGE support function: before its version the
+//     text is a call of the function of that name (or a syntax error);
+//     any Json* node this list does not know counts as 17's;
+//   - the type json, which 17's grammar names pg_catalog.json itself and
+//     15 looks up on the search path;
+//   - json_object(a, b), which 17 reads as pg_catalog.json_object and 15
+//     looks up on the search path (a call the walker never trusts anyway:
+//     json_object is not a trusted name, so it is opaque);
+//   - system_user, a function call to 16 and a column to 15 (which reads
+//     it from a relation the statement names, running nothing).
+//
+// New unreserved keywords change nothing an older server accepts, and the
+// other productions 16 and 17 added (MERGE ... RETURNING and BY SOURCE,
+// AT LOCAL, new EXPLAIN, COPY and VACUUM options, numeric literals with
+// underscores or in hex, octal, binary) are syntax errors to 15. (14 and
+// 13 read 0x1F or 1_000 as a number and a column label: the same relations
+// and calls.)
+func (w *walker) noteGrammar(m protoreflect.Message) {
+	v := 0
+	switch n := m.Interface().(type) {
+	case *pg_query.JsonObjectConstructor, *pg_query.JsonArrayConstructor, *pg_query.JsonArrayQueryConstructor,
+		*pg_query.JsonObjectAgg, *pg_query.JsonArrayAgg, *pg_query.JsonAggConstructor, *pg_query.JsonIsPredicate,
+		*pg_query.JsonValueExpr, *pg_query.JsonKeyValue, *pg_query.JsonOutput, *pg_query.JsonReturning,
+		*pg_query.JsonFormat:
+		v = 16
+	case *pg_query.MergeSupportFunc:
+		v = 17
+	case *pg_query.TypeName:
+		if len(n.Names) == 2 && n.Names[0].GetString_().GetSval() == "pg_catalog" && n.Names[1].GetString_().GetSval() == "json" {
+			w.st.GrammarTypes = max(w.st.GrammarTypes, 16)
+		}
+		return
+	default:
+		if strings.HasPrefix(string(m.Descriptor().Name()), "Json") {
+			v = 17
+		}
+	}
+	w.st.GrammarCalls = max(w.st.GrammarCalls, v)
 }

@@ -74,6 +74,10 @@ func (d *database) config(cmd *cobra.Command) (*pgx.ConnConfig, error) {
 	}
 	d.dsnPath = dsnSearchPath(cfg.RuntimeParams)
 	ownsql.Pin(cfg.RuntimeParams)
+	// A read a row-security policy would apply to fails rather than run
+	// the policy's expressions as the command's user (audit reads tables
+	// a user names; pgfence's own tables have no policies).
+	cfg.RuntimeParams["row_security"] = "off"
 	return cfg, nil
 }
 
@@ -118,14 +122,26 @@ func checkFence(ctx context.Context, conn *pgx.Conn, db string) error {
 }
 
 // userPathSQL reads the search_path settings that apply to this session
-// without pgfence's pin, most specific first: ALTER ROLE … IN DATABASE,
-// ALTER ROLE, ALTER DATABASE, ALTER ROLE ALL.
+// without pgfence's pin and that neither the database's owner nor anyone
+// else but the user (and superusers) may set, most specific first: ALTER
+// ROLE … IN DATABASE, ALTER ROLE, ALTER ROLE ALL. ALTER DATABASE … SET is
+// left out: the database's owner sets it (issue 30, attacker C's H3).
 const userPathSQL = `SELECT s.setconfig FROM pg_catalog.pg_db_role_setting AS s
 WHERE s.setdatabase OPERATOR(pg_catalog.=) ANY (ARRAY[(SELECT d.oid FROM pg_catalog.pg_database AS d
     WHERE d.datname OPERATOR(pg_catalog.=) pg_catalog.current_database()), '0'::pg_catalog.oid])
   AND s.setrole OPERATOR(pg_catalog.=) ANY (ARRAY[(SELECT r.oid FROM pg_catalog.pg_roles AS r
     WHERE r.rolname OPERATOR(pg_catalog.=) session_user), '0'::pg_catalog.oid])
+  AND NOT (s.setrole OPERATOR(pg_catalog.=) '0'::pg_catalog.oid AND s.setdatabase OPERATOR(pg_catalog.<>) '0'::pg_catalog.oid)
 ORDER BY s.setrole OPERATOR(pg_catalog.=) '0'::pg_catalog.oid, s.setdatabase OPERATOR(pg_catalog.=) '0'::pg_catalog.oid`
+
+// ownUserSchemaSQL: whether the schema "$user" names (the session user's
+// name) is the user's own or a superuser's. Anyone who may CREATE in the
+// database (its owner) can make a schema of the DBA's name, first on
+// PostgreSQL's default search_path, and put a view there under the name
+// of the table the DBA means (issue 30, attacker C's H3).
+const ownUserSchemaSQL = `SELECT NOT EXISTS (SELECT FROM pg_catalog.pg_namespace AS n JOIN pg_catalog.pg_roles AS r ON r.oid OPERATOR(pg_catalog.=) n.nspowner
+  WHERE n.nspname OPERATOR(pg_catalog.=) session_user
+    AND r.rolname OPERATOR(pg_catalog.<>) session_user AND NOT r.rolsuper)`
 
 // qualifySQL names a relation by its schema, as a search_path set in the
 // same transaction finds it. Finding it runs no code: regclass's input
@@ -135,12 +151,15 @@ FROM pg_catalog.pg_class AS c JOIN pg_catalog.pg_namespace AS n ON n.oid OPERATO
 WHERE c.oid OPERATOR(pg_catalog.=) $1::pg_catalog.regclass::pg_catalog.oid`
 
 // qualify returns table, a relation named by the user, qualified by its
-// schema as PostgreSQL resolves it for the user's session: on the
-// search_path the session would have had without pgfence's pin (the DSN's,
-// else the role's and the database's settings, else PostgreSQL's default
-// "$user", public; a search_path in postgresql.conf is not readable by
-// every role and is not consulted). The command's own SQL then names the
-// table so.
+// schema as PostgreSQL resolves it on a search_path nobody but the user
+// (and superusers) controls: the DSN's, else the role's own settings
+// (ALTER ROLE, also IN DATABASE, and ALTER ROLE ALL), else PostgreSQL's
+// default "$user", public; not ALTER DATABASE … SET, which the database's
+// owner sets, and "$user" only when the schema of the user's name is the
+// user's or a superuser's (a search_path in postgresql.conf is not
+// readable by every role and is not consulted). The command's own SQL
+// then names the table so; what it reads there is checked by its reader
+// (audit: a plain table whose reading runs nothing of anyone's).
 func (d *database) qualify(ctx context.Context, conn *pgx.Conn, table string) (string, error) {
 	path := d.dsnPath
 	if path == "" {
@@ -165,6 +184,13 @@ func (d *database) qualify(ctx context.Context, conn *pgx.Conn, table string) (s
 	if path == "" {
 		path = `"$user", public`
 	}
+	var own bool
+	if err := conn.QueryRow(ctx, ownUserSchemaSQL).Scan(&own); err != nil {
+		return "", fmt.Errorf("read the search_path: %w", err)
+	}
+	if !own {
+		path = withoutUser(path)
+	}
 	tx, err := conn.Begin(ctx)
 	if err != nil {
 		return "", err
@@ -178,6 +204,17 @@ func (d *database) qualify(ctx context.Context, conn *pgx.Conn, table string) (s
 		return "", err
 	}
 	return q, nil
+}
+
+// withoutUser is path without its "$user" entries.
+func withoutUser(path string) string {
+	var keep []string
+	for _, p := range strings.Split(path, ",") {
+		if q := strings.TrimSpace(p); q != `"$user"` && q != "$user" {
+			keep = append(keep, q)
+		}
+	}
+	return strings.Join(keep, ", ")
 }
 
 // dsnSearchPath is the search_path a connection's startup parameters set:
