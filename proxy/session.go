@@ -247,8 +247,14 @@ func (s *Session) closeServer() {
 		return
 	}
 	s.serverClosed = true
-	s.server.SetWriteDeadline(time.Now().Add(100 * time.Millisecond))
-	s.server.Write(wire.Terminate)
+	// A session the proxy ends (endWith) is not told Terminate: in COPY
+	// IN the backend answers it with an error (08P01, unexpected message
+	// during COPY) that could reach the client ahead of the proxy's own
+	// reason. Closing is enough.
+	if s.rt.fatal.Load() == nil {
+		s.server.SetWriteDeadline(time.Now().Add(100 * time.Millisecond))
+		s.server.Write(wire.Terminate)
+	}
 	s.server.Close()
 }
 
