@@ -87,6 +87,9 @@ type interceptState struct {
 	// taken while the buffer is larger, for one message (growClient).
 	clientSize int
 	grown      int64
+	// heldTimer ends the session when a message held for growClient has
+	// not all arrived within message_timeout (stopped once it has).
+	heldTimer *time.Timer
 	// clientSrc is what the client framer reads: loopClientReader, or the
 	// client's tls.Conn over it (sock.Read); a resized buffer reads it too.
 	clientSrc io.Reader
@@ -484,6 +487,7 @@ func (e interceptEnd) flushClient() {
 func (e interceptEnd) closeClient() {
 	e.r.client.close(time.Second)
 	syscall.Close(e.r.intercept.clientReadFD)
+	e.r.stopHeldTimer()
 	if g := e.r.intercept.grown; g > 0 {
 		e.r.s.srv.mem.give(g)
 		e.r.intercept.grown = 0
