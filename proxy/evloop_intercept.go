@@ -72,7 +72,8 @@ type interceptState struct {
 	clientEventCount atomic.Uint64
 	serverPending    []byte // bytes for the server its socket has not taken yet (inline)
 	// clientReadsPaused: the client is not read until the server takes
-	// serverPending (for observation: tests).
+	// serverPending, or its backlog of unread answers is down
+	// (backlogPaused; for observation: tests).
 	clientReadsPaused atomic.Bool
 
 	// park is the parked client side's wait (nil: not parked), parkedLen
@@ -428,7 +429,9 @@ func (l *evloop) interceptInterest(r *relay) error {
 		}
 		ic.serverInterest = serverInterest
 		ic.serverReadsPaused.Store(serverInterest&evIn == 0)
-		ic.clientReadsPaused.Store(serverInterest&evOut != 0)
+	}
+	if paused := serverInterest&evOut != 0 || ic.backlogPaused; paused != ic.clientReadsPaused.Load() {
+		ic.clientReadsPaused.Store(paused)
 	}
 	if want := len(ic.clientPending) > 0; want != ic.clientWriteWatched {
 		var err error
