@@ -613,7 +613,7 @@ func (s *Server) showConfig(sources bool) *adminTable {
 		{"max_message_size", strconv.Itoa(c.MaxMessageSize), strconv.Itoa(DefaultMaxMessageSize), false},
 		{"shutdown_timeout", c.ShutdownTimeout.String(), DefaultShutdownTimeout.String(), false},
 		{"startup_timeout", c.StartupTimeout.String(), DefaultStartupTimeout.String(), false},
-		{"client_memory", strconv.Itoa(c.ClientMemory), "memory_budget / 4", false},
+		{"client_memory", strconv.Itoa(c.ClientMemory), "memory_budget / 2", false},
 		{"message_timeout", c.MessageTimeout.String(), DefaultMessageTimeout.String(), false},
 		{"connect_timeout", c.ConnectTimeout.String(), DefaultConnectTimeout.String(), false},
 		{"buffer_size", strconv.Itoa(c.BufferSize), strconv.Itoa(DefaultBufferSize), false},

@@ -153,8 +153,8 @@ type Config struct {
 	// that one client cannot take the budget from the others. A message
 	// that would take more is read and dropped, its session gets
 	// ErrorResponse 53200 naming client_memory and is closed. Zero means
-	// a quarter of MemoryBudget (with the defaults, held messages of up to
-	// 16 MiB); more than MemoryBudget means MemoryBudget.
+	// half of MemoryBudget (with the defaults, held messages of up to
+	// 32 MiB); more than MemoryBudget means MemoryBudget.
 	ClientMemory int
 
 	// MessageTimeout bounds how long a message held whole for the
@@ -299,7 +299,7 @@ func (c Config) withDefaults() (Config, error) {
 	orDefault(&c.MaxMessageSize, DefaultMaxMessageSize)
 	orDefault(&c.MemoryBudget, DefaultMemoryBudget)
 	if c.ClientMemory <= 0 {
-		c.ClientMemory = c.MemoryBudget / 4
+		c.ClientMemory = c.MemoryBudget / 2
 	}
 	c.ClientMemory = min(c.ClientMemory, c.MemoryBudget)
 	if c.MessageTimeout == 0 {

@@ -15,7 +15,7 @@ import (
 // logged-in client sends a Query header claiming 64 MiB - 100 bytes and a
 // few bytes, then stops; before, its held cost was the whole default
 // budget, and every other session's message over buffer_size got 53200.
-// Now a session may hold at most client_memory (a quarter of the budget by
+// Now a session may hold at most client_memory (half of the budget by
 // default): the claim over it is dropped as it arrives, never held, and
 // its session ends (53200 naming client_memory, or 57P05 once it has
 // stalled for message_timeout); a claim within it is held, and the
@@ -46,7 +46,7 @@ func TestClientMemoryShare(t *testing.T) {
 		}
 		// Sent whole, the claim over the share is refused naming it.
 		b := rawConnect(t, p.dsn(db))
-		b.send(t, &pgproto3.Query{String: "SELECT '" + strings.Repeat("z", 17<<20) + "'"})
+		b.send(t, &pgproto3.Query{String: "SELECT '" + strings.Repeat("z", 33<<20) + "'"})
 		if code, msg := b.closedWithMessage(t); code != "53200" || !strings.Contains(msg, "client_memory") {
 			t.Fatalf("a whole message over the share: got %q %q, want 53200 naming client_memory", code, msg)
 		}
@@ -56,7 +56,7 @@ func TestClientMemoryShare(t *testing.T) {
 	})
 	t.Run("claim_within_share_leaves_the_rest", func(t *testing.T) {
 		a := rawConnect(t, p.dsn(db))
-		n := 15 << 20 // held: 120 MiB of the 128 MiB share
+		n := 31 << 20 // held: 248 MiB of the 256 MiB share
 		a.Write(append(memoryHeader('Q', n), "SELECT "...))
 		if err := pgtest.Poll(ctxT(t), func() (bool, error) { return p.srv.mem.used.Load() == heldCost(n), nil }); err != nil {
 			t.Fatalf("the attacker's message not held: in use %d, want %d", p.srv.mem.used.Load(), heldCost(n))
