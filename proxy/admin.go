@@ -341,6 +341,9 @@ func (s *Server) reload(next Config) (*ReloadReport, error) {
 	restart("max_message_size", cur.MaxMessageSize != next.MaxMessageSize)
 	restart("shutdown_timeout", cur.ShutdownTimeout != next.ShutdownTimeout)
 	restart("startup_timeout", cur.StartupTimeout != next.StartupTimeout)
+	restart("max_startup_clients", cur.MaxStartupClients != next.MaxStartupClients)
+	restart("client_memory", cur.ClientMemory != next.ClientMemory)
+	restart("message_timeout", cur.MessageTimeout != next.MessageTimeout)
 	restart("connect_timeout", cur.ConnectTimeout != next.ConnectTimeout)
 	restart("buffer_size", cur.BufferSize != next.BufferSize)
 	restart("health_interval", cur.HealthInterval != next.HealthInterval)
@@ -374,13 +377,14 @@ type console struct {
 
 // serveAdmin runs an admin console session: its own authentication
 // (consoleLogin), then commands until the client leaves.
-func (s *Server) serveAdmin(c net.Conn, st *startup, log *zap.Logger) {
+func (s *Server) serveAdmin(c net.Conn, st *startup, log *zap.Logger, slot *startupSlot) {
 	user := st.params["user"]
 	role, err := s.consoleLogin(c, user)
 	if err != nil {
-		s.refuse(c, err, log, "admin console refused")
+		s.refuse(c, s.startupError(slot, err), log, "admin console refused")
 		return
 	}
+	s.startupEnd(slot)
 	s.ops.stats.AdminSessions.Add(1)
 	con := &console{user: user, role: role, log: log.Named("admin").With(zap.Stringer("role", role)), cancel: make(chan struct{}, 1),
 		id: s.ops.nextID.Add(1), addr: c.RemoteAddr(), self: c.LocalAddr(), since: time.Now(), app: st.params["application_name"], tls: tlsInfo(c), conn: c}

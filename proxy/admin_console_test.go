@@ -423,7 +423,9 @@ func TestConsoleSet(t *testing.T) {
 	if err != nil || string(res[0].CommandTag.String()) != "SET max_clients=3" {
 		t.Fatalf("SET max_clients: %v %v", res, err)
 	}
-	// The console is one client; two more fit, the fourth is refused.
+	// The console is not counted (issue 30, B-M4: it stays reachable);
+	// three clients fit, the fourth is refused.
+	connect(t, e.proxy.dsn(e.db))
 	connect(t, e.proxy.dsn(e.db))
 	connect(t, e.proxy.dsn(e.db))
 	if err := pgtest.Poll(ctx, func() (bool, error) { return e.proxy.srv.clients.Load() == 3, nil }); err != nil {

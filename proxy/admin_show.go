@@ -608,10 +608,13 @@ func (s *Server) showConfig(sources bool) *adminTable {
 		{"stats_users", strings.Join(l.stats, ","), "", true},
 		{"console_auth_file", count(l.consoleUsers), "", true},
 		{"max_clients", strconv.Itoa(l.maxClients), strconv.Itoa(DefaultMaxClients), true},
+		{"max_startup_clients", strconv.Itoa(c.MaxStartupClients), strconv.Itoa(DefaultMaxStartupClients), false},
 		{"tls", strconv.FormatBool(l.tls != nil), "false", true},
 		{"max_message_size", strconv.Itoa(c.MaxMessageSize), strconv.Itoa(DefaultMaxMessageSize), false},
 		{"shutdown_timeout", c.ShutdownTimeout.String(), DefaultShutdownTimeout.String(), false},
 		{"startup_timeout", c.StartupTimeout.String(), DefaultStartupTimeout.String(), false},
+		{"client_memory", strconv.Itoa(c.ClientMemory), "memory_budget / 2", false},
+		{"message_timeout", c.MessageTimeout.String(), DefaultMessageTimeout.String(), false},
 		{"connect_timeout", c.ConnectTimeout.String(), DefaultConnectTimeout.String(), false},
 		{"buffer_size", strconv.Itoa(c.BufferSize), strconv.Itoa(DefaultBufferSize), false},
 		{"health_interval", c.HealthInterval.String(), DefaultHealthInterval.String(), false},
@@ -688,5 +691,5 @@ func (s *Server) adminSet(con *console, st adminStmt) (*adminTable, *pgproto3.Er
 
 // configKeys are the proxy's own SHOW CONFIG keys.
 var configKeys = []string{"primary", "replicas", "read_replicas", "replica_poll", "replica_max_lag", "auth", "auth_file",
-	"upstream_passwords", "admin_users", "stats_users", "console_auth_file", "max_clients", "tls", "max_message_size",
-	"shutdown_timeout", "startup_timeout", "connect_timeout", "buffer_size", "health_interval", "gate"}
+	"upstream_passwords", "admin_users", "stats_users", "console_auth_file", "max_clients", "max_startup_clients", "tls", "max_message_size",
+	"shutdown_timeout", "startup_timeout", "client_memory", "message_timeout", "connect_timeout", "buffer_size", "health_interval", "gate"}

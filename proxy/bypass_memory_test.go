@@ -124,7 +124,9 @@ func testBypassMemory(t *testing.T) {
 
 	// After authentication: the write gate holds big messages whole.
 	const budget = 2 << 20
-	p := startProxy(t, Config{MemoryBudget: budget, MaxMessageSize: 1 << 20, Interceptor: newGate(t)})
+	// ClientMemory: the whole budget, so that one session's held message
+	// can fill it (the share itself: TestClientMemoryShare).
+	p := startProxy(t, Config{MemoryBudget: budget, ClientMemory: budget, MaxMessageSize: 1 << 20, Interceptor: newGate(t)})
 	db := ae.db
 	other := connect(t, p.dsn(db))
 	big := func(n int) string { return "'" + strings.Repeat("x", n) + "'" }

@@ -26,7 +26,9 @@ func liveHeap() int64 {
 // Not parallel: it measures the process's heap.
 func TestGateCachesBoundedByBytes(t *testing.T) {
 	const budget = 64 << 20 // caches: 8 MiB
-	p := startProxy(t, withConsole(Config{MemoryBudget: budget, Interceptor: newGate(t)}))
+	// ClientMemory: the whole budget, so that one session's message can
+	// need what the caches hold.
+	p := startProxy(t, withConsole(Config{MemoryBudget: budget, ClientMemory: budget, Interceptor: newGate(t)}))
 	db := cluster.NewDatabase(t)
 	c := connect(t, p.dsn(db))
 	mustExec(t, c, "SELECT 1")

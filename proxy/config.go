@@ -29,13 +29,15 @@ const (
 
 // Defaults applied to zero-valued Config fields.
 const (
-	DefaultMaxClients      = 1000
-	DefaultMaxMessageSize  = 64 << 20
-	DefaultMemoryBudget    = 512 << 20
-	DefaultShutdownTimeout = 30 * time.Second
-	DefaultStartupTimeout  = 15 * time.Second
-	DefaultConnectTimeout  = 10 * time.Second
-	DefaultBufferSize      = 32 << 10
+	DefaultMaxClients        = 1000
+	DefaultMaxStartupClients = 100
+	DefaultMaxMessageSize    = 64 << 20
+	DefaultMemoryBudget      = 512 << 20
+	DefaultShutdownTimeout   = 30 * time.Second
+	DefaultStartupTimeout    = 15 * time.Second
+	DefaultMessageTimeout    = 60 * time.Second
+	DefaultConnectTimeout    = 10 * time.Second
+	DefaultBufferSize        = 32 << 10
 )
 
 // Config configures a Server. The zero value of every field except Primary
@@ -102,10 +104,21 @@ type Config struct {
 	// Nil means SSLRequest is answered 'N' (no TLS to clients).
 	TLS *tls.Config
 
-	// MaxClients bounds concurrent client sessions; excess clients get
-	// ErrorResponse 53300 too_many_connections. Zero means
-	// DefaultMaxClients; negative means no limit.
+	// MaxClients bounds concurrent authenticated client sessions;
+	// excess clients get ErrorResponse 53300 too_many_connections once
+	// they have authenticated. Connections still in startup or
+	// authentication are bounded by MaxStartupClients instead, and admin
+	// console sessions by neither (the console stays reachable). Zero
+	// means DefaultMaxClients; negative means no limit.
 	MaxClients int
+
+	// MaxStartupClients bounds the connections still in startup or
+	// authentication (from accept until authenticated, at most
+	// StartupTimeout each). When a new connection would exceed it, the
+	// one that has waited longest is closed with 53300 to make room
+	// (startup_slots.go). Zero means DefaultMaxStartupClients (100);
+	// negative means no limit.
+	MaxStartupClients int
 
 	// MaxMessageSize bounds the length of one client message (excluding
 	// the type byte). A longer Query, Parse, Bind, FunctionCall or
@@ -134,6 +147,22 @@ type Config struct {
 	// everything: neither counts. Zero means DefaultMemoryBudget
 	// (512 MiB: one message of the default MaxMessageSize at a time).
 	MemoryBudget int
+
+	// ClientMemory is one session's share of MemoryBudget: the most its
+	// held messages may take (at heldMessageCost times their length), so
+	// that one client cannot take the budget from the others. A message
+	// that would take more is read and dropped, its session gets
+	// ErrorResponse 53200 naming client_memory and is closed. Zero means
+	// half of MemoryBudget (with the defaults, held messages of up to
+	// 32 MiB); more than MemoryBudget means MemoryBudget.
+	ClientMemory int
+
+	// MessageTimeout bounds how long a message held whole for the
+	// Interceptor (one larger than BufferSize) may take to arrive once its
+	// header has: a client that stops half-way has its session ended
+	// (57P05) and the memory given back. Zero means
+	// DefaultMessageTimeout (60s); negative means no bound.
+	MessageTimeout time.Duration
 
 	// ShutdownTimeout is how long Shutdown lets sessions in a transaction
 	// (or with a request in flight) finish before closing them, when the
@@ -264,8 +293,18 @@ func (c Config) withDefaults() (Config, error) {
 	if c.MaxClients == 0 {
 		c.MaxClients = DefaultMaxClients
 	}
+	if c.MaxStartupClients == 0 {
+		c.MaxStartupClients = DefaultMaxStartupClients
+	}
 	orDefault(&c.MaxMessageSize, DefaultMaxMessageSize)
 	orDefault(&c.MemoryBudget, DefaultMemoryBudget)
+	if c.ClientMemory <= 0 {
+		c.ClientMemory = c.MemoryBudget / 2
+	}
+	c.ClientMemory = min(c.ClientMemory, c.MemoryBudget)
+	if c.MessageTimeout == 0 {
+		c.MessageTimeout = DefaultMessageTimeout
+	}
 	if c.MaxMessageSize > 1<<30-4 {
 		return c, fmt.Errorf("config: max message size %d is over PostgreSQL's own limit of 1GiB", c.MaxMessageSize)
 	}

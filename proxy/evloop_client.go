@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"time"
 
 	"github.com/pgfence/pgfence/internal/wire"
 )
@@ -108,9 +109,9 @@ func (s *Session) deliverOff(msg []byte) error {
 // (over), dropped and then answered (Session.oversize), or a message the
 // memory budget cannot hold (overBudget), dropped and then the end.
 type clientStream struct {
-	typ              byte
-	total, left      int
-	over, overBudget bool
+	typ                         byte
+	total, left                 int
+	over, overBudget, overShare bool
 }
 
 // clientInline handles the client messages that have arrived on the loop
@@ -244,6 +245,10 @@ func (r *relay) clientSteps() error {
 		if len(ic.serverPending) > 0 || r.replicaPending() {
 			return errPaused
 		}
+		if r.backlogged(false) {
+			ic.backlogPaused = true
+			return errPaused
+		}
 		if ic.stream.total > 0 {
 			if err := r.streamSteps(); err != nil {
 				return err
@@ -266,12 +271,22 @@ func (r *relay) clientSteps() error {
 			ic.stream = clientStream{typ: typ, total: total, left: total - headerLen}
 			continue
 		case total > s.cf.R.Size():
-			if !r.growClient(total) {
+			switch r.growClient(total) {
+			case growBudget:
 				ic.stream = clientStream{typ: typ, total: total, left: total, overBudget: true}
+				r.armHeldTimer() // dropped as it arrives, then the end: within message_timeout
+				continue
+			case growShare:
+				ic.stream = clientStream{typ: typ, total: total, left: total, overBudget: true, overShare: true}
+				r.armHeldTimer()
 				continue
 			}
 		}
-		switch err := s.interceptClient(total); {
+		err = s.interceptClient(total)
+		if !errors.Is(err, errWouldBlock) {
+			r.stopHeldTimer() // the message has all arrived
+		}
+		switch {
 		case err == nil:
 		case errors.Is(err, errWouldBlock):
 			s.releaseMessage(false) // not whole yet: handled again
@@ -301,6 +316,30 @@ func (r *relay) clientSteps() error {
 			return errClientTerminate
 		}
 	}
+}
+
+// The bounds of a client's unread answers (issue 30, B-M3): while more
+// than maxOutstanding of its requests wait for the server's answers, or
+// more than clientBacklog times the buffer size of answers wait for it to
+// read them, the client is not read, as PostgreSQL stops reading a client
+// that does not read (it blocks on send); it is read again once the
+// backlog is down to half. Without them a client that pipelines without
+// reading made the proxy hold a request (about 150 bytes of heap) for
+// every 8-byte Close it sent.
+const (
+	maxOutstanding = 4096
+	clientBacklog  = 4
+)
+
+// backlogged reports whether the client has too many unread answers
+// (resume: whether it still has more than half).
+func (r *relay) backlogged(resume bool) bool {
+	q, pending := r.s.q.Len(), len(r.intercept.clientPending)
+	maxQ, maxP := maxOutstanding, clientBacklog*r.s.sf.R.Size()
+	if resume {
+		maxQ, maxP = maxQ/2, maxP/2
+	}
+	return q >= maxQ || pending >= maxP
 }
 
 // isDone reports whether req has been answered.
@@ -356,6 +395,8 @@ func (r *relay) streamSteps() error {
 	*st = clientStream{}
 	var err error
 	switch {
+	case done.overShare:
+		return s.srv.overShare(done.total)
 	case done.overBudget:
 		return s.srv.overBudget(done.total)
 	case done.over:
@@ -371,19 +412,63 @@ func (r *relay) streamSteps() error {
 	return err
 }
 
+// growClient's answers: the buffer holds the message, or the memory
+// budget cannot hold it, or it would take more than the session's share
+// of the budget (Config.ClientMemory).
+const (
+	growOK = iota
+	growBudget
+	growShare
+)
+
 // growClient makes the client buffer hold a message of total bytes,
 // larger than it, so that the message is read whole on the loop as it
-// arrives, within the memory budget (false: it cannot). shrinkClient
-// gives it back once the message is done.
-func (r *relay) growClient(total int) bool {
+// arrives, within the session's share of the memory budget and the
+// budget. shrinkClient gives it back once the message is done. The
+// message must all arrive within message_timeout (heldTimer), so that a
+// client that stops half-way does not keep the memory.
+func (r *relay) growClient(total int) int {
 	s, ic := r.s, r.intercept
-	cost := heldCost(total-headerLen) - ic.grown
+	want := heldCost(total - headerLen)
+	if want > int64(s.srv.cfg.ClientMemory) {
+		return growShare
+	}
+	cost := want - ic.grown
 	if !s.srv.mem.take(cost) {
-		return false
+		return growBudget
 	}
 	ic.grown += cost
 	r.resizeClient(total)
-	return true
+	r.armHeldTimer()
+	return growOK
+}
+
+// armHeldTimer starts the message_timeout of a message held whole (or
+// dropped before the session ends for the budget).
+func (r *relay) armHeldTimer() {
+	s, ic := r.s, r.intercept
+	if ic.heldTimer == nil && s.srv.cfg.MessageTimeout > 0 {
+		ic.heldTimer = time.AfterFunc(s.srv.cfg.MessageTimeout, s.messageTimedOut)
+	}
+}
+
+// stopHeldTimer stops the message_timeout of a message held whole: it
+// has arrived, or the session ends.
+func (r *relay) stopHeldTimer() {
+	if t := r.intercept.heldTimer; t != nil {
+		t.Stop()
+		r.intercept.heldTimer = nil
+	}
+}
+
+// messageTimedOut ends a session whose client has not sent the rest of a
+// message held whole within message_timeout. Any goroutine (a timer's).
+func (s *Session) messageTimedOut() {
+	s.info.killed.CompareAndSwap(nil, &ProtocolError{Code: "57P05",
+		Msg:  fmt.Sprintf("pgfence: terminating connection: the client did not send the rest of a message larger than buffer_size within message_timeout (%s)", s.srv.cfg.MessageTimeout),
+		Hint: "Send each message whole and promptly, or raise message_timeout."})
+	s.srv.ops.stats.MessageTimeouts.Add(1)
+	s.closeServer()
 }
 
 // shrinkClient gives a buffer grown for a message back, once what is
@@ -393,6 +478,7 @@ func (r *relay) shrinkClient() {
 	if ic.grown == 0 || s.cf.R.Buffered() > ic.clientSize {
 		return
 	}
+	r.stopHeldTimer()
 	r.resizeClient(ic.clientSize)
 	s.srv.mem.give(ic.grown)
 	ic.grown = 0

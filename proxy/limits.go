@@ -116,6 +116,18 @@ func (s *Server) overBudget(total int) error {
 	}
 }
 
+// overShare is the error for a message that would take more than one
+// session's share of the budget (Config.ClientMemory): the session ends
+// with it, and the budget stays for the others.
+func (s *Server) overShare(total int) error {
+	return &ProtocolError{
+		Code: "53200",
+		Msg: fmt.Sprintf("pgfence: out of memory for client messages: holding this %d-byte message would take %d bytes, more than one session's share of memory_budget (client_memory, %d bytes)",
+			total-headerLen, heldCost(total-headerLen), s.cfg.ClientMemory),
+		Hint: "Send smaller messages, or raise client_memory (--client-memory, PGFENCE_CLIENT_MEMORY) within memory_budget.",
+	}
+}
+
 // oversizedPrefix starts the names of the substitutes' missing objects.
 const oversizedPrefix = "pgfence_oversized_"
 

@@ -183,7 +183,7 @@ func TestCopyStreamed(t *testing.T) {
 // fit is refused before it is read.
 func TestHeldMessageBudget(t *testing.T) {
 	const budget = 4 << 20
-	p := startProxy(t, Config{MemoryBudget: budget, Interceptor: newGate(t)})
+	p := startProxy(t, Config{MemoryBudget: budget, ClientMemory: budget, Interceptor: newGate(t)})
 	// small's query costs 3.2 MiB of the 4: it fits, alone.
 	db := cluster.NewDatabase(t)
 	c := connect(t, p.dsn(db))

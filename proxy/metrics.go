@@ -119,9 +119,15 @@ type ServerStats struct {
 	// of an intercepted session because the Handler had to wait for an
 	// earlier answer (a pipelined write behind a state change, a wrapped
 	// COPY FROM, a settings read-back).
-	ClientParks    atomic.Int64
-	AdminSessions  atomic.Int64 // admin console sessions opened
-	UpstreamErrors atomic.Int64 // upstream connections that failed (not refusals by PostgreSQL)
+	ClientParks   atomic.Int64
+	AdminSessions atomic.Int64 // admin console sessions opened
+	// MessageTimeouts counts sessions ended because a message held whole
+	// did not all arrive within message_timeout (evloop_client.go);
+	// StartupEvictions connections in startup closed to make room under
+	// max_startup_clients (startup_slots.go).
+	MessageTimeouts  atomic.Int64
+	StartupEvictions atomic.Int64
+	UpstreamErrors   atomic.Int64 // upstream connections that failed (not refusals by PostgreSQL)
 	// AcceptErrors counts the accepts that failed and were retried after
 	// a back-off: out of descriptors (EMFILE, ENFILE) or kernel memory,
 	// or a connection that failed before it was taken (accept.go).
@@ -296,6 +302,8 @@ var (
 	descSessions     = prometheus.NewDesc("pgfence_sessions", "Open proxied client sessions.", nil, nil)
 	descSessionsTot  = prometheus.NewDesc("pgfence_sessions_opened_total", "Proxied client sessions opened.", nil, nil)
 	descSessionsLoop = prometheus.NewDesc("pgfence_sessions_event_loop_total", "Proxied client sessions relayed by the event loop thread.", nil, nil)
+	descMsgTimeouts  = prometheus.NewDesc("pgfence_message_timeouts_total", "Sessions ended because a client message held whole did not all arrive within message_timeout.", nil, nil)
+	descEvictions    = prometheus.NewDesc("pgfence_startup_evictions_total", "Connections still in startup or authentication closed to make room under max_startup_clients.", nil, nil)
 	descParks        = prometheus.NewDesc("pgfence_client_parks_total", "Times the event loop parked a session's client side because the write gate had to wait for an earlier answer (pipelined writes, wrapped COPY FROM, settings read-backs).", nil, nil)
 	descAdminTot     = prometheus.NewDesc("pgfence_admin_sessions_opened_total", "Admin console sessions opened.", nil, nil)
 	descRefused      = prometheus.NewDesc("pgfence_clients_refused_total", "Clients refused before their session started, by SQLSTATE.", []string{"code"}, nil)
@@ -316,7 +324,7 @@ var (
 )
 
 func (c *collector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{descSessions, descSessionsTot, descSessionsLoop, descParks, descAdminTot, descRefused, descAcceptErrors, descUpErrors, descReads,
+	for _, d := range []*prometheus.Desc{descSessions, descSessionsTot, descSessionsLoop, descParks, descMsgTimeouts, descEvictions, descAdminTot, descRefused, descAcceptErrors, descUpErrors, descReads,
 		descGate, descGateErr, descClassified, descCacheBytes, descCacheEntries, descCacheEvict, descCacheUncache, descLatency, descUp, descLag, descLagBytes} {
 		ch <- d
 	}
@@ -332,6 +340,8 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 	counter(descSessionsTot, st.SessionsTotal.Load())
 	counter(descSessionsLoop, st.SessionsLoop.Load())
 	counter(descParks, st.ClientParks.Load())
+	counter(descMsgTimeouts, st.MessageTimeouts.Load())
+	counter(descEvictions, st.StartupEvictions.Load())
 	counter(descAdminTot, st.AdminSessions.Load())
 	for code, n := range st.Refused() {
 		counter(descRefused, n, code)

@@ -39,6 +39,7 @@ type Server struct {
 	oversizedTag string
 
 	clients  atomic.Int64 // sessions counted against MaxClients
+	startups startupSlots // connections in startup (startup_slots.go)
 	draining atomic.Bool
 	shut     chan struct{} // closed by Shutdown (shutOnce): ends Serve's waits
 	shutOnce sync.Once
@@ -116,9 +117,9 @@ func New(cfg Config, log *zap.Logger) (*Server, error) {
 		s.mem.shrink = cu.UseMemory(s.mem.limit, cacheBudget{&s.mem})
 	}
 	s.auth = &authLookup{cfg: s.primary, query: cfg.AuthQuery, log: log}
-	if heldCost(cfg.MaxMessageSize) > int64(cfg.MemoryBudget) && cfg.Interceptor != nil {
-		log.Warn("memory_budget cannot hold a message of max_message_size: such messages get 53200; raise memory_budget or lower max_message_size",
-			zap.Int("memory_budget", cfg.MemoryBudget), zap.Int("max_message_size", cfg.MaxMessageSize), zap.Int64("held_message_cost", heldCost(cfg.MaxMessageSize)))
+	if heldCost(cfg.MaxMessageSize) > int64(cfg.ClientMemory) && cfg.Interceptor != nil {
+		log.Info("one session's share of memory_budget (client_memory) cannot hold a message of max_message_size: gated messages over client_memory / 8 get 53200; raise client_memory (within memory_budget) or lower max_message_size",
+			zap.Int("memory_budget", cfg.MemoryBudget), zap.Int("client_memory", cfg.ClientMemory), zap.Int("max_message_size", cfg.MaxMessageSize), zap.Int64("held_message_cost", heldCost(cfg.MaxMessageSize)))
 	}
 	if cfg.Auth == AuthTrust {
 		log.Warn("auth trust: every client is let in without a password, as any user it names; use it for local development only")
@@ -291,10 +292,12 @@ func (s *Server) handle(c net.Conn) {
 		}
 	}()
 	log := s.log.With(zap.Stringer("client", c.RemoteAddr()))
+	slot := s.startupBegin(c) // startup_slots.go
+	defer s.startupEnd(slot)
 	c.SetDeadline(time.Now().Add(s.cfg.StartupTimeout))
 	conn, st, err := s.startup(c)
 	if err != nil {
-		s.refuse(conn, err, log, "startup failed")
+		s.refuse(conn, s.startupError(slot, err), log, "startup failed")
 		return
 	}
 	if st == nil { // cancel request, SSL probe that went away
@@ -307,12 +310,6 @@ func (s *Server) handle(c net.Conn) {
 		s.refuse(conn, &ProtocolError{Code: "0A000", Msg: "pgfence does not proxy replication connections; connect to PostgreSQL directly for replication"}, log, "replication refused")
 		return
 	}
-	if n, limit := s.clients.Add(1), s.live().maxClients; limit > 0 && n > int64(limit) {
-		s.clients.Add(-1)
-		s.refuse(conn, &ProtocolError{Code: "53300", Msg: "sorry, too many clients already", Err: ErrTooManyClients}, log, "client refused")
-		return
-	}
-	defer s.clients.Add(-1)
 	if st.needsNegotiation() {
 		msg := encode(nil, &pgproto3.NegotiateProtocolVersion{NewestMinorProtocol: 0, UnrecognizedOptions: st.unknown})
 		if _, err := conn.Write(msg); err != nil {
@@ -321,14 +318,24 @@ func (s *Server) handle(c net.Conn) {
 		}
 	}
 	if db == AdminDatabase { // the admin console, with its own authentication: admin.go
-		s.serveAdmin(conn, st, log)
+		// Not counted against max_clients: the console stays reachable
+		// however many clients there are.
+		s.serveAdmin(conn, st, log, slot)
 		return
 	}
 	proof, err := s.authenticate(conn, st, log)
 	if err != nil {
-		s.refuse(conn, err, log, "authentication failed")
+		s.refuse(conn, s.startupError(slot, err), log, "authentication failed")
 		return
 	}
+	s.startupEnd(slot)
+	// max_clients counts authenticated sessions only (startup_slots.go).
+	if n, limit := s.clients.Add(1), s.live().maxClients; limit > 0 && n > int64(limit) {
+		s.clients.Add(-1)
+		s.refuse(conn, &ProtocolError{Code: "53300", Msg: "sorry, too many clients already", Err: ErrTooManyClients}, log, "client refused")
+		return
+	}
+	defer s.clients.Add(-1)
 	if !s.admit(conn, st, log) { // DISABLE, PAUSE: admin_pause.go
 		return
 	}

@@ -84,34 +84,22 @@ type State struct {
 }
 
 // New returns the state of a new connection from its startup parameters:
-// "user", "options" (-c name=value and --name=value switches, with
-// backslash escaping of spaces, as PGOPTIONS carries them) and any other
-// parameter, which the server treats as a GUC to set (search_path=...). The
-// values become the session defaults that RESET returns to. Malformed fence
-// values are refused with an *Error. The State refers to stmts, the
-// statements of the connection it runs on (NewStatements for a new one),
-// until Attach points it at another's.
+// "user", "options" (the server's switches, of which -c name=value and
+// --name=value set settings, with backslash escaping, as PGOPTIONS
+// carries them) and any other parameter, which the server treats as a
+// setting (search_path=...). They are read exactly as the server reads
+// them (startup.go): options first, then the other parameters, which
+// override them; what the server would refuse, or what the proxy could
+// read differently, is refused with an *Error. The values become the
+// session defaults that RESET returns to. Malformed fence values are
+// refused with an *Error. The State refers to stmts, the statements of
+// the connection it runs on (NewStatements for a new one), until Attach
+// points it at another's.
 func New(params map[string]string, stmts *Statements) (*State, error) {
 	s := &State{
 		user:  params["user"],
 		vars:  make(map[string]*variable),
 		stmts: stmts,
-	}
-	// Direct parameters first, then options, in a stable order; the
-	// server applies the options after the packet's other parameters.
-	keys := make([]string, 0, len(params))
-	for k := range params {
-		keys = append(keys, k)
-	}
-	sort.Strings(keys)
-	for _, k := range keys {
-		switch k {
-		case "user", "database", "options", "replication", "application_name", "client_encoding":
-			continue
-		}
-		if err := s.setStartup(strings.ToLower(k), params[k]); err != nil {
-			return nil, err
-		}
 	}
 	opts, err := ParseOptions(params["options"])
 	if err != nil {
@@ -119,6 +107,29 @@ func New(params map[string]string, stmts *Statements) (*State, error) {
 	}
 	for _, o := range opts {
 		if err := s.setStartup(o[0], o[1]); err != nil {
+			return nil, err
+		}
+	}
+	// Then the packet's other parameters. Their order does not matter
+	// unless two name the same setting, which only a difference in case
+	// allows (the packet's names are a map's keys): refused.
+	seen := make(map[string]string, len(params))
+	for k := range params {
+		switch k {
+		case "user", "database", "options", "replication":
+			continue
+		}
+		name := strings.ToLower(k)
+		if other, dup := seen[name]; dup && Tracked(name) {
+			e := invalid("pgfence: startup parameters %q and %q name the same setting; PostgreSQL applies them in packet order, which the proxy does not keep", other, k)
+			e.Code = CodeProtocolViolation
+			e.Hint = "Send each setting once."
+			return nil, e
+		}
+		seen[name] = k
+	}
+	for name, k := range seen {
+		if err := s.setStartup(name, params[k]); err != nil {
 			return nil, err
 		}
 	}
@@ -135,67 +146,6 @@ func (s *State) setStartup(name, val string) error {
 	v := value{s: val, known: true}
 	s.vars[name] = &variable{cur: v, reset: v}
 	return nil
-}
-
-// ParseOptions splits a startup "options" string the way the server does
-// (pg_split_opts, then the -c / --name=value switches of
-// process_postgres_switches) and returns the (name, value) settings, names
-// lowercased with '-' turned into '_'. Other switches are ignored.
-func ParseOptions(options string) ([][2]string, error) {
-	var args []string
-	var b strings.Builder
-	in, esc := false, false
-	for i := 0; i < len(options); i++ {
-		c := options[i]
-		if !esc && isSpace(c) {
-			if in {
-				args = append(args, b.String())
-				b.Reset()
-				in = false
-			}
-			continue
-		}
-		in = true
-		if !esc && c == '\\' {
-			esc = true
-			continue
-		}
-		esc = false
-		b.WriteByte(c)
-	}
-	if in {
-		args = append(args, b.String())
-	}
-	var out [][2]string
-	for i := 0; i < len(args); i++ {
-		a := args[i]
-		var opt string
-		switch {
-		case a == "-c" || a == "--":
-			if i+1 >= len(args) {
-				return nil, invalid("option %s requires a value", a)
-			}
-			i++
-			opt = args[i]
-		case strings.HasPrefix(a, "--"):
-			opt = a[2:]
-		case strings.HasPrefix(a, "-c"):
-			opt = a[2:]
-		default:
-			continue
-		}
-		name, val, ok := strings.Cut(opt, "=")
-		if !ok {
-			return nil, invalid("--%s requires a value", opt)
-		}
-		name = strings.ToLower(strings.ReplaceAll(name, "-", "_"))
-		out = append(out, [2]string{name, val})
-	}
-	return out, nil
-}
-
-func isSpace(c byte) bool {
-	return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v'
 }
 
 // User returns the session user from the startup packet.

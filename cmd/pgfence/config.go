@@ -40,6 +40,9 @@ type serveConfig struct {
 	AuthQuery         string            `toml:"auth_query"`
 	AllowRemoteTrust  bool              `toml:"allow_remote_trust"`
 	MaxClients        int               `toml:"max_clients"`
+	MaxStartupClients int               `toml:"max_startup_clients"`
+	ClientMemory      string            `toml:"client_memory"`
+	MessageTimeout    string            `toml:"message_timeout"`
 	MaxMessageSize    string            `toml:"max_message_size"`
 	MemoryBudget      string            `toml:"memory_budget"`
 	CacheMemory       string            `toml:"cache_memory"`
@@ -261,6 +264,7 @@ func (c serveConfig) proxyConfig() (proxy.Config, error) {
 		Primary:           c.Primary,
 		Replicas:          c.Replicas,
 		MaxClients:        c.MaxClients,
+		MaxStartupClients: c.MaxStartupClients,
 		UpstreamPasswords: c.UpstreamPasswords,
 		AdminUsers:        c.AdminUsers,
 		StatsUsers:        c.StatsUsers,
@@ -320,6 +324,20 @@ func (c serveConfig) proxyConfig() (proxy.Config, error) {
 			return pc, fmt.Errorf("memory budget: %w", err)
 		}
 		pc.MemoryBudget = n
+	}
+	if c.ClientMemory != "" {
+		n, err := parseSizeUpTo(c.ClientMemory, 1<<40)
+		if err != nil {
+			return pc, fmt.Errorf("client memory: %w", err)
+		}
+		pc.ClientMemory = n
+	}
+	if c.MessageTimeout != "" {
+		d, err := parseDuration(c.MessageTimeout)
+		if err != nil {
+			return pc, fmt.Errorf("message timeout: %w", err)
+		}
+		pc.MessageTimeout = d
 	}
 	if c.ShutdownTimeout != "" {
 		d, err := parseDuration(c.ShutdownTimeout)
