@@ -46,7 +46,7 @@ ifeq ($(strip $(RACEPKGS)),)
 	$(GO) test -count=1 -timeout 15m $(TESTFLAGS) $(PKGS)
 else
 	$(GO) test -count=1 -timeout 15m $(TESTFLAGS) $$($(GO) list $(PKGS) | grep -v -x -F "$$($(GO) list $(RACEPKGS))")
-	$(GO) test -count=1 -race -timeout 15m $(TESTFLAGS) $(RACEPKGS)
+	$(GO) test -count=1 -race -timeout 25m $(TESTFLAGS) $(RACEPKGS)
 endif
 
 # The driver matrix (internal/drivers): psycopg2, psycopg 3, node-postgres,
