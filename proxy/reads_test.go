@@ -349,6 +349,19 @@ func TestReadSetCode(t *testing.T) {
 		}
 		return rd
 	}
+	// reloadAll runs sql and waits for a set whose all is want: a
+	// notification of the previous step may still arrive and be the
+	// reload reload waits for, read before sql committed.
+	reloadAll := func(sql string, want bool) bool {
+		t.Helper()
+		seen := cat.ddlSeen.Load()
+		execOK(t, direct, sql)
+		err := pgtest.Poll(ctx, func() (bool, error) {
+			rd := cat.reads.Load()
+			return cat.ddlSeen.Load() > seen && rd != nil && rd.all == want, nil
+		})
+		return err == nil
+	}
 	rd := reload("CREATE TABLE quiet (n int)")
 	if rd.all || rd.colFuncs["peekattr"] || !rd.colFuncs["ts_stat"] {
 		t.Fatalf("a database without user code: all=%v colFuncs=%v", rd.all, rd.colFuncs)
@@ -376,10 +389,10 @@ func TestReadSetCode(t *testing.T) {
 		{"range difference in plpgsql", "CREATE FUNCTION tdiff(a text, b text) RETURNS float8 LANGUAGE plpgsql IMMUTABLE AS 'BEGIN RETURN 0; END'; CREATE TYPE trange AS RANGE (subtype = text, subtype_diff = tdiff)",
 			"DROP TYPE trange; DROP FUNCTION tdiff(text, text)"},
 	} {
-		if rd := reload(c.create); !rd.all {
+		if !reloadAll(c.create, true) {
 			t.Errorf("%s: all is false", c.name)
 		}
-		if rd := reload(c.drop); rd.all {
+		if !reloadAll(c.drop, false) {
 			t.Errorf("after dropping the %s: all is still true", c.name)
 		}
 	}
