@@ -72,8 +72,7 @@ type interceptState struct {
 	clientEventCount atomic.Uint64
 	serverPending    []byte // bytes for the server its socket has not taken yet (inline)
 	// clientReadsPaused: the client is not read until the server takes
-	// serverPending, or its backlog of unread answers is down
-	// (backlogPaused; for observation: tests).
+	// serverPending (for observation: tests).
 	clientReadsPaused atomic.Bool
 
 	// park is the parked client side's wait (nil: not parked), parkedLen
@@ -429,9 +428,7 @@ func (l *evloop) interceptInterest(r *relay) error {
 		}
 		ic.serverInterest = serverInterest
 		ic.serverReadsPaused.Store(serverInterest&evIn == 0)
-	}
-	if paused := serverInterest&evOut != 0 || ic.backlogPaused; paused != ic.clientReadsPaused.Load() {
-		ic.clientReadsPaused.Store(paused)
+		ic.clientReadsPaused.Store(serverInterest&evOut != 0)
 	}
 	if want := len(ic.clientPending) > 0; want != ic.clientWriteWatched {
 		var err error
