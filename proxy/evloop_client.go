@@ -245,10 +245,6 @@ func (r *relay) clientSteps() error {
 		if len(ic.serverPending) > 0 || r.replicaPending() {
 			return errPaused
 		}
-		if r.backlogged(false) {
-			ic.backlogPaused = true
-			return errPaused
-		}
 		if ic.stream.total > 0 {
 			if err := r.streamSteps(); err != nil {
 				return err
@@ -316,30 +312,6 @@ func (r *relay) clientSteps() error {
 			return errClientTerminate
 		}
 	}
-}
-
-// The bounds of a client's unread answers (issue 30, B-M3): while more
-// than maxOutstanding of its requests wait for the server's answers, or
-// more than clientBacklog times the buffer size of answers wait for it to
-// read them, the client is not read, as PostgreSQL stops reading a client
-// that does not read (it blocks on send); it is read again once the
-// backlog is down to half. Without them a client that pipelines without
-// reading made the proxy hold a request (about 150 bytes of heap) for
-// every 8-byte Close it sent.
-const (
-	maxOutstanding = 4096
-	clientBacklog  = 4
-)
-
-// backlogged reports whether the client has too many unread answers
-// (resume: whether it still has more than half).
-func (r *relay) backlogged(resume bool) bool {
-	q, pending := r.s.q.Len(), len(r.intercept.clientPending)
-	maxQ, maxP := maxOutstanding, clientBacklog*r.s.sf.R.Size()
-	if resume {
-		maxQ, maxP = maxQ/2, maxP/2
-	}
-	return q >= maxQ || pending >= maxP
 }
 
 // isDone reports whether req has been answered.

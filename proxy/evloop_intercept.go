@@ -87,9 +87,6 @@ type interceptState struct {
 	// taken while the buffer is larger, for one message (growClient).
 	clientSize int
 	grown      int64
-	// backlogPaused: the client is not read while its unread answers
-	// are over the bounds (backlogged, evloop_client.go).
-	backlogPaused bool
 	// heldTimer ends the session when a message held for growClient has
 	// not all arrived within message_timeout (stopped once it has).
 	heldTimer *time.Timer
@@ -347,13 +344,6 @@ func (l *evloop) interceptEvent(r *relay, fd int, ev uint32) {
 		}
 		return l.replicaSteps(r, false) // the replica's held while the primary's message was in pieces
 	}()
-	if ic := r.intercept; err == nil && ic.backlogPaused && ic.park == nil && !r.backlogged(true) {
-		// The backlog that stopped the client's reads is down: read on.
-		ic.backlogPaused = false
-		if len(ic.serverPending) == 0 && !r.replicaPending() {
-			err = r.s.guard("client", func() error { return l.clientInline(r) })
-		}
-	}
 	if err == nil && r.intercept.park != nil {
 		// The Handler's continuation, or its message handled again: a
 		// panic there ends this session only, as in ClientMessage.
