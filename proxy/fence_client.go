@@ -29,6 +29,15 @@ func (h *fenceSession) clientMessage(s *Session, msg []byte) (Verdict, error) {
 			return Drop, err
 		}
 	}
+	if h.tail != nil {
+		switch msg[0] {
+		case 'P', 'B', 'E', 'D', 'C', 'Q', 'F':
+			// The batch goes on after a gated COMMIT (fence_replay.go).
+			if err := h.replayedBatch(s); err != nil {
+				return Drop, err // ErrWait on the loop: nothing done yet
+			}
+		}
+	}
 	switch msg[0] {
 	case 'Q':
 		if h.inBatch && h.batch.MayEnd() {

@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"encoding/binary"
+	"strings"
 	"time"
 
 	"github.com/pgfence/pgfence/rewrite"
@@ -290,7 +291,7 @@ func (h *fenceSession) runQuery(s gateConn, sql string, res *rewrite.Result, q *
 	case plan.Restore:
 		return h.sendRestore(s)
 	case plan.AwaitCommit:
-		return h.awaitCommit(s, t)
+		return h.awaitCommit(s, t, sql, res)
 	case plan.AfterCopy:
 		return h.awaitCopy(s, t)
 	}
@@ -331,24 +332,79 @@ func stepOf(k plan.Kind) step {
 }
 
 // awaitCommit ends a client's query whose gated COMMIT had statements
-// after it, once the query is answered. If the receipt step failed, the
-// COMMIT and everything after it was skipped and the transaction is
-// aborted: ROLLBACK ends it (the client has the step's error, or COMMIT
-// and the replay NOTICE). Otherwise the transaction is as the client's
-// statements left it (committed and maybe a new one begun, or failed by a
-// statement of the client's before the COMMIT), and an empty query gives
-// the client the ReadyForQuery that says so. On the loop the client side
-// is parked meanwhile (then).
-func (h *fenceSession) awaitCommit(s gateConn, t *tag) error {
+// after it (or chained), once the query is answered. If the receipt step
+// failed, the COMMIT and everything after it was skipped and the
+// transaction is aborted: ROLLBACK ends it (the client has the step's
+// error). After a replay (the client has COMMIT and the replay NOTICE)
+// the client's statements after the COMMIT are still to run, as they
+// would have after a COMMIT that succeeded: the transaction ends as the
+// COMMIT would have ended it (AND CHAIN included), and the rest of the
+// text goes on as a query of its own (replayTail). Otherwise the
+// transaction is as the client's statements left it (committed and maybe
+// a new one begun, or failed by a statement of the client's before the
+// COMMIT), and an empty query gives the client the ReadyForQuery that
+// says so. On the loop the client side is parked meanwhile (then).
+func (h *fenceSession) awaitCommit(s gateConn, t *tag, sql string, res *rewrite.Result) error {
 	return h.barrierThen(s, func() error {
-		defer h.markState()
 		h.mu.Lock()
-		failed := t.stepFailed
+		failed, replayAt := t.stepFailed, t.replayAt
 		h.mu.Unlock()
+		if failed && replayAt > 0 {
+			if commit := replayedCommit(t.segs[replayAt:]); commit != nil {
+				return h.replayTail(s, sql, res, commit)
+			}
+		}
+		defer h.markState()
 		if failed {
 			return h.sendRollback(s)
 		}
 		return h.send(s, h.qmsg(""), &tag{kind: 'Q', segs: []seg{{step: stepRestore}}}, true)
+	})
+}
+
+// replayedCommit is the client's COMMIT that a replayed receipt step
+// stood for: the client statement right after the step (segs begins
+// after it), if it is a COMMIT.
+func replayedCommit(segs []seg) *rewrite.Stmt {
+	for _, sg := range segs {
+		if sg.step != stepClient {
+			continue
+		}
+		if sg.stmt != nil && sg.stmt.Kind == rewrite.Commit {
+			return sg.stmt
+		}
+		return nil
+	}
+	return nil
+}
+
+// replayTail goes on with a query after its gated COMMIT was answered by
+// a replay: the server skipped the COMMIT and what follows it, and the
+// transaction is aborted. A hidden ROLLBACK (AND CHAIN, for COMMIT AND
+// CHAIN) ends it as the COMMIT would have, then the client's statements
+// after the COMMIT are handled as a query of their own, classified and
+// gated like any other, whose ReadyForQuery is the one the client sees.
+func (h *fenceSession) replayTail(s gateConn, sql string, res *rewrite.Result, commit *rewrite.Stmt) error {
+	tail := ""
+	for i, st := range res.Stmts {
+		if st == commit && i+1 < len(res.Stmts) {
+			tail = sql[res.Stmts[i+1].Offset:]
+			break
+		}
+	}
+	if err := h.endReplayed(s, commit.Chain); err != nil { // fence_replay.go
+		return err
+	}
+	if strings.TrimSpace(tail) == "" {
+		// Nothing after the COMMIT (it chained): an empty query's
+		// ReadyForQuery is the client's.
+		return h.send(s, h.qmsg(""), &tag{kind: 'Q', segs: []seg{{step: stepRestore}}}, true)
+	}
+	return h.barrierThen(s, func() error {
+		h.mu.Lock()
+		h.errShown = false // the client's query goes on: its errors are its own
+		h.mu.Unlock()
+		return h.query(s, h.qmsg(tail))
 	})
 }
 

@@ -358,6 +358,7 @@ func (h *fenceSession) executeDeciding(s gateConn, msg []byte, t *tag, st *rewri
 	if ep.Unfenced {
 		h.f.Stats.Unfenced.Add(1)
 	}
+	from := h.seq
 	for i := range ep.Before {
 		if err := h.execStep(s, &ep.Before[i], st); err != nil {
 			return err
@@ -372,6 +373,9 @@ func (h *fenceSession) executeDeciding(s gateConn, msg []byte, t *tag, st *rewri
 	}
 	if ep.AwaitCommit {
 		h.commitReq = h.last
+	}
+	if st.Kind == rewrite.Commit && receiptBefore(ep.Before) {
+		h.tail = &pendingTail{commit: h.last, from: from, chain: st.Chain}
 	}
 	return nil
 }
@@ -489,6 +493,7 @@ func (h *fenceSession) sync(s gateConn, msg []byte) error {
 		}
 		h.txReq = nil
 	}
+	h.tail = nil // nothing after the COMMIT in its batch
 	sp := h.batch.Sync()
 	if sp.Receipt != nil {
 		if err := h.execStep(s, sp.Receipt, nil); err != nil {

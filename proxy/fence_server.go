@@ -223,10 +223,12 @@ func (h *fenceSession) complete(s gateConn, sg seg, msg []byte, cp *clientPortal
 func (h *fenceSession) onError(s gateConn, msg []byte, t *tag) (Verdict, error) {
 	st := t.step
 	var sg seg
+	at := 0
 	if t.kind == 'Q' {
 		sg = seg{step: stepClient}
 		if t.cur < len(t.segs) {
 			sg = t.segs[t.cur]
+			at = t.cur + 1
 		}
 		t.cur = len(t.segs) // the server skips the rest of the query
 		st = sg.step
@@ -263,7 +265,9 @@ func (h *fenceSession) onError(s gateConn, msg []byte, t *tag) (Verdict, error) 
 		if gen.JobKey == "" {
 			gen = h.st.Gate().Gen
 		}
-		if sg.beforeCommit {
+		if sg.beforeCommit || (t.kind == 'Q' && replayedCommit(t.segs[at:]) != nil) {
+			// The client's COMMIT is answered as committed (an
+			// implicit transaction's too).
 			s.WriteClient(encode(nil, &pgproto3.CommandComplete{CommandTag: []byte("COMMIT")}))
 		}
 		s.WriteClient(encode(nil, &pgproto3.NoticeResponse{Severity: "NOTICE", SeverityUnlocalized: "NOTICE", Code: fence.CodeReplay,
@@ -271,8 +275,13 @@ func (h *fenceSession) onError(s gateConn, msg []byte, t *tag) (Verdict, error) 
 				gen.JobKey, gen.Epoch, gen.Token, gen.Step),
 			Detail: e.Detail}))
 		h.logRefusal(s, &e, nil, "replayed") // fence_log.go
-		// The rest of the batch is skipped; its errors stay hidden.
+		// The rest of the batch is skipped; its errors stay hidden. A
+		// query's statements after the COMMIT are run again (awaitCommit).
 		h.errShown = true
+		t.replayAt = at
+		if t.kind == 'E' {
+			h.replayedSeq = t.seq // the batch's next statements (replayedBatch)
+		}
 		return Drop, nil
 	}
 	h.errShown = true

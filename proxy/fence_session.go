@@ -85,9 +85,15 @@ type fenceSession struct {
 	// txReq is the gate's read of the wrapped batch's transaction id
 	// (plan.TxStatement), until the batch's Sync; txID (under mu) its
 	// answer: the receipt at the Sync is bound to it (fence_extended.go).
-	txReq    *Request
-	txID     string
-	stateReq *Request // the last request sent that changes session or gate state
+	txReq *Request
+	txID  string
+	// tail is the client's Execute of a COMMIT with a receipt step
+	// before it, while the batch goes on after it (fence_replay.go);
+	// replayedSeq (under mu) the seq of the last receipt step answered
+	// by a replay.
+	tail        *pendingTail
+	replayedSeq uint64
+	stateReq    *Request // the last request sent that changes session or gate state
 	// seq numbers the requests sent (tag.seq); encSeq is the last that
 	// may have changed how the server reads the client's text, gucSeq the
 	// last that may have changed the tracked settings unseen, resyncInTx
@@ -164,6 +170,9 @@ type tag struct {
 	hideReady bool
 	// stepFailed: a gate step of this query failed (set by onError).
 	stepFailed bool
+	// replayAt: the receipt step of this query answered a replay (FN00R)
+	// at segs[replayAt-1]; 0 when none did (set by onError).
+	replayAt int
 	// copyIn, for a wrapped COPY FROM (plan.AfterCopy), gets a token each
 	// time the server starts one of the query's COPYs (CopyInResponse);
 	// it has room for all of them. It is set before the tag is sent and

@@ -46,7 +46,10 @@ const (
 	// query's ReadyForQuery is hidden; once it is answered, ROLLBACK if
 	// a receipt step failed (the COMMIT and everything after it were
 	// skipped), else an empty query: either's ReadyForQuery is the
-	// client's.
+	// client's. After a replay of a receipt step (its COMMIT answered
+	// as committed), the transaction ends as the COMMIT would have
+	// ended it and the statements after the COMMIT go again as a query
+	// of their own.
 	AwaitCommit
 	// AfterCopy: a protected COPY FROM in an implicit transaction,
 	// which Steps opened with Begin. The query's ReadyForQuery is
@@ -199,6 +202,7 @@ func rewriteQuery(ss Session, stmts []*rewrite.Stmt) Query {
 		client(i)
 	}
 	wrapped, hasCopy, beforeCommit := false, false, false
+	tail := false // statements follow a COMMIT with a receipt before it
 	copyInTx := false // a gated COPY FROM in the current transaction, in this query
 	wrapStart := 0    // where the wrapped implicit transaction began
 	// blockOnlyAt: the steps index and statement of the first statement
@@ -263,6 +267,11 @@ loop:
 				inject(Step{Kind: Savepoint, Stmt: i, At: s.Offset})
 			}
 			inject(Step{Kind: Receipt, Stmt: i, At: s.Offset, Gen: gen, genFrom: genFrom, Gated: gated, BeforeCommit: true, Digest: dg})
+			if i+1 < len(stmts) {
+				// On a replay the server skips the rest of the query:
+				// the proxy must send it again (AwaitCommit).
+				tail = true
+			}
 			if explicit {
 				// The client's own transaction: its COMMIT must run
 				// whatever the receipt did (below). A COMMIT ending an
@@ -351,9 +360,18 @@ loop:
 		// (SAVEPOINT refused, BEGIN turning it explicit), and it
 		// commits at the end of the query only if nothing failed.
 		q.Steps = append(q.Steps, Step{Kind: Receipt, Stmt: -1, At: -1, Gen: gen, genFrom: genFrom, Gated: gated, Digest: digestNow(len(stmts) + 1)})
+		if tail {
+			q.Ending = AwaitCommit // an earlier COMMIT's replay
+		}
 	case beforeCommit && len(stmts) == 1 && lastCommit(stmts, steps):
 		// Steps: the receipt, the COMMIT.
 		q.Ending = LoneCommit
+	case tail:
+		// A COMMIT with a receipt before it, and statements after it:
+		// on a replay of the receipt the server skips the COMMIT and
+		// the rest of the query, and the proxy sends the statements
+		// after the COMMIT again, once the query is answered.
+		q.Ending = AwaitCommit
 	case beforeCommit && lastCommit(stmts, steps):
 		// The client's statements, the receipt in a savepoint and the
 		// client's COMMIT, then a query that ends the transaction only
