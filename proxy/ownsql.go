@@ -50,6 +50,8 @@ type ownText struct {
 	where ownWhere
 	sql   string
 	match string
+	// drivenBy: the test that runs it, when every_text cannot.
+	drivenBy string
 }
 
 var ownTexts []ownText
@@ -84,6 +86,25 @@ func init() {
 		"SELECT (CASE WHEN fence.replica_reached(E'")
 	ownTemplate("replica fence-row check (fence.fences)", onSession, fenceCheckQuery(requirement{job: "job", token: 2}, false),
 		"SELECT coalesce((SELECT f.max_issued_token FROM fence.fences AS f WHERE f.job_key OPERATOR(pg_catalog.=) E'")
+	own("end of a transaction a gate step failed", onSession, "ROLLBACK")
+	own("end of a replayed transaction that chained", onSession, "ROLLBACK AND CHAIN")
+	own("commit of a wrapped COPY", onSession, "COMMIT")
+	ownTemplate("no fence schema probe (FN014)", onSession, noSchemaProbe(&fence.Error{Code: "FN014", Message: "m", Hint: "h"}),
+		"DO $pgfence$BEGIN IF NOT EXISTS (SELECT FROM pg_catalog.pg_namespace n JOIN pg_catalog.pg_roles r")
+	ownDrivenBy("replica lexing: standard_conforming_strings", onSession, "SET standard_conforming_strings = off", "TestBypass/replstate")
+	ownDrivenBy("replica lexing: client_encoding", onSession, "SET client_encoding = 'LATIN1'", "TestBypass/replstate")
+	ownDrivenBy("read-only replica transaction's isolation", onSession, showIsolation, "TestBypass/rotx (it needs a lagging replica)")
+}
+
+// ownDrivenBy registers a text the trapped database of every_text does
+// not drive (it needs a lagging replica, or a read-only transaction on
+// the replica whose lexing settings the client changed) and names the
+// test that does. Such a
+// text must name nothing PostgreSQL looks up (TestOwnSQLQualified still
+// parses it; TestOwnDrivenByNamesNothing checks that it names nothing).
+func ownDrivenBy(name string, where ownWhere, sql, test string) string {
+	ownTexts = append(ownTexts, ownText{name: name, where: where, sql: sql, match: sql, drivenBy: test})
+	return sql
 }
 
 // sampleGeneration instantiates the templates (every_text drives job

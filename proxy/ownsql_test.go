@@ -150,6 +150,26 @@ func names(v any) []string {
 	return out
 }
 
+// TestOwnDrivenByNamesNothing: a text that every_text does not drive
+// (ownDrivenBy) names no function, operator, type or relation at all,
+// qualified or not: nothing in a trapped database can reach it.
+func TestOwnDrivenByNamesNothing(t *testing.T) {
+	for _, o := range ownTexts {
+		if o.drivenBy == "" {
+			continue
+		}
+		tree, err := pg_query.ParseToJSON(o.sql)
+		if err != nil {
+			t.Fatalf("%s: %v", o.name, err)
+		}
+		for _, node := range []string{"FuncCall", "A_Expr", "TypeName", "RangeVar", "TypeCast"} {
+			if strings.Contains(tree, `"`+node+`"`) {
+				t.Errorf("%s (driven by %s) has a %s: %s", o.name, o.drivenBy, node, o.sql)
+			}
+		}
+	}
+}
+
 // TestOwnTemplates: every template's instance contains what identifies it
 // in a statement log, and every text of the gate's steps is registered.
 func TestOwnTemplates(t *testing.T) {
@@ -167,7 +187,7 @@ func TestOwnTemplates(t *testing.T) {
 			t.Errorf("the gate's statement %s is not registered", s.Name)
 		}
 	}
-	for _, s := range []string{settingsSQL, insertLSNQuery, ownsql.CheckSQL, fencesSQL, protectedQuery, readSetQuery, readSetHashQuery, catalogModeQuery, writeLSNQuery, replayQuery, listenSQL, DefaultAuthQuery} {
+	for _, s := range []string{showIsolation, plan.RestoreSQL, settingsSQL, insertLSNQuery, ownsql.CheckSQL, fencesSQL, protectedQuery, readSetQuery, readSetHashQuery, catalogModeQuery, writeLSNQuery, replayQuery, listenSQL, DefaultAuthQuery} {
 		if !slices.Contains(sqls, s) {
 			t.Errorf("not registered: %s", s)
 		}
