@@ -27,6 +27,19 @@ func bypassPrepareLocks(t *testing.T) {
 create function public.lock_res() returns int language sql as $$ select k from res where k = 1 for update $$;
 create view public.res_v as select * from res;
 grant select, update on public.res_v to public;
+create table public.dtrig (x int);
+create table public.dtrig2 (x int);
+grant insert on public.dtrig, public.dtrig2 to public;
+create function public.dtrig_lock() returns trigger language plpgsql as $$ begin perform 1 from res where k = 1 for update; return null; end $$;
+create function public.dtrig_table() returns trigger language plpgsql as $$ begin lock table res in exclusive mode; return null; end $$;
+create constraint trigger dtrig_lock after insert on public.dtrig deferrable initially deferred for each row execute function public.dtrig_lock();
+create constraint trigger dtrig_table after insert on public.dtrig2 deferrable initially deferred for each row execute function public.dtrig_table();
+create table public.dtrig3 (x int);
+grant insert on public.dtrig3 to public;
+create function public.dtrig_again() returns trigger language plpgsql as $$ begin
+  if new.x = 1 then set constraints all deferred; insert into public.dtrig3 values (2); else perform 1 from res where k = 1 for update; end if;
+  return null; end $$;
+create constraint trigger dtrig_again after insert on public.dtrig3 deferrable initially deferred for each row execute function public.dtrig_again();
 `)
 	const gid = "'pgfence_bypass_l'"
 	cases := []struct{ name, lock string }{
@@ -42,6 +55,11 @@ grant select, update on public.res_v to public;
 		{"lock_table", "lock table res in row share mode"},
 		{"lock_table_access_share", "lock table res in access share mode"},
 		{"plain_read", "select count(*) from res"},
+		// (round 2, attacker E's M1) Deferred triggers fire at PREPARE,
+		// after the probe: the probe fires them first.
+		{"deferred_trigger_for_update", "insert into dtrig values (1)"},
+		{"deferred_trigger_lock_table", "insert into dtrig2 values (1)"},
+		{"deferred_trigger_defers_again", "insert into dtrig3 values (1)"},
 	}
 	for _, tc := range cases {
 		for _, role := range []string{c.worker2, c.worker} {

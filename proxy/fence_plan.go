@@ -119,6 +119,18 @@ func noSchemaProbe(e *fence.Error) string {
 // its own table only refuses its own PREPARE. Sent by the proxy right
 // before a client's PREPARE TRANSACTION, in the client's transaction,
 // with the client's search_path: everything is qualified.
+//
+// PREPARE fires the transaction's deferred triggers, after the probe: a
+// client's deferred constraint trigger would take its locks then (round
+// 2, attacker E's M1), and one fired early can defer itself again (SET
+// CONSTRAINTS inside it). So the probe also refuses a transaction that
+// may have deferred trigger events pending: one that changed (holds a
+// lock stronger than ROW SHARE on) a table with a deferrable trigger.
+// Only a change queues a constraint trigger's event (they are AFTER ROW
+// triggers of INSERT, UPDATE, DELETE, MERGE and COPY), and a change holds
+// its table's lock to the end of the transaction: the lock table decides
+// again, not the text. A deferrable foreign key counts too (its checks
+// are such triggers, and take KEY SHARE locks on the rows they reference).
 var prepareLockProbe = own("PREPARE TRANSACTION lock probe", onSession, `DO $pgfence$BEGIN IF EXISTS (SELECT FROM pg_catalog.pg_locks AS l
   JOIN pg_catalog.pg_trigger AS t ON t.tgrelid OPERATOR(pg_catalog.=) l.relation
   JOIN pg_catalog.pg_proc AS f ON f.oid OPERATOR(pg_catalog.=) t.tgfoid
@@ -127,6 +139,15 @@ var prepareLockProbe = own("PREPARE TRANSACTION lock probe", onSession, `DO $pgf
     AND l.database OPERATOR(pg_catalog.=) (SELECT d.oid FROM pg_catalog.pg_database AS d WHERE d.datname OPERATOR(pg_catalog.=) pg_catalog.current_database())
     AND n.nspname OPERATOR(pg_catalog.=) 'fence') THEN
   RAISE EXCEPTION USING ERRCODE = 'FN009', MESSAGE = 'PREPARE TRANSACTION is not supported in a transaction that locked a protected table (read it FOR UPDATE or FOR SHARE, locked or wrote it): a prepared transaction keeps its locks after its client has gone',
+    HINT = 'COMMIT or ROLLBACK the transaction';
+END IF;
+IF EXISTS (SELECT FROM pg_catalog.pg_locks AS l
+  JOIN pg_catalog.pg_trigger AS t ON t.tgrelid OPERATOR(pg_catalog.=) l.relation
+  WHERE l.pid OPERATOR(pg_catalog.=) pg_catalog.pg_backend_pid() AND l.locktype OPERATOR(pg_catalog.=) 'relation'
+    AND l.database OPERATOR(pg_catalog.=) (SELECT d.oid FROM pg_catalog.pg_database AS d WHERE d.datname OPERATOR(pg_catalog.=) pg_catalog.current_database())
+    AND l.mode OPERATOR(pg_catalog.<>) 'AccessShareLock' AND l.mode OPERATOR(pg_catalog.<>) 'RowShareLock'
+    AND t.tgdeferrable) THEN
+  RAISE EXCEPTION USING ERRCODE = 'FN009', MESSAGE = 'PREPARE TRANSACTION is not supported, in a database with protected tables, in a transaction that changed a table with deferrable constraint triggers or foreign keys: they run at PREPARE, after pgfence has checked the transaction''s locks',
     HINT = 'COMMIT or ROLLBACK the transaction';
 END IF; END$pgfence$`)
 
