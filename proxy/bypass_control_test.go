@@ -1175,7 +1175,9 @@ func driveEveryText(t *testing.T, e *trapEnv) {
 	nofence := e.db + "_nofence"
 	execOK(t, e.su, fmt.Sprintf("CREATE DATABASE %s OWNER %s", pgx.Identifier{nofence}.Sanitize(), pgx.Identifier{e.worker}.Sanitize()))
 	execOK(t, e.su, "ALTER DATABASE "+pgx.Identifier{nofence}.Sanitize()+" SET log_statement = 'all'")
-	t.Cleanup(func() { e.su.Exec(context.Background(), "DROP DATABASE IF EXISTS "+pgx.Identifier{nofence}.Sanitize()+" WITH (FORCE)") })
+	t.Cleanup(func() {
+		e.su.Exec(context.Background(), "DROP DATABASE IF EXISTS "+pgx.Identifier{nofence}.Sanitize()+" WITH (FORCE)")
+	})
 	nfc, err := pgconn.ParseConfig(fmt.Sprintf("postgres://%s@127.0.0.1:%d/%s?sslmode=disable&application_name=%s", url.PathEscape(e.worker), p.addr.Port, nofence, app))
 	if err != nil {
 		t.Fatal(err)

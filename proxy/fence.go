@@ -151,7 +151,6 @@ func (f *Fence) Open(s *Session) (Handler, error) {
 		be:          be,
 		user:        s.User,
 		db:          s.Database,
-		stmts:       map[string]*clientStmt{},
 		batchStmts:  map[string]*clientStmt{},
 		copyStarted: make(chan struct{}, 1),
 		portals:     map[string]*clientPortal{},

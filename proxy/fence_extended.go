@@ -46,12 +46,17 @@ func (h *fenceSession) parse(s gateConn, msg []byte) (Verdict, error) {
 		res = nil // the server refuses it
 	}
 	cs := &clientStmt{res: res, oids: m.ParameterOIDs}
+	t := &tag{kind: 'P', name: m.Name, res: res, oids: m.ParameterOIDs}
 	if m.Name != "" && s.readRouter() != nil {
-		cs.msg = append([]byte(nil), msg...)
+		// Kept with the statement only if the server accepts it: read
+		// routing parses that version again on the other upstream.
+		t.raw = append([]byte(nil), msg...)
 	}
-	h.stmts[m.Name] = cs
-	if err := h.send(s, msg, &tag{kind: 'P', name: m.Name, res: res, oids: m.ParameterOIDs}, true); err != nil {
+	if err := h.send(s, msg, t, true); err != nil {
 		return Drop, err
+	}
+	if t.raw != nil {
+		h.rt.parseReq = h.last
 	}
 	h.batchStmts[m.Name] = cs
 	return Drop, nil
@@ -81,7 +86,35 @@ func (h *fenceSession) bind(s gateConn, msg []byte) (Verdict, error) {
 		}
 	}
 	h.portals[m.DestinationPortal] = cp
-	return Drop, h.send(s, msg, &tag{kind: 'B', name: m.PreparedStatement, portal: m.DestinationPortal}, true)
+	if err := h.send(s, msg, &tag{kind: 'B', name: m.PreparedStatement, portal: m.DestinationPortal}, true); err != nil {
+		return Drop, err
+	}
+	cp.seq = h.seq
+	if len(h.portals) > portalsPruned {
+		h.prunePortals()
+	}
+	return Drop, nil
+}
+
+// portalsPruned: with more client portals kept than this, bind drops
+// those whose transaction has ended (prunePortals).
+const portalsPruned = 64
+
+// prunePortals drops the client's portals the server no longer has: those
+// bound before a ReadyForQuery that said the session was idle
+// (portalsEnded), since PostgreSQL drops every portal when its
+// transaction ends. A client that binds named portals and never closes
+// them would otherwise have its parameters kept for as long as the
+// session lasts (round 2, attacker F's M2).
+func (h *fenceSession) prunePortals() {
+	h.mu.Lock()
+	ended := h.portalsEnded
+	h.mu.Unlock()
+	for name, cp := range h.portals {
+		if cp.seq < ended {
+			delete(h.portals, name)
+		}
+	}
 }
 
 // closeOrDescribe handles a Close or a Describe: neither may name the
@@ -101,9 +134,7 @@ func (h *fenceSession) closeOrDescribe(s gateConn, msg []byte) (Verdict, error) 
 	if msg[0] == 'D' {
 		return Drop, h.send(s, msg, &tag{kind: msg[0]}, true)
 	}
-	if body[0] == 'S' {
-		delete(h.stmts, name)
-	} else {
+	if body[0] != 'S' {
 		delete(h.portals, name)
 	}
 	if err := h.send(s, msg, &tag{kind: 'C', closeOf: body[0], name: name}, true); err != nil {
@@ -176,13 +207,11 @@ func (h *fenceSession) boundStmt(s gateConn, name string) (*rewrite.Stmt, []uint
 type clientStmt struct {
 	res  *rewrite.Result
 	oids []uint32
-	// msg is the client's Parse, with read routing, for a named
-	// statement: route.go parses it again on the other upstream.
-	msg []byte
 }
 
 // clientPortal is a bound portal with its parameters (copied).
 type clientPortal struct {
+	seq     uint64 // the Bind's fenceSession.seq
 	stmt    *rewrite.Stmt
 	oids    []uint32
 	formats []int16

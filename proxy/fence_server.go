@@ -57,6 +57,9 @@ func (h *fenceSession) ServerMessage(s *Session, msg []byte, req *Request) (Verd
 		if v := h.idle.fenceCall.Load(); v != 0 && t.seq >= v && msg[headerLen] == 'I' {
 			h.idle.fenceCall.CompareAndSwap(v, 0)
 		}
+		if msg[headerLen] == 'I' && t.seq > h.portalsEnded {
+			h.portalsEnded = t.seq // every portal bound before is gone (prunePortals)
+		}
 		if err := h.st.TxStatus(msg[headerLen]); err != nil && t.step != stepRollback {
 			s.Logger().Debug("session state resynchronised", zap.Error(err))
 		}
@@ -83,6 +86,11 @@ func (h *fenceSession) ServerMessage(s *Session, msg []byte, req *Request) (Verd
 	case 'P':
 		if msg[0] == '1' && t.step == stepClient {
 			h.be.stmts.Parse(t.name, t.res, t.oids)
+			if t.raw != nil {
+				if p, ok := h.be.stmts.Statement(t.name); ok {
+					p.Raw = t.raw // the version read routing copies (route.go)
+				}
+			}
 		}
 	case 'B':
 		if msg[0] == '2' && t.step == stepClient {

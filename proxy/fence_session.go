@@ -54,9 +54,8 @@ type fenceSession struct {
 	be *gateBackend
 
 	// Client goroutine only.
-	last    *Request               // the last request sent upstream
-	inBatch bool                   // extended-protocol messages sent since the last Sync
-	stmts   map[string]*clientStmt // as sent: read routing's copies (route.go)
+	last    *Request // the last request sent upstream
+	inBatch bool     // extended-protocol messages sent since the last Sync
 	// batchStmts: the client's Parses (and Closes: nil) of the current
 	// batch, what a Bind later in the batch runs if it runs at all; before
 	// the batch, what the server answered (gateBackend.stmts), once
@@ -93,7 +92,10 @@ type fenceSession struct {
 	// by a replay.
 	tail        *pendingTail
 	replayedSeq uint64
-	stateReq    *Request // the last request sent that changes session or gate state
+	// portalsEnded (under mu): the seq of the last request answered with
+	// the session idle; portals bound before it are gone (prunePortals).
+	portalsEnded uint64
+	stateReq     *Request // the last request sent that changes session or gate state
 	// seq numbers the requests sent (tag.seq); encSeq is the last that
 	// may have changed how the server reads the client's text, gucSeq the
 	// last that may have changed the tracked settings unseen, resyncInTx
@@ -190,7 +192,9 @@ type tag struct {
 	oids    []uint32
 	cp      *clientPortal
 	closeOf byte
-	gen     fence.Generation
+	// raw: a named Parse's message, with read routing (session.Prepared.Raw).
+	raw []byte
+	gen fence.Generation
 	// beforeCommit as in seg, for the extended protocol.
 	beforeCommit bool
 	// about is the client statement a gate step guards (for the log).

@@ -73,6 +73,9 @@ type routeState struct {
 	fenceTx    bool   // a fence.* function ran in the open transaction
 	row        string // the answer of the last routing query
 	stmts      stmtCopies
+	// parseReq: the client's last named Parse (with read routing): a copy
+	// waits for its answer, since only what the server accepted is copied.
+	parseReq *Request
 	// ro: the read-only transaction open on the replica (route_rotx.go).
 	ro roTxState
 	// holdFloor: a lower bound of the snapshots of the WITH HOLD cursors
@@ -807,10 +810,22 @@ func (h *fenceSession) routeMsg(s gateConn, msg []byte) error {
 		return nil
 	}
 	sc := &h.rt.stmts
-	var p []byte
-	if cs := h.stmts[name]; cs != nil {
-		p = cs.msg
+	if sc.on[name] != 0 && sc.on[name]&up == 0 {
+		// A copy is due: of the version the server accepted (a Parse it
+		// refused or skipped left the older one, which the gate judges
+		// the Bind by), once the client's last named Parse is answered.
+		// Nothing is done yet.
+		if err := h.wait(s, h.rt.parseReq); err != nil {
+			return err
+		}
+		h.rt.parseReq = nil
 	}
+	var p []byte
+	h.mu.Lock()
+	if ps, ok := h.be.stmts.Statement(name); ok && !ps.SQL {
+		p = ps.Raw
+	}
+	h.mu.Unlock()
 	if p != nil && sc.on[name]&up == 0 {
 		if up == onReplica {
 			_, text, _ := cstring(p[headerLen:])

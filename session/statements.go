@@ -17,6 +17,10 @@ type Prepared struct {
 	ParamOIDs []uint32
 	// SQL marks a statement created by SQL-level PREPARE.
 	SQL bool
+	// Raw is the Parse message the server accepted, kept by a caller that
+	// must parse the same statement again elsewhere (the proxy's read
+	// routing); nil otherwise.
+	Raw []byte
 }
 
 // Portal is a bound statement, ready for Execute.
