@@ -40,6 +40,11 @@ func bypassLockIdle(t *testing.T) {
 		{"function_locks_extended", extended, []string{"BEGIN", "SELECT lockidle_lock('r')"}},
 		{"do_block_locks", simple, []string{"BEGIN", "DO $$BEGIN PERFORM 1 FROM results WHERE job_key = 'r' FOR UPDATE; END$$"}},
 		{"after_savepoint", simple, []string{"BEGIN", "SAVEPOINT s", "SELECT payload FROM results WHERE job_key = 'r' FOR UPDATE"}},
+		// (round 2, attacker E's M2) What the text does not show: the
+		// database says which locks the silent transaction holds.
+		{"view_for_update", simple, []string{"BEGIN", "SELECT payload FROM lockidle_v"}},
+		{"view_for_update_extended", extended, []string{"BEGIN", "SELECT payload FROM lockidle_v"}},
+		{"view_calls_locking_function", simple, []string{"BEGIN", "SELECT n FROM lockidle_fv"}},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
@@ -47,7 +52,9 @@ func bypassLockIdle(t *testing.T) {
 			ctx := ctxT(t)
 			e := newIdleEnv(t)
 			execOK(t, e.direct(t), `CREATE FUNCTION lockidle_lock(k text) RETURNS int LANGUAGE plpgsql AS
-				$$BEGIN PERFORM 1 FROM results WHERE job_key = k FOR UPDATE; RETURN 1; END$$`)
+				$$BEGIN PERFORM 1 FROM results WHERE job_key = k FOR UPDATE; RETURN 1; END$$;
+				CREATE VIEW lockidle_v AS SELECT payload FROM results WHERE job_key = 'r' FOR UPDATE;
+				CREATE VIEW lockidle_fv AS SELECT lockidle_lock('r') AS n`)
 			w := e.mustConnect(t, client{lease: &e.lease})
 			if _, err := w.Exec(ctx, fmt.Sprintf("INSERT INTO results (job_key, payload, token) VALUES ('r', 'mine', %d)", e.lease.Token)); err != nil {
 				t.Fatal(err)
@@ -66,6 +73,28 @@ func bypassLockIdle(t *testing.T) {
 			_, err := locker.Exec(ctx, "SELECT 1")
 			wantCode(t, err, fence.CodeGateTimeout)
 		})
+	}
+}
+
+// A silent transaction that holds no lock but ACCESS SHARE (a plain read)
+// is asked about and left alone: it blocks no gated write.
+func init() { registerBypass("lockidle_plain_read_kept", bypassLockIdlePlainRead) }
+
+func bypassLockIdlePlainRead(t *testing.T) {
+	ctx := ctxT(t)
+	e := newIdleEnv(t)
+	reader := e.mustConnect(t, client{})
+	idleExec(t, reader, pgx.QueryExecModeSimpleProtocol, "BEGIN", "SELECT payload FROM results")
+	before := e.gate.idle.asked.Load()
+	// Asked about twice: silent past the bound each time, and kept.
+	if err := pgtest.Poll(ctx, func() (bool, error) { return e.gate.idle.asked.Load() >= before+2, nil }); err != nil {
+		t.Fatalf("the watchdog did not ask about the silent transaction: %v", err)
+	}
+	if _, err := reader.Exec(ctx, "SELECT 1"); err != nil {
+		t.Fatalf("a silent transaction holding only ACCESS SHARE was ended: %v", err)
+	}
+	if !rowsFree(t, e, "r") {
+		t.Fatal("a plain read holds the job's rows")
 	}
 }
 

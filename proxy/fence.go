@@ -104,7 +104,7 @@ func NewFence(cfg FenceConfig, log *zap.Logger) (*Fence, error) {
 		plans:      plan.NewCache(cache),
 		cats:       newCatalogs(pc, cfg.CatalogRefresh, log.Named("catalog")),
 		log:        log,
-		idle:       newWatchdog(cfg.GateIdleTimeout, log.Named("gate")),
+		idle:       newWatchdog(cfg.GateIdleTimeout, pc, log.Named("gate")),
 	}
 	f.refusals = refusalLogger(log, &f.Stats.RefusalsNotLogged)
 	f.Stats.Cache = cache

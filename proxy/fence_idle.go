@@ -1,14 +1,19 @@
 package proxy
 
 import (
+	"context"
 	"fmt"
+	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgconn"
 	"go.uber.org/zap"
 
 	"github.com/pgfence/pgfence/fence"
+	"github.com/pgfence/pgfence/internal/ctlconn"
 )
 
 // Nobody pins a fence row (issue 18 §4).
@@ -37,6 +42,17 @@ import (
 // empty COPY data do not, so a keepalive of them cannot pin the row.
 // The watchdog looks every quarter of the bound, so a session is ended
 // between one bound and one and a quarter after it fell silent.
+//
+// What the text shows is not all a statement locks: a read of a view
+// defined FOR UPDATE, or one whose function or policy locks rows, looks
+// like a plain read (round 2, attacker E's M2). So in a database with
+// protected tables any transaction silent for the bound is also asked
+// of the database: a session whose backend holds a relation lock
+// stronger than ACCESS SHARE there (a FOR UPDATE/SHARE's ROW SHARE, a
+// write's ROW EXCLUSIVE, LOCK TABLE) is ended as one the text showed,
+// and one holding none is left alone. One query on a control connection
+// (pg_locks, every candidate's backend at once) per look that has
+// candidates; nothing when no transaction is silent that long.
 
 // DefaultGateIdleTimeout is FenceConfig.GateIdleTimeout's default: well
 // under the shortest lease TTL a job should use (30 s and more).
@@ -46,6 +62,9 @@ const DefaultGateIdleTimeout = 10 * time.Second
 type watchdog struct {
 	bound time.Duration
 	log   *zap.Logger
+	base  *pgconn.Config               // the primary's DSN: locksHeld's control connection
+	conn  ctlconn.Conn[*pgconn.PgConn] // locksHeld's, kept
+	asked atomic.Int64                 // silent transactions asked about (locksHeld), answered
 
 	mu       sync.Mutex
 	sessions map[*fenceSession]gateConn
@@ -54,8 +73,8 @@ type watchdog struct {
 	done chan struct{}
 }
 
-func newWatchdog(bound time.Duration, log *zap.Logger) *watchdog {
-	w := &watchdog{bound: bound, log: log, sessions: map[*fenceSession]gateConn{},
+func newWatchdog(bound time.Duration, base *pgconn.Config, log *zap.Logger) *watchdog {
+	w := &watchdog{bound: bound, base: base, log: log, sessions: map[*fenceSession]gateConn{},
 		stop: make(chan struct{}), done: make(chan struct{})}
 	if bound <= 0 {
 		close(w.done)
@@ -84,6 +103,7 @@ func (w *watchdog) close() {
 		close(w.stop)
 	}
 	<-w.done
+	w.conn.Close()
 }
 
 func (w *watchdog) run() {
@@ -95,16 +115,102 @@ func (w *watchdog) run() {
 		case <-w.stop:
 			return
 		case now := <-t.C:
-			w.mu.Lock()
-			for h, s := range w.sessions {
-				if h.silentFor(s, now) >= w.bound {
-					w.expire(h, s)
-				}
-			}
-			w.mu.Unlock()
+			w.look(now)
 		}
 	}
 }
+
+// look ends the sessions silent past the bound that hold, or may hold,
+// what a gated write waits for: those the text showed at once, the other
+// silent transactions in databases with protected tables once the
+// database says their backend holds a lock (locksHeld).
+func (w *watchdog) look(now time.Time) {
+	type candidate struct {
+		h    *fenceSession
+		s    gateConn
+		msgs uint64
+	}
+	var asked map[uint32]candidate
+	w.mu.Lock()
+	for h, s := range w.sessions {
+		d, shown := h.silentFor(s, now)
+		if d < w.bound {
+			continue
+		}
+		if shown {
+			w.expire(h, s)
+			continue
+		}
+		if pid := s.backendPID(); pid != 0 {
+			if asked == nil {
+				asked = map[uint32]candidate{}
+			}
+			asked[pid] = candidate{h, s, h.idle.clientMsgs.Load()}
+		}
+	}
+	w.mu.Unlock()
+	if len(asked) == 0 {
+		return
+	}
+	pids := make([]uint32, 0, len(asked))
+	for pid := range asked {
+		pids = append(pids, pid)
+	}
+	held, err := w.locksHeld(pids)
+	if err != nil {
+		w.log.Warn("cannot ask the database which silent transactions hold locks; asking again at the next look", zap.Error(err))
+		return
+	}
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	defer w.asked.Add(int64(len(pids)))
+	for _, pid := range held {
+		c, ok := asked[pid]
+		if !ok || w.sessions[c.h] == nil || c.h.idle.clientMsgs.Load() != c.msgs {
+			continue // gone, or it spoke meanwhile
+		}
+		w.expire(c.h, c.s)
+	}
+}
+
+// locksHeldSQL lists which of the backends $1 (a comma-separated list of
+// pids) hold a relation lock stronger than ACCESS SHARE. Qualified
+// throughout, on a pinned control connection (ownsql.go).
+var locksHeldSQL = ownDrivenBy("watchdog: silent transactions' locks (in the primary DSN's database)", onControl, `SELECT DISTINCT l.pid::pg_catalog.text FROM pg_catalog.pg_locks AS l
+WHERE l.pid OPERATOR(pg_catalog.=) ANY (pg_catalog.string_to_array($1::pg_catalog.text, ',')::pg_catalog.int4[])
+  AND l.granted AND l.locktype OPERATOR(pg_catalog.=) 'relation' AND l.mode OPERATOR(pg_catalog.<>) 'AccessShareLock'`,
+	"TestBypass/lockidle (it runs in the primary DSN's database, not a client's)")
+
+// locksHeld asks the primary which of pids hold a relation lock stronger
+// than ACCESS SHARE (locksHeldSQL). Relation locks of every database are
+// in pg_locks, whichever database the control connection is in.
+func (w *watchdog) locksHeld(pids []uint32) ([]uint32, error) {
+	strs := make([]string, len(pids))
+	for i, p := range pids {
+		strs[i] = strconv.FormatUint(uint64(p), 10)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), w.bound)
+	defer cancel()
+	var held []uint32
+	err := w.conn.Do(ctx, func(ctx context.Context) (*pgconn.PgConn, error) {
+		return dialControl(ctx, w.base, "", watchdogAppName, w.log, nil)
+	}, func(c *pgconn.PgConn) error {
+		held = held[:0]
+		res := c.ExecParams(ctx, locksHeldSQL, [][]byte{[]byte(strings.Join(strs, ","))}, nil, nil, nil).Read()
+		if res.Err != nil {
+			return res.Err
+		}
+		for _, row := range res.Rows {
+			if p, err := strconv.ParseUint(string(row[0]), 10, 32); err == nil {
+				held = append(held, uint32(p))
+			}
+		}
+		return nil
+	})
+	return held, err
+}
+
+const watchdogAppName = "pgfence gate watchdog"
 
 // idleClock is the watchdog's view of one session (watchdog goroutine
 // only, but clientMsgs).
@@ -122,11 +228,13 @@ type idleClock struct {
 }
 
 // silentFor returns how long s has been silent while it may hold a fence
-// row (0 when it is not holding, or talking).
-func (h *fenceSession) silentFor(s gateConn, now time.Time) time.Duration {
+// row (0 when it is not holding, or talking), and whether what it ran
+// showed that it may (shown); if not, it is a transaction in a database
+// with protected tables, which the database is asked about (look).
+func (h *fenceSession) silentFor(s gateConn, now time.Time) (time.Duration, bool) {
 	c := &h.idle
 	if c.ended {
-		return 0
+		return 0, false
 	}
 	h.mu.Lock()
 	_, fenced := h.st.Generation()
@@ -136,16 +244,17 @@ func (h *fenceSession) silentFor(s gateConn, now time.Time) time.Duration {
 	busy := s.outstanding() && !c.copyWait.Load()
 	msgs := c.clientMsgs.Load()
 	fenced = fenced || c.fenceCall.Load() != 0
-	if !fenced || !txOpen || busy || msgs != c.seen || c.since.IsZero() {
+	watched := fenced || h.protects()
+	if !watched || !txOpen || busy || msgs != c.seen || c.since.IsZero() {
 		c.seen = msgs
-		if fenced && txOpen && !busy {
+		if watched && txOpen && !busy {
 			c.since = now
 		} else {
 			c.since = time.Time{}
 		}
-		return 0
+		return 0, fenced
 	}
-	return now.Sub(c.since)
+	return now.Sub(c.since), fenced
 }
 
 // expire ends a session that held a fence row past the bound.

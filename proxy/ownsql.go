@@ -98,10 +98,12 @@ func init() {
 
 // ownDrivenBy registers a text the trapped database of every_text does
 // not drive (it needs a lagging replica, or a read-only transaction on
-// the replica whose lexing settings the client changed) and names the
-// test that does. Such a
-// text must name nothing PostgreSQL looks up (TestOwnSQLQualified still
-// parses it; TestOwnDrivenByNamesNothing checks that it names nothing).
+// the replica whose lexing settings the client changed, or it runs in the
+// primary DSN's database) and names the test that does. Such a text on a
+// client's session must name nothing PostgreSQL looks up
+// (TestOwnDrivenByNamesNothing); every text is qualified
+// (TestOwnSQLQualified), which is what holds on a control connection,
+// whose search_path is pinned too.
 func ownDrivenBy(name string, where ownWhere, sql, test string) string {
 	ownTexts = append(ownTexts, ownText{name: name, where: where, sql: sql, match: sql, drivenBy: test})
 	return sql
