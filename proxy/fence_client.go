@@ -24,11 +24,6 @@ func (h *fenceSession) clientMessage(s *Session, msg []byte) (Verdict, error) {
 	if asksWork(msg) {
 		h.idle.clientMsgs.Add(1)
 	}
-	if msg[0] != 'Q' && s.readRouter() != nil { // read routing: upstream and named statements (route.go)
-		if err := h.routeMsg(s, msg); err != nil {
-			return Drop, err
-		}
-	}
 	if h.tail != nil {
 		switch msg[0] {
 		case 'P', 'B', 'E', 'D', 'C', 'Q', 'F':
@@ -36,6 +31,11 @@ func (h *fenceSession) clientMessage(s *Session, msg []byte) (Verdict, error) {
 			if err := h.replayedBatch(s); err != nil {
 				return Drop, err // ErrWait on the loop: nothing done yet
 			}
+		}
+	}
+	if msg[0] != 'Q' && s.readRouter() != nil { // read routing: upstream and named statements (route.go)
+		if err := h.routeMsg(s, msg); err != nil {
+			return Drop, err
 		}
 	}
 	switch msg[0] {
