@@ -116,9 +116,8 @@ func bypassConsumerClaim(t *testing.T) {
 			c.wantAccept(t, "42501", route, w2, name, "job2", other.Epoch, other.Token)
 		}
 	})
-	// A rejected event in the transaction that then accepts a real one:
-	// the name is the accepting role's, and nothing of the rejected
-	// event's caller stays.
+	// A rejected event in a transaction rolled back claims nothing either
+	// (nor did it hold anything after).
 	t.Run("rejected_in_a_rolled_back_transaction", func(t *testing.T) {
 		for _, route := range castRoutes {
 			name := "rollback-" + route
