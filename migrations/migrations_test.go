@@ -61,8 +61,8 @@ func TestApplyTwice(t *testing.T) {
 		}
 	}
 	tables, functions := schemaSummary(t, ctx, db)
-	if tables != 16 { // 012 adds fence.read_shapes, 015 fence.consumers
-		t.Errorf("fence tables: got %d, want 16", tables)
+	if tables != 17 { // 012 adds fence.read_shapes, 015 fence.consumers, 016 fence.consumer_grants
+		t.Errorf("fence tables: got %d, want 17", tables)
 	}
 	if functions < 15 {
 		t.Errorf("fence functions: got %d, want at least 15", functions)
@@ -115,8 +115,8 @@ func TestApplyConcurrently(t *testing.T) {
 		t.Fatalf("version %d, want %d", v, latest)
 	}
 	tables, _ := schemaSummary(t, ctx, db)
-	if tables != 16 { // 012 adds fence.read_shapes, 015 fence.consumers
-		t.Errorf("fence tables: got %d, want 16", tables)
+	if tables != 17 { // 012 adds fence.read_shapes, 015 fence.consumers, 016 fence.consumer_grants
+		t.Errorf("fence tables: got %d, want 17", tables)
 	}
 	// The protocol works after a concurrent migration.
 	var token int64

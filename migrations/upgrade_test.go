@@ -412,3 +412,56 @@ select fence.protect('results', 'job_key');`, owner, worker)); err != nil {
 		t.Fatalf("takeover notification %q, want %q (no token)", n.Payload, want)
 	}
 }
+
+// TestUpgradeTo16DropsRejectedClaims: under migration 015 the first
+// accept_event under a consumer name claimed it, even for an event it
+// rejected (issue 30, round 2, E-M3). Migration 16 drops the claims under
+// which no event was ever accepted (no watermark row), so the squatted
+// name goes to the role whose event is accepted first; a claim with an
+// accepted event stands.
+func TestUpgradeTo16DropsRejectedClaims(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	db := cluster.NewDatabase(t)
+	conn := connect(t, ctx, db, "")
+	if err := migrations.MigrateTo(ctx, conn, 15); err != nil {
+		t.Fatal(err)
+	}
+	prefix, _, _ := strings.Cut(db, "_")
+	app, app2 := prefix+"_app", prefix+"_app2"
+	if _, err := conn.Exec(ctx, fmt.Sprintf("create role %s login in role pgfence_worker; create role %s login in role pgfence_worker", app, app2)); err != nil {
+		t.Fatal(err)
+	}
+	a, a2 := connect(t, ctx, db, app), connect(t, ctx, db, app2)
+	l, err := fence.Acquire(ctx, a, "job-a", "w", time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	accept := func(c *pgx.Conn, consumer string, epoch, token int64) (bool, error) {
+		var ok bool
+		err := c.QueryRow(ctx, "select fence.accept_event($1, $2, $3, $4)", consumer, "job-a", epoch, token).Scan(&ok)
+		return ok, err
+	}
+	if ok, err := accept(a2, "billing", 1, 987654); ok || err != nil {
+		t.Fatalf("never-issued event under 015: %v, %v; want false", ok, err)
+	}
+	if _, err := accept(a, "billing", l.Epoch, l.Token); pgtest.SQLState(err) != "42501" {
+		t.Fatalf("the real consumer under 015: %v; want 42501 (the breach this upgrade undoes)", err)
+	}
+	if ok, err := accept(a, "ledger", l.Epoch, l.Token); !ok || err != nil {
+		t.Fatalf("own consumer under 015: %v, %v; want true", ok, err)
+	}
+	if err := migrations.Apply(ctx, conn); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := accept(a2, "ledger", l.Epoch, l.Token); pgtest.SQLState(err) != "42501" {
+		t.Fatalf("another role under app's consumer after 16: %v; want 42501", err)
+	}
+	if ok, err := accept(a, "billing", l.Epoch, l.Token); !ok || err != nil {
+		t.Fatalf("the real consumer after 16: %v, %v; want true", ok, err)
+	}
+	var role string
+	if err := conn.QueryRow(ctx, "select role from fence.consumers where consumer = 'billing'").Scan(&role); err != nil || role != app {
+		t.Fatalf("billing belongs to %q (%v), want %q", role, err, app)
+	}
+}

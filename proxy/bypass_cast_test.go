@@ -167,7 +167,8 @@ func (c *cast) connectPgx(t *testing.T, route, role string, l *fence.Lease) *pgx
 // state is everything an attempt must not change, one line per fact, read
 // on the cast's own superuser connection: every row of the protected
 // tables (through their roots, so partitions and children too), the
-// receipts, fences, leases, consumer watermarks, the protected tables and
+// receipts, fences, leases, consumer watermarks and the roles consumers
+// belong to, fence.settings and fence.consumer_grants, the protected tables and
 // their pgfence triggers, and the tables, views and functions of the
 // cast's schemas with their owners.
 func (c *cast) state(t *testing.T) []string {
@@ -180,6 +181,9 @@ union all select 'receipt ' || concat_ws(' ', job_key, epoch, token, step, encod
 union all select 'fence ' || f::text from fence.fences f
 union all select 'lease ' || concat_ws(' ', job_key, holder, token, expires_at) from fence.leases
 union all select 'watermark ' || w::text from fence.consumer_watermarks w
+union all select 'consumer ' || concat_ws(' ', consumer, role) from fence.consumers
+union all select 'setting ' || concat_ws(' ', name, value) from fence.settings
+union all select 'consumer grant ' || concat_ws(' ', role, pattern) from fence.consumer_grants
 union all select 'protected ' || concat_ws(' ', relid, root, schema_name, table_name, job_key_column, owner) from fence.protected_tables
 union all select 'trigger ' || concat_ws(' ', tgrelid::regclass, tgname, tgenabled, tgfoid::regprocedure) from pg_trigger where not tgisinternal
 union all select 'rule ' || concat_ws(' ', ev_class::regclass, rulename, ev_enabled) from pg_rewrite r join pg_class c on c.oid = r.ev_class where c.relkind <> 'v'

@@ -30,8 +30,13 @@ func TestFenceCLI(t *testing.T) {
 		!strings.Contains(out, "fence.set_job_authorization(true)") || !strings.Contains(out, "limited to 1 day") {
 		t.Fatalf("migrate does not say how leases are taken: %q", out)
 	}
+	// And how consumer names are claimed (consumer authorization off).
+	if out := mustRun(t, "migrate", "--database", dsn); !strings.Contains(out, "consumer authorization is off") ||
+		!strings.Contains(out, "fence.set_consumer_authorization(true)") {
+		t.Fatalf("migrate does not say how consumer names are claimed: %q", out)
+	}
 	if out := mustRun(t, "migrate", "--database", dsn, "--json"); !strings.Contains(out, `"job_authorization":false`) ||
-		!strings.Contains(out, `"max_lease_ttl":"1 day"`) {
+		!strings.Contains(out, `"consumer_authorization":false`) || !strings.Contains(out, `"max_lease_ttl":"1 day"`) {
 		t.Fatalf("migrate --json: %q", out)
 	}
 	// --database defaults to the environment.

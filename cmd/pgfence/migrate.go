@@ -30,7 +30,9 @@ pgfence_control to the login role of the proxy's primary DSN:
     GRANT pgfence_control TO pgfence;
 
 It says how leases are taken there. Job authorization is off unless a DBA
-turned it on: any worker may acquire any job key. Leases of roles that are
+turned it on: any worker may acquire any job key. Consumer authorization
+likewise: the first role whose event is accepted under a new consumer name
+keeps it. Leases of roles that are
 not administrators last at most max_lease_ttl (1 day unless a DBA moved it
 with fence.set_max_lease_ttl).`,
 		Args: cobra.NoArgs,
@@ -50,7 +52,7 @@ with fence.set_max_lease_ttl).`,
 			if before == after {
 				line = fmt.Sprintf("fence schema is up to date (version %d)", after)
 			}
-			auth, ttl, err := leaseDefaults(ctx, conn)
+			auth, consumers, ttl, err := leaseDefaults(ctx, conn)
 			if err != nil {
 				return output{}, err
 			}
@@ -59,13 +61,17 @@ with fence.set_max_lease_ttl).`,
 				lines = append(lines, "job authorization is off: any role in pgfence_worker may acquire any job key, a key another role will need included (docs/security.md);",
 					"  to allow each role only its own keys: SELECT fence.set_job_authorization(true); SELECT fence.grant_job('<role>', '<pattern>');")
 			}
+			if !consumers {
+				lines = append(lines, "consumer authorization is off: the first role whose event is accepted under a new consumer name keeps it (docs/security.md);",
+					"  to allow each role only its own names: SELECT fence.set_consumer_authorization(true); SELECT fence.grant_consumer('<role>', '<pattern>');")
+			}
 			if ttl == nil {
 				lines = append(lines, "leases have no time limit: a worker may hold one as long as it asks; SELECT fence.set_max_lease_ttl('1 day'); sets one")
 			} else {
 				lines = append(lines, fmt.Sprintf("leases of non-administrators are limited to %s (fence.set_max_lease_ttl moves the limit)", *ttl))
 			}
 			return output{json: map[string]any{"from_version": before, "version": after, "migrated": before != after,
-				"job_authorization": auth, "max_lease_ttl": ttl},
+				"job_authorization": auth, "consumer_authorization": consumers, "max_lease_ttl": ttl},
 				text: textf("%s", strings.Join(lines, "\n"))}, nil
 		}),
 	}
@@ -73,13 +79,14 @@ with fence.set_max_lease_ttl).`,
 	return cmd
 }
 
-// leaseDefaults reads whether job authorization is on and the lease TTL
-// limit (nil: none) of a migrated database.
-func leaseDefaults(ctx context.Context, conn *pgx.Conn) (auth bool, ttl *string, err error) {
+// leaseDefaults reads whether job and consumer authorization are on and
+// the lease TTL limit (nil: none) of a migrated database.
+func leaseDefaults(ctx context.Context, conn *pgx.Conn) (auth, consumers bool, ttl *string, err error) {
 	err = conn.QueryRow(ctx, `select coalesce((select s.value = 'on' from fence.settings s where s.name = 'job_authorization'), false),
-		(select s.value from fence.settings s where s.name = 'max_lease_ttl')`).Scan(&auth, &ttl)
+		coalesce((select s.value = 'on' from fence.settings s where s.name = 'consumer_authorization'), false),
+		(select s.value from fence.settings s where s.name = 'max_lease_ttl')`).Scan(&auth, &consumers, &ttl)
 	if err != nil {
-		return false, nil, fmt.Errorf("read the lease settings: %w", err)
+		return false, false, nil, fmt.Errorf("read the lease settings: %w", err)
 	}
-	return auth, ttl, nil
+	return auth, consumers, ttl, nil
 }
