@@ -93,6 +93,7 @@ func (h *fenceSession) bind(s gateConn, msg []byte) (Verdict, error) {
 	if len(h.portals) > portalsPruned {
 		h.prunePortals()
 	}
+	h.portalsKept.Store(int64(len(h.portals)))
 	return Drop, nil
 }
 

@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/pgfence/pgfence/fence"
@@ -95,6 +96,7 @@ type fenceSession struct {
 	// portalsEnded (under mu): the seq of the last request answered with
 	// the session idle; portals bound before it are gone (prunePortals).
 	portalsEnded uint64
+	portalsKept  atomic.Int64 // len(portals) after the last Bind (tests)
 	stateReq     *Request // the last request sent that changes session or gate state
 	// seq numbers the requests sent (tag.seq); encSeq is the last that
 	// may have changed how the server reads the client's text, gucSeq the
