@@ -2,7 +2,6 @@ package proxy
 
 import (
 	"encoding/binary"
-	"strings"
 	"time"
 
 	"github.com/pgfence/pgfence/rewrite"
@@ -291,7 +290,7 @@ func (h *fenceSession) runQuery(s gateConn, sql string, res *rewrite.Result, q *
 	case plan.Restore:
 		return h.sendRestore(s)
 	case plan.AwaitCommit:
-		return h.awaitCommit(s, t, sql, res)
+		return h.awaitCommit(s, t, res)
 	case plan.AfterCopy:
 		return h.awaitCopy(s, t)
 	}
@@ -336,22 +335,20 @@ func stepOf(k plan.Kind) step {
 // failed, the COMMIT and everything after it was skipped and the
 // transaction is aborted: ROLLBACK ends it (the client has the step's
 // error). After a replay (the client has COMMIT and the replay NOTICE)
-// the client's statements after the COMMIT are still to run, as they
-// would have after a COMMIT that succeeded: the transaction ends as the
-// COMMIT would have ended it (AND CHAIN included), and the rest of the
-// text goes on as a query of its own (replayTail). Otherwise the
+// replayTail ends it, and tells the client why the statements after the
+// COMMIT did not run. Otherwise the
 // transaction is as the client's statements left it (committed and maybe
 // a new one begun, or failed by a statement of the client's before the
 // COMMIT), and an empty query gives the client the ReadyForQuery that
 // says so. On the loop the client side is parked meanwhile (then).
-func (h *fenceSession) awaitCommit(s gateConn, t *tag, sql string, res *rewrite.Result) error {
+func (h *fenceSession) awaitCommit(s gateConn, t *tag, res *rewrite.Result) error {
 	return h.barrierThen(s, func() error {
 		h.mu.Lock()
 		failed, replayAt := t.stepFailed, t.replayAt
 		h.mu.Unlock()
 		if failed && replayAt > 0 {
 			if commit := replayedCommit(t.segs[replayAt:]); commit != nil {
-				return h.replayTail(s, sql, res, commit)
+				return h.replayTail(s, res, commit)
 			}
 		}
 		defer h.markState()
@@ -378,34 +375,34 @@ func replayedCommit(segs []seg) *rewrite.Stmt {
 	return nil
 }
 
-// replayTail goes on with a query after its gated COMMIT was answered by
-// a replay: the server skipped the COMMIT and what follows it, and the
-// transaction is aborted. A hidden ROLLBACK (AND CHAIN, for COMMIT AND
-// CHAIN) ends it as the COMMIT would have, then the client's statements
-// after the COMMIT are handled as a query of their own, classified and
-// gated like any other, whose ReadyForQuery is the one the client sees.
-func (h *fenceSession) replayTail(s gateConn, sql string, res *rewrite.Result, commit *rewrite.Stmt) error {
-	tail := ""
+// replayTail ends a query whose gated COMMIT was answered by a replay:
+// the server skipped the COMMIT and what follows it, and the transaction
+// is aborted. A hidden ROLLBACK ends it (ROLLBACK AND CHAIN for a COMMIT
+// AND CHAIN that ends the query: the client goes on in a transaction, as
+// it would have). Statements after the COMMIT are not run: after the
+// first attempt's COMMIT they ran with what its transaction left to the
+// session (its SETs, fence.step among them; temporary tables; WITH HOLD
+// cursors), which the ROLLBACK took away, so run now they could do what
+// the first attempt did not, a write under another step included (round
+// 3, attacker G's H1: applied twice). The client is told instead, with an
+// error for them (errReplayTail), whose ReadyForQuery is its own.
+func (h *fenceSession) replayTail(s gateConn, res *rewrite.Result, commit *rewrite.Stmt) error {
+	tail := false
 	for i, st := range res.Stmts {
-		if st == commit && i+1 < len(res.Stmts) {
-			tail = sql[res.Stmts[i+1].Offset:]
+		if st == commit {
+			tail = i+1 < len(res.Stmts)
 			break
 		}
 	}
-	if err := h.endReplayed(s, commit.Chain); err != nil { // fence_replay.go
+	if err := h.endReplayed(s, commit.Chain && !tail); err != nil { // fence_replay.go
 		return err
 	}
-	if strings.TrimSpace(tail) == "" {
+	if !tail {
 		// Nothing after the COMMIT (it chained): an empty query's
 		// ReadyForQuery is the client's.
 		return h.send(s, h.qmsg(""), &tag{kind: 'Q', segs: []seg{{step: stepRestore}}}, true)
 	}
-	return h.barrierThen(s, func() error {
-		h.mu.Lock()
-		h.errShown = false // the client's query goes on: its errors are its own
-		h.mu.Unlock()
-		return h.query(s, h.qmsg(tail))
-	})
+	return h.refuseQuery(s, errReplayTail())
 }
 
 // sendRollback sends a ROLLBACK whose ReadyForQuery is the one the client

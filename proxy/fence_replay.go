@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"github.com/jackc/pgx/v5/pgproto3"
+	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/rewrite"
 	"github.com/pgfence/pgfence/rewrite/plan"
 )
@@ -10,16 +11,26 @@ import (
 // is answered as committed, with the replay NOTICE, and nothing of the
 // transaction is applied twice. But the server skips what follows the
 // failed step: in a simple Query the statements after the COMMIT, in an
-// extended-protocol batch everything up to the Sync. Straight to
-// PostgreSQL those would have run after the COMMIT, so the proxy runs
-// them: the transaction (aborted by the replay) ends as the COMMIT would
-// have ended it (ROLLBACK, or ROLLBACK AND CHAIN for COMMIT AND CHAIN),
-// and what followed the COMMIT goes on, gated like anything else. For a
-// simple Query that is awaitCommit and replayTail (fence_exec.go); for a
-// batch, replayedBatch, before the first message after the COMMIT's
-// Execute (the client's messages after it are held until the COMMIT is
-// answered: one round trip, only in a batch that goes on after a gated
-// COMMIT).
+// extended-protocol batch everything up to the Sync, and the transaction
+// is aborted. The proxy ends it (a hidden ROLLBACK, or ROLLBACK AND CHAIN
+// for a COMMIT AND CHAIN nothing follows) and answers what followed the
+// COMMIT with an error that says why it did not run (errReplayTail): run
+// after the ROLLBACK, it would have run without what the first attempt's
+// transaction left to the session (its SETs, fence.step among them), and
+// could apply a write the first attempt applied under another step
+// (round 3, attacker G's H1). Before, it was neither run nor answered
+// (round 0, B-M6). For a simple Query that is awaitCommit and replayTail
+// (fence_exec.go); for a batch, replayedBatch, before the first message
+// after the COMMIT's Execute (the client's messages after it are held
+// until the COMMIT is answered: one round trip, only in a batch that
+// goes on after a gated COMMIT).
+
+// errReplayTail answers the statements after a replayed COMMIT.
+func errReplayTail() *fence.Error {
+	return &fence.Error{Code: fence.CodeReplay,
+		Message: "pgfence: the COMMIT before this statement was an idempotent replay (its transaction had already committed; nothing was applied twice), so the statements after it in the same request were not run: they would have run without what that transaction left to the session (its SET commands, temporary tables, WITH HOLD cursors)",
+		Hint:    "send the statements that followed the COMMIT again, as a request of their own, after setting up the session as they need"}
+}
 
 // pendingTail is a client's Execute of a COMMIT with a receipt step before
 // it, in a batch that has not reached its Sync.
@@ -44,9 +55,9 @@ func receiptBefore(steps []plan.Step) bool {
 // batch, the Execute of a COMMIT with a receipt step before it. It waits
 // for the COMMIT's answer (ErrWait on the loop: nothing done yet); if
 // the receipt step answered a replay, the server is skipping to the
-// Sync: a hidden Sync ends the skipped batch, a hidden ROLLBACK (AND
-// CHAIN) the aborted transaction, and the client's message goes on as
-// the first of a new batch, as it would have after the COMMIT.
+// Sync: a hidden Sync ends the skipped batch, a hidden ROLLBACK the
+// aborted transaction, and errReplayTail fails the rest of the client's
+// batch, which the server then skips up to the client's Sync.
 func (h *fenceSession) replayedBatch(s gateConn) error {
 	p := h.tail
 	if err := h.wait(s, p.commit); err != nil {
@@ -65,13 +76,10 @@ func (h *fenceSession) replayedBatch(s gateConn) error {
 	if err := h.send(s, sync, &tag{kind: 'S', hideReady: true}, false); err != nil {
 		return err
 	}
-	if err := h.endReplayed(s, p.chain); err != nil {
+	if err := h.endReplayed(s, false); err != nil {
 		return err
 	}
-	h.mu.Lock()
-	h.errShown = false // what follows is the client's own
-	h.mu.Unlock()
-	return nil
+	return h.raiseInBatch(s, errReplayTail())
 }
 
 // endReplayed ends, hidden, the transaction a replayed receipt step
@@ -87,7 +95,9 @@ func (h *fenceSession) endReplayed(s gateConn, chain bool) error {
 	if err != nil || len(res.Stmts) != 1 {
 		return h.sendRollback(s) // unreachable: the text is the gate's own
 	}
-	if err := h.send(s, h.qmsg(end), &tag{kind: 'Q', segs: clientSegs(res), hideReady: true}, false); err != nil {
+	// Its ReadyForQuery, hidden, ends what the replay's hidden errors
+	// were (errShown): what follows is shown.
+	if err := h.send(s, h.qmsg(end), &tag{kind: 'Q', segs: clientSegs(res), hideReady: true, shownAfter: true}, false); err != nil {
 		return err
 	}
 	h.markState()

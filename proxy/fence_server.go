@@ -71,6 +71,9 @@ func (h *fenceSession) ServerMessage(s *Session, msg []byte, req *Request) (Verd
 		if t.seq > h.be.text.knownSeq {
 			h.be.text.knownSeq = t.seq // every ParameterStatus before it is in
 		}
+		if t.shownAfter {
+			h.errShown = false
+		}
 		if t.hideReady || !req.Visible {
 			return Drop, nil
 		}

@@ -97,7 +97,7 @@ type fenceSession struct {
 	// the session idle; portals bound before it are gone (prunePortals).
 	portalsEnded uint64
 	portalsKept  atomic.Int64 // len(portals) after the last Bind (tests)
-	stateReq     *Request // the last request sent that changes session or gate state
+	stateReq     *Request     // the last request sent that changes session or gate state
 	// seq numbers the requests sent (tag.seq); encSeq is the last that
 	// may have changed how the server reads the client's text, gucSeq the
 	// last that may have changed the tracked settings unseen, resyncInTx
@@ -172,6 +172,9 @@ type tag struct {
 	cur       int
 	inserts   plan.Insertions // where gate text was spliced in (error positions)
 	hideReady bool
+	// shownAfter: its ReadyForQuery, even hidden, ends the errors hidden
+	// since the last the client saw (errShown): what follows is shown.
+	shownAfter bool
 	// stepFailed: a gate step of this query failed (set by onError).
 	stepFailed bool
 	// replayAt: the receipt step of this query answered a replay (FN00R)

@@ -47,9 +47,9 @@ const (
 	// a receipt step failed (the COMMIT and everything after it were
 	// skipped), else an empty query: either's ReadyForQuery is the
 	// client's. After a replay of a receipt step (its COMMIT answered
-	// as committed), the transaction ends as the COMMIT would have
-	// ended it and the statements after the COMMIT go again as a query
-	// of their own.
+	// as committed), the transaction ends, and the statements after the
+	// COMMIT, which the server skipped, are answered with an error that
+	// says why.
 	AwaitCommit
 	// AfterCopy: a protected COPY FROM in an implicit transaction,
 	// which Steps opened with Begin. The query's ReadyForQuery is
@@ -269,7 +269,7 @@ loop:
 			inject(Step{Kind: Receipt, Stmt: i, At: s.Offset, Gen: gen, genFrom: genFrom, Gated: gated, BeforeCommit: true, Digest: dg})
 			if i+1 < len(stmts) {
 				// On a replay the server skips the rest of the query:
-				// the proxy must send it again (AwaitCommit).
+				// the proxy must answer it (AwaitCommit).
 				tail = true
 			}
 			if explicit {
@@ -369,8 +369,8 @@ loop:
 	case tail:
 		// A COMMIT with a receipt before it, and statements after it:
 		// on a replay of the receipt the server skips the COMMIT and
-		// the rest of the query, and the proxy sends the statements
-		// after the COMMIT again, once the query is answered.
+		// the rest of the query, and the proxy answers them, once the
+		// query is answered.
 		q.Ending = AwaitCommit
 	case beforeCommit && lastCommit(stmts, steps):
 		// The client's statements, the receipt in a savepoint and the
