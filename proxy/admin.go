@@ -44,9 +44,11 @@ type ops struct {
 	nextID  atomic.Uint64 // SHOW CLIENTS/SERVERS id of sessions and waiting clients
 	ctl     dbControl     // PAUSE, DISABLE, RECONNECT (admin_pause.go)
 	dbStats dbStats       // SHOW STATS (admin_stats.go)
-	// consoles are the open console sessions, by their cancel key.
+	// consoles are the open console sessions, by their cancel key;
+	// consolesOf counts them by user (max_console_clients).
 	consolesMu sync.Mutex
 	consoles   map[uint32]*console
+	consolesOf map[string]int
 	// shutdownDone is closed when a shutdown the console started ends.
 	shutdownMu   sync.Mutex
 	shutdownDone chan struct{}
@@ -67,6 +69,7 @@ type liveConfig struct {
 	stats             []string // sorted
 	consoleUsers      map[string]string
 	maxClients        int
+	maxConsoleClients int
 	tls               *tls.Config
 	replicas          []string
 	extra             []Setting
@@ -82,6 +85,7 @@ func newLive(c Config) *liveConfig {
 		stats:             sortedList(c.StatsUsers),
 		consoleUsers:      c.ConsoleUsers,
 		maxClients:        c.MaxClients,
+		maxConsoleClients: c.MaxConsoleClients,
 		tls:               c.TLS,
 		replicas:          c.Replicas,
 		extra:             c.ExtraSettings,
@@ -321,6 +325,7 @@ func (s *Server) reload(next Config) (*ReloadReport, error) {
 	applied("stats_users", !slices.Equal(old.stats, nl.stats))
 	applied("console_auth_file", !maps.Equal(old.consoleUsers, nl.consoleUsers))
 	applied("max_clients", old.maxClients != nl.maxClients)
+	applied("max_console_clients", old.maxConsoleClients != nl.maxConsoleClients)
 	applied("tls", old.tls != nil || nl.tls != nil)
 	if !slices.Equal(old.replicas, nl.replicas) {
 		s.ops.hookMu.Lock()
@@ -385,11 +390,15 @@ func (s *Server) serveAdmin(c net.Conn, st *startup, log *zap.Logger, slot *star
 		return
 	}
 	s.startupEnd(slot)
-	s.ops.stats.AdminSessions.Add(1)
 	con := &console{user: user, role: role, log: log.Named("admin").With(zap.Stringer("role", role)), cancel: make(chan struct{}, 1),
 		id: s.ops.nextID.Add(1), addr: c.RemoteAddr(), self: c.LocalAddr(), since: time.Now(), app: st.params["application_name"], tls: tlsInfo(c), conn: c}
-	s.addConsole(con)
+	if err := s.addConsole(con); err != nil {
+		s.ops.stats.ConsoleRefusals.Add(1)
+		s.refuse(c, err, log, "admin console refused")
+		return
+	}
 	defer s.dropConsole(con)
+	s.ops.stats.AdminSessions.Add(1)
 	con.log.Info("admin session open")
 	var out []byte
 	for _, p := range [][2]string{
@@ -417,14 +426,27 @@ func (s *Server) serveAdmin(c net.Conn, st *startup, log *zap.Logger, slot *star
 	}
 }
 
-// addConsole gives con a cancel key of its own.
-func (s *Server) addConsole(con *console) {
+// addConsole counts con among its user's console sessions and gives it a
+// cancel key of its own, or refuses it when its user already has
+// max_console_clients sessions (issue 30, F-M1). The bound is each
+// user's, so a user's own sessions, idle or busy, can keep out only that
+// user: not another admin, and not a client (max_clients does not count
+// consoles). With it the console's descriptors are at most
+// max_console_clients times the console users, whatever one of them does.
+func (s *Server) addConsole(con *console) error {
+	limit := s.live().maxConsoleClients
 	var b [8]byte
 	s.ops.consolesMu.Lock()
 	defer s.ops.consolesMu.Unlock()
 	if s.ops.consoles == nil {
-		s.ops.consoles = map[uint32]*console{}
+		s.ops.consoles, s.ops.consolesOf = map[uint32]*console{}, map[string]int{}
 	}
+	if limit > 0 && s.ops.consolesOf[con.user] >= limit {
+		return &ProtocolError{Code: "53300",
+			Msg:  fmt.Sprintf("pgfence: too many admin console sessions for user %q (max_console_clients is %d)", con.user, limit),
+			Hint: "Close this user's idle console sessions (SHOW CLIENTS lists them, database pgfence); an admin can raise max_console_clients (SET max_console_clients, or the configuration file and RELOAD)."}
+	}
+	s.ops.consolesOf[con.user]++
 	for {
 		rand.Read(b[:])
 		con.pid, con.secret = binary.BigEndian.Uint32(b[:4])&0x7fffffff, binary.BigEndian.Uint32(b[4:])
@@ -433,11 +455,16 @@ func (s *Server) addConsole(con *console) {
 		}
 	}
 	s.ops.consoles[con.pid] = con
+	return nil
 }
 
+// dropConsole ends what addConsole counted.
 func (s *Server) dropConsole(con *console) {
 	s.ops.consolesMu.Lock()
 	delete(s.ops.consoles, con.pid)
+	if s.ops.consolesOf[con.user]--; s.ops.consolesOf[con.user] <= 0 {
+		delete(s.ops.consolesOf, con.user)
+	}
 	s.ops.consolesMu.Unlock()
 }
 

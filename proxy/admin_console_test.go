@@ -459,6 +459,22 @@ func TestConsoleSet(t *testing.T) {
 	}
 	_, err = bob.Exec(ctx, "SET max_clients = 100")
 	wantCode(t, err, "42501")
+	// max_console_clients: each console user's sessions (bob has one).
+	execOK(t, adm, "SET max_console_clients = 2")
+	mustConsole(t, e.proxy, "bob")
+	_, err = e.admin(t, "bob")
+	wantConsoleFull(t, err)
+	_, err = bob.Exec(ctx, "SET max_console_clients = '-1'")
+	wantCode(t, err, "42501")
+	_, err = adm.Exec(ctx, "SET max_console_clients = some")
+	wantCode(t, err, "22023")
+	execOK(t, adm, "SET max_console_clients = '-1'") // no limit
+	mustConsole(t, e.proxy, "bob")
+	for _, r := range table(t, adm, "SHOW CONFIG") {
+		if r["key"] == "max_console_clients" && (r["value"] != "-1" || r["default"] != "10" || r["changeable"] != "yes") {
+			t.Errorf("SHOW CONFIG max_console_clients: %v", r)
+		}
+	}
 	// client_encoding and the like: ignored with a notice, for everybody.
 	rawSend(t, bob.PgConn(), "SET client_encoding = 'UTF8'")
 	fe := pgproto3.NewFrontend(bob.PgConn().Conn(), bob.PgConn().Conn())

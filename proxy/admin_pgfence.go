@@ -190,6 +190,7 @@ func (s *Server) showFenceStats() *adminTable {
 	n("sessions_event_loop_total", st.SessionsLoop.Load())
 	n("client_parks_total", st.ClientParks.Load())
 	n("admin_sessions_total", st.AdminSessions.Load())
+	n("admin_sessions_refused_total", st.ConsoleRefusals.Load())
 	refused := st.Refused()
 	var total int64
 	codes := slices.Sorted(maps.Keys(refused))

@@ -609,6 +609,7 @@ func (s *Server) showConfig(sources bool) *adminTable {
 		{"console_auth_file", count(l.consoleUsers), "", true},
 		{"max_clients", strconv.Itoa(l.maxClients), strconv.Itoa(DefaultMaxClients), true},
 		{"max_startup_clients", strconv.Itoa(c.MaxStartupClients), strconv.Itoa(DefaultMaxStartupClients), false},
+		{"max_console_clients", strconv.Itoa(l.maxConsoleClients), strconv.Itoa(DefaultMaxConsoleClients), true},
 		{"tls", strconv.FormatBool(l.tls != nil), "false", true},
 		{"max_message_size", strconv.Itoa(c.MaxMessageSize), strconv.Itoa(DefaultMaxMessageSize), false},
 		{"shutdown_timeout", c.ShutdownTimeout.String(), DefaultShutdownTimeout.String(), false},
@@ -656,6 +657,15 @@ func (s *Server) adminSet(con *console, st adminStmt) (*adminTable, *pgproto3.Er
 			n = DefaultMaxClients
 		}
 		nl.maxClients = n
+	case "max_console_clients":
+		n, err := strconv.Atoi(st.value)
+		if err != nil {
+			return nil, adminError("22023", fmt.Sprintf("invalid value for parameter %q: %q", st.key, st.value), "an integer: 0 for the default, negative for no limit")
+		}
+		if n == 0 {
+			n = DefaultMaxConsoleClients
+		}
+		nl.maxConsoleClients = n
 	case "admin_users", "stats_users":
 		var list []string
 		for _, u := range strings.Split(st.value, ",") {
@@ -691,5 +701,5 @@ func (s *Server) adminSet(con *console, st adminStmt) (*adminTable, *pgproto3.Er
 
 // configKeys are the proxy's own SHOW CONFIG keys.
 var configKeys = []string{"primary", "replicas", "read_replicas", "replica_poll", "replica_max_lag", "auth", "auth_file",
-	"upstream_passwords", "admin_users", "stats_users", "console_auth_file", "max_clients", "max_startup_clients", "tls", "max_message_size",
+	"upstream_passwords", "admin_users", "stats_users", "console_auth_file", "max_clients", "max_startup_clients", "max_console_clients", "tls", "max_message_size",
 	"shutdown_timeout", "startup_timeout", "client_memory", "message_timeout", "connect_timeout", "buffer_size", "health_interval", "gate"}

@@ -382,14 +382,21 @@ func TestAdminReload(t *testing.T) {
 
 	// Through the console: a setting that needs a restart is reported,
 	// the running value stays.
-	set(func(c *Config) { c.Primary = cluster.Primary.DSN("template1"); c.MaxClients = 10 })
+	set(func(c *Config) {
+		c.Primary = cluster.Primary.DSN("template1")
+		c.MaxClients = 10
+		c.MaxConsoleClients = 1
+	})
 	res := map[string]string{}
 	for _, r := range show(t, adm, "reload;") {
 		res[r["setting"]] = r["result"]
 	}
-	if res["max_clients"] != "applied" || !strings.Contains(res["primary"], "restart") {
-		t.Fatalf("RELOAD: got %v, want max_clients applied, primary needing a restart", res)
+	if res["max_clients"] != "applied" || res["max_console_clients"] != "applied" || !strings.Contains(res["primary"], "restart") {
+		t.Fatalf("RELOAD: got %v, want max_clients and max_console_clients applied, primary needing a restart", res)
 	}
+	// admin already has its one console session.
+	_, err = e.admin(t, "admin")
+	wantConsoleFull(t, err)
 	conf := map[string]string{}
 	for _, r := range show(t, adm, "SHOW CONFIG") {
 		conf[r["key"]] = r["value"]

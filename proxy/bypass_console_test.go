@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"net"
 	"strconv"
@@ -15,6 +16,7 @@ import (
 	"github.com/xdg-go/scram"
 
 	"github.com/pgfence/pgfence/fence"
+	"github.com/pgfence/pgfence/internal/pgtest"
 )
 
 // The class console: getting into the admin console, or doing more there
@@ -219,6 +221,79 @@ func bypassConsole(t *testing.T) {
 		c.scram(t, "watcher", "", consolePasswords["watcher"])
 		c.wantError(t, "28P01")
 	})
+	// Each console user's authenticated sessions are bounded
+	// (max_console_clients, 10 by default; issue 30, F-M1): a stats user
+	// cannot take the proxy's file descriptors with console sessions,
+	// and its flood keeps out neither an admin nor an ordinary client.
+	attempt("stats_user_console_flood", func(t *testing.T) {
+		consoleSettled(t, e.adm, "watcher", 0)
+		var ws []*pgx.Conn
+		for range DefaultMaxConsoleClients {
+			ws = append(ws, mustConsole(t, e.proxy, "watcher"))
+		}
+		_, err := e.admin(t, "watcher")
+		wantConsoleFull(t, err)
+		if _, err := e.admin(t, "admin"); err != nil {
+			t.Fatalf("an admin while the stats user is at its bound: %v", err)
+		}
+		servers := len(table(t, e.adm, "SHOW SERVERS"))
+		var one int
+		c := e.worker(t, nil)
+		if err := c.QueryRow(ctxT(t), "SELECT 1").Scan(&one); err != nil {
+			t.Fatalf("an ordinary client while the stats user is at its bound: %v", err)
+		}
+		c.Close(ctxT(t))
+		if err := pgtest.Poll(ctxT(t), func() (bool, error) { return len(table(t, e.adm, "SHOW SERVERS")) == servers, nil }); err != nil {
+			t.Fatalf("waiting for the ordinary client's session to end: %v", err)
+		}
+		// A session that ends frees its place, and only that one.
+		ws[0].Close(ctxT(t))
+		consoleSettled(t, e.adm, "watcher", DefaultMaxConsoleClients-1)
+		mustConsole(t, e.proxy, "watcher")
+		_, err = e.admin(t, "watcher")
+		wantConsoleFull(t, err)
+	})
+	attempt("console_bound_per_user_with_max_clients_full", func(t *testing.T) {
+		// Ordinary clients at max_clients leave the console reachable;
+		// the bound is each user's, admins' too.
+		p := startProxy(t, withConsole(Config{MaxClients: 1, MaxConsoleClients: 2}))
+		connect(t, p.dsn(e.db))
+		_, err := pgconn.Connect(ctxT(t), p.dsn(e.db))
+		wantCode(t, err, "53300")
+		for _, u := range []string{"watcher", "admin"} {
+			mustConsole(t, p, u)
+			mustConsole(t, p, u)
+			_, err := consoleConnect(t, p, u, consolePasswords[u])
+			wantConsoleFull(t, err)
+		}
+		adm := mustConsole(t, p, "ops")
+		if n := consoleSessions(t, adm, "watcher"); n != 2 {
+			t.Errorf("SHOW CLIENTS: %d console sessions of watcher, want 2", n)
+		}
+	})
+	attempt("console_bound_raw_wire", func(t *testing.T) {
+		// The refusal comes after authentication, as PostgreSQL's for
+		// too many connections of a role: a password is needed to
+		// take a place, and a wrong one takes none.
+		p := startProxy(t, withConsole(Config{MaxConsoleClients: 1}))
+		for range 3 {
+			_, err := consoleConnect(t, p, "watcher", "guess")
+			wantCode(t, err, "28P01")
+		}
+		mustConsole(t, p, "watcher")
+		c := consoleStartup(t, p, "user", "watcher")
+		c.scram(t, "watcher", "", consolePasswords["watcher"])
+	auth:
+		for {
+			switch m := c.next(t).(type) {
+			case *pgproto3.AuthenticationOk:
+				break auth
+			case *pgproto3.ErrorResponse:
+				t.Fatalf("refused before AuthenticationOk: %s %s", m.Code, m.Message)
+			}
+		}
+		c.wantError(t, "53300")
+	})
 	attempt("console_without_users_file", func(t *testing.T) {
 		// A proxy with admin_users but no console users: closed.
 		p := startProxy(t, Config{AdminUsers: []string{"admin"}, StatsUsers: []string{"watcher"}})
@@ -255,6 +330,42 @@ func consoleSnapshot(t *testing.T, e *consoleEnv) string {
 	}
 	fmt.Fprintf(&b, "fence cj %d/%d", epoch, tok)
 	return b.String()
+}
+
+// consoleSessions is how many console sessions of user SHOW CLIENTS
+// shows.
+func consoleSessions(t *testing.T, adm *pgx.Conn, user string) int {
+	t.Helper()
+	n := 0
+	for _, r := range table(t, adm, "SHOW CLIENTS") {
+		if r["database"] == AdminDatabase && r["user"] == user {
+			n++
+		}
+	}
+	return n
+}
+
+// consoleSettled waits until user has n console sessions (one a client
+// closed is counted until the proxy has seen it go).
+func consoleSettled(t *testing.T, adm *pgx.Conn, user string, n int) {
+	t.Helper()
+	if err := pgtest.Poll(ctxT(t), func() (bool, error) { return consoleSessions(t, adm, user) == n, nil }); err != nil {
+		t.Fatalf("waiting for %d console sessions of %s: %v", n, user, err)
+	}
+}
+
+// wantConsoleFull checks err is the refusal of a console session over
+// max_console_clients, telling what to do.
+func wantConsoleFull(t *testing.T, err error) {
+	t.Helper()
+	wantCode(t, err, "53300")
+	var pe *pgconn.PgError
+	if !errors.As(err, &pe) {
+		t.Fatalf("refusal %v: not a server error", err)
+	}
+	if !strings.Contains(pe.Message, "max_console_clients") || !strings.Contains(pe.Hint, "SHOW CLIENTS") {
+		t.Fatalf("refusal %q (hint %q): want it to name max_console_clients and a hint naming SHOW CLIENTS", pe.Message, pe.Hint)
+	}
 }
 
 // consoleClientID is the SHOW CLIENTS id of client c.

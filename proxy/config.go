@@ -31,6 +31,7 @@ const (
 const (
 	DefaultMaxClients        = 1000
 	DefaultMaxStartupClients = 100
+	DefaultMaxConsoleClients = 10
 	DefaultMaxMessageSize    = 64 << 20
 	DefaultMemoryBudget      = 512 << 20
 	DefaultShutdownTimeout   = 30 * time.Second
@@ -108,9 +109,18 @@ type Config struct {
 	// excess clients get ErrorResponse 53300 too_many_connections once
 	// they have authenticated. Connections still in startup or
 	// authentication are bounded by MaxStartupClients instead, and admin
-	// console sessions by neither (the console stays reachable). Zero
-	// means DefaultMaxClients; negative means no limit.
+	// console sessions by MaxConsoleClients (the console stays reachable
+	// with MaxClients sessions open). Zero means DefaultMaxClients;
+	// negative means no limit.
 	MaxClients int
+
+	// MaxConsoleClients bounds the authenticated admin console sessions
+	// of each console user (admin and stats users alike): a further one
+	// gets 53300 after authenticating, so one user's sessions cannot
+	// take the proxy's file descriptors nor keep another console user
+	// out. Zero means DefaultMaxConsoleClients (10); negative means no
+	// limit.
+	MaxConsoleClients int
 
 	// MaxStartupClients bounds the connections still in startup or
 	// authentication (from accept until authenticated, at most
@@ -295,6 +305,9 @@ func (c Config) withDefaults() (Config, error) {
 	}
 	if c.MaxStartupClients == 0 {
 		c.MaxStartupClients = DefaultMaxStartupClients
+	}
+	if c.MaxConsoleClients == 0 {
+		c.MaxConsoleClients = DefaultMaxConsoleClients
 	}
 	orDefault(&c.MaxMessageSize, DefaultMaxMessageSize)
 	orDefault(&c.MemoryBudget, DefaultMemoryBudget)

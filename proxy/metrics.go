@@ -121,6 +121,9 @@ type ServerStats struct {
 	// COPY FROM, a settings read-back).
 	ClientParks   atomic.Int64
 	AdminSessions atomic.Int64 // admin console sessions opened
+	// ConsoleRefusals counts console sessions refused (53300) because
+	// their user had max_console_clients open (admin.go).
+	ConsoleRefusals atomic.Int64
 	// MessageTimeouts counts sessions ended because a message held whole
 	// did not all arrive within message_timeout (evloop_client.go);
 	// StartupEvictions connections in startup closed to make room under
@@ -306,6 +309,7 @@ var (
 	descEvictions    = prometheus.NewDesc("pgfence_startup_evictions_total", "Connections still in startup or authentication closed to make room under max_startup_clients.", nil, nil)
 	descParks        = prometheus.NewDesc("pgfence_client_parks_total", "Times the event loop parked a session's client side because the write gate had to wait for an earlier answer (pipelined writes, wrapped COPY FROM, settings read-backs).", nil, nil)
 	descAdminTot     = prometheus.NewDesc("pgfence_admin_sessions_opened_total", "Admin console sessions opened.", nil, nil)
+	descAdminRefused = prometheus.NewDesc("pgfence_admin_sessions_refused_total", "Admin console sessions refused because their user had max_console_clients open.", nil, nil)
 	descRefused      = prometheus.NewDesc("pgfence_clients_refused_total", "Clients refused before their session started, by SQLSTATE.", []string{"code"}, nil)
 	descAcceptErrors = prometheus.NewDesc("pgfence_accept_errors_total", "Accepts of client connections that failed and were retried after a back-off (out of file descriptors, EMFILE/ENFILE, or kernel memory; a connection that failed before it was taken).", nil, nil)
 	descUpErrors     = prometheus.NewDesc("pgfence_upstream_connection_errors_total", "Upstream connections that could not be opened (network, TLS, timeouts; not refusals by PostgreSQL).", nil, nil)
@@ -324,7 +328,7 @@ var (
 )
 
 func (c *collector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{descSessions, descSessionsTot, descSessionsLoop, descParks, descMsgTimeouts, descEvictions, descAdminTot, descRefused, descAcceptErrors, descUpErrors, descReads,
+	for _, d := range []*prometheus.Desc{descSessions, descSessionsTot, descSessionsLoop, descParks, descMsgTimeouts, descEvictions, descAdminTot, descAdminRefused, descRefused, descAcceptErrors, descUpErrors, descReads,
 		descGate, descGateErr, descClassified, descCacheBytes, descCacheEntries, descCacheEvict, descCacheUncache, descLatency, descUp, descLag, descLagBytes} {
 		ch <- d
 	}
@@ -343,6 +347,7 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 	counter(descMsgTimeouts, st.MessageTimeouts.Load())
 	counter(descEvictions, st.StartupEvictions.Load())
 	counter(descAdminTot, st.AdminSessions.Load())
+	counter(descAdminRefused, st.ConsoleRefusals.Load())
 	for code, n := range st.Refused() {
 		counter(descRefused, n, code)
 	}

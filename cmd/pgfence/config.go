@@ -41,6 +41,7 @@ type serveConfig struct {
 	AllowRemoteTrust  bool              `toml:"allow_remote_trust"`
 	MaxClients        int               `toml:"max_clients"`
 	MaxStartupClients int               `toml:"max_startup_clients"`
+	MaxConsoleClients int               `toml:"max_console_clients"`
 	ClientMemory      string            `toml:"client_memory"`
 	MessageTimeout    string            `toml:"message_timeout"`
 	MaxMessageSize    string            `toml:"max_message_size"`
@@ -265,6 +266,7 @@ func (c serveConfig) proxyConfig() (proxy.Config, error) {
 		Replicas:          c.Replicas,
 		MaxClients:        c.MaxClients,
 		MaxStartupClients: c.MaxStartupClients,
+		MaxConsoleClients: c.MaxConsoleClients,
 		UpstreamPasswords: c.UpstreamPasswords,
 		AdminUsers:        c.AdminUsers,
 		StatsUsers:        c.StatsUsers,

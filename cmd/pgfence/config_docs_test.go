@@ -92,6 +92,7 @@ var configSamples = map[string]struct {
 	"console_auth_file":   {`"/etc/pgfence/console-users.txt"`, ptr("/etc/pgfence/console-users.txt")},
 	"max_clients":         {`5`, ptr("7")},
 	"max_startup_clients": {`6`, ptr("8")},
+	"max_console_clients": {`4`, ptr("3")},
 	"client_memory":       {`"32MiB"`, ptr("16MiB")},
 	"message_timeout":     {`"30s"`, ptr("1d")},
 	"max_message_size":    {`"1MiB"`, ptr("2MiB")},

@@ -61,6 +61,7 @@ user to the password presented upstream for it. See docs/configuration.md.`,
 	f.Bool("allow-remote-trust", false, "let auth trust serve a non-loopback listen address: anyone who reaches it connects as any user (PGFENCE_ALLOW_REMOTE_TRUST)")
 	f.Int("max-clients", 0, fmt.Sprintf("maximum concurrent clients (PGFENCE_MAX_CLIENTS; default %d)", proxy.DefaultMaxClients))
 	f.Int("max-startup-clients", 0, fmt.Sprintf("maximum connections still in startup or authentication; beyond it the one waiting longest is closed (PGFENCE_MAX_STARTUP_CLIENTS; default %d)", proxy.DefaultMaxStartupClients))
+	f.Int("max-console-clients", 0, fmt.Sprintf("maximum admin console sessions of each console user; negative for no limit (PGFENCE_MAX_CONSOLE_CLIENTS; default %d)", proxy.DefaultMaxConsoleClients))
 	f.String("client-memory", "", "one session's share of memory_budget for messages held whole, e.g. 128MiB (PGFENCE_CLIENT_MEMORY; default half of memory_budget)")
 	f.String("message-timeout", "", "end a session whose client stops half-way through a message held whole for this long (PGFENCE_MESSAGE_TIMEOUT; default 60s)")
 	f.String("max-message-size", "", "largest client message, e.g. 64MiB (PGFENCE_MAX_MESSAGE_SIZE; default 64MiB)")
