@@ -251,6 +251,16 @@ func (r *relay) clientSteps() error {
 			}
 			continue
 		}
+		if r.backlogged() {
+			// Stopped as if the client had sent nothing more, and so
+			// flushed as the framer does before a read that would block:
+			// every request counted is then with PostgreSQL, which
+			// answers it without more from the client (see backlogged).
+			if err := s.sw.Flush(); err != nil {
+				return fmt.Errorf("server: %w", err)
+			}
+			return errPaused
+		}
 		typ, total, err := s.nextClient()
 		if err != nil {
 			return err
@@ -312,6 +322,45 @@ func (r *relay) clientSteps() error {
 			return errClientTerminate
 		}
 	}
+}
+
+// The bounds of a client's unread answers (issue 30, B-M3): while
+// maxOutstanding of its requests wait for their answers, or clientBacklog
+// times the server buffer's size of answers wait in clientPending for it
+// to read them, the client is not read (clientSteps), as PostgreSQL stops
+// reading a client that does not read (it blocks on send); it is read
+// again once the backlog is below half of that (interceptEvent). Without
+// them a client that pipelines without reading made the proxy hold a
+// request (about 150 bytes of heap) for every 8-byte Close it sent, for
+// as long as the sockets' buffers took them (730 MB for 23 MB sent).
+//
+// The bound never stalls a client that reads its answers: when it stops
+// reading the client, it has flushed what it forwarded (clientSteps), so
+// every outstanding request is with PostgreSQL or answered, and
+// PostgreSQL answers each without more input from the client, except
+// that it keeps up to 8 KiB of answers unsent until a Sync, a Flush or
+// more answers (PQ_SEND_BUFFER_SIZE): at most 1,638 requests (an answer
+// is 5 bytes or more), fewer than the 2,048 at which the client is read
+// again. The first version did not flush: up to a buffer of requests
+// stayed in the proxy, unanswerable, and a client writing a large batch
+// with its Sync at the end (pgx's TestConnExecBatchHuge) hung.
+const (
+	maxOutstanding = 4096
+	clientBacklog  = 4
+)
+
+// backlogged reports whether the client is not to be read for its backlog
+// of unread answers (see maxOutstanding), recording it in backlogPaused:
+// one at the bounds is paused until its backlog is below half of them.
+// Its cost on the path of every client message is a queue-length read.
+func (r *relay) backlogged() bool {
+	ic := r.intercept
+	maxQ, maxP := maxOutstanding, clientBacklog*r.s.sf.R.Size()
+	if ic.backlogPaused {
+		maxQ, maxP = maxQ/2, maxP/2
+	}
+	ic.backlogPaused = r.s.q.Len() >= maxQ || len(ic.clientPending) >= maxP
+	return ic.backlogPaused
 }
 
 // isDone reports whether req has been answered.

@@ -72,7 +72,8 @@ type interceptState struct {
 	clientEventCount atomic.Uint64
 	serverPending    []byte // bytes for the server its socket has not taken yet (inline)
 	// clientReadsPaused: the client is not read until the server takes
-	// serverPending (for observation: tests).
+	// serverPending, or its backlog of unread answers is down
+	// (backlogPaused; for observation: tests).
 	clientReadsPaused atomic.Bool
 
 	// park is the parked client side's wait (nil: not parked), parkedLen
@@ -87,6 +88,9 @@ type interceptState struct {
 	// taken while the buffer is larger, for one message (growClient).
 	clientSize int
 	grown      int64
+	// backlogPaused: the client is not read while its unread answers
+	// are over the bounds (backlogged, evloop_client.go).
+	backlogPaused bool
 	// heldTimer ends the session when a message held for growClient has
 	// not all arrived within message_timeout (stopped once it has).
 	heldTimer *time.Timer
@@ -344,6 +348,15 @@ func (l *evloop) interceptEvent(r *relay, fd int, ev uint32) {
 		}
 		return l.replicaSteps(r, false) // the replica's held while the primary's message was in pieces
 	}()
+	if ic := r.intercept; err == nil && ic.backlogPaused && ic.park == nil && !r.backlogged() &&
+		len(ic.serverPending) == 0 && !r.replicaPending() {
+		// The backlog that stopped the client's reads is down (answers
+		// arrive, or the client took what waited for it, only in these
+		// events): read on, the messages already buffered first, for
+		// which no event comes. With serverPending, the server's taking
+		// it reads on.
+		err = r.s.guard("client", func() error { return l.clientInline(r) })
+	}
 	if err == nil && r.intercept.park != nil {
 		// The Handler's continuation, or its message handled again: a
 		// panic there ends this session only, as in ClientMessage.
@@ -418,7 +431,9 @@ func (l *evloop) interceptInterest(r *relay) error {
 		}
 		ic.serverInterest = serverInterest
 		ic.serverReadsPaused.Store(serverInterest&evIn == 0)
-		ic.clientReadsPaused.Store(serverInterest&evOut != 0)
+	}
+	if paused := serverInterest&evOut != 0 || ic.backlogPaused; paused != ic.clientReadsPaused.Load() {
+		ic.clientReadsPaused.Store(paused)
 	}
 	if want := len(ic.clientPending) > 0; want != ic.clientWriteWatched {
 		var err error

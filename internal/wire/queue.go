@@ -67,11 +67,25 @@ func (q *Queue) Push(r *Request) {
 		}
 		q.skipping = false
 	}
-	if q.head > 0 && q.head == len(q.reqs) {
+	switch {
+	case q.head > 0 && q.head == len(q.reqs):
 		q.reqs, q.head = q.reqs[:0], 0
+	case q.head >= 1024 && q.head*2 >= len(q.reqs):
+		// Never empty (a client pipelining without pause): move what is
+		// outstanding down, so that the array does not grow for ever.
+		n := copy(q.reqs, q.reqs[q.head:])
+		clear(q.reqs[n:])
+		q.reqs, q.head = q.reqs[:n], 0
 	}
 	q.reqs = append(q.reqs, r)
 	q.mu.Unlock()
+}
+
+// Len is the number of requests outstanding.
+func (q *Queue) Len() int {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	return len(q.reqs) - q.head
 }
 
 // Front returns the request whose responses are arriving, nil when none

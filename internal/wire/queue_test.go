@@ -53,3 +53,30 @@ func TestMatch(t *testing.T) {
 		})
 	}
 }
+
+// TestQueueNeverEmpty: a queue that is never empty (a client pipelining
+// without pause, its answers arriving as it sends) keeps its requests in
+// order and its array bounded by what is outstanding, not by all it has
+// seen; Len counts what is outstanding (the backlog bound reads it).
+func TestQueueNeverEmpty(t *testing.T) {
+	var q Queue
+	var sent, got int
+	push := func() { q.Push(&Request{Type: 'C', Tag: sent}); sent++ }
+	for range 100 {
+		push()
+	}
+	for range 100_000 {
+		push()
+		if tag := q.Front().Tag.(int); tag != got {
+			t.Fatalf("front is request %d, want %d", tag, got)
+		}
+		q.Pop()
+		got++
+		if n := q.Len(); n != 100 {
+			t.Fatalf("Len %d, want 100 outstanding", n)
+		}
+	}
+	if cap(q.reqs) > 4096 {
+		t.Fatalf("array of %d for 100 outstanding", cap(q.reqs))
+	}
+}
