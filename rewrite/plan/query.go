@@ -202,7 +202,7 @@ func rewriteQuery(ss Session, stmts []*rewrite.Stmt) Query {
 		client(i)
 	}
 	wrapped, hasCopy, beforeCommit := false, false, false
-	tail := false // statements follow a COMMIT with a receipt before it
+	tail := false     // statements follow a COMMIT with a receipt before it
 	copyInTx := false // a gated COPY FROM in the current transaction, in this query
 	wrapStart := 0    // where the wrapped implicit transaction began
 	// blockOnlyAt: the steps index and statement of the first statement
