@@ -129,3 +129,57 @@ func bypassReplayTailShapes(t *testing.T) {
 		})
 	}
 }
+
+// After a replayed COMMIT the session has the settings the transaction
+// set (round 3, H-H1): the proxy rolls the replayed transaction back, so
+// its SET fence.step went with it, and the client's next request, told
+// the COMMIT committed, wrote under the step before, which had no
+// receipt: applied twice.
+func init() { registerBypass("replay_settings", bypassReplaySettings) }
+
+func bypassReplaySettings(t *testing.T) {
+	for _, c := range []struct{ name, commit string }{{"commit", "COMMIT"}, {"lone_commit", ""}, {"extended", "ext"}} {
+		t.Run(c.name, func(t *testing.T) {
+			t.Parallel()
+			e := newReservedEnv(t)
+			tx := fmt.Sprintf("BEGIN; SET fence.step = 's1'; INSERT INTO results (job_key, payload, token) VALUES ('a', 'A', %d); SET fence.step = 's2'", e.lease.Token)
+			next := "UPDATE results SET payload = payload || '+' WHERE job_key = 'a'"
+			run := func(conn *pgconn.PgConn) error {
+				switch c.commit {
+				case "COMMIT":
+					_, err := conn.Exec(ctxT(t), tx+"; COMMIT").ReadAll()
+					return err
+				case "":
+					if _, err := conn.Exec(ctxT(t), tx).ReadAll(); err != nil {
+						return err
+					}
+					_, err := conn.Exec(ctxT(t), "COMMIT").ReadAll()
+					return err
+				}
+				if _, err := conn.Exec(ctxT(t), tx).ReadAll(); err != nil {
+					return err
+				}
+				_, err := conn.ExecParams(ctxT(t), "COMMIT", nil, nil, nil, nil).Close()
+				return err
+			}
+			first := e.encConn(t, "UTF8")
+			if err := run(first); err != nil {
+				t.Fatalf("first attempt: %v", err)
+			}
+			if _, err := first.Exec(ctxT(t), next).ReadAll(); err != nil {
+				t.Fatalf("first attempt's next request: %v", err)
+			}
+			e.wantCount(t, 1, "SELECT count(*) FROM results WHERE job_key = 'a' AND payload = 'A+'")
+			retry := e.encConn(t, "UTF8")
+			if err := run(retry); err != nil {
+				t.Fatalf("retry: %v", err)
+			}
+			if v := lastValue(t, retry, "SHOW fence.step"); v != "s2" {
+				t.Fatalf("after the replayed COMMIT fence.step is %q, want the transaction's s2", v)
+			}
+			_, err := retry.Exec(ctxT(t), next).ReadAll()
+			t.Logf("the retry's next request: %v", err)
+			e.wantCount(t, 1, "SELECT count(*) FROM results WHERE job_key = 'a' AND payload = 'A+'")
+		})
+	}
+}

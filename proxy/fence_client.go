@@ -24,6 +24,11 @@ func (h *fenceSession) clientMessage(s *Session, msg []byte) (Verdict, error) {
 	if asksWork(msg) {
 		h.idle.clientMsgs.Add(1)
 	}
+	if h.replayPending.Load() && !h.inBatch {
+		if err := h.restoreReplayed(s); err != nil {
+			return Drop, err // ErrWait on the loop: nothing done yet
+		}
+	}
 	if h.tail != nil {
 		switch msg[0] {
 		case 'P', 'B', 'E', 'D', 'C', 'Q', 'F':

@@ -1,10 +1,13 @@
 package proxy
 
 import (
+	"strings"
+
 	"github.com/jackc/pgx/v5/pgproto3"
 	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/rewrite"
 	"github.com/pgfence/pgfence/rewrite/plan"
+	"github.com/pgfence/pgfence/session"
 )
 
 // A retry whose receipt step answers a replay (FN00R): the client's COMMIT
@@ -102,4 +105,65 @@ func (h *fenceSession) endReplayed(s gateConn, chain bool) error {
 	}
 	h.markState()
 	return nil
+}
+
+// restoreReplayed runs before the client's first request after a replay
+// whose transaction set session settings (SET fence.step, search_path,
+// any tracked setting, not LOCAL): the client was told its COMMIT
+// committed, so it goes on believing its session has them, but the proxy
+// rolled the transaction back, and they went with it. Run without them,
+// a write of the client's next request could go under the step before
+// the transaction's, which has no receipt, and be applied a second time
+// (round 3, attacker H's H1). They are set again, hidden, once everything
+// before is answered (ErrWait on the loop: nothing done yet), outside an
+// extended-protocol batch (a batch the server skips would skip them),
+// and not in a failed transaction (then at the next request after it).
+func (h *fenceSession) restoreReplayed(s gateConn) error {
+	if err := h.barrier(s); err != nil {
+		return err
+	}
+	h.mu.Lock()
+	if h.st.Tx() == session.Failed {
+		h.mu.Unlock()
+		return nil
+	}
+	settings := h.replaySettings
+	h.replaySettings = nil
+	h.replayPending.Store(false)
+	var b strings.Builder
+	segs := make([]seg, 0, len(settings))
+	for _, st := range settings {
+		var err error
+		if st.Default {
+			err = h.st.Reset(st.Name, false)
+		} else {
+			err = h.st.Set(st.Name, st.Value, false)
+		}
+		if err != nil {
+			continue
+		}
+		if b.Len() > 0 {
+			b.WriteString("; ")
+		}
+		b.WriteString(restoreSettingSQL(st.Name, st.Value))
+		segs = append(segs, seg{step: stepAlign})
+	}
+	h.mu.Unlock()
+	if len(segs) == 0 {
+		return nil
+	}
+	if err := h.send(s, h.qmsg(b.String()), &tag{kind: 'Q', segs: segs, hideReady: true}, false); err != nil {
+		return err
+	}
+	h.markState()
+	return nil
+}
+
+// restoreSettingSQL sets name to value for the session, as SET does.
+func restoreSettingSQL(name, value string) string {
+	return "SELECT pg_catalog.set_config(" + plan.Literal(name) + ", " + plan.Literal(value) + ", false)"
+}
+
+func init() {
+	ownTemplate("settings a replayed transaction set, set again", onSession, restoreSettingSQL("fence.step", "s"), "SELECT pg_catalog.set_config(E'")
 }

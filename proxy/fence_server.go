@@ -254,6 +254,10 @@ func (h *fenceSession) onError(s gateConn, msg []byte, t *tag) (Verdict, error) 
 		return Drop, nil // a routing query's failure is the router's business (route.go)
 	}
 	h.timeStep(t, st)
+	var committed []session.Setting
+	if st == stepReceipt {
+		committed = h.st.CommitDiff() // what a replay's client believes it has (fence_replay.go)
+	}
 	h.st.Fail()
 	if st == stepPrepare {
 		s.Logger().Warn("cannot prepare the gate's statements", zap.ByteString("error", msg))
@@ -290,6 +294,10 @@ func (h *fenceSession) onError(s gateConn, msg []byte, t *tag) (Verdict, error) 
 		// query's statements after the COMMIT are run again (awaitCommit).
 		h.errShown = true
 		t.replayAt = at
+		if len(committed) > 0 {
+			h.replaySettings = committed // set again before the client's next request (restoreReplayed)
+			h.replayPending.Store(true)
+		}
 		if t.kind == 'E' {
 			h.replayedSeq = t.seq // the batch's next statements (replayedBatch)
 		}

@@ -96,8 +96,13 @@ type fenceSession struct {
 	// portalsEnded (under mu): the seq of the last request answered with
 	// the session idle; portals bound before it are gone (prunePortals).
 	portalsEnded uint64
-	portalsKept  atomic.Int64 // len(portals) after the last Bind (tests)
-	stateReq     *Request     // the last request sent that changes session or gate state
+	// replaySettings (under mu): the session settings a replayed transaction
+	// was answered as committing, which its rollback took away;
+	// replayPending says there are some (restoreReplayed).
+	replaySettings []session.Setting
+	replayPending  atomic.Bool
+	portalsKept    atomic.Int64 // len(portals) after the last Bind (tests)
+	stateReq       *Request     // the last request sent that changes session or gate state
 	// seq numbers the requests sent (tag.seq); encSeq is the last that
 	// may have changed how the server reads the client's text, gucSeq the
 	// last that may have changed the tracked settings unseen, resyncInTx

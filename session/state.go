@@ -594,3 +594,54 @@ func errInFailed() *fence.Error {
 	return &fence.Error{Code: CodeInFailedTransaction,
 		Message: "current transaction is aborted, commands ignored until end of transaction block"}
 }
+
+// Setting is a tracked parameter's value for RestoreSettings: Default
+// means RESET (the session default), else Value by SET.
+type Setting struct {
+	Name    string
+	Value   string
+	Default bool
+}
+
+// CommitDiff returns the tracked parameters whose value a commit of the
+// open transaction would leave different from what a rollback would: the
+// session-level SETs made in it (and in its savepoints). A retry whose
+// transaction the database answers as a replay is rolled back, but its
+// client was told it committed (the proxy's replay answer): these are
+// what that client believes its session has, which the proxy sets again
+// after the rollback. Nothing of s changes; a parameter whose committed
+// value the proxy does not know is left out.
+func (s *State) CommitDiff() []Setting {
+	if s.tx == Idle || s.level == 0 {
+		return nil
+	}
+	committed, rolled := s.cloneVars(), s.cloneVars()
+	for l := s.level; l >= 1; l-- {
+		(&State{vars: committed}).endLevel(true, l)
+	}
+	(&State{vars: rolled}).endLevel(false, 1)
+	var out []Setting
+	names := make([]string, 0, len(committed))
+	for n := range committed {
+		names = append(names, n)
+	}
+	sort.Strings(names)
+	for _, n := range names {
+		c, r := committed[n].cur, rolled[n].cur
+		if c == r || !c.known {
+			continue
+		}
+		out = append(out, Setting{Name: n, Value: c.s, Default: !c.set})
+	}
+	return out
+}
+
+func (s *State) cloneVars() map[string]*variable {
+	out := make(map[string]*variable, len(s.vars))
+	for n, v := range s.vars {
+		c := *v
+		c.stack = append([]stackEntry(nil), v.stack...)
+		out[n] = &c
+	}
+	return out
+}

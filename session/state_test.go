@@ -390,3 +390,46 @@ func TestCommitTagRollback(t *testing.T) {
 		t.Errorf("after COMMIT answered ROLLBACK: got token set=%v state %v, want unset idle", ok, s.Tx())
 	}
 }
+
+// TestCommitDiff: what a commit of the open transaction would leave that
+// a rollback would not.
+func TestCommitDiff(t *testing.T) {
+	s, err := New(map[string]string{"user": "u", "options": "-c fence.step=a"}, NewStatements())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if d := s.CommitDiff(); d != nil {
+		t.Fatalf("outside a transaction: %v", d)
+	}
+	if err := s.Begin(); err != nil {
+		t.Fatal(err)
+	}
+	must := func(err error) {
+		t.Helper()
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	must(s.Set("fence.step", "s1", false))
+	must(s.Set("fence.read_policy", "wait", true)) // LOCAL: gone either way
+	must(s.Savepoint("x"))
+	must(s.Set("fence.step", "s2", false))
+	must(s.Set("fence.min_lsn", "0/1", false))
+	must(s.Reset("fence.min_lsn", false))
+	got := s.CommitDiff()
+	want := []Setting{{Name: "fence.step", Value: "s2"}}
+	if len(got) != len(want) || got[0] != want[0] {
+		t.Fatalf("CommitDiff = %+v, want %+v", got, want)
+	}
+	if v, _ := s.Get("fence.step"); v != "s2" {
+		t.Fatalf("CommitDiff changed the state: fence.step %q", v)
+	}
+	s2, _ := New(map[string]string{"user": "u", "options": "-c fence.step=a"}, NewStatements())
+	must(s2.Set("fence.step", "b", false))
+	s2.Commit(false) // its implicit transaction
+	must(s2.Begin())
+	must(s2.Reset("fence.step", false))
+	if got := s2.CommitDiff(); len(got) != 1 || !got[0].Default || got[0].Name != "fence.step" {
+		t.Fatalf("RESET in the transaction: CommitDiff = %+v, want fence.step to its default", got)
+	}
+}
