@@ -110,6 +110,34 @@ func bypassIdle(t *testing.T) {
 		})
 	}
 
+	// Round 3, H-M2: a holder that pipelines requests and never reads
+	// their answers keeps the server waiting for it, not working for it:
+	// silent all the same, it is ended after the bound.
+	t.Run("pipelines_never_reads", func(t *testing.T) {
+		t.Parallel()
+		e := newIdleEnv(t)
+		conn := e.mustConnect(t, client{lease: &e.lease})
+		before := e.snapshot(t)
+		idleExec(t, conn, pgx.QueryExecModeSimpleProtocol, "BEGIN", ins(e))
+		e.wantHeld(t)
+		fe := conn.PgConn().Frontend()
+		go func() {
+			// Its writes block once the proxy stops reading it; the
+			// session's end unblocks them.
+			for i := 0; i < 50000; i++ {
+				fe.Send(&pgproto3.Query{String: "SELECT repeat('x', 2000)"})
+				if i%100 == 99 {
+					if err := fe.Flush(); err != nil {
+						return
+					}
+				}
+			}
+			fe.Flush()
+		}()
+		e.waitRowFree(t)
+		e.unchanged(t, before)
+	})
+
 	// Keepalives are not talk: a client that holds the row and sends only
 	// messages that ask the server for nothing new (Flush, Sync, Describe
 	// or Close of what it already has, empty COPY data) is as silent as one

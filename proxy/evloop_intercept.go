@@ -425,6 +425,7 @@ func (l *evloop) interceptInterest(r *relay) error {
 	if len(ic.serverPending) > 0 {
 		serverInterest |= evOut
 	}
+	r.s.answersHeld.Store(len(ic.clientPending) >= r.s.sf.R.Size())
 	if serverInterest != ic.serverInterest {
 		if err := l.p.modify(r.serverFD, serverInterest); err != nil {
 			return err

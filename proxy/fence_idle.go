@@ -241,7 +241,11 @@ func (h *fenceSession) silentFor(s gateConn, now time.Time) (time.Duration, bool
 	fenced = fenced || h.st.Gate().Gated
 	h.mu.Unlock()
 	txOpen := s.TxStatus() != 'I' || s.inFlight() > 0
-	busy := s.outstanding() && !c.copyWait.Load()
+	// Busy: the server works for the client. Not while it waits for the
+	// client's COPY data, nor while it waits for the client to take its
+	// answers (round 3, H-M2: a client that pipelines and never reads
+	// held its fence row for ever).
+	busy := s.outstanding() && !c.copyWait.Load() && !s.clientHoldsUp()
 	msgs := c.clientMsgs.Load()
 	fenced = fenced || c.fenceCall.Load() != 0
 	watched := fenced || h.protects()

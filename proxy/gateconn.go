@@ -46,6 +46,9 @@ type gateConn interface {
 	// was given (BackendKeyData's process id), and the backend's pid.
 	sessionID() uint32
 	backendPID() uint32
+	// clientHoldsUp: the server waits for the client to take its answers
+	// (Session.answersHeld).
+	clientHoldsUp() bool
 
 	// For the idle watchdog (any goroutine): requests whose
 	// ReadyForQuery has not arrived, and whether the server is working on
@@ -121,6 +124,7 @@ func (s *Session) ending() <-chan struct{} { return s.closing }
 
 func (s *Session) sessionID() uint32  { return s.cancelPID }
 func (s *Session) backendPID() uint32 { return s.BackendPID }
+func (s *Session) clientHoldsUp() bool { return s.answersHeld.Load() }
 
 func (s *Session) inFlight() int64   { return s.st.Pending() }
 func (s *Session) outstanding() bool { return s.q.Front() != nil }

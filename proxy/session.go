@@ -71,6 +71,11 @@ type Session struct {
 	// event loop.
 	connMu    sync.Mutex
 	loopRelay *relay // set when the event loop relays the session (evloop.go)
+	// answersHeld: the loop holds as many answers for the client as it
+	// takes before it stops reading the server (evloop_intercept.go):
+	// the server waits for the client, not the other way round. For the
+	// gate's idle watchdog (fence_idle.go).
+	answersHeld atomic.Bool
 	// closing is closed when the session starts to end, so a Handler
 	// waiting on a Request can give up.
 	closing chan struct{}
