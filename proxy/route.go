@@ -107,7 +107,7 @@ const (
 
 func plainRead(st *rewrite.Stmt) bool {
 	return (st.Kind == rewrite.Read || st.Kind == rewrite.CopyTo) && !st.LockingRead && !st.CallsFence &&
-		!st.PrimaryOnlyFuncs && !st.Opaque && len(st.GUCs) == 0 && !st.UnknownGUCWrite && st.Executes == "" &&
+		!st.PrimaryOnlyFuncs && !st.SessionLocal && !st.Opaque && len(st.GUCs) == 0 && !st.UnknownGUCWrite && st.Executes == "" &&
 		!st.Analyze && !st.Temp
 }
 

@@ -184,6 +184,12 @@ type Stmt struct {
 	LockingRead      bool // FOR UPDATE / NO KEY UPDATE / SHARE / KEY SHARE anywhere
 	CallsFence       bool // calls a function in schema fence
 	PrimaryOnlyFuncs bool // calls a function that needs the primary (nextval, advisory locks, pg_notify, set_config, fence.*, ...)
+	// SessionLocal: reads the state of the session's own backend or
+	// server (sessionLocal: current_setting, pg_prepared_statements,
+	// pg_settings, pg_stat_activity, ...), which another connection
+	// answers differently: it must run on the session's primary
+	// connection.
+	SessionLocal bool
 	UnknownGUCWrite  bool // a set_config call whose parameter name cannot be determined
 	// Builtins are the functions the statement calls by an unqualified
 	// name that the classifier took for PostgreSQL's built-ins (neither

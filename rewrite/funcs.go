@@ -99,3 +99,51 @@ func init() {
 		readOnlyFuncs[f] = true
 	}
 }
+
+// sessionLocalFuncs and sessionLocalViews are the built-in functions and
+// system views that report the state of the session's own backend or of
+// the server it runs on: its settings (current_setting,
+// pg_settings: transaction_read_only is on for any replica session), its
+// prepared statements, cursors and notifications, its temporary schema,
+// its connection, the server's activity, locks, statistics and files.
+// Another connection, a replica's above all, answers them differently,
+// so a read of one is not routed to a replica (Stmt.SessionLocal; round
+// 3, attacker H's M1: pg_prepared_statements read on the replica showed
+// none of the session's statements). A name missing here is read on a
+// replica as any catalog is: the catalogs are the primary's, replicated.
+var (
+	sessionLocalFuncs = map[string]bool{}
+	sessionLocalViews = map[string]bool{}
+)
+
+func init() {
+	for _, f := range strings.Fields(`
+		current_setting pg_show_all_settings pg_settings_get_flags
+		pg_prepared_statement pg_cursor pg_listening_channels pg_notification_queue_usage
+		pg_my_temp_schema pg_is_other_temp_schema pg_trigger_depth
+		inet_client_addr inet_client_port inet_server_addr inet_server_port
+		pg_postmaster_start_time pg_conf_load_time pg_current_logfile pg_backend_memory_contexts
+		pg_get_backend_memory_contexts pg_stat_get_activity pg_blocking_pids pg_safe_snapshot_blocking_pids
+		pg_lock_status pg_current_snapshot txid_current_snapshot pg_prepared_xact
+		pg_stat_get_backend_pid pg_stat_get_backend_idset pg_stat_get_xact_numscans
+		pg_is_in_backup pg_last_xact_replay_timestamp pg_get_wal_replay_pause_state pg_is_wal_replay_paused
+	`) {
+		sessionLocalFuncs[f] = true
+	}
+	for _, v := range strings.Fields(`
+		pg_prepared_statements pg_cursors pg_settings pg_file_settings pg_hba_file_rules pg_ident_file_mappings
+		pg_stat_activity pg_locks pg_prepared_xacts pg_backend_memory_contexts pg_shmem_allocations
+		pg_stat_replication pg_stat_wal_receiver pg_stat_subscription pg_replication_slots pg_stat_ssl pg_stat_gssapi
+		pg_stat_database pg_stat_database_conflicts pg_stat_bgwriter pg_stat_wal pg_stat_archiver pg_stat_slru
+		pg_stat_all_tables pg_stat_user_tables pg_stat_sys_tables pg_stat_xact_all_tables pg_stat_xact_user_tables
+		pg_stat_xact_sys_tables pg_statio_all_tables pg_statio_user_tables pg_statio_sys_tables
+		pg_stat_all_indexes pg_stat_user_indexes pg_stat_sys_indexes pg_statio_all_indexes pg_statio_user_indexes
+		pg_statio_sys_indexes pg_statio_all_sequences pg_statio_user_sequences pg_statio_sys_sequences
+		pg_stat_user_functions pg_stat_xact_user_functions pg_stat_progress_vacuum pg_stat_progress_analyze
+		pg_stat_progress_create_index pg_stat_progress_cluster pg_stat_progress_basebackup pg_stat_progress_copy
+		pg_stat_recovery_prefetch pg_stat_replication_slots pg_stat_io pg_stat_statements pg_stat_statements_info
+	`) {
+		sessionLocalViews[v] = true
+	}
+}
+

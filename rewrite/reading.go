@@ -30,7 +30,7 @@ func sameStmt(a, b *Stmt) bool {
 		a.Isolation == b.Isolation && a.Deferrable == b.Deferrable &&
 		slices.Equal(a.WriteTargets, b.WriteTargets) && slices.Equal(a.ReadRelations, b.ReadRelations) &&
 		a.Opaque == b.Opaque && a.LockingRead == b.LockingRead && a.CallsFence == b.CallsFence &&
-		a.PrimaryOnlyFuncs == b.PrimaryOnlyFuncs && a.UnknownGUCWrite == b.UnknownGUCWrite && a.Temp == b.Temp &&
+		a.PrimaryOnlyFuncs == b.PrimaryOnlyFuncs && a.SessionLocal == b.SessionLocal && a.UnknownGUCWrite == b.UnknownGUCWrite && a.Temp == b.Temp &&
 		slices.Equal(a.GUCs, b.GUCs) && slices.Equal(a.Builtins, b.Builtins) && a.Params == b.Params &&
 		a.GrammarCalls == b.GrammarCalls && a.GrammarTypes == b.GrammarTypes &&
 		sameStmt(a.Inner, b.Inner) && a.Executes == b.Executes && a.Explain == b.Explain && a.Analyze == b.Analyze

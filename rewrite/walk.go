@@ -80,6 +80,9 @@ func (w *walker) addRead(r *pg_query.RangeVar) {
 			}
 		}
 	}
+	if (r.Schemaname == "" || r.Schemaname == "pg_catalog") && sessionLocalViews[r.Relname] {
+		w.st.SessionLocal = true
+	}
 	w.st.ReadRelations = appendRel(w.st.ReadRelations, rel(r))
 }
 
@@ -267,6 +270,13 @@ func (w *walker) funcCall(fc *pg_query.FuncCall) {
 		w.st.CallsFence = true
 		w.st.PrimaryOnlyFuncs = true
 		w.st.Opaque = true
+	case builtin && sessionLocalFuncs[fn.Name]:
+		w.st.SessionLocal = true
+		if readOnlyFuncs[fn.Name] {
+			w.trusted(fn)
+		} else {
+			w.st.Opaque = true
+		}
 	case builtin && primaryOnlyFuncs(fn.Name):
 		w.st.PrimaryOnlyFuncs = true
 		w.trusted(fn)
