@@ -27,6 +27,7 @@ func (h *fenceSession) send(s gateConn, msg []byte, t *tag, visible bool) error 
 			// answers to everything before it, or from the batch itself.
 			clear(h.batchStmts)
 			h.stmtWait = h.last
+			h.batchNo++
 		}
 		h.inBatch = true
 	case 'S':

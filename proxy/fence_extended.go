@@ -56,7 +56,7 @@ func (h *fenceSession) parse(s gateConn, msg []byte) (Verdict, error) {
 		return Drop, err
 	}
 	if t.raw != nil {
-		h.rt.parseReq = h.last
+		h.stmtSent(s, m.Name, true) // route.go
 	}
 	h.batchStmts[m.Name] = cs
 	return Drop, nil
@@ -143,6 +143,7 @@ func (h *fenceSession) closeOrDescribe(s gateConn, msg []byte) (Verdict, error) 
 	}
 	if body[0] == 'S' {
 		h.batchStmts[name] = nil
+		h.stmtSent(s, name, false) // route.go
 	}
 	return Drop, nil
 }

@@ -57,6 +57,7 @@ type fenceSession struct {
 	// Client goroutine only.
 	last    *Request // the last request sent upstream
 	inBatch bool     // extended-protocol messages sent since the last Sync
+	batchNo uint64   // counts the batches begun (stmtCopies.req)
 	// batchStmts: the client's Parses (and Closes: nil) of the current
 	// batch, what a Bind later in the batch runs if it runs at all; before
 	// the batch, what the server answered (gateBackend.stmts), once

@@ -73,9 +73,6 @@ type routeState struct {
 	fenceTx    bool   // a fence.* function ran in the open transaction
 	row        string // the answer of the last routing query
 	stmts      stmtCopies
-	// parseReq: the client's last named Parse (with read routing): a copy
-	// waits for its answer, since only what the server accepted is copied.
-	parseReq *Request
 	// ro: the read-only transaction open on the replica (route_rotx.go).
 	ro roTxState
 	// holdFloor: a lower bound of the snapshots of the WITH HOLD cursors
@@ -732,12 +729,27 @@ func (h *fenceSession) routeGated(s gateConn) error {
 // Named prepared statements live on the upstream that parsed them. A
 // session whose read-only transaction runs on the replica may parse a
 // statement there and bind it later on the primary (pgx's statement cache
-// does), or the other way round. So the client side keeps a copy of every
-// named Parse (clientStmt.msg, fence_extended.go), the router which
-// upstream has which version (stmtCopies), and it parses a statement on
-// the current upstream (hidden, ahead of the client's message) before a
-// Bind, Describe or Close names it there. A version left behind on the
-// other upstream is closed before a newer one is parsed there.
+// does), or the other way round. So the router keeps which upstream has
+// which version (stmtCopies), and parses a statement on the current
+// upstream (hidden, ahead of the client's message) before a Bind or
+// Describe names it there: the version the server accepted (Prepared.Raw,
+// the Parse it answered with ParseComplete), which the gate judges each
+// Execute by. A version left behind on the other upstream is closed before
+// a newer one is parsed there, or the name used there.
+//
+// What the router believes rests on the server's answers: each Parse or
+// Close of a name (the client's, or a hidden copy's) is remembered with
+// its request (stmtCopies.req), and the bookkeeping assumes it succeeds
+// only until it is answered. A message naming the statement in a later
+// batch first has that answer (stmtSettle: a wait only when it is still
+// outstanding; a Bind waits there anyway, boundStmt); if the server
+// skipped it (an earlier error in its batch) or refused it (42P05: the
+// name exists), the name's presence on either upstream is unknown, and
+// its next use closes it and parses the accepted version again. Within a
+// batch, a message after the Parse or Close runs only if it succeeded, so
+// nothing waits: pgx's Parse, Bind of a name and its later Binds cost no
+// round trip. Nothing is copied into a batch the server is known to be
+// skipping (the client's message is skipped too).
 
 const (
 	onPrimary uint8 = 1 << iota
@@ -747,13 +759,23 @@ const (
 // stmtCopies is where the client's named statements exist, by name: the
 // per-upstream half of what fenceSession.stmts holds per client.
 type stmtCopies struct {
-	on    map[string]uint8 // where the current version exists
-	stale map[string]uint8 // where an older version exists
+	on    map[string]uint8 // where the accepted version exists
+	stale map[string]uint8 // where another version may exist
+	// req: the last request sent that makes or removes the name on an
+	// upstream, with its batch (fenceSession.batchNo); on and stale hold
+	// what it does if it succeeds, until it is answered (stmtSettle).
+	req map[string]stmtReq
+}
+
+type stmtReq struct {
+	r     *Request
+	batch uint64
 }
 
 // routeMsg follows an extended-protocol message: back to the primary when
 // idle, and the named statement it needs on the current upstream. Client
-// goroutine.
+// goroutine; it runs before the gate handles the message, and returns
+// ErrWait (on the loop) only before it has done anything.
 func (h *fenceSession) routeMsg(s gateConn, msg []byte) error {
 	if s.readRouter() == nil {
 		return nil
@@ -763,41 +785,14 @@ func (h *fenceSession) routeMsg(s gateConn, msg []byte) error {
 			return err
 		}
 	}
-	up, other := onPrimary, onReplica
-	if s.OnReplica() {
-		up, other = onReplica, onPrimary
-	}
 	body := msg[headerLen:]
 	var name string
 	switch msg[0] {
 	case 'S':
 		h.rt.batchEnded = false
-	case 'P':
-		var text []byte
-		name, text, _ = cstring(body)
-		if up == onReplica {
-			// Read there as the gate reads it (replstate.go).
-			q, _, _ := cstring(text)
-			if err := h.alignReplicaBatch(s, []byte(q)); err != nil {
-				return err
-			}
-		}
-		if name == "" || plan.Reserved(name) {
-			return nil // a reserved name: the gate refuses it (FN013), routing never follows it
-		}
-		sc := h.stmtCopies()
-		if sc.on[name]&other != 0 || sc.stale[name]&other != 0 {
-			sc.stale[name] |= other
-		}
-		if sc.stale[name]&up != 0 {
-			// An older version here: close it first.
-			if err := h.closeCopy(s, name); err != nil {
-				return err
-			}
-			sc.stale[name] &^= up
-		}
-		sc.on[name] = up // parse keeps its text (clientStmt.msg)
 		return nil
+	case 'P':
+		name, _, _ = cstring(body)
 	case 'B':
 		_, rest, _ := cstring(body)
 		name, _, _ = cstring(rest)
@@ -806,65 +801,194 @@ func (h *fenceSession) routeMsg(s gateConn, msg []byte) error {
 			name, _, _ = cstring(body[1:])
 		}
 	}
-	if name == "" || plan.Reserved(name) || h.rt.stmts.on == nil {
-		return nil
+	named := name != "" && !plan.Reserved(name) // a reserved name: the gate refuses it (FN013)
+	if named {
+		if err := h.stmtSettle(s, name, msg[0]); err != nil {
+			return err // ErrWait on the loop: nothing done yet
+		}
 	}
-	sc := &h.rt.stmts
-	if sc.on[name] != 0 && sc.on[name]&up == 0 {
-		// A copy is due: of the version the server accepted (a Parse it
-		// refused or skipped left the older one, which the gate judges
-		// the Bind by), once the client's last named Parse is answered.
-		// Nothing is done yet.
-		if err := h.wait(s, h.rt.parseReq); err != nil {
+	up := h.upstream(s)
+	if msg[0] == 'P' && up == onReplica {
+		// Read there as the gate reads it (replstate.go).
+		_, text, _ := cstring(body)
+		q, _, _ := cstring(text)
+		if err := h.alignReplicaBatch(s, []byte(q)); err != nil {
 			return err
 		}
-		h.rt.parseReq = nil
 	}
-	var p []byte
-	h.mu.Lock()
-	if ps, ok := h.be.stmts.Statement(name); ok && !ps.SQL {
-		p = ps.Raw
+	if !named || msg[0] == 'C' || h.batchSkipping() {
+		return nil // a Close is followed once sent (stmtSent)
 	}
-	h.mu.Unlock()
-	if p != nil && sc.on[name]&up == 0 {
-		if up == onReplica {
-			_, text, _ := cstring(p[headerLen:])
-			q, _, _ := cstring(text)
-			if err := h.alignReplicaBatch(s, []byte(q)); err != nil {
-				return err
-			}
-		}
+	sc := h.stmtCopies()
+	if q, ok := sc.req[name]; ok && h.inBatch && q.batch == h.batchNo {
+		return nil // parsed, closed or copied earlier in this batch: it runs only if that succeeded
+	}
+	if msg[0] == 'P' {
 		if sc.stale[name]&up != 0 {
+			// Another version here, or one the router cannot rule out:
+			// close it first (a Close of a missing statement succeeds).
 			if err := h.closeCopy(s, name); err != nil {
 				return err
 			}
-			sc.stale[name] &^= up
 		}
-		if err := h.send(s, p, &tag{kind: 'P', step: stepStmtCopy}, false); err != nil {
+		return nil // the rest once the Parse is sent (stmtSent)
+	}
+	var p []byte
+	h.mu.Lock()
+	if ps, ok := h.be.stmts.Statement(name); ok {
+		if ps.Raw == nil || ps.SQL {
+			// A statement of SQL PREPARE (or parsed before read
+			// routing): on the primary only.
+			if up == onPrimary {
+				h.mu.Unlock()
+				return nil
+			}
+		} else {
+			p = ps.Raw
+		}
+	}
+	h.mu.Unlock()
+	if p != nil && sc.on[name]&up != 0 {
+		return nil // the accepted version is here
+	}
+	if (sc.on[name]|sc.stale[name])&up != 0 {
+		// Another version here, or one the router cannot rule out: close
+		// it first (a Close of a missing statement succeeds).
+		if err := h.closeCopy(s, name); err != nil {
 			return err
 		}
-		sc.on[name] |= up
 	}
-	if msg[0] == 'C' {
-		if sc.on[name]&other != 0 {
-			sc.stale[name] |= other
+	if p == nil {
+		return nil // the server refuses the Bind: the gate knows no such statement here
+	}
+	if up == onReplica {
+		_, text, _ := cstring(p[headerLen:])
+		q, _, _ := cstring(text)
+		if err := h.alignReplicaBatch(s, []byte(q)); err != nil {
+			return err
 		}
-		delete(sc.on, name) // and closeOrDescribe its text
+	}
+	if err := h.send(s, p, &tag{kind: 'P', step: stepStmtCopy}, false); err != nil {
+		return err
+	}
+	sc.on[name] |= up
+	h.stmtReq(name)
+	return nil
+}
+
+// upstream is the upstream in use, as a stmtCopies bit.
+func (h *fenceSession) upstream(s gateConn) uint8 {
+	if s.OnReplica() {
+		return onReplica
+	}
+	return onPrimary
+}
+
+// stmtSettle has the answer to the last request that made or removed
+// name on an upstream, when it was sent in an earlier batch: waiting for
+// it if it is outstanding (for a Bind or Describe, for every request sent
+// before the batch, as boundStmt does: the accepted version it copies is
+// then the one the gate binds by). If it was skipped or refused, the
+// name's presence on both upstreams is unknown. ErrWait on the loop:
+// nothing done yet.
+func (h *fenceSession) stmtSettle(s gateConn, name string, typ byte) error {
+	sc := h.stmtCopies()
+	q, ok := sc.req[name]
+	if ok && h.inBatch && q.batch == h.batchNo {
+		return nil
+	}
+	var r *Request
+	if ok {
+		r = q.r
+	}
+	if typ == 'B' || typ == 'D' {
+		r = h.last // this message starts a batch
+		if h.inBatch {
+			r = h.stmtWait
+		}
+		if r == nil && ok {
+			r = q.r
+		}
+	}
+	if err := h.wait(s, r); err != nil {
+		return err
+	}
+	if !ok {
+		return nil
+	}
+	delete(sc.req, name)
+	if q.r.Skipped || q.r.Error != nil {
+		delete(sc.on, name)
+		sc.stale[name] = onPrimary | onReplica
 	}
 	return nil
+}
+
+// stmtSent follows the client's Parse (parsed) or Close of statement
+// name, just sent (h.last) on the current upstream: as if it succeeded,
+// until it is answered (stmtSettle).
+func (h *fenceSession) stmtSent(s gateConn, name string, parsed bool) {
+	if s.readRouter() == nil || name == "" || plan.Reserved(name) {
+		return
+	}
+	up := h.upstream(s)
+	other := up ^ (onPrimary | onReplica)
+	sc := h.stmtCopies()
+	if (sc.on[name]|sc.stale[name])&other != 0 {
+		sc.stale[name] |= other
+	}
+	if sc.stale[name] &^= up; sc.stale[name] == 0 {
+		delete(sc.stale, name)
+	}
+	if parsed {
+		sc.on[name] = up
+	} else {
+		delete(sc.on, name)
+	}
+	h.stmtReq(name)
+}
+
+// stmtReq records h.last as the last request making or removing name.
+func (h *fenceSession) stmtReq(name string) {
+	h.rt.stmts.req[name] = stmtReq{r: h.last, batch: h.batchNo}
+}
+
+// batchSkipping reports whether the server is known to skip the rest of
+// the current batch: its last request failed or was skipped.
+func (h *fenceSession) batchSkipping() bool {
+	r := h.last
+	if !h.inBatch || r == nil {
+		return false
+	}
+	select {
+	case <-r.Done():
+		return r.Skipped || r.Error != nil
+	default:
+		return false
+	}
 }
 
 func (h *fenceSession) stmtCopies() *stmtCopies {
 	sc := &h.rt.stmts
 	if sc.on == nil {
-		sc.on, sc.stale = map[string]uint8{}, map[string]uint8{}
+		sc.on, sc.stale, sc.req = map[string]uint8{}, map[string]uint8{}, map[string]stmtReq{}
 	}
 	return sc
 }
 
+// closeCopy closes name on the current upstream, hidden: no version is
+// there after it (if it runs).
 func (h *fenceSession) closeCopy(s gateConn, name string) error {
 	buf, _ := (&pgproto3.Close{ObjectType: 'S', Name: name}).Encode(nil)
-	return h.send(s, buf, &tag{kind: 'C', step: stepStmtCopy}, false)
+	if err := h.send(s, buf, &tag{kind: 'C', step: stepStmtCopy}, false); err != nil {
+		return err
+	}
+	sc := h.stmtCopies()
+	up := h.upstream(s)
+	sc.on[name] &^= up
+	sc.stale[name] &^= up
+	h.stmtReq(name)
+	return nil
 }
 
 // forgetStatements: DISCARD ALL / DEALLOCATE ALL ran on the current
