@@ -122,8 +122,8 @@ func (s *Session) head() *Request { return s.q.Front() }
 
 func (s *Session) ending() <-chan struct{} { return s.closing }
 
-func (s *Session) sessionID() uint32  { return s.cancelPID }
-func (s *Session) backendPID() uint32 { return s.BackendPID }
+func (s *Session) sessionID() uint32   { return s.cancelPID }
+func (s *Session) backendPID() uint32  { return s.BackendPID }
 func (s *Session) clientHoldsUp() bool { return s.answersHeld.Load() }
 
 func (s *Session) inFlight() int64   { return s.st.Pending() }

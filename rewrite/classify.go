@@ -189,8 +189,8 @@ type Stmt struct {
 	// pg_settings, pg_stat_activity, ...), which another connection
 	// answers differently: it must run on the session's primary
 	// connection.
-	SessionLocal bool
-	UnknownGUCWrite  bool // a set_config call whose parameter name cannot be determined
+	SessionLocal    bool
+	UnknownGUCWrite bool // a set_config call whose parameter name cannot be determined
 	// Builtins are the functions the statement calls by an unqualified
 	// name that the classifier took for PostgreSQL's built-ins (neither
 	// Opaque nor, but for PrimaryOnlyFuncs, anything else): in order,

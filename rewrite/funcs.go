@@ -146,4 +146,3 @@ func init() {
 		sessionLocalViews[v] = true
 	}
 }
-
