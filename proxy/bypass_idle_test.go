@@ -138,6 +138,26 @@ func bypassIdle(t *testing.T) {
 		e.unchanged(t, before)
 	})
 
+	// Round 4, I-M1: a holder whose last batch has no Sync or Flush: the
+	// server answers nothing until the client sends one; silent.
+	t.Run("batch_left_open", func(t *testing.T) {
+		t.Parallel()
+		e := newIdleEnv(t)
+		conn := e.mustConnect(t, client{lease: &e.lease})
+		before := e.snapshot(t)
+		idleExec(t, conn, pgx.QueryExecModeSimpleProtocol, "BEGIN", ins(e))
+		e.wantHeld(t)
+		fe := conn.PgConn().Frontend()
+		fe.Send(&pgproto3.Parse{Query: "SELECT 1"})
+		fe.Send(&pgproto3.Bind{})
+		fe.Send(&pgproto3.Execute{})
+		if err := fe.Flush(); err != nil {
+			t.Fatal(err)
+		}
+		e.waitRowFree(t)
+		e.unchanged(t, before)
+	})
+
 	// Keepalives are not talk: a client that holds the row and sends only
 	// messages that ask the server for nothing new (Flush, Sync, Describe
 	// or Close of what it already has, empty COPY data) is as silent as one

@@ -101,9 +101,13 @@ func bypassReplayTailShapes(t *testing.T) {
 			mustExec(t, retry, "SELECT 1")
 		})
 	}
+	// After AND CHAIN the chained transaction begins, and the error for
+	// what followed the COMMIT fails it (round 4, I-M3: ended instead,
+	// the client's next writes, meant for a transaction, autocommitted).
 	for _, c := range []struct {
 		name, begin, commit string
-	}{{"extended_batch", "BEGIN", "COMMIT"}, {"extended_implicit", "", "COMMIT"}, {"extended_chain", "BEGIN", "COMMIT AND CHAIN"}} {
+		status              byte
+	}{{"extended_batch", "BEGIN", "COMMIT", 'I'}, {"extended_implicit", "", "COMMIT", 'I'}, {"extended_chain", "BEGIN", "COMMIT AND CHAIN", 'E'}} {
 		t.Run(c.name, func(t *testing.T) {
 			t.Parallel()
 			e, conn, ins := setup(t)
@@ -120,8 +124,11 @@ func bypassReplayTailShapes(t *testing.T) {
 			if len(res) < 2 || res[1].Err != nil || res[1].CommandTag.String() != "COMMIT" {
 				t.Fatalf("retry batch: %d results, want the COMMIT answered as committed", len(res))
 			}
-			if st := conn.TxStatus(); st != 'I' {
-				t.Fatalf("after the batch: transaction status %q, want idle", st)
+			if st := conn.TxStatus(); st != c.status {
+				t.Fatalf("after the batch: transaction status %q, want %q", st, c.status)
+			}
+			if c.status == 'E' {
+				mustExec(t, conn, "ROLLBACK")
 			}
 			e.wantCount(t, 0, "SELECT count(*) FROM audit WHERE note = 'after batch'")
 			e.wantCount(t, 1, "SELECT count(*) FROM fence.receipts WHERE job_key = 'r'")
@@ -182,4 +189,57 @@ func bypassReplaySettings(t *testing.T) {
 			e.wantCount(t, 1, "SELECT count(*) FROM results WHERE job_key = 'a' AND payload = 'A+'")
 		})
 	}
+}
+
+// Round 4: where the proxy cannot restore what the replayed transaction
+// set — a setting changed unseen in the same request (I-H1), or COMMIT
+// AND CHAIN, whose chained transaction the client may roll back and the
+// restored settings with it (I-H2) — the replayed COMMIT is answered as
+// PostgreSQL answers it: an error, FN00R. And an extended COMMIT AND
+// CHAIN of a fenced session leaves its chained transaction usable (I-M2).
+func init() { registerBypass("replay_unrestorable", bypassReplayUnrestorable) }
+
+func bypassReplayUnrestorable(t *testing.T) {
+	for _, c := range []struct{ name, end string }{
+		{"unseen_set_config", "SELECT set_config('fence.step', lower('V'), false); COMMIT"},
+		{"chain", "COMMIT AND CHAIN"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			t.Parallel()
+			e := newReservedEnv(t)
+			q := fmt.Sprintf("BEGIN; SET fence.step = 's1'; INSERT INTO results (job_key, payload, token) VALUES ('a', 'A', %d); SET fence.step = 'w'; %s", e.lease.Token, c.end)
+			first := e.encConn(t, "UTF8")
+			mustExec(t, first, q)
+			if first.TxStatus() == 'T' {
+				mustExec(t, first, "COMMIT")
+			}
+			retry := e.encConn(t, "UTF8")
+			res, err := retry.Exec(ctxT(t), q).ReadAll()
+			t.Logf("retry: %d results, err %v", len(res), err)
+			wantCode(t, err, fence.CodeReplay)
+			if st := retry.TxStatus(); st != 'I' {
+				t.Fatalf("after the replay's error: transaction status %q, want idle", st)
+			}
+			e.wantCount(t, 1, "SELECT count(*) FROM results WHERE job_key = 'a'")
+			e.wantCount(t, 1, "SELECT count(*) FROM fence.receipts WHERE job_key = 'r'")
+		})
+	}
+	t.Run("extended_chain_not_replayed", func(t *testing.T) {
+		t.Parallel()
+		e := newReservedEnv(t)
+		conn := e.encConn(t, "UTF8")
+		b := &pgconn.Batch{}
+		b.ExecParams("BEGIN", nil, nil, nil, nil)
+		b.ExecParams(fmt.Sprintf("INSERT INTO results (job_key, payload, token) VALUES ('c', 'C', %d)", e.lease.Token), nil, nil, nil, nil)
+		b.ExecParams("COMMIT AND CHAIN", nil, nil, nil, nil)
+		if _, err := conn.ExecBatch(ctxT(t), b).ReadAll(); err != nil {
+			t.Fatalf("batch: %v", err)
+		}
+		if st := conn.TxStatus(); st != 'T' {
+			t.Fatalf("after COMMIT AND CHAIN: transaction status %q, want 'T'", st)
+		}
+		mustExec(t, conn, "SELECT 1")
+		mustExec(t, conn, "COMMIT")
+		e.wantCount(t, 1, "SELECT count(*) FROM results WHERE job_key = 'c'")
+	})
 }

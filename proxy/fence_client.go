@@ -24,6 +24,12 @@ func (h *fenceSession) clientMessage(s *Session, msg []byte) (Verdict, error) {
 	if asksWork(msg) {
 		h.idle.clientMsgs.Add(1)
 	}
+	switch msg[0] {
+	case 'P', 'B', 'E', 'D', 'C':
+		h.idle.openBatch.Store(true)
+	case 'S', 'H', 'Q', 'F':
+		h.idle.openBatch.Store(false)
+	}
 	if h.replayPending.Load() && !h.inBatch {
 		if err := h.restoreReplayed(s); err != nil {
 			return Drop, err // ErrWait on the loop: nothing done yet

@@ -395,7 +395,11 @@ func (h *fenceSession) replayTail(s gateConn, res *rewrite.Result, commit *rewri
 			break
 		}
 	}
-	if err := h.endReplayed(s, commit.Chain && !tail); err != nil { // fence_replay.go
+	// AND CHAIN: the chained transaction begins (and the error for what
+	// followed fails it, as that would have failed it): the client's
+	// statements after the request stay in a transaction it must end,
+	// not autocommitted (round 4, I-M3).
+	if err := h.endReplayed(s, commit.Chain); err != nil { // fence_replay.go
 		return err
 	}
 	if !tail {

@@ -503,7 +503,7 @@ func (h *fenceSession) execStep(s gateConn, ps *plan.Step, about *rewrite.Stmt) 
 			stmt, args = plan.TxReceiptStatement, append(args, []byte(txID))
 		}
 		return h.execNamed(s, stmt, args,
-			&tag{kind: 'E', step: stepReceipt, gen: ps.Gen, beforeCommit: ps.BeforeCommit})
+			&tag{kind: 'E', step: stepReceipt, gen: ps.Gen, beforeCommit: ps.BeforeCommit, about: about})
 	}
 	return nil
 }

@@ -217,6 +217,10 @@ const watchdogAppName = "pgfence gate watchdog"
 type idleClock struct {
 	clientMsgs atomic.Uint64 // client messages handled so far (client side)
 	copyWait   atomic.Bool   // the server waits for the client's COPY data (server side)
+	// openBatch: the client's last message was an extended-protocol one
+	// with no Sync or Flush after it: the server answers nothing more
+	// until the client sends one (client side).
+	openBatch atomic.Bool
 	// fenceCall: the request (fenceSession.seq) that last called a fence
 	// function (which may lock a fence row), until a ReadyForQuery after
 	// it says the transaction ended; 0: none.
@@ -245,7 +249,10 @@ func (h *fenceSession) silentFor(s gateConn, now time.Time) (time.Duration, bool
 	// client's COPY data, nor while it waits for the client to take its
 	// answers (round 3, H-M2: a client that pipelines and never reads
 	// held its fence row for ever).
-	busy := s.outstanding() && !c.copyWait.Load() && !s.clientHoldsUp()
+	// Nor while the client left its batch open (no Sync or Flush): the
+	// server has nothing more to send until the client speaks (round 4,
+	// I-M1).
+	busy := s.outstanding() && !c.copyWait.Load() && !s.clientHoldsUp() && !c.openBatch.Load()
 	msgs := c.clientMsgs.Load()
 	fenced = fenced || c.fenceCall.Load() != 0
 	watched := fenced || h.protects()

@@ -79,7 +79,7 @@ func (h *fenceSession) replayedBatch(s gateConn) error {
 	if err := h.send(s, sync, &tag{kind: 'S', hideReady: true}, false); err != nil {
 		return err
 	}
-	if err := h.endReplayed(s, false); err != nil {
+	if err := h.endReplayed(s, p.chain); err != nil { // AND CHAIN: as replayTail
 		return err
 	}
 	return h.raiseInBatch(s, errReplayTail())
@@ -167,3 +167,29 @@ func restoreSettingSQL(name, value string) string {
 func init() {
 	ownTemplate("settings a replayed transaction set, set again", onSession, restoreSettingSQL("fence.step", "s"), "SELECT pg_catalog.set_config(E'")
 }
+
+// replayLosesSession reports whether a replayed receipt step before the
+// client's COMMIT (commit; nil for one the proxy put before an implicit
+// transaction's end) leaves the session where the proxy cannot put it
+// back as that COMMIT would have left it, and the error that answers the
+// COMMIT then. The proxy rolls the replayed transaction back; what the
+// transaction set for the session is set again (restoreReplayed) only
+// when the proxy knows it: not when a statement of the same request may
+// have changed a setting unseen (unseen, a request's seq, at or after
+// t's: round 4, I-H1, a set_config of a function's result restored the
+// value before it), nor for COMMIT AND CHAIN, whose chained transaction
+// the client may roll back, and the settings with it (I-H2). Then the
+// COMMIT is answered as PostgreSQL answers a replay: an error, FN00R,
+// the transaction rolled back and its settings with it, which the client
+// knows from the error, as it would straight to PostgreSQL.
+func replayLosesSession(t *tag, commit *rewrite.Stmt, committed []session.Setting, unseen uint64, e *pgproto3.ErrorResponse) (*pgproto3.ErrorResponse, bool) {
+	chain := commit != nil && commit.Chain
+	if !(chain && len(committed) > 0) && !(t.kind == 'Q' && unseen >= t.seq) {
+		return nil, false
+	}
+	return &pgproto3.ErrorResponse{Severity: "ERROR", SeverityUnlocalized: "ERROR", Code: fence.CodeReplay,
+		Message: "pgfence: idempotent replay: this transaction had already committed (nothing was applied twice), but the session settings it set cannot be restored, so it was rolled back as PostgreSQL does with a replay: the session's settings are as before it",
+		Detail:  e.Detail,
+		Hint:    "do not repeat the transaction's writes; set the session's settings again before the next request"}, true
+}
+

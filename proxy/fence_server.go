@@ -280,7 +280,20 @@ func (h *fenceSession) onError(s gateConn, msg []byte, t *tag) (Verdict, error) 
 		if gen.JobKey == "" {
 			gen = h.st.Gate().Gen
 		}
-		if sg.beforeCommit || (t.kind == 'Q' && replayedCommit(t.segs[at:]) != nil) {
+		commit := t.about
+		if t.kind == 'Q' {
+			commit = replayedCommit(t.segs[at:])
+		}
+		if sg.beforeCommit || commit != nil {
+			if le, lost := replayLosesSession(t, commit, committed, h.unseenGUC.Load(), &e); lost {
+				// The proxy cannot leave the session as the client's
+				// COMMIT would have: answered as PostgreSQL answers a
+				// replay, with an error, the transaction rolled back.
+				h.errShown = true
+				s.WriteClient(encode(nil, le))
+				h.logRefusal(s, &e, nil, "replayed")
+				return Drop, nil
+			}
 			// The client's COMMIT is answered as committed (an
 			// implicit transaction's too).
 			s.WriteClient(encode(nil, &pgproto3.CommandComplete{CommandTag: []byte("COMMIT")}))

@@ -463,6 +463,9 @@ func (h *fenceSession) noteSent(t *tag) {
 	if enc {
 		h.encSeq = t.seq
 	}
+	if guc {
+		h.unseenGUC.Store(t.seq) // a replay of this request's COMMIT cannot restore the settings (fence_server.go)
+	}
 	if guc || txEnd && h.resyncInTx {
 		h.gucSeq = t.seq
 		if txEnd {

@@ -151,7 +151,12 @@ func (b *Batch) Execute(ss Session, in Exec) ExecPlan {
 	case prepareTx:
 		p.Before = []Step{{Kind: Raise, Stmt: 0, Err: prepareTransaction(g.Gen, "commit the transaction with COMMIT")}}
 	case commit:
-		if explicit {
+		// AND CHAIN: the transaction the COMMIT begins is the client's,
+		// which a restoring query after the Sync would fail (round 4,
+		// I-M2); a failed receipt skips the COMMIT AND CHAIN, and the
+		// transaction is left failed, as after any failed statement.
+		restore := explicit && !s.Chain
+		if restore {
 			// The receipt in a savepoint: after the Sync, the
 			// transaction is ended only if the receipt failed.
 			p.Before = append(p.Before, Step{Kind: Savepoint, Stmt: 0})
@@ -160,8 +165,8 @@ func (b *Batch) Execute(ss Session, in Exec) ExecPlan {
 		// An implicit transaction (the client's COMMIT ends it, with
 		// PostgreSQL's warning) rolls back by itself at the Sync when
 		// the receipt fails.
-		b.restore = explicit
-		p.AwaitCommit = explicit
+		b.restore = restore
+		p.AwaitCommit = restore
 		b.wrapped = false
 	}
 	if b.wrapped {
