@@ -192,4 +192,3 @@ func replayLosesSession(t *tag, commit *rewrite.Stmt, committed []session.Settin
 		Detail:  e.Detail,
 		Hint:    "do not repeat the transaction's writes; set the session's settings again before the next request"}, true
 }
-

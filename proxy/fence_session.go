@@ -104,9 +104,9 @@ type fenceSession struct {
 	replayPending  atomic.Bool
 	// unseenGUC: the seq of the last request that may have changed the
 	// tracked settings where the proxy cannot see (noteSent).
-	unseenGUC atomic.Uint64
-	portalsKept    atomic.Int64 // len(portals) after the last Bind (tests)
-	stateReq       *Request     // the last request sent that changes session or gate state
+	unseenGUC   atomic.Uint64
+	portalsKept atomic.Int64 // len(portals) after the last Bind (tests)
+	stateReq    *Request     // the last request sent that changes session or gate state
 	// seq numbers the requests sent (tag.seq); encSeq is the last that
 	// may have changed how the server reads the client's text, gucSeq the
 	// last that may have changed the tracked settings unseen, resyncInTx
