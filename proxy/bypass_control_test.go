@@ -1165,6 +1165,13 @@ func driveEveryText(t *testing.T, e *trapEnv) {
 		t.Fatalf("replayed COMMIT AND CHAIN: %v", err)
 	}
 	mustExec(t, rc, "ROLLBACK")
+	// A replay whose transaction set fence.step: set again before the
+	// client's next request.
+	restoreTx := "BEGIN; SET fence.step = E'restore1'; INSERT INTO results VALUES (E'job8', E'restore', 1); SET fence.step = E'restore2'; COMMIT"
+	mustExec(t, gen("restore"), restoreTx)
+	rr := gen("restore")
+	mustExec(t, rr, restoreTx)
+	mustExec(t, rr, "SELECT 1")
 	// A wrapped COPY: its COMMIT is the proxy's.
 	wc := gen("copy")
 	if _, err := wc.CopyFrom(ctxT(t), strings.NewReader("job7\tcopied\t1\n"), "COPY results FROM STDIN"); err != nil {

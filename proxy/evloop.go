@@ -440,9 +440,12 @@ func (r *relay) stopServer() {
 	if r.closed {
 		return
 	}
-	if r.intercept != nil && r.server.tls == nil {
+	if r.intercept != nil && r.server.tls == nil && r.s.rt.fatal.Load() == nil {
 		// Not through a TLS upstream's tls.Conn, which the loop may be
-		// using: its backend sees the end of the stream.
+		// using: its backend sees the end of the stream. Not for a
+		// session the proxy ends (endWith), as Session.closeServer: in
+		// COPY IN the backend answers a Terminate with 08P01, which could
+		// reach the client ahead of the proxy's own reason (FN012).
 		rawIO(syscall.SYS_WRITE, r.serverFD, wire.Terminate)
 	}
 	syscall.Shutdown(r.serverFD, syscall.SHUT_RDWR)
