@@ -121,7 +121,9 @@ func bypassIdle(t *testing.T) {
 		idleExec(t, conn, pgx.QueryExecModeSimpleProtocol, "BEGIN", ins(e))
 		e.wantHeld(t)
 		fe := conn.PgConn().Frontend()
+		sent := make(chan struct{})
 		go func() {
+			defer close(sent)
 			// A few requests whose answers fill every buffer between
 			// the server and the client: it is silent at once. Its
 			// writes would block once the proxy stops reading it; the
@@ -132,6 +134,7 @@ func bypassIdle(t *testing.T) {
 			fe.Flush()
 		}()
 		e.waitRowFree(t)
+		<-sent // before the connection's cleanup uses its frontend
 		e.unchanged(t, before)
 	})
 
