@@ -556,6 +556,11 @@ func TestConsolePauseShutdown(t *testing.T) {
 		adm2 := mustConsole(t, p, "ops")
 		paused := make(chan error, 1)
 		go func() { _, err := adm2.Exec(ctx, "PAUSE "+db2); paused <- err }() // waits for open's transaction
+		// The PAUSE must be in progress (the console answering) before the
+		// shutdown, or its console is idle and simply closed.
+		if err := pgtest.Poll(ctx, func() (bool, error) { return p.srv.ops.ctl.paused(db2), nil }); err != nil {
+			t.Fatalf("PAUSE %s never took effect: %v", db2, err)
+		}
 		rawSend(t, a, "SELECT 1")
 		rawSend(t, b, "SELECT 2")
 		cDone := connectAsync(ctx, p.dsn(db))
