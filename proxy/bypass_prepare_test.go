@@ -57,6 +57,13 @@ create function public.noisy() returns int language plpgsql as $$ begin raise ex
 		{"client_temp_view_of_that_name", "create temp view pgfence_no_prepare as select noisy() as n; " + write + "prepare transaction 'pgfence_bypass_p'", refused, parsed},
 		{"execute_in_do_block", write + "do $$ begin execute 'prepare transaction ''pgfence_bypass_p'''; end $$", refused, refused},
 		{"procedure", write + "call p_prepare()", refused, refused},
+		// Round 5, K-M1: the lease functions lock the job's fence row
+		// without a fenced write; prepared, the lock outlived the session
+		// and the next holder's takeover waited for an administrator.
+		{"after_renew", "begin; select fence.renew('job', " + itoa(cur.Token) + ", '1 minute'); prepare transaction 'pgfence_bypass_p'", refused, parsed},
+		{"after_release", "begin; select fence.release('job', " + itoa(cur.Token) + "); prepare transaction 'pgfence_bypass_p'", refused, parsed},
+		{"after_retire", "begin; select fence.retire('job', " + itoa(cur.Token) + "); prepare transaction 'pgfence_bypass_p'", refused, parsed},
+		{"after_acquire", "begin; select fence.acquire('job-prepared', 'h', '1 minute'); prepare transaction 'pgfence_bypass_p'", refused, parsed},
 	}
 	for _, tc := range cases {
 		if tc.sql == "" {
@@ -106,6 +113,20 @@ create function public.noisy() returns int language plpgsql as $$ begin raise ex
 				_, err := conn.ExecBatch(ctx, b).ReadAll()
 				return err
 			})
+		})
+	}
+	// K-M1 through the proxy by a session without fence metadata, the
+	// PREPARE a query of its own: the proxy's probe refuses it (the
+	// transaction now opened the temporary relation that makes PostgreSQL
+	// refuse it too).
+	for _, q := range []string{
+		"begin; select fence.renew('job', " + itoa(cur.Token) + ", '1 minute')",
+		"begin; select fence.release('job', " + itoa(cur.Token) + ")",
+	} {
+		t.Run("lease_function_unfenced_session", func(t *testing.T) {
+			conn := c.connect(t, "proxy", w, nil)
+			c.prepareRefused(t, conn, q, "", nil)
+			c.prepareRefused(t, conn, "prepare transaction 'pgfence_bypass_p'", parsed, nil)
 		})
 	}
 	// The control: without a fenced write the same session prepares (the
