@@ -30,6 +30,21 @@ func (h *fenceSession) clientMessage(s *Session, msg []byte) (Verdict, error) {
 	case 'S', 'H', 'Q', 'F':
 		h.idle.openBatch.Store(false)
 	}
+	if h.commitOut.Load() && !h.inBatch && startsRequest(msg[0]) {
+		// A gated COMMIT was sent: the client's next request waits until
+		// it is answered, so that nothing of it reaches the server before
+		// the proxy knows whether the COMMIT was a replay, and has put the
+		// session back as the first attempt's COMMIT left it
+		// (restoreReplayed) or answered it as PostgreSQL does (round 5,
+		// J-H1: a batch pipelined after the COMMIT ran before the
+		// settings were set again, under the step from before the
+		// transaction, and was applied twice). A client that waits for
+		// each answer (nearly all) never waits here.
+		if err := h.barrier(s); err != nil {
+			return Drop, err // ErrWait on the loop: nothing done yet
+		}
+		h.commitOut.Store(false)
+	}
 	if h.replayPending.Load() && !h.inBatch {
 		if err := h.restoreReplayed(s); err != nil {
 			return Drop, err // ErrWait on the loop: nothing done yet
@@ -266,4 +281,14 @@ func clientSegs(res *rewrite.Result) []seg {
 		segs[i] = seg{step: stepClient, stmt: st}
 	}
 	return segs
+}
+
+// startsRequest reports whether a client message of type b, sent outside
+// an extended-protocol batch, begins a request (a batch or a query).
+func startsRequest(b byte) bool {
+	switch b {
+	case 'Q', 'F', 'P', 'B', 'E', 'D', 'C':
+		return true
+	}
+	return false
 }

@@ -36,6 +36,9 @@ func (h *fenceSession) send(s gateConn, msg []byte, t *tag, visible bool) error 
 	h.seq++
 	if t != nil {
 		t.seq = h.seq
+		if t.step == stepReceipt || t.kind == 'Q' && segsReceipt(t.segs) {
+			h.commitOut.Store(true) // the client's next request waits for it (fence_client.go)
+		}
 	}
 	copyFrom := msg[0] == 'Q' && visible && t != nil && segsCopyFrom(t.segs)
 	if copyFrom {

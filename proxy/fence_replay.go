@@ -174,21 +174,36 @@ func init() {
 // back as that COMMIT would have left it, and the error that answers the
 // COMMIT then. The proxy rolls the replayed transaction back; what the
 // transaction set for the session is set again (restoreReplayed) only
-// when the proxy knows it: not when a statement of the same request may
-// have changed a setting unseen (unseen, a request's seq, at or after
-// t's: round 4, I-H1, a set_config of a function's result restored the
-// value before it), nor for COMMIT AND CHAIN, whose chained transaction
-// the client may roll back, and the settings with it (I-H2). Then the
-// COMMIT is answered as PostgreSQL answers a replay: an error, FN00R,
-// the transaction rolled back and its settings with it, which the client
-// knows from the error, as it would straight to PostgreSQL.
-func replayLosesSession(t *tag, commit *rewrite.Stmt, committed []session.Setting, unseen uint64, e *pgproto3.ErrorResponse) (*pgproto3.ErrorResponse, bool) {
+// when the proxy knows all of it (unsure false): not when a request of
+// the transaction may have changed a setting unseen — a set_config of a
+// computed value, LOCAL or not, code the proxy cannot see into (a DO
+// block, a function), a resync inside the transaction (round 4, I-H1;
+// round 5, J-H2, J-H3) — nor when the value a setting had at commit is
+// unknown (a RESET to a default the proxy never saw: J-M1); nor for
+// COMMIT AND CHAIN, whose chained transaction the client may roll back,
+// and the settings with it (I-H2). Then the COMMIT is answered as
+// PostgreSQL answers a replay: an error, FN00R, the transaction rolled
+// back and its settings with it, which the client knows from the error,
+// as it would straight to PostgreSQL. Whatever the protocol (J-H2 took
+// the extended one).
+func replayLosesSession(commit *rewrite.Stmt, committed []session.Setting, unsure bool, e *pgproto3.ErrorResponse) (*pgproto3.ErrorResponse, bool) {
 	chain := commit != nil && commit.Chain
-	if !(chain && len(committed) > 0) && !(t.kind == 'Q' && unseen >= t.seq) {
+	if !(chain && len(committed) > 0) && !unsure {
 		return nil, false
 	}
 	return &pgproto3.ErrorResponse{Severity: "ERROR", SeverityUnlocalized: "ERROR", Code: fence.CodeReplay,
-		Message: "pgfence: idempotent replay: this transaction had already committed (nothing was applied twice), but the session settings it set cannot be restored, so it was rolled back as PostgreSQL does with a replay: the session's settings are as before it",
+		Message: "pgfence: idempotent replay: this transaction had already committed (nothing was applied twice), but pgfence cannot put the session back as that commit left it (the transaction ran code pgfence cannot see into, set a setting to a computed value, or reset one to a default pgfence never saw), so it was rolled back as PostgreSQL does with a replay: the session's settings are as before it",
 		Detail:  e.Detail,
-		Hint:    "do not repeat the transaction's writes; set the session's settings again before the next request"}, true
+		Hint:    "treat the transaction as committed and do not repeat its writes; set the session's settings (fence.step among them) again before the next request"}, true
+}
+
+// segsReceipt reports whether a query's segments hold a receipt step (a
+// gated COMMIT, or the end of a gated implicit transaction).
+func segsReceipt(segs []seg) bool {
+	for _, sg := range segs {
+		if sg.step == stepReceipt {
+			return true
+		}
+	}
+	return false
 }

@@ -255,8 +255,14 @@ func (h *fenceSession) onError(s gateConn, msg []byte, t *tag) (Verdict, error) 
 	}
 	h.timeStep(t, st)
 	var committed []session.Setting
+	unsure := false
 	if st == stepReceipt {
-		committed = h.st.CommitDiff() // what a replay's client believes it has (fence_replay.go)
+		// What a replay's client believes its session has (fence_replay.go),
+		// and whether the proxy knows it all: not when a setting's value
+		// at commit is unknown, nor when a request since the session was
+		// last idle (so: of this transaction) may have changed one unseen.
+		committed, unsure = h.st.CommitDiff()
+		unsure = unsure || h.dirtySeq.Load() > h.portalsEnded
 	}
 	h.st.Fail()
 	if st == stepPrepare {
@@ -284,16 +290,17 @@ func (h *fenceSession) onError(s gateConn, msg []byte, t *tag) (Verdict, error) 
 		if t.kind == 'Q' {
 			commit = replayedCommit(t.segs[at:])
 		}
+		if le, lost := replayLosesSession(commit, committed, unsure, &e); lost {
+			// The proxy cannot leave the session as the client's
+			// COMMIT (or its implicit transaction's end) would have:
+			// answered as PostgreSQL answers a replay, with an error,
+			// the transaction rolled back.
+			h.errShown = true
+			s.WriteClient(encode(nil, le))
+			h.logRefusal(s, &e, nil, "replayed")
+			return Drop, nil
+		}
 		if sg.beforeCommit || commit != nil {
-			if le, lost := replayLosesSession(t, commit, committed, h.unseenGUC.Load(), &e); lost {
-				// The proxy cannot leave the session as the client's
-				// COMMIT would have: answered as PostgreSQL answers a
-				// replay, with an error, the transaction rolled back.
-				h.errShown = true
-				s.WriteClient(encode(nil, le))
-				h.logRefusal(s, &e, nil, "replayed")
-				return Drop, nil
-			}
 			// The client's COMMIT is answered as committed (an
 			// implicit transaction's too).
 			s.WriteClient(encode(nil, &pgproto3.CommandComplete{CommandTag: []byte("COMMIT")}))

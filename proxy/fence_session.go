@@ -102,9 +102,14 @@ type fenceSession struct {
 	// replayPending says there are some (restoreReplayed).
 	replaySettings []session.Setting
 	replayPending  atomic.Bool
-	// unseenGUC: the seq of the last request that may have changed the
-	// tracked settings where the proxy cannot see (noteSent).
-	unseenGUC   atomic.Uint64
+	// dirtySeq: the seq of the last request that may have changed the
+	// session's settings where the proxy cannot see (noteSent): a replay
+	// of a transaction with such a request in it cannot be answered as
+	// committed (replayLosesSession). commitOut: a receipt step (a
+	// gated COMMIT) was sent; the client's next request waits for its
+	// answer (fence_client.go).
+	dirtySeq    atomic.Uint64
+	commitOut   atomic.Bool
 	portalsKept atomic.Int64 // len(portals) after the last Bind (tests)
 	stateReq    *Request     // the last request sent that changes session or gate state
 	// seq numbers the requests sent (tag.seq); encSeq is the last that

@@ -438,7 +438,7 @@ func (h *fenceSession) noteSent(t *tag) {
 	default:
 		return
 	}
-	enc, guc, txEnd := unknown, unknown, false
+	enc, guc, txEnd, dirty := unknown, unknown, false, unknown
 	if unknown && h.protects() {
 		h.idle.fenceCall.Store(t.seq) // may lock protected rows (fence_idle.go)
 	}
@@ -450,6 +450,9 @@ func (h *fenceSession) noteSent(t *tag) {
 			h.idle.fenceCall.Store(t.seq)
 		}
 		enc = enc || !runsNoCode(st) || changesText(st)
+		// Code the proxy cannot see into (DO, CALL, a function not known
+		// to be read-only: set_config inside it) may change a setting.
+		dirty = dirty || st.Opaque || st.UserCalls
 		if !guc {
 			h.mu.Lock()
 			guc = h.st.Uncertain(st, pf)
@@ -463,8 +466,10 @@ func (h *fenceSession) noteSent(t *tag) {
 	if enc {
 		h.encSeq = t.seq
 	}
-	if guc {
-		h.unseenGUC.Store(t.seq) // a replay of this request's COMMIT cannot restore the settings (fence_server.go)
+	if guc || dirty || txEnd && h.resyncInTx {
+		// A replay of a transaction with this request in it cannot put
+		// the session back as its commit left it (fence_server.go).
+		h.dirtySeq.Store(t.seq)
 	}
 	if guc || txEnd && h.resyncInTx {
 		h.gucSeq = t.seq

@@ -610,17 +610,17 @@ type Setting struct {
 // client was told it committed (the proxy's replay answer): these are
 // what that client believes its session has, which the proxy sets again
 // after the rollback. Nothing of s changes; a parameter whose committed
-// value the proxy does not know is left out.
-func (s *State) CommitDiff() []Setting {
+// value the proxy does not know is left out, and unknown says there is
+// one: then the session cannot be put back as the commit left it.
+func (s *State) CommitDiff() (diff []Setting, unknown bool) {
 	if s.tx == Idle || s.level == 0 {
-		return nil
+		return nil, false
 	}
 	committed, rolled := s.cloneVars(), s.cloneVars()
 	for l := s.level; l >= 1; l-- {
 		(&State{vars: committed}).endLevel(true, l)
 	}
 	(&State{vars: rolled}).endLevel(false, 1)
-	var out []Setting
 	names := make([]string, 0, len(committed))
 	for n := range committed {
 		names = append(names, n)
@@ -628,12 +628,16 @@ func (s *State) CommitDiff() []Setting {
 	sort.Strings(names)
 	for _, n := range names {
 		c, r := committed[n].cur, rolled[n].cur
-		if c == r || !c.known {
+		if c == r {
 			continue
 		}
-		out = append(out, Setting{Name: n, Value: c.s, Default: !c.set})
+		if !c.known {
+			unknown = true
+			continue
+		}
+		diff = append(diff, Setting{Name: n, Value: c.s, Default: !c.set})
 	}
-	return out
+	return diff, unknown
 }
 
 func (s *State) cloneVars() map[string]*variable {

@@ -398,8 +398,8 @@ func TestCommitDiff(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if d := s.CommitDiff(); d != nil {
-		t.Fatalf("outside a transaction: %v", d)
+	if d, unknown := s.CommitDiff(); d != nil || unknown {
+		t.Fatalf("outside a transaction: %v, %v", d, unknown)
 	}
 	if err := s.Begin(); err != nil {
 		t.Fatal(err)
@@ -416,9 +416,9 @@ func TestCommitDiff(t *testing.T) {
 	must(s.Set("fence.step", "s2", false))
 	must(s.Set("fence.min_lsn", "0/1", false))
 	must(s.Reset("fence.min_lsn", false))
-	got := s.CommitDiff()
+	got, unknown := s.CommitDiff()
 	want := []Setting{{Name: "fence.step", Value: "s2"}}
-	if len(got) != len(want) || got[0] != want[0] {
+	if len(got) != len(want) || got[0] != want[0] || unknown {
 		t.Fatalf("CommitDiff = %+v, want %+v", got, want)
 	}
 	if v, _ := s.Get("fence.step"); v != "s2" {
@@ -429,7 +429,17 @@ func TestCommitDiff(t *testing.T) {
 	s2.Commit(false) // its implicit transaction
 	must(s2.Begin())
 	must(s2.Reset("fence.step", false))
-	if got := s2.CommitDiff(); len(got) != 1 || !got[0].Default || got[0].Name != "fence.step" {
-		t.Fatalf("RESET in the transaction: CommitDiff = %+v, want fence.step to its default", got)
+	if got, unknown := s2.CommitDiff(); len(got) != 1 || !got[0].Default || got[0].Name != "fence.step" || unknown {
+		t.Fatalf("RESET in the transaction: CommitDiff = %+v (unknown %v), want fence.step to its default", got, unknown)
+	}
+	// A setting whose value at commit the proxy does not know (RESET to a
+	// default it never saw): the diff cannot be restored (round 5, J-M1).
+	s3, _ := New(map[string]string{"user": "u"}, NewStatements())
+	must(s3.Set("search_path", "public, pg_temp", false))
+	s3.Commit(false)
+	must(s3.Begin())
+	must(s3.Reset("search_path", false))
+	if got, unknown := s3.CommitDiff(); !unknown {
+		t.Fatalf("RESET search_path to an unknown default: CommitDiff = %+v, unknown false", got)
 	}
 }
