@@ -65,7 +65,13 @@ type fenceSession struct {
 	// (boundStmt, fence_extended.go).
 	batchStmts map[string]*clientStmt
 	stmtWait   *Request
-	portals    map[string]*clientPortal
+	// portals are the client's portals as bound (fence_extended.go). An
+	// entry tells what its name denotes only while alive: bound at or
+	// after portalsTouched, the seq of the last request that may have
+	// closed or opened portals where the proxy cannot see (SQL DECLARE,
+	// CLOSE, code), and after portalsEnded (portalLive).
+	portals        map[string]*clientPortal
+	portalsTouched uint64
 	// copyFromReq: the last client Query with a COPY FROM, while it may be
 	// unanswered; copyStarted gets a token (server side) at each
 	// CopyInResponse. A Sync during its COPY's data is ignored by

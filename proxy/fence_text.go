@@ -405,8 +405,10 @@ func rowValues(msg []byte) []*string {
 }
 
 // noteSent records what a client request sent upstream may have changed
-// that the gate cannot see from its text (see the file comment).
-func (h *fenceSession) noteSent(t *tag) {
+// that the gate cannot see from its text (see the file comment). code
+// reports that it may run code of the client's (!runsNoCode, or text
+// the gate could not read): see codeRan.
+func (h *fenceSession) noteSent(t *tag) (code bool) {
 	var stmts []*rewrite.Stmt
 	var pf session.ParamFunc
 	unknown := false
@@ -436,8 +438,9 @@ func (h *fenceSession) noteSent(t *tag) {
 	case 'F':
 		unknown = true
 	default:
-		return
+		return false
 	}
+	code = unknown
 	enc, guc, txEnd := unknown, unknown, false
 	if unknown && h.protects() {
 		h.idle.fenceCall.Store(t.seq) // may lock protected rows (fence_idle.go)
@@ -449,6 +452,7 @@ func (h *fenceSession) noteSent(t *tag) {
 			// rows a gated write (holding its fence row) then waits for.
 			h.idle.fenceCall.Store(t.seq)
 		}
+		code = code || !runsNoCode(st)
 		enc = enc || !runsNoCode(st) || changesText(st)
 		if !guc {
 			h.mu.Lock()
@@ -472,6 +476,7 @@ func (h *fenceSession) noteSent(t *tag) {
 			h.resyncInTx = false
 		}
 	}
+	return code
 }
 
 // runsNoCode reports whether st certainly runs no code but PostgreSQL's

@@ -84,6 +84,9 @@ type routeState struct {
 	// settings can change its answer: it decides this session's reads
 	// only, never the database's takeover tracker.
 	checked map[string]takeover
+	// replicaCode and primaryCode: the seq of the last request that may
+	// have run the client's code on that upstream (codeRan, fence_exec.go).
+	replicaCode, primaryCode uint64
 }
 
 // ParamCommitLSN is the ParameterStatus pgfence sends after a transaction
