@@ -118,4 +118,3 @@ func bypassPortalMeaning(t *testing.T) {
 	})
 	l4Check(t, readers)
 }
-
