@@ -58,6 +58,7 @@ func (h *fenceSession) parse(s gateConn, msg []byte) (Verdict, error) {
 	if t.raw != nil {
 		h.stmtSent(s, m.Name, true) // route.go
 	}
+	cs.raw = t.raw
 	h.batchStmts[m.Name] = cs
 	return Drop, nil
 }
@@ -245,6 +246,7 @@ func (h *fenceSession) boundStmt(s gateConn, name string) (*rewrite.Stmt, []uint
 type clientStmt struct {
 	res  *rewrite.Result
 	oids []uint32
+	raw  []byte // the Parse, with read routing (routeMsg copies it)
 }
 
 // clientPortal is a bound portal with its parameters (copied).

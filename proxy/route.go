@@ -768,6 +768,10 @@ type stmtCopies struct {
 	// upstream, with its batch (fenceSession.batchNo); on and stale hold
 	// what it does if it succeeds, until it is answered (stmtSettle).
 	req map[string]stmtReq
+	// repAt: the request that last parsed, copied or closed the name on
+	// the replica connection (stmtAt); before routeState.replicaCode, what
+	// the replica has under the name is unknown.
+	repAt map[string]uint64
 }
 
 type stmtReq struct {
@@ -823,11 +827,17 @@ func (h *fenceSession) routeMsg(s gateConn, msg []byte) error {
 		return nil // a Close is followed once sent (stmtSent)
 	}
 	sc := h.stmtCopies()
-	if q, ok := sc.req[name]; ok && h.inBatch && q.batch == h.batchNo {
+	// void: code of the client's has run on the replica connection since
+	// the name was last parsed, copied or closed there, and may have
+	// replaced it (EXECUTE 'DEALLOCATE ...', 'PREPARE ...' in a DO block
+	// or a function: issue 30, round 5, attacker K's H2): what is there is
+	// unknown, so it is closed and copied again before use.
+	void := up == onReplica && sc.repAt[name] < h.rt.replicaCode
+	if q, ok := sc.req[name]; ok && h.inBatch && q.batch == h.batchNo && !void {
 		return nil // parsed, closed or copied earlier in this batch: it runs only if that succeeded
 	}
 	if msg[0] == 'P' {
-		if sc.stale[name]&up != 0 {
+		if void || sc.stale[name]&up != 0 {
 			// Another version here, or one the router cannot rule out:
 			// close it first (a Close of a missing statement succeeds).
 			if err := h.closeCopy(s, name); err != nil {
@@ -851,10 +861,20 @@ func (h *fenceSession) routeMsg(s gateConn, msg []byte) error {
 		}
 	}
 	h.mu.Unlock()
-	if p != nil && sc.on[name]&up != 0 {
+	if void && h.inBatch {
+		if cs, ok := h.batchStmts[name]; ok {
+			// The gate binds this batch's Parse (or Close) of the name
+			// (boundStmt): that version, or none.
+			p = nil
+			if cs != nil {
+				p = cs.raw
+			}
+		}
+	}
+	if p != nil && sc.on[name]&up != 0 && !void {
 		return nil // the accepted version is here
 	}
-	if (sc.on[name]|sc.stale[name])&up != 0 {
+	if void || (sc.on[name]|sc.stale[name])&up != 0 {
 		// Another version here, or one the router cannot rule out: close
 		// it first (a Close of a missing statement succeeds).
 		if err := h.closeCopy(s, name); err != nil {
@@ -876,7 +896,16 @@ func (h *fenceSession) routeMsg(s gateConn, msg []byte) error {
 	}
 	sc.on[name] |= up
 	h.stmtReq(name)
+	h.stmtAt(name, up)
 	return nil
+}
+
+// stmtAt records that name was just parsed, copied or closed on up
+// (the request h.seq): what is there is known as of then (routeMsg's void).
+func (h *fenceSession) stmtAt(name string, up uint8) {
+	if up == onReplica {
+		h.rt.stmts.repAt[name] = h.seq
+	}
 }
 
 // upstream is the upstream in use, as a stmtCopies bit.
@@ -949,6 +978,7 @@ func (h *fenceSession) stmtSent(s gateConn, name string, parsed bool) {
 		delete(sc.on, name)
 	}
 	h.stmtReq(name)
+	h.stmtAt(name, up)
 }
 
 // stmtReq records h.last as the last request making or removing name.
@@ -974,7 +1004,7 @@ func (h *fenceSession) batchSkipping() bool {
 func (h *fenceSession) stmtCopies() *stmtCopies {
 	sc := &h.rt.stmts
 	if sc.on == nil {
-		sc.on, sc.stale, sc.req = map[string]uint8{}, map[string]uint8{}, map[string]stmtReq{}
+		sc.on, sc.stale, sc.req, sc.repAt = map[string]uint8{}, map[string]uint8{}, map[string]stmtReq{}, map[string]uint64{}
 	}
 	return sc
 }
@@ -991,6 +1021,7 @@ func (h *fenceSession) closeCopy(s gateConn, name string) error {
 	sc.on[name] &^= up
 	sc.stale[name] &^= up
 	h.stmtReq(name)
+	h.stmtAt(name, up)
 	return nil
 }
 
