@@ -61,9 +61,19 @@ var (
 			}
 			fmt.Fprintf(&b, "pg_catalog.current_setting('%s', true)", n)
 		}
+		b.WriteString(", " + sessionStateSQL)
 		return b.String()
 	}()
 )
+
+// sessionStateSQL reads what, besides the tracked settings, makes the
+// session's state other than a new connection's (its replica
+// connection's): the settings other than fence.* the session has set
+// (SET, set_config, by the client or by its code), its role (SET ROLE),
+// its session authorization. Three columns, after settingNames'.
+const sessionStateSQL = "(SELECT pg_catalog.string_agg(s.name, ' ') FROM pg_catalog.pg_settings AS s" +
+	" WHERE s.source OPERATOR(pg_catalog.=) 'session' AND pg_catalog.left(s.name, 6) OPERATOR(pg_catalog.<>) 'fence.')," +
+	" pg_catalog.current_setting('role'), pg_catalog.current_setting('session_authorization')"
 
 // settingsStmt is the gate's statement for settingsSQL.
 const settingsStmt = "pgfence_settings"
@@ -313,7 +323,7 @@ func (h *fenceSession) resync(s gateConn) error {
 	if err := send(&pgproto3.Bind{DestinationPortal: plan.Portal, PreparedStatement: settingsStmt}, &tag{kind: 'B', step: stepSettings}); err != nil {
 		return err
 	}
-	if err := send(&pgproto3.Execute{Portal: plan.Portal}, &tag{kind: 'E', step: stepSettings}); err != nil {
+	if err := send(&pgproto3.Execute{Portal: plan.Portal}, &tag{kind: 'E', step: stepSettings, idleRead: !inTx && !batch}); err != nil {
 		return err
 	}
 	exec := h.last
@@ -347,9 +357,16 @@ func (h *fenceSession) resync(s gateConn) error {
 // applySettings takes the row resync read. Callers hold h.mu.
 func (h *fenceSession) applySettings(s gateConn, msg []byte, t *tag) {
 	vals := rowValues(msg)
-	if len(vals) != len(settingNames) {
+	if len(vals) != len(settingNames)+3 {
 		return
 	}
+	if t.idleRead {
+		state := vals[len(settingNames):]
+		h.sessKnown = t.seq
+		h.sessDiverged = state[0] != nil || state[1] == nil || *state[1] != "none" ||
+			state[2] == nil || *state[2] != h.user
+	}
+	vals = vals[:len(settingNames)]
 	for i, n := range settingNames {
 		v := vals[i]
 		switch n {

@@ -203,6 +203,12 @@ func (h *fenceSession) routeQuery(s gateConn, msg []byte, res *rewrite.Result) e
 		rs.stats.Primary.Add(1)
 		return h.sendClient(s, msg, res)
 	}
+	if known, err := h.sessionKnown(s, onRep); err != nil {
+		return err // ErrWait on the loop: nothing done yet
+	} else if !known {
+		rs.stats.Primary.Add(1)
+		return h.toPrimary(s, msg, res)
+	}
 	r := rs.pick()
 	if rr := s.replicaInUse(); rr != nil {
 		r = rr
@@ -272,6 +278,46 @@ func (h *fenceSession) sendRouted(s gateConn, msg []byte, res *rewrite.Result) e
 		}
 		return nil
 	})
+}
+
+// sessionKnown reports whether the replica connection's session may
+// serve a read as the primary's would: the proxy knows that nothing has
+// changed the primary's session where it could not see since it last
+// read it back. Code of the client's run on the primary (a DO block, a
+// function, a trigger: codeRan) may have changed any setting (search_path
+// by set_config) or the role (EXECUTE 'SET ROLE ...', set_config('role',
+// ...)), which the replica connection does not have: a read there would
+// resolve names or privileges otherwise (issue 30, round 5, attacker K's
+// M2). So after such code the settings are read back from the primary
+// (resync: one round trip, before the first read that would go to the
+// replica) with what else the session has set; if it set anything other
+// than fence.*, or a role, the session is pinned to the primary as an
+// explicit SET pins it. Client side, nothing of the message done yet:
+// the read-back parks it, and it is handled again from the start
+// (resynced). false: read this one on the primary.
+func (h *fenceSession) sessionKnown(s gateConn, onRep bool) (bool, error) {
+	h.mu.Lock()
+	known, diverged := h.sessKnown, h.sessDiverged
+	h.mu.Unlock()
+	if h.rt.primaryCode > known {
+		if onRep || h.resynced {
+			return false, nil // on the replica, or the read-back did not answer
+		}
+		if err := h.resync(s); err != nil {
+			return false, err
+		}
+		h.mu.Lock()
+		known, diverged = h.sessKnown, h.sessDiverged
+		h.mu.Unlock()
+		if h.rt.primaryCode > known {
+			return false, nil
+		}
+	}
+	if diverged {
+		h.rt.pinned = true
+		return false, nil
+	}
+	return true, nil
 }
 
 func (h *fenceSession) toPrimary(s gateConn, msg []byte, res *rewrite.Result) error {
