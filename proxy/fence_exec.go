@@ -57,10 +57,38 @@ func (h *fenceSession) send(s gateConn, msg []byte, t *tag, visible bool) error 
 			h.copyFromReq = r
 		}
 	}
-	if visible && t != nil {
-		h.noteSent(t)
+	if visible && t != nil && h.noteSent(t) {
+		h.codeRan(s, t.seq)
+		if t.kind == 'E' && t.cp != nil {
+			// Its own code cannot close the portal it runs in (PostgreSQL
+			// refuses to drop an active portal): it is still this one.
+			t.cp.seq = t.seq
+		}
 	}
 	return nil
+}
+
+// codeRan records that the request seq, just sent on the upstream in use,
+// may run code of the client's that the proxy cannot see into, which can
+// close and open portals (SQL CLOSE and OPEN of a refcursor), replace
+// named prepared statements (EXECUTE 'DEALLOCATE ...', 'PREPARE ...') and
+// change the session's settings and role (set_config, EXECUTE 'SET
+// ROLE ...'). From then on the proxy's knowledge of those on that
+// connection is void until it learns them again: the portals bound before
+// are judged as unknown (portalLive), the replica's statement copies are
+// closed and copied again before use (routeMsg), and the primary's
+// session is read back before a read may go to the replica
+// (sessionKnown). Issue 30, round 5, attacker K's H1, H2, M2.
+func (h *fenceSession) codeRan(s gateConn, seq uint64) {
+	h.portalsTouched = seq
+	if s.readRouter() == nil {
+		return
+	}
+	if s.OnReplica() {
+		h.rt.replicaCode = seq
+	} else {
+		h.rt.primaryCode = seq
+	}
 }
 
 // settle waits until every request sent so far that changes the session

@@ -58,6 +58,7 @@ func (h *fenceSession) parse(s gateConn, msg []byte) (Verdict, error) {
 	if t.raw != nil {
 		h.stmtSent(s, m.Name, true) // route.go
 	}
+	cs.raw = t.raw
 	h.batchStmts[m.Name] = cs
 	return Drop, nil
 }
@@ -90,11 +91,47 @@ func (h *fenceSession) bind(s gateConn, msg []byte) (Verdict, error) {
 		return Drop, err
 	}
 	cp.seq = h.seq
+	if stmt == nil || !runsNoCode(stmt) {
+		// Binding plans the statement (folding the immutable functions it
+		// calls) and checks its parameters' domains: client code that may
+		// close and open other portals, and replace statements (route.go).
+		h.codeRan(s, h.seq)
+	}
 	if len(h.portals) > portalsPruned {
 		h.prunePortals()
 	}
 	h.portalsKept.Store(int64(len(h.portals)))
 	return Drop, nil
+}
+
+// portalLive returns what the proxy knows of the portal name on the
+// connection in use: its Bind (live), or, when something since may have
+// ended it or made another under the name, nothing (live nil); then
+// bound is the last Bind seen under the name, while it may still be the
+// one the server has (nil once its transaction has ended, which ends every
+// portal a Bind made). A portal the proxy did not see bound, or that SQL
+// (DECLARE, CLOSE, CLOSE ALL) or code it cannot see into (a function, a
+// DO block: plpgsql's CLOSE and OPEN of a refcursor named like it) may
+// have touched, is a cursor or unknown: an Execute of it is judged as an
+// unknown statement (issue 30, round 5, attacker K's H1: a SET LOCAL's
+// portal, ended at its Sync, judged the Execute of a cursor DECLAREd
+// under its name, on a lagging replica).
+func (h *fenceSession) portalLive(name string) (live, bound *clientPortal) {
+	cp := h.portals[name]
+	if cp == nil {
+		return nil, nil
+	}
+	h.mu.Lock()
+	ended := h.portalsEnded
+	h.mu.Unlock()
+	if cp.seq < ended {
+		delete(h.portals, name)
+		return nil, nil
+	}
+	if cp.seq < h.portalsTouched {
+		return nil, cp
+	}
+	return cp, cp
 }
 
 // portalsPruned: with more client portals kept than this, bind drops
@@ -209,6 +246,7 @@ func (h *fenceSession) boundStmt(s gateConn, name string) (*rewrite.Stmt, []uint
 type clientStmt struct {
 	res  *rewrite.Result
 	oids []uint32
+	raw  []byte // the Parse, with read routing (routeMsg copies it)
 }
 
 // clientPortal is a bound portal with its parameters (copied).
@@ -285,14 +323,20 @@ func (h *fenceSession) execute(s gateConn, msg []byte) error {
 	if e := plan.CheckName("portal", m.Portal); e != nil {
 		return h.raiseInBatch(s, e)
 	}
-	cp := h.portals[m.Portal]
+	cp, bound := h.portalLive(m.Portal)
 	var st *rewrite.Stmt
 	if cp != nil {
 		st = cp.stmt
 	}
 	if s.OnReplica() {
-		// Inside the transaction open on the replica (replstate.go).
-		if e := h.replicaBatch(st); e != nil {
+		// Inside the transaction open on the replica (replstate.go). A
+		// portal that may have been touched is either the one bound
+		// (which may end the transaction or leave state) or a cursor.
+		check := st
+		if cp == nil && bound != nil {
+			check = bound.stmt
+		}
+		if e := h.replicaBatch(check); e != nil {
 			return h.raiseInBatch(s, e)
 		}
 	}

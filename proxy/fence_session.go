@@ -65,7 +65,13 @@ type fenceSession struct {
 	// (boundStmt, fence_extended.go).
 	batchStmts map[string]*clientStmt
 	stmtWait   *Request
-	portals    map[string]*clientPortal
+	// portals are the client's portals as bound (fence_extended.go). An
+	// entry tells what its name denotes only while alive: bound at or
+	// after portalsTouched, the seq of the last request that may have
+	// closed or opened portals where the proxy cannot see (SQL DECLARE,
+	// CLOSE, code), and after portalsEnded (portalLive).
+	portals        map[string]*clientPortal
+	portalsTouched uint64
 	// copyFromReq: the last client Query with a COPY FROM, while it may be
 	// unanswered; copyStarted gets a token (server side) at each
 	// CopyInResponse. A Sync during its COPY's data is ignored by
@@ -111,7 +117,14 @@ type fenceSession struct {
 	dirtySeq    atomic.Uint64
 	commitOut   atomic.Bool
 	portalsKept atomic.Int64 // len(portals) after the last Bind (tests)
-	stateReq    *Request     // the last request sent that changes session or gate state
+	// sessKnown (under mu): the seq of the last settings read-back sent
+	// outside a transaction and answered; sessDiverged: it found the
+	// session's state other than a fresh connection's (a setting other
+	// than fence.* set in the session, a role set): route.go's
+	// sessionKnown.
+	sessKnown    uint64
+	sessDiverged bool
+	stateReq     *Request // the last request sent that changes session or gate state
 	// seq numbers the requests sent (tag.seq); encSeq is the last that
 	// may have changed how the server reads the client's text, gucSeq the
 	// last that may have changed the tracked settings unseen, resyncInTx
@@ -200,6 +213,9 @@ type tag struct {
 	// never changed: the client side waits on it while the server side
 	// sends.
 	copyIn chan struct{}
+	// idleRead: this settings read-back (stepSettings) runs outside a
+	// transaction, so what it reads is the session's (sessKnown).
+	idleRead bool
 	// started, for the client's Execute of a COPY FROM, is closed when
 	// the server starts the COPY (CopyInResponse): see copyExec.
 	started chan struct{}

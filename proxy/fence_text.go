@@ -61,9 +61,19 @@ var (
 			}
 			fmt.Fprintf(&b, "pg_catalog.current_setting('%s', true)", n)
 		}
+		b.WriteString(", " + sessionStateSQL)
 		return b.String()
 	}()
 )
+
+// sessionStateSQL reads what, besides the tracked settings, makes the
+// session's state other than a new connection's (its replica
+// connection's): the settings other than fence.* the session has set
+// (SET, set_config, by the client or by its code), its role (SET ROLE),
+// its session authorization. Three columns, after settingNames'.
+const sessionStateSQL = "(SELECT pg_catalog.string_agg(s.name, ' ') FROM pg_catalog.pg_settings AS s" +
+	" WHERE s.source OPERATOR(pg_catalog.=) 'session' AND pg_catalog.left(s.name, 6) OPERATOR(pg_catalog.<>) 'fence.')," +
+	" pg_catalog.current_setting('role'), pg_catalog.current_setting('session_authorization')"
 
 // settingsStmt is the gate's statement for settingsSQL.
 const settingsStmt = "pgfence_settings"
@@ -313,7 +323,7 @@ func (h *fenceSession) resync(s gateConn) error {
 	if err := send(&pgproto3.Bind{DestinationPortal: plan.Portal, PreparedStatement: settingsStmt}, &tag{kind: 'B', step: stepSettings}); err != nil {
 		return err
 	}
-	if err := send(&pgproto3.Execute{Portal: plan.Portal}, &tag{kind: 'E', step: stepSettings}); err != nil {
+	if err := send(&pgproto3.Execute{Portal: plan.Portal}, &tag{kind: 'E', step: stepSettings, idleRead: !inTx && !batch}); err != nil {
 		return err
 	}
 	exec := h.last
@@ -347,9 +357,16 @@ func (h *fenceSession) resync(s gateConn) error {
 // applySettings takes the row resync read. Callers hold h.mu.
 func (h *fenceSession) applySettings(s gateConn, msg []byte, t *tag) {
 	vals := rowValues(msg)
-	if len(vals) != len(settingNames) {
+	if len(vals) != len(settingNames)+3 {
 		return
 	}
+	if t.idleRead {
+		state := vals[len(settingNames):]
+		h.sessKnown = t.seq
+		h.sessDiverged = state[0] != nil || state[1] == nil || *state[1] != "none" ||
+			state[2] == nil || *state[2] != h.user
+	}
+	vals = vals[:len(settingNames)]
 	for i, n := range settingNames {
 		v := vals[i]
 		switch n {
@@ -405,8 +422,10 @@ func rowValues(msg []byte) []*string {
 }
 
 // noteSent records what a client request sent upstream may have changed
-// that the gate cannot see from its text (see the file comment).
-func (h *fenceSession) noteSent(t *tag) {
+// that the gate cannot see from its text (see the file comment). code
+// reports that it may run code of the client's (!runsNoCode, or text
+// the gate could not read): see codeRan.
+func (h *fenceSession) noteSent(t *tag) (code bool) {
 	var stmts []*rewrite.Stmt
 	var pf session.ParamFunc
 	unknown := false
@@ -436,8 +455,9 @@ func (h *fenceSession) noteSent(t *tag) {
 	case 'F':
 		unknown = true
 	default:
-		return
+		return false
 	}
+	code = unknown
 	enc, guc, txEnd, dirty := unknown, unknown, false, unknown
 	if unknown && h.protects() {
 		h.idle.fenceCall.Store(t.seq) // may lock protected rows (fence_idle.go)
@@ -449,6 +469,7 @@ func (h *fenceSession) noteSent(t *tag) {
 			// rows a gated write (holding its fence row) then waits for.
 			h.idle.fenceCall.Store(t.seq)
 		}
+		code = code || !runsNoCode(st)
 		enc = enc || !runsNoCode(st) || changesText(st)
 		// Code the proxy cannot see into (DO, CALL, a function not known
 		// to be read-only: set_config inside it) may change a setting.
@@ -477,6 +498,7 @@ func (h *fenceSession) noteSent(t *tag) {
 			h.resyncInTx = false
 		}
 	}
+	return code
 }
 
 // runsNoCode reports whether st certainly runs no code but PostgreSQL's

@@ -84,6 +84,9 @@ type routeState struct {
 	// settings can change its answer: it decides this session's reads
 	// only, never the database's takeover tracker.
 	checked map[string]takeover
+	// replicaCode and primaryCode: the seq of the last request that may
+	// have run the client's code on that upstream (codeRan, fence_exec.go).
+	replicaCode, primaryCode uint64
 }
 
 // ParamCommitLSN is the ParameterStatus pgfence sends after a transaction
@@ -200,6 +203,12 @@ func (h *fenceSession) routeQuery(s gateConn, msg []byte, res *rewrite.Result) e
 		rs.stats.Primary.Add(1)
 		return h.sendClient(s, msg, res)
 	}
+	if known, err := h.sessionKnown(s, onRep); err != nil {
+		return err // ErrWait on the loop: nothing done yet
+	} else if !known {
+		rs.stats.Primary.Add(1)
+		return h.toPrimary(s, msg, res)
+	}
 	r := rs.pick()
 	if rr := s.replicaInUse(); rr != nil {
 		r = rr
@@ -269,6 +278,46 @@ func (h *fenceSession) sendRouted(s gateConn, msg []byte, res *rewrite.Result) e
 		}
 		return nil
 	})
+}
+
+// sessionKnown reports whether the replica connection's session may
+// serve a read as the primary's would: the proxy knows that nothing has
+// changed the primary's session where it could not see since it last
+// read it back. Code of the client's run on the primary (a DO block, a
+// function, a trigger: codeRan) may have changed any setting (search_path
+// by set_config) or the role (EXECUTE 'SET ROLE ...', set_config('role',
+// ...)), which the replica connection does not have: a read there would
+// resolve names or privileges otherwise (issue 30, round 5, attacker K's
+// M2). So after such code the settings are read back from the primary
+// (resync: one round trip, before the first read that would go to the
+// replica) with what else the session has set; if it set anything other
+// than fence.*, or a role, the session is pinned to the primary as an
+// explicit SET pins it. Client side, nothing of the message done yet:
+// the read-back parks it, and it is handled again from the start
+// (resynced). false: read this one on the primary.
+func (h *fenceSession) sessionKnown(s gateConn, onRep bool) (bool, error) {
+	h.mu.Lock()
+	known, diverged := h.sessKnown, h.sessDiverged
+	h.mu.Unlock()
+	if h.rt.primaryCode > known {
+		if onRep || h.resynced {
+			return false, nil // on the replica, or the read-back did not answer
+		}
+		if err := h.resync(s); err != nil {
+			return false, err
+		}
+		h.mu.Lock()
+		known, diverged = h.sessKnown, h.sessDiverged
+		h.mu.Unlock()
+		if h.rt.primaryCode > known {
+			return false, nil
+		}
+	}
+	if diverged {
+		h.rt.pinned = true
+		return false, nil
+	}
+	return true, nil
 }
 
 func (h *fenceSession) toPrimary(s gateConn, msg []byte, res *rewrite.Result) error {
@@ -765,6 +814,10 @@ type stmtCopies struct {
 	// upstream, with its batch (fenceSession.batchNo); on and stale hold
 	// what it does if it succeeds, until it is answered (stmtSettle).
 	req map[string]stmtReq
+	// repAt: the request that last parsed, copied or closed the name on
+	// the replica connection (stmtAt); before routeState.replicaCode, what
+	// the replica has under the name is unknown.
+	repAt map[string]uint64
 }
 
 type stmtReq struct {
@@ -820,11 +873,17 @@ func (h *fenceSession) routeMsg(s gateConn, msg []byte) error {
 		return nil // a Close is followed once sent (stmtSent)
 	}
 	sc := h.stmtCopies()
-	if q, ok := sc.req[name]; ok && h.inBatch && q.batch == h.batchNo {
+	// void: code of the client's has run on the replica connection since
+	// the name was last parsed, copied or closed there, and may have
+	// replaced it (EXECUTE 'DEALLOCATE ...', 'PREPARE ...' in a DO block
+	// or a function: issue 30, round 5, attacker K's H2): what is there is
+	// unknown, so it is closed and copied again before use.
+	void := up == onReplica && sc.repAt[name] < h.rt.replicaCode
+	if q, ok := sc.req[name]; ok && h.inBatch && q.batch == h.batchNo && !void {
 		return nil // parsed, closed or copied earlier in this batch: it runs only if that succeeded
 	}
 	if msg[0] == 'P' {
-		if sc.stale[name]&up != 0 {
+		if void || sc.stale[name]&up != 0 {
 			// Another version here, or one the router cannot rule out:
 			// close it first (a Close of a missing statement succeeds).
 			if err := h.closeCopy(s, name); err != nil {
@@ -848,10 +907,20 @@ func (h *fenceSession) routeMsg(s gateConn, msg []byte) error {
 		}
 	}
 	h.mu.Unlock()
-	if p != nil && sc.on[name]&up != 0 {
+	if void && h.inBatch {
+		if cs, ok := h.batchStmts[name]; ok {
+			// The gate binds this batch's Parse (or Close) of the name
+			// (boundStmt): that version, or none.
+			p = nil
+			if cs != nil {
+				p = cs.raw
+			}
+		}
+	}
+	if p != nil && sc.on[name]&up != 0 && !void {
 		return nil // the accepted version is here
 	}
-	if (sc.on[name]|sc.stale[name])&up != 0 {
+	if void || (sc.on[name]|sc.stale[name])&up != 0 {
 		// Another version here, or one the router cannot rule out: close
 		// it first (a Close of a missing statement succeeds).
 		if err := h.closeCopy(s, name); err != nil {
@@ -873,7 +942,16 @@ func (h *fenceSession) routeMsg(s gateConn, msg []byte) error {
 	}
 	sc.on[name] |= up
 	h.stmtReq(name)
+	h.stmtAt(name, up)
 	return nil
+}
+
+// stmtAt records that name was just parsed, copied or closed on up
+// (the request h.seq): what is there is known as of then (routeMsg's void).
+func (h *fenceSession) stmtAt(name string, up uint8) {
+	if up == onReplica {
+		h.rt.stmts.repAt[name] = h.seq
+	}
 }
 
 // upstream is the upstream in use, as a stmtCopies bit.
@@ -946,6 +1024,7 @@ func (h *fenceSession) stmtSent(s gateConn, name string, parsed bool) {
 		delete(sc.on, name)
 	}
 	h.stmtReq(name)
+	h.stmtAt(name, up)
 }
 
 // stmtReq records h.last as the last request making or removing name.
@@ -971,7 +1050,7 @@ func (h *fenceSession) batchSkipping() bool {
 func (h *fenceSession) stmtCopies() *stmtCopies {
 	sc := &h.rt.stmts
 	if sc.on == nil {
-		sc.on, sc.stale, sc.req = map[string]uint8{}, map[string]uint8{}, map[string]stmtReq{}
+		sc.on, sc.stale, sc.req, sc.repAt = map[string]uint8{}, map[string]uint8{}, map[string]stmtReq{}, map[string]uint64{}
 	}
 	return sc
 }
@@ -988,6 +1067,7 @@ func (h *fenceSession) closeCopy(s gateConn, name string) error {
 	sc.on[name] &^= up
 	sc.stale[name] &^= up
 	h.stmtReq(name)
+	h.stmtAt(name, up)
 	return nil
 }
 

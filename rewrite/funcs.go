@@ -111,6 +111,16 @@ func init() {
 // 3, attacker H's M1: pg_prepared_statements read on the replica showed
 // none of the session's statements). A name missing here is read on a
 // replica as any catalog is: the catalogs are the primary's, replicated.
+//
+// Only readOnlyFuncs can reach a replica at all (any other function makes
+// a statement Opaque, which runs on the primary), so that list is the
+// whole of what must be reviewed: each of its names that reports the
+// node or the session rather than the data is here too, including the
+// session's identity and search path (current_user and the other SQL
+// value functions of the role, current_schema, current_schemas) and the
+// server's WAL position and version (round 5, attacker K's M2). The one
+// exception is pg_is_in_recovery, which the test suite uses to see which
+// node answered (docs/reads.md, Limits).
 var (
 	sessionLocalFuncs = map[string]bool{}
 	sessionLocalViews = map[string]bool{}
@@ -127,6 +137,8 @@ func init() {
 		pg_lock_status pg_current_snapshot txid_current_snapshot pg_prepared_xact
 		pg_stat_get_backend_pid pg_stat_get_backend_idset pg_stat_get_xact_numscans
 		pg_is_in_backup pg_last_xact_replay_timestamp pg_get_wal_replay_pause_state pg_is_wal_replay_paused
+		pg_last_wal_replay_lsn pg_last_wal_receive_lsn version
+		current_schema current_schemas current_user current_role session_user user
 	`) {
 		sessionLocalFuncs[f] = true
 	}

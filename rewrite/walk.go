@@ -225,6 +225,15 @@ func (w *walker) walkMsg(m protoreflect.Message) {
 		if int(n.Number) > w.st.Params && w.noexec == 0 {
 			w.st.Params = int(n.Number)
 		}
+	case *pg_query.SQLValueFunction:
+		switch n.Op {
+		case pg_query.SQLValueFunctionOp_SVFOP_CURRENT_USER, pg_query.SQLValueFunctionOp_SVFOP_CURRENT_ROLE,
+			pg_query.SQLValueFunctionOp_SVFOP_USER, pg_query.SQLValueFunctionOp_SVFOP_SESSION_USER,
+			pg_query.SQLValueFunctionOp_SVFOP_CURRENT_SCHEMA:
+			// The session's identity and search path: reported by the
+			// backend that runs it (sessionLocalFuncs).
+			w.st.SessionLocal = true
+		}
 	case *pg_query.FuncCall:
 		switch {
 		case w.noexec == 0:
