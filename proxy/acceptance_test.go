@@ -654,6 +654,9 @@ func newA13Env(t *testing.T) (*fenceEnv, fence.Lease) {
 
 func testA13(t *testing.T) {
 	e, l := newA13Env(t)
+	// Each subtest (run one after another) gets its own deadline: the
+	// paths read ctx, set before each runs. One deadline for all 70 ran
+	// out under load (a CI-like run with other tests beside it).
 	ctx := ctxT(t)
 	stale := l
 
@@ -772,6 +775,7 @@ func testA13(t *testing.T) {
 	for _, s := range sessions {
 		for _, p := range paths {
 			t.Run(s.name+"/"+p.name, func(t *testing.T) {
+				ctx = ctxT(t)
 				c := e.mustConnect(t, s.c)
 				err := p.run(c)
 				if got := pgtest.SQLState(err); !slices.Contains(s.codes, got) {
