@@ -10,10 +10,14 @@ import (
 	"github.com/pgfence/pgfence/fence"
 )
 
-// Round 5 (attacker J): the answer to a replayed COMMIT. The proxy rolls
-// a replayed transaction back; it answers the COMMIT as committed only
-// when it can put the session back as the first attempt's COMMIT left
-// it, and before the client's next request runs.
+// Rounds 5 and 6 (attackers J and L): what a retry's session holds after
+// a replayed COMMIT. The proxy rolls the replayed transaction back and
+// answers it as committed; what the transaction left for fence.step is
+// not known to it (a SET it saw, but also a computed or converted value,
+// code it cannot see into: a DO block, a trigger, a column default, a
+// view), so it sets fence.step to replayStep, under which the backstop
+// refuses every write until the client sets a step, as its first attempt
+// did. No client request runs between a gated COMMIT and its answer.
 func init() { registerBypass("replay_round5", bypassReplayRound5) }
 
 func bypassReplayRound5(t *testing.T) {
@@ -61,13 +65,23 @@ func bypassReplayRound5(t *testing.T) {
 		run(e.encConn(t, "UTF8"))
 		e.wantCount(t, 1, "SELECT count(*) FROM results WHERE job_key = 'a' AND payload = 'A+'")
 	})
-	// The settings a replayed transaction left are not all known to the
-	// proxy: the COMMIT is answered as PostgreSQL answers a replay (FN00R,
-	// an error: rolled back, settings as before it), never as committed
-	// with settings the first attempt's COMMIT did not leave.
+	// What the replayed transaction left for fence.step, the proxy did not
+	// know: the retry's next write (a visible UPDATE, or one a trigger
+	// makes, which only the backstop sees) ran under the step the proxy
+	// put back and was applied twice. Now it is refused (FN008) and applied
+	// once.
+	objects := `
+create table tn (note text);
+create function tnf() returns trigger language plpgsql as $$ begin update results set payload = payload || '+' where job_key = 'a'; return new; end $$;
+create trigger tnt after insert on tn for each row execute function tnf();
+create table td (x text default set_config('fence.step', 'd', false), y int);
+create table tr (x int);
+create function trf() returns trigger language plpgsql as $$ begin perform set_config('fence.step', 'v', false); return new; end $$;
+create trigger trt before insert on tr for each row execute function trf();
+create view vstep as select set_config('fence.step', 'w', false) as s;`
 	for _, c := range []struct{ name, tx string }{
 		// J-H2: a LOCAL set_config of a computed value, the COMMIT in a
-		// later request: the resync took it for a session-level SET.
+		// later request: the read-back took it for a session-level SET.
 		{"local_computed_set_config", "SET fence.step = 'v' | SELECT set_config('fence.step', lower('W'), true)"},
 		// J-H3: a computed value the restore would refuse (over 200
 		// characters) was left out, silently.
@@ -75,41 +89,85 @@ func bypassReplayRound5(t *testing.T) {
 		// Code the proxy cannot see into sets the step for the session.
 		{"do_block", "DO $$ BEGIN PERFORM set_config('fence.step', 'x', false); END $$"},
 		// J-M1: RESET to a default the proxy never saw.
-		{"reset_unknown_default", "RESET search_path"},
+		{"reset_unknown_default", "SET fence.step = 's2' | RESET search_path"},
+		// L-H1: code behind other syntax: a column default, a BEFORE
+		// trigger, a view.
+		{"column_default", "SET fence.step = 's2' | INSERT INTO td (y) VALUES (1)"},
+		{"before_trigger", "SET fence.step = 's2' | INSERT INTO tr VALUES (1)"},
+		{"view", "SET fence.step = 's2' | SELECT * FROM vstep"},
 	} {
 		for _, proto := range []string{"simple", "extended"} {
-			t.Run(c.name+"/"+proto, func(t *testing.T) {
-				t.Parallel()
-				e := newReservedEnv(t)
-				stmts := []string{"BEGIN", "SET fence.step = 's1'",
-					fmt.Sprintf("INSERT INTO results (job_key, payload, token) VALUES ('a', 'A', %d)", e.lease.Token)}
-				stmts = append(stmts, strings.Split(c.tx, " | ")...)
-				run := func(conn *pgconn.PgConn) error {
-					mustExec(t, conn, "SET search_path = public, pg_temp")
-					if proto == "simple" {
-						mustExec(t, conn, strings.Join(stmts, "; "))
-						_, err := conn.Exec(ctxT(t), "COMMIT").ReadAll()
+			for _, next := range []struct{ name, sql string }{
+				{"visible_next", "UPDATE results SET payload = payload || '+' WHERE job_key = 'a'"},
+				{"trigger_next", "INSERT INTO tn VALUES ('b')"},
+			} {
+				if proto == "extended" && next.name == "trigger_next" {
+					continue // the backstop's refusal does not depend on the protocol of the transaction before
+				}
+				t.Run(c.name+"/"+proto+"/"+next.name, func(t *testing.T) {
+					t.Parallel()
+					e := newReservedEnv(t)
+					mustExec(t, e.direct(t).PgConn(), objects)
+					stmts := []string{"BEGIN", "SET fence.step = 's1'",
+						fmt.Sprintf("INSERT INTO results (job_key, payload, token) VALUES ('a', 'A', %d)", e.lease.Token)}
+					stmts = append(stmts, strings.Split(c.tx, " | ")...)
+					run := func(conn *pgconn.PgConn) error {
+						mustExec(t, conn, "SET search_path = public, pg_temp")
+						if proto == "simple" {
+							mustExec(t, conn, strings.Join(stmts, "; "))
+							_, err := conn.Exec(ctxT(t), "COMMIT").ReadAll()
+							return err
+						}
+						b := &pgconn.Batch{}
+						for _, sql := range append(stmts, "COMMIT") {
+							b.ExecParams(sql, nil, nil, nil, nil)
+						}
+						_, err := conn.ExecBatch(ctxT(t), b).ReadAll()
 						return err
 					}
-					b := &pgconn.Batch{}
-					for _, sql := range append(stmts, "COMMIT") {
-						b.ExecParams(sql, nil, nil, nil, nil)
+					first := e.encConn(t, "UTF8")
+					if err := run(first); err != nil {
+						t.Fatalf("first attempt: %v", err)
 					}
-					_, err := conn.ExecBatch(ctxT(t), b).ReadAll()
-					return err
-				}
-				if err := run(e.encConn(t, "UTF8")); err != nil {
-					t.Fatalf("first attempt: %v", err)
-				}
-				retry := e.encConn(t, "UTF8")
-				err := run(retry)
-				wantCode(t, err, fence.CodeReplay)
-				if st := retry.TxStatus(); st != 'I' {
-					t.Fatalf("after the replay's error: transaction status %q, want idle", st)
-				}
-				e.wantCount(t, 1, "SELECT count(*) FROM results WHERE job_key = 'a'")
-				mustExec(t, retry, "SELECT 1")
-			})
+					mustExec(t, first, next.sql)
+					e.wantCount(t, 1, "SELECT count(*) FROM results WHERE job_key = 'a' AND payload = 'A+'")
+					retry := e.encConn(t, "UTF8")
+					if err := run(retry); err != nil {
+						t.Fatalf("retry: %v, want the replay's success", err)
+					}
+					if v := lastValue(t, retry, "SHOW fence.step"); v != replayStep {
+						t.Fatalf("after the replayed COMMIT fence.step is %q, want %q", v, replayStep)
+					}
+					_, err := retry.Exec(ctxT(t), next.sql).ReadAll()
+					wantCode(t, err, fence.CodeFencingRequired)
+					e.wantCount(t, 1, "SELECT count(*) FROM results WHERE job_key = 'a' AND payload = 'A+'")
+					mustExec(t, retry, "SET fence.step = 'later'; "+next.sql) // a step of its own: written
+					e.wantCount(t, 1, "SELECT count(*) FROM results WHERE job_key = 'a' AND payload = 'A++'")
+				})
+			}
 		}
+	}
+	// L-H2: a typed parameter the server converts before set_config sees
+	// it (bpchar drops trailing spaces, name truncates, "char" keeps one
+	// byte): the proxy recorded the raw text, so its receipt of the next
+	// write and the backstop's went under two steps (two receipts for one
+	// transaction), and a replay put the raw one back.
+	for _, c := range []struct {
+		name string
+		oid  uint32
+		raw  string
+	}{{"bpchar", 1042, "b2   "}, {"name", 19, strings.Repeat("n", 70)}, {"char", 18, "xyz"}} {
+		t.Run("typed_parameter/"+c.name, func(t *testing.T) {
+			t.Parallel()
+			e := newReservedEnv(t)
+			conn := e.encConn(t, "UTF8")
+			if _, err := conn.ExecParams(ctxT(t), "SELECT set_config('fence.step', $1, false)", [][]byte{[]byte(c.raw)}, []uint32{c.oid}, nil, nil).Close(); err != nil {
+				t.Fatal(err)
+			}
+			mustExec(t, conn, fmt.Sprintf("INSERT INTO results (job_key, payload, token) VALUES ('t', 'T', %d)", e.lease.Token))
+			server := lastValue(t, conn, "SHOW fence.step")
+			e.wantCount(t, 1, "SELECT count(*) FROM fence.receipts WHERE job_key = 'r'")
+			e.wantCount(t, 1, "SELECT count(*) FROM fence.receipts WHERE job_key = 'r' AND step = $1", server)
+		})
 	}
 }

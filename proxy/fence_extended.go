@@ -270,7 +270,11 @@ func paramFunc(p *clientPortal, c *clientenc.Codec) session.ParamFunc {
 		if i < 0 || i >= len(p.params) {
 			return nil, false
 		}
-		if formatOf(p.formats, i) != 0 {
+		if formatOf(p.formats, i) != 0 || !textLike(p.oids, i) {
+			// Binary, or text the server converts through the declared
+			// type first (bpchar drops trailing spaces, name truncates,
+			// "char" keeps one byte: round 6, L-H2): the value the server
+			// uses is not these bytes.
 			return nil, false
 		}
 		if p.params[i] == nil {
@@ -298,6 +302,20 @@ func (p *clientPortal) DigestParams() []fence.Param {
 		out[i] = fence.Param{Format: formatOf(p.formats, i), TypeOID: oid, Value: v, Null: v == nil}
 	}
 	return out
+}
+
+// textLike reports whether the i-th parameter's declared type (oids, from
+// the Parse) keeps a text value as it is: unspecified (the server infers
+// text for a text argument), unknown, text or varchar.
+func textLike(oids []uint32, i int) bool {
+	if i >= len(oids) {
+		return true
+	}
+	switch oids[i] {
+	case 0, 25, 705, 1043:
+		return true
+	}
+	return false
 }
 
 func formatOf(formats []int16, i int) int16 {

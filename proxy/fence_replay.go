@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"slices"
 	"strings"
 
 	"github.com/jackc/pgx/v5/pgproto3"
@@ -107,17 +108,18 @@ func (h *fenceSession) endReplayed(s gateConn, chain bool) error {
 	return nil
 }
 
-// restoreReplayed runs before the client's first request after a replay
-// whose transaction set session settings (SET fence.step, search_path,
-// any tracked setting, not LOCAL): the client was told its COMMIT
-// committed, so it goes on believing its session has them, but the proxy
-// rolled the transaction back, and they went with it. Run without them,
-// a write of the client's next request could go under the step before
-// the transaction's, which has no receipt, and be applied a second time
-// (round 3, attacker H's H1). They are set again, hidden, once everything
+// restoreReplayed runs before the client's first request after a replay:
+// the client was told its COMMIT committed, so it goes on believing its
+// session has what the transaction set, but the proxy rolled the
+// transaction back, and that went with it. The tracked settings the
+// proxy saw the transaction set (search_path, any tracked setting, not
+// LOCAL) are set again; fence.step is set to replayStep whatever the
+// proxy saw (round 3, H-H1: the step from before the transaction applied
+// the next write a second time; round 6, L-H1 and L-H2: so did a step
+// the proxy believed it knew). They are set, hidden, once everything
 // before is answered (ErrWait on the loop: nothing done yet), outside an
-// extended-protocol batch (a batch the server skips would skip them),
-// and not in a failed transaction (then at the next request after it).
+// extended-protocol batch (a batch the server skips would skip them), and
+// not in a failed transaction (then at the next request after it).
 func (h *fenceSession) restoreReplayed(s gateConn) error {
 	if err := h.barrier(s); err != nil {
 		return err
@@ -131,7 +133,9 @@ func (h *fenceSession) restoreReplayed(s gateConn) error {
 	h.replaySettings = nil
 	h.replayPending.Store(false)
 	var b strings.Builder
-	segs := make([]seg, 0, len(settings))
+	segs := make([]seg, 0, len(settings)+1)
+	settings = append(slices.DeleteFunc(settings, func(st session.Setting) bool { return st.Name == "fence.step" }),
+		session.Setting{Name: "fence.step", Value: replayStep})
 	for _, st := range settings {
 		var err error
 		if st.Default {
@@ -159,6 +163,16 @@ func (h *fenceSession) restoreReplayed(s gateConn) error {
 	return nil
 }
 
+// replayStep is fence.step after a replay (restoreReplayed): what the
+// replayed transaction left for it is not known — a SET the proxy saw,
+// but also code it cannot see (a trigger, a column default, a view, an
+// operator: round 6, L-H1) or a value the server converted (L-H2) — and
+// a later write under a step the proxy put back could be applied a second
+// time. The backstop refuses every write under a step beginning with
+// "pgfence:" (FN008, migration 018) until the client sets one, as its
+// first attempt did.
+const replayStep = "pgfence:replayed"
+
 // restoreSettingSQL sets name to value for the session, as SET does.
 func restoreSettingSQL(name, value string) string {
 	return "SELECT pg_catalog.set_config(" + plan.Literal(name) + ", " + plan.Literal(value) + ", false)"
@@ -170,31 +184,23 @@ func init() {
 
 // replayLosesSession reports whether a replayed receipt step before the
 // client's COMMIT (commit; nil for one the proxy put before an implicit
-// transaction's end) leaves the session where the proxy cannot put it
-// back as that COMMIT would have left it, and the error that answers the
-// COMMIT then. The proxy rolls the replayed transaction back; what the
-// transaction set for the session is set again (restoreReplayed) only
-// when the proxy knows all of it (unsure false): not when a request of
-// the transaction may have changed a setting unseen — a set_config of a
-// computed value, LOCAL or not, code the proxy cannot see into (a DO
-// block, a function), a resync inside the transaction (round 4, I-H1;
-// round 5, J-H2, J-H3) — nor when the value a setting had at commit is
-// unknown (a RESET to a default the proxy never saw: J-M1); nor for
-// COMMIT AND CHAIN, whose chained transaction the client may roll back,
-// and the settings with it (I-H2). Then the COMMIT is answered as
+// transaction's end) leaves the session where the proxy cannot put it as
+// that COMMIT would have left it, and the error that answers the COMMIT
+// then: COMMIT AND CHAIN. What the proxy sets after a replay
+// (restoreReplayed, fence.step's replayStep among it) would be set inside
+// the chained transaction, which the client may roll back, and the
+// settings with it (round 4, I-H2). The COMMIT is then answered as
 // PostgreSQL answers a replay: an error, FN00R, the transaction rolled
 // back and its settings with it, which the client knows from the error,
-// as it would straight to PostgreSQL. Whatever the protocol (J-H2 took
-// the extended one).
-func replayLosesSession(commit *rewrite.Stmt, committed []session.Setting, unsure bool, e *pgproto3.ErrorResponse) (*pgproto3.ErrorResponse, bool) {
-	chain := commit != nil && commit.Chain
-	if !(chain && len(committed) > 0) && !unsure {
+// as it would straight to PostgreSQL.
+func replayLosesSession(commit *rewrite.Stmt, e *pgproto3.ErrorResponse) (*pgproto3.ErrorResponse, bool) {
+	if commit == nil || !commit.Chain {
 		return nil, false
 	}
 	return &pgproto3.ErrorResponse{Severity: "ERROR", SeverityUnlocalized: "ERROR", Code: fence.CodeReplay,
-		Message: "pgfence: idempotent replay: this transaction had already committed (nothing was applied twice), but pgfence cannot put the session back as that commit left it (the transaction ran code pgfence cannot see into, set a setting to a computed value, or reset one to a default pgfence never saw), so it was rolled back as PostgreSQL does with a replay: the session's settings are as before it",
+		Message: "pgfence: idempotent replay: this transaction had already committed (nothing was applied twice), but pgfence cannot put the session back as that COMMIT AND CHAIN left it, so it was rolled back as PostgreSQL does with a replay: the session's settings are as before it, and no transaction is open",
 		Detail:  e.Detail,
-		Hint:    "treat the transaction as committed and do not repeat its writes; set the session's settings (fence.step among them) again before the next request"}, true
+		Hint:    "treat the transaction as committed and do not repeat its writes; set the session's settings (fence.step among them) again and begin the next transaction"}, true
 }
 
 // segsReceipt reports whether a query's segments hold a receipt step (a

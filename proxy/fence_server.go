@@ -255,14 +255,10 @@ func (h *fenceSession) onError(s gateConn, msg []byte, t *tag) (Verdict, error) 
 	}
 	h.timeStep(t, st)
 	var committed []session.Setting
-	unsure := false
 	if st == stepReceipt {
-		// What a replay's client believes its session has (fence_replay.go),
-		// and whether the proxy knows it all: not when a setting's value
-		// at commit is unknown, nor when a request since the session was
-		// last idle (so: of this transaction) may have changed one unseen.
-		committed, unsure = h.st.CommitDiff()
-		unsure = unsure || h.dirtySeq.Load() > h.portalsEnded
+		// What a replay's client believes its session has, as far as the
+		// proxy saw it (fence_replay.go).
+		committed, _ = h.st.CommitDiff()
 	}
 	h.st.Fail()
 	if st == stepPrepare {
@@ -290,7 +286,7 @@ func (h *fenceSession) onError(s gateConn, msg []byte, t *tag) (Verdict, error) 
 		if t.kind == 'Q' {
 			commit = replayedCommit(t.segs[at:])
 		}
-		if le, lost := replayLosesSession(commit, committed, unsure, &e); lost {
+		if le, lost := replayLosesSession(commit, &e); lost {
 			// The proxy cannot leave the session as the client's
 			// COMMIT (or its implicit transaction's end) would have:
 			// answered as PostgreSQL answers a replay, with an error,
@@ -314,10 +310,10 @@ func (h *fenceSession) onError(s gateConn, msg []byte, t *tag) (Verdict, error) 
 		// query's statements after the COMMIT are run again (awaitCommit).
 		h.errShown = true
 		t.replayAt = at
-		if len(committed) > 0 {
-			h.replaySettings = committed // set again before the client's next request (restoreReplayed)
-			h.replayPending.Store(true)
-		}
+		// Set again before the client's next request, with fence.step
+		// unknown (restoreReplayed).
+		h.replaySettings = committed
+		h.replayPending.Store(true)
 		if t.kind == 'E' {
 			h.replayedSeq = t.seq // the batch's next statements (replayedBatch)
 		}

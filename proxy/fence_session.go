@@ -108,13 +108,8 @@ type fenceSession struct {
 	// replayPending says there are some (restoreReplayed).
 	replaySettings []session.Setting
 	replayPending  atomic.Bool
-	// dirtySeq: the seq of the last request that may have changed the
-	// session's settings where the proxy cannot see (noteSent): a replay
-	// of a transaction with such a request in it cannot be answered as
-	// committed (replayLosesSession). commitOut: a receipt step (a
-	// gated COMMIT) was sent; the client's next request waits for its
-	// answer (fence_client.go).
-	dirtySeq    atomic.Uint64
+	// commitOut: a receipt step (a gated COMMIT) was sent; the client's
+	// next request waits for its answer (fence_client.go).
 	commitOut   atomic.Bool
 	portalsKept atomic.Int64 // len(portals) after the last Bind (tests)
 	// sessKnown (under mu): the seq of the last settings read-back sent

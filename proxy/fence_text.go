@@ -458,7 +458,7 @@ func (h *fenceSession) noteSent(t *tag) (code bool) {
 		return false
 	}
 	code = unknown
-	enc, guc, txEnd, dirty := unknown, unknown, false, unknown
+	enc, guc, txEnd := unknown, unknown, false
 	if unknown && h.protects() {
 		h.idle.fenceCall.Store(t.seq) // may lock protected rows (fence_idle.go)
 	}
@@ -471,9 +471,17 @@ func (h *fenceSession) noteSent(t *tag) (code bool) {
 		}
 		code = code || !runsNoCode(st)
 		enc = enc || !runsNoCode(st) || changesText(st)
-		// Code the proxy cannot see into (DO, CALL, a function not known
-		// to be read-only: set_config inside it) may change a setting.
-		dirty = dirty || st.Opaque || st.UserCalls
+		if !guc {
+			// A set_config the proxy cannot evaluate, or code it cannot
+			// see into that is called by name (a DO block, CALL, a
+			// function not PostgreSQL's read-only built-in: a set_config
+			// inside it) may change a tracked setting: read them back
+			// before the gate next decides from them. Without it a DO
+			// block's set_config('fence.step', ...) left the gate's
+			// receipt under the step before, and the backstop's under the
+			// new one (round 6, L).
+			guc = st.Opaque || st.UserCalls
+		}
 		if !guc {
 			h.mu.Lock()
 			guc = h.st.Uncertain(st, pf)
@@ -486,11 +494,6 @@ func (h *fenceSession) noteSent(t *tag) (code bool) {
 	}
 	if enc {
 		h.encSeq = t.seq
-	}
-	if guc || dirty || txEnd && h.resyncInTx {
-		// A replay of a transaction with this request in it cannot put
-		// the session back as its commit left it (fence_server.go).
-		h.dirtySeq.Store(t.seq)
 	}
 	if guc || txEnd && h.resyncInTx {
 		h.gucSeq = t.seq
