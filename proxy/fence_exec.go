@@ -409,9 +409,8 @@ func replayedCommit(segs []seg) *rewrite.Stmt {
 
 // replayTail ends a query whose gated COMMIT was answered by a replay:
 // the server skipped the COMMIT and what follows it, and the transaction
-// is aborted. A hidden ROLLBACK ends it (ROLLBACK AND CHAIN for a COMMIT
-// AND CHAIN that ends the query: the client goes on in a transaction, as
-// it would have). Statements after the COMMIT are not run: after the
+// is aborted. A hidden ROLLBACK ends it (a replayed COMMIT AND CHAIN never
+// gets here: replayLosesSession). Statements after the COMMIT are not run: after the
 // first attempt's COMMIT they ran with what its transaction left to the
 // session (its SETs, fence.step among them; temporary tables; WITH HOLD
 // cursors), which the ROLLBACK took away, so run now they could do what
@@ -426,11 +425,7 @@ func (h *fenceSession) replayTail(s gateConn, res *rewrite.Result, commit *rewri
 			break
 		}
 	}
-	// AND CHAIN: the chained transaction begins (and the error for what
-	// followed fails it, as that would have failed it): the client's
-	// statements after the request stay in a transaction it must end,
-	// not autocommitted (round 4, I-M3).
-	if err := h.endReplayed(s, commit.Chain); err != nil { // fence_replay.go
+	if err := h.endReplayed(s); err != nil { // fence_replay.go
 		return err
 	}
 	if !tail {

@@ -468,7 +468,7 @@ func (h *fenceSession) executeDeciding(s gateConn, msg []byte, t *tag, st *rewri
 		h.commitReq = h.last
 	}
 	if st.Kind == rewrite.Commit && receiptBefore(ep.Before) {
-		h.tail = &pendingTail{commit: h.last, from: from, chain: st.Chain}
+		h.tail = &pendingTail{commit: h.last, from: from}
 	}
 	return nil
 }

@@ -286,5 +286,35 @@ func (w *watchdog) expire(h *fenceSession, s gateConn) {
 		zap.Uint32("backend_pid", s.backendPID()), zap.String("user", h.user), zap.String("database", h.db),
 		zap.String("job_key", gen.JobKey), zap.Int64("token", gen.Token), zap.Duration("gate_idle_timeout", w.bound))
 	h.f.Stats.Codes.Add(fence.CodeGateTimeout)
+	pid := s.backendPID()
 	s.endWith(&ProtocolError{Code: fence.CodeGateTimeout, Msg: msg, Err: fmt.Errorf("gate idle timeout")})
+	w.terminate(pid)
+}
+
+// terminateSQL ends a backend whose session the watchdog ended, on the
+// control connection.
+var terminateSQL = ownDrivenBy("watchdog: end the backend of a session it ended", onControl,
+	`SELECT pg_catalog.pg_terminate_backend($1::pg_catalog.int4)`,
+	"TestBypass/idle/pipelines_never_reads (a backend blocked writing answers its client never reads)")
+
+// terminate ends backend pid on the server too: closing the proxy's end
+// of the connection is not always enough — a backend blocked writing
+// answers its client never reads (the proxy stopped reading them) can
+// stay blocked with the transaction's locks, the fence row among them.
+// A failure (a control role without pg_signal_backend, a superuser's
+// backend) is logged; the closed connection then ends it when it can.
+func (w *watchdog) terminate(pid uint32) {
+	if pid == 0 {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), w.bound)
+	defer cancel()
+	err := w.conn.Do(ctx, func(ctx context.Context) (*pgconn.PgConn, error) {
+		return dialControl(ctx, w.base, "", watchdogAppName, w.log, nil)
+	}, func(c *pgconn.PgConn) error {
+		return c.ExecParams(ctx, terminateSQL, [][]byte{[]byte(strconv.FormatUint(uint64(pid), 10))}, nil, nil, nil).Read().Err
+	})
+	if err != nil {
+		w.log.Warn("could not end the backend of a session the watchdog ended", zap.Uint32("backend_pid", pid), zap.Error(err))
+	}
 }

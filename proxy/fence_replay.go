@@ -41,7 +41,6 @@ func errReplayTail() *fence.Error {
 type pendingTail struct {
 	commit *Request // the COMMIT's Execute
 	from   uint64   // fenceSession.seq before the receipt step was sent
-	chain  bool     // COMMIT AND CHAIN
 }
 
 // receiptBefore reports whether steps hold a receipt step before a
@@ -80,21 +79,18 @@ func (h *fenceSession) replayedBatch(s gateConn) error {
 	if err := h.send(s, sync, &tag{kind: 'S', hideReady: true}, false); err != nil {
 		return err
 	}
-	if err := h.endReplayed(s, p.chain); err != nil { // AND CHAIN: as replayTail
+	if err := h.endReplayed(s); err != nil {
 		return err
 	}
 	return h.raiseInBatch(s, errReplayTail())
 }
 
 // endReplayed ends, hidden, the transaction a replayed receipt step
-// aborted, as the client's COMMIT would have: ROLLBACK, or ROLLBACK AND
-// CHAIN (a new transaction with the same characteristics) for COMMIT AND
-// CHAIN. The session state follows it as a client statement.
-func (h *fenceSession) endReplayed(s gateConn, chain bool) error {
-	end := "ROLLBACK"
-	if chain {
-		end = "ROLLBACK AND CHAIN"
-	}
+// aborted: ROLLBACK (a replayed COMMIT AND CHAIN is answered with an
+// error instead: replayLosesSession). The session state follows it as a
+// client statement.
+func (h *fenceSession) endReplayed(s gateConn) error {
+	const end = "ROLLBACK"
 	res, err := h.f.classifier.ClassifyWith(end, rewrite.Options{})
 	if err != nil || len(res.Stmts) != 1 {
 		return h.sendRollback(s) // unreachable: the text is the gate's own

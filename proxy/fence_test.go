@@ -220,6 +220,10 @@ func TestSharedShapeWritesDigestTheirOwnText(t *testing.T) {
 	if err := tx("first"); err != nil {
 		t.Fatalf("the same transaction again: %v, want a replay (COMMIT)", err)
 	}
+	// After a replay fence.step is replayStep: the same step again, set.
+	if _, err := w.Exec(ctx, "SET fence.step = ''", pgx.QueryExecModeSimpleProtocol); err != nil {
+		t.Fatal(err)
+	}
 	wantCode(t, tx("other"), fence.CodeConflict)
 	e.wantCount(t, 1, "SELECT count(*) FROM audit WHERE note = 'first'")
 	e.wantCount(t, 0, "SELECT count(*) FROM audit WHERE note = 'other'")

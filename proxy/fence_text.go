@@ -472,15 +472,16 @@ func (h *fenceSession) noteSent(t *tag) (code bool) {
 		code = code || !runsNoCode(st)
 		enc = enc || !runsNoCode(st) || changesText(st)
 		if !guc {
-			// A set_config the proxy cannot evaluate, or code it cannot
-			// see into that is called by name (a DO block, CALL, a
-			// function not PostgreSQL's read-only built-in: a set_config
-			// inside it) may change a tracked setting: read them back
-			// before the gate next decides from them. Without it a DO
-			// block's set_config('fence.step', ...) left the gate's
-			// receipt under the step before, and the backstop's under the
-			// new one (round 6, L).
-			guc = st.Opaque || st.UserCalls
+			// A DO block or a CALL (code the proxy cannot see into, run
+			// for its effects: a set_config inside it) may change a
+			// tracked setting: read them back before the gate next
+			// decides from them. Without it a DO block's
+			// set_config('fence.step', ...) left the gate's receipt under
+			// the step before, and the backstop's under the new one
+			// (round 6, L). A function called in a query is not counted
+			// (a read-back before every gated statement after one would
+			// cost a round trip each): docs/security.md, receipts.
+			guc = st.Kind == rewrite.Do || st.Kind == rewrite.Call
 		}
 		if !guc {
 			h.mu.Lock()

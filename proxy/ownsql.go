@@ -87,7 +87,6 @@ func init() {
 	ownTemplate("replica fence-row check (fence.fences)", onSession, fenceCheckQuery(requirement{job: "job", token: 2}, false),
 		"SELECT coalesce((SELECT f.max_issued_token FROM fence.fences AS f WHERE f.job_key OPERATOR(pg_catalog.=) E'")
 	own("end of a transaction a gate step failed", onSession, "ROLLBACK")
-	own("end of a replayed transaction that chained", onSession, "ROLLBACK AND CHAIN")
 	own("commit of a wrapped COPY", onSession, "COMMIT")
 	ownTemplate("no fence schema probe (FN014)", onSession, noSchemaProbe(&fence.Error{Code: "FN014", Message: "m", Hint: "h"}),
 		"DO $pgfence$BEGIN IF NOT EXISTS (SELECT FROM pg_catalog.pg_namespace n JOIN pg_catalog.pg_roles r")
