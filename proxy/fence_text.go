@@ -483,6 +483,13 @@ func (h *fenceSession) noteSent(t *tag) (code bool) {
 		case rewrite.Commit, rewrite.Rollback, rewrite.RollbackTo, rewrite.Release, rewrite.PrepareTransaction:
 			txEnd = true
 		}
+		if st.Kind == rewrite.RollbackTo {
+			// It drops the portals made since the savepoint and lets the
+			// transaction run those an error had left behind a refused
+			// or skipped Bind: what each name means is unknown
+			// (portalLive; round 6, attacker M's H1).
+			h.portalsTouched = t.seq
+		}
 	}
 	if enc {
 		h.encSeq = t.seq
