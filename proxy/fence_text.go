@@ -77,14 +77,25 @@ var (
 // attacker M's M1). Only those two kinds are looked up there implicitly
 // (functions, operators, collations are not). The catalogs are read only
 // when the session has a temporary schema (CASE: the EXISTS are initplans,
-// run when reached). Four columns, after settingNames'.
+// run when reached). Then the settings taken from the role's and the
+// database's defaults (defaultsSQL). Five columns, after settingNames'.
 const sessionStateSQL = "(SELECT pg_catalog.string_agg(s.name, ' ') FROM pg_catalog.pg_settings AS s" +
 	" WHERE s.source OPERATOR(pg_catalog.=) 'session' AND pg_catalog.left(s.name, 6) OPERATOR(pg_catalog.<>) 'fence.')," +
 	" pg_catalog.current_setting('role'), pg_catalog.current_setting('session_authorization')," +
 	" CASE WHEN pg_catalog.pg_my_temp_schema() OPERATOR(pg_catalog.=) '0'::pg_catalog.oid THEN 'f'" +
 	" WHEN EXISTS (SELECT FROM pg_catalog.pg_class AS c WHERE c.relnamespace OPERATOR(pg_catalog.=) pg_catalog.pg_my_temp_schema())" +
 	" OR EXISTS (SELECT FROM pg_catalog.pg_type AS y WHERE y.typnamespace OPERATOR(pg_catalog.=) pg_catalog.pg_my_temp_schema())" +
-	" THEN 't' ELSE 'f' END"
+	" THEN 't' ELSE 'f' END, " + defaultsSQL
+
+// defaultsSQL reads the settings a connection took from the role's and the
+// database's defaults (ALTER ROLE/DATABASE ... SET) when it started, as
+// "name=value" in name order: the primary session's (sessionStateSQL),
+// and a replica connection's when it opens (replicaDefaults, replica.go).
+// A replica connection opened later than the session gets the defaults
+// as they are then; if they differ, its session is not the primary's
+// (round 6, attacker M's M2).
+const defaultsSQL = "(SELECT COALESCE(pg_catalog.string_agg(s.name OPERATOR(pg_catalog.||) '=' OPERATOR(pg_catalog.||) s.setting, ' ' ORDER BY s.name), '')" +
+	" FROM pg_catalog.pg_settings AS s WHERE s.source OPERATOR(pg_catalog.=) ANY ('{database,user,\"database user\"}'::pg_catalog.text[]))"
 
 // settingsStmt is the gate's statement for settingsSQL.
 const settingsStmt = "pgfence_settings"
@@ -368,7 +379,7 @@ func (h *fenceSession) resync(s gateConn) error {
 // applySettings takes the row resync read. Callers hold h.mu.
 func (h *fenceSession) applySettings(s gateConn, msg []byte, t *tag) {
 	vals := rowValues(msg)
-	if len(vals) != len(settingNames)+4 {
+	if len(vals) != len(settingNames)+5 {
 		return
 	}
 	if t.idleRead {
@@ -376,6 +387,9 @@ func (h *fenceSession) applySettings(s gateConn, msg []byte, t *tag) {
 		h.sessKnown = t.seq
 		h.sessDiverged = state[0] != nil || state[1] == nil || *state[1] != "none" ||
 			state[2] == nil || *state[2] != h.user || state[3] == nil || *state[3] != "f"
+		if state[4] != nil {
+			h.defaults, h.defaultsKnown = *state[4], true
+		}
 	}
 	vals = vals[:len(settingNames)]
 	for i, n := range settingNames {
