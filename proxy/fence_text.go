@@ -75,7 +75,10 @@ var (
 // any schema of the search path (created by code the proxy cannot see:
 // EXECUTE 'CREATE TEMP TABLE ...' in a DO block or a function; round 6,
 // attacker M's M1). Only those two kinds are looked up there implicitly
-// (functions, operators, collations are not). The catalogs are read only
+// (functions, operators, collations are not). Not counted: the gate's own
+// pgfence_no_prepare (no columns; fence.refuse_prepare makes it in every
+// session that writes protected rows), the row types of relations and
+// arrays (their relation, or their element, is counted). The catalogs are read only
 // when the session has a temporary schema (CASE: the EXISTS are initplans,
 // run when reached). Then the settings taken from the role's and the
 // database's defaults (defaultsSQL). Five columns, after settingNames'.
@@ -83,8 +86,10 @@ const sessionStateSQL = "(SELECT pg_catalog.string_agg(s.name, ' ') FROM pg_cata
 	" WHERE s.source OPERATOR(pg_catalog.=) 'session' AND pg_catalog.left(s.name, 6) OPERATOR(pg_catalog.<>) 'fence.')," +
 	" pg_catalog.current_setting('role'), pg_catalog.current_setting('session_authorization')," +
 	" CASE WHEN pg_catalog.pg_my_temp_schema() OPERATOR(pg_catalog.=) '0'::pg_catalog.oid THEN 'f'" +
-	" WHEN EXISTS (SELECT FROM pg_catalog.pg_class AS c WHERE c.relnamespace OPERATOR(pg_catalog.=) pg_catalog.pg_my_temp_schema())" +
-	" OR EXISTS (SELECT FROM pg_catalog.pg_type AS y WHERE y.typnamespace OPERATOR(pg_catalog.=) pg_catalog.pg_my_temp_schema())" +
+	" WHEN EXISTS (SELECT FROM pg_catalog.pg_class AS c WHERE c.relnamespace OPERATOR(pg_catalog.=) pg_catalog.pg_my_temp_schema()" +
+	" AND NOT (c.relname OPERATOR(pg_catalog.=) 'pgfence_no_prepare' AND c.relnatts OPERATOR(pg_catalog.=) 0))" +
+	" OR EXISTS (SELECT FROM pg_catalog.pg_type AS y WHERE y.typnamespace OPERATOR(pg_catalog.=) pg_catalog.pg_my_temp_schema()" +
+	" AND y.typtype OPERATOR(pg_catalog.<>) 'c' AND y.typcategory OPERATOR(pg_catalog.<>) 'A')" +
 	" THEN 't' ELSE 'f' END, " + defaultsSQL
 
 // defaultsSQL reads the settings a connection took from the role's and the
