@@ -57,7 +57,7 @@ func (h *fenceSession) send(s gateConn, msg []byte, t *tag, visible bool) error 
 			h.copyFromReq = r
 		}
 	}
-	if visible && t != nil && h.noteSent(t) {
+	if visible && t != nil && h.noteSent(s, t) {
 		h.codeRan(s, t.seq)
 		if t.kind == 'E' && t.cp != nil {
 			// Its own code cannot close the portal it runs in (PostgreSQL

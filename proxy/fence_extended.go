@@ -86,11 +86,14 @@ func (h *fenceSession) bind(s gateConn, msg []byte) (Verdict, error) {
 			cp.params[i] = append(make([]byte, 0, len(p)), p...)
 		}
 	}
+	prev := h.answeredPortal(h.portals[m.DestinationPortal])
 	h.portals[m.DestinationPortal] = cp
 	if err := h.send(s, msg, &tag{kind: 'B', name: m.PreparedStatement, portal: m.DestinationPortal}, true); err != nil {
 		return Drop, err
 	}
-	cp.seq = h.seq
+	// What the name means follows the server's answer (portalLive): until
+	// it is in, the portal the server had under it may still be there.
+	cp.seq, cp.req, cp.batch, cp.prev = h.seq, h.last, h.batchNo, prev
 	if stmt == nil || !runsNoCode(stmt) {
 		// Binding plans the statement (folding the immutable functions it
 		// calls) and checks its parameters' domains: client code that may
@@ -116,22 +119,80 @@ func (h *fenceSession) bind(s gateConn, msg []byte) (Verdict, error) {
 // unknown statement (issue 30, round 5, attacker K's H1: a SET LOCAL's
 // portal, ended at its Sync, judged the Execute of a cursor DECLAREd
 // under its name, on a lagging replica).
-func (h *fenceSession) portalLive(name string) (live, bound *clientPortal) {
+//
+// A Bind means its portal only once the server has answered it with
+// BindComplete (round 6, attacker M's H1): a Bind it refused (42P03, the
+// name is a cursor's or a portal's already) or skipped (an earlier error
+// in the batch) left the older portal under the name, which ROLLBACK TO
+// then lets the transaction run. So an Execute in a later batch than its
+// Bind has the Bind's answer first (a wait only when it is not in yet: a
+// client that executes, in a new batch, a portal bound in one it has not
+// read the answer of); a refused or skipped Bind makes the name unknown,
+// bound being the Bind before it. In the Bind's own batch nothing waits:
+// the Execute runs only if the Bind succeeded. ErrWait on the loop:
+// nothing done yet.
+func (h *fenceSession) portalLive(s gateConn, name string) (live, bound *clientPortal, err error) {
 	cp := h.portals[name]
+	doubt := false
+	for cp != nil && cp.req != nil && !(h.inBatch && cp.batch == h.batchNo) {
+		if err := h.wait(s, cp.req); err != nil {
+			return nil, nil, err
+		}
+		r := cp.req
+		cp.req = nil
+		if r.Skipped || r.Error != nil {
+			doubt = true
+			cp = cp.prev
+			if cp == nil {
+				delete(h.portals, name)
+			} else {
+				h.portals[name] = cp
+			}
+			continue
+		}
+		cp.prev = nil
+	}
 	if cp == nil {
-		return nil, nil
+		return nil, nil, nil
 	}
 	h.mu.Lock()
 	ended := h.portalsEnded
 	h.mu.Unlock()
 	if cp.seq < ended {
 		delete(h.portals, name)
-		return nil, nil
+		return nil, nil, nil
 	}
-	if cp.seq < h.portalsTouched {
-		return nil, cp
+	if doubt || cp.seq < h.portalsTouched {
+		return nil, cp, nil
 	}
-	return cp, cp
+	return cp, cp, nil
+}
+
+// answeredPortal is what cp (the portal recorded under a name) leaves for
+// the next Bind of the name to fall back on, as far as the answers in so
+// far tell, without waiting: cp, or what it replaced if the server refused
+// or skipped its Bind, or nil once its transaction has ended. It keeps
+// the chain of Binds remembered as short as the Binds still unanswered.
+func (h *fenceSession) answeredPortal(cp *clientPortal) *clientPortal {
+	h.mu.Lock()
+	ended := h.portalsEnded
+	h.mu.Unlock()
+	for cp != nil && cp.req != nil {
+		select {
+		case <-cp.req.Done():
+		default:
+			return cp
+		}
+		if cp.req.Skipped || cp.req.Error != nil {
+			cp = cp.prev
+			continue
+		}
+		cp.req, cp.prev = nil, nil
+	}
+	if cp != nil && cp.seq < ended {
+		return nil
+	}
+	return cp
 }
 
 // portalsPruned: with more client portals kept than this, bind drops
@@ -251,7 +312,14 @@ type clientStmt struct {
 
 // clientPortal is a bound portal with its parameters (copied).
 type clientPortal struct {
-	seq     uint64 // the Bind's fenceSession.seq
+	seq uint64 // the Bind's fenceSession.seq
+	// req: the Bind's request, until its answer is known (portalLive);
+	// batch its batch (fenceSession.batchNo); prev the portal recorded
+	// under the name before it, which the server keeps if it refuses or
+	// skips this Bind.
+	req     *Request
+	batch   uint64
+	prev    *clientPortal
 	stmt    *rewrite.Stmt
 	oids    []uint32
 	formats []int16
@@ -341,7 +409,10 @@ func (h *fenceSession) execute(s gateConn, msg []byte) error {
 	if e := plan.CheckName("portal", m.Portal); e != nil {
 		return h.raiseInBatch(s, e)
 	}
-	cp, bound := h.portalLive(m.Portal)
+	cp, bound, err := h.portalLive(s, m.Portal)
+	if err != nil {
+		return err // ErrWait on the loop: nothing done yet
+	}
 	var st *rewrite.Stmt
 	if cp != nil {
 		st = cp.stmt

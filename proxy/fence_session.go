@@ -119,7 +119,13 @@ type fenceSession struct {
 	// sessionKnown.
 	sessKnown    uint64
 	sessDiverged bool
-	stateReq     *Request // the last request sent that changes session or gate state
+	// defaults (under mu): the settings the primary session took from the
+	// role's and database's defaults (defaultsSQL), once a read-back
+	// outside a transaction has read them (defaultsKnown): a replica
+	// connection's must be the same (route.go's replicaAgrees).
+	defaults      string
+	defaultsKnown bool
+	stateReq      *Request // the last request sent that changes session or gate state
 	// seq numbers the requests sent (tag.seq); encSeq is the last that
 	// may have changed how the server reads the client's text, gucSeq the
 	// last that may have changed the tracked settings unseen, resyncInTx

@@ -70,10 +70,37 @@ var (
 // session's state other than a new connection's (its replica
 // connection's): the settings other than fence.* the session has set
 // (SET, set_config, by the client or by its code), its role (SET ROLE),
-// its session authorization. Three columns, after settingNames'.
+// its session authorization, and whether its temporary schema holds a
+// relation or a type ('t'), which an unqualified name means there before
+// any schema of the search path (created by code the proxy cannot see:
+// EXECUTE 'CREATE TEMP TABLE ...' in a DO block or a function; round 6,
+// attacker M's M1). Only those two kinds are looked up there implicitly
+// (functions, operators, collations are not). Not counted: the gate's own
+// pgfence_no_prepare (no columns; fence.refuse_prepare makes it in every
+// session that writes protected rows), the row types of relations and
+// arrays (their relation, or their element, is counted). The catalogs are read only
+// when the session has a temporary schema (CASE: the EXISTS are initplans,
+// run when reached). Then the settings taken from the role's and the
+// database's defaults (defaultsSQL). Five columns, after settingNames'.
 const sessionStateSQL = "(SELECT pg_catalog.string_agg(s.name, ' ') FROM pg_catalog.pg_settings AS s" +
 	" WHERE s.source OPERATOR(pg_catalog.=) 'session' AND pg_catalog.left(s.name, 6) OPERATOR(pg_catalog.<>) 'fence.')," +
-	" pg_catalog.current_setting('role'), pg_catalog.current_setting('session_authorization')"
+	" pg_catalog.current_setting('role'), pg_catalog.current_setting('session_authorization')," +
+	" CASE WHEN pg_catalog.pg_my_temp_schema() OPERATOR(pg_catalog.=) '0'::pg_catalog.oid THEN 'f'" +
+	" WHEN EXISTS (SELECT FROM pg_catalog.pg_class AS c WHERE c.relnamespace OPERATOR(pg_catalog.=) pg_catalog.pg_my_temp_schema()" +
+	" AND NOT (c.relname OPERATOR(pg_catalog.=) 'pgfence_no_prepare' AND c.relnatts OPERATOR(pg_catalog.=) 0))" +
+	" OR EXISTS (SELECT FROM pg_catalog.pg_type AS y WHERE y.typnamespace OPERATOR(pg_catalog.=) pg_catalog.pg_my_temp_schema()" +
+	" AND y.typtype OPERATOR(pg_catalog.<>) 'c' AND y.typcategory OPERATOR(pg_catalog.<>) 'A')" +
+	" THEN 't' ELSE 'f' END, " + defaultsSQL
+
+// defaultsSQL reads the settings a connection took from the role's and the
+// database's defaults (ALTER ROLE/DATABASE ... SET) when it started, as
+// "name=value" in name order: the primary session's (sessionStateSQL),
+// and a replica connection's when it opens (replicaDefaults, replica.go).
+// A replica connection opened later than the session gets the defaults
+// as they are then; if they differ, its session is not the primary's
+// (round 6, attacker M's M2).
+const defaultsSQL = "(SELECT COALESCE(pg_catalog.string_agg(s.name OPERATOR(pg_catalog.||) '=' OPERATOR(pg_catalog.||) s.setting, ' ' ORDER BY s.name), '')" +
+	" FROM pg_catalog.pg_settings AS s WHERE s.source OPERATOR(pg_catalog.=) ANY ('{database,user,\"database user\"}'::pg_catalog.text[]))"
 
 // settingsStmt is the gate's statement for settingsSQL.
 const settingsStmt = "pgfence_settings"
@@ -357,14 +384,17 @@ func (h *fenceSession) resync(s gateConn) error {
 // applySettings takes the row resync read. Callers hold h.mu.
 func (h *fenceSession) applySettings(s gateConn, msg []byte, t *tag) {
 	vals := rowValues(msg)
-	if len(vals) != len(settingNames)+3 {
+	if len(vals) != len(settingNames)+5 {
 		return
 	}
 	if t.idleRead {
 		state := vals[len(settingNames):]
 		h.sessKnown = t.seq
 		h.sessDiverged = state[0] != nil || state[1] == nil || *state[1] != "none" ||
-			state[2] == nil || *state[2] != h.user
+			state[2] == nil || *state[2] != h.user || state[3] == nil || *state[3] != "f"
+		if state[4] != nil {
+			h.defaults, h.defaultsKnown = *state[4], true
+		}
 	}
 	vals = vals[:len(settingNames)]
 	for i, n := range settingNames {
@@ -425,7 +455,14 @@ func rowValues(msg []byte) []*string {
 // that the gate cannot see from its text (see the file comment). code
 // reports that it may run code of the client's (!runsNoCode, or text
 // the gate could not read): see codeRan.
-func (h *fenceSession) noteSent(t *tag) (code bool) {
+//
+// A statement that visibly leaves the primary session unlike a new
+// connection's (pins: SET, a temporary object) pins the session to the
+// primary here, whatever path sent it: the router's simple Query, the
+// gate's rewritten one, an extended-protocol Execute (round 6: a gated
+// transaction's CREATE TEMP TABLE, attacker L's M1, and an Execute of
+// SET search_path were not followed).
+func (h *fenceSession) noteSent(s gateConn, t *tag) (code bool) {
 	var stmts []*rewrite.Stmt
 	var pf session.ParamFunc
 	unknown := false
@@ -462,7 +499,14 @@ func (h *fenceSession) noteSent(t *tag) (code bool) {
 	if unknown && h.protects() {
 		h.idle.fenceCall.Store(t.seq) // may lock protected rows (fence_idle.go)
 	}
+	pin := false
 	for _, st := range stmts {
+		switch {
+		case st.Kind == rewrite.Discard && st.Name == "ALL":
+			pin = false // as notePins: DISCARD ALL unpins
+		case pins(st):
+			pin = true
+		}
 		if st.CallsFence || mayLock(st) && h.protects() {
 			// fence.gate, fence.acquire...: may lock a fence row; a
 			// write, a locking read, LOCK, code: may lock protected
@@ -492,6 +536,16 @@ func (h *fenceSession) noteSent(t *tag) (code bool) {
 		case rewrite.Commit, rewrite.Rollback, rewrite.RollbackTo, rewrite.Release, rewrite.PrepareTransaction:
 			txEnd = true
 		}
+		if st.Kind == rewrite.RollbackTo {
+			// It drops the portals made since the savepoint and lets the
+			// transaction run those an error had left behind a refused
+			// or skipped Bind: what each name means is unknown
+			// (portalLive; round 6, attacker M's H1).
+			h.portalsTouched = t.seq
+		}
+	}
+	if pin && !s.OnReplica() {
+		h.rt.pinned = true
 	}
 	if enc {
 		h.encSeq = t.seq

@@ -87,6 +87,9 @@ type gateConn interface {
 	// client_encoding; ok is false without a replica connection.
 	// setReplicaText records a change the client side sends it.
 	replicaText() (scs, enc string, ok bool)
+	// replicaDefaults is what the replica connection took from the role's
+	// and database's defaults when it opened; ok is false without one.
+	replicaDefaults() (defaults string, ok bool)
 	setReplicaText(scs, enc string)
 }
 

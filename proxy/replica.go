@@ -2,11 +2,13 @@ package proxy
 
 import (
 	"bufio"
+	"context"
 	"errors"
 	"fmt"
 	"net"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgproto3"
@@ -93,6 +95,9 @@ type replicaConn struct {
 	// side last set them (replstate.go).
 	textMu   sync.Mutex
 	scs, enc string
+	// defaults: the settings the connection took from the role's and the
+	// database's defaults when it opened (defaultsSQL).
+	defaults string
 	// loop is the session's event loop's hold of the connection
 	// (evloop_replica.go): conn is closed, its socket a duplicate the
 	// loop watches.
@@ -180,14 +185,21 @@ func (s *Session) useReplica(r *replica, k func(error) error) error {
 		return k(s.switchReplica(rc))
 	}
 	var hj *pgconn.HijackedConn
+	var defaults string
 	dial := func() (err error) {
 		hj, err = s.srv.connectAs(r.cfg, s.User, s.Database, s.Params, s.proof, s.closing) // as the primary's (server.go)
+		if err == nil {
+			hj, defaults, err = replicaDefaults(hj)
+		}
 		return err
 	}
 	opened := func(err error) error {
 		var rc *replicaConn
 		if err == nil {
 			rc, err = s.openReplica(r, hj)
+		}
+		if rc != nil {
+			rc.defaults = defaults
 		}
 		if err != nil {
 			s.log.Info("cannot open a replica connection; reading from the primary", zap.String("replica", r.addr), zap.Error(err))
@@ -200,6 +212,44 @@ func (s *Session) useReplica(r *replica, k func(error) error) error {
 			hj.Conn.Close()
 		}
 	}, true)
+}
+
+// replicaDefaults reads, on a replica connection just opened, the settings
+// it took from the role's and the database's defaults (defaultsSQL): the
+// read router uses the connection only if they are the primary session's
+// (fenceSession.replicaAgrees). One round trip, when the connection
+// opens, off the loop. A connection that cannot answer is not used.
+func replicaDefaults(hj *pgconn.HijackedConn) (*pgconn.HijackedConn, string, error) {
+	c, err := pgconn.Construct(hj)
+	if err != nil {
+		hj.Conn.Close()
+		return nil, "", err
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	res, err := c.Exec(ctx, "SELECT "+defaultsSQL).ReadAll()
+	if err == nil && (len(res) != 1 || len(res[0].Rows) != 1 || len(res[0].Rows[0]) != 1) {
+		err = errors.New("unexpected answer reading the replica connection's defaults")
+	}
+	if err != nil {
+		c.Close(context.Background())
+		return nil, "", err
+	}
+	defaults := string(res[0].Rows[0][0])
+	hj, err = c.Hijack()
+	if err != nil {
+		return nil, "", err
+	}
+	return hj, defaults, nil
+}
+
+// replicaDefaults is the replica connection's defaults as it read them
+// when it opened (ok false: no connection).
+func (s *Session) replicaDefaults() (string, bool) {
+	if rc := s.rt.rep; rc != nil {
+		return rc.defaults, true
+	}
+	return "", false
 }
 
 // switchReplica makes rc the upstream requests go to.

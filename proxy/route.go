@@ -239,6 +239,11 @@ func (h *fenceSession) routeQuery(s gateConn, msg []byte, res *rewrite.Result) e
 				rs.stats.Primary.Add(1)
 				return h.toPrimary(s, msg, res)
 			}
+			if !h.replicaAgrees(s) {
+				h.rt.pinned = true
+				rs.stats.Primary.Add(1)
+				return h.toPrimary(s, msg, res)
+			}
 			if kind == roTx {
 				h.beginOnReplica(r, stmts)
 			}
@@ -297,9 +302,9 @@ func (h *fenceSession) sendRouted(s gateConn, msg []byte, res *rewrite.Result) e
 // (resynced). false: read this one on the primary.
 func (h *fenceSession) sessionKnown(s gateConn, onRep bool) (bool, error) {
 	h.mu.Lock()
-	known, diverged := h.sessKnown, h.sessDiverged
+	known, diverged, defaults := h.sessKnown, h.sessDiverged, h.defaultsKnown
 	h.mu.Unlock()
-	if h.rt.primaryCode > known {
+	if h.rt.primaryCode > known || !defaults && !onRep {
 		if onRep || h.resynced {
 			return false, nil // on the replica, or the read-back did not answer
 		}
@@ -318,6 +323,24 @@ func (h *fenceSession) sessionKnown(s gateConn, onRep bool) (bool, error) {
 		return false, nil
 	}
 	return true, nil
+}
+
+// replicaAgrees reports whether the replica connection in use took the
+// same settings from the role's and the database's defaults as the
+// primary session did (defaultsSQL): it opens at the session's first
+// routed read, and an ALTER ROLE or ALTER DATABASE ... SET since the
+// session began gives it other defaults than the primary session kept
+// (round 6, attacker M's M2: its search_path resolved the read's names
+// otherwise). When they differ the session is pinned to the primary.
+// The primary's are read once per session, with the read-back before
+// its first routed read (sessionKnown); the replica's when the
+// connection opens (replicaDefaults): no cost per read.
+func (h *fenceSession) replicaAgrees(s gateConn) bool {
+	rd, ok := s.replicaDefaults()
+	h.mu.Lock()
+	pd, known := h.defaults, h.defaultsKnown
+	h.mu.Unlock()
+	return ok && known && rd == pd
 }
 
 func (h *fenceSession) toPrimary(s gateConn, msg []byte, res *rewrite.Result) error {

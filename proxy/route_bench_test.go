@@ -47,11 +47,35 @@ func BenchmarkRequire(b *testing.B) {
 // sessionKnown's check, no round trip.
 func BenchmarkSessionKnown(b *testing.B) {
 	h := &fenceSession{}
-	h.rt.replicaCode = 7 // reads on the replica ran code: nothing to do for the primary
+	h.rt.replicaCode = 7                                 // reads on the replica ran code: nothing to do for the primary
+	h.defaults, h.defaultsKnown = "search_path=sp", true // read with the session's first routed read (round 6)
 	b.ReportAllocs()
 	for b.Loop() {
 		if ok, err := h.sessionKnown(nil, false); !ok || err != nil {
 			b.Fatal("not known")
+		}
+	}
+}
+
+// defaultsConn is a gateConn with a replica connection that read defaults.
+type defaultsConn struct {
+	gateConn
+	defaults string
+}
+
+func (c defaultsConn) replicaDefaults() (string, bool) { return c.defaults, true }
+
+// BenchmarkReplicaAgrees is what round 6 adds to every read routed to the
+// replica: the comparison of the replica connection's defaults with the
+// primary session's, read once per session.
+func BenchmarkReplicaAgrees(b *testing.B) {
+	h := &fenceSession{}
+	h.defaults, h.defaultsKnown = "search_path=sp, public statement_timeout=5s", true
+	s := defaultsConn{defaults: "search_path=sp, public statement_timeout=5s"}
+	b.ReportAllocs()
+	for b.Loop() {
+		if !h.replicaAgrees(s) {
+			b.Fatal("differ")
 		}
 	}
 }

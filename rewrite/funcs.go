@@ -121,6 +121,15 @@ func init() {
 // server's WAL position and version (round 5, attacker K's M2). The one
 // exception is pg_is_in_recovery, which the test suite uses to see which
 // node answered (docs/reads.md, Limits).
+//
+// PostgreSQL itself says which built-ins depend on the backend that runs
+// them: it marks them PARALLEL RESTRICTED or UNSAFE (pg_proc.proparallel
+// <> 's'), as a parallel worker would answer otherwise. Every name of
+// readOnlyFuncs with such an overload is here (the proxy's
+// TestReadBuiltinsParallelSafe checks it against the server's catalog):
+// random (its generator, which setseed seeds: round 6, attacker M's L1),
+// age (age(xid) reads the backend's transaction), pg_get_viewdef (its
+// text form resolves the name in the session's search_path).
 var (
 	sessionLocalFuncs = map[string]bool{}
 	sessionLocalViews = map[string]bool{}
@@ -139,6 +148,7 @@ func init() {
 		pg_is_in_backup pg_last_xact_replay_timestamp pg_get_wal_replay_pause_state pg_is_wal_replay_paused
 		pg_last_wal_replay_lsn pg_last_wal_receive_lsn version
 		current_schema current_schemas current_user current_role session_user user
+		random age pg_get_viewdef
 	`) {
 		sessionLocalFuncs[f] = true
 	}
@@ -157,4 +167,12 @@ func init() {
 	`) {
 		sessionLocalViews[v] = true
 	}
+}
+
+// ReadOnlyBuiltin reports whether name is a built-in the classifier lets
+// reach a replica (readOnlyFuncs), and if so whether it is also
+// session-local (sessionLocalFuncs: run on the primary). The proxy's
+// tests check the list against the catalog (pg_proc.proparallel).
+func ReadOnlyBuiltin(name string) (readOnly, sessionLocal bool) {
+	return readOnlyFuncs[name], sessionLocalFuncs[name] || primaryOnlyFuncs(name)
 }
