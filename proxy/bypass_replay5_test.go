@@ -6,6 +6,7 @@ import (
 	"testing"
 
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgproto3"
 
 	"github.com/pgfence/pgfence/fence"
 )
@@ -146,6 +147,56 @@ create view vstep as select set_config('fence.step', 'w', false) as s;`
 				})
 			}
 		}
+	}
+	// Round 7 (attacker N): every replay leaves fence.step unknown,
+	// whatever answered it: a replayed COMMIT AND CHAIN (answered with an
+	// error), and an implicit transaction of a batch ended by a Query in
+	// the batch (the database's replay guard answers it) left the step
+	// from before the transaction, and the next write was applied twice.
+	for _, c := range []struct {
+		name string
+		run  func(t *testing.T, e *reservedEnv, conn *pgconn.PgConn)
+	}{
+		{"chain", func(t *testing.T, e *reservedEnv, conn *pgconn.PgConn) {
+			conn.Exec(ctxT(t), fmt.Sprintf("BEGIN; SET fence.step = 's1'; INSERT INTO results (job_key, payload, token) VALUES ('a', 'A', %d); SET fence.step = 's2'; COMMIT AND CHAIN", e.lease.Token)).ReadAll()
+			if conn.TxStatus() != 'I' {
+				mustExec(t, conn, "COMMIT")
+			}
+		}},
+		{"query_in_batch", func(t *testing.T, e *reservedEnv, conn *pgconn.PgConn) {
+			fe := conn.Frontend()
+			for _, sql := range []string{"SELECT set_config('fence.step', 's1', false)",
+				fmt.Sprintf("INSERT INTO results (job_key, payload, token) VALUES ('a', 'A', %d)", e.lease.Token),
+				"SELECT set_config('fence.step', 's2', false)"} {
+				fe.Send(&pgproto3.Parse{Query: sql})
+				fe.Send(&pgproto3.Bind{})
+				fe.Send(&pgproto3.Execute{})
+			}
+			fe.Send(&pgproto3.Query{String: "SELECT 1"})
+			fe.Send(&pgproto3.Sync{})
+			if err := fe.Flush(); err != nil {
+				t.Fatal(err)
+			}
+			t.Logf("batch: %v", rawAnswers(t, conn, 2))
+		}},
+	} {
+		t.Run("replay_step/"+c.name, func(t *testing.T) {
+			t.Parallel()
+			e := newReservedEnv(t)
+			next := "UPDATE results SET payload = payload || '+' WHERE job_key = 'a'"
+			first := e.encConn(t, "UTF8")
+			c.run(t, e, first)
+			mustExec(t, first, next)
+			e.wantCount(t, 1, "SELECT count(*) FROM results WHERE job_key = 'a' AND payload = 'A+'")
+			retry := e.encConn(t, "UTF8")
+			c.run(t, e, retry)
+			if v := lastValue(t, retry, "SHOW fence.step"); v != replayStep {
+				t.Fatalf("after the replay fence.step is %q, want %q", v, replayStep)
+			}
+			_, err := retry.Exec(ctxT(t), next).ReadAll()
+			wantCode(t, err, fence.CodeFencingRequired)
+			e.wantCount(t, 1, "SELECT count(*) FROM results WHERE job_key = 'a' AND payload = 'A+'")
+		})
 	}
 	// L-H2: a typed parameter the server converts before set_config sees
 	// it (bpchar drops trailing spaces, name truncates, "char" keeps one

@@ -276,6 +276,18 @@ func (h *fenceSession) onError(s gateConn, msg []byte, t *tag) (Verdict, error) 
 		s.WriteClient(msg)
 		return Drop, nil
 	}
+	if e.Code == fence.CodeReplay {
+		// A replay, whatever said it — the proxy's receipt step, a replay
+		// guard failing a COMMIT or the end of an implicit transaction —
+		// rolls back a transaction whose first attempt committed, and
+		// what it left for fence.step with it: replayStep before the
+		// client's next request (restoreReplayed). Round 7 (attacker N):
+		// a replayed COMMIT AND CHAIN, answered with an error, and an
+		// implicit transaction of a batch ended by a Query in it, which
+		// the database's guard answered, left the step from before the
+		// transaction, and the next write was applied twice.
+		h.replayPending.Store(true)
+	}
 	if st == stepReceipt && e.Code == fence.CodeReplay {
 		h.f.Stats.Replayed.Add(1)
 		gen := sg.gen // the generation the receipt step ran with
