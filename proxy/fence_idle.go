@@ -192,9 +192,7 @@ func (w *watchdog) locksHeld(pids []uint32) ([]uint32, error) {
 	ctx, cancel := context.WithTimeout(context.Background(), w.bound)
 	defer cancel()
 	var held []uint32
-	err := w.conn.Do(ctx, func(ctx context.Context) (*pgconn.PgConn, error) {
-		return dialControl(ctx, w.base, "", watchdogAppName, w.log, nil)
-	}, func(c *pgconn.PgConn) error {
+	err := w.control(ctx, func(c *pgconn.PgConn) error {
 		held = held[:0]
 		res := c.ExecParams(ctx, locksHeldSQL, [][]byte{[]byte(strings.Join(strs, ","))}, nil, nil, nil).Read()
 		if res.Err != nil {
@@ -211,6 +209,14 @@ func (w *watchdog) locksHeld(pids []uint32) ([]uint32, error) {
 }
 
 const watchdogAppName = "pgfence gate watchdog"
+
+// control runs f on the watchdog's control connection, dialled when it
+// has none.
+func (w *watchdog) control(ctx context.Context, f func(c *pgconn.PgConn) error) error {
+	return w.conn.Do(ctx, func(ctx context.Context) (*pgconn.PgConn, error) {
+		return dialControl(ctx, w.base, "", watchdogAppName, w.log, nil)
+	}, f)
+}
 
 // idleClock is the watchdog's view of one session (watchdog goroutine
 // only, but clientMsgs).
@@ -309,9 +315,7 @@ func (w *watchdog) terminate(pid uint32) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), w.bound)
 	defer cancel()
-	err := w.conn.Do(ctx, func(ctx context.Context) (*pgconn.PgConn, error) {
-		return dialControl(ctx, w.base, "", watchdogAppName, w.log, nil)
-	}, func(c *pgconn.PgConn) error {
+	err := w.control(ctx, func(c *pgconn.PgConn) error {
 		return c.ExecParams(ctx, terminateSQL, [][]byte{[]byte(strconv.FormatUint(uint64(pid), 10))}, nil, nil, nil).Read().Err
 	})
 	if err != nil {

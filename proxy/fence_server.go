@@ -322,10 +322,9 @@ func (h *fenceSession) onError(s gateConn, msg []byte, t *tag) (Verdict, error) 
 		// query's statements after the COMMIT are run again (awaitCommit).
 		h.errShown = true
 		t.replayAt = at
-		// Set again before the client's next request, with fence.step
-		// unknown (restoreReplayed).
+		// Set again before the client's next request (restoreReplayed;
+		// replayPending is set above, for every FN00R).
 		h.replaySettings = committed
-		h.replayPending.Store(true)
 		if t.kind == 'E' {
 			h.replayedSeq = t.seq // the batch's next statements (replayedBatch)
 		}
