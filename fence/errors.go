@@ -25,6 +25,7 @@ const (
 	CodeGateTimeout      = "FN012" // the proxy ended a gated transaction its client left idle (gate_idle_timeout)
 	CodeReserved         = "FN013" // a name reserved for pgfence (the proxy's statements, pgfence.* settings)
 	CodeNotInstalled     = "FN014" // the database lacks the fence schema, or the role lacks pgfence_worker
+	CodeFailover         = "FN015" // the generation was issued before a failover that may have lost a takeover: void
 	CodeReplay           = "FN00R" // idempotent replay (internal)
 	sqlstateClassFencing = "FN"
 )
@@ -144,6 +145,11 @@ func workerFunction(msg string) bool {
 
 // The outcomes a worker acts on have a helper each; for the other codes,
 // compare Code(err) with the Code constants.
+
+// IsFailover reports whether err is FN015: the generation was issued
+// before a failover that may have lost a later takeover of the job, and is
+// void: stop, acquire again and redo the work under the new generation.
+func IsFailover(err error) bool { return Code(err) == CodeFailover }
 
 // IsStale reports whether err is FN001: the token is not the current one
 // (another holder took over, or the lease was released): stop.

@@ -61,7 +61,7 @@ func TestApplyTwice(t *testing.T) {
 		}
 	}
 	tables, functions := schemaSummary(t, ctx, db)
-	if tables != 17 { // 012 adds fence.read_shapes, 015 fence.consumers, 016 fence.consumer_grants
+	if tables != 19 { // 012 adds fence.read_shapes, 015 fence.consumers, 016 fence.consumer_grants, 017 fence.eras and fence.era_checks
 		t.Errorf("fence tables: got %d, want 17", tables)
 	}
 	if functions < 15 {
@@ -115,7 +115,7 @@ func TestApplyConcurrently(t *testing.T) {
 		t.Fatalf("version %d, want %d", v, latest)
 	}
 	tables, _ := schemaSummary(t, ctx, db)
-	if tables != 17 { // 012 adds fence.read_shapes, 015 fence.consumers, 016 fence.consumer_grants
+	if tables != 19 { // 012 adds fence.read_shapes, 015 fence.consumers, 016 fence.consumer_grants, 017 fence.eras and fence.era_checks
 		t.Errorf("fence tables: got %d, want 17", tables)
 	}
 	// The protocol works after a concurrent migration.

@@ -88,7 +88,7 @@ func (s *leases) release(ctx context.Context, jobKey string, token int64) error 
 
 // isGone reports that the database says the lease is not ours any more:
 // taken over or released (FN001), the job retired (FN004) or unknown
-// (FN005).
+// (FN005), or the generation void after a failover (FN015).
 func isGone(err error) bool {
-	return fence.IsStale(err) || fence.IsRetired(err) || fence.IsUnknownJob(err)
+	return fence.IsStale(err) || fence.IsRetired(err) || fence.IsUnknownJob(err) || fence.IsFailover(err)
 }
