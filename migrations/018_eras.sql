@@ -545,6 +545,7 @@ declare
   v_expires timestamptz;
 begin
   perform fence.validate_job_key(renew.job_key);
+  perform fence.refuse_prepare(); -- (017) a prepared transaction would keep the fence row locked
   if renew.ttl is null or renew.ttl <= interval '0' then
     raise exception 'job "%": lease ttl must be positive, got %', renew.job_key, coalesce(renew.ttl::text, 'null')
       using errcode = '22023', hint = 'pass a positive interval such as ''30 seconds''';
@@ -600,6 +601,7 @@ declare
   v_floor bigint;
 begin
   perform fence.validate_job_key(acquire.job_key);
+  perform fence.refuse_prepare(); -- (017) a prepared transaction would keep the fence row locked
   if acquire.holder is null or acquire.holder = '' then
     raise exception 'job "%": holder must not be empty', acquire.job_key
       using errcode = '22023', hint = 'name the worker that takes the lease, for example host:pid';

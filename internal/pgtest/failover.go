@@ -1,0 +1,60 @@
+package pgtest
+
+import (
+	"context"
+	"fmt"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// DetachReplica stops the replica's WAL receiver and returns once it has
+// stopped (pg_stat_wal_receiver is empty): what the primary commits from
+// now on does not reach the replica, as in the window of an asynchronous
+// failover that loses the primary's last transactions. The replica keeps
+// serving reads of what it has.
+func (c *Cluster) DetachReplica(ctx context.Context) error {
+	return c.onReplica(ctx, func(conn *pgx.Conn) error {
+		if _, err := conn.Exec(ctx, "ALTER SYSTEM SET primary_conninfo = ''"); err != nil {
+			return fmt.Errorf("detach replica: %w", err)
+		}
+		if _, err := conn.Exec(ctx, "SELECT pg_reload_conf()"); err != nil {
+			return fmt.Errorf("detach replica: %w", err)
+		}
+		return poll(ctx, func() (bool, error) {
+			var n int
+			err := conn.QueryRow(ctx, "SELECT count(*) FROM pg_stat_wal_receiver").Scan(&n)
+			return n == 0, err
+		})
+	})
+}
+
+// Failover kills the primary (SIGKILL, as a crash), promotes the replica
+// (pg_promote, which waits until it accepts writes) and makes it the
+// cluster's Primary; the cluster has no replica after it. What the replica
+// had received is replayed before it is promoted; what it had not (after
+// DetachReplica) is lost.
+func (c *Cluster) Failover(ctx context.Context) error {
+	if c.Replica == nil {
+		return errNoReplica
+	}
+	if err := c.Primary.Kill(); err != nil {
+		return fmt.Errorf("kill primary: %w", err)
+	}
+	err := c.onReplica(ctx, func(conn *pgx.Conn) error {
+		var ok bool
+		if err := conn.QueryRow(ctx, "SELECT pg_promote(true, 60)").Scan(&ok); err != nil {
+			return err
+		}
+		if !ok {
+			return fmt.Errorf("pg_promote: not promoted within 60 s")
+		}
+		return nil
+	})
+	if err != nil {
+		return fmt.Errorf("promote replica: %w", err)
+	}
+	c.mu.Lock()
+	c.Primary, c.Replica = c.Replica, nil
+	c.mu.Unlock()
+	return nil
+}
