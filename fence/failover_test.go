@@ -159,6 +159,15 @@ func TestFailoverAsync(t *testing.T) {
 			t.Fatalf("%s writes after the failover: %v, want FN015", w.name, err)
 		}
 	}
+	// Retries learn what happened: A's commit reached the new primary
+	// (its receipt is there): a replay. B's did not: FN015, not a first
+	// commit.
+	if err := e.write("wa", a, "a"); fence.Code(err) != fence.CodeReplay {
+		t.Fatalf("A retries its commit from before the failover: %v, want FN00R (it survived)", err)
+	}
+	if err := e.write("wb", b, "b"); fence.Code(err) != fence.CodeFailover {
+		t.Fatalf("B retries its commit lost in the failover: %v, want FN015", err)
+	}
 	if got := e.payload("j"); got != "a" {
 		t.Fatalf("after the refused writes the result is %q, want A's", got)
 	}
@@ -219,6 +228,9 @@ func TestFailoverSync(t *testing.T) {
 	}
 	if err := e.write("wb", b, "b"); err != nil {
 		t.Fatalf("B, the live holder, writes after the failover: %v", err)
+	}
+	if err := e.write("wb", b, "b"); fence.Code(err) != fence.CodeReplay {
+		t.Fatalf("B retries its write: %v, want FN00R", err)
 	}
 	// Without a synchronous standby a takeover could be lost again: an
 	// acquire fails closed until one is back (or the mode is async).
