@@ -231,7 +231,8 @@ revoke all on function fence.timeline(), fence.era_settle(), fence.era_refuse(te
 grant execute on function fence.set_failover_mode(text) to pgfence_bypass;
 grant execute on function fence.current_era() to public;
 
--- The functions that check a generation, with the era: the fast paths
+-- The functions that check a generation, with the era (018's backstop,
+-- 017's acquire and renew, with what they added): the fast paths
 -- (fence.gate, fence.enter, fence.backstop) compare the token with the
 -- checked floor; the slow paths, renew and refuse_generation call
 -- fence.era_refuse after the receipt answer (a surviving commit is a
@@ -395,6 +396,13 @@ begin
   end if;
   v_epoch := trim(v_epoch_s)::bigint;
   v_token := trim(v_token_s)::bigint;
+  -- (018) a step nobody set after a replayed COMMIT
+  if pg_catalog.starts_with(v_step, 'pgfence:') then
+    raise exception 'fencing required: % on protected table %.% under step "%": the step is not known after a replayed COMMIT', tg_op, tg_table_schema, tg_table_name, v_step
+      using errcode = 'FN008',
+            detail = 'pgfence answered a retried transaction as the replay of one that had committed, and rolled it back; what that transaction left for the session''s fence.step (a SET, or code that set it) is not known, so a write under an inherited step could be applied a second time',
+            hint = 'set fence.step for this write (SET fence.step, SET LOCAL fence.step, or set_config), as the first attempt did';
+  end if;
   if tg_op = 'TRUNCATE' then
     perform fence.refuse_truncate(tg_relid, v_key);
   end if;
