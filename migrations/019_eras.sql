@@ -353,8 +353,11 @@ begin
    where fe.job_key = v_key and fe.epoch = p_epoch and fe.max_issued_token = p_token
      and fe.retired_at is null and fe.owner_role = session_user
      and (r.job_key is null or r.backstop_xid = v_xid)
-     and p_token > (select c.valid_floor from fence.era_checks c
-                      where c.timeline = fence.timeline() and c.started_at = pg_catalog.pg_postmaster_start_time())
+     -- The era: checked before this transaction's receipt was written, so
+     -- not again once it is (an upsert fires the backstop twice).
+     and (r.job_key is not null
+          or p_token > (select c.valid_floor from fence.era_checks c
+                     where c.timeline = fence.timeline() and c.started_at = pg_catalog.pg_postmaster_start_time()))
      for update of fe;
   if found then
     if v_ours then
@@ -416,8 +419,11 @@ begin
    where fe.job_key = v_key and fe.epoch = v_epoch and fe.max_issued_token = v_token
      and fe.retired_at is null and fe.owner_role = session_user
      and (r.job_key is null or r.backstop_xid = v_xid)
-     and v_token > (select c.valid_floor from fence.era_checks c
-                      where c.timeline = fence.timeline() and c.started_at = pg_catalog.pg_postmaster_start_time())
+     -- The era: checked before this transaction's receipt was written, so
+     -- not again once it is (an upsert fires the backstop twice).
+     and (r.job_key is not null
+          or v_token > (select c.valid_floor from fence.era_checks c
+                     where c.timeline = fence.timeline() and c.started_at = pg_catalog.pg_postmaster_start_time()))
      for update of fe;
   if found then
     if v_ours then
