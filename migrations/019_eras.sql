@@ -357,7 +357,7 @@ begin
      -- not again once it is (an upsert fires the backstop twice).
      and (r.job_key is not null
           or p_token > (select c.valid_floor from fence.era_checks c
-                     where c.timeline = fence.timeline() and c.started_at = pg_catalog.pg_postmaster_start_time()))
+                     where c.timeline = ('x' operator(pg_catalog.||) pg_catalog.substr(pg_catalog.pg_walfile_name(pg_catalog.pg_current_wal_lsn()), 1, 8))::pg_catalog.bit(32)::pg_catalog.int4 and c.started_at = pg_catalog.pg_postmaster_start_time()))
      for update of fe;
   if found then
     if v_ours then
@@ -423,7 +423,7 @@ begin
      -- not again once it is (an upsert fires the backstop twice).
      and (r.job_key is not null
           or v_token > (select c.valid_floor from fence.era_checks c
-                     where c.timeline = fence.timeline() and c.started_at = pg_catalog.pg_postmaster_start_time()))
+                     where c.timeline = ('x' operator(pg_catalog.||) pg_catalog.substr(pg_catalog.pg_walfile_name(pg_catalog.pg_current_wal_lsn()), 1, 8))::pg_catalog.bit(32)::pg_catalog.int4 and c.started_at = pg_catalog.pg_postmaster_start_time()))
      for update of fe;
   if found then
     if v_ours then
@@ -472,7 +472,7 @@ begin
    where fe.job_key = v_key and fe.epoch = gate.epoch and fe.max_issued_token = gate.token
      and fe.retired_at is null and fe.owner_role = session_user
      and gate.token > (select c.valid_floor from fence.era_checks c
-                      where c.timeline = fence.timeline() and c.started_at = pg_catalog.pg_postmaster_start_time())
+                      where c.timeline = ('x' operator(pg_catalog.||) pg_catalog.substr(pg_catalog.pg_walfile_name(pg_catalog.pg_current_wal_lsn()), 1, 8))::pg_catalog.bit(32)::pg_catalog.int4 and c.started_at = pg_catalog.pg_postmaster_start_time())
      and not exists (select 1 from fence.receipts r
                       where r.job_key = v_key and r.epoch = gate.epoch and r.token = gate.token and r.step = v_step)
      for update of fe
