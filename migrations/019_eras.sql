@@ -37,11 +37,11 @@
 --    survived); none is FN015 (it did not, or never happened).
 --
 -- Cost: the fast paths (fence.gate, fence.enter, fence.backstop) compare
--- the token with fence.era_checks' floor for this server's timeline and
--- postmaster start: one index probe in the statement they already run.
--- Anything else (a first transaction after a restart or a promotion) goes
--- the slow way, which reads the system identifier (pg_control_system)
--- and records the check.
+-- the fence row's era_start with pg_postmaster_start_time(): a column of
+-- the row they already lock, no lookup. A job's first transaction after
+-- a restart or a promotion goes the slow way, which settles the era
+-- (reading the system identifier, pg_control_system, once per server,
+-- recorded in fence.era_checks) and stamps the row.
 
 create table fence.eras (
   era               integer primary key,
@@ -66,6 +66,25 @@ create table fence.era_checks (
 comment on table fence.era_checks is 'servers (timeline, postmaster start) whose era was verified: the fast path of the era check';
 
 revoke all on fence.eras, fence.era_checks from public;
+
+-- era_start: the start time of the postmaster that issued this fence row's
+-- token or verified it above its era's valid_floor (fence.gate_slow).
+-- The fast paths (fence.gate, fence.enter, fence.backstop) pass a token
+-- only when it equals the row's and era_start is this postmaster's start:
+-- a postmaster never changes era while it runs (a primary is not
+-- promoted, and a standby that is promoted never wrote a row before), and
+-- no other server has its start time, so every other server (a promoted
+-- standby, a restored copy, the old primary restarted) checks the era
+-- once per job, the slow way. A comparison with a column of a row the
+-- fast path already reads: no lookup, no cost to measure.
+-- Adding the column needs fence.fences' ACCESS EXCLUSIVE lock, which waits
+-- for every transaction holding a fence row (a gated transaction does) and
+-- makes every later one wait behind it: give up after a moment instead
+-- (55P03), and Apply tries again (migrations.go, lockRetries).
+set local lock_timeout = '2s';
+alter table fence.fences add column era_start timestamptz;
+set local lock_timeout = 0;
+comment on column fence.fences.era_start is 'postmaster start time of the primary that issued or era-verified max_issued_token (the fast path of the era check)';
 grant select on fence.eras to pgfence_bypass;
 
 -- timeline: the server's current WAL insertion timeline (a primary only;
@@ -320,6 +339,10 @@ begin
     raise exception 'job "%": token % belongs to another role; writing under it needs the role that acquired the lease', v_key, p_token
       using errcode = 'FN011';
   end if;
+  -- The token is the fence row's and above the era's floor: record that
+  -- this postmaster verified it, so the fast paths need no era lookup.
+  update fence.fences fe set era_start = pg_catalog.pg_postmaster_start_time()
+   where fe.job_key = v_key and fe.era_start is distinct from pg_catalog.pg_postmaster_start_time();
   if not v_ours then
     insert into fence.receipts (job_key, epoch, token, step, payload_digest, digest_version, backstop_xid)
     values (v_key, p_epoch, p_token, v_step, sha256(convert_to(coalesce(current_query(), ''), 'UTF8')), 'backstop-v1', v_xid)
@@ -356,8 +379,7 @@ begin
      -- The era: checked before this transaction's receipt was written, so
      -- not again once it is (an upsert fires the backstop twice).
      and (r.job_key is not null
-          or p_token > (select c.valid_floor from fence.era_checks c
-                     where c.timeline = ('x' operator(pg_catalog.||) pg_catalog.substr(pg_catalog.pg_walfile_name(pg_catalog.pg_current_wal_lsn()), 1, 8))::pg_catalog.bit(32)::pg_catalog.int4 and c.started_at = pg_catalog.pg_postmaster_start_time()))
+          or fe.era_start = pg_catalog.pg_postmaster_start_time())
      for update of fe;
   if found then
     if v_ours then
@@ -422,8 +444,7 @@ begin
      -- The era: checked before this transaction's receipt was written, so
      -- not again once it is (an upsert fires the backstop twice).
      and (r.job_key is not null
-          or v_token > (select c.valid_floor from fence.era_checks c
-                     where c.timeline = ('x' operator(pg_catalog.||) pg_catalog.substr(pg_catalog.pg_walfile_name(pg_catalog.pg_current_wal_lsn()), 1, 8))::pg_catalog.bit(32)::pg_catalog.int4 and c.started_at = pg_catalog.pg_postmaster_start_time()))
+          or fe.era_start = pg_catalog.pg_postmaster_start_time())
      for update of fe;
   if found then
     if v_ours then
@@ -471,8 +492,7 @@ begin
     from fence.fences fe
    where fe.job_key = v_key and fe.epoch = gate.epoch and fe.max_issued_token = gate.token
      and fe.retired_at is null and fe.owner_role = session_user
-     and gate.token > (select c.valid_floor from fence.era_checks c
-                      where c.timeline = ('x' operator(pg_catalog.||) pg_catalog.substr(pg_catalog.pg_walfile_name(pg_catalog.pg_current_wal_lsn()), 1, 8))::pg_catalog.bit(32)::pg_catalog.int4 and c.started_at = pg_catalog.pg_postmaster_start_time())
+     and fe.era_start = pg_catalog.pg_postmaster_start_time()
      and not exists (select 1 from fence.receipts r
                       where r.job_key = v_key and r.epoch = gate.epoch and r.token = gate.token and r.step = v_step)
      for update of fe
@@ -666,7 +686,8 @@ begin
   v_token := nextval('fence.token_seq');
   v_expires := v_now + acquire.ttl;
   update fence.fences fe
-     set epoch = v_epoch, max_issued_token = v_token, retired_at = null, owner_role = session_user
+     set epoch = v_epoch, max_issued_token = v_token, retired_at = null, owner_role = session_user,
+         era_start = pg_catalog.pg_postmaster_start_time()
    where fe.job_key = acquire.job_key;
   update fence.epochs e set last_token = v_token where e.epoch = v_epoch;
   insert into fence.leases as le (job_key, holder, token, expires_at)

@@ -20,8 +20,10 @@ import (
 	"embed"
 	"errors"
 	"fmt"
+	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/tern/v2/migrate"
 
 	"github.com/pgfence/pgfence/internal/ownsql"
@@ -48,10 +50,7 @@ func Apply(ctx context.Context, conn *pgx.Conn) error {
 	if err := m.LoadMigrations(files); err != nil {
 		return fmt.Errorf("migrations: load: %w", err)
 	}
-	if err := m.Migrate(ctx); err != nil {
-		return fmt.Errorf("migrations: apply: %w", err)
-	}
-	return nil
+	return retryLocks(ctx, func() error { return m.Migrate(ctx) })
 }
 
 // MigrateTo brings the fence schema to version (not beyond the latest):
@@ -68,10 +67,40 @@ func MigrateTo(ctx context.Context, conn *pgx.Conn, version int32) error {
 	if err := m.LoadMigrations(files); err != nil {
 		return fmt.Errorf("migrations: load: %w", err)
 	}
-	if err := m.MigrateTo(ctx, version); err != nil {
-		return fmt.Errorf("migrations: apply: %w", err)
+	return retryLocks(ctx, func() error { return m.MigrateTo(ctx, version) })
+}
+
+// lockRetries bounds how often retryLocks tries a migration that gave up
+// waiting for a lock.
+const lockRetries = 20
+
+// retryLocks runs migrate, and runs it again while it fails with 55P03
+// (lock_not_available). A migration that alters a table every gated
+// transaction locks (019 adds a column to fence.fences) sets a short
+// lock_timeout, so that waiting for a long transaction does not stall
+// every other gated transaction behind its lock request; the migration is
+// rolled back and tried again here, up to lockRetries times, about a
+// minute. Migrations already applied stay applied (each is its own
+// transaction).
+func retryLocks(ctx context.Context, migrate func() error) error {
+	for attempt := 1; ; attempt++ {
+		err := migrate()
+		var pgErr *pgconn.PgError
+		if err == nil {
+			return nil
+		}
+		if !errors.As(err, &pgErr) || pgErr.Code != "55P03" || attempt == lockRetries {
+			if pgErr != nil && pgErr.Code == "55P03" {
+				return fmt.Errorf("migrations: apply: %w (tried %d times: a long transaction holds what the migration alters; find it in pg_stat_activity, end it or wait, and run the migration again)", err, attempt)
+			}
+			return fmt.Errorf("migrations: apply: %w", err)
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("migrations: apply: %w (while waiting to try again: %w)", err, ctx.Err())
+		case <-time.After(time.Duration(attempt) * 100 * time.Millisecond):
+		}
 	}
-	return nil
 }
 
 // versionTableSQL reads, from pg_catalog alone, who made VersionTable and

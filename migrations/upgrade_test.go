@@ -238,11 +238,16 @@ select fence.protect('kt', 'job_key'), fence.protect('ut'), fence.protect('kp', 
 	if _, err := flight.Exec(ctx, set+"; set fence.step = 'flight'; begin; do $$ begin insert into ut values (1, 'in flight'); end $$"); err != nil {
 		t.Fatal(err)
 	}
-	if err := migrations.Apply(ctx, conn); err != nil {
+	// Across every migration up to 018; 019 alters fence.fences, whose
+	// lock a transaction in flight holds (TestUpgradeErasLive).
+	if err := migrations.MigrateTo(ctx, conn, 18); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := flight.Exec(ctx, "commit"); err != nil {
 		t.Fatalf("the transaction in flight: %v", err)
+	}
+	if err := migrations.Apply(ctx, conn); err != nil {
+		t.Fatal(err)
 	}
 	count := func(q string, args ...any) int {
 		t.Helper()
@@ -463,5 +468,106 @@ func TestUpgradeTo16DropsRejectedClaims(t *testing.T) {
 	var role string
 	if err := conn.QueryRow(ctx, "select role from fence.consumers where consumer = 'billing'").Scan(&role); err != nil || role != app {
 		t.Fatalf("billing belongs to %q (%v), want %q", role, err, app)
+	}
+}
+
+// TestUpgradeErasLive: migration 19 adds a column to fence.fences, whose
+// lock every gated transaction holds. A gated transaction in flight makes
+// the migration wait (it gives up after lock_timeout and Apply tries
+// again), not fail or stall forever; the transaction commits with its
+// receipt; a lease held across the upgrade writes and renews after it,
+// its first write stamping the fence row with this server's start.
+func TestUpgradeErasLive(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	db := cluster.NewDatabase(t)
+	conn := connect(t, ctx, db, "")
+	if err := migrations.MigrateTo(ctx, conn, 18); err != nil {
+		t.Fatal(err)
+	}
+	prefix, _, _ := strings.Cut(db, "_")
+	w := prefix + "_w"
+	if _, err := conn.Exec(ctx, fmt.Sprintf(`
+create role %[1]s login in role pgfence_worker;
+create table et (k int primary key, v text);
+grant all on et to %[1]s;
+select fence.protect('et');`, w)); err != nil {
+		t.Fatal(err)
+	}
+	wc, flight := connect(t, ctx, db, w), connect(t, ctx, db, w)
+	l, err := fence.Acquire(ctx, wc, "j", "h", time.Hour)
+	if err != nil {
+		t.Fatal(err)
+	}
+	set := fmt.Sprintf("set fence.job_key = 'j'; set fence.epoch = %d; set fence.token = %d", l.Epoch, l.Token)
+	if _, err := flight.Exec(ctx, set+"; set fence.step = 'flight'; begin; insert into et values (1, 'in flight')"); err != nil {
+		t.Fatal(err)
+	}
+	applied := make(chan error, 1)
+	go func() { applied <- migrations.Apply(ctx, conn) }()
+	// The migration waits for the fence row's transaction, gives up after
+	// its lock_timeout (so gated transactions behind its lock request wait
+	// no longer than that), and waits again.
+	observer := connect(t, ctx, db, "")
+	await := func(want bool) {
+		t.Helper()
+		for {
+			var waiting bool
+			if err := observer.QueryRow(ctx, `select exists (select from pg_locks
+where not granted and locktype = 'relation' and relation = 'fence.fences'::regclass and mode = 'AccessExclusiveLock')`).Scan(&waiting); err != nil {
+				t.Fatal(err)
+			}
+			if waiting == want {
+				return
+			}
+			select {
+			case err := <-applied:
+				t.Fatalf("the migration ended (%v) while a transaction held a fence row", err)
+			case <-time.After(10 * time.Millisecond):
+			}
+		}
+	}
+	await(true)
+	await(false)
+	await(true)
+	if _, err := flight.Exec(ctx, "commit"); err != nil {
+		t.Fatalf("the transaction in flight: %v", err)
+	}
+	if err := <-applied; err != nil {
+		t.Fatalf("the migration after the transaction in flight ended: %v", err)
+	}
+	if v, err := migrations.Current(ctx, conn); err != nil || v < 19 {
+		t.Fatalf("version %d (%v), want 19 or later", v, err)
+	}
+	count := func(q string) int {
+		t.Helper()
+		var n int
+		if err := conn.QueryRow(ctx, q).Scan(&n); err != nil {
+			t.Fatalf("%s: %v", q, err)
+		}
+		return n
+	}
+	if n := count("select count(*) from fence.receipts where step = 'flight'"); n != 1 {
+		t.Fatalf("%d receipts of the transaction in flight, want 1", n)
+	}
+	if n := count("select count(*) from fence.fences where era_start is not null"); n != 0 {
+		t.Fatalf("%d fence rows stamped by the migration, want 0 (a stamp says a server checked the row)", n)
+	}
+	// The lease held across the upgrade: renewed, written twice (the first
+	// write checks the era and stamps the row; the second takes the fast
+	// path), each with its one receipt.
+	if _, err := wc.Exec(ctx, "select fence.renew('j', $1, '1 hour')", l.Token); err != nil {
+		t.Fatalf("renewing a lease held across the upgrade: %v", err)
+	}
+	for i := 2; i <= 3; i++ {
+		if _, err := wc.Exec(ctx, fmt.Sprintf("%s; set fence.step = 'after %d'; insert into et values (%d, 'after')", set, i, i)); err != nil {
+			t.Fatalf("write %d under a lease held across the upgrade: %v", i, err)
+		}
+		if n := count("select count(*) from fence.fences where job_key = 'j' and era_start = pg_postmaster_start_time()"); n != 1 {
+			t.Fatalf("after write %d the fence row is not stamped with this server's start", i)
+		}
+	}
+	if n := count("select count(*) from fence.receipts where step like 'after %'"); n != 2 {
+		t.Fatalf("%d receipts of the writes after the upgrade, want 2", n)
 	}
 }
