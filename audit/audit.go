@@ -149,6 +149,20 @@ type Report struct {
 	Violations []Violation      `json:"violations"`
 	// Omitted counts violations beyond Options.MaxViolations, per check.
 	Omitted map[int]int64 `json:"omitted,omitempty"`
+	// Eras are the server histories the fence ran on (fence.eras: one per
+	// promotion, restore or copy), oldest first.
+	Eras []Era `json:"eras,omitempty"`
+}
+
+// Era is one server history of the fence (migration 19, docs/failover.md).
+type Era struct {
+	Era      int32     `json:"era"`
+	Timeline int32     `json:"timeline"`
+	BeganAt  time.Time `json:"began_at"`
+	// Lossless: the transition into this era lost no acknowledged takeover
+	// (failover_mode sync, or the era the fence was installed in).
+	Lossless bool   `json:"lossless"`
+	Reason   string `json:"reason"`
 }
 
 // OK reports whether no violation was found.
@@ -222,6 +236,7 @@ type auditor struct {
 	since, until any // time.Time or nil (SQL null: unbounded)
 	commitTS     bool
 	hasLog       bool
+	hasEras      bool // fence.eras (migration 19): failovers are recorded
 	rep          *Report
 	perCheck     map[int]int
 }
@@ -230,7 +245,8 @@ func (a *auditor) run(ctx context.Context) error {
 	var tcs string
 	var hasFence bool
 	err := a.q.QueryRow(ctx, `select pg_catalog.current_setting('track_commit_timestamp'),
-		pg_catalog.to_regclass('fence.receipts') is not null, pg_catalog.to_regclass('fence.consumer_log') is not null`).Scan(&tcs, &hasFence, &a.hasLog)
+		pg_catalog.to_regclass('fence.receipts') is not null, pg_catalog.to_regclass('fence.consumer_log') is not null,
+		pg_catalog.to_regclass('fence.eras') is not null`).Scan(&tcs, &hasFence, &a.hasLog, &a.hasEras)
 	if err != nil {
 		return fmt.Errorf("read settings: %w", err)
 	}
@@ -267,6 +283,9 @@ func (a *auditor) run(ctx context.Context) error {
 		a.rep.Checks = append(a.rep.Checks, s.check)
 	}
 	if err := a.count(ctx); err != nil {
+		return err
+	}
+	if err := a.eras(ctx); err != nil {
 		return err
 	}
 	sort.Slice(a.rep.Violations, func(i, j int) bool { return a.rep.Violations[i].Check < a.rep.Violations[j].Check })

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"fmt"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 )
@@ -42,6 +43,27 @@ func (a *auditor) checkStaleCommits(ctx context.Context) error {
 			[]Row{v.row("fence.receipts", "r_", receiptCols...), v.row("fence.issuance", "i_", issuanceCols...)}
 	}); err != nil {
 		return err
+	}
+	if a.hasEras {
+		// A commit under a generation a failover made void: after an era
+		// began (a promotion, a restore), under a token not above its
+		// valid_floor. A takeover the old primary committed may be lost,
+		// so the issuance log cannot show the larger token; the era can.
+		// "After": the receipt's writing transaction is younger than the
+		// one that made the era (xid8 goes on across a promotion) and its
+		// clock reading is later (a restored copy's xids start again).
+		sql = `select ` + a.receiptSelect() + `,
+			e.era as e_era, e.timeline as e_timeline, e.began_at as e_began_at, e.valid_floor as e_valid_floor, e.reason as e_reason
+		from fence.eras e
+		join fence.receipts r on r.token <= e.valid_floor and r.backstop_xid >= e.began_xid and r.committed_at >= e.began_at
+		where ` + window("r.committed_at")
+		if err := a.violations(ctx, CheckStaleCommit, "receipts under void generations", sql, nil, func(v vals) (string, []Row) {
+			return fmt.Sprintf("job %q: a commit under token %s (epoch %s, step %q) committed in era %s, which voids every token up to %s",
+					v.str("r_job_key"), v.str("r_token"), v.str("r_epoch"), v.str("r_step"), v.str("e_era"), v.str("e_valid_floor")),
+				[]Row{v.row("fence.receipts", "r_", receiptCols...), v.row("fence.eras", "e_", "era", "timeline", "began_at", "valid_floor", "reason")}
+		}); err != nil {
+			return err
+		}
 	}
 	if !a.commitTS {
 		return nil
@@ -229,7 +251,7 @@ func (a *auditor) checkAcknowledged(ctx context.Context) error {
 	}
 	a.rep.OutcomeSource = "client records"
 	const batch = 5000
-	var pruned int64
+	var pruned, failover int64
 	for start := 0; start < len(acked); start += batch {
 		part := acked[start:min(start+batch, len(acked))]
 		jobs, steps := make([]string, len(part)), make([]string, len(part))
@@ -237,8 +259,14 @@ func (a *auditor) checkAcknowledged(ctx context.Context) error {
 		for i, c := range part {
 			jobs[i], epochs[i], tokens[i], steps[i] = c.Job, c.Epoch, c.Token, c.Step
 		}
+		lost := "false"
+		if a.hasEras {
+			// Made before a promotion that may have lost it: a token at
+			// most the floor of an era entered without failover_mode sync.
+			lost = "exists (select from fence.eras e where not e.lossless and e.valid_floor >= c.token)"
+		}
 		sql := `select c.n, r.payload_digest, r.digest_version, r.committed_at,
-			coalesce(c.token <= w.pruned_through_token, false) as pruned
+			coalesce(c.token <= w.pruned_through_token, false) as pruned, ` + lost + ` as lost
 		from unnest($1::text[], $2::int8[], $3::int8[], $4::text[]) with ordinality as c(job_key, epoch, token, step, n)
 		left join fence.receipts r on r.job_key = c.job_key and r.epoch = c.epoch and r.token = c.token and r.step = c.step
 		left join fence.gc_watermarks w on w.job_key = c.job_key and w.epoch = c.epoch
@@ -252,6 +280,8 @@ func (a *auditor) checkAcknowledged(ctx context.Context) error {
 			switch {
 			case v["payload_digest"] == nil && v.bool("pruned"):
 				pruned++
+			case v["payload_digest"] == nil && v.bool("lost"):
+				failover++
 			case v["payload_digest"] == nil:
 				a.violate(CheckAcknowledged,
 					fmt.Sprintf("job %q: a client saw epoch %d token %d step %q %s, but no receipt exists", c.Job, c.Epoch, c.Token, c.Step, c.Outcome),
@@ -271,6 +301,10 @@ func (a *auditor) checkAcknowledged(ctx context.Context) error {
 	}
 	if pruned > 0 {
 		a.note(fmt.Sprintf("%d acknowledged commits belong to generations whose receipts gc pruned: not verifiable", pruned))
+	}
+	if failover > 0 {
+		a.rep.Counts["acknowledged commits lost in an asynchronous failover"] = failover
+		a.note(fmt.Sprintf("%d acknowledged commits are absent and were made before a promotion that could lose them (asynchronous replication, failover_mode async: see the eras)", failover))
 	}
 	return nil
 }
@@ -498,6 +532,26 @@ func (a *auditor) count(ctx context.Context) error {
 	} else {
 		a.rep.OutcomeSource = "receipts"
 		a.rep.Outcomes[OutcomeCommitted] = receipts
+	}
+	return nil
+}
+
+// eras fills the report's eras and notes each transition that may have
+// lost commits.
+func (a *auditor) eras(ctx context.Context) error {
+	if !a.hasEras {
+		return nil
+	}
+	err := a.query(ctx, `select e.era, e.timeline, e.began_at, e.lossless, e.reason from fence.eras e order by e.era`, nil, func(v vals) error {
+		e := Era{Era: v["era"].(int32), Timeline: v["timeline"].(int32), BeganAt: v["began_at"].(time.Time), Lossless: v.bool("lossless"), Reason: v.str("reason")}
+		a.rep.Eras = append(a.rep.Eras, e)
+		if len(a.rep.Eras) > 1 && !e.Lossless {
+			a.note(fmt.Sprintf("era %d began at %s: %s; commits made on the previous primary after its last replicated transaction are not in this history, and every earlier generation is void", e.Era, e.BeganAt.UTC().Format(time.RFC3339Nano), e.Reason))
+		}
+		return nil
+	})
+	if err != nil {
+		return fmt.Errorf("eras: %w", err)
 	}
 	return nil
 }

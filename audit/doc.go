@@ -60,6 +60,20 @@
 // A receipt committed after its epoch was retired is reported under check 1
 // too (commit timestamp of the retiring transaction, from the epoch row).
 //
+// # Failovers (fence.eras, migration 19)
+//
+// A promotion that lost a takeover leaves no larger token in the issuance
+// log, so the comparison above cannot see a zombie's commit after it. The
+// era can: a receipt under a token not above an era's valid_floor, written
+// by a transaction younger than the one that made the era (backstop_xid
+// against the era's began_xid: xid8 goes on across a promotion) and with a
+// later clock reading (a restored copy counts xids from the start again),
+// is reported under check 1. The report lists the eras and notes each one
+// entered without failover_mode sync. Check 3 counts an acknowledged commit
+// that is absent, under a token such an era voids, as lost in an
+// asynchronous failover (what that replication mode allows), not as a
+// violation; after a lossless era it is one.
+//
 // # Cost
 //
 // Every query is driven by the receipts, issuance, consumer log or result

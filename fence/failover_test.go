@@ -9,6 +9,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/pgfence/pgfence/audit"
 	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/internal/pgtest"
 	"github.com/pgfence/pgfence/migrations"
@@ -192,6 +193,18 @@ func TestFailoverAsync(t *testing.T) {
 	}
 	if era < 2 || lossless {
 		t.Fatalf("current era %d (lossless %v), want a new, lossy era", era, lossless)
+	}
+	// The audit of the new primary's history: clean (every refused write
+	// left nothing), with the failover in its eras and a note on what an
+	// asynchronous promotion may have lost.
+	rep, err := audit.Run(ctx, e.connect("", nil), audit.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var text strings.Builder
+	rep.WriteText(&text)
+	if !rep.OK() || len(rep.Eras) != 2 || rep.Eras[1].Lossless || !strings.Contains(text.String(), "may have been lost") {
+		t.Fatalf("audit after the failover: ok=%v eras %+v, want clean, 2 eras, the second lossy and noted:\n%s", rep.OK(), rep.Eras, text.String())
 	}
 }
 

@@ -48,6 +48,7 @@ create table fence.eras (
   system_identifier bigint not null,
   timeline          integer not null,
   began_at          timestamptz not null default clock_timestamp(),
+  began_xid         xid8 not null default pg_catalog.pg_current_xact_id(), -- the settling transaction: every transaction of the era has a larger one (pgfence audit)
   token_floor       bigint not null,
   valid_floor       bigint not null,
   lossless          boolean not null,
