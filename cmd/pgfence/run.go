@@ -73,6 +73,7 @@ func newRunCmdWith(run runFunc) *cobra.Command {
 		db                            database
 		req                           = leaseRequest{db: &db}
 		killSignal                    string
+		failoverRestarts              int
 		renewEvery, grace, maxRuntime time.Duration
 	)
 	cmd := &cobra.Command{
@@ -105,7 +106,11 @@ func newRunCmdWith(run runFunc) *cobra.Command {
 			sigs := make(chan os.Signal, 4)
 			signal.Notify(sigs, syscall.SIGINT, syscall.SIGTERM, syscall.SIGHUP)
 			defer signal.Stop(sigs)
+			if failoverRestarts < 0 {
+				return usageError("run: --failover-restarts must not be negative")
+			}
 			cfg.RenewEvery, cfg.Grace, cfg.KillSignal, cfg.MaxRuntime = renewEvery, grace, sig, maxRuntime
+			cfg.FailoverRestarts = failoverRestarts
 			cfg.Command, cfg.Signals = args, sigs
 			// Signals are forwarded to the command, not used to cancel: the
 			// command decides when to stop, and the lease is released after.
@@ -130,6 +135,7 @@ func newRunCmdWith(run runFunc) *cobra.Command {
 	f.Var(newDuration(&grace, 10*time.Second), "grace", "time COMMAND has to exit after --kill-signal before SIGKILL")
 	f.Var(newDuration(&maxRuntime, 0), "max-runtime", "stop COMMAND (--kill-signal, then SIGKILL after --grace) once it has run this long, and exit 124 (default no limit)")
 	f.StringVar(&killSignal, "kill-signal", "TERM", "signal telling COMMAND to stop (lease lost, --max-runtime)")
+	f.IntVar(&failoverRestarts, "failover-restarts", 3, "times to acquire the lease again and rerun COMMAND after a failover voided its generation (FN015); 0: exit 76 instead")
 	cmd.SetFlagErrorFunc(func(_ *cobra.Command, err error) error {
 		return usageError("run: " + err.Error())
 	})
