@@ -368,12 +368,20 @@ func (r *run) run(ctx context.Context) (int, error) {
 	}
 }
 
-// check renews lease l once, to learn whether its generation is still
-// valid after the command failed; the answer is the database's.
+// check renews lease l, to learn whether its generation is still valid
+// after the command failed; the answer is the database's. A failover
+// breaks the connection the renewals used, and the first use of a broken
+// connection fails without reaching a server, so an attempt that got no
+// answer from the database is made once more, on a new connection.
 func (r *run) check(ctx context.Context, l held) error {
 	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
 	defer cancel()
 	_, err := r.store.renew(cctx, l.JobKey, l.Token, r.cfg.TTL)
+	var pgErr *pgconn.PgError
+	if err != nil && !errors.As(err, &pgErr) && cctx.Err() == nil {
+		r.store.close()
+		_, err = r.store.renew(cctx, l.JobKey, l.Token, r.cfg.TTL)
+	}
 	if err != nil && !fence.IsFailover(err) {
 		r.log.Debug("renewal after the command failed", zap.Int64("token", l.Token), zap.Error(err))
 	}
