@@ -63,8 +63,10 @@ const (
 	// did not run; try again later.
 	ExitLeaseHeld = 75
 	// ExitLeaseLost: the lease was taken over, or could not be renewed
-	// before it expired, while the command ran. The command was told to
-	// stop; its writes after the takeover were refused by the gate.
+	// before it expired, while the command ran, or its generation turned
+	// out void after a failover (FN015) and no FailoverRestarts were left.
+	// The command was told to stop; its writes after the takeover were
+	// refused by the gate.
 	ExitLeaseLost = 76
 	// ExitMaxRuntime: the command ran longer than Config.MaxRuntime and
 	// was stopped (KillSignal, then SIGKILL after Grace), as timeout(1)
