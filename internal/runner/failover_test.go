@@ -311,33 +311,54 @@ func (f *failoverFixture) file(name string) string {
 
 // TestRunFailoverRestartLimit (issue 31): a run restarts at most
 // FailoverRestarts times; the failover after that ends it with
-// ExitLeaseLost, as before restarts existed. Two failovers, one restart
-// allowed.
+// ExitLeaseLost, as every failover did before restarts existed. With none
+// allowed, the first does; with one, the second (two failovers: pgtest's
+// AddReplica makes a replica of the promoted primary).
 func TestRunFailoverRestartLimit(t *testing.T) {
-	t.Parallel()
-	f := newFailoverFixture(t)
-	log, logs := observed(t)
-	done := runAsync(f.config(200*time.Millisecond, 1), log)
-	f.waitFile("ready.1")
-	f.failover()
-	f.waitFile("ready.2")
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
-	defer cancel()
-	if err := f.c.AddReplica(ctx, pgtest.Options{}); err != nil {
-		t.Fatal(err)
-	}
-	f.failover()
-	r := await(t, done)
+	t.Run("none", func(t *testing.T) {
+		t.Parallel()
+		f := newFailoverFixture(t)
+		log, logs := observed(t)
+		done := runAsync(f.config(200*time.Millisecond, 0), log)
+		f.waitFile("ready.1")
+		f.failover()
+		checkRestartsUsedUp(t, f, logs, await(t, done), 0)
+		if logs.FilterMessage("stopping command").Len() != 1 {
+			t.Error("the command was not stopped when the renewal found its generation void")
+		}
+	})
+	t.Run("one", func(t *testing.T) {
+		t.Parallel()
+		f := newFailoverFixture(t)
+		log, logs := observed(t)
+		done := runAsync(f.config(200*time.Millisecond, 1), log)
+		f.waitFile("ready.1")
+		f.failover()
+		f.waitFile("ready.2")
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+		defer cancel()
+		if err := f.c.AddReplica(ctx, pgtest.Options{}); err != nil {
+			t.Fatal(err)
+		}
+		f.failover()
+		checkRestartsUsedUp(t, f, logs, await(t, done), 1)
+	})
+}
+
+// checkRestartsUsedUp checks a run that ended with ExitLeaseLost after n
+// failover restarts, the last failover finding none left.
+func checkRestartsUsedUp(t *testing.T, f *failoverFixture, logs *observer.ObservedLogs, r runResult, n int) {
+	t.Helper()
 	if r.code != ExitLeaseLost || !errors.Is(r.err, ErrLeaseLost) || !fence.IsFailover(r.err) {
 		t.Fatalf("got code %d, err %v; want %d, ErrLeaseLost with FN015", r.code, r.err, ExitLeaseLost)
 	}
 	if !strings.Contains(r.err.Error(), "no failover restarts are left") {
 		t.Errorf("error %q does not say the restarts ran out", r.err)
 	}
-	if tokens := f.tokens(); len(tokens) != 2 {
-		t.Errorf("the command ran under tokens %v, want two (one restart)", tokens)
+	if tokens := f.tokens(); len(tokens) != n+1 {
+		t.Errorf("the command ran under tokens %v, want %d", tokens, n+1)
 	}
-	checkRestartLogged(t, logs, 1)
+	checkRestartLogged(t, logs, n)
 }
 
 // TestRunTakeoverIsNotRestarted: FN001 (another holder took the job over)
