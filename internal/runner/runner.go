@@ -469,7 +469,9 @@ func (r *run) acquire(ctx context.Context) (held, error) {
 		}
 		isHeld := fence.IsLeaseHeld(err)
 		switch {
-		case timedOut && lastHeld:
+		case timedOut && (isHeld || lastHeld):
+			// An attempt answered FN002 after the deadline passed is as
+			// held as an earlier one.
 			return held{}, fmt.Errorf("%w: still held after waiting %s", ErrLeaseHeld, r.cfg.WaitTimeout)
 		case timedOut:
 			return held{}, fmt.Errorf("acquire lease: gave up after waiting %s: %w", r.cfg.WaitTimeout, err)
