@@ -35,6 +35,20 @@ SIGHUP sent to pgfence run are forwarded to COMMAND. Only COMMAND's own
 process is signalled: a shell script should exec its last program or trap
 TERM and pass it on.
 
+After a PostgreSQL failover that may have lost a takeover, every generation
+issued before it is void (FN015) and its job free (docs/failover.md). When a
+renewal answers FN015, or COMMAND exits non-zero and a renewal tried then
+does, run logs it (with the new era and timeline), stops COMMAND if it still
+runs (--kill-signal, then SIGKILL after --grace), acquires the lease again
+(same holder and ttl) and runs COMMAND again with the new generation in its
+environment, at most --failover-restarts times (0: exit 76 instead). That is
+what a takeover by a new generation would do: its token is above every token
+issued before, the old one can commit nothing more, and a result written with
+a token-ordered upsert keeps the rerun's. What COMMAND did outside the
+database, and rows not ordered by token, are done again. A takeover by
+another holder (FN001) is never restarted. --max-runtime bounds the whole
+run, restarts included.
+
 The acquire waits for the job's fence row while an open transaction holds it
 (see pgfence lease acquire --help): the blocking session is logged after a
 second, and named in the error after --lock-timeout.
@@ -53,7 +67,8 @@ Exit codes (docs/cli.md has the whole table):
            (with --wait: still held when --wait-timeout ran out; or the fence
            row stayed locked past --lock-timeout)
     76     the lease was lost while COMMAND ran, or release found it taken
-           over; COMMAND was told to stop
+           over; COMMAND was told to stop. Also a generation void after a
+           failover (FN015) with no --failover-restarts left
     77     permission denied (the role lacks pgfence_worker)
     78     the fence schema is not installed (run pgfence migrate)
     124    COMMAND ran longer than --max-runtime and was stopped
@@ -73,6 +88,7 @@ func newRunCmdWith(run runFunc) *cobra.Command {
 		db                            database
 		req                           = leaseRequest{db: &db}
 		killSignal                    string
+		failoverRestarts              int
 		renewEvery, grace, maxRuntime time.Duration
 	)
 	cmd := &cobra.Command{
@@ -105,7 +121,11 @@ func newRunCmdWith(run runFunc) *cobra.Command {
 			sigs := make(chan os.Signal, 4)
 			signal.Notify(sigs, syscall.SIGINT, syscall.SIGTERM, syscall.SIGHUP)
 			defer signal.Stop(sigs)
+			if failoverRestarts < 0 {
+				return usageError("run: --failover-restarts must not be negative")
+			}
 			cfg.RenewEvery, cfg.Grace, cfg.KillSignal, cfg.MaxRuntime = renewEvery, grace, sig, maxRuntime
+			cfg.FailoverRestarts = failoverRestarts
 			cfg.Command, cfg.Signals = args, sigs
 			// Signals are forwarded to the command, not used to cancel: the
 			// command decides when to stop, and the lease is released after.
@@ -130,6 +150,7 @@ func newRunCmdWith(run runFunc) *cobra.Command {
 	f.Var(newDuration(&grace, 10*time.Second), "grace", "time COMMAND has to exit after --kill-signal before SIGKILL")
 	f.Var(newDuration(&maxRuntime, 0), "max-runtime", "stop COMMAND (--kill-signal, then SIGKILL after --grace) once it has run this long, and exit 124 (default no limit)")
 	f.StringVar(&killSignal, "kill-signal", "TERM", "signal telling COMMAND to stop (lease lost, --max-runtime)")
+	f.IntVar(&failoverRestarts, "failover-restarts", 3, "times to acquire the lease again and rerun COMMAND after a failover voided its generation (FN015); 0: exit 76 instead")
 	cmd.SetFlagErrorFunc(func(_ *cobra.Command, err error) error {
 		return usageError("run: " + err.Error())
 	})

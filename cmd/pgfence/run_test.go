@@ -47,8 +47,8 @@ func TestRunFlags(t *testing.T) {
 		{"cron line defaults", []string{"--job", "nightly-report", "--", "./report.sh"}, func(t *testing.T, c *runner.Config) {
 			if c.JobKey != "nightly-report" || c.TTL != 30*time.Second || c.Grace != 10*time.Second ||
 				c.KillSignal != syscall.SIGTERM || c.Wait || c.RenewEvery != 0 || c.Holder != defaultHolder(os.Getpid()) ||
-				c.LockTimeout != 30*time.Second || c.MaxRuntime != 0 {
-				t.Errorf("got %+v, want job nightly-report, ttl 30s, grace 10s, SIGTERM, no wait, default renewal and holder, lock timeout 30s, no max runtime", c)
+				c.LockTimeout != 30*time.Second || c.MaxRuntime != 0 || c.FailoverRestarts != 3 {
+				t.Errorf("got %+v, want job nightly-report, ttl 30s, grace 10s, SIGTERM, no wait, default renewal and holder, lock timeout 30s, no max runtime, 3 failover restarts", c)
 			}
 			if c.DSN != "postgres://from-database-url/app" {
 				t.Errorf("DSN: got %q, want the DATABASE_URL value", c.DSN)
@@ -61,11 +61,12 @@ func TestRunFlags(t *testing.T) {
 			}
 		}},
 		{"every flag", []string{"--job", "j", "--ttl", "9s", "--holder", "h1", "--database", "postgres://flag/db",
-			"--wait-timeout", "5s", "--renew-every", "2s", "--grace", "1s", "--kill-signal", "INT", "--", "psql", "-c", "select 1"},
+			"--wait-timeout", "5s", "--renew-every", "2s", "--grace", "1s", "--kill-signal", "INT", "--failover-restarts", "0",
+			"--", "psql", "-c", "select 1"},
 			func(t *testing.T, c *runner.Config) {
 				if c.TTL != 9*time.Second || c.Holder != "h1" || c.DSN != "postgres://flag/db" || !c.Wait ||
 					c.WaitTimeout != 5*time.Second || c.RenewEvery != 2*time.Second || c.Grace != time.Second ||
-					c.KillSignal != syscall.SIGINT {
+					c.KillSignal != syscall.SIGINT || c.FailoverRestarts != 0 {
 					t.Errorf("got %+v", c)
 				}
 				if !slices.Equal(c.Command, []string{"psql", "-c", "select 1"}) {
@@ -111,6 +112,8 @@ func TestRunUsageErrors(t *testing.T) {
 		{"--job", "j", "--kill-signal", "NOPE", "--", "x"}, // bad signal
 		{"--job", "j", "--ttl", "soon", "--", "x"},         // bad duration
 		{"--job", "j", "--bogus", "--", "x"},               // unknown flag
+		{"--job", "j", "--failover-restarts", "-1", "--", "x"},
+		{"--job", "j", "--failover-restarts", "many", "--", "x"},
 	} {
 		c, err := execRun(t, succeed, args...)
 		var ee *exitError

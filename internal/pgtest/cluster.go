@@ -67,6 +67,7 @@ type Cluster struct {
 	mu       sync.Mutex
 	template string
 	dbSeq    int
+	replicas int // replicas made by AddReplica
 }
 
 // Node is one PostgreSQL server of a cluster.

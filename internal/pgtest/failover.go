@@ -3,6 +3,8 @@ package pgtest
 import (
 	"context"
 	"fmt"
+	"strconv"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 )
@@ -55,6 +57,37 @@ func (c *Cluster) Failover(ctx context.Context) error {
 	}
 	c.mu.Lock()
 	c.Primary, c.Replica = c.Replica, nil
+	c.mu.Unlock()
+	return nil
+}
+
+// AddReplica makes a new streaming replica of the current primary
+// (pg_basebackup -R, as Start does) and starts it: after a Failover, which
+// leaves the cluster without one, a test can fail over again. opts gives
+// the new node's settings, as Start's did.
+func (c *Cluster) AddReplica(ctx context.Context, opts Options) error {
+	c.mu.Lock()
+	if c.Replica != nil {
+		c.mu.Unlock()
+		return fmt.Errorf("pgtest: the cluster already has a replica")
+	}
+	c.replicas++
+	name := fmt.Sprintf("replica%d", c.replicas+1)
+	p := c.Primary
+	c.mu.Unlock()
+	if opts.StartTimeout == 0 {
+		opts.StartTimeout = 60 * time.Second
+	}
+	r, err := c.newNode(ctx, name, opts, "pg_basebackup", "-h", p.Host, "-p", strconv.Itoa(p.Port),
+		"-U", "postgres", "-R", "-X", "stream", "-c", "fast", "--no-sync")
+	if err != nil {
+		return err
+	}
+	if err := r.Start(ctx); err != nil {
+		return err
+	}
+	c.mu.Lock()
+	c.Replica = r
 	c.mu.Unlock()
 	return nil
 }

@@ -92,3 +92,25 @@ func (s *leases) release(ctx context.Context, jobKey string, token int64) error 
 func isGone(err error) bool {
 	return fence.IsStale(err) || fence.IsRetired(err) || fence.IsUnknownJob(err) || fence.IsFailover(err)
 }
+
+// era is the era the server is in now (fence.current_era()), for the log
+// when a generation turns out void after a failover.
+type era struct {
+	era, timeline int32
+	lossless      bool
+	reason        string
+}
+
+func (s *leases) currentEra(ctx context.Context) (era, error) {
+	db, err := s.db(ctx)
+	if err != nil {
+		return era{}, err
+	}
+	var e era
+	var reason *string
+	err = db.QueryRow(ctx, "SELECT era, timeline, lossless, reason FROM fence.current_era()").Scan(&e.era, &e.timeline, &e.lossless, &reason)
+	if reason != nil {
+		e.reason = *reason
+	}
+	return e, err
+}

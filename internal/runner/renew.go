@@ -6,14 +6,19 @@ import (
 	"time"
 
 	"go.uber.org/zap"
+
+	"github.com/pgfence/pgfence/fence"
 )
 
 // lossReport says why the lease is no longer ours. confirmed means the
-// database said so (FN001); otherwise renewals failed until the lease
-// would have expired, and we fail closed.
+// database said so (FN001, FN004, FN005, FN015); otherwise renewals failed
+// until the lease would have expired, and we fail closed. void means the
+// database said the generation is void after a failover (FN015): the job
+// is free, and the run may acquire it again (Config.FailoverRestarts).
 type lossReport struct {
 	err       error
 	confirmed bool
+	void      bool
 }
 
 // renewer renews one lease every cfg.RenewEvery until its context ends or
@@ -68,7 +73,7 @@ func (rn *renewer) run(ctx context.Context, lost chan<- lossReport) {
 			failures = 0
 			next = rn.cfg.RenewEvery
 		case isGone(err):
-			lost <- lossReport{err: fmt.Errorf("renew: %w", err), confirmed: true}
+			lost <- lossReport{err: fmt.Errorf("renew: %w", err), confirmed: true, void: fence.IsFailover(err)}
 			return
 		default:
 			failures++

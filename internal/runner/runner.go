@@ -13,8 +13,16 @@
 // connection) refuses its stale token with FN001. Stopping the command early
 // only saves it wasted work.
 //
-// It is not a process supervisor: it runs one command once, never restarts
-// it, and signals only the command's own process (a shell script that starts
+// After a failover that voided the lease's generation (FN015: the new
+// primary cannot prove it has every takeover of the job), the job is free:
+// Run stops the command, acquires the lease again and runs the command
+// again under the new generation, up to Config.FailoverRestarts times. A
+// re-run is what a takeover of the job by a new holder would be; the new
+// generation's token is above every token issued before the failover.
+//
+// It is not a process supervisor otherwise: it never restarts a command
+// that failed or lost its lease to another holder, and signals only the
+// command's own process (a shell script that starts
 // other programs should exec the last one, or trap TERM and pass it on). The
 // command stays in the runner's process group, so a terminal's Ctrl-C
 // reaches it directly as well as forwarded. If the runner itself is killed
@@ -55,8 +63,10 @@ const (
 	// did not run; try again later.
 	ExitLeaseHeld = 75
 	// ExitLeaseLost: the lease was taken over, or could not be renewed
-	// before it expired, while the command ran. The command was told to
-	// stop; its writes after the takeover were refused by the gate.
+	// before it expired, while the command ran, or its generation turned
+	// out void after a failover (FN015) and no FailoverRestarts were left.
+	// The command was told to stop; its writes after the takeover were
+	// refused by the gate.
 	ExitLeaseLost = 76
 	// ExitMaxRuntime: the command ran longer than Config.MaxRuntime and
 	// was stopped (KillSignal, then SIGKILL after Grace), as timeout(1)
@@ -124,6 +134,13 @@ type Config struct {
 	Grace time.Duration
 	// KillSignal tells the command its lease is lost. Zero means SIGTERM.
 	KillSignal syscall.Signal
+	// FailoverRestarts is how many times one run acquires the lease again
+	// and runs the command again after a failover voided its generation
+	// (FN015, from a renewal or from a renewal tried right after the
+	// command exited non-zero). Zero means never: the run ends with
+	// ExitLeaseLost, as for a takeover. A takeover by another holder
+	// (FN001) is never restarted. `pgfence run` defaults it to 3.
+	FailoverRestarts int
 
 	// Command is the program and its arguments (required).
 	Command []string
@@ -181,6 +198,9 @@ func (c *Config) setDefaults() error {
 	}
 	if len(c.Command) == 0 || c.Command[0] == "" {
 		return errors.New("a command is required")
+	}
+	if c.FailoverRestarts < 0 {
+		return fmt.Errorf("failover restarts must not be negative, got %d", c.FailoverRestarts)
 	}
 	if c.MaxRuntime < 0 {
 		return fmt.Errorf("max runtime must not be negative, got %s", c.MaxRuntime)
@@ -291,24 +311,102 @@ type run struct {
 }
 
 func (r *run) run(ctx context.Context) (int, error) {
-	lease, sig, err := r.acquireInterruptibly(ctx)
-	if err != nil {
-		if sig != nil {
-			return signalCode(sig), fmt.Errorf("%w: %s", ErrInterrupted, sig)
+	var deadline time.Time // MaxRuntime bounds the whole run, restarts included
+	for restarts := 0; ; restarts++ {
+		lease, sig, err := r.acquireInterruptibly(ctx)
+		if err != nil {
+			if sig != nil {
+				return signalCode(sig), fmt.Errorf("%w: %s", ErrInterrupted, sig)
+			}
+			if restarts > 0 {
+				err = fmt.Errorf("acquire the lease again after a failover: %w", err)
+			}
+			return acquireExitCode(err), err
 		}
-		return acquireExitCode(err), err
-	}
-	r.log.Info("lease acquired",
-		zap.Int64("epoch", lease.Epoch), zap.Int64("token", lease.Token), zap.Time("expires_at", lease.ExpiresAt))
-	code, lostConfirmed, runErr := r.supervise(ctx, lease)
-	if !lostConfirmed {
-		if err := r.release(ctx, lease); isGone(err) && !errors.Is(runErr, ErrLeaseLost) {
-			// Taken over after the last renewal: the command's last writes
-			// may have been refused. Say so whatever the command exited with.
-			return ExitLeaseLost, fmt.Errorf("%w: release found it taken over (command exit code %d): %w", ErrLeaseLost, code, err)
+		fields := []zap.Field{zap.Int64("epoch", lease.Epoch), zap.Int64("token", lease.Token), zap.Time("expires_at", lease.ExpiresAt)}
+		if restarts > 0 {
+			fields = append(fields, zap.Int("failover_restart", restarts))
 		}
+		r.log.Info("lease acquired", fields...)
+		if deadline.IsZero() && r.cfg.MaxRuntime > 0 {
+			deadline = time.Now().Add(r.cfg.MaxRuntime)
+		}
+		out := r.supervise(ctx, lease, deadline)
+		if out.void == nil && out.err == nil && out.code != 0 && !out.interrupted && r.cfg.FailoverRestarts > 0 {
+			// The command failed. If it failed because its writes were
+			// refused with FN015 before the next renewal would have told
+			// us, a renewal says so now (one round trip, only after a
+			// failure).
+			if err := r.check(ctx, lease); fence.IsFailover(err) {
+				out.void = fmt.Errorf("renew after the command exited %d: %w", out.code, err)
+			}
+		}
+		if out.void != nil {
+			why := ""
+			switch {
+			case out.interrupted || ctx.Err() != nil:
+				why = "the run was interrupted"
+			case !deadline.IsZero() && !time.Now().Before(deadline):
+				why = fmt.Sprintf("the maximum runtime %s is over", r.cfg.MaxRuntime)
+			case restarts >= r.cfg.FailoverRestarts:
+				why = fmt.Sprintf("no failover restarts are left (%d allowed)", r.cfg.FailoverRestarts)
+			}
+			if why == "" {
+				r.logRestart(ctx, lease, out, restarts+1)
+				continue
+			}
+			// The void lease holds nothing: there is nothing to release.
+			return ExitLeaseLost, fmt.Errorf("%w: its generation is void after a failover and %s (command exit code %d): %w",
+				ErrLeaseLost, why, out.code, out.void)
+		}
+		if !out.lostConfirmed {
+			if err := r.release(ctx, lease); isGone(err) && !errors.Is(out.err, ErrLeaseLost) {
+				// Taken over after the last renewal: the command's last writes
+				// may have been refused. Say so whatever the command exited with.
+				return ExitLeaseLost, fmt.Errorf("%w: release found it taken over (command exit code %d): %w", ErrLeaseLost, out.code, err)
+			}
+		}
+		return out.code, out.err
 	}
-	return code, runErr
+}
+
+// check renews lease l, to learn whether its generation is still valid
+// after the command failed; the answer is the database's. A failover
+// breaks the connection the renewals used, and the first use of a broken
+// connection fails without reaching a server, so an attempt that got no
+// answer from the database is made once more, on a new connection.
+func (r *run) check(ctx context.Context, l held) error {
+	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+	defer cancel()
+	_, err := r.store.renew(cctx, l.JobKey, l.Token, r.cfg.TTL)
+	var pgErr *pgconn.PgError
+	if err != nil && !errors.As(err, &pgErr) && cctx.Err() == nil {
+		r.store.close()
+		_, err = r.store.renew(cctx, l.JobKey, l.Token, r.cfg.TTL)
+	}
+	if err != nil && !fence.IsFailover(err) {
+		r.log.Debug("renewal after the command failed", zap.Int64("token", l.Token), zap.Error(err))
+	}
+	return err
+}
+
+// logRestart says, before the run acquires the lease again, that lease l's
+// generation is void after a failover, with the era the server is in now
+// when it can be read (one query, only after a failover).
+func (r *run) logRestart(ctx context.Context, l held, out outcome, restart int) {
+	fields := []zap.Field{
+		zap.Int64("void_token", l.Token), zap.Int("command_exit_code", out.code),
+		zap.Int("failover_restart", restart), zap.Int("failover_restarts", r.cfg.FailoverRestarts),
+	}
+	ectx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+	defer cancel()
+	if e, err := r.store.currentEra(ectx); err == nil {
+		fields = append(fields, zap.Int32("era", e.era), zap.Int32("timeline", e.timeline), zap.String("era_reason", e.reason))
+	} else {
+		r.log.Debug("reading the current era failed", zap.Error(err))
+	}
+	r.log.Warn("failover: the lease's generation is void (FN015) and the job is free; acquiring the lease again and running the command again under a new generation",
+		append(fields, zap.Error(out.void))...)
 }
 
 // acquireInterruptibly acquires the lease; a signal from cfg.Signals or the
@@ -371,7 +469,9 @@ func (r *run) acquire(ctx context.Context) (held, error) {
 		}
 		isHeld := fence.IsLeaseHeld(err)
 		switch {
-		case timedOut && lastHeld:
+		case timedOut && (isHeld || lastHeld):
+			// An attempt answered FN002 after the deadline passed is as
+			// held as an earlier one.
 			return held{}, fmt.Errorf("%w: still held after waiting %s", ErrLeaseHeld, r.cfg.WaitTimeout)
 		case timedOut:
 			return held{}, fmt.Errorf("acquire lease: gave up after waiting %s: %w", r.cfg.WaitTimeout, err)
@@ -425,10 +525,27 @@ func (r *run) release(ctx context.Context, l held) error {
 	return err
 }
 
+// outcome is how one run of the command ended.
+type outcome struct {
+	// code is the exit code: the command's, or pgfence's own when err is
+	// set.
+	code int
+	err  error
+	// lostConfirmed reports that the database said the lease is no longer
+	// ours (so there is nothing to release).
+	lostConfirmed bool
+	// void is set when a renewal found the generation void after a
+	// failover (FN015); code is then the command's own and err nil: the
+	// caller decides whether to run the command again.
+	void error
+	// interrupted reports that a signal was forwarded to the command or
+	// ctx ended: someone else asked it to stop.
+	interrupted bool
+}
+
 // supervise starts the command and renews the lease until the command
-// exits. lostConfirmed reports that the database said the lease is no
-// longer ours (so there is nothing to release).
-func (r *run) supervise(ctx context.Context, l held) (code int, lostConfirmed bool, err error) {
+// exits. A positive deadline stops the command then (MaxRuntime).
+func (r *run) supervise(ctx context.Context, l held, deadline time.Time) outcome {
 	cmd := exec.Command(r.cfg.Command[0], r.cfg.Command[1:]...)
 	cmd.Dir = r.cfg.Dir
 	cmd.Env = childEnv(r.cfg.Env, l)
@@ -440,7 +557,7 @@ func (r *run) supervise(ctx context.Context, l held) (code int, lostConfirmed bo
 		if errors.Is(err, exec.ErrNotFound) || errors.Is(err, os.ErrNotExist) {
 			c = ExitNotFound
 		}
-		return c, false, fmt.Errorf("start command: %w", err)
+		return outcome{code: c, err: fmt.Errorf("start command: %w", err)}
 	}
 	log := r.log.With(zap.Int("pid", cmd.Process.Pid))
 	log.Debug("command started", zap.Strings("command", r.cfg.Command))
@@ -464,9 +581,10 @@ func (r *run) supervise(ctx context.Context, l held) (code int, lostConfirmed bo
 		stopping  bool
 		maxRun    <-chan time.Time
 		overran   bool
+		asked     bool
 	)
-	if r.cfg.MaxRuntime > 0 {
-		t := time.NewTimer(r.cfg.MaxRuntime)
+	if !deadline.IsZero() {
+		t := time.NewTimer(time.Until(deadline))
 		defer t.Stop()
 		maxRun = t.C
 	}
@@ -486,13 +604,19 @@ loop:
 		case waitErr = <-exited:
 			break loop
 		case s := <-r.cfg.Signals:
+			asked = true
 			log.Info("forwarding signal to command", zap.Stringer("signal", s))
 			_ = cmd.Process.Signal(s)
 		case rep := <-lost:
 			loss = &rep
-			log.Warn("lease lost", zap.Int64("token", l.Token), zap.Bool("taken_over", rep.confirmed), zap.Error(rep.err))
-			stopChild("lease lost")
+			logLoss(log, l, rep)
+			if rep.void {
+				stopChild("generation void after a failover")
+			} else {
+				stopChild("lease lost")
+			}
 		case <-ctxDone:
+			asked = true
 			ctxDone = nil
 			stopChild("run cancelled")
 		case <-maxRun:
@@ -511,20 +635,33 @@ loop:
 		select {
 		case rep := <-lost:
 			loss = &rep
-			log.Warn("lease lost", zap.Int64("token", l.Token), zap.Bool("taken_over", rep.confirmed), zap.Error(rep.err))
+			logLoss(log, l, rep)
 		default:
 		}
 	}
 
-	code = exitCode(cmd.ProcessState)
+	code := exitCode(cmd.ProcessState)
 	log.Info("command exited", zap.Int("exit_code", code), zap.NamedError("wait_error", waitErrOnly(waitErr)))
-	if loss != nil {
-		return ExitLeaseLost, loss.confirmed, fmt.Errorf("%w while the command ran (command exit code %d): %w", ErrLeaseLost, code, loss.err)
+	switch {
+	case loss != nil && loss.void:
+		return outcome{code: code, lostConfirmed: true, void: loss.err, interrupted: asked}
+	case loss != nil:
+		return outcome{code: ExitLeaseLost, lostConfirmed: loss.confirmed, interrupted: asked,
+			err: fmt.Errorf("%w while the command ran (command exit code %d): %w", ErrLeaseLost, code, loss.err)}
+	case overran:
+		return outcome{code: ExitMaxRuntime, interrupted: asked,
+			err: fmt.Errorf("%w %s; it was stopped (command exit code %d)", ErrMaxRuntime, r.cfg.MaxRuntime, code)}
 	}
-	if overran {
-		return ExitMaxRuntime, false, fmt.Errorf("%w %s; it was stopped (command exit code %d)", ErrMaxRuntime, r.cfg.MaxRuntime, code)
+	return outcome{code: code, interrupted: asked}
+}
+
+// logLoss logs the loss of lease l.
+func logLoss(log *zap.Logger, l held, rep lossReport) {
+	if rep.void {
+		log.Warn("failover: the lease's generation is void (FN015)", zap.Int64("token", l.Token), zap.Error(rep.err))
+		return
 	}
-	return code, false, nil
+	log.Warn("lease lost", zap.Int64("token", l.Token), zap.Bool("taken_over", rep.confirmed), zap.Error(rep.err))
 }
 
 // waitErrOnly keeps errors from Wait other than the command's exit status.

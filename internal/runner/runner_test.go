@@ -160,7 +160,10 @@ func TestRunWaitTimeout(t *testing.T) {
 	f.acquireAs("nightly-report", "other-host:1", time.Minute)
 	cfg := f.config("nightly-report", "sh", script(t, "write.sh"), "mine")
 	cfg.Wait = true
-	cfg.WaitTimeout = 300 * time.Millisecond
+	// Long enough for the first attempt to be answered on a loaded
+	// machine (an attempt cut off by the deadline before any answer does
+	// not know the lease is held, and exits 70).
+	cfg.WaitTimeout = 2 * time.Second
 	cfg.WaitPoll = 50 * time.Millisecond
 	code, err := Run(context.Background(), cfg, zaptest.NewLogger(t))
 	if code != ExitLeaseHeld || !errors.Is(err, ErrLeaseHeld) {
