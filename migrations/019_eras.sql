@@ -179,7 +179,7 @@ begin
       p_job_key, p_token, e.era, e.timeline, e.began_at
     using errcode = 'FN015',
           detail = e.reason,
-          hint = 'acquire the lease again and redo the work under the new generation (pgfence run stops its command; run it again); a commit made before the failover stands only where its receipt reached this primary, and a retry of it is answered as a replay';
+          hint = 'acquire the lease again and redo the work under the new generation (pgfence run does so by itself, --failover-restarts); a commit made before the failover stands only where its receipt reached this primary, and a retry of it is answered as a replay';
 end
 $$;
 
