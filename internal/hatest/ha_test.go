@@ -244,6 +244,18 @@ func (e *env) failover() {
 	e.t.Logf("after the failover:\n%s", e.c.patronictl(e.c.nodes[1]))
 }
 
+// followed waits until each proxy's health check (every 5 s) reports the
+// new primary up: pgfence_upstream_up names the node that answered.
+func (e *env) followed() {
+	e.t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	sample := fmt.Sprintf(`pgfence_upstream_up{addr="127.0.0.1:%d",role="primary"}`, e.c.nodes[1].pgPort)
+	for i := range e.metrics {
+		e.c.poll(ctx, fmt.Sprintf("proxy %d reports %s 1", i+1, sample), func() bool { return e.metric(i, sample) == 1 })
+	}
+}
+
 // leaseCLI acquires job by `pgfence lease acquire` through route r.
 func (e *env) leaseCLI(r route, user, job string) fence.Lease {
 	e.t.Helper()
@@ -443,6 +455,7 @@ func TestPatroniAsync(t *testing.T) {
 			t.Errorf("proxy %d counted no FN015 in pgfence_gate_errors_total", i+1)
 		}
 	}
+	e.followed()
 	e.audit()
 	e.proxyLog()
 }
@@ -500,6 +513,7 @@ func TestPatroniSync(t *testing.T) {
 		_, err := fence.Acquire(ctxT(t), conn, "new", "wb", time.Minute)
 		e.wantCode("acquire in sync mode without a synchronous standby", err, "55000")
 	}
+	e.followed()
 	e.audit()
 	e.proxyLog()
 }
