@@ -46,9 +46,11 @@ func skipUnlessHA(t *testing.T) {
 }
 
 func newEnv(t *testing.T, base int, syncMode bool) *env {
+	pgf := testbin.Pgfence(t) // built first: building takes a while on a busy machine
 	c := startHA(t, base, syncMode)
 	e := &env{t: t, c: c}
-	ctx := ctxT(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
 	leader := c.nodes[0].pgPort
 	admin, err := pgx.Connect(ctx, dsn(leader, "postgres", "postgres"))
 	if err != nil {
@@ -58,7 +60,6 @@ func newEnv(t *testing.T, base int, syncMode bool) *env {
 		t.Fatal(err)
 	}
 	admin.Close(ctx)
-	pgf := testbin.Pgfence(t)
 	if out, err := exec.Command(pgf, "migrate", "--database", dsn(leader, "postgres", "app")).CombinedOutput(); err != nil {
 		t.Fatalf("pgfence migrate: %v\n%s", err, out)
 	}
