@@ -235,6 +235,16 @@ func (e *env) failover() {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
 	e.t.Logf("before the failover:\n%s", e.c.patronictl(e.c.nodes[1]))
+	// A session open through each proxy across the failover.
+	var open []*pgx.Conn
+	for _, r := range []route{proxy1, proxy2} {
+		conn, err := e.connect(r, "wa", nil, "")
+		if err != nil {
+			e.t.Fatal(err)
+		}
+		defer conn.Close(context.Background())
+		open = append(open, conn)
+	}
 	e.c.killNode(e.c.nodes[0])
 	e.c.poll(ctx, "Patroni promotes node1 (GET /primary on node1 is 200)", func() bool { return e.c.api(e.c.nodes[1], "/primary") == 200 })
 	e.c.poll(ctx, "node1 accepts writes", func() bool {
@@ -243,6 +253,23 @@ func (e *env) failover() {
 		return err == nil && ro == "off"
 	})
 	e.t.Logf("after the failover:\n%s", e.c.patronictl(e.c.nodes[1]))
+	// Sessions on the old primary end with an error; they do not hang
+	// and are not silently moved to the new primary.
+	for i, conn := range open {
+		qctx, qcancel := context.WithTimeout(ctx, 20*time.Second)
+		_, err := conn.Exec(qctx, "select 1")
+		timedOut := qctx.Err() != nil
+		qcancel()
+		if err == nil || timedOut {
+			e.t.Fatalf("a session opened through proxy %d before the failover: %v, want an error at once", i+1, err)
+		}
+		e.t.Logf("a session opened through proxy %d before the failover: %v", i+1, err)
+	}
+	var era, tl int
+	var lossless bool
+	var reason string
+	e.admin("select era, timeline, lossless, coalesce(reason, '') from fence.current_era()", &era, &tl, &lossless, &reason)
+	e.t.Logf("fence.current_era(): era %d, timeline %d, lossless %v, reason %q", era, tl, lossless, reason)
 }
 
 // followed waits until each proxy's health check (every 5 s) reports the
