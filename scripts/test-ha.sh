@@ -21,6 +21,5 @@ if ! command -v patroni >/dev/null || ! command -v patronictl >/dev/null || ! co
     exit 1
   fi
 fi
-command -v curl >/dev/null || { echo "curl not found (the test reads the proxies' /metrics with it)" >&2; exit 1; }
 
 PGFENCE_HA=1 exec ${GO:-go} test -count=1 -timeout 10m -run '^TestPatroni' ./internal/hatest/ -v "$@"

@@ -4,6 +4,8 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"io"
+	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -327,9 +329,15 @@ func stderrOf(err error) string {
 // labels, as printed) on proxy i's /metrics; 0 when absent.
 func (e *env) metric(i int, name string) float64 {
 	e.t.Helper()
-	out, err := exec.Command("curl", "-sf", fmt.Sprintf("http://127.0.0.1:%d/metrics", e.metrics[i])).Output()
+	cl := http.Client{Timeout: 5 * time.Second}
+	resp, err := cl.Get(fmt.Sprintf("http://127.0.0.1:%d/metrics", e.metrics[i]))
 	if err != nil {
 		e.t.Fatalf("metrics of proxy %d: %v", i+1, err)
+	}
+	out, err := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if err != nil || resp.StatusCode != 200 {
+		e.t.Fatalf("metrics of proxy %d: %s %v", i+1, resp.Status, err)
 	}
 	re := regexp.MustCompile(`(?m)^` + regexp.QuoteMeta(name) + ` ([0-9.e+]+)$`)
 	m := re.FindSubmatch(out)
