@@ -12,7 +12,7 @@ COMMIT   ?= $(shell git rev-parse HEAD 2>/dev/null)$(shell git diff --quiet HEAD
 GO_LDFLAGS ?= -X main.version=$(VERSION) -X main.commit=$(COMMIT)
 export GO GO_LDFLAGS
 
-.PHONY: help dev test test-race test-drivers test-pgx-suite test-node-pg-suite bench lint build install deps chaos
+.PHONY: help dev test test-race test-ha test-drivers test-pgx-suite test-node-pg-suite bench lint build install deps chaos
 
 help: ## show this help
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -48,6 +48,15 @@ else
 	$(GO) test -count=1 -timeout 15m $(TESTFLAGS) $$($(GO) list $(PKGS) | grep -v -x -F "$$($(GO) list $(RACEPKGS))")
 	$(GO) test -count=1 -race -timeout 25m $(TESTFLAGS) $(RACEPKGS)
 endif
+
+# The failover scenario on a real Patroni 3 cluster (internal/hatest): one
+# etcd, two PostgreSQL nodes under Patroni, two pgfence serve whose primary
+# lists both nodes; the nemesis kills the leader and Patroni promotes the
+# replica, with asynchronous and then synchronous replication. The script
+# installs Debian's patroni and etcd packages when they are missing. Ports
+# 61000-61099; about 2.5 minutes.
+test-ha: deps ## failover on a real Patroni cluster (async, then sync), through two proxies
+	./scripts/test-ha.sh
 
 # The driver matrix (internal/drivers): psycopg2, psycopg 3, node-postgres,
 # pgjdbc in several modes and pgx in each query exec mode, each straight to

@@ -208,6 +208,12 @@ func (s *Server) ping(ctx context.Context, role string, pc *pgconn.Config) Upstr
 		st.Error = err.Error()
 		return st
 	}
+	// With a multi-host DSN (a cluster's nodes, target_session_attrs)
+	// the address is the node that answered: after a failover, the new
+	// primary's.
+	if a := conn.Conn().RemoteAddr(); a != nil {
+		st.Addr = a.String()
+	}
 	conn.Close(ctx)
 	st.Healthy = true
 	return st
