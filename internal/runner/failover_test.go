@@ -376,10 +376,30 @@ func TestRunTakeoverIsNotRestarted(t *testing.T) {
 			log, logs := observed(t)
 			done := runAsync(cfg, log)
 			eventually(t, time.Minute, "the command to start", func() bool { return f.exists("ready.1") })
-			if _, err := f.db.Exec(context.Background(), `UPDATE fence.leases SET expires_at = clock_timestamp() - interval '1 second' WHERE job_key = 'sync'`); err != nil {
+			// Expire the lease and take it over in one transaction: the
+			// runner renews every 100 ms, and a renewal between the two
+			// made the lease live again (FN002).
+			ctx := context.Background()
+			tx, err := f.db.Begin(ctx)
+			if err != nil {
 				t.Fatal(err)
 			}
-			other := f.acquireAs("sync", "other-host:1", time.Minute)
+			// The fence row first, as fence.renew and fence.acquire lock
+			// it: a renewal then waits for this transaction (no deadlock).
+			if _, err := tx.Exec(ctx, `SELECT FROM fence.fences WHERE job_key = 'sync' FOR UPDATE`); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := tx.Exec(ctx, `UPDATE fence.leases SET expires_at = clock_timestamp() - interval '1 second' WHERE job_key = 'sync'`); err != nil {
+				t.Fatal(err)
+			}
+			l, err := fence.Acquire(ctx, tx, "sync", "other-host:1", time.Minute)
+			if err != nil {
+				t.Fatal(err)
+			}
+			other := l.Token
+			if err := tx.Commit(ctx); err != nil {
+				t.Fatal(err)
+			}
 			if tc.renewEvery > time.Minute/4 {
 				f.touch("go.1") // its write is refused (FN001) and it exits 3
 			}
