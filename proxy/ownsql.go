@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"context"
+	"reflect"
 	"sync"
 	"time"
 
@@ -141,7 +142,27 @@ func controlConfig(base *pgconn.Config, db, app string) *pgconn.Config {
 		cfg.RuntimeParams["application_name"] = app
 	}
 	ownsql.PinReadOnly(cfg.RuntimeParams)
+	// target_session_attrs read-write and read-only ask SHOW
+	// transaction_read_only, which the pinned default_transaction_read_only
+	// makes on everywhere: a primary DSN listing a cluster's nodes with
+	// read-write (how the proxy follows a promotion) found no server, and
+	// read-only took the primary. What they mean here is the server's
+	// role: not in recovery, in recovery.
+	switch funcID(cfg.ValidateConnect) {
+	case funcID(pgconn.ValidateConnectTargetSessionAttrsReadWrite):
+		cfg.ValidateConnect = pgconn.ValidateConnectTargetSessionAttrsPrimary
+	case funcID(pgconn.ValidateConnectTargetSessionAttrsReadOnly):
+		cfg.ValidateConnect = pgconn.ValidateConnectTargetSessionAttrsStandby
+	}
 	return cfg
+}
+
+// funcID identifies a top-level function (0 for nil).
+func funcID(f pgconn.ValidateConnectFunc) uintptr {
+	if f == nil {
+		return 0
+	}
+	return reflect.ValueOf(f).Pointer()
 }
 
 // superuserWarned: the control users already warned about.

@@ -7,6 +7,8 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/jackc/pgx/v5/pgconn"
+
 	pg_query "github.com/pganalyze/pg_query_go/v6"
 
 	"github.com/pgfence/pgfence/internal/ownsql"
@@ -191,5 +193,43 @@ func TestOwnTemplates(t *testing.T) {
 		if !slices.Contains(sqls, s) {
 			t.Errorf("not registered: %s", s)
 		}
+	}
+}
+
+// TestControlTargetSessionAttrs (issue 31): a primary DSN that lists every
+// node of a cluster with target_session_attrs=read-write — how the proxy
+// follows a promotion — must give control connections (the catalog
+// watcher, the watchdog, the auth lookup) the primary, although their
+// pinned default_transaction_read_only makes every server answer SHOW
+// transaction_read_only with on; read-only, in a replica's DSN, must still
+// pick a standby.
+func TestControlTargetSessionAttrs(t *testing.T) {
+	for _, tc := range []struct {
+		attrs    string
+		recovery string
+	}{{"read-write", "f"}, {"read-only", "t"}} {
+		t.Run(tc.attrs, func(t *testing.T) {
+			// The node that does not match is listed first.
+			first, second := cluster.Replica, cluster.Primary
+			if tc.recovery == "t" {
+				first, second = second, first
+			}
+			base, err := pgconn.ParseConfig(fmt.Sprintf("host=%s,%s port=%d,%d user=postgres dbname=postgres sslmode=disable target_session_attrs=%s",
+				first.Host, second.Host, first.Port, second.Port, tc.attrs))
+			if err != nil {
+				t.Fatal(err)
+			}
+			c := connectConfig(t, controlConfig(base, "", "pgfence target check"))
+			res := c.ExecParams(ctxT(t), "SELECT pg_catalog.pg_is_in_recovery()::pg_catalog.text, pg_catalog.current_setting('default_transaction_read_only')", nil, nil, nil, nil).Read()
+			if res.Err != nil || len(res.Rows) != 1 {
+				t.Fatalf("read: %v", res.Err)
+			}
+			if got := string(res.Rows[0][0]); !strings.HasPrefix(got, tc.recovery) {
+				t.Fatalf("target_session_attrs=%s: the control connection reached a server with pg_is_in_recovery %s", tc.attrs, got)
+			}
+			if ro := string(res.Rows[0][1]); ro != "on" {
+				t.Fatalf("default_transaction_read_only %q on a control connection, want on (pinned)", ro)
+			}
+		})
 	}
 }
