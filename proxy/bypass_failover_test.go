@@ -311,8 +311,15 @@ func newFailoverCast(t *testing.T) *failoverCast {
 	}
 	e.write(t, "fo_b", e.b, "b_before", failoverWrite(e.b, "b"))
 	e.write(t, "fo_c", e.other, "k_before", failoverWrite(e.other, "k before"))
-	if _, err := fence.Acquire(ctx, e.connectPgx(t, "direct", "fo_b"), "lost", "l", time.Minute); err != nil {
-		t.Fatal(err)
+	// PostgreSQL WAL-logs a sequence 32 values ahead: more than that many
+	// numbers drawn after the detach are a tail the promoted replica's
+	// sequences are below (without the era's jump, the next acquire would
+	// draw one of them again).
+	wb := e.connectPgx(t, "direct", "fo_b")
+	for i := range 40 {
+		if _, err := fence.Acquire(ctx, wb, fmt.Sprintf("lost%d", i), "l", time.Minute); err != nil {
+			t.Fatal(err)
+		}
 	}
 	if err := old.QueryRow(ctx, "select (select last_value from fence.token_seq), (select last_value from fence.epoch_seq)").Scan(&e.oldTokenSeq, &e.oldEpochSeq); err != nil {
 		t.Fatal(err)
@@ -333,8 +340,8 @@ func newFailoverCast(t *testing.T) *failoverCast {
 	if err := rows.Err(); err != nil {
 		t.Fatal(err)
 	}
-	if e.oldTokens["j"] != e.b.Token || len(e.oldTokens) != 3 {
-		t.Fatalf("tokens issued on the old primary: %v, want j's %d and k's and lost's", e.oldTokens, e.b.Token)
+	if e.oldTokens["j"] != e.b.Token || len(e.oldTokens) != 42 {
+		t.Fatalf("tokens issued on the old primary: %v, want j's %d, k's and 40 lost jobs'", e.oldTokens, e.b.Token)
 	}
 	if err := c.Failover(ctx); err != nil {
 		t.Fatal(err)
@@ -350,6 +357,15 @@ func newFailoverCast(t *testing.T) *failoverCast {
 	}
 	if tok != e.a.Token {
 		t.Fatalf("j's fence token on the new primary is %d, want A's %d (the takeover was not lost)", tok, e.a.Token)
+	}
+	// And the numbers drawn after the detach are a lost tail: the new
+	// primary's sequences are below them (until the era moves them).
+	var seqTok, seqEpoch int64
+	if err := e.admin.QueryRow(ctx, "select (select last_value from fence.token_seq), (select last_value from fence.epoch_seq)").Scan(&seqTok, &seqEpoch); err != nil {
+		t.Fatal(err)
+	}
+	if seqTok >= e.oldTokenSeq || seqEpoch >= e.oldEpochSeq {
+		t.Fatalf("the new primary's token and epoch sequences are at %d and %d, want below the old primary's %d and %d", seqTok, seqEpoch, e.oldTokenSeq, e.oldEpochSeq)
 	}
 	dsn := c.Primary.DSN("postgres")
 	gate, err := NewFence(FenceConfig{Primary: dsn}, zaptest.NewLogger(t))
