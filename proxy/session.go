@@ -8,6 +8,7 @@ import (
 	"io"
 	"net"
 	"runtime/debug"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -223,6 +224,8 @@ func (s *Session) endReason(err, second error) ([]byte, error) {
 		err = errShutdown
 	} else if pe := s.rt.fatal.Load(); pe != nil {
 		err = pe // the replica failed mid-request (replica.go)
+	} else if upstreamLost(err) && !s.clientMidMessage() {
+		err = &ProtocolError{Code: "08006", Msg: upstreamLostMsg, Hint: upstreamLostHint, Err: err}
 	}
 	var msg []byte
 	var pe *ProtocolError
@@ -236,6 +239,41 @@ func (s *Session) endReason(err, second error) ([]byte, error) {
 		return msg, nil
 	}
 	return msg, err
+}
+
+// The client's words when its upstream connection ends under it: the
+// server was stopped or crashed, or the primary failed over (a session is
+// not moved to the new primary: its transaction and session state were
+// the old server's). What an open transaction did is lost, as PostgreSQL's
+// own failover loses it; a COMMIT sent and not answered may or may not
+// have committed there, and a retry under the same generation and step
+// learns which (docs/failover.md).
+const (
+	upstreamLostMsg  = "pgfence: the connection to PostgreSQL was lost (the server ended, or the primary failed over); this session has ended"
+	upstreamLostHint = "reconnect: a new session goes to the server the primary DSN finds now. A transaction that was open is lost unless its COMMIT was answered; retry one whose COMMIT went unanswered under the same fence generation and step: a commit that survived is answered as a replay (FN00R), one issued before a failover that lost it is refused (FN015)"
+)
+
+// upstreamLost reports whether err, what ended a session's relay, is its
+// upstream connection's end or failure (every relay names that side
+// "server: ..."), rather than the client's or the proxy's doing.
+func upstreamLost(err error) bool {
+	var pe *ProtocolError
+	return err != nil && !errors.As(err, &pe) && strings.HasPrefix(err.Error(), "server: ")
+}
+
+// clientMidMessage reports whether the pass-through relay passed on part
+// of an upstream message it did not finish: a message of the proxy's own
+// after it would be read as that message's rest, so the client is told
+// nothing (the closed socket says it).
+func (s *Session) clientMidMessage() bool {
+	s.connMu.Lock()
+	r := s.loopRelay
+	s.connMu.Unlock()
+	if r == nil || r.intercept != nil {
+		return false
+	}
+	left, _ := r.toClient.sc.Rest()
+	return left > 0
 }
 
 // closeServer tells the backend to end (Terminate), then closes the
