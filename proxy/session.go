@@ -224,7 +224,7 @@ func (s *Session) endReason(err, second error) ([]byte, error) {
 		err = errShutdown
 	} else if pe := s.rt.fatal.Load(); pe != nil {
 		err = pe // the replica failed mid-request (replica.go)
-	} else if upstreamLost(err) && !s.clientMidMessage() {
+	} else if s.tellLost {
 		err = &ProtocolError{Code: "08006", Msg: upstreamLostMsg, Hint: upstreamLostHint, Err: err}
 	}
 	var msg []byte
@@ -261,19 +261,20 @@ func upstreamLost(err error) bool {
 	return err != nil && !errors.As(err, &pe) && strings.HasPrefix(err.Error(), "server: ")
 }
 
-// clientMidMessage reports whether the pass-through relay passed on part
-// of an upstream message it did not finish: a message of the proxy's own
-// after it would be read as that message's rest, so the client is told
-// nothing (the closed socket says it).
-func (s *Session) clientMidMessage() bool {
+// mayTellUpstreamLost reports whether the client may be told that the
+// upstream connection was lost: only an intercepted session's, whose
+// every primary message the proxy frames, and only when the last one was
+// whole and not an ErrorResponse (a backend that ends a session says why
+// itself, FATAL, as the last thing it sends), and not when the proxy
+// closed it (Shutdown, the console, the watchdog: they say why, or, for a
+// busy session closed by Shutdown, nothing). A pass-through relay does
+// not look at each message, and a message of the proxy's own after part
+// of one would be read as its rest: there the closed socket says it).
+func (s *Session) mayTellUpstreamLost() bool {
 	s.connMu.Lock()
-	r := s.loopRelay
+	r, stopped := s.loopRelay, s.serverStopped
 	s.connMu.Unlock()
-	if r == nil || r.intercept != nil {
-		return false
-	}
-	left, _ := r.toClient.sc.Rest()
-	return left > 0
+	return !stopped && r != nil && r.intercept != nil && r.intercept.big.left == 0 && s.lastServerType != 'E'
 }
 
 // closeServer tells the backend to end (Terminate), then closes the
@@ -282,6 +283,7 @@ func (s *Session) clientMidMessage() bool {
 func (s *Session) closeServer() {
 	s.connMu.Lock()
 	defer s.connMu.Unlock()
+	s.serverStopped = true // the end is the proxy's doing (mayTellUpstreamLost)
 	if s.loopRelay != nil {
 		s.loopRelay.stopServer() // evloop.go
 		return
@@ -398,6 +400,9 @@ func (s *Session) upstreamMessage(sf *wire.Framer, rc *replicaConn, big *bigMess
 		}
 		s.cw.Flush()
 		return s.upstreamFailed(rc, fmt.Errorf("%s: %w", sf.From, err))
+	}
+	if rc == nil {
+		s.lastServerType = typ // mayTellUpstreamLost
 	}
 	if total > size {
 		h, _ := sf.Whole(headerLen) // next has read it
