@@ -57,6 +57,15 @@ type backend struct {
 	sf     wire.Framer // server → proxy
 	// serverClosed: closeServer has run (guarded by Session.connMu).
 	serverClosed bool
+	// serverStopped: closeServer was called, on any relay (Session.connMu).
+	serverStopped bool
+	// tellLost: the session ends because its upstream connection ended
+	// under it, and the client is told so (Session.end, endReason).
+	tellLost bool
+	// lastServerType is the type of the last message the upstream sent
+	// an intercepted session (upstreamMessage; read at the session's
+	// end, mayTellUpstreamLost).
+	lastServerType byte
 
 	// BackendPID is the upstream backend's process id, which the client
 	// was given in BackendKeyData.

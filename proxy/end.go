@@ -57,6 +57,8 @@ type teardown interface {
 //     outstanding when it is closed.
 func (s *Session) end(t teardown, err error) error {
 	close(s.closing)
+	// Before stop, whose closeServer is the end's own.
+	s.tellLost = upstreamLost(err) && s.mayTellUpstreamLost()
 	t.stop()
 	msg, err := s.endReason(err, t.wait())
 	t.endServer()

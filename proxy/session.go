@@ -8,6 +8,7 @@ import (
 	"io"
 	"net"
 	"runtime/debug"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -223,6 +224,8 @@ func (s *Session) endReason(err, second error) ([]byte, error) {
 		err = errShutdown
 	} else if pe := s.rt.fatal.Load(); pe != nil {
 		err = pe // the replica failed mid-request (replica.go)
+	} else if s.tellLost {
+		err = &ProtocolError{Code: "08006", Msg: upstreamLostMsg, Hint: upstreamLostHint, Err: err}
 	}
 	var msg []byte
 	var pe *ProtocolError
@@ -238,12 +241,49 @@ func (s *Session) endReason(err, second error) ([]byte, error) {
 	return msg, err
 }
 
+// The client's words when its upstream connection ends under it: the
+// server was stopped or crashed, or the primary failed over (a session is
+// not moved to the new primary: its transaction and session state were
+// the old server's). What an open transaction did is lost, as PostgreSQL's
+// own failover loses it; a COMMIT sent and not answered may or may not
+// have committed there, and a retry under the same generation and step
+// learns which (docs/failover.md).
+const (
+	upstreamLostMsg  = "pgfence: the connection to PostgreSQL was lost (the server ended, or the primary failed over); this session has ended"
+	upstreamLostHint = "reconnect: a new session goes to the server the primary DSN finds now. A transaction that was open is lost unless its COMMIT was answered; retry one whose COMMIT went unanswered under the same fence generation and step: a commit that survived is answered as a replay (FN00R), one issued before a failover that lost it is refused (FN015)"
+)
+
+// upstreamLost reports whether err, what ended a session's relay, is its
+// upstream connection's end or failure (every relay names that side
+// "server: ..."), rather than the client's or the proxy's doing.
+func upstreamLost(err error) bool {
+	var pe *ProtocolError
+	return err != nil && !errors.As(err, &pe) && strings.HasPrefix(err.Error(), "server: ")
+}
+
+// mayTellUpstreamLost reports whether the client may be told that the
+// upstream connection was lost: only an intercepted session's, whose
+// every primary message the proxy frames, and only when the last one was
+// whole and not an ErrorResponse (a backend that ends a session says why
+// itself, FATAL, as the last thing it sends), and not when the proxy
+// closed it (Shutdown, the console, the watchdog: they say why, or, for a
+// busy session closed by Shutdown, nothing). A pass-through relay does
+// not look at each message, and a message of the proxy's own after part
+// of one would be read as its rest: there the closed socket says it).
+func (s *Session) mayTellUpstreamLost() bool {
+	s.connMu.Lock()
+	r, stopped := s.loopRelay, s.serverStopped
+	s.connMu.Unlock()
+	return !stopped && r != nil && r.intercept != nil && r.intercept.big.left == 0 && s.lastServerType != 'E'
+}
+
 // closeServer tells the backend to end (Terminate), then closes the
 // upstream socket. Closing is what matters: a backend whose client socket
 // is gone rolls back and exits.
 func (s *Session) closeServer() {
 	s.connMu.Lock()
 	defer s.connMu.Unlock()
+	s.serverStopped = true // the end is the proxy's doing (mayTellUpstreamLost)
 	if s.loopRelay != nil {
 		s.loopRelay.stopServer() // evloop.go
 		return
@@ -360,6 +400,9 @@ func (s *Session) upstreamMessage(sf *wire.Framer, rc *replicaConn, big *bigMess
 		}
 		s.cw.Flush()
 		return s.upstreamFailed(rc, fmt.Errorf("%s: %w", sf.From, err))
+	}
+	if rc == nil {
+		s.lastServerType = typ // mayTellUpstreamLost
 	}
 	if total > size {
 		h, _ := sf.Whole(headerLen) // next has read it
