@@ -167,6 +167,7 @@ func (h *fenceSession) inReplicaTx(s gateConn, msg []byte, res *rewrite.Result, 
 	// the rest is routed afresh.
 	if r := s.replicaOpen(); r != nil && h.tx() != session.Failed {
 		head, neutral, cursor := stmts[:end], true, false
+		h.noteImport(head)
 		for _, st := range head {
 			neutral = neutral && neutralStmt(st)
 			cursor = cursor || readsCursor(st)

@@ -49,7 +49,32 @@ import (
 
 // roTxState is the read-only transaction open on the replica.
 type roTxState struct {
-	snap LSN // replay observed before its first request was sent
+	snap LSN // replay observed before its first request was sent; oldestSnap after an import
+}
+
+// oldestSnap is the bound of a snapshot whose age the proxy does not know
+// (SET TRANSACTION SNAPSHOT imports one exported at any time before, on
+// the replica or by another session through any proxy): older than every
+// takeover, so every read that needs one is refused (round 8, attacker
+// P's H1). Not 0, which holdFloor reads as "no cursor".
+const oldestSnap LSN = 1
+
+// importsSnapshot reports whether st is SET TRANSACTION SNAPSHOT: the
+// transaction then reads a snapshot exported at a time the proxy cannot
+// tell.
+func importsSnapshot(st *rewrite.Stmt) bool {
+	return st.Kind == rewrite.Other && st.Name == "transaction snapshot"
+}
+
+// noteImport lowers the transaction's snapshot bound to oldestSnap when
+// stmts import a snapshot: before they are judged, so the import and
+// everything after it are judged as reading the oldest snapshot.
+func (h *fenceSession) noteImport(stmts []*rewrite.Stmt) {
+	for _, st := range stmts {
+		if importsSnapshot(st) {
+			h.rt.ro.snap = oldestSnap
+		}
+	}
 }
 
 // beginOnReplica records the start of a read-only transaction whose first
@@ -191,6 +216,7 @@ func (h *fenceSession) routeInTx(s gateConn, msg []byte, res *rewrite.Result, st
 			break
 		}
 	}
+	h.noteImport(inside)
 	failed := h.tx() == session.Failed // the server refuses all but the end
 	neutral, fresh, cursor := res != nil, res != nil, res == nil
 	for _, st := range inside {
@@ -385,6 +411,7 @@ func (h *fenceSession) txReadRefusal(s gateConn, st *rewrite.Stmt) *fence.Error 
 	var stmts []*rewrite.Stmt
 	if st != nil {
 		stmts = []*rewrite.Stmt{st}
+		h.noteImport(stmts)
 		if neutralStmt(st) {
 			return nil
 		}
