@@ -170,7 +170,7 @@ func (h *fenceSession) inReplicaTx(s gateConn, msg []byte, res *rewrite.Result, 
 		h.noteImport(head)
 		for _, st := range head {
 			neutral = neutral && neutralStmt(st)
-			cursor = cursor || readsCursor(st)
+			cursor = cursor || h.readsCursor(st)
 		}
 		if !neutral {
 			if req, protected, _ := h.txRequire(head); protected && (req.blind || req.check || req.lsn > h.txBound(cursor)) {
