@@ -514,9 +514,25 @@ func (cs *catalogs) noteTrust(c *catalog, trust ownsql.Trust) {
 // pg_stats, pg_stats_ext, pg_stats_ext_exprs over them; pg_largeobject)
 // expose protected data too: a lagging replica's statistics show the
 // previous generation's values.
+//
+// A relation whose own objects depend on the database's code (pg_depend:
+// its indexes' expressions and predicates, its extended statistics'
+// expressions, its constraints, defaults, policies and rules; not its
+// triggers, which no read fires) runs that code on every read: the
+// planner folds an index expression or a child's CHECK calling an
+// immutable function while planning any read of the table, as the
+// reader, on the node that serves it (round 8, attacker P's H6). It
+// exposes, whatever the code reads; so do its inheritance ancestors (a
+// read of the parent plans the child) and the views over it. Such
+// relations are also code (runsRelCode): code may FETCH from any cursor
+// of the session (route_rotx.go).
 type readSet struct {
 	rels  map[rewrite.RelName]bool // schema-qualified name → exposes protected data
 	names map[string]bool          // unqualified name → some relation of that name exposes
+	// codeRels and codeNames: the relations whose reads run the database's
+	// code (a view's function, a policy's, an index expression's, ...).
+	codeRels  map[rewrite.RelName]bool
+	codeNames map[string]bool
 	// all: the database has user-defined operators, casts, operator-class
 	// support functions, range subtype differences, type I/O functions or
 	// domain checks that run code other than C, or a built-in that runs
@@ -554,6 +570,22 @@ func (r *readSet) exposes(rel rewrite.RelName) bool {
 	}
 	exp, ok := r.rels[rel]
 	return !ok || exp
+}
+
+// runsRelCode reports whether a read of rel may run the database's code
+// (a view's or a policy's function, an index expression's): unknown names
+// and a nil set (not loaded, or an untracked database) say yes.
+func (r *readSet) runsRelCode(rel rewrite.RelName) bool {
+	if r == nil || r.all {
+		return true
+	}
+	if rel.Schema == "" {
+		c, ok := r.codeNames[rel.Name]
+		_, known := r.names[rel.Name]
+		return !known || ok && c
+	}
+	c, ok := r.codeRels[rel]
+	return !ok || c
 }
 
 // runsCode reports whether st's expressions may run code that reaches
@@ -638,8 +670,31 @@ edges(rel, ref) AS (
     ON d.classid OPERATOR(pg_catalog.=) e.classid AND d.objid OPERATOR(pg_catalog.=) e.objid
    AND d.refclassid OPERATOR(pg_catalog.=) 'pg_catalog.pg_class'::pg_catalog.regclass::pg_catalog.oid
    AND d.refobjid OPERATOR(pg_catalog.<>) e.rel),
+owned(rel, classid, objid) AS (
+  SELECT DISTINCT d.refobjid, d.classid, d.objid FROM pg_catalog.pg_depend AS d
+  WHERE d.refclassid OPERATOR(pg_catalog.=) 'pg_catalog.pg_class'::pg_catalog.regclass::pg_catalog.oid
+    AND d.refobjid OPERATOR(pg_catalog.>=) '16384'::pg_catalog.oid
+    AND d.deptype OPERATOR(pg_catalog.=) ANY ('{a,i}'::pg_catalog."char"[])
+    AND d.classid OPERATOR(pg_catalog.<>) 'pg_catalog.pg_trigger'::pg_catalog.regclass::pg_catalog.oid),
+runs(oid) AS (
+  SELECT opaque.oid FROM opaque
+  UNION SELECT o.rel FROM owned AS o
+  WHERE EXISTS (SELECT FROM pg_catalog.pg_depend AS d
+      WHERE d.classid OPERATOR(pg_catalog.=) o.classid AND d.objid OPERATOR(pg_catalog.=) o.objid
+        AND d.refobjid OPERATOR(pg_catalog.>=) '16384'::pg_catalog.oid
+        AND (d.refclassid OPERATOR(pg_catalog.=) ANY (ARRAY['pg_catalog.pg_proc'::pg_catalog.regclass::pg_catalog.oid,
+                                                           'pg_catalog.pg_operator'::pg_catalog.regclass::pg_catalog.oid])
+          OR d.refclassid OPERATOR(pg_catalog.=) 'pg_catalog.pg_type'::pg_catalog.regclass::pg_catalog.oid
+             AND EXISTS (SELECT FROM pg_catalog.pg_type AS t
+                 WHERE t.oid OPERATOR(pg_catalog.=) d.refobjid AND t.typtype OPERATOR(pg_catalog.=) 'd'::pg_catalog."char")))),
+code_edges(rel, ref) AS (
+  SELECT g.rel, g.ref FROM edges AS g
+  UNION SELECT i.inhparent, i.inhrelid FROM pg_catalog.pg_inherits AS i),
+code(oid) AS (
+  SELECT runs.oid FROM runs
+  UNION SELECT g.rel FROM code_edges AS g JOIN code AS c ON c.oid OPERATOR(pg_catalog.=) g.ref),
 exposed(oid) AS (
-  SELECT down.oid FROM down UNION SELECT up.oid FROM up UNION SELECT opaque.oid FROM opaque
+  SELECT down.oid FROM down UNION SELECT up.oid FROM up UNION SELECT code.oid FROM code
   UNION SELECT c.oid FROM pg_catalog.pg_class AS c
     WHERE c.relkind OPERATOR(pg_catalog.=) 'f'::pg_catalog."char"
        OR c.relnamespace OPERATOR(pg_catalog.=) 'fence'::pg_catalog.regnamespace::pg_catalog.oid
@@ -647,8 +702,9 @@ exposed(oid) AS (
     WHERE c.relnamespace OPERATOR(pg_catalog.=) 'pg_catalog'::pg_catalog.regnamespace::pg_catalog.oid
       AND c.relname OPERATOR(pg_catalog.=) ANY ('` + statsRels + `'::pg_catalog.name[])
   UNION SELECT g.rel FROM edges AS g JOIN exposed AS x ON x.oid OPERATOR(pg_catalog.=) g.ref),
-rels(nspname, relname, exposed) AS (
-  SELECT n.nspname::pg_catalog.text, c.relname::pg_catalog.text, c.oid OPERATOR(pg_catalog.=) ANY (SELECT exposed.oid FROM exposed)
+rels(nspname, relname, exposed, code) AS (
+  SELECT n.nspname::pg_catalog.text, c.relname::pg_catalog.text, c.oid OPERATOR(pg_catalog.=) ANY (SELECT exposed.oid FROM exposed),
+    c.oid OPERATOR(pg_catalog.=) ANY (SELECT code.oid FROM code)
   FROM pg_catalog.pg_class AS c JOIN pg_catalog.pg_namespace AS n ON n.oid OPERATOR(pg_catalog.=) c.relnamespace
   WHERE c.relkind OPERATOR(pg_catalog.=) ANY ('{r,p,v,m,f,S}'::pg_catalog."char"[])
     AND c.relpersistence OPERATOR(pg_catalog.<>) 't'::pg_catalog."char"),
@@ -672,7 +728,7 @@ everything(all_exposed) AS (SELECT
 // readSetHashQuery fingerprints the set, so an unchanged catalog is not
 // transferred again.
 var readSetHashQuery = own("watcher: read set hash", onControl, readSetCTE+`SELECT pg_catalog.md5(coalesce(pg_catalog.string_agg(
-    pg_catalog.format('%I.%I:%s', rels.nspname, rels.relname, rels.exposed), ',' ORDER BY rels.nspname, rels.relname), ''))
+    pg_catalog.format('%I.%I:%s:%s', rels.nspname, rels.relname, rels.exposed, rels.code), ',' ORDER BY rels.nspname, rels.relname), ''))
   OPERATOR(pg_catalog.||) ' ' OPERATOR(pg_catalog.||) (SELECT everything.all_exposed FROM everything)::pg_catalog.text
 FROM rels`)
 
@@ -705,7 +761,7 @@ func catalogMode(ctx context.Context, conn *pgconn.PgConn) (tracked, reached boo
 	return tracked, reached, nil
 }
 
-var readSetQuery = own("watcher: read set", onControl, readSetCTE+`SELECT rels.nspname, rels.relname, rels.exposed::pg_catalog.text FROM rels`)
+var readSetQuery = own("watcher: read set", onControl, readSetCTE+`SELECT rels.nspname, rels.relname, rels.exposed::pg_catalog.text, rels.code::pg_catalog.text FROM rels`)
 
 // statsRels are the system relations that hold values of every table's
 // columns: the planner's statistics, and the views over them; large
@@ -821,7 +877,8 @@ func loadReadSet(ctx context.Context, conn *pgconn.PgConn, old *readSet) (*readS
 		cp.upto = lsn
 		return &cp, nil
 	}
-	rd := &readSet{rels: map[rewrite.RelName]bool{}, names: map[string]bool{}, all: all || strings.HasSuffix(hash, " true"),
+	rd := &readSet{rels: map[rewrite.RelName]bool{}, names: map[string]bool{},
+		codeRels: map[rewrite.RelName]bool{}, codeNames: map[string]bool{}, all: all || strings.HasSuffix(hash, " true"),
 		colFuncs: fields, hash: hash, code: code}
 	rr = conn.ExecParams(ctx, readSetQuery, nil, nil, nil, nil)
 	for rr.NextRow() {
@@ -830,6 +887,9 @@ func loadReadSet(ctx context.Context, conn *pgconn.PgConn, old *readSet) (*readS
 		exp := string(v[2]) == "true"
 		rd.rels[name] = exp
 		rd.names[name.Name] = rd.names[name.Name] || exp
+		code := string(v[3]) == "true"
+		rd.codeRels[name] = code
+		rd.codeNames[name.Name] = rd.codeNames[name.Name] || code
 	}
 	if _, err := rr.Close(); err != nil {
 		return nil, fmt.Errorf("read set: %w", err)

@@ -93,7 +93,8 @@ func init() {
 		"DO $pgfence$BEGIN IF NOT EXISTS (SELECT FROM pg_catalog.pg_namespace n JOIN pg_catalog.pg_roles r")
 	ownDrivenBy("replica lexing: standard_conforming_strings", onSession, "SET standard_conforming_strings = off", "TestBypass/replstate")
 	ownDrivenBy("replica lexing: client_encoding", onSession, "SET client_encoding = 'LATIN1'", "TestBypass/replstate")
-	ownDrivenBy("read-only replica transaction's isolation", onSession, showIsolation, "TestBypass/rotx (it needs a lagging replica)")
+	ownDrivenBy("read-only replica transaction's isolation and cursors", onSession, showIsolation, "TestBypass/rotx (it needs a lagging replica)")
+	ownDrivenBy("replica session's held cursors", onSession, heldCursorsQuery, "TestBypass/cursor_code (it needs a held cursor and a takeover)")
 }
 
 // ownDrivenBy registers a text the trapped database of every_text does

@@ -189,7 +189,7 @@ func TestOwnTemplates(t *testing.T) {
 			t.Errorf("the gate's statement %s is not registered", s.Name)
 		}
 	}
-	for _, s := range []string{showIsolation, plan.RestoreSQL, settingsSQL, insertLSNQuery, ownsql.CheckSQL, fencesSQL, protectedQuery, readSetQuery, readSetHashQuery, catalogModeQuery, writeLSNQuery, replayQuery, listenSQL, DefaultAuthQuery} {
+	for _, s := range []string{showIsolation, heldCursorsQuery, plan.RestoreSQL, settingsSQL, insertLSNQuery, ownsql.CheckSQL, fencesSQL, protectedQuery, readSetQuery, readSetHashQuery, catalogModeQuery, writeLSNQuery, replayQuery, listenSQL, DefaultAuthQuery} {
 		if !slices.Contains(sqls, s) {
 			t.Errorf("not registered: %s", s)
 		}

@@ -167,9 +167,10 @@ func (h *fenceSession) inReplicaTx(s gateConn, msg []byte, res *rewrite.Result, 
 	// the rest is routed afresh.
 	if r := s.replicaOpen(); r != nil && h.tx() != session.Failed {
 		head, neutral, cursor := stmts[:end], true, false
+		h.noteImport(head)
 		for _, st := range head {
 			neutral = neutral && neutralStmt(st)
-			cursor = cursor || readsCursor(st)
+			cursor = cursor || h.readsCursor(st)
 		}
 		if !neutral {
 			if req, protected, _ := h.txRequire(head); protected && (req.blind || req.check || req.lsn > h.txBound(cursor)) {

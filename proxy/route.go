@@ -244,10 +244,20 @@ func (h *fenceSession) routeQuery(s gateConn, msg []byte, res *rewrite.Result) e
 				rs.stats.Primary.Add(1)
 				return h.toPrimary(s, msg, res)
 			}
-			if kind == roTx {
-				h.beginOnReplica(r, stmts)
-			}
-			return h.sendRouted(s, msg, res)
+			return h.heldKnown(s, stmts, kind, func(ok bool) error {
+				if !ok {
+					rs.stats.Primary.Add(1)
+					return h.toPrimary(s, msg, res)
+				}
+				if kind == roTx {
+					h.beginOnReplica(r, stmts)
+				} else if h.mayRunCode(stmts) {
+					// Code an autocommit read runs may DECLARE ... WITH
+					// HOLD: its snapshot is at least this replay position.
+					h.lowerHold(LSN(r.replay.Load()))
+				}
+				return h.sendRouted(s, msg, res)
+			})
 		})
 	})
 }

@@ -79,3 +79,45 @@ func BenchmarkReplicaAgrees(b *testing.B) {
 		}
 	}
 }
+
+// BenchmarkHeldKnown is what round 8 (attacker P's H2, H3) adds to a read
+// routed to the replica: heldKnown's check of the session's held-cursor
+// floor. The common paths send nothing (a nil gateConn: any round trip
+// would panic): no floor, and a floor no takeover has passed since (an
+// untracked database, where every relation read may run code, and a
+// session that read on the replica before).
+func BenchmarkHeldKnown(b *testing.B) {
+	cat := &catalog{}
+	cat.prot.Store(rewrite.NewProtected([]rewrite.RelName{{Schema: "public", Name: "pgbench_accounts"}}))
+	cat.live.Store(true)
+	cat.tk.update("job", takeover{token: 5, lsn: 100})
+	cat.tk.raise(100)
+	res, err := rewrite.Classify("SELECT abalance FROM pgbench_accounts WHERE aid = 1")
+	if err != nil {
+		b.Fatal(err)
+	}
+	for _, c := range []struct {
+		name  string
+		floor LSN
+	}{{"no_floor", 0}, {"floor_current", 150}} {
+		b.Run(c.name, func(b *testing.B) {
+			st, err := session.New(map[string]string{}, nil)
+			if err != nil {
+				b.Fatal(err)
+			}
+			h := &fenceSession{cat: cat, st: st}
+			h.rt.holdFloor = c.floor
+			b.ReportAllocs()
+			for b.Loop() {
+				if err := h.heldKnown(nil, res.Stmts, autoRead, func(ok bool) error {
+					if !ok {
+						b.Fatal("not ok")
+					}
+					return nil
+				}); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+	}
+}

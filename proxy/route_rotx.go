@@ -49,7 +49,32 @@ import (
 
 // roTxState is the read-only transaction open on the replica.
 type roTxState struct {
-	snap LSN // replay observed before its first request was sent
+	snap LSN // replay observed before its first request was sent; oldestSnap after an import
+}
+
+// oldestSnap is the bound of a snapshot whose age the proxy does not know
+// (SET TRANSACTION SNAPSHOT imports one exported at any time before, on
+// the replica or by another session through any proxy): older than every
+// takeover, so every read that needs one is refused (round 8, attacker
+// P's H1). Not 0, which holdFloor reads as "no cursor".
+const oldestSnap LSN = 1
+
+// importsSnapshot reports whether st is SET TRANSACTION SNAPSHOT: the
+// transaction then reads a snapshot exported at a time the proxy cannot
+// tell.
+func importsSnapshot(st *rewrite.Stmt) bool {
+	return st.Kind == rewrite.Other && st.Name == "transaction snapshot"
+}
+
+// noteImport lowers the transaction's snapshot bound to oldestSnap when
+// stmts import a snapshot: before they are judged, so the import and
+// everything after it are judged as reading the oldest snapshot.
+func (h *fenceSession) noteImport(stmts []*rewrite.Stmt) {
+	for _, st := range stmts {
+		if importsSnapshot(st) {
+			h.rt.ro.snap = oldestSnap
+		}
+	}
 }
 
 // beginOnReplica records the start of a read-only transaction whose first
@@ -82,8 +107,43 @@ func freshRead(st *rewrite.Stmt) bool {
 }
 
 // readsCursor reports whether st may read from a cursor opened earlier
-// (FETCH, MOVE, a function, EXECUTE, text the proxy could not read).
-func readsCursor(st *rewrite.Stmt) bool { return st == nil || !freshRead(st) }
+// (FETCH, MOVE, a function, EXECUTE, text the proxy could not read), or
+// run code that may: a read of a relation whose reads run the database's
+// code (a view's function, a policy's, an index expression's:
+// readSet.runsRelCode; every relation in an untracked database), or
+// whose expressions do (readSet.runsCode). Round 8, attacker P's H2, H3.
+func (h *fenceSession) readsCursor(st *rewrite.Stmt) bool {
+	if st == nil || !freshRead(st) {
+		return true
+	}
+	return h.relCode(st)
+}
+
+// relCode reports whether st reads a relation, or resolves an
+// expression, that runs the database's code.
+func (h *fenceSession) relCode(st *rewrite.Stmt) bool {
+	if len(st.ReadRelations) == 0 && !st.CatalogExprs {
+		return false
+	}
+	rd := h.cat.reads.Load()
+	for _, rel := range st.ReadRelations {
+		if rd.runsRelCode(rel) {
+			return true
+		}
+	}
+	return rd.runsCode(st)
+}
+
+// mayRunCode reports whether any of stmts may run code that reads or
+// declares cursors.
+func (h *fenceSession) mayRunCode(stmts []*rewrite.Stmt) bool {
+	for _, st := range stmts {
+		if h.readsCursor(st) {
+			return true
+		}
+	}
+	return false
+}
 
 // noteHold lowers rt.holdFloor to the transaction's snapshot bound when
 // stmts may declare a WITH HOLD cursor (unknown: the text was not read).
@@ -94,12 +154,19 @@ func (h *fenceSession) noteHold(stmts []*rewrite.Stmt, unknown bool) {
 		case declares(st) && strings.Contains(strings.ToUpper(st.SQL), "HOLD"):
 			may = true // a keyword: no quoting or escape can spell it otherwise
 		case st.Opaque || st.UserCalls || st.Executes != "" || st.Kind == rewrite.Execute ||
-			st.Kind == rewrite.Call || st.Kind == rewrite.Do:
+			st.Kind == rewrite.Call || st.Kind == rewrite.Do || h.relCode(st):
 			may = true // code the proxy cannot see may DECLARE ... WITH HOLD
 		}
 	}
-	if may && (h.rt.holdFloor == 0 || h.rt.ro.snap < h.rt.holdFloor) {
-		h.rt.holdFloor = h.rt.ro.snap
+	if may {
+		h.lowerHold(h.rt.ro.snap)
+	}
+}
+
+// lowerHold lowers rt.holdFloor to snap.
+func (h *fenceSession) lowerHold(snap LSN) {
+	if h.rt.holdFloor == 0 || snap < h.rt.holdFloor {
+		h.rt.holdFloor = snap
 	}
 }
 
@@ -191,12 +258,13 @@ func (h *fenceSession) routeInTx(s gateConn, msg []byte, res *rewrite.Result, st
 			break
 		}
 	}
+	h.noteImport(inside)
 	failed := h.tx() == session.Failed // the server refuses all but the end
 	neutral, fresh, cursor := res != nil, res != nil, res == nil
 	for _, st := range inside {
 		neutral = neutral && (failed || neutralStmt(st))
 		fresh = fresh && freshRead(st)
-		cursor = cursor || readsCursor(st)
+		cursor = cursor || h.readsCursor(st)
 	}
 	afterNeutral, afterFresh := true, true
 	for _, st := range after {
@@ -232,9 +300,17 @@ func (h *fenceSession) routeInTx(s gateConn, msg []byte, res *rewrite.Result, st
 	if !fresh {
 		return h.refuseInTx(s, r, req, "the transaction's snapshot, or a cursor's, was taken before")
 	}
-	return h.txIsolation(s, func(readCommitted bool) error {
+	return h.txIsolation(s, func(readCommitted, cursors bool) error {
 		if !readCommitted {
 			return h.refuseInTx(s, r, req, "the transaction's snapshot (REPEATABLE READ) was taken before")
+		}
+		if cursors && cursor {
+			// Code the request runs may FETCH from a cursor of the
+			// session, opened before (round 8, attacker P's H2).
+			return h.refuseInTx(s, r, req, "code the request runs may read a cursor opened before")
+		}
+		if !cursors {
+			h.rt.holdFloor = 0 // the session holds no cursor at all
 		}
 		return h.waitInTx(s, r, stmts, stmts, msg, res, v)
 	})
@@ -267,13 +343,21 @@ func (h *fenceSession) sendInTx(s gateConn, r *replica, msg []byte, res *rewrite
 	return h.sendClient(s, msg, res)
 }
 
-// showIsolation asks the transaction's isolation level: a utility
-// statement, which takes no snapshot and resolves no name on the path.
-const showIsolation = "SHOW transaction_isolation"
+// showIsolation asks the transaction's isolation level and whether the
+// session has a cursor open (pg_cursors: SQL DECLARE, a named portal, a
+// cursor code opened; a cursor keeps the snapshot it was opened with):
+// every name qualified, nothing a client object can answer for. The
+// query's own (unnamed) portal is not listed.
+const showIsolation = `SELECT pg_catalog.current_setting('transaction_isolation')
+  OPERATOR(pg_catalog.||) CASE WHEN EXISTS (SELECT FROM pg_catalog.pg_cursors) THEN ' cursors' ELSE '' END`
+
+// heldCursorsQuery asks whether the session holds a WITH HOLD cursor.
+const heldCursorsQuery = `SELECT EXISTS (SELECT FROM pg_catalog.pg_cursors AS c WHERE c.is_holdable)::pg_catalog.text`
 
 // txIsolation asks the replica, inside the client's transaction, whether
-// it runs at READ COMMITTED, and runs k with the answer.
-func (h *fenceSession) txIsolation(s gateConn, k func(readCommitted bool) error) error {
+// it runs at READ COMMITTED and whether the session has cursors, and runs
+// k with the answers.
+func (h *fenceSession) txIsolation(s gateConn, k func(readCommitted, cursors bool) error) error {
 	h.mu.Lock()
 	h.rt.row = ""
 	h.mu.Unlock()
@@ -289,7 +373,51 @@ func (h *fenceSession) txIsolation(s gateConn, k func(readCommitted bool) error)
 		h.mu.Lock()
 		row := h.rt.row
 		h.mu.Unlock()
-		return k(row == "read committed")
+		level, cursors := strings.CutSuffix(row, " cursors")
+		return k(level == "read committed", cursors)
+	})
+}
+
+// heldKnown is called before a read is sent to the replica connection
+// (an autocommit read, or the first request of a read-only transaction):
+// when a WITH HOLD cursor may be open there with a snapshot older than
+// the read needs (rt.holdFloor), and the read may run code that FETCHes
+// it (an autocommit read of a relation that runs code; anything in a
+// transaction), it asks the replica whether the session holds one
+// (pg_cursors; one round trip, only then). None: the floor is cleared.
+// Some: an autocommit read goes to the primary (k(false)); a transaction
+// begins, its reads judged against the floor. Round 8, attacker P's H2
+// and H3.
+func (h *fenceSession) heldKnown(s gateConn, stmts []*rewrite.Stmt, kind readKind, k func(ok bool) error) error {
+	if h.rt.holdFloor == 0 || kind == autoRead && !h.mayRunCode(stmts) {
+		return k(true)
+	}
+	if req, protected, _ := h.require(stmts, kind); !protected || !req.blind && !req.check && req.lsn <= h.rt.holdFloor {
+		return k(true)
+	}
+	h.mu.Lock()
+	h.rt.row = ""
+	h.mu.Unlock()
+	s.startRouted(false)
+	if err := h.send(s, queryMsg(nil, heldCursorsQuery), &tag{kind: 'Q', segs: []seg{{step: stepFenceCheck}}}, false); err != nil {
+		s.stopRouted()
+		return err
+	}
+	return s.routeThen(h.last, func(retry bool) error {
+		if retry {
+			h.mu.Lock()
+			h.st.TxStatus('I')
+			h.mu.Unlock()
+			return k(false)
+		}
+		h.mu.Lock()
+		row := h.rt.row
+		h.mu.Unlock()
+		if row == "false" {
+			h.rt.holdFloor = 0
+			return k(true)
+		}
+		return k(kind == roTx)
 	})
 }
 
@@ -385,12 +513,13 @@ func (h *fenceSession) txReadRefusal(s gateConn, st *rewrite.Stmt) *fence.Error 
 	var stmts []*rewrite.Stmt
 	if st != nil {
 		stmts = []*rewrite.Stmt{st}
+		h.noteImport(stmts)
 		if neutralStmt(st) {
 			return nil
 		}
 	}
 	req, protected, _ := h.requireWith(stmts, roTx, h.readVals())
-	if !protected || !req.blind && !req.check && req.lsn <= h.txBound(readsCursor(st)) {
+	if !protected || !req.blind && !req.check && req.lsn <= h.txBound(h.readsCursor(st)) {
 		h.noteHold(stmts, st == nil)
 		return nil
 	}

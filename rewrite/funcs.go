@@ -130,6 +130,12 @@ func init() {
 // random (its generator, which setseed seeds: round 6, attacker M's L1),
 // age (age(xid) reads the backend's transaction), pg_get_viewdef (its
 // text form resolves the name in the session's search_path).
+//
+// The size of a relation's files (pg_relation_size,
+// pg_total_relation_size) is the node's storage too, and it grows with
+// the rows: a lagging replica's is the previous generation's (round 8,
+// attacker P's M1; the relation is named in a string, which no read set
+// can see). pg_column_size measures a value the statement read itself.
 var (
 	sessionLocalFuncs = map[string]bool{}
 	sessionLocalViews = map[string]bool{}
@@ -149,6 +155,7 @@ func init() {
 		pg_last_wal_replay_lsn pg_last_wal_receive_lsn version
 		current_schema current_schemas current_user current_role session_user user
 		random age pg_get_viewdef
+		pg_relation_size pg_total_relation_size
 	`) {
 		sessionLocalFuncs[f] = true
 	}
