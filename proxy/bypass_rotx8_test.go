@@ -1,0 +1,79 @@
+package proxy
+
+import (
+	"context"
+	"fmt"
+	"testing"
+
+	"github.com/pgfence/pgfence/fence"
+)
+
+// TestBypass/rotx_round8 (issue 30, round 8, attacker P's H4, H5, M3, M2):
+// the read-only transaction on the replica of TestBypass/rotx, attacked
+// where the proxy judged nothing.
+//
+//   - H4: a failed transaction (an error, or the proxy's own FN007)
+//     brought back by ROLLBACK TO SAVEPOINT, COMMIT AND CHAIN or ROLLBACK
+//     AND CHAIN at the head of a Query: the statements after it ran
+//     unjudged and read A's result from the lagging replica. Every
+//     statement that can run is judged: the Query is split after the
+//     statement that brings the transaction back.
+//   - H5, M3: text PostgreSQL 15 runs and the classifier (PostgreSQL 17's
+//     grammar) cannot parse ("FROM results system_user": system_user is a
+//     reserved word since 16) was sent into the transaction unjudged, and
+//     a SET hidden in it changed the replica's session only. Text the
+//     proxy cannot read is never run inside a transaction on the replica
+//     (0A000), in the simple and the extended protocol, with or without a
+//     generation.
+//   - M2: a statement of SQL PREPARE, made on the primary, is EXECUTEd or
+//     bound inside the transaction on the replica, where it works as it
+//     does directly (after catch-up: B's result), and is judged like any
+//     read (before: FN007).
+//
+// Only through the proxy: reading a replica is the proxy's routing.
+func init() {
+	registerBypass("rotx_round8", func(t *testing.T) { runRotx(t, false, rotx8Cases()) })
+}
+
+// rotxUnread is rotxRead as PostgreSQL 15 reads it and pg_query cannot.
+const rotxUnread = "SELECT payload, pg_is_in_recovery() FROM results system_user WHERE job_key = 'job'"
+
+func rotx8Cases() []rotxCase {
+	pending := fence.CodePending
+	w := []string{"-c fence.read_wait=50ms"}
+	sp := []string{"BEGIN READ ONLY", "SAVEPOINT a", rotxRead}
+	spRR := []string{"BEGIN READ ONLY ISOLATION LEVEL REPEATABLE READ", "SAVEPOINT a", rotxRead}
+	rc := []string{"BEGIN READ ONLY", rotxRead}
+	prep := []string{"PREPARE s1 AS " + rotxRead, "BEGIN READ ONLY", rotxRead}
+	return []rotxCase{
+		// H4: a failed transaction brought back in the Query that reads.
+		{name: "failed_rollback_to_read", opts: w, begin: sp, then: []string{"!SELECT 1/0", "ROLLBACK TO SAVEPOINT a; " + rotxRead}, code: pending},
+		{name: "failed_rollback_to_generation", opts: w, begin: sp, then: []string{"!SELECT 1/0"},
+			last: func(sc *readsScene) string { return "ROLLBACK TO SAVEPOINT a; " + rotxGen(sc) + "; " + rotxRead }, code: pending},
+		{name: "failed_rollback_to_then_commit", opts: w, begin: sp, then: []string{"!SELECT 1/0", "ROLLBACK TO SAVEPOINT a; " + rotxRead + "; COMMIT; SELECT 1"}, code: pending},
+		{name: "failed_rollback_to_twice", opts: w, begin: sp, then: []string{"!SELECT 1/0", "ROLLBACK TO SAVEPOINT a; ROLLBACK TO SAVEPOINT a; " + rotxRead}, code: pending},
+		{name: "fn007_then_rollback_to", opts: w, begin: sp, then: []string{"!" + rotxRead, "ROLLBACK TO SAVEPOINT a; " + rotxRead}, code: pending},
+		{name: "failed_commit_and_chain", opts: w, begin: sp, then: []string{"!SELECT 1/0", "COMMIT AND CHAIN; " + rotxRead}, code: pending},
+		{name: "failed_rollback_and_chain", opts: w, begin: sp, then: []string{"!SELECT 1/0", "ROLLBACK AND CHAIN; " + rotxRead}, code: pending},
+		{name: "failed_rollback_to_rr", begin: spRR, then: []string{"!SELECT 1/0", "ROLLBACK TO SAVEPOINT a; " + rotxRead}, code: pending},
+		{name: "late_failed_rollback_to_served", late: true, begin: sp, then: []string{"!SELECT 1/0", "ROLLBACK TO SAVEPOINT a; " + rotxRead}},
+		// H5, M3: text the proxy cannot read.
+		{name: "unread_nometa", opts: w, begin: rc, then: []string{rotxUnread}, code: "0A000"},
+		{name: "unread_min_lsn", begin: rc, sql: func(sc *readsScene) string {
+			var lsn string
+			if err := sc.direct.QueryRow(context.Background(), "SELECT pg_current_wal_insert_lsn()::text").Scan(&lsn); err != nil {
+				panic(err)
+			}
+			return fmt.Sprintf("SET LOCAL fence.min_lsn = '%s'", lsn)
+		}, then: []string{"", rotxUnread}, code: "0A000"},
+		{name: "unread_failed_rollback_to", opts: w, begin: sp, then: []string{"!SELECT 1/0", "ROLLBACK TO SAVEPOINT a; " + rotxUnread}, code: "0A000"},
+		{name: "unread_set_search_path", begin: rc, then: []string{"SET search_path = pg_catalog; SELECT 1 AS x FROM pg_class system_user LIMIT 1"}, code: "0A000"},
+		{name: "unread_extended", opts: w, begin: rc, then: []string{rotxUnread}, proto: "params", code: "0A000"},
+		{name: "late_unread_nometa", late: true, begin: rc, then: []string{rotxUnread}, code: "0A000"},
+		// M2: SQL PREPARE before the transaction.
+		{name: "sql_prepared_execute", opts: w, begin: prep, then: []string{"EXECUTE s1"}, code: pending},
+		{name: "sql_prepared_bind", opts: w, begin: prep, then: []string{"s1"}, proto: "prepared", code: pending},
+		{name: "late_sql_prepared_execute", late: true, begin: prep, then: []string{"EXECUTE s1"}},
+		{name: "late_sql_prepared_bind", late: true, begin: prep, then: []string{"s1"}, proto: "prepared"},
+	}
+}
