@@ -64,6 +64,23 @@ func txEnd(stmts []*rewrite.Stmt) int {
 	return -1
 }
 
+// revives is the index of the first statement of stmts that brings a
+// failed transaction back (ROLLBACK TO SAVEPOINT, COMMIT AND CHAIN,
+// ROLLBACK AND CHAIN): the server runs the statements after it, or -1.
+func revives(stmts []*rewrite.Stmt) int {
+	for i, st := range stmts {
+		switch st.Kind {
+		case rewrite.RollbackTo:
+			return i
+		case rewrite.Commit, rewrite.Rollback:
+			if st.Chain {
+				return i
+			}
+		}
+	}
+	return -1
+}
+
 // replicaOnlyState reports whether st, run inside a transaction on the
 // replica, may leave the replica backend's session unlike the primary's
 // after the transaction, or read later text unlike the gate.
@@ -156,6 +173,18 @@ func (h *fenceSession) inReplicaTx(s gateConn, msg []byte, res *rewrite.Result, 
 			return h.refuseQuery(s, errReplicaState())
 		}
 	}
+	if h.tx() == session.Failed {
+		// The server runs nothing of a failed transaction but what ends
+		// it or brings it back (ROLLBACK TO, COMMIT or ROLLBACK AND
+		// CHAIN); what follows one of those runs in the transaction
+		// again. So the query is split after it, and the rest judged as
+		// a query of its own once the server has answered (round 8,
+		// attacker P's H4): whether the transaction failed is known per
+		// statement, not per query.
+		if i := revives(stmts[:end]); i >= 0 && i+1 < len(stmts) {
+			return h.splitAtTxEnd(s, msg, res, i+1)
+		}
+	}
 	if err := h.alignReplica(s, raw); err != nil {
 		return err
 	}
@@ -165,7 +194,7 @@ func (h *fenceSession) inReplicaTx(s gateConn, msg []byte, res *rewrite.Result, 
 	// The part up to the end runs in the transaction: judged against
 	// its snapshots first, refused rather than waited for (a rare shape);
 	// the rest is routed afresh.
-	if r := s.replicaOpen(); r != nil && h.tx() != session.Failed {
+	if r := s.replicaOpen(); r != nil && h.tx() != session.Failed { // failed: nothing in the head brings it back (above)
 		head, neutral, cursor := stmts[:end], true, false
 		for _, st := range head {
 			neutral = neutral && neutralStmt(st)
@@ -204,7 +233,14 @@ func (h *fenceSession) splitAtTxEnd(s gateConn, msg []byte, res *rewrite.Result,
 		head, rest = h.encode(sql[:off]), h.encode(sql[off:])
 	}
 	headRes := &rewrite.Result{Stmts: res.Stmts[:end]}
-	restRes := &rewrite.Result{Stmts: res.Stmts[end:]}
+	// The rest's statements at their offsets in its own text (it may be
+	// split again); copies: the classifier's results may be shared.
+	restRes := &rewrite.Result{Stmts: make([]*rewrite.Stmt, 0, len(res.Stmts)-end)}
+	for _, st := range res.Stmts[end:] {
+		c := *st
+		c.Offset -= off
+		restRes.Stmts = append(restRes.Stmts, &c)
+	}
 	t := &tag{kind: 'Q', segs: clientSegs(headRes), hideReady: true}
 	if err := h.send(s, queryMsg(nil, string(head)), t, true); err != nil {
 		return err
