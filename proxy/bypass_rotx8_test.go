@@ -66,7 +66,7 @@ func rotx8Cases() []rotxCase {
 			}
 			return fmt.Sprintf("SET LOCAL fence.min_lsn = '%s'", lsn)
 		}, then: []string{"", rotxUnread}, code: "0A000"},
-		{name: "unread_failed_rollback_to", opts: w, begin: sp, then: []string{"!SELECT 1/0", "ROLLBACK TO SAVEPOINT a; " + rotxUnread}, code: "0A000"},
+		{name: "unread_failed_rollback_to", opts: w, begin: sp, then: []string{"!SELECT 1/0", "ROLLBACK TO SAVEPOINT a; " + rotxUnread}, code: "25P02"},
 		{name: "unread_set_search_path", begin: rc, then: []string{"SET search_path = pg_catalog; SELECT 1 AS x FROM pg_class system_user LIMIT 1"}, code: "0A000"},
 		{name: "unread_extended", opts: w, begin: rc, then: []string{rotxUnread}, proto: "params", code: "0A000"},
 		{name: "late_unread_nometa", late: true, begin: rc, then: []string{rotxUnread}, code: "0A000"},

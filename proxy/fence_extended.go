@@ -40,6 +40,11 @@ func (h *fenceSession) parse(s gateConn, msg []byte) (Verdict, error) {
 		}
 	}
 	if err != nil {
+		if s.readRouter() != nil && s.OnReplica() {
+			// Never run unread on the replica (replstate.go): not moved
+			// to the primary in the middle of a batch either.
+			return Drop, h.raiseInBatch(s, errReplicaUnread())
+		}
 		if h.strict(true) {
 			return Drop, h.raiseInBatch(s, textError(err))
 		}

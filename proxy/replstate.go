@@ -115,6 +115,16 @@ func errReplicaState() *fence.Error {
 		Hint:    "change settings, prepared statements and other session state outside a READ ONLY transaction (SET LOCAL of settings other than standard_conforming_strings and client_encoding is allowed)"}
 }
 
+// errReplicaUnread refuses text the proxy cannot read inside a
+// transaction on the replica (text PostgreSQL's grammar of the server's
+// version accepts and the classifier's, PostgreSQL 17's, does not: a
+// reserved word of a later version used as a name, say).
+func errReplicaUnread() *fence.Error {
+	return &fence.Error{Code: "0A000",
+		Message: "pgfence cannot parse this statement, so it cannot judge it inside a read-only transaction served by a replica",
+		Hint:    "run it outside a READ ONLY transaction (it then goes to the primary), or write it as PostgreSQL 17 reads it too (quote a name that is a reserved word there: system_user as a table alias, say)"}
+}
+
 // errReplicaGatedEnd refuses a query the gate rewrites that goes on after
 // the end of a transaction on the replica: what follows the end needs the
 // gate's plan for a session no longer in that transaction.
@@ -159,10 +169,10 @@ func errReplicaBatchEnd() *fence.Error {
 func (h *fenceSession) inReplicaTx(s gateConn, msg []byte, res *rewrite.Result, stmts []*rewrite.Stmt) error {
 	raw := msg[headerLen : len(msg)-1]
 	if res == nil {
-		if err := h.alignReplica(s, raw); err != nil {
-			return err
-		}
-		return h.routeInTx(s, msg, res, stmts)
+		// Text the proxy could not read (round 8, attacker P's H5, M3):
+		// what it reads and which session state it changes are unknown,
+		// and it cannot move to the primary.
+		return h.refuseQuery(s, errReplicaUnread())
 	}
 	end := len(stmts)
 	if i := txEnd(stmts); i >= 0 {
