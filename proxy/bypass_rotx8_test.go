@@ -5,7 +5,10 @@ import (
 	"fmt"
 	"testing"
 
+	"github.com/jackc/pgx/v5/pgconn"
+
 	"github.com/pgfence/pgfence/fence"
+	"github.com/pgfence/pgfence/internal/pgtest"
 )
 
 // TestBypass/rotx_round8 (issue 30, round 8, attacker P's H4, H5, M3, M2):
@@ -25,10 +28,12 @@ import (
 //     proxy cannot read is never run inside a transaction on the replica
 //     (0A000), in the simple and the extended protocol, with or without a
 //     generation.
-//   - M2: a statement of SQL PREPARE, made on the primary, is EXECUTEd or
-//     bound inside the transaction on the replica, where it works as it
-//     does directly (after catch-up: B's result), and is judged like any
-//     read (before: FN007).
+//   - M2: a statement of SQL PREPARE, made on the primary, EXECUTEd or
+//     bound inside the transaction on the replica failed there (26000):
+//     it is made again on the replica before each use, and judged like
+//     any statement that is not a plain read (FN007 when the transaction
+//     began before the takeover). TestBypass/sqlprepared_replica: served
+//     by the replica as directly.
 //
 // Only through the proxy: reading a replica is the proxy's routing.
 func init() {
@@ -73,7 +78,79 @@ func rotx8Cases() []rotxCase {
 		// M2: SQL PREPARE before the transaction.
 		{name: "sql_prepared_execute", opts: w, begin: prep, then: []string{"EXECUTE s1"}, code: pending},
 		{name: "sql_prepared_bind", opts: w, begin: prep, then: []string{"s1"}, proto: "prepared", code: pending},
-		{name: "late_sql_prepared_execute", late: true, begin: prep, then: []string{"EXECUTE s1"}},
-		{name: "late_sql_prepared_bind", late: true, begin: prep, then: []string{"s1"}, proto: "prepared"},
+		// After catch-up the statement exists on the replica (not 26000);
+		// the transaction began before the takeover, and an EXECUTE or a
+		// portal is not a plain read: refused as TestBypass/rotx's
+		// late_pgx_extended is.
+		{name: "late_sql_prepared_execute", late: true, begin: prep, then: []string{"EXECUTE s1"}, code: pending},
+		{name: "late_sql_prepared_bind", late: true, begin: prep, then: []string{"s1"}, proto: "prepared", code: pending},
+	}
+}
+
+func init() { registerBypass("sqlprepared_replica", bypassSQLPreparedReplica) }
+
+// bypassSQLPreparedReplica (round 8, attacker P's M2): statements of SQL
+// PREPARE, EXECUTEd or bound inside a read-only transaction on a current
+// replica, answer there as they do directly; one prepared again under the
+// same name is the new version there.
+func bypassSQLPreparedReplica(t *testing.T) {
+	e := newRouteEnv(t)
+	d := e.direct(t)
+	for _, q := range []string{
+		"CREATE SCHEMA sq",
+		"CREATE TABLE public.sq_t (v text)", "INSERT INTO public.sq_t VALUES ('public')",
+	} {
+		execOK(t, d, q)
+	}
+	if err := cluster.WaitReplicaCaughtUp(ctxT(t)); err != nil {
+		t.Fatal(err)
+	}
+	ctx := ctxT(t)
+	// begin opens a read-only transaction on the replica.
+	begin := func(t *testing.T, r *pgconn.PgConn) {
+		if err := pgtest.Poll(ctx, func() (bool, error) {
+			_, rep, err := where(t, r, "BEGIN READ ONLY; SELECT v, pg_is_in_recovery() FROM sq_t")
+			if err != nil || rep {
+				return rep, err
+			}
+			_, err = r.Exec(ctx, "ROLLBACK").ReadAll()
+			return false, err
+		}); err != nil {
+			t.Fatalf("the transaction never began on the replica: %v", err)
+		}
+	}
+	want := func(t *testing.T, how string, r *pgconn.PgConn, name, v string) {
+		t.Helper()
+		var res *pgconn.Result
+		if how == "execute" {
+			rs, err := r.Exec(ctx, "EXECUTE "+name).ReadAll()
+			if err != nil {
+				t.Fatalf("EXECUTE %s: %v", name, err)
+			}
+			res = rs[len(rs)-1]
+		} else {
+			res = r.ExecPrepared(ctx, name, nil, nil, nil).Read()
+			if res.Err != nil {
+				t.Fatalf("Bind %s: %v", name, res.Err)
+			}
+		}
+		if len(res.Rows) != 1 || string(res.Rows[0][0]) != v || string(res.Rows[0][1]) != "t" {
+			t.Fatalf("%s %s: %q, want %s from the replica", how, name, res.Rows, v)
+		}
+	}
+	for _, how := range []string{"execute", "bind"} {
+		t.Run(how, func(t *testing.T) {
+			r := e.reader(t, nil)
+			mustExec(t, r, "PREPARE s1 AS SELECT v, pg_is_in_recovery() FROM sq_t")
+			begin(t, r)
+			want(t, how, r, "s1", "public")
+			want(t, how, r, "s1", "public") // again: made again
+			mustExec(t, r, "COMMIT")
+			mustExec(t, r, "DEALLOCATE s1")
+			mustExec(t, r, "PREPARE s1 AS SELECT 'v2' || v, pg_is_in_recovery() FROM sq_t")
+			begin(t, r)
+			want(t, how, r, "s1", "v2public")
+			mustExec(t, r, "COMMIT")
+		})
 	}
 }

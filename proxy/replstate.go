@@ -198,6 +198,13 @@ func (h *fenceSession) inReplicaTx(s gateConn, msg []byte, res *rewrite.Result, 
 	if err := h.alignReplica(s, raw); err != nil {
 		return err
 	}
+	if h.tx() != session.Failed {
+		// SQL-level prepared statements it EXECUTEs: made on the replica
+		// too (route.go).
+		if err := h.sqlCopies(s, stmts[:end]); err != nil {
+			return err
+		}
+	}
 	if end == len(stmts) {
 		return h.routeInTx(s, msg, res, stmts)
 	}
