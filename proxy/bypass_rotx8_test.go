@@ -84,6 +84,7 @@ func rotx8Cases() []rotxCase {
 		// late_pgx_extended is.
 		{name: "late_sql_prepared_execute", late: true, begin: prep, then: []string{"EXECUTE s1"}, code: pending},
 		{name: "late_sql_prepared_bind", late: true, begin: prep, then: []string{"s1"}, proto: "prepared", code: pending},
+		{name: "late_sql_prepared_execute_params", late: true, begin: prep, then: []string{"EXECUTE s1"}, proto: "params", code: pending},
 	}
 }
 
@@ -122,13 +123,19 @@ func bypassSQLPreparedReplica(t *testing.T) {
 	want := func(t *testing.T, how string, r *pgconn.PgConn, name, v string) {
 		t.Helper()
 		var res *pgconn.Result
-		if how == "execute" {
+		switch how {
+		case "execute_params":
+			res = r.ExecParams(ctx, "EXECUTE "+name, nil, nil, nil, nil).Read()
+			if res.Err != nil {
+				t.Fatalf("EXECUTE %s (extended): %v", name, res.Err)
+			}
+		case "execute":
 			rs, err := r.Exec(ctx, "EXECUTE "+name).ReadAll()
 			if err != nil {
 				t.Fatalf("EXECUTE %s: %v", name, err)
 			}
 			res = rs[len(rs)-1]
-		} else {
+		default:
 			res = r.ExecPrepared(ctx, name, nil, nil, nil).Read()
 			if res.Err != nil {
 				t.Fatalf("Bind %s: %v", name, res.Err)
@@ -138,7 +145,7 @@ func bypassSQLPreparedReplica(t *testing.T) {
 			t.Fatalf("%s %s: %q, want %s from the replica", how, name, res.Rows, v)
 		}
 	}
-	for _, how := range []string{"execute", "bind"} {
+	for _, how := range []string{"execute", "bind", "execute_params"} {
 		t.Run(how, func(t *testing.T) {
 			r := e.reader(t, nil)
 			mustExec(t, r, "PREPARE s1 AS SELECT v, pg_is_in_recovery() FROM sq_t")

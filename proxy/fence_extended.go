@@ -50,6 +50,13 @@ func (h *fenceSession) parse(s gateConn, msg []byte) (Verdict, error) {
 		}
 		res = nil // the server refuses it
 	}
+	if res != nil && s.readRouter() != nil && s.OnReplica() {
+		// An EXECUTE of a statement of SQL PREPARE: made on the replica
+		// too (route.go).
+		if err := h.sqlCopies(s, res.Stmts, true); err != nil {
+			return Drop, err
+		}
+	}
 	cs := &clientStmt{res: res, oids: m.ParameterOIDs}
 	t := &tag{kind: 'P', name: m.Name, res: res, oids: m.ParameterOIDs}
 	if m.Name != "" && s.readRouter() != nil {

@@ -201,7 +201,7 @@ func (h *fenceSession) inReplicaTx(s gateConn, msg []byte, res *rewrite.Result, 
 	if h.tx() != session.Failed {
 		// SQL-level prepared statements it EXECUTEs: made on the replica
 		// too (route.go).
-		if err := h.sqlCopies(s, stmts[:end]); err != nil {
+		if err := h.sqlCopies(s, stmts[:end], false); err != nil {
 			return err
 		}
 	}

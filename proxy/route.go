@@ -1004,9 +1004,12 @@ func (h *fenceSession) sqlCopyLocked(ps *session.Prepared) string {
 }
 
 // sqlCopies sends, inside the transaction open on the replica and ahead
-// of a simple Query, the copies of the SQL-level prepared statements the
-// query's statements EXECUTE (sqlCopyLocked), hidden.
-func (h *fenceSession) sqlCopies(s gateConn, stmts []*rewrite.Stmt) error {
+// of a simple Query or a Parse (batch), the copies of the SQL-level
+// prepared statements its statements EXECUTE (sqlCopyLocked), hidden.
+func (h *fenceSession) sqlCopies(s gateConn, stmts []*rewrite.Stmt, batch bool) error {
+	if h.tx() == session.Failed {
+		return nil // the server refuses the EXECUTE too (25P02)
+	}
 	for _, st := range stmts {
 		if st.Executes == "" {
 			continue
@@ -1020,7 +1023,11 @@ func (h *fenceSession) sqlCopies(s gateConn, stmts []*rewrite.Stmt) error {
 		if sql == "" {
 			continue
 		}
-		if err := h.send(s, h.qmsg(sql), &tag{kind: 'Q', segs: []seg{{step: stepAlign}}, hideReady: true}, false); err != nil {
+		if batch {
+			if err := h.alignInBatch(s, sql); err != nil {
+				return err
+			}
+		} else if err := h.send(s, h.qmsg(sql), &tag{kind: 'Q', segs: []seg{{step: stepAlign}}, hideReady: true}, false); err != nil {
 			return err
 		}
 		sc := h.stmtCopies()
