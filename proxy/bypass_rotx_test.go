@@ -44,16 +44,26 @@ type rotxCase struct {
 	code  string                   // FN007, or "" for B's result from the replica (after catch-up)
 	late  bool                     // the attempt runs after replay caught up
 	sql   func(*readsScene) string // builds the last attempt (overrides then's last)
+	last  func(*readsScene) string // builds then's last (after "!" steps)
+	// how the last step is sent: "" simple Query; "params" pgconn's
+	// ExecParams (Parse/Bind/Execute of the unnamed statement); "prepared"
+	// ExecPrepared (Bind/Execute of the statement the step names).
+	proto string
 }
+
+// A step of then starting with "!" must fail (any SQLSTATE); the "!" is
+// not sent.
 
 const rotxRead = "SELECT payload, pg_is_in_recovery() FROM results WHERE job_key = 'job'"
 
+// rotxGen presents B's generation inside the transaction.
+func rotxGen(sc *readsScene) string {
+	return fmt.Sprintf("SET LOCAL fence.job_key = 'job'; SET LOCAL fence.epoch = %d; SET LOCAL fence.token = %d", sc.b.Epoch, sc.b.Token)
+}
+
 func testBypassRotx(t *testing.T, tracked bool) {
-	ctx := ctxT(t)
 	pending := fence.CodePending
-	gen := func(sc *readsScene) string {
-		return fmt.Sprintf("SET LOCAL fence.job_key = 'job'; SET LOCAL fence.epoch = %d; SET LOCAL fence.token = %d", sc.b.Epoch, sc.b.Token)
-	}
+	gen := rotxGen
 	rc := []string{"BEGIN READ ONLY", rotxRead}
 	rr := []string{"BEGIN READ ONLY ISOLATION LEVEL REPEATABLE READ", rotxRead}
 	cursor := []string{"BEGIN READ ONLY", "DECLARE c CURSOR FOR " + rotxRead, rotxRead}
@@ -93,6 +103,13 @@ func testBypassRotx(t *testing.T, tracked bool) {
 			then:  []string{"BEGIN READ ONLY", "FETCH ALL FROM h"}, code: pending},
 		{name: "late_pgx_extended", late: true, pgx: true, code: pending},
 	}
+	runRotx(t, tracked, cases)
+}
+
+// runRotx opens each case's transaction on the current replica, pauses
+// replay, has B take over, and runs each case's attempt.
+func runRotx(t *testing.T, tracked bool, cases []rotxCase) {
+	ctx := ctxT(t)
 
 	type open struct {
 		c   rotxCase
@@ -176,13 +193,33 @@ func testBypassRotx(t *testing.T, tracked bool) {
 			}
 			then[0] = c.sql(sc)
 		}
+		if c.last != nil {
+			then = append(then, c.last(sc))
+		}
 		for _, q := range then[:len(then)-1] {
+			if strings.HasPrefix(q, "!") {
+				if _, err := o.pc.Exec(ctx, q[1:]).ReadAll(); err == nil {
+					t.Fatalf("%s: succeeded, want an error", q[1:])
+				}
+				continue
+			}
 			if _, err := o.pc.Exec(ctx, q).ReadAll(); err != nil {
 				t.Fatalf("%s: %v", q, err)
 			}
 		}
 		last := then[len(then)-1]
-		res, err := o.pc.Exec(ctx, last).ReadAll()
+		var res []*pgconn.Result
+		var err error
+		switch c.proto {
+		case "params":
+			r := o.pc.ExecParams(ctx, last, nil, nil, nil, nil).Read()
+			res, err = []*pgconn.Result{r}, r.Err
+		case "prepared":
+			r := o.pc.ExecPrepared(ctx, last, nil, nil, nil).Read()
+			res, err = []*pgconn.Result{r}, r.Err
+		default:
+			res, err = o.pc.Exec(ctx, last).ReadAll()
+		}
 		var rows [][]string
 		for _, r := range res {
 			for _, row := range r.Rows {

@@ -164,8 +164,14 @@ func (h *fenceSession) query(s gateConn, msg []byte) error {
 			// a COMMIT or a write from the gate.
 			return h.refuseQuery(s, textError(err))
 		}
+		if err == nil && res == nil {
+			res = &rewrite.Result{}
+		}
+		if err != nil {
+			res = nil // unread: never run in a transaction on the replica (replstate.go)
+		}
 		// The server reports the syntax error (or the empty query).
-		return h.routeQuery(s, msg, nil) // route.go
+		return h.routeQuery(s, msg, res) // route.go
 	}
 	res = h.userCode(res) // fence_usercode.go: built-ins the database overrides
 	if plan.MayNeedGate(res.Stmts...) {

@@ -40,10 +40,22 @@ func (h *fenceSession) parse(s gateConn, msg []byte) (Verdict, error) {
 		}
 	}
 	if err != nil {
+		if s.readRouter() != nil && s.OnReplica() {
+			// Never run unread on the replica (replstate.go): not moved
+			// to the primary in the middle of a batch either.
+			return Drop, h.raiseInBatch(s, errReplicaUnread())
+		}
 		if h.strict(true) {
 			return Drop, h.raiseInBatch(s, textError(err))
 		}
 		res = nil // the server refuses it
+	}
+	if res != nil && s.readRouter() != nil && s.OnReplica() {
+		// An EXECUTE of a statement of SQL PREPARE: made on the replica
+		// too (route.go).
+		if err := h.sqlCopies(s, res.Stmts, true); err != nil {
+			return Drop, err
+		}
 	}
 	cs := &clientStmt{res: res, oids: m.ParameterOIDs}
 	t := &tag{kind: 'P', name: m.Name, res: res, oids: m.ParameterOIDs}

@@ -64,6 +64,23 @@ func txEnd(stmts []*rewrite.Stmt) int {
 	return -1
 }
 
+// revives is the index of the first statement of stmts that brings a
+// failed transaction back (ROLLBACK TO SAVEPOINT, COMMIT AND CHAIN,
+// ROLLBACK AND CHAIN): the server runs the statements after it, or -1.
+func revives(stmts []*rewrite.Stmt) int {
+	for i, st := range stmts {
+		switch st.Kind {
+		case rewrite.RollbackTo:
+			return i
+		case rewrite.Commit, rewrite.Rollback:
+			if st.Chain {
+				return i
+			}
+		}
+	}
+	return -1
+}
+
 // replicaOnlyState reports whether st, run inside a transaction on the
 // replica, may leave the replica backend's session unlike the primary's
 // after the transaction, or read later text unlike the gate.
@@ -96,6 +113,16 @@ func errReplicaState() *fence.Error {
 	return &fence.Error{Code: "0A000",
 		Message: "pgfence: this statement would change the session of the replica serving this read-only transaction, not the session's own",
 		Hint:    "change settings, prepared statements and other session state outside a READ ONLY transaction (SET LOCAL of settings other than standard_conforming_strings and client_encoding is allowed)"}
+}
+
+// errReplicaUnread refuses text the proxy cannot read inside a
+// transaction on the replica (text PostgreSQL's grammar of the server's
+// version accepts and the classifier's, PostgreSQL 17's, does not: a
+// reserved word of a later version used as a name, say).
+func errReplicaUnread() *fence.Error {
+	return &fence.Error{Code: "0A000",
+		Message: "pgfence cannot parse this statement, so it cannot judge it inside a read-only transaction served by a replica",
+		Hint:    "run it outside a READ ONLY transaction (it then goes to the primary), or write it as PostgreSQL 17 reads it too (quote a name that is a reserved word there: system_user as a table alias, say)"}
 }
 
 // errReplicaGatedEnd refuses a query the gate rewrites that goes on after
@@ -142,10 +169,10 @@ func errReplicaBatchEnd() *fence.Error {
 func (h *fenceSession) inReplicaTx(s gateConn, msg []byte, res *rewrite.Result, stmts []*rewrite.Stmt) error {
 	raw := msg[headerLen : len(msg)-1]
 	if res == nil {
-		if err := h.alignReplica(s, raw); err != nil {
-			return err
-		}
-		return h.routeInTx(s, msg, res, stmts)
+		// Text the proxy could not read (round 8, attacker P's H5, M3):
+		// what it reads and which session state it changes are unknown,
+		// and it cannot move to the primary.
+		return h.refuseQuery(s, errReplicaUnread())
 	}
 	end := len(stmts)
 	if i := txEnd(stmts); i >= 0 {
@@ -156,8 +183,27 @@ func (h *fenceSession) inReplicaTx(s gateConn, msg []byte, res *rewrite.Result, 
 			return h.refuseQuery(s, errReplicaState())
 		}
 	}
+	if h.tx() == session.Failed {
+		// The server runs nothing of a failed transaction but what ends
+		// it or brings it back (ROLLBACK TO, COMMIT or ROLLBACK AND
+		// CHAIN); what follows one of those runs in the transaction
+		// again. So the query is split after it, and the rest judged as
+		// a query of its own once the server has answered (round 8,
+		// attacker P's H4): whether the transaction failed is known per
+		// statement, not per query.
+		if i := revives(stmts[:end]); i >= 0 && i+1 < len(stmts) {
+			return h.splitAtTxEnd(s, msg, res, i+1)
+		}
+	}
 	if err := h.alignReplica(s, raw); err != nil {
 		return err
+	}
+	if h.tx() != session.Failed {
+		// SQL-level prepared statements it EXECUTEs: made on the replica
+		// too (route.go).
+		if err := h.sqlCopies(s, stmts[:end], false); err != nil {
+			return err
+		}
 	}
 	if end == len(stmts) {
 		return h.routeInTx(s, msg, res, stmts)
@@ -165,7 +211,7 @@ func (h *fenceSession) inReplicaTx(s gateConn, msg []byte, res *rewrite.Result, 
 	// The part up to the end runs in the transaction: judged against
 	// its snapshots first, refused rather than waited for (a rare shape);
 	// the rest is routed afresh.
-	if r := s.replicaOpen(); r != nil && h.tx() != session.Failed {
+	if r := s.replicaOpen(); r != nil && h.tx() != session.Failed { // failed: nothing in the head brings it back (above)
 		head, neutral, cursor := stmts[:end], true, false
 		h.noteImport(head)
 		for _, st := range head {
@@ -205,7 +251,14 @@ func (h *fenceSession) splitAtTxEnd(s gateConn, msg []byte, res *rewrite.Result,
 		head, rest = h.encode(sql[:off]), h.encode(sql[off:])
 	}
 	headRes := &rewrite.Result{Stmts: res.Stmts[:end]}
-	restRes := &rewrite.Result{Stmts: res.Stmts[end:]}
+	// The rest's statements at their offsets in its own text (it may be
+	// split again); copies: the classifier's results may be shared.
+	restRes := &rewrite.Result{Stmts: make([]*rewrite.Stmt, 0, len(res.Stmts)-end)}
+	for _, st := range res.Stmts[end:] {
+		c := *st
+		c.Offset -= off
+		restRes.Stmts = append(restRes.Stmts, &c)
+	}
 	t := &tag{kind: 'Q', segs: clientSegs(headRes), hideReady: true}
 	if err := h.send(s, queryMsg(nil, string(head)), t, true); err != nil {
 		return err

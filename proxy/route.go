@@ -926,6 +926,7 @@ func (h *fenceSession) routeMsg(s gateConn, msg []byte) error {
 		return nil // the rest once the Parse is sent (stmtSent)
 	}
 	var p []byte
+	copySQL := ""
 	h.mu.Lock()
 	if ps, ok := h.be.stmts.Statement(name); ok {
 		if ps.Raw == nil || ps.SQL {
@@ -935,11 +936,23 @@ func (h *fenceSession) routeMsg(s gateConn, msg []byte) error {
 				h.mu.Unlock()
 				return nil
 			}
+			copySQL = h.sqlCopyLocked(ps)
 		} else {
 			p = ps.Raw
 		}
 	}
 	h.mu.Unlock()
+	if copySQL != "" {
+		// Made again on the replica before each use, from its PREPARE
+		// (round 8, attacker P's M2).
+		if err := h.alignInBatch(s, copySQL); err != nil {
+			return err
+		}
+		sc.stale[name] |= onReplica
+		h.stmtReq(name)
+		h.stmtAt(name, up)
+		return nil
+	}
 	if void && h.inBatch {
 		if cs, ok := h.batchStmts[name]; ok {
 			// The gate binds this batch's Parse (or Close) of the name
@@ -976,6 +989,62 @@ func (h *fenceSession) routeMsg(s gateConn, msg []byte) error {
 	sc.on[name] |= up
 	h.stmtReq(name)
 	h.stmtAt(name, up)
+	return nil
+}
+
+// sqlCopyLocked is the proxy's own statement that makes ps, a statement
+// of SQL PREPARE on the primary, on the replica connection as the primary
+// has it: any statement of that name there deallocated, then ps's PREPARE
+// run again (plpgsql's EXECUTE: one statement, whatever the replica has).
+// "" when the same text may not make the same statement there: it reads
+// differently under other lexing settings (sensitive), or the session's
+// search_path may have changed since it was prepared (SET, RESET). Then the replica has no
+// such statement and the server says so (26000). h.mu held.
+func (h *fenceSession) sqlCopyLocked(ps *session.Prepared) string {
+	if !ps.SQL || ps.Text == "" || sensitive([]byte(ps.Text)) {
+		return ""
+	}
+	if h.st.PathEpoch() != ps.PathEpoch {
+		return ""
+	}
+	name := plan.Literal(ps.Name)
+	return "DO $pgfence$BEGIN IF EXISTS (SELECT FROM pg_catalog.pg_prepared_statements WHERE name OPERATOR(pg_catalog.=) " + name +
+		") THEN EXECUTE 'DEALLOCATE ' OPERATOR(pg_catalog.||) pg_catalog.quote_ident(" + name + "); END IF; EXECUTE " +
+		plan.Literal(ps.Text) + "; END$pgfence$"
+}
+
+// sqlCopies sends, inside the transaction open on the replica and ahead
+// of a simple Query or a Parse (batch), the copies of the SQL-level
+// prepared statements its statements EXECUTE (sqlCopyLocked), hidden.
+func (h *fenceSession) sqlCopies(s gateConn, stmts []*rewrite.Stmt, batch bool) error {
+	if h.tx() == session.Failed {
+		return nil // the server refuses the EXECUTE too (25P02)
+	}
+	for _, st := range stmts {
+		if st.Executes == "" {
+			continue
+		}
+		h.mu.Lock()
+		sql := ""
+		if ps, ok := h.be.stmts.Statement(st.Executes); ok {
+			sql = h.sqlCopyLocked(ps)
+		}
+		h.mu.Unlock()
+		if sql == "" {
+			continue
+		}
+		if batch {
+			if err := h.alignInBatch(s, sql); err != nil {
+				return err
+			}
+		} else if err := h.send(s, h.qmsg(sql), &tag{kind: 'Q', segs: []seg{{step: stepAlign}}, hideReady: true}, false); err != nil {
+			return err
+		}
+		sc := h.stmtCopies()
+		sc.stale[st.Executes] |= onReplica
+		h.stmtReq(st.Executes)
+		h.stmtAt(st.Executes, onReplica)
+	}
 	return nil
 }
 

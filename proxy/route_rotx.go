@@ -259,7 +259,9 @@ func (h *fenceSession) routeInTx(s gateConn, msg []byte, res *rewrite.Result, st
 		}
 	}
 	h.noteImport(inside)
-	failed := h.tx() == session.Failed // the server refuses all but the end
+	// In a failed transaction the server refuses all but the end, unless
+	// a statement brings it back (inReplicaTx splits the query after it).
+	failed := h.tx() == session.Failed && revives(inside) < 0
 	neutral, fresh, cursor := res != nil, res != nil, res == nil
 	for _, st := range inside {
 		neutral = neutral && (failed || neutralStmt(st))

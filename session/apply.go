@@ -165,8 +165,12 @@ func (s *State) Resync(name, val string, set bool) {
 	if !set {
 		nv = value{known: true}
 	}
-	if cur := s.variable(name).cur; cur.known && cur.s == nv.s {
+	cur := s.variable(name).cur
+	if cur.known && cur.s == nv.s {
 		return
+	}
+	if name == SearchPath && (cur.known || cur.set) {
+		s.pathEpoch++
 	}
 	s.assign(name, nv, false)
 }
@@ -217,7 +221,7 @@ func (s *State) Apply(st *rewrite.Stmt, tag string, params ParamFunc) error {
 		return nil
 	case rewrite.Prepare:
 		s.ensureTx()
-		s.stmts.prepare(st.Name, st.Inner)
+		s.stmts.prepare(st.Name, st.Inner, st.SQL, s.pathEpoch)
 		return nil
 	case rewrite.Deallocate:
 		s.ensureTx()

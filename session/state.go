@@ -73,14 +73,16 @@ type savepoint struct {
 
 // State is one client connection's session state. Create it with New.
 type State struct {
-	user     string
-	vars     map[string]*variable
-	tx       TxState
-	explicit bool
-	level    int // GUC nest level: 0 outside a transaction, 1 in it, +1 per savepoint
-	sps      []savepoint
-	stmts    *Statements // the connection's, which the State refers to (statements.go)
-	gate     Gate
+	user string
+	vars map[string]*variable
+	// pathEpoch: PathEpoch.
+	pathEpoch uint64
+	tx        TxState
+	explicit  bool
+	level     int // GUC nest level: 0 outside a transaction, 1 in it, +1 per savepoint
+	sps       []savepoint
+	stmts     *Statements // the connection's, which the State refers to (statements.go)
+	gate      Gate
 }
 
 // New returns the state of a new connection from its startup parameters:
@@ -171,6 +173,12 @@ func (s *State) Get(name string) (string, bool) {
 	}
 	return v.cur.s, true
 }
+
+// PathEpoch counts the changes of search_path the session has made or
+// the proxy has observed (SET, RESET, set_config, a value read back that
+// differs from a known one). Learning the value of a default the proxy
+// did not know is not a change.
+func (s *State) PathEpoch() uint64 { return s.pathEpoch }
 
 // SearchPath returns the session's search_path as schema names, with
 // "$user" replaced by the session user, or nil when the proxy does not know
@@ -289,6 +297,9 @@ func (s *State) change(name string, local bool, to func(*variable) value) error 
 		return errInFailed()
 	}
 	s.ensureTx()
+	if name == SearchPath {
+		s.pathEpoch++
+	}
 	s.assign(name, to(s.variable(name)), local)
 	return nil
 }

@@ -17,6 +17,12 @@ type Prepared struct {
 	ParamOIDs []uint32
 	// SQL marks a statement created by SQL-level PREPARE.
 	SQL bool
+	// Text is the PREPARE statement that created an SQL-level statement,
+	// and PathEpoch the session's State.PathEpoch when it ran: what the
+	// proxy's read routing makes the same statement from on the replica,
+	// while the names in it resolve alike (no change of search_path since).
+	Text      string
+	PathEpoch uint64
 	// Raw is the Parse message the server accepted, kept by a caller that
 	// must parse the same statement again elsewhere (the proxy's read
 	// routing); nil otherwise.
@@ -97,8 +103,8 @@ func (ss *Statements) bind(portal, statement string) error {
 }
 
 // prepare records an SQL-level PREPARE.
-func (ss *Statements) prepare(name string, st *rewrite.Stmt) {
-	ss.prepared[name] = &Prepared{Name: name, Stmt: st, SQL: true}
+func (ss *Statements) prepare(name string, st *rewrite.Stmt, text string, pathEpoch uint64) {
+	ss.prepared[name] = &Prepared{Name: name, Stmt: st, SQL: true, Text: text, PathEpoch: pathEpoch}
 }
 
 // deallocateAll applies DEALLOCATE ALL.
