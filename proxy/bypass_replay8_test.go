@@ -2,8 +2,10 @@ package proxy
 
 import (
 	"fmt"
+	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgproto3"
@@ -216,4 +218,49 @@ func bypassReplayRound8(t *testing.T) {
 		e.wantCount(t, 1, "SELECT count(*) FROM results WHERE job_key = 'a' AND payload = 'A+'")
 		e.wantCount(t, 0, "SELECT count(*) FROM results WHERE job_key = 'a' AND payload = 'A++'")
 	})
+	// H2: a DO block inside the replayed transaction switched the
+	// generation; the proxy put back only what it saw (the first job), and
+	// the next write, whose client set its step as the docs say, ran under
+	// the first job's generation: a new receipt, applied twice. Now the
+	// generation is cleared after a replay of a transaction that ran such
+	// code: FN008 until the client sets it again.
+	for _, proto := range []string{"simple", "extended"} {
+		t.Run("do_switches_generation/"+proto, func(t *testing.T) {
+			t.Parallel()
+			e := newReservedEnv(t)
+			other := e.acquire(t, "r2", "w1", time.Minute)
+			stmts := []string{"BEGIN", "SET fence.step = 's1'",
+				fmt.Sprintf("INSERT INTO results (job_key, payload, token) VALUES ('a', 'A', %d)", e.lease.Token),
+				fmt.Sprintf("DO $$ BEGIN PERFORM set_config('fence.job_key', 'r2', false); PERFORM set_config('fence.epoch', '%d', false); PERFORM set_config('fence.token', '%d', false); END $$", other.Epoch, other.Token),
+				"COMMIT"}
+			after := "SET fence.step = 's2'; " + next
+			run := func(conn *pgconn.PgConn) {
+				if proto == "simple" {
+					mustExec(t, conn, strings.Join(stmts, "; "))
+					return
+				}
+				b := &pgconn.Batch{}
+				for _, sql := range stmts {
+					b.ExecParams(sql, nil, nil, nil, nil)
+				}
+				if _, err := conn.ExecBatch(ctxT(t), b).ReadAll(); err != nil {
+					t.Fatal(err)
+				}
+			}
+			first := e.encConn(t, "UTF8", "-c fence.step=s0")
+			run(first)
+			mustExec(t, first, after)
+			e.wantCount(t, 1, "SELECT count(*) FROM results WHERE job_key = 'a' AND payload = 'A+'")
+			retry := e.encConn(t, "UTF8", "-c fence.step=s0")
+			run(retry)
+			_, err := retry.Exec(ctxT(t), after).ReadAll()
+			wantCode(t, err, fence.CodeFencingRequired)
+			e.wantCount(t, 1, "SELECT count(*) FROM results WHERE job_key = 'a' AND payload = 'A+'")
+			// With the generation set again, as the first attempt had it:
+			// the write is the first attempt's, a replay.
+			mustExec(t, retry, fmt.Sprintf("SET fence.job_key = 'r2'; SET fence.epoch = %d; SET fence.token = %d", other.Epoch, other.Token))
+			retry.Exec(ctxT(t), after).ReadAll()
+			e.wantCount(t, 1, "SELECT count(*) FROM results WHERE job_key = 'a' AND payload = 'A+'")
+		})
+	}
 }

@@ -168,6 +168,21 @@ func (h *fenceSession) restoreReplayed(s gateConn) error {
 	segs := make([]seg, 0, len(settings)+1)
 	settings = append(slices.DeleteFunc(settings, func(st session.Setting) bool { return st.Name == "fence.step" }),
 		session.Setting{Name: "fence.step", Value: replayStep})
+	if h.txUnseen {
+		// The replayed transaction ran code that may have set fence
+		// settings unseen (a DO block switching job_key, epoch and
+		// token): what it left for them is not known, and restoring
+		// what the proxy saw put the write after it under another
+		// generation than the first attempt's, applied twice (round 8,
+		// O-H2). The generation is cleared: every write is refused
+		// (FN008, fencing required) until the client sets it again.
+		settings = append(slices.DeleteFunc(settings, func(st session.Setting) bool {
+			return st.Name == "fence.job_key" || st.Name == "fence.epoch" || st.Name == "fence.token"
+		}), session.Setting{Name: "fence.job_key", Value: ""})
+		if tx == session.Idle {
+			h.txUnseen = false
+		}
+	}
 	for _, st := range settings {
 		var err error
 		if st.Default {

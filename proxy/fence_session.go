@@ -111,6 +111,11 @@ type fenceSession struct {
 	// replayPending says there are some (restoreReplayed).
 	replaySettings []session.Setting
 	replayPending  atomic.Bool
+	// txUnseen (client side): a request of the current transaction may
+	// have changed a tracked setting unseen (a DO block, a CALL, a
+	// set_config the proxy could not read): what a replay of it took
+	// away is not known (restoreReplayed).
+	txUnseen bool
 	// commitOut: a request that may end a transaction that may have
 	// written was sent (a receipt step, a gated COMMIT, any statement that
 	// may run code); the client's next request waits for its answer
