@@ -220,6 +220,33 @@ func bypassIdle(t *testing.T) {
 		})
 	}
 
+	// Round 8 (O-M1): a COMMIT the server completed, without a Sync
+	// after it, then silence: if the watchdog ends the session, it must
+	// not say the transaction was rolled back (it committed; a client
+	// that believed it could redo the work under a new lease).
+	t.Run("commit_without_sync_not_told_rolled_back", func(t *testing.T) {
+		t.Parallel()
+		e := newIdleEnv(t)
+		conn := e.mustConnect(t, client{lease: &e.lease})
+		pc := conn.PgConn()
+		rawUntilN(t, pc, 'C', 2, &pgproto3.Parse{Query: ins(e)}, &pgproto3.Bind{}, &pgproto3.Execute{},
+			&pgproto3.Parse{Query: "COMMIT"}, &pgproto3.Bind{}, &pgproto3.Execute{}, &pgproto3.Flush{})
+		e.wantCommittedWithReceipt(t, "idle")
+		pc.Conn().SetReadDeadline(time.Now().Add(10 * idleBound))
+		for {
+			m, err := pc.Frontend().Receive()
+			if err != nil {
+				return // not ended, or ended without a word: nothing untrue said
+			}
+			if er, ok := m.(*pgproto3.ErrorResponse); ok {
+				if strings.Contains(er.Message, "rolled back") {
+					t.Fatalf("told %s %q after its COMMIT committed", er.Code, er.Message)
+				}
+				return
+			}
+		}
+	})
+
 	// Not ended: a holder whose server is working (a slow statement), and
 	// a holder that keeps talking.
 	t.Run("busy_server_not_ended", func(t *testing.T) {

@@ -142,6 +142,14 @@ create view vstep as select set_config('fence.step', 'w', false) as s;`
 					_, err := retry.Exec(ctxT(t), next.sql).ReadAll()
 					wantCode(t, err, fence.CodeFencingRequired)
 					e.wantCount(t, 1, "SELECT count(*) FROM results WHERE job_key = 'a' AND payload = 'A+'")
+					if c.name == "do_block" {
+						// Round 8 (O-H2): a DO block may have set the
+						// generation too, so a replay of it clears the
+						// generation: a step alone is not enough.
+						_, err := retry.Exec(ctxT(t), "SET fence.step = 'later'; "+next.sql).ReadAll()
+						wantCode(t, err, fence.CodeFencingRequired)
+						mustExec(t, retry, fmt.Sprintf("SET fence.job_key = %s; SET fence.epoch = %d; SET fence.token = %d", e.lease.JobKey, e.lease.Epoch, e.lease.Token))
+					}
 					mustExec(t, retry, "SET fence.step = 'later'; "+next.sql) // a step of its own: written
 					e.wantCount(t, 1, "SELECT count(*) FROM results WHERE job_key = 'a' AND payload = 'A++'")
 				})

@@ -4,6 +4,7 @@ import (
 	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/rewrite"
 	"github.com/pgfence/pgfence/rewrite/plan"
+	"github.com/pgfence/pgfence/session"
 )
 
 // The gate's client side: what becomes of each client message. A simple
@@ -48,6 +49,14 @@ func (h *fenceSession) clientMessage(s *Session, msg []byte) (Verdict, error) {
 	if h.replayPending.Load() && !h.inBatch {
 		if err := h.restoreReplayed(s); err != nil {
 			return Drop, err // ErrWait on the loop: nothing done yet
+		}
+	}
+	if !h.inBatch && startsRequest(msg[0]) && !h.replayPending.Load() && h.txUnseen && answered(h.last) {
+		h.mu.Lock()
+		idle := h.st.Tx() == session.Idle
+		h.mu.Unlock()
+		if idle {
+			h.txUnseen = false // a new transaction: nothing of it ran yet
 		}
 	}
 	if h.tail != nil {
@@ -119,6 +128,19 @@ func (h *fenceSession) clientMessage(s *Session, msg []byte) (Verdict, error) {
 		return h.copyDone(s, msg)
 	}
 	return Forward, nil
+}
+
+// answered reports whether r (nil: nothing sent) has been answered.
+func answered(r *Request) bool {
+	if r == nil {
+		return true
+	}
+	select {
+	case <-r.Done():
+		return true
+	default:
+		return false
+	}
 }
 
 // asksWork reports whether a client message asks the server for

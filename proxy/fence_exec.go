@@ -56,8 +56,31 @@ func (h *fenceSession) send(s gateConn, msg []byte, t *tag, visible bool) error 
 		if copyFrom {
 			h.copyFromReq = r
 		}
+		if (msg[0] == 'Q' || msg[0] == 'F') && h.inBatch && visible && h.tail == nil {
+			// A client's Query or FunctionCall inside an extended batch
+			// ends its implicit transaction, which the database's replay
+			// guard may answer with FN00R, rolling back what it set,
+			// fence.step among it; PostgreSQL then runs the batch's next
+			// messages in a new implicit transaction, under the step
+			// from before (round 8, O-H4: a write after it was applied
+			// twice). The batch's next message waits for its answer, and
+			// after a replay the rest of the batch is refused
+			// (replayedBatch). Only such a batch waits.
+			h.tail = &pendingTail{commit: r, from: h.seq - 1, ended: true}
+		}
 	}
 	if visible && t != nil && h.noteSent(s, t) {
+		if h.protects() {
+			// It may write a protected row the proxy cannot see (a
+			// view's function, a trigger) and end the transaction: a
+			// replay (FN00R, the database's guard) would roll back what
+			// the transaction set, fence.step among it, and a request
+			// pipelined after it would run under the step from before
+			// (round 8, O-H3). The client's next request waits for its
+			// answer, as after a receipt step; a client that waits for
+			// each answer never waits.
+			h.commitOut.Store(true)
+		}
 		h.codeRan(s, t.seq)
 		if t.kind == 'E' && t.cp != nil {
 			// Its own code cannot close the portal it runs in (PostgreSQL

@@ -14,6 +14,7 @@ import (
 
 	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/internal/ctlconn"
+	"github.com/pgfence/pgfence/session"
 )
 
 // Nobody pins a fence row (issue 18 §4).
@@ -282,12 +283,23 @@ func (w *watchdog) expire(h *fenceSession, s gateConn) {
 	if !h.st.Gate().Gated {
 		gen, _ = h.st.Generation()
 	}
+	// What happened to the work follows what the server reported (its
+	// CommandCompletes as the proxy applied them), never an assumption:
+	// a COMMIT it completed before the client fell silent (no Sync
+	// after it) committed (round 8, O-M1: the client was told its
+	// committed transaction was rolled back, and one that believed it
+	// could redo the work under a new lease).
+	open := h.st.Tx() != session.Idle
 	h.mu.Unlock()
+	outcome := "the transaction was rolled back. Reconnect and retry"
+	if !open {
+		outcome = "no transaction was open: the last COMMIT the server completed for it committed, and nothing after it ran. Reconnect, and do not repeat the work that COMMIT answered"
+	}
 	what := fmt.Sprintf("job %q's fence row (token %d)", gen.JobKey, gen.Token)
 	if gen.JobKey == "" {
 		what = "a fence row, or locks on protected data a gated write waits for,"
 	}
-	msg := fmt.Sprintf("pgfence ended this session: its transaction held %s while the client was silent for %s (gate_idle_timeout), so a takeover could not proceed; the transaction was rolled back. Reconnect and retry; keep a gated transaction short, or raise gate_idle_timeout (keep it under the lease TTL)", what, w.bound)
+	msg := fmt.Sprintf("pgfence ended this session: its transaction held %s while the client was silent for %s (gate_idle_timeout), so a takeover could not proceed; %s; keep a gated transaction short, or raise gate_idle_timeout (keep it under the lease TTL)", what, w.bound, outcome)
 	w.log.Info("gated transaction idle past the bound; ending the session",
 		zap.Uint32("backend_pid", s.backendPID()), zap.String("user", h.user), zap.String("database", h.db),
 		zap.String("job_key", gen.JobKey), zap.Int64("token", gen.Token), zap.Duration("gate_idle_timeout", w.bound))

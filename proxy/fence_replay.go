@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"fmt"
 	"slices"
 	"strings"
 
@@ -41,6 +42,9 @@ func errReplayTail() *fence.Error {
 type pendingTail struct {
 	commit *Request // the COMMIT's Execute
 	from   uint64   // fenceSession.seq before the receipt step was sent
+	// ended: commit is a Query or FunctionCall inside the batch, which
+	// ended its implicit transaction (endsInBatch).
+	ended bool
 }
 
 // receiptBefore reports whether steps hold a receipt step before a
@@ -67,6 +71,15 @@ func (h *fenceSession) replayedBatch(s gateConn) error {
 		return err
 	}
 	h.tail = nil
+	if p.ended {
+		if h.replaySeq.Load() <= p.from {
+			return nil
+		}
+		// The server is not skipping (a Query's or FunctionCall's error
+		// does not make it skip to Sync) and no transaction is open:
+		// the rest of the batch is refused, skipped to the client's Sync.
+		return h.raiseInBatch(s, errReplayTail())
+	}
 	h.mu.Lock()
 	replayed := h.replayedSeq > p.from
 	h.mu.Unlock()
@@ -114,24 +127,62 @@ func (h *fenceSession) endReplayed(s gateConn) error {
 // the next write a second time; round 6, L-H1 and L-H2: so did a step
 // the proxy believed it knew). They are set, hidden, once everything
 // before is answered (ErrWait on the loop: nothing done yet), outside an
-// extended-protocol batch (a batch the server skips would skip them), and
-// not in a failed transaction (then at the next request after it).
+// extended-protocol batch (a batch the server skips would skip them).
+//
+// They must be in effect at session level, outside any transaction that
+// can still roll back: set inside one, its ROLLBACK (or ROLLBACK TO a
+// savepoint made before) takes them away and the next write runs under
+// the step from before the replay (round 8, O-H5: an extended-protocol
+// COMMIT AND CHAIN answered as a replay leaves a failed transaction,
+// which ROLLBACK AND CHAIN or ROLLBACK TO turned into an open one). So a
+// failed transaction left by the replay is ended first (a hidden
+// ROLLBACK: the client was told its transaction ended, committed or
+// rolled back, so it believes none is open), and in an open one the
+// settings are set but stay pending, set again before each request until
+// they are set with the session idle.
+//
+// The statement either succeeds or the session ends (stepReplayed,
+// onError): a failure the proxy ignored (a client's CancelRequest timed
+// to hit it: round 8, O-H6) left the step from before the replay in
+// effect while the proxy believed replayStep.
 func (h *fenceSession) restoreReplayed(s gateConn) error {
 	if err := h.barrier(s); err != nil {
 		return err
 	}
 	h.mu.Lock()
-	if h.st.Tx() == session.Failed {
-		h.mu.Unlock()
-		return nil
+	tx := h.st.Tx()
+	h.mu.Unlock()
+	if tx == session.Failed {
+		if err := h.endReplayed(s); err != nil {
+			return err
+		}
+		return h.barrier(s) // ErrWait on the loop: handled again once it ended
 	}
+	h.mu.Lock()
 	settings := h.replaySettings
-	h.replaySettings = nil
-	h.replayPending.Store(false)
+	if tx == session.Idle {
+		h.replaySettings = nil
+		h.replayPending.Store(false)
+	}
 	var b strings.Builder
 	segs := make([]seg, 0, len(settings)+1)
 	settings = append(slices.DeleteFunc(settings, func(st session.Setting) bool { return st.Name == "fence.step" }),
 		session.Setting{Name: "fence.step", Value: replayStep})
+	if h.txUnseen {
+		// The replayed transaction ran code that may have set fence
+		// settings unseen (a DO block switching job_key, epoch and
+		// token): what it left for them is not known, and restoring
+		// what the proxy saw put the write after it under another
+		// generation than the first attempt's, applied twice (round 8,
+		// O-H2). The generation is cleared: every write is refused
+		// (FN008, fencing required) until the client sets it again.
+		settings = append(slices.DeleteFunc(settings, func(st session.Setting) bool {
+			return st.Name == "fence.job_key" || st.Name == "fence.epoch" || st.Name == "fence.token"
+		}), session.Setting{Name: "fence.job_key", Value: ""})
+		if tx == session.Idle {
+			h.txUnseen = false
+		}
+	}
 	for _, st := range settings {
 		var err error
 		if st.Default {
@@ -146,7 +197,13 @@ func (h *fenceSession) restoreReplayed(s gateConn) error {
 			b.WriteString("; ")
 		}
 		b.WriteString(restoreSettingSQL(st.Name, st.Value))
-		segs = append(segs, seg{step: stepAlign})
+		segs = append(segs, seg{step: stepReplayed})
+	}
+	if restoreFault != nil {
+		if sql := restoreFault(h.db); sql != "" {
+			b.WriteString("; " + sql)
+			segs = append(segs, seg{step: stepReplayed})
+		}
 	}
 	h.mu.Unlock()
 	if len(segs) == 0 {
@@ -157,6 +214,19 @@ func (h *fenceSession) restoreReplayed(s gateConn) error {
 	}
 	h.markState()
 	return nil
+}
+
+// restoreFault, set by tests only, adds a statement to restoreReplayed's
+// for the database it names (a failure the tests cannot time otherwise).
+var restoreFault func(db string) string
+
+// errRestoreFailed ends a session whose settings could not be set again
+// after a replay (restoreReplayed).
+func errRestoreFailed(e *pgproto3.ErrorResponse) *ProtocolError {
+	return &ProtocolError{Code: fence.CodeFencingRequired,
+		Msg:  fmt.Sprintf("pgfence ended this session: after a replayed transaction it must set fence.step to %q (and the settings that transaction set), and that failed (%s: %s), so a later write could have run under the step from before the transaction and been applied twice", replayStep, e.Code, e.Message),
+		Hint: "reconnect, set the session's fence settings (fence.step among them) as the first attempt had them, and go on with the work after the replayed transaction",
+		Err:  fmt.Errorf("restore after a replay failed: %s", e.Code)}
 }
 
 // replayStep is fence.step after a replay (restoreReplayed): what the

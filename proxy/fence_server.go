@@ -253,6 +253,17 @@ func (h *fenceSession) onError(s gateConn, msg []byte, t *tag) (Verdict, error) 
 	if st.routing() {
 		return Drop, nil // a routing query's failure is the router's business (route.go)
 	}
+	if st == stepReplayed {
+		// What a replay took away could not be set again: the session
+		// ends rather than write under a step the proxy does not know
+		// (restoreReplayed).
+		var e pgproto3.ErrorResponse
+		if err := e.Decode(msg[headerLen:]); err != nil {
+			e.Code = "XX000"
+		}
+		s.endWith(errRestoreFailed(&e))
+		return Drop, nil
+	}
 	h.timeStep(t, st)
 	var committed []session.Setting
 	if st == stepReceipt {
@@ -287,6 +298,7 @@ func (h *fenceSession) onError(s gateConn, msg []byte, t *tag) (Verdict, error) 
 		// the database's guard answered, left the step from before the
 		// transaction, and the next write was applied twice.
 		h.replayPending.Store(true)
+		h.replaySeq.Store(t.seq)
 	}
 	if st == stepReceipt && e.Code == fence.CodeReplay {
 		h.f.Stats.Replayed.Add(1)

@@ -100,6 +100,9 @@ type fenceSession struct {
 	// by a replay.
 	tail        *pendingTail
 	replayedSeq uint64
+	// replaySeq: the seq of the last request answered with FN00R,
+	// whatever answered it (server goroutine writes, client side reads).
+	replaySeq atomic.Uint64
 	// portalsEnded (under mu): the seq of the last request answered with
 	// the session idle; portals bound before it are gone (prunePortals).
 	portalsEnded uint64
@@ -108,8 +111,15 @@ type fenceSession struct {
 	// replayPending says there are some (restoreReplayed).
 	replaySettings []session.Setting
 	replayPending  atomic.Bool
-	// commitOut: a receipt step (a gated COMMIT) was sent; the client's
-	// next request waits for its answer (fence_client.go).
+	// txUnseen (client side): a request of the current transaction may
+	// have changed a tracked setting unseen (a DO block, a CALL, a
+	// set_config the proxy could not read): what a replay of it took
+	// away is not known (restoreReplayed).
+	txUnseen bool
+	// commitOut: a request that may end a transaction that may have
+	// written was sent (a receipt step, a gated COMMIT, any statement that
+	// may run code); the client's next request waits for its answer
+	// (fence_client.go).
 	commitOut   atomic.Bool
 	portalsKept atomic.Int64 // len(portals) after the last Bind (tests)
 	// sessKnown (under mu): the seq of the last settings read-back sent
@@ -161,6 +171,7 @@ const (
 	stepRestore                   // ROLLBACK TO that savepoint after a failed receipt step
 	stepSettings                  // the settings read back (fence_text.go)
 	stepTxID                      // the wrapped batch's transaction id, read before a CALL or DO (plan.TxStatement)
+	stepReplayed                  // the settings a replay took away, set again (restoreReplayed): it succeeds or the session ends
 
 	// Read routing's own requests (route.go).
 	stepFenceCheck // SELECT the replica's fence row

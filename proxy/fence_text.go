@@ -496,6 +496,7 @@ func (h *fenceSession) noteSent(s gateConn, t *tag) (code bool) {
 	}
 	code = unknown
 	enc, guc, txEnd := unknown, unknown, false
+	gen := unknown // may set the generation unseen (txUnseen)
 	if unknown && h.protects() {
 		h.idle.fenceCall.Store(t.seq) // may lock protected rows (fence_idle.go)
 	}
@@ -527,9 +528,11 @@ func (h *fenceSession) noteSent(s gateConn, t *tag) (code bool) {
 			// cost a round trip each): docs/security.md, receipts.
 			guc = st.Kind == rewrite.Do || st.Kind == rewrite.Call
 		}
-		if !guc {
+		gen = gen || st.Kind == rewrite.Do || st.Kind == rewrite.Call
+		if !guc || !gen {
 			h.mu.Lock()
-			guc = h.st.Uncertain(st, pf)
+			guc = guc || h.st.Uncertain(st, pf)
+			gen = gen || h.st.UncertainGeneration(st, pf)
 			h.mu.Unlock()
 		}
 		switch st.Kind {
@@ -549,6 +552,9 @@ func (h *fenceSession) noteSent(s gateConn, t *tag) (code bool) {
 	}
 	if enc {
 		h.encSeq = t.seq
+	}
+	if gen {
+		h.txUnseen = true
 	}
 	if guc || txEnd && h.resyncInTx {
 		h.gucSeq = t.seq

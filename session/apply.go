@@ -149,6 +149,29 @@ func (s *State) Uncertain(st *rewrite.Stmt, params ParamFunc) bool {
 	return false
 }
 
+// UncertainGeneration reports whether st may set fence.job_key,
+// fence.epoch or fence.token to a value the proxy cannot know: a write of
+// a setting it cannot name, or an uncertain effect on one of those three
+// (or on a setting whose name is not known). A computed fence.step alone
+// does not count.
+func (s *State) UncertainGeneration(st *rewrite.Stmt, params ParamFunc) bool {
+	if st.UnknownGUCWrite {
+		return true
+	}
+	for _, g := range s.effects(st) {
+		e, _, err := resolve(g, params)
+		if !isUncertain(err) {
+			continue
+		}
+		switch e.name {
+		case Step, SearchPath:
+		default:
+			return true
+		}
+	}
+	return false
+}
+
 // Resync sets a tracked parameter to the value the server reports for it
 // now (set false: the server has no such setting, which for fence.* means
 // unset), as a SET at the current nest level would, so that a rollback
