@@ -31,6 +31,12 @@ func (h *fenceSession) clientMessage(s *Session, msg []byte) (Verdict, error) {
 	case 'S', 'H', 'Q', 'F':
 		h.idle.openBatch.Store(false)
 	}
+	if (msg[0] == 'c' || msg[0] == 'f') && h.protects() {
+		// The end of a COPY FROM's data: the request that follows waits
+		// for the COPY's answer, as after any request that may write
+		// (fence_exec.go, send).
+		h.commitOut.Store(true)
+	}
 	if h.commitOut.Load() && !h.inBatch && startsRequest(msg[0]) {
 		// A gated COMMIT was sent: the client's next request waits until
 		// it is answered, so that nothing of it reaches the server before

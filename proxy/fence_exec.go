@@ -70,7 +70,10 @@ func (h *fenceSession) send(s gateConn, msg []byte, t *tag, visible bool) error 
 		}
 	}
 	if visible && t != nil && h.noteSent(s, t) {
-		if h.protects() {
+		if h.protects() && !copyFrom {
+			// (A COPY FROM waits for the client's data, so nothing may
+			// wait for its answer before its CopyDone: clientMessage
+			// sets this at the CopyDone or CopyFail instead.)
 			// It may write a protected row the proxy cannot see (a
 			// view's function, a trigger) and end the transaction: a
 			// replay (FN00R, the database's guard) would roll back what

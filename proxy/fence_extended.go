@@ -42,7 +42,11 @@ func (h *fenceSession) parse(s gateConn, msg []byte) (Verdict, error) {
 	if err != nil {
 		if s.readRouter() != nil && s.OnReplica() {
 			// Never run unread on the replica (replstate.go): not moved
-			// to the primary in the middle of a batch either.
+			// to the primary in the middle of a batch either. Text the
+			// proxy cannot even decode is refused as such (22021).
+			if isTextError(err) {
+				return Drop, h.raiseInBatch(s, textError(err))
+			}
 			return Drop, h.raiseInBatch(s, errReplicaUnread())
 		}
 		if h.strict(true) {
