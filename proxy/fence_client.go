@@ -38,8 +38,11 @@ func (h *fenceSession) clientMessage(s *Session, msg []byte) (Verdict, error) {
 		h.commitOut.Store(true)
 	}
 	if h.commitOut.Load() && !h.inBatch && startsRequest(msg[0]) {
-		// A gated COMMIT was sent: the client's next request waits until
-		// it is answered, so that nothing of it reaches the server before
+		// A request that may end in a replay was sent (a gated COMMIT, any
+		// request that may write or run code in a database with protected
+		// tables, the end of a COPY's data: fence_exec.go, send): the
+		// client's next request waits until it is answered, so that
+		// nothing of it reaches the server before
 		// the proxy knows whether the COMMIT was a replay, and has put the
 		// session back as the first attempt's COMMIT left it
 		// (restoreReplayed) or answered it as PostgreSQL does (round 5,

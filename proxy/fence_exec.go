@@ -196,13 +196,8 @@ func (h *fenceSession) barrierThen(s gateConn, k func() error) error {
 // only before anything of the message is done (nothing sent, nothing
 // changed that handling it again would change twice).
 func (h *fenceSession) wait(s gateConn, r *Request) error {
-	if r == nil {
-		return nil
-	}
-	select {
-	case <-r.Done():
-		return nil // answered: without an until, which escapes to parkClient
-	default:
+	if answered(r) {
+		return nil // without an until, which escapes to parkClient
 	}
 	return h.then(s, &until{r: r}, nil)
 }
