@@ -198,7 +198,14 @@ func (n *nemesis) failover(ctx context.Context) error {
 	// its run acquire again; in sync mode it must commit on. Bounded: the
 	// workload decides.
 	wctx, cancel := context.WithTimeout(ctx, 3*time.Second)
-	poll(wctx, 20*time.Millisecond, func() (bool, error) { return n.holderMidWork(wctx), nil })
+	var why []string
+	if poll(wctx, 20*time.Millisecond, func() (bool, error) {
+		var ok bool
+		ok, why = n.holderMidWork(wctx)
+		return ok, nil
+	}) != nil {
+		h.log.Info("failover: no holder with a commit to make", zap.Strings("candidates", why))
+	}
 	cancel()
 	err := n.db.do(ctx, func(c *pgx.Conn) error {
 		return c.QueryRow(ctx, `SELECT clock_timestamp(), (SELECT count(*) FROM fence.issuance),
@@ -271,14 +278,17 @@ func (n *nemesis) failover(ctx context.Context) error {
 }
 
 // holderMidWork reports whether a worker other than a stopped zombie holds
-// a lease with more than a second left and has commits still to make.
-func (n *nemesis) holderMidWork(ctx context.Context) bool {
+// a lease with more than 3 s left (so it outlives the kill and the promotion:
+// its run learns what became of it) and has commits still to make.
+func (n *nemesis) holderMidWork(ctx context.Context) (bool, []string) {
+	var why []string
 	n.mu.Lock()
 	zombie := n.zombieHolder
 	n.mu.Unlock()
 	for _, s := range n.h.slots {
 		sp := s.current()
 		if sp == nil || sp.exited() || sp.holder == zombie {
+			why = append(why, fmt.Sprintf("slot %d: none or zombie", s.id))
 			continue
 		}
 		answered := map[string]bool{}
@@ -292,18 +302,20 @@ func (n *nemesis) holderMidWork(ctx context.Context) bool {
 			}
 		}
 		if refused || len(answered) >= sp.steps {
+			why = append(why, fmt.Sprintf("%s: refused %v, %d of %d steps", sp.holder, refused, len(answered), sp.steps))
 			continue
 		}
 		var live bool
 		err := n.db.do(ctx, func(c *pgx.Conn) error {
 			return c.QueryRow(ctx, `SELECT EXISTS (SELECT FROM fence.leases
-				WHERE holder = $1 AND expires_at > clock_timestamp() + interval '1 second')`, sp.holder).Scan(&live)
+				WHERE holder = $1 AND expires_at > clock_timestamp() + interval '3 seconds')`, sp.holder).Scan(&live)
 		})
 		if err == nil && live {
-			return true
+			return true, nil
 		}
+		why = append(why, fmt.Sprintf("%s: lease live for 3 s %v (%v)", sp.holder, live, err))
 	}
-	return false
+	return false, why
 }
 
 // voidedLog begins the warning `pgfence run` logs when it acquires the
@@ -319,6 +331,12 @@ func (h *harness) failoverStats(ctx context.Context, conn *pgx.Conn, attempts []
 	st := h.sum.Failover
 	if st == nil || st.Failed != "" {
 		return nil
+	}
+	// The era is made by the first transaction on the new timeline that
+	// checks a generation; when the run ended before any did (a slow new
+	// replica in sync mode holds every acquire back), make it now.
+	if _, err := conn.Exec(ctx, "SELECT fence.current_era()"); err != nil {
+		return fmt.Errorf("current era: %w", err)
 	}
 	var eras int
 	err := conn.QueryRow(ctx, `SELECT e.era, e.timeline, e.token_floor, e.lossless, (SELECT count(*) FROM fence.eras)
