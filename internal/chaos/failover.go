@@ -197,7 +197,7 @@ func (n *nemesis) failover(ctx context.Context) error {
 	// under a live lease: in async mode it must then be refused FN015 and
 	// its run acquire again; in sync mode it must commit on. Bounded: the
 	// workload decides.
-	wctx, cancel := context.WithTimeout(ctx, 3*time.Second)
+	wctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 	var why []string
 	if poll(wctx, 20*time.Millisecond, func() (bool, error) {
 		var ok bool
@@ -281,10 +281,11 @@ func (n *nemesis) failover(ctx context.Context) error {
 // a lease with more than 3 s left (so it outlives the kill and the promotion:
 // its run learns what became of it) and has commits still to make.
 func (n *nemesis) holderMidWork(ctx context.Context) (bool, []string) {
-	var why []string
 	n.mu.Lock()
 	zombie := n.zombieHolder
 	n.mu.Unlock()
+	var why []string
+	candidates := map[string]bool{}
 	for _, s := range n.h.slots {
 		sp := s.current()
 		if sp == nil || sp.exited() || sp.holder == zombie {
@@ -305,17 +306,26 @@ func (n *nemesis) holderMidWork(ctx context.Context) (bool, []string) {
 			why = append(why, fmt.Sprintf("%s: refused %v, %d of %d steps", sp.holder, refused, len(answered), sp.steps))
 			continue
 		}
-		var live bool
-		err := n.db.do(ctx, func(c *pgx.Conn) error {
-			return c.QueryRow(ctx, `SELECT EXISTS (SELECT FROM fence.leases
-				WHERE holder = $1 AND expires_at > clock_timestamp() + interval '3 seconds')`, sp.holder).Scan(&live)
-		})
-		if err == nil && live {
+		candidates[sp.holder] = true
+	}
+	if len(candidates) == 0 {
+		return false, why
+	}
+	var live []string
+	err := n.db.do(ctx, func(c *pgx.Conn) error {
+		rows, err := c.Query(ctx, `SELECT holder FROM fence.leases WHERE expires_at > clock_timestamp() + interval '3 seconds'`)
+		if err != nil {
+			return err
+		}
+		live, err = pgx.CollectRows(rows, pgx.RowTo[string])
+		return err
+	})
+	for _, l := range live {
+		if candidates[l] {
 			return true, nil
 		}
-		why = append(why, fmt.Sprintf("%s: lease live for 3 s %v (%v)", sp.holder, live, err))
 	}
-	return false, why
+	return false, append(why, fmt.Sprintf("candidates %v, leases with 3 s left %v (%v)", candidates, live, err))
 }
 
 // voidedLog begins the warning `pgfence run` logs when it acquires the
