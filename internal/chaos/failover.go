@@ -134,7 +134,8 @@ type failoverState struct {
 // primary, and replay-pause is not injected any more.
 func (n *nemesis) failover(ctx context.Context) error {
 	h := n.h
-	ctx = context.WithoutCancel(ctx) // once begun, it runs to its end
+	runCtx := ctx                    // a zombie lives in the run's context
+	ctx = context.WithoutCancel(ctx) // once begun, the failover runs to its end
 	mode := h.cfg.Failover
 	h.failoverGen.Add(1)
 	promoted := false
@@ -162,7 +163,7 @@ func (n *nemesis) failover(ctx context.Context) error {
 	if !busy {
 		// A zombie stopped now is continued only after the promotion: in
 		// async mode its takeover, if any, is lost with the old primary.
-		if _, err := n.startZombie(ctx); err != nil {
+		if _, err := n.startZombie(runCtx); err != nil {
 			h.log.Info("failover: no zombie", zap.Error(err))
 		}
 	}
