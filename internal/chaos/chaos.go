@@ -42,11 +42,12 @@ type Config struct {
 	// Readers is the number of readers. Zero means 3 (one per read
 	// policy: primary, wait, pending).
 	Readers int
-	// TTL is the lease TTL of each `pgfence run`. Zero means 2s, or 5s
+	// TTL is the lease TTL of each `pgfence run`. Zero means 2s, or 8s
 	// with the failover fault: a lease must outlive the kill, the
-	// promotion and the reconnection (a second or two here) for its
-	// holder to learn of the failover (FN015 in async mode) or to keep
-	// its lease across it (sync mode); a shorter one only expires.
+	// promotion and the reconnection (one to three seconds here, more on
+	// a loaded machine) for its holder to learn of the failover (FN015 in
+	// async mode) or to keep its lease across it (sync mode); a shorter
+	// one only expires.
 	TTL time.Duration
 	// Faults are the kinds the nemesis injects, in a seeded shuffled
 	// rotation. Nil means every kind.
@@ -97,7 +98,7 @@ func (c *Config) setDefaults() error {
 	if c.TTL == 0 {
 		c.TTL = 2 * time.Second
 		if c.hasFailover() || c.Failover != "" {
-			c.TTL = 5 * time.Second
+			c.TTL = 8 * time.Second
 		}
 	}
 	if c.Faults == nil {

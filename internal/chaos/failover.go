@@ -279,8 +279,9 @@ func (n *nemesis) failover(ctx context.Context) error {
 }
 
 // holderMidWork reports whether a worker other than a stopped zombie holds
-// a lease with more than 3 s left (so it outlives the kill and the promotion:
-// its run learns what became of it) and has commits still to make.
+// a lease with more than 3/5 of its TTL left (so it outlives the kill and
+// the promotion: its run learns what became of it) and has commits still
+// to make.
 func (n *nemesis) holderMidWork(ctx context.Context) (bool, []string) {
 	n.mu.Lock()
 	zombie := n.zombieHolder
@@ -312,9 +313,12 @@ func (n *nemesis) holderMidWork(ctx context.Context) (bool, []string) {
 	if len(candidates) == 0 {
 		return false, why
 	}
+	// A lease renewed on time has at least two thirds of its TTL left.
+	minLeft := n.h.cfg.TTL * 3 / 5
 	var live []string
 	err := n.db.do(ctx, func(c *pgx.Conn) error {
-		rows, err := c.Query(ctx, `SELECT holder FROM fence.leases WHERE expires_at > clock_timestamp() + interval '3 seconds'`)
+		rows, err := c.Query(ctx, `SELECT holder FROM fence.leases WHERE expires_at > clock_timestamp() + make_interval(secs => $1)`,
+			minLeft.Seconds())
 		if err != nil {
 			return err
 		}
@@ -326,7 +330,7 @@ func (n *nemesis) holderMidWork(ctx context.Context) (bool, []string) {
 			return true, nil
 		}
 	}
-	return false, append(why, fmt.Sprintf("candidates %v, leases with 3 s left %v (%v)", candidates, live, err))
+	return false, append(why, fmt.Sprintf("candidates %v, leases with %s left %v (%v)", candidates, minLeft, live, err))
 }
 
 // voidedLog begins the warning `pgfence run` logs when it acquires the
