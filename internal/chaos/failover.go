@@ -87,9 +87,12 @@ type FailoverStats struct {
 	// The old primary's clock, tokens and receipts just before the kill.
 	cut                   time.Time
 	oldTokens, oldCommits int64
-	// ZombieStopped: a zombie was stopped before the primary was killed
-	// and continued only after the promotion.
-	ZombiesAcross int
+	// ZombiesAcross are zombies stopped before the primary was killed and
+	// continued after the promotion; ZombiesAcrossFN15 and
+	// ZombiesAcrossFN01 those refused FN015 (async: the era voids them,
+	// their takeover lost or not) and FN001 (sync: the takeover survived).
+	ZombiesAcross                        int
+	ZombiesAcrossFN15, ZombiesAcrossFN01 int
 	// Voided are runs (`pgfence run`) that learnt their generation was
 	// void (FN015, from a renewal or after their command failed) and set
 	// out to acquire the job again (--failover-restarts; their log says
@@ -98,16 +101,20 @@ type FailoverStats struct {
 	// at once after the failover), RestartedCommitted those that committed
 	// under the new token.
 	Voided, Restarted, RestartedCommitted int
-	// The era the promotion began (fence.eras), read at the end.
-	Era, Timeline     int32
-	TokenFloor        int64
-	Lossless, NewEra  bool
-	Refused           int // attempts answered FN015
-	CommittedBefore   int // first commits begun after the kill under a token issued before it
-	ReadsNotChecked   int // async: reads whose generation was learnt before the failover and answered after it
-	AcknowledgedLost  int64
-	ZombiesAcrossFN15 int // zombies across the failover refused with FN015
-	ZombiesAcrossFN01 int // ... with FN001
+	// The era the promotion began (fence.eras), read at the end: every
+	// token issued before it is at most TokenFloor.
+	Era, Timeline    int32
+	TokenFloor       int64
+	Lossless, NewEra bool
+	Refused          int // attempts answered FN015
+	// CommittedBefore are first commits (not replays) begun after the
+	// kill under a token issued before it: live holders committing on in
+	// sync mode; in async mode each is an anomaly.
+	CommittedBefore int
+	ReadsNotChecked int // async: reads whose generation was learnt before the failover and answered after it
+	// AcknowledgedLost are the commits the checker found absent and
+	// explained by a lossy era (audit check 3).
+	AcknowledgedLost int64
 }
 
 // failoverState is the nemesis's part of a failover.
