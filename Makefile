@@ -4,6 +4,7 @@ PKGS     ?= ./...
 TESTFLAGS ?=
 DURATION ?= 5m
 SEED     ?=
+FAILOVER ?=
 PORT     ?= 6432
 PREFIX   ?= $(HOME)/.local
 # The version and commit pgfence version prints (main.version, main.commit).
@@ -93,9 +94,9 @@ bench: deps build ## benchmarks: pgfence vs direct connections, printed as ratio
 	$(GO) run ./internal/benchproxy -pgfence bin/pgfence
 	$(GO) run ./internal/benchreplica
 
-chaos: deps build ## chaos run with a nemesis, then the checker (DURATION=5m, SEED=N)
+chaos: deps build ## chaos run with a nemesis, then the checker (DURATION=5m, SEED=N, FAILOVER=async|sync)
 	$(GO) build -o bin/chaos ./internal/chaos/cmd
-	./bin/chaos --pgfence bin/pgfence --duration $(DURATION) $(if $(SEED),--seed $(SEED))
+	./bin/chaos --pgfence bin/pgfence --duration $(DURATION) $(if $(SEED),--seed $(SEED)) $(if $(FAILOVER),--failover $(FAILOVER))
 
 lint: ## go vet and gofmt
 	$(GO) vet $(PKGS)

@@ -42,7 +42,12 @@ type Config struct {
 	// Readers is the number of readers. Zero means 3 (one per read
 	// policy: primary, wait, pending).
 	Readers int
-	// TTL is the lease TTL of each `pgfence run`. Zero means 2s.
+	// TTL is the lease TTL of each `pgfence run`. Zero means 2s, or 8s
+	// with the failover fault: a lease must outlive the kill, the
+	// promotion and the reconnection (one to three seconds here, more on
+	// a loaded machine) for its holder to learn of the failover (FN015 in
+	// async mode) or to keep its lease across it (sync mode); a shorter
+	// one only expires.
 	TTL time.Duration
 	// Faults are the kinds the nemesis injects, in a seeded shuffled
 	// rotation. Nil means every kind.
@@ -50,6 +55,13 @@ type Config struct {
 	// FaultGap bounds the pause between two faults: uniform in
 	// [FaultGap/2, FaultGap*3/2]. Zero means 2s.
 	FaultGap time.Duration
+	// Failover is the replication mode of the failover fault. Set, it
+	// adds FaultFailover to Faults; empty with FaultFailover in Faults
+	// means FailoverAsync. FailoverSync needs every node of Cluster to
+	// set synchronous_standby_names = '*' (Run starts its own cluster so)
+	// and sets the database's failover_mode to sync. A run with the
+	// failover needs a Cluster of its own: it ends with another primary.
+	Failover FailoverMode
 
 	// Pgfence is the pgfence binary (serve and run). Required.
 	Pgfence string
@@ -85,9 +97,18 @@ func (c *Config) setDefaults() error {
 	}
 	if c.TTL == 0 {
 		c.TTL = 2 * time.Second
+		if c.hasFailover() || c.Failover != "" {
+			c.TTL = 8 * time.Second
+		}
 	}
 	if c.Faults == nil {
 		c.Faults = AllFaults
+	}
+	if c.Failover != "" && !c.hasFailover() {
+		c.Faults = append(append([]Fault{}, c.Faults...), FaultFailover)
+	}
+	if c.hasFailover() && c.Failover == "" {
+		c.Failover = FailoverAsync
 	}
 	if c.FaultGap == 0 {
 		c.FaultGap = 2 * time.Second
@@ -145,7 +166,11 @@ func Run(ctx context.Context, cfg Config) (_ *Summary, err error) {
 	c := cfg.Cluster
 	if c == nil {
 		log.Info("starting a primary and a streaming replica")
-		if c, err = pgtest.Start(ctx, pgtest.Options{Replica: true}); err != nil {
+		opts := pgtest.Options{Replica: true}
+		if cfg.Failover == FailoverSync {
+			opts.Settings = syncSettings
+		}
+		if c, err = pgtest.Start(ctx, opts); err != nil {
 			return nil, err
 		}
 		defer c.Close()
@@ -160,7 +185,7 @@ func Run(ctx context.Context, cfg Config) (_ *Summary, err error) {
 			return nil, err
 		}
 	}
-	if err := setupSchema(ctx, c, db); err != nil {
+	if err := setupSchema(ctx, c, db, cfg.Failover); err != nil {
 		return nil, err
 	}
 
@@ -172,6 +197,14 @@ func Run(ctx context.Context, cfg Config) (_ *Summary, err error) {
 	}
 
 	primary, replica := c.Primary.DSN("postgres"), c.Replica.DSN("postgres")
+	h.primaryDSN = c.Primary.DSN(db)
+	if cfg.hasFailover() {
+		// Everyone follows the promotion: the proxies, the runners, the
+		// readers, the consumer and the nemesis connect to whichever
+		// node accepts writes.
+		primary = multiHostDSN("postgres", c.Primary, c.Replica)
+		h.primaryDSN = multiHostDSN(db, c.Primary, c.Replica)
+	}
 	for i := 0; i < 2; i++ {
 		p, err := newProxyProc(fmt.Sprintf("proxy%d", i), cfg.Pgfence, primary, replica, db,
 			filepath.Join(cfg.Dir, fmt.Sprintf("proxy%d.log", i)))
@@ -214,13 +247,13 @@ func Run(ctx context.Context, cfg Config) (_ *Summary, err error) {
 		wg.Add(1)
 		go func(i int, seed uint64) { defer wg.Done(); rd.run(wctx, i, seed) }(i, seeds.Uint64())
 	}
-	cons := &consumer{h: h, db: newDB(c.Primary.DSN(db))}
+	cons := &consumer{h: h, db: newDB(h.primaryDSN)}
 	defer cons.db.close()
 	consDone := make(chan struct{})
 	cctx, stopConsumer := context.WithCancel(ctx)
 	defer stopConsumer()
 	go func(seed uint64) { defer close(consDone); cons.run(cctx, seed) }(seeds.Uint64())
-	nem := &nemesis{h: h, db: newDB(c.Primary.DSN(db)), rng: rand.New(rand.NewPCG(seeds.Uint64(), 1))}
+	nem := &nemesis{h: h, db: newDB(h.primaryDSN), rng: rand.New(rand.NewPCG(seeds.Uint64(), 1))}
 	defer nem.db.close()
 	nemDone := make(chan struct{})
 	go func() { defer close(nemDone); nem.run(wctx) }()
@@ -243,8 +276,10 @@ func Run(ctx context.Context, cfg Config) (_ *Summary, err error) {
 	for _, p := range h.proxies {
 		p.stop()
 	}
-	if err := c.WaitReplicaCaughtUp(fctx); err != nil {
-		return nil, fmt.Errorf("wait for replay: %w", err)
+	if c.Replica != nil { // nil only after a failover that failed half-way
+		if err := c.WaitReplicaCaughtUp(fctx); err != nil {
+			return nil, fmt.Errorf("wait for replay: %w", err)
+		}
 	}
 	if err := h.finish(fctx, rd, cons, nem); err != nil {
 		return nil, err
@@ -277,7 +312,7 @@ func createDatabase(ctx context.Context, c *pgtest.Cluster, db string) error {
 	return nil
 }
 
-func setupSchema(ctx context.Context, c *pgtest.Cluster, db string) error {
+func setupSchema(ctx context.Context, c *pgtest.Cluster, db string, mode FailoverMode) error {
 	conn, err := c.Primary.Connect(ctx, db)
 	if err != nil {
 		return err
@@ -294,6 +329,11 @@ func setupSchema(ctx context.Context, c *pgtest.Cluster, db string) error {
 		" SET idle_in_transaction_session_timeout = '1s'"); err != nil {
 		return err
 	}
+	if mode == FailoverSync {
+		if _, err := conn.Exec(ctx, "SELECT fence.set_failover_mode('sync')"); err != nil {
+			return fmt.Errorf("failover mode: %w", err)
+		}
+	}
 	wctx, cancel := context.WithTimeout(ctx, time.Minute)
 	defer cancel()
 	return c.WaitReplicaCaughtUp(wctx)
@@ -309,6 +349,12 @@ type harness struct {
 	jobs    []string
 	proxies []*proxyProc
 	slots   []*slot
+	// primaryDSN is the chaos database on the primary: with the failover
+	// fault, a DSN that lists both nodes (multiHostDSN).
+	primaryDSN string
+	// failoverGen is odd while a failover is under way: a read that saw
+	// it change straddled the failover.
+	failoverGen atomic.Int64
 
 	mu  sync.Mutex
 	sum *Summary
@@ -355,11 +401,17 @@ func (h *harness) runSlot(ctx context.Context, s *slot, seed uint64) {
 		records := filepath.Join(h.recDir, holder+".jsonl")
 		steps := 1 + rng.IntN(len(workerSteps))
 		dsn := fmt.Sprintf("postgres://postgres@%s/%s?sslmode=disable&application_name=chaos-worker", s.relay.Addr(), h.db)
+		level := "error"
+		if h.cfg.hasFailover() {
+			// Its failover restarts are logged as warnings (counted in
+			// failoverStats).
+			level = "warn"
+		}
 		cmd := exec.Command(h.cfg.Pgfence, "run", "--job", job, "--ttl", h.cfg.TTL.String(), "--holder", holder,
-			"--database", h.c.Primary.DSN(h.db), "--grace", "2s", "--log-level", "error", "--",
+			"--database", h.primaryDSN, "--grace", "2s", "--log-level", level, "--",
 			h.cfg.Self, "worker", "--name", holder, "--records", records, "--steps", strconv.Itoa(steps),
 			"--seed", strconv.FormatUint(rng.Uint64(), 10),
-			"--primary", h.c.Primary.DSN(h.db)+"&application_name=chaos-worker")
+			"--primary", h.primaryDSN+"&application_name=chaos-worker")
 		cmd.Env = append(os.Environ(), "DATABASE_URL="+dsn)
 		cmd.Stdout, cmd.Stderr = logf, logf
 		cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
@@ -433,6 +485,15 @@ func (h *harness) finish(ctx context.Context, rd *readers, cons *consumer, nem *
 		}
 	}
 	nem.zombieStats(attempts)
+	if h.cfg.hasFailover() {
+		nem.mu.Lock()
+		st := nem.fo.stats
+		nem.mu.Unlock()
+		if st.Mode == "" {
+			st.Mode, st.Failed = h.cfg.Failover, "its time did not come before the run ended"
+		}
+		sum.Failover = &st
+	}
 	sum.Reads = rd.stats()
 	sum.Consumer = cons.stats()
 
@@ -458,7 +519,10 @@ func (h *harness) finish(ctx context.Context, rd *readers, cons *consumer, nem *
 		return err
 	}
 	sum.Report = rep
-	return nil
+	if sum.Failover != nil {
+		sum.Failover.ReadsNotChecked = sum.Reads.AcrossFailover
+	}
+	return h.failoverStats(ctx, conn, attempts, rep)
 }
 
 // Summary is what a run did and what the checker found.
@@ -480,6 +544,8 @@ type Summary struct {
 	// after the takeover: each is an anomaly, the fence failed.
 	Zombies, ZombiesResumed, ZombiesRefused, ZombiesFaulted, ZombiesCommitted int
 	Faults                                                                    map[Fault]int
+	// Failover is what the failover fault did (nil: not in the run).
+	Failover *FailoverStats
 	// FaultErrors counts faults the nemesis failed to inject or undo.
 	FaultErrors []string
 	Reads       ReadStats
@@ -530,6 +596,9 @@ func (s *Summary) WriteText(w io.Writer) error {
 	for _, f := range AllFaults {
 		p(" %s %d,", f, s.Faults[f])
 	}
+	if s.Failover != nil {
+		p(" %s %d,", FaultFailover, s.Faults[FaultFailover])
+	}
 	b = b[:len(b)-1]
 	if len(s.FaultErrors) > 0 {
 		p(" (%d failed to inject)", len(s.FaultErrors))
@@ -537,6 +606,9 @@ func (s *Summary) WriteText(w io.Writer) error {
 	p("\nreads %d: replica %d, primary %d, pending (FN007) %d, errors %d\n",
 		s.Reads.Recorded, s.Reads.Replica, s.Reads.Primary, s.Reads.Pending, s.Reads.Errors)
 	p("consumer: events accepted %d, rejected %d\n", s.Consumer.Accepted, s.Consumer.Rejected)
+	if s.Failover != nil {
+		s.Failover.writeText(p)
+	}
 	for _, e := range s.FaultErrors {
 		p("fault failed: %s\n", e)
 	}

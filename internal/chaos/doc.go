@@ -5,9 +5,10 @@
 // replica route while carrying a generation, a consumer applying outbox
 // events with fence.accept_event, and a seeded nemesis (zombie workers,
 // killed proxies, terminated backends, lost commit responses, paused WAL
-// replay, a restarted primary). At the end it stops everything, waits for
-// the replica to replay, and runs the checker (package audit) with the
-// workers' and readers' own records.
+// replay, a restarted primary; on request, one failover in asynchronous or
+// synchronous mode, see failover.go and docs/failover.md). At the end it
+// stops everything, waits for the replica to replay, and runs the checker
+// (package audit) with the workers' and readers' own records.
 //
 // A worker records every attempt (job, epoch, token, step, payload digest
 // and the outcome it saw) in a JSON-lines file; Run collects them. The

@@ -23,6 +23,10 @@ type ReadStats struct {
 	Primary  int // of those, answered by the primary
 	Pending  int // FN007: the replica had not replayed the generation
 	Errors   int
+	// AcrossFailover are reads whose generation was learnt before an
+	// asynchronous failover and answered after it (or during it): not
+	// recorded, since the generation may be one the failover lost.
+	AcrossFailover int
 }
 
 // readers read results through the proxies' replica route while carrying
@@ -45,7 +49,7 @@ var readPolicies = []string{"primary", "wait", "pending"}
 func (rd *readers) run(ctx context.Context, i int, seed uint64) {
 	rng := rand.New(rand.NewPCG(seed, uint64(i)))
 	policy := readPolicies[i%len(readPolicies)]
-	primary := newDB(rd.h.c.Primary.DSN(rd.h.db))
+	primary := newDB(rd.h.primaryDSN)
 	defer primary.close()
 	var c *pgconn.PgConn
 	defer func() {
@@ -68,6 +72,7 @@ func (rd *readers) run(ctx context.Context, i int, seed uint64) {
 			}
 		}
 		job := rd.h.jobs[rng.IntN(len(rd.h.jobs))]
+		gen := rd.h.failoverGen.Load()
 		var token int64
 		var lsn string
 		err := primary.do(ctx, func(c *pgx.Conn) error {
@@ -96,6 +101,14 @@ func (rd *readers) run(ctx context.Context, i int, seed uint64) {
 			}
 			c.Close(ctx)
 			continue
+		}
+		if gen%2 == 1 || rd.h.failoverGen.Load() != gen {
+			if rd.h.cfg.Failover == FailoverAsync {
+				// The generation carried may be one the failover lost:
+				// the new primary's older result is then the truth.
+				rd.add(func(s *ReadStats) { s.AcrossFailover++ })
+				continue
+			}
 		}
 		if len(rs) != 1 || len(rs[0].Rows) != 1 {
 			// The row was there on the primary: a read that finds none

@@ -17,6 +17,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/pgfence/pgfence/audit"
+	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/internal/pgtest"
 )
 
@@ -43,10 +44,22 @@ const (
 	// FaultPrimaryRestart restarts the primary with a fast shutdown
 	// (pg_ctl restart -m fast): every session and transaction is ended.
 	FaultPrimaryRestart Fault = "primary-restart"
+	// FaultFailover kills the primary (immediate shutdown) and promotes
+	// the replica, once per run, between 35% and 55% of its duration, in
+	// the run's FailoverMode: in async mode after the replica was detached
+	// long enough to lack a takeover and commits of the old primary. See
+	// nemesis.failover. It is not in AllFaults: a run has it only when
+	// asked (Config.Faults or Config.Failover), since it ends the cluster
+	// as it was (the proxies lose their replica).
+	FaultFailover Fault = "failover"
 )
 
-// AllFaults is every fault kind, in the order the summary prints them.
+// AllFaults is every fault kind a run injects by default, in the order
+// the summary prints them.
 var AllFaults = []Fault{FaultZombie, FaultProxyKill, FaultTerminate, FaultCutCommit, FaultReplayPause, FaultPrimaryRestart}
+
+// KnownFaults is every fault kind: AllFaults and FaultFailover.
+var KnownFaults = append(append([]Fault{}, AllFaults...), FaultFailover)
 
 // ParseFaults parses a comma-separated list of fault kinds.
 func ParseFaults(s string) ([]Fault, error) {
@@ -54,13 +67,13 @@ func ParseFaults(s string) ([]Fault, error) {
 	for _, f := range strings.Split(s, ",") {
 		f = strings.TrimSpace(f)
 		ok := false
-		for _, k := range AllFaults {
+		for _, k := range KnownFaults {
 			if Fault(f) == k {
 				out, ok = append(out, k), true
 			}
 		}
 		if !ok {
-			return nil, fmt.Errorf("unknown fault %q (kinds: %v)", f, AllFaults)
+			return nil, fmt.Errorf("unknown fault %q (kinds: %v)", f, KnownFaults)
 		}
 	}
 	return out, nil
@@ -77,24 +90,40 @@ type nemesis struct {
 	db  *db
 	rng *rand.Rand
 
-	wg       sync.WaitGroup
-	mu       sync.Mutex
-	zombie   bool          // a zombie is in progress
-	paused   bool          // replay is paused
-	zombies  []zombieEvent // with their outcome known
-	failures []string
+	wg           sync.WaitGroup
+	mu           sync.Mutex
+	zombie       bool          // a zombie is in progress
+	zombieHolder string        // its holder
+	paused       bool          // replay is paused
+	noReplica    bool          // after the failover: the proxies have no replica, replay is not paused
+	fo           failoverState // FaultFailover
+	zombies      []zombieEvent // with their outcome known
+	failures     []string
 }
 
 type zombieEvent struct {
 	holder  string
 	job     string
 	token   int64
+	stopped time.Time
 	resumed time.Time // zero: no worker process to continue
 }
 
 func (n *nemesis) run(ctx context.Context) {
 	defer n.wg.Wait()
-	kinds := n.h.cfg.Faults
+	var kinds []Fault
+	for _, f := range n.h.cfg.Faults {
+		if f == FaultFailover {
+			// Once, at its time, not in the rotation.
+			d := n.h.cfg.Duration
+			n.fo.at = time.Now().Add(d*35/100 + time.Duration(n.rng.Int64N(int64(d)/5+1)))
+			continue
+		}
+		kinds = append(kinds, f)
+	}
+	if len(kinds) == 0 {
+		kinds = []Fault{FaultZombie}
+	}
 	var queue []Fault
 	gap := n.h.cfg.FaultGap
 	first := true
@@ -102,6 +131,23 @@ func (n *nemesis) run(ctx context.Context) {
 		sleepCtx(ctx, gap/2+time.Duration(n.rng.Int64N(int64(gap)+1)))
 		if ctx.Err() != nil {
 			return
+		}
+		if !n.fo.at.IsZero() && !n.fo.done && !time.Now().Before(n.fo.at) {
+			n.fo.done = true
+			if err := n.failover(ctx); err != nil {
+				n.h.log.Warn("failover failed", zap.Error(err))
+				n.mu.Lock()
+				n.fo.stats.Failed = err.Error()
+				n.failures = append(n.failures, fmt.Sprintf("%s: %v", FaultFailover, err))
+				n.mu.Unlock()
+			}
+			// The proxies have no replica any more.
+			kinds = slices.DeleteFunc(kinds, func(f Fault) bool { return f == FaultReplayPause })
+			queue = slices.DeleteFunc(queue, func(f Fault) bool { return f == FaultReplayPause })
+			if len(kinds) == 0 {
+				kinds = []Fault{FaultZombie}
+			}
+			continue
 		}
 		if len(queue) == 0 {
 			queue = append([]Fault{}, kinds...)
@@ -180,7 +226,7 @@ func (n *nemesis) inject(ctx context.Context, f Fault) (bool, error) {
 		return false, nil
 	case FaultReplayPause:
 		n.mu.Lock()
-		if n.paused {
+		if n.paused || n.noReplica {
 			n.mu.Unlock()
 			return false, nil
 		}
@@ -287,12 +333,13 @@ func (n *nemesis) tryZombie(ctx, probe context.Context) bool {
 		}
 		n.h.log.Info("zombie: stopped", zap.String("holder", sp.holder), zap.String("job", job), zap.Int64("token", token))
 		n.mu.Lock()
-		n.zombie = true
+		n.zombie, n.zombieHolder = true, sp.holder
 		n.mu.Unlock()
 		n.wg.Add(1)
+		stoppedAt := time.Now()
 		go func() {
 			defer n.wg.Done()
-			n.zombieLife(ctx, sp, zombieEvent{holder: sp.holder, job: job, token: token})
+			n.zombieLife(ctx, sp, zombieEvent{holder: sp.holder, job: job, token: token, stopped: stoppedAt})
 		}()
 		return true
 	}
@@ -304,15 +351,23 @@ func (n *nemesis) zombieLife(ctx context.Context, sp *slotProc, z zombieEvent) {
 	defer func() {
 		sp.signalGroup(syscall.SIGCONT)
 		n.mu.Lock()
-		n.zombie = false
+		n.zombie, n.zombieHolder = false, ""
 		n.mu.Unlock()
 	}()
 	// Past its lease: until the job's fence has moved on (another worker
 	// took over), unless the workload ends first. Bounded, in case no one
-	// wants the job.
+	// wants the job. Never while a failover is under way: a zombie
+	// stopped before the primary is killed is continued after the
+	// promotion, once the new primary's fence has moved on.
 	tctx, cancel := context.WithTimeout(ctx, 20*time.Second)
 	defer cancel()
 	err := poll(tctx, 20*time.Millisecond, func() (bool, error) {
+		n.mu.Lock()
+		failing := n.fo.inFlight
+		n.mu.Unlock()
+		if failing {
+			return false, nil
+		}
 		var max int64
 		err := n.db.do(tctx, func(c *pgx.Conn) error {
 			return c.QueryRow(tctx, "SELECT max_issued_token FROM fence.fences WHERE job_key = $1", z.job).Scan(&max)
@@ -365,6 +420,7 @@ func (n *nemesis) zombieStats(attempts []Attempt) {
 			continue
 		}
 		tried, refused, committed := false, false, false
+		refusedCode := ""
 		for _, a := range attempts {
 			// Only attempts begun once it was continued: the worker was
 			// stopped between attempts (betweenCommits), so any attempt of
@@ -376,6 +432,9 @@ func (n *nemesis) zombieStats(attempts []Attempt) {
 			switch a.Outcome {
 			case audit.OutcomeStale:
 				refused = true
+				if refusedCode == "" {
+					refusedCode = a.Code
+				}
 			case audit.OutcomeCommitted:
 				committed = true
 			}
@@ -394,6 +453,15 @@ func (n *nemesis) zombieStats(attempts []Attempt) {
 			s.ZombiesRefused++
 		case tried:
 			s.ZombiesFaulted++
+		}
+		if fo := &n.fo.stats; !fo.Killed.IsZero() && z.stopped.Before(fo.Killed) && z.resumed.After(fo.Promoted) {
+			fo.ZombiesAcross++
+			switch {
+			case refused && refusedCode == fence.CodeFailover:
+				fo.ZombiesAcrossFN15++
+			case refused && refusedCode == fence.CodeStale:
+				fo.ZombiesAcrossFN01++
+			}
 		}
 	}
 	s.FaultErrors = append(s.FaultErrors, n.failures...)

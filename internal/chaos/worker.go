@@ -312,7 +312,9 @@ func classifyCommit(c *pgx.Conn, err error) (string, string, string) {
 
 func fenceOutcome(code string) (string, bool) {
 	switch code {
-	case fence.CodeStale, fence.CodeRetired:
+	case fence.CodeStale, fence.CodeRetired, fence.CodeFailover:
+		// FN015: the generation was void after a failover; nothing
+		// committed. The worker stops; pgfence run acquires again.
 		return audit.OutcomeStale, true
 	case fence.CodeConflict:
 		return audit.OutcomeConflict, true

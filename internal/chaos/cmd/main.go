@@ -3,7 +3,7 @@
 // `pgfence run`, readers, a consumer and a nemesis, then the checker. It
 // exits 0 only when the checker finds no violation.
 //
-//	chaos --pgfence bin/pgfence --duration 5m [--seed N]
+//	chaos --pgfence bin/pgfence --duration 5m [--seed N] [--faults k,...] [--failover async|sync]
 //
 // Its hidden subcommand `worker` is the worker program the run starts
 // under `pgfence run`.
@@ -34,7 +34,7 @@ func main() {
 func run(args []string) int {
 	fs := flag.NewFlagSet("chaos", flag.ContinueOnError)
 	var cfg chaos.Config
-	var faults string
+	var faults, failover string
 	fs.DurationVar(&cfg.Duration, "duration", 5*time.Minute, "how long the workload and the nemesis run")
 	fs.Uint64Var(&cfg.Seed, "seed", 0, "seed of every random choice (0: from the clock; the summary prints it)")
 	fs.IntVar(&cfg.Workers, "workers", 6, "worker slots")
@@ -42,7 +42,8 @@ func run(args []string) int {
 	fs.IntVar(&cfg.Readers, "readers", 3, "readers (policies primary, wait, pending in turn)")
 	fs.DurationVar(&cfg.TTL, "ttl", 2*time.Second, "lease TTL of each pgfence run")
 	fs.DurationVar(&cfg.FaultGap, "fault-gap", 2*time.Second, "mean pause between faults")
-	fs.StringVar(&faults, "faults", "", "comma-separated fault kinds (default: all)")
+	fs.StringVar(&faults, "faults", "", "comma-separated fault kinds (default: all but failover)")
+	fs.StringVar(&failover, "failover", "", "add the failover fault (once per run), with asynchronous (async) or synchronous (sync) replication")
 	fs.StringVar(&cfg.Pgfence, "pgfence", "bin/pgfence", "the pgfence binary")
 	fs.StringVar(&cfg.Dir, "dir", "", "directory for records and logs (default: a temporary one)")
 	if err := fs.Parse(args); err != nil {
@@ -51,6 +52,13 @@ func run(args []string) int {
 	if faults != "" {
 		var err error
 		if cfg.Faults, err = chaos.ParseFaults(faults); err != nil {
+			fmt.Fprintln(os.Stderr, "chaos:", err)
+			return 64
+		}
+	}
+	if failover != "" {
+		var err error
+		if cfg.Failover, err = chaos.ParseFailoverMode(failover); err != nil {
 			fmt.Fprintln(os.Stderr, "chaos:", err)
 			return 64
 		}
