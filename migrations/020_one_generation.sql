@@ -105,7 +105,14 @@ begin
     perform fence.refuse_generation(v_key, p_epoch, p_token, false);
   end if;
   -- (O-H1) One generation and one step per transaction.
-  perform fence.refuse_switch(v_key, p_epoch, p_token, v_step, v_xid);
+  if (exists (select 1 from fence.receipts r
+               where r.backstop_xid = v_xid
+                 and not (r.job_key = v_key and r.epoch = p_epoch and r.token = p_token and r.step = v_step))
+      or exists (select 1 from fence.replay_guards g
+                  where g.xid = v_xid
+                    and not (g.job_key = v_key and g.epoch = p_epoch and g.token = p_token and g.step = v_step))) then
+    perform fence.refuse_switch(v_key, p_epoch, p_token, v_step, v_xid);
+  end if;
   select r.backstop_xid into v_rx from fence.receipts r
    where r.job_key = v_key and r.epoch = p_epoch and r.token = p_token and r.step = v_step;
   v_ours := found;
@@ -176,7 +183,12 @@ begin
       return 'ok';
     end if;
     -- (O-H1) Entered under another generation or step: FN009.
-    if v_entered then
+    if v_entered and (exists (select 1 from fence.receipts r
+                 where r.backstop_xid = v_xid
+                   and not (r.job_key = v_key and r.epoch = p_epoch and r.token = p_token and r.step = v_step))
+        or exists (select 1 from fence.replay_guards g
+                    where g.xid = v_xid
+                      and not (g.job_key = v_key and g.epoch = p_epoch and g.token = p_token and g.step = v_step))) then
       perform fence.refuse_switch(v_key, p_epoch, p_token, v_step, v_xid);
     end if;
     insert into fence.receipts (job_key, epoch, token, step, payload_digest, digest_version, backstop_xid)
@@ -252,7 +264,12 @@ begin
       return null;
     end if;
     -- (O-H1) Entered under another generation or step: FN009.
-    if v_entered then
+    if v_entered and (exists (select 1 from fence.receipts r
+                 where r.backstop_xid = v_xid
+                   and not (r.job_key = v_key and r.epoch = v_epoch and r.token = v_token and r.step = v_step))
+        or exists (select 1 from fence.replay_guards g
+                    where g.xid = v_xid
+                      and not (g.job_key = v_key and g.epoch = v_epoch and g.token = v_token and g.step = v_step))) then
       perform fence.refuse_switch(v_key, v_epoch, v_token, v_step, v_xid);
     end if;
     insert into fence.receipts (job_key, epoch, token, step, payload_digest, digest_version, backstop_xid)
@@ -294,7 +311,12 @@ begin
   end if;
   -- (O-H1) A transaction that had no id before the gate has entered
   -- nothing (a receipt or a replay guard gives it one): no lookup.
-  if v_xid is not null then
+  if v_xid is not null and (exists (select 1 from fence.receipts r
+               where r.backstop_xid = v_xid
+                 and not (r.job_key = v_key and r.epoch = gate.epoch and r.token = gate.token and r.step = v_step))
+      or exists (select 1 from fence.replay_guards g
+                  where g.xid = v_xid
+                    and not (g.job_key = v_key and g.epoch = gate.epoch and g.token = gate.token and g.step = v_step))) then
     perform fence.refuse_switch(v_key, gate.epoch, gate.token, v_step, v_xid);
   end if;
   insert into fence.receipts as rc (job_key, epoch, token, step, payload_digest, digest_version, backstop_xid)
@@ -343,7 +365,14 @@ begin
     perform fence.refuse_generation(v_key, p_epoch, p_token, false);
   end if;
   -- (O-H1) One generation and one step per transaction.
-  perform fence.refuse_switch(v_key, p_epoch, p_token, v_step, v_xid);
+  if (exists (select 1 from fence.receipts r
+               where r.backstop_xid = v_xid
+                 and not (r.job_key = v_key and r.epoch = p_epoch and r.token = p_token and r.step = v_step))
+      or exists (select 1 from fence.replay_guards g
+                  where g.xid = v_xid
+                    and not (g.job_key = v_key and g.epoch = p_epoch and g.token = p_token and g.step = v_step))) then
+    perform fence.refuse_switch(v_key, p_epoch, p_token, v_step, v_xid);
+  end if;
   select * into rc from fence.receipts r
    where r.job_key = v_key and r.epoch = p_epoch and r.token = p_token and r.step = v_step;
   v_ours := found;
@@ -407,7 +436,14 @@ begin
                         commit_if_written.digest, commit_if_written.digest_version);
   end if;
   -- (O-H1) Written, or in replay mode, under another generation or step.
-  perform fence.refuse_switch(v_key, commit_if_written.epoch, commit_if_written.token, v_step, v_xid);
+  if (exists (select 1 from fence.receipts r
+               where r.backstop_xid = v_xid
+                 and not (r.job_key = v_key and r.epoch = commit_if_written.epoch and r.token = commit_if_written.token and r.step = v_step))
+      or exists (select 1 from fence.replay_guards g
+                  where g.xid = v_xid
+                    and not (g.job_key = v_key and g.epoch = commit_if_written.epoch and g.token = commit_if_written.token and g.step = v_step))) then
+    perform fence.refuse_switch(v_key, commit_if_written.epoch, commit_if_written.token, v_step, v_xid);
+  end if;
   return 'none';
 end
 $$;
