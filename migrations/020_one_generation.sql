@@ -31,8 +31,13 @@
 -- has none, and pays one call of pg_current_xact_id_if_assigned. A
 -- transaction that wrote something else first pays two index probes, on
 -- fence.receipts (backstop_xid), the index added here, and on
--- fence.replay_guards (xid). Every receipt adds one entry to the new
--- index.
+-- fence.replay_guards (xid), in the caller's own IF (a call of a function
+-- with a pinned search_path cost about twice the probes, so
+-- fence.refuse_switch only raises). Every receipt adds one entry to the
+-- new index.
+--
+-- (Written as 021 for issue 30; numbered 020 on its branch, where 020 is
+-- free: tern wants no gap.)
 --
 -- The index needs fence.receipts' SHARE lock, which waits for every
 -- transaction that wrote a receipt and makes every later one wait behind
