@@ -187,7 +187,10 @@ func TestPrepareAfterFencedWrite(t *testing.T) {
 		"begin; savepoint s; update results set payload = 'x'; release s; prepare transaction 'p'",
 		"begin; savepoint s; update results set payload = 'x'; rollback to s; prepare transaction 'p'",
 		// fence.commit wrote the receipt (the proxy, RunTx): refused too.
-		"begin; " + gate("g") + "; update results set payload = 'x'; " + commit("g") + "; prepare transaction 'p'",
+		// Under the session's step (this is case 7): a gate under another
+		// step than the write's is refused (FN009, one step per
+		// transaction) before PREPARE is reached.
+		"begin; " + gate("p7") + "; update results set payload = 'x'; " + commit("p7") + "; prepare transaction 'p'",
 		// The gate alone is the transaction's first fenced write.
 		"begin; " + gate("g2") + "; prepare transaction 'p'",
 	} {

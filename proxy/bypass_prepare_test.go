@@ -48,7 +48,10 @@ create function public.noisy() returns int language plpgsql as $$ begin raise ex
 		{"after_opaque_write", "begin; select owner_write('prepared'); prepare transaction 'pgfence_bypass_p'", refused, parsed},
 		{"after_do_write", "begin; do $$ begin update res set v = 'do' where k = 1; end $$; prepare transaction 'pgfence_bypass_p'", refused, parsed},
 		{"after_copy", "", "", ""}, // below: COPY, then PREPARE
-		{"after_receipt", "begin; update res set v = 'receipted' where k = 1; select fence.commit('job', " + itoa(cur.Epoch) + ", " + itoa(cur.Token) + ", 'prepare after_receipt', '\\x01', 'v1'); prepare transaction 'pgfence_bypass_p'", refused, ""},
+		// Under the write's step (the session's, set below): a commit under
+		// another step than the write's is refused (FN009, one step per
+		// transaction) before PREPARE is reached.
+		{"after_receipt", "begin; update res set v = 'receipted' where k = 1; select fence.commit('job', " + itoa(cur.Epoch) + ", " + itoa(cur.Token) + ", 'prepare after_receipt direct', '\\x01', 'v1'); prepare transaction 'pgfence_bypass_p'", refused, ""},
 		{"after_gate_only", "begin; select fence.gate('job', " + itoa(cur.Epoch) + ", " + itoa(cur.Token) + ", 'prepare after_gate_only'); prepare transaction 'pgfence_bypass_p'", refused, ""},
 		{"write_released_savepoint", "begin; savepoint s; update res set v = 'sp' where k = 1; release s; prepare transaction 'pgfence_bypass_p'", refused, parsed},
 		{"write_rolled_back_savepoint", "begin; savepoint s; update res set v = 'sp' where k = 1; rollback to s; prepare transaction 'pgfence_bypass_p'", refused, parsed},
