@@ -244,14 +244,14 @@ func (h *fenceSession) routeQuery(s gateConn, msg []byte, res *rewrite.Result) e
 				rs.stats.Primary.Add(1)
 				return h.toPrimary(s, msg, res)
 			}
-			return h.heldKnown(s, stmts, kind, func(ok bool) error {
+			return h.heldKnown(s, r, stmts, kind, func(ok bool) error {
 				if !ok {
 					rs.stats.Primary.Add(1)
 					return h.toPrimary(s, msg, res)
 				}
 				if kind == roTx {
 					h.beginOnReplica(r, stmts)
-				} else if h.mayRunCode(stmts) {
+				} else if h.mayRunCode(stmts, LSN(r.replay.Load())) {
 					// Code an autocommit read runs may DECLARE ... WITH
 					// HOLD: its snapshot is at least this replay position.
 					h.lowerHold(LSN(r.replay.Load()))
@@ -424,12 +424,43 @@ type requirement struct {
 	// blind: the proxy cannot tell which takeovers the read needs (its
 	// watcher is reconnecting): no replica may serve it.
 	blind bool
-	what  string // for messages
+	// behind: the read names relations or resolves expressions the proxy
+	// judges by its read set (the primary's catalog), and the replica has
+	// not replayed the position that set was read at: its own catalog may
+	// say otherwise (a view not yet redefined away from a protected table,
+	// a policy not yet dropped: issue 30, round 9, attacker R's H1). The
+	// read was judged as if the set were unknown: protected, running code.
+	behind bool
+	// catalog: the read set's position the judgement rested on (0: none).
+	catalog LSN
+	what    string // for messages
 }
 
-// require works out what the read needs; protected is false when it can
-// reach no protected data (any healthy replica that has replayed the
-// catalog as the proxy knows it will do: catalogLSN).
+// anyReplay judges a read as for a replica that has replayed everything:
+// the caller then compares req.catalog with the replica's position
+// itself.
+const anyReplay = ^LSN(0)
+
+// catalogAt is the read set a judgement for a replica that has replayed
+// up to at may rest on: the proxy's, when the replica has replayed the
+// position it was read at; else nil (an unknown set: every relation
+// exposes protected data and runs code), so nothing the primary's
+// catalog calls safe is taken on trust from an older catalog.
+func (h *fenceSession) catalogAt(at LSN) (rd *readSet, behind bool) {
+	rd = h.cat.reads.Load()
+	if rd != nil && at < rd.lsn {
+		return nil, true
+	}
+	return rd, false
+}
+
+// require works out what the read needs on a replica that has replayed
+// up to at; protected is false when it can reach no protected data (any
+// healthy replica that has replayed the catalog as the proxy knows it
+// will do: req.catalog, at or below at). Every judgement that rests on
+// the read set rests on it only for a replica that has replayed it
+// (catalogAt): otherwise the read is judged as reaching anything
+// (req.behind), in every path, with or without a transaction.
 //
 // A read is protected when it may reach protected data: through a
 // relation it names (readSet.exposes), or through code the database runs
@@ -447,7 +478,7 @@ type requirement struct {
 // have changed before that generation in a way the proxy has not heard of
 // (DDL is notified in commit order with takeovers, so a reader whose
 // takeover has been seen reads a catalog that is current up to it).
-func (h *fenceSession) require(stmts []*rewrite.Stmt, kind readKind) (req requirement, protected bool, catalogLSN LSN) {
+func (h *fenceSession) require(stmts []*rewrite.Stmt, kind readKind, at LSN) (req requirement, protected bool) {
 	var v readVals // the four a requirement reads (not the policy's: the common path reads those only when it must)
 	h.mu.Lock()
 	v.job, _ = h.st.Get(session.JobKey)
@@ -455,7 +486,7 @@ func (h *fenceSession) require(stmts []*rewrite.Stmt, kind readKind) (req requir
 	v.token, _ = h.st.Get(session.Token)
 	v.minLSN, _ = h.st.Get(session.MinLSN)
 	h.mu.Unlock()
-	return h.requireWith(stmts, kind, v)
+	return h.requireWith(stmts, kind, v, at)
 }
 
 // readVals are the settings a read's requirement and policy depend on.
@@ -478,10 +509,10 @@ func (h *fenceSession) readVals() readVals {
 }
 
 // requireWith is require with the settings v.
-func (h *fenceSession) requireWith(stmts []*rewrite.Stmt, kind readKind, v readVals) (req requirement, protected bool, catalogLSN LSN) {
+func (h *fenceSession) requireWith(stmts []*rewrite.Stmt, kind readKind, v readVals, at LSN) (req requirement, protected bool) {
 	prot := h.cat.prot.Load()
 	if prot.Len() == 0 {
-		return req, false, 0
+		return req, false
 	}
 	job, epochText, tokText, minText := v.job, v.epoch, v.token, v.minLSN
 	tk := &h.cat.tk
@@ -498,7 +529,7 @@ func (h *fenceSession) requireWith(stmts []*rewrite.Stmt, kind readKind, v readV
 			tk.hint(job)
 		}
 	}
-	rd := h.cat.reads.Load()
+	rd, behind := h.catalogAt(at)
 	// A read-only transaction may read anything later. A read that
 	// names no relation and nothing the catalog resolves (SELECT 1,
 	// SELECT now()) reads no protected data, whatever the catalog says.
@@ -515,13 +546,17 @@ func (h *fenceSession) requireWith(stmts []*rewrite.Stmt, kind readKind, v readV
 		}
 	}
 	if !protected && !catalog {
-		return req, false, 0 // no catalog to agree on
+		return req, false // no catalog to agree on
+	}
+	if catalog {
+		req.behind = behind
+		req.catalog = h.cat.reads.Load().position()
 	}
 	// A known takeover newer than the read set may have been read from
 	// its fence row before the DDL notified ahead of it arrived: the set
 	// cannot vouch for the relations then.
 	if !protected && !(gen && (!known || rd.vouched() < seen.lsn) || minText != "") {
-		return req, false, rd.position()
+		return req, false
 	}
 	req.lsn = tk.all()
 	req.what = "every takeover seen so far"
@@ -547,7 +582,7 @@ func (h *fenceSession) requireWith(stmts []*rewrite.Stmt, kind readKind, v readV
 			req.what += fmt.Sprintf(" and fence.min_lsn %s", m)
 		}
 	}
-	return req, true, 0
+	return req, true
 }
 
 // pendingError carries the FN007 answer.
@@ -561,10 +596,16 @@ func (p *pendingError) Error() string { return p.e.Message }
 // replica (after a fence-row check); the caller switches as it decides.
 // Client side; on the loop its waits park it.
 func (h *fenceSession) replicaCurrent(s gateConn, r *replica, stmts []*rewrite.Stmt, kind readKind, k func(ok bool, err error) error) error {
-	req, protected, catalogLSN := h.require(stmts, kind)
+	req, protected := h.require(stmts, kind, LSN(r.replay.Load()))
+	if req.behind {
+		// The replica may still have older definitions of what the read
+		// names: the primary serves it, whatever it reads (never a wait,
+		// never FN007 for this).
+		return k(false, nil)
+	}
 	if !protected {
 		// Reads of unprotected data never wait and never get FN007.
-		return k(LSN(r.replay.Load()) >= catalogLSN, nil)
+		return k(true, nil)
 	}
 	if req.blind {
 		return k(false, nil)
