@@ -87,6 +87,13 @@ type routeState struct {
 	// replicaCode and primaryCode: the seq of the last request that may
 	// have run the client's code on that upstream (codeRan, fence_exec.go).
 	replicaCode, primaryCode uint64
+	// replicaState: a request that may have run the database's code
+	// (mayRunCode) went to the replica connection since its session was
+	// last known to be a new connection's: code may have changed its
+	// settings or role for good (set_config(..., false) in a DO block or a
+	// function; round 9, attacker R's M2). Checked before the next routed
+	// read (replicaStateCheck).
+	replicaState bool
 }
 
 // ParamCommitLSN is the ParameterStatus pgfence sends after a transaction
@@ -244,21 +251,93 @@ func (h *fenceSession) routeQuery(s gateConn, msg []byte, res *rewrite.Result) e
 				rs.stats.Primary.Add(1)
 				return h.toPrimary(s, msg, res)
 			}
-			return h.heldKnown(s, r, stmts, kind, func(ok bool) error {
+			return h.replicaStateCheck(s, func(ok bool) error {
 				if !ok {
 					rs.stats.Primary.Add(1)
 					return h.toPrimary(s, msg, res)
 				}
-				if kind == roTx {
-					h.beginOnReplica(r, stmts)
-				} else if h.mayRunCode(stmts, LSN(r.replay.Load())) {
-					// Code an autocommit read runs may DECLARE ... WITH
-					// HOLD: its snapshot is at least this replay position.
-					h.lowerHold(LSN(r.replay.Load()))
-				}
-				return h.sendRouted(s, msg, res)
+				return h.heldKnown(s, r, stmts, kind, func(ok bool) error {
+					if !ok {
+						rs.stats.Primary.Add(1)
+						return h.toPrimary(s, msg, res)
+					}
+					code := h.mayRunCode(stmts, LSN(r.replay.Load()))
+					if kind == roTx {
+						h.beginOnReplica(r, stmts)
+					} else if code {
+						// Code an autocommit read runs may DECLARE ... WITH
+						// HOLD: its snapshot is at least this replay position.
+						h.lowerHold(LSN(r.replay.Load()))
+					}
+					h.rt.replicaState = h.rt.replicaState || code
+					return h.sendRouted(s, msg, res)
+				})
 			})
 		})
+	})
+}
+
+// replicaStateQuery asks whether the replica connection's session is
+// still a new connection's, as the primary session is known to be when a
+// read is routed (sessionKnown): no setting set in the session but
+// fence.* and the lexing settings the proxy itself aligns (replstate.go),
+// no role set, the session authorization the login's. Outside a
+// transaction, so SET LOCAL is gone. A hot standby has no temporary
+// objects; prepared statements the router tracks (replicaCode).
+func replicaStateQuery(user string) string {
+	return "SELECT (NOT EXISTS (SELECT FROM pg_catalog.pg_settings AS s WHERE s.source OPERATOR(pg_catalog.=) 'session'" +
+		" AND pg_catalog.left(s.name, 6) OPERATOR(pg_catalog.<>) 'fence.'" +
+		" AND s.name OPERATOR(pg_catalog.<>) ALL ('{client_encoding,standard_conforming_strings}'::pg_catalog.text[]))" +
+		" AND pg_catalog.current_setting('role') OPERATOR(pg_catalog.=) 'none'" +
+		" AND pg_catalog.current_setting('session_authorization') OPERATOR(pg_catalog.=) " + plan.Literal(user) + ")::pg_catalog.text"
+}
+
+// replicaStateCheck runs before a read is sent to the replica connection
+// in use (an autocommit read, or the first request of a read-only
+// transaction), with no transaction open there. When a request since the
+// last check may have run the database's code there (rt.replicaState:
+// mayRunCode, or code inside a transaction on the replica), code may have
+// changed that session's settings or role for good, where the primary
+// session, and so SHOW and everything else the client's session answers,
+// has not (round 9, attacker R's M2). It asks the replica session
+// (replicaStateQuery: one round trip, only then). Unchanged: k(true).
+// Changed, or no answer: the replica connection is closed (a new one,
+// opened for the next routed read, is a new connection's session, as the
+// primary session is) and k(false): this read goes to the primary. A
+// closed connection takes its statement copies (void from now:
+// replicaCode) and its held cursors with it.
+func (h *fenceSession) replicaStateCheck(s gateConn, k func(ok bool) error) error {
+	if !h.rt.replicaState {
+		return k(true)
+	}
+	h.mu.Lock()
+	h.rt.row = ""
+	h.mu.Unlock()
+	s.startRouted(false)
+	if err := h.send(s, queryMsg(nil, replicaStateQuery(h.user)), &tag{kind: 'Q', segs: []seg{{step: stepFenceCheck}}}, false); err != nil {
+		s.stopRouted()
+		return err
+	}
+	return s.routeThen(h.last, func(retry bool) error {
+		if retry {
+			h.mu.Lock()
+			h.st.TxStatus('I')
+			h.mu.Unlock()
+		}
+		h.mu.Lock()
+		row := h.rt.row
+		h.mu.Unlock()
+		h.rt.replicaState = false
+		if !retry && row == "true" {
+			return k(true)
+		}
+		if err := s.usePrimary(); err != nil {
+			return err
+		}
+		s.dropReplica()
+		h.rt.replicaCode = h.seq
+		h.rt.holdFloor = 0
+		return k(false)
 	})
 }
 
@@ -596,16 +675,17 @@ func (p *pendingError) Error() string { return p.e.Message }
 // replica (after a fence-row check); the caller switches as it decides.
 // Client side; on the loop its waits park it.
 func (h *fenceSession) replicaCurrent(s gateConn, r *replica, stmts []*rewrite.Stmt, kind readKind, k func(ok bool, err error) error) error {
-	req, protected := h.require(stmts, kind, LSN(r.replay.Load()))
-	if req.behind {
-		// The replica may still have older definitions of what the read
-		// names: the primary serves it, whatever it reads (never a wait,
-		// never FN007 for this).
-		return k(false, nil)
-	}
+	// Judged by the read set as the proxy has it (anyReplay), so that a
+	// read the set calls protected meets the session's read policy
+	// whatever the replica's catalog; one it calls safe needs the
+	// replica to have replayed the set (req.catalog), or the primary
+	// serves it: the replica may still define what it names otherwise.
+	// (What the set says of code, for held cursors, is judged at the
+	// replica's position: mayRunCode, heldKnown.)
+	req, protected := h.require(stmts, kind, anyReplay)
 	if !protected {
 		// Reads of unprotected data never wait and never get FN007.
-		return k(true, nil)
+		return k(LSN(r.replay.Load()) >= req.catalog, nil)
 	}
 	if req.blind {
 		return k(false, nil)

@@ -339,7 +339,11 @@ func (h *fenceSession) txBound(cursor bool) LSN {
 
 // sendInTx sends a request of the transaction to the replica.
 func (h *fenceSession) sendInTx(s gateConn, r *replica, msg []byte, res *rewrite.Result, stmts []*rewrite.Stmt) error {
-	h.noteHold(stmts, res == nil, LSN(r.replay.Load()))
+	at := LSN(r.replay.Load())
+	h.noteHold(stmts, res == nil, at)
+	if res == nil || h.mayRunCode(stmts, at) {
+		h.rt.replicaState = true // code may change the replica's session (route.go)
+	}
 	// A request that ends the transaction and begins another: the new
 	// one's snapshots are taken after this point.
 	ended := false
@@ -535,8 +539,9 @@ func (h *fenceSession) txReadRefusal(s gateConn, st *rewrite.Stmt) *fence.Error 
 	}
 	at := LSN(r.replay.Load())
 	req, protected := h.requireWith(stmts, roTx, h.readVals(), at)
-	if !protected || !req.blind && !req.check && req.lsn <= h.txBound(h.readsCursor(st, at)) {
+	if code := h.readsCursor(st, at); !protected || !req.blind && !req.check && req.lsn <= h.txBound(code) {
 		h.noteHold(stmts, st == nil, at)
+		h.rt.replicaState = h.rt.replicaState || code // code may change the replica's session (route.go)
 		return nil
 	}
 	return h.txPending(s, r, req, "the transaction's snapshot, or its portal's, was taken before")
