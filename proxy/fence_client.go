@@ -272,6 +272,7 @@ func (h *fenceSession) gatedQuery(s gateConn, sql string, res *rewrite.Result, q
 		if e := replicaGated(res.Stmts); e != nil {
 			return h.refuseQuery(s, e)
 		}
+		h.rt.replicaState = true // its code may change the replica's session (route.go)
 	}
 	return h.runQuery(s, sql, res, q)
 }

@@ -90,6 +90,9 @@ type gateConn interface {
 	// replicaDefaults is what the replica connection took from the role's
 	// and database's defaults when it opened; ok is false without one.
 	replicaDefaults() (defaults string, ok bool)
+	// dropReplica closes the replica connection (not in use): the next
+	// routed read opens a new one.
+	dropReplica()
 	setReplicaText(scs, enc string)
 }
 

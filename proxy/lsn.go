@@ -741,12 +741,13 @@ func (rs *replicas) pollReplica(r *replica) {
 			default:
 				failures = 0
 				pc.failed = false
-				for {
-					old := r.replay.Load()
-					if uint64(lsn) <= old || r.replay.CompareAndSwap(old, uint64(lsn)) {
-						break
-					}
-				}
+				// What the replica reports now, never a maximum kept
+				// from before: a standby that crash-restarts, or is
+				// rebuilt, may come back behind where it was, and reads
+				// that need the older position must not go to it. Within
+				// one postmaster's life (one poll connection) the
+				// position only moves forward anyway.
+				r.replay.Store(uint64(lsn))
 				lag, bytes := rs.lag(lsn, time.Now())
 				r.lagNs.Store(int64(lag))
 				r.lagB.Store(bytes)

@@ -186,10 +186,27 @@ func (s *Session) useReplica(r *replica, k func(error) error) error {
 	}
 	var hj *pgconn.HijackedConn
 	var defaults string
+	// The poller's position of r when the dial began: the connection's
+	// own must be at least that (replay only moves forward in one
+	// postmaster's life). Behind it, the standby restarted (or was
+	// rebuilt) since the poller's last look, behind where it was: the
+	// position reads are judged by is not this connection's (round 9).
+	before := LSN(r.replay.Load())
 	dial := func() (err error) {
 		hj, err = s.srv.connectAs(r.cfg, s.User, s.Database, s.Params, s.proof, s.closing) // as the primary's (server.go)
-		if err == nil {
-			hj, defaults, err = replicaDefaults(hj)
+		if err != nil {
+			return err
+		}
+		var at LSN
+		hj, defaults, at, err = replicaDefaults(hj)
+		if err == nil && at != 0 && at < before {
+			hj.Conn.Close()
+			hj = nil
+			select {
+			case r.kick <- struct{}{}: // poll it again now
+			default:
+			}
+			err = fmt.Errorf("replica replayed %s, behind the %s it was polled at: restarted", at, before)
 		}
 		return err
 	}
@@ -217,30 +234,37 @@ func (s *Session) useReplica(r *replica, k func(error) error) error {
 // replicaDefaults reads, on a replica connection just opened, the settings
 // it took from the role's and the database's defaults (defaultsSQL): the
 // read router uses the connection only if they are the primary session's
-// (fenceSession.replicaAgrees). One round trip, when the connection
-// opens, off the loop. A connection that cannot answer is not used.
-func replicaDefaults(hj *pgconn.HijackedConn) (*pgconn.HijackedConn, string, error) {
+// (fenceSession.replicaAgrees), and its replay position then (0: none
+// reported). One round trip, when the connection opens, off the loop. A
+// connection that cannot answer is not used.
+func replicaDefaults(hj *pgconn.HijackedConn) (*pgconn.HijackedConn, string, LSN, error) {
 	c, err := pgconn.Construct(hj)
 	if err != nil {
 		hj.Conn.Close()
-		return nil, "", err
+		return nil, "", 0, err
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	res, err := c.Exec(ctx, "SELECT "+defaultsSQL).ReadAll()
-	if err == nil && (len(res) != 1 || len(res[0].Rows) != 1 || len(res[0].Rows[0]) != 1) {
+	res, err := c.Exec(ctx, "SELECT "+defaultsSQL+", coalesce(pg_catalog.pg_last_wal_replay_lsn()::pg_catalog.text, '')").ReadAll()
+	if err == nil && (len(res) != 1 || len(res[0].Rows) != 1 || len(res[0].Rows[0]) != 2) {
 		err = errors.New("unexpected answer reading the replica connection's defaults")
+	}
+	var at LSN
+	if err == nil {
+		if v := string(res[0].Rows[0][1]); v != "" {
+			at, err = parseLSN(v)
+		}
 	}
 	if err != nil {
 		c.Close(context.Background())
-		return nil, "", err
+		return nil, "", 0, err
 	}
 	defaults := string(res[0].Rows[0][0])
 	hj, err = c.Hijack()
 	if err != nil {
-		return nil, "", err
+		return nil, "", 0, err
 	}
-	return hj, defaults, nil
+	return hj, defaults, at, nil
 }
 
 // replicaDefaults is the replica connection's defaults as it read them

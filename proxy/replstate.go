@@ -216,14 +216,15 @@ func (h *fenceSession) inReplicaTx(s gateConn, msg []byte, res *rewrite.Result, 
 		h.noteImport(head)
 		for _, st := range head {
 			neutral = neutral && neutralStmt(st)
-			cursor = cursor || h.readsCursor(st)
+			cursor = cursor || h.readsCursor(st, LSN(r.replay.Load()))
 		}
 		if !neutral {
-			if req, protected, _ := h.txRequire(head); protected && (req.blind || req.check || req.lsn > h.txBound(cursor)) {
+			if req, protected, _ := h.txRequire(r, head); protected && (req.blind || req.check || req.lsn > h.txBound(cursor)) {
 				return h.refuseInTx(s, r, req, "the transaction's snapshot, or a cursor's, was taken before")
 			}
 		}
-		h.noteHold(head, false)
+		h.noteHold(head, false, LSN(r.replay.Load()))
+		h.rt.replicaState = h.rt.replicaState || cursor // code may change the replica's session (route.go)
 	}
 	return h.splitAtTxEnd(s, msg, res, end)
 }

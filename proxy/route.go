@@ -87,6 +87,13 @@ type routeState struct {
 	// replicaCode and primaryCode: the seq of the last request that may
 	// have run the client's code on that upstream (codeRan, fence_exec.go).
 	replicaCode, primaryCode uint64
+	// replicaState: a request that may have run the database's code
+	// (mayRunCode) went to the replica connection since its session was
+	// last known to be a new connection's: code may have changed its
+	// settings or role for good (set_config(..., false) in a DO block or a
+	// function; round 9, attacker R's M2). Checked before the next routed
+	// read (replicaStateCheck).
+	replicaState bool
 }
 
 // ParamCommitLSN is the ParameterStatus pgfence sends after a transaction
@@ -244,21 +251,93 @@ func (h *fenceSession) routeQuery(s gateConn, msg []byte, res *rewrite.Result) e
 				rs.stats.Primary.Add(1)
 				return h.toPrimary(s, msg, res)
 			}
-			return h.heldKnown(s, stmts, kind, func(ok bool) error {
+			return h.replicaStateCheck(s, func(ok bool) error {
 				if !ok {
 					rs.stats.Primary.Add(1)
 					return h.toPrimary(s, msg, res)
 				}
-				if kind == roTx {
-					h.beginOnReplica(r, stmts)
-				} else if h.mayRunCode(stmts) {
-					// Code an autocommit read runs may DECLARE ... WITH
-					// HOLD: its snapshot is at least this replay position.
-					h.lowerHold(LSN(r.replay.Load()))
-				}
-				return h.sendRouted(s, msg, res)
+				return h.heldKnown(s, r, stmts, kind, func(ok bool) error {
+					if !ok {
+						rs.stats.Primary.Add(1)
+						return h.toPrimary(s, msg, res)
+					}
+					code := h.mayRunCode(stmts, LSN(r.replay.Load()))
+					if kind == roTx {
+						h.beginOnReplica(r, stmts)
+					} else if code {
+						// Code an autocommit read runs may DECLARE ... WITH
+						// HOLD: its snapshot is at least this replay position.
+						h.lowerHold(LSN(r.replay.Load()))
+					}
+					h.rt.replicaState = h.rt.replicaState || code
+					return h.sendRouted(s, msg, res)
+				})
 			})
 		})
+	})
+}
+
+// replicaStateQuery asks whether the replica connection's session is
+// still a new connection's, as the primary session is known to be when a
+// read is routed (sessionKnown): no setting set in the session but
+// fence.* and the lexing settings the proxy itself aligns (replstate.go),
+// no role set, the session authorization the login's. Outside a
+// transaction, so SET LOCAL is gone. A hot standby has no temporary
+// objects; prepared statements the router tracks (replicaCode).
+func replicaStateQuery(user string) string {
+	return "SELECT (NOT EXISTS (SELECT FROM pg_catalog.pg_settings AS s WHERE s.source OPERATOR(pg_catalog.=) 'session'" +
+		" AND pg_catalog.left(s.name, 6) OPERATOR(pg_catalog.<>) 'fence.'" +
+		" AND s.name OPERATOR(pg_catalog.<>) ALL ('{client_encoding,standard_conforming_strings}'::pg_catalog.text[]))" +
+		" AND pg_catalog.current_setting('role') OPERATOR(pg_catalog.=) 'none'" +
+		" AND pg_catalog.current_setting('session_authorization') OPERATOR(pg_catalog.=) " + plan.Literal(user) + ")::pg_catalog.text"
+}
+
+// replicaStateCheck runs before a read is sent to the replica connection
+// in use (an autocommit read, or the first request of a read-only
+// transaction), with no transaction open there. When a request since the
+// last check may have run the database's code there (rt.replicaState:
+// mayRunCode, or code inside a transaction on the replica), code may have
+// changed that session's settings or role for good, where the primary
+// session, and so SHOW and everything else the client's session answers,
+// has not (round 9, attacker R's M2). It asks the replica session
+// (replicaStateQuery: one round trip, only then). Unchanged: k(true).
+// Changed, or no answer: the replica connection is closed (a new one,
+// opened for the next routed read, is a new connection's session, as the
+// primary session is) and k(false): this read goes to the primary. A
+// closed connection takes its statement copies (void from now:
+// replicaCode) and its held cursors with it.
+func (h *fenceSession) replicaStateCheck(s gateConn, k func(ok bool) error) error {
+	if !h.rt.replicaState {
+		return k(true)
+	}
+	h.mu.Lock()
+	h.rt.row = ""
+	h.mu.Unlock()
+	s.startRouted(false)
+	if err := h.send(s, queryMsg(nil, replicaStateQuery(h.user)), &tag{kind: 'Q', segs: []seg{{step: stepFenceCheck}}}, false); err != nil {
+		s.stopRouted()
+		return err
+	}
+	return s.routeThen(h.last, func(retry bool) error {
+		if retry {
+			h.mu.Lock()
+			h.st.TxStatus('I')
+			h.mu.Unlock()
+		}
+		h.mu.Lock()
+		row := h.rt.row
+		h.mu.Unlock()
+		h.rt.replicaState = false
+		if !retry && row == "true" {
+			return k(true)
+		}
+		if err := s.usePrimary(); err != nil {
+			return err
+		}
+		s.dropReplica()
+		h.rt.replicaCode = h.seq
+		h.rt.holdFloor = 0
+		return k(false)
 	})
 }
 
@@ -424,12 +503,43 @@ type requirement struct {
 	// blind: the proxy cannot tell which takeovers the read needs (its
 	// watcher is reconnecting): no replica may serve it.
 	blind bool
-	what  string // for messages
+	// behind: the read names relations or resolves expressions the proxy
+	// judges by its read set (the primary's catalog), and the replica has
+	// not replayed the position that set was read at: its own catalog may
+	// say otherwise (a view not yet redefined away from a protected table,
+	// a policy not yet dropped: issue 30, round 9, attacker R's H1). The
+	// read was judged as if the set were unknown: protected, running code.
+	behind bool
+	// catalog: the read set's position the judgement rested on (0: none).
+	catalog LSN
+	what    string // for messages
 }
 
-// require works out what the read needs; protected is false when it can
-// reach no protected data (any healthy replica that has replayed the
-// catalog as the proxy knows it will do: catalogLSN).
+// anyReplay judges a read as for a replica that has replayed everything:
+// the caller then compares req.catalog with the replica's position
+// itself.
+const anyReplay = ^LSN(0)
+
+// catalogAt is the read set a judgement for a replica that has replayed
+// up to at may rest on: the proxy's, when the replica has replayed the
+// position it was read at; else nil (an unknown set: every relation
+// exposes protected data and runs code), so nothing the primary's
+// catalog calls safe is taken on trust from an older catalog.
+func (h *fenceSession) catalogAt(at LSN) (rd *readSet, behind bool) {
+	rd = h.cat.reads.Load()
+	if rd != nil && at < rd.lsn {
+		return nil, true
+	}
+	return rd, false
+}
+
+// require works out what the read needs on a replica that has replayed
+// up to at; protected is false when it can reach no protected data (any
+// healthy replica that has replayed the catalog as the proxy knows it
+// will do: req.catalog, at or below at). Every judgement that rests on
+// the read set rests on it only for a replica that has replayed it
+// (catalogAt): otherwise the read is judged as reaching anything
+// (req.behind), in every path, with or without a transaction.
 //
 // A read is protected when it may reach protected data: through a
 // relation it names (readSet.exposes), or through code the database runs
@@ -447,7 +557,7 @@ type requirement struct {
 // have changed before that generation in a way the proxy has not heard of
 // (DDL is notified in commit order with takeovers, so a reader whose
 // takeover has been seen reads a catalog that is current up to it).
-func (h *fenceSession) require(stmts []*rewrite.Stmt, kind readKind) (req requirement, protected bool, catalogLSN LSN) {
+func (h *fenceSession) require(stmts []*rewrite.Stmt, kind readKind, at LSN) (req requirement, protected bool) {
 	var v readVals // the four a requirement reads (not the policy's: the common path reads those only when it must)
 	h.mu.Lock()
 	v.job, _ = h.st.Get(session.JobKey)
@@ -455,7 +565,7 @@ func (h *fenceSession) require(stmts []*rewrite.Stmt, kind readKind) (req requir
 	v.token, _ = h.st.Get(session.Token)
 	v.minLSN, _ = h.st.Get(session.MinLSN)
 	h.mu.Unlock()
-	return h.requireWith(stmts, kind, v)
+	return h.requireWith(stmts, kind, v, at)
 }
 
 // readVals are the settings a read's requirement and policy depend on.
@@ -478,10 +588,10 @@ func (h *fenceSession) readVals() readVals {
 }
 
 // requireWith is require with the settings v.
-func (h *fenceSession) requireWith(stmts []*rewrite.Stmt, kind readKind, v readVals) (req requirement, protected bool, catalogLSN LSN) {
+func (h *fenceSession) requireWith(stmts []*rewrite.Stmt, kind readKind, v readVals, at LSN) (req requirement, protected bool) {
 	prot := h.cat.prot.Load()
 	if prot.Len() == 0 {
-		return req, false, 0
+		return req, false
 	}
 	job, epochText, tokText, minText := v.job, v.epoch, v.token, v.minLSN
 	tk := &h.cat.tk
@@ -498,7 +608,7 @@ func (h *fenceSession) requireWith(stmts []*rewrite.Stmt, kind readKind, v readV
 			tk.hint(job)
 		}
 	}
-	rd := h.cat.reads.Load()
+	rd, behind := h.catalogAt(at)
 	// A read-only transaction may read anything later. A read that
 	// names no relation and nothing the catalog resolves (SELECT 1,
 	// SELECT now()) reads no protected data, whatever the catalog says.
@@ -515,13 +625,17 @@ func (h *fenceSession) requireWith(stmts []*rewrite.Stmt, kind readKind, v readV
 		}
 	}
 	if !protected && !catalog {
-		return req, false, 0 // no catalog to agree on
+		return req, false // no catalog to agree on
+	}
+	if catalog {
+		req.behind = behind
+		req.catalog = h.cat.reads.Load().position()
 	}
 	// A known takeover newer than the read set may have been read from
 	// its fence row before the DDL notified ahead of it arrived: the set
 	// cannot vouch for the relations then.
 	if !protected && !(gen && (!known || rd.vouched() < seen.lsn) || minText != "") {
-		return req, false, rd.position()
+		return req, false
 	}
 	req.lsn = tk.all()
 	req.what = "every takeover seen so far"
@@ -547,7 +661,7 @@ func (h *fenceSession) requireWith(stmts []*rewrite.Stmt, kind readKind, v readV
 			req.what += fmt.Sprintf(" and fence.min_lsn %s", m)
 		}
 	}
-	return req, true, 0
+	return req, true
 }
 
 // pendingError carries the FN007 answer.
@@ -561,10 +675,17 @@ func (p *pendingError) Error() string { return p.e.Message }
 // replica (after a fence-row check); the caller switches as it decides.
 // Client side; on the loop its waits park it.
 func (h *fenceSession) replicaCurrent(s gateConn, r *replica, stmts []*rewrite.Stmt, kind readKind, k func(ok bool, err error) error) error {
-	req, protected, catalogLSN := h.require(stmts, kind)
+	// Judged by the read set as the proxy has it (anyReplay), so that a
+	// read the set calls protected meets the session's read policy
+	// whatever the replica's catalog; one it calls safe needs the
+	// replica to have replayed the set (req.catalog), or the primary
+	// serves it: the replica may still define what it names otherwise.
+	// (What the set says of code, for held cursors, is judged at the
+	// replica's position: mayRunCode, heldKnown.)
+	req, protected := h.require(stmts, kind, anyReplay)
 	if !protected {
 		// Reads of unprotected data never wait and never get FN007.
-		return k(LSN(r.replay.Load()) >= catalogLSN, nil)
+		return k(LSN(r.replay.Load()) >= req.catalog, nil)
 	}
 	if req.blind {
 		return k(false, nil)

@@ -34,7 +34,7 @@ func BenchmarkRequire(b *testing.B) {
 			h := &fenceSession{cat: cat, st: st}
 			b.ReportAllocs()
 			for b.Loop() {
-				if _, p, _ := h.require(res.Stmts, autoRead); !p {
+				if _, p := h.require(res.Stmts, autoRead, anyReplay); !p {
 					b.Fatal("not protected")
 				}
 			}
@@ -109,7 +109,7 @@ func BenchmarkHeldKnown(b *testing.B) {
 			h.rt.holdFloor = c.floor
 			b.ReportAllocs()
 			for b.Loop() {
-				if err := h.heldKnown(nil, res.Stmts, autoRead, func(ok bool) error {
+				if err := h.heldKnown(nil, &replica{}, res.Stmts, autoRead, func(ok bool) error {
 					if !ok {
 						b.Fatal("not ok")
 					}

@@ -81,7 +81,7 @@ func (h *fenceSession) noteImport(stmts []*rewrite.Stmt) {
 // request is about to be sent to r.
 func (h *fenceSession) beginOnReplica(r *replica, stmts []*rewrite.Stmt) {
 	h.rt.ro = roTxState{snap: LSN(r.replay.Load())}
-	h.noteHold(stmts, false)
+	h.noteHold(stmts, false, h.rt.ro.snap)
 }
 
 // neutralStmt reports whether st reads nothing and runs no code of the
@@ -112,20 +112,23 @@ func freshRead(st *rewrite.Stmt) bool {
 // code (a view's function, a policy's, an index expression's:
 // readSet.runsRelCode; every relation in an untracked database), or
 // whose expressions do (readSet.runsCode). Round 8, attacker P's H2, H3.
-func (h *fenceSession) readsCursor(st *rewrite.Stmt) bool {
+// at: the replay position of the replica it runs on (catalogAt).
+func (h *fenceSession) readsCursor(st *rewrite.Stmt, at LSN) bool {
 	if st == nil || !freshRead(st) {
 		return true
 	}
-	return h.relCode(st)
+	return h.relCode(st, at)
 }
 
 // relCode reports whether st reads a relation, or resolves an
-// expression, that runs the database's code.
-func (h *fenceSession) relCode(st *rewrite.Stmt) bool {
+// expression, that runs the database's code, on a replica that has
+// replayed up to at: by the read set only if it has replayed the set's
+// position (catalogAt), else yes.
+func (h *fenceSession) relCode(st *rewrite.Stmt, at LSN) bool {
 	if len(st.ReadRelations) == 0 && !st.CatalogExprs {
 		return false
 	}
-	rd := h.cat.reads.Load()
+	rd, _ := h.catalogAt(at)
 	for _, rel := range st.ReadRelations {
 		if rd.runsRelCode(rel) {
 			return true
@@ -136,9 +139,9 @@ func (h *fenceSession) relCode(st *rewrite.Stmt) bool {
 
 // mayRunCode reports whether any of stmts may run code that reads or
 // declares cursors.
-func (h *fenceSession) mayRunCode(stmts []*rewrite.Stmt) bool {
+func (h *fenceSession) mayRunCode(stmts []*rewrite.Stmt, at LSN) bool {
 	for _, st := range stmts {
-		if h.readsCursor(st) {
+		if h.readsCursor(st, at) {
 			return true
 		}
 	}
@@ -146,15 +149,16 @@ func (h *fenceSession) mayRunCode(stmts []*rewrite.Stmt) bool {
 }
 
 // noteHold lowers rt.holdFloor to the transaction's snapshot bound when
-// stmts may declare a WITH HOLD cursor (unknown: the text was not read).
-func (h *fenceSession) noteHold(stmts []*rewrite.Stmt, unknown bool) {
+// stmts may declare a WITH HOLD cursor (unknown: the text was not read),
+// run on a replica that has replayed up to at.
+func (h *fenceSession) noteHold(stmts []*rewrite.Stmt, unknown bool, at LSN) {
 	may := unknown
 	for _, st := range stmts {
 		switch {
 		case declares(st) && strings.Contains(strings.ToUpper(st.SQL), "HOLD"):
 			may = true // a keyword: no quoting or escape can spell it otherwise
 		case st.Opaque || st.UserCalls || st.Executes != "" || st.Kind == rewrite.Execute ||
-			st.Kind == rewrite.Call || st.Kind == rewrite.Do || h.relCode(st):
+			st.Kind == rewrite.Call || st.Kind == rewrite.Do || h.relCode(st, at):
 			may = true // code the proxy cannot see may DECLARE ... WITH HOLD
 		}
 	}
@@ -206,8 +210,11 @@ func (h *fenceSession) txVals(stmts []*rewrite.Stmt) (cur, next readVals, change
 
 // txRequire is what a request in the read-only transaction needs: the
 // stricter of its requirement under the session's settings and under the
-// settings it makes itself.
-func (h *fenceSession) txRequire(stmts []*rewrite.Stmt) (req requirement, protected bool, v readVals) {
+// settings it makes itself, on the replica r as it has replayed now: a
+// relation judged by a read set it has not replayed is judged as reaching
+// anything (requireWith's behind).
+func (h *fenceSession) txRequire(r *replica, stmts []*rewrite.Stmt) (req requirement, protected bool, v readVals) {
+	at := LSN(r.replay.Load())
 	cur, next, changed := h.txVals(stmts)
 	// The request is judged by what it reads itself: plain reads as an
 	// autocommit read would be (SELECT 1 reads nothing protected, whatever
@@ -220,11 +227,11 @@ func (h *fenceSession) txRequire(stmts []*rewrite.Stmt) (req requirement, protec
 			kind = roTx
 		}
 	}
-	req, protected, _ = h.requireWith(stmts, kind, cur)
+	req, protected = h.requireWith(stmts, kind, cur, at)
 	if !changed {
 		return req, protected, cur
 	}
-	r2, p2, _ := h.requireWith(stmts, kind, next)
+	r2, p2 := h.requireWith(stmts, kind, next, at)
 	if !protected {
 		return r2, p2, next
 	}
@@ -236,6 +243,7 @@ func (h *fenceSession) txRequire(stmts []*rewrite.Stmt) (req requirement, protec
 			req.job, req.epoch, req.token, req.check = r2.job, r2.epoch, r2.token, true
 		}
 		req.blind = req.blind || r2.blind
+		req.behind = req.behind || r2.behind
 	}
 	return req, true, next
 }
@@ -262,11 +270,12 @@ func (h *fenceSession) routeInTx(s gateConn, msg []byte, res *rewrite.Result, st
 	// In a failed transaction the server refuses all but the end, unless
 	// a statement brings it back (inReplicaTx splits the query after it).
 	failed := h.tx() == session.Failed && revives(inside) < 0
+	at := LSN(r.replay.Load())
 	neutral, fresh, cursor := res != nil, res != nil, res == nil
 	for _, st := range inside {
 		neutral = neutral && (failed || neutralStmt(st))
 		fresh = fresh && freshRead(st)
-		cursor = cursor || h.readsCursor(st)
+		cursor = cursor || h.readsCursor(st, at)
 	}
 	afterNeutral, afterFresh := true, true
 	for _, st := range after {
@@ -275,12 +284,12 @@ func (h *fenceSession) routeInTx(s gateConn, msg []byte, res *rewrite.Result, st
 	}
 	if !afterNeutral {
 		if !neutral {
-			req, protected, _ := h.txRequire(inside)
+			req, protected, _ := h.txRequire(r, inside)
 			if protected && (req.blind || req.check || req.lsn > h.txBound(cursor)) {
 				return h.refuseInTx(s, r, req, "the transaction's snapshot, or a cursor's, was taken before")
 			}
 		}
-		req, protected, v := h.txRequire(after)
+		req, protected, v := h.txRequire(r, after)
 		if !protected {
 			return h.sendInTx(s, r, msg, res, stmts)
 		}
@@ -292,7 +301,7 @@ func (h *fenceSession) routeInTx(s gateConn, msg []byte, res *rewrite.Result, st
 	if neutral {
 		return h.sendInTx(s, r, msg, res, stmts)
 	}
-	req, protected, v := h.txRequire(stmts)
+	req, protected, v := h.txRequire(r, stmts)
 	if !protected {
 		return h.sendInTx(s, r, msg, res, stmts)
 	}
@@ -330,7 +339,11 @@ func (h *fenceSession) txBound(cursor bool) LSN {
 
 // sendInTx sends a request of the transaction to the replica.
 func (h *fenceSession) sendInTx(s gateConn, r *replica, msg []byte, res *rewrite.Result, stmts []*rewrite.Stmt) error {
-	h.noteHold(stmts, res == nil)
+	at := LSN(r.replay.Load())
+	h.noteHold(stmts, res == nil, at)
+	if res == nil || h.mayRunCode(stmts, at) {
+		h.rt.replicaState = true // code may change the replica's session (route.go)
+	}
 	// A request that ends the transaction and begins another: the new
 	// one's snapshots are taken after this point.
 	ended := false
@@ -390,11 +403,12 @@ func (h *fenceSession) txIsolation(s gateConn, k func(readCommitted, cursors boo
 // Some: an autocommit read goes to the primary (k(false)); a transaction
 // begins, its reads judged against the floor. Round 8, attacker P's H2
 // and H3.
-func (h *fenceSession) heldKnown(s gateConn, stmts []*rewrite.Stmt, kind readKind, k func(ok bool) error) error {
-	if h.rt.holdFloor == 0 || kind == autoRead && !h.mayRunCode(stmts) {
+func (h *fenceSession) heldKnown(s gateConn, r *replica, stmts []*rewrite.Stmt, kind readKind, k func(ok bool) error) error {
+	at := LSN(r.replay.Load())
+	if h.rt.holdFloor == 0 || kind == autoRead && !h.mayRunCode(stmts, at) {
 		return k(true)
 	}
-	if req, protected, _ := h.require(stmts, kind); !protected || !req.blind && !req.check && req.lsn <= h.rt.holdFloor {
+	if req, protected := h.require(stmts, kind, at); !protected || !req.blind && !req.check && req.lsn <= h.rt.holdFloor {
 		return k(true)
 	}
 	h.mu.Lock()
@@ -444,7 +458,7 @@ func (h *fenceSession) waitInTx(s gateConn, r *replica, judged, stmts []*rewrite
 	}
 	var step func() error
 	step = func() error {
-		req, protected, _ := h.txRequire(judged)
+		req, protected, _ := h.txRequire(r, judged)
 		if !protected || !req.blind && !req.check && LSN(r.replay.Load()) >= req.lsn {
 			stop()
 			return h.sendInTx(s, r, msg, res, stmts)
@@ -492,6 +506,9 @@ func (h *fenceSession) txPending(gc gateConn, r *replica, req requirement, why s
 	if req.check {
 		s += fmt.Sprintf("; the takeover of job %q token %d has not been read on the primary yet", req.job, req.token)
 	}
+	if req.behind {
+		s += fmt.Sprintf("; the replica has not replayed the catalog (WAL position %s) the proxy judges the relations read by, so it may still define them to read protected data", req.catalog)
+	}
 	gc.readRouter().stats.Pending.Add(1)
 	return &fence.Error{Code: fence.CodePending,
 		Message: fmt.Sprintf("pgfence: generation pending in this read-only transaction: it needs %s (WAL position %s); %s (replica %s replayed %s when the transaction began, %s now)%s",
@@ -520,9 +537,11 @@ func (h *fenceSession) txReadRefusal(s gateConn, st *rewrite.Stmt) *fence.Error 
 			return nil
 		}
 	}
-	req, protected, _ := h.requireWith(stmts, roTx, h.readVals())
-	if !protected || !req.blind && !req.check && req.lsn <= h.txBound(h.readsCursor(st)) {
-		h.noteHold(stmts, st == nil)
+	at := LSN(r.replay.Load())
+	req, protected := h.requireWith(stmts, roTx, h.readVals(), at)
+	if code := h.readsCursor(st, at); !protected || !req.blind && !req.check && req.lsn <= h.txBound(code) {
+		h.noteHold(stmts, st == nil, at)
+		h.rt.replicaState = h.rt.replicaState || code // code may change the replica's session (route.go)
 		return nil
 	}
 	return h.txPending(s, r, req, "the transaction's snapshot, or its portal's, was taken before")
