@@ -506,6 +506,16 @@ type replica struct {
 
 	kick    chan struct{}                 // ask for a poll now
 	sampled atomic.Pointer[chan struct{}] // closed after the next poll
+
+	// The primary eras the replica has shown (era.go): erasOK by
+	// database, each with the poller connection (gen) it was shown on;
+	// eraWant the eras asked for and not shown yet. gen changes with
+	// every poller connection: a replica restarted or replaced shows its
+	// eras again.
+	gen     atomic.Uint64
+	erasOK  atomic.Pointer[map[eraKey]uint64]
+	eraMu   sync.Mutex
+	eraWant map[eraKey]eraAsk
 }
 
 // replicas polls every replica's replay position and the primary's WAL
@@ -564,12 +574,13 @@ func (rs *replicas) close() {
 	rs.wg.Wait()
 }
 
-// pick returns a healthy replica for a new connection, round robin, or nil.
-func (rs *replicas) pick() *replica {
+// pick returns a healthy replica for a new connection, round robin, for
+// which ok holds, or nil.
+func (rs *replicas) pick(ok func(*replica) bool) *replica {
 	n := len(rs.list)
 	start := int(rs.next.Add(1))
 	for i := range n {
-		if r := rs.list[(start+i)%n]; r.healthy.Load() {
+		if r := rs.list[(start+i)%n]; r.healthy.Load() && ok(r) {
 			return r
 		}
 	}
@@ -709,6 +720,7 @@ func (rs *replicas) pollReplica(r *replica) {
 	t := time.NewTicker(rs.poll)
 	defer t.Stop()
 	failures := 0
+	var last *pgconn.PgConn // the connection the replica's eras were shown on (gen)
 	for {
 		var conn *pgconn.PgConn
 		if pc.conn != nil || failures%max(1, int(time.Second/rs.poll)) == 0 {
@@ -716,6 +728,10 @@ func (rs *replicas) pollReplica(r *replica) {
 			if conn, err = pc.use(rs); err != nil {
 				setDown("cannot connect: " + err.Error())
 			}
+		}
+		if conn != last {
+			last = conn
+			r.gen.Add(1)
 		}
 		switch {
 		case conn != nil:
@@ -747,6 +763,7 @@ func (rs *replicas) pollReplica(r *replica) {
 						break
 					}
 				}
+				rs.confirmEras(r, pc, lsn, log)
 				lag, bytes := rs.lag(lsn, time.Now())
 				r.lagNs.Store(int64(lag))
 				r.lagB.Store(bytes)

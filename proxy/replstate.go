@@ -219,7 +219,7 @@ func (h *fenceSession) inReplicaTx(s gateConn, msg []byte, res *rewrite.Result, 
 			cursor = cursor || h.readsCursor(st)
 		}
 		if !neutral {
-			if req, protected, _ := h.txRequire(head); protected && (req.blind || req.check || req.lsn > h.txBound(cursor)) {
+			if req, protected, _ := h.txRequire(r, head); protected && (req.blind || req.check || req.lsn > h.txBound(cursor)) {
 				return h.refuseInTx(s, r, req, "the transaction's snapshot, or a cursor's, was taken before")
 			}
 		}

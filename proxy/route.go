@@ -209,7 +209,10 @@ func (h *fenceSession) routeQuery(s gateConn, msg []byte, res *rewrite.Result) e
 		rs.stats.Primary.Add(1)
 		return h.toPrimary(s, msg, res)
 	}
-	r := rs.pick()
+	// A replica that has not shown the primary's era is not picked in a
+	// database with protected tables (era.go); eraOK asks its poller to
+	// check.
+	r := rs.pick(func(r *replica) bool { return h.cat.prot.Load().Len() == 0 || h.eraOK(r) })
 	if rr := s.replicaInUse(); rr != nil {
 		r = rr
 	}
@@ -422,8 +425,11 @@ type requirement struct {
 	token int64
 	check bool
 	// blind: the proxy cannot tell which takeovers the read needs (its
-	// watcher is reconnecting): no replica may serve it.
+	// watcher is reconnecting), or (noEra) the replica has not shown the
+	// primary's era, so its positions cannot be compared (era.go): no
+	// replica may serve it.
 	blind bool
+	noEra bool
 	what  string // for messages
 }
 
@@ -563,10 +569,14 @@ func (p *pendingError) Error() string { return p.e.Message }
 func (h *fenceSession) replicaCurrent(s gateConn, r *replica, stmts []*rewrite.Stmt, kind readKind, k func(ok bool, err error) error) error {
 	req, protected, catalogLSN := h.require(stmts, kind)
 	if !protected {
-		// Reads of unprotected data never wait and never get FN007.
-		return k(LSN(r.replay.Load()) >= catalogLSN, nil)
+		// Reads of unprotected data never wait and never get FN007. A
+		// catalog position means something only on the primary's
+		// history (era.go).
+		return k(catalogLSN == 0 || h.eraOK(r) && LSN(r.replay.Load()) >= catalogLSN, nil)
 	}
-	if req.blind {
+	if req.blind || !h.eraOK(r) {
+		// Not the replica's being behind: no policy waits for it, no
+		// FN007; the primary answers.
 		return k(false, nil)
 	}
 	checked := LSN(r.replay.Load())
@@ -660,7 +670,7 @@ func (h *fenceSession) waitReplay(s gateConn, r *replica, req requirement, check
 // fence row when the proxy does not know the session's token, and runs k
 // with the outcome.
 func (h *fenceSession) replayed(s gateConn, r *replica, req requirement, k func(bool, error) error) error {
-	if LSN(r.replay.Load()) < req.lsn {
+	if LSN(r.replay.Load()) < req.lsn || !h.eraOK(r) {
 		return k(false, nil)
 	}
 	if !req.check {

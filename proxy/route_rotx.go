@@ -204,10 +204,19 @@ func (h *fenceSession) txVals(stmts []*rewrite.Stmt) (cur, next readVals, change
 	return cur, next, changed
 }
 
-// txRequire is what a request in the read-only transaction needs: the
+// txRequire is what a request in the read-only transaction on r needs: the
 // stricter of its requirement under the session's settings and under the
 // settings it makes itself.
-func (h *fenceSession) txRequire(stmts []*rewrite.Stmt) (req requirement, protected bool, v readVals) {
+func (h *fenceSession) txRequire(r *replica, stmts []*rewrite.Stmt) (req requirement, protected bool, v readVals) {
+	defer func() {
+		// Positions mean something only on the primary's history
+		// (era.go): on a replica that has not shown the primary's era (a
+		// failover since the transaction began) no protected request is
+		// judged by them.
+		if protected && !h.eraOK(r) {
+			req.blind, req.noEra = true, true
+		}
+	}()
 	cur, next, changed := h.txVals(stmts)
 	// The request is judged by what it reads itself: plain reads as an
 	// autocommit read would be (SELECT 1 reads nothing protected, whatever
@@ -275,12 +284,12 @@ func (h *fenceSession) routeInTx(s gateConn, msg []byte, res *rewrite.Result, st
 	}
 	if !afterNeutral {
 		if !neutral {
-			req, protected, _ := h.txRequire(inside)
+			req, protected, _ := h.txRequire(r, inside)
 			if protected && (req.blind || req.check || req.lsn > h.txBound(cursor)) {
 				return h.refuseInTx(s, r, req, "the transaction's snapshot, or a cursor's, was taken before")
 			}
 		}
-		req, protected, v := h.txRequire(after)
+		req, protected, v := h.txRequire(r, after)
 		if !protected {
 			return h.sendInTx(s, r, msg, res, stmts)
 		}
@@ -292,7 +301,7 @@ func (h *fenceSession) routeInTx(s gateConn, msg []byte, res *rewrite.Result, st
 	if neutral {
 		return h.sendInTx(s, r, msg, res, stmts)
 	}
-	req, protected, v := h.txRequire(stmts)
+	req, protected, v := h.txRequire(r, stmts)
 	if !protected {
 		return h.sendInTx(s, r, msg, res, stmts)
 	}
@@ -444,7 +453,7 @@ func (h *fenceSession) waitInTx(s gateConn, r *replica, judged, stmts []*rewrite
 	}
 	var step func() error
 	step = func() error {
-		req, protected, _ := h.txRequire(judged)
+		req, protected, _ := h.txRequire(r, judged)
 		if !protected || !req.blind && !req.check && LSN(r.replay.Load()) >= req.lsn {
 			stop()
 			return h.sendInTx(s, r, msg, res, stmts)
@@ -486,7 +495,10 @@ func (h *fenceSession) refuseInTx(s gateConn, r *replica, req requirement, why s
 
 func (h *fenceSession) txPending(gc gateConn, r *replica, req requirement, why string) *fence.Error {
 	s := ""
-	if req.blind {
+	switch {
+	case req.noEra:
+		s = "; the replica has not shown the primary's era (a failover since the transaction began)"
+	case req.blind:
 		s = "; the proxy's takeover watcher is reconnecting"
 	}
 	if req.check {
