@@ -148,6 +148,27 @@ func (cs *catalogs) readEra(c *catalog, conn *pgconn.PgConn, log *zap.Logger) er
 	return nil
 }
 
+// eraSource is implemented by an interceptor whose catalogs know primary
+// eras (*Fence): the replica pollers then check them before any read
+// asks (confirmEras), so that the first reads after a start or a failover
+// need not go to the primary.
+type eraSource interface {
+	primaryEras() []eraKey
+}
+
+// primaryEras lists the known era of every database watched.
+func (f *Fence) primaryEras() []eraKey {
+	f.cats.mu.Lock()
+	defer f.cats.mu.Unlock()
+	var out []eraKey
+	for db, c := range f.cats.dbs {
+		if e := c.era.Load(); e != nil && e.known && !c.gone.Load() {
+			out = append(out, eraKey{db, *e})
+		}
+	}
+	return out
+}
+
 // eraOK reports whether r may serve this session's reads that need a WAL
 // position: the database has no era, or r has shown the primary's. When it
 // has not, r's poller is asked to check (once per era).
@@ -179,7 +200,7 @@ func (r *replica) hasEra(k eraKey) bool {
 }
 
 // wantEra asks r's poller to check era k (one era per database: an
-// earlier era's request is dropped).
+// earlier era's request is dropped); a new request wakes the poller.
 func (r *replica) wantEra(k eraKey) {
 	r.eraMu.Lock()
 	if _, ok := r.eraWant[k]; ok {
@@ -208,6 +229,13 @@ func (r *replica) wantEra(k eraKey) {
 // follower not yet at the era's row). pc is the poller's connection; a
 // database other than its own is asked on a connection opened for it.
 func (rs *replicas) confirmEras(r *replica, pc *pollConn, replay LSN, log *zap.Logger) {
+	if rs.eras != nil {
+		for _, k := range rs.eras() {
+			if !r.hasEra(k) {
+				r.wantEra(k)
+			}
+		}
+	}
 	gen := r.gen.Load()
 	r.eraMu.Lock()
 	var todo []eraKey

@@ -532,6 +532,7 @@ type replicas struct {
 	poll    time.Duration
 	maxLag  time.Duration
 	db      func(prev string, failed bool) string // catalogs.sessionDB
+	eras    func() []eraKey                       // the primary eras known (era.go); nil: none
 	log     *zap.Logger
 
 	next atomic.Uint32 // round robin for new replica connections
@@ -550,9 +551,9 @@ type lsnSample struct {
 	lsn LSN
 }
 
-func newReplicas(primary *pgconn.Config, cfgs []*pgconn.Config, poll, maxLag time.Duration, db func(prev string, failed bool) string, log *zap.Logger) *replicas {
+func newReplicas(primary *pgconn.Config, cfgs []*pgconn.Config, poll, maxLag time.Duration, db func(prev string, failed bool) string, eras func() []eraKey, log *zap.Logger) *replicas {
 	ctx, cancel := context.WithCancel(context.Background())
-	rs := &replicas{primary: primary, poll: poll, maxLag: maxLag, db: db, log: log, ctx: ctx, cancel: cancel}
+	rs := &replicas{primary: primary, poll: poll, maxLag: maxLag, db: db, eras: eras, log: log, ctx: ctx, cancel: cancel}
 	for i, c := range cfgs {
 		r := &replica{idx: i, cfg: c, addr: fmt.Sprintf("%s:%d", c.Host, c.Port), kick: make(chan struct{}, 1)}
 		ch := make(chan struct{})
@@ -822,7 +823,11 @@ func (s *Server) initReplicas() {
 	if !ok {
 		return
 	}
-	s.rs = newReplicas(s.primary, s.replicas, s.cfg.ReplicaPoll, s.cfg.ReplicaMaxLag, rr.RouteReads(), s.log.Named("replicas"))
+	var eras func() []eraKey
+	if es, ok := s.cfg.Interceptor.(eraSource); ok {
+		eras = es.primaryEras
+	}
+	s.rs = newReplicas(s.primary, s.replicas, s.cfg.ReplicaPoll, s.cfg.ReplicaMaxLag, rr.RouteReads(), eras, s.log.Named("replicas"))
 	s.SetReplicaStatus(s.rs.status)
 }
 
