@@ -32,11 +32,12 @@ import (
 // (fence.has_era, migration 020): a replica that follows the new primary
 // replays the row, a diverged one never has it. The replica's poller asks,
 // once per era, database and poller connection (a replica that is
-// restarted or replaced is asked again), off the read path: a read whose
-// replica has not shown the era goes to the primary and asks the poller
-// to check. Cost per read: one map lookup; per replica and era: a
-// connection into the database (unless the poller's is there already)
-// and two queries.
+// restarted or replaced is asked again), off the read path, at its next
+// poll after the watcher read the era (eraSource) or a read asked
+// (wantEra); a read whose replica has not shown the era meanwhile goes
+// to another replica or the primary. Cost per read: one map lookup; per
+// replica and era: a connection into the database (unless the poller's
+// is there already) and two queries.
 //
 // Without the fence schema, or with one that predates fence.has_era, a
 // database has no era the proxy can confirm (catalog.era is nil) and
