@@ -8,6 +8,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
+
 	"github.com/pgfence/pgfence/internal/pgtest"
 	"github.com/pgfence/pgfence/migrations"
 )
@@ -187,5 +189,71 @@ select p.oid::regprocedure::text, p.prosecdef, coalesce((select c from unnest(p.
 	}
 	if n == 0 {
 		t.Fatal("no functions in schema fence")
+	}
+}
+
+// TestHasEra (migration 021): any login may ask whether the server has an
+// era's row (the proxy asks each replica, docs/reads.md "Replicas across a
+// failover"), though fence.eras is not readable by public; the era is
+// identified by its number, timeline and start, and the answer tells
+// nothing else.
+func TestHasEra(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	db := cluster.NewDatabase(t)
+	conn, err := cluster.Primary.Connect(ctx, db)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(ctx)
+	if err := migrations.Apply(ctx, conn); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := conn.Exec(ctx, "create role era_reader login; select fence.current_era()"); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		c, err := cluster.Primary.Connect(context.Background(), db)
+		if err == nil {
+			c.Exec(context.Background(), "drop owned by era_reader; drop role era_reader")
+			c.Close(context.Background())
+		}
+	})
+	var era, tl int32
+	var began time.Time
+	if err := conn.QueryRow(ctx, "select era, timeline, began_at from fence.current_era()").Scan(&era, &tl, &began); err != nil {
+		t.Fatal(err)
+	}
+	cfg, err := pgx.ParseConfig(cluster.Primary.DSN(db))
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.User = "era_reader"
+	reader, err := pgx.ConnectConfig(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer reader.Close(ctx)
+	if _, err := reader.Exec(ctx, "select count(*) from fence.eras"); err == nil {
+		t.Fatal("a plain login read fence.eras")
+	}
+	for _, c := range []struct {
+		name    string
+		era, tl int32
+		began   time.Time
+		want    bool
+	}{
+		{"current", era, tl, began, true},
+		{"other_number", era + 1, tl, began, false},
+		{"other_timeline", era, tl + 1, began, false},
+		{"other_start", era, tl, began.Add(time.Microsecond), false},
+	} {
+		var got bool
+		if err := reader.QueryRow(ctx, "select fence.has_era($1, $2, $3)", c.era, c.tl, c.began).Scan(&got); err != nil {
+			t.Fatalf("%s: %v", c.name, err)
+		}
+		if got != c.want {
+			t.Errorf("%s: fence.has_era = %v, want %v", c.name, got, c.want)
+		}
 	}
 }

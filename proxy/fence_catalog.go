@@ -104,6 +104,13 @@ type catalog struct {
 	// arrived during read the catalog before that change.
 	ddlSeen atomic.Uint64
 
+	// era: the primary's era, read by the watcher each time it connects
+	// and before any position it reads there (era.go): a replica serves
+	// the database's reads that need a position only once it has shown
+	// it. nil: the database has no era the proxy can confirm.
+	era       atomic.Pointer[primaryEra]
+	eraWarned atomic.Bool
+
 	tk takeovers // takeovers seen on pgfence_takeover (lsn.go)
 	// loads counts completed loads (tests observe it).
 	loads atomic.Int64
@@ -229,6 +236,12 @@ func (cs *catalogs) watch(c *catalog) {
 		})
 		c.live.Store(false)
 		c.reads.Store(nil)
+		if c.era.Load() != nil {
+			// The next connection may reach another server (a promoted
+			// standby): until it has read that one's era, no replica
+			// serves a read that needs a position.
+			c.era.Store(&primaryEra{})
+		}
 		if c.ctx.Err() != nil {
 			break
 		}
@@ -315,6 +328,12 @@ func (cs *catalogs) listen(c *catalog, loaded func()) error {
 	if err := cs.load(c, conn); err != nil {
 		return err
 	}
+	log := cs.log.With(zap.String("database", c.db))
+	// The primary's era before any position read on this connection: the
+	// positions mean something only on replicas that have shown it.
+	if err := cs.readEra(c, conn, log); err != nil {
+		return err
+	}
 	// Every takeover before this position is covered by it; every one
 	// after is notified (read routing, lsn.go).
 	floor, err := insertLSN(c.ctx, conn)
@@ -327,7 +346,6 @@ func (cs *catalogs) listen(c *catalog, loaded func()) error {
 	c.err.Store(nil)
 	c.live.Store(true)
 	loaded()
-	log := cs.log.With(zap.String("database", c.db))
 	for {
 		// Notifications may arrive while a query runs: handle them
 		// before waiting for more. The takeovers pending (notified or
@@ -342,6 +360,12 @@ func (cs *catalogs) listen(c *catalog, loaded func()) error {
 		if reload.Swap(false) {
 			if err := cs.load(c, conn); err != nil {
 				return err
+			}
+			// An era not read yet (or a schema that has changed): again.
+			if e := c.era.Load(); e != nil && !e.known || e == nil && c.schema.Load() && cs.reads.Load() {
+				if err := cs.readEra(c, conn, log); err != nil {
+					return err
+				}
 			}
 			continue
 		}

@@ -506,6 +506,16 @@ type replica struct {
 
 	kick    chan struct{}                 // ask for a poll now
 	sampled atomic.Pointer[chan struct{}] // closed after the next poll
+
+	// The primary eras the replica has shown (era.go): erasOK by
+	// database, each with the poller connection (gen) it was shown on;
+	// eraWant the eras asked for and not shown yet. gen changes with
+	// every poller connection: a replica restarted or replaced shows its
+	// eras again.
+	gen     atomic.Uint64
+	erasOK  atomic.Pointer[map[eraKey]uint64]
+	eraMu   sync.Mutex
+	eraWant map[eraKey]eraAsk
 }
 
 // replicas polls every replica's replay position and the primary's WAL
@@ -522,6 +532,7 @@ type replicas struct {
 	poll    time.Duration
 	maxLag  time.Duration
 	db      func(prev string, failed bool) string // catalogs.sessionDB
+	eras    func() []eraKey                       // the primary eras known (era.go); nil: none
 	log     *zap.Logger
 
 	next atomic.Uint32 // round robin for new replica connections
@@ -540,9 +551,9 @@ type lsnSample struct {
 	lsn LSN
 }
 
-func newReplicas(primary *pgconn.Config, cfgs []*pgconn.Config, poll, maxLag time.Duration, db func(prev string, failed bool) string, log *zap.Logger) *replicas {
+func newReplicas(primary *pgconn.Config, cfgs []*pgconn.Config, poll, maxLag time.Duration, db func(prev string, failed bool) string, eras func() []eraKey, log *zap.Logger) *replicas {
 	ctx, cancel := context.WithCancel(context.Background())
-	rs := &replicas{primary: primary, poll: poll, maxLag: maxLag, db: db, log: log, ctx: ctx, cancel: cancel}
+	rs := &replicas{primary: primary, poll: poll, maxLag: maxLag, db: db, eras: eras, log: log, ctx: ctx, cancel: cancel}
 	for i, c := range cfgs {
 		r := &replica{idx: i, cfg: c, addr: fmt.Sprintf("%s:%d", c.Host, c.Port), kick: make(chan struct{}, 1)}
 		ch := make(chan struct{})
@@ -564,12 +575,13 @@ func (rs *replicas) close() {
 	rs.wg.Wait()
 }
 
-// pick returns a healthy replica for a new connection, round robin, or nil.
-func (rs *replicas) pick() *replica {
+// pick returns a healthy replica for a new connection, round robin, for
+// which ok holds, or nil.
+func (rs *replicas) pick(ok func(*replica) bool) *replica {
 	n := len(rs.list)
 	start := int(rs.next.Add(1))
 	for i := range n {
-		if r := rs.list[(start+i)%n]; r.healthy.Load() {
+		if r := rs.list[(start+i)%n]; r.healthy.Load() && ok(r) {
 			return r
 		}
 	}
@@ -709,6 +721,7 @@ func (rs *replicas) pollReplica(r *replica) {
 	t := time.NewTicker(rs.poll)
 	defer t.Stop()
 	failures := 0
+	var last *pgconn.PgConn // the connection the replica's eras were shown on (gen)
 	for {
 		var conn *pgconn.PgConn
 		if pc.conn != nil || failures%max(1, int(time.Second/rs.poll)) == 0 {
@@ -716,6 +729,10 @@ func (rs *replicas) pollReplica(r *replica) {
 			if conn, err = pc.use(rs); err != nil {
 				setDown("cannot connect: " + err.Error())
 			}
+		}
+		if conn != last {
+			last = conn
+			r.gen.Add(1)
 		}
 		switch {
 		case conn != nil:
@@ -748,6 +765,7 @@ func (rs *replicas) pollReplica(r *replica) {
 				// one postmaster's life (one poll connection) the
 				// position only moves forward anyway.
 				r.replay.Store(uint64(lsn))
+				rs.confirmEras(r, pc, lsn, log)
 				lag, bytes := rs.lag(lsn, time.Now())
 				r.lagNs.Store(int64(lag))
 				r.lagB.Store(bytes)
@@ -806,7 +824,11 @@ func (s *Server) initReplicas() {
 	if !ok {
 		return
 	}
-	s.rs = newReplicas(s.primary, s.replicas, s.cfg.ReplicaPoll, s.cfg.ReplicaMaxLag, rr.RouteReads(), s.log.Named("replicas"))
+	var eras func() []eraKey
+	if es, ok := s.cfg.Interceptor.(eraSource); ok {
+		eras = es.primaryEras
+	}
+	s.rs = newReplicas(s.primary, s.replicas, s.cfg.ReplicaPoll, s.cfg.ReplicaMaxLag, rr.RouteReads(), eras, s.log.Named("replicas"))
 	s.SetReplicaStatus(s.rs.status)
 }
 

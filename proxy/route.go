@@ -216,7 +216,10 @@ func (h *fenceSession) routeQuery(s gateConn, msg []byte, res *rewrite.Result) e
 		rs.stats.Primary.Add(1)
 		return h.toPrimary(s, msg, res)
 	}
-	r := rs.pick()
+	// A replica that has not shown the primary's era is not picked in a
+	// database with protected tables (era.go); eraOK asks its poller to
+	// check.
+	r := rs.pick(func(r *replica) bool { return h.cat.prot.Load().Len() == 0 || h.eraOK(r) })
 	if rr := s.replicaInUse(); rr != nil {
 		r = rr
 	}
@@ -501,7 +504,9 @@ type requirement struct {
 	token int64
 	check bool
 	// blind: the proxy cannot tell which takeovers the read needs (its
-	// watcher is reconnecting): no replica may serve it.
+	// watcher is reconnecting), or (noEra) the replica has not shown the
+	// primary's era, so its positions cannot be compared (era.go): no
+	// replica may serve it.
 	blind bool
 	// behind: the read names relations or resolves expressions the proxy
 	// judges by its read set (the primary's catalog), and the replica has
@@ -512,7 +517,9 @@ type requirement struct {
 	behind bool
 	// catalog: the read set's position the judgement rested on (0: none).
 	catalog LSN
-	what    string // for messages
+	// noEra: the replica has not shown the primary's era (era.go).
+	noEra bool
+	what  string // for messages
 }
 
 // anyReplay judges a read as for a replica that has replayed everything:
@@ -684,10 +691,14 @@ func (h *fenceSession) replicaCurrent(s gateConn, r *replica, stmts []*rewrite.S
 	// replica's position: mayRunCode, heldKnown.)
 	req, protected := h.require(stmts, kind, anyReplay)
 	if !protected {
-		// Reads of unprotected data never wait and never get FN007.
-		return k(LSN(r.replay.Load()) >= req.catalog, nil)
+		// Reads of unprotected data never wait and never get FN007. A
+		// catalog position means something only on the primary's
+		// history (era.go).
+		return k(req.catalog == 0 || h.eraOK(r) && LSN(r.replay.Load()) >= req.catalog, nil)
 	}
-	if req.blind {
+	if req.blind || !h.eraOK(r) {
+		// Not the replica's being behind: no policy waits for it, no
+		// FN007; the primary answers.
 		return k(false, nil)
 	}
 	checked := LSN(r.replay.Load())
@@ -781,7 +792,7 @@ func (h *fenceSession) waitReplay(s gateConn, r *replica, req requirement, check
 // fence row when the proxy does not know the session's token, and runs k
 // with the outcome.
 func (h *fenceSession) replayed(s gateConn, r *replica, req requirement, k func(bool, error) error) error {
-	if LSN(r.replay.Load()) < req.lsn {
+	if LSN(r.replay.Load()) < req.lsn || !h.eraOK(r) {
 		return k(false, nil)
 	}
 	if !req.check {

@@ -208,13 +208,27 @@ func (h *fenceSession) txVals(stmts []*rewrite.Stmt) (cur, next readVals, change
 	return cur, next, changed
 }
 
-// txRequire is what a request in the read-only transaction needs: the
+// txRequire is what a request in the read-only transaction on r needs: the
 // stricter of its requirement under the session's settings and under the
 // settings it makes itself, on the replica r as it has replayed now: a
 // relation judged by a read set it has not replayed is judged as reaching
 // anything (requireWith's behind).
 func (h *fenceSession) txRequire(r *replica, stmts []*rewrite.Stmt) (req requirement, protected bool, v readVals) {
 	at := LSN(r.replay.Load())
+	if !h.eraOK(r) {
+		// Not on the primary's history as far as the proxy knows: its
+		// position says nothing of the catalog either.
+		at = 0
+	}
+	defer func() {
+		// Positions mean something only on the primary's history
+		// (era.go): on a replica that has not shown the primary's era (a
+		// failover since the transaction began) no protected request is
+		// judged by them.
+		if protected && !h.eraOK(r) {
+			req.blind, req.noEra = true, true
+		}
+	}()
 	cur, next, changed := h.txVals(stmts)
 	// The request is judged by what it reads itself: plain reads as an
 	// autocommit read would be (SELECT 1 reads nothing protected, whatever
@@ -500,7 +514,10 @@ func (h *fenceSession) refuseInTx(s gateConn, r *replica, req requirement, why s
 
 func (h *fenceSession) txPending(gc gateConn, r *replica, req requirement, why string) *fence.Error {
 	s := ""
-	if req.blind {
+	switch {
+	case req.noEra:
+		s = "; the replica has not shown the primary's era (a failover since the transaction began)"
+	case req.blind:
 		s = "; the proxy's takeover watcher is reconnecting"
 	}
 	if req.check {

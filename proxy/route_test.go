@@ -59,7 +59,9 @@ func startRouteProxy(t *testing.T, db string) (*testProxy, *Fence) {
 // waitCatalogReplayed waits until the replica has replayed the position
 // of the catalog the gate loaded for db: before it, even a read of an
 // unprotected table goes to the primary (the replica's catalog could be
-// older than the one the gate judged it by).
+// older than the one the gate judged it by). It waits for the replica to
+// have shown the primary's era too (era.go): before that, every read of a
+// database with protected tables goes to the primary.
 func waitCatalogReplayed(t *testing.T, p *testProxy, g *Fence, db string) {
 	t.Helper()
 	c := catalogOf(t, g, db)
@@ -67,6 +69,19 @@ func waitCatalogReplayed(t *testing.T, p *testProxy, g *Fence, db string) {
 		return LSN(p.srv.rs.list[0].replay.Load()) >= c.reads.Load().position(), nil
 	}); err != nil {
 		t.Fatalf("the replica never replayed the catalog's position: %v", err)
+	}
+	waitEraShown(t, p, c)
+}
+
+// waitEraShown waits until the first replica has shown the primary's era
+// of c's database (nothing to wait for in a database without eras).
+func waitEraShown(t *testing.T, p *testProxy, c *catalog) {
+	t.Helper()
+	if err := pgtest.Poll(ctxT(t), func() (bool, error) {
+		e := c.era.Load()
+		return e == nil || e.known && p.srv.rs.list[0].hasEra(eraKey{c.db, *e}), nil
+	}); err != nil {
+		t.Fatalf("the replica never showed the primary's era: %v", err)
 	}
 }
 

@@ -49,6 +49,9 @@ type Options struct {
 	// StartTimeout bounds how long a node may take to accept connections.
 	// Zero means 60 seconds.
 	StartTimeout time.Duration
+	// Port is the port of a node AddStandby makes (zero: a free one), so
+	// that a test can name a replica before it exists.
+	Port int
 }
 
 // Cluster is a running primary with an optional replica.
@@ -67,7 +70,8 @@ type Cluster struct {
 	mu       sync.Mutex
 	template string
 	dbSeq    int
-	replicas int // replicas made by AddReplica
+	replicas int     // replicas made by AddReplica and AddStandby
+	extra    []*Node // standbys made by AddStandby
 }
 
 // Node is one PostgreSQL server of a cluster.
@@ -94,6 +98,7 @@ func Start(ctx context.Context, opts Options) (_ *Cluster, err error) {
 	if opts.StartTimeout == 0 {
 		opts.StartTimeout = 60 * time.Second
 	}
+	opts.Port = 0 // AddStandby's
 	c := &Cluster{BinDir: bin}
 	if c.cred, err = serverCredential(); err != nil {
 		return nil, err
@@ -159,8 +164,10 @@ func (c *Cluster) newNode(ctx context.Context, name string, opts Options, prog s
 	n := &Node{Name: name, Host: "127.0.0.1", DataDir: filepath.Join(c.root, name), c: c, timeout: opts.StartTimeout}
 	n.LogPath = filepath.Join(c.root, name+".log")
 	var err error
-	if n.Port, err = freePort(); err != nil {
-		return nil, err
+	if n.Port = opts.Port; n.Port == 0 {
+		if n.Port, err = freePort(); err != nil {
+			return nil, err
+		}
 	}
 	if err := c.run(ctx, prog, append([]string{"-D", n.DataDir}, args...)...); err != nil {
 		return nil, err
@@ -267,7 +274,7 @@ func (c *Cluster) run(ctx context.Context, prog string, args ...string) error {
 func (c *Cluster) startReaper() error {
 	pgctl := filepath.Join(c.BinDir, "pg_ctl")
 	script := fmt.Sprintf(`read _ignored
-for d in %[1]q/primary %[1]q/replica; do
+for d in %[1]q/*/; do
   [ -f "$d/postmaster.pid" ] && %[2]q -D "$d" stop -m immediate -w >/dev/null 2>&1
 done
 rm -rf %[1]q`, c.root, pgctl)
@@ -290,7 +297,10 @@ rm -rf %[1]q`, c.root, pgctl)
 func (c *Cluster) Close() error {
 	c.closeOnce.Do(func() {
 		var errs []error
-		for _, n := range []*Node{c.Replica, c.Primary} {
+		c.mu.Lock()
+		nodes := append(append([]*Node{}, c.extra...), c.Replica, c.Primary)
+		c.mu.Unlock()
+		for _, n := range nodes {
 			if n != nil {
 				if err := n.Stop(); err != nil {
 					errs = append(errs, err)

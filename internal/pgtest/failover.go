@@ -15,18 +15,30 @@ import (
 // failover that loses the primary's last transactions. The replica keeps
 // serving reads of what it has.
 func (c *Cluster) DetachReplica(ctx context.Context) error {
-	return c.onReplica(ctx, func(conn *pgx.Conn) error {
-		if _, err := conn.Exec(ctx, "ALTER SYSTEM SET primary_conninfo = ''"); err != nil {
-			return fmt.Errorf("detach replica: %w", err)
-		}
-		if _, err := conn.Exec(ctx, "SELECT pg_reload_conf()"); err != nil {
-			return fmt.Errorf("detach replica: %w", err)
-		}
-		return poll(ctx, func() (bool, error) {
-			var n int
-			err := conn.QueryRow(ctx, "SELECT count(*) FROM pg_stat_wal_receiver").Scan(&n)
-			return n == 0, err
-		})
+	if c.Replica == nil {
+		return errNoReplica
+	}
+	return c.DetachNode(ctx, c.Replica)
+}
+
+// DetachNode is DetachReplica for any standby of the cluster (one
+// AddStandby made).
+func (c *Cluster) DetachNode(ctx context.Context, n *Node) error {
+	conn, err := n.Connect(ctx, "postgres")
+	if err != nil {
+		return err
+	}
+	defer conn.Close(ctx)
+	if _, err := conn.Exec(ctx, "ALTER SYSTEM SET primary_conninfo = ''"); err != nil {
+		return fmt.Errorf("detach replica: %w", err)
+	}
+	if _, err := conn.Exec(ctx, "SELECT pg_reload_conf()"); err != nil {
+		return fmt.Errorf("detach replica: %w", err)
+	}
+	return poll(ctx, func() (bool, error) {
+		var n int
+		err := conn.QueryRow(ctx, "SELECT count(*) FROM pg_stat_wal_receiver").Scan(&n)
+		return n == 0, err
 	})
 }
 
@@ -90,4 +102,44 @@ func (c *Cluster) AddReplica(ctx context.Context, opts Options) error {
 	c.Replica = r
 	c.mu.Unlock()
 	return nil
+}
+
+// AddStandby makes another streaming replica, of from (the primary or a
+// standby: a cascading one), and starts it. It is not the cluster's
+// Replica (Failover does not promote it); Close stops it. opts gives its
+// settings, as Start's did, and may give its port.
+func (c *Cluster) AddStandby(ctx context.Context, from *Node, opts Options) (*Node, error) {
+	c.mu.Lock()
+	c.replicas++
+	name := fmt.Sprintf("standby%d", c.replicas+1)
+	c.mu.Unlock()
+	if opts.StartTimeout == 0 {
+		opts.StartTimeout = 60 * time.Second
+	}
+	n, err := c.newNode(ctx, name, opts, "pg_basebackup", "-h", from.Host, "-p", strconv.Itoa(from.Port),
+		"-U", "postgres", "-R", "-X", "stream", "-c", "fast", "--no-sync")
+	if err != nil {
+		return nil, err
+	}
+	c.mu.Lock()
+	c.extra = append(c.extra, n)
+	c.mu.Unlock()
+	if err := n.Start(ctx); err != nil {
+		return nil, err
+	}
+	return n, nil
+}
+
+// ReplayedOn waits until standby n has replayed WAL up to lsn.
+func (c *Cluster) ReplayedOn(ctx context.Context, n *Node, lsn string) error {
+	conn, err := n.Connect(ctx, "postgres")
+	if err != nil {
+		return err
+	}
+	defer conn.Close(ctx)
+	return poll(ctx, func() (bool, error) {
+		var ok bool
+		err := conn.QueryRow(ctx, "SELECT coalesce(pg_last_wal_replay_lsn() >= $1::pg_lsn, false)", lsn).Scan(&ok)
+		return ok, err
+	})
 }
