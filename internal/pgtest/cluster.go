@@ -67,7 +67,8 @@ type Cluster struct {
 	mu       sync.Mutex
 	template string
 	dbSeq    int
-	replicas int // replicas made by AddReplica
+	replicas int     // replicas made by AddReplica
+	extra    []*Node // nodes made by AddNode: Close stops them
 }
 
 // Node is one PostgreSQL server of a cluster.
@@ -267,7 +268,7 @@ func (c *Cluster) run(ctx context.Context, prog string, args ...string) error {
 func (c *Cluster) startReaper() error {
 	pgctl := filepath.Join(c.BinDir, "pg_ctl")
 	script := fmt.Sprintf(`read _ignored
-for d in %[1]q/primary %[1]q/replica; do
+for d in %[1]q/*/; do
   [ -f "$d/postmaster.pid" ] && %[2]q -D "$d" stop -m immediate -w >/dev/null 2>&1
 done
 rm -rf %[1]q`, c.root, pgctl)
@@ -290,7 +291,10 @@ rm -rf %[1]q`, c.root, pgctl)
 func (c *Cluster) Close() error {
 	c.closeOnce.Do(func() {
 		var errs []error
-		for _, n := range []*Node{c.Replica, c.Primary} {
+		c.mu.Lock()
+		nodes := append([]*Node{c.Replica, c.Primary}, c.extra...)
+		c.mu.Unlock()
+		for _, n := range nodes {
 			if n != nil {
 				if err := n.Stop(); err != nil {
 					errs = append(errs, err)
