@@ -96,7 +96,10 @@ $$;
 -- at REPEATABLE READ a row made after this transaction's snapshot makes
 -- the insert fail (40001) before any setval, which is not transactional.
 -- Every setval is a greatest() that includes the sequence's last_value,
--- read at the moment (not from the snapshot), so no sequence goes back.
+-- read at the moment (not from the snapshot), so no sequence goes back:
+-- a number drawn before (by a rolled-back acquire, or an earlier attempt
+-- at this era that rolled back) is never drawn again, and every number
+-- drawn from now on is above valid_floor.
 create function fence.era_begin(p_sysid bigint, p_tl integer, p_reason text) returns fence.eras
 language plpgsql
 set search_path = pg_catalog, fence, pg_temp
@@ -111,10 +114,18 @@ declare
 begin
   select * into prev from fence.eras x order by x.era desc limit 1;
   v_era := greatest(prev.era + 1, p_tl);
-  v_tokens := greatest(v_era::bigint << 40, (select s.last_value from fence.token_seq s),
-                       (select max(f.max_issued_token) from fence.fences f)) + fence.era_offset();
-  v_epochs := greatest(v_era::bigint << 40, (select s.last_value from fence.epoch_seq s),
-                       (select max(x.epoch) from fence.epochs x)) + fence.era_offset();
+  -- The floors: the base is above every number issued before (each job's
+  -- latest token is its fence row's; every epoch has its row), and, for
+  -- an administrator's era, above every number drawn (last_value). A
+  -- settling transaction that rolls back has moved the sequences (setval
+  -- is not undone), but not the base of the next attempt: refused writes
+  -- on a new primary do not push the numbers up by 2^38 each.
+  v_tokens := greatest(v_era::bigint << 40, (select max(f.max_issued_token) from fence.fences f),
+                       case when p_reason is not null then (select s.last_value from fence.token_seq s) end)
+              + fence.era_offset();
+  v_epochs := greatest(v_era::bigint << 40, (select max(x.epoch) from fence.epochs x),
+                       case when p_reason is not null then (select s.last_value from fence.epoch_seq s) end)
+              + fence.era_offset();
   v_lossless := p_reason is null and prev.system_identifier = p_sysid and p_tl > prev.timeline
                 and exists (select 1 from fence.settings s where s.name = 'failover_mode' and s.value = 'sync');
   begin
@@ -228,6 +239,14 @@ begin
   if new_era.reason is null or pg_catalog.btrim(new_era.reason) = '' then
     raise exception 'a new era needs a reason (what was restored or copied, and when)'
       using errcode = '22023';
+  end if;
+  -- At READ COMMITTED each statement below reads what committed before
+  -- the locks were granted; an older snapshot would miss fence rows
+  -- written meanwhile, which would keep their era_start.
+  if pg_catalog.current_setting('transaction_isolation') <> 'read committed' then
+    raise exception 'fence.new_era runs at READ COMMITTED, not %', pg_catalog.current_setting('transaction_isolation')
+      using errcode = '25000',
+            hint = 'run it in a transaction of its own (the default isolation level)';
   end if;
   perform fence.refuse_prepare();
   perform fence.durable();
