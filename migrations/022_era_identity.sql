@@ -72,6 +72,15 @@ as $$
     from (select pg_catalog.gen_random_uuid()::pg_catalog.text as u) r
 $$;
 
+-- era_pending_seq: the token floor the last attempt at a new era on this
+-- server drew. A sequence, so that it survives the attempt's rollback:
+-- the next attempt at the same era reuses it instead of drawing again,
+-- and the floor a server settles on is one random draw however many
+-- settling transactions roll back before one commits (each draw would
+-- otherwise be another chance for two branches' ranges to meet).
+create sequence fence.era_pending_seq minvalue 0 start with 0;
+revoke all on sequence fence.era_pending_seq from public;
+
 -- durable: this transaction's commit is flushed before it is acknowledged
 -- (synchronous_commit at least local), so a crash-restart cannot lose it.
 -- A LOCAL setting: it outlives the calling function (whose SET clause
@@ -110,6 +119,7 @@ declare
   v_era integer;
   v_tokens bigint;
   v_epochs bigint;
+  v_pending bigint;
   v_lossless boolean;
 begin
   select * into prev from fence.eras x order by x.era desc limit 1;
@@ -121,8 +131,14 @@ begin
   -- is not undone), but not the base of the next attempt: refused writes
   -- on a new primary do not push the numbers up by 2^38 each.
   v_tokens := greatest(v_era::bigint << 40, (select max(f.max_issued_token) from fence.fences f),
-                       case when p_reason is not null then (select s.last_value from fence.token_seq s) end)
-              + fence.era_offset();
+                       case when p_reason is not null then (select s.last_value from fence.token_seq s) end);
+  v_pending := (select s.last_value from fence.era_pending_seq s);
+  if p_reason is null and v_pending > v_tokens and v_pending - v_tokens <= (1::bigint << 39) then
+    v_tokens := v_pending; -- drawn by an attempt at this era here that rolled back
+  else
+    v_tokens := v_tokens + 1 + fence.era_offset();
+    perform pg_catalog.setval('fence.era_pending_seq', v_tokens);
+  end if;
   v_epochs := greatest(v_era::bigint << 40, (select max(x.epoch) from fence.epochs x),
                        case when p_reason is not null then (select s.last_value from fence.epoch_seq s) end)
               + fence.era_offset();
