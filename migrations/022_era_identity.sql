@@ -133,7 +133,8 @@ begin
   v_tokens := greatest(v_era::bigint << 40, (select max(f.max_issued_token) from fence.fences f),
                        case when p_reason is not null then (select s.last_value from fence.token_seq s) end);
   v_pending := (select s.last_value from fence.era_pending_seq s);
-  if p_reason is null and v_pending > v_tokens and v_pending - v_tokens <= (1::bigint << 39) then
+  if p_reason is null and v_pending > v_tokens and v_pending - v_tokens <= (1::bigint << 39)
+     and not exists (select 1 from fence.eras x where x.token_floor = v_pending) then
     v_tokens := v_pending; -- drawn by an attempt at this era here that rolled back
   else
     v_tokens := v_tokens + 1 + fence.era_offset();
