@@ -134,7 +134,7 @@ func Setup(code, message string) SetupProblem {
 // workerFunctions are the functions of schema fence that pgfence_worker
 // may run (migrations grant them).
 var workerFunctions = []string{"acquire", "renew", "release", "retire", "gate", "commit", "commit_if_written",
-	"accept_event", "has_generation", "replica_reached"}
+	"accept_event", "has_generation", "replica_reached", "current_era"}
 
 // workerFunction reports whether a permission error names one of the
 // functions pgfence_worker may run.

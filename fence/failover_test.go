@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -175,6 +176,18 @@ func TestFailoverAsync(t *testing.T) {
 	if _, err := fence.Renew(ctx, e.connect("wa", nil), "k", other.Token, time.Minute); fence.Code(err) != fence.CodeFailover {
 		t.Fatalf("renewal of a lease from before the failover: %v, want FN015", err)
 	}
+	// (round 9) B, whose takeover was lost, renews: FN015 (the job is
+	// free: pgfence run acquires again), not FN001 for the role the fence
+	// row names; release and retire refuse a void generation as renew does.
+	if _, err := fence.Renew(ctx, e.connect("wb", nil), "j", b.Token, time.Minute); fence.Code(err) != fence.CodeFailover {
+		t.Fatalf("B renews the lease whose takeover was lost: %v, want FN015", err)
+	}
+	if err := fence.Release(ctx, e.connect("wa", nil), "k", other.Token); fence.Code(err) != fence.CodeFailover {
+		t.Fatalf("release of a lease from before the failover: %v, want FN015", err)
+	}
+	if err := fence.Retire(ctx, e.connect("wa", nil), "k", fence.RetireOptions{Token: other.Token}); fence.Code(err) != fence.CodeFailover {
+		t.Fatalf("retire under a generation from before the failover: %v, want FN015", err)
+	}
 	// The void lease does not hold the job: another role takes it now,
 	// under a token above every token issued before the failover.
 	c := e.acquire("wb", "k")
@@ -274,5 +287,194 @@ func TestFailoverModeNeedsStandby(t *testing.T) {
 	e.exec("select fence.set_failover_mode('async')")
 	if _, err := fence.Acquire(ctx, e.admin, "j", "h", time.Minute); err != nil {
 		t.Fatalf("acquire in async mode: %v", err)
+	}
+}
+
+// replayedTo waits until standby n has replayed the primary's WAL as it
+// is now.
+func (e *failoverEnv) replayedTo(n *pgtest.Node) {
+	e.t.Helper()
+	ctx := ctxT(e.t)
+	lsn, err := e.c.CurrentLSN(ctx)
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	conn, err := n.Connect(ctx, "postgres")
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	defer conn.Close(ctx)
+	if err := pgtest.Poll(ctx, func() (bool, error) {
+		var ok bool
+		err := conn.QueryRow(ctx, "select coalesce(pg_last_wal_replay_lsn() >= $1::pg_lsn, false)", lsn).Scan(&ok)
+		return ok, err
+	}); err != nil {
+		e.t.Fatal(err)
+	}
+}
+
+// TestFailoverSameTimeline (round 9, Q-H1): two promotions from one
+// history onto the same timeline number. Primary A has two asynchronous
+// standbys, B and C. A dies, B is promoted (timeline 2) and a takeover
+// commits there; B dies, and C, which never received B's WAL, is
+// promoted: timeline 2 as well. C must not issue the generation B issued
+// (the same era number on both branches once gave the same token floor),
+// and B's holder, whose takeover C lost, must not commit on C.
+func TestFailoverSameTimeline(t *testing.T) {
+	t.Parallel()
+	e := newFailoverEnv(t, nil)
+	ctx := ctxT(t)
+	standbyC, err := e.c.AddNode(ctx, "standbyC", pgtest.Options{}, true, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	a := e.acquire("wa", "j")
+	if err := e.write("wa", a, "a"); err != nil {
+		t.Fatalf("A's write: %v", err)
+	}
+	e.replayedTo(e.c.Replica)
+	e.replayedTo(standbyC)
+	if err := e.c.Failover(ctx); err != nil { // B
+		t.Fatal(err)
+	}
+	b := e.acquire("wb", "j") // a's lease is void on B: free at once
+	if err := e.write("wb", b, "b"); err != nil {
+		t.Fatalf("B's holder writes on B: %v", err)
+	}
+	if err := e.c.FailoverTo(ctx, standbyC); err != nil {
+		t.Fatal(err)
+	}
+	var tl int
+	if err := e.connect("", nil).QueryRow(ctx, "select timeline from fence.current_era()").Scan(&tl); err != nil {
+		t.Fatal(err)
+	}
+	if tl != 2 {
+		t.Fatalf("C is on timeline %d, want 2 (the test needs both promotions on one timeline number)", tl)
+	}
+	c := e.acquire("wb", "j") // the same role, as the same program on another host
+	if c.Token == b.Token || c.Epoch == b.Epoch && c.Token == b.Token {
+		t.Fatalf("C issued generation (%d, %d) again, which B issued", c.Epoch, c.Token)
+	}
+	if c.Token <= a.Token {
+		t.Fatalf("C issued token %d, not above %d issued before both failovers", c.Token, a.Token)
+	}
+	if err := e.write("wb", c, "c"); err != nil {
+		t.Fatalf("C's holder writes: %v", err)
+	}
+	// B's holder (a zombie whose takeover C lost): its retry of the commit
+	// C lost and new work are refused, whatever the number.
+	for _, payload := range []string{"b", "zombie"} {
+		err := e.write("wb", b, payload)
+		if code := fence.Code(err); code != fence.CodeFailover && code != fence.CodeNotOwner {
+			t.Fatalf("B's holder writes %q on C: %v, want FN015 or FN011", payload, err)
+		}
+	}
+	if got := e.payload("j"); got != "c" {
+		t.Fatalf("the result on C is %q, want C's holder's", got)
+	}
+}
+
+// TestCrashRestartKeepsTakeover (round 9, Q-H3): a takeover acknowledged
+// with synchronous_commit off survives a crash-restart (kill -9 of any
+// backend: the postmaster reinitialises, its start time unchanged), so
+// the previous holder does not commit after it. wal_writer_delay is long
+// and autovacuum off, so nothing but the acquire's own commit flushes its
+// WAL before the crash (the WAL writer's next round is up to 10 s away):
+// without that flush the takeover is lost.
+func TestCrashRestartKeepsTakeover(t *testing.T) {
+	t.Parallel()
+	e := newFailoverEnv(t, map[string]string{"wal_writer_delay": "'10s'", "autovacuum": "off"})
+	ctx := ctxT(t)
+	a := e.acquire("wa", "j")
+	if err := e.write("wa", a, "a"); err != nil {
+		t.Fatalf("A's write: %v", err)
+	}
+	e.expire("j")
+	wb := e.connect("wb", nil)
+	if _, err := wb.Exec(ctx, "set synchronous_commit = off"); err != nil {
+		t.Fatal(err)
+	}
+	b, err := fence.Acquire(ctx, wb, "j", "wb", time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var pid int
+	if err := e.connect("", nil).QueryRow(ctx, "select pg_backend_pid()").Scan(&pid); err != nil {
+		t.Fatal(err)
+	}
+	if err := syscall.Kill(pid, syscall.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	if err := pgtest.Poll(ctx, func() (bool, error) {
+		conn, err := e.c.Primary.Connect(ctx, e.db)
+		if err != nil {
+			return false, nil // the postmaster is reinitialising
+		}
+		defer conn.Close(ctx)
+		var rec bool
+		return conn.QueryRow(ctx, "select not pg_is_in_recovery()").Scan(&rec) == nil && rec, nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	var tok int64
+	if err := e.connect("", nil).QueryRow(ctx, "select max_issued_token from fence.fences where job_key = 'j'").Scan(&tok); err != nil {
+		t.Fatal(err)
+	}
+	if tok != b.Token {
+		t.Fatalf("after the crash-restart the fence's token is %d, want %d (the acknowledged takeover)", tok, b.Token)
+	}
+	if err := e.write("wa", a, "zombie"); fence.Code(err) != fence.CodeStale {
+		t.Fatalf("A writes after the crash-restart: %v, want FN001 (the takeover stands)", err)
+	}
+	if err := e.write("wb", b, "b"); err != nil {
+		t.Fatalf("B writes after the crash-restart: %v", err)
+	}
+}
+
+// TestRestoredBackupNewEra (round 9, Q-H2): a physical backup restored as
+// the primary on the same timeline (crash recovery, the same system
+// identifier) looks like a crash restart to the database; the runbook's
+// fence.new_era after the restore voids every generation the copy knew
+// and moves the numbers past everything issued before.
+func TestRestoredBackupNewEra(t *testing.T) {
+	t.Parallel()
+	e := newFailoverEnv(t, nil)
+	ctx := ctxT(t)
+	a := e.acquire("wa", "j")
+	if err := e.write("wa", a, "a"); err != nil {
+		t.Fatalf("A's write: %v", err)
+	}
+	backup, err := e.c.AddNode(ctx, "backup", pgtest.Options{}, false, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	e.expire("j")
+	b := e.acquire("wb", "j") // a takeover after the backup: lost with the old primary
+	if err := e.c.Primary.Kill(); err != nil {
+		t.Fatal(err)
+	}
+	if err := backup.Start(ctx); err != nil {
+		t.Fatal(err)
+	}
+	e.c.UsePrimary(backup)
+	if _, err := e.connect("wa", nil).Exec(ctx, "select fence.new_era('restored')"); pgtest.SQLState(err) != "42501" {
+		t.Fatalf("a worker starts a new era: %v, want 42501", err)
+	}
+	if _, err := e.connect("", nil).Exec(ctx, "select fence.new_era('restored from last night''s backup')"); err != nil {
+		t.Fatalf("new_era: %v", err)
+	}
+	if err := e.write("wa", a, "zombie"); fence.Code(err) != fence.CodeFailover {
+		t.Fatalf("A (superseded before the loss) writes on the restored copy: %v, want FN015", err)
+	}
+	c := e.acquire("wb", "j")
+	if c.Token <= b.Token {
+		t.Fatalf("token %d issued on the restored copy is not above %d, issued before the restore", c.Token, b.Token)
+	}
+	var reason string
+	if err := e.connect("", nil).QueryRow(ctx, "select reason from fence.current_era()").Scan(&reason); err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(reason, "last night") {
+		t.Fatalf("current era's reason %q does not give the administrator's", reason)
 	}
 }

@@ -396,3 +396,33 @@ func ProtectedTables(ctx context.Context, db DBTX) ([]ProtectedTable, error) {
 	}
 	return out, nil
 }
+
+// Era is the era a server is in (fence.current_era()): docs/failover.md.
+type Era struct {
+	Era      int       `json:"era"`
+	Timeline int       `json:"timeline"`
+	BeganAt  time.Time `json:"began_at"`
+	Lossless bool      `json:"lossless"`
+	Reason   string    `json:"reason"`
+}
+
+// CurrentEra returns the era the server is in, settling it first if this
+// is the first transaction of a new one.
+func CurrentEra(ctx context.Context, db DBTX) (Era, error) {
+	var e Era
+	if err := db.QueryRow(ctx, "select era, timeline, began_at, lossless, reason from fence.current_era()").Scan(&e.Era, &e.Timeline, &e.BeganAt, &e.Lossless, &e.Reason); err != nil {
+		return Era{}, fmt.Errorf("current era: %w", FromPostgres(err))
+	}
+	return e, nil
+}
+
+// NewEra starts a new era now (fence.new_era, an administrator's): every
+// generation issued before is void, every lease free. The runbook's step
+// after restoring a backup or any copy as the primary, which the database
+// cannot tell from a crash restart.
+func NewEra(ctx context.Context, db DBTX, reason string) (Era, error) {
+	if _, err := db.Exec(ctx, "select fence.new_era($1::pg_catalog.text)", reason); err != nil {
+		return Era{}, fmt.Errorf("new era: %w", FromPostgres(err))
+	}
+	return CurrentEra(ctx, db)
+}

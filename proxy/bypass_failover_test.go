@@ -124,15 +124,15 @@ func bypassFailover(t *testing.T) {
 		})
 	})
 	t.Run("renew", func(t *testing.T) {
-		// B's renewal is answered by the role check that comes before
-		// everything else in fence.renew (migration 015: a role that does
-		// not hold the job's lease never reaches its fence row): on the new
-		// primary the lease is A's role's, and B is told to stop.
+		// B's renewal: the era is checked before the role (migration 022;
+		// it was FN001 for the role the fence row names, A's): B learns
+		// that its generation is void and the job free, and pgfence run
+		// acquires again.
 		for _, r := range []struct {
 			name, role string
 			l          *fence.Lease
 			code       string
-		}{{"zombie", "fo_a", a, fo}, {"lost_takeover", "fo_b", b, fence.CodeStale}, {"other_job", "fo_c", other, fo}} {
+		}{{"zombie", "fo_a", a, fo}, {"lost_takeover", "fo_b", b, fo}, {"other_job", "fo_c", other, fo}} {
 			t.Run(r.name, func(t *testing.T) {
 				e.eachRoute(t, func(t *testing.T, route string) {
 					before := e.state(t)
@@ -193,6 +193,91 @@ func bypassFailover(t *testing.T) {
 			conn := e.connect(t, route, "fo_c", &c)
 			if err := castExec(ctxT(t), conn, "set fence.step = '"+route+"'; "+failoverWrite(c, "c "+route), ""); err != nil {
 				t.Fatalf("%s: the new generation's write: %v", route, err)
+			}
+		}
+	})
+	// (round 9, Q-L1) Release and retire refuse a void generation, as
+	// renew does: the zombie cannot end the job's lifecycle.
+	t.Run("release_retire", func(t *testing.T) {
+		e.tryEach(t, []castCase{
+			{"release", attempt{role: "fo_c", sql: fmt.Sprintf("select fence.release('k', %d)", other.Token), code: fo}},
+			{"retire", attempt{role: "fo_c", sql: fmt.Sprintf("select fence.retire('k', %d)", other.Token), code: fo}},
+		})
+	})
+	// (round 9, Q-M1) The era's first transaction on a server (here: its
+	// check dropped, as after a restart) holds the era's lock to its end:
+	// it cannot be prepared, and a login without a fence role cannot
+	// start it.
+	t.Run("era_hostage", func(t *testing.T) {
+		if _, err := e.admin.Exec(ctxT(t), "create role fo_view login; delete from fence.era_checks"); err != nil {
+			t.Fatal(err)
+		}
+		// The proxy names a fence function a role may not run FN014.
+		denied := map[string]string{"direct": "42501", "proxy": fence.CodeNotInstalled}
+		for _, role := range []string{"fo_view", "fo_a"} {
+			t.Run(role, func(t *testing.T) {
+				e.eachRoute(t, func(t *testing.T, route string) {
+					before := e.state(t)
+					conn := e.connect(t, route, role, nil)
+					err := castExec(ctxT(t), conn, "begin; select * from fence.current_era()", "")
+					if role == "fo_view" {
+						if got := pgtest.SQLState(err); got != denied[route] {
+							t.Fatalf("a login without a fence role reads the era: %v, want %s", err, denied[route])
+						}
+						return
+					}
+					if err != nil {
+						t.Fatalf("a worker reads the era: %v", err)
+					}
+					// PREPARE TRANSACTION is a query of its own through the
+					// proxy, which refuses it after the settle's locks
+					// (FN009) before PostgreSQL would (0A000).
+					err = castExec(ctxT(t), conn, "prepare transaction 'fo_hostage'", "")
+					want := map[string]string{"direct": "0A000", "proxy": fence.CodeUnsupported}[route]
+					if got := pgtest.SQLState(err); got != want {
+						t.Fatalf("PREPARE of the era's settling transaction: %v (SQLSTATE %q), want %s", err, got, want)
+					}
+					e.unchanged(t, before)
+				})
+			})
+		}
+	})
+	// (round 9, Q-H2) An administrator's new era (the runbook's step after
+	// restoring a copy as the primary) voids every generation, the one
+	// issued after the failover included, on every route.
+	t.Run("new_era", func(t *testing.T) {
+		var era int
+		if err := e.admin.QueryRow(ctxT(t), "select fence.new_era('restored from a backup (TestBypass)')").Scan(&era); err != nil {
+			t.Fatal(err)
+		}
+		cw := func(name, sql string) castCase {
+			return castCase{name, attempt{role: "fo_c", lease: &c, sql: "set fence.step = 'ne_" + name + "'; " + sql, code: fo}}
+		}
+		e.tryEach(t, []castCase{
+			cw("update", "update results set payload = 'void' where job_key = 'j'"),
+			cw("upsert", failoverWrite(c, "void")),
+			cw("function", "select write_result('void')"),
+			cw("definer_function", "select write_result_definer('void')"),
+			cw("do_block", "do $$ begin update results set payload = 'void'; end $$"),
+			cw("jobkey_update", "update ledger set v = 'void' where job_key = 'j'"),
+			cw("transaction", "begin; update results set payload = 'void'; commit"),
+			{"copy", attempt{role: "fo_c", lease: &c, sql: "copy results from stdin", copyIn: "z\tvoid\t0\n", code: fo}},
+			{"renew", attempt{role: "fo_c", sql: fmt.Sprintf("select fence.renew('j', %d, '1 minute')", c.Token), code: fo}},
+			{"release", attempt{role: "fo_c", sql: fmt.Sprintf("select fence.release('j', %d)", c.Token), code: fo}},
+			{"retire", attempt{role: "fo_c", sql: fmt.Sprintf("select fence.retire('j', %d)", c.Token), code: fo}},
+			{"worker_new_era", attempt{role: "fo_c", sql: "select fence.new_era('a worker')", code: "42501"}},
+		})
+		// The job is free at once, under a number far above.
+		d, err := fence.Acquire(ctxT(t), e.connectPgx(t, "proxy", "fo_b"), "j", "d", time.Minute)
+		if err != nil {
+			t.Fatalf("acquire after the new era: %v", err)
+		}
+		if d.Token <= c.Token {
+			t.Fatalf("token %d after the new era is not above %d", d.Token, c.Token)
+		}
+		for _, route := range castRoutes {
+			if err := castExec(ctxT(t), e.connect(t, route, "fo_b", &d), "set fence.step = 'd_"+route+"'; "+failoverWrite(d, "d "+route), ""); err != nil {
+				t.Fatalf("%s: the new era's generation writes: %v", route, err)
 			}
 		}
 	})

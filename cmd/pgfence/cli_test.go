@@ -213,6 +213,8 @@ func TestJSONOutput(t *testing.T) {
 		{"lease", "retire", "--database", dsn, "--job", "nightly"},
 		{"gc", "--database", dsn, "--keep", "7d"},
 		{"audit", "--database", dsn},
+		{"era", "show", "--database", dsn},
+		{"era", "new", "--reason", "TestJSONOutput", "--database", dsn},
 		{"protect", "remove", "results", "--database", dsn},
 	} {
 		out := mustRun(t, append(args, "--json")...)

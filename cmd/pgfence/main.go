@@ -1,6 +1,6 @@
 // Command pgfence is the pgfence CLI: the proxy (serve), schema management
 // (migrate, protect), leases (lease, run), retention (gc), the history
-// audit (audit) and a local development cluster (dev). The work is done by
+// audit (audit), failover eras (era) and a local development cluster (dev). The work is done by
 // the packages (proxy, fence, migrations, audit, internal/runner); this one
 // maps flags, the environment and files to their calls, and their results
 // and errors to output and an exit code.
@@ -99,6 +99,7 @@ see docs/cli.md.`,
 		newPasswdCmd(),
 		newRunCmd(),
 		newAuditCmd(),
+		newEraCmd(),
 	)
 	return root
 }

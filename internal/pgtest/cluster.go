@@ -71,7 +71,7 @@ type Cluster struct {
 	template string
 	dbSeq    int
 	replicas int     // replicas made by AddReplica and AddStandby
-	extra    []*Node // standbys made by AddStandby
+	extra    []*Node // nodes made by AddStandby and AddNode: Close stops them
 }
 
 // Node is one PostgreSQL server of a cluster.

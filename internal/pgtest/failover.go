@@ -143,3 +143,73 @@ func (c *Cluster) ReplayedOn(ctx context.Context, n *Node, lsn string) error {
 		return ok, err
 	})
 }
+
+// AddNode makes node name from a base backup of the current primary and
+// starts it: with standby, a streaming standby (pg_basebackup -R) that the
+// cluster does not use as its Replica (a second standby of one primary);
+// without, a copy that starts as a primary of its own by crash recovery
+// from the backup (a physical backup restored without recovery.signal:
+// the same system identifier and timeline). start false leaves it
+// stopped (Start it later, as a backup restored after a loss). Close
+// stops it.
+func (c *Cluster) AddNode(ctx context.Context, name string, opts Options, standby, start bool) (*Node, error) {
+	c.mu.Lock()
+	p := c.Primary
+	c.mu.Unlock()
+	if opts.StartTimeout == 0 {
+		opts.StartTimeout = 60 * time.Second
+	}
+	args := []string{"-h", p.Host, "-p", strconv.Itoa(p.Port), "-U", "postgres", "-X", "stream", "-c", "fast", "--no-sync"}
+	if standby {
+		args = append(args, "-R")
+	}
+	n, err := c.newNode(ctx, name, opts, "pg_basebackup", args...)
+	if err != nil {
+		return nil, err
+	}
+	c.mu.Lock()
+	c.extra = append(c.extra, n)
+	c.mu.Unlock()
+	if start {
+		if err := n.Start(ctx); err != nil {
+			return nil, err
+		}
+	}
+	return n, nil
+}
+
+// FailoverTo kills the current primary (SIGKILL, as a crash) and promotes
+// standby n (pg_promote, which waits until it accepts writes), which
+// becomes the cluster's Primary. What n had not received is lost.
+func (c *Cluster) FailoverTo(ctx context.Context, n *Node) error {
+	if err := c.Primary.Kill(); err != nil {
+		return fmt.Errorf("kill primary: %w", err)
+	}
+	conn, err := n.Connect(ctx, "postgres")
+	if err != nil {
+		return fmt.Errorf("promote %s: %w", n.Name, err)
+	}
+	defer conn.Close(ctx)
+	var ok bool
+	if err := conn.QueryRow(ctx, "SELECT pg_promote(true, 60)").Scan(&ok); err != nil {
+		return fmt.Errorf("promote %s: %w", n.Name, err)
+	}
+	if !ok {
+		return fmt.Errorf("promote %s: not promoted within 60 s", n.Name)
+	}
+	c.mu.Lock()
+	if c.Replica == n {
+		c.Replica = nil
+	}
+	c.Primary = n
+	c.mu.Unlock()
+	return nil
+}
+
+// UsePrimary makes n, a running node that accepts writes (a restored
+// copy), the cluster's Primary.
+func (c *Cluster) UsePrimary(n *Node) {
+	c.mu.Lock()
+	c.Primary = n
+	c.mu.Unlock()
+}
