@@ -215,7 +215,8 @@ func (h *fenceSession) txVals(stmts []*rewrite.Stmt) (cur, next readVals, change
 // anything (requireWith's behind).
 func (h *fenceSession) txRequire(r *replica, stmts []*rewrite.Stmt) (req requirement, protected bool, v readVals) {
 	at := LSN(r.replay.Load())
-	if !h.eraOK(r) {
+	eraOK := h.eraOK(r)
+	if !eraOK {
 		// Not on the primary's history as far as the proxy knows: its
 		// position says nothing of the catalog either.
 		at = 0
@@ -225,7 +226,7 @@ func (h *fenceSession) txRequire(r *replica, stmts []*rewrite.Stmt) (req require
 		// (era.go): on a replica that has not shown the primary's era (a
 		// failover since the transaction began) no protected request is
 		// judged by them.
-		if protected && !h.eraOK(r) {
+		if protected && !eraOK {
 			req.blind, req.noEra = true, true
 		}
 	}()
