@@ -553,7 +553,7 @@ create or replace function fence.commit(job_key text, epoch bigint, token bigint
 returns text
 language plpgsql
 security definer
-set search_path = pg_catalog, fence
+set search_path = pg_catalog, fence, pg_temp
 as $$
 #variable_conflict use_column
 declare
