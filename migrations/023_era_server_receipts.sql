@@ -584,3 +584,31 @@ end
 $$;
 
 revoke all on function fence.refuse_switch(text, bigint, bigint, text, xid8) from public;
+
+-- The job-key triggers (fence.job_key_function's template, migration 011,
+-- and every function it generated, fence.backstop_rows_<md5>) take this
+-- transaction's receipt of the settings they read as proof the
+-- generation was checked, and skip fence.enter: the same own-receipt
+-- test, so it compares backstop_started too. The one line is rewritten in
+-- each definition (pg_get_functiondef keeps owner, grants, SECURITY
+-- DEFINER and SET clauses under CREATE OR REPLACE); a definition without
+-- the line is an error, not skipped.
+do $$
+declare
+  v_old constant text := 'and r.backstop_xid = pg_catalog.pg_current_xact_id();';
+  v_new constant text := 'and r.backstop_xid = pg_catalog.pg_current_xact_id() and r.backstop_started = pg_catalog.pg_postmaster_start_time();';
+  f regprocedure;
+  v_def text;
+begin
+  for f in select p.oid::regprocedure from pg_catalog.pg_proc p
+            where p.pronamespace = 'fence'::regnamespace
+              and (p.proname = 'job_key_function' or p.proname ~ '^backstop_rows_[0-9a-f]{32}$')
+  loop
+    v_def := pg_catalog.pg_get_functiondef(f);
+    if pg_catalog.strpos(v_def, v_old) = 0 then
+      raise exception 'migration 023: % has no own-receipt test to extend', f;
+    end if;
+    execute pg_catalog.replace(v_def, v_old, v_new);
+  end loop;
+end
+$$;
