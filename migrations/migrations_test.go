@@ -3,6 +3,7 @@ package migrations_test
 import (
 	"context"
 	"os"
+	"regexp"
 	"strings"
 	"sync"
 	"testing"
@@ -255,5 +256,65 @@ func TestHasEra(t *testing.T) {
 		if got != c.want {
 			t.Errorf("%s: fence.has_era = %v, want %v", c.name, got, c.want)
 		}
+	}
+}
+
+// TestOwnReceiptTestsBindPostmaster (migration 023, round 10's S-H2): a
+// receipt is this transaction's only if backstop_started is this
+// postmaster's as well as backstop_xid this transaction's id, since a
+// logical copy's new xids pass through restored receipts' ids. Every
+// function of schema fence that compares backstop_xid with the current
+// transaction's id compares backstop_started too: the ones migrations
+// wrote, a job-key trigger function generated before 023 (rewritten by
+// it), and one fence.protect generates after.
+func TestOwnReceiptTestsBindPostmaster(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	db := cluster.NewDatabase(t)
+	conn, err := cluster.Primary.Connect(ctx, db)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(ctx)
+	if err := migrations.MigrateTo(ctx, conn, 22); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := conn.Exec(ctx, "create table before023 (k int, old_key_column text); select fence.protect('before023', 'old_key_column')"); err != nil {
+		t.Fatal(err)
+	}
+	if err := migrations.Apply(ctx, conn); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := conn.Exec(ctx, "create table after023 (k int, new_key_column text); select fence.protect('after023', 'new_key_column')"); err != nil {
+		t.Fatal(err)
+	}
+	rows, err := conn.Query(ctx, `
+select p.oid::regprocedure::text, p.prosrc
+  from pg_proc p where p.pronamespace = 'fence'::regnamespace and p.prosrc ~ 'backstop_xid' order by 1`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rows.Close()
+	xidTest := regexp.MustCompile(`backstop_xid\s*(=|is distinct from|is not distinct from)\s*(pg_catalog\.pg_current_xact_id|v_xid|p_xid)|r\.backstop_xid\s*=\s*pg_catalog\.pg_current_xact_id_if_assigned`)
+	generated := 0
+	for rows.Next() {
+		var fn, src string
+		if err := rows.Scan(&fn, &src); err != nil {
+			t.Fatal(err)
+		}
+		if strings.Contains(fn, "backstop_rows_") {
+			generated++
+		}
+		for _, line := range strings.Split(src, "\n") {
+			if xidTest.MatchString(line) && !strings.Contains(line, "backstop_started") {
+				t.Errorf("%s takes a receipt as this transaction's by backstop_xid alone: %s", fn, strings.TrimSpace(line))
+			}
+		}
+	}
+	if err := rows.Err(); err != nil {
+		t.Fatal(err)
+	}
+	if generated != 2 {
+		t.Fatalf("%d generated job-key functions, want 2 (one before 023, one after)", generated)
 	}
 }
