@@ -82,8 +82,9 @@ var (
 // when the session has a temporary schema (CASE: the EXISTS are initplans,
 // run when reached). Then the settings taken from the role's and the
 // database's defaults (defaultsSQL). Five columns, after settingNames'.
-const sessionStateSQL = "(SELECT pg_catalog.string_agg(s.name, ' ') FROM pg_catalog.pg_settings AS s" +
-	" WHERE s.source OPERATOR(pg_catalog.=) 'session' AND pg_catalog.left(s.name, 6) OPERATOR(pg_catalog.<>) 'fence.')," +
+const sessionStateSQL = "(SELECT CASE WHEN v.a IS NULL AND v.b IS NULL THEN NULL ELSE pg_catalog.concat_ws(' ', v.a, v.b) END FROM" +
+	" (SELECT (SELECT pg_catalog.string_agg(s.name, ' ') FROM pg_catalog.pg_settings AS s" +
+	" WHERE s.source OPERATOR(pg_catalog.=) 'session' AND pg_catalog.left(s.name, 6) OPERATOR(pg_catalog.<>) 'fence.') AS a, " + customSetSQL + " AS b) AS v)," +
 	" pg_catalog.current_setting('role'), pg_catalog.current_setting('session_authorization')," +
 	" CASE WHEN pg_catalog.pg_my_temp_schema() OPERATOR(pg_catalog.=) '0'::pg_catalog.oid THEN 'f'" +
 	" WHEN EXISTS (SELECT FROM pg_catalog.pg_class AS c WHERE c.relnamespace OPERATOR(pg_catalog.=) pg_catalog.pg_my_temp_schema()" +
@@ -91,6 +92,27 @@ const sessionStateSQL = "(SELECT pg_catalog.string_agg(s.name, ' ') FROM pg_cata
 	" OR EXISTS (SELECT FROM pg_catalog.pg_type AS y WHERE y.typnamespace OPERATOR(pg_catalog.=) pg_catalog.pg_my_temp_schema()" +
 	" AND y.typtype OPERATOR(pg_catalog.<>) 'c' AND y.typcategory OPERATOR(pg_catalog.<>) 'A')" +
 	" THEN 't' ELSE 'f' END, " + defaultsSQL
+
+// customSetSQL names the custom (placeholder) settings, such as
+// app.tenant, that the session has (current_setting(name, true) is not
+// NULL), among the names the database's code can read: the quoted dotted
+// names in the source of the database's own functions (OIDs from
+// FirstNormalObjectId), in its row-security policies' expressions and in
+// its views' definitions, and the custom names in the role and database
+// defaults (pg_db_role_setting). pg_settings (and SHOW ALL) do not list
+// placeholders, and no SQL function enumerates them, so the names come
+// from where code reads them (round 10, attacker T's M1 and M2). A name
+// computed at run time ('app.' || x) on both sides is not found. NULL
+// when none is set. Not fence.*: the gate's own.
+const customSetSQL = "(SELECT pg_catalog.string_agg(DISTINCT n.n, ' ') FROM (SELECT m.m[1] AS n FROM (" +
+	"SELECT p.prosrc AS src FROM pg_catalog.pg_proc AS p WHERE p.oid OPERATOR(pg_catalog.>=) '16384'::pg_catalog.oid" +
+	" UNION ALL SELECT pg_catalog.pg_get_expr(pol.polqual, pol.polrelid) FROM pg_catalog.pg_policy AS pol" +
+	" UNION ALL SELECT pg_catalog.pg_get_expr(pol.polwithcheck, pol.polrelid) FROM pg_catalog.pg_policy AS pol" +
+	" UNION ALL SELECT pg_catalog.pg_get_viewdef(c.oid) FROM pg_catalog.pg_class AS c WHERE c.relkind OPERATOR(pg_catalog.=) ANY ('{v,m}'::pg_catalog.\"char\"[])" +
+	" UNION ALL SELECT '''' OPERATOR(pg_catalog.||) pg_catalog.split_part(d.c, '=', 1) OPERATOR(pg_catalog.||) ''''" +
+	" FROM pg_catalog.pg_db_role_setting AS r, pg_catalog.unnest(r.setconfig) AS d(c)" +
+	") AS x, pg_catalog.regexp_matches(x.src, '''([A-Za-z_][A-Za-z0-9_$]*[.][A-Za-z0-9_$.]+)''', 'g') AS m(m)) AS n" +
+	" WHERE pg_catalog.left(n.n, 6) OPERATOR(pg_catalog.<>) 'fence.' AND pg_catalog.current_setting(n.n, true) IS NOT NULL)"
 
 // defaultsSQL reads the settings a connection took from the role's and the
 // database's defaults (ALTER ROLE/DATABASE ... SET) when it started, as
