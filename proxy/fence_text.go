@@ -108,7 +108,7 @@ const customSetSQL = "(SELECT pg_catalog.string_agg(DISTINCT n.n, ' ') FROM (SEL
 	"SELECT p.prosrc AS src FROM pg_catalog.pg_proc AS p WHERE p.oid OPERATOR(pg_catalog.>=) '16384'::pg_catalog.oid" +
 	" UNION ALL SELECT pg_catalog.pg_get_expr(pol.polqual, pol.polrelid) FROM pg_catalog.pg_policy AS pol" +
 	" UNION ALL SELECT pg_catalog.pg_get_expr(pol.polwithcheck, pol.polrelid) FROM pg_catalog.pg_policy AS pol" +
-	" UNION ALL SELECT pg_catalog.pg_get_viewdef(c.oid) FROM pg_catalog.pg_class AS c WHERE c.relkind OPERATOR(pg_catalog.=) ANY ('{v,m}'::pg_catalog.\"char\"[])" +
+	" UNION ALL SELECT pg_catalog.pg_get_viewdef(c.oid) FROM pg_catalog.pg_class AS c WHERE c.oid OPERATOR(pg_catalog.>=) '16384'::pg_catalog.oid AND c.relkind OPERATOR(pg_catalog.=) ANY ('{v,m}'::pg_catalog.\"char\"[])" +
 	" UNION ALL SELECT '''' OPERATOR(pg_catalog.||) pg_catalog.split_part(d.c, '=', 1) OPERATOR(pg_catalog.||) ''''" +
 	" FROM pg_catalog.pg_db_role_setting AS r, pg_catalog.unnest(r.setconfig) AS d(c)" +
 	") AS x, pg_catalog.regexp_matches(x.src, '''([A-Za-z_][A-Za-z0-9_$]*[.][A-Za-z0-9_$.]+)''', 'g') AS m(m)) AS n" +
