@@ -39,6 +39,10 @@ DO $$ BEGIN
   IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'gc_viewer') THEN CREATE ROLE gc_viewer LOGIN; END IF;
 END $$;
 GRANT SELECT ON public.gc_t2, public.gc_v TO gc_viewer;
+CREATE TABLE public.gc_t3 (r text);
+INSERT INTO public.gc_t3 VALUES ('A'), ('B');
+CREATE VIEW public.gc_v3 AS SELECT r FROM public.gc_t3
+  WHERE current_setting('app.region', true) IS NULL OR r = current_setting('app.region', true);
 GRANT EXECUTE ON FUNCTION public.gc_set_tenant(text), public.gc_sp() TO gc_viewer;
 `
 
@@ -46,12 +50,14 @@ func testBypassReplicaGUC(t *testing.T) {
 	ctx := ctxT(t)
 	e := newRouteEnvMode(t, true, replicaGUCSchema)
 	const check = "SELECT COALESCE(current_setting('app.tenant', true), '<unset>'), pg_is_in_recovery()"
+	const regionRows = "SELECT (SELECT string_agg(r, ',' ORDER BY r) FROM gc_v3), pg_is_in_recovery()"
 	cases := []struct {
 		name    string
 		replica bool   // get the session's reads onto the replica first
 		tx      bool   // inside BEGIN READ ONLY on the replica, then COMMIT
 		code    string // what runs the code
 		want    string // app.tenant as the primary session has it
+		check   string // the read, if not app.tenant's
 	}{
 		// M1: the code runs on the primary session.
 		{name: "primary_definer_function", code: "SELECT gc_set_tenant('B')", want: "B"},
@@ -62,9 +68,17 @@ func testBypassReplicaGUC(t *testing.T) {
 		{name: "replica_function", replica: true, tx: true, code: "SELECT gc_set_tenant('B')", want: "<unset>"},
 		{name: "replica_view", replica: true, code: "SELECT x FROM gc_v", want: "<unset>"},
 		{name: "replica_policy", replica: true, code: "SELECT x FROM gc_t2", want: "<unset>"},
+		// The name built at run time where it is set, spelled only by the
+		// view that reads it ("unset" means every row).
+		{name: "primary_dynamic_name_view", code: "DO $$ BEGIN PERFORM set_config('app.' || 'region', 'B', false); END $$", check: regionRows, want: "B"},
+		{name: "replica_dynamic_name_view", replica: true, tx: true, code: "DO $$ BEGIN PERFORM set_config('app.' || 'region', 'B', false); END $$", check: regionRows, want: "A,B"},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
+			check := check
+			if c.check != "" {
+				check = c.check
+			}
 			r := e.reader(t, nil)
 			if c.replica {
 				if err := pgtest.Poll(ctx, func() (bool, error) {
