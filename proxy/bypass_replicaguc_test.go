@@ -58,6 +58,7 @@ func testBypassReplicaGUC(t *testing.T) {
 		code    string // what runs the code
 		want    string // app.tenant as the primary session has it
 		check   string // the read, if not app.tenant's
+		user    string // the login, if not postgres (row security applies)
 	}{
 		// M1: the code runs on the primary session.
 		{name: "primary_definer_function", code: "SELECT gc_set_tenant('B')", want: "B"},
@@ -67,7 +68,7 @@ func testBypassReplicaGUC(t *testing.T) {
 		{name: "replica_do", replica: true, tx: true, code: "DO $$ BEGIN PERFORM set_config('app.tenant', 'B', false); END $$", want: "<unset>"},
 		{name: "replica_function", replica: true, tx: true, code: "SELECT gc_set_tenant('B')", want: "<unset>"},
 		{name: "replica_view", replica: true, code: "SELECT x FROM gc_v", want: "<unset>"},
-		{name: "replica_policy", replica: true, code: "SELECT x FROM gc_t2", want: "<unset>"},
+		{name: "replica_policy", replica: true, code: "SELECT x FROM gc_t2", want: "<unset>", user: "gc_viewer"},
 		// The name built at run time where it is set, spelled only by the
 		// view that reads it ("unset" means every row).
 		{name: "primary_dynamic_name_view", code: "DO $$ BEGIN PERFORM set_config('app.' || 'region', 'B', false); END $$", check: regionRows, want: "B"},
@@ -80,6 +81,14 @@ func testBypassReplicaGUC(t *testing.T) {
 				check = c.check
 			}
 			r := e.reader(t, nil)
+			if c.user != "" {
+				cfg, err := pgconn.ParseConfig(e.proxy.dsn(e.db))
+				if err != nil {
+					t.Fatal(err)
+				}
+				cfg.User = c.user
+				r = connectConfig(t, cfg)
+			}
 			if c.replica {
 				if err := pgtest.Poll(ctx, func() (bool, error) {
 					q := "SELECT 1, pg_is_in_recovery()"
