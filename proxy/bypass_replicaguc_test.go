@@ -44,6 +44,14 @@ INSERT INTO public.gc_t3 VALUES ('A'), ('B');
 CREATE VIEW public.gc_v3 AS SELECT r FROM public.gc_t3
   WHERE current_setting('app.region', true) IS NULL OR r = current_setting('app.region', true);
 GRANT EXECUTE ON FUNCTION public.gc_set_tenant(text), public.gc_sp() TO gc_viewer;
+DO $$ BEGIN
+  IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'gc_def') THEN CREATE ROLE gc_def LOGIN; END IF;
+END $$;
+CREATE FUNCTION public.gc_dept() RETURNS text LANGUAGE plpgsql
+  AS $$ BEGIN RETURN current_setting('app.dept', true) || current_setting('plpgsql.variable_conflict'); END $$;
+GRANT EXECUTE ON FUNCTION public.gc_dept() TO gc_def;
+CREATE VIEW public.gc_vdept AS SELECT current_setting('app.dept', true) AS d;
+GRANT SELECT ON public.gc_vdept TO gc_def;
 `
 
 func testBypassReplicaGUC(t *testing.T) {
@@ -74,6 +82,7 @@ func testBypassReplicaGUC(t *testing.T) {
 		{name: "primary_dynamic_name_view", code: "DO $$ BEGIN PERFORM set_config('app.' || 'region', 'B', false); END $$", check: regionRows, want: "B"},
 		{name: "replica_dynamic_name_view", replica: true, tx: true, code: "DO $$ BEGIN PERFORM set_config('app.' || 'region', 'B', false); END $$", check: regionRows, want: "A,B"},
 	}
+	testBypassReplicaGUCDefaults(t, e)
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
 			check := check
@@ -137,4 +146,71 @@ func testBypassReplicaGUC(t *testing.T) {
 			mustExec(t, r, "COMMIT")
 		})
 	}
+}
+
+// testBypassReplicaGUCDefaults: custom settings a connection takes from
+// its role's defaults (ALTER ROLE ... IN DATABASE ... SET app.dept) are a
+// new connection's state, not the session's own: a session that has them
+// and runs code is still routed to the replica (the read-back does not
+// count a default as set, nor a loaded extension's setting a function
+// spells, plpgsql.variable_conflict). A default changed after the session
+// opened gives a replica connection opened later another value than the
+// session kept: every read answers the session's value (T-M1's third
+// route).
+func testBypassReplicaGUCDefaults(t *testing.T, e *routeEnv) {
+	ctx := ctxT(t)
+	admin, err := cluster.Primary.Connect(ctx, e.db)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer admin.Close(ctx)
+	setDefault := func(v string) {
+		t.Helper()
+		if _, err := admin.Exec(ctx, "ALTER ROLE gc_def IN DATABASE "+e.db+" SET app.dept = '"+v+"'"); err != nil {
+			t.Fatal(err)
+		}
+		if err := cluster.WaitReplicaCaughtUp(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	login := func() *pgconn.PgConn {
+		cfg, err := pgconn.ParseConfig(e.proxy.dsn(e.db))
+		if err != nil {
+			t.Fatal(err)
+		}
+		cfg.User = "gc_def"
+		return connectConfig(t, cfg)
+	}
+	const check = "SELECT current_setting('app.dept', true), pg_is_in_recovery()"
+	t.Run("role_default_routes", func(t *testing.T) {
+		setDefault("D1")
+		r := login()
+		if _, err := r.Exec(ctx, "SELECT gc_dept()").ReadAll(); err != nil {
+			t.Fatal(err)
+		}
+		// (A read that calls current_setting stays on the primary: the
+		// routing is asked with one that does not.)
+		if err := pgtest.Poll(ctx, func() (bool, error) {
+			_, rep, err := where(t, r, "SELECT 1, pg_is_in_recovery()")
+			return rep, err
+		}); err != nil {
+			t.Fatalf("a session whose custom settings are its role's defaults never reads on the replica: %v", err)
+		}
+		if vals, rep, err := where(t, r, check); err != nil || vals[0] != "D1" {
+			t.Fatalf("app.dept is %v (%v, replica=%v), want the role's default D1", vals, err, rep)
+		}
+	})
+	t.Run("role_default_changed_after_open", func(t *testing.T) {
+		setDefault("D1")
+		r := login()
+		setDefault("D2")
+		// Read through a view: a read that calls current_setting itself
+		// stays on the primary, one of a view that does may be routed.
+		for i := range 3 {
+			vals, rep, err := where(t, r, "SELECT (SELECT d FROM gc_vdept), pg_is_in_recovery()")
+			if err != nil || vals[0] != "D1" {
+				t.Fatalf("read %d (replica=%v): app.dept %v (%v), want D1, the session's", i, rep, vals, err)
+			}
+		}
+	})
 }
