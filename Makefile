@@ -47,7 +47,7 @@ ifeq ($(strip $(RACEPKGS)),)
 	$(GO) test -count=1 -timeout 15m $(TESTFLAGS) $(PKGS)
 else
 	$(GO) test -count=1 -timeout 15m $(TESTFLAGS) $$($(GO) list $(PKGS) | grep -v -x -F "$$($(GO) list $(RACEPKGS))")
-	$(GO) test -count=1 -race -timeout 25m $(TESTFLAGS) $(RACEPKGS)
+	$(GO) test -count=1 -race -timeout 30m $(TESTFLAGS) $(RACEPKGS)
 endif
 
 # The failover scenario on a real Patroni 3 cluster (internal/hatest): one
