@@ -150,14 +150,14 @@ func TestSyncModeLeaseCallsWaitForStandby(t *testing.T) {
 			t.Fatalf("synchronous_commit after a renewal under remote_write in sync mode: %q, want on", sc)
 		}
 	}
-	if err := e.c.Replica.Stop(); err != nil {
-		t.Fatal(err)
-	}
-	calls := []struct {
+	type call struct {
 		name, user, setting string
 		f                   func(conn *pgx.Conn) error
-	}{
-		{"acquire", "wb", "off", func(c *pgx.Conn) error { _, err := fence.Acquire(ctx, c, "acquire", "wb", time.Minute); return err }},
+	}
+	// Phases with one notifier each: a commit that notifies (retire,
+	// acquire) takes the notification queue's lock and holds it while it
+	// waits for the standby, so a second would wait for that lock instead.
+	phases := [][]call{{
 		{"renew", "wa", "local", func(c *pgx.Conn) error { _, err := fence.Renew(ctx, c, "renew", lr.Token, time.Minute); return err }},
 		{"release", "wa", "off", func(c *pgx.Conn) error { return fence.Release(ctx, c, "release", ll.Token) }},
 		{"retire", "wa", "local", func(c *pgx.Conn) error {
@@ -167,22 +167,29 @@ func TestSyncModeLeaseCallsWaitForStandby(t *testing.T) {
 			_, err := c.Exec(ctx, "select fence.set_failover_mode('sync')")
 			return err
 		}},
-	}
-	var dones []<-chan error
-	for _, c := range calls {
-		conn := e.connect(c.user, nil)
-		if _, err := conn.Exec(ctx, "set synchronous_commit = "+c.setting); err != nil {
+	}, {
+		{"acquire", "wb", "off", func(c *pgx.Conn) error { _, err := fence.Acquire(ctx, c, "acquire", "wb", time.Minute); return err }},
+	}}
+	for _, calls := range phases {
+		if err := e.c.Replica.Stop(); err != nil {
 			t.Fatal(err)
 		}
-		f := c.f
-		dones = append(dones, syncRepBlocked(t, admin, backendPID(t, conn), c.name+" under synchronous_commit = "+c.setting, func() error { return f(conn) }))
-	}
-	if err := e.c.Replica.Start(ctx); err != nil {
-		t.Fatal(err)
-	}
-	for i, d := range dones {
-		if err := <-d; err != nil {
-			t.Fatalf("%s: %v", calls[i].name, err)
+		var dones []<-chan error
+		for _, c := range calls {
+			conn := e.connect(c.user, nil)
+			if _, err := conn.Exec(ctx, "set synchronous_commit = "+c.setting); err != nil {
+				t.Fatal(err)
+			}
+			f := c.f
+			dones = append(dones, syncRepBlocked(t, admin, backendPID(t, conn), c.name+" under synchronous_commit = "+c.setting, func() error { return f(conn) }))
+		}
+		if err := e.c.Replica.Start(ctx); err != nil {
+			t.Fatal(err)
+		}
+		for i, d := range dones {
+			if err := <-d; err != nil {
+				t.Fatalf("%s: %v", calls[i].name, err)
+			}
 		}
 	}
 	// A server's first transaction settles its era (a restart: a new
