@@ -2,7 +2,10 @@ package pgtest
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"os"
+	"path/filepath"
 	"strconv"
 	"time"
 
@@ -212,4 +215,29 @@ func (c *Cluster) UsePrimary(n *Node) {
 	c.mu.Lock()
 	c.Primary = n
 	c.mu.Unlock()
+}
+
+// SetConf appends settings to node n's postgresql.conf, read at its next
+// start (or reload): the recovery settings of a restored copy, say.
+func (n *Node) SetConf(settings map[string]string) error {
+	return appendConf(n.DataDir, settings)
+}
+
+// WriteFile writes name, a path in n's data directory, owned by the
+// server's user (a signal file such as recovery.signal).
+func (n *Node) WriteFile(name string, data []byte) error {
+	p := filepath.Join(n.DataDir, name)
+	if err := os.WriteFile(p, data, 0o600); err != nil {
+		return err
+	}
+	return n.c.chown(p)
+}
+
+// RemoveFile removes name, a path in n's data directory, if it exists.
+func (n *Node) RemoveFile(name string) error {
+	err := os.Remove(filepath.Join(n.DataDir, name))
+	if errors.Is(err, os.ErrNotExist) {
+		return nil
+	}
+	return err
 }
