@@ -26,6 +26,7 @@ const (
 	CodeReserved         = "FN013" // a name reserved for pgfence (the proxy's statements, pgfence.* settings)
 	CodeNotInstalled     = "FN014" // the database lacks the fence schema, or the role lacks pgfence_worker
 	CodeFailover         = "FN015" // the generation was issued before a failover that may have lost a takeover: void
+	CodeUnconfirmed      = "FN016" // committed on the primary, but the synchronous standby did not confirm it (its wait was cancelled): a failover may lose it
 	CodeReplay           = "FN00R" // idempotent replay (internal)
 	sqlstateClassFencing = "FN"
 )
