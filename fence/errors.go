@@ -152,6 +152,12 @@ func workerFunction(msg string) bool {
 // void: stop, acquire again and redo the work under the new generation.
 func IsFailover(err error) bool { return Code(err) == CodeFailover }
 
+// IsUnconfirmed reports whether err is FN016: the transaction committed
+// on the primary, but its wait for the synchronous standby was cancelled,
+// so a failover may lose it: do not act on what it returned; acquire (or
+// renew) again.
+func IsUnconfirmed(err error) bool { return Code(err) == CodeUnconfirmed }
+
 // IsStale reports whether err is FN001: the token is not the current one
 // (another holder took over, or the lease was released): stop.
 func IsStale(err error) bool { return Code(err) == CodeStale }

@@ -2,7 +2,6 @@ package proxy
 
 import (
 	"bytes"
-	"strings"
 
 	"github.com/jackc/pgx/v5/pgproto3"
 	"go.uber.org/zap"
@@ -68,10 +67,7 @@ func syncRepCancelled(msg []byte) (*pgproto3.NoticeResponse, bool) {
 	if sev != "WARNING" {
 		return nil, false
 	}
-	ok := n.Routine == "SyncRepWaitForLSN" || n.File == "syncrep.c" ||
-		strings.HasPrefix(n.Message, "canceling wait for synchronous replication") ||
-		strings.HasPrefix(n.Message, "canceling the wait for synchronous replication")
-	return &n, ok
+	return &n, fence.IsSyncRepCancel(sev, n.Routine, n.File, n.Message)
 }
 
 // unconfirmedError is what the client gets instead of its commit's
