@@ -139,6 +139,38 @@ func bypassSyncCancel(t *testing.T) {
 			e.usable(t, conn.PgConn())
 			return err
 		}},
+		// libpq (psql): the row is printed, then the error; psql exits 1.
+		{"psql", func(t *testing.T, route, app string) error {
+			host, port := e.c.Primary.Host, e.c.Primary.Port
+			if route == "proxy" {
+				host, port = e.proxy.addr.IP.String(), e.proxy.addr.Port
+			}
+			type result struct {
+				stderr string
+				err    error
+			}
+			done := make(chan result, 1)
+			go func() {
+				_, stderr, err := e.c.Client(host, port, "", "psql", "-X", "-v", "ON_ERROR_STOP=1", "-v", "VERBOSITY=verbose",
+					"-d", fmt.Sprintf("dbname=%s user=sc_w application_name=%s", e.db, app), "-c", acquire("sc_psql"))
+				done <- result{stderr, err}
+			}()
+			e.cancelWait(t, app)
+			r := <-done
+			if strings.Contains(r.stderr, "WARNING:  01000: canceling wait for synchronous replication") && strings.Contains(r.stderr, "LOCATION:  SyncRepWaitForLSN") {
+				e.mu.Lock()
+				e.notices[app] = append(e.notices[app], &pgconn.Notice{SeverityUnlocalized: "WARNING", Code: "01000", Routine: "SyncRepWaitForLSN",
+					Message: "canceling wait for synchronous replication (psql)"})
+				e.mu.Unlock()
+			}
+			if r.err == nil {
+				return nil
+			}
+			if i := strings.Index(r.stderr, "ERROR:  "); i >= 0 && len(r.stderr) >= i+13 {
+				return &pgconn.PgError{Code: r.stderr[i+8 : i+13], Message: r.stderr}
+			}
+			return fmt.Errorf("psql: %v: %s", r.err, r.stderr)
+		}},
 		// The client's own CancelRequest (a driver's query timeout).
 		{"own_cancel_request", func(t *testing.T, route, app string) error {
 			conn := e.connect(t, route, app, nil)

@@ -133,7 +133,9 @@ func (h *fenceSession) afterSyncRep(s *Session, msg []byte, req *Request, v Verd
 		}
 		h.unconfirmed = nil // a COMMIT dropped: the client has an error already
 	case 'E':
-		h.unconfirmed = nil // the client is told of an error anyway
+		if v == Forward {
+			h.unconfirmed = nil // the client is told of an error anyway
+		}
 	case 'Z':
 		s.WriteClient(h.unconfirmed)
 		h.unconfirmed = nil
