@@ -26,6 +26,7 @@ const (
 	CodeReserved         = "FN013" // a name reserved for pgfence (the proxy's statements, pgfence.* settings)
 	CodeNotInstalled     = "FN014" // the database lacks the fence schema, or the role lacks pgfence_worker
 	CodeFailover         = "FN015" // the generation was issued before a failover that may have lost a takeover: void
+	CodeUnconfirmed      = "FN016" // committed on the primary, but the synchronous standby did not confirm it (its wait was cancelled): a failover may lose it
 	CodeReplay           = "FN00R" // idempotent replay (internal)
 	sqlstateClassFencing = "FN"
 )
@@ -150,6 +151,12 @@ func workerFunction(msg string) bool {
 // before a failover that may have lost a later takeover of the job, and is
 // void: stop, acquire again and redo the work under the new generation.
 func IsFailover(err error) bool { return Code(err) == CodeFailover }
+
+// IsUnconfirmed reports whether err is FN016: the transaction committed
+// on the primary, but its wait for the synchronous standby was cancelled,
+// so a failover may lose it: do not act on what it returned; acquire (or
+// renew) again.
+func IsUnconfirmed(err error) bool { return Code(err) == CodeUnconfirmed }
 
 // IsStale reports whether err is FN001: the token is not the current one
 // (another holder took over, or the lease was released): stop.

@@ -111,8 +111,10 @@ func interval(d time.Duration) pgtype.Interval {
 // same holder re-acquiring gets a new token.
 func Acquire(ctx context.Context, db DBTX, jobKey, holder string, ttl time.Duration) (Lease, error) {
 	l := Lease{JobKey: jobKey, Holder: holder}
-	err := db.QueryRow(ctx, "select epoch, token, expires_at from fence.acquire($1::pg_catalog.text, $2::pg_catalog.text, $3::pg_catalog.interval)",
-		jobKey, holder, interval(ttl)).Scan(&l.Epoch, &l.Token, &l.ExpiresAt)
+	err := confirmed(ctx, db, func(db DBTX) error {
+		return db.QueryRow(ctx, "select epoch, token, expires_at from fence.acquire($1::pg_catalog.text, $2::pg_catalog.text, $3::pg_catalog.interval)",
+			jobKey, holder, interval(ttl)).Scan(&l.Epoch, &l.Token, &l.ExpiresAt)
+	})
 	if err != nil {
 		return Lease{}, fmt.Errorf("acquire %q: %w", jobKey, FromPostgres(err))
 	}
@@ -123,7 +125,10 @@ func Acquire(ctx context.Context, db DBTX, jobKey, holder string, ttl time.Durat
 // new expiry.
 func Renew(ctx context.Context, db DBTX, jobKey string, token int64, ttl time.Duration) (time.Time, error) {
 	var exp time.Time
-	if err := db.QueryRow(ctx, "select fence.renew($1::pg_catalog.text, $2::pg_catalog.int8, $3::pg_catalog.interval)", jobKey, token, interval(ttl)).Scan(&exp); err != nil {
+	err := confirmed(ctx, db, func(db DBTX) error {
+		return db.QueryRow(ctx, "select fence.renew($1::pg_catalog.text, $2::pg_catalog.int8, $3::pg_catalog.interval)", jobKey, token, interval(ttl)).Scan(&exp)
+	})
+	if err != nil {
 		return time.Time{}, fmt.Errorf("renew %q: %w", jobKey, FromPostgres(err))
 	}
 	return exp, nil
@@ -132,7 +137,11 @@ func Renew(ctx context.Context, db DBTX, jobKey string, token int64, ttl time.Du
 // Release ends the lease held with token now. The token stays the fence's
 // current one until the next Acquire.
 func Release(ctx context.Context, db DBTX, jobKey string, token int64) error {
-	if _, err := db.Exec(ctx, "select fence.release($1::pg_catalog.text, $2::pg_catalog.int8)", jobKey, token); err != nil {
+	err := confirmed(ctx, db, func(db DBTX) error {
+		_, err := db.Exec(ctx, "select fence.release($1::pg_catalog.text, $2::pg_catalog.int8)", jobKey, token)
+		return err
+	})
+	if err != nil {
 		return fmt.Errorf("release %q: %w", jobKey, FromPostgres(err))
 	}
 	return nil
@@ -160,7 +169,11 @@ func Retire(ctx context.Context, db DBTX, jobKey string, opts RetireOptions) err
 	if opts.Token != 0 {
 		token = &opts.Token
 	}
-	if _, err := db.Exec(ctx, "select fence.retire($1::pg_catalog.text, $2::pg_catalog.int8, $3::pg_catalog.bool)", jobKey, token, opts.Force); err != nil {
+	err := confirmed(ctx, db, func(db DBTX) error {
+		_, err := db.Exec(ctx, "select fence.retire($1::pg_catalog.text, $2::pg_catalog.int8, $3::pg_catalog.bool)", jobKey, token, opts.Force)
+		return err
+	})
+	if err != nil {
 		return fmt.Errorf("retire %q: %w", jobKey, FromPostgres(err))
 	}
 	return nil
@@ -421,7 +434,11 @@ func CurrentEra(ctx context.Context, db DBTX) (Era, error) {
 // after restoring a backup or any copy as the primary, which the database
 // cannot tell from a crash restart.
 func NewEra(ctx context.Context, db DBTX, reason string) (Era, error) {
-	if _, err := db.Exec(ctx, "select fence.new_era($1::pg_catalog.text)", reason); err != nil {
+	err := confirmed(ctx, db, func(db DBTX) error {
+		_, err := db.Exec(ctx, "select fence.new_era($1::pg_catalog.text)", reason)
+		return err
+	})
+	if err != nil {
 		return Era{}, fmt.Errorf("new era: %w", FromPostgres(err))
 	}
 	return CurrentEra(ctx, db)

@@ -20,6 +20,26 @@ import (
 // or the step's error standing for the client's statement.
 
 func (h *fenceSession) ServerMessage(s *Session, msg []byte, req *Request) (Verdict, error) {
+	if msg[0] == 'N' {
+		// A notice comes with no request (req nil); it is raised by the
+		// one at the head of the queue.
+		if n, ok := syncRepCancelled(msg); ok {
+			return h.syncRepNotice(s, msg, req, n) // fence_syncrep.go
+		}
+	}
+	if req != nil {
+		if h.unconfirmed != nil {
+			v, err := h.serverMessage(s, msg, req)
+			if err != nil {
+				return v, err
+			}
+			return h.afterSyncRep(s, msg, req, v), nil
+		}
+	}
+	return h.serverMessage(s, msg, req)
+}
+
+func (h *fenceSession) serverMessage(s *Session, msg []byte, req *Request) (Verdict, error) {
 	if req == nil {
 		if msg[0] == 'S' {
 			h.mu.Lock()

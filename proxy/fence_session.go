@@ -50,7 +50,13 @@ type fenceSession struct {
 	user, db string // the session's role and database (for the log)
 
 	mu sync.Mutex // guards st, and be's stmts and text
-	st *session.State
+	// unconfirmed: the FN016 error the client gets for a commit whose
+	// wait for the synchronous standby was cancelled, while it waits for
+	// the CommandComplete of request unconfirmedSeq or the ReadyForQuery
+	// (fence_syncrep.go). Server goroutine only.
+	unconfirmed    []byte
+	unconfirmedSeq uint64
+	st             *session.State
 	// be is the gate's view of the upstream connection (fence_backend.go).
 	be *gateBackend
 

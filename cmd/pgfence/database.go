@@ -17,6 +17,7 @@ import (
 	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
 
+	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/internal/ownsql"
 )
 
@@ -78,6 +79,10 @@ func (d *database) config(cmd *cobra.Command) (*pgx.ConnConfig, error) {
 	// the policy's expressions as the command's user (audit reads tables
 	// a user names; pgfence's own tables have no policies).
 	cfg.RuntimeParams["row_security"] = "off"
+	// A lease function whose commit's wait for the synchronous standby
+	// was cancelled fails (FN016): PostgreSQL answers success with only a
+	// WARNING (docs/failover.md).
+	fence.WatchSyncRep(&cfg.Config)
 	return cfg, nil
 }
 

@@ -288,6 +288,12 @@ func newRun(cfg Config, log *zap.Logger) (*run, error) {
 			return nil, fmt.Errorf("parse database connection string: %w", err)
 		}
 	}
+	// Every acquire, renewal and release fails with FN016 when its
+	// commit's wait for the synchronous standby was cancelled (PostgreSQL
+	// answers success with only a WARNING): the command never starts on a
+	// takeover the standby did not confirm (docs/failover.md).
+	connCfg = connCfg.Copy()
+	fence.WatchSyncRep(&connCfg.Config)
 	log = log.With(zap.String("job_key", cfg.JobKey), zap.String("holder", cfg.Holder))
 	return &run{cfg: cfg, log: log, store: &leases{cfg: connCfg, log: log, lockTimeout: cfg.LockTimeout}}, nil
 }
@@ -296,7 +302,7 @@ func newRun(cfg Config, log *zap.Logger) (*run, error) {
 func acquireExitCode(err error) int {
 	var ce *pgconn.ConnectError
 	switch {
-	case errors.Is(err, ErrLeaseHeld), errors.Is(err, ErrLockTimeout):
+	case errors.Is(err, ErrLeaseHeld), errors.Is(err, ErrLockTimeout), fence.Code(err) == fence.CodeUnconfirmed:
 		return ExitLeaseHeld
 	case errors.As(err, &ce):
 		return ExitUnavailable
