@@ -240,7 +240,9 @@ func run(dur time.Duration, scale, rounds int, only *regexp.Regexp, poller strin
 			cells = append(cells, cell{w.name, w.args, n})
 		}
 	}
-	fmt.Printf("pgbench -s %d, %v per run, %d round(s), %d CPUs; targets alternate within each cell\n\n", scale, dur, rounds, numCPU())
+	if len(cells) > 0 {
+		fmt.Printf("pgbench -s %d, %v per run, %d round(s), %d CPUs; targets alternate within each cell\n\n", scale, dur, rounds, numCPU())
+	}
 	hdr := fmt.Sprintf("%-22s %7s", "workload", "clients")
 	for _, t := range targets {
 		hdr += fmt.Sprintf(" %14s", t.name+" tps")
@@ -248,7 +250,9 @@ func run(dur time.Duration, scale, rounds int, only *regexp.Regexp, poller strin
 	for _, t := range targets[1:] {
 		hdr += fmt.Sprintf(" %17s %17s %19s", t.name+"/direct", t.name+" +lat ms", t.name+" cpu µs/tx")
 	}
-	fmt.Println(hdr)
+	if len(cells) > 0 {
+		fmt.Println(hdr)
+	}
 	for _, cl := range cells {
 		sum := make([]result, len(targets))
 		for r := 0; r < rounds; r++ {
@@ -280,12 +284,20 @@ func run(dur time.Duration, scale, rounds int, only *regexp.Regexp, poller strin
 		}
 		fmt.Println(row)
 	}
-	if gw != nil {
-		relays := map[string]int{}
-		for _, t := range targets {
-			relays[t.name] = t.port
+	byName := map[string]target{}
+	relays := map[string]int{}
+	for _, t := range targets {
+		byName[t.name] = t
+		relays[t.name] = t.port
+	}
+	if gw != nil && only.MatchString("gated-write c=1") {
+		if err := gw(relays); err != nil {
+			return err
 		}
-		return gw(relays)
+	}
+	if gated {
+		// The gate table (issue 33): cells "gate <workload> c=N".
+		return benchGateTable(ctx, c, db, byName["pgfence+gate"], byName["pgbouncer"], bin, only, dur, rounds)
 	}
 	return nil
 }
