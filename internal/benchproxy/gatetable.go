@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -69,11 +70,16 @@ var gatePaths = []struct {
 	{"seed-pgb", "the seed's fence SQL by hand, through PgBouncer (session mode)"},
 	{"gated", "**gated by pgfence** (generation in PGOPTIONS, SET LOCAL fence.step)"},
 	{"backstop", "the backstop alone (generation in PGOPTIONS, SET LOCAL fence.step, direct, no proxy)"},
+	// Not one of the issue's rows: for the breakdown of the gated row
+	// (gated − fenced is the proxy's share; simple-protocol workloads
+	// only, the script rides fence.gate in the BEGIN's query).
+	{"fenced", "the protocol's SQL by hand (fence.gate with BEGIN, the writes, fence.commit with COMMIT), direct"},
 }
 
 // gateResult is one path's figures in one cell, averaged over rounds.
 type gateResult struct {
 	tps, lat     float64 // transactions per second (summed over clients), mean latency in ms
+	txns         float64 // transactions processed
 	pgCPU, pxCPU float64 // µs of CPU per transaction: PostgreSQL's processes, the relay's process
 	hasPx        bool
 }
@@ -92,22 +98,34 @@ type gateEnv struct {
 	dur     time.Duration
 	rounds  int
 	bin     string // pgfence binary, for the memory figure; empty: in-process
+	stmts   bool   // pg_stat_statements is loaded: read it around the last round's fenced paths
+	stmtOut []string
 	primary string // PostgreSQL DSN for a pgfence serve
 	steps   atomic.Int64
 }
 
 // benchGateTable sets up the tables and leases, runs every selected cell
 // and prints the table, the ratios, CPU and memory as markdown.
-func benchGateTable(ctx context.Context, c *pgtest.Cluster, db string, gate, pgb target, bin string, only *regexp.Regexp, dur time.Duration, rounds int) error {
+func benchGateTable(ctx context.Context, c *pgtest.Cluster, db string, gate, pgb target, bin string, only *regexp.Regexp, dur time.Duration, rounds int, stmts bool) error {
 	type cell struct {
 		w       gateWorkload
 		clients int
+		paths   map[string]bool
 	}
+	// A cell runs the paths for which -only matches its name or its name
+	// and the path's ("gate simple c=8 gated").
 	var cells []cell
 	for _, w := range gateWorkloads {
 		for _, n := range gateClients {
-			if only.MatchString(fmt.Sprintf("gate %s c=%d", w.name, n)) {
-				cells = append(cells, cell{w, n})
+			name := fmt.Sprintf("gate %s c=%d", w.name, n)
+			paths := map[string]bool{}
+			for _, p := range gatePaths {
+				if only.MatchString(name) || only.MatchString(name+" "+p.id) {
+					paths[p.id] = true
+				}
+			}
+			if len(paths) > 0 {
+				cells = append(cells, cell{w, n, paths})
 			}
 		}
 	}
@@ -120,7 +138,7 @@ func benchGateTable(ctx context.Context, c *pgtest.Cluster, db string, gate, pgb
 	}
 	defer admin.Close(ctx)
 	e := &gateEnv{ctx: ctx, admin: admin, db: db, direct: c.Primary.Port, gate: gate, pgb: pgb,
-		dur: dur, rounds: rounds, bin: bin, primary: c.Primary.DSN("postgres")}
+		dur: dur, rounds: rounds, bin: bin, primary: c.Primary.DSN("postgres"), stmts: stmts}
 	if err := e.setup(); err != nil {
 		return fmt.Errorf("gate table setup: %w", err)
 	}
@@ -137,12 +155,23 @@ func benchGateTable(ctx context.Context, c *pgtest.Cluster, db string, gate, pgb
 		res := map[string]gateResult{}
 		for r := 0; r < rounds; r++ {
 			for _, p := range gatePaths {
-				if p.id == "seed-pgb" && pgb.port == 0 {
+				if !cl.paths[p.id] || p.id == "seed-pgb" && pgb.port == 0 || p.id == "fenced" && cl.w.mode != "simple" {
 					continue
+				}
+				watch := e.stmts && r == rounds-1 && p.id != "direct" && p.id != "seed-pgb"
+				if watch {
+					if _, err := admin.Exec(ctx, "SELECT pg_stat_statements_reset()"); err != nil {
+						return err
+					}
 				}
 				got, err := e.measure(cl.w, cl.clients, p.id)
 				if err != nil {
 					return fmt.Errorf("%s, %s: %w", name, p.id, err)
+				}
+				if watch {
+					if err := e.readStatements(name, p.id, got.txns); err != nil {
+						return err
+					}
 				}
 				s := res[p.id]
 				s.tps += got.tps / float64(rounds)
@@ -158,7 +187,37 @@ func benchGateTable(ctx context.Context, c *pgtest.Cluster, db string, gate, pgb
 	}
 	mem, memErr := e.sessionMemory()
 	e.print(order, results, mem, memErr)
+	for _, o := range e.stmtOut {
+		fmt.Print(o)
+	}
 	return nil
+}
+
+// readStatements keeps the top of pg_stat_statements (track = all: the
+// statements inside functions and triggers too, so a function's time
+// includes its statements') after path p's run of txns transactions.
+func (e *gateEnv) readStatements(cell, p string, txns float64) error {
+	rows, err := e.admin.Query(e.ctx, `SELECT calls, total_exec_time, total_plan_time, toplevel, left(regexp_replace(query, '\s+', ' ', 'g'), 110)
+FROM pg_stat_statements WHERE query NOT LIKE '%pg_stat_statements%' ORDER BY total_exec_time + total_plan_time DESC LIMIT 14`)
+	if err != nil {
+		return err
+	}
+	defer rows.Close()
+	var b strings.Builder
+	fmt.Fprintf(&b, "\npg_stat_statements, %s, %s (%.0f transactions; µs per transaction, nested statements included in their caller's time):\n\n", cell, p, txns)
+	b.WriteString("| calls/tx | exec µs/tx | plan µs/tx | top level | statement |\n|---|---|---|---|---|\n")
+	for rows.Next() {
+		var calls int64
+		var exec, plan float64
+		var top bool
+		var q string
+		if err := rows.Scan(&calls, &exec, &plan, &top, &q); err != nil {
+			return err
+		}
+		fmt.Fprintf(&b, "| %.2f | %.1f | %.1f | %v | `%s` |\n", float64(calls)/txns, exec*1000/txns, plan*1000/txns, top, strings.ReplaceAll(q, "|", "\\|"))
+	}
+	e.stmtOut = append(e.stmtOut, b.String())
+	return rows.Err()
 }
 
 // setup creates the tables of every path and takes one lease per client.
@@ -239,7 +298,7 @@ func (e *gateEnv) route(p string) (port int, relay *target, gen bool) {
 		return e.gate.port, &e.gate, true
 	case "seed-pgb":
 		return e.pgb.port, &e.pgb, false
-	case "backstop":
+	case "backstop", "fenced":
 		return e.direct, nil, true
 	}
 	panic("unknown path " + p)
@@ -247,17 +306,17 @@ func (e *gateEnv) route(p string) (port int, relay *target, gen bool) {
 
 // stepPrefix tells the rows' receipts apart (the step's first letter in
 // simple scripts, a range of numbers in extended ones).
-var stepPrefix = map[string]int{"ungated": 1, "seed": 2, "seed-pgb": 3, "gated": 4, "backstop": 5}
+var stepPrefix = map[string]int{"ungated": 1, "seed": 2, "seed-pgb": 3, "gated": 4, "backstop": 5, "fenced": 6}
 
 // script is path p's pgbench script for client k in workload w.
 func (e *gateEnv) script(w gateWorkload, p string, k int) string {
 	l := e.leases[k-1]
 	simple := w.mode == "simple"
 	var b strings.Builder
-	fenced := p == "ungated" || p == "gated" || p == "backstop"
+	fenced := p == "ungated" || p == "gated" || p == "backstop" || p == "fenced"
 	seed := p == "seed" || p == "seed-pgb"
 	results, items := "gt_results_plain", "gt_items_plain"
-	if p == "gated" || p == "backstop" {
+	if p == "gated" || p == "backstop" || p == "fenced" {
 		results, items = "gt_results", "gt_items"
 	}
 	if fenced || seed {
@@ -266,6 +325,10 @@ func (e *gateEnv) script(w gateWorkload, p string, k int) string {
 		fmt.Fprintf(&b, "\\set s random(1, 1000000000000) + %d000000000000\n", stepPrefix[p])
 	}
 	switch {
+	case p == "fenced":
+		// What the proxy sends, typed by hand: the gate in the BEGIN's
+		// query, the receipt step in the COMMIT's.
+		fmt.Fprintf(&b, "BEGIN\\; SET LOCAL fence.step = ':s'\\; SELECT fence.gate('%s', %d, %d, ':s');\n", l.JobKey, l.Epoch, l.Token)
 	case fenced && simple:
 		// The step rides in the BEGIN's query (no round trip of its own).
 		b.WriteString("BEGIN\\; SET LOCAL fence.step = ':s';\n")
@@ -300,6 +363,9 @@ func (e *gateEnv) script(w gateWorkload, p string, k int) string {
 				"ON CONFLICT (job_key, n) DO UPDATE SET payload = excluded.payload, token = excluded.token WHERE %[1]s.token < excluded.token;\n", items, l.JobKey, n, l.Token)
 		}
 	}
+	if p == "fenced" {
+		fmt.Fprintf(&b, "SELECT fence.commit('%s', %d, %d, ':s', '\\x00'::bytea, 'v1')\\; ", l.JobKey, l.Epoch, l.Token)
+	}
 	b.WriteString("COMMIT;\n")
 	return b.String()
 }
@@ -332,7 +398,7 @@ func (e *gateEnv) measure(w gateWorkload, n int, p string) (gateResult, error) {
 		return res, err
 	}
 	switch {
-	case (p == "gated" || p == "backstop") && r1 == r0:
+	case (p == "gated" || p == "backstop" || p == "fenced") && r1 == r0:
 		return res, errors.New("no receipt written: the fence did not act")
 	case p == "ungated" && r1 != r0:
 		return res, errors.New("receipts written on an unprotected table")
@@ -418,15 +484,32 @@ func (e *gateEnv) measurePgbench(w gateWorkload, n int, p string) (gateResult, e
 		}(k)
 	}
 	wg.Wait()
+	idle := 0
+	for k, err := range errs {
+		// A client whose first transaction did not end within the run
+		// (its session's start through a loaded proxy, say) counts as
+		// zero; the table says so.
+		if errors.Is(err, pgbench.ErrNoTransactions) {
+			errs[k] = nil
+			idle++
+		}
+	}
 	if err := errors.Join(errs...); err != nil {
 		return gateResult{}, err
+	}
+	if idle == n {
+		return gateResult{}, fmt.Errorf("no client completed a transaction in %v", e.dur)
+	}
+	if idle > 0 {
+		fmt.Fprintf(os.Stderr, "benchproxy: %s c=%d %s: %d client(s) completed no transaction\n", w.name, n, p, idle)
 	}
 	var res gateResult
 	for _, o := range out {
 		res.tps += o.TPS
-		res.lat += o.Latency / float64(n)
+		res.lat += o.Latency / float64(n-idle)
+		res.txns += float64(o.Txns)
 	}
-	m.stop(res.tps*e.dur.Seconds(), true, &res)
+	m.stop(res.txns, true, &res)
 	return res, nil
 }
 
@@ -534,6 +617,7 @@ func (e *gateEnv) measureCopy(n int, p string) (gateResult, error) {
 		return res, errors.New("no transaction completed")
 	}
 	res.tps = float64(total) / elapsed.Seconds()
+	res.txns = float64(total)
 	res.lat = float64(lat.Microseconds()) / 1000 / float64(total)
 	m.stop(float64(total), false, &res)
 	return res, nil
@@ -616,6 +700,9 @@ func (e *gateEnv) print(cells []string, results map[string]map[string]gateResult
 		}
 		res := results[cell]
 		base := res["direct"].tps
+		if base == 0 {
+			base = math.NaN()
+		}
 		for _, p := range gatePaths {
 			r, ok := res[p.id]
 			if !ok {
@@ -629,8 +716,8 @@ func (e *gateEnv) print(cells []string, results map[string]map[string]gateResult
 		}
 	}
 	fmt.Printf("\n**Ratios** (TPS; targets: gated / seed ≥ 1.0 direct and via PgBouncer, gated / unfenced through pgfence ≥ 0.6, reported against 0.75)\n\n")
-	fmt.Println("| workload | clients | gated / seed direct | gated / seed via PgBouncer | gated / unfenced through pgfence | backstop alone / seed direct |")
-	fmt.Println("|---|---|---|---|---|---|")
+	fmt.Println("| workload | clients | gated / seed direct | gated / seed via PgBouncer | gated / unfenced through pgfence | backstop alone / seed direct | gated / fenced by hand |")
+	fmt.Println("|---|---|---|---|---|---|---|")
 	ratio := func(a, b gateResult, target float64) string {
 		if b.tps == 0 {
 			return "–"
@@ -646,8 +733,8 @@ func (e *gateEnv) print(cells []string, results map[string]map[string]gateResult
 		f := strings.Fields(cell)
 		res := results[cell]
 		g := res["gated"]
-		fmt.Printf("| %s | %s | %s | %s | %s | %s |\n", f[1], strings.TrimPrefix(f[2], "c="),
-			ratio(g, res["seed"], 1), ratio(g, res["seed-pgb"], 1), ratio(g, res["ungated"], 0.6), ratio(res["backstop"], res["seed"], 0))
+		fmt.Printf("| %s | %s | %s | %s | %s | %s | %s |\n", f[1], strings.TrimPrefix(f[2], "c="),
+			ratio(g, res["seed"], 1), ratio(g, res["seed-pgb"], 1), ratio(g, res["ungated"], 0.6), ratio(res["backstop"], res["seed"], 0), ratio(g, res["fenced"], 0))
 	}
 	fmt.Println()
 	if memErr != nil {
