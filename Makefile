@@ -13,7 +13,7 @@ COMMIT   ?= $(shell git rev-parse HEAD 2>/dev/null)$(shell git diff --quiet HEAD
 GO_LDFLAGS ?= -X main.version=$(VERSION) -X main.commit=$(COMMIT)
 export GO GO_LDFLAGS
 
-.PHONY: help dev test test-race test-ha test-drivers test-pgx-suite test-node-pg-suite bench lint build install deps chaos
+.PHONY: help dev test test-race test-ha test-drivers test-pgx-suite test-node-pg-suite bench bench-gate lint build install deps chaos
 
 help: ## show this help
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -93,6 +93,19 @@ bench: deps build ## benchmarks: pgfence vs direct connections, printed as ratio
 	$(GO) test -run '^$$' -bench GatedWrite -benchtime 2000x ./proxy/
 	$(GO) run ./internal/benchproxy -pgfence bin/pgfence
 	$(GO) run ./internal/benchreplica
+
+# The gated-write table of issue 33 alone (benchproxy's cells "gate
+# <workload> c=N"), as markdown for docs/performance.md: unfenced direct
+# and through pgfence, the seed's SQL direct and through PgBouncer, gated,
+# the backstop alone. Short by default; the figures in the docs are
+# GATE_ROUNDS=3 GATE_T=5s. GATE_ONLY narrows it (a regexp), GATE_ARGS adds
+# flags (-statements: pg_stat_statements per fenced path).
+GATE_ONLY   ?= ^gate\b
+GATE_T      ?= 2s
+GATE_ROUNDS ?= 1
+GATE_ARGS   ?=
+bench-gate: deps build ## the gated-write table only (GATE_ROUNDS=1 GATE_T=2s GATE_ONLY=regexp)
+	$(GO) run ./internal/benchproxy -pgfence bin/pgfence -only '$(GATE_ONLY)' -t $(GATE_T) -rounds $(GATE_ROUNDS) $(GATE_ARGS)
 
 chaos: deps build ## chaos run with a nemesis, then the checker (DURATION=5m, SEED=N, FAILOVER=async|sync)
 	$(GO) build -o bin/chaos ./internal/chaos/cmd

@@ -39,12 +39,13 @@ import (
 
 func main() {
 	dur, scale, rounds := pgbench.Flags(1)
-	only := flag.String("only", "", "run only the cells whose \"workload c=N\" matches this regexp")
+	only := flag.String("only", "", "run only the cells whose \"workload c=N\" matches this regexp (\"gated-write c=1\" the gated-write section; the gate table's cells are \"gate <workload> c=N\", and a path of one \"gate <workload> c=N <path>\")")
 	pollColumn := flag.Bool("poll-column", true, "with -gated-write, also time the gated write through the gate with its loop on poll(2) (off for a pgfence binary older than --poller)")
 	poller := flag.String("poller", "", "what every pgfence column's event loop waits in: epoll or poll (proxy.Config.Poller; empty: the platform's default)")
 	gated := flag.Bool("gate", true, "add a column for pgfence with the write gate (as pgfence serve runs; no table protected, so it measures the interception cost alone)")
 	gatedWrite := flag.Bool("gated-write", true, "with -gate, also time a gated write transaction with pgbench against the same transaction direct, the seed's hand-written fence SQL and the protocol's SQL by hand")
 	cpuprofile := flag.String("cpuprofile", "", "write a CPU profile of the proxies (this process) to this file; needs -pgfence empty")
+	statements := flag.Bool("statements", false, "load pg_stat_statements (track = all) and print, for each gate table cell, the statements of its last round's fenced paths (it costs throughput: a run for the breakdown, not for the table)")
 	bin := flag.String("pgfence", "", "run the pgfence columns as `pgfence serve` processes of this binary, as users run it (empty: in this process)")
 	flag.Parse()
 	if *cpuprofile != "" && *bin != "" {
@@ -67,7 +68,7 @@ func main() {
 		fmt.Fprintln(os.Stderr, "benchproxy: -only:", err)
 		os.Exit(2)
 	}
-	if err := run(*dur, *scale, *rounds, onlyRe, *poller, *gated, *gated && *gatedWrite, *pollColumn, *bin); err != nil {
+	if err := run(*dur, *scale, *rounds, onlyRe, *poller, *gated, *gated && *gatedWrite, *pollColumn, *bin, *statements); err != nil {
 		fmt.Fprintln(os.Stderr, "benchproxy:", err)
 		pprof.StopCPUProfile()
 		os.Exit(1)
@@ -108,9 +109,13 @@ func procCPU(pid int) func() time.Duration {
 	}
 }
 
-func run(dur time.Duration, scale, rounds int, only *regexp.Regexp, poller string, gated, gatedWrite, pollColumn bool, bin string) error {
+func run(dur time.Duration, scale, rounds int, only *regexp.Regexp, poller string, gated, gatedWrite, pollColumn bool, bin string, statements bool) error {
 	ctx := context.Background()
-	c, err := pgtest.Start(ctx, pgtest.Options{})
+	var opts pgtest.Options
+	if statements {
+		opts.Settings = map[string]string{"shared_preload_libraries": "'pg_stat_statements'", "pg_stat_statements.track": "all"}
+	}
+	c, err := pgtest.Start(ctx, opts)
 	if err != nil {
 		return err
 	}
@@ -120,6 +125,11 @@ func run(dur time.Duration, scale, rounds int, only *regexp.Regexp, poller strin
 	db := "bench"
 	if _, err := pgbench.Psql(c.Primary.Port, "postgres", "CREATE DATABASE bench"); err != nil {
 		return err
+	}
+	if statements {
+		if _, err := pgbench.Psql(c.Primary.Port, db, "CREATE EXTENSION pg_stat_statements"); err != nil {
+			return err
+		}
 	}
 	if out, err := pgbench.Run(nil, c.Primary.Port, db, "-i", "-q", "-s", strconv.Itoa(scale)); err != nil {
 		return fmt.Errorf("pgbench -i: %w\n%s", err, out)
@@ -240,7 +250,9 @@ func run(dur time.Duration, scale, rounds int, only *regexp.Regexp, poller strin
 			cells = append(cells, cell{w.name, w.args, n})
 		}
 	}
-	fmt.Printf("pgbench -s %d, %v per run, %d round(s), %d CPUs; targets alternate within each cell\n\n", scale, dur, rounds, numCPU())
+	if len(cells) > 0 {
+		fmt.Printf("pgbench -s %d, %v per run, %d round(s), %d CPUs; targets alternate within each cell\n\n", scale, dur, rounds, numCPU())
+	}
 	hdr := fmt.Sprintf("%-22s %7s", "workload", "clients")
 	for _, t := range targets {
 		hdr += fmt.Sprintf(" %14s", t.name+" tps")
@@ -248,7 +260,9 @@ func run(dur time.Duration, scale, rounds int, only *regexp.Regexp, poller strin
 	for _, t := range targets[1:] {
 		hdr += fmt.Sprintf(" %17s %17s %19s", t.name+"/direct", t.name+" +lat ms", t.name+" cpu µs/tx")
 	}
-	fmt.Println(hdr)
+	if len(cells) > 0 {
+		fmt.Println(hdr)
+	}
 	for _, cl := range cells {
 		sum := make([]result, len(targets))
 		for r := 0; r < rounds; r++ {
@@ -280,12 +294,20 @@ func run(dur time.Duration, scale, rounds int, only *regexp.Regexp, poller strin
 		}
 		fmt.Println(row)
 	}
-	if gw != nil {
-		relays := map[string]int{}
-		for _, t := range targets {
-			relays[t.name] = t.port
+	byName := map[string]target{}
+	relays := map[string]int{}
+	for _, t := range targets {
+		byName[t.name] = t
+		relays[t.name] = t.port
+	}
+	if gw != nil && only.MatchString("gated-write c=1") {
+		if err := gw(relays); err != nil {
+			return err
 		}
-		return gw(relays)
+	}
+	if gated {
+		// The gate table (issue 33): cells "gate <workload> c=N".
+		return benchGateTable(ctx, c, db, byName["pgfence+gate"], byName["pgbouncer"], bin, only, dur, rounds, statements)
 	}
 	return nil
 }

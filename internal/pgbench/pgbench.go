@@ -21,11 +21,13 @@ import (
 type Result struct {
 	TPS     float64
 	Latency float64 // ms
+	Txns    int64   // transactions processed
 }
 
 var (
-	tpsRe = regexp.MustCompile(`tps = ([0-9.]+) \(without initial connection time\)`)
-	latRe = regexp.MustCompile(`latency average = ([0-9.]+) ms`)
+	tpsRe  = regexp.MustCompile(`tps = ([0-9.]+) \(without initial connection time\)`)
+	latRe  = regexp.MustCompile(`latency average = ([0-9.]+) ms`)
+	txnsRe = regexp.MustCompile(`number of transactions actually processed: ([0-9]+)`)
 )
 
 // Flags defines on flag.CommandLine the flags of every measuring command:
@@ -47,11 +49,18 @@ func Run(env []string, port int, db string, args ...string) (string, error) {
 	return string(out), err
 }
 
+// ErrNoTransactions is Measure's error for a run that completed no
+// transaction (pgbench then prints no rate to read).
+var ErrNoTransactions = errors.New("pgbench completed no transaction")
+
 // Measure is Run of a timed run, read: its tps and average latency.
 func Measure(env []string, port int, db string, args ...string) (Result, error) {
 	out, err := Run(env, port, db, args...)
 	if err != nil {
 		return Result{}, fmt.Errorf("%w\n%s", err, out)
+	}
+	if m := txnsRe.FindStringSubmatch(out); m != nil && m[1] == "0" {
+		return Result{}, ErrNoTransactions
 	}
 	t, l := tpsRe.FindStringSubmatch(out), latRe.FindStringSubmatch(out)
 	if t == nil || l == nil {
@@ -59,7 +68,11 @@ func Measure(env []string, port int, db string, args ...string) (Result, error) 
 	}
 	tps, _ := strconv.ParseFloat(t[1], 64)
 	lat, _ := strconv.ParseFloat(l[1], 64)
-	return Result{TPS: tps, Latency: lat}, nil
+	var n int64
+	if m := txnsRe.FindStringSubmatch(out); m != nil {
+		n, _ = strconv.ParseInt(m[1], 10, 64)
+	}
+	return Result{TPS: tps, Latency: lat, Txns: n}, nil
 }
 
 // Psql runs sql with psql -X -At against db on port and returns what it
