@@ -251,6 +251,11 @@ func TestCatalogWatcherRestartFloor(t *testing.T) {
 	if _, ok := cat.tk.lookup("job"); ok {
 		t.Fatal("the new watcher knows the takeover: the test is wrong")
 	}
+	// Until the new proxy's poller has seen the primary's era on the
+	// replica, every read goes to the primary (era.go), and a pending
+	// reader is answered there instead of refused: wait for it (the
+	// era's row was replayed before the pause).
+	waitEraShown(t, p, cat)
 	pend := func(o ...string) *pgconn.PgConn {
 		return e.reader(t, p, append([]string{"-c fence.read_policy=pending"}, o...)...)
 	}
