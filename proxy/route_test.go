@@ -226,6 +226,15 @@ func (e *routeEnv) scenario(t *testing.T) fence.Lease {
 	if _, err := wa.Exec(ctx, upsert, "job", "A", a.Token); err != nil {
 		t.Fatalf("A's commit: %v", err)
 	}
+	// The read set the proxy judges reads by must be one the paused
+	// replica has replayed: a set first read after the pause is newer
+	// than the replica (route.go catalogAt), and every read then waits.
+	cat := catalogOf(t, e.gate, e.db)
+	if err := pgtest.Poll(ctx, func() (bool, error) {
+		return cat.loads.Load() > 0 && (!cat.tracked.Load() || cat.reads.Load() != nil), nil
+	}); err != nil {
+		t.Fatalf("the catalog watcher has not read the catalog: %v", err)
+	}
 	if err := cluster.WaitReplicaCaughtUp(ctx); err != nil {
 		t.Fatal(err)
 	}
