@@ -571,3 +571,128 @@ where not granted and locktype = 'relation' and relation = 'fence.fences'::regcl
 		t.Fatalf("%d receipts of the writes after the upgrade, want 2", n)
 	}
 }
+
+// TestUpgradeFastGateLive (migration 025, issue 33): the backstop's
+// statement trigger loses its WHEN on every protected table, partitions
+// and keyed tables included, with its firing mode, while a fenced
+// transaction that wrote a protected table is in flight (the migration
+// waits for it, giving up its lock request after lock_timeout and
+// trying again); afterwards the fence refuses and accepts as before.
+func TestUpgradeFastGateLive(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	db := cluster.NewDatabase(t)
+	conn := connect(t, ctx, db, "")
+	if err := migrations.MigrateTo(ctx, conn, 24); err != nil {
+		t.Fatal(err)
+	}
+	prefix, _, _ := strings.Cut(db, "_")
+	w := prefix + "_w"
+	if _, err := conn.Exec(ctx, fmt.Sprintf(`
+create role %[1]s login in role pgfence_worker;
+create table ft (k int primary key, v text);
+create table fp (k int, job_key text, v text) partition by range (k);
+create table fp_1 partition of fp for values from (0) to (10);
+create table fp_2 partition of fp for values from (10) to (20);
+create table fk (k int primary key, job_key text not null);
+grant all on ft, fp, fp_1, fp_2, fk to %[1]s;
+select fence.protect('ft'), fence.protect('fp'), fence.protect('fk', 'job_key');`, w)); err != nil {
+		t.Fatal(err)
+	}
+	whens := func() int {
+		t.Helper()
+		var n int
+		if err := conn.QueryRow(ctx, "select count(*) from pg_trigger where tgname = 'pgfence_backstop' and tgqual is not null").Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		return n
+	}
+	if n := whens(); n != 5 {
+		t.Fatalf("%d backstop triggers with a WHEN before the upgrade, want 5 (ft, fp, fp_1, fp_2, fk)", n)
+	}
+	wc, flight := connect(t, ctx, db, w), connect(t, ctx, db, w)
+	l, err := fence.Acquire(ctx, wc, "j", "h", time.Hour)
+	if err != nil {
+		t.Fatal(err)
+	}
+	set := fmt.Sprintf("set fence.job_key = 'j'; set fence.epoch = %d; set fence.token = %d", l.Epoch, l.Token)
+	if _, err := flight.Exec(ctx, set+"; set fence.step = 'flight'; begin; insert into ft values (1, 'in flight')"); err != nil {
+		t.Fatal(err)
+	}
+	applied := make(chan error, 1)
+	go func() { applied <- migrations.Apply(ctx, conn) }()
+	observer := connect(t, ctx, db, "")
+	await := func(want bool) {
+		t.Helper()
+		for {
+			var waiting bool
+			if err := observer.QueryRow(ctx, `select exists (select from pg_locks
+where not granted and locktype = 'relation' and relation = 'ft'::regclass and mode = 'AccessExclusiveLock')`).Scan(&waiting); err != nil {
+				t.Fatal(err)
+			}
+			if waiting == want {
+				return
+			}
+			select {
+			case err := <-applied:
+				t.Fatalf("the migration ended (%v) while a transaction that wrote ft was in flight", err)
+			case <-time.After(10 * time.Millisecond):
+			}
+		}
+	}
+	await(true)
+	await(false)
+	await(true)
+	if _, err := flight.Exec(ctx, "insert into ft values (2, 'in flight'); commit"); err != nil {
+		t.Fatalf("the transaction in flight: %v", err)
+	}
+	if err := <-applied; err != nil {
+		t.Fatalf("the migration after the transaction in flight ended: %v", err)
+	}
+	if v, err := migrations.Current(ctx, conn); err != nil || v < 25 {
+		t.Fatalf("version %d (%v), want 25 or later", v, err)
+	}
+	if n := whens(); n != 0 {
+		t.Fatalf("%d backstop triggers with a WHEN after the upgrade, want 0", n)
+	}
+	var problems int
+	if err := conn.QueryRow(ctx, `select count(*) from pg_trigger where tgname = 'pgfence_backstop' and (tgenabled <> 'O' or tgfoid <> 'fence.backstop()'::regprocedure)`).Scan(&problems); err != nil || problems != 0 {
+		t.Fatalf("%d backstop triggers not enabled or not fence.backstop after the upgrade (%v)", problems, err)
+	}
+	count := func(q string) int {
+		t.Helper()
+		var n int
+		if err := conn.QueryRow(ctx, q).Scan(&n); err != nil {
+			t.Fatalf("%s: %v", q, err)
+		}
+		return n
+	}
+	if n := count("select count(*) from fence.receipts where step = 'flight'"); n != 1 {
+		t.Fatalf("%d receipts of the transaction in flight, want 1", n)
+	}
+	// Without a generation every table refuses, as before.
+	bare := connect(t, ctx, db, w)
+	for _, q := range []string{"insert into ft values (3, 'x')", "insert into fp values (3, 'j', 'x')", "insert into fp_2 values (13, 'j', 'x')",
+		"insert into fk values (3, 'j')", "update ft set v = 'x'", "delete from fp", "truncate ft"} {
+		if _, err := bare.Exec(ctx, q); pgtest.SQLState(err) != "FN008" {
+			t.Fatalf("%s without a generation after the upgrade: %v, want FN008", q, err)
+		}
+	}
+	// A stale generation is refused, the current one writes with one
+	// receipt per step, a foreign job key is refused.
+	if _, err := wc.Exec(ctx, fmt.Sprintf("set fence.job_key = 'j'; set fence.epoch = %d; set fence.token = %d; set fence.step = 'stale'; insert into ft values (4, 'stale')", l.Epoch, l.Token-1)); pgtest.SQLState(err) == "" {
+		t.Fatal("a write under a token that was never the fence row's committed after the upgrade")
+	}
+	for i, q := range []string{"insert into ft values (5, 'after') on conflict (k) do update set v = excluded.v",
+		"insert into fp values (15, 'j', 'after')", "insert into fk values (5, 'j')"} {
+		if _, err := wc.Exec(ctx, fmt.Sprintf("%s; set fence.step = 'after %d'; %s", set, i, q)); err != nil {
+			t.Fatalf("%s under the current generation after the upgrade: %v", q, err)
+		}
+	}
+	if n := count("select count(*) from fence.receipts where step like 'after %'"); n != 3 {
+		t.Fatalf("%d receipts of the writes after the upgrade, want 3", n)
+	}
+	if _, err := wc.Exec(ctx, set+"; set fence.step = 'foreign'; insert into fk values (6, 'not j')"); pgtest.SQLState(err) != "FN008" {
+		t.Fatalf("a row of another job key after the upgrade: %v, want FN008", err)
+	}
+}
