@@ -174,7 +174,7 @@ func bypassSyncCancel(t *testing.T) {
 		// Round 12, attacker W's H1: client_min_messages = error kept the
 		// WARNING off the wire, so nothing could turn it into FN016. The
 		// lease functions raise it for their own transaction
-		// (fence.durable, migration 025): a session SET, a set_config
+		// (fence.durable, migration 026): a session SET, a set_config
 		// by code, a role default any worker can give its own role.
 		{"client_min_messages_set", simple("set client_min_messages = error; "+acquire("sc_cmm_set"), nil)},
 		{"client_min_messages_set_config", simple("select pg_catalog.set_config('client_min_messages', 'error', false); "+acquire("sc_cmm_cfg"), nil)},
