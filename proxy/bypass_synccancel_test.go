@@ -171,6 +171,18 @@ func bypassSyncCancel(t *testing.T) {
 			}
 			return fmt.Errorf("psql: %v: %s", r.err, r.stderr)
 		}},
+		// Round 12, attacker W's H1: client_min_messages = error kept the
+		// WARNING off the wire, so nothing could turn it into FN016. The
+		// lease functions raise it for their own transaction
+		// (fence.durable, migration 026): a session SET, a set_config
+		// by code, a role default any worker can give its own role.
+		{"client_min_messages_set", simple("set client_min_messages = error; "+acquire("sc_cmm_set"), nil)},
+		{"client_min_messages_set_config", simple("select pg_catalog.set_config('client_min_messages', 'error', false); "+acquire("sc_cmm_cfg"), nil)},
+		{"client_min_messages_in_transaction", simple("begin; set local client_min_messages = error; "+acquire("sc_cmm_tx")+"; commit", nil)},
+		{"client_min_messages_role_default", func(t *testing.T, route, app string) error {
+			e.roleDefault(t, "client_min_messages", "error")
+			return simple(acquire("sc_cmm_role"), nil)(t, route, app)
+		}},
 		// The client's own CancelRequest (a driver's query timeout).
 		{"own_cancel_request", func(t *testing.T, route, app string) error {
 			conn := e.connect(t, route, app, nil)
@@ -290,6 +302,22 @@ select fence.set_failover_mode('sync');`); err != nil {
 	t.Cleanup(gate.Close)
 	e.proxy = startProxy(t, Config{Primary: dsn, Interceptor: gate})
 	return e
+}
+
+// roleDefault gives sc_w, the cases' role, a default setting for the
+// connections it opens from now on, until the case ends (committed
+// locally: nothing confirms a commit here).
+func (e *syncCancelEnv) roleDefault(t *testing.T, name, value string) {
+	t.Helper()
+	ctx := ctxT(t)
+	if _, err := e.killer.Exec(ctx, fmt.Sprintf("set synchronous_commit = local; alter role sc_w set %s = %s", name, value)); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if _, err := e.killer.Exec(context.Background(), "set synchronous_commit = local; alter role sc_w reset "+name); err != nil {
+			t.Error(err)
+		}
+	})
 }
 
 func (e *syncCancelEnv) connConfig(t *testing.T, route, app string, l *fence.Lease) *pgconn.Config {

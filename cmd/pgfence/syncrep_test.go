@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 
@@ -70,9 +71,24 @@ func TestSyncRepCancelFailsTheCommand(t *testing.T) {
 		{"lease_acquire", []string{"lease", "acquire", "--job", "sc_acquire", "--ttl", "1m"}},
 		{"lease_renew", []string{"lease", "renew", "--job", held.JobKey, "--token", fmt.Sprint(held.Token), "--ttl", "1m"}},
 		{"run", []string{"run", "--job", "sc_run", "--ttl", "1m", "--", "touch", ran}},
+		// Round 12, attacker W's H1: a role default of
+		// client_min_messages = error (which the worker's own role may
+		// set) kept the WARNING off the wire: exit 0, a lease printed.
+		{"lease_acquire_min_messages_error", []string{"lease", "acquire", "--job", "sc_cmm", "--ttl", "1m"}},
+		{"run_min_messages_error", []string{"run", "--job", "sc_cmm_run", "--ttl", "1m", "--", "touch", ran}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			app := "sc_" + tc.name
+			if strings.HasSuffix(tc.name, "_min_messages_error") {
+				if _, err := wc.Exec(ctx, "set synchronous_commit = local; alter role sc_w set client_min_messages = error"); err != nil {
+					t.Fatal(err)
+				}
+				defer func() {
+					if _, err := wc.Exec(context.Background(), "set synchronous_commit = local; alter role sc_w reset client_min_messages"); err != nil {
+						t.Error(err)
+					}
+				}()
+			}
 			type result struct {
 				code     int
 				out, err string
