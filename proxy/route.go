@@ -291,6 +291,7 @@ func replicaStateQuery(user string) string {
 	return "SELECT (NOT EXISTS (SELECT FROM pg_catalog.pg_settings AS s WHERE s.source OPERATOR(pg_catalog.=) 'session'" +
 		" AND pg_catalog.left(s.name, 6) OPERATOR(pg_catalog.<>) 'fence.'" +
 		" AND s.name OPERATOR(pg_catalog.<>) ALL ('{client_encoding,standard_conforming_strings}'::pg_catalog.text[]))" +
+		" AND " + customSetSQL + " IS NULL" +
 		" AND pg_catalog.current_setting('role') OPERATOR(pg_catalog.=) 'none'" +
 		" AND pg_catalog.current_setting('session_authorization') OPERATOR(pg_catalog.=) " + plan.Literal(user) + ")::pg_catalog.text"
 }

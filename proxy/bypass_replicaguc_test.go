@@ -1,0 +1,216 @@
+package proxy
+
+import (
+	"testing"
+
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/pgfence/pgfence/internal/pgtest"
+)
+
+// TestBypass/replica_guc (issue 30, round 10, attacker T's M1 and M2): a
+// custom (placeholder) setting such as app.tenant, set by code the proxy
+// cannot see into, is not in pg_settings, so the proxy's reads of the
+// session's state missed it. M1: code on the primary session (a SECURITY
+// DEFINER set_tenant(), a DO block) set it; the session was not pinned,
+// and the next read routed to the replica ran without it (row security
+// reading current_setting('app.tenant') answered for another tenant).
+// M2: code on the replica session (a DO block or a function in a
+// read-only transaction there, a view's or a policy's function in an
+// autocommit read) set it; replicaStateCheck did not see it, and later
+// replica reads ran with it. Every read after the code answers as the
+// primary session would.
+//
+// Only through the proxy: the two sessions are the proxy's.
+func init() { registerBypass("replica_guc", testBypassReplicaGUC) }
+
+const replicaGUCSchema = fenceSchema + `
+CREATE FUNCTION public.gc_set_tenant(t text) RETURNS text LANGUAGE plpgsql SECURITY DEFINER
+  AS $$ BEGIN PERFORM set_config('app.tenant', t, false); RETURN t; END $$;
+CREATE VIEW public.gc_v AS SELECT public.gc_set_tenant('B') AS x;
+CREATE FUNCTION public.gc_sp() RETURNS boolean LANGUAGE plpgsql
+  AS $$ BEGIN PERFORM set_config('app.tenant', 'B', false); RETURN true; END $$;
+CREATE TABLE public.gc_t2 (x int);
+INSERT INTO public.gc_t2 VALUES (1);
+ALTER TABLE public.gc_t2 ENABLE ROW LEVEL SECURITY;
+ALTER TABLE public.gc_t2 FORCE ROW LEVEL SECURITY;
+CREATE POLICY gc_p2 ON public.gc_t2 FOR SELECT USING (public.gc_sp());
+DO $$ BEGIN
+  IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'gc_viewer') THEN CREATE ROLE gc_viewer LOGIN; END IF;
+END $$;
+GRANT SELECT ON public.gc_t2, public.gc_v TO gc_viewer;
+CREATE TABLE public.gc_t3 (r text);
+INSERT INTO public.gc_t3 VALUES ('A'), ('B');
+CREATE VIEW public.gc_v3 AS SELECT r FROM public.gc_t3
+  WHERE current_setting('app.region', true) IS NULL OR r = current_setting('app.region', true);
+GRANT EXECUTE ON FUNCTION public.gc_set_tenant(text), public.gc_sp() TO gc_viewer;
+DO $$ BEGIN
+  IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'gc_def') THEN CREATE ROLE gc_def LOGIN; END IF;
+END $$;
+CREATE FUNCTION public.gc_dept() RETURNS text LANGUAGE plpgsql
+  AS $$ BEGIN RETURN current_setting('app.dept', true) || current_setting('plpgsql.variable_conflict'); END $$;
+GRANT EXECUTE ON FUNCTION public.gc_dept() TO gc_def;
+CREATE VIEW public.gc_vdept AS SELECT current_setting('app.dept', true) AS d;
+GRANT SELECT ON public.gc_vdept TO gc_def;
+`
+
+func testBypassReplicaGUC(t *testing.T) {
+	ctx := ctxT(t)
+	e := newRouteEnvMode(t, true, replicaGUCSchema)
+	const check = "SELECT COALESCE(current_setting('app.tenant', true), '<unset>'), pg_is_in_recovery()"
+	const regionRows = "SELECT (SELECT string_agg(r, ',' ORDER BY r) FROM gc_v3), pg_is_in_recovery()"
+	cases := []struct {
+		name    string
+		replica bool   // get the session's reads onto the replica first
+		tx      bool   // inside BEGIN READ ONLY on the replica, then COMMIT
+		code    string // what runs the code
+		want    string // app.tenant as the primary session has it
+		check   string // the read, if not app.tenant's
+		user    string // the login, if not postgres (row security applies)
+	}{
+		// M1: the code runs on the primary session.
+		{name: "primary_definer_function", code: "SELECT gc_set_tenant('B')", want: "B"},
+		{name: "primary_do", code: "DO $$ BEGIN PERFORM set_config('app.tenant', 'B', false); END $$", want: "B"},
+		{name: "primary_function_in_tx", code: "BEGIN; SELECT gc_set_tenant('B'); COMMIT", want: "B"},
+		// M2: the code runs on the replica session.
+		{name: "replica_do", replica: true, tx: true, code: "DO $$ BEGIN PERFORM set_config('app.tenant', 'B', false); END $$", want: "<unset>"},
+		{name: "replica_function", replica: true, tx: true, code: "SELECT gc_set_tenant('B')", want: "<unset>"},
+		{name: "replica_view", replica: true, code: "SELECT x FROM gc_v", want: "<unset>"},
+		{name: "replica_policy", replica: true, code: "SELECT x FROM gc_t2", want: "<unset>", user: "gc_viewer"},
+		// The name built at run time where it is set, spelled only by the
+		// view that reads it ("unset" means every row).
+		{name: "primary_dynamic_name_view", code: "DO $$ BEGIN PERFORM set_config('app.' || 'region', 'B', false); END $$", check: regionRows, want: "B"},
+		{name: "replica_dynamic_name_view", replica: true, tx: true, code: "DO $$ BEGIN PERFORM set_config('app.' || 'region', 'B', false); END $$", check: regionRows, want: "A,B"},
+	}
+	testBypassReplicaGUCDefaults(t, e)
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			check := check
+			if c.check != "" {
+				check = c.check
+			}
+			r := e.reader(t, nil)
+			if c.user != "" {
+				cfg, err := pgconn.ParseConfig(e.proxy.dsn(e.db))
+				if err != nil {
+					t.Fatal(err)
+				}
+				cfg.User = c.user
+				r = connectConfig(t, cfg)
+			}
+			if c.replica {
+				if err := pgtest.Poll(ctx, func() (bool, error) {
+					q := "SELECT 1, pg_is_in_recovery()"
+					if c.tx {
+						q = "BEGIN READ ONLY; " + q
+					}
+					_, rep, err := where(t, r, q)
+					if err != nil || rep {
+						return rep, err
+					}
+					if c.tx {
+						_, err = r.Exec(ctx, "ROLLBACK").ReadAll()
+					}
+					return false, err
+				}); err != nil {
+					t.Fatalf("never on the replica: %v", err)
+				}
+			}
+			var res []*pgconn.Result
+			res, err := r.Exec(ctx, c.code).ReadAll()
+			if err != nil {
+				t.Fatalf("%s: %v", c.code, err)
+			}
+			_ = res
+			if c.tx {
+				mustExec(t, r, "COMMIT")
+			}
+			// The primary session's own view, in a read-write transaction.
+			mustExec(t, r, "BEGIN")
+			if vals, _, err := where(t, r, check); err != nil || vals[0] != c.want {
+				t.Fatalf("primary session: %v (%v), want %q", vals, err, c.want)
+			}
+			mustExec(t, r, "COMMIT")
+			// Autocommit reads (routed as the proxy sees fit) and a
+			// read-only transaction's read agree with it.
+			for i := range 2 {
+				vals, rep, err := where(t, r, check)
+				if err != nil || vals[0] != c.want {
+					t.Fatalf("%s (read %d, replica=%v): %v (%v), want %q: the replica session's settings are not the session's", check, i, rep, vals, err, c.want)
+				}
+			}
+			mustExec(t, r, "BEGIN READ ONLY")
+			if vals, rep, err := where(t, r, check); err != nil || vals[0] != c.want {
+				t.Fatalf("read-only tx (replica=%v): %v (%v), want %q", rep, vals, err, c.want)
+			}
+			mustExec(t, r, "COMMIT")
+		})
+	}
+}
+
+// testBypassReplicaGUCDefaults: custom settings a connection takes from
+// its role's defaults (ALTER ROLE ... IN DATABASE ... SET app.dept) are a
+// new connection's state, not the session's own: a session that has them
+// and runs code is still routed to the replica (the read-back does not
+// count a default as set, nor a loaded extension's setting a function
+// spells, plpgsql.variable_conflict). A default changed after the session
+// opened gives a replica connection opened later another value than the
+// session kept: every read answers the session's value (T-M1's third
+// route).
+func testBypassReplicaGUCDefaults(t *testing.T, e *routeEnv) {
+	ctx := ctxT(t)
+	admin, err := cluster.Primary.Connect(ctx, e.db)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer admin.Close(ctx)
+	setDefault := func(v string) {
+		t.Helper()
+		if _, err := admin.Exec(ctx, "ALTER ROLE gc_def IN DATABASE "+e.db+" SET app.dept = '"+v+"'"); err != nil {
+			t.Fatal(err)
+		}
+		if err := cluster.WaitReplicaCaughtUp(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	login := func() *pgconn.PgConn {
+		cfg, err := pgconn.ParseConfig(e.proxy.dsn(e.db))
+		if err != nil {
+			t.Fatal(err)
+		}
+		cfg.User = "gc_def"
+		return connectConfig(t, cfg)
+	}
+	const check = "SELECT current_setting('app.dept', true), pg_is_in_recovery()"
+	t.Run("role_default_routes", func(t *testing.T) {
+		setDefault("D1")
+		r := login()
+		if _, err := r.Exec(ctx, "SELECT gc_dept()").ReadAll(); err != nil {
+			t.Fatal(err)
+		}
+		// (A read that calls current_setting stays on the primary: the
+		// routing is asked with one that does not.)
+		if err := pgtest.Poll(ctx, func() (bool, error) {
+			_, rep, err := where(t, r, "SELECT 1, pg_is_in_recovery()")
+			return rep, err
+		}); err != nil {
+			t.Fatalf("a session whose custom settings are its role's defaults never reads on the replica: %v", err)
+		}
+		if vals, rep, err := where(t, r, check); err != nil || vals[0] != "D1" {
+			t.Fatalf("app.dept is %v (%v, replica=%v), want the role's default D1", vals, err, rep)
+		}
+	})
+	t.Run("role_default_changed_after_open", func(t *testing.T) {
+		setDefault("D1")
+		r := login()
+		setDefault("D2")
+		// Read through a view: a read that calls current_setting itself
+		// stays on the primary, one of a view that does may be routed.
+		for i := range 3 {
+			vals, rep, err := where(t, r, "SELECT (SELECT d FROM gc_vdept), pg_is_in_recovery()")
+			if err != nil || vals[0] != "D1" {
+				t.Fatalf("read %d (replica=%v): app.dept %v (%v), want D1, the session's", i, rep, vals, err)
+			}
+		}
+	})
+}
