@@ -87,12 +87,21 @@ type routeState struct {
 	// replicaCode and primaryCode: the seq of the last request that may
 	// have run the client's code on that upstream (codeRan, fence_exec.go).
 	replicaCode, primaryCode uint64
+	// primaryCodeRan: code the proxy cannot see into has run on the
+	// primary session at some time (codeRan). It may have set custom
+	// settings (set_config('app.tenant', ...)), which nothing in SQL lists,
+	// so the primary session can no longer be shown to be a new
+	// connection's for code to run against: no read-only transaction
+	// goes to the replica from then on (a later statement of it could run
+	// such code there; round 11, attacker V's M1).
+	primaryCodeRan bool
 	// replicaState: a request that may have run the database's code
 	// (mayRunCode) went to the replica connection since its session was
 	// last known to be a new connection's: code may have changed its
 	// settings or role for good (set_config(..., false) in a DO block or a
-	// function; round 9, attacker R's M2). Checked before the next routed
-	// read (replicaStateCheck).
+	// function; round 9, attacker R's M2), custom settings included,
+	// which no query can list. The connection is closed before the next
+	// routed read (replicaStateCheck).
 	replicaState bool
 }
 
@@ -210,6 +219,17 @@ func (h *fenceSession) routeQuery(s gateConn, msg []byte, res *rewrite.Result) e
 		rs.stats.Primary.Add(1)
 		return h.sendClient(s, msg, res)
 	}
+	if h.rt.primaryCodeRan && (kind == roTx || h.runsDBCode(stmts)) {
+		// Code the proxy could not see into ran on the primary session
+		// and may have set custom settings there (app.tenant), which no
+		// query can list: the database's code this read runs, or a
+		// later statement of this read-only transaction, would run on
+		// the replica session without them (round 10, T-M1; round 11,
+		// attacker V's M1). On the primary it runs as the client's
+		// session.
+		rs.stats.Primary.Add(1)
+		return h.toPrimary(s, msg, res)
+	}
 	if known, err := h.sessionKnown(s, onRep); err != nil {
 		return err // ErrWait on the loop: nothing done yet
 	} else if !known {
@@ -280,69 +300,52 @@ func (h *fenceSession) routeQuery(s gateConn, msg []byte, res *rewrite.Result) e
 	})
 }
 
-// replicaStateQuery asks whether the replica connection's session is
-// still a new connection's, as the primary session is known to be when a
-// read is routed (sessionKnown): no setting set in the session but
-// fence.* and the lexing settings the proxy itself aligns (replstate.go),
-// no role set, the session authorization the login's. Outside a
-// transaction, so SET LOCAL is gone. A hot standby has no temporary
-// objects; prepared statements the router tracks (replicaCode).
-func replicaStateQuery(user string) string {
-	return "SELECT (NOT EXISTS (SELECT FROM pg_catalog.pg_settings AS s WHERE s.source OPERATOR(pg_catalog.=) 'session'" +
-		" AND pg_catalog.left(s.name, 6) OPERATOR(pg_catalog.<>) 'fence.'" +
-		" AND s.name OPERATOR(pg_catalog.<>) ALL ('{client_encoding,standard_conforming_strings}'::pg_catalog.text[]))" +
-		" AND " + customSetSQL + " IS NULL" +
-		" AND pg_catalog.current_setting('role') OPERATOR(pg_catalog.=) 'none'" +
-		" AND pg_catalog.current_setting('session_authorization') OPERATOR(pg_catalog.=) " + plan.Literal(user) + ")::pg_catalog.text"
-}
-
 // replicaStateCheck runs before a read is sent to the replica connection
 // in use (an autocommit read, or the first request of a read-only
 // transaction), with no transaction open there. When a request since the
-// last check may have run the database's code there (rt.replicaState:
-// mayRunCode, or code inside a transaction on the replica), code may have
-// changed that session's settings or role for good, where the primary
-// session, and so SHOW and everything else the client's session answers,
-// has not (round 9, attacker R's M2). It asks the replica session
-// (replicaStateQuery: one round trip, only then). Unchanged: k(true).
-// Changed, or no answer: the replica connection is closed (a new one,
+// connection opened may have run the database's code there
+// (rt.replicaState: mayRunCode, or code inside a transaction on the
+// replica), code may have changed that session's settings or role for
+// good, where the primary session, and so SHOW and everything else the
+// client's session answers, has not (round 9, attacker R's M2). In a
+// no query can show that it did not: custom settings
+// (app.tenant) are in no view (round 10, attacker T's M2; round 11, V's M1
+// and M2: reading the names out of the database's code missed some and
+// cost without bound). So the replica connection is closed (a new one,
 // opened for the next routed read, is a new connection's session, as the
 // primary session is) and k(false): this read goes to the primary. A
 // closed connection takes its statement copies (void from now:
-// replicaCode) and its held cursors with it.
+// replicaCode) and its held cursors with it. Unchanged: k(true), no
+// round trip.
 func (h *fenceSession) replicaStateCheck(s gateConn, k func(ok bool) error) error {
 	if !h.rt.replicaState {
 		return k(true)
 	}
-	h.mu.Lock()
-	h.rt.row = ""
-	h.mu.Unlock()
-	s.startRouted(false)
-	if err := h.send(s, queryMsg(nil, replicaStateQuery(h.user)), &tag{kind: 'Q', segs: []seg{{step: stepFenceCheck}}}, false); err != nil {
-		s.stopRouted()
+	h.rt.replicaState = false
+	if err := s.usePrimary(); err != nil {
 		return err
 	}
-	return s.routeThen(h.last, func(retry bool) error {
-		if retry {
-			h.mu.Lock()
-			h.st.TxStatus('I')
-			h.mu.Unlock()
+	s.dropReplica()
+	h.rt.replicaCode = h.seq
+	h.rt.holdFloor = 0
+	return k(false)
+}
+
+// runsDBCode reports whether a read may run the database's code: a
+// function the proxy does not know to be read-only, text it could not
+// read, or a relation or expression whose reads run code (a view's or a
+// policy's function, an index expression's, an operator's:
+// relCode, by the read set the primary has now). Such reads go to the
+// primary once code ran on the primary session (routeQuery). Without a
+// read set (an untracked database, or one being read again) every read
+// of a relation may.
+func (h *fenceSession) runsDBCode(stmts []*rewrite.Stmt) bool {
+	for _, st := range stmts {
+		if st == nil || st.Opaque || st.UserCalls || h.relCode(st, ^LSN(0)) {
+			return true
 		}
-		h.mu.Lock()
-		row := h.rt.row
-		h.mu.Unlock()
-		h.rt.replicaState = false
-		if !retry && row == "true" {
-			return k(true)
-		}
-		if err := s.usePrimary(); err != nil {
-			return err
-		}
-		s.dropReplica()
-		h.rt.replicaCode = h.seq
-		h.rt.holdFloor = 0
-		return k(false)
-	})
+	}
+	return false
 }
 
 // sendRouted sends a read to the replica connection in use and, if the
