@@ -102,6 +102,7 @@ func testBypassReplicaGUC(t *testing.T) {
 		want    string // app.tenant as the primary session has it
 		check   string // the read, if not app.tenant's
 		user    string // the login, if not postgres (row security applies)
+		prep    string // run first, on the primary, in its own request
 	}{
 		// M1: the code runs on the primary session.
 		{name: "primary_definer_function", code: "SELECT gc_set_tenant('B')", want: "B"},
@@ -123,6 +124,14 @@ func testBypassReplicaGUC(t *testing.T) {
 		{name: "dollar_quoted_names", code: "SELECT gc_set_a('B')", check: "SELECT (SELECT string_agg(tenant, ',') FROM gc_tna), pg_is_in_recovery()", want: "B", user: "gc_viewer"},
 		{name: "view_name_constant", code: "SELECT gc_set_b('B')", check: "SELECT (SELECT string_agg(tenant, ',') FROM gc_vtnb), pg_is_in_recovery()", want: "B", user: "gc_viewer"},
 		{name: "replica_policy_sets_dollar_quoted", replica: true, code: "SELECT x FROM gc_t5", check: "SELECT (SELECT string_agg(tenant, ',') FROM gc_tn5), pg_is_in_recovery()", want: "A", user: "gc_viewer"},
+		// An EXECUTE is judged by the statement it runs, as the proxy
+		// knows it (so an EXECUTE of a plain read keeps read-only
+		// transactions on the replica); one the same request may
+		// replace counts as code.
+		{name: "primary_execute_prepared", prep: "PREPARE gc_ps AS SELECT gc_set_tenant('B')", code: "EXECUTE gc_ps", want: "B"},
+		{name: "primary_execute_replaced_in_request", prep: "PREPARE gc_ps AS SELECT 1",
+			code: "DEALLOCATE gc_ps; PREPARE gc_ps AS SELECT gc_set_tenant('B'); EXECUTE gc_ps", want: "B"},
+		{name: "replica_execute_prepared", prep: "PREPARE gc_ps AS SELECT gc_set_tenant('B')", replica: true, tx: true, code: "EXECUTE gc_ps", want: "<unset>"},
 	}
 	testBypassReplicaGUCDefaults(t, e)
 	for _, c := range cases {
@@ -139,6 +148,9 @@ func testBypassReplicaGUC(t *testing.T) {
 				}
 				cfg.User = c.user
 				r = connectConfig(t, cfg)
+			}
+			if c.prep != "" {
+				mustExec(t, r, c.prep)
 			}
 			if c.replica {
 				if err := pgtest.Poll(ctx, func() (bool, error) {

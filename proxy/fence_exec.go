@@ -114,7 +114,6 @@ func (h *fenceSession) codeRan(s gateConn, seq uint64) {
 		h.rt.replicaCode = seq
 	} else {
 		h.rt.primaryCode = seq
-		h.rt.primaryCodeRan = true
 	}
 }
 

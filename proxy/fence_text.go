@@ -560,6 +560,10 @@ func (h *fenceSession) noteSent(s gateConn, t *tag) (code bool) {
 	if pin && !s.OnReplica() {
 		h.rt.pinned = true
 	}
+	if !s.OnReplica() && (unknown || h.sessionCode(stmts, ^LSN(0))) {
+		// (unknown: text the proxy could not read, a FunctionCall.)
+		h.rt.primaryCodeRan = true
+	}
 	if enc {
 		h.encSeq = t.seq
 	}
