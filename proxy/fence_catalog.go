@@ -75,9 +75,14 @@ type catalog struct {
 	// pg_catalog (fence_usercode.go); nil until the first load.
 	code  atomic.Pointer[userCode]
 	reads atomic.Pointer[readSet] // nil: not known (every read may reach protected data)
-	last  *readSet                // the last set read (watcher goroutine), to skip unchanged ones
-	ready chan struct{}           // closed after the first load (successful or not)
-	err   atomic.Pointer[error]
+	// settled: the last read set loaded, kept while reads is nil (after a
+	// DDL notification until the next load, or while the watcher
+	// reconnects): what the custom-settings defence counts code by then
+	// (settingRelCode, route.go).
+	settled atomic.Pointer[readSet]
+	last    *readSet      // the last set read (watcher goroutine), to skip unchanged ones
+	ready   chan struct{} // closed after the first load (successful or not)
+	err     atomic.Pointer[error]
 	// gone: the database no longer exists; the watcher has stopped.
 	gone atomic.Bool
 	// live: the watcher is connected and has loaded, so takeovers are
@@ -493,6 +498,9 @@ func (cs *catalogs) load(c *catalog, conn *pgconn.PgConn) (err error) {
 	// reload is the documented limit (security.md, built-ins by name).
 	c.code.Store(code)
 	c.reads.Store(rd)
+	if rd != nil {
+		c.settled.Store(rd)
+	}
 	c.loads.Add(1)
 	return nil
 }

@@ -405,9 +405,15 @@ func (h *fenceSession) stmtSessionCode(st *rewrite.Stmt, at LSN, resolve bool, d
 }
 
 // settingRelCode is relCode where the proxy keeps a read set for the
-// session's database (catalog.tracked, with protected tables): while the
-// set is not loaded (being read again after DDL), every relation read
-// counts. In a database it keeps none for, the proxy does not know which
+// session's database (catalog.tracked, with protected tables). While the
+// set is being read again after a DDL notification, the last one loaded
+// (catalog.settled) judges: counting every relation then, as the read
+// routing does, would cost every session that touched one in the window
+// (a CREATE TEMP TABLE anywhere makes one) its read-only transactions on
+// the replica for good (R2); a relation redefined in that window to run
+// code is counted from the next load on (docs/security.md, Known limits).
+// Never loaded: every relation counts. In a database it keeps none for,
+// the proxy does not know which
 // relations run code, and relCode says yes for every one: counting them
 // would have every read of a relation cost the replica connection (R3)
 // and send the session's later code reads to the primary (R1). There
@@ -418,7 +424,19 @@ func (h *fenceSession) settingRelCode(st *rewrite.Stmt, at LSN) bool {
 	if !h.keepsReadSet() {
 		return false
 	}
-	return h.relCode(st, at)
+	if h.cat.reads.Load() != nil {
+		return h.relCode(st, at)
+	}
+	if len(st.ReadRelations) == 0 && !st.CatalogExprs {
+		return false
+	}
+	rd := h.cat.settled.Load()
+	for _, rel := range st.ReadRelations {
+		if rd.runsRelCode(rel) {
+			return true
+		}
+	}
+	return rd.runsCode(st)
 }
 
 // keepsReadSet reports whether the proxy keeps a read set for the
