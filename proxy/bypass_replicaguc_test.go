@@ -52,6 +52,41 @@ CREATE FUNCTION public.gc_dept() RETURNS text LANGUAGE plpgsql
 GRANT EXECUTE ON FUNCTION public.gc_dept() TO gc_def;
 CREATE VIEW public.gc_vdept AS SELECT current_setting('app.dept', true) AS d;
 GRANT SELECT ON public.gc_vdept TO gc_def;
+CREATE TABLE public.gc_tn3 (tenant text, note text);
+INSERT INTO public.gc_tn3 VALUES ('A', 'a-row'), ('B', 'b-row');
+ALTER TABLE public.gc_tn3 ENABLE ROW LEVEL SECURITY;
+ALTER TABLE public.gc_tn3 FORCE ROW LEVEL SECURITY;
+CREATE FUNCTION public.gc_cur_t3() RETURNS text LANGUAGE sql STABLE BEGIN ATOMIC SELECT current_setting('app.t3', true); END;
+CREATE FUNCTION public.gc_set_t3(t text) RETURNS text LANGUAGE sql SECURITY DEFINER BEGIN ATOMIC SELECT set_config('app.t3', t, false); END;
+CREATE POLICY gc_p3 ON public.gc_tn3 FOR SELECT USING (tenant = coalesce(public.gc_cur_t3(), 'A'));
+CREATE TABLE public.gc_tna (tenant text, note text);
+INSERT INTO public.gc_tna VALUES ('A', 'a-row'), ('B', 'b-row');
+ALTER TABLE public.gc_tna ENABLE ROW LEVEL SECURITY;
+ALTER TABLE public.gc_tna FORCE ROW LEVEL SECURITY;
+CREATE FUNCTION public.gc_cur_a() RETURNS text LANGUAGE sql STABLE AS $f$ SELECT current_setting($q$app.ta$q$, true) $f$;
+CREATE FUNCTION public.gc_set_a(t text) RETURNS text LANGUAGE plpgsql SECURITY DEFINER
+  AS $f$ BEGIN PERFORM set_config($k$app.ta$k$, t, false); RETURN t; END $f$;
+CREATE POLICY gc_pa ON public.gc_tna FOR SELECT USING (tenant = coalesce(public.gc_cur_a(), 'A'));
+CREATE TABLE public.gc_tnb (tenant text, note text);
+INSERT INTO public.gc_tnb VALUES ('A', 'a-row'), ('B', 'b-row');
+CREATE VIEW public.gc_vtnb AS SELECT tenant FROM public.gc_tnb WHERE tenant = coalesce(current_setting('app.tb'::name, true), 'A');
+CREATE FUNCTION public.gc_set_b(t text) RETURNS text LANGUAGE plpgsql SECURITY DEFINER
+  AS $f$ BEGIN PERFORM set_config($k$app.tb$k$, t, false); RETURN t; END $f$;
+CREATE FUNCTION public.gc_sp5() RETURNS boolean LANGUAGE plpgsql
+  AS $f$ BEGIN PERFORM set_config($k$app.t5$k$, 'B', false); RETURN true; END $f$;
+CREATE TABLE public.gc_t5 (x int);
+INSERT INTO public.gc_t5 VALUES (1);
+ALTER TABLE public.gc_t5 ENABLE ROW LEVEL SECURITY;
+ALTER TABLE public.gc_t5 FORCE ROW LEVEL SECURITY;
+CREATE POLICY gc_p5 ON public.gc_t5 FOR SELECT USING (public.gc_sp5());
+CREATE TABLE public.gc_tn5 (tenant text, note text);
+INSERT INTO public.gc_tn5 VALUES ('A', 'a-row'), ('B', 'b-row');
+ALTER TABLE public.gc_tn5 ENABLE ROW LEVEL SECURITY;
+ALTER TABLE public.gc_tn5 FORCE ROW LEVEL SECURITY;
+CREATE FUNCTION public.gc_cur_t5() RETURNS text LANGUAGE sql STABLE AS $f$ SELECT current_setting($q$app.t5$q$, true) $f$;
+CREATE POLICY gc_p5n ON public.gc_tn5 FOR SELECT USING (tenant = coalesce(public.gc_cur_t5(), 'A'));
+GRANT SELECT ON public.gc_tn3, public.gc_tna, public.gc_vtnb, public.gc_t5, public.gc_tn5 TO gc_viewer;
+GRANT EXECUTE ON FUNCTION public.gc_set_t3(text), public.gc_set_a(text), public.gc_set_b(text) TO gc_viewer;
 `
 
 func testBypassReplicaGUC(t *testing.T) {
@@ -67,6 +102,7 @@ func testBypassReplicaGUC(t *testing.T) {
 		want    string // app.tenant as the primary session has it
 		check   string // the read, if not app.tenant's
 		user    string // the login, if not postgres (row security applies)
+		prep    string // run first, on the primary, in its own request
 	}{
 		// M1: the code runs on the primary session.
 		{name: "primary_definer_function", code: "SELECT gc_set_tenant('B')", want: "B"},
@@ -81,6 +117,21 @@ func testBypassReplicaGUC(t *testing.T) {
 		// view that reads it ("unset" means every row).
 		{name: "primary_dynamic_name_view", code: "DO $$ BEGIN PERFORM set_config('app.' || 'region', 'B', false); END $$", check: regionRows, want: "B"},
 		{name: "replica_dynamic_name_view", replica: true, tx: true, code: "DO $$ BEGIN PERFORM set_config('app.' || 'region', 'B', false); END $$", check: regionRows, want: "A,B"},
+		// Round 11, attacker V's M1: names the database's code spells
+		// where a reader of its text would not find them, read by the
+		// database's code on the replica.
+		{name: "sql_standard_body", code: "SELECT gc_set_t3('B')", check: "SELECT (SELECT string_agg(tenant, ',') FROM gc_tn3), pg_is_in_recovery()", want: "B", user: "gc_viewer"},
+		{name: "dollar_quoted_names", code: "SELECT gc_set_a('B')", check: "SELECT (SELECT string_agg(tenant, ',') FROM gc_tna), pg_is_in_recovery()", want: "B", user: "gc_viewer"},
+		{name: "view_name_constant", code: "SELECT gc_set_b('B')", check: "SELECT (SELECT string_agg(tenant, ',') FROM gc_vtnb), pg_is_in_recovery()", want: "B", user: "gc_viewer"},
+		{name: "replica_policy_sets_dollar_quoted", replica: true, code: "SELECT x FROM gc_t5", check: "SELECT (SELECT string_agg(tenant, ',') FROM gc_tn5), pg_is_in_recovery()", want: "A", user: "gc_viewer"},
+		// An EXECUTE is judged by the statement it runs, as the proxy
+		// knows it (so an EXECUTE of a plain read keeps read-only
+		// transactions on the replica); one the same request may
+		// replace counts as code.
+		{name: "primary_execute_prepared", prep: "PREPARE gc_ps AS SELECT gc_set_tenant('B')", code: "EXECUTE gc_ps", want: "B"},
+		{name: "primary_execute_replaced_in_request", prep: "PREPARE gc_ps AS SELECT 1",
+			code: "DEALLOCATE gc_ps; PREPARE gc_ps AS SELECT gc_set_tenant('B'); EXECUTE gc_ps", want: "B"},
+		{name: "replica_execute_prepared", prep: "PREPARE gc_ps AS SELECT gc_set_tenant('B')", replica: true, tx: true, code: "EXECUTE gc_ps", want: "<unset>"},
 	}
 	testBypassReplicaGUCDefaults(t, e)
 	for _, c := range cases {
@@ -97,6 +148,9 @@ func testBypassReplicaGUC(t *testing.T) {
 				}
 				cfg.User = c.user
 				r = connectConfig(t, cfg)
+			}
+			if c.prep != "" {
+				mustExec(t, r, c.prep)
 			}
 			if c.replica {
 				if err := pgtest.Poll(ctx, func() (bool, error) {

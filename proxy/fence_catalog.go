@@ -75,9 +75,14 @@ type catalog struct {
 	// pg_catalog (fence_usercode.go); nil until the first load.
 	code  atomic.Pointer[userCode]
 	reads atomic.Pointer[readSet] // nil: not known (every read may reach protected data)
-	last  *readSet                // the last set read (watcher goroutine), to skip unchanged ones
-	ready chan struct{}           // closed after the first load (successful or not)
-	err   atomic.Pointer[error]
+	// settled: the last read set loaded, kept while reads is nil (after a
+	// DDL notification until the next load, or while the watcher
+	// reconnects): what the custom-settings defence counts code by then
+	// (settingRelCode, route.go).
+	settled atomic.Pointer[readSet]
+	last    *readSet      // the last set read (watcher goroutine), to skip unchanged ones
+	ready   chan struct{} // closed after the first load (successful or not)
+	err     atomic.Pointer[error]
 	// gone: the database no longer exists; the watcher has stopped.
 	gone atomic.Bool
 	// live: the watcher is connected and has loaded, so takeovers are
@@ -493,6 +498,9 @@ func (cs *catalogs) load(c *catalog, conn *pgconn.PgConn) (err error) {
 	// reload is the documented limit (security.md, built-ins by name).
 	c.code.Store(code)
 	c.reads.Store(rd)
+	if rd != nil {
+		c.settled.Store(rd)
+	}
 	c.loads.Add(1)
 	return nil
 }
@@ -657,8 +665,12 @@ func (r *readSet) vouched() LSN {
 // the statistics and large objects (statsRels). A rule or policy that
 // reads a catalog initdb pinned has no pg_depend row for it: its tree is
 // searched for the OIDs of the pinned ones, as for the built-ins that run
-// SQL (runs_sql).
-const readSetCTE = `WITH RECURSIVE
+// SQL (runs_sql). A view or policy that calls a session-local built-in
+// (current_setting, ...: rewrite.SessionLocalNames) or reads such a
+// system view runs code too: the replica session would answer it
+// otherwise (custom settings made by code are in no view: round 11,
+// attacker V's M1), so its reads go to the primary (runsDBCode).
+var readSetCTE = `WITH RECURSIVE
 prot(oid) AS (SELECT p.relid::pg_catalog.oid FROM fence.protected_tables AS p),
 down(oid) AS (SELECT prot.oid FROM prot
   UNION SELECT i.inhrelid FROM pg_catalog.pg_inherits AS i JOIN down AS d ON i.inhparent OPERATOR(pg_catalog.=) d.oid),
@@ -667,6 +679,13 @@ up(oid) AS (SELECT prot.oid FROM prot
 runs_sql(oids) AS (SELECT pg_catalog.array_agg(p.oid) FROM pg_catalog.pg_proc AS p
   WHERE p.pronamespace OPERATOR(pg_catalog.=) 'pg_catalog'::pg_catalog.regnamespace::pg_catalog.oid
     AND p.proname OPERATOR(pg_catalog.=) ANY ('{query_to_xml,query_to_xmlschema,query_to_xml_and_xmlschema,table_to_xml,table_to_xmlschema,table_to_xml_and_xmlschema,cursor_to_xml,cursor_to_xmlschema,schema_to_xml,schema_to_xmlschema,schema_to_xml_and_xmlschema,database_to_xml,database_to_xmlschema,database_to_xml_and_xmlschema,ts_stat,ts_rewrite,currtid2}'::pg_catalog.name[])),
+session_local(funcs, rels) AS (SELECT
+  (SELECT coalesce(pg_catalog.array_agg(p.oid), '{}'::pg_catalog.oid[]) FROM pg_catalog.pg_proc AS p
+    WHERE p.pronamespace OPERATOR(pg_catalog.=) 'pg_catalog'::pg_catalog.regnamespace::pg_catalog.oid
+      AND p.proname OPERATOR(pg_catalog.=) ANY ('` + sessionLocalFuncs + `'::pg_catalog.name[])),
+  (SELECT coalesce(pg_catalog.array_agg(c.oid), '{}'::pg_catalog.oid[]) FROM pg_catalog.pg_class AS c
+    WHERE c.relnamespace OPERATOR(pg_catalog.=) 'pg_catalog'::pg_catalog.regnamespace::pg_catalog.oid
+      AND c.relname OPERATOR(pg_catalog.=) ANY ('` + sessionLocalViews + `'::pg_catalog.name[]))),
 exprs(rel, classid, objid, tree) AS (
   SELECT r.ev_class, 'pg_catalog.pg_rewrite'::pg_catalog.regclass::pg_catalog.oid, r.oid, r.ev_action::pg_catalog.text
     FROM pg_catalog.pg_rewrite AS r
@@ -684,8 +703,10 @@ opaque(oid) AS (
           OR d.refclassid OPERATOR(pg_catalog.=) 'pg_catalog.pg_type'::pg_catalog.regclass::pg_catalog.oid
              AND EXISTS (SELECT FROM pg_catalog.pg_type AS t
                  WHERE t.oid OPERATOR(pg_catalog.=) d.refobjid AND t.typtype OPERATOR(pg_catalog.=) 'd'::pg_catalog."char")))
-     OR EXISTS (SELECT FROM pg_catalog.regexp_matches(e.tree, ':(?:funcid|aggfnoid|winfnoid) ([0-9]+)', 'g') AS m, runs_sql AS r
-      WHERE m[1]::pg_catalog.oid OPERATOR(pg_catalog.=) ANY (r.oids))
+     OR EXISTS (SELECT FROM pg_catalog.regexp_matches(e.tree, ':(?:funcid|aggfnoid|winfnoid) ([0-9]+)', 'g') AS m, runs_sql AS r, session_local AS l
+      WHERE m[1]::pg_catalog.oid OPERATOR(pg_catalog.=) ANY (r.oids OPERATOR(pg_catalog.||) l.funcs))
+     OR EXISTS (SELECT FROM pg_catalog.regexp_matches(e.tree, ':relid ([0-9]+)', 'g') AS m, session_local AS l
+      WHERE m[1]::pg_catalog.oid OPERATOR(pg_catalog.=) ANY (l.rels))
      OR EXISTS (SELECT FROM pg_catalog.regexp_matches(e.tree, ':relid ([0-9]+)', 'g') AS m
       WHERE m[1]::pg_catalog.oid OPERATOR(pg_catalog.=) ANY (ARRAY['pg_catalog.pg_statistic'::pg_catalog.regclass::pg_catalog.oid,
         'pg_catalog.pg_statistic_ext_data'::pg_catalog.regclass::pg_catalog.oid, 'pg_catalog.pg_largeobject'::pg_catalog.regclass::pg_catalog.oid]))),
@@ -786,6 +807,13 @@ func catalogMode(ctx context.Context, conn *pgconn.PgConn) (tracked, reached boo
 }
 
 var readSetQuery = own("watcher: read set", onControl, readSetCTE+`SELECT rels.nspname, rels.relname, rels.exposed::pg_catalog.text, rels.code::pg_catalog.text FROM rels`)
+
+// sessionLocalFuncs and sessionLocalViews are rewrite.SessionLocalNames
+// as SQL array literals.
+var sessionLocalFuncs, sessionLocalViews = func() (string, string) {
+	f, v := rewrite.SessionLocalNames()
+	return "{" + strings.Join(f, ",") + "}", "{" + strings.Join(v, ",") + "}"
+}()
 
 // statsRels are the system relations that hold values of every table's
 // columns: the planner's statistics, and the views over them; large

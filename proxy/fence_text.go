@@ -82,9 +82,8 @@ var (
 // when the session has a temporary schema (CASE: the EXISTS are initplans,
 // run when reached). Then the settings taken from the role's and the
 // database's defaults (defaultsSQL). Five columns, after settingNames'.
-const sessionStateSQL = "(SELECT CASE WHEN v.a IS NULL AND v.b IS NULL THEN NULL ELSE pg_catalog.concat_ws(' ', v.a, v.b) END FROM" +
-	" (SELECT (SELECT pg_catalog.string_agg(s.name, ' ') FROM pg_catalog.pg_settings AS s" +
-	" WHERE s.source OPERATOR(pg_catalog.=) 'session' AND pg_catalog.left(s.name, 6) OPERATOR(pg_catalog.<>) 'fence.') AS a, " + customSetSQL + " AS b) AS v)," +
+const sessionStateSQL = "(SELECT pg_catalog.string_agg(s.name, ' ') FROM pg_catalog.pg_settings AS s" +
+	" WHERE s.source OPERATOR(pg_catalog.=) 'session' AND pg_catalog.left(s.name, 6) OPERATOR(pg_catalog.<>) 'fence.')," +
 	" pg_catalog.current_setting('role'), pg_catalog.current_setting('session_authorization')," +
 	" CASE WHEN pg_catalog.pg_my_temp_schema() OPERATOR(pg_catalog.=) '0'::pg_catalog.oid THEN 'f'" +
 	" WHEN EXISTS (SELECT FROM pg_catalog.pg_class AS c WHERE c.relnamespace OPERATOR(pg_catalog.=) pg_catalog.pg_my_temp_schema()" +
@@ -92,51 +91,6 @@ const sessionStateSQL = "(SELECT CASE WHEN v.a IS NULL AND v.b IS NULL THEN NULL
 	" OR EXISTS (SELECT FROM pg_catalog.pg_type AS y WHERE y.typnamespace OPERATOR(pg_catalog.=) pg_catalog.pg_my_temp_schema()" +
 	" AND y.typtype OPERATOR(pg_catalog.<>) 'c' AND y.typcategory OPERATOR(pg_catalog.<>) 'A')" +
 	" THEN 't' ELSE 'f' END, " + defaultsSQL
-
-// customSetSQL names the custom (placeholder) settings, such as
-// app.tenant, whose value in the session is not the one a new connection
-// of its login would start with (the role's and database's defaults in
-// pg_db_role_setting as they are now, by PostgreSQL's precedence:
-// database and role, role, database, all; else none), among the names
-// the database's code can read: the quoted dotted names in the source of
-// the database's own functions (OIDs from FirstNormalObjectId), in its
-// row-security policies' expressions and in its views' and rules'
-// definitions (their text constants, decoded from pg_rewrite's node
-// trees: pg_get_viewdef runs SQL of its own whose = is the search
-// path's, and this runs under the client's), and the custom names in the
-// role and database defaults. pg_settings (and
-// SHOW ALL) do not list placeholders, and no SQL function enumerates
-// them, so the names come from where code reads them (round 10, attacker
-// T's M1 and M2). A name computed at run time ('app.' || x) on both sides
-// is not found. Settings pg_settings lists (an extension's, such as
-// plpgsql.variable_conflict) are not custom: the pg_settings reads cover
-// them. A custom default changed after the session opened makes the
-// session's value differ from a new connection's: counted. NULL when
-// none differs. Not fence.* nor pgfence.*: the gate's own (the fence
-// functions set pgfence.replay and pgfence.marked locally). Every operator is
-// pg_catalog's by name: it runs under the client's search_path.
-const customSetSQL = "(SELECT pg_catalog.string_agg(n.n, ' ') FROM (SELECT DISTINCT m.m[1] AS n FROM (" +
-	"SELECT p.prosrc AS src FROM pg_catalog.pg_proc AS p WHERE p.oid OPERATOR(pg_catalog.>=) '16384'::pg_catalog.oid" +
-	" UNION ALL SELECT pg_catalog.pg_get_expr(pol.polqual, pol.polrelid) FROM pg_catalog.pg_policy AS pol" +
-	" UNION ALL SELECT pg_catalog.pg_get_expr(pol.polwithcheck, pol.polrelid) FROM pg_catalog.pg_policy AS pol" +
-	" UNION ALL SELECT '''' OPERATOR(pg_catalog.||) v.s OPERATOR(pg_catalog.||) '''' FROM pg_catalog.pg_rewrite AS rw," +
-	" pg_catalog.regexp_matches(rw.ev_action::pg_catalog.text, ':consttype (?:25|1043|705) [^{}]*?:constisnull false [^{}]*?:constvalue [0-9]+ [[] ([-0-9 ]+) []]', 'g') AS k(k)," +
-	" LATERAL (SELECT pg_catalog.string_agg(pg_catalog.chr((x.b::pg_catalog.int4 OPERATOR(pg_catalog.+) 256) OPERATOR(pg_catalog.%) 256), '' ORDER BY x.i) AS s" +
-	" FROM pg_catalog.unnest(pg_catalog.string_to_array(pg_catalog.btrim(k.k[1]), ' ')) WITH ORDINALITY AS x(b, i) WHERE x.i OPERATOR(pg_catalog.>) 4) AS v" +
-	" WHERE rw.ev_class OPERATOR(pg_catalog.>=) '16384'::pg_catalog.oid" +
-	" UNION ALL SELECT '''' OPERATOR(pg_catalog.||) pg_catalog.split_part(d.c, '=', 1) OPERATOR(pg_catalog.||) ''''" +
-	" FROM pg_catalog.pg_db_role_setting AS r, pg_catalog.unnest(r.setconfig) AS d(c)" +
-	") AS x, pg_catalog.regexp_matches(x.src, '''([A-Za-z_][A-Za-z0-9_$]*[.][A-Za-z0-9_$.]+)''', 'g') AS m(m)) AS n," +
-	" LATERAL (SELECT pg_catalog.current_setting(n.n, true) AS v, (SELECT pg_catalog.substr(d.c, pg_catalog.strpos(d.c, '=') OPERATOR(pg_catalog.+) 1)" +
-	" FROM pg_catalog.pg_db_role_setting AS r, pg_catalog.unnest(r.setconfig) AS d(c)" +
-	" WHERE r.setdatabase OPERATOR(pg_catalog.=) ANY (ARRAY['0'::pg_catalog.oid, (SELECT db.oid FROM pg_catalog.pg_database AS db WHERE db.datname OPERATOR(pg_catalog.=) pg_catalog.current_database())])" +
-	" AND r.setrole OPERATOR(pg_catalog.=) ANY (ARRAY['0'::pg_catalog.oid, (SELECT ro.oid FROM pg_catalog.pg_roles AS ro WHERE ro.rolname OPERATOR(pg_catalog.=) pg_catalog.\"session_user\"())])" +
-	" AND pg_catalog.lower(pg_catalog.split_part(d.c, '=', 1)) OPERATOR(pg_catalog.=) pg_catalog.lower(n.n)" +
-	" ORDER BY r.setdatabase OPERATOR(pg_catalog.<>) '0'::pg_catalog.oid AND r.setrole OPERATOR(pg_catalog.<>) '0'::pg_catalog.oid DESC," +
-	" r.setrole OPERATOR(pg_catalog.<>) '0'::pg_catalog.oid DESC LIMIT 1) AS dv) AS cur" +
-	" WHERE pg_catalog.left(n.n, 6) OPERATOR(pg_catalog.<>) 'fence.' AND pg_catalog.left(n.n, 8) OPERATOR(pg_catalog.<>) 'pgfence.'" +
-	" AND NOT EXISTS (SELECT FROM pg_catalog.pg_settings AS s WHERE s.name OPERATOR(pg_catalog.=) pg_catalog.lower(n.n))" +
-	" AND CASE WHEN cur.v IS NULL THEN cur.dv IS NOT NULL WHEN cur.dv IS NULL THEN true ELSE cur.v OPERATOR(pg_catalog.<>) cur.dv END)"
 
 // defaultsSQL reads the settings a connection took from the role's and the
 // database's defaults (ALTER ROLE/DATABASE ... SET) when it started, as
@@ -605,6 +559,10 @@ func (h *fenceSession) noteSent(s gateConn, t *tag) (code bool) {
 	}
 	if pin && !s.OnReplica() {
 		h.rt.pinned = true
+	}
+	if !s.OnReplica() && (unknown || h.sessionCode(stmts, ^LSN(0))) {
+		// (unknown: text the proxy could not read, a FunctionCall.)
+		h.rt.primaryCodeRan = true
 	}
 	if enc {
 		h.encSeq = t.seq

@@ -356,7 +356,7 @@ func (h *fenceSession) txBound(cursor bool) LSN {
 func (h *fenceSession) sendInTx(s gateConn, r *replica, msg []byte, res *rewrite.Result, stmts []*rewrite.Stmt) error {
 	at := LSN(r.replay.Load())
 	h.noteHold(stmts, res == nil, at)
-	if res == nil || h.mayRunCode(stmts, at) {
+	if res == nil || h.sessionCode(stmts, at) {
 		h.rt.replicaState = true // code may change the replica's session (route.go)
 	}
 	// A request that ends the transaction and begins another: the new
@@ -559,7 +559,7 @@ func (h *fenceSession) txReadRefusal(s gateConn, st *rewrite.Stmt) *fence.Error 
 	req, protected := h.requireWith(stmts, roTx, h.readVals(), at)
 	if code := h.readsCursor(st, at); !protected || !req.blind && !req.check && req.lsn <= h.txBound(code) {
 		h.noteHold(stmts, st == nil, at)
-		h.rt.replicaState = h.rt.replicaState || code // code may change the replica's session (route.go)
+		h.rt.replicaState = h.rt.replicaState || st == nil || h.sessionCode(stmts, at) // code may change the replica's session (route.go)
 		return nil
 	}
 	return h.txPending(s, r, req, "the transaction's snapshot, or its portal's, was taken before")

@@ -183,3 +183,19 @@ func init() {
 func ReadOnlyBuiltin(name string) (readOnly, sessionLocal bool) {
 	return readOnlyFuncs[name], sessionLocalFuncs[name] || primaryOnlyFuncs(name)
 }
+
+// SessionLocalNames lists, sorted, the built-in functions and system
+// views a read of which is not routed to a replica (sessionLocalFuncs,
+// sessionLocalViews): the proxy's read set marks the views and policies
+// that call or read one as running code (proxy/fence_catalog.go).
+func SessionLocalNames() (funcs, views []string) {
+	for f := range sessionLocalFuncs {
+		funcs = append(funcs, f)
+	}
+	for v := range sessionLocalViews {
+		views = append(views, v)
+	}
+	slices.Sort(funcs)
+	slices.Sort(views)
+	return funcs, views
+}
