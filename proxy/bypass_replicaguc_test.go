@@ -1,6 +1,9 @@
 package proxy
 
 import (
+	"errors"
+	"slices"
+	"strings"
 	"testing"
 
 	"github.com/jackc/pgx/v5/pgconn"
@@ -19,7 +22,9 @@ import (
 // read-only transaction there, a view's or a policy's function in an
 // autocommit read) set it; replicaStateCheck did not see it, and later
 // replica reads ran with it. Every read after the code answers as the
-// primary session would.
+// primary session would. Round 12, attacker X's M1: an autocommit read
+// whose code may set it goes to the primary (testBypassReplicaGUCKept);
+// code in a read-only transaction on the replica still loses it.
 //
 // Only through the proxy: the two sessions are the proxy's.
 func init() { registerBypass("replica_guc", testBypassReplicaGUC) }
@@ -87,6 +92,42 @@ CREATE FUNCTION public.gc_cur_t5() RETURNS text LANGUAGE sql STABLE AS $f$ SELEC
 CREATE POLICY gc_p5n ON public.gc_tn5 FOR SELECT USING (tenant = coalesce(public.gc_cur_t5(), 'A'));
 GRANT SELECT ON public.gc_tn3, public.gc_tna, public.gc_vtnb, public.gc_t5, public.gc_tn5 TO gc_viewer;
 GRANT EXECUTE ON FUNCTION public.gc_set_t3(text), public.gc_set_a(text), public.gc_set_b(text) TO gc_viewer;
+CREATE TABLE public.gc_tn4 (tenant text, note text);
+INSERT INTO public.gc_tn4 VALUES ('A', 'a-row'), ('B', 'b-row');
+ALTER TABLE public.gc_tn4 ENABLE ROW LEVEL SECURITY;
+ALTER TABLE public.gc_tn4 FORCE ROW LEVEL SECURITY;
+CREATE FUNCTION public.gc_cur_t4() RETURNS text LANGUAGE plpgsql STABLE AS $f$ DECLARE v text; BEGIN
+  EXECUTE 'select pg_catalog.' || 'current_' || 'setting($1, true)' INTO v USING 'app.' || 'tn'; RETURN v; END $f$;
+CREATE POLICY gc_p4 ON public.gc_tn4 FOR SELECT USING (tenant = coalesce(public.gc_cur_t4(), 'A'));
+CREATE FUNCTION public.gc_set_b4() RETURNS text LANGUAGE plpgsql
+  AS $f$ BEGIN PERFORM set_config('app.tn', 'B', false); RETURN 'set'; END $f$;
+CREATE VIEW public.gc_vset AS SELECT public.gc_set_b4() AS s;
+CREATE VIEW public.gc_vsc AS SELECT pg_catalog.set_config('app.tn', 'B', false) AS s;
+CREATE VIEW public.gc_vsc2 AS SELECT s FROM public.gc_vsc;
+CREATE TABLE public.gc_tw (tenant text DEFAULT current_setting('app.tn', true), v text);
+CREATE FUNCTION public.gc_sp6() RETURNS boolean LANGUAGE plpgsql
+  AS $f$ BEGIN PERFORM set_config('app.tn', 'B', false); RETURN true; END $f$;
+CREATE TABLE public.gc_t6 (x int);
+INSERT INTO public.gc_t6 VALUES (1);
+ALTER TABLE public.gc_t6 ENABLE ROW LEVEL SECURITY;
+ALTER TABLE public.gc_t6 FORCE ROW LEVEL SECURITY;
+CREATE POLICY gc_p6 ON public.gc_t6 FOR SELECT USING (public.gc_sp6());
+CREATE TABLE public.gc_t7 (x int);
+INSERT INTO public.gc_t7 VALUES (1);
+ALTER TABLE public.gc_t7 ENABLE ROW LEVEL SECURITY;
+ALTER TABLE public.gc_t7 FORCE ROW LEVEL SECURITY;
+CREATE POLICY gc_p7 ON public.gc_t7 FOR SELECT USING (pg_catalog.set_config('app.tn', 'B', false) IS NOT NULL);
+CREATE TABLE public.gc_plain (x int);
+INSERT INTO public.gc_plain VALUES (1);
+CREATE VIEW public.gc_vcur AS SELECT current_setting('app.tn', true) AS c;
+GRANT SELECT ON public.gc_tn4, public.gc_vset, public.gc_vsc, public.gc_vsc2, public.gc_t6, public.gc_t7,
+  public.gc_plain, public.gc_vcur TO gc_viewer;
+GRANT SELECT, INSERT ON public.gc_tw TO gc_viewer;
+CREATE SEQUENCE public.gc_seq;
+CREATE VIEW public.gc_vnext AS SELECT nextval('public.gc_seq') AS n;
+CREATE VIEW public.gc_vlock AS SELECT pg_catalog.pg_advisory_lock(4242)::text AS l;
+GRANT USAGE ON SEQUENCE public.gc_seq TO gc_viewer;
+GRANT SELECT ON public.gc_vnext, public.gc_vlock TO gc_viewer;
 `
 
 func testBypassReplicaGUC(t *testing.T) {
@@ -111,8 +152,13 @@ func testBypassReplicaGUC(t *testing.T) {
 		// M2: the code runs on the replica session.
 		{name: "replica_do", replica: true, tx: true, code: "DO $$ BEGIN PERFORM set_config('app.tenant', 'B', false); END $$", want: "<unset>"},
 		{name: "replica_function", replica: true, tx: true, code: "SELECT gc_set_tenant('B')", want: "<unset>"},
-		{name: "replica_view", replica: true, code: "SELECT x FROM gc_v", want: "<unset>"},
-		{name: "replica_policy", replica: true, code: "SELECT x FROM gc_t2", want: "<unset>", user: "gc_viewer"},
+		// An autocommit read of a view or a policy whose code sets it,
+		// with the session's reads on the replica: since round 12
+		// (attacker X's M1) such a read goes to the primary, and the
+		// setting is the session's, as straight to PostgreSQL (before:
+		// it ran on the replica and was lost, want "<unset>").
+		{name: "replica_view", replica: true, code: "SELECT x FROM gc_v", want: "B"},
+		{name: "replica_policy", replica: true, code: "SELECT x FROM gc_t2", want: "B", user: "gc_viewer"},
 		// The name built at run time where it is set, spelled only by the
 		// view that reads it ("unset" means every row).
 		{name: "primary_dynamic_name_view", code: "DO $$ BEGIN PERFORM set_config('app.' || 'region', 'B', false); END $$", check: regionRows, want: "B"},
@@ -123,7 +169,7 @@ func testBypassReplicaGUC(t *testing.T) {
 		{name: "sql_standard_body", code: "SELECT gc_set_t3('B')", check: "SELECT (SELECT string_agg(tenant, ',') FROM gc_tn3), pg_is_in_recovery()", want: "B", user: "gc_viewer"},
 		{name: "dollar_quoted_names", code: "SELECT gc_set_a('B')", check: "SELECT (SELECT string_agg(tenant, ',') FROM gc_tna), pg_is_in_recovery()", want: "B", user: "gc_viewer"},
 		{name: "view_name_constant", code: "SELECT gc_set_b('B')", check: "SELECT (SELECT string_agg(tenant, ',') FROM gc_vtnb), pg_is_in_recovery()", want: "B", user: "gc_viewer"},
-		{name: "replica_policy_sets_dollar_quoted", replica: true, code: "SELECT x FROM gc_t5", check: "SELECT (SELECT string_agg(tenant, ',') FROM gc_tn5), pg_is_in_recovery()", want: "A", user: "gc_viewer"},
+		{name: "replica_policy_sets_dollar_quoted", replica: true, code: "SELECT x FROM gc_t5", check: "SELECT (SELECT string_agg(tenant, ',') FROM gc_tn5), pg_is_in_recovery()", want: "B", user: "gc_viewer"},
 		// An EXECUTE is judged by the statement it runs, as the proxy
 		// knows it (so an EXECUTE of a plain read keeps read-only
 		// transactions on the replica); one the same request may
@@ -134,6 +180,7 @@ func testBypassReplicaGUC(t *testing.T) {
 		{name: "replica_execute_prepared", prep: "PREPARE gc_ps AS SELECT gc_set_tenant('B')", replica: true, tx: true, code: "EXECUTE gc_ps", want: "<unset>"},
 	}
 	testBypassReplicaGUCDefaults(t, e)
+	testBypassReplicaGUCKept(t, e)
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
 			check := check
@@ -266,5 +313,145 @@ func testBypassReplicaGUCDefaults(t *testing.T, e *routeEnv) {
 				t.Fatalf("read %d (replica=%v): app.dept %v (%v), want D1, the session's", i, rep, vals, err)
 			}
 		}
+	})
+}
+
+// testBypassReplicaGUCKept (round 12, attacker X's M1): a custom setting
+// that code makes during a read the proxy would route to the replica (a
+// view's or a policy's function, a view or policy that calls set_config
+// itself) is the session's, as straight to PostgreSQL: such a read goes
+// to the primary, so a later read through row security, a write whose
+// column default reads the setting, and SHOW see it. Each case runs the
+// same statements as gc_viewer straight to the primary and through the
+// proxy (after the session's reads have reached the replica) and
+// compares what they answer. And reads that change nothing still go to
+// the replica: a plain read, and one of a view that only calls
+// current_setting.
+func testBypassReplicaGUCKept(t *testing.T, e *routeEnv) {
+	ctx := ctxT(t)
+	login := func(t *testing.T, dsn string) *pgconn.PgConn {
+		cfg, err := pgconn.ParseConfig(dsn)
+		if err != nil {
+			t.Fatal(err)
+		}
+		cfg.User = "gc_viewer"
+		return connectConfig(t, cfg)
+	}
+	onReplica := func(t *testing.T, c *pgconn.PgConn) {
+		t.Helper()
+		if err := pgtest.Poll(ctx, func() (bool, error) {
+			_, rep, err := where(t, c, "SELECT count(*), pg_is_in_recovery() FROM gc_plain")
+			return rep, err
+		}); err != nil {
+			t.Fatalf("never on the replica: %v", err)
+		}
+	}
+	// answers runs each statement and gives its first value, or its
+	// SQLSTATE.
+	answers := func(t *testing.T, c *pgconn.PgConn, stmts []string) []string {
+		t.Helper()
+		var out []string
+		for _, q := range stmts {
+			res, err := c.Exec(ctx, q).ReadAll()
+			if err != nil {
+				var pe *pgconn.PgError
+				if errors.As(err, &pe) {
+					out = append(out, "ERROR "+pe.Code)
+					continue
+				}
+				t.Fatalf("%s: %v", q, err)
+			}
+			v := "<no row>"
+			for _, r := range res {
+				if len(r.Rows) > 0 {
+					v = string(r.Rows[0][0])
+				}
+			}
+			out = append(out, v)
+		}
+		return out
+	}
+	after := []string{
+		"SELECT string_agg(tenant || '|' || note, ',') FROM gc_tn4",
+		"INSERT INTO gc_tw (v) VALUES ('q') RETURNING coalesce(tenant, '<null>')",
+		"SHOW app.tn",
+		"SELECT coalesce(c, '<unset>') FROM gc_vcur",
+	}
+	cases := []struct {
+		name string
+		prep string // run first, in its own request
+		code string // the read that runs the code
+	}{
+		// X-M1 as reported: a view whose function sets app.tn.
+		{name: "view_function_sets", code: "SELECT s FROM gc_vset"},
+		// A view that calls the built-in set_config itself (the read set
+		// counted no built-in but those that run SQL or read the
+		// session), and a view over it.
+		{name: "view_calls_set_config", code: "SELECT s FROM gc_vsc"},
+		{name: "view_over_set_config_view", code: "SELECT s FROM gc_vsc2"},
+		// A policy whose function sets it, and one that calls set_config.
+		{name: "policy_function_sets", code: "SELECT x FROM gc_t6"},
+		{name: "policy_calls_set_config", code: "SELECT x FROM gc_t7"},
+		// The setter view read by a prepared statement.
+		{name: "execute_prepared_setter_view", prep: "PREPARE gc_px AS SELECT s FROM gc_vset", code: "EXECUTE gc_px"},
+		// A read-only transaction whose first request reads it.
+		{name: "read_only_tx_first_request", code: "BEGIN READ ONLY; SELECT s FROM gc_vset; COMMIT"},
+	}
+	for _, c := range cases {
+		t.Run("kept_"+c.name, func(t *testing.T) {
+			direct := login(t, cluster.Primary.DSN(e.db))
+			if c.prep != "" {
+				mustExec(t, direct, c.prep)
+			}
+			want := answers(t, direct, append([]string{c.code}, after...))
+			r := login(t, e.proxy.dsn(e.db))
+			if c.prep != "" {
+				mustExec(t, r, c.prep)
+			}
+			onReplica(t, r)
+			stats := e.proxy.srv.RouteStats()
+			rep, prim := stats.Replica.Load(), stats.Primary.Load()
+			got := answers(t, r, []string{c.code})
+			if n := stats.Replica.Load() - rep; n != 0 {
+				t.Errorf("%s: %d sent to the replica", c.code, n)
+			}
+			if n := stats.Primary.Load() - prim; c.prep == "" && n != 1 {
+				t.Errorf("%s: RouteStats.Primary counted %d, want 1", c.code, n)
+			}
+			got = append(got, answers(t, r, after)...)
+			if !slices.Equal(got, want) {
+				t.Fatalf("through the proxy %q, straight to PostgreSQL %q", got, want)
+			}
+			if want[len(want)-2] != "B" {
+				t.Fatalf("straight to PostgreSQL the code did not set app.tn: %q", want)
+			}
+		})
+	}
+	// Other session state a view's built-in changes: a sequence's
+	// (nextval: refused on the replica, 25006) and an advisory lock
+	// (held by the replica's session, which the client's own unlock
+	// does not find).
+	t.Run("kept_nextval_view", func(t *testing.T) {
+		r := login(t, e.proxy.dsn(e.db))
+		onReplica(t, r)
+		if got := answers(t, r, []string{"SELECT n FROM gc_vnext", "SELECT currval('public.gc_seq') > 0"}); got[0] == "" || strings.HasPrefix(got[0], "ERROR") || got[1] != "t" {
+			t.Fatalf("nextval through a view, then currval: %q", got)
+		}
+	})
+	t.Run("kept_advisory_lock_view", func(t *testing.T) {
+		r := login(t, e.proxy.dsn(e.db))
+		onReplica(t, r)
+		if got := answers(t, r, []string{"SELECT l FROM gc_vlock", "SELECT pg_advisory_unlock(4242)"}); got[1] != "t" {
+			t.Fatalf("advisory lock through a view, then unlock: %q (the lock is not the session's)", got)
+		}
+	})
+	t.Run("reads_still_routed", func(t *testing.T) {
+		r := login(t, e.proxy.dsn(e.db))
+		onReplica(t, r)
+		mustWhere(t, r, "SELECT coalesce(c, '<unset>'), pg_is_in_recovery() FROM gc_vcur", true)
+		// Reading the session's settings changes nothing: the replica
+		// connection is kept for the next read.
+		mustWhere(t, r, "SELECT count(*), pg_is_in_recovery() FROM gc_plain", true)
+		mustWhere(t, r, "SELECT coalesce(c, '<unset>'), pg_is_in_recovery() FROM gc_vcur", true)
 	})
 }

@@ -27,8 +27,10 @@ import (
 // autocommit, and a transaction begun with BEGIN READ ONLY (it then stays
 // on the replica until it ends; what follows its end in the same query is
 // routed afresh, and nothing inside it may change the replica's session
-// alone: replstate.go). Everything else, the extended protocol
-// included, goes to the primary. A session that changed a parameter other
+// alone: replstate.go), unless it may run code that changes the
+// session's state (a view's or a policy's function, a view calling
+// set_config: runsSessionCode), which runs in the client's own session.
+// Everything else, the extended protocol included, goes to the primary. A session that changed a parameter other
 // than fence.* (SET, RESET, set_config) or created temporary objects is
 // pinned to the primary until DISCARD ALL, since its replica connection
 // would not have them; fence.read_replicas=off pins a session too.
@@ -219,6 +221,18 @@ func (h *fenceSession) routeQuery(s gateConn, msg []byte, res *rewrite.Result) e
 		rs.stats.Primary.Add(1)
 		return h.sendClient(s, msg, res)
 	}
+	if h.runsSessionCode(stmts, anyReplay) {
+		// The read may run code that changes the session's state: a
+		// view's or a policy's function, a view that calls set_config.
+		// What it does to custom settings (app.tenant) no query can
+		// show or carry over, so it runs in the client's own session,
+		// the primary's, where later reads and writes see it, as
+		// straight to PostgreSQL (round 12, attacker X's M1; pgpool-II
+		// sends a read calling a function not known to be read-only to
+		// the primary too).
+		rs.stats.Primary.Add(1)
+		return h.toPrimary(s, msg, res)
+	}
 	if h.rt.primaryCodeRan && (kind == roTx || h.runsDBCode(stmts)) {
 		// Code the proxy could not see into ran on the primary session
 		// (sessionCode) and may have set custom settings there
@@ -284,6 +298,16 @@ func (h *fenceSession) routeQuery(s gateConn, msg []byte, res *rewrite.Result) e
 						rs.stats.Primary.Add(1)
 						return h.toPrimary(s, msg, res)
 					}
+					if h.runsSessionCode(stmts, LSN(r.replay.Load())) {
+						// Judged above by the read set the primary has;
+						// this replica has not replayed it, and its own
+						// catalog may define what the read names
+						// otherwise (catalogAt): every relation counts.
+						rs.stats.Primary.Add(1)
+						return h.toPrimary(s, msg, res)
+					}
+					// (So nothing sent from here changes the replica's
+					// session: rt.replicaState stays as it was.)
 					code := h.mayRunCode(stmts, LSN(r.replay.Load()))
 					if kind == roTx {
 						h.beginOnReplica(r, stmts)
@@ -292,7 +316,6 @@ func (h *fenceSession) routeQuery(s gateConn, msg []byte, res *rewrite.Result) e
 						// HOLD: its snapshot is at least this replay position.
 						h.lowerHold(LSN(r.replay.Load()))
 					}
-					h.rt.replicaState = h.rt.replicaState || h.sessionCode(stmts, LSN(r.replay.Load()))
 					return h.sendRouted(s, msg, res)
 				})
 			})
@@ -322,6 +345,11 @@ func (h *fenceSession) routeQuery(s gateConn, msg []byte, res *rewrite.Result) e
 // FETCHes them in the changed session. Declaring a cursor, fetching from
 // it and reading relations that run no code do not set rt.replicaState
 // (sessionCode), so only a session whose own code ran there loses them.
+// Since round 12 (attacker X's M1) an autocommit read that may run such
+// code, and a read-only transaction whose first request may, go to the
+// primary instead (runsSessionCode): only a later request of a read-only
+// transaction open on the replica sets it, and what its code set is lost
+// (docs/security.md, Known limits).
 func (h *fenceSession) replicaStateCheck(s gateConn, k func(ok bool) error) error {
 	if !h.rt.replicaState {
 		return k(true)
@@ -361,8 +389,9 @@ func (h *fenceSession) runsDBCode(stmts []*rewrite.Stmt) bool {
 // (rt.primaryCodeRan, on the primary) and R3 (rt.replicaState, on the
 // replica). Counted: text the proxy could not read, a DO block, a CALL,
 // a function it does not know to be read-only (rewrite.Stmt.UserCalls),
-// and a relation or expression whose reads run the database's code
-// (settingRelCode). An EXECUTE is judged by the statement it runs, as the
+// and a relation or expression whose reads may run code that changes the
+// session's state (settingRelCode: the read set's sets; a view or policy
+// that only reads the session, current_setting, changes nothing). An EXECUTE is judged by the statement it runs, as the
 // proxy knows it: when no state-changing request is unanswered and
 // nothing in the same request may replace it (sessionCodeIn), else it
 // counts. Not counted: statements that run no code of the database's
@@ -404,8 +433,9 @@ func (h *fenceSession) stmtSessionCode(st *rewrite.Stmt, at LSN, resolve bool, d
 	return false
 }
 
-// settingRelCode is relCode where the proxy keeps a read set for the
-// session's database (catalog.tracked, with protected tables). While the
+// settingRelCode is relSets (code that may change the session's state)
+// where the proxy keeps a read set for the session's database
+// (catalog.tracked, with protected tables). While the
 // set is being read again after a DDL notification, the last one loaded
 // (catalog.settled) judges: counting every relation then, as the read
 // routing does, would cost every session that touched one in the window
@@ -414,7 +444,7 @@ func (h *fenceSession) stmtSessionCode(st *rewrite.Stmt, at LSN, resolve bool, d
 // code is counted from the next load on (docs/security.md, Known limits).
 // Never loaded: every relation counts. In a database it keeps none for,
 // the proxy does not know which
-// relations run code, and relCode says yes for every one: counting them
+// relations run code, and relSets says yes for every one: counting them
 // would have every read of a relation cost the replica connection (R3)
 // and send the session's later code reads to the primary (R1). There
 // only the code a statement calls itself counts (sessionCode); a view's
@@ -425,18 +455,43 @@ func (h *fenceSession) settingRelCode(st *rewrite.Stmt, at LSN) bool {
 		return false
 	}
 	if h.cat.reads.Load() != nil {
-		return h.relCode(st, at)
+		return h.relSets(st, at)
 	}
 	if len(st.ReadRelations) == 0 && !st.CatalogExprs {
 		return false
 	}
 	rd := h.cat.settled.Load()
 	for _, rel := range st.ReadRelations {
-		if rd.runsRelCode(rel) {
+		if rd.setsRelCode(rel) {
 			return true
 		}
 	}
 	return rd.runsCode(st)
+}
+
+// runsSessionCode reports whether a read about to go to a replica that
+// has replayed up to at (anyReplay: judged by the set the primary has)
+// may run code that changes the session's state: sessionCode, and, where
+// the proxy keeps a read set, a relation or expression whose reads may
+// by the set as that replica has it (relSets: while the set is read
+// again after DDL, and for a replica that has not replayed it, every
+// relation counts; a one-off cost, unlike sessionCode's). Such a read
+// goes to the primary (routeQuery). Without a read set only what the
+// statement calls itself counts, and a plain read calls nothing: such a
+// database is routed as before (docs/security.md, Known limits).
+func (h *fenceSession) runsSessionCode(stmts []*rewrite.Stmt, at LSN) bool {
+	if h.sessionCode(stmts, at) {
+		return true
+	}
+	if !h.keepsReadSet() {
+		return false
+	}
+	for _, st := range stmts {
+		if st != nil && h.relSets(st, at) {
+			return true
+		}
+	}
+	return false
 }
 
 // keepsReadSet reports whether the proxy keeps a read set for the

@@ -137,6 +137,21 @@ func (h *fenceSession) relCode(st *rewrite.Stmt, at LSN) bool {
 	return rd.runsCode(st)
 }
 
+// relSets is relCode for code that may change the session's state
+// (readSet.setsRelCode; expressions by readSet.runsCode, as relCode).
+func (h *fenceSession) relSets(st *rewrite.Stmt, at LSN) bool {
+	if len(st.ReadRelations) == 0 && !st.CatalogExprs {
+		return false
+	}
+	rd, _ := h.catalogAt(at)
+	for _, rel := range st.ReadRelations {
+		if rd.setsRelCode(rel) {
+			return true
+		}
+	}
+	return rd.runsCode(st)
+}
+
 // mayRunCode reports whether any of stmts may run code that reads or
 // declares cursors.
 func (h *fenceSession) mayRunCode(stmts []*rewrite.Stmt, at LSN) bool {

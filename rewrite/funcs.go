@@ -199,3 +199,26 @@ func SessionLocalNames() (funcs, views []string) {
 	slices.Sort(views)
 	return funcs, views
 }
+
+// SessionSafeNames lists, sorted, what the proxy's read set needs to tell
+// the built-ins that cannot change the session's state (set_config,
+// nextval, an advisory lock, setseed can) from the others, in a view's or
+// a policy's definition, where the classifier never sees the call:
+// readOnly, the volatile built-ins known to be read-only (readOnlyFuncs
+// less primaryOnly), and primaryOnly and prefixes, the built-ins that
+// need the primary whatever PostgreSQL says of their volatility
+// (primaryOnlyFuncs: txid_current assigns an xid, pg_backend_pid answers
+// the node). proxy/fence_catalog.go, readSetCTE's safe_builtin.
+func SessionSafeNames() (readOnly, primaryOnlyNames, prefixes []string) {
+	for n := range readOnlyFuncs {
+		if !primaryOnlyFuncs(n) {
+			readOnly = append(readOnly, n)
+		}
+	}
+	for n := range primaryOnly {
+		primaryOnlyNames = append(primaryOnlyNames, n)
+	}
+	slices.Sort(readOnly)
+	slices.Sort(primaryOnlyNames)
+	return readOnly, primaryOnlyNames, slices.Clone(primaryOnlyPrefixes)
+}
