@@ -445,6 +445,16 @@ func testBypassReplicaGUCKept(t *testing.T, e *routeEnv) {
 			t.Fatalf("advisory lock through a view, then unlock: %q (the lock is not the session's)", got)
 		}
 	})
+	// The same built-in written as a field ((k).f is f(k)): the
+	// statement names no function, and the read set's fields now list
+	// the built-ins not on its allowlist.
+	t.Run("kept_advisory_lock_field", func(t *testing.T) {
+		r := login(t, e.proxy.dsn(e.db))
+		onReplica(t, r)
+		if got := answers(t, r, []string{"SELECT ((4243::bigint).pg_advisory_lock)::text", "SELECT pg_advisory_unlock(4243)"}); got[1] != "t" {
+			t.Fatalf("advisory lock written as a field, then unlock: %q (the lock is not the session's)", got)
+		}
+	})
 	t.Run("reads_still_routed", func(t *testing.T) {
 		r := login(t, e.proxy.dsn(e.db))
 		onReplica(t, r)
