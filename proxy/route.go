@@ -471,27 +471,16 @@ func (h *fenceSession) settingRelCode(st *rewrite.Stmt, at LSN) bool {
 
 // runsSessionCode reports whether a read about to go to a replica that
 // has replayed up to at (anyReplay: judged by the set the primary has)
-// may run code that changes the session's state: sessionCode, and, where
-// the proxy keeps a read set, a relation or expression whose reads may
-// by the set as that replica has it (relSets: while the set is read
-// again after DDL, and for a replica that has not replayed it, every
-// relation counts; a one-off cost, unlike sessionCode's). Such a read
-// goes to the primary (routeQuery). Without a read set only what the
-// statement calls itself counts, and a plain read calls nothing: such a
-// database is routed as before (docs/security.md, Known limits).
+// may run code that changes the session's state: sessionCode, whose
+// relations count by the read set's sets as that replica has it (relSets:
+// a replica that has not replayed the set counts every relation; while
+// the set is read again after DDL, the last set loaded judges, as for
+// sessionCode, docs/security.md, Known limits). Such a read goes to the
+// primary (routeQuery). Without a read set only what the statement calls
+// itself counts, and a plain read calls nothing that may: such a
+// database is routed as before.
 func (h *fenceSession) runsSessionCode(stmts []*rewrite.Stmt, at LSN) bool {
-	if h.sessionCode(stmts, at) {
-		return true
-	}
-	if !h.keepsReadSet() {
-		return false
-	}
-	for _, st := range stmts {
-		if st != nil && h.relSets(st, at) {
-			return true
-		}
-	}
-	return false
+	return h.sessionCode(stmts, at)
 }
 
 // keepsReadSet reports whether the proxy keeps a read set for the
