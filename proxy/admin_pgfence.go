@@ -203,8 +203,15 @@ func (s *Server) showFenceStats() *adminTable {
 	}
 	n("accept_errors", st.AcceptErrors.Load())
 	n("upstream_connect_errors", st.UpstreamErrors.Load())
-	n("reads_primary", st.ReadsPrimary.Load())
-	n("reads_replica", st.ReadsReplica.Load())
+	rs := s.RouteStats()
+	if rs == nil {
+		rs = &RouteStats{} // no replicas: nothing is routed
+	}
+	n("reads_primary", rs.Primary.Load())
+	n("reads_replica", rs.Replica.Load())
+	n("reads_pending", rs.Pending.Load())
+	n("reads_waited", rs.Waits.Load())
+	n("reads_retried", rs.Retries.Load())
 	if fs := s.gateStats(); fs != nil {
 		n("gate_passed", fs.Gated.Load())
 		n("commits", fs.Committed.Load())

@@ -118,6 +118,11 @@ type readsCase struct {
 	// want: a value of the answer must contain it (B's payload as EXPLAIN
 	// shows it, 'B'::text), and none may contain it with A's.
 	want string
+	// primary: the read may run code that changes the session's state,
+	// so it runs on the primary (round 12, attacker X's M1): nothing is
+	// sent to the replica, and the answer is the primary's (never A's;
+	// an error only the current generation's payload=B).
+	primary bool
 }
 
 // readsScene is the class's scenario: A's generation (and job other's,
@@ -227,6 +232,10 @@ func (sc *readsScene) nometa(policy string, extra ...string) func(t *testing.T) 
 func (sc *readsScene) run(t *testing.T, cases []readsCase) {
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
+			if c.primary {
+				readsCheckPrimary(t, sc.e, c.reader(t), c)
+				return
+			}
 			readsCheck(t, c.reader(t), c)
 		})
 	}
@@ -282,6 +291,16 @@ func testBypassReads(t *testing.T, tracked bool) {
 	}
 	gen, nometa := func(policy string) func(t *testing.T) *pgconn.PgConn { return sc.gen(policy) }, sc.nometa
 	pending := fence.CodePending
+	// inUntracked: the SQLSTATE in a database without a read set, where
+	// only what a statement calls itself counts as code that may change
+	// the session (round 12): there the read is routed and refused as
+	// before; with a read set it runs on the primary: B's result.
+	inUntracked := func(code string) string {
+		if tracked {
+			return ""
+		}
+		return code
+	}
 	generic := "" // EXPLAIN (GENERIC_PLAN) is PostgreSQL 16's: a syntax error before
 	if major, _ := strconv.Atoi(strings.Split(ddl.ParameterStatus("server_version"), ".")[0]); major < 16 {
 		generic = "42601"
@@ -298,10 +317,16 @@ func testBypassReads(t *testing.T, tracked bool) {
 		{name: "copy_view_primary", reader: gen("primary"), sql: "COPY v_results TO STDOUT", code: "42809", copy: true}, // as direct: "cannot copy from view"
 		{name: "sql_function", reader: gen("pending"), sql: "SELECT payload, pg_is_in_recovery() FROM f_results()"},
 		{name: "plpgsql_function_no_metadata", reader: nometa("pending"), sql: "SELECT f_payload('job'), pg_is_in_recovery()"},
-		{name: "view_calling_function", reader: gen("pending"), sql: "SELECT payload FROM v_func", code: pending},
-		{name: "view_calling_scalar_function", reader: gen("pending"), sql: "SELECT payload FROM v_scalar", code: pending},
-		{name: "view_running_sql", reader: nometa("pending"), sql: "SELECT payload FROM v_xml", code: pending},
-		{name: "toast_table", reader: gen("pending"), sql: "SELECT count(*) FROM " + toast, code: pending},
+		// A read that may run code changing the session's state (a
+		// view's function, a built-in that runs SQL, a name the read set
+		// does not know) runs in the client's own session, on the
+		// primary, where the proxy keeps a read set, since round 12
+		// (attacker X's M1): B's result (before: FN007 from the lagging
+		// replica, as still in an untracked database).
+		{name: "view_calling_function", reader: gen("pending"), sql: "SELECT payload, pg_is_in_recovery() FROM v_func", code: inUntracked(pending)},
+		{name: "view_calling_scalar_function", reader: gen("pending"), sql: "SELECT payload, pg_is_in_recovery() FROM v_scalar", code: inUntracked(pending)},
+		{name: "view_running_sql", reader: nometa("pending"), sql: "SELECT payload, pg_is_in_recovery() FROM v_xml", want: "<payload>B</payload>", code: inUntracked(pending)},
+		{name: "toast_table", reader: gen("pending"), sql: "SELECT 'B', count(*), pg_is_in_recovery() FROM " + toast, code: inUntracked(pending)},
 		{name: "cte_shadowing_table", reader: gen("pending"), sql: "WITH results AS (SELECT * FROM results) SELECT payload FROM results", code: pending},
 		{name: "cte_later_sibling", reader: nometa("pending"), sql: "WITH x AS (SELECT payload FROM later), later AS (SELECT 'z'::text AS payload) SELECT payload FROM x", code: pending},
 		{name: "deep_subquery", reader: gen("pending"), sql: "SELECT (SELECT payload FROM (SELECT * FROM (SELECT * FROM v_v) a) b LIMIT 1)", code: pending},
@@ -332,18 +357,20 @@ func testBypassReads(t *testing.T, tracked bool) {
 
 		// A function written as a field: n.f is f(n) when n has no
 		// column f, for a table's row, any row, any value (H6).
-		{name: "field_function_alias", reader: gen("pending"), sql: "SELECT a.peekattr FROM audit a LIMIT 1", code: pending},
-		{name: "field_function_parenthesized", reader: gen("pending"), sql: "SELECT (a).peekattr FROM audit a LIMIT 1", code: pending},
-		{name: "field_function_table_name", reader: nometa("pending"), sql: "SELECT audit.peekattr FROM audit LIMIT 1", code: pending},
-		{name: "field_function_qualified_table", reader: gen("pending"), sql: "SELECT public.audit.peekattr FROM public.audit LIMIT 1", code: pending},
-		{name: "field_function_in_where", reader: gen("pending"), sql: "SELECT count(*) FROM audit a WHERE a.peekattr = 'A'", code: pending},
+		// (A user's function: it may change the session's state, so the
+		// read runs on the primary since round 12, attacker X's M1.)
+		{name: "field_function_alias", reader: gen("pending"), sql: "SELECT a.peekattr, pg_is_in_recovery() FROM audit a LIMIT 1", code: inUntracked(pending)},
+		{name: "field_function_parenthesized", reader: gen("pending"), sql: "SELECT (a).peekattr, pg_is_in_recovery() FROM audit a LIMIT 1", code: inUntracked(pending)},
+		{name: "field_function_table_name", reader: nometa("pending"), sql: "SELECT audit.peekattr, pg_is_in_recovery() FROM audit LIMIT 1", code: inUntracked(pending)},
+		{name: "field_function_qualified_table", reader: gen("pending"), sql: "SELECT public.audit.peekattr, pg_is_in_recovery() FROM public.audit LIMIT 1", code: inUntracked(pending)},
+		{name: "field_function_in_where", reader: gen("pending"), sql: "SELECT 'B', count(*), pg_is_in_recovery() FROM audit a WHERE a.peekattr = 'A'", code: inUntracked(pending)},
 		{name: "field_function_call_form", reader: gen("pending"), sql: "SELECT peekattr(a), pg_is_in_recovery() FROM audit a LIMIT 1"},
-		{name: "field_polymorphic_scalar", reader: nometa("pending"), sql: "SELECT (1).peekany", code: pending},
-		{name: "field_polymorphic_row", reader: gen("pending"), sql: "SELECT (ROW(1)).peekany", code: pending},
-		{name: "field_subquery_alias", reader: gen("pending"), sql: "SELECT x.peekany FROM (SELECT 1 AS v) x", code: pending},
-		{name: "field_cte", reader: gen("pending"), sql: "WITH w AS (SELECT 1 AS v) SELECT w.peekany FROM w", code: pending},
+		{name: "field_polymorphic_scalar", reader: nometa("pending"), sql: "SELECT (1).peekany, pg_is_in_recovery()", code: inUntracked(pending)},
+		{name: "field_polymorphic_row", reader: gen("pending"), sql: "SELECT (ROW(1)).peekany, pg_is_in_recovery()", code: inUntracked(pending)},
+		{name: "field_subquery_alias", reader: gen("pending"), sql: "SELECT x.peekany, pg_is_in_recovery() FROM (SELECT 1 AS v) x", code: inUntracked(pending)},
+		{name: "field_cte", reader: gen("pending"), sql: "WITH w AS (SELECT 1 AS v) SELECT w.peekany, pg_is_in_recovery() FROM w", code: inUntracked(pending)},
 		{name: "field_values_alias_primary", reader: nometa("primary"), sql: "SELECT t.peekany, pg_is_in_recovery() FROM (VALUES (1)) t(v)"},
-		{name: "field_aggregate", reader: gen("pending"), sql: "SELECT (v).peek_agg FROM (VALUES ('job')) t(v)", code: pending},
+		{name: "field_aggregate", reader: gen("pending"), sql: "SELECT (v).peek_agg, pg_is_in_recovery() FROM (VALUES ('job')) t(v)", code: inUntracked(pending)},
 		{name: "aggregate_call", reader: gen("pending"), sql: "SELECT peek_agg(v), pg_is_in_recovery() FROM (VALUES ('job')) t(v)"},
 		{name: "aggregate_as_window_function", reader: gen("pending"), sql: "SELECT peek_agg(v) OVER (), pg_is_in_recovery() FROM (VALUES ('job')) t(v)"},
 
@@ -526,6 +553,41 @@ func readsCheck(t *testing.T, r *pgconn.PgConn, c readsCase) {
 	}
 }
 
+// readsCheckPrimary checks a readsCase whose read runs on the primary.
+func readsCheckPrimary(t *testing.T, e *routeEnv, r *pgconn.PgConn, c readsCase) {
+	t.Helper()
+	stats := e.proxy.srv.RouteStats()
+	before := stats.Replica.Load()
+	var vals []string
+	var err error
+	if c.copy {
+		var buf bytes.Buffer
+		_, err = r.CopyTo(ctxT(t), &buf, c.sql)
+		vals = strings.Fields(buf.String())
+	} else {
+		var res []*pgconn.Result
+		res, err = r.Exec(ctxT(t), c.sql).ReadAll()
+		for _, rr := range res {
+			for _, row := range rr.Rows {
+				for _, v := range row {
+					vals = append(vals, string(v))
+				}
+			}
+		}
+	}
+	if n := stats.Replica.Load() - before; n != 0 {
+		t.Fatalf("%s: %d sent to the replica, want the primary", c.sql, n)
+	}
+	for _, v := range vals {
+		if v == "A" || strings.Contains(v, "'A'::text") {
+			t.Fatalf("%s: returned A's result %v: the previous generation", c.sql, vals)
+		}
+	}
+	if err != nil && (pgtest.SQLState(err) != "P0001" || !strings.Contains(err.Error(), "payload=B")) {
+		t.Fatalf("%s: %v, want the primary's answer", c.sql, err)
+	}
+}
+
 // readsPgx is a pgx connection (extended protocol) through the proxy.
 func readsPgx(t *testing.T, e *routeEnv, opts ...string) *pgx.Conn {
 	t.Helper()
@@ -618,9 +680,15 @@ func testBypassReadsCode(t *testing.T, tracked bool) {
 			}
 		}
 		attack("job")
+		seen := cat.ddlSeen.Load()
 		execOK(t, sc.direct, `ALTER FUNCTION fence.replica_reached(text, bigint, bigint) RENAME TO replica_reached_off;
 			SELECT pg_notify('pgfence_protected', 'replica_reached')`)
-		if err := pgtest.Poll(ctx, func() (bool, error) { return !cat.reached.Load() && cat.loads.Load() > 0, nil }); err != nil {
+		// (And the read set read again after the DDL: while it is, every
+		// read that names a relation may run code that changes the
+		// session, and goes to the primary: round 12.)
+		if err := pgtest.Poll(ctx, func() (bool, error) {
+			return !cat.reached.Load() && cat.loads.Load() > 0 && (!tracked || cat.ddlSeen.Load() > seen && cat.reads.Load() != nil), nil
+		}); err != nil {
 			t.Fatal(err)
 		}
 		attack("other")
@@ -641,7 +709,7 @@ func testBypassReadsCode(t *testing.T, tracked bool) {
 	jk := func(k string) string { return "ROW('" + k + "')::jobref" }
 	one := "(VALUES (" + jk("job") + ")) v(j)"
 	two := "(VALUES (" + jk("job") + "), (" + jk("x") + ")) v(j)"
-	sc.run(t, []readsCase{
+	cases := []readsCase{
 		// The forged checks taught nobody: readers of job and other
 		// wait for what the watcher saw (H7).
 		{name: "after_forged_check_reached", reader: gen("pending"), sql: "SELECT payload FROM results WHERE job_key = 'job'", code: pending},
@@ -700,6 +768,21 @@ func testBypassReadsCode(t *testing.T, tracked bool) {
 		// Defaults run only in writes, which never leave the primary.
 		{name: "default_in_insert", reader: nometa("pending"), sql: "INSERT INTO dflt DEFAULT VALUES RETURNING note"},
 		{name: "default_in_values", reader: nometa("primary"), sql: "VALUES (DEFAULT)", code: "42601"},
-	})
+	}
+	if tracked {
+		// With a read set, a read whose expressions may run the
+		// database's code (an operator, a cast, a domain, a comparison
+		// of a user's type: readSet.runsCode, setsRelCode) may change the
+		// session's state: it runs on the primary since round 12
+		// (attacker X's M1), where it answers B's result (before: FN007
+		// from the lagging replica). A read that runs none (a plain read
+		// of results) still goes to the replica and is refused.
+		for i, c := range cases {
+			if c.code == pending && c.name != "after_forged_check_fence_row" {
+				cases[i].code, cases[i].primary = "", true
+			}
+		}
+	}
+	sc.run(t, cases)
 	sc.unchanged(t)
 }

@@ -48,12 +48,18 @@ func testBypassReplicaCode(t *testing.T) {
 		code   string // what runs the code
 		check  string // a read after it
 		want   string
+		kept   bool // the code ran on the primary: its setting is the session's
 	}{
 		{name: "do_search_path", tx: true, code: "DO $$ BEGIN PERFORM set_config('search_path', 'evil, public', false); END $$", check: search, want: "public"},
 		{name: "function_search_path", tx: true, code: "SELECT rc_set()", check: search, want: "public"},
 		{name: "view_search_path", tx: true, code: "SELECT x FROM rc_v", check: search, want: "public"},
 		{name: "extended_search_path", tx: true, params: true, code: "SELECT rc_set()", check: search, want: "public"},
-		{name: "autocommit_view", code: "SELECT x FROM rc_v", check: search, want: "public"},
+		// An autocommit read of a view whose code sets search_path: since
+		// round 12 (attacker X's M1) it runs on the primary, in the
+		// client's own session, so the setting is the session's, as
+		// straight to PostgreSQL (before: it ran on the replica and was
+		// lost, want "public"); the session is pinned to the primary.
+		{name: "autocommit_view", code: "SELECT x FROM rc_v", check: search, want: "EVIL", kept: true},
 		{name: "do_role", tx: true, code: "DO $$ BEGIN PERFORM set_config('role', 'rc_other', false); END $$",
 			check: "SELECT current_user::text, pg_is_in_recovery()", want: "postgres"},
 		{name: "do_datestyle", tx: true, code: "DO $$ BEGIN PERFORM set_config('DateStyle', 'SQL, DMY', false); END $$",
@@ -107,6 +113,10 @@ func testBypassReplicaCode(t *testing.T) {
 				if err != nil || len(vals) == 0 || vals[0] != c.want {
 					t.Fatalf("%s (read %d): %v (%v), want %q: the replica session's settings are not the session's", c.check, i, vals, err, c.want)
 				}
+			}
+			if c.kept {
+				wantValue(t, r, "SELECT current_setting('search_path')", "evil, public")
+				return
 			}
 			// What the session says of itself agrees.
 			if vals, _, err := where(t, r, "SELECT current_setting('search_path'), current_setting('DateStyle'), current_user::text, 1"); err != nil ||

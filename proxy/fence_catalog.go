@@ -75,9 +75,14 @@ type catalog struct {
 	// pg_catalog (fence_usercode.go); nil until the first load.
 	code  atomic.Pointer[userCode]
 	reads atomic.Pointer[readSet] // nil: not known (every read may reach protected data)
-	last  *readSet                // the last set read (watcher goroutine), to skip unchanged ones
-	ready chan struct{}           // closed after the first load (successful or not)
-	err   atomic.Pointer[error]
+	// settled: the last read set loaded, kept while reads is nil (after a
+	// DDL notification until the next load, or while the watcher
+	// reconnects): what the custom-settings defence counts code by then
+	// (settingRelCode, route.go).
+	settled atomic.Pointer[readSet]
+	last    *readSet      // the last set read (watcher goroutine), to skip unchanged ones
+	ready   chan struct{} // closed after the first load (successful or not)
+	err     atomic.Pointer[error]
 	// gone: the database no longer exists; the watcher has stopped.
 	gone atomic.Bool
 	// live: the watcher is connected and has loaded, so takeovers are
@@ -493,6 +498,9 @@ func (cs *catalogs) load(c *catalog, conn *pgconn.PgConn) (err error) {
 	// reload is the documented limit (security.md, built-ins by name).
 	c.code.Store(code)
 	c.reads.Store(rd)
+	if rd != nil {
+		c.settled.Store(rd)
+	}
 	c.loads.Add(1)
 	return nil
 }
@@ -557,6 +565,17 @@ type readSet struct {
 	// code (a view's function, a policy's, an index expression's, ...).
 	codeRels  map[rewrite.RelName]bool
 	codeNames map[string]bool
+	// setsRels and setsNames: the relations whose reads may run code that
+	// changes the session's state (a user's function, operator or domain
+	// in a view, a policy or an object the planner folds, or a built-in
+	// not known to be safe: set_config, nextval, an advisory lock;
+	// safeBuiltin), a subset of the code ones. Custom settings made so
+	// are in no view: such a read runs in the client's own session, the
+	// primary's (runsSessionCode, route.go; round 12, attacker X's M1).
+	// The code ones that only read the session (current_setting,
+	// pg_stat_activity) are not here.
+	setsRels  map[rewrite.RelName]bool
+	setsNames map[string]bool
 	// all: the database has user-defined operators, casts, operator-class
 	// support functions, range subtype differences, type I/O functions or
 	// domain checks that run code other than C, or a built-in that runs
@@ -612,6 +631,29 @@ func (r *readSet) runsRelCode(rel rewrite.RelName) bool {
 	return !ok || c
 }
 
+// setsRelCode reports whether a read of rel may run code that changes
+// the session's state (setsRels): unknown names and a nil set say yes, as
+// runsRelCode. Unlike runsRelCode, a database whose operators, casts or
+// domains run code (all) does not make every relation count: the set
+// follows what a relation's own definitions use (a view's or policy's
+// operator, cast or domain by pg_depend and its tree, an index's
+// operator class whose support functions or operators are not C, and,
+// where such code exists, a column of a type of the database's own, whose
+// comparisons a plain ORDER BY or DISTINCT runs), and what a statement's
+// own expressions may run counts by runsCode.
+func (r *readSet) setsRelCode(rel rewrite.RelName) bool {
+	if r == nil {
+		return true
+	}
+	if rel.Schema == "" {
+		c, ok := r.setsNames[rel.Name]
+		_, known := r.names[rel.Name]
+		return !known || ok && c
+	}
+	c, ok := r.setsRels[rel]
+	return !ok || c
+}
+
 // runsCode reports whether st's expressions may run code that reaches
 // protected data where the statement names no relation or function for
 // it: an operator, cast or domain check of the database's (all), or a
@@ -657,8 +699,28 @@ func (r *readSet) vouched() LSN {
 // the statistics and large objects (statsRels). A rule or policy that
 // reads a catalog initdb pinned has no pg_depend row for it: its tree is
 // searched for the OIDs of the pinned ones, as for the built-ins that run
-// SQL (runs_sql).
-const readSetCTE = `WITH RECURSIVE
+// SQL (runs_sql). A view or policy that calls a session-local built-in
+// (current_setting, ...: rewrite.SessionLocalNames) or reads such a
+// system view runs code too: the replica session would answer it
+// otherwise (custom settings made by code are in no view: round 11,
+// attacker V's M1), so its reads go to the primary (runsDBCode).
+//
+// sets(oid) are the code relations whose reads may change the session's
+// state: a view (not a materialized one: reading it runs nothing of its
+// query) or a policy that depends on a user's function, operator or
+// domain, or calls a built-in function not on the allowlist
+// (safeBuiltin: set_config, nextval, an advisory lock), a relation whose
+// own objects the planner folds depend on a user's function (runs), and,
+// transitively, the views over one and its inheritance parents; and a
+// table with an index whose operator class (a user's) has support
+// functions or operators not written in C (an index scan calls them),
+// and, in a database whose operators, operator classes, casts or domains
+// run code other than C (everything), a relation with a column of a type
+// of its own (a plain ORDER BY, DISTINCT or GROUP BY compares it; a
+// domain over a built-in type compares as its base type). Such a
+// read goes to the primary (runsSessionCode, route.go; round 12,
+// attacker X's M1). Every one of them is code too.
+var readSetCTE = `WITH RECURSIVE
 prot(oid) AS (SELECT p.relid::pg_catalog.oid FROM fence.protected_tables AS p),
 down(oid) AS (SELECT prot.oid FROM prot
   UNION SELECT i.inhrelid FROM pg_catalog.pg_inherits AS i JOIN down AS d ON i.inhparent OPERATOR(pg_catalog.=) d.oid),
@@ -667,6 +729,13 @@ up(oid) AS (SELECT prot.oid FROM prot
 runs_sql(oids) AS (SELECT pg_catalog.array_agg(p.oid) FROM pg_catalog.pg_proc AS p
   WHERE p.pronamespace OPERATOR(pg_catalog.=) 'pg_catalog'::pg_catalog.regnamespace::pg_catalog.oid
     AND p.proname OPERATOR(pg_catalog.=) ANY ('{query_to_xml,query_to_xmlschema,query_to_xml_and_xmlschema,table_to_xml,table_to_xmlschema,table_to_xml_and_xmlschema,cursor_to_xml,cursor_to_xmlschema,schema_to_xml,schema_to_xmlschema,schema_to_xml_and_xmlschema,database_to_xml,database_to_xmlschema,database_to_xml_and_xmlschema,ts_stat,ts_rewrite,currtid2}'::pg_catalog.name[])),
+session_local(funcs, rels) AS (SELECT
+  (SELECT coalesce(pg_catalog.array_agg(p.oid), '{}'::pg_catalog.oid[]) FROM pg_catalog.pg_proc AS p
+    WHERE p.pronamespace OPERATOR(pg_catalog.=) 'pg_catalog'::pg_catalog.regnamespace::pg_catalog.oid
+      AND p.proname OPERATOR(pg_catalog.=) ANY ('` + sessionLocalFuncs + `'::pg_catalog.name[])),
+  (SELECT coalesce(pg_catalog.array_agg(c.oid), '{}'::pg_catalog.oid[]) FROM pg_catalog.pg_class AS c
+    WHERE c.relnamespace OPERATOR(pg_catalog.=) 'pg_catalog'::pg_catalog.regnamespace::pg_catalog.oid
+      AND c.relname OPERATOR(pg_catalog.=) ANY ('` + sessionLocalViews + `'::pg_catalog.name[]))),
 exprs(rel, classid, objid, tree) AS (
   SELECT r.ev_class, 'pg_catalog.pg_rewrite'::pg_catalog.regclass::pg_catalog.oid, r.oid, r.ev_action::pg_catalog.text
     FROM pg_catalog.pg_rewrite AS r
@@ -684,8 +753,10 @@ opaque(oid) AS (
           OR d.refclassid OPERATOR(pg_catalog.=) 'pg_catalog.pg_type'::pg_catalog.regclass::pg_catalog.oid
              AND EXISTS (SELECT FROM pg_catalog.pg_type AS t
                  WHERE t.oid OPERATOR(pg_catalog.=) d.refobjid AND t.typtype OPERATOR(pg_catalog.=) 'd'::pg_catalog."char")))
-     OR EXISTS (SELECT FROM pg_catalog.regexp_matches(e.tree, ':(?:funcid|aggfnoid|winfnoid) ([0-9]+)', 'g') AS m, runs_sql AS r
-      WHERE m[1]::pg_catalog.oid OPERATOR(pg_catalog.=) ANY (r.oids))
+     OR EXISTS (SELECT FROM pg_catalog.regexp_matches(e.tree, ':(?:funcid|aggfnoid|winfnoid) ([0-9]+)', 'g') AS m, runs_sql AS r, session_local AS l
+      WHERE m[1]::pg_catalog.oid OPERATOR(pg_catalog.=) ANY (r.oids OPERATOR(pg_catalog.||) l.funcs))
+     OR EXISTS (SELECT FROM pg_catalog.regexp_matches(e.tree, ':relid ([0-9]+)', 'g') AS m, session_local AS l
+      WHERE m[1]::pg_catalog.oid OPERATOR(pg_catalog.=) ANY (l.rels))
      OR EXISTS (SELECT FROM pg_catalog.regexp_matches(e.tree, ':relid ([0-9]+)', 'g') AS m
       WHERE m[1]::pg_catalog.oid OPERATOR(pg_catalog.=) ANY (ARRAY['pg_catalog.pg_statistic'::pg_catalog.regclass::pg_catalog.oid,
         'pg_catalog.pg_statistic_ext_data'::pg_catalog.regclass::pg_catalog.oid, 'pg_catalog.pg_largeobject'::pg_catalog.regclass::pg_catalog.oid]))),
@@ -700,9 +771,8 @@ owned(rel, classid, objid) AS (
     AND d.refobjid OPERATOR(pg_catalog.>=) '16384'::pg_catalog.oid
     AND d.deptype OPERATOR(pg_catalog.=) ANY ('{a,i}'::pg_catalog."char"[])
     AND d.classid OPERATOR(pg_catalog.<>) 'pg_catalog.pg_trigger'::pg_catalog.regclass::pg_catalog.oid),
-runs(oid) AS (
-  SELECT opaque.oid FROM opaque
-  UNION SELECT o.rel FROM owned AS o
+owned_runs(oid) AS (
+  SELECT o.rel FROM owned AS o
   WHERE EXISTS (SELECT FROM pg_catalog.pg_depend AS d
       WHERE d.classid OPERATOR(pg_catalog.=) o.classid AND d.objid OPERATOR(pg_catalog.=) o.objid
         AND d.refobjid OPERATOR(pg_catalog.>=) '16384'::pg_catalog.oid
@@ -711,11 +781,49 @@ runs(oid) AS (
           OR d.refclassid OPERATOR(pg_catalog.=) 'pg_catalog.pg_type'::pg_catalog.regclass::pg_catalog.oid
              AND EXISTS (SELECT FROM pg_catalog.pg_type AS t
                  WHERE t.oid OPERATOR(pg_catalog.=) d.refobjid AND t.typtype OPERATOR(pg_catalog.=) 'd'::pg_catalog."char")))),
+runs(oid) AS (SELECT opaque.oid FROM opaque UNION SELECT owned_runs.oid FROM owned_runs),
+sets_direct(oid) AS (
+  SELECT e.rel FROM exprs AS e JOIN pg_catalog.pg_class AS c ON c.oid OPERATOR(pg_catalog.=) e.rel
+  WHERE c.relkind OPERATOR(pg_catalog.<>) 'm'::pg_catalog."char" AND (
+     EXISTS (SELECT FROM pg_catalog.pg_depend AS d
+      WHERE d.classid OPERATOR(pg_catalog.=) e.classid AND d.objid OPERATOR(pg_catalog.=) e.objid
+        AND d.refobjid OPERATOR(pg_catalog.>=) '16384'::pg_catalog.oid
+        AND (d.refclassid OPERATOR(pg_catalog.=) ANY (ARRAY['pg_catalog.pg_proc'::pg_catalog.regclass::pg_catalog.oid,
+                                                           'pg_catalog.pg_operator'::pg_catalog.regclass::pg_catalog.oid])
+          OR d.refclassid OPERATOR(pg_catalog.=) 'pg_catalog.pg_type'::pg_catalog.regclass::pg_catalog.oid
+             AND EXISTS (SELECT FROM pg_catalog.pg_type AS t
+                 WHERE t.oid OPERATOR(pg_catalog.=) d.refobjid AND t.typtype OPERATOR(pg_catalog.=) 'd'::pg_catalog."char")))
+     OR EXISTS (SELECT FROM pg_catalog.regexp_matches(e.tree, ':(?:funcid|aggfnoid|winfnoid|opfuncid|hashfuncid|negfuncid) ([0-9]+)', 'g') AS m
+         LEFT JOIN pg_catalog.pg_proc AS p ON p.oid OPERATOR(pg_catalog.=) m[1]::pg_catalog.oid, runs_sql AS r
+       WHERE m[1]::pg_catalog.oid OPERATOR(pg_catalog.<>) '0'::pg_catalog.oid AND NOT coalesce(` + safeBuiltin + `, false)))
+  UNION SELECT owned_runs.oid FROM owned_runs
+  UNION SELECT o.rel FROM owned AS o JOIN pg_catalog.pg_depend AS d
+      ON d.classid OPERATOR(pg_catalog.=) o.classid AND d.objid OPERATOR(pg_catalog.=) o.objid
+     AND d.refclassid OPERATOR(pg_catalog.=) 'pg_catalog.pg_opclass'::pg_catalog.regclass::pg_catalog.oid
+     AND d.refobjid OPERATOR(pg_catalog.>=) '16384'::pg_catalog.oid
+    JOIN pg_catalog.pg_opclass AS oc ON oc.oid OPERATOR(pg_catalog.=) d.refobjid
+  WHERE EXISTS (SELECT FROM pg_catalog.pg_amproc AS a JOIN pg_catalog.pg_proc AS p ON p.oid OPERATOR(pg_catalog.=) a.amproc::pg_catalog.oid, trusted
+                WHERE a.amprocfamily OPERATOR(pg_catalog.=) oc.opcfamily AND p.prolang OPERATOR(pg_catalog.<>) ALL (trusted.langs))
+     OR EXISTS (SELECT FROM pg_catalog.pg_amop AS a JOIN pg_catalog.pg_operator AS op ON op.oid OPERATOR(pg_catalog.=) a.amopopr
+                  JOIN pg_catalog.pg_proc AS p ON p.oid OPERATOR(pg_catalog.=) op.oprcode::pg_catalog.oid, trusted
+                WHERE a.amopfamily OPERATOR(pg_catalog.=) oc.opcfamily AND p.prolang OPERATOR(pg_catalog.<>) ALL (trusted.langs))
+  UNION SELECT a.attrelid FROM pg_catalog.pg_attribute AS a JOIN pg_catalog.pg_type AS t ON t.oid OPERATOR(pg_catalog.=) a.atttypid, everything
+  WHERE everything.all_exposed AND a.attrelid OPERATOR(pg_catalog.>=) '16384'::pg_catalog.oid
+    AND a.attnum OPERATOR(pg_catalog.>) '0'::pg_catalog.int2 AND NOT a.attisdropped
+    AND (t.typtype OPERATOR(pg_catalog.<>) 'd'::pg_catalog."char"
+          AND (t.oid OPERATOR(pg_catalog.>=) '16384'::pg_catalog.oid OR t.typelem OPERATOR(pg_catalog.>=) '16384'::pg_catalog.oid)
+      OR t.typbasetype OPERATOR(pg_catalog.>=) '16384'::pg_catalog.oid)),
 code_edges(rel, ref) AS (
   SELECT g.rel, g.ref FROM edges AS g
   UNION SELECT i.inhparent, i.inhrelid FROM pg_catalog.pg_inherits AS i),
+sets(oid) AS (
+  SELECT sets_direct.oid FROM sets_direct
+  UNION SELECT g.rel FROM code_edges AS g JOIN sets AS s ON s.oid OPERATOR(pg_catalog.=) g.ref
+    JOIN pg_catalog.pg_class AS c ON c.oid OPERATOR(pg_catalog.=) g.rel
+  WHERE c.relkind OPERATOR(pg_catalog.<>) 'm'::pg_catalog."char"),
 code(oid) AS (
   SELECT runs.oid FROM runs
+  UNION SELECT sets.oid FROM sets
   UNION SELECT g.rel FROM code_edges AS g JOIN code AS c ON c.oid OPERATOR(pg_catalog.=) g.ref),
 exposed(oid) AS (
   SELECT down.oid FROM down UNION SELECT up.oid FROM up UNION SELECT code.oid FROM code
@@ -726,9 +834,9 @@ exposed(oid) AS (
     WHERE c.relnamespace OPERATOR(pg_catalog.=) 'pg_catalog'::pg_catalog.regnamespace::pg_catalog.oid
       AND c.relname OPERATOR(pg_catalog.=) ANY ('` + statsRels + `'::pg_catalog.name[])
   UNION SELECT g.rel FROM edges AS g JOIN exposed AS x ON x.oid OPERATOR(pg_catalog.=) g.ref),
-rels(nspname, relname, exposed, code) AS (
+rels(nspname, relname, exposed, code, sets) AS (
   SELECT n.nspname::pg_catalog.text, c.relname::pg_catalog.text, c.oid OPERATOR(pg_catalog.=) ANY (SELECT exposed.oid FROM exposed),
-    c.oid OPERATOR(pg_catalog.=) ANY (SELECT code.oid FROM code)
+    c.oid OPERATOR(pg_catalog.=) ANY (SELECT code.oid FROM code), c.oid OPERATOR(pg_catalog.=) ANY (SELECT sets.oid FROM sets)
   FROM pg_catalog.pg_class AS c JOIN pg_catalog.pg_namespace AS n ON n.oid OPERATOR(pg_catalog.=) c.relnamespace
   WHERE c.relkind OPERATOR(pg_catalog.=) ANY ('{r,p,v,m,f,S}'::pg_catalog."char"[])
     AND c.relpersistence OPERATOR(pg_catalog.<>) 't'::pg_catalog."char"),
@@ -752,7 +860,7 @@ everything(all_exposed) AS (SELECT
 // readSetHashQuery fingerprints the set, so an unchanged catalog is not
 // transferred again.
 var readSetHashQuery = own("watcher: read set hash", onControl, readSetCTE+`SELECT pg_catalog.md5(coalesce(pg_catalog.string_agg(
-    pg_catalog.format('%I.%I:%s:%s', rels.nspname, rels.relname, rels.exposed, rels.code), ',' ORDER BY rels.nspname, rels.relname), ''))
+    pg_catalog.format('%I.%I:%s:%s:%s', rels.nspname, rels.relname, rels.exposed, rels.code, rels.sets), ',' ORDER BY rels.nspname, rels.relname), ''))
   OPERATOR(pg_catalog.||) ' ' OPERATOR(pg_catalog.||) (SELECT everything.all_exposed FROM everything)::pg_catalog.text
 FROM rels`)
 
@@ -785,7 +893,36 @@ func catalogMode(ctx context.Context, conn *pgconn.PgConn) (tracked, reached boo
 	return tracked, reached, nil
 }
 
-var readSetQuery = own("watcher: read set", onControl, readSetCTE+`SELECT rels.nspname, rels.relname, rels.exposed::pg_catalog.text, rels.code::pg_catalog.text FROM rels`)
+var readSetQuery = own("watcher: read set", onControl, readSetCTE+`SELECT rels.nspname, rels.relname, rels.exposed::pg_catalog.text, rels.code::pg_catalog.text,
+  rels.sets::pg_catalog.text FROM rels`)
+
+// sessionLocalFuncs and sessionLocalViews are rewrite.SessionLocalNames
+// as SQL array literals.
+var sessionLocalFuncs, sessionLocalViews = func() (string, string) {
+	f, v := rewrite.SessionLocalNames()
+	return "{" + strings.Join(f, ",") + "}", "{" + strings.Join(v, ",") + "}"
+}()
+
+// safeBuiltin is the allowlist of the built-ins that cannot change the
+// session's state, as a condition on p (a pg_proc row; NULL: unknown,
+// not safe) and r (runs_sql): a function initdb made (an OID below
+// 16384) that does not run SQL (runs_sql: query_to_xml and the like run
+// any text, set_config too), is not one the proxy sends to the primary
+// (rewrite's primaryOnly: nextval, advisory locks, txid_current,
+// pg_backend_pid, ...), and that PostgreSQL marks immutable or stable
+// (which it keeps for its own: no side effects) or the proxy knows to be
+// read-only though volatile (random, clock_timestamp, ...). Everything
+// else, set_config and every other volatile built-in among them, may
+// change the session: a view or policy that calls one is in the read
+// set's sets (round 12, attacker X's M1).
+var safeBuiltin = func() string {
+	ro, po, pre := rewrite.SessionSafeNames()
+	return `(p.oid OPERATOR(pg_catalog.<) '16384'::pg_catalog.oid AND p.oid OPERATOR(pg_catalog.<>) ALL (r.oids)
+    AND p.proname OPERATOR(pg_catalog.<>) ALL ('{` + strings.Join(po, ",") + `}'::pg_catalog.name[])
+    AND NOT (p.proname::pg_catalog.text OPERATOR(pg_catalog.^@) ANY ('{` + strings.Join(pre, ",") + `}'::pg_catalog.text[]))
+    AND (p.provolatile OPERATOR(pg_catalog.<>) 'v'::pg_catalog."char"
+      OR p.proname OPERATOR(pg_catalog.=) ANY ('{` + strings.Join(ro, ",") + `}'::pg_catalog.name[])))`
+}()
 
 // statsRels are the system relations that hold values of every table's
 // columns: the planner's statistics, and the views over them; large
@@ -802,9 +939,12 @@ const statsRels = "{pg_statistic,pg_statistic_ext_data,pg_stats,pg_stats_ext,pg_
 // subtype difference, a type's I/O or analyze function, or where a domain's
 // CHECK calls a user's function, or one of those built-ins, or reads a
 // statistics catalog (its tree is searched: a pinned built-in has no
-// pg_depend row). A field can be any function callable with one argument
-// (its others have defaults): a user's not written in C, a user's
-// aggregate, or one of those built-ins.
+// pg_depend row), or a built-in not on the allowlist (safeBuiltin:
+// set_config, nextval, ... change the session's state where they run). A
+// field can be any function callable with one argument (its others have
+// defaults): a user's not written in C, a user's aggregate, one of those
+// built-ins, or a built-in not on the allowlist ((4242::bigint).pg_advisory_lock
+// takes a lock, ('s'::regclass).nextval moves a sequence).
 var readCodeQuery = own("watcher: read set code", onControl, `WITH
 trusted(langs) AS (SELECT pg_catalog.array_agg(l.oid) FROM pg_catalog.pg_language AS l
   WHERE l.lanname OPERATOR(pg_catalog.=) ANY ('{c,internal}'::pg_catalog.name[])),
@@ -840,13 +980,17 @@ SELECT 'all', (
                            AND d.refclassid OPERATOR(pg_catalog.=) 'pg_catalog.pg_proc'::pg_catalog.regclass::pg_catalog.oid
                            AND d.refobjid OPERATOR(pg_catalog.>=) '16384'::pg_catalog.oid)
               OR EXISTS (SELECT FROM pg_catalog.regexp_matches(coalesce(k.conbin::pg_catalog.text, ''), ':(?:funcid|opfuncid|relid) ([0-9]+)', 'g') AS m, reaches AS r
-                         WHERE m[1]::pg_catalog.oid OPERATOR(pg_catalog.=) ANY (r.oids))))
+                         WHERE m[1]::pg_catalog.oid OPERATOR(pg_catalog.=) ANY (r.oids))
+              OR EXISTS (SELECT FROM pg_catalog.regexp_matches(coalesce(k.conbin::pg_catalog.text, ''), ':(?:funcid|opfuncid) ([0-9]+)', 'g') AS m
+                           LEFT JOIN pg_catalog.pg_proc AS p ON p.oid OPERATOR(pg_catalog.=) m[1]::pg_catalog.oid, runs_sql AS r
+                         WHERE m[1]::pg_catalog.oid OPERATOR(pg_catalog.<>) '0'::pg_catalog.oid AND NOT coalesce(`+safeBuiltin+`, false))))
   )::pg_catalog.text
 UNION ALL
 SELECT DISTINCT 'field', p.proname::pg_catalog.text FROM pg_catalog.pg_proc AS p, trusted, runs_sql AS r
 WHERE (p.oid OPERATOR(pg_catalog.>=) '16384'::pg_catalog.oid
        AND (p.prolang OPERATOR(pg_catalog.<>) ALL (trusted.langs) OR p.prokind OPERATOR(pg_catalog.=) ANY ('{a,w}'::pg_catalog."char"[]))
-    OR p.oid OPERATOR(pg_catalog.=) ANY (r.oids))
+    OR p.oid OPERATOR(pg_catalog.=) ANY (r.oids)
+    OR p.oid OPERATOR(pg_catalog.<) '16384'::pg_catalog.oid AND NOT `+safeBuiltin+`)
   AND p.prokind OPERATOR(pg_catalog.<>) 'p'::pg_catalog."char" AND p.pronargs OPERATOR(pg_catalog.>=) '1'::pg_catalog.int2
   AND p.pronargs OPERATOR(pg_catalog.-) p.pronargdefaults OPERATOR(pg_catalog.<=) '1'::pg_catalog.int2`)
 
@@ -902,7 +1046,8 @@ func loadReadSet(ctx context.Context, conn *pgconn.PgConn, old *readSet) (*readS
 		return &cp, nil
 	}
 	rd := &readSet{rels: map[rewrite.RelName]bool{}, names: map[string]bool{},
-		codeRels: map[rewrite.RelName]bool{}, codeNames: map[string]bool{}, all: all || strings.HasSuffix(hash, " true"),
+		codeRels: map[rewrite.RelName]bool{}, codeNames: map[string]bool{},
+		setsRels: map[rewrite.RelName]bool{}, setsNames: map[string]bool{}, all: all || strings.HasSuffix(hash, " true"),
 		colFuncs: fields, hash: hash, code: code}
 	rr = conn.ExecParams(ctx, readSetQuery, nil, nil, nil, nil)
 	for rr.NextRow() {
@@ -914,6 +1059,9 @@ func loadReadSet(ctx context.Context, conn *pgconn.PgConn, old *readSet) (*readS
 		code := string(v[3]) == "true"
 		rd.codeRels[name] = code
 		rd.codeNames[name.Name] = rd.codeNames[name.Name] || code
+		sets := string(v[4]) == "true"
+		rd.setsRels[name] = sets
+		rd.setsNames[name.Name] = rd.setsNames[name.Name] || sets
 	}
 	if _, err := rr.Close(); err != nil {
 		return nil, fmt.Errorf("read set: %w", err)

@@ -98,9 +98,19 @@ const sessionStateSQL = "(SELECT pg_catalog.string_agg(s.name, ' ') FROM pg_cata
 // and a replica connection's when it opens (replicaDefaults, replica.go).
 // A replica connection opened later than the session gets the defaults
 // as they are then; if they differ, its session is not the primary's
-// (round 6, attacker M's M2).
-const defaultsSQL = "(SELECT COALESCE(pg_catalog.string_agg(s.name OPERATOR(pg_catalog.||) '=' OPERATOR(pg_catalog.||) s.setting, ' ' ORDER BY s.name), '')" +
-	" FROM pg_catalog.pg_settings AS s WHERE s.source OPERATOR(pg_catalog.=) ANY ('{database,user,\"database user\"}'::pg_catalog.text[]))"
+// (round 6, attacker M's M2). Custom settings (app.tenant) among the
+// defaults of this database and login are not in pg_settings: their
+// values are read by name (round 10, T-M1's defaults changed after the
+// session opened).
+const defaultsSQL = "(SELECT COALESCE(pg_catalog.string_agg(s.name OPERATOR(pg_catalog.||) '=' OPERATOR(pg_catalog.||) s.setting, ' ' ORDER BY s.name), '') FROM (" +
+	"SELECT s.name, s.setting FROM pg_catalog.pg_settings AS s WHERE s.source OPERATOR(pg_catalog.=) ANY ('{database,user,\"database user\"}'::pg_catalog.text[])" +
+	" UNION SELECT pg_catalog.lower(pg_catalog.split_part(d.c, '=', 1)), COALESCE(pg_catalog.current_setting(pg_catalog.split_part(d.c, '=', 1), true), '<unset>')" +
+	" FROM pg_catalog.pg_db_role_setting AS r, pg_catalog.unnest(r.setconfig) AS d(c)" +
+	" WHERE r.setdatabase OPERATOR(pg_catalog.=) ANY (ARRAY['0'::pg_catalog.oid, (SELECT db.oid FROM pg_catalog.pg_database AS db WHERE db.datname OPERATOR(pg_catalog.=) pg_catalog.current_database())])" +
+	" AND r.setrole OPERATOR(pg_catalog.=) ANY (ARRAY['0'::pg_catalog.oid, (SELECT ro.oid FROM pg_catalog.pg_roles AS ro WHERE ro.rolname OPERATOR(pg_catalog.=) pg_catalog.\"session_user\"())])" +
+	" AND pg_catalog.strpos(pg_catalog.split_part(d.c, '=', 1), '.') OPERATOR(pg_catalog.>) 0" +
+	" AND NOT EXISTS (SELECT FROM pg_catalog.pg_settings AS x WHERE x.name OPERATOR(pg_catalog.=) pg_catalog.lower(pg_catalog.split_part(d.c, '=', 1)))" +
+	") AS s)"
 
 // settingsStmt is the gate's statement for settingsSQL.
 const settingsStmt = "pgfence_settings"
@@ -549,6 +559,10 @@ func (h *fenceSession) noteSent(s gateConn, t *tag) (code bool) {
 	}
 	if pin && !s.OnReplica() {
 		h.rt.pinned = true
+	}
+	if !s.OnReplica() && (unknown || h.sessionCode(stmts, ^LSN(0))) {
+		// (unknown: text the proxy could not read, a FunctionCall.)
+		h.rt.primaryCodeRan = true
 	}
 	if enc {
 		h.encSeq = t.seq

@@ -110,8 +110,8 @@ func (l *Latency) snapshot() (uint64, float64, map[float64]uint64) {
 	return n, float64(l.nanos.Load()) / 1e9, cum
 }
 
-// ServerStats are the server's counters since start. The routing code
-// increments ReadsPrimary/ReadsReplica for each read it routes.
+// ServerStats are the server's counters since start. Read routing keeps
+// its own (RouteStats).
 type ServerStats struct {
 	SessionsTotal atomic.Int64 // proxied sessions opened
 	SessionsLoop  atomic.Int64 // of those, relayed by the event loop thread
@@ -135,8 +135,6 @@ type ServerStats struct {
 	// a back-off: out of descriptors (EMFILE, ENFILE) or kernel memory,
 	// or a connection that failed before it was taken (accept.go).
 	AcceptErrors atomic.Int64
-	ReadsPrimary atomic.Int64 // reads routed to the primary (read routing)
-	ReadsReplica atomic.Int64 // reads routed to a replica (read routing)
 
 	mu      sync.Mutex
 	refused map[string]int64 // clients refused, by SQLSTATE
@@ -319,7 +317,9 @@ var (
 	descRefused      = prometheus.NewDesc("pgfence_clients_refused_total", "Clients refused before their session started, by SQLSTATE.", []string{"code"}, nil)
 	descAcceptErrors = prometheus.NewDesc("pgfence_accept_errors_total", "Accepts of client connections that failed and were retried after a back-off (out of file descriptors, EMFILE/ENFILE, or kernel memory; a connection that failed before it was taken).", nil, nil)
 	descUpErrors     = prometheus.NewDesc("pgfence_upstream_connection_errors_total", "Upstream connections that could not be opened (network, TLS, timeouts; not refusals by PostgreSQL).", nil, nil)
-	descReads        = prometheus.NewDesc("pgfence_read_routes_total", "Reads routed, by route.", []string{"route"}, nil)
+	descReads        = prometheus.NewDesc("pgfence_read_routes_total", "Reads a replica could serve, by where they went: replica, primary (behind, unhealthy, pinned, or code that must run in the client's session), pending (refused with FN007).", []string{"route"}, nil)
+	descReadWaits    = prometheus.NewDesc("pgfence_read_waits_total", "Reads that waited for a replica to replay (fence.read_policy wait).", nil, nil)
+	descReadRetries  = prometheus.NewDesc("pgfence_read_retries_total", "Routed reads answered by the primary after their replica failed.", nil, nil)
 	descGate         = prometheus.NewDesc("pgfence_gate_transactions_total", "Gated transactions by outcome: gated (passed the fence check), committed (new receipt), replayed (idempotent replay).", []string{"outcome"}, nil)
 	descGateErr      = prometheus.NewDesc("pgfence_gate_errors_total", "Errors of class FN the clients got, by SQLSTATE (FN001 stale, FN003 conflict, FN004 retired, FN005 unknown job, FN006 receipt pruned, FN008 fencing required, FN009 unsupported, FN015 generation from before a failover, FN016 a commit the synchronous standby did not confirm).", []string{"code"}, nil)
 	descClassified   = prometheus.NewDesc("pgfence_statements_classified_total", "Statements classified by the gate.", nil, nil)
@@ -334,7 +334,7 @@ var (
 )
 
 func (c *collector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{descSessions, descSessionsTot, descSessionsLoop, descParks, descMsgTimeouts, descEvictions, descAdminTot, descAdminRefused, descRefused, descAcceptErrors, descUpErrors, descReads,
+	for _, d := range []*prometheus.Desc{descSessions, descSessionsTot, descSessionsLoop, descParks, descMsgTimeouts, descEvictions, descAdminTot, descAdminRefused, descRefused, descAcceptErrors, descUpErrors, descReads, descReadWaits, descReadRetries,
 		descGate, descGateErr, descClassified, descCacheBytes, descCacheEntries, descCacheEvict, descCacheUncache, descLatency, descUp, descLag, descLagBytes} {
 		ch <- d
 	}
@@ -359,8 +359,15 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 	}
 	counter(descAcceptErrors, st.AcceptErrors.Load())
 	counter(descUpErrors, st.UpstreamErrors.Load())
-	counter(descReads, st.ReadsPrimary.Load(), "primary")
-	counter(descReads, st.ReadsReplica.Load(), "replica")
+	rs := s.RouteStats()
+	if rs == nil {
+		rs = &RouteStats{} // no replicas: nothing is routed
+	}
+	counter(descReads, rs.Primary.Load(), "primary")
+	counter(descReads, rs.Replica.Load(), "replica")
+	counter(descReads, rs.Pending.Load(), "pending")
+	counter(descReadWaits, rs.Waits.Load())
+	counter(descReadRetries, rs.Retries.Load())
 	if fs := s.gateStats(); fs != nil {
 		counter(descGate, fs.Gated.Load(), "gated")
 		counter(descGate, fs.Committed.Load(), "committed")

@@ -95,9 +95,6 @@ func init() {
 	ownDrivenBy("replica lexing: client_encoding", onSession, "SET client_encoding = 'LATIN1'", "TestBypass/replstate")
 	ownDrivenBy("read-only replica transaction's isolation and cursors", onSession, showIsolation, "TestBypass/rotx (it needs a lagging replica)")
 	ownDrivenBy("replica session's held cursors", onSession, heldCursorsQuery, "TestBypass/cursor_code (it needs a held cursor and a takeover)")
-	ownTexts = append(ownTexts, ownText{name: "replica session's state after code", where: onSession, sql: replicaStateQuery("u"),
-		match:    "SELECT (NOT EXISTS (SELECT FROM pg_catalog.pg_settings AS s WHERE s.source OPERATOR(pg_catalog.=) 'session'",
-		drivenBy: "TestBypass/replica_code (it needs code run on the replica)"})
 }
 
 // ownDrivenBy registers a text the trapped database of every_text does

@@ -2,6 +2,7 @@ package proxy
 
 import (
 	"context"
+	"net/http/httptest"
 	"strings"
 	"testing"
 	"time"
@@ -240,7 +241,12 @@ func TestReadRoutingCursorsAndTemp(t *testing.T) {
 	mustWhere(t, r, "SELECT count(*), pg_is_in_recovery() FROM tt", false)
 	mustWhere(t, r, "SELECT count(*), pg_is_in_recovery() FROM audit", false) // pinned
 	mustExec(t, r, "DISCARD ALL")
-	mustWhere(t, r, "SELECT count(*), pg_is_in_recovery() FROM audit", true)
+	// Unpinned. The read of tt, a relation the read set does not know,
+	// counted as code that may have set a custom setting (sessionCode,
+	// route.go), so a read that may run code stays on the primary: audit's
+	// does while the catalog is read again after CREATE TEMP TABLE's DDL
+	// notification, then the replica answers.
+	waitReplicaRead(t, r, "SELECT count(*), pg_is_in_recovery() FROM audit")
 }
 
 // TestReadRoutingReplicaReached: the replica fence-row check runs on the
@@ -436,6 +442,39 @@ func TestReadSetCode(t *testing.T) {
 		}
 		if !(*readSet)(nil).runsCode(res.Stmts[0]) && res.Stmts[0].CatalogExprs {
 			t.Errorf("%s: a set not loaded says no", c.sql)
+		}
+	}
+}
+
+// TestReadRoutingCounted: the routing counters an operator reads, in
+// /metrics and in the console's SHOW FENCE_STATS, count the reads routed
+// (round 12, attacker X's L1: both read counters the router never
+// incremented, so they stayed 0 while reads went to the replica).
+func TestReadRoutingCounted(t *testing.T) {
+	e := newRouteEnv(t)
+	r := e.reader(t, nil)
+	waitReplicaRead(t, r, "SELECT 1, pg_is_in_recovery()")
+	// A read inside a transaction open on the primary: counted there.
+	for _, q := range []string{"BEGIN", "SELECT 1", "COMMIT"} {
+		if _, err := r.Exec(ctxT(t), q).ReadAll(); err != nil {
+			t.Fatalf("%s: %v", q, err)
+		}
+	}
+	hs := httptest.NewServer(e.proxy.srv.MetricsHandler())
+	defer hs.Close()
+	_, body := scrape(t, hs.URL+"/metrics")
+	for _, route := range []string{"replica", "primary"} {
+		if got := metric(t, body, `pgfence_read_routes_total{route="`+route+`"}`); got < 1 {
+			t.Errorf("pgfence_read_routes_total{route=%q} = %v after reads routed there", route, got)
+		}
+	}
+	stats := map[string]any{}
+	for _, row := range e.proxy.srv.showFenceStats().rows {
+		stats[row[0].(string)] = row[1]
+	}
+	for _, k := range []string{"reads_replica", "reads_primary"} {
+		if v, _ := stats[k].(string); v == "" || v == "0" {
+			t.Errorf("SHOW FENCE_STATS %s = %v after reads routed", k, stats[k])
 		}
 	}
 }

@@ -224,7 +224,7 @@ func (h *fenceSession) inReplicaTx(s gateConn, msg []byte, res *rewrite.Result, 
 			}
 		}
 		h.noteHold(head, false, LSN(r.replay.Load()))
-		h.rt.replicaState = h.rt.replicaState || cursor // code may change the replica's session (route.go)
+		h.rt.replicaState = h.rt.replicaState || h.sessionCode(head, LSN(r.replay.Load())) // code may change the replica's session (route.go)
 	}
 	return h.splitAtTxEnd(s, msg, res, end)
 }

@@ -27,8 +27,10 @@ import (
 // autocommit, and a transaction begun with BEGIN READ ONLY (it then stays
 // on the replica until it ends; what follows its end in the same query is
 // routed afresh, and nothing inside it may change the replica's session
-// alone: replstate.go). Everything else, the extended protocol
-// included, goes to the primary. A session that changed a parameter other
+// alone: replstate.go), unless it may run code that changes the
+// session's state (a view's or a policy's function, a view calling
+// set_config: runsSessionCode), which runs in the client's own session.
+// Everything else, the extended protocol included, goes to the primary. A session that changed a parameter other
 // than fence.* (SET, RESET, set_config) or created temporary objects is
 // pinned to the primary until DISCARD ALL, since its replica connection
 // would not have them; fence.read_replicas=off pins a session too.
@@ -87,12 +89,21 @@ type routeState struct {
 	// replicaCode and primaryCode: the seq of the last request that may
 	// have run the client's code on that upstream (codeRan, fence_exec.go).
 	replicaCode, primaryCode uint64
+	// primaryCodeRan: code the proxy cannot see into has run on the
+	// primary session at some time (sessionCode, noteSent). It may have set custom
+	// settings (set_config('app.tenant', ...)), which nothing in SQL lists,
+	// so the primary session can no longer be shown to be a new
+	// connection's for code to run against: no read-only transaction
+	// goes to the replica from then on (a later statement of it could run
+	// such code there; round 11, attacker V's M1).
+	primaryCodeRan bool
 	// replicaState: a request that may have run the database's code
 	// (mayRunCode) went to the replica connection since its session was
 	// last known to be a new connection's: code may have changed its
 	// settings or role for good (set_config(..., false) in a DO block or a
-	// function; round 9, attacker R's M2). Checked before the next routed
-	// read (replicaStateCheck).
+	// function; round 9, attacker R's M2), custom settings included,
+	// which no query can list. The connection is closed before the next
+	// routed read (replicaStateCheck).
 	replicaState bool
 }
 
@@ -210,6 +221,29 @@ func (h *fenceSession) routeQuery(s gateConn, msg []byte, res *rewrite.Result) e
 		rs.stats.Primary.Add(1)
 		return h.sendClient(s, msg, res)
 	}
+	if h.runsSessionCode(stmts, anyReplay) {
+		// The read may run code that changes the session's state: a
+		// view's or a policy's function, a view that calls set_config.
+		// What it does to custom settings (app.tenant) no query can
+		// show or carry over, so it runs in the client's own session,
+		// the primary's, where later reads and writes see it, as
+		// straight to PostgreSQL (round 12, attacker X's M1; pgpool-II
+		// sends a read calling a function not known to be read-only to
+		// the primary too).
+		rs.stats.Primary.Add(1)
+		return h.toPrimary(s, msg, res)
+	}
+	if h.rt.primaryCodeRan && (kind == roTx || h.runsDBCode(stmts)) {
+		// Code the proxy could not see into ran on the primary session
+		// (sessionCode) and may have set custom settings there
+		// (app.tenant), which no query can list: the database's code
+		// this read runs, or a later statement of this read-only
+		// transaction, would run on the replica session without them
+		// (round 10, T-M1; round 11, attacker V's M1). On the primary it
+		// runs as the client's session.
+		rs.stats.Primary.Add(1)
+		return h.toPrimary(s, msg, res)
+	}
 	if known, err := h.sessionKnown(s, onRep); err != nil {
 		return err // ErrWait on the loop: nothing done yet
 	} else if !known {
@@ -264,6 +298,16 @@ func (h *fenceSession) routeQuery(s gateConn, msg []byte, res *rewrite.Result) e
 						rs.stats.Primary.Add(1)
 						return h.toPrimary(s, msg, res)
 					}
+					if h.runsSessionCode(stmts, LSN(r.replay.Load())) {
+						// Judged above by the read set the primary has;
+						// this replica has not replayed it, and its own
+						// catalog may define what the read names
+						// otherwise (catalogAt): every relation counts.
+						rs.stats.Primary.Add(1)
+						return h.toPrimary(s, msg, res)
+					}
+					// (So nothing sent from here changes the replica's
+					// session: rt.replicaState stays as it was.)
 					code := h.mayRunCode(stmts, LSN(r.replay.Load()))
 					if kind == roTx {
 						h.beginOnReplica(r, stmts)
@@ -272,7 +316,6 @@ func (h *fenceSession) routeQuery(s gateConn, msg []byte, res *rewrite.Result) e
 						// HOLD: its snapshot is at least this replay position.
 						h.lowerHold(LSN(r.replay.Load()))
 					}
-					h.rt.replicaState = h.rt.replicaState || code
 					return h.sendRouted(s, msg, res)
 				})
 			})
@@ -280,68 +323,171 @@ func (h *fenceSession) routeQuery(s gateConn, msg []byte, res *rewrite.Result) e
 	})
 }
 
-// replicaStateQuery asks whether the replica connection's session is
-// still a new connection's, as the primary session is known to be when a
-// read is routed (sessionKnown): no setting set in the session but
-// fence.* and the lexing settings the proxy itself aligns (replstate.go),
-// no role set, the session authorization the login's. Outside a
-// transaction, so SET LOCAL is gone. A hot standby has no temporary
-// objects; prepared statements the router tracks (replicaCode).
-func replicaStateQuery(user string) string {
-	return "SELECT (NOT EXISTS (SELECT FROM pg_catalog.pg_settings AS s WHERE s.source OPERATOR(pg_catalog.=) 'session'" +
-		" AND pg_catalog.left(s.name, 6) OPERATOR(pg_catalog.<>) 'fence.'" +
-		" AND s.name OPERATOR(pg_catalog.<>) ALL ('{client_encoding,standard_conforming_strings}'::pg_catalog.text[]))" +
-		" AND pg_catalog.current_setting('role') OPERATOR(pg_catalog.=) 'none'" +
-		" AND pg_catalog.current_setting('session_authorization') OPERATOR(pg_catalog.=) " + plan.Literal(user) + ")::pg_catalog.text"
-}
-
 // replicaStateCheck runs before a read is sent to the replica connection
 // in use (an autocommit read, or the first request of a read-only
 // transaction), with no transaction open there. When a request since the
-// last check may have run the database's code there (rt.replicaState:
-// mayRunCode, or code inside a transaction on the replica), code may have
-// changed that session's settings or role for good, where the primary
-// session, and so SHOW and everything else the client's session answers,
-// has not (round 9, attacker R's M2). It asks the replica session
-// (replicaStateQuery: one round trip, only then). Unchanged: k(true).
-// Changed, or no answer: the replica connection is closed (a new one,
-// opened for the next routed read, is a new connection's session, as the
-// primary session is) and k(false): this read goes to the primary. A
-// closed connection takes its statement copies (void from now:
-// replicaCode) and its held cursors with it.
+// connection opened may have run code of the database's there that the
+// proxy cannot see into (rt.replicaState: sessionCode), that code may
+// have changed the session's settings or role for good, where the
+// primary session, and so SHOW and everything else the client's session
+// answers, has not (round 9, attacker R's M2), and no query can show that
+// it did not: custom settings (app.tenant) are in no view (round 10,
+// attacker T's M2; round 11, V's M1 and M2: reading the names out of the
+// database's code missed some and cost without bound). So the replica
+// connection is closed (a new one, opened for the next routed read, is a
+// new connection's session, as the primary session is) and k(false):
+// this read goes to the primary. Unchanged: k(true), no round trip.
+//
+// A closed connection takes its statement copies (void from now:
+// replicaCode) and its WITH HOLD cursors with it: a later FETCH of one is
+// answered 34000 (no such cursor), never with its rows. Keeping the
+// connection for its cursors would run the rest of the transaction that
+// FETCHes them in the changed session. Declaring a cursor, fetching from
+// it and reading relations that run no code do not set rt.replicaState
+// (sessionCode), so only a session whose own code ran there loses them.
+// Since round 12 (attacker X's M1) an autocommit read that may run such
+// code, and a read-only transaction whose first request may, go to the
+// primary instead (runsSessionCode): only a later request of a read-only
+// transaction open on the replica sets it, and what its code set is lost
+// (docs/security.md, Known limits).
 func (h *fenceSession) replicaStateCheck(s gateConn, k func(ok bool) error) error {
 	if !h.rt.replicaState {
 		return k(true)
 	}
-	h.mu.Lock()
-	h.rt.row = ""
-	h.mu.Unlock()
-	s.startRouted(false)
-	if err := h.send(s, queryMsg(nil, replicaStateQuery(h.user)), &tag{kind: 'Q', segs: []seg{{step: stepFenceCheck}}}, false); err != nil {
-		s.stopRouted()
+	h.rt.replicaState = false
+	if err := s.usePrimary(); err != nil {
 		return err
 	}
-	return s.routeThen(h.last, func(retry bool) error {
-		if retry {
-			h.mu.Lock()
-			h.st.TxStatus('I')
-			h.mu.Unlock()
+	s.dropReplica()
+	h.rt.replicaCode = h.seq
+	h.rt.holdFloor = 0
+	return k(false)
+}
+
+// runsDBCode reports whether a read may run the database's code: a
+// function the proxy does not know to be read-only, text it could not
+// read, or a relation or expression whose reads run code (a view's or a
+// policy's function, an index expression's, an operator's:
+// relCode, by the read set the primary has now). Such reads go to the
+// primary once code ran on the primary session (routeQuery). Without a
+// read set (an untracked database, or one being read again) every read
+// of a relation may.
+func (h *fenceSession) runsDBCode(stmts []*rewrite.Stmt) bool {
+	for _, st := range stmts {
+		if st == nil || st.Opaque || st.UserCalls || h.relCode(st, ^LSN(0)) {
+			return true
+		}
+	}
+	return false
+}
+
+// sessionCode reports whether stmts, sent on an upstream whose replica
+// has replayed up to at (^LSN(0) for the primary), may run code of the
+// database's that the proxy cannot see into, which may change that
+// session's settings for good (set_config('app.tenant', ..., false)):
+// custom settings among them, which no query can list. It decides R1
+// (rt.primaryCodeRan, on the primary) and R3 (rt.replicaState, on the
+// replica). Counted: text the proxy could not read, a DO block, a CALL,
+// a function it does not know to be read-only (rewrite.Stmt.UserCalls),
+// and a relation or expression whose reads may run code that changes the
+// session's state (settingRelCode: the read set's sets; a view or policy
+// that only reads the session, current_setting, changes nothing). An EXECUTE is judged by the statement it runs, as the
+// proxy knows it: when no state-changing request is unanswered and
+// nothing in the same request may replace it (sessionCodeIn), else it
+// counts. Not counted: statements that run no code of the database's
+// (SET, SHOW, FETCH, MOVE, CLOSE, transaction control, DDL that names no
+// function), and a trigger a write fires (docs/security.md, Known
+// limits).
+func (h *fenceSession) sessionCode(stmts []*rewrite.Stmt, at LSN) bool {
+	resolve := !h.unsettled()
+	for _, st := range stmts {
+		if st != nil && (st.Kind == rewrite.Prepare || st.Kind == rewrite.Deallocate || st.Kind == rewrite.Discard) {
+			resolve = false // it may replace what a later EXECUTE of the request runs
+		}
+	}
+	for _, st := range stmts {
+		if h.stmtSessionCode(st, at, resolve, 0) {
+			return true
+		}
+	}
+	return false
+}
+
+// stmtSessionCode is sessionCode for one statement; depth 1 for the
+// statement an EXECUTE runs (which cannot itself be an EXECUTE).
+func (h *fenceSession) stmtSessionCode(st *rewrite.Stmt, at LSN, resolve bool, depth int) bool {
+	switch {
+	case st == nil, st.Opaque, st.UserCalls, st.Kind == rewrite.Do, st.Kind == rewrite.Call:
+		return true
+	case h.settingRelCode(st, at):
+		return true
+	case st.Executes != "":
+		if !resolve || depth > 0 {
+			return true
 		}
 		h.mu.Lock()
-		row := h.rt.row
+		ps, ok := h.be.stmts.Statement(st.Executes)
 		h.mu.Unlock()
-		h.rt.replicaState = false
-		if !retry && row == "true" {
-			return k(true)
+		return !ok || ps.Stmt != nil && h.stmtSessionCode(ps.Stmt, at, resolve, depth+1)
+	}
+	return false
+}
+
+// settingRelCode is relSets (code that may change the session's state)
+// where the proxy keeps a read set for the session's database
+// (catalog.tracked, with protected tables). While the
+// set is being read again after a DDL notification, the last one loaded
+// (catalog.settled) judges: counting every relation then, as the read
+// routing does, would cost every session that touched one in the window
+// (a CREATE TEMP TABLE anywhere makes one) its read-only transactions on
+// the replica for good (R2); a relation redefined in that window to run
+// code is counted from the next load on (docs/security.md, Known limits).
+// Never loaded: every relation counts. In a database it keeps none for,
+// the proxy does not know which
+// relations run code, and relSets says yes for every one: counting them
+// would have every read of a relation cost the replica connection (R3)
+// and send the session's later code reads to the primary (R1). There
+// only the code a statement calls itself counts (sessionCode); a view's
+// or a policy's function that sets a custom setting is not seen
+// (docs/security.md, Known limits: custom settings made by code).
+func (h *fenceSession) settingRelCode(st *rewrite.Stmt, at LSN) bool {
+	if !h.keepsReadSet() {
+		return false
+	}
+	if h.cat.reads.Load() != nil {
+		return h.relSets(st, at)
+	}
+	if len(st.ReadRelations) == 0 && !st.CatalogExprs {
+		return false
+	}
+	rd := h.cat.settled.Load()
+	for _, rel := range st.ReadRelations {
+		if rd.setsRelCode(rel) {
+			return true
 		}
-		if err := s.usePrimary(); err != nil {
-			return err
-		}
-		s.dropReplica()
-		h.rt.replicaCode = h.seq
-		h.rt.holdFloor = 0
-		return k(false)
-	})
+	}
+	return rd.runsCode(st)
+}
+
+// runsSessionCode reports whether a read about to go to a replica that
+// has replayed up to at (anyReplay: judged by the set the primary has)
+// may run code that changes the session's state: sessionCode, whose
+// relations count by the read set's sets as that replica has it (relSets:
+// a replica that has not replayed the set counts every relation; while
+// the set is read again after DDL, the last set loaded judges, as for
+// sessionCode, docs/security.md, Known limits). Such a read goes to the
+// primary (routeQuery). Without a read set only what the statement calls
+// itself counts, and a plain read calls nothing that may: such a
+// database is routed as before.
+func (h *fenceSession) runsSessionCode(stmts []*rewrite.Stmt, at LSN) bool {
+	return h.sessionCode(stmts, at)
+}
+
+// keepsReadSet reports whether the proxy keeps a read set for the
+// session's database: read routing is on, the catalog notifies DDL
+// (tracked) and the database has protected tables.
+func (h *fenceSession) keepsReadSet() bool {
+	return h.cat != nil && h.cat.tracked.Load() && h.protects()
 }
 
 // sendRouted sends a read to the replica connection in use and, if the

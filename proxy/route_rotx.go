@@ -137,6 +137,21 @@ func (h *fenceSession) relCode(st *rewrite.Stmt, at LSN) bool {
 	return rd.runsCode(st)
 }
 
+// relSets is relCode for code that may change the session's state
+// (readSet.setsRelCode; expressions by readSet.runsCode, as relCode).
+func (h *fenceSession) relSets(st *rewrite.Stmt, at LSN) bool {
+	if len(st.ReadRelations) == 0 && !st.CatalogExprs {
+		return false
+	}
+	rd, _ := h.catalogAt(at)
+	for _, rel := range st.ReadRelations {
+		if rd.setsRelCode(rel) {
+			return true
+		}
+	}
+	return rd.runsCode(st)
+}
+
 // mayRunCode reports whether any of stmts may run code that reads or
 // declares cursors.
 func (h *fenceSession) mayRunCode(stmts []*rewrite.Stmt, at LSN) bool {
@@ -356,7 +371,7 @@ func (h *fenceSession) txBound(cursor bool) LSN {
 func (h *fenceSession) sendInTx(s gateConn, r *replica, msg []byte, res *rewrite.Result, stmts []*rewrite.Stmt) error {
 	at := LSN(r.replay.Load())
 	h.noteHold(stmts, res == nil, at)
-	if res == nil || h.mayRunCode(stmts, at) {
+	if res == nil || h.sessionCode(stmts, at) {
 		h.rt.replicaState = true // code may change the replica's session (route.go)
 	}
 	// A request that ends the transaction and begins another: the new
@@ -559,7 +574,7 @@ func (h *fenceSession) txReadRefusal(s gateConn, st *rewrite.Stmt) *fence.Error 
 	req, protected := h.requireWith(stmts, roTx, h.readVals(), at)
 	if code := h.readsCursor(st, at); !protected || !req.blind && !req.check && req.lsn <= h.txBound(code) {
 		h.noteHold(stmts, st == nil, at)
-		h.rt.replicaState = h.rt.replicaState || code // code may change the replica's session (route.go)
+		h.rt.replicaState = h.rt.replicaState || st == nil || h.sessionCode(stmts, at) // code may change the replica's session (route.go)
 		return nil
 	}
 	return h.txPending(s, r, req, "the transaction's snapshot, or its portal's, was taken before")

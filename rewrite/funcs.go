@@ -183,3 +183,42 @@ func init() {
 func ReadOnlyBuiltin(name string) (readOnly, sessionLocal bool) {
 	return readOnlyFuncs[name], sessionLocalFuncs[name] || primaryOnlyFuncs(name)
 }
+
+// SessionLocalNames lists, sorted, the built-in functions and system
+// views a read of which is not routed to a replica (sessionLocalFuncs,
+// sessionLocalViews): the proxy's read set marks the views and policies
+// that call or read one as running code (proxy/fence_catalog.go).
+func SessionLocalNames() (funcs, views []string) {
+	for f := range sessionLocalFuncs {
+		funcs = append(funcs, f)
+	}
+	for v := range sessionLocalViews {
+		views = append(views, v)
+	}
+	slices.Sort(funcs)
+	slices.Sort(views)
+	return funcs, views
+}
+
+// SessionSafeNames lists, sorted, what the proxy's read set needs to tell
+// the built-ins that cannot change the session's state (set_config,
+// nextval, an advisory lock, setseed can) from the others, in a view's or
+// a policy's definition, where the classifier never sees the call:
+// readOnly, the volatile built-ins known to be read-only (readOnlyFuncs
+// less primaryOnly), and primaryOnly and prefixes, the built-ins that
+// need the primary whatever PostgreSQL says of their volatility
+// (primaryOnlyFuncs: txid_current assigns an xid, pg_backend_pid answers
+// the node). proxy/fence_catalog.go, readSetCTE's safe_builtin.
+func SessionSafeNames() (readOnly, primaryOnlyNames, prefixes []string) {
+	for n := range readOnlyFuncs {
+		if !primaryOnlyFuncs(n) {
+			readOnly = append(readOnly, n)
+		}
+	}
+	for n := range primaryOnly {
+		primaryOnlyNames = append(primaryOnlyNames, n)
+	}
+	slices.Sort(readOnly)
+	slices.Sort(primaryOnlyNames)
+	return readOnly, primaryOnlyNames, slices.Clone(primaryOnlyPrefixes)
+}
