@@ -511,21 +511,7 @@ select fence.protect('et');`, w)); err != nil {
 	observer := connect(t, ctx, db, "")
 	await := func(want bool) {
 		t.Helper()
-		for {
-			var waiting bool
-			if err := observer.QueryRow(ctx, `select exists (select from pg_locks
-where not granted and locktype = 'relation' and relation = 'fence.fences'::regclass and mode = 'AccessExclusiveLock')`).Scan(&waiting); err != nil {
-				t.Fatal(err)
-			}
-			if waiting == want {
-				return
-			}
-			select {
-			case err := <-applied:
-				t.Fatalf("the migration ended (%v) while a transaction held a fence row", err)
-			case <-time.After(10 * time.Millisecond):
-			}
-		}
+		awaitLockWait(t, ctx, observer, applied, "fence.fences", want, "while a transaction held a fence row")
 	}
 	await(true)
 	await(false)
@@ -624,21 +610,7 @@ select fence.protect('ft'), fence.protect('fp'), fence.protect('fk', 'job_key');
 	observer := connect(t, ctx, db, "")
 	await := func(want bool) {
 		t.Helper()
-		for {
-			var waiting bool
-			if err := observer.QueryRow(ctx, `select exists (select from pg_locks
-where not granted and locktype = 'relation' and relation = 'ft'::regclass and mode = 'AccessExclusiveLock')`).Scan(&waiting); err != nil {
-				t.Fatal(err)
-			}
-			if waiting == want {
-				return
-			}
-			select {
-			case err := <-applied:
-				t.Fatalf("the migration ended (%v) while a transaction that wrote ft was in flight", err)
-			case <-time.After(10 * time.Millisecond):
-			}
-		}
+		awaitLockWait(t, ctx, observer, applied, "ft", want, "while a transaction that wrote ft was in flight")
 	}
 	await(true)
 	await(false)
@@ -694,5 +666,29 @@ where not granted and locktype = 'relation' and relation = 'ft'::regclass and mo
 	}
 	if _, err := wc.Exec(ctx, set+"; set fence.step = 'foreign'; insert into fk values (6, 'not j')"); pgtest.SQLState(err) != "FN008" {
 		t.Fatalf("a row of another job key after the upgrade: %v, want FN008", err)
+	}
+}
+
+// awaitLockWait waits until a lock request of the migration (applied, not
+// yet ended) for rel's AccessExclusiveLock is waiting (want) or not: the
+// migration waits for a transaction in flight, gives up after its
+// lock_timeout, and waits again. It fails if the migration ends first
+// (while, what it was waiting behind).
+func awaitLockWait(t *testing.T, ctx context.Context, observer *pgx.Conn, applied chan error, rel string, want bool, while string) {
+	t.Helper()
+	for {
+		var waiting bool
+		if err := observer.QueryRow(ctx, `select exists (select from pg_locks
+where not granted and locktype = 'relation' and relation = $1::regclass and mode = 'AccessExclusiveLock')`, rel).Scan(&waiting); err != nil {
+			t.Fatal(err)
+		}
+		if waiting == want {
+			return
+		}
+		select {
+		case err := <-applied:
+			t.Fatalf("the migration ended (%v) %s", err, while)
+		case <-time.After(10 * time.Millisecond):
+		}
 	}
 }
