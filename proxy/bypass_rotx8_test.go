@@ -9,6 +9,7 @@ import (
 
 	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/internal/pgtest"
+	"github.com/pgfence/pgfence/rewrite"
 )
 
 // TestBypass/rotx_round8 (issue 30, round 8, attacker P's H4, H5, M3, M2):
@@ -106,9 +107,18 @@ func bypassSQLPreparedReplica(t *testing.T) {
 	if err := cluster.WaitReplicaCaughtUp(ctxT(t)); err != nil {
 		t.Fatal(err)
 	}
-	ctx := ctxT(t)
+	// The proxy's read set must know sq_t, and the replica have replayed
+	// it, before a session reads it: while the set is read again after
+	// the DDL, sq_t is a name the proxy does not know, which may run code
+	// that changes the session (route.go runsSessionCode). Such a read
+	// goes to the primary and marks the session's primary as having run
+	// code (rt.primaryCodeRan, fence_text.go noteSent), and from then on
+	// every read-only transaction of the session goes to the primary:
+	// begin's poll could never succeed in that session.
+	waitReadSetKnows(t, e.gate, e.db, rewrite.RelName{Schema: "public", Name: "sq_t"})
+	waitCatalogReplayed(t, e.proxy, e.gate, e.db)
 	// begin opens a read-only transaction on the replica.
-	begin := func(t *testing.T, r *pgconn.PgConn) {
+	begin := func(t *testing.T, ctx context.Context, r *pgconn.PgConn) {
 		if err := pgtest.Poll(ctx, func() (bool, error) {
 			_, rep, err := where(t, r, "BEGIN READ ONLY; SELECT v, pg_is_in_recovery() FROM sq_t")
 			if err != nil || rep {
@@ -120,7 +130,7 @@ func bypassSQLPreparedReplica(t *testing.T) {
 			t.Fatalf("the transaction never began on the replica: %v", err)
 		}
 	}
-	want := func(t *testing.T, how string, r *pgconn.PgConn, name, v string) {
+	want := func(t *testing.T, ctx context.Context, how string, r *pgconn.PgConn, name, v string) {
 		t.Helper()
 		var res *pgconn.Result
 		switch how {
@@ -147,16 +157,17 @@ func bypassSQLPreparedReplica(t *testing.T) {
 	}
 	for _, how := range []string{"execute", "bind", "execute_params"} {
 		t.Run(how, func(t *testing.T) {
+			ctx := ctxT(t) // its own: one subtest's timeout is not the next one's
 			r := e.reader(t, nil)
 			mustExec(t, r, "PREPARE s1 AS SELECT v, pg_is_in_recovery() FROM sq_t")
-			begin(t, r)
-			want(t, how, r, "s1", "public")
-			want(t, how, r, "s1", "public") // again: made again
+			begin(t, ctx, r)
+			want(t, ctx, how, r, "s1", "public")
+			want(t, ctx, how, r, "s1", "public") // again: made again
 			mustExec(t, r, "COMMIT")
 			mustExec(t, r, "DEALLOCATE s1")
 			mustExec(t, r, "PREPARE s1 AS SELECT 'v2' || v, pg_is_in_recovery() FROM sq_t")
-			begin(t, r)
-			want(t, how, r, "s1", "v2public")
+			begin(t, ctx, r)
+			want(t, ctx, how, r, "s1", "v2public")
 			mustExec(t, r, "COMMIT")
 		})
 	}

@@ -13,6 +13,7 @@ import (
 
 	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/internal/pgtest"
+	"github.com/pgfence/pgfence/rewrite"
 	"github.com/pgfence/pgfence/rewrite/plan"
 )
 
@@ -74,6 +75,31 @@ func waitCatalogReplayed(t *testing.T, p *testProxy, g *Fence, db string) {
 		t.Fatalf("the replica never replayed the catalog's position: %v", err)
 	}
 	waitEraShown(t, p, c)
+}
+
+// waitReadSetKnows waits until the read set of db's catalog (g's
+// watcher) knows every one of rels: a relation created since the last
+// load is a name the proxy does not know until the set is read again
+// after the DDL, and a read that names one is judged as if it could run
+// anything (it goes to the primary, and marks the session's primary as
+// having run code: route.go runsSessionCode, rt.primaryCodeRan).
+func waitReadSetKnows(t *testing.T, g *Fence, db string, rels ...rewrite.RelName) {
+	t.Helper()
+	c := catalogOf(t, g, db)
+	if err := pgtest.Poll(ctxT(t), func() (bool, error) {
+		rd := c.reads.Load()
+		if rd == nil {
+			return false, nil
+		}
+		for _, rel := range rels {
+			if _, ok := rd.rels[rel]; !ok {
+				return false, nil
+			}
+		}
+		return true, nil
+	}); err != nil {
+		t.Fatalf("the catalog's read set never knew %v: %v", rels, err)
+	}
 }
 
 // waitEraShown waits until the first replica has shown the primary's era
