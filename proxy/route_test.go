@@ -244,6 +244,31 @@ func resumeAndCatchUp(t *testing.T) {
 	}
 }
 
+// waitProxyReplay waits until p has seen its first replica replay the
+// primary's WAL as it is now (insertLSN, as the proxy reads positions):
+// the replay position routing compares with what a read needs is the one
+// p's poller last read (replica.replay), not the replica's own, so a
+// replica caught up (resumeAndCatchUp) can still be behind for p for a
+// poll, and a read then goes to the primary.
+func waitProxyReplay(t *testing.T, p *testProxy) {
+	t.Helper()
+	ctx := ctxT(t)
+	conn, err := cluster.Primary.Connect(ctx, "postgres")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(ctx)
+	want, err := insertLSN(ctx, conn.PgConn())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := pgtest.Poll(ctx, func() (bool, error) {
+		return LSN(p.srv.rs.list[0].replay.Load()) >= want, nil
+	}); err != nil {
+		t.Fatalf("the proxy never saw the replica replay %s: %v", want, err)
+	}
+}
+
 // scenario: A (token 17's holder) commits its result and the replica has
 // it; then replay pauses, B takes over and commits its own result on the
 // primary. It returns B's lease.
@@ -374,6 +399,11 @@ func TestAcceptanceReads(t *testing.T) {
 			t.Fatal("no fence-row check was made on the replica")
 		}
 		resumeAndCatchUp(t)
+		// What rp needs now (B's takeover, once the watcher has read
+		// the job's row at rpend's hint, else the replica's row and
+		// every takeover seen) is checked against the replay position
+		// the proxy last polled: wait for it to pass the primary's.
+		waitProxyReplay(t, e.proxy)
 		if got := mustWhere(t, rp, readResult, true); got[0] != "B" {
 			t.Fatalf("read %v after replay, want B's result from the replica", got)
 		}
