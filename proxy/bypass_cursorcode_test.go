@@ -9,7 +9,6 @@ import (
 
 	"github.com/jackc/pgx/v5/pgconn"
 
-	"github.com/pgfence/pgfence/internal/pgtest"
 )
 
 func init() {
@@ -80,16 +79,7 @@ func bypassCursorCode(t *testing.T, tracked bool) {
 		}
 	})
 	resumeAndCatchUp(t)
-	var lsn string
-	if err := sc.direct.QueryRow(ctx, "SELECT pg_current_wal_insert_lsn()::text").Scan(&lsn); err != nil {
-		t.Fatal(err)
-	}
-	want, _ := parseLSN(lsn)
-	if err := pgtest.Poll(ctx, func() (bool, error) {
-		return LSN(sc.e.proxy.srv.rs.list[0].replay.Load()) >= want, nil
-	}); err != nil {
-		t.Fatal(err)
-	}
+	waitProxyReplay(t, sc.e.proxy)
 	readers[0].then = []string{gen(sc, true), "SELECT payload, token, rep FROM cc_vf"}
 	readers[1].then = []string{gen(sc, false), "SELECT payload, token, rep FROM cc_vf"}
 	readers[2].then = []string{gen(sc, false), "BEGIN READ ONLY", "FETCH ALL FROM hc"}

@@ -210,16 +210,7 @@ func testBypassRotxCatalog(t *testing.T) {
 	for _, late := range []bool{false, true} {
 		if late {
 			resumeAndCatchUp(t)
-			var lsn string
-			if err := sc.direct.QueryRow(ctx, "SELECT pg_current_wal_insert_lsn()::text").Scan(&lsn); err != nil {
-				t.Fatal(err)
-			}
-			want, _ := parseLSN(lsn)
-			if err := pgtest.Poll(ctx, func() (bool, error) {
-				return LSN(e.proxy.srv.rs.list[0].replay.Load()) >= want, nil
-			}); err != nil {
-				t.Fatal(err)
-			}
+			waitProxyReplay(t, e.proxy)
 		}
 		for _, o := range opened {
 			if o.c.late == late {

@@ -263,16 +263,7 @@ func runRotx(t *testing.T, tracked bool, cases []rotxCase) {
 		if late {
 			resumeAndCatchUp(t)
 			// The proxy's view of the replica has caught up too.
-			var lsn string
-			if err := sc.direct.QueryRow(ctx, "SELECT pg_current_wal_insert_lsn()::text").Scan(&lsn); err != nil {
-				t.Fatal(err)
-			}
-			want, _ := parseLSN(lsn)
-			if err := pgtest.Poll(ctx, func() (bool, error) {
-				return LSN(sc.e.proxy.srv.rs.list[0].replay.Load()) >= want, nil
-			}); err != nil {
-				t.Fatal(err)
-			}
+			waitProxyReplay(t, sc.e.proxy)
 		}
 		for _, o := range opened {
 			if o.c.late != late {

@@ -68,16 +68,7 @@ func bypassSnapshotImport(t *testing.T) {
 		}
 	}()
 	resumeAndCatchUp(t)
-	var lsn string
-	if err := sc.direct.QueryRow(ctx, "SELECT pg_current_wal_insert_lsn()::text").Scan(&lsn); err != nil {
-		t.Fatal(err)
-	}
-	want, _ := parseLSN(lsn)
-	if err := pgtest.Poll(ctx, func() (bool, error) {
-		return LSN(sc.e.proxy.srv.rs.list[0].replay.Load()) >= want, nil
-	}); err != nil {
-		t.Fatal(err)
-	}
+	lsn := waitProxyReplay(t, sc.e.proxy).String()
 	readers := map[string]func(t *testing.T) *pgconn.PgConn{
 		"generation": sc.gen("pending"),
 		"min_lsn": func(t *testing.T) *pgconn.PgConn {

@@ -245,12 +245,13 @@ func resumeAndCatchUp(t *testing.T) {
 }
 
 // waitProxyReplay waits until p has seen its first replica replay the
-// primary's WAL as it is now (insertLSN, as the proxy reads positions):
+// primary's WAL as it is now (insertLSN, as the proxy reads positions),
+// and returns that position:
 // the replay position routing compares with what a read needs is the one
 // p's poller last read (replica.replay), not the replica's own, so a
 // replica caught up (resumeAndCatchUp) can still be behind for p for a
 // poll, and a read then goes to the primary.
-func waitProxyReplay(t *testing.T, p *testProxy) {
+func waitProxyReplay(t *testing.T, p *testProxy) LSN {
 	t.Helper()
 	ctx := ctxT(t)
 	conn, err := cluster.Primary.Connect(ctx, "postgres")
@@ -267,6 +268,7 @@ func waitProxyReplay(t *testing.T, p *testProxy) {
 	}); err != nil {
 		t.Fatalf("the proxy never saw the replica replay %s: %v", want, err)
 	}
+	return want
 }
 
 // scenario: A (token 17's holder) commits its result and the replica has
