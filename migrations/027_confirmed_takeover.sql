@@ -36,8 +36,9 @@
 --   synchronous_commit = off; at an empty new page (a segment start +40,
 --   a page start +24) the boundary, where the last record ended (as
 --   proxy/lsn.go's insertLSNQuery).
--- * Confirmed when at least num_sync standbys of pg_stat_replication in
---   sync_state 'sync' or 'quorum' report flush_lsn >= target; num_sync
+-- * Confirmed when at least num_sync standbys of pg_stat_replication
+--   (pg_stat_get_wal_senders, read afresh at each poll) in sync_state
+--   'sync' or 'quorum' report flush_lsn >= target; num_sync
 --   from synchronous_standby_names (fence.sync_standby_count: FIRST n
 --   (...), ANY n (...), n (...); a plain list or '*' is 1). Empty: FN017
 --   at once, there is nothing to confirm on.
@@ -216,8 +217,12 @@ begin
   -- row; a transaction that locked it earlier holds it while it waits
   -- (the previous holder and renewals of the job wait as long).
   loop
+    -- pg_stat_get_wal_senders, not the view pg_stat_replication: the view
+    -- joins pg_stat_get_activity, whose snapshot is kept for the rest of
+    -- the transaction, so a standby that connects during the wait would
+    -- never show in it.
     select pg_catalog.count(*)::integer into v_got
-      from pg_catalog.pg_stat_replication r
+      from pg_catalog.pg_stat_get_wal_senders() r
      where r.sync_state in ('sync', 'quorum') and r.flush_lsn >= v_target;
     exit when v_got >= v_need;
     if pg_catalog.clock_timestamp() - v_start >= v_timeout then
