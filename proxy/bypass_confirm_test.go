@@ -132,7 +132,9 @@ func bypassConfirm(t *testing.T) {
 		t.Run(a.name, func(t *testing.T) {
 			l := a.take(t)
 			for _, route := range castRoutes {
-				err := e.write(t, route, l, "b_"+route, "")
+				// synchronous_commit = local: a write let through commits at
+				// once (and is seen), rather than waiting for the standby.
+				err := e.write(t, route, l, "b_"+route, "synchronous_commit=local")
 				if got := pgtest.SQLState(err); got != fence.CodeUnconfirmedTakeover {
 					t.Errorf("%s: the new generation's first write: %v (SQLSTATE %q), want %s: the standby lacks the takeover", route, err, got, fence.CodeUnconfirmedTakeover)
 				}
@@ -171,10 +173,15 @@ func bypassConfirm(t *testing.T) {
 		defer e.admin(t, "update fence.settings set value = '300ms' where name = 'confirm_timeout'")
 		l := e.takeOver(t, "cf_wait", "sync_off")
 		done := make(chan error, 1)
-		go func() { done <- e.writeApp(t, "direct", l, "waited", "", "cf_waiter") }()
+		go func() { done <- e.writeApp(t, "direct", l, "waited", "synchronous_commit=local", "cf_waiter") }()
 		// Observed waiting in the confirmation's poll (pg_sleep).
 		ctx := ctxT(t)
 		if err := pgtest.Poll(ctx, func() (bool, error) {
+			select {
+			case err := <-done:
+				return false, fmt.Errorf("the write returned (%v) while the standby lacked the takeover", err)
+			default:
+			}
 			var n int
 			err := e.adm.QueryRow(ctx, "select count(*) from pg_stat_activity where application_name = 'cf_waiter' and wait_event = 'PgSleep'").Scan(&n)
 			return n > 0, err
