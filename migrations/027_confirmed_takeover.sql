@@ -92,6 +92,7 @@ create table fence.confirmed_takeovers (
 );
 comment on table fence.confirmed_takeovers is 'per job, the latest generation whose takeover the synchronous standbys confirmed (failover_mode sync): its writes need no wait';
 revoke all on fence.confirmed_takeovers from public;
+grant select on fence.confirmed_takeovers to pgfence_bypass;
 
 -- num_sync of synchronous_standby_names: FIRST n (...), ANY n (...),
 -- n (...) give n; a plain list (or '*') is 1; empty is 0.
