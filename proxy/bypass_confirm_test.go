@@ -212,6 +212,50 @@ func bypassConfirm(t *testing.T) {
 			t.Fatalf("the standby's fence row: token %d (%v), want %d", tok, err, l.Token)
 		}
 	})
+
+	// num_sync: ANY 2 counts two standbys.
+	t.Run("quorum_any_2", e.confirmQuorum)
+}
+
+// confirmQuorum: synchronous_standby_names = 'ANY 2 (*)' with two
+// standbys; the second one's WAL receiver stopped, a takeover only one
+// of them has is not confirmed (FN017, "1 of 2"); under 'ANY 1 (*)' it
+// is.
+func (e *confirmEnv) confirmQuorum(t *testing.T) {
+	ctx := ctxT(t)
+	second, err := e.c.AddStandby(ctx, e.c.Primary, pgtest.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	setNames := func(names string) {
+		e.admin(t, "alter system set synchronous_standby_names = "+quoteLiteral(names))
+		e.admin(t, "select pg_reload_conf()")
+	}
+	setNames("ANY 2 (*)")
+	defer setNames("*")
+	if err := pgtest.Poll(ctx, func() (bool, error) {
+		var n int
+		err := e.adm.QueryRow(ctx, "select count(*) from pg_stat_replication where sync_state = 'quorum' and state = 'streaming'").Scan(&n)
+		return n == 2, err
+	}); err != nil {
+		t.Fatalf("two quorum standbys: %v", err)
+	}
+	e.zombieWrites(t, "cf_quorum")
+	if err := e.c.DetachNode(ctx, second); err != nil {
+		t.Fatal(err)
+	}
+	l := e.takeOver(t, "cf_quorum", "sync_off")
+	err = e.write(t, "direct", l, "one_of_two", "synchronous_commit=local")
+	if got := pgtest.SQLState(err); got != fence.CodeUnconfirmedTakeover || !strings.Contains(err.Error(), "1 of 2") {
+		t.Fatalf("ANY 2 with one standby that has the takeover: %v (SQLSTATE %q), want %s (1 of 2)", err, got, fence.CodeUnconfirmedTakeover)
+	}
+	setNames("ANY 1 (*)")
+	if err := e.write(t, "direct", l, "one_of_one", "synchronous_commit=local"); err != nil {
+		t.Fatalf("ANY 1 with one standby that has the takeover: %v, want success", err)
+	}
+	if got := e.payload(t, "cf_quorum"); got != "one_of_one" {
+		t.Fatalf("payload %q, want one_of_one", got)
+	}
 }
 
 type confirmEnv struct {
@@ -256,7 +300,7 @@ grant create on schema public to cf_w;
 create table results (job_key text primary key, payload text not null);
 grant select, insert, update on results to cf_w;
 insert into results select j, 'seed' from unnest(array['cf_normal', 'cf_async', 'cf_trigger_sync_off', 'cf_trigger_cmm',
-  'cf_helper_alter', 'cf_helper_own_set', 'cf_same_tx', 'cf_wait']) j;
+  'cf_helper_alter', 'cf_helper_own_set', 'cf_same_tx', 'cf_wait', 'cf_quorum']) j;
 select fence.protect('results');
 create table audit (note text);
 alter table audit owner to cf_owner;
