@@ -44,24 +44,23 @@
 --   at once, there is nothing to confirm on.
 -- * The target may lie past WAL that nobody flushes soon: this
 --   transaction's own earlier records (a write before its first fenced
---   write), or another session's on the last
---   partial page of a quiet server. The WAL writer flushes whole pages
---   and asynchronous commits only, and a walsender sends only flushed
---   WAL. So when the primary's flush position is still below the target
---   after the first poll (a write of this transaction before its first
---   fenced write, say), the wait writes one non-transactional logical
---   message (prefix 'pgfence.confirm') up to the next page boundary: the
---   page holding the target is then whole and the WAL writer flushes it
---   within wal_writer_delay (longer while it hibernates on an idle
---   server; the rollback of a refused attempt wakes it, so a retry is
---   quick).
+--   write), or another session's on the last, partial page of a quiet
+--   server. The WAL writer flushes whole pages and asynchronous commits
+--   only, and a walsender sends only flushed WAL. So when the primary's
+--   flush position is still below the target after the first poll, the
+--   wait writes one non-transactional logical message (prefix
+--   'pgfence.confirm') up to the next page boundary: the page holding
+--   the target is then whole, and the WAL writer flushes it within
+--   wal_writer_delay (up to 25 times that while it hibernates on an idle
+--   server; the rollback of a refused transaction that wrote wakes it,
+--   so its retry is quick).
 -- * Polls every 10 ms, for at most fence.settings 'confirm_timeout'
 --   (an interval; 2 seconds when unset, at most a minute), then FN017.
 --   gate_slow waits before it locks the fence row FOR UPDATE (the lock's
 --   WAL record would lie below the target); a transaction that locked
---   the row before (a renewal in the same transaction) holds it while
---   it waits, and the previous holder and renewals
---   of the job wait as long: the wait is bounded for that reason too.
+--   the row before (a renewal in the same transaction) holds it while it
+--   waits, and the previous holder and renewals of the job wait as long:
+--   the wait is bounded for that reason too.
 -- * Recorded in fence.confirmed_takeovers (one row per job, the latest
 --   confirmed generation; only these functions write it), in the write's
 --   transaction, so a generation waits once; if the transaction rolls
