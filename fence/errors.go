@@ -11,24 +11,25 @@ import (
 
 // SQLSTATE codes of class FN raised by the fence functions and the proxy.
 const (
-	CodeStale            = "FN001" // token is not the fence's current token
-	CodeLeaseHeld        = "FN002" // another holder's lease is live
-	CodeConflict         = "FN003" // same generation and step, different payload
-	CodeRetired          = "FN004" // epoch retired
-	CodeUnknownJob       = "FN005" // job (or epoch) never issued
-	CodeExpired          = "FN006" // receipt pruned by gc: cannot confirm
-	CodePending          = "FN007" // generation pending on the replica
-	CodeFencingRequired  = "FN008" // protected write without fence metadata
-	CodeUnsupported      = "FN009" // unsupported in a gated transaction
-	CodeProtectionLocked = "FN010" // a change to a protected table that needs pgfence_bypass (DDL, unprotect)
-	CodeNotOwner         = "FN011" // the lease belongs to another role, or the role may not take this job
-	CodeGateTimeout      = "FN012" // the proxy ended a gated transaction its client left idle (gate_idle_timeout)
-	CodeReserved         = "FN013" // a name reserved for pgfence (the proxy's statements, pgfence.* settings)
-	CodeNotInstalled     = "FN014" // the database lacks the fence schema, or the role lacks pgfence_worker
-	CodeFailover         = "FN015" // the generation was issued before a failover that may have lost a takeover: void
-	CodeUnconfirmed      = "FN016" // committed on the primary, but the synchronous standby did not confirm it (its wait was cancelled): a failover may lose it
-	CodeReplay           = "FN00R" // idempotent replay (internal)
-	sqlstateClassFencing = "FN"
+	CodeStale               = "FN001" // token is not the fence's current token
+	CodeLeaseHeld           = "FN002" // another holder's lease is live
+	CodeConflict            = "FN003" // same generation and step, different payload
+	CodeRetired             = "FN004" // epoch retired
+	CodeUnknownJob          = "FN005" // job (or epoch) never issued
+	CodeExpired             = "FN006" // receipt pruned by gc: cannot confirm
+	CodePending             = "FN007" // generation pending on the replica
+	CodeFencingRequired     = "FN008" // protected write without fence metadata
+	CodeUnsupported         = "FN009" // unsupported in a gated transaction
+	CodeProtectionLocked    = "FN010" // a change to a protected table that needs pgfence_bypass (DDL, unprotect)
+	CodeNotOwner            = "FN011" // the lease belongs to another role, or the role may not take this job
+	CodeGateTimeout         = "FN012" // the proxy ended a gated transaction its client left idle (gate_idle_timeout)
+	CodeReserved            = "FN013" // a name reserved for pgfence (the proxy's statements, pgfence.* settings)
+	CodeNotInstalled        = "FN014" // the database lacks the fence schema, or the role lacks pgfence_worker
+	CodeFailover            = "FN015" // the generation was issued before a failover that may have lost a takeover: void
+	CodeUnconfirmed         = "FN016" // committed on the primary, but the synchronous standby did not confirm it (its wait was cancelled): a failover may lose it
+	CodeUnconfirmedTakeover = "FN017" // failover_mode sync: the generation's takeover is not yet on the synchronous standbys, so its first write is refused (nothing written)
+	CodeReplay              = "FN00R" // idempotent replay (internal)
+	sqlstateClassFencing    = "FN"
 )
 
 // Error is pgfence's error: a SQLSTATE and the words that tell a user
@@ -157,6 +158,15 @@ func IsFailover(err error) bool { return Code(err) == CodeFailover }
 // so a failover may lose it: do not act on what it returned; acquire (or
 // renew) again.
 func IsUnconfirmed(err error) bool { return Code(err) == CodeUnconfirmed }
+
+// IsUnconfirmedTakeover reports whether err is FN017: in failover_mode
+// sync, the takeover that issued the generation is not yet confirmed by
+// the synchronous standbys (pg_stat_replication), so its first write was
+// refused and nothing was written: retry the write (the standby may have
+// it by then), or acquire again. A takeover made in the same transaction
+// as the write is refused so at once: take the lease in a transaction of
+// its own.
+func IsUnconfirmedTakeover(err error) bool { return Code(err) == CodeUnconfirmedTakeover }
 
 // IsStale reports whether err is FN001: the token is not the current one
 // (another holder took over, or the lease was released): stop.

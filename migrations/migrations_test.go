@@ -64,8 +64,8 @@ func TestApplyTwice(t *testing.T) {
 		}
 	}
 	tables, functions := schemaSummary(t, ctx, db)
-	if tables != 19 { // 012 adds fence.read_shapes, 015 fence.consumers, 016 fence.consumer_grants, 017 fence.eras and fence.era_checks
-		t.Errorf("fence tables: got %d, want 17", tables)
+	if tables != 20 { // 012 adds fence.read_shapes, 015 fence.consumers, 016 fence.consumer_grants, 019 fence.eras and fence.era_checks, 027 fence.confirmed_takeovers
+		t.Errorf("fence tables: got %d, want 20", tables)
 	}
 	if functions < 15 {
 		t.Errorf("fence functions: got %d, want at least 15", functions)
@@ -118,8 +118,8 @@ func TestApplyConcurrently(t *testing.T) {
 		t.Fatalf("version %d, want %d", v, latest)
 	}
 	tables, _ := schemaSummary(t, ctx, db)
-	if tables != 19 { // 012 adds fence.read_shapes, 015 fence.consumers, 016 fence.consumer_grants, 017 fence.eras and fence.era_checks
-		t.Errorf("fence tables: got %d, want 17", tables)
+	if tables != 20 { // 012 adds fence.read_shapes, 015 fence.consumers, 016 fence.consumer_grants, 019 fence.eras and fence.era_checks, 027 fence.confirmed_takeovers
+		t.Errorf("fence tables: got %d, want 20", tables)
 	}
 	// The protocol works after a concurrent migration.
 	var token int64
@@ -316,5 +316,34 @@ select p.oid::regprocedure::text, p.prosrc
 	}
 	if generated != 2 {
 		t.Fatalf("%d generated job-key functions, want 2 (one before 023, one after)", generated)
+	}
+}
+
+// TestSyncStandbyCount: num_sync of synchronous_standby_names as
+// fence.confirm_takeover counts it (migration 027): FIRST n (...), ANY n
+// (...) and n (...) give n, a plain list or '*' one, empty none.
+func TestSyncStandbyCount(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	db := cluster.NewDatabase(t)
+	conn := cluster.Primary.MustConnect(t, db)
+	if err := migrations.Apply(ctx, conn); err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range []struct {
+		names string
+		want  int
+	}{
+		{"", 0}, {"   ", 0}, {"*", 1}, {"s1", 1}, {"s1, s2", 1}, {`"node 2", s3`, 1},
+		{"FIRST 2 (s1, s2, s3)", 2}, {"first 1 (s1)", 1}, {"ANY 2 (s1, s2, s3)", 2}, {"any 3 (a,b,c)", 3},
+		{"2 (s1, s2)", 2}, {"  First  3(a, b, c)", 3}, {"10 (*)", 10},
+	} {
+		var got int
+		if err := conn.QueryRow(ctx, "select fence.sync_standby_count($1)", c.names).Scan(&got); err != nil {
+			t.Fatal(err)
+		}
+		if got != c.want {
+			t.Errorf("sync_standby_count(%q): got %d, want %d", c.names, got, c.want)
+		}
 	}
 }

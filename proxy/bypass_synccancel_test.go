@@ -289,6 +289,17 @@ select fence.set_failover_mode('sync');`); err != nil {
 	if e.gated, err = fence.Acquire(ctx, w, "sc_gated", "h", time.Hour); err != nil {
 		t.Fatal(err)
 	}
+	// The gated generation's first write, while the standby confirms: from
+	// migration 027 on, a first write in failover_mode sync waits for the
+	// standby to confirm the takeover (FN017 without it), and this case is
+	// about the commit's own wait.
+	if _, err := w.Exec(ctx, fmt.Sprintf(`begin;
+select set_config('fence.job_key', 'sc_gated', true), set_config('fence.epoch', '%d', true),
+       set_config('fence.token', '%d', true), set_config('fence.step', 'setup', true);
+update results set payload = 'setup' where job_key = 'sc_gated';
+commit`, e.gated.Epoch, e.gated.Token)); err != nil {
+		t.Fatal(err)
+	}
 	// From now on nothing confirms a commit.
 	if err := c.DetachReplica(ctx); err != nil {
 		t.Fatal(err)

@@ -23,7 +23,7 @@ import (
 
 // gateCodes are the SQLSTATEs of the gate counted one by one; anything
 // else in class FN is counted as "FN other".
-var gateCodes = [...]string{"FN001", "FN002", "FN003", "FN004", "FN005", "FN006", "FN007", "FN008", "FN009", "FN015", "FN016"}
+var gateCodes = [...]string{"FN001", "FN002", "FN003", "FN004", "FN005", "FN006", "FN007", "FN008", "FN009", "FN015", "FN016", "FN017"}
 
 // CodeCounts counts errors by SQLSTATE of class FN. The zero value is
 // ready; safe for concurrent use.
@@ -321,7 +321,7 @@ var (
 	descReadWaits    = prometheus.NewDesc("pgfence_read_waits_total", "Reads that waited for a replica to replay (fence.read_policy wait).", nil, nil)
 	descReadRetries  = prometheus.NewDesc("pgfence_read_retries_total", "Routed reads answered by the primary after their replica failed.", nil, nil)
 	descGate         = prometheus.NewDesc("pgfence_gate_transactions_total", "Gated transactions by outcome: gated (passed the fence check), committed (new receipt), replayed (idempotent replay).", []string{"outcome"}, nil)
-	descGateErr      = prometheus.NewDesc("pgfence_gate_errors_total", "Errors of class FN the clients got, by SQLSTATE (FN001 stale, FN003 conflict, FN004 retired, FN005 unknown job, FN006 receipt pruned, FN008 fencing required, FN009 unsupported, FN015 generation from before a failover, FN016 a commit the synchronous standby did not confirm).", []string{"code"}, nil)
+	descGateErr      = prometheus.NewDesc("pgfence_gate_errors_total", "Errors of class FN the clients got, by SQLSTATE (FN001 stale, FN003 conflict, FN004 retired, FN005 unknown job, FN006 receipt pruned, FN008 fencing required, FN009 unsupported, FN015 generation from before a failover, FN016 a commit the synchronous standby did not confirm, FN017 a first write before the synchronous standby confirmed its takeover).", []string{"code"}, nil)
 	descClassified   = prometheus.NewDesc("pgfence_statements_classified_total", "Statements classified by the gate.", nil, nil)
 	descCacheBytes   = prometheus.NewDesc("pgfence_cache_bytes", "Bytes the write gate's classifier and plan caches hold, as estimated (bounded by cache_memory, within memory_budget).", nil, nil)
 	descCacheEntries = prometheus.NewDesc("pgfence_cache_entries", "Entries in the write gate's classifier and plan caches.", nil, nil)

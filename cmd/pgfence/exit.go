@@ -34,7 +34,7 @@ const (
 	exitDataErr     = 65                     // EX_DATAERR: the database rejected the input (bad job key, unknown job or token, no such table)
 	exitUnavailable = runner.ExitUnavailable // 69 EX_UNAVAILABLE: the database cannot be reached; an address is in use
 	exitSoftware    = runner.ExitInternal    // 70 EX_SOFTWARE: an unexpected error
-	exitTempFail    = runner.ExitLeaseHeld   // 75 EX_TEMPFAIL: the lease is held by another holder, a wait ran out, or the synchronous standby did not confirm the commit (FN016)
+	exitTempFail    = runner.ExitLeaseHeld   // 75 EX_TEMPFAIL: the lease is held by another holder, a wait ran out, the synchronous standby did not confirm the commit (FN016), or a new generation's takeover not yet (FN017)
 	exitLeaseLost   = runner.ExitLeaseLost   // 76: the token is stale or its epoch retired: another holder took over
 	exitNoPerm      = 77                     // EX_NOPERM: permission denied, authentication failed
 	exitConfig      = 78                     // EX_CONFIG: bad configuration; the fence schema is not installed
@@ -81,6 +81,8 @@ func classify(err error) (int, string) {
 		return exitTempFail, ""
 	case fence.CodeUnconfirmed:
 		return exitTempFail, "the synchronous standby did not confirm the commit (its wait was cancelled), so a failover may lose it: run the command again"
+	case fence.CodeUnconfirmedTakeover:
+		return exitTempFail, "the synchronous standby has not confirmed the lease's takeover yet, so the write was refused: run the command again (check pg_stat_replication on the primary if it persists)"
 	case fence.CodeUnknownJob:
 		return exitDataErr, ""
 	case fence.CodeNotOwner:
