@@ -34,8 +34,9 @@
 --
 -- Tables protected before this migration that already have such a column
 -- keep it (nothing here rewrites a table): the migration names them in a
--- WARNING, and docs/security.md's Known limits says what to do (an
--- administrator turns the column into text, or oid, with a gated write).
+-- WARNING (and pgfence migrate names them on every run, from
+-- fence.catalog_value_tables), and docs/security.md's Known limits says
+-- what to do (an administrator turns the column into text, or oid).
 -- The owner's other DDL on them passes as before: only columns arriving
 -- after they were recorded are judged.
 
@@ -361,7 +362,7 @@ begin
   if v is not null then
     raise warning 'protected tables whose rows hold values that read through the catalog: %', v
       using detail = 'what such a row reads changes when the object its value points to is renamed or dropped, without a fenced write; the table owner can no longer add such columns, but these stay',
-            hint = 'have an administrator store the names as text (or the numbers as oid) with a gated write; see docs/security.md, Known limits';
+            hint = 'have an administrator turn each column into text (ALTER TABLE … ALTER COLUMN … TYPE text keeps the names the rows read now) or oid; see docs/security.md, Known limits';
   end if;
 end
 $$;

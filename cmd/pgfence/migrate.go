@@ -75,7 +75,7 @@ with fence.set_max_lease_ttl).`,
 				return output{}, err
 			}
 			for _, c := range catalogValues {
-				lines = append(lines, fmt.Sprintf("protected table %s has a %s whose values read the current names of catalog objects, not the row's own: have an administrator store the names as text (or the numbers as oid) with a gated write (docs/security.md, Known limits)", c.Table, c.Column))
+				lines = append(lines, fmt.Sprintf("protected table %s has a %s whose values read the current names of catalog objects, not the row's own: have an administrator turn it into text (ALTER TABLE … ALTER COLUMN … TYPE text keeps the names the rows read now) or oid (docs/security.md, Known limits)", c.Table, c.Column))
 			}
 			return output{json: map[string]any{"from_version": before, "version": after, "migrated": before != after,
 				"job_authorization": auth, "consumer_authorization": consumers, "max_lease_ttl": ttl,
