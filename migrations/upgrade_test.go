@@ -4,11 +4,14 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/internal/pgtest"
@@ -690,5 +693,76 @@ where not granted and locktype = 'relation' and relation = $1::regclass and mode
 			t.Fatalf("the migration ended (%v) %s", err, while)
 		case <-time.After(10 * time.Millisecond):
 		}
+	}
+}
+
+// versionNamed is the version of the migration whose file name ends in
+// _name.sql (found in this directory, so the test names no number).
+func versionNamed(t *testing.T, name string) int32 {
+	t.Helper()
+	files, err := filepath.Glob("*_" + name + ".sql")
+	if err != nil || len(files) != 1 {
+		t.Fatalf("migration %q: files %v, %v; want one", name, files, err)
+	}
+	n, err := strconv.Atoi(strings.SplitN(files[0], "_", 2)[0])
+	if err != nil {
+		t.Fatalf("migration file %s: %v", files[0], err)
+	}
+	return int32(n)
+}
+
+// TestUpgradeNamesCatalogValueColumns (attack round 14, AA Break 2): a
+// table protected before the migration that refuses columns whose values
+// read through the catalog (oid_alias_columns) keeps such a column, since
+// nothing rewrites it; the migration names it in a WARNING and
+// fence.catalog_value_tables lists it, with the column, for an
+// administrator. A protected table without one is not named.
+func TestUpgradeNamesCatalogValueColumns(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	db := cluster.NewDatabase(t)
+	cfg, err := pgx.ParseConfig(cluster.Primary.DSN(db))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var warnings []string
+	cfg.OnNotice = func(_ *pgconn.PgConn, n *pgconn.Notice) {
+		if n.Severity == "WARNING" {
+			warnings = append(warnings, n.Message)
+		}
+	}
+	conn, err := pgx.ConnectConfig(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(context.Background())
+	if err := migrations.MigrateTo(ctx, conn, versionNamed(t, "oid_alias_columns")-1); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := conn.Exec(ctx, `
+create type pair as (a int, p regproc);
+create table had_regclass (k int, job_key text, r regclass);
+create table had_composite (k int, job_key text, c pair[]);
+create table plain (k int, job_key text, r oid, t text);
+select fence.protect('had_regclass', 'job_key'), fence.protect('had_composite', 'job_key'), fence.protect('plain', 'job_key');`); err != nil {
+		t.Fatal(err)
+	}
+	if err := migrations.Apply(ctx, conn); err != nil {
+		t.Fatal(err)
+	}
+	want := "protected tables whose rows hold values that read through the catalog: had_composite (column c of type public.pair[] (which holds regproc)); had_regclass (column r of type regclass)"
+	if len(warnings) != 1 || warnings[0] != want {
+		t.Fatalf("warnings of the migration: got %q, want [%q]", warnings, want)
+	}
+	rows, err := conn.Query(ctx, "select relid::text || ': ' || what from fence.catalog_value_tables()")
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		t.Fatal(err)
+	}
+	if w := "had_composite: column c of type public.pair[] (which holds regproc)|had_regclass: column r of type regclass"; strings.Join(got, "|") != w {
+		t.Fatalf("fence.catalog_value_tables: got %q, want %q", strings.Join(got, "|"), w)
 	}
 }

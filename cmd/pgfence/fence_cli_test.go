@@ -39,6 +39,18 @@ func TestFenceCLI(t *testing.T) {
 		!strings.Contains(out, `"consumer_authorization":false`) || !strings.Contains(out, `"max_lease_ttl":"1 day"`) {
 		t.Fatalf("migrate --json: %q", out)
 	}
+	// And names protected tables with a column whose values read through
+	// the catalog (protected before pgfence refused such columns, or by an
+	// administrator), with what to do.
+	mustExec(t, admin, "create table cv (k int, job_key text, r regclass); select fence.protect('cv', 'job_key')")
+	if out := mustRun(t, "migrate", "--database", dsn); !strings.Contains(out, "protected table public.cv has a column r of type regclass whose values read the current names of catalog objects") ||
+		!strings.Contains(out, "ALTER TABLE … ALTER COLUMN … TYPE text") {
+		t.Fatalf("migrate does not name the table with a regclass column: %q", out)
+	}
+	if out := mustRun(t, "migrate", "--database", dsn, "--json"); !strings.Contains(out, `"catalog_value_columns":[{"table":"public.cv","column":"column r of type regclass"}]`) {
+		t.Fatalf("migrate --json does not name the table with a regclass column: %q", out)
+	}
+	mustExec(t, admin, "select fence.unprotect('cv'); drop table cv")
 	// --database defaults to the environment.
 	t.Run("database_from_env", func(t *testing.T) {
 		root := newRootCmd()

@@ -70,8 +70,16 @@ with fence.set_max_lease_ttl).`,
 			} else {
 				lines = append(lines, fmt.Sprintf("leases of non-administrators are limited to %s (fence.set_max_lease_ttl moves the limit)", *ttl))
 			}
+			catalogValues, err := catalogValueTables(ctx, conn)
+			if err != nil {
+				return output{}, err
+			}
+			for _, c := range catalogValues {
+				lines = append(lines, fmt.Sprintf("protected table %s has a %s whose values read the current names of catalog objects, not the row's own: have an administrator turn it into text (ALTER TABLE … ALTER COLUMN … TYPE text keeps the names the rows read now) or oid (docs/security.md, Known limits)", c.Table, c.Column))
+			}
 			return output{json: map[string]any{"from_version": before, "version": after, "migrated": before != after,
-				"job_authorization": auth, "consumer_authorization": consumers, "max_lease_ttl": ttl},
+				"job_authorization": auth, "consumer_authorization": consumers, "max_lease_ttl": ttl,
+				"catalog_value_columns": catalogValues},
 				text: textf("%s", strings.Join(lines, "\n"))}, nil
 		}),
 	}
@@ -89,4 +97,30 @@ func leaseDefaults(ctx context.Context, conn *pgx.Conn) (auth, consumers bool, t
 		return false, false, nil, fmt.Errorf("read the lease settings: %w", err)
 	}
 	return auth, consumers, ttl, nil
+}
+
+// catalogValue is a protected table with a column whose values read
+// through the catalog (a regclass, regproc, … or aclitem), which the
+// table had before pgfence refused such columns (migration
+// oid_alias_columns).
+type catalogValue struct {
+	Table  string `json:"table"`
+	Column string `json:"column"`
+}
+
+// catalogValueTables reads fence.catalog_value_tables.
+func catalogValueTables(ctx context.Context, conn *pgx.Conn) ([]catalogValue, error) {
+	rows, err := conn.Query(ctx, "select relid::pg_catalog.text, what from fence.catalog_value_tables()")
+	if err != nil {
+		return nil, fmt.Errorf("read fence.catalog_value_tables: %w", err)
+	}
+	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (catalogValue, error) {
+		var c catalogValue
+		err := r.Scan(&c.Table, &c.Column)
+		return c, err
+	})
+	if err != nil {
+		return nil, fmt.Errorf("read fence.catalog_value_tables: %w", err)
+	}
+	return out, nil
 }
