@@ -148,7 +148,7 @@ begin
                     and (a.atthasmissing or a.attgenerated <> '')) then
         return format('add column %I with a value for its existing rows (a default)', f->>'n');
       end if;
-      -- (027) Values that read through the catalog are not the row's own.
+      -- (028) Values that read through the catalog are not the row's own.
       select fence.catalog_value_type(a.atttypid) into v_ty
         from pg_catalog.pg_attribute a
        where a.attrelid = rel and a.attname = f->>'n' and a.attnum > 0 and not a.attisdropped;
@@ -243,7 +243,7 @@ begin
   if v is not null then
     return v;
   end if;
-  -- (027) Its own columns whose values read through the catalog (the
+  -- (028) Its own columns whose values read through the catalog (the
   -- tree's columns were judged when they came).
   v := fence.catalog_value_column(p_rel, true);
   if v is not null then
@@ -313,7 +313,7 @@ begin
             detail = 'writes naming the root would reach its rows without firing its statement triggers',
             hint = format('protect the root instead: fence.protect(%L) protects every table below it, now and later', v_roots);
   end if;
-  -- (027) A column whose values read through the catalog: only an
+  -- (028) A column whose values read through the catalog: only an
   -- administrator may protect it (and so take what it reads as it is).
   if not fence.is_admin() then
     select m.relid, fence.catalog_value_column(m.relid, false) into v_member, v_what
