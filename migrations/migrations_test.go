@@ -323,7 +323,7 @@ select p.oid::regprocedure::text, p.prosrc
 // a function's string literals under the session's
 // standard_conforming_strings, which any role may turn off: then '\s' is
 // 's'. No function of schema fence has a backslash in a plain literal
-// (E'' literals read the same under either setting) unless it pins the
+// (an escape string, E'…', reads the same under either setting) unless it pins the
 // setting itself; the job-key checks generated before the latest
 // migration are rewritten by it, and those generated after are made
 // from the rewritten template.
