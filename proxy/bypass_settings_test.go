@@ -232,7 +232,7 @@ func (c *cast) leaseAtMostADay(t *testing.T, job, what string) {
 // southern hemisphere's.
 func dstZone(now time.Time) string {
 	now = now.UTC()
-	start := now.Add(-24 * time.Hour)                                       // standard time is UTC
+	start := now.Add(-24 * time.Hour)                                      // standard time is UTC
 	end := now.Add(23 * time.Hour).Add(12 * time.Hour).Truncate(time.Hour) // daylight saving wall time
 	return fmt.Sprintf("STD0DST-23,%d/%d,%d/%d", start.YearDay()-1, start.Hour(), end.YearDay()-1, end.Hour())
 }
