@@ -347,3 +347,68 @@ func TestSyncStandbyCount(t *testing.T) {
 		}
 	}
 }
+
+// TestFunctionsReadNoSessionSyntax (round 14, Z-M1, Z-L1): PL/pgSQL reads
+// a function's string literals under the session's
+// standard_conforming_strings, which any role may turn off: then '\s' is
+// 's'. No function of schema fence has a backslash in a plain literal
+// (an escape string, E'…', reads the same under either setting) unless it pins the
+// setting itself; the job-key checks generated before the latest
+// migration are rewritten by it, and those generated after are made
+// from the rewritten template.
+func TestFunctionsReadNoSessionSyntax(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	db := cluster.NewDatabase(t)
+	conn, err := cluster.Primary.Connect(ctx, db)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(ctx)
+	latest, err := migrations.Latest()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := migrations.MigrateTo(ctx, conn, latest-1); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := conn.Exec(ctx, "create table tb (k int, old_key text); select fence.protect('tb', 'old_key')"); err != nil {
+		t.Fatal(err)
+	}
+	if err := migrations.Apply(ctx, conn); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := conn.Exec(ctx, "create table ta (k int, new_key text); select fence.protect('ta', 'new_key')"); err != nil {
+		t.Fatal(err)
+	}
+	rows, err := conn.Query(ctx, `
+select p.oid::regprocedure::text, p.prosrc, coalesce('standard_conforming_strings=on' = any(p.proconfig), false)
+  from pg_proc p where p.pronamespace = 'fence'::regnamespace order by 1`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rows.Close()
+	eLiteral := regexp.MustCompile(`(?i)\bE'(?:[^'\\]|\\.|'')*'`)
+	n, generated := 0, 0
+	for rows.Next() {
+		var fn, src string
+		var pinned bool
+		if err := rows.Scan(&fn, &src, &pinned); err != nil {
+			t.Fatal(err)
+		}
+		n++
+		if strings.HasPrefix(fn, "fence.backstop_rows_") {
+			generated++
+		}
+		if rest := eLiteral.ReplaceAllString(src, "E''"); strings.Contains(rest, `\`) && !pinned {
+			i := strings.Index(rest, `\`)
+			t.Errorf("%s has a backslash outside an E'' literal and does not pin standard_conforming_strings: …%s…", fn, rest[max(0, i-40):min(len(rest), i+40)])
+		}
+	}
+	if err := rows.Err(); err != nil {
+		t.Fatal(err)
+	}
+	if n == 0 || generated != 2 {
+		t.Fatalf("%d functions in schema fence, %d job-key checks, want some and 2", n, generated)
+	}
+}

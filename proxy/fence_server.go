@@ -346,9 +346,7 @@ func (h *fenceSession) onError(s gateConn, msg []byte, t *tag) (Verdict, error) 
 			s.WriteClient(encode(nil, &pgproto3.CommandComplete{CommandTag: []byte("COMMIT")}))
 		}
 		s.WriteClient(encode(nil, &pgproto3.NoticeResponse{Severity: "NOTICE", SeverityUnlocalized: "NOTICE", Code: fence.CodeReplay,
-			Message: fmt.Sprintf("pgfence: idempotent replay: job %q epoch %d token %d step %q was already committed with the same payload; nothing was applied twice",
-				gen.JobKey, gen.Epoch, gen.Token, gen.Step),
-			Detail: e.Detail}))
+			Message: replayNotice(gen, &e), Detail: e.Detail, Hint: replayHint(&e)}))
 		h.logRefusal(s, &e, nil, "replayed") // fence_log.go
 		// The rest of the batch is skipped; its errors stay hidden. A
 		// query's statements after the COMMIT are run again (awaitCommit).
@@ -436,4 +434,31 @@ func rowValue(msg []byte) string {
 		return ""
 	}
 	return string(b[6 : 6+n])
+}
+
+// replayUncompared is what fence.receipt_answer's FN00R says when the
+// first commit's digest is of another kind than the retry's (the
+// backstop's backstop-v1 against the proxy's v1): the payloads were not
+// compared.
+const replayUncompared = "could not be compared"
+
+// replayNotice is the NOTICE's message for e, the receipt step's FN00R:
+// the same payload, or one that could not be compared with the first
+// commit's (a retry across paths is still answered as a replay).
+func replayNotice(gen fence.Generation, e *pgproto3.ErrorResponse) string {
+	if strings.Contains(e.Message, replayUncompared) {
+		return fmt.Sprintf("pgfence: idempotent replay: job %q epoch %d token %d step %q was already committed; its payload could not be compared with this one (the first commit's digest is of another kind); nothing was applied twice",
+			gen.JobKey, gen.Epoch, gen.Token, gen.Step)
+	}
+	return fmt.Sprintf("pgfence: idempotent replay: job %q epoch %d token %d step %q was already committed with the same payload; nothing was applied twice",
+		gen.JobKey, gen.Epoch, gen.Token, gen.Step)
+}
+
+// replayHint is the NOTICE's hint for e: none for the same payload (as
+// before), the database's for one that could not be compared.
+func replayHint(e *pgproto3.ErrorResponse) string {
+	if strings.Contains(e.Message, replayUncompared) {
+		return "treat this as success only if this is a retry of that commit; a different result needs a new step"
+	}
+	return ""
 }
