@@ -106,7 +106,7 @@ begin
   if p_names is null or pg_catalog.btrim(p_names) operator(pg_catalog.=) '' then
     return 0;
   end if;
-  m := pg_catalog.regexp_match(p_names, '^\s*(?:(?:first|any)\s+)?([0-9]+)\s*\(', 'i');
+  m := pg_catalog.regexp_match(p_names, '^[[:space:]]*(?:(?:first|any)[[:space:]]+)?([0-9]+)[[:space:]]*[(]', 'i');
   if m is not null then
     return m[1]::integer;
   end if;
