@@ -122,6 +122,9 @@ type takeovers struct {
 	// verified counts the reads of fence.fences that completed (tests
 	// observe it).
 	verified atomic.Uint64
+	// heard counts the pgfence_takeover notifications taken (tests
+	// observe it).
+	heard atomic.Uint64
 
 	mu    sync.RWMutex
 	jobs  map[string]takeover
@@ -292,6 +295,7 @@ type takeoverNote struct {
 // note takes a pgfence_takeover payload (on the watcher's goroutine, as
 // pgconn receives it). It reports whether the payload named a job key.
 func (t *takeovers) note(payload string) bool {
+	t.heard.Add(1)
 	var n takeoverNote
 	if err := json.Unmarshal([]byte(payload), &n); err != nil || !possibleJobKey(n.JobKey) {
 		t.pmu.Lock()
