@@ -167,4 +167,3 @@ func bypassNotifyStall(t *testing.T) {
 		onReplicaAgain(t, job, rs)
 	})
 }
-
