@@ -459,12 +459,15 @@ func init() {
 }
 
 // markSQL sends a marker: the channel and the nonce are parameters, so
-// neither shows in pg_stat_activity.query. Committed asynchronously: the
-// barrier rests on the order of the notification queue and on visibility,
-// not on durability, and a marker must not wait for a synchronous
-// standby (nor for the disk).
+// neither shows in pg_stat_activity.query. Committed with
+// synchronous_commit local: the barrier rests on the order of the
+// notification queue, not on a standby, and a marker must not wait for a
+// synchronous one; but flushed, not off: an asynchronous commit's record
+// waits for the WAL writer (up to three wal_writer_delay) before any
+// replica can have it, and every insert position read after it (the
+// positions of takeovers verified then) would wait as long on replicas.
 var markSQL = own("watcher: freshness marker", onControl,
-	"SELECT pg_catalog.set_config('synchronous_commit', 'off', true), pg_catalog.pg_notify($1, $2)")
+	"SELECT pg_catalog.set_config('synchronous_commit', 'local', true), pg_catalog.pg_notify($1, $2)")
 
 // marker is the watcher's freshness barrier (lsn.go, freshWithin) on one
 // connection: it NOTIFYs its own channel and waits for that notification
