@@ -139,8 +139,14 @@ func bypassNotifyStall(t *testing.T) {
 		if err := pgtest.Poll(ctxT(t), func() (bool, error) { return cat.tk.heard.Load() > heard, nil }); err != nil {
 			t.Fatalf("the watcher never took the notification: %v", err)
 		}
-		// The watcher is blocked in its handler now.
+		// The watcher is blocked in its handler now: nothing it hears
+		// from here on is in the tracker, and no marker can come back.
 		b := takeover(t, job, a)
+		// Past the documented window: the tracker was last proven fresh
+		// before the stall, more than freshWithin ago.
+		if err := pgtest.Poll(ctxT(t), func() (bool, error) { return !cat.tk.current(time.Now()), nil }); err != nil {
+			t.Fatalf("the tracker stayed current with its watcher stalled: %v", err)
+		}
 		stale := e.proxy.srv.rs.stats.Stale.Load()
 		neverA(t, job, rs)
 		if e.proxy.srv.rs.stats.Stale.Load() == stale {
