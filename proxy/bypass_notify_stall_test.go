@@ -161,6 +161,75 @@ func bypassNotifyStall(t *testing.T) {
 		onReplicaAgain(t, job, rs)
 	})
 
+	t.Run("after_idle", func(t *testing.T) {
+		// The barrier costs nothing but a marker's round trip after a
+		// pause in reads: the replica still serves autocommit reads, and
+		// requests in a read-only transaction open there (simple and
+		// extended protocol) wait for the marker rather than fail.
+		job := e.nextJob()
+		e.scenarioBefore(t, job)
+		e.mark(t)
+		if err := cluster.WaitReplicaCaughtUp(ctxT(t)); err != nil {
+			t.Fatal(err)
+		}
+		waitProxyReplay(t, e.proxy)
+		cat := catalogOf(t, e.gate, e.db)
+		idle := func(t *testing.T) {
+			t.Helper()
+			// Stale without asking for a marker (current would ask).
+			if err := pgtest.Poll(ctxT(t), func() (bool, error) {
+				return time.Now().UnixNano()-cat.tk.fresh.Load() > int64(freshWithin), nil
+			}); err != nil {
+				t.Fatal(err)
+			}
+		}
+		q := e.readQuery(job)
+		r := e.reader(t, nil)
+		waitReplicaRead(t, r, q)
+		stale := e.proxy.srv.rs.stats.Stale.Load()
+		for i := range 3 {
+			idle(t)
+			marks := cat.tk.marks.Load()
+			if vals := mustWhere(t, r, q, true); vals[0] != "A" {
+				t.Fatalf("read %v, want A's result", vals)
+			}
+			if cat.tk.marks.Load() == marks {
+				t.Fatalf("read %d after a pause sent no marker", i)
+			}
+		}
+		mustWhere(t, r, "BEGIN READ ONLY; "+q, true)
+		idle(t)
+		marks := cat.tk.marks.Load()
+		mustWhere(t, r, q, true) // simple protocol, in the transaction
+		idle(t)
+		if cat.tk.marks.Load() == marks {
+			t.Fatal("a read in the transaction after a pause sent no marker")
+		}
+		marks = cat.tk.marks.Load()
+		rr := r.ExecParams(ctxT(t), q, nil, nil, nil, nil) // extended protocol, in the transaction
+		var rows [][]string
+		for rr.NextRow() {
+			var row []string
+			for _, v := range rr.Values() {
+				row = append(row, string(v))
+			}
+			rows = append(rows, row)
+		}
+		if _, err := rr.Close(); err != nil {
+			t.Fatalf("extended-protocol read in the transaction after a pause: %v", err)
+		}
+		if len(rows) != 1 || rows[0][0] != "A" || rows[0][2] != "t" {
+			t.Fatalf("extended-protocol read in the transaction: %v, want A's result from the replica", rows)
+		}
+		if cat.tk.marks.Load() == marks {
+			t.Fatal("an extended-protocol read in the transaction after a pause sent no marker")
+		}
+		mustWhere(t, r, "COMMIT; SELECT 1", false)
+		if n := e.proxy.srv.rs.stats.Stale.Load() - stale; n != 0 {
+			t.Fatalf("%d reads judged stale with the watcher idle and prompt, want 0", n)
+		}
+	})
+
 	t.Run("flood_before_takeover", func(t *testing.T) {
 		// The attack: 200,000 notifications from a login with no fence
 		// role, committed just before the takeover.
