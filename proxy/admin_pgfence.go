@@ -212,6 +212,7 @@ func (s *Server) showFenceStats() *adminTable {
 	n("reads_pending", rs.Pending.Load())
 	n("reads_waited", rs.Waits.Load())
 	n("reads_retried", rs.Retries.Load())
+	n("reads_stale", rs.Stale.Load())
 	if fs := s.gateStats(); fs != nil {
 		n("gate_passed", fs.Gated.Load())
 		n("commits", fs.Committed.Load())

@@ -258,6 +258,8 @@ func TestRouteLoopReplicaFails(t *testing.T) {
 	t.Run("before_answer", func(t *testing.T) {
 		e, c, rc, rep := routedReader(t, Config{})
 		r := loopRelayOf(t, e.proxy, c)
+		// The read's one park: none for a freshness marker first.
+		holdCurrent(catalogOf(t, e.gate, e.db))
 		parks := r.intercept.parks.Load()
 		tx, res, pid := readHeld(t, e, c, rc, rep, "loop_before_answer")
 		if n := r.intercept.parks.Load() - parks; n != 1 {

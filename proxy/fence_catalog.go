@@ -2,6 +2,9 @@ package proxy
 
 import (
 	"context"
+	"crypto/rand"
+	"crypto/subtle"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"slices"
@@ -298,7 +301,15 @@ func databaseGone(err error) bool {
 // and, with read routing, every cs.refresh.
 func (cs *catalogs) listen(c *catalog, loaded func()) error {
 	var reload atomic.Bool
+	mk, err := newMarker(&c.tk)
+	if err != nil {
+		return err
+	}
 	onNote := func(_ *pgconn.PgConn, n *pgconn.Notification) {
+		if n.Channel == mk.channel {
+			mk.note(n)
+			return
+		}
 		if n.Channel == takeoverChannel {
 			// Only a hint: the job's fence row is read before anything is
 			// recorded (lsn.go).
@@ -327,9 +338,15 @@ func (cs *catalogs) listen(c *catalog, loaded func()) error {
 		return err
 	}
 	defer conn.Close(context.Background())
-	if _, err := conn.Exec(c.ctx, listenSQL).ReadAll(); err != nil {
+	mk.pid = conn.PID()
+	c.tk.markSent.Store(0)
+	if _, err := conn.Exec(c.ctx, listenSQL+"; LISTEN "+mk.channel).ReadAll(); err != nil {
 		return err
 	}
+	// Every DDL committed before this time is in the catalog the load
+	// reads, and every takeover before it below the floor read after it:
+	// the tracker is fresh as of then (freshWithin).
+	start := time.Now()
 	if err := cs.load(c, conn); err != nil {
 		return err
 	}
@@ -349,9 +366,16 @@ func (cs *catalogs) listen(c *catalog, loaded func()) error {
 		c.tk.floor.Store(uint64(floor))
 	}
 	c.err.Store(nil)
+	c.tk.publish(start)
 	c.live.Store(true)
 	loaded()
 	for {
+		// A marker that came back: every notification before it has
+		// been taken, so once the jobs pending now are read the tracker
+		// is fresh as of its sending (lsn.go, freshWithin). Taken before
+		// the read: one that comes back during it waits for the next.
+		back := mk.back
+		mk.back = time.Time{}
 		// Notifications may arrive while a query runs: handle them
 		// before waiting for more. The takeovers pending (notified or
 		// hinted) are read in one query, then a reload if one is due, so
@@ -360,6 +384,9 @@ func (cs *catalogs) listen(c *catalog, loaded func()) error {
 			if err := c.tk.verify(c.ctx, conn, c.schema.Load(), log); err != nil {
 				return err
 			}
+		}
+		if !back.IsZero() {
+			c.tk.publish(back)
 		}
 		// Coalesce a burst of notifications into one reload.
 		if reload.Swap(false) {
@@ -374,7 +401,16 @@ func (cs *catalogs) listen(c *catalog, loaded func()) error {
 			}
 			continue
 		}
-		if c.tk.hasPending() {
+		// A reader asked for a marker: one at a time (asks while one is
+		// in flight are answered by it; a reader it leaves stale asks
+		// again).
+		if c.tk.markAsk.Swap(false) && mk.nonce == "" {
+			if err := mk.send(c.ctx, conn); err != nil {
+				return err
+			}
+			continue
+		}
+		if c.tk.hasPending() || !mk.back.IsZero() {
 			continue
 		}
 		timedOut, err := c.wait(conn, !cs.deaf.Load(), cs.refresh)
@@ -414,8 +450,99 @@ func (c *catalog) wait(conn *pgconn.PgConn, periodic bool, every time.Duration) 
 	return false, err
 }
 
-// listenSQL subscribes the watcher to both channels.
+// listenSQL subscribes the watcher to both channels (and, appended per
+// connection, to its marker's).
 var listenSQL = own("watcher: listen", onControl, "LISTEN pgfence_protected; LISTEN "+takeoverChannel)
+
+func init() {
+	ownTemplate("watcher: listen to its marker's channel", onControl, "LISTEN pgfence_mark_00", "LISTEN pgfence_mark_")
+}
+
+// markSQL sends a marker: the channel and the nonce are parameters, so
+// neither shows in pg_stat_activity.query. Committed with
+// synchronous_commit local: the barrier rests on the order of the
+// notification queue, not on a standby, and a marker must not wait for a
+// synchronous one; but flushed, not off: an asynchronous commit's record
+// waits for the WAL writer (up to three wal_writer_delay) before any
+// replica can have it, and every insert position read after it (the
+// positions of takeovers verified then) would wait as long on replicas.
+var markSQL = own("watcher: freshness marker", onControl,
+	"SELECT pg_catalog.set_config('synchronous_commit', 'local', true), pg_catalog.pg_notify($1, $2)")
+
+// marker is the watcher's freshness barrier (lsn.go, freshWithin) on one
+// connection: it NOTIFYs its own channel and waits for that notification
+// to come back. Watcher goroutine only (pgconn calls note on it).
+//
+// Nobody else can make a marker come back early, which would make the
+// tracker look fresh while takeovers are still queued behind a flood:
+//   - a marker counts only if its notification was sent by the watcher's
+//     own backend (Notification.PID, which PostgreSQL fills in from the
+//     sending backend: no client can set it);
+//   - and carries the nonce sent with it: 128 random bits, fresh per
+//     marker, sent as a bind parameter (pg_stat_activity shows the
+//     statement's text, with $2; only a server log with log_statement
+//     = 'all' or a parameter-logging setting records it, and those are
+//     the superuser's), accepted once. A forger could learn it only from
+//     the notification itself (listening on the channel), which it
+//     receives after the watcher's backend queued it: a copy it sends
+//     then is queued behind the real one, which the watcher has taken
+//     first, so the copy finds no nonce outstanding.
+//   - The channel's name is random per connection too
+//     (pgfence_mark_<32 hex>), so that nobody's notifications reach it by
+//     chance; it is not relied on as a secret: the LISTEN's text shows in
+//     pg_stat_activity (to the control role and pg_read_all_stats) until
+//     the watcher's next statement. A flood on it, like one on
+//     pgfence_takeover, only makes markers late: reads go to the primary.
+type marker struct {
+	t       *takeovers
+	channel string
+	pid     uint32    // the watcher's backend
+	nonce   string    // of the marker in flight; "" none
+	sent    time.Time // when the marker in flight was sent
+	back    time.Time // the send time of a marker that came back, not yet published
+}
+
+func newMarker(t *takeovers) (*marker, error) {
+	name, err := randomHex(16)
+	if err != nil {
+		return nil, err
+	}
+	return &marker{t: t, channel: "pgfence_mark_" + name}, nil
+}
+
+// randomHex is n random bytes in hex.
+func randomHex(n int) (string, error) {
+	b := make([]byte, n)
+	if _, err := rand.Read(b); err != nil {
+		return "", fmt.Errorf("random marker: %w", err)
+	}
+	return hex.EncodeToString(b), nil
+}
+
+// send sends a marker. Its time is taken before the statement is sent:
+// every transaction that committed before it queued its notifications
+// before the marker's.
+func (m *marker) send(ctx context.Context, conn *pgconn.PgConn) error {
+	nonce, err := randomHex(16)
+	if err != nil {
+		return err
+	}
+	m.nonce, m.sent = nonce, time.Now()
+	m.t.markSent.Store(m.sent.UnixNano())
+	m.t.marks.Add(1)
+	_, err = conn.ExecParams(ctx, markSQL, [][]byte{[]byte(m.channel), []byte(nonce)}, nil, nil, nil).Close()
+	return err
+}
+
+// note takes a notification on the marker's channel: the marker in
+// flight, come back, or anything else, ignored.
+func (m *marker) note(n *pgconn.Notification) {
+	if m.nonce == "" || n.PID != m.pid || subtle.ConstantTimeCompare([]byte(n.Payload), []byte(m.nonce)) != 1 {
+		return
+	}
+	m.nonce, m.back = "", m.sent
+	m.t.markSent.Store(0)
+}
 
 // protectedQuery lists the protected tables. It runs only after
 // ownsql.Check has found fence.protected_tables a superuser's plain table.

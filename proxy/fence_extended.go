@@ -459,6 +459,9 @@ func (h *fenceSession) execute(s gateConn, msg []byte) error {
 			h.batch.Committed()
 		}
 	}
+	if err := h.freshForExecute(s, st); err != nil {
+		return err // parked on the loop: handled again once the tracker is current
+	}
 	t := &tag{kind: 'E', portal: m.Portal, cp: cp}
 	if e := h.txReadRefusal(s, st); e != nil { // route_rotx.go
 		// The server skips the Execute after the refusal, to the Sync.

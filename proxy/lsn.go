@@ -66,6 +66,40 @@ const (
 	hintEvery = 20 * time.Millisecond
 )
 
+// The freshness barrier. Notifications reach the watcher in commit order,
+// but nothing bounds how late: any login may queue a flood of them ahead
+// of a real takeover (NOTIFY needs no privilege; round 14, attacker AA's
+// break 1), and PostgreSQL stops a listener at a queue entry whose
+// transaction has not finished committing (one stuck in its synchronous
+// replication wait stalls every listener). So what the tracker has heard
+// is trusted only as of a time the watcher proves: it NOTIFYs, on its own
+// connection, a channel only it listens to (marker, fence_catalog.go),
+// and when that marker comes back every notification of every
+// transaction that committed before it was sent has come back before it
+// (a transaction committed earlier queued its entries earlier, and the
+// listener reads the queue in order), so every takeover acknowledged
+// before that time is in the tracker once the jobs then pending are read.
+// A read whose answer rests on the tracker (every takeover seen, a job's
+// latest generation, the read set, which DDL notifications drop) is
+// judged by it only while it is fresh as of freshWithin ago; otherwise
+// the proxy does not know which takeovers it needs, and no replica serves
+// it (the read policy decides, as for a replica that is behind). Markers
+// are sent on demand only: a read that finds the tracker older than
+// freshAsk asks for one, so under steady reads one tiny NOTIFY
+// transaction per database is committed about every freshAsk, and an
+// idle database gets none.
+const (
+	// freshWithin is how old the tracker may be for a read to be judged
+	// by it: the window in which a takeover committed elsewhere may not be
+	// known yet, whatever delays notifications. One replica poll
+	// (DefaultReplicaPoll): the replay positions a read is compared with
+	// are that old too.
+	freshWithin = 50 * time.Millisecond
+	// freshAsk: a read that finds the tracker older than this asks for a
+	// marker, early enough that under steady reads it stays fresh.
+	freshAsk = 40 * time.Millisecond
+)
+
 // takeovers is what one database's watcher knows of takeovers (DESIGN
 // §6): per job the latest generation and its position, the largest
 // position of a takeover it was notified of, and the floor: the primary's
@@ -88,6 +122,9 @@ type takeovers struct {
 	// verified counts the reads of fence.fences that completed (tests
 	// observe it).
 	verified atomic.Uint64
+	// heard counts the pgfence_takeover notifications taken (tests
+	// observe it).
+	heard atomic.Uint64
 
 	mu    sync.RWMutex
 	jobs  map[string]takeover
@@ -103,6 +140,91 @@ type takeovers struct {
 	lastHint time.Time
 	hintWait bool // a delayed kick is armed
 	kick     chan struct{}
+
+	// The freshness barrier (freshWithin). fresh: the send time (Unix
+	// nanoseconds) of the last marker whose notifications before it are
+	// all in the tracker; 0: none. markAsk: a reader asked for a marker.
+	// markSent: the send time of the marker in flight; 0: none. freshCh
+	// is closed each time fresh is published. marks counts the markers
+	// sent (tests, stats).
+	fresh    atomic.Int64
+	markAsk  atomic.Bool
+	markSent atomic.Int64
+	freshCh  atomic.Pointer[chan struct{}]
+	marks    atomic.Uint64
+}
+
+// current reports whether the tracker is fresh enough, at now, for a read
+// to be judged by it (freshWithin), and asks the watcher for a marker
+// when it is getting old (freshAsk). Any goroutine; two atomic loads on
+// the common path.
+func (t *takeovers) current(now time.Time) bool {
+	f := t.fresh.Load()
+	age := now.UnixNano() - f
+	if f == 0 || age > int64(freshAsk) {
+		t.ask()
+	}
+	return f != 0 && age <= int64(freshWithin)
+}
+
+// ask asks the watcher for a marker (it sends one unless one is in
+// flight).
+func (t *takeovers) ask() {
+	if !t.markAsk.Swap(true) {
+		t.wake()
+	}
+}
+
+// waitable reports whether a marker may make the tracker fresh soon: none
+// is in flight (one is sent when asked), or the one in flight was sent
+// within freshWithin. A marker older than that is held up behind
+// something (a flood, a stalled commit): waiting for it would only delay
+// the read.
+func (t *takeovers) waitable(now time.Time) bool {
+	s := t.markSent.Load()
+	return s == 0 || now.UnixNano()-s <= int64(freshWithin)
+}
+
+// published returns a channel closed when fresh is next published.
+func (t *takeovers) published() <-chan struct{} {
+	for {
+		if p := t.freshCh.Load(); p != nil {
+			return *p
+		}
+		ch := make(chan struct{})
+		t.freshCh.CompareAndSwap(nil, &ch)
+	}
+}
+
+// publish records that every notification sent before sent is in the
+// tracker (the watcher, after reading the jobs pending when the marker
+// sent then came back), and wakes the readers waiting for it.
+func (t *takeovers) publish(sent time.Time) {
+	if n := sent.UnixNano(); n > t.fresh.Load() {
+		t.fresh.Store(n)
+	}
+	ch := make(chan struct{})
+	if old := t.freshCh.Swap(&ch); old != nil {
+		close(*old)
+	}
+}
+
+// waitFresh waits until the tracker is current (asking for markers as it
+// goes), ctx ends or done is closed; it reports whether it is current.
+func (t *takeovers) waitFresh(ctx context.Context, done <-chan struct{}) bool {
+	for {
+		ch := t.published()
+		if t.current(time.Now()) {
+			return true
+		}
+		select {
+		case <-ch:
+		case <-ctx.Done():
+			return false
+		case <-done:
+			return false
+		}
+	}
 }
 
 // lookup returns the latest takeover of job known.
@@ -173,6 +295,7 @@ type takeoverNote struct {
 // note takes a pgfence_takeover payload (on the watcher's goroutine, as
 // pgconn receives it). It reports whether the payload named a job key.
 func (t *takeovers) note(payload string) bool {
+	t.heard.Add(1)
 	var n takeoverNote
 	if err := json.Unmarshal([]byte(payload), &n); err != nil || !possibleJobKey(n.JobKey) {
 		t.pmu.Lock()

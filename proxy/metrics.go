@@ -320,6 +320,7 @@ var (
 	descReads        = prometheus.NewDesc("pgfence_read_routes_total", "Reads a replica could serve, by where they went: replica, primary (behind, unhealthy, pinned, or code that must run in the client's session), pending (refused with FN007).", []string{"route"}, nil)
 	descReadWaits    = prometheus.NewDesc("pgfence_read_waits_total", "Reads that waited for a replica to replay (fence.read_policy wait).", nil, nil)
 	descReadRetries  = prometheus.NewDesc("pgfence_read_retries_total", "Routed reads answered by the primary after their replica failed.", nil, nil)
+	descReadStale    = prometheus.NewDesc("pgfence_reads_stale_total", "Protected reads no replica served because the takeover watcher's notifications were held up (its freshness marker had not come back).", nil, nil)
 	descGate         = prometheus.NewDesc("pgfence_gate_transactions_total", "Gated transactions by outcome: gated (passed the fence check), committed (new receipt), replayed (idempotent replay).", []string{"outcome"}, nil)
 	descGateErr      = prometheus.NewDesc("pgfence_gate_errors_total", "Errors of class FN the clients got, by SQLSTATE (FN001 stale, FN003 conflict, FN004 retired, FN005 unknown job, FN006 receipt pruned, FN008 fencing required, FN009 unsupported, FN015 generation from before a failover, FN016 a commit the synchronous standby did not confirm, FN017 a first write before the synchronous standby confirmed its takeover).", []string{"code"}, nil)
 	descClassified   = prometheus.NewDesc("pgfence_statements_classified_total", "Statements classified by the gate.", nil, nil)
@@ -334,7 +335,7 @@ var (
 )
 
 func (c *collector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{descSessions, descSessionsTot, descSessionsLoop, descParks, descMsgTimeouts, descEvictions, descAdminTot, descAdminRefused, descRefused, descAcceptErrors, descUpErrors, descReads, descReadWaits, descReadRetries,
+	for _, d := range []*prometheus.Desc{descSessions, descSessionsTot, descSessionsLoop, descParks, descMsgTimeouts, descEvictions, descAdminTot, descAdminRefused, descRefused, descAcceptErrors, descUpErrors, descReads, descReadWaits, descReadRetries, descReadStale,
 		descGate, descGateErr, descClassified, descCacheBytes, descCacheEntries, descCacheEvict, descCacheUncache, descLatency, descUp, descLag, descLagBytes} {
 		ch <- d
 	}
@@ -368,6 +369,7 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 	counter(descReads, rs.Pending.Load(), "pending")
 	counter(descReadWaits, rs.Waits.Load())
 	counter(descReadRetries, rs.Retries.Load())
+	counter(descReadStale, rs.Stale.Load())
 	if fs := s.gateStats(); fs != nil {
 		counter(descGate, fs.Gated.Load(), "gated")
 		counter(descGate, fs.Committed.Load(), "committed")

@@ -294,6 +294,7 @@ func TestReadRoutingReplicaReached(t *testing.T) {
 	stats := e.proxy.srv.RouteStats()
 
 	// Without the function: the check cannot read the fence row.
+	holdCurrent(cat)
 	forget()
 	checks := stats.FenceChecks.Load()
 	if got := mustWhere(t, worker(), readResult, false); got[0] != "B" {

@@ -208,6 +208,13 @@ func (h *fenceSession) inReplicaTx(s gateConn, msg []byte, res *rewrite.Result, 
 	if end == len(stmts) {
 		return h.routeInTx(s, msg, res, stmts)
 	}
+	// Judged by the takeover tracker: once it is current (freshInTx).
+	return h.freshInTx(s, stmts[:end], false, func() error { return h.headInTx(s, msg, res, stmts, end) })
+}
+
+// headInTx sends a query that ends the transaction on the replica and
+// goes on after it (inReplicaTx).
+func (h *fenceSession) headInTx(s gateConn, msg []byte, res *rewrite.Result, stmts []*rewrite.Stmt, end int) error {
 	// The part up to the end runs in the transaction: judged against
 	// its snapshots first, refused rather than waited for (a rare shape);
 	// the rest is routed afresh.

@@ -6,6 +6,7 @@ import (
 	"strconv"
 	"strings"
 	"sync/atomic"
+	"time"
 
 	"github.com/jackc/pgx/v5/pgproto3"
 
@@ -63,6 +64,9 @@ type RouteStats struct {
 	Retries     atomic.Int64 // routed reads retried on the primary after a replica failure
 	FenceChecks atomic.Int64 // generation checks against a replica's fence row
 	CommitLSN   atomic.Int64 // fence.commit_lsn reports sent
+	// Stale: protected reads no replica served because the takeover
+	// tracker was not known to be current (notifications held up).
+	Stale atomic.Int64
 }
 
 // routeState is a fenceSession's routing state. Client goroutine, except
@@ -80,6 +84,10 @@ type routeState struct {
 	// holdFloor: a lower bound of the snapshots of the WITH HOLD cursors
 	// that may be open on the replica connection; 0: none can be.
 	holdFloor LSN
+	// freshWaited: an Execute was parked waiting for the takeover tracker
+	// and is being handled again: it is judged as the tracker is now
+	// (freshForExecute).
+	freshWaited bool
 	// checked: what this session's fence-row checks found, by job (the
 	// largest token the replica showed and its replay position then).
 	// It runs in the client's own session, where the client's objects and
@@ -665,6 +673,11 @@ type requirement struct {
 	catalog LSN
 	// noEra: the replica has not shown the primary's era (era.go).
 	noEra bool
+	// stale: the takeover tracker is not known to be current (its
+	// notifications may be held up: freshWithin, lsn.go), so the proxy
+	// cannot tell which takeovers the read needs. blind is set too; the
+	// read policy decides, as for a replica that is behind.
+	stale bool
 	what  string // for messages
 }
 
@@ -765,15 +778,25 @@ func (h *fenceSession) requireWith(stmts []*rewrite.Stmt, kind readKind, v readV
 	// A read-only transaction may read anything later. A read that
 	// names no relation and nothing the catalog resolves (SELECT 1,
 	// SELECT now()) reads no protected data, whatever the catalog says.
-	protected = kind == roTx
 	catalog := false // the answer rests on the read set
 	for _, st := range stmts {
+		catalog = catalog || len(st.ReadRelations) > 0 || st.CatalogExprs
+	}
+	// Everything below rests on what the watcher has heard (takeovers,
+	// and DDL, which drops the read set): only while it is fresh
+	// (freshWithin, lsn.go). Otherwise notifications may be held up (a
+	// flood, a stalled commit) and the read set is judged unknown, and
+	// no replica serves a protected read (req.stale).
+	stale := (kind == roTx || catalog) && !tk.current(time.Now())
+	if stale {
+		rd = nil
+	}
+	protected = kind == roTx
+	for _, st := range stmts {
 		for _, rel := range st.ReadRelations {
-			catalog = true
 			protected = protected || rd.exposes(rel)
 		}
 		if st.CatalogExprs {
-			catalog = true
 			protected = protected || rd.runsCode(st)
 		}
 	}
@@ -792,8 +815,11 @@ func (h *fenceSession) requireWith(stmts []*rewrite.Stmt, kind readKind, v readV
 	}
 	req.lsn = tk.all()
 	req.what = "every takeover seen so far"
-	// Takeovers while the watcher reconnects are seen by nobody.
+	// Takeovers while the watcher reconnects are seen by nobody; while
+	// it is not known to be current, which it has heard is not known.
 	req.blind = !h.cat.live.Load()
+	req.stale = stale && !req.blind
+	req.blind = req.blind || stale
 	if gen {
 		req.what = fmt.Sprintf("job %q token %d and every takeover seen so far", job, token)
 		if !known {
@@ -828,6 +854,12 @@ func (p *pendingError) Error() string { return p.e.Message }
 // replica (after a fence-row check); the caller switches as it decides.
 // Client side; on the loop its waits park it.
 func (h *fenceSession) replicaCurrent(s gateConn, r *replica, stmts []*rewrite.Stmt, kind readKind, k func(ok bool, err error) error) error {
+	return h.replicaCurrentAfter(s, r, stmts, kind, false, k)
+}
+
+// replicaCurrentAfter is replicaCurrent; waited: the read has waited for
+// the takeover tracker once already.
+func (h *fenceSession) replicaCurrentAfter(s gateConn, r *replica, stmts []*rewrite.Stmt, kind readKind, waited bool, k func(ok bool, err error) error) error {
 	// Judged by the read set as the proxy has it (anyReplay), so that a
 	// read the set calls protected meets the session's read policy
 	// whatever the replica's catalog; one it calls safe needs the
@@ -841,6 +873,9 @@ func (h *fenceSession) replicaCurrent(s gateConn, r *replica, stmts []*rewrite.S
 		// catalog position means something only on the primary's
 		// history (era.go).
 		return k(req.catalog == 0 || h.eraOK(r) && LSN(r.replay.Load()) >= req.catalog, nil)
+	}
+	if req.stale && h.eraOK(r) {
+		return h.staleRead(s, r, stmts, kind, req, waited, k)
 	}
 	if req.blind || !h.eraOK(r) {
 		// Not the replica's being behind: no policy waits for it, no
@@ -868,6 +903,48 @@ func (h *fenceSession) replicaCurrent(s gateConn, r *replica, stmts []*rewrite.S
 		}
 		return k(false, nil)
 	})
+}
+
+// staleRead decides a protected read while the takeover tracker is not
+// known to be current (req.stale: notifications may be held up, lsn.go's
+// freshWithin). When a marker can make it current soon (none in flight,
+// or a recent one), the read waits for it, up to freshWithin (policy
+// wait: fence.read_wait), off the client, and is judged again: after a
+// pause in reads that costs one marker's round trip. Otherwise, or when
+// that did not help, it is a read whose requirement is not known, and
+// the policy decides as for a replica that is behind: the primary,
+// FN007 (pending), or (wait) the primary once the wait is over.
+func (h *fenceSession) staleRead(s gateConn, r *replica, stmts []*rewrite.Stmt, kind readKind, req requirement, waited bool, k func(ok bool, err error) error) error {
+	rs := s.readRouter()
+	tk := &h.cat.tk
+	policy := strings.ToLower(h.get(session.ReadPolicy))
+	if !waited && (tk.waitable(time.Now()) || policy == "wait") {
+		wait := freshWithin
+		if policy == "wait" {
+			wait = DefaultReadWait
+			if v := h.get(session.ReadWait); v != "" {
+				if d, err := session.ParseDuration(v); err == nil {
+					wait = d
+				}
+			}
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), wait)
+		ending := s.ending()
+		return s.offClient(func() error {
+			tk.waitFresh(ctx, ending)
+			return nil
+		}, func(error) error {
+			cancel()
+			return h.replicaCurrentAfter(s, r, stmts, kind, true, k)
+		}, cancel, true)
+	}
+	rs.stats.Stale.Add(1)
+	if policy == "pending" {
+		return k(false, &pendingError{&fence.Error{Code: fence.CodePending,
+			Message: fmt.Sprintf("pgfence: generation pending on replica: the proxy cannot tell yet which takeovers this read needs (%s): its takeover notifications are held up (a flood of notifications, or a commit that has not finished)", req.what),
+			Hint:    "retry shortly, or read from the primary with SET fence.read_policy = 'primary' (or 'wait')"}})
+	}
+	return k(false, nil)
 }
 
 // waitReplay waits, up to fence.read_wait, for r to have replayed what

@@ -1,6 +1,7 @@
 package proxy
 
 import (
+	"math"
 	"testing"
 
 	"github.com/pgfence/pgfence/rewrite"
@@ -15,6 +16,7 @@ func BenchmarkRequire(b *testing.B) {
 	cat.live.Store(true)
 	cat.tk.update("job", takeover{token: 5, lsn: 100})
 	cat.tk.raise(100)
+	cat.tk.fresh.Store(math.MaxInt64) // a marker came back, and stays current throughout
 	res, err := rewrite.Classify("SELECT abalance FROM pgbench_accounts WHERE aid = 1")
 	if err != nil {
 		b.Fatal(err)
@@ -92,6 +94,7 @@ func BenchmarkHeldKnown(b *testing.B) {
 	cat.live.Store(true)
 	cat.tk.update("job", takeover{token: 5, lsn: 100})
 	cat.tk.raise(100)
+	cat.tk.fresh.Store(math.MaxInt64) // a marker came back, and stays current throughout
 	res, err := rewrite.Classify("SELECT abalance FROM pgbench_accounts WHERE aid = 1")
 	if err != nil {
 		b.Fatal(err)

@@ -273,6 +273,7 @@ func (h *fenceSession) txRequire(r *replica, stmts []*rewrite.Stmt) (req require
 			req.job, req.epoch, req.token, req.check = r2.job, r2.epoch, r2.token, true
 		}
 		req.blind = req.blind || r2.blind
+		req.stale = req.stale || r2.stale
 		req.behind = req.behind || r2.behind
 	}
 	return req, true, next
@@ -286,6 +287,85 @@ func (h *fenceSession) routeInTx(s gateConn, msg []byte, res *rewrite.Result, st
 	if r == nil {
 		return h.sendClient(s, msg, res)
 	}
+	return h.freshInTx(s, stmts, res == nil, func() error { return h.routeInTxFresh(s, r, msg, res, stmts) })
+}
+
+// freshInTx runs k once the takeover tracker is current, when a request
+// in the read-only transaction on the replica would be judged by it
+// (anything but neutral statements; opaque: text the proxy cannot
+// read): a request after a pause in reads finds it stale (freshWithin,
+// lsn.go) and would be refused, so it waits, off the client, up to
+// freshWithin for a marker when one can come soon. k judges what it
+// finds then: still stale, the request is refused (FN007), as when the
+// watcher reconnects.
+func (h *fenceSession) freshInTx(s gateConn, stmts []*rewrite.Stmt, opaque bool, k func() error) error {
+	if !h.freshWait(stmts, opaque) {
+		return k()
+	}
+	return h.awaitFresh(s, k)
+}
+
+// awaitFresh waits, off the client, up to freshWithin for the takeover
+// tracker to be current, then runs k.
+func (h *fenceSession) awaitFresh(s gateConn, k func() error) error {
+	tk := &h.cat.tk
+	ctx, cancel := context.WithTimeout(context.Background(), freshWithin)
+	ending := s.ending()
+	return s.offClient(func() error {
+		tk.waitFresh(ctx, ending)
+		return nil
+	}, func(error) error {
+		cancel()
+		return k()
+	}, cancel, true)
+}
+
+// freshWait reports whether a request in the read-only transaction on the
+// replica should wait for the takeover tracker (freshInTx).
+func (h *fenceSession) freshWait(stmts []*rewrite.Stmt, opaque bool) bool {
+	if h.cat.prot.Load().Len() == 0 || !h.cat.live.Load() {
+		return false
+	}
+	judged := opaque
+	for _, st := range stmts {
+		judged = judged || !neutralStmt(st)
+	}
+	tk := &h.cat.tk
+	now := time.Now()
+	return judged && !tk.current(now) && tk.waitable(now)
+}
+
+// freshForExecute is freshInTx for an extended-protocol Execute in the
+// read-only transaction on the replica (txReadRefusal judges it next):
+// off the loop it waits and returns nil; on the loop it parks the client
+// side (its error), and the Execute is handled again from the start once
+// the wait is over, judged then as the tracker is, without waiting again.
+func (h *fenceSession) freshForExecute(s gateConn, st *rewrite.Stmt) error {
+	if h.rt.freshWaited {
+		h.rt.freshWaited = false
+		return nil
+	}
+	if s.readRouter() == nil || !s.OnReplica() || h.tx() == session.Idle {
+		return nil
+	}
+	var stmts []*rewrite.Stmt
+	if st != nil {
+		stmts = []*rewrite.Stmt{st}
+	}
+	if !h.freshWait(stmts, st == nil) {
+		return nil
+	}
+	return h.awaitFresh(s, func() error {
+		if s.OnLoop() {
+			h.rt.freshWaited = true
+			return ErrWait
+		}
+		return nil
+	})
+}
+
+// routeInTxFresh is routeInTx once the tracker has been waited for.
+func (h *fenceSession) routeInTxFresh(s gateConn, r *replica, msg []byte, res *rewrite.Result, stmts []*rewrite.Stmt) error {
 	// Statements after the transaction's end (COMMIT; SELECT ...) run
 	// outside it: their snapshots are taken after this point, so they are
 	// judged by the replay position then, like a READ COMMITTED read.
@@ -533,6 +613,8 @@ func (h *fenceSession) txPending(gc gateConn, r *replica, req requirement, why s
 	switch {
 	case req.noEra:
 		s = "; the replica has not shown the primary's era (a failover since the transaction began)"
+	case req.stale:
+		s = "; the proxy's takeover notifications are held up (a flood of notifications, or a commit that has not finished), so it cannot tell which takeovers the request needs"
 	case req.blind:
 		s = "; the proxy's takeover watcher is reconnecting"
 	}

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"strings"
 	"testing"
+	"time"
 )
 
 // TestTakeoversBounded: whatever is notified, the takeover tracker holds a
@@ -84,5 +85,55 @@ func TestTakeoversUpdate(t *testing.T) {
 func TestTextArray(t *testing.T) {
 	if got := string(textArray([]string{`a"b\c`, "", "x,y"})); got != `{"a\"b\\c","","x,y"}` {
 		t.Fatalf("textArray: %s", got)
+	}
+}
+
+// TestTakeoversFreshness: the tracker is current only within freshWithin
+// of its last marker's sending; a read that finds it older than freshAsk
+// asks for a marker (one wake of the watcher, however many ask); a
+// marker in flight for longer than freshWithin is not waited for; each
+// publication wakes the waiters.
+func TestTakeoversFreshness(t *testing.T) {
+	tk := takeovers{kick: make(chan struct{}, 1)}
+	now := time.Now()
+	if tk.current(now) {
+		t.Fatal("current before any marker")
+	}
+	if !tk.markAsk.Load() || len(tk.kick) != 1 {
+		t.Fatal("a stale read did not ask for a marker")
+	}
+	<-tk.kick
+	tk.current(now)
+	if len(tk.kick) != 0 {
+		t.Fatal("a second ask woke the watcher again before it took the first")
+	}
+	tk.markAsk.Store(false)
+	ch := tk.published()
+	tk.publish(now.Add(-freshAsk / 2))
+	select {
+	case <-ch:
+	default:
+		t.Fatal("publish did not wake the waiters")
+	}
+	if !tk.current(now) || tk.markAsk.Load() {
+		t.Fatal("a marker sent freshAsk/2 ago: want current, no ask")
+	}
+	if !tk.current(now.Add(freshAsk/2+time.Millisecond)) || !tk.markAsk.Load() {
+		t.Fatal("past freshAsk: want current and an ask")
+	}
+	if tk.current(now.Add(freshWithin)) {
+		t.Fatal("past freshWithin: want stale")
+	}
+	tk.publish(now.Add(-time.Hour)) // an older marker never moves it back
+	if !tk.current(now) {
+		t.Fatal("an older marker made the tracker stale")
+	}
+	tk.markSent.Store(now.Add(-2 * freshWithin).UnixNano())
+	if tk.waitable(now) {
+		t.Fatal("a marker in flight for 2*freshWithin is waited for")
+	}
+	tk.markSent.Store(now.UnixNano())
+	if !tk.waitable(now) {
+		t.Fatal("a marker just sent is not waited for")
 	}
 }
