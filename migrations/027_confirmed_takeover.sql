@@ -548,3 +548,79 @@ begin
   return null;
 end
 $$;
+
+-- fence.commit_slow (023's, unchanged but for the confirmation): every
+-- receipt of a generation is written after its takeover is confirmed,
+-- whichever function writes it (round 15, attacker AB's H1: fence.commit
+-- called before the first write wrote the transaction's receipt without
+-- waiting, and the write paths then took it as this generation's entry).
+create or replace function fence.commit_slow(p_job_key text, p_epoch bigint, p_token bigint, p_step text, p_digest bytea, p_version text)
+returns text
+language plpgsql
+set search_path = pg_catalog, fence, pg_temp
+as $$
+declare
+  v_key text collate pg_catalog."default" := p_job_key;
+  v_step text collate pg_catalog."default" := p_step;
+  v_xid xid8 := pg_catalog.pg_current_xact_id();
+  v_admin boolean := fence.is_admin();
+  rc fence.receipts;
+  v_ours boolean;
+begin
+  if not v_admin and not exists (select 1 from fence.issuance i
+                                  where i.token = p_token and i.job_key = v_key and i.epoch = p_epoch
+                                    and (i.role is null or i.role = session_user)) then
+    perform fence.refuse_generation(v_key, p_epoch, p_token, false);
+  end if;
+  -- (O-H1) One generation and one step per transaction.
+  if (exists (select 1 from fence.receipts r
+               where r.backstop_xid = v_xid and r.backstop_started = pg_catalog.pg_postmaster_start_time()
+                 and not (r.job_key = v_key and r.epoch = p_epoch and r.token = p_token and r.step = v_step))
+      or exists (select 1 from fence.replay_guards g
+                  where g.xid = v_xid
+                    and not (g.job_key = v_key and g.epoch = p_epoch and g.token = p_token and g.step = v_step))) then
+    perform fence.refuse_switch(v_key, p_epoch, p_token, v_step, v_xid);
+  end if;
+  select * into rc from fence.receipts r
+   where r.job_key = v_key and r.epoch = p_epoch and r.token = p_token and r.step = v_step;
+  v_ours := found;
+  if v_ours and (rc.backstop_xid is distinct from v_xid or rc.backstop_started is distinct from pg_catalog.pg_postmaster_start_time()) then
+    perform fence.receipt_answer(rc, p_digest, p_version);
+  end if;
+  perform fence.era_refuse(v_key, p_token);
+  -- (027, round 15 AB-H1) A receipt this function writes is one the
+  -- write paths trust as this generation's entry (an own receipt: no
+  -- confirmation again), so in failover_mode sync it is written only
+  -- once the takeover is on the synchronous standbys, as gate_slow's:
+  -- fence.commit before the first write skipped the wait.
+  if not v_ours then
+    perform fence.confirm_takeover(v_key, p_epoch, p_token);
+  end if;
+  perform 1 from fence.fences fe
+   where fe.job_key = v_key and fe.epoch = p_epoch and fe.max_issued_token = p_token and fe.retired_at is null
+     and (fe.owner_role is null or fe.owner_role = session_user or v_admin)
+     for update of fe;
+  if not found then
+    perform fence.refuse_generation(v_key, p_epoch, p_token, v_admin);
+    raise exception 'job "%": token % belongs to another role; committing under it needs the role that acquired the lease', v_key, p_token
+      using errcode = 'FN011';
+  end if;
+  if v_ours then
+    update fence.receipts r
+       set payload_digest = p_digest, digest_version = p_version
+     where r.job_key = v_key and r.epoch = p_epoch and r.token = p_token and r.step = v_step;
+    return 'committed';
+  end if;
+  insert into fence.receipts (job_key, epoch, token, step, payload_digest, digest_version, backstop_xid)
+  values (v_key, p_epoch, p_token, v_step, p_digest, p_version, v_xid)
+  on conflict (job_key, epoch, token, step) do nothing;
+  if not found then
+    -- Committed by another transaction of this generation while this one
+    -- waited for the fence row (READ COMMITTED).
+    select * into rc from fence.receipts r
+     where r.job_key = v_key and r.epoch = p_epoch and r.token = p_token and r.step = v_step;
+    perform fence.receipt_answer(rc, p_digest, p_version);
+  end if;
+  return 'committed';
+end
+$$;

@@ -49,7 +49,7 @@ func init() { registerBypass("confirm", bypassConfirm) }
 // confirms; then its WAL receiver is stopped.
 func bypassConfirm(t *testing.T) {
 	e := newConfirmEnv(t)
-	jobs := []string{"cf_normal", "cf_trigger_sync_off", "cf_trigger_cmm", "cf_helper_alter", "cf_helper_own_set", "cf_same_tx", "cf_wait"}
+	jobs := []string{"cf_normal", "cf_trigger_sync_off", "cf_trigger_cmm", "cf_helper_alter", "cf_helper_own_set", "cf_same_tx", "cf_wait", "cf_commit_first"}
 	for _, j := range jobs {
 		e.zombieWrites(t, j)
 	}
@@ -144,6 +144,26 @@ func bypassConfirm(t *testing.T) {
 			}
 		})
 	}
+
+	// Round 15, attacker AB's H1: fence.commit called before the first
+	// write wrote the transaction's receipt without the confirmation, and
+	// every write path then took that receipt as the generation's entry
+	// (an own receipt: no wait). A receipt is written only after it now.
+	t.Run("commit_before_first_write", func(t *testing.T) {
+		l := e.takeOver(t, "cf_commit_first", "sync_off")
+		for _, route := range castRoutes {
+			conn := connectConfig(t, e.connConfig(t, route, "cf_commit_first_"+route, &l, "synchronous_commit=local"))
+			step := "cf_" + route
+			err := castExec(ctxT(t), conn, fmt.Sprintf("set fence.step = '%s'; select fence.commit('%s', %d, %d, '%s', '\\x00'::bytea, 'v1'); update results set payload = 'b_%s' where job_key = '%s'",
+				step, l.JobKey, l.Epoch, l.Token, step, route, l.JobKey), "")
+			if got := pgtest.SQLState(err); got != fence.CodeUnconfirmedTakeover {
+				t.Errorf("%s: fence.commit, then the new generation's first write: %v (SQLSTATE %q), want %s: the standby lacks the takeover", route, err, got, fence.CodeUnconfirmedTakeover)
+			}
+		}
+		if got := e.payload(t, "cf_commit_first"); got != "zombie" {
+			t.Fatalf("payload %q, want the previous holder's (zombie): a write committed under a takeover the standby lacks", got)
+		}
+	})
 
 	// The takeover and the write in one transaction: the takeover cannot
 	// be confirmed before it commits.
@@ -300,7 +320,7 @@ grant create on schema public to cf_w;
 create table results (job_key text primary key, payload text not null);
 grant select, insert, update on results to cf_w;
 insert into results select j, 'seed' from unnest(array['cf_normal', 'cf_async', 'cf_trigger_sync_off', 'cf_trigger_cmm',
-  'cf_helper_alter', 'cf_helper_own_set', 'cf_same_tx', 'cf_wait', 'cf_quorum']) j;
+  'cf_helper_alter', 'cf_helper_own_set', 'cf_same_tx', 'cf_wait', 'cf_quorum', 'cf_commit_first']) j;
 select fence.protect('results');
 create table audit (note text);
 alter table audit owner to cf_owner;
