@@ -670,9 +670,9 @@ func (cs *catalogs) noteTrust(c *catalog, trust ownsql.Trust) {
 //
 // The system relations that hold values of every table's columns (the
 // planner's statistics: pg_statistic, pg_statistic_ext_data and the views
-// pg_stats, pg_stats_ext, pg_stats_ext_exprs over them; pg_largeobject)
-// expose protected data too: a lagging replica's statistics show the
-// previous generation's values.
+// pg_stats, pg_stats_ext, pg_stats_ext_exprs over them; pg_largeobject;
+// pg_class's row and page counts) expose protected data too: a lagging
+// replica's statistics show the previous generation's values.
 //
 // A relation whose own objects depend on the database's code (pg_depend:
 // its indexes' expressions and predicates, its extended statistics'
@@ -1053,8 +1053,13 @@ var safeBuiltin = func() string {
 
 // statsRels are the system relations that hold values of every table's
 // columns: the planner's statistics, and the views over them; large
-// objects.
-const statsRels = "{pg_statistic,pg_statistic_ext_data,pg_stats,pg_stats_ext,pg_stats_ext_exprs,pg_largeobject}"
+// objects; and pg_class, whose reltuples, relpages and relallvisible
+// count a table's rows and pages as the last ANALYZE or VACUUM on the
+// primary left them (round 16, attacker AE's M1: a lagging replica's
+// showed the previous generation's count). A user's view over it is
+// exposed with it; the system's views over pg_class show no counts
+// (information_schema.tables, pg_tables) and stay routed.
+const statsRels = "{pg_statistic,pg_statistic_ext_data,pg_stats,pg_stats_ext,pg_stats_ext_exprs,pg_largeobject,pg_class}"
 
 // readCodeQuery reads, beside the read set, what code the database runs
 // inside expressions (rows "all", "true" or "false") and which functions a
