@@ -54,8 +54,11 @@
 --   wal_writer_delay (up to 25 times that while it hibernates on an idle
 --   server; the rollback of a refused transaction that wrote wakes it,
 --   so its retry is quick).
--- * Polls every 10 ms, for at most fence.settings 'confirm_timeout'
---   (an interval; 2 seconds when unset, at most a minute), then FN017.
+-- * Polls every 10 ms until the standbys have made no progress towards
+--   the target for fence.settings 'confirm_timeout' (an interval; 2
+--   seconds when unset, at most a minute), or for a minute in all, then
+--   FN017: a standby catching up through WAL others wrote is waited for
+--   as a synchronous commit waits (round 16, attacker AD's M1).
 --   gate_slow waits before it locks the fence row FOR UPDATE (the lock's
 --   WAL record would lie below the target); a transaction that locked
 --   the row before (a renewal in the same transaction) holds it while it
@@ -142,9 +145,6 @@ set search_path = pg_catalog, fence, pg_temp
 as $$
 declare
   v_key text collate pg_catalog."default" := p_job_key;
-  v_xmin bigint;
-  v_cur bigint;
-  v_full bigint;
   v_floor bigint;
   v_names text;
   v_need integer;
@@ -152,6 +152,9 @@ declare
   v_target pg_lsn;
   v_timeout interval;
   v_start timestamptz;
+  v_since timestamptz;
+  v_pos pg_lsn;
+  v_best pg_lsn;
   v_padded boolean := false;
   v_pad integer;
 begin
@@ -162,22 +165,21 @@ begin
               where c.job_key = v_key and c.epoch = p_epoch and c.token = p_token) then
     return;
   end if;
-  -- The takeover in this very transaction (or one of its subtransactions):
-  -- the issuance row is visible but its transaction is in progress.
-  select i.xmin::text::bigint into v_xmin from fence.issuance i
-   where i.token = p_token and i.job_key = v_key and i.epoch = p_epoch;
-  if found and v_xmin >= 3 then
-    v_cur := pg_catalog.pg_current_xact_id()::text::bigint;
-    v_full := (v_cur / 4294967296) * 4294967296 + v_xmin;
-    if v_full > v_cur then
-      v_full := v_full - 4294967296;
-    end if;
-    if v_full >= 0 and pg_catalog.pg_xact_status(v_full::text::xid8) = 'in progress' then
-      raise exception 'job "%": token % was issued in this transaction: its first write must wait until the synchronous standby confirms the takeover, which it cannot before the takeover commits', v_key, p_token
-        using errcode = 'FN017',
-              detail = 'failover_mode is sync: a generation writes only once its takeover is on the synchronous standbys, so that a failover cannot lose a takeover whose generation wrote',
-              hint = 'take the lease in a transaction of its own (commit fence.acquire), then write';
-    end if;
+  -- The takeover in this very transaction, in any of its subtransactions
+  -- (a savepoint, a PL/pgSQL block with an EXCEPTION clause): the issuance
+  -- row's xid is the top-level transaction's (pg_current_xact_id, its
+  -- default), whichever subtransaction inserted it. (Round 16, attacker
+  -- AD's H1: the row's xmin, a subtransaction's id, was taken for
+  -- another transaction's, and the wait then confirmed a position before
+  -- the takeover's commit.) Another transaction's takeover is visible
+  -- only once committed.
+  if exists (select 1 from fence.issuance i
+              where i.token = p_token and i.job_key = v_key and i.epoch = p_epoch
+                and i.xid = pg_catalog.pg_current_xact_id_if_assigned()) then
+    raise exception 'job "%": token % was issued in this transaction: its first write must wait until the synchronous standby confirms the takeover, which it cannot before the takeover commits', v_key, p_token
+      using errcode = 'FN017',
+            detail = 'failover_mode is sync: a generation writes only once its takeover is on the synchronous standbys, so that a failover cannot lose a takeover whose generation wrote',
+            hint = 'take the lease in a transaction of its own (commit fence.acquire), then write';
   end if;
   -- Issued in an earlier era and carried across a lossless promotion: on
   -- this server by definition, and on every standby streaming from it.
@@ -213,20 +215,35 @@ begin
     return;
   end if;
   v_start := pg_catalog.clock_timestamp();
-  -- Bounded by v_timeout. gate_slow waits here before it locks the fence
-  -- row; a transaction that locked it earlier holds it while it waits
-  -- (the previous holder and renewals of the job wait as long).
+  v_since := v_start;
+  -- Bounded: FN017 once the standbys have made no progress towards the
+  -- target for v_timeout, and after a minute whatever they do. A standby
+  -- that is still catching up (WAL written before the target by anyone:
+  -- any role may write WAL, pg_logical_emit_message; round 16, attacker
+  -- AD's M1) is waited for as a synchronous commit waits for it, not
+  -- refused after v_timeout. gate_slow waits here before it locks the
+  -- fence row; a transaction that locked it earlier holds it while it
+  -- waits (the previous holder and renewals of the job wait as long).
   loop
     -- pg_stat_get_wal_senders, not the view pg_stat_replication: the view
     -- joins pg_stat_get_activity, whose snapshot is kept for the rest of
     -- the transaction, so a standby that connects during the wait would
-    -- never show in it.
-    select pg_catalog.count(*)::integer into v_got
+    -- never show in it. v_pos: the position v_need of them have flushed.
+    select pg_catalog.count(*) filter (where r.flush_lsn >= v_target)::integer,
+           (select f.flush_lsn from pg_catalog.pg_stat_get_wal_senders() f
+             where f.sync_state in ('sync', 'quorum') and f.flush_lsn is not null
+             order by f.flush_lsn desc offset v_need - 1 limit 1)
+      into v_got, v_pos
       from pg_catalog.pg_stat_get_wal_senders() r
-     where r.sync_state in ('sync', 'quorum') and r.flush_lsn >= v_target;
+     where r.sync_state in ('sync', 'quorum');
     exit when v_got >= v_need;
-    if pg_catalog.clock_timestamp() - v_start >= v_timeout then
-      raise exception 'job "%": the takeover that issued token % is not yet confirmed by the synchronous standby (% of % at WAL position % within %): a failover could lose it', v_key, p_token, v_got, v_need, v_target, v_timeout
+    if v_pos is not null and (v_best is null or v_pos > v_best) then
+      v_best := v_pos;
+      v_since := pg_catalog.clock_timestamp();
+    end if;
+    if pg_catalog.clock_timestamp() - v_since >= v_timeout
+       or pg_catalog.clock_timestamp() - v_start >= greatest(v_timeout, interval '1 minute') then
+      raise exception 'job "%": the takeover that issued token % is not yet confirmed by the synchronous standby (% of % at WAL position % within %): a failover could lose it', v_key, p_token, v_got, v_need, v_target, pg_catalog.clock_timestamp() - v_start
         using errcode = 'FN017',
               detail = 'failover_mode is sync: a generation writes only once its takeover is on the synchronous standbys (pg_stat_replication), so that a failover cannot lose a takeover whose generation wrote; nothing was written',
               hint = 'retry the write, or acquire again; if it persists, check the synchronous standby (pg_stat_replication on the primary)';

@@ -49,7 +49,7 @@ func init() { registerBypass("confirm", bypassConfirm) }
 // confirms; then its WAL receiver is stopped.
 func bypassConfirm(t *testing.T) {
 	e := newConfirmEnv(t)
-	jobs := []string{"cf_normal", "cf_trigger_sync_off", "cf_trigger_cmm", "cf_helper_alter", "cf_helper_own_set", "cf_same_tx", "cf_wait", "cf_commit_first"}
+	jobs := []string{"cf_normal", "cf_trigger_sync_off", "cf_trigger_cmm", "cf_helper_alter", "cf_helper_own_set", "cf_same_tx", "cf_wait", "cf_commit_first", "cf_catch_up"}
 	for _, j := range jobs {
 		e.zombieWrites(t, j)
 	}
@@ -67,6 +67,23 @@ func bypassConfirm(t *testing.T) {
 		}
 		if !e.confirmed(t, normal) {
 			t.Fatal("no fence.confirmed_takeovers row for the generation after its first write")
+		}
+	})
+	// Round 16, attacker AD's M1: any role may write WAL
+	// (pg_logical_emit_message), and the wait's target lies after it. A
+	// standby still streaming it makes progress: the write waits for it,
+	// as a synchronous commit would, rather than FN017 after
+	// confirm_timeout (100 ms here: the standby cannot take 256 MB in it).
+	t.Run("catching_up_is_waited_for", func(t *testing.T) {
+		e.admin(t, "update fence.settings set value = '100ms' where name = 'confirm_timeout'")
+		defer e.admin(t, "update fence.settings set value = '300ms' where name = 'confirm_timeout'")
+		l := e.takeOver(t, "cf_catch_up", "")
+		e.admin(t, "select pg_logical_emit_message(false, 'cf.flood', repeat('x', 1048576)) from generate_series(1, 256)")
+		if err := e.write(t, "direct", l, "caught_up", ""); err != nil {
+			t.Fatalf("first write while the standby streams WAL written before it: %v, want it to wait and succeed", err)
+		}
+		if got := e.payload(t, "cf_catch_up"); got != "caught_up" {
+			t.Fatalf("payload %q, want caught_up", got)
 		}
 	})
 	// failover_mode async: nothing waits, nothing is recorded.
@@ -168,18 +185,34 @@ func bypassConfirm(t *testing.T) {
 	// The takeover and the write in one transaction: the takeover cannot
 	// be confirmed before it commits.
 	t.Run("same_transaction", func(t *testing.T) {
-		for _, route := range castRoutes {
-			conn := connectConfig(t, e.connConfig(t, route, "cf_same_"+route, nil, "synchronous_commit=local"))
-			res, err := conn.Exec(ctxT(t), "begin; select epoch, token from fence.acquire('cf_same_tx', 'b', '1 hour')").ReadAll()
-			if err != nil || len(res) != 2 || len(res[1].Rows) != 1 {
-				t.Fatalf("%s: acquire: %v", route, err)
+		// In a subtransaction too (round 16, attacker AD's H1: the
+		// issuance row's xmin is the subtransaction's id, which was taken
+		// for another transaction's, and the wait confirmed a position
+		// before the takeover's commit).
+		shapes := []struct {
+			name, sql string
+			at        int // the result holding (epoch, token)
+		}{
+			{"plain", "begin; select epoch, token from fence.acquire('cf_same_tx', 'b', '1 hour')", 1},
+			{"savepoint_released", "begin; savepoint s; select epoch, token from fence.acquire('cf_same_tx', 'b', '1 hour'); release savepoint s", 2},
+			{"savepoint_open", "begin; savepoint s; select epoch, token from fence.acquire('cf_same_tx', 'b', '1 hour')", 2},
+			{"exception_block", "begin; select epoch, token from cf_acquire_block('cf_same_tx')", 1},
+		}
+		for _, sh := range shapes {
+			for _, route := range castRoutes {
+				conn := connectConfig(t, e.connConfig(t, route, "cf_same_"+route, nil, "synchronous_commit=local"))
+				res, err := conn.Exec(ctxT(t), sh.sql).ReadAll()
+				if err != nil || len(res) <= sh.at || len(res[sh.at].Rows) != 1 {
+					t.Fatalf("%s %s: acquire: %v", sh.name, route, err)
+				}
+				epoch, token := string(res[sh.at].Rows[0][0]), string(res[sh.at].Rows[0][1])
+				err = castExec(ctxT(t), conn, fmt.Sprintf("set local fence.job_key = 'cf_same_tx'; set local fence.epoch = %s; set local fence.token = %s; update results set payload = 'same' where job_key = 'cf_same_tx'", epoch, token), "")
+				if got := pgtest.SQLState(err); got != fence.CodeUnconfirmedTakeover || !strings.Contains(err.Error(), "issued in this transaction") {
+					t.Errorf("%s %s: a write in the takeover's transaction: %v (SQLSTATE %q), want %s (issued in this transaction)", sh.name, route, err, got, fence.CodeUnconfirmedTakeover)
+				}
+				_ = castExec(ctxT(t), conn, "rollback", "")
+				conn.Close(context.Background())
 			}
-			epoch, token := string(res[1].Rows[0][0]), string(res[1].Rows[0][1])
-			err = castExec(ctxT(t), conn, fmt.Sprintf("set local fence.job_key = 'cf_same_tx'; set local fence.epoch = %s; set local fence.token = %s; update results set payload = 'same' where job_key = 'cf_same_tx'", epoch, token), "")
-			if got := pgtest.SQLState(err); got != fence.CodeUnconfirmedTakeover || !strings.Contains(err.Error(), "issued in this transaction") {
-				t.Errorf("%s: a write in the takeover's transaction: %v (SQLSTATE %q), want %s (issued in this transaction)", route, err, got, fence.CodeUnconfirmedTakeover)
-			}
-			_ = castExec(ctxT(t), conn, "rollback", "")
 		}
 		if got := e.payload(t, "cf_same_tx"); got != "zombie" {
 			t.Fatalf("payload %q, want zombie", got)
@@ -320,7 +353,7 @@ grant create on schema public to cf_w;
 create table results (job_key text primary key, payload text not null);
 grant select, insert, update on results to cf_w;
 insert into results select j, 'seed' from unnest(array['cf_normal', 'cf_async', 'cf_trigger_sync_off', 'cf_trigger_cmm',
-  'cf_helper_alter', 'cf_helper_own_set', 'cf_same_tx', 'cf_wait', 'cf_quorum', 'cf_commit_first']) j;
+  'cf_helper_alter', 'cf_helper_own_set', 'cf_same_tx', 'cf_wait', 'cf_quorum', 'cf_commit_first', 'cf_catch_up']) j;
 select fence.protect('results');
 create table audit (note text);
 alter table audit owner to cf_owner;
@@ -343,6 +376,13 @@ create function cf_acquire(j text) returns table (epoch bigint, token bigint) la
 create function cf_acquire_warning(j text) returns table (epoch bigint, token bigint) language sql
   set client_min_messages = warning
   as $$ select a.epoch, a.token from fence.acquire(j, 'b', '1 hour') a $$;
+create function cf_acquire_block(j text) returns table (epoch bigint, token bigint) language plpgsql
+  as $$ begin
+    begin
+      return query select a.epoch, a.token from fence.acquire(j, 'b', '1 hour') a;
+    exception when others then raise;
+    end;
+  end $$;
 reset role;
 insert into fence.settings values ('confirm_timeout', '300ms');
 select fence.set_failover_mode('sync');`); err != nil {
