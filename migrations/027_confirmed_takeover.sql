@@ -58,7 +58,9 @@
 --   the target for fence.settings 'confirm_timeout' (an interval; 2
 --   seconds when unset, at most a minute), or for a minute in all, then
 --   FN017: a standby catching up through WAL others wrote is waited for
---   as a synchronous commit waits (round 16, attacker AD's M1).
+--   as a synchronous commit waits (round 16, attacker AD's M1). Progress
+--   is a higher flush_lsn or a higher sent_lsn: a standby receiving a
+--   stream without pause reports no flush until the stream pauses.
 --   gate_slow waits before it locks the fence row FOR UPDATE (the lock's
 --   WAL record would lie below the target); a transaction that locked
 --   the row before (a renewal in the same transaction) holds it while it
@@ -155,6 +157,8 @@ declare
   v_since timestamptz;
   v_pos pg_lsn;
   v_best pg_lsn;
+  v_best_sent pg_lsn;
+  v_sent pg_lsn;
   v_padded boolean := false;
   v_pad integer;
 begin
@@ -229,16 +233,26 @@ begin
     -- joins pg_stat_get_activity, whose snapshot is kept for the rest of
     -- the transaction, so a standby that connects during the wait would
     -- never show in it. v_pos: the position v_need of them have flushed.
+    -- v_sent: the furthest any of them has been sent. A standby reports
+    -- its flush position only when its receive socket runs dry: while WAL
+    -- streams without a pause its flush_lsn stands still, but the
+    -- walsender's sent_lsn moves (it cannot move far past what the
+    -- standby takes: the socket's buffers fill).
     select pg_catalog.count(*) filter (where r.flush_lsn >= v_target)::integer,
            (select f.flush_lsn from pg_catalog.pg_stat_get_wal_senders() f
              where f.sync_state in ('sync', 'quorum') and f.flush_lsn is not null
-             order by f.flush_lsn desc offset v_need - 1 limit 1)
-      into v_got, v_pos
+             order by f.flush_lsn desc offset v_need - 1 limit 1),
+           pg_catalog.max(r.sent_lsn)
+      into v_got, v_pos, v_sent
       from pg_catalog.pg_stat_get_wal_senders() r
      where r.sync_state in ('sync', 'quorum');
     exit when v_got >= v_need;
     if v_pos is not null and (v_best is null or v_pos > v_best) then
       v_best := v_pos;
+      v_since := pg_catalog.clock_timestamp();
+    end if;
+    if v_sent is not null and (v_best_sent is null or v_sent > v_best_sent) then
+      v_best_sent := v_sent;
       v_since := pg_catalog.clock_timestamp();
     end if;
     if pg_catalog.clock_timestamp() - v_since >= v_timeout

@@ -6,6 +6,7 @@ import (
 	"net/url"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -73,14 +74,50 @@ func bypassConfirm(t *testing.T) {
 	// (pg_logical_emit_message), and the wait's target lies after it. A
 	// standby still streaming it makes progress: the write waits for it,
 	// as a synchronous commit would, rather than FN017 after
-	// confirm_timeout (100 ms here: the standby cannot take 256 MB in it).
+	// confirm_timeout. The standby's WAL receiver is stopped (SIGSTOP)
+	// with 512 MB before the target, and let on (SIGCONT) only until the
+	// walsender shows it took more, three times, 800ms apart: the write
+	// waits 2.4s in all with a confirm_timeout of 2s and succeeds. A
+	// standby receiving without pause reports no flush position, so the
+	// wait counts the walsender's sent_lsn as progress too.
 	t.Run("catching_up_is_waited_for", func(t *testing.T) {
-		e.admin(t, "update fence.settings set value = '100ms' where name = 'confirm_timeout'")
+		e.admin(t, "update fence.settings set value = '2s' where name = 'confirm_timeout'")
 		defer e.admin(t, "update fence.settings set value = '300ms' where name = 'confirm_timeout'")
 		l := e.takeOver(t, "cf_catch_up", "")
-		e.admin(t, "select pg_logical_emit_message(false, 'cf.flood', repeat('x', 1048576)) from generate_series(1, 256)")
-		if err := e.write(t, "direct", l, "caught_up", ""); err != nil {
-			t.Fatalf("first write while the standby streams WAL written before it: %v, want it to wait and succeed", err)
+		rcv := e.walReceiver(t)
+		if err := syscall.Kill(rcv, syscall.SIGSTOP); err != nil {
+			t.Fatal(err)
+		}
+		defer syscall.Kill(rcv, syscall.SIGCONT)
+		e.admin(t, "select pg_logical_emit_message(false, 'cf.flood', repeat('x', 1048576)) from generate_series(1, 512)")
+		start := time.Now()
+		done := make(chan error, 1)
+		go func() { done <- e.write(t, "direct", l, "caught_up", "") }()
+		for i := 0; i < 3; i++ {
+			time.Sleep(800 * time.Millisecond) // the quantity under test: a stall shorter than confirm_timeout
+			before := e.sentLSN(t)
+			if err := syscall.Kill(rcv, syscall.SIGCONT); err != nil {
+				t.Fatal(err)
+			}
+			for deadline := time.Now().Add(30 * time.Second); e.sentLSN(t) == before; {
+				if time.Now().After(deadline) {
+					t.Fatal("the WAL receiver let on took nothing in 30s")
+				}
+			}
+			if err := syscall.Kill(rcv, syscall.SIGSTOP); err != nil {
+				t.Fatal(err)
+			}
+			select {
+			case err := <-done:
+				t.Fatalf("the write ended after %v while the standby was still behind: %v, want it to wait", time.Since(start), err)
+			default:
+			}
+		}
+		if err := syscall.Kill(rcv, syscall.SIGCONT); err != nil {
+			t.Fatal(err)
+		}
+		if err := <-done; err != nil {
+			t.Fatalf("first write while the standby streams WAL written before it: %v (after %v), want it to wait and succeed", err, time.Since(start))
 		}
 		if got := e.payload(t, "cf_catch_up"); got != "caught_up" {
 			t.Fatalf("payload %q, want caught_up", got)
@@ -327,7 +364,10 @@ func newConfirmEnv(t *testing.T) *confirmEnv {
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
 	c, err := pgtest.Start(ctx, pgtest.Options{Replica: true, Settings: map[string]string{
-		"synchronous_standby_names": "'*'", "wal_retrieve_retry_interval": "'100ms'"}})
+		"synchronous_standby_names": "'*'", "wal_retrieve_retry_interval": "'100ms'",
+		// catching_up_is_waited_for writes 512 MB of WAL the stopped
+		// standby must still be able to stream.
+		"wal_keep_size": "'1GB'", "max_wal_size": "'2GB'"}})
 	if err != nil {
 		t.Fatalf("start cluster: %v", err)
 	}
@@ -563,6 +603,31 @@ func (e *confirmEnv) writeApp(t *testing.T, route string, l fence.Lease, payload
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
 	return castExec(ctx, conn, fmt.Sprintf("set fence.step = '%s'; update results set payload = '%s' where job_key = '%s'", payload, payload, l.JobKey), "")
+}
+
+// walReceiver is the PID of the standby's WAL receiver.
+func (e *confirmEnv) walReceiver(t *testing.T) int {
+	t.Helper()
+	conn, err := e.c.Replica.Connect(ctxT(t), "postgres")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(context.Background())
+	var pid int
+	if err := conn.QueryRow(ctxT(t), "select pid from pg_stat_wal_receiver where status = 'streaming'").Scan(&pid); err != nil {
+		t.Fatalf("the standby's WAL receiver: %v", err)
+	}
+	return pid
+}
+
+// sentLSN is how far the primary has sent WAL to its standby.
+func (e *confirmEnv) sentLSN(t *testing.T) string {
+	t.Helper()
+	var lsn string
+	if err := e.adm.QueryRow(ctxT(t), "select coalesce(max(sent_lsn)::text, '') from pg_catalog.pg_stat_get_wal_senders()").Scan(&lsn); err != nil {
+		t.Fatal(err)
+	}
+	return lsn
 }
 
 func (e *confirmEnv) payload(t *testing.T, job string) string {
