@@ -46,8 +46,11 @@ type Config struct {
 	// with the failover fault: a lease must outlive the kill, the
 	// promotion and the reconnection (one to three seconds here, more on
 	// a loaded machine) for its holder to learn of the failover (FN015 in
-	// async mode) or to keep its lease across it (sync mode); a shorter
-	// one only expires.
+	// async mode); a shorter one only expires. In sync mode 12s: the
+	// nemesis stops a holder (its run too, so it renews nothing) from
+	// before the kill until the promotion, and its lease must outlive
+	// that on a loaded machine; a longer TTL keeps jobs whose release the
+	// kill cut off from the other workers for as long.
 	TTL time.Duration
 	// Faults are the kinds the nemesis injects, in a seeded shuffled
 	// rotation. Nil means every kind.
@@ -99,6 +102,9 @@ func (c *Config) setDefaults() error {
 		c.TTL = 2 * time.Second
 		if c.hasFailover() || c.Failover != "" {
 			c.TTL = 8 * time.Second
+		}
+		if c.Failover == FailoverSync {
+			c.TTL = 12 * time.Second
 		}
 	}
 	if c.Faults == nil {

@@ -7,6 +7,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -205,16 +206,42 @@ func (n *nemesis) failover(ctx context.Context) error {
 	// under a live lease: in async mode it must then be refused FN015 and
 	// its run acquire again; in sync mode it must commit on. Bounded: the
 	// workload decides.
+	// In sync mode that holder is stopped (SIGSTOP, the run and its
+	// worker) with two commits left until the promotion: a holder found
+	// mid-work may otherwise make its last commit and release before the
+	// kill (a CI run failed so), and then no holder from before the
+	// failover has a commit to make after it.
 	wctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 	var why []string
+	var held *slotProc
 	if poll(wctx, 20*time.Millisecond, func() (bool, error) {
-		var ok bool
-		ok, why = n.holderMidWork(wctx)
-		return ok, nil
+		var mid []*slotProc
+		mid, why = n.holderMidWork(wctx)
+		if mode != FailoverSync {
+			return len(mid) > 0, nil
+		}
+		for _, sp := range mid {
+			if err := sp.signalGroup(syscall.SIGSTOP); err != nil {
+				continue
+			}
+			// Two commits left: one it may be inside (made before the
+			// kill, its retry is a replay) and one it begins after.
+			if sp.commitsLeft(wctx) >= 2 {
+				held = sp
+				return true, nil
+			}
+			sp.signalGroup(syscall.SIGCONT)
+			why = append(why, sp.holder+": fewer than two commits left")
+		}
+		return false, nil
 	}) != nil {
 		h.log.Info("failover: no holder with a commit to make", zap.Strings("candidates", why))
 	}
 	cancel()
+	if held != nil {
+		h.log.Info("failover: holder stopped until the promotion", zap.String("holder", held.holder))
+		defer held.signalGroup(syscall.SIGCONT) // on an error before the promotion
+	}
 	err := n.db.do(ctx, func(c *pgx.Conn) error {
 		return c.QueryRow(ctx, `SELECT clock_timestamp(), (SELECT count(*) FROM fence.issuance),
 			(SELECT count(*) FROM fence.receipts)`).Scan(&st.cut, &st.oldTokens, &st.oldCommits)
@@ -231,6 +258,9 @@ func (n *nemesis) failover(ctx context.Context) error {
 	}
 	st.Promoted = time.Now()
 	promoted = true
+	if held != nil {
+		held.signalGroup(syscall.SIGCONT)
+	}
 	h.failoverGen.Add(1)
 	h.log.Info("failover: promoted", zap.String("mode", string(mode)), zap.Duration("took", st.Promoted.Sub(st.Killed)),
 		zap.Int64("lost_tokens", st.LostTokens), zap.Int64("lost_commits", st.LostCommits))
@@ -285,16 +315,16 @@ func (n *nemesis) failover(ctx context.Context) error {
 	return nil
 }
 
-// holderMidWork reports whether a worker other than a stopped zombie holds
-// a lease with more than 3/5 of its TTL left (so it outlives the kill and
-// the promotion: its run learns what became of it) and has commits still
-// to make.
-func (n *nemesis) holderMidWork(ctx context.Context) (bool, []string) {
+// holderMidWork returns the workers, other than a stopped zombie, that
+// hold a lease with more than 3/5 of its TTL left (so it outlives the kill
+// and the promotion: its run learns what became of it) and have commits
+// still to make; when there are none, why.
+func (n *nemesis) holderMidWork(ctx context.Context) ([]*slotProc, []string) {
 	n.mu.Lock()
 	zombie := n.zombieHolder
 	n.mu.Unlock()
 	var why []string
-	candidates := map[string]bool{}
+	candidates := map[string]*slotProc{}
 	for _, s := range n.h.slots {
 		sp := s.current()
 		if sp == nil || sp.exited() || sp.holder == zombie {
@@ -315,10 +345,10 @@ func (n *nemesis) holderMidWork(ctx context.Context) (bool, []string) {
 			why = append(why, fmt.Sprintf("%s: refused %v, %d of %d steps", sp.holder, refused, len(answered), sp.steps))
 			continue
 		}
-		candidates[sp.holder] = true
+		candidates[sp.holder] = sp
 	}
 	if len(candidates) == 0 {
-		return false, why
+		return nil, why
 	}
 	// A lease renewed on time has at least two thirds of its TTL left.
 	minLeft := n.h.cfg.TTL * 3 / 5
@@ -332,12 +362,16 @@ func (n *nemesis) holderMidWork(ctx context.Context) (bool, []string) {
 		live, err = pgx.CollectRows(rows, pgx.RowTo[string])
 		return err
 	})
+	var mid []*slotProc
 	for _, l := range live {
-		if candidates[l] {
-			return true, nil
+		if sp := candidates[l]; sp != nil {
+			mid = append(mid, sp)
 		}
 	}
-	return false, append(why, fmt.Sprintf("candidates %v, leases with %s left %v (%v)", candidates, minLeft, live, err))
+	if len(mid) > 0 {
+		return mid, nil
+	}
+	return nil, append(why, fmt.Sprintf("candidates %v, leases with %s left %v (%v)", candidates, minLeft, live, err))
 }
 
 // voidedLog begins the warning `pgfence run` logs when it acquires the

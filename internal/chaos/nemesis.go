@@ -499,6 +499,27 @@ func (sp *slotProc) betweenCommits(ctx context.Context) bool {
 	return len(answered) < sp.steps
 }
 
+// commitsLeft waits until every process of the stopped slot is stopped and
+// reports how many steps its worker has still to commit, counting one it
+// may be inside (its commit may have been made: that step's retry is a
+// replay), or -1 when it was refused.
+func (sp *slotProc) commitsLeft(ctx context.Context) int {
+	pids := append([]int{sp.cmd.Process.Pid}, sp.children()...)
+	if poll(ctx, time.Millisecond, func() (bool, error) { return stopped(pids), nil }) != nil {
+		return -1
+	}
+	answered := map[string]bool{}
+	for _, a := range recordLines(sp.records, 0, true) {
+		switch {
+		case a.Outcome == audit.OutcomeStale || a.Outcome == audit.OutcomeExpired:
+			return -1
+		case definite(a.Outcome) && !a.Probe:
+			answered[a.Step] = true
+		}
+	}
+	return sp.steps - len(answered)
+}
+
 // stopped reports whether every thread of every live pid is stopped.
 func stopped(pids []int) bool {
 	for _, pid := range pids {

@@ -40,7 +40,7 @@ func run(args []string) int {
 	fs.IntVar(&cfg.Workers, "workers", 6, "worker slots")
 	fs.IntVar(&cfg.Jobs, "jobs", 3, "job keys the workers compete for")
 	fs.IntVar(&cfg.Readers, "readers", 3, "readers (policies primary, wait, pending in turn)")
-	fs.DurationVar(&cfg.TTL, "ttl", 2*time.Second, "lease TTL of each pgfence run")
+	fs.DurationVar(&cfg.TTL, "ttl", 0, "lease TTL of each pgfence run (0: 2s, 8s with --failover async, 12s with --failover sync)")
 	fs.DurationVar(&cfg.FaultGap, "fault-gap", 2*time.Second, "mean pause between faults")
 	fs.StringVar(&faults, "faults", "", "comma-separated fault kinds (default: all but failover)")
 	fs.StringVar(&failover, "failover", "", "add the failover fault (once per run), with asynchronous (async) or synchronous (sync) replication")
