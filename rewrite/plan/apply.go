@@ -44,7 +44,7 @@ func Completed(ss Session, st *rewrite.Stmt, bound Bound) {
 			if bound != nil {
 				params = bound.DigestParams()
 			}
-			d.Statement(st.Canonical(), params)
+			d.Statement(DigestText(st, Prepared(ss.State)), params)
 		}
 	}
 }

@@ -115,7 +115,7 @@ func (b *Batch) Execute(ss Session, in Exec) ExecPlan {
 	}
 	if !need && !tentative && !commit && !prepareTx {
 		if b.wrapped {
-			b.add(s, in) // the receipt at the Sync covers every write of the batch
+			b.add(st, s, in) // the receipt at the Sync covers every write of the batch
 		}
 		return p
 	}
@@ -170,7 +170,7 @@ func (b *Batch) Execute(ss Session, in Exec) ExecPlan {
 		b.wrapped = false
 	}
 	if b.wrapped {
-		b.add(s, in)
+		b.add(st, s, in)
 	}
 	if s.Kind == rewrite.CopyFrom && !failed && (g.Due() || need && fencedNow || tentative) {
 		p.CopyDigested = true // up to CopyDone
@@ -188,7 +188,7 @@ func (b *Batch) wrap(ss *session.State, gen fence.Generation) {
 }
 
 // add follows an executed statement of the wrapped batch into its digest.
-func (b *Batch) add(st *rewrite.Stmt, in Exec) {
+func (b *Batch) add(ss *session.State, st *rewrite.Stmt, in Exec) {
 	switch st.Kind {
 	case rewrite.Savepoint:
 		b.marks[st.Name] = append(b.marks[st.Name], b.digest.Mark())
@@ -203,7 +203,7 @@ func (b *Batch) add(st *rewrite.Stmt, in Exec) {
 		return
 	}
 	b.written[in.Portal] = true
-	b.digest.Statement(st.Canonical(), in.Bound.DigestParams())
+	b.digest.Statement(DigestText(st, Prepared(ss)), in.Bound.DigestParams())
 }
 
 // MayEnd is told that something that may end the implicit transaction

@@ -139,11 +139,53 @@ func Resolve(d Digest, ss *session.State, stmts []*rewrite.Stmt) ([]byte, string
 	}
 	mark := live.Mark()
 	for _, i := range d.Stmts {
-		live.Statement(stmts[i].Canonical(), nil)
+		live.Statement(DigestText(stmts[i], queryPrepared(ss, stmts[:i])), nil)
 	}
 	sum := live.Sum()
 	live.Rollback(mark)
 	return sum, fence.DigestVersion
+}
+
+// DigestText is what statement st adds to a receipt's digest: its
+// canonical text and, for an EXECUTE, the canonical text of the prepared
+// statement it runs, as prepared finds it by name (nil: not known). The
+// name alone left what the write does out of the digest: a different
+// write under a committed step, the same EXECUTE of a statement prepared
+// anew, was answered as its replay "with the same payload" (round 18,
+// attacker AG's M1).
+func DigestText(st *rewrite.Stmt, prepared func(name string) *rewrite.Stmt) string {
+	text := st.Canonical()
+	if st.Executes == "" || prepared == nil {
+		return text
+	}
+	if in := prepared(st.Executes); in != nil {
+		return text + "\x00PREPARED\x00" + in.Canonical()
+	}
+	return text
+}
+
+// Prepared finds the session's prepared statements by name (DigestText).
+func Prepared(ss *session.State) func(string) *rewrite.Stmt {
+	return func(name string) *rewrite.Stmt {
+		if p, ok := ss.Statements().Statement(name); ok {
+			return p.Stmt
+		}
+		return nil
+	}
+}
+
+// queryPrepared finds a prepared statement as a statement after before,
+// in the same query, runs it: the last PREPARE of the name in before, or
+// the session's.
+func queryPrepared(ss *session.State, before []*rewrite.Stmt) func(string) *rewrite.Stmt {
+	return func(name string) *rewrite.Stmt {
+		for j := len(before) - 1; j >= 0; j-- {
+			if b := before[j]; b.Kind == rewrite.Prepare && b.Name == name {
+				return b.Inner
+			}
+		}
+		return Prepared(ss)(name)
+	}
 }
 
 // Digested reports whether st goes into a receipt's digest: what may
