@@ -123,9 +123,22 @@ func parseStartup(b []byte) (*startup, error) {
 	if s.params["database"] == "" {
 		s.params["database"] = s.params["user"]
 	}
+	// PostgreSQL cuts both names to NAMEDATALEN-1 bytes (as bytes, in
+	// ProcessStartupPacket), so a longer name reaches the same database
+	// as the user: the proxy keys DISABLE, PAUSE, KILL, its pools and its
+	// catalog watchers on the name the server uses (round 18, attacker
+	// AI's M1: the name plus any bytes got past DISABLE and PAUSE).
+	for _, k := range []string{"user", "database"} {
+		if v := s.params[k]; len(v) > maxIdentLen {
+			s.params[k] = v[:maxIdentLen]
+		}
+	}
 	sort.Strings(s.unknown)
 	return s, nil
 }
+
+// maxIdentLen is PostgreSQL's NAMEDATALEN-1: the longest name it keeps.
+const maxIdentLen = 63
 
 // cstring splits a NUL-terminated string off b.
 func cstring(b []byte) (string, []byte, bool) {
