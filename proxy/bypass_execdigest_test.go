@@ -4,6 +4,8 @@ import (
 	"fmt"
 	"testing"
 
+	"github.com/jackc/pgx/v5/pgconn"
+
 	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/internal/pgtest"
 )
@@ -81,6 +83,44 @@ func bypassExecuteDigest(t *testing.T) {
 					t.Fatalf("rows after the retry: %d, want 1", n)
 				}
 			})
+		})
+	}
+	// Round 19, attacker AK's M1: the same query prepared with other
+	// parameter types writes another value from the same EXECUTE: by SQL
+	// PREPARE, and by a protocol-level Parse run by SQL EXECUTE.
+	types := []struct {
+		name    string
+		prepare func(t *testing.T, conn *pgconn.PgConn, typ string) error
+	}{
+		{"sql_prepare", func(t *testing.T, conn *pgconn.PgConn, typ string) error {
+			return castExec(ctxT(t), conn, "prepare w("+typ+") as insert into inh_c values (60, 'job', $1)", "")
+		}},
+		{"protocol_parse", func(t *testing.T, conn *pgconn.PgConn, typ string) error {
+			oid := map[string]uint32{"int": 23, "text": 25}[typ]
+			_, err := conn.Prepare(ctxT(t), "w", "insert into inh_c values (61, 'job', $1)", []uint32{oid})
+			return err
+		}},
+	}
+	for _, ty := range types {
+		t.Run("param_types_"+ty.name, func(t *testing.T) {
+			step := "exec_types_" + ty.name
+			run := func(typ string) error {
+				conn := c.connect(t, "proxy", w, cur)
+				if err := ty.prepare(t, conn, typ); err != nil {
+					return err
+				}
+				return castExec(ctxT(t), conn, "set fence.step = '"+step+"'; begin; execute w('007'); commit", "")
+			}
+			if err := run("int"); err != nil {
+				t.Fatalf("first commit: %v", err)
+			}
+			err := run("text")
+			if got := pgtest.SQLState(err); got != fence.CodeConflict {
+				t.Fatalf("the same EXECUTE of the statement prepared with text for int: %v (SQLSTATE %q), want %s", err, got, fence.CodeConflict)
+			}
+			if err := run("int"); err != nil {
+				t.Fatalf("the retry as first prepared: %v, want its replay (success)", err)
+			}
 		})
 	}
 }

@@ -1,6 +1,9 @@
 package plan
 
 import (
+	"fmt"
+	"strings"
+
 	"github.com/pgfence/pgfence/fence"
 	"github.com/pgfence/pgfence/rewrite"
 	"github.com/pgfence/pgfence/session"
@@ -147,41 +150,62 @@ func Resolve(d Digest, ss *session.State, stmts []*rewrite.Stmt) ([]byte, string
 }
 
 // DigestText is what statement st adds to a receipt's digest: its
-// canonical text and, for an EXECUTE, the canonical text of the prepared
-// statement it runs, as prepared finds it by name (nil: not known). The
-// name alone left what the write does out of the digest: a different
-// write under a committed step, the same EXECUTE of a statement prepared
-// anew, was answered as its replay "with the same payload" (round 18,
-// attacker AG's M1).
-func DigestText(st *rewrite.Stmt, prepared func(name string) *rewrite.Stmt) string {
+// canonical text and, for an EXECUTE, what the prepared statement it runs
+// is, as prepared finds it by name ("": not known). The name alone left
+// what the write does out of the digest: a different write under a
+// committed step, the same EXECUTE of a statement prepared anew, was
+// answered as its replay "with the same payload" (round 18, attacker AG's
+// M1); so did the same statement prepared with other parameter types
+// (round 19, attacker AK's M1).
+func DigestText(st *rewrite.Stmt, prepared func(name string) string) string {
 	text := st.Canonical()
 	if st.Executes == "" || prepared == nil {
 		return text
 	}
-	if in := prepared(st.Executes); in != nil {
-		return text + "\x00PREPARED\x00" + in.Canonical()
+	if p := prepared(st.Executes); p != "" {
+		return text + "\x00" + p
 	}
 	return text
 }
 
+// preparedText is what a prepared statement is for the digest: an
+// SQL-level one's PREPARE statement (its parameter types with its
+// query), a protocol-level one's canonical text and the parameter types
+// its Parse gave.
+func preparedText(p *session.Prepared) string {
+	if p.SQL {
+		return "PREPARE\x00" + strings.TrimSpace(p.Text)
+	}
+	if p.Stmt == nil {
+		return "PARSE\x00"
+	}
+	var b strings.Builder
+	b.WriteString("PARSE\x00")
+	b.WriteString(p.Stmt.Canonical())
+	for _, oid := range p.ParamOIDs {
+		fmt.Fprintf(&b, "\x00%d", oid)
+	}
+	return b.String()
+}
+
 // Prepared finds the session's prepared statements by name (DigestText).
-func Prepared(ss *session.State) func(string) *rewrite.Stmt {
-	return func(name string) *rewrite.Stmt {
+func Prepared(ss *session.State) func(string) string {
+	return func(name string) string {
 		if p, ok := ss.Statements().Statement(name); ok {
-			return p.Stmt
+			return preparedText(p)
 		}
-		return nil
+		return ""
 	}
 }
 
 // queryPrepared finds a prepared statement as a statement after before,
-// in the same query, runs it: the last PREPARE of the name in before, or
-// the session's.
-func queryPrepared(ss *session.State, before []*rewrite.Stmt) func(string) *rewrite.Stmt {
-	return func(name string) *rewrite.Stmt {
+// in the same query, runs it: the last PREPARE of the name in before (as
+// the session will have recorded it), or the session's.
+func queryPrepared(ss *session.State, before []*rewrite.Stmt) func(string) string {
+	return func(name string) string {
 		for j := len(before) - 1; j >= 0; j-- {
 			if b := before[j]; b.Kind == rewrite.Prepare && b.Name == name {
-				return b.Inner
+				return preparedText(&session.Prepared{SQL: true, Text: b.SQL})
 			}
 		}
 		return Prepared(ss)(name)
