@@ -140,6 +140,12 @@ func parseAdmin(text string) (st adminStmt, ok bool) {
 	default:
 		return st, false
 	}
+	// A database named as a client's startup names it: cut to 63 bytes,
+	// or DISABLE, PAUSE, KILL of a longer name would hold no session
+	// (round 19, attacker AL's L1).
+	if len(st.arg) > maxIdentLen {
+		st.arg = st.arg[:maxIdentLen]
+	}
 	switch k, v = l.next(); k {
 	case tokEnd:
 		return st, true

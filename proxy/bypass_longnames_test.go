@@ -7,6 +7,8 @@ import (
 	"testing"
 
 	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/pgfence/pgfence/internal/pgtest"
 )
 
 func init() { registerBypass("long_names", bypassLongNames) }
@@ -73,5 +75,44 @@ func bypassLongNames(t *testing.T) {
 			_, err := pgconn.Connect(ctx, p.dsn(name))
 			wantCode(t, err, "55000")
 		}
+	})
+	// Round 19, attacker AL's L1: the console cut no name, so DISABLE of
+	// the longer name disabled a database no session can have.
+	t.Run("console_cuts_names", func(t *testing.T) {
+		execOK(t, con, "DISABLE "+longer)
+		defer execOK(t, con, "ENABLE "+db)
+		_, err := pgconn.Connect(ctx, p.dsn(db))
+		wantCode(t, err, "55000")
+	})
+	// AL's L2: replication is read as PostgreSQL reads it.
+	t.Run("replication_parameter", func(t *testing.T) {
+		for v, code := range map[string]string{"f": "", "of": "", "n": "", "FA": "", "0": "",
+			"t": "0A000", "on": "0A000", "database": "0A000", "yes": "0A000",
+			"o": "22023", "xyz": "22023", "": "22023"} {
+			cfg, err := pgconn.ParseConfig(p.dsn(db))
+			if err != nil {
+				t.Fatal(err)
+			}
+			cfg.RuntimeParams["replication"] = v
+			c, err := pgconn.ConnectConfig(ctx, cfg)
+			if code == "" {
+				if err != nil {
+					t.Errorf("replication=%q: %v, want an ordinary session (PostgreSQL reads it as false)", v, err)
+					continue
+				}
+				c.Close(context.Background())
+				continue
+			}
+			if got := pgtest.SQLState(err); got != code {
+				t.Errorf("replication=%q: %v (SQLSTATE %q), want %s", v, err, got, code)
+			}
+		}
+	})
+	// AL's L3: a user name that is not UTF-8 (a cut inside a character) is
+	// refused as an unknown role is, not with the lookup query's 22021.
+	t.Run("non_utf8_user", func(t *testing.T) {
+		e := newAuthEnv(t, Config{})
+		e.refused(t, strings.Repeat("u", 62)+"\u00e9", "whatever", "28P01")
+		e.refused(t, "auth_\xff", "whatever", "28P01")
 	})
 }

@@ -306,7 +306,10 @@ func (s *Server) handle(c net.Conn) {
 	}
 	user, db := st.params["user"], st.params["database"]
 	log = log.With(zap.String("user", user), zap.String("database", db))
-	if st.replication() {
+	if repl, err := st.replication(); err != nil {
+		s.refuse(conn, err, log, "startup failed")
+		return
+	} else if repl {
 		s.refuse(conn, &ProtocolError{Code: "0A000", Msg: "pgfence does not proxy replication connections; connect to PostgreSQL directly for replication"}, log, "replication refused")
 		return
 	}

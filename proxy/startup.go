@@ -151,17 +151,46 @@ func cstring(b []byte) (string, []byte, bool) {
 }
 
 // replication reports whether the startup asks for a replication
-// connection (any value other than false/off/no/0).
-func (s *startup) replication() bool {
+// connection, reading the parameter as PostgreSQL does ("database", or a
+// boolean as parse_bool reads one: any prefix of true, false, yes, no, on
+// or off that names one of them, 1, 0); an error (22023) for any other
+// value (round 19, attacker AL's L2: "f" and "of" were refused as
+// replication, which PostgreSQL reads as false).
+func (s *startup) replication() (bool, error) {
 	v, ok := s.params["replication"]
 	if !ok {
-		return false
+		return false, nil
 	}
-	switch strings.ToLower(v) {
-	case "false", "off", "no", "0":
-		return false
+	if v == "database" {
+		return true, nil
 	}
-	return true
+	if b, ok := pgParseBool(v); ok {
+		return b, nil
+	}
+	return false, &ProtocolError{Code: "22023", Msg: fmt.Sprintf("invalid value for parameter \"replication\": %q", v)}
+}
+
+// pgParseBool is PostgreSQL's parse_bool.
+func pgParseBool(v string) (val, ok bool) {
+	s := strings.ToLower(v)
+	prefix := func(word string, min int) bool { return len(s) >= min && strings.HasPrefix(word, s) }
+	switch {
+	case s == "":
+		return false, false
+	case prefix("true", 1), prefix("yes", 1):
+		return true, true
+	case prefix("false", 1), prefix("no", 1):
+		return false, true
+	case s == "on":
+		return true, true
+	case prefix("off", 2):
+		return false, true
+	case s == "1":
+		return true, true
+	case s == "0":
+		return false, true
+	}
+	return false, false
 }
 
 // needsNegotiation reports whether the client asked for a newer minor
