@@ -24,6 +24,49 @@
 --
 -- Existing unlogged or temporary members are named by a WARNING here
 -- (a DBA decides: ALTER TABLE ... SET LOGGED, or fence.unprotect).
+--
+-- AM-H1 (round 20). A protected table made to depend on an object in a
+-- temporary schema (ALTER TABLE ... OF pg_temp.type, ADD COLUMN of a
+-- pg_temp domain) was dropped, or lost the column and its rows, when
+-- that session ended: PostgreSQL drops temporary objects as DROP ...
+-- CASCADE does and fires no event trigger. fence.temp_dependency finds
+-- such a dependency, direct or indirect; no member may join with one,
+-- and DDL that makes one is refused (event trigger pgfence_guard_temp),
+-- for everyone.
+
+-- fence.temp_dependency: the first object in a temporary schema that a
+-- protected member depends on, directly or through other objects (its
+-- columns' types, its typed table's type, the types, functions and
+-- collations of its defaults, constraints and indexes, and what those
+-- depend on), described; NULL when there is none. PostgreSQL drops a
+-- session's temporary objects at its end (or DISCARD TEMP) as DROP ...
+-- CASCADE does, firing no event trigger: the table, or the column, that
+-- depends on one goes with it (round 20, attacker AM's H1: ALTER TABLE
+-- ... OF pg_temp.t, ADD COLUMN z pg_temp.d).
+create function fence.temp_dependency(p_rel regclass) returns text
+language sql stable
+set search_path = pg_catalog, fence, pg_temp
+as $$
+  with recursive parts(classid, objid) as (
+    select 'pg_catalog.pg_class'::pg_catalog.regclass::pg_catalog.oid, p_rel::pg_catalog.oid
+    union
+    select d.classid, d.objid from pg_catalog.pg_depend d
+     where d.refclassid = 'pg_catalog.pg_class'::pg_catalog.regclass and d.refobjid = p_rel::pg_catalog.oid
+       and d.deptype in ('a', 'i')
+  ), reach(classid, objid) as (
+    select p.classid, p.objid from parts p
+    union
+    select d.refclassid, d.refobjid from reach r
+      join pg_catalog.pg_depend d on d.classid = r.classid and d.objid = r.objid
+     where d.deptype in ('n', 'a', 'i')
+  )
+  select pg_catalog.pg_describe_object(r.classid, r.objid, 0)
+    from reach r, pg_catalog.pg_identify_object(r.classid, r.objid, 0) i
+   where pg_catalog.left(coalesce(case when r.classid = 'pg_catalog.pg_namespace'::pg_catalog.regclass then i.name else i.schema end, ''), 7) = 'pg_temp'
+      or pg_catalog.left(coalesce(case when r.classid = 'pg_catalog.pg_namespace'::pg_catalog.regclass then i.name else i.schema end, ''), 13) = 'pg_toast_temp'
+   limit 1
+$$;
+revoke all on function fence.temp_dependency(regclass) from public;
 
 create or replace function fence.sync_tree(p_root regclass, p_column text, p_allowed boolean) returns boolean
 language plpgsql
@@ -108,6 +151,13 @@ begin
     -- stay (a retry is then a replay of a write that is gone); a
     -- temporary one is dropped without an event trigger and leaves its
     -- entry behind.
+    v_what := fence.temp_dependency(m.relid);
+    if v_what is not null then
+      raise exception '% cannot join the protected tree of %: it depends on %, which is temporary', m.relid, p_root, v_what
+        using errcode = '55000',
+              detail = 'a session''s temporary objects are dropped at its end as by DROP ... CASCADE, with what depends on them, and no event trigger fires',
+              hint = 'use a permanent type, domain, function or collation';
+    end if;
     if m.relpersistence <> 'p' then
       raise exception '% cannot join the protected tree of %: it is an % table', m.relid, p_root,
           case m.relpersistence when 'u' then 'unlogged' else 'temporary' end
@@ -190,6 +240,56 @@ begin
   if v is not null then
     raise warning 'protected tables that are not permanent: %', v
       using hint = 'make each permanent (ALTER TABLE ... SET LOGGED, as a member of pgfence_bypass) or unprotect it: an unlogged table loses its rows in a crash while their receipts stay';
+  end if;
+end
+$$;
+
+-- Later DDL: a protected member made to depend on a temporary object
+-- (ALTER TABLE ... OF, ADD COLUMN or ALTER COLUMN ... TYPE of a temporary
+-- type or domain, a default or constraint calling a temporary function)
+-- is refused for everyone at ddl_command_end. Only the session that owns
+-- a temporary schema can make anything depend on it, so a session
+-- without one (pg_my_temp_schema() = 0) is not checked.
+create function fence.guard_temp() returns event_trigger
+language plpgsql
+security definer
+set search_path = pg_catalog, fence, pg_temp
+as $$
+declare
+  m record;
+  v_what text;
+begin
+  if pg_catalog.pg_my_temp_schema() = 0 then
+    return;
+  end if;
+  for m in select q.relid from fence.protected_tables q
+            where exists (select 1 from pg_catalog.pg_class c where c.oid = q.relid) loop
+    v_what := fence.temp_dependency(m.relid);
+    if v_what is not null then
+      raise exception '% on protected table %: it would depend on %, which is temporary', tg_tag, m.relid, v_what
+        using errcode = '55000',
+              detail = 'a session''s temporary objects are dropped at its end as by DROP ... CASCADE, with what depends on them (the table, a column and its rows), and no event trigger fires',
+              hint = 'use a permanent type, domain, function or collation';
+    end if;
+  end loop;
+end
+$$;
+revoke all on function fence.guard_temp() from public;
+
+create event trigger pgfence_guard_temp on ddl_command_end execute function fence.guard_temp();
+
+do $$
+declare
+  v text;
+begin
+  select string_agg(p.relid::regclass::text || ' (' || fence.temp_dependency(p.relid) || ')', ', ')
+    into v
+    from fence.protected_tables p
+   where exists (select 1 from pg_catalog.pg_class c where c.oid = p.relid)
+     and fence.temp_dependency(p.relid) is not null;
+  if v is not null then
+    raise warning 'protected tables that depend on temporary objects, dropped when their session ends: %', v
+      using hint = 'change the column or type to a permanent one now, in the session that owns the temporary object';
   end if;
 end
 $$;

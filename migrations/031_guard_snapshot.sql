@@ -17,7 +17,8 @@
 -- The class: every decision of the guard rests on a snapshot, and only a
 -- READ COMMITTED transaction reads one taken after the DDL's locks. Now
 -- DDL by a non-administrator that touches anything but its own temporary
--- objects runs only READ COMMITTED, in every database with pgfence,
+-- objects (a temporary table with a permanent parent changes the parent's
+-- tree: round 20, attacker AM's M1) runs only READ COMMITTED, in every database with pgfence,
 -- whatever the guard would read (a stale snapshot may show nothing
 -- protected at all). Two event triggers of their own, on ddl_command_end
 -- and sql_drop (every command the guard judges ends in one of them; a
@@ -40,9 +41,16 @@ begin
   -- A session's own temporary objects (CREATE TEMP TABLE in a REPEATABLE
   -- READ report, their DROP): nothing protected is among them (030:
   -- temporary tables join no protected tree).
+  -- Not a temporary table with a permanent parent (CREATE TEMP TABLE ...
+  -- INHERITS, ALTER TABLE ... INHERIT: round 20, attacker AM's M1): that
+  -- changes the parent's tree.
   if tg_event = 'ddl_command_end' then
     if not exists (select 1 from pg_catalog.pg_event_trigger_ddl_commands() c
-                    where c.schema_name is distinct from 'pg_temp') then
+                    where c.schema_name is distinct from 'pg_temp'
+                       or (c.classid = 'pg_catalog.pg_class'::regclass
+                           and exists (select 1 from pg_catalog.pg_inherits i
+                                         join pg_catalog.pg_class pc on pc.oid = i.inhparent
+                                        where i.inhrelid = c.objid and pc.relpersistence <> 't'))) then
       return;
     end if;
   elsif not exists (select 1 from pg_catalog.pg_event_trigger_dropped_objects() d where not d.is_temporary) then

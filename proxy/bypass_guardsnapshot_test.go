@@ -65,6 +65,24 @@ func bypassGuardSnapshot(t *testing.T) {
 		c.as(t, o, "create table gs_plain (a int)")
 		c.refusedAs(t, o, "begin isolation level repeatable read; alter table gs_plain add column b int; commit", castLocked)
 	})
+	// Round 20, attacker AM's M1: a temporary child of a permanent table
+	// is not the session's own temporary objects only: it joins the
+	// parent's tree, which the stale snapshot showed unprotected.
+	for i, ddl := range []string{"create temp table gs_tc%d () inherits (%s)", "create temp table gs_tc%d (k int not null, job_key text not null, v text not null); alter table gs_tc%[1]d inherit %[2]s"} {
+		t.Run(fmt.Sprintf("rr_temp_child_%d", i), func(t *testing.T) {
+			parent := fmt.Sprintf("gs_u%d", i)
+			c.as(t, o, "create table "+parent+" (k int not null, job_key text not null, v text not null)")
+			s2 := c.connect(t, "direct", o, nil)
+			if err := castExec(ctxT(t), s2, "begin isolation level repeatable read; select 1", ""); err != nil {
+				t.Fatal(err)
+			}
+			c.as(t, c.su, "select fence.protect('"+parent+"')")
+			err := castExec(ctxT(t), s2, fmt.Sprintf(ddl, i, parent), "")
+			if got := pgtest.SQLState(err); got != castLocked {
+				t.Fatalf("a temporary child of %s in a snapshot from before it was protected: %v (SQLSTATE %q), want %s", parent, err, got, castLocked)
+			}
+		})
+	}
 	t.Run("rr_own_temporary_objects_pass", func(t *testing.T) {
 		c.as(t, o, "begin isolation level repeatable read; create temp table gs_tmp (a int); create index on gs_tmp (a); drop table gs_tmp; commit")
 		c.as(t, c.worker, "begin isolation level serializable; create temp table gs_tmp2 (a int); commit")

@@ -58,7 +58,31 @@ func bypassTreeJoins(t *testing.T) {
 		{"serializable_create_inherits", attempt{role: o, code: castLocked,
 			sql: "begin isolation level serializable; create table tj_sr () inherits (inh); commit"}},
 	}
+	// Round 20, attacker AM's H1: a protected table made to depend on an
+	// object in the session's temporary schema was dropped (or lost the
+	// column and its rows) at the session's end, which fires no event
+	// trigger. 55000 for everyone, a DBA included.
+	cases = append(cases,
+		castCase{"of_temp_type", attempt{role: o, code: "55000",
+			sql: "create type pg_temp.gt as (k int, job_key text, v text); alter table app.ledger of pg_temp.gt"}},
+		castCase{"add_column_temp_domain", attempt{role: o, code: "55000",
+			sql: "create domain pg_temp.gd as int; alter table inh add column z pg_temp.gd"}},
+		castCase{"add_column_temp_domain_dba", attempt{role: c.dba, code: "55000",
+			sql: "create domain pg_temp.gd as int; alter table res add column z pg_temp.gd"}},
+		castCase{"add_column_array_of_temp_type", attempt{role: o, code: "55000",
+			sql: "create type pg_temp.ge as enum ('a'); alter table app.ledger add column z pg_temp.ge[]"}},
+		castCase{"alter_column_type_temp_domain_dba", attempt{role: c.dba, code: "55000",
+			sql: "create domain pg_temp.gd as text; alter table app.ledger alter column v type pg_temp.gd"}},
+		castCase{"dba_joins_table_with_temp_column", attempt{role: c.dba, code: "55000",
+			sql: "create domain pg_temp.gd as text; create table tj_tdep (k int not null, job_key text not null, v text not null, z pg_temp.gd); alter table tj_tdep inherit inh"}},
+		castCase{"dba_protects_table_of_temp_type", attempt{role: c.su, code: "55000",
+			sql: "create type pg_temp.gt as (a int); create table tj_tof of pg_temp.gt; select fence.protect('tj_tof')"}},
+	)
 	c.tryEach(t, cases)
+
+	t.Run("temp_types_in_temp_tables_pass", func(t *testing.T) {
+		c.as(t, o, "create type pg_temp.gt as (a int); create temp table tj_tmp of pg_temp.gt; create domain pg_temp.gd as int; create temp table tj_tmp2 (a pg_temp.gd); create table tj_perm (a int); alter table tj_perm add column b int")
+	})
 
 	t.Run("permanent_still_joins", func(t *testing.T) {
 		c.as(t, o, "create table tj_ok () inherits (inh); create table tj_okp partition of res for values from (730) to (740); "+
