@@ -247,9 +247,12 @@ $$;
 -- Later DDL: a protected member made to depend on a temporary object
 -- (ALTER TABLE ... OF, ADD COLUMN or ALTER COLUMN ... TYPE of a temporary
 -- type or domain, a default or constraint calling a temporary function)
--- is refused for everyone at ddl_command_end. Only the session that owns
--- a temporary schema can make anything depend on it, so a session
--- without one (pg_my_temp_schema() = 0) is not checked.
+-- is refused for everyone at ddl_command_end, after any DDL: the
+-- dependency may come through a permanent object that depends on another
+-- session's temporary one (CREATE DOMAIN own.d AS pg_temp.t in one
+-- session, ADD COLUMN of own.d, or a function a partition key or
+-- constraint calls replaced to use it, in another: round 21, attacker
+-- AO).
 create function fence.guard_temp() returns event_trigger
 language plpgsql
 security definer
@@ -259,9 +262,6 @@ declare
   m record;
   v_what text;
 begin
-  if pg_catalog.pg_my_temp_schema() = 0 then
-    return;
-  end if;
   for m in select q.relid from fence.protected_tables q
             where exists (select 1 from pg_catalog.pg_class c where c.oid = q.relid) loop
     v_what := fence.temp_dependency(m.relid);

@@ -80,6 +80,35 @@ func bypassTreeJoins(t *testing.T) {
 	)
 	c.tryEach(t, cases)
 
+	// Round 21, attacker AO: the dependency through a permanent object
+	// on another session's temporary one, made in a session that has no
+	// temporary schema (the check skipped such sessions).
+	t.Run("permanent_over_other_sessions_temp", func(t *testing.T) {
+		a := c.connect(t, "direct", o, nil)
+		if err := castExec(ctxT(t), a, "create domain pg_temp.tj_d as int; create domain public.tj_dd as pg_temp.tj_d; "+
+			"create domain public.tj_dd2 as pg_temp.tj_d; create function public.tj_kf(i int) returns int language sql immutable begin atomic select i; end", ""); err != nil {
+			t.Fatal(err)
+		}
+		c.as(t, c.su, "create table tj_chk (k int not null, job_key text not null, v text not null, check (public.tj_kf(k) >= 0)); "+
+			"alter table tj_chk owner to "+o+"; select fence.protect('tj_chk')")
+		for _, route := range castRoutes {
+			b := c.connect(t, route, o, nil)
+			err := castExec(ctxT(t), b, "alter table app.ledger add column z public.tj_dd", "")
+			if got := pgtest.SQLState(err); got != "55000" {
+				t.Fatalf("%s: a column of a domain over another session's temporary domain: %v (SQLSTATE %q), want 55000", route, err, got)
+			}
+			err = castExec(ctxT(t), b, "create or replace function public.tj_kf(i int) returns int language sql immutable begin atomic select i::public.tj_dd2::int; end", "")
+			if got := pgtest.SQLState(err); got != "55000" {
+				t.Fatalf("%s: a protected table's constraint function made to use a domain over a temporary one: %v (SQLSTATE %q), want 55000", route, err, got)
+			}
+		}
+		if err := castExec(ctxT(t), a, "discard temp", ""); err != nil {
+			t.Fatal(err)
+		}
+		if n := c.count(t, "select count(*) from pg_class where relname = 'tj_chk'"); n != 1 {
+			t.Fatal("the protected table was dropped with the temporary domain")
+		}
+	})
 	t.Run("temp_types_in_temp_tables_pass", func(t *testing.T) {
 		c.as(t, o, "create type pg_temp.gt as (a int); create temp table tj_tmp of pg_temp.gt; create domain pg_temp.gd as int; create temp table tj_tmp2 (a pg_temp.gd); create table tj_perm (a int); alter table tj_perm add column b int")
 	})
