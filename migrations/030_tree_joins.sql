@@ -262,6 +262,19 @@ declare
   m record;
   v_what text;
 begin
+  -- pgfence's own DDL (fence.protect's backstops: fence.sync_tree checks
+  -- each member it adds), and a database where no temporary schema holds
+  -- anything a permanent object could depend on (the walk is per member).
+  if exists (select 1 from fence.own_ddl o where o.xid = pg_catalog.pg_current_xact_id_if_assigned())
+     or not exists (select 1 from pg_catalog.pg_namespace n
+                     where pg_catalog.left(n.nspname, 8) = 'pg_temp_'
+                       and (exists (select 1 from pg_catalog.pg_type t where t.typnamespace = n.oid)
+                            or exists (select 1 from pg_catalog.pg_proc f where f.pronamespace = n.oid)
+                            or exists (select 1 from pg_catalog.pg_collation l where l.collnamespace = n.oid)
+                            or exists (select 1 from pg_catalog.pg_operator o where o.oprnamespace = n.oid)
+                            or exists (select 1 from pg_catalog.pg_class c where c.relnamespace = n.oid))) then
+    return;
+  end if;
   for m in select q.relid from fence.protected_tables q
             where exists (select 1 from pg_catalog.pg_class c where c.oid = q.relid) loop
     v_what := fence.temp_dependency(m.relid);
