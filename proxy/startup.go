@@ -3,6 +3,7 @@ package proxy
 import (
 	"encoding/binary"
 	"fmt"
+	"github.com/pgfence/pgfence/rewrite"
 	"io"
 	"sort"
 	"strings"
@@ -152,8 +153,7 @@ func cstring(b []byte) (string, []byte, bool) {
 
 // replication reports whether the startup asks for a replication
 // connection, reading the parameter as PostgreSQL does ("database", or a
-// boolean as parse_bool reads one: any prefix of true, false, yes, no, on
-// or off that names one of them, 1, 0); an error (22023) for any other
+// boolean as PostgreSQL reads one, rewrite.ParseBool); an error (22023) for any other
 // value (round 19, attacker AL's L2: "f" and "of" were refused as
 // replication, which PostgreSQL reads as false).
 func (s *startup) replication() (bool, error) {
@@ -164,33 +164,10 @@ func (s *startup) replication() (bool, error) {
 	if v == "database" {
 		return true, nil
 	}
-	if b, ok := pgParseBool(v); ok {
+	if b, ok := rewrite.ParseBool(v); ok {
 		return b, nil
 	}
 	return false, &ProtocolError{Code: "22023", Msg: fmt.Sprintf("invalid value for parameter \"replication\": %q", v)}
-}
-
-// pgParseBool is PostgreSQL's parse_bool.
-func pgParseBool(v string) (val, ok bool) {
-	s := strings.ToLower(v)
-	prefix := func(word string, min int) bool { return len(s) >= min && strings.HasPrefix(word, s) }
-	switch {
-	case s == "":
-		return false, false
-	case prefix("true", 1), prefix("yes", 1):
-		return true, true
-	case prefix("false", 1), prefix("no", 1):
-		return false, true
-	case s == "on":
-		return true, true
-	case prefix("off", 2):
-		return false, true
-	case s == "1":
-		return true, true
-	case s == "0":
-		return false, true
-	}
-	return false, false
 }
 
 // needsNegotiation reports whether the client asked for a newer minor

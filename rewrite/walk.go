@@ -344,7 +344,7 @@ func (w *walker) setConfig(fc *pg_query.FuncCall) {
 	case a.literal:
 		// A NULL is_local is false in set_config_by_name.
 		if !a.null {
-			b, ok := parseBool(a.value)
+			b, ok := ParseBool(a.value)
 			if !ok {
 				g.Unknown = true
 			}
@@ -402,10 +402,10 @@ func argOf(n *pg_query.Node) arg {
 	return arg{}
 }
 
-// parseBool accepts PostgreSQL's boolean input forms (boolin): any unique
+// ParseBool accepts PostgreSQL's boolean input forms (boolin): any unique
 // prefix of true/false/yes/no, on/off, 1/0, ignoring case and surrounding
 // whitespace.
-func parseBool(s string) (bool, bool) {
+func ParseBool(s string) (bool, bool) {
 	s = strings.ToLower(strings.TrimSpace(s))
 	if s == "" {
 		return false, false

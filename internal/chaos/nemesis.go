@@ -479,24 +479,14 @@ func definite(outcome string) bool {
 // makes. A worker stopped there begins its next attempt only once
 // continued, after the takeover, where it must be refused.
 func (sp *slotProc) betweenCommits(ctx context.Context) bool {
-	pids := append([]int{sp.cmd.Process.Pid}, sp.children()...)
-	if poll(ctx, time.Millisecond, func() (bool, error) { return stopped(pids), nil }) != nil {
+	lines, ok := sp.stoppedRecords(ctx)
+	if !ok {
 		return false
 	}
-	lines := recordLines(sp.records, 0, true)
 	if n := len(lines); n > 0 && !definite(lines[n-1].Outcome) {
 		return false
 	}
-	answered := map[string]bool{}
-	for _, a := range lines {
-		switch {
-		case a.Outcome == audit.OutcomeStale || a.Outcome == audit.OutcomeExpired:
-			return false
-		case definite(a.Outcome) && !a.Probe:
-			answered[a.Step] = true
-		}
-	}
-	return len(answered) < sp.steps
+	return sp.left(lines) > 0
 }
 
 // commitsLeft waits until every process of the stopped slot is stopped and
@@ -504,12 +494,28 @@ func (sp *slotProc) betweenCommits(ctx context.Context) bool {
 // may be inside (its commit may have been made: that step's retry is a
 // replay), or -1 when it was refused.
 func (sp *slotProc) commitsLeft(ctx context.Context) int {
-	pids := append([]int{sp.cmd.Process.Pid}, sp.children()...)
-	if poll(ctx, time.Millisecond, func() (bool, error) { return stopped(pids), nil }) != nil {
+	lines, ok := sp.stoppedRecords(ctx)
+	if !ok {
 		return -1
 	}
+	return sp.left(lines)
+}
+
+// stoppedRecords waits until every process of the stopped slot is
+// stopped and returns its worker's record lines.
+func (sp *slotProc) stoppedRecords(ctx context.Context) ([]Attempt, bool) {
+	pids := append([]int{sp.cmd.Process.Pid}, sp.children()...)
+	if poll(ctx, time.Millisecond, func() (bool, error) { return stopped(pids), nil }) != nil {
+		return nil, false
+	}
+	return recordLines(sp.records, 0, true), true
+}
+
+// left is how many steps the worker of lines has not had a definite
+// answer for, or -1 when it was refused (stale or expired).
+func (sp *slotProc) left(lines []Attempt) int {
 	answered := map[string]bool{}
-	for _, a := range recordLines(sp.records, 0, true) {
+	for _, a := range lines {
 		switch {
 		case a.Outcome == audit.OutcomeStale || a.Outcome == audit.OutcomeExpired:
 			return -1
