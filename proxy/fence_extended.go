@@ -340,6 +340,12 @@ type clientPortal struct {
 	oids    []uint32
 	formats []int16
 	params  [][]byte
+	// digested: an Execute of the portal was answered PortalSuspended,
+	// and what it means for the gate (plan.Completed: its digest item,
+	// a tentative transaction) is recorded: a write runs to completion
+	// at its portal's first Execute however few rows it returns (server
+	// side, h.mu).
+	digested bool
 }
 
 // paramFunc gives the session state p's text parameters as the server

@@ -190,6 +190,15 @@ func (h *fenceSession) executeResponse(s gateConn, msg []byte, t *tag) (Verdict,
 			close(t.started) // the COPY has started: a Sync now is ignored (copyExec)
 			t.started = nil
 		}
+	case 's':
+		// PortalSuspended: the Execute returned as many rows as it was
+		// allowed. A write (INSERT … RETURNING, a writable CTE) has run
+		// whole all the same, and may commit without the portal ever
+		// completing: it joins the digest now, once (round 22, AQ-M2).
+		if cp := t.cp; t.step == stepClient && cp != nil && cp.stmt != nil && !cp.digested {
+			cp.digested = true
+			plan.Completed(h.planSession(), cp.stmt, cp)
+		}
 	case 'C':
 		h.timeStep(t, t.step)
 		sg := seg{step: t.step, gen: t.gen, beforeCommit: t.beforeCommit}
@@ -391,7 +400,9 @@ func (h *fenceSession) applyClient(st *rewrite.Stmt, msg []byte, cp *clientPorta
 	if cp != nil {
 		bound = cp
 	}
-	plan.Completed(h.planSession(), st, bound) // tentative, digest
+	if cp == nil || !cp.digested { // a suspended portal's is recorded
+		plan.Completed(h.planSession(), st, bound) // tentative, digest
+	}
 	var pf session.ParamFunc
 	if cp != nil {
 		pf = paramFunc(cp, h.be.text.codec)

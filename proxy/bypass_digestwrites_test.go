@@ -1,0 +1,162 @@
+package proxy
+
+import (
+	"fmt"
+	"io"
+	"strings"
+	"testing"
+
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgproto3"
+
+	"github.com/pgfence/pgfence/fence"
+	"github.com/pgfence/pgfence/internal/pgtest"
+)
+
+func init() { registerBypass("digest_writes", bypassDigestWrites) }
+
+// bypassDigestWrites (round 22, attacker AQ): writes the receipt's
+// payload digest left out, so that a different write under a committed
+// step was answered as its replay "with the same payload" (and nothing
+// of it applied), or an identical retry as a conflict (FN003, whose hint
+// tells the client to redo its committed work under a new token).
+//
+//   - M1: a write inside COPY (… RETURNING) TO STDOUT. The gate gated it
+//     (its Writes), the digest chose statements by kind and COPY TO was
+//     not one: every such transaction had the same digest. Now whatever
+//     writes a relation is digested (plan.Digested), whatever its kind.
+//   - M2: a write run by an Execute with a row limit, answered
+//     PortalSuspended: PostgreSQL runs the write whole at the portal's
+//     first Execute, and the transaction may commit without the portal
+//     ever completing; the digest item came only with CommandComplete.
+//     Now the first PortalSuspended records it, and the completion does
+//     not again.
+//
+// Each shape: a first commit, the same transaction again (a replay,
+// success, nothing applied twice), a different write under the same
+// step (FN003, not applied).
+func bypassDigestWrites(t *testing.T) {
+	c := newCast(t)
+	w, cur := c.worker, &c.current
+	copyTo := func(t *testing.T, conn *pgconn.PgConn, sql string) error {
+		_, err := conn.CopyTo(ctxT(t), io.Discard, sql)
+		return err
+	}
+	type shape struct {
+		name         string
+		first, other string
+		run          func(t *testing.T, step, sql string) error
+	}
+	overQueries := func(t *testing.T, step, sql string) error {
+		conn := c.connect(t, "proxy", w, cur)
+		if err := castExec(ctxT(t), conn, "set fence.step = '"+step+"'; begin", ""); err != nil {
+			return err
+		}
+		if err := copyTo(t, conn, sql); err != nil {
+			return err
+		}
+		return castExec(ctxT(t), conn, "commit", "")
+	}
+	replaying := map[string]bool{} // steps committed once: their retries are replays
+	// suspended runs sql in an explicit transaction by Parse, Bind,
+	// Execute with a limit of one row and Sync, then commits: the portal
+	// is never run to its end.
+	suspended := func(t *testing.T, step, sql string) error {
+		conn := c.connect(t, "proxy", w, cur)
+		if err := castExec(ctxT(t), conn, "set fence.step = '"+step+"'; begin", ""); err != nil {
+			return err
+		}
+		f := conn.Frontend()
+		f.Send(&pgproto3.Parse{Query: sql})
+		f.Send(&pgproto3.Bind{})
+		f.Send(&pgproto3.Execute{MaxRows: 1})
+		f.Send(&pgproto3.Sync{})
+		if err := f.Flush(); err != nil {
+			t.Fatalf("send: %v", err)
+		}
+		sawSuspended := false
+		for {
+			m, err := f.Receive()
+			if err != nil {
+				t.Fatalf("receive: %v", err)
+			}
+			switch m := m.(type) {
+			case *pgproto3.PortalSuspended:
+				sawSuspended = true
+			case *pgproto3.ErrorResponse:
+				t.Fatalf("the limited Execute: %s %s", m.Code, m.Message)
+			}
+			if _, ok := m.(*pgproto3.ReadyForQuery); ok {
+				break
+			}
+		}
+		if err := castExec(ctxT(t), conn, "commit", ""); err != nil {
+			return err
+		}
+		if step != "" && !sawSuspended && !replaying[step] {
+			// A replay's writes skip their rows (RETURNING nothing, so
+			// the portal completes); a first commit's must be suspended.
+			t.Fatal("the Execute was not answered PortalSuspended: the case tests nothing")
+		}
+		return nil
+	}
+	shapes := []shape{
+		{"copy_to_over_queries", "copy (insert into inh_c values (%[1]d, 'job', 'first') returning k) to stdout",
+			"copy (update res set v = 'other' where k = 1 returning k) to stdout", overQueries},
+		{"copy_to_one_query", "set fence.step = '%[2]s'; begin; copy (insert into inh_c values (%[1]d, 'job', 'first') returning k) to stdout; commit",
+			"set fence.step = '%[2]s'; begin; copy (update res set v = 'other' where k = 1 returning k) to stdout; commit",
+			func(t *testing.T, step, sql string) error {
+				return copyTo(t, c.connect(t, "proxy", w, cur), sql)
+			}},
+		{"copy_to_autocommit", "set fence.step = '%[2]s'; copy (insert into inh_c values (%[1]d, 'job', 'first') returning k) to stdout",
+			"set fence.step = '%[2]s'; copy (update res set v = 'other' where k = 1 returning k) to stdout",
+			func(t *testing.T, step, sql string) error {
+				return copyTo(t, c.connect(t, "proxy", w, cur), sql)
+			}},
+		{"copy_to_beside_a_write", "set fence.step = '%[2]s'; begin; insert into inh_c values (%[1]d + 500, 'job', 'first'); copy (insert into inh_c values (%[1]d, 'job', 'first') returning k) to stdout; commit",
+			"set fence.step = '%[2]s'; begin; insert into inh_c values (%[1]d + 500, 'job', 'first'); copy (update res set v = 'other' where k = 1 returning k) to stdout; commit",
+			func(t *testing.T, step, sql string) error {
+				return copyTo(t, c.connect(t, "proxy", w, cur), sql)
+			}},
+		{"suspended_returning", "insert into inh_c values (%[1]d, 'job', 'first'), (%[1]d + 100, 'job', 'first') returning k",
+			"with d as (update res set v = 'other' where k = 1 returning k) select g from generate_series(1, 3) g", suspended},
+		{"suspended_returning_other_write", "insert into inh_c values (%[1]d, 'job', 'first'), (%[1]d + 100, 'job', 'first') returning k",
+			"update res set v = 'other' where k in (1, 2) returning k", suspended},
+	}
+	for i, sh := range shapes {
+		t.Run(sh.name, func(t *testing.T) {
+			step, k := "dw_"+sh.name, 70+i
+			fill := func(s string) string { // %[1]d: k, %[2]s: the step
+				if !strings.Contains(s, "%") {
+					return s
+				}
+				return fmt.Sprintf(s, k, step)
+			}
+			first, other := fill(sh.first), fill(sh.other)
+			if err := sh.run(t, step, first); err != nil {
+				t.Fatalf("first commit: %v", err)
+			}
+			if n := c.count(t, "select count(*) from inh_c where k = $1 and v = 'first'", k); n != 1 {
+				t.Fatalf("the first commit's row: %d, want 1", n)
+			}
+			replaying[step] = true
+			t.Run("same_transaction_replays", func(t *testing.T) {
+				if err := sh.run(t, step, first); err != nil {
+					t.Fatalf("the retry of the same transaction: %v (SQLSTATE %q), want its replay (success)", err, pgtest.SQLState(err))
+				}
+				if n := c.count(t, "select count(*) from inh_c where k = $1", k); n != 1 {
+					t.Fatalf("rows after the retry: %d, want 1", n)
+				}
+			})
+			t.Run("different_write_conflicts", func(t *testing.T) {
+				err := sh.run(t, step, other)
+				if got := pgtest.SQLState(err); got != fence.CodeConflict {
+					t.Fatalf("a different write under committed step %q: %v (SQLSTATE %q), want %s", step, err, got, fence.CodeConflict)
+				}
+				if n := c.count(t, "select count(*) from res where v = 'other'"); n != 0 {
+					t.Fatal("the different write was applied")
+				}
+			})
+		})
+	}
+}
