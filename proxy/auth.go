@@ -19,8 +19,10 @@ import (
 	"fmt"
 	"hash"
 	"io"
+	"maps"
 	"net"
 	"os"
+	"slices"
 	"strconv"
 	"strings"
 	"unicode/utf8"
@@ -410,6 +412,65 @@ func (s *Server) dummyCredentials(user string) scram.StoredCredentials {
 		KeyFactors: scram.KeyFactors{Salt: string(salt), Iters: DefaultSCRAMIterations},
 		StoredKey:  keys[16:48], ServerKey: keys[16:48],
 	}
+}
+
+// mockSecret is the server secret dummyCredentials derives salts from.
+// PostgreSQL keeps its own in pg_control (mock_auth_nonce), so an
+// unknown role's salt stays the same across restarts. A secret drawn at
+// each start told a client with no credentials which names are real: a
+// real role's salt, from its stored verifier, is the same before and
+// after a restart, or on two proxies behind one address; an unknown
+// one's was not (round 22, AS-L1). So it is derived from what the
+// configuration holds and no client can read: the passwords of the
+// primary's and replicas' DSNs and of UpstreamPasswords, the users'
+// verifiers, the TLS private key. Proxies with the same configuration
+// give the same salts. With none of these (a control DSN with peer or
+// trust authentication and no TLS) it is drawn at random, and the log
+// says what that tells.
+func mockSecret(cfg Config, primary *pgconn.Config, replicas []*pgconn.Config, log *zap.Logger) (secret [32]byte) {
+	m := hmac.New(sha256.New, []byte("pgfence mock authentication v1"))
+	n := 0
+	add := func(what string, b []byte) {
+		if len(b) == 0 {
+			return
+		}
+		n++
+		var l [8]byte
+		binary.BigEndian.PutUint64(l[:], uint64(len(what)))
+		m.Write(l[:])
+		m.Write([]byte(what))
+		binary.BigEndian.PutUint64(l[:], uint64(len(b)))
+		m.Write(l[:])
+		m.Write(b)
+	}
+	for i, pc := range append([]*pgconn.Config{primary}, replicas...) {
+		if pc != nil {
+			add(fmt.Sprintf("dsn %d", i), []byte(pc.Password))
+		}
+	}
+	for _, k := range slices.Sorted(maps.Keys(cfg.UpstreamPasswords)) {
+		add("upstream "+k, []byte(cfg.UpstreamPasswords[k]))
+	}
+	for _, k := range slices.Sorted(maps.Keys(cfg.Users)) {
+		add("user "+k, []byte(cfg.Users[k]))
+	}
+	if cfg.TLS != nil {
+		for _, c := range cfg.TLS.Certificates {
+			if b, err := x509.MarshalPKCS8PrivateKey(c.PrivateKey); err == nil {
+				add("tls key", b)
+			}
+		}
+	}
+	if n == 0 {
+		rand.Read(secret[:])
+		if cfg.Auth == AuthTrust {
+			return secret // no exchange, no dummy verifier
+		}
+		log.Warn("no secret in the configuration (no password in the primary DSN, no TLS key): the dummy verifiers of unknown roles are salted anew at each start, so a client that compares an unknown role's salt before and after a restart can tell it does not exist; give the primary DSN a password to keep them stable")
+		return secret
+	}
+	copy(secret[:], m.Sum(nil))
+	return secret
 }
 
 // serverEndPoint returns the tls-server-end-point channel binding of the

@@ -261,6 +261,22 @@ func testBypassAuth(t *testing.T) {
 			t.Fatalf("salts: ghost a %s %s, ghost b %s, alice %s %s: an unknown role stands out", a1, a2, b, real1, real2)
 		}
 		e.noCanary(t)
+		// Round 22, attacker AS's L1: and on another proxy with the same
+		// configuration (a restart, two proxies behind one address). The
+		// salt came from a secret drawn at each start, so only the
+		// unknown role's changed.
+		t.Run("across_restarts", func(t *testing.T) {
+			e2 := newAuthEnv(t, Config{})
+			first2 := func(user string) string {
+				r := e2.scramStart(t, user)
+				s := salt(t, r.step(t, true, "n,,n=,r=fixednonce"))
+				r.step(t, false, "c=biws,r=fixednonce-wrong,p=AAAA")
+				return s
+			}
+			if g, r := first2("auth_ghost_a"), first2("auth_alice"); g != a1 || r != real1 {
+				t.Fatalf("salts on a second proxy: ghost a %s (first proxy %s), alice %s (first proxy %s): an unknown role stands out", g, a1, r, real1)
+			}
+		})
 	})
 	t.Run("role_without_password", func(t *testing.T) {
 		pe := e.refused(t, "auth_nopw", "", "28P01")

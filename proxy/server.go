@@ -108,7 +108,7 @@ func New(cfg Config, log *zap.Logger) (*Server, error) {
 		}
 		s.replicas = append(s.replicas, rc)
 	}
-	rand.Read(s.mockSecret[:])
+	s.mockSecret = mockSecret(cfg, s.primary, s.replicas, log) // auth.go
 	var tag [8]byte
 	rand.Read(tag[:])
 	s.oversizedTag = oversizedPrefix + hex.EncodeToString(tag[:]) // limits.go
