@@ -46,6 +46,9 @@ func bypassDigestWrites(t *testing.T) {
 		name         string
 		first, other string
 		run          func(t *testing.T, step, sql string) error
+		// applied counts what the other write would leave (default: res
+		// rows it set to 'other'); $1 is k + 1000.
+		applied string
 	}
 	overQueries := func(t *testing.T, step, sql string) error {
 		conn := c.connect(t, "proxy", w, cur)
@@ -100,28 +103,69 @@ func bypassDigestWrites(t *testing.T) {
 		}
 		return nil
 	}
+	explicit := func(extended bool) func(t *testing.T, step, sql string) error {
+		return func(t *testing.T, step, sql string) error {
+			conn := c.connect(t, "proxy", w, cur)
+			if err := castExec(ctxT(t), conn, "set fence.step = '"+step+"'; begin", ""); err != nil {
+				return err
+			}
+			var err error
+			if extended {
+				err = conn.ExecParams(ctxT(t), sql, nil, nil, nil, nil).Read().Err
+			} else {
+				err = castExec(ctxT(t), conn, sql, "")
+			}
+			if err != nil {
+				return err
+			}
+			return castExec(ctxT(t), conn, "commit", "")
+		}
+	}
+	// Round 23, attacker AV's M1: a read that calls a writing function,
+	// and a write to another table whose trigger writes a protected one,
+	// were classified once per shape: the second text of a shape had the
+	// first's digest item.
+	c.as(t, c.owner, `create function public.dw_ins(k int) returns int language sql as $$ insert into inh_c values (k, 'job', 'first') returning k $$;
+create table public.dw_side (k int);
+create function public.dw_side_trg() returns trigger language plpgsql as $$ begin insert into inh_c values (new.k, 'job', 'first'); return new; end $$;
+create trigger dw_side_ins after insert on public.dw_side for each row execute function public.dw_side_trg();
+grant insert, select on public.dw_side to public`)
+	inhApplied := "select count(*) from inh_c where k = $1"
 	shapes := []shape{
 		{"copy_to_over_queries", "copy (insert into inh_c values (%[1]d, 'job', 'first') returning k) to stdout",
-			"copy (update res set v = 'other' where k = 1 returning k) to stdout", overQueries},
+			"copy (update res set v = 'other' where k = 1 returning k) to stdout", overQueries, ""},
 		{"copy_to_one_query", "set fence.step = '%[2]s'; begin; copy (insert into inh_c values (%[1]d, 'job', 'first') returning k) to stdout; commit",
 			"set fence.step = '%[2]s'; begin; copy (update res set v = 'other' where k = 1 returning k) to stdout; commit",
 			func(t *testing.T, step, sql string) error {
 				return copyTo(t, c.connect(t, "proxy", w, cur), sql)
-			}},
+			}, ""},
 		{"copy_to_autocommit", "set fence.step = '%[2]s'; copy (insert into inh_c values (%[1]d, 'job', 'first') returning k) to stdout",
 			"set fence.step = '%[2]s'; copy (update res set v = 'other' where k = 1 returning k) to stdout",
 			func(t *testing.T, step, sql string) error {
 				return copyTo(t, c.connect(t, "proxy", w, cur), sql)
-			}},
+			}, ""},
 		{"copy_to_beside_a_write", "set fence.step = '%[2]s'; begin; insert into inh_c values (%[1]d + 500, 'job', 'first'); copy (insert into inh_c values (%[1]d, 'job', 'first') returning k) to stdout; commit",
 			"set fence.step = '%[2]s'; begin; insert into inh_c values (%[1]d + 500, 'job', 'first'); copy (update res set v = 'other' where k = 1 returning k) to stdout; commit",
 			func(t *testing.T, step, sql string) error {
 				return copyTo(t, c.connect(t, "proxy", w, cur), sql)
-			}},
+			}, ""},
 		{"suspended_returning", "insert into inh_c values (%[1]d, 'job', 'first'), (%[1]d + 100, 'job', 'first') returning k",
-			"with d as (update res set v = 'other' where k = 1 returning k) select g from generate_series(1, 3) g", suspended},
+			"with d as (update res set v = 'other' where k = 1 returning k) select g from generate_series(1, 3) g", suspended, ""},
+		{"opaque_read_shape", "select public.dw_ins(%[1]d)", "select public.dw_ins(%[3]d)", explicit(false), inhApplied},
+		{"opaque_read_shape_extended", "select public.dw_ins(%[1]d)", "select public.dw_ins(%[3]d)", explicit(true), inhApplied},
+		{"opaque_read_shape_autocommit", "set fence.step = '%[2]s'; select public.dw_ins(%[1]d)", "set fence.step = '%[2]s'; select public.dw_ins(%[3]d)",
+			func(t *testing.T, step, sql string) error {
+				conn := c.connect(t, "proxy", w, cur)
+				// The statement alone, after the step: a shape of its own.
+				parts := strings.SplitN(sql, "; ", 2)
+				if err := castExec(ctxT(t), conn, parts[0], ""); err != nil {
+					return err
+				}
+				return castExec(ctxT(t), conn, parts[1], "")
+			}, inhApplied},
+		{"trigger_write_shape", "insert into public.dw_side values (%[1]d)", "insert into public.dw_side values (%[3]d)", explicit(false), inhApplied},
 		{"suspended_returning_other_write", "insert into inh_c values (%[1]d, 'job', 'first'), (%[1]d + 100, 'job', 'first') returning k",
-			"update res set v = 'other' where k in (1, 2) returning k", suspended},
+			"update res set v = 'other' where k in (1, 2) returning k", suspended, ""},
 	}
 	for i, sh := range shapes {
 		t.Run(sh.name, func(t *testing.T) {
@@ -130,7 +174,7 @@ func bypassDigestWrites(t *testing.T) {
 				if !strings.Contains(s, "%") {
 					return s
 				}
-				return fmt.Sprintf(s, k, step)
+				return fmt.Sprintf(s, k, step, k+1000)
 			}
 			first, other := fill(sh.first), fill(sh.other)
 			if err := sh.run(t, step, first); err != nil {
@@ -153,10 +197,60 @@ func bypassDigestWrites(t *testing.T) {
 				if got := pgtest.SQLState(err); got != fence.CodeConflict {
 					t.Fatalf("a different write under committed step %q: %v (SQLSTATE %q), want %s", step, err, got, fence.CodeConflict)
 				}
-				if n := c.count(t, "select count(*) from res where v = 'other'"); n != 0 {
+				if sh.applied == "" {
+					if n := c.count(t, "select count(*) from res where v = 'other'"); n != 0 {
+						t.Fatal("the different write was applied")
+					}
+				} else if n := c.count(t, sh.applied, k+1000); n != 0 {
 					t.Fatal("the different write was applied")
 				}
 			})
 		})
 	}
+	// Round 23, attacker AV's M2: a fast-path FunctionCall's arguments
+	// were in no digest (the proxy's, or the backstop's current_query(),
+	// empty on the fast path): in a fenced session a user's function is
+	// refused there (FN009), in autocommit and in a transaction.
+	t.Run("function_call_refused", func(t *testing.T) {
+		oid := c.count(t, "select 'public.dw_ins(int)'::regprocedure::oid::int")
+		for _, inTx := range []bool{false, true} {
+			conn := c.connect(t, "proxy", w, cur)
+			if err := castExec(ctxT(t), conn, "set fence.step = 'dw_fcall'", ""); err != nil {
+				t.Fatal(err)
+			}
+			if inTx {
+				if err := castExec(ctxT(t), conn, "begin", ""); err != nil {
+					t.Fatal(err)
+				}
+			}
+			arg := []byte{0, 0, 0x04, 0x4c} // int4 1100, binary
+			f := conn.Frontend()
+			f.Send(&pgproto3.FunctionCall{Function: uint32(oid), ArgFormatCodes: []uint16{1}, Arguments: [][]byte{arg}, ResultFormatCode: 1})
+			if err := f.Flush(); err != nil {
+				t.Fatal(err)
+			}
+			var code string
+			for {
+				m, err := f.Receive()
+				if err != nil {
+					t.Fatal(err)
+				}
+				if e, ok := m.(*pgproto3.ErrorResponse); ok {
+					code = e.Code
+				}
+				if _, ok := m.(*pgproto3.ReadyForQuery); ok {
+					break
+				}
+			}
+			if code != fence.CodeUnsupported {
+				t.Fatalf("a FunctionCall of a user's writing function in a fenced session (transaction %v): SQLSTATE %q, want %s", inTx, code, fence.CodeUnsupported)
+			}
+			if inTx {
+				castExec(ctxT(t), conn, "rollback", "")
+			}
+		}
+		if n := c.count(t, "select count(*) from inh_c where k = 1100"); n != 0 {
+			t.Fatal("the call wrote")
+		}
+	})
 }

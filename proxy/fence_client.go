@@ -117,6 +117,16 @@ func (h *fenceSession) clientMessage(s *Session, msg []byte) (Verdict, error) {
 		if e := h.noFenceSchemaCall(msg); e != nil { // fence_plan.go
 			return Drop, h.refuseQuery(s, e)
 		}
+		if userFunctionCall(msg) {
+			if h.unsettled() {
+				if err := h.settle(s); err != nil {
+					return Drop, err // ErrWait on the loop: nothing done yet
+				}
+			}
+			if e := h.fencedFunctionCall(); e != nil {
+				return Drop, h.refuseQuery(s, e)
+			}
+		}
 		if e := h.txReadRefusal(s, nil); e != nil { // route_rotx.go
 			return Drop, h.refuseQuery(s, e)
 		}
@@ -279,13 +289,21 @@ func (h *fenceSession) gatedQuery(s gateConn, sql string, res *rewrite.Result, q
 
 // needsOwnText reports whether a write classified from another text of
 // its shape (rewrite.Classifier.ClassifyShared) must be classified from
-// its own: when it is digested — it writes a protected table, or runs in a
-// gated transaction — the digest needs its own canonical text. Other
-// writes need only the structure, which the shape shares.
+// its own: when it may be digested — it writes a protected table, runs in
+// a gated or tentative transaction, or in a session with a generation —
+// the digest needs its own canonical text. Other writes need only the
+// structure, which the shape shares.
 func (h *fenceSession) needsOwnText(res *rewrite.Result) bool {
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	if h.st.Gate().Gated {
+	if g := h.st.Gate(); g.Gated || g.Due() {
+		return true
+	}
+	// A session with a generation digests what may write (a write to
+	// another table whose trigger writes a protected one makes its
+	// transaction tentative): its own text, not the shape's first (round
+	// 23, AV-M1).
+	if _, ok := h.st.Generation(); ok {
 		return true
 	}
 	for _, st := range res.Stmts {

@@ -201,6 +201,32 @@ func (h *fenceSession) noFenceSchemaCall(msg []byte) *fence.Error {
 	return h.noFenceSchema(&rewrite.Stmt{Kind: rewrite.Call, Opaque: true, UserCalls: true})
 }
 
+// userFunctionCall reports whether the FunctionCall msg calls a function
+// made after initdb (a user's, which may write), or one it cannot read.
+func userFunctionCall(msg []byte) bool {
+	return len(msg) < 9 || binary.BigEndian.Uint32(msg[5:9]) >= firstNormalObjectID
+}
+
+// fencedFunctionCall refuses a FunctionCall of a user's function in a
+// fenced session (one that presents a generation, or whose transaction
+// owes a receipt): FN009. The fast path carries no query text: its
+// arguments would be in no receipt's digest, nor in the backstop's
+// (current_query() is empty), so a different call under a committed step
+// would be answered as its replay "with the same payload" (round 23,
+// AV-M2). The same call as SELECT f($1) is digested whole. Built-ins
+// (libpq's large-object calls) pass, as elsewhere. Callers have the
+// session state settled.
+func (h *fenceSession) fencedFunctionCall() *fence.Error {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if g := h.st.Gate(); !g.Gated && !g.Due() && !presentsFence(h.st, nil) {
+		return nil
+	}
+	return &fence.Error{Code: fence.CodeUnsupported,
+		Message: "a fast-path function call (FunctionCall message) of a user's function in a fenced session is not supported: its arguments would not be in the commit receipt's payload digest",
+		Hint:    "call the function with a query, SELECT f($1, ...), which the receipt's digest covers"}
+}
+
 // firstNormalObjectID is PostgreSQL's FirstNormalObjectId: every OID below
 // it was made by initdb.
 const firstNormalObjectID = 16384

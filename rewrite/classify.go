@@ -267,6 +267,19 @@ type canonical struct {
 // TO and DDL with writable subqueries write too.
 func (s *Stmt) Writes() bool { return len(s.WriteTargets) > 0 }
 
+// MayWrite reports whether the statement may write, by its kind, by what
+// it writes (Writes) or by code it runs (Opaque, CALL, DO, EXECUTE, CREATE
+// TABLE AS EXECUTE): what a receipt's payload digest holds (plan.Digested).
+// Such a statement is never shared by shape (Classifier): its own text,
+// not another text of its shape, is what the digest must see.
+func (s *Stmt) MayWrite() bool {
+	switch s.Kind {
+	case Write, CopyFrom, Call, Do, Execute:
+		return true
+	}
+	return s.Writes() || s.Opaque || s.Executes != ""
+}
+
 // Canonical returns the statement's canonical SQL for the v1 payload digest:
 // pg_query's deparse of its parse tree, so whitespace, comments, keyword case
 // and needless quoting do not change it. It is computed on first use and

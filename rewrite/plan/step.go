@@ -218,10 +218,4 @@ func queryPrepared(ss *session.State, before []*rewrite.Stmt) func(string) strin
 // (Writes: COPY (INSERT … RETURNING) TO, a writable CTE anywhere) is
 // digested as the gate gates it, not by a list of kinds that writes can
 // be written around (round 22, AQ-M1).
-func Digested(st *rewrite.Stmt) bool {
-	switch st.Kind {
-	case rewrite.Write, rewrite.CopyFrom, rewrite.Call, rewrite.Do, rewrite.Execute:
-		return true
-	}
-	return st.Writes() || Opaque(st) // a function call may write
-}
+func Digested(st *rewrite.Stmt) bool { return st.MayWrite() }
