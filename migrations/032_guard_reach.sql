@@ -36,8 +36,99 @@
 -- tables, ALTER EXTENSION (not run by an extension's own script) needs
 -- pgfence_bypass, as the trees' other guards do.
 --
+-- Attack round 23 (attacker AU).
+--
+-- AU-H3. The guard looked at a relation's tree only for the command tags
+-- CREATE/ALTER TABLE and CREATE/ALTER FOREIGN TABLE, but PostgreSQL lets
+-- ALTER INDEX ... RENAME rename a table: the owner renamed a protected
+-- table, gave its name to an unprotected one, and the workers' writes went
+-- there unfenced. Now any command on a relation is the relation's.
+--
+-- AU-H1. fence.protect recorded no read shape and held nothing of what
+-- its tables read through: a change to a type the table's columns use
+-- (an enum value renamed, a composite's attributes swapped), made by the
+-- owner in a transaction still open while the DBA protected the table, or
+-- a command waiting for a lock meanwhile, ended after the protection had
+-- committed; the guard found no shape, took the changed one as the
+-- table's, and the rows read otherwise with no write. Now fence.protect
+-- holds, FOR SHARE, the catalog rows that decide what its tables read
+-- (fence.hold_reads: the pg_type, pg_enum, pg_namespace rows of every type
+-- their columns read through, and the pg_class and pg_attribute rows of
+-- the composites among them): it waits for a transaction that is changing
+-- one to end, and one that starts changing one waits for the protection
+-- to commit, when the guard sees it. Then it records their shapes.
+--
 -- The changes are made to the live functions' text, each replacement
 -- checked (as 029 does), so nothing else of them changes.
+
+-- read_dependencies: what rel's columns read through: the types (domains'
+-- base types, arrays' elements, composites' attributes, ranges' subtypes,
+-- multiranges' ranges, at any depth) with their schemas, and the
+-- composites' relations.
+create function fence.read_dependencies(p_rel regclass, out classid oid, out objid oid) returns setof record
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+  with recursive ty(oid) as (
+    select a.atttypid from pg_catalog.pg_attribute a
+     where a.attrelid = p_rel and a.attnum > 0 and not a.attisdropped
+    union
+    select n.t
+      from ty join pg_catalog.pg_type t on t.oid = ty.oid
+     cross join lateral (
+       select t.typbasetype where t.typbasetype <> 0
+       union all
+       select t.typelem where t.typelem <> 0
+       union all
+       select a.atttypid from pg_catalog.pg_attribute a
+        where t.typrelid <> 0 and a.attrelid = t.typrelid and a.attnum > 0 and not a.attisdropped
+       union all
+       select r.rngsubtype from pg_catalog.pg_range r where r.rngtypid = t.oid
+       union all
+       select r.rngtypid from pg_catalog.pg_range r where r.rngmultitypid = t.oid) n(t)
+  )
+  select 'pg_catalog.pg_type'::pg_catalog.regclass::oid, ty.oid from ty
+  union
+  select 'pg_catalog.pg_namespace'::pg_catalog.regclass::oid, t.typnamespace from ty join pg_catalog.pg_type t on t.oid = ty.oid
+  union
+  select 'pg_catalog.pg_class'::pg_catalog.regclass::oid, t.typrelid from ty join pg_catalog.pg_type t on t.oid = ty.oid where t.typrelid <> 0
+$$;
+revoke all on function fence.read_dependencies(regclass) from public;
+
+-- hold_reads: holds, until the transaction ends, the catalog rows that
+-- decide what the members of p_root's tree read (FOR SHARE: a change to
+-- one made by a transaction still open is waited for; one that starts
+-- later waits for this transaction), then records the shapes of the
+-- members that have none for their protection.
+create function fence.hold_reads(p_root regclass) returns void
+language plpgsql
+security definer
+set search_path = pg_catalog, fence, pg_temp
+as $$
+declare
+  v_types oid[];
+  v_rels oid[];
+  v_nsps oid[];
+begin
+  select coalesce(array_agg(d.objid) filter (where d.classid = 'pg_catalog.pg_type'::regclass), '{}'),
+         coalesce(array_agg(d.objid) filter (where d.classid = 'pg_catalog.pg_class'::regclass), '{}'),
+         coalesce(array_agg(d.objid) filter (where d.classid = 'pg_catalog.pg_namespace'::regclass), '{}')
+    into v_types, v_rels, v_nsps
+    from fence.tree_members(p_root) m cross join lateral fence.read_dependencies(m.relid) d;
+  v_nsps := v_nsps || array(select c.relnamespace from fence.tree_members(p_root) m join pg_catalog.pg_class c on c.oid = m.relid);
+  perform 1 from pg_catalog.pg_type t where t.oid = any(v_types) for share;
+  perform 1 from pg_catalog.pg_enum e where e.enumtypid = any(v_types) for share;
+  perform 1 from pg_catalog.pg_class c where c.oid = any(v_rels) for share;
+  perform 1 from pg_catalog.pg_attribute a where a.attrelid = any(v_rels) and a.attnum > 0 for share;
+  perform 1 from pg_catalog.pg_namespace n where n.oid = any(v_nsps) for share;
+  insert into fence.read_shapes as s (relid, protected_at, facts)
+  select q.relid, q.protected_at, fence.read_facts(q.relid)
+    from fence.protected_tables q join fence.tree_members(p_root) m on m.relid = q.relid
+   where not exists (select 1 from fence.read_shapes s where s.relid = q.relid and s.protected_at = q.protected_at)
+  on conflict (relid) do update set protected_at = excluded.protected_at, facts = excluded.facts, recorded_at = clock_timestamp();
+end
+$$;
+revoke all on function fence.hold_reads(regclass) from public;
 
 do $$
 declare
@@ -77,6 +168,19 @@ begin
       if r.command_tag = 'ALTER SCHEMA' then
         v_shapes := v_shapes || array(select q.relid from fence.protected_tables q);
       end if;$new$),
+      ('fence.guard_ddl_end()'::regprocedure,
+          $old$if r.command_tag in ('CREATE TABLE', 'ALTER TABLE', 'CREATE FOREIGN TABLE', 'ALTER FOREIGN TABLE') then$old$,
+          $new$if r.command_tag is not null then -- (032) any command: ALTER INDEX ... RENAME renames a table too$new$),
+      ('fence.protect(regclass, text)'::regprocedure,
+          $old$    raise notice '% is already protected; nothing to do', tbl;
+  end if;
+end$old$,
+          $new$    raise notice '% is already protected; nothing to do', tbl;
+  end if;
+  -- (032) What its rows read through is held until the protection
+  -- commits, and its shape recorded.
+  perform fence.hold_reads(tbl);
+end$new$),
       ('fence.read_change(regclass, jsonb, jsonb)'::regprocedure,
           $old$    when 'enum' then
       return format('rename value %L of enum type %s, which it uses', f->>'l', f->>'t');$old$,

@@ -2,7 +2,9 @@ package proxy
 
 import (
 	"fmt"
+	"strings"
 	"testing"
+	"time"
 
 	"github.com/pgfence/pgfence/internal/pgtest"
 )
@@ -109,5 +111,79 @@ func bypassGuardReach(t *testing.T) {
 	})
 	t.Run("schema_rename_of_nothing_read_passes", func(t *testing.T) {
 		c.as(t, o, "create schema gr_s8; create table gr_s8.plain (a int); alter schema gr_s8 rename to gr_s8b")
+	})
+	// Round 23, attacker AU's H3: ALTER INDEX … RENAME renames a table
+	// (the guard looked only at ALTER TABLE's tags).
+	t.Run("alter_index_renames_table", func(t *testing.T) {
+		c.as(t, o, "create table gr_ai (job_key text not null, v int)")
+		protect(t, "gr_ai")
+		for _, route := range castRoutes {
+			refused(t, route, "alter index gr_ai rename to gr_ai_moved")
+		}
+	})
+	// Round 23, attacker AU's H1: a change to a type protected rows read,
+	// racing fence.protect. The DBA's protect waits for the owner's open
+	// transaction (fence.hold_reads), and a change waiting for a lock
+	// meanwhile is judged against the shape protect recorded.
+	waiting := func(t *testing.T, pid uint32, done chan error) {
+		t.Helper()
+		deadline := time.Now().Add(10 * time.Second)
+		for time.Now().Before(deadline) {
+			select {
+			case err := <-done:
+				t.Fatalf("returned (%v) instead of waiting for the owner's transaction", err)
+			default:
+			}
+			if c.count(t, "select count(*) from pg_stat_activity where pid = $1 and wait_event_type = 'Lock'", int(pid)) == 1 {
+				return
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
+		t.Fatalf("backend %d never waited for a lock", pid)
+	}
+	for _, tc := range []struct{ name, scene, change, after string }{
+		{"enum_value", "create type gr_e0 as enum ('a', 'b'); create table gr_h0 (job_key text not null, e gr_e0)",
+			"alter type gr_e0 rename value 'a' to 'z'", "alter type gr_e0 rename value 'z' to 'y'"},
+		{"composite_attributes", "create type gr_pair as (amount int, fee int); create table gr_h2 (job_key text not null, p gr_pair)",
+			"alter type gr_pair rename attribute amount to fee_old; alter type gr_pair rename attribute fee to amount; alter type gr_pair rename attribute fee_old to fee",
+			"alter type gr_pair rename attribute fee to x"},
+	} {
+		t.Run("protect_waits_for_open_"+tc.name, func(t *testing.T) {
+			c.as(t, o, tc.scene)
+			table := tc.scene[strings.LastIndex(tc.scene, "create table ")+len("create table ") : strings.LastIndex(tc.scene, " (job_key")]
+			a := c.connect(t, "direct", o, nil)
+			if err := castExec(ctxT(t), a, "begin; "+tc.change, ""); err != nil {
+				t.Fatal(err)
+			}
+			dba := c.connect(t, "direct", c.su, nil)
+			done := make(chan error, 1)
+			go func() { done <- castExec(ctxT(t), dba, "select fence.protect('"+table+"', 'job_key')", "") }()
+			waiting(t, dba.PID(), done)
+			if err := castExec(ctxT(t), a, "commit", ""); err != nil {
+				t.Fatal(err)
+			}
+			if err := <-done; err != nil {
+				t.Fatalf("protect after the owner's commit: %v", err)
+			}
+			c.refusedAs(t, o, tc.after, castLocked)
+		})
+	}
+	t.Run("change_waiting_for_a_lock_across_protect", func(t *testing.T) {
+		c.as(t, o, "create type gr_e1 as enum ('a', 'b'); create table gr_h1 (job_key text not null, e gr_e1)")
+		b := c.connect(t, "direct", o, nil)
+		if err := castExec(ctxT(t), b, "begin; comment on type gr_e1 is 'hold'", ""); err != nil {
+			t.Fatal(err)
+		}
+		a := c.connect(t, "direct", o, nil)
+		done := make(chan error, 1)
+		go func() { done <- castExec(ctxT(t), a, "alter type gr_e1 rename value 'a' to 'z'", "") }()
+		waiting(t, a.PID(), done)
+		protect(t, "gr_h1")
+		if err := castExec(ctxT(t), b, "commit", ""); err != nil {
+			t.Fatal(err)
+		}
+		if err := <-done; pgtest.SQLState(err) != castLocked {
+			t.Fatalf("the rename that waited across fence.protect: %v (SQLSTATE %q), want %s", err, pgtest.SQLState(err), castLocked)
+		}
 	})
 }
