@@ -131,7 +131,48 @@ create function public.dw_side_trg() returns trigger language plpgsql as $$ begi
 create trigger dw_side_ins after insert on public.dw_side for each row execute function public.dw_side_trg();
 grant insert, select on public.dw_side to public`)
 	inhApplied := "select count(*) from inh_c where k = $1"
+	// oneQuery runs sql as one simple query on a fenced connection.
+	oneQuery := func(t *testing.T, step, sql string) error {
+		return castExec(ctxT(t), c.connect(t, "proxy", w, cur), sql, "")
+	}
+	// Round 23, attacker AW's M2: an extended-protocol batch (one Sync,
+	// the unnamed portal bound again for each statement, as libpq's
+	// pipeline mode and pgx's batches send it).
+	batch := func(t *testing.T, step, sql string) error {
+		conn := c.connect(t, "proxy", w, cur)
+		if err := castExec(ctxT(t), conn, "set fence.step = '"+step+"'", ""); err != nil {
+			return err
+		}
+		b := &pgconn.Batch{}
+		for _, q := range strings.Split(sql, "; ") {
+			b.ExecParams(q, nil, nil, nil, nil)
+		}
+		_, err := conn.ExecBatch(ctxT(t), b).ReadAll()
+		return err
+	}
+	// Round 23, attacker AW's M1: json is a keyword from PostgreSQL 16
+	// on, so the deparse writes json as pg_catalog.json; PostgreSQL 15
+	// looks it up on the search path, where a temporary domain comes
+	// first.
+	tempJSON := func(t *testing.T, step, sql string) error {
+		conn := c.connect(t, "proxy", w, cur)
+		for _, q := range []string{"create domain pg_temp.json as numeric", "set fence.step = '" + step + "'", "begin", sql, "commit"} {
+			if err := castExec(ctxT(t), conn, q, ""); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
 	shapes := []shape{
+		{"json_keyword_by_text", "insert into inh_c values (%[1]d, 'job', 'first'), (%[3]d, 'job', ('1e2'::json)::text)",
+			"insert into inh_c values (%[1]d, 'job', 'first'), (%[3]d, 'job', ('1e2'::pg_catalog.json)::text)", tempJSON,
+			"select count(*) from inh_c where k = $1 and v = '1e2'"},
+		{"batch_rebinds_unnamed_portal", "insert into inh_c values (%[1]d, 'job', 'first'); insert into inh_c values (%[1]d + 500, 'job', 'first')",
+			"insert into inh_c values (%[1]d, 'job', 'first'); insert into inh_c values (%[3]d, 'job', 'other')", batch, inhApplied},
+		{"savepoint_before_first_write", "set fence.step = '%[2]s'; begin; savepoint s; insert into inh_c values (%[3]d, 'job', 'rolled back'); rollback to s; insert into inh_c values (%[1]d, 'job', 'first'); commit",
+			"set fence.step = '%[2]s'; begin; insert into inh_c values (%[3]d, 'job', 'rolled back'); insert into inh_c values (%[1]d, 'job', 'first'); commit", oneQuery, inhApplied},
+		{"savepoint_released_then_rolled_back", "set fence.step = '%[2]s'; begin; insert into inh_c values (%[1]d, 'job', 'first'); savepoint s; insert into inh_c values (%[3]d, 'job', 'x'); savepoint s; insert into inh_c values (%[3]d + 1, 'job', 'x'); release s; rollback to s; commit",
+			"set fence.step = '%[2]s'; begin; insert into inh_c values (%[1]d, 'job', 'first'); insert into inh_c values (%[3]d, 'job', 'x'); commit", oneQuery, inhApplied},
 		{"copy_to_over_queries", "copy (insert into inh_c values (%[1]d, 'job', 'first') returning k) to stdout",
 			"copy (update res set v = 'other' where k = 1 returning k) to stdout", overQueries, ""},
 		{"copy_to_one_query", "set fence.step = '%[2]s'; begin; copy (insert into inh_c values (%[1]d, 'job', 'first') returning k) to stdout; commit",
@@ -251,6 +292,23 @@ grant insert, select on public.dw_side to public`)
 		}
 		if n := c.count(t, "select count(*) from inh_c where k = 1100"); n != 0 {
 			t.Fatal("the call wrote")
+		}
+	})
+	// Round 23, attacker AW's M3: a COMMIT in the query of a ROLLBACK TO
+	// of an earlier query's savepoint, in a transaction that owes a
+	// receipt: FN009, nothing committed.
+	t.Run("commit_after_earlier_savepoint_refused", func(t *testing.T) {
+		conn := c.connect(t, "proxy", w, cur)
+		if err := castExec(ctxT(t), conn, "set fence.step = 'dw_earlier'; begin; savepoint s; insert into inh_c values (1200, 'job', 'first')", ""); err != nil {
+			t.Fatal(err)
+		}
+		err := castExec(ctxT(t), conn, "rollback to s; commit", "")
+		if got := pgtest.SQLState(err); got != fence.CodeUnsupported {
+			t.Fatalf("ROLLBACK TO an earlier query's savepoint and COMMIT in one query: %v (SQLSTATE %q), want %s", err, got, fence.CodeUnsupported)
+		}
+		castExec(ctxT(t), conn, "rollback", "")
+		if n := c.count(t, "select count(*) from fence.receipts where step = 'dw_earlier'"); n != 0 {
+			t.Fatal("a receipt was committed")
 		}
 	})
 }

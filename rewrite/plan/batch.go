@@ -30,7 +30,11 @@ type Batch struct {
 	client  []byte           // wrapped: fence.payload_digest, when the client gives its own
 	digest  fence.Digest     // wrapped: the statements executed since
 	marks   map[string][]int // savepoints in the wrapped batch: digest marks
-	written map[string]bool  // portals already digested (a suspended portal runs again)
+	// written: the portals already digested (a suspended portal runs
+	// again), by the Bind that made each: a name bound again is another
+	// portal (round 23, attacker AW's M2: a batch re-binding the unnamed
+	// portal had its first statement's digest alone).
+	written map[portalKey]bool
 	// restore: a receipt went before the COMMIT of the client's own
 	// transaction, in a savepoint: after the Sync, the restoring query.
 	restore bool
@@ -49,6 +53,13 @@ type Exec struct {
 	Params session.ParamFunc
 	// Bound gives the portal's parameters for the digest.
 	Bound Bound
+}
+
+// portalKey names one portal: its name and the Bind that made it (its
+// Bound, one per Bind).
+type portalKey struct {
+	name  string
+	bound Bound
 }
 
 // Bound is a portal's bound parameters.
@@ -181,7 +192,7 @@ func (b *Batch) Execute(ss Session, in Exec) ExecPlan {
 // wrap starts following an implicit transaction whose receipt goes before
 // the Sync.
 func (b *Batch) wrap(ss *session.State, gen fence.Generation) {
-	*b = Batch{wrapped: true, gen: gen, restore: b.restore, marks: map[string][]int{}, written: map[string]bool{}}
+	*b = Batch{wrapped: true, gen: gen, restore: b.restore, marks: map[string][]int{}, written: map[portalKey]bool{}}
 	if v, ok := ss.Get(session.PayloadDigest); ok && v != "" {
 		b.client, _ = hex.DecodeString(v)
 	}
@@ -199,10 +210,11 @@ func (b *Batch) add(ss *session.State, st *rewrite.Stmt, in Exec) {
 		}
 		return
 	}
-	if !Digested(st) || b.written[in.Portal] {
+	k := portalKey{in.Portal, in.Bound}
+	if !Digested(st) || b.written[k] {
 		return
 	}
-	b.written[in.Portal] = true
+	b.written[k] = true
 	b.digest.Statement(DigestText(st, Prepared(ss)), in.Bound.DigestParams())
 }
 

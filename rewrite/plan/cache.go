@@ -28,8 +28,9 @@ import (
 // more. What the rewriting reads, and where each input is in the key:
 //
 //   - the statements, by index, through these fields only: Kind, Chain,
-//     Opaque (Digested), Name of a SAVEPOINT or ROLLBACK TO (the digest's
-//     savepoint marks; no other kind's Name is read), and the GUCs that
+//     whether it is digested (Digested: Opaque, Writes, Executes), Name of
+//     a SAVEPOINT, ROLLBACK TO or RELEASE (the digest's savepoint marks;
+//     no other kind's Name is read), and the GUCs that
 //     change what the overlay of the query's own SETs decides: a RESET
 //     ALL, and a change of fence.job_key, fence.epoch, fence.token or
 //     fence.payload_digest by its Op, its Name, ValueParam (zero or
@@ -49,10 +50,9 @@ import (
 //     cached (below).
 //   - the session: whether the transaction is gated, tentative, explicit
 //     (Tx is Idle or InTx: a failed one never gets here); whether it has
-//     a running digest (session.Gate.Digest is a *fence.Digest) and, when
-//     a statement of the query is a ROLLBACK TO, that digest's Mark (a
-//     savepoint made before a COMMIT of the query keeps the old base;
-//     otherwise the base cancels out of every mark); whether
+//     a running digest (session.Gate.Digest is a *fence.Digest: its Mark
+//     cancels out of every savepoint's, and a savepoint does not outlive
+//     a COMMIT of the query); whether
 //     fence.payload_digest is a client digest (it decodes: clientDigest);
 //     and whether fence.job_key is set and fence.epoch and fence.token are
 //     positive integers, which decide whether a generation is presented
@@ -282,7 +282,6 @@ const (
 	factTentative
 	factExplicit
 	factTxDigest
-	factDigestMark
 	factPayloadDigest
 	factJobKeySet
 	factEpochOK
@@ -337,11 +336,8 @@ func (k *keyWriter) session(st *session.State, stmts []*rewrite.Stmt) {
 	k.bool(factGated, g.Gated)
 	k.bool(factTentative, g.Tentative)
 	k.bool(factExplicit, st.Tx() == session.InTx && st.Explicit())
-	live, ok := g.Digest.(*fence.Digest)
+	_, ok := g.Digest.(*fence.Digest)
 	k.bool(factTxDigest, ok)
-	if ok && hasKind(stmts, rewrite.RollbackTo) {
-		k.int(factDigestMark, live.Mark())
-	}
 	v, _ := st.Get(session.PayloadDigest)
 	_, ok = clientDigest(v, true) // as the planner reads it (digestNow)
 	k.bool(factPayloadDigest, ok)
@@ -359,8 +355,8 @@ func (k *keyWriter) session(st *session.State, stmts []*rewrite.Stmt) {
 func (k *keyWriter) stmt(t Tables, s *rewrite.Stmt, protected bool) {
 	k.int(factKind, int(s.Kind))
 	k.bool(factChain, s.Chain)
-	k.bool(factOpaque, s.Opaque)
-	if s.Kind == rewrite.Savepoint || s.Kind == rewrite.RollbackTo {
+	k.bool(factOpaque, Digested(s)) // the only way the rewriting reads Opaque, Writes, Executes
+	if s.Kind == rewrite.Savepoint || s.Kind == rewrite.RollbackTo || s.Kind == rewrite.Release {
 		k.string(factName, s.Name)
 	}
 	// The rewriting asks MayWriteUnseen only of a statement that is not

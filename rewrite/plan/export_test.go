@@ -7,7 +7,7 @@ const NumFacts = int(numFacts)
 // added without a name has none (TestPlanCacheKeyFacts fails).
 var factNames = [numFacts]string{
 	factNone: "none", factGated: "gated", factTentative: "tentative", factExplicit: "explicit",
-	factTxDigest: "transaction digest", factDigestMark: "digest mark", factPayloadDigest: "payload digest",
+	factTxDigest: "transaction digest", factPayloadDigest: "payload digest",
 	factJobKeySet: "job key set", factEpochOK: "epoch valid", factTokenOK: "token valid",
 	factKind: "kind", factChain: "chain", factOpaque: "opaque", factName: "name", factTables: "tables' answers",
 	factGUCOp: "guc op", factGUCName: "guc name", factGUCValue: "guc value", factGUCValueParam: "guc value param",

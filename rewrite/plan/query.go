@@ -154,6 +154,24 @@ func (r *running) rollback(mark int) {
 	}
 }
 
+// savepointMark is a savepoint a query makes and the planned digest's
+// mark when it was made.
+type savepointMark struct {
+	name string
+	mark int
+}
+
+// findSavepoint returns the index of the innermost of sps named name, -1
+// for none.
+func findSavepoint(sps []savepointMark, name string) int {
+	for j := len(sps) - 1; j >= 0; j-- {
+		if sps[j].name == name {
+			return j
+		}
+	}
+	return -1
+}
+
 // rewriteQuery splices the gate's steps into a query that needs them: the
 // gate right before the first protected write, the receipt right before
 // the client's COMMIT, and an implicit transaction ends with the receipt.
@@ -175,7 +193,13 @@ func rewriteQuery(ss Session, stmts []*rewrite.Stmt) Query {
 	if live, ok := g.Digest.(*fence.Digest); ok && due() {
 		d = running{set: true, fromTx: true, base: live.Mark()}
 	}
-	marks := map[string][]int{}
+	// sps are the savepoints this query makes, innermost last, each with
+	// the planned digest's mark when it was made (0 before the digest
+	// started: rolling back to it drops everything the digest has);
+	// rolledEarlier: a ROLLBACK TO of a savepoint from an earlier query
+	// cut the transaction's digest, which the plan cannot follow.
+	var sps []savepointMark
+	rolledEarlier := false
 	// digestNow is the digest of a receipt before statement from-1, or
 	// after the last when from is len(stmts)+1 (Digest.sumFrom).
 	digestNow := func(from int) Digest {
@@ -258,6 +282,10 @@ loop:
 			// nothing of it committed.
 			refuse(i, copyThenCommit(gen))
 			break loop
+		case due() && s.Kind == rewrite.Commit && rolledEarlier:
+			// Refused before the COMMIT runs (round 23, AW-M3).
+			refuse(i, commitAfterEarlierRollback(gen))
+			break loop
 		case due() && s.Kind == rewrite.Commit:
 			dg := digestNow(i + 1)
 			if explicit && i > 0 && i == len(stmts)-1 && !s.Chain {
@@ -281,18 +309,36 @@ loop:
 				beforeCommit = true
 			}
 		}
-		if due() && d.set {
-			switch s.Kind {
-			case rewrite.Savepoint:
-				marks[s.Name] = append(marks[s.Name], d.mark())
-			case rewrite.RollbackTo:
-				if m := marks[s.Name]; len(m) > 0 {
-					d.rollback(m[len(m)-1])
+		// Savepoints are followed whether or not a receipt is due yet: one
+		// made before the first write, rolled back to after it, takes the
+		// write out of the digest (round 23, attacker AW's M3: the receipt
+		// covered a write the transaction had rolled back); RELEASE ends
+		// the savepoint and those after it, as PostgreSQL does.
+		switch s.Kind {
+		case rewrite.Savepoint:
+			m := 0
+			if d.set {
+				m = d.mark()
+			}
+			sps = append(sps, savepointMark{s.Name, m})
+		case rewrite.RollbackTo:
+			if j := findSavepoint(sps, s.Name); j >= 0 {
+				if d.set {
+					d.rollback(sps[j].mark)
 				}
-			default:
-				if Digested(s) {
-					d.stmts = append(d.stmts, i)
-				}
+				sps = sps[:j+1]
+			} else if d.set && d.fromTx {
+				rolledEarlier = true
+			}
+		case rewrite.Release:
+			if j := findSavepoint(sps, s.Name); j >= 0 {
+				sps = sps[:j]
+			} else {
+				sps = sps[:0]
+			}
+		default:
+			if due() && d.set && Digested(s) {
+				d.stmts = append(d.stmts, i)
 			}
 		}
 		if !explicit && blockOnlyAt < 0 && refusedImplicit(s) != "" {
@@ -311,6 +357,7 @@ loop:
 			}
 			gated, tentative, wrapped, copyInTx = false, false, false, false
 			d = running{}
+			sps, rolledEarlier = nil, false
 			if i+1 < len(stmts) {
 				blockStart = stmts[i+1].Offset
 			}

@@ -116,6 +116,17 @@ func prepareTransaction(g fence.Generation, hint string) *fence.Error {
 		Hint:    hint}
 }
 
+// commitAfterEarlierRollback is FN009 for a COMMIT in the query of a
+// ROLLBACK TO of a savepoint an earlier query made, in a transaction that
+// owes a receipt: the receipt's digest is planned from this query's text,
+// and the rollback cuts statements of earlier queries out of it, which the
+// proxy learns only as the server answers.
+func commitAfterEarlierRollback(g fence.Generation) *fence.Error {
+	return &fence.Error{Code: fence.CodeUnsupported,
+		Message: fmt.Sprintf("ROLLBACK TO a savepoint of an earlier query and COMMIT in one query are not supported in a fenced transaction (job %q, token %d): the commit receipt must cover what the rollback kept", g.JobKey, g.Token),
+		Hint:    "send COMMIT as a query of its own after the ROLLBACK TO"}
+}
+
 // commitThenCopy is FN009 for a COMMIT followed by a COPY FROM in one
 // query of a transaction that owes a receipt: what follows the COMMIT is
 // settled once the query is answered, which the COPY would hold up waiting
