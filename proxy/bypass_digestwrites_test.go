@@ -169,6 +169,23 @@ grant insert, select on public.dw_side to public`)
 			"select count(*) from inh_c where k = $1 and v = '1e2'"},
 		{"batch_rebinds_unnamed_portal", "insert into inh_c values (%[1]d, 'job', 'first'); insert into inh_c values (%[1]d + 500, 'job', 'first')",
 			"insert into inh_c values (%[1]d, 'job', 'first'); insert into inh_c values (%[3]d, 'job', 'other')", batch, inhApplied},
+		{"batch_tentative_then_gated", "select public.dw_ins(%[1]d); insert into inh_c values (%[1]d + 500, 'job', 'first')",
+			"select public.dw_ins(%[3]d); insert into inh_c values (%[1]d + 500, 'job', 'first')", batch, inhApplied},
+		{"batch_commit_in_explicit", "insert into inh_c values (%[1]d, 'job', 'first'); insert into inh_c values (%[1]d + 500, 'job', 'first'); commit",
+			"insert into inh_c values (%[1]d, 'job', 'first'); insert into inh_c values (%[3]d, 'job', 'other'); commit", func(t *testing.T, step, sql string) error {
+				conn := c.connect(t, "proxy", w, cur)
+				if err := castExec(ctxT(t), conn, "set fence.step = '"+step+"'; begin", ""); err != nil {
+					return err
+				}
+				b := &pgconn.Batch{}
+				for _, q := range strings.Split(sql, "; ") {
+					b.ExecParams(q, nil, nil, nil, nil)
+				}
+				_, err := conn.ExecBatch(ctxT(t), b).ReadAll()
+				return err
+			}, inhApplied},
+		{"batch_gated_then_begin", "insert into inh_c values (%[1]d, 'job', 'first'); begin; insert into inh_c values (%[1]d + 500, 'job', 'first'); commit",
+			"insert into inh_c values (%[1]d, 'job', 'first'); begin; insert into inh_c values (%[3]d, 'job', 'other'); commit", batch, inhApplied},
 		{"savepoint_before_first_write", "set fence.step = '%[2]s'; begin; savepoint s; insert into inh_c values (%[3]d, 'job', 'rolled back'); rollback to s; insert into inh_c values (%[1]d, 'job', 'first'); commit",
 			"set fence.step = '%[2]s'; begin; insert into inh_c values (%[3]d, 'job', 'rolled back'); insert into inh_c values (%[1]d, 'job', 'first'); commit", oneQuery, inhApplied},
 		{"savepoint_released_then_rolled_back", "set fence.step = '%[2]s'; begin; insert into inh_c values (%[1]d, 'job', 'first'); savepoint s; insert into inh_c values (%[3]d, 'job', 'x'); savepoint s; insert into inh_c values (%[3]d + 1, 'job', 'x'); release s; rollback to s; commit",

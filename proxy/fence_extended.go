@@ -492,6 +492,12 @@ func (h *fenceSession) execute(s gateConn, msg []byte) error {
 			return err
 		}
 	}
+	if (st.Kind == rewrite.Commit || st.Kind == rewrite.PrepareTransaction) && !answered(h.digestReq) {
+		if err := h.wait(s, h.digestReq); err != nil {
+			return err // ErrWait on the loop: nothing done yet
+		}
+		h.digestReq = nil
+	}
 	h.mu.Lock()
 	var params session.ParamFunc
 	if len(st.GUCs) > 0 {
@@ -575,6 +581,9 @@ func (h *fenceSession) executeDeciding(s gateConn, msg []byte, t *tag, st *rewri
 func (h *fenceSession) sendExecute(s gateConn, msg []byte, t *tag) error {
 	if err := h.send(s, msg, t, true); err != nil {
 		return err
+	}
+	if t.cp != nil && t.cp.stmt != nil && plan.Digested(t.cp.stmt) {
+		h.digestReq = h.last
 	}
 	if t.started != nil {
 		h.copyExec = &copyExec{r: h.last, started: t.started}

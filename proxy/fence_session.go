@@ -142,6 +142,13 @@ type fenceSession struct {
 	defaults      string
 	defaultsKnown bool
 	stateReq      *Request // the last request sent that changes session or gate state
+	// digestReq is the last Execute sent of a statement a receipt's
+	// digest may take (plan.Digested): its item joins the transaction's
+	// digest when it completes. A COMMIT's receipt, whose digest is the
+	// transaction's (FromSession), is planned only once it is answered
+	// (round 23, attacker AW's M5: [INSERT, INSERT, COMMIT] in one batch
+	// had the second INSERT, still in flight, left out).
+	digestReq *Request
 	// seq numbers the requests sent (tag.seq); encSeq is the last that
 	// may have changed how the server reads the client's text, gucSeq the
 	// last that may have changed the tracked settings unseen, resyncInTx
