@@ -23,6 +23,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/pgfence/pgfence/fence"
+	"github.com/pgfence/pgfence/pool"
 )
 
 // AdminDatabase is the virtual database of the admin console: a client
@@ -70,6 +71,7 @@ type liveConfig struct {
 	consoleUsers      map[string]string
 	maxClients        int
 	maxConsoleClients int
+	poolLimits        pool.Limits // the same for every pool
 	tls               *tls.Config
 	replicas          []string
 	extra             []Setting
@@ -86,9 +88,11 @@ func newLive(c Config) *liveConfig {
 		consoleUsers:      c.ConsoleUsers,
 		maxClients:        c.MaxClients,
 		maxConsoleClients: c.MaxConsoleClients,
-		tls:               c.TLS,
-		replicas:          c.Replicas,
-		extra:             c.ExtraSettings,
+		poolLimits: pool.Limits{PoolSize: c.PoolSize, ReserveSize: c.ReservePoolSize, ReserveTimeout: c.ReservePoolTimeout,
+			MaxDB: c.MaxDBConnections, MaxUser: c.MaxUserConnections, WaitTimeout: max(c.QueryWaitTimeout, 0)},
+		tls:      c.TLS,
+		replicas: c.Replicas,
+		extra:    c.ExtraSettings,
 	}
 }
 
@@ -326,6 +330,13 @@ func (s *Server) reload(next Config) (*ReloadReport, error) {
 	applied("console_auth_file", !maps.Equal(old.consoleUsers, nl.consoleUsers))
 	applied("max_clients", old.maxClients != nl.maxClients)
 	applied("max_console_clients", old.maxConsoleClients != nl.maxConsoleClients)
+	ol, nw := old.poolLimits, nl.poolLimits
+	applied("default_pool_size", ol.PoolSize != nw.PoolSize)
+	applied("reserve_pool_size", ol.ReserveSize != nw.ReserveSize)
+	applied("reserve_pool_timeout", ol.ReserveTimeout != nw.ReserveTimeout)
+	applied("max_db_connections", ol.MaxDB != nw.MaxDB)
+	applied("max_user_connections", ol.MaxUser != nw.MaxUser)
+	applied("query_wait_timeout", ol.WaitTimeout != nw.WaitTimeout)
 	applied("tls", old.tls != nil || nl.tls != nil)
 	if !slices.Equal(old.replicas, nl.replicas) {
 		s.ops.hookMu.Lock()

@@ -280,28 +280,28 @@ func (s *Server) consolesByID() []*console {
 	return out
 }
 
-// pool is a SHOW POOLS row: the clients of one database and user.
-type pool struct {
+// poolRow is a SHOW POOLS row: the clients of one database and user.
+type poolRow struct {
 	db, user             string
 	active, waiting, srv int
 	oldestWait           int64 // monoNow of the longest wait, 0: none
 	admin                bool
 }
 
-func (p *pool) waited(mono int64) {
+func (p *poolRow) waited(mono int64) {
 	p.waiting++
 	if p.oldestWait == 0 || mono < p.oldestWait {
 		p.oldestWait = mono
 	}
 }
 
-// pools groups the clients by database and user, sorted.
-func (s *Server) pools() []*pool {
-	m := map[[2]string]*pool{}
-	get := func(db, user string) *pool {
+// poolRows groups the clients by database and user, sorted.
+func (s *Server) poolRows() []*poolRow {
+	m := map[[2]string]*poolRow{}
+	get := func(db, user string) *poolRow {
 		k := [2]string{db, user}
 		if m[k] == nil {
-			m[k] = &pool{db: db, user: user, admin: db == AdminDatabase}
+			m[k] = &poolRow{db: db, user: user, admin: db == AdminDatabase}
 		}
 		return m[k]
 	}
@@ -316,6 +316,14 @@ func (s *Server) pools() []*pool {
 	}
 	for _, a := range s.admissions() {
 		get(a.db, a.user).waited(a.mono)
+	}
+	// Clients waiting for a server connection (pools.go).
+	for _, ps := range s.pools.Stats() {
+		if ps.Waiting > 0 {
+			p := get(ps.Database, ps.User)
+			p.waiting += ps.Waiting - 1
+			p.waited(monoAt(ps.OldestWait))
+		}
 	}
 	for _, c := range s.consolesByID() {
 		get(AdminDatabase, c.user).active++
@@ -334,7 +342,7 @@ func (s *Server) showPools() *adminTable {
 	t := newTable("ssiiiiiiiiiiiiiss", "database", "user", "cl_active", "cl_waiting", "cl_active_cancel_req",
 		"cl_waiting_cancel_req", "sv_active", "sv_active_cancel", "sv_being_canceled", "sv_idle", "sv_used",
 		"sv_tested", "sv_login", "maxwait", "maxwait_us", "pool_mode", "load_balance_hosts")
-	for _, p := range s.pools() {
+	for _, p := range s.poolRows() {
 		w, wus := waitTime(p.oldestWait)
 		mode := "session"
 		if p.admin {
@@ -372,7 +380,7 @@ func (s *Server) showDatabases() *adminTable {
 		"reserve_pool_size", "server_lifetime", "pool_mode", "load_balance_hosts", "max_connections",
 		"current_connections", "max_client_connections", "current_client_connections", "paused", "disabled")
 	servers, clients := map[string]int{}, map[string]int{}
-	for _, p := range s.pools() {
+	for _, p := range s.poolRows() {
 		servers[p.db] += p.srv
 		clients[p.db] += p.active + p.waiting
 	}
@@ -410,7 +418,7 @@ func (s *Server) showUsers() *adminTable {
 	t := newTable("ssssiiii", "name", "pool_size", "reserve_pool_size", "pool_mode", "max_user_connections",
 		"current_connections", "max_user_client_connections", "current_client_connections")
 	servers, clients := map[string]int{}, map[string]int{}
-	for _, p := range s.pools() {
+	for _, p := range s.poolRows() {
 		servers[p.user] += p.srv
 		clients[p.user] += p.active + p.waiting
 	}
@@ -433,7 +441,7 @@ func (s *Server) showUsers() *adminTable {
 
 func (s *Server) showLists() *adminTable {
 	t := newTable("si", "list", "items")
-	pools := s.pools()
+	pools := s.poolRows()
 	clients, servers := 0, 0
 	for _, p := range pools {
 		clients += p.active + p.waiting

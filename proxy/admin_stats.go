@@ -38,6 +38,9 @@ var monoBase = time.Now()
 // (0 means "not started" in the counters).
 func monoNow() int64 { return int64(time.Since(monoBase)) + 1 }
 
+// monoAt is monoNow at t (a time.Now reading: monotonic).
+func monoAt(t time.Time) int64 { return int64(t.Sub(monoBase)) + 1 }
+
 // sessionStats are one session's counters.
 type sessionStats struct {
 	queries, xacts  atomic.Int64

@@ -29,16 +29,20 @@ const (
 
 // Defaults applied to zero-valued Config fields.
 const (
-	DefaultMaxClients        = 1000
-	DefaultMaxStartupClients = 100
-	DefaultMaxConsoleClients = 10
-	DefaultMaxMessageSize    = 64 << 20
-	DefaultMemoryBudget      = 512 << 20
-	DefaultShutdownTimeout   = 30 * time.Second
-	DefaultStartupTimeout    = 15 * time.Second
-	DefaultMessageTimeout    = 60 * time.Second
-	DefaultConnectTimeout    = 10 * time.Second
-	DefaultBufferSize        = 32 << 10
+	DefaultMaxClients = 1000
+	// DefaultQueryWaitTimeout and DefaultReservePoolTimeout are
+	// PgBouncer's defaults.
+	DefaultQueryWaitTimeout   = 120 * time.Second
+	DefaultReservePoolTimeout = 5 * time.Second
+	DefaultMaxStartupClients  = 100
+	DefaultMaxConsoleClients  = 10
+	DefaultMaxMessageSize     = 64 << 20
+	DefaultMemoryBudget       = 512 << 20
+	DefaultShutdownTimeout    = 30 * time.Second
+	DefaultStartupTimeout     = 15 * time.Second
+	DefaultMessageTimeout     = 60 * time.Second
+	DefaultConnectTimeout     = 10 * time.Second
+	DefaultBufferSize         = 32 << 10
 )
 
 // Config configures a Server. The zero value of every field except Primary
@@ -113,6 +117,30 @@ type Config struct {
 	// with MaxClients sessions open). Zero means DefaultMaxClients;
 	// negative means no limit.
 	MaxClients int
+
+	// Server connection limits, PgBouncer's (package pool). Each client
+	// holds one server connection for its session (session mode); a
+	// client over a limit waits, after authenticating, in the order the
+	// clients of its pool (database and user) came, for at most
+	// QueryWaitTimeout, then gets 53300. Zero means no limit (PgBouncer's
+	// default_pool_size is 20). All reloadable: a waiting client is
+	// judged by the limits in force.
+	//
+	// PoolSize bounds each pool's server connections
+	// (default_pool_size); ReservePoolSize more are given to a client
+	// that has waited ReservePoolTimeout (reserve_pool_size,
+	// reserve_pool_timeout, default DefaultReservePoolTimeout).
+	// MaxDBConnections and MaxUserConnections bound every pool of a
+	// database, of a user (max_db_connections, max_user_connections).
+	PoolSize           int
+	ReservePoolSize    int
+	ReservePoolTimeout time.Duration
+	MaxDBConnections   int
+	MaxUserConnections int
+	// QueryWaitTimeout bounds a client's wait for a server connection
+	// (query_wait_timeout): zero means DefaultQueryWaitTimeout, negative
+	// no bound.
+	QueryWaitTimeout time.Duration
 
 	// MaxConsoleClients bounds the authenticated admin console sessions
 	// of each console user (admin and stats users alike): a further one
@@ -321,6 +349,18 @@ func (c Config) withDefaults() (Config, error) {
 	if c.MaxMessageSize > 1<<30-4 {
 		return c, fmt.Errorf("config: max message size %d is over PostgreSQL's own limit of 1GiB", c.MaxMessageSize)
 	}
+	for _, n := range []struct {
+		name string
+		v    int
+	}{{"default_pool_size", c.PoolSize}, {"reserve_pool_size", c.ReservePoolSize}, {"max_db_connections", c.MaxDBConnections}, {"max_user_connections", c.MaxUserConnections}} {
+		if n.v < 0 {
+			return c, fmt.Errorf("config: %s %d: want 0 (no limit) or more", n.name, n.v)
+		}
+	}
+	if c.QueryWaitTimeout == 0 {
+		c.QueryWaitTimeout = DefaultQueryWaitTimeout // negative: no bound
+	}
+	orDefault(&c.ReservePoolTimeout, DefaultReservePoolTimeout)
 	orDefault(&c.ShutdownTimeout, DefaultShutdownTimeout)
 	orDefault(&c.StartupTimeout, DefaultStartupTimeout)
 	orDefault(&c.ConnectTimeout, DefaultConnectTimeout)

@@ -316,6 +316,10 @@ var (
 	descAdminRefused = prometheus.NewDesc("pgfence_admin_sessions_refused_total", "Admin console sessions refused because their user had max_console_clients open.", nil, nil)
 	descRefused      = prometheus.NewDesc("pgfence_clients_refused_total", "Clients refused before their session started, by SQLSTATE.", []string{"code"}, nil)
 	descAcceptErrors = prometheus.NewDesc("pgfence_accept_errors_total", "Accepts of client connections that failed and were retried after a back-off (out of file descriptors, EMFILE/ENFILE, or kernel memory; a connection that failed before it was taken).", nil, nil)
+	descPoolWaiting  = prometheus.NewDesc("pgfence_pool_waiting_clients", "Clients waiting for a server connection under default_pool_size, max_db_connections or max_user_connections (SHOW POOLS has them by database and user).", nil, nil)
+	descPoolWaits    = prometheus.NewDesc("pgfence_pool_waits_total", "Clients that had to wait for a server connection.", nil, nil)
+	descPoolWaitSecs = prometheus.NewDesc("pgfence_pool_wait_seconds_total", "Time clients waited for a server connection, summed over the waits that ended with one.", nil, nil)
+	descPoolTimeouts = prometheus.NewDesc("pgfence_pool_wait_timeouts_total", "Clients refused (53300) after waiting query_wait_timeout for a server connection.", nil, nil)
 	descUpErrors     = prometheus.NewDesc("pgfence_upstream_connection_errors_total", "Upstream connections that could not be opened (network, TLS, timeouts; not refusals by PostgreSQL).", nil, nil)
 	descReads        = prometheus.NewDesc("pgfence_read_routes_total", "Reads a replica could serve, by where they went: replica, primary (behind, unhealthy, pinned, or code that must run in the client's session), pending (refused with FN007).", []string{"route"}, nil)
 	descReadWaits    = prometheus.NewDesc("pgfence_read_waits_total", "Reads that waited for a replica to replay (fence.read_policy wait).", nil, nil)
@@ -335,7 +339,7 @@ var (
 )
 
 func (c *collector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{descSessions, descSessionsTot, descSessionsLoop, descParks, descMsgTimeouts, descEvictions, descAdminTot, descAdminRefused, descRefused, descAcceptErrors, descUpErrors, descReads, descReadWaits, descReadRetries, descReadStale,
+	for _, d := range []*prometheus.Desc{descSessions, descSessionsTot, descSessionsLoop, descParks, descMsgTimeouts, descEvictions, descAdminTot, descAdminRefused, descRefused, descAcceptErrors, descPoolWaiting, descPoolWaits, descPoolWaitSecs, descPoolTimeouts, descUpErrors, descReads, descReadWaits, descReadRetries, descReadStale,
 		descGate, descGateErr, descClassified, descCacheBytes, descCacheEntries, descCacheEvict, descCacheUncache, descLatency, descUp, descLag, descLagBytes} {
 		ch <- d
 	}
@@ -360,6 +364,15 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 	}
 	counter(descAcceptErrors, st.AcceptErrors.Load())
 	counter(descUpErrors, st.UpstreamErrors.Load())
+	waiting := 0
+	for _, p := range s.pools.Stats() {
+		waiting += p.Waiting
+	}
+	ch <- prometheus.MustNewConstMetric(descPoolWaiting, prometheus.GaugeValue, float64(waiting))
+	pt := s.pools.Totals()
+	counter(descPoolWaits, int64(pt.Waited))
+	ch <- prometheus.MustNewConstMetric(descPoolWaitSecs, prometheus.CounterValue, pt.WaitTime.Seconds())
+	counter(descPoolTimeouts, int64(pt.Timeouts))
 	rs := s.RouteStats()
 	if rs == nil {
 		rs = &RouteStats{} // no replicas: nothing is routed

@@ -21,6 +21,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgproto3"
 	"github.com/pgfence/pgfence/internal/wire"
+	"github.com/pgfence/pgfence/pool"
 	"go.uber.org/zap"
 )
 
@@ -32,6 +33,9 @@ type Server struct {
 	replicas []*pgconn.Config
 	auth     *authLookup // AuthPostgres: the roles' passwords (auth.go)
 	mem      memBudget   // held client messages (session.go)
+	// pools bound the server connections clients hold, per database and
+	// user (package pool: default_pool_size, max_db_connections, ...).
+	pools *pool.Pools
 	// mockSecret salts the dummy verifiers of unknown roles (auth.go).
 	mockSecret [32]byte
 	// oversizedTag names the substitutes for messages over the limit
@@ -109,6 +113,7 @@ func New(cfg Config, log *zap.Logger) (*Server, error) {
 		s.replicas = append(s.replicas, rc)
 	}
 	s.mockSecret = mockSecret(cfg, s.primary, s.replicas, log) // auth.go
+	s.pools = pool.New(func(pool.Key) pool.Limits { return s.live().poolLimits })
 	var tag [8]byte
 	rand.Read(tag[:])
 	s.oversizedTag = oversizedPrefix + hex.EncodeToString(tag[:]) // limits.go
@@ -342,6 +347,12 @@ func (s *Server) handle(c net.Conn) {
 	if !s.admit(conn, st, log) { // DISABLE, PAUSE: admin_pause.go
 		return
 	}
+	sv, err := s.serverSlot(conn, user, db, log) // pools.go
+	if err != nil {
+		s.refuse(conn, err, log, "no server connection")
+		return
+	}
+	defer sv.Release()
 	l, err := s.loop.get() // evloop.go: before an upstream is opened for nothing
 	if err != nil {
 		s.refuse(conn, relayRefusal(err), log, "event loop unavailable")

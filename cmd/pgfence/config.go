@@ -14,6 +14,7 @@ import (
 	"reflect"
 	"strconv"
 	"strings"
+	"time"
 
 	"github.com/BurntSushi/toml"
 	"github.com/spf13/cobra"
@@ -30,26 +31,33 @@ import (
 // for _ unless tagged flag ("-": the file only). Flags win over the
 // environment, the environment over the file, the file over the defaults.
 type serveConfig struct {
-	Listen            string            `toml:"listen"`
-	Primary           string            `toml:"primary"`
-	Replicas          []string          `toml:"replicas" flag:"replica"`
-	TLSCert           string            `toml:"tls_cert"`
-	TLSKey            string            `toml:"tls_key"`
-	Auth              string            `toml:"auth"`
-	AuthFile          string            `toml:"auth_file"`
-	AuthQuery         string            `toml:"auth_query"`
-	AllowRemoteTrust  bool              `toml:"allow_remote_trust"`
-	MaxClients        int               `toml:"max_clients"`
-	MaxStartupClients int               `toml:"max_startup_clients"`
-	MaxConsoleClients int               `toml:"max_console_clients"`
-	ClientMemory      string            `toml:"client_memory"`
-	MessageTimeout    string            `toml:"message_timeout"`
-	MaxMessageSize    string            `toml:"max_message_size"`
-	MemoryBudget      string            `toml:"memory_budget"`
-	CacheMemory       string            `toml:"cache_memory"`
-	ShutdownTimeout   string            `toml:"shutdown_timeout"`
-	GateIdleTimeout   string            `toml:"gate_idle_timeout"`
-	UpstreamPasswords map[string]string `toml:"upstream_passwords" flag:"-"`
+	Listen            string   `toml:"listen"`
+	Primary           string   `toml:"primary"`
+	Replicas          []string `toml:"replicas" flag:"replica"`
+	TLSCert           string   `toml:"tls_cert"`
+	TLSKey            string   `toml:"tls_key"`
+	Auth              string   `toml:"auth"`
+	AuthFile          string   `toml:"auth_file"`
+	AuthQuery         string   `toml:"auth_query"`
+	AllowRemoteTrust  bool     `toml:"allow_remote_trust"`
+	MaxClients        int      `toml:"max_clients"`
+	MaxStartupClients int      `toml:"max_startup_clients"`
+	MaxConsoleClients int      `toml:"max_console_clients"`
+	// Server connection limits (PgBouncer's names; docs/proxy.md).
+	DefaultPoolSize    int               `toml:"default_pool_size"`
+	ReservePoolSize    int               `toml:"reserve_pool_size"`
+	ReservePoolTimeout string            `toml:"reserve_pool_timeout"`
+	MaxDBConnections   int               `toml:"max_db_connections"`
+	MaxUserConnections int               `toml:"max_user_connections"`
+	QueryWaitTimeout   string            `toml:"query_wait_timeout"`
+	ClientMemory       string            `toml:"client_memory"`
+	MessageTimeout     string            `toml:"message_timeout"`
+	MaxMessageSize     string            `toml:"max_message_size"`
+	MemoryBudget       string            `toml:"memory_budget"`
+	CacheMemory        string            `toml:"cache_memory"`
+	ShutdownTimeout    string            `toml:"shutdown_timeout"`
+	GateIdleTimeout    string            `toml:"gate_idle_timeout"`
+	UpstreamPasswords  map[string]string `toml:"upstream_passwords" flag:"-"`
 	// NoGate turns the write gate off: a plain pass-through proxy (for
 	// measuring the proxy alone). Protected tables then rely on their
 	// backstop trigger only, without commit receipts.
@@ -262,18 +270,22 @@ func oneLine(err error) string {
 // proxyConfig turns the merged settings into a proxy.Config.
 func (c serveConfig) proxyConfig() (proxy.Config, error) {
 	pc := proxy.Config{
-		Primary:           c.Primary,
-		Replicas:          c.Replicas,
-		MaxClients:        c.MaxClients,
-		MaxStartupClients: c.MaxStartupClients,
-		MaxConsoleClients: c.MaxConsoleClients,
-		UpstreamPasswords: c.UpstreamPasswords,
-		AdminUsers:        c.AdminUsers,
-		StatsUsers:        c.StatsUsers,
-		DisableEventLoop:  c.NoEventLoop,
-		Poller:            c.Poller,
-		AuthQuery:         c.AuthQuery,
-		AllowRemoteTrust:  c.AllowRemoteTrust,
+		Primary:            c.Primary,
+		Replicas:           c.Replicas,
+		MaxClients:         c.MaxClients,
+		MaxStartupClients:  c.MaxStartupClients,
+		MaxConsoleClients:  c.MaxConsoleClients,
+		PoolSize:           c.DefaultPoolSize,
+		ReservePoolSize:    c.ReservePoolSize,
+		MaxDBConnections:   c.MaxDBConnections,
+		MaxUserConnections: c.MaxUserConnections,
+		UpstreamPasswords:  c.UpstreamPasswords,
+		AdminUsers:         c.AdminUsers,
+		StatsUsers:         c.StatsUsers,
+		DisableEventLoop:   c.NoEventLoop,
+		Poller:             c.Poller,
+		AuthQuery:          c.AuthQuery,
+		AllowRemoteTrust:   c.AllowRemoteTrust,
 	}
 	if c.ConsoleAuthFile != "" {
 		users, err := proxy.LoadUsers(c.ConsoleAuthFile)
@@ -333,6 +345,24 @@ func (c serveConfig) proxyConfig() (proxy.Config, error) {
 			return pc, fmt.Errorf("client memory: %w", err)
 		}
 		pc.ClientMemory = n
+	}
+	for _, d := range []struct {
+		name string
+		v    string
+		dst  *time.Duration
+		zero time.Duration // what 0 means: no bound
+	}{{"reserve_pool_timeout", c.ReservePoolTimeout, &pc.ReservePoolTimeout, 0}, {"query_wait_timeout", c.QueryWaitTimeout, &pc.QueryWaitTimeout, -1}} {
+		if d.v == "" {
+			continue
+		}
+		v, err := parseDuration(d.v)
+		if err != nil {
+			return pc, fmt.Errorf("%s: %w", d.name, err)
+		}
+		if v == 0 {
+			v = d.zero
+		}
+		*d.dst = v
 	}
 	if c.MessageTimeout != "" {
 		d, err := parseDuration(c.MessageTimeout)
