@@ -147,8 +147,10 @@ func (b *Batch) Execute(ss Session, in Exec) ExecPlan {
 			// at the Sync, and PostgreSQL commits it only if nothing
 			// before failed. One wrapped already (a statement before
 			// made it tentative) keeps its digest: that statement ran in
-			// it (round 23, attacker AW's M4).
-			if !b.wrapped {
+			// it (round 23, attacker AW's M4) — unless something ended
+			// that transaction since (bound: a Query, a FunctionCall, a
+			// CALL), and this write starts the next.
+			if !b.wrapped || b.bound {
 				b.wrap(st, gen)
 			}
 			b.gated = true
