@@ -58,8 +58,41 @@
 -- one to end, and one that starts changing one waits for the protection
 -- to commit, when the guard sees it. Then it records their shapes.
 --
+-- Attack round 24 (attacker AX).
+--
+-- AX-H1. An owner added to a protected member a CHECK constraint calling
+-- a function of its own (declared IMMUTABLE), then replaced the function:
+-- the planner's constraint exclusion (constraint_exclusion = partition,
+-- the default) dropped the member from every query of the tree, and its
+-- rows vanished from reads with no write. Now the guard refuses, for a
+-- non-administrator, DDL that leaves a member of a tree it touched with a
+-- CHECK constraint calling a function (or an operator) that is not a
+-- superuser's (fence.exclusion_problem): an administrator may add one.
+--
 -- The changes are made to the live functions' text, each replacement
 -- checked (as 029 does), so nothing else of them changes.
+
+-- exclusion_problem: a CHECK constraint of rel that calls a function or
+-- an operator not made by a superuser, as the guard says it, or null.
+create function fence.exclusion_problem(p_rel regclass) returns text
+language sql stable
+set search_path = pg_catalog, fence, pg_temp
+as $$
+  select pg_catalog.format('keep CHECK constraint %I, which calls %s, not a superuser''s: the planner''s constraint exclusion lets it decide which rows queries of the tree find',
+             con.conname,
+             case when d.refclassid = 'pg_catalog.pg_proc'::pg_catalog.regclass
+                  then d.refobjid::pg_catalog.regprocedure::text
+                  else d.refobjid::pg_catalog.regoperator::text end)
+    from pg_catalog.pg_constraint con
+    join pg_catalog.pg_depend d
+      on d.classid = 'pg_catalog.pg_constraint'::pg_catalog.regclass and d.objid = con.oid
+   where con.conrelid = p_rel and con.contype = 'c'
+     and d.refclassid in ('pg_catalog.pg_proc'::pg_catalog.regclass, 'pg_catalog.pg_operator'::pg_catalog.regclass)
+     and not fence.superuser_made(d.refclassid, d.refobjid)
+   order by con.conname
+   limit 1
+$$;
+revoke all on function fence.exclusion_problem(regclass) from public;
 
 -- read_dependencies: what rel's columns read through: the types (domains'
 -- base types, arrays' elements, composites' attributes, ranges' subtypes,
@@ -171,6 +204,14 @@ begin
       ('fence.guard_ddl_end()'::regprocedure,
           $old$if r.command_tag in ('CREATE TABLE', 'ALTER TABLE', 'CREATE FOREIGN TABLE', 'ALTER FOREIGN TABLE') then$old$,
           $new$if r.command_tag is not null then -- (032) any command: ALTER INDEX ... RENAME renames a table too$new$),
+      ('fence.guard_ddl_end()'::regprocedure,
+          $old$      v_problem := fence.backstop_problem(p);
+$old$,
+          $new$      v_problem := fence.backstop_problem(p);
+      if v_problem is null and not v_allowed then
+        v_problem := fence.exclusion_problem(p.relid); -- (032) round 24, AX-H1
+      end if;
+$new$),
       ('fence.protect(regclass, text)'::regprocedure,
           $old$    raise notice '% is already protected; nothing to do', tbl;
   end if;

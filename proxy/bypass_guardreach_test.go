@@ -186,4 +186,18 @@ func bypassGuardReach(t *testing.T) {
 			t.Fatalf("the rename that waited across fence.protect: %v (SQLSTATE %q), want %s", err, pgtest.SQLState(err), castLocked)
 		}
 	})
+	// Round 24, attacker AX's H1: a CHECK constraint calling the owner's
+	// function lets constraint exclusion drop a member from the tree's
+	// queries once the owner replaces the function.
+	t.Run("check_constraint_calling_owner_function", func(t *testing.T) {
+		c.as(t, o, `create table gr_xp (job_key text not null, v int); create table gr_xc () inherits (gr_xp);
+create function public.gr_lim() returns int language sql immutable as 'select 100'`)
+		protect(t, "gr_xp")
+		for _, route := range castRoutes {
+			refused(t, route, "alter table gr_xc add constraint gr_k check (v < public.gr_lim())")
+		}
+		refused(t, "direct", "create table gr_xc2 (check (v < public.gr_lim())) inherits (gr_xp)")
+		c.as(t, o, "alter table gr_xc add constraint gr_plain check (v < 1000)") // no function: allowed
+		c.as(t, c.dba, "alter table gr_xc add constraint gr_k check (v < public.gr_lim())")
+	})
 }

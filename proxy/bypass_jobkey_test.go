@@ -146,7 +146,11 @@ union all select 'kparents ' || r::text from kparents r`
 		c.as(t, c.owner, `create index kt_switch on kt (rt_idx(v));`)
 		c.tryRows(t, attempt{role: w, lease: cur, sql: "update kt set v = 'x' where k = 1", code: notOwner}, rows)
 		c.as(t, c.dba, "drop index kt_switch")
-		c.as(t, c.owner, `alter table kt add constraint kt_switch check (rt_check(v))`)
+		// The DDL guard refuses the owner a CHECK calling its own
+		// function (FN010, round 24, AX-H1); one a bypass member adds
+		// must still not switch keys.
+		c.refusedAs(t, c.owner, `alter table kt add constraint kt_switch check (rt_check(v))`, "FN010")
+		c.as(t, c.dba, `alter table kt add constraint kt_switch check (rt_check(v))`)
 		c.tryRows(t, attempt{role: w, lease: cur, sql: "insert into kt (k, job_key, v) values (3, 'job', 'x')", code: notOwner}, rows)
 		c.as(t, c.dba, "alter table kt drop constraint kt_switch")
 		// The DDL guard refuses the owner a policy on a protected table
