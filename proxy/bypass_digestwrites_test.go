@@ -184,6 +184,42 @@ grant insert, select on public.dw_side to public`)
 				_, err := conn.ExecBatch(ctxT(t), b).ReadAll()
 				return err
 			}, inhApplied},
+		{"batch_then_query_commit", "insert into inh_c values (%[1]d, 'job', 'first'); insert into inh_c values (%[1]d + 500, 'job', 'first')",
+			"insert into inh_c values (%[1]d, 'job', 'first'); insert into inh_c values (%[3]d, 'job', 'other')", func(t *testing.T, step, sql string) error {
+				// Executes, then COMMIT as a Query message in the same
+				// batch, before its Sync.
+				conn := c.connect(t, "proxy", w, cur)
+				if err := castExec(ctxT(t), conn, "set fence.step = '"+step+"'; begin", ""); err != nil {
+					return err
+				}
+				f := conn.Frontend()
+				for _, q := range strings.Split(sql, "; ") {
+					f.Send(&pgproto3.Parse{Query: q})
+					f.Send(&pgproto3.Bind{})
+					f.Send(&pgproto3.Execute{})
+				}
+				f.Send(&pgproto3.Query{String: "commit"})
+				f.Send(&pgproto3.Sync{})
+				if err := f.Flush(); err != nil {
+					t.Fatal(err)
+				}
+				var perr error
+				for rfq := 0; rfq < 2; {
+					m, err := f.Receive()
+					if err != nil {
+						t.Fatal(err)
+					}
+					switch m := m.(type) {
+					case *pgproto3.ErrorResponse:
+						if perr == nil {
+							perr = &pgconn.PgError{Code: m.Code, Message: m.Message}
+						}
+					case *pgproto3.ReadyForQuery:
+						rfq++
+					}
+				}
+				return perr
+			}, inhApplied},
 		{"batch_gated_then_begin", "insert into inh_c values (%[1]d, 'job', 'first'); begin; insert into inh_c values (%[1]d + 500, 'job', 'first'); commit",
 			"insert into inh_c values (%[1]d, 'job', 'first'); begin; insert into inh_c values (%[3]d, 'job', 'other'); commit", batch, inhApplied},
 		{"savepoint_before_first_write", "set fence.step = '%[2]s'; begin; savepoint s; insert into inh_c values (%[3]d, 'job', 'rolled back'); rollback to s; insert into inh_c values (%[1]d, 'job', 'first'); commit",

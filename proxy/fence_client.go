@@ -215,6 +215,15 @@ func (h *fenceSession) query(s gateConn, msg []byte) error {
 		return h.routeQuery(s, msg, res) // route.go
 	}
 	res = h.userCode(res) // fence_usercode.go: built-ins the database overrides
+	if h.digestReq != nil && commitsIn(res.Stmts) {
+		// Its receipt's digest is the transaction's: the writes an
+		// extended batch sent before it must be in (as for a COMMIT's
+		// Execute: digestReq).
+		if err := h.wait(s, h.digestReq); err != nil {
+			return err // ErrWait on the loop: nothing done yet
+		}
+		h.digestReq = nil
+	}
 	if plan.MayNeedGate(res.Stmts...) {
 		if h.unsettled() {
 			if err := h.settle(s); err != nil {
@@ -285,6 +294,17 @@ func (h *fenceSession) gatedQuery(s gateConn, sql string, res *rewrite.Result, q
 		h.rt.replicaState = true // its code may change the replica's session (route.go)
 	}
 	return h.runQuery(s, sql, res, q)
+}
+
+// commitsIn reports whether stmts commit a transaction, whose receipt's
+// digest must have every write before it.
+func commitsIn(stmts []*rewrite.Stmt) bool {
+	for _, st := range stmts {
+		if st.Kind == rewrite.Commit || st.Kind == rewrite.PrepareTransaction {
+			return true
+		}
+	}
+	return false
 }
 
 // needsOwnText reports whether a write classified from another text of
