@@ -582,7 +582,7 @@ func (h *fenceSession) sendExecute(s gateConn, msg []byte, t *tag) error {
 	if err := h.send(s, msg, t, true); err != nil {
 		return err
 	}
-	if t.cp != nil && t.cp.stmt != nil && plan.Digested(t.cp.stmt) {
+	if t.cp != nil && t.cp.stmt != nil && plan.Digested(t.cp.stmt) && h.mayOweReceipt() {
 		h.digestReq = h.last
 	}
 	if t.started != nil {
@@ -610,6 +610,19 @@ func (h *fenceSession) captureTx(s gateConn) error {
 	}
 	h.txReq = h.last // the portal's Close, answered after the Execute
 	return nil
+}
+
+// mayOweReceipt reports whether the session's transaction may end with a
+// receipt: it is gated or tentative, or the session presents a generation
+// (a later statement may gate it). Only then does a COMMIT wait for the
+// writes in flight before it (digestReq).
+func (h *fenceSession) mayOweReceipt() bool {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if g := h.st.Gate(); g.Gated || g.Due() {
+		return true
+	}
+	return presentsFence(h.st, nil)
 }
 
 // copyExec is an Execute of a COPY FROM whose data has not ended: r is
