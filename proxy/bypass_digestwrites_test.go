@@ -138,18 +138,22 @@ grant insert, select on public.dw_side to public`)
 	// Round 23, attacker AW's M2: an extended-protocol batch (one Sync,
 	// the unnamed portal bound again for each statement, as libpq's
 	// pipeline mode and pgx's batches send it).
-	batch := func(t *testing.T, step, sql string) error {
-		conn := c.connect(t, "proxy", w, cur)
-		if err := castExec(ctxT(t), conn, "set fence.step = '"+step+"'", ""); err != nil {
+	// batchAfter is batch after the simple query set, run first.
+	batchAfter := func(set string) func(t *testing.T, step, sql string) error {
+		return func(t *testing.T, step, sql string) error {
+			conn := c.connect(t, "proxy", w, cur)
+			if err := castExec(ctxT(t), conn, "set fence.step = '"+step+"'"+set, ""); err != nil {
+				return err
+			}
+			b := &pgconn.Batch{}
+			for _, q := range strings.Split(sql, "; ") {
+				b.ExecParams(q, nil, nil, nil, nil)
+			}
+			_, err := conn.ExecBatch(ctxT(t), b).ReadAll()
 			return err
 		}
-		b := &pgconn.Batch{}
-		for _, q := range strings.Split(sql, "; ") {
-			b.ExecParams(q, nil, nil, nil, nil)
-		}
-		_, err := conn.ExecBatch(ctxT(t), b).ReadAll()
-		return err
 	}
+	batch := batchAfter("")
 	// Round 23, attacker AW's M1: json is a keyword from PostgreSQL 16
 	// on, so the deparse writes json as pg_catalog.json; PostgreSQL 15
 	// looks it up on the search path, where a temporary domain comes
@@ -172,18 +176,7 @@ grant insert, select on public.dw_side to public`)
 		{"batch_tentative_then_gated", "select public.dw_ins(%[1]d); insert into inh_c values (%[1]d + 500, 'job', 'first')",
 			"select public.dw_ins(%[3]d); insert into inh_c values (%[1]d + 500, 'job', 'first')", batch, inhApplied},
 		{"batch_commit_in_explicit", "insert into inh_c values (%[1]d, 'job', 'first'); insert into inh_c values (%[1]d + 500, 'job', 'first'); commit",
-			"insert into inh_c values (%[1]d, 'job', 'first'); insert into inh_c values (%[3]d, 'job', 'other'); commit", func(t *testing.T, step, sql string) error {
-				conn := c.connect(t, "proxy", w, cur)
-				if err := castExec(ctxT(t), conn, "set fence.step = '"+step+"'; begin", ""); err != nil {
-					return err
-				}
-				b := &pgconn.Batch{}
-				for _, q := range strings.Split(sql, "; ") {
-					b.ExecParams(q, nil, nil, nil, nil)
-				}
-				_, err := conn.ExecBatch(ctxT(t), b).ReadAll()
-				return err
-			}, inhApplied},
+			"insert into inh_c values (%[1]d, 'job', 'first'); insert into inh_c values (%[3]d, 'job', 'other'); commit", batchAfter("; begin"), inhApplied},
 		{"batch_then_query_commit", "insert into inh_c values (%[1]d, 'job', 'first'); insert into inh_c values (%[1]d + 500, 'job', 'first')",
 			"insert into inh_c values (%[1]d, 'job', 'first'); insert into inh_c values (%[3]d, 'job', 'other')", func(t *testing.T, step, sql string) error {
 				// Executes, then COMMIT as a Query message in the same
@@ -203,22 +196,12 @@ grant insert, select on public.dw_side to public`)
 				if err := f.Flush(); err != nil {
 					t.Fatal(err)
 				}
-				var perr error
-				for rfq := 0; rfq < 2; {
-					m, err := f.Receive()
-					if err != nil {
-						t.Fatal(err)
-					}
-					switch m := m.(type) {
-					case *pgproto3.ErrorResponse:
-						if perr == nil {
-							perr = &pgconn.PgError{Code: m.Code, Message: m.Message}
-						}
-					case *pgproto3.ReadyForQuery:
-						rfq++
+				for _, code := range rawAnswers(t, conn, 2) { // the Query's, the Sync's
+					if code != "" {
+						return &pgconn.PgError{Code: code}
 					}
 				}
-				return perr
+				return nil
 			}, inhApplied},
 		{"batch_gated_then_begin", "insert into inh_c values (%[1]d, 'job', 'first'); begin; insert into inh_c values (%[1]d + 500, 'job', 'first'); commit",
 			"insert into inh_c values (%[1]d, 'job', 'first'); begin; insert into inh_c values (%[3]d, 'job', 'other'); commit", batch, inhApplied},
@@ -323,21 +306,8 @@ grant insert, select on public.dw_side to public`)
 			if err := f.Flush(); err != nil {
 				t.Fatal(err)
 			}
-			var code string
-			for {
-				m, err := f.Receive()
-				if err != nil {
-					t.Fatal(err)
-				}
-				if e, ok := m.(*pgproto3.ErrorResponse); ok {
-					code = e.Code
-				}
-				if _, ok := m.(*pgproto3.ReadyForQuery); ok {
-					break
-				}
-			}
-			if code != fence.CodeUnsupported {
-				t.Fatalf("a FunctionCall of a user's writing function in a fenced session (transaction %v): SQLSTATE %q, want %s", inTx, code, fence.CodeUnsupported)
+			if code := rawAnswers(t, conn, 1)[0]; code != fence.CodeUnsupported {
+				t.Fatalf("a FunctionCall of a user's writing function in a fenced session (transaction %v): %q, want SQLSTATE %s", inTx, code, fence.CodeUnsupported)
 			}
 			if inTx {
 				castExec(ctxT(t), conn, "rollback", "")
