@@ -214,15 +214,9 @@ func (h *fenceSession) query(s gateConn, msg []byte) error {
 		// The server reports the syntax error (or the empty query).
 		return h.routeQuery(s, msg, res) // route.go
 	}
-	res = h.userCode(res) // fence_usercode.go: built-ins the database overrides
-	if h.digestReq != nil && commitsIn(res.Stmts) {
-		// Its receipt's digest is the transaction's: the writes an
-		// extended batch sent before it must be in (as for a COMMIT's
-		// Execute: digestReq).
-		if err := h.wait(s, h.digestReq); err != nil {
-			return err // ErrWait on the loop: nothing done yet
-		}
-		h.digestReq = nil
+	res = h.userCode(res)                                  // fence_usercode.go: built-ins the database overrides
+	if err := h.awaitDigest(s, res.Stmts...); err != nil { // fence_extended.go
+		return err // ErrWait on the loop: nothing done yet
 	}
 	if plan.MayNeedGate(res.Stmts...) {
 		if h.unsettled() {
@@ -309,21 +303,17 @@ func commitsIn(stmts []*rewrite.Stmt) bool {
 
 // needsOwnText reports whether a write classified from another text of
 // its shape (rewrite.Classifier.ClassifyShared) must be classified from
-// its own: when it may be digested — it writes a protected table, runs in
-// a gated or tentative transaction, or in a session with a generation —
-// the digest needs its own canonical text. Other writes need only the
+// its own: when it may be digested — it writes a protected table, or the
+// transaction may owe a receipt (mayOweReceipt) — the digest needs its
+// own canonical text. Other writes need only the
 // structure, which the shape shares.
 func (h *fenceSession) needsOwnText(res *rewrite.Result) bool {
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	if g := h.st.Gate(); g.Gated || g.Due() {
-		return true
-	}
-	// A session with a generation digests what may write (a write to
-	// another table whose trigger writes a protected one makes its
-	// transaction tentative): its own text, not the shape's first (round
-	// 23, AV-M1).
-	if _, ok := h.st.Generation(); ok {
+	// A fenced session digests what may write (a write to another table
+	// whose trigger writes a protected one makes its transaction
+	// tentative): its own text, not the shape's first (round 23, AV-M1).
+	if h.mayOweReceipt() {
 		return true
 	}
 	for _, st := range res.Stmts {

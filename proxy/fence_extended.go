@@ -492,11 +492,8 @@ func (h *fenceSession) execute(s gateConn, msg []byte) error {
 			return err
 		}
 	}
-	if (st.Kind == rewrite.Commit || st.Kind == rewrite.PrepareTransaction) && !answered(h.digestReq) {
-		if err := h.wait(s, h.digestReq); err != nil {
-			return err // ErrWait on the loop: nothing done yet
-		}
-		h.digestReq = nil
+	if err := h.awaitDigest(s, st); err != nil {
+		return err // ErrWait on the loop: nothing done yet
 	}
 	h.mu.Lock()
 	var params session.ParamFunc
@@ -582,8 +579,13 @@ func (h *fenceSession) sendExecute(s gateConn, msg []byte, t *tag) error {
 	if err := h.send(s, msg, t, true); err != nil {
 		return err
 	}
-	if t.cp != nil && t.cp.stmt != nil && plan.Digested(t.cp.stmt) && h.mayOweReceipt() {
-		h.digestReq = h.last
+	if t.cp != nil && t.cp.stmt != nil && plan.Digested(t.cp.stmt) {
+		h.mu.Lock()
+		owes := h.mayOweReceipt()
+		h.mu.Unlock()
+		if owes {
+			h.digestReq = h.last
+		}
 	}
 	if t.started != nil {
 		h.copyExec = &copyExec{r: h.last, started: t.started}
@@ -613,16 +615,31 @@ func (h *fenceSession) captureTx(s gateConn) error {
 }
 
 // mayOweReceipt reports whether the session's transaction may end with a
-// receipt: it is gated or tentative, or the session presents a generation
-// (a later statement may gate it). Only then does a COMMIT wait for the
-// writes in flight before it (digestReq).
+// receipt: it is gated or tentative, or the session presents fence
+// metadata (a later statement may gate it). Only then does a COMMIT wait
+// for the writes in flight before it (digestReq), is a write classified
+// from its own text (needsOwnText), and is a user's FunctionCall refused
+// (fencedFunctionCall). Callers hold h.mu.
 func (h *fenceSession) mayOweReceipt() bool {
-	h.mu.Lock()
-	defer h.mu.Unlock()
 	if g := h.st.Gate(); g.Gated || g.Due() {
 		return true
 	}
 	return presentsFence(h.st, nil)
+}
+
+// awaitDigest waits, when stmts commit (a COMMIT's receipt takes the
+// transaction's digest), until the writes an extended batch sent before
+// them are answered and in it (digestReq). As wait, it returns ErrWait on
+// the loop: call it before anything of the message is done.
+func (h *fenceSession) awaitDigest(s gateConn, stmts ...*rewrite.Stmt) error {
+	if h.digestReq == nil || !commitsIn(stmts) {
+		return nil
+	}
+	if err := h.wait(s, h.digestReq); err != nil {
+		return err
+	}
+	h.digestReq = nil
+	return nil
 }
 
 // copyExec is an Execute of a COPY FROM whose data has not ended: r is

@@ -219,7 +219,7 @@ func userFunctionCall(msg []byte) bool {
 func (h *fenceSession) fencedFunctionCall() *fence.Error {
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	if g := h.st.Gate(); !g.Gated && !g.Due() && !presentsFence(h.st, nil) {
+	if !h.mayOweReceipt() { // fence_extended.go
 		return nil
 	}
 	return &fence.Error{Code: fence.CodeUnsupported,
