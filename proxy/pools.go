@@ -1,7 +1,6 @@
 package proxy
 
 import (
-	"context"
 	"errors"
 	"fmt"
 	"net"
@@ -19,18 +18,9 @@ import (
 // through a shutdown, is refused: 53300, naming the limit that kept it
 // out, or 57P01. The caller releases the slot when the session ends.
 func (s *Server) serverSlot(c net.Conn, user, db string, log *zap.Logger) (*pool.Slot, error) {
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	go func() {
-		select {
-		case <-s.shut:
-			cancel()
-		case <-ctx.Done():
-		}
-	}()
 	// The startup deadline does not run while the client waits its turn.
 	c.SetDeadline(time.Time{})
-	slot, err := s.pools.Acquire(ctx, pool.Key{Database: db, User: user})
+	slot, err := s.pools.Acquire(s.shutCtx, pool.Key{Database: db, User: user})
 	if err == nil {
 		if slot.Waited > 0 {
 			log.Info("waited for a server connection", zap.Duration("waited", slot.Waited), zap.Bool("reserve", slot.Reserve()))

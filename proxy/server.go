@@ -46,7 +46,11 @@ type Server struct {
 	startups startupSlots // connections in startup (startup_slots.go)
 	draining atomic.Bool
 	shut     chan struct{} // closed by Shutdown (shutOnce): ends Serve's waits
-	shutOnce sync.Once
+	// shutCtx ends with Shutdown too (shutCancel): the waits for a
+	// server connection (pools.go) end with it.
+	shutCtx    context.Context
+	shutCancel context.CancelFunc
+	shutOnce   sync.Once
 
 	mu        sync.Mutex
 	listeners map[net.Listener]struct{}
@@ -114,6 +118,7 @@ func New(cfg Config, log *zap.Logger) (*Server, error) {
 	}
 	s.mockSecret = mockSecret(cfg, s.primary, s.replicas, log) // auth.go
 	s.pools = pool.New(func(pool.Key) pool.Limits { return s.live().poolLimits })
+	s.shutCtx, s.shutCancel = context.WithCancel(context.Background())
 	var tag [8]byte
 	rand.Read(tag[:])
 	s.oversizedTag = oversizedPrefix + hex.EncodeToString(tag[:]) // limits.go
@@ -227,7 +232,7 @@ func (s *Server) untrack(c net.Conn) {
 // ended gracefully.
 func (s *Server) Shutdown(ctx context.Context) error {
 	s.draining.Store(true)
-	s.shutOnce.Do(func() { close(s.shut) })
+	s.shutOnce.Do(func() { close(s.shut); s.shutCancel() })
 	defer s.loop.stop()     // once the sessions have ended (wg.Wait below): evloop.go
 	s.stopControl()         // admin_pause.go: ends PAUSE waits
 	defer s.closeReplicas() // route.go
