@@ -143,7 +143,11 @@ union all select 'kparents ' || r::text from kparents r`
 	// CHECK constraint and a row-level-security policy that switch the
 	// settings for every row they see.
 	t.Run("owner_gadgets", func(t *testing.T) {
-		c.as(t, c.owner, `create index kt_switch on kt (rt_idx(v));`)
+		// The DDL guard refuses the owner an index calling its own
+		// function (FN010, round 25, BA-H2); one a bypass member adds
+		// must still not switch keys.
+		c.refusedAs(t, c.owner, `create index kt_switch on kt (rt_idx(v))`, "FN010")
+		c.as(t, c.dba, `create index kt_switch on kt (rt_idx(v));`)
 		c.tryRows(t, attempt{role: w, lease: cur, sql: "update kt set v = 'x' where k = 1", code: notOwner}, rows)
 		c.as(t, c.dba, "drop index kt_switch")
 		// The DDL guard refuses the owner a CHECK calling its own

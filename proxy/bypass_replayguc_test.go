@@ -39,9 +39,12 @@ create function public.idx_hook(t text) returns text language plpgsql immutable 
 begin perform %[1]s; return t; end $$;
 create function public.chk_hook(t text) returns boolean language plpgsql immutable as $$
 begin perform %[1]s; return true; end $$;
-create index ledger_hook on app.ledger (public.idx_hook(job_key));
-create index res_hook on res (public.idx_hook(v));
 `, setReplay))
+	// The DDL guard refuses the owner an index calling its own function
+	// (FN010, round 25, BA-H2): a bypass member adds them.
+	c.refusedAs(t, c.owner, "create index ledger_hook on app.ledger (public.idx_hook(job_key))", "FN010")
+	c.as(t, c.dba, `create index ledger_hook on app.ledger (public.idx_hook(job_key));
+create index res_hook on res (public.idx_hook(v))`)
 	// The DDL guard refuses the owner a CHECK calling its own function
 	// (FN010, round 24, AX-H1): a bypass member adds it, so that the
 	// replay guard is still tried against it.
