@@ -153,6 +153,16 @@ func (h *fenceSession) restoreReplayed(s gateConn) error {
 	tx := h.st.Tx()
 	h.mu.Unlock()
 	if tx == session.Failed {
+		if !h.replayAnswered.Load() {
+			// An FN00R the client was shown as an error (a statement's,
+			// not the receipt step's): its transaction is the client's
+			// to end, and its COMMIT is answered ROLLBACK, as PostgreSQL
+			// answers it. Ended by the proxy, the COMMIT of a
+			// transaction that committed nothing was answered COMMIT
+			// (round 25, BB-M1: the owner's column default raising a
+			// forged FN00R). The settings are set once it has ended.
+			return nil
+		}
 		if err := h.endReplayed(s); err != nil {
 			return err
 		}
@@ -163,6 +173,7 @@ func (h *fenceSession) restoreReplayed(s gateConn) error {
 	if tx == session.Idle {
 		h.replaySettings = nil
 		h.replayPending.Store(false)
+		h.replayAnswered.Store(false)
 	}
 	var b strings.Builder
 	segs := make([]seg, 0, len(settings)+1)

@@ -166,6 +166,7 @@ func (h *fenceSession) queryResponse(s gateConn, msg []byte, t *tag) (Verdict, e
 			h.gateResult(sg.gen, msg)
 		} else if sg.step == stepReceipt {
 			h.receiptResult(msg)
+			t.receiptRow = true
 		} else if sg.step.routing() {
 			h.routeRow(s, sg, msg) // route.go
 		}
@@ -212,6 +213,7 @@ func (h *fenceSession) executeResponse(s gateConn, msg []byte, t *tag) (Verdict,
 			h.gateResult(t.gen, msg)
 		case stepReceipt:
 			h.receiptResult(msg)
+			t.receiptRow = true
 		case stepSettings:
 			h.applySettings(s, msg, t)
 		case stepTxID:
@@ -279,6 +281,20 @@ func (h *fenceSession) onError(s gateConn, msg []byte, t *tag) (Verdict, error) 
 			sg.stmt = t.cp.stmt
 		}
 	}
+	if st == stepReceipt && t.receiptRow {
+		// The receipt step answered (fence.commit returned its row) and
+		// then the transaction failed: at its end, where the last
+		// statement of a query reports what COMMIT raised (a deferred
+		// trigger's error) before its own CommandComplete. That is not
+		// the receipt's answer: fence.commit raises its replay before
+		// any row, and a transaction whose receipt step wrote its
+		// receipt replays nothing. An FN00R there is anyone's code
+		// (round 25, BB-H1: the owner's deferred trigger, reached
+		// through a column default, answered a rolled-back write as a
+		// replay): the client gets the error as PostgreSQL sent it.
+		st, sg = stepClient, seg{step: stepClient}
+		t.stepFailed, t.afterReceipt = false, true
+	}
 	if st.routing() {
 		return Drop, nil // a routing query's failure is the router's business (route.go)
 	}
@@ -316,7 +332,7 @@ func (h *fenceSession) onError(s gateConn, msg []byte, t *tag) (Verdict, error) 
 		s.WriteClient(msg)
 		return Drop, nil
 	}
-	if e.Code == fence.CodeReplay {
+	if e.Code == fence.CodeReplay && !t.afterReceipt {
 		// A replay, whatever said it — the proxy's receipt step, a replay
 		// guard failing a COMMIT or the end of an implicit transaction —
 		// rolls back a transaction whose first attempt committed, and
@@ -364,6 +380,7 @@ func (h *fenceSession) onError(s gateConn, msg []byte, t *tag) (Verdict, error) 
 		// Set again before the client's next request (restoreReplayed;
 		// replayPending is set above, for every FN00R).
 		h.replaySettings = committed
+		h.replayAnswered.Store(true)
 		if t.kind == 'E' {
 			h.replayedSeq = t.seq // the batch's next statements (replayedBatch)
 		}

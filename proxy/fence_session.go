@@ -117,6 +117,10 @@ type fenceSession struct {
 	// replayPending says there are some (restoreReplayed).
 	replaySettings []session.Setting
 	replayPending  atomic.Bool
+	// replayAnswered: the pending replay was answered to the client as
+	// its COMMIT committing (the receipt step's FN00R), so a failed
+	// transaction it left is the proxy's to end (restoreReplayed).
+	replayAnswered atomic.Bool
 	// txUnseen (client side): a request of the current transaction may
 	// have changed a tracked setting unseen (a DO block, a CALL, a
 	// set_config the proxy could not read): what a replay of it took
@@ -229,6 +233,13 @@ type tag struct {
 	shownAfter bool
 	// stepFailed: a gate step of this query failed (set by onError).
 	stepFailed bool
+	// receiptRow: the receipt step returned its row, so an error after it
+	// is the end of the transaction's, not the receipt's own answer
+	// (onError: round 25, BB-H1).
+	receiptRow bool
+	// afterReceipt: this query's error came after its receipt step's
+	// row (onError).
+	afterReceipt bool
 	// replayAt: the receipt step of this query answered a replay (FN00R)
 	// at segs[replayAt-1]; 0 when none did (set by onError).
 	replayAt int
