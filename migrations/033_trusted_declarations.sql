@@ -25,6 +25,15 @@
 -- not look at indexes at all, nor did it see CREATE INDEX as DDL on the
 -- table.
 --
+-- Attack round 26 (attacker BD) found the first form of this too narrow:
+-- a configuration named by a computed OID (`(16763)::regconfig` stores no
+-- dependency), pg_catalog's immutable pg_partition_root(regclass) of the
+-- owner's index (an index counted as fixed), CREATE INDEX CONCURRENTLY,
+-- whose index stays (invalid) after the guard refuses it and which REINDEX,
+-- firing no event trigger on PostgreSQL 15, makes valid, a CHECK added in
+-- a transaction open across fence.protect, and a joining member's
+-- partition key.
+--
 -- Now a CHECK constraint or an index of a protected table may depend on
 -- nothing its owner can change: every object it depends on (pg_depend:
 -- functions, operators, types, text search configurations and
@@ -33,15 +42,22 @@
 -- dictionaries too; an enum type or a collation, which cannot be changed
 -- to say otherwise, may be anyone's), or the guard refuses the DDL that
 -- leaves it, for a non-administrator, and fence.protect a table that has
--- one. CREATE INDEX, ALTER INDEX and REINDEX count as DDL on the index's
--- table.
+-- one. Nor may it, or a member's partition key, hold a value of an
+-- OID-alias type (regclass, regconfig, regdictionary, ...), however it
+-- is computed: what a function reads through one is the catalog's current
+-- state (fence.declaration_reads_catalog). CREATE INDEX, ALTER INDEX and
+-- REINDEX count as DDL on the index's table. A non-administrator's change
+-- to a function, an operator or a text search configuration or dictionary
+-- is refused while a protected table has such a declaration (an
+-- administrator's, or one CREATE INDEX CONCURRENTLY left behind): what it
+-- declares cannot be made to change. fence.protect refuses a table that
+-- has one, whoever calls it, once it holds the table's lock.
 
 -- declared_fixed: whether what a CHECK constraint or an index depends on,
 -- the object p_oid of catalog p_class, is beyond a non-superuser's reach:
 -- made by a superuser (and, for a text search configuration, every
--- dictionary it maps to), an enum type, a collation, or an index (a
--- partitioned table's, which a partition's index depends on). Unknown
--- catalogs are not.
+-- dictionary it maps to), an enum type or a collation. Unknown catalogs
+-- are not.
 create function fence.declared_fixed(p_class oid, p_oid oid) returns boolean
 language sql stable
 set search_path = pg_catalog, fence, pg_temp
@@ -64,40 +80,93 @@ as $$
                        where m.mapcfg = p_oid and not r.rolsuper)
     when 'pg_catalog.pg_ts_dict'::pg_catalog.regclass then
       (select r.rolsuper from pg_catalog.pg_ts_dict x join pg_catalog.pg_roles r on r.oid = x.dictowner where x.oid = p_oid)
-    -- A partition's index depends on its partitioned table's index,
-    -- whose own declaration is judged on that table.
     when 'pg_catalog.pg_class'::pg_catalog.regclass then
-      (select r.rolsuper or x.relkind in ('i', 'I') from pg_catalog.pg_class x join pg_catalog.pg_roles r on r.oid = x.relowner where x.oid = p_oid)
+      (select r.rolsuper from pg_catalog.pg_class x join pg_catalog.pg_roles r on r.oid = x.relowner where x.oid = p_oid)
     else false end, false)
 $$;
 revoke all on function fence.declared_fixed(oid, oid) from public;
 
--- declaration_problem: a CHECK constraint or an index of rel that
--- depends on an object other than rel that is not fixed
--- (fence.declared_fixed), as a phrase for an error, or null.
+-- declaration_reads_catalog: whether an expression (a stored node tree)
+-- holds a value of an OID-alias type, or an array of one: every type of
+-- every node is named in the tree (":consttype", ":resulttype",
+-- ":funcresulttype", ":vartype", ...), however the value is computed.
+create function fence.declaration_reads_catalog(p_tree pg_node_tree) returns boolean
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+  select p_tree is not null and exists (
+    select 1
+      from pg_catalog.regexp_matches(p_tree::text, ':[a-z_]*type[a-z_]* ([0-9]+)', 'gi') m
+      join pg_catalog.pg_type t on t.oid = m[1]::oid
+     where t.oid in ('pg_catalog.regclass'::pg_catalog.regtype, 'pg_catalog.regconfig'::pg_catalog.regtype,
+                     'pg_catalog.regdictionary'::pg_catalog.regtype, 'pg_catalog.regproc'::pg_catalog.regtype,
+                     'pg_catalog.regprocedure'::pg_catalog.regtype, 'pg_catalog.regoper'::pg_catalog.regtype,
+                     'pg_catalog.regoperator'::pg_catalog.regtype, 'pg_catalog.regtype'::pg_catalog.regtype,
+                     'pg_catalog.regnamespace'::pg_catalog.regtype, 'pg_catalog.regrole'::pg_catalog.regtype,
+                     'pg_catalog.regcollation'::pg_catalog.regtype)
+        or t.typelem in ('pg_catalog.regclass'::pg_catalog.regtype, 'pg_catalog.regconfig'::pg_catalog.regtype,
+                     'pg_catalog.regdictionary'::pg_catalog.regtype, 'pg_catalog.regproc'::pg_catalog.regtype,
+                     'pg_catalog.regprocedure'::pg_catalog.regtype, 'pg_catalog.regoper'::pg_catalog.regtype,
+                     'pg_catalog.regoperator'::pg_catalog.regtype, 'pg_catalog.regtype'::pg_catalog.regtype,
+                     'pg_catalog.regnamespace'::pg_catalog.regtype, 'pg_catalog.regrole'::pg_catalog.regtype,
+                     'pg_catalog.regcollation'::pg_catalog.regtype))
+$$;
+revoke all on function fence.declaration_reads_catalog(pg_node_tree) from public;
+
+-- declaration_problem: a CHECK constraint, an index (valid or not) or the
+-- partition key of rel that depends on an object other than rel that is
+-- not fixed (fence.declared_fixed; pg_depend's normal dependencies: a
+-- partition's index depends on its parent's otherwise), or that holds a
+-- value of an OID-alias type (fence.declaration_reads_catalog), as a
+-- phrase for an error, or null.
 create function fence.declaration_problem(p_rel regclass) returns text
 language sql stable
 set search_path = pg_catalog, fence, pg_temp
 as $$
-  select pg_catalog.format('%s, which depends on %s, not a superuser''s', x.what, pg_catalog.pg_describe_object(x.refclassid, x.refobjid, 0))
-    from (select pg_catalog.format('CHECK constraint %I', con.conname) as what, 1 as ord, con.conname::text as name,
-                 d.refclassid, d.refobjid
-            from pg_catalog.pg_constraint con
-            join pg_catalog.pg_depend d
-              on d.classid = 'pg_catalog.pg_constraint'::pg_catalog.regclass and d.objid = con.oid
-           where con.conrelid = p_rel and con.contype = 'c'
-          union all
-          select pg_catalog.format('index %s', i.indexrelid::pg_catalog.regclass), 2, i.indexrelid::pg_catalog.regclass::text,
-                 d.refclassid, d.refobjid
-            from pg_catalog.pg_index i
-            join pg_catalog.pg_depend d
-              on d.classid = 'pg_catalog.pg_class'::pg_catalog.regclass and d.objid = i.indexrelid
-           where i.indrelid = p_rel
-             -- an index's own constraint (a primary key, a unique or
-             -- exclusion constraint): it declares nothing of its own
-             and d.refclassid <> 'pg_catalog.pg_constraint'::pg_catalog.regclass) x
-   where not (x.refclassid = 'pg_catalog.pg_class'::pg_catalog.regclass and x.refobjid = p_rel)
-     and not fence.declared_fixed(x.refclassid, x.refobjid)
+  with decl(what, ord, name, classid, objid, tree) as (
+    select pg_catalog.format('CHECK constraint %I', con.conname), 1, con.conname::text,
+           'pg_catalog.pg_constraint'::pg_catalog.regclass::oid, con.oid, con.conbin
+      from pg_catalog.pg_constraint con
+     where con.conrelid = p_rel and con.contype = 'c'
+    union all
+    select pg_catalog.format('index %s', i.indexrelid::pg_catalog.regclass), 2, i.indexrelid::pg_catalog.regclass::text,
+           'pg_catalog.pg_class'::pg_catalog.regclass::oid, i.indexrelid, i.indexprs
+      from pg_catalog.pg_index i
+     where i.indrelid = p_rel
+    union all
+    select pg_catalog.format('index %s', i.indexrelid::pg_catalog.regclass), 2, i.indexrelid::pg_catalog.regclass::text,
+           null, null, i.indpred
+      from pg_catalog.pg_index i
+     where i.indrelid = p_rel
+    union all
+    select 'its partition key', 3, '', null, null, pt.partexprs
+      from pg_catalog.pg_partitioned_table pt
+     where pt.partrelid = p_rel)
+  select x.phrase from (
+    select pg_catalog.format('%s, which depends on %s, not a superuser''s', d.what,
+               pg_catalog.pg_describe_object(dep.refclassid, dep.refobjid, 0)) as phrase, d.ord, d.name
+      from decl d
+      join pg_catalog.pg_depend dep on dep.classid = d.classid and dep.objid = d.objid and dep.deptype = 'n'
+     where not (dep.refclassid = 'pg_catalog.pg_class'::pg_catalog.regclass and dep.refobjid = p_rel)
+       and not fence.declared_fixed(dep.refclassid, dep.refobjid)
+    union all
+    -- the partition key's functions and operators (the table's own
+    -- dependencies: its columns' types and its schema are judged
+    -- elsewhere)
+    select pg_catalog.format('its partition key, which depends on %s, not a superuser''s',
+               pg_catalog.pg_describe_object(dep.refclassid, dep.refobjid, 0)), 3, ''
+      from pg_catalog.pg_partitioned_table pt
+      join pg_catalog.pg_depend dep
+        on dep.classid = 'pg_catalog.pg_class'::pg_catalog.regclass and dep.objid = pt.partrelid and dep.deptype = 'n'
+     where pt.partrelid = p_rel
+       and dep.refclassid in ('pg_catalog.pg_proc'::pg_catalog.regclass, 'pg_catalog.pg_operator'::pg_catalog.regclass,
+                              'pg_catalog.pg_opclass'::pg_catalog.regclass, 'pg_catalog.pg_ts_config'::pg_catalog.regclass,
+                              'pg_catalog.pg_ts_dict'::pg_catalog.regclass)
+       and not fence.declared_fixed(dep.refclassid, dep.refobjid)
+    union all
+    select pg_catalog.format('%s, which holds a value of an OID-alias type (what a function reads through it is the catalog''s current state)', d.what), d.ord, d.name
+      from decl d
+     where fence.declaration_reads_catalog(d.tree)) x
    order by x.ord, x.name
    limit 1
 $$;
@@ -124,6 +193,40 @@ begin
   for r in
     select f, v_old, v_new from (values
       ('fence.guard_ddl_end()'::regprocedure,
+          $old$  if fence.guard_idle() then
+    return;
+  end if;$old$,
+          $new$  if fence.guard_idle() then
+    return;
+  end if;
+  -- (033) While a protected table has a CHECK constraint, an index or a
+  -- partition key whose truth is not its rows' alone (an administrator's,
+  -- or an index CREATE INDEX CONCURRENTLY left behind when the guard
+  -- refused it, which REINDEX makes valid without an event trigger on
+  -- PostgreSQL 15), a non-administrator's DDL is refused: DDL is how
+  -- what it depends on changes (a function replaced, a text search
+  -- object altered, a partition detached). Dropping it is let through,
+  -- and so is what a session does in its temporary schema.
+  select q.relid, fence.declaration_problem(q.relid) into v_rel, v_problem
+    from fence.protected_tables q
+   where exists (select 1 from pg_catalog.pg_event_trigger_ddl_commands() c
+                  where c.schema_name is null or pg_catalog.left(c.schema_name, 7) <> 'pg_temp')
+     and exists (select 1 from pg_catalog.pg_class c where c.oid = q.relid)
+     and fence.declaration_problem(q.relid) is not null
+   order by q.relid::text
+   limit 1;
+  if found then
+    v_allowed := fence.is_admin();
+    if not v_allowed then
+      raise exception '% while protected table % has %: that needs pgfence_bypass, and role "%" is not a member',
+          tg_tag, v_rel, v_problem, session_user
+        using errcode = 'FN010',
+              detail = 'PostgreSQL acts on what a table''s CHECK constraints, partial indexes and partition keys declare without reading the rows; DDL could change what this one says',
+              hint = 'drop it (an index CREATE INDEX CONCURRENTLY left behind, invalid, too), or ask a member of pgfence_bypass (a DBA) to make this change';
+    end if;
+  end if;
+  v_problem := null;$new$),
+      ('fence.guard_ddl_end()'::regprocedure,
           $old$          select q.root from fence.protected_tables q where q.relid = r.objid::regclass
           union$old$,
           $new$          select q.root from fence.protected_tables q where q.relid = r.objid::regclass
@@ -143,24 +246,26 @@ begin
   end if;
   -- Triggers:$new$),
       ('fence.protect(regclass, text)'::regprocedure,
-          $old$  if fence.sync_tree(tbl, job_key_column, true) then$old$,
-          $new$  -- (033) A CHECK constraint or an index whose owner could change
-  -- what it declares of the rows: only an administrator may protect the
-  -- table as it is.
-  if not fence.is_admin() then
-    select m.relid, fence.exclusion_problem(m.relid) into v_member, v_what
+          $old$  if fence.sync_tree(tbl, job_key_column, true) then
+    perform pg_notify$old$,
+          $new$  if fence.sync_tree(tbl, job_key_column, true) then
+    -- (033) A CHECK constraint, an index or a partition key whose truth
+    -- is not the rows' alone: refused, whoever protects. Judged here,
+    -- once sync_tree holds the members' locks, so that one being added
+    -- in a transaction still open is waited for and seen (round 26,
+    -- BD-H4).
+    select m.relid, fence.declaration_problem(m.relid) into v_member, v_what
       from fence.tree_members(tbl) m
-     where fence.exclusion_problem(m.relid) is not null
+     where fence.declaration_problem(m.relid) is not null
      order by m.relid::text
      limit 1;
     if found then
-      raise exception 'cannot protect %: % would %', tbl, v_member, v_what
+      raise exception 'cannot protect %: % has %', tbl, v_member, v_what
         using errcode = '55000',
-              detail = 'PostgreSQL acts on what a table''s CHECK constraints and partial indexes declare without reading the rows, so changing an object they depend on would change which rows queries and fenced writes find without a fenced write',
-              hint = 'drop it, or make it again with only a superuser''s functions, types and text search objects, then protect the table; or ask a member of pgfence_bypass (a DBA) to protect it as it is';
+              detail = 'PostgreSQL acts on what a table''s CHECK constraints, partial indexes and partition keys declare without reading the rows, so changing what they depend on would change which rows queries and fenced writes find without a fenced write',
+              hint = 'drop it, or make it again with only columns, constants and a superuser''s functions, types and text search objects, then protect the table; an administrator may add it once the table is protected';
     end if;
-  end if;
-  if fence.sync_tree(tbl, job_key_column, true) then$new$)
+    perform pg_notify$new$)
     ) v(f, v_old, v_new)
   loop
     v_def := pg_catalog.pg_get_functiondef(r.f);

@@ -3,6 +3,7 @@ package proxy
 import (
 	"fmt"
 	"testing"
+	"time"
 
 	"github.com/pgfence/pgfence/internal/pgtest"
 )
@@ -78,6 +79,25 @@ alter text search configuration public.dc_sucfg alter mapping for asciiword with
 		// H4
 		{"check_proving_not_null", "alter table dc_plain add constraint dc_k5 check (v is not null or ts_lexize('public.dc_dict'::regdictionary, 'hello') is not null)"},
 	}
+	// Round 26 (attacker BD): a configuration named by a computed OID
+	// (no dependency is recorded), and pg_catalog's immutable
+	// pg_partition_root of the owner's index.
+	var cfgOID int
+	if err := c.admin.QueryRow(ctxT(t), "select 'public.dc_cfg'::regconfig::oid::int").Scan(&cfgOID); err != nil {
+		t.Fatal(err)
+	}
+	c.as(t, o, `create table dc_op (a int) partition by list (a);
+create table dc_op1 partition of dc_op for values in (1);
+create index dc_opi on dc_op (a)`)
+	computed := fmt.Sprintf("case when to_tsvector((%d + 0)::regconfig, 'hello') @@ 'hello'::tsquery then 1000 else 0 end", cfgOID)
+	refused = append(refused, []struct{ name, sql string }{
+		{"check_computed_config_oid", "alter table dc_tch add constraint dc_k6 check (v < (" + computed + "))"},
+		{"partial_index_computed_config_oid", "create index dc_i7 on dc_plain (v) where v < (" + computed + ")"},
+		{"check_partition_root_of_owner_index", "alter table dc_tch add constraint dc_k7 check (v < (case when pg_partition_root('public.dc_op1_a_idx'::regclass) is not null then 1000 else 0 end))"},
+		{"check_regclass_from_text", "alter table dc_tch add constraint dc_k8 check (v < (case when pg_partition_root(('public.dc_op1_a_' || 'idx')::regclass) is not null then 1000 else 0 end))"},
+		{"sub_partition_key_owner_function", "create table dc_pt_sub partition of dc_pt for values from (1000) to (2000) partition by list (public.dc_kf(v))"},
+	}...)
+	c.as(t, o, "create function public.dc_kf(int) returns int language sql immutable as 'select $1'")
 	for _, tc := range refused {
 		for _, route := range castRoutes {
 			t.Run(tc.name+"_"+route, func(t *testing.T) {
@@ -103,12 +123,70 @@ reindex index dc_ok1;
 alter index dc_ok1 rename to dc_ok1b;
 create table dc_pt_mid partition of dc_pt for values from (100) to (1000)`)
 	})
-	// An administrator may; and fence.protect refuses the owner a table
-	// that has one.
-	t.Run("protect_refuses_owner_a_table_with_one", func(t *testing.T) {
+	// fence.protect refuses a table that has one, whoever protects it.
+	t.Run("protect_refuses_a_table_with_one", func(t *testing.T) {
 		c.as(t, o, "create table dc_new (job_key text not null, v int); create index dc_new_i on dc_new (v) where v > public.dc_lim()")
 		c.refusedAs(t, o, "select fence.protect('dc_new', 'job_key')", "55000")
-		c.as(t, c.dba, "select fence.protect('dc_new', 'job_key')")
+		c.refusedAs(t, c.dba, "select fence.protect('dc_new', 'job_key')", "55000")
+		c.as(t, o, "drop table dc_new")
+	})
+	// An administrator may add one; then what it depends on cannot be
+	// changed by the owner (its DDL is refused until it is gone).
+	t.Run("administrator_declaration_pins_what_it_depends_on", func(t *testing.T) {
 		c.as(t, c.dba, "create index dc_i2 on dc_plain (v) where v > public.dc_lim()")
+		c.refusedAs(t, o, "create or replace function public.dc_lim() returns int language sql immutable as 'select -1000'", castLocked)
+		c.refusedAs(t, o, "alter text search dictionary public.dc_dict (accept = false)", castLocked)
+		c.as(t, o, "drop index dc_i2") // the owner may drop it
+		c.as(t, o, "create or replace function public.dc_lim() returns int language sql immutable as 'select 1'")
+	})
+	// Round 26, BD-H3: CREATE INDEX CONCURRENTLY commits its index
+	// before the guard refuses it; REINDEX (no event trigger on
+	// PostgreSQL 15) makes it valid. What it depends on still cannot be
+	// changed.
+	t.Run("concurrent_index_left_behind", func(t *testing.T) {
+		conn := c.connect(t, "direct", o, nil)
+		err := castExec(ctxT(t), conn, "create index concurrently dc_cic on dc_plain (v) where v > public.dc_lim()", "")
+		if got := pgtest.SQLState(err); got != castLocked {
+			t.Fatalf("create index concurrently: %v (SQLSTATE %q), want %s", err, got, castLocked)
+		}
+		if n := c.count(t, "select count(*) from pg_index where indexrelid = 'dc_cic'::regclass"); n != 1 {
+			t.Skip("no index left behind: nothing more to try") // PostgreSQL dropped it
+		}
+		c.as(t, o, "reindex index dc_cic")
+		c.refusedAs(t, o, "create or replace function public.dc_lim() returns int language sql immutable as 'select -1000'", castLocked)
+		c.refusedAs(t, o, "alter table dc_op detach partition dc_op1", castLocked)
+		c.as(t, o, "drop index dc_cic")
+	})
+	// Round 26, BD-H4: a CHECK added in a transaction open across the
+	// DBA's fence.protect is judged once protect holds the lock.
+	t.Run("check_in_flight_across_protect", func(t *testing.T) {
+		c.as(t, o, "create table dc_rp (job_key text not null, v int); create table dc_rc () inherits (dc_rp)")
+		a := c.connect(t, "direct", o, nil)
+		if err := castExec(ctxT(t), a, "begin; alter table dc_rc add constraint dc_rk check (v < public.dc_lim())", ""); err != nil {
+			t.Fatal(err)
+		}
+		dba := c.connect(t, "direct", c.su, nil)
+		done := make(chan error, 1)
+		go func() { done <- castExec(ctxT(t), dba, "select fence.protect('dc_rp', 'job_key')", "") }()
+		for start := time.Now(); ; {
+			if c.count(t, "select count(*) from pg_stat_activity where pid = $1 and wait_event_type = 'Lock'", int(dba.PID())) == 1 {
+				break
+			}
+			select {
+			case err := <-done:
+				t.Fatalf("protect did not wait for the open transaction: %v", err)
+			default:
+			}
+			if time.Since(start) > 10*time.Second {
+				t.Fatal("protect never waited for the lock")
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
+		if err := castExec(ctxT(t), a, "commit", ""); err != nil {
+			t.Fatal(err)
+		}
+		if err := <-done; pgtest.SQLState(err) != "55000" {
+			t.Fatalf("protect across the owner's CHECK: %v (SQLSTATE %q), want 55000", err, pgtest.SQLState(err))
+		}
 	})
 }
