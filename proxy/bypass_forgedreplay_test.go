@@ -63,8 +63,8 @@ alter table app.ledger alter column v set default public.fr_default()`, raise, r
 					t.Fatal(err)
 				}
 				_, err := conn.Exec(ctxT(t), q).ReadAll()
-				if got := pgtest.SQLState(err); got != fence.CodeReplay {
-					t.Fatalf("query %d: %v (SQLSTATE %q), want the FN00R error PostgreSQL sent", i, err, got)
+				if got := pgtest.SQLState(err); got != forgedCode(route) {
+					t.Fatalf("query %d: %v (SQLSTATE %q), want %s", i, err, got, forgedCode(route))
 				}
 				if step := showStep(t, conn); step != fmt.Sprintf("forged-commit-%d", i+1) {
 					t.Fatalf("query %d: fence.step %q after an error, want the client's", i, step)
@@ -80,8 +80,8 @@ alter table app.ledger alter column v set default public.fr_default()`, raise, r
 				t.Fatal(err)
 			}
 			_, err := conn.Exec(ctxT(t), "insert into app.ledger (k, job_key) values (9003, 'job')").ReadAll()
-			if got := pgtest.SQLState(err); got != fence.CodeReplay {
-				t.Fatalf("insert: %v (SQLSTATE %q), want FN00R", err, got)
+			if got := pgtest.SQLState(err); got != forgedCode(route) {
+				t.Fatalf("insert: %v (SQLSTATE %q), want %s", err, got, forgedCode(route))
 			}
 			res, err := conn.Exec(ctxT(t), "commit").ReadAll()
 			if err != nil {
@@ -90,6 +90,80 @@ alter table app.ledger alter column v set default public.fr_default()`, raise, r
 			if tag := res[0].CommandTag.String(); tag != "ROLLBACK" {
 				t.Fatalf("the COMMIT of a failed transaction answered %q, want ROLLBACK", tag)
 			}
+		})
+	}
+	for _, route := range castRoutes {
+		// Round 26, BE-1: at a COMMIT AND CHAIN, the forged FN00R got
+		// the proxy's own answer to a replay, step and all.
+		t.Run("commit_and_chain_"+route, func(t *testing.T) {
+			conn := c.connect(t, route, c.worker, &c.current)
+			for _, q := range []string{"set fence.step = 'forged-commit-chain'", "begin; insert into app.ledger (k, job_key) values (9004, 'job')"} {
+				if _, err := conn.Exec(ctxT(t), q).ReadAll(); err != nil {
+					t.Fatal(err)
+				}
+			}
+			_, err := conn.Exec(ctxT(t), "commit and chain").ReadAll()
+			if got := pgtest.SQLState(err); got != forgedCode(route) {
+				t.Fatalf("commit and chain: %v (SQLSTATE %q), want %s", err, got, forgedCode(route))
+			}
+			conn.Exec(ctxT(t), "rollback").ReadAll()
+			if step := showStep(t, conn); step != "forged-commit-chain" {
+				t.Fatalf("fence.step %q after a forged FN00R, want the client's", step)
+			}
+		})
+		// Round 26, BE-2: an FN00R in a savepoint rolled back to wedged
+		// the session (the settings sent again and again before the next
+		// request, which never ran) and held the job's fence row.
+		t.Run("savepoint_rolled_back_"+route, func(t *testing.T) {
+			conn := c.connect(t, route, c.worker, &c.current)
+			k := 9010 + len(route)*10
+			for _, q := range []string{
+				"set fence.step = 'sp-" + route + "'",
+				"begin",
+				fmt.Sprintf("insert into app.ledger (k, job_key, v) values (%d, 'job', 'x')", k),
+				"savepoint s",
+			} {
+				if _, err := conn.Exec(ctxT(t), q).ReadAll(); err != nil {
+					t.Fatalf("%s: %v", q, err)
+				}
+			}
+			_, err := conn.Exec(ctxT(t), "do $$ begin raise exception 'boom' using errcode = 'FN00R'; end $$").ReadAll()
+			if got := pgtest.SQLState(err); got != forgedCode(route) {
+				t.Fatalf("do: %v (SQLSTATE %q), want %s", err, got, forgedCode(route))
+			}
+			for _, q := range []string{
+				"rollback to s",
+				fmt.Sprintf("insert into app.ledger (k, job_key, v) values (%d, 'job', 'x')", k+1),
+				"commit",
+			} {
+				if _, err := conn.Exec(ctxT(t), q).ReadAll(); err != nil {
+					t.Fatalf("%s: %v", q, err)
+				}
+			}
+			if n := c.count(t, "select count(*) from app.ledger where k in ($1, $2)", k, k+1); n != 2 {
+				t.Fatalf("%d rows committed, want 2", n)
+			}
+		})
+		// An FN00R before the gate ran (the proxy cannot tell whose it
+		// is: it takes it for a replay's, and the step is no longer
+		// known): the request after ROLLBACK AND CHAIN is answered, not
+		// held.
+		t.Run("before_the_gate_then_rollback_and_chain_"+route, func(t *testing.T) {
+			conn := c.connect(t, route, c.worker, &c.current)
+			for _, q := range []string{"set fence.step = 'chain-" + route + "'", "begin"} {
+				if _, err := conn.Exec(ctxT(t), q).ReadAll(); err != nil {
+					t.Fatal(err)
+				}
+			}
+			conn.Exec(ctxT(t), "do $$ begin raise exception 'boom' using errcode = 'FN00R'; end $$").ReadAll()
+			if _, err := conn.Exec(ctxT(t), "rollback and chain").ReadAll(); err != nil {
+				t.Fatal(err)
+			}
+			_, err := conn.Exec(ctxT(t), fmt.Sprintf("insert into app.ledger (k, job_key, v) values (%d, 'job', 'x')", 9050+len(route))).ReadAll()
+			if got := pgtest.SQLState(err); route == "proxy" && got != fence.CodeFencingRequired || route == "direct" && err != nil {
+				t.Fatalf("insert after rollback and chain: %v (SQLSTATE %q)", err, got)
+			}
+			conn.Exec(ctxT(t), "rollback").ReadAll()
 		})
 	}
 	// The control: the same worker's write under a step the owner's code
@@ -107,4 +181,15 @@ func showStep(t *testing.T, conn *pgconn.PgConn) string {
 		t.Fatalf("fence.step: %v", res.Err)
 	}
 	return string(res.Rows[0][0])
+}
+
+// forgedCode is the SQLSTATE a client gets for an FN00R raised by code
+// other than pgfence's in a transaction that replays nothing: as
+// PostgreSQL sent it, direct; P0001, said not to be a replay, through the
+// proxy.
+func forgedCode(route string) string {
+	if route == "proxy" {
+		return "P0001"
+	}
+	return fence.CodeReplay
 }

@@ -17,6 +17,7 @@ func (h *fenceSession) ClientMessage(s *Session, msg []byte) (Verdict, error) {
 	v, err := h.clientMessage(s, msg)
 	if err != ErrWait {
 		h.resynced = false // done with this message (or parked in it)
+		h.restoreSent = false
 	}
 	return v, err
 }

@@ -168,6 +168,13 @@ func (h *fenceSession) restoreReplayed(s gateConn) error {
 		}
 		return h.barrier(s) // ErrWait on the loop: handled again once it ended
 	}
+	if tx != session.Idle && h.restoreSent {
+		// Set once before this request already: in a transaction the
+		// settings stay pending for the next request, not sent again
+		// while this one waits (round 26, BE-2: a loop that never let
+		// the request through).
+		return nil
+	}
 	h.mu.Lock()
 	settings := h.replaySettings
 	if tx == session.Idle {
@@ -223,6 +230,7 @@ func (h *fenceSession) restoreReplayed(s gateConn) error {
 	if err := h.send(s, h.qmsg(b.String()), &tag{kind: 'Q', segs: segs, hideReady: true}, false); err != nil {
 		return err
 	}
+	h.restoreSent = tx != session.Idle
 	h.markState()
 	return nil
 }

@@ -316,6 +316,11 @@ func (h *fenceSession) onError(s gateConn, msg []byte, t *tag) (Verdict, error) 
 		// proxy saw it (fence_replay.go).
 		committed, _ = h.st.CommitDiff()
 	}
+	// A transaction the gate let through ('ok', not a replay) replays
+	// nothing: an FN00R a statement of it meets is anyone's code (read
+	// before Fail, which forgets the transaction's gate).
+	g := h.st.Gate()
+	gatedOK := g.Gated && !g.Replay
 	h.st.Fail()
 	if st == stepPrepare {
 		s.Logger().Warn("cannot prepare the gate's statements", zap.ByteString("error", msg))
@@ -331,6 +336,19 @@ func (h *fenceSession) onError(s gateConn, msg []byte, t *tag) (Verdict, error) 
 		}
 		s.WriteClient(msg)
 		return Drop, nil
+	}
+	forged := false
+	if e.Code == fence.CodeReplay && st == stepClient && (t.afterReceipt || gatedOK) {
+		// Not pgfence's: fence.commit raises its replay before its row,
+		// and the database's replay guard fires only in a transaction
+		// whose gate found a receipt. Said as what it is, so that no
+		// client takes it for a replay (round 26, BE-1: the owner's
+		// deferred trigger, at a COMMIT AND CHAIN, forged the proxy's
+		// own answer to one), and not followed as one (BE-2).
+		forged = true
+		e.Code = "P0001"
+		e.Message = "pgfence: not a replay: code other than pgfence's raised SQLSTATE FN00R in a transaction that replays nothing: " + e.Message
+		h.logRefusal(s, &e, sg.stmt, "forged replay")
 	}
 	if e.Code == fence.CodeReplay && !t.afterReceipt {
 		// A replay, whatever said it — the proxy's receipt step, a replay
@@ -397,7 +415,7 @@ func (h *fenceSession) onError(s gateConn, msg []byte, t *tag) (Verdict, error) 
 	}
 	switch st {
 	case stepClient:
-		if !setup && (len(t.inserts) == 0 || e.Position == 0) {
+		if !setup && !forged && (len(t.inserts) == 0 || e.Position == 0) {
 			return Forward, nil
 		}
 		e.Position = t.inserts.ClientPosition(e.Position)

@@ -163,6 +163,9 @@ type fenceSession struct {
 	// resynced: the message being handled again on the loop has had its
 	// resync (fence_text.go); cleared when it is done.
 	resynced bool
+	// restoreSent (client side): restoreReplayed has set the settings in
+	// a transaction before the message being handled (not again for it).
+	restoreSent bool
 
 	// Server goroutine only.
 	errShown bool // an error went to the client since its last ReadyForQuery
