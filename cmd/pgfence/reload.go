@@ -10,6 +10,7 @@ import (
 	"os"
 	"os/signal"
 	"strconv"
+	"sync"
 	"syscall"
 	"time"
 
@@ -143,7 +144,12 @@ func (c serveConfig) startOps(srv *proxy.Server, log *zap.Logger) (func(), error
 			stop()
 			return nil, fmt.Errorf("metrics listen: %w", err)
 		}
-		hs := &http.Server{Handler: srv.MetricsHandler(), ReadHeaderTimeout: 10 * time.Second}
+		// Bounded like the proxy's own listener: a client with no
+		// credentials that opens connections and goes quiet must not take
+		// the descriptors the sessions need (round 25, BC-M1).
+		ln = limitListener(ln, metricsMaxConns)
+		hs := &http.Server{Handler: srv.MetricsHandler(), ReadHeaderTimeout: 10 * time.Second,
+			ReadTimeout: 10 * time.Second, WriteTimeout: 30 * time.Second, IdleTimeout: 30 * time.Second}
 		served := make(chan struct{})
 		go func() {
 			defer close(served)
@@ -160,4 +166,41 @@ func (c serveConfig) startOps(srv *proxy.Server, log *zap.Logger) (func(), error
 		})
 	}
 	return stop, nil
+}
+
+// metricsMaxConns bounds the metrics endpoint's open connections: a
+// scraper needs one or two; beyond the bound, connections wait in the
+// listen backlog until one closes.
+const metricsMaxConns = 32
+
+// limitListener returns ln accepting at most n connections open at once.
+func limitListener(ln net.Listener, n int) net.Listener {
+	return &limitedListener{Listener: ln, sem: make(chan struct{}, n)}
+}
+
+type limitedListener struct {
+	net.Listener
+	sem chan struct{}
+}
+
+func (l *limitedListener) Accept() (net.Conn, error) {
+	l.sem <- struct{}{}
+	c, err := l.Listener.Accept()
+	if err != nil {
+		<-l.sem
+		return nil, err
+	}
+	return &limitedConn{Conn: c, release: func() { <-l.sem }}, nil
+}
+
+type limitedConn struct {
+	net.Conn
+	once    sync.Once
+	release func()
+}
+
+func (c *limitedConn) Close() error {
+	err := c.Conn.Close()
+	c.once.Do(c.release)
+	return err
 }
