@@ -14,6 +14,7 @@ import (
 	"strings"
 	"text/tabwriter"
 	"time"
+	"unicode"
 
 	"github.com/spf13/cobra"
 )
@@ -88,7 +89,14 @@ func keyValues(fields ...field) output {
 			default:
 				s = fmt.Sprint(v)
 			}
-			if !shellSafe.MatchString(s) {
+			switch {
+			case shellSafe.MatchString(s):
+			case strings.IndexFunc(s, unicode.IsControl) >= 0:
+				// Written as escapes, so that a worker's holder name
+				// cannot forge lines or drive the reader's terminal
+				// (round 25, BC-L4): bash's $'...' reads them back.
+				s = ansiQuote(s)
+			default:
 				s = "'" + strings.ReplaceAll(s, "'", `'\''`) + "'"
 			}
 			fmt.Fprintf(&b, "%s=%s\n", f.key, s)
@@ -112,7 +120,11 @@ func listing[T any](rows []T, none string, header []string, cells func(T) []stri
 		}
 		lines := [][]string{header}
 		for _, r := range rows {
-			lines = append(lines, cells(r))
+			cs := cells(r)
+			for i, c := range cs {
+				cs[i] = printable(c)
+			}
+			lines = append(lines, cs)
 		}
 		return writeTable(w, lines)
 	}}
@@ -157,4 +169,41 @@ func msOrDash(ms *int64) string {
 		return "-"
 	}
 	return (time.Duration(*ms) * time.Millisecond).Round(time.Second).String()
+}
+
+// printable is s with each control character replaced by '?', as
+// PostgreSQL shows an application_name: a value a worker chose (a lease's
+// holder) cannot forge rows of a table or drive the terminal.
+func printable(s string) string {
+	if strings.IndexFunc(s, unicode.IsControl) < 0 {
+		return s
+	}
+	return strings.Map(func(r rune) rune {
+		if unicode.IsControl(r) {
+			return '?'
+		}
+		return r
+	}, s)
+}
+
+// ansiQuote quotes s for bash as $'...', control characters, quotes and
+// backslashes escaped.
+func ansiQuote(s string) string {
+	var b strings.Builder
+	b.WriteString("$'")
+	for _, r := range s {
+		switch {
+		case r == '\\' || r == '\'':
+			b.WriteByte('\\')
+			b.WriteRune(r)
+		case unicode.IsControl(r) && r < 0x80:
+			fmt.Fprintf(&b, "\\x%02x", r)
+		case unicode.IsControl(r):
+			fmt.Fprintf(&b, "\\u%04x", r)
+		default:
+			b.WriteRune(r)
+		}
+	}
+	b.WriteByte('\'')
+	return b.String()
 }

@@ -3,6 +3,8 @@ package main
 import (
 	"bytes"
 	"io"
+	"os/exec"
+	"strings"
 	"testing"
 	"time"
 )
@@ -59,3 +61,27 @@ func TestOutput(t *testing.T) {
 type failingWriter struct{}
 
 func (failingWriter) Write([]byte) (int, error) { return 0, io.ErrClosedPipe }
+
+// A value a worker chose (a lease's holder) cannot forge lines of a table
+// or of key=value output, nor reach the terminal as control characters;
+// key=value output still reads back exactly under bash's eval (round 25,
+// BC-L4).
+func TestOutputControlCharacters(t *testing.T) {
+	evil := "w1\nnightly-report  free\x1b]0;owned\x07'\\"
+	type row struct{ Holder string }
+	table := printed(t, listing([]row{{evil}}, "none", []string{"holder"}, func(r row) []string { return []string{r.Holder} }), false)
+	if lines := strings.Count(table, "\n"); lines != 2 || strings.ContainsAny(table, "\x1b\x07") {
+		t.Fatalf("table with a control-character holder:\n%q", table)
+	}
+	kv := printed(t, keyValues(field{"holder", evil}), false)
+	if strings.Count(kv, "\n") != 1 || strings.ContainsAny(kv, "\x1b\x07") {
+		t.Fatalf("key=value with a control-character holder: %q", kv)
+	}
+	out, err := exec.Command("bash", "-c", `eval "$1"; printf %s "$holder"`, "-", kv).Output()
+	if err != nil {
+		t.Fatalf("bash eval of %q: %v", kv, err)
+	}
+	if string(out) != evil {
+		t.Fatalf("bash read back %q, want %q", out, evil)
+	}
+}
