@@ -5,18 +5,24 @@
 // user (max_user_connections). A client over a limit waits its turn: in
 // the order clients of its pool came, for at most query_wait_timeout.
 //
-// It hands out slots, not connections: what a slot stands for (today a
-// client's own backend, for the client's whole session) is the caller's.
-// Its seam with the proxy is three calls: Acquire before a server
-// connection is opened, Slot.Release when it is closed, Stats for the
-// console and the metrics. The limits are read at every decision, so a
-// reload applies to the next one.
+// It hands out slots, and keeps the server connections parked between
+// clients: what a connection is, and whether it may serve another client,
+// is the caller's. Its seam with the proxy is a few calls: Acquire before
+// a server connection is opened (it hands back a parked one of the same
+// signature when there is one: Slot.Conn), Slot.Release when the
+// connection is closed, Slot.Park when it is left, reset, for the next
+// client (server_idle_timeout and server_lifetime bound how long it
+// stays: Expire), Stats and Totals for the console and the metrics. A
+// parked connection counts against every limit, as an open one does, and
+// is closed when a client of another signature needs its place. The
+// limits are read at every decision, so a reload applies to the next one.
 package pool
 
 import (
 	"context"
 	"errors"
 	"fmt"
+	"math/rand/v2"
 	"sort"
 	"sync"
 	"time"
@@ -43,7 +49,16 @@ type Limits struct {
 	MaxUser int
 	// WaitTimeout bounds a client's wait (query_wait_timeout).
 	WaitTimeout time.Duration
+	// IdleTimeout closes a connection parked longer (server_idle_timeout);
+	// Lifetime one opened longer ago, less up to a tenth at random so that
+	// connections opened together are not closed together
+	// (server_lifetime). Zero: no bound.
+	IdleTimeout time.Duration
+	Lifetime    time.Duration
 }
+
+// Conn is a server connection the pools keep parked between clients.
+type Conn interface{ Close() error }
 
 // ErrWaitTimeout is the cause of a wait that lasted WaitTimeout.
 var ErrWaitTimeout = errors.New("query_wait_timeout")
@@ -88,21 +103,47 @@ type Totals struct {
 	Waited   uint64
 	WaitTime time.Duration
 	Timeouts uint64
+	// Reused counts the clients given a parked connection; Parked the
+	// connections parked; Closed the parked connections closed: Evicted
+	// for a client of another signature, Expired by IdleTimeout or
+	// Lifetime (Expire, Park), the rest by CloseIdle.
+	Reused, Parked, Closed, Evicted, Expired uint64
 }
 
 // state is one pool's.
 type state struct {
-	held    int // slots held, reserve ones included
+	held    int // slots held, reserve ones included, parked ones too
 	reserve int // of which reserve slots
 	waiting int
+	idle    []*parked // parked connections, the longest parked first
+}
+
+// parked is a connection parked in a pool, with the slot it holds.
+type parked struct {
+	conn   Conn
+	sig    string
+	born   time.Time // when the connection was opened
+	since  time.Time // when it was parked
+	jitter float64   // of Lifetime taken off, [0, 0.1)
+	slot   *Slot
+	// evicted: closed for a client of another signature (by that
+	// client, before its Acquire returns).
+	evicted bool
 }
 
 type waiter struct {
 	key   Key
+	sig   string
 	since time.Time
 	ready chan struct{} // closed when granted
-	// granted, reserve: set under Pools.mu when the slot is given.
+	// granted, reserve, conn, evicted: set under Pools.mu when the
+	// slot is given; conn is a parked connection handed with it,
+	// evicted the parked connections closed to make room for it, which
+	// Acquire closes before it returns: the connection the client opens
+	// next is never one over a limit.
 	granted, reserve bool
+	conn             *parked
+	evicted          []Conn
 }
 
 // New returns pools whose bounds limits gives for each key.
@@ -111,52 +152,188 @@ func New(limits func(Key) Limits) *Pools {
 }
 
 // Slot is a client's right to one server connection of its pool, until
-// Release.
+// Release (the connection is closed) or Park (it is left for the next
+// client).
 type Slot struct {
 	p       *Pools
 	key     Key
 	reserve bool
-	once    sync.Once
+	mu      sync.Mutex // Release and Park: the first one counts
+	done    bool
 	// Waited is how long the client waited for it.
 	Waited time.Duration
+	// Conn is the parked connection handed with the slot (nil: the
+	// caller opens one), opened at Born.
+	Conn Conn
+	Born time.Time
 }
 
 // Reserve reports whether the slot is one of the pool's reserve.
 func (s *Slot) Reserve() bool { return s.reserve }
 
-// Release gives the slot back; the first client waiting for one that now
-// fits gets it. Releasing twice is harmless.
+// finish marks s released or parked; false if it already was.
+func (s *Slot) finish() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.done {
+		return false
+	}
+	s.done = true
+	return true
+}
+
+// Release gives the slot back (its connection is closed, or was never
+// opened); the first client waiting for one that now fits gets it.
+// Releasing twice, or after Park, is harmless.
 func (s *Slot) Release() {
-	s.once.Do(func() {
-		p := s.p
-		p.mu.Lock()
-		defer p.mu.Unlock()
-		st := p.pools[s.key]
-		st.held--
-		if s.reserve {
-			st.reserve--
-		}
-		p.byDB[s.key.Database]--
-		p.byUser[s.key.User]--
+	if !s.finish() {
+		return
+	}
+	p := s.p
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.dropLocked(s.key, s.reserve)
+	p.grantLocked()
+	p.forgetLocked(s.key)
+}
+
+// dropLocked takes a slot of key off the counts.
+func (p *Pools) dropLocked(key Key, reserve bool) {
+	st := p.pools[key]
+	st.held--
+	if reserve {
+		st.reserve--
+	}
+	p.byDB[key.Database]--
+	p.byUser[key.User]--
+}
+
+// Park leaves conn, reset by the caller and opened at born, to the next
+// client of the pool whose Acquire names sig. The slot stays held by it.
+// A connection past Lifetime is closed at once (the slot is released),
+// one whose place a client of another signature waits for is closed by
+// that client. Park after Release, or twice, closes conn. It reports
+// whether conn was parked (or handed to a waiting client).
+func (s *Slot) Park(conn Conn, sig string, born time.Time) bool {
+	if !s.finish() {
+		conn.Close()
+		return false
+	}
+	p := s.p
+	p.mu.Lock()
+	now := p.now()
+	pk := &parked{conn: conn, sig: sig, born: born, since: now, jitter: rand.Float64() / 10, slot: &Slot{p: p, key: s.key, reserve: s.reserve}}
+	if pk.expired(p.limits(s.key), now) {
+		p.dropLocked(s.key, s.reserve)
+		p.totals.Expired++
+		p.totals.Closed++
 		p.grantLocked()
 		p.forgetLocked(s.key)
-	})
+		p.mu.Unlock()
+		conn.Close()
+		return false
+	}
+	st := p.pools[s.key]
+	st.idle = append(st.idle, pk)
+	p.totals.Parked++
+	p.grantLocked()
+	parkedOK := !pk.evicted
+	p.mu.Unlock()
+	return parkedOK
+}
+
+// expired reports whether pk is past lim's IdleTimeout or Lifetime at now.
+func (pk *parked) expired(lim Limits, now time.Time) bool {
+	if lim.Lifetime > 0 && now.Sub(pk.born) >= time.Duration(float64(lim.Lifetime)*(1-pk.jitter)) {
+		return true
+	}
+	return lim.IdleTimeout > 0 && now.Sub(pk.since) >= lim.IdleTimeout
+}
+
+func closeAll(cs []Conn) {
+	for _, c := range cs {
+		c.Close()
+	}
+}
+
+// Expire closes the parked connections past IdleTimeout or Lifetime; the
+// caller runs it now and then (every second is enough).
+func (p *Pools) Expire() {
+	p.mu.Lock()
+	now := p.now()
+	var closed []Conn
+	for key, st := range p.pools {
+		lim := p.limits(key)
+		kept := st.idle[:0]
+		for _, pk := range st.idle {
+			if !pk.expired(lim, now) {
+				kept = append(kept, pk)
+				continue
+			}
+			closed = append(closed, pk.conn)
+			p.dropLocked(key, pk.slot.reserve)
+			p.totals.Expired++
+			p.totals.Closed++
+		}
+		clear(st.idle[len(kept):])
+		st.idle = kept
+	}
+	if len(closed) > 0 {
+		p.grantLocked()
+		for key := range p.pools {
+			p.forgetLocked(key)
+		}
+	}
+	p.mu.Unlock()
+	closeAll(closed)
+}
+
+// Regrant gives slots to the waiting clients the limits now allow (the
+// caller changed what its limits function returns: a reload).
+func (p *Pools) Regrant() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.grantLocked()
+}
+
+// CloseIdle closes every parked connection (a shutdown, or the primary
+// changed under them).
+func (p *Pools) CloseIdle() {
+	p.mu.Lock()
+	var closed []Conn
+	for key, st := range p.pools {
+		for _, pk := range st.idle {
+			closed = append(closed, pk.conn)
+			p.dropLocked(key, pk.slot.reserve)
+			p.totals.Closed++
+		}
+		st.idle = nil
+	}
+	p.grantLocked()
+	for key := range p.pools {
+		p.forgetLocked(key)
+	}
+	p.mu.Unlock()
+	closeAll(closed)
 }
 
 // Acquire returns a slot of key's pool: at once when the limits allow,
 // else after waiting behind the clients of the pool that came before.
-// It gives up when ctx ends or Limits.WaitTimeout passes (*WaitError).
-func (p *Pools) Acquire(ctx context.Context, key Key) (*Slot, error) {
+// A connection parked in the pool with signature sig comes with it
+// (Slot.Conn; the one parked last, whose caches are the warmest); an
+// empty sig takes none. It gives up when ctx ends or Limits.WaitTimeout
+// passes (*WaitError).
+func (p *Pools) Acquire(ctx context.Context, key Key, sig string) (*Slot, error) {
 	p.mu.Lock()
 	st := p.stateLocked(key)
 	start := p.now()
-	w := &waiter{key: key, since: start, ready: make(chan struct{})}
+	w := &waiter{key: key, sig: sig, since: start, ready: make(chan struct{})}
 	p.waiters = append(p.waiters, w)
 	st.waiting++
 	p.grantLocked()
 	if w.granted {
 		p.mu.Unlock()
-		return &Slot{p: p, key: key, reserve: w.reserve}, nil
+		return w.slot(p, 0), nil
 	}
 	lim := p.limits(key)
 	p.totals.Waited++
@@ -177,7 +354,7 @@ func (p *Pools) Acquire(ctx context.Context, key Key) (*Slot, error) {
 		var cause error
 		select {
 		case <-w.ready:
-			return &Slot{p: p, key: key, reserve: w.reserve, Waited: p.now().Sub(start)}, nil
+			return w.slot(p, p.now().Sub(start)), nil
 		case <-reserve:
 			// Now the reserve is open to it: look again.
 			reserve = nil
@@ -193,17 +370,33 @@ func (p *Pools) Acquire(ctx context.Context, key Key) (*Slot, error) {
 		p.mu.Lock()
 		if w.granted { // given in the meantime: keep it
 			p.mu.Unlock()
-			return &Slot{p: p, key: key, reserve: w.reserve, Waited: p.now().Sub(start)}, nil
+			return w.slot(p, p.now().Sub(start)), nil
 		}
 		p.dropWaiterLocked(w)
 		if cause == ErrWaitTimeout {
 			p.totals.Timeouts++
 		}
 		full := p.fullLocked(key, p.limits(key), false)
+		if full == "" {
+			full = "a limit since raised" // given up before a decision looked again
+		}
 		p.forgetLocked(key)
 		p.mu.Unlock()
 		return nil, &WaitError{Key: key, Waited: p.now().Sub(start), Limits: lim, Full: full, Err: cause}
 	}
+}
+
+// slot is the slot granted to w, which waited waited, once the
+// connections evicted for it are closed.
+func (w *waiter) slot(p *Pools, waited time.Duration) *Slot {
+	closeAll(w.evicted)
+	w.evicted = nil
+	if w.conn != nil {
+		s := w.conn.slot
+		s.Waited, s.Conn, s.Born = waited, w.conn.conn, w.conn.born
+		return s
+	}
+	return &Slot{p: p, key: w.key, reserve: w.reserve, Waited: waited}
 }
 
 func (p *Pools) stateLocked(key Key) *state {
@@ -217,7 +410,7 @@ func (p *Pools) stateLocked(key Key) *state {
 
 // forgetLocked drops an empty pool's state once nothing refers to it,
 // keeping its counters only while it is in use: the console shows the
-// pools with clients.
+// pools with clients or parked connections.
 func (p *Pools) forgetLocked(key Key) {
 	if st := p.pools[key]; st != nil && st.held == 0 && st.waiting == 0 {
 		delete(p.pools, key)
@@ -251,7 +444,10 @@ func (p *Pools) fullLocked(key Key, lim Limits, reserve bool) string {
 
 // grantLocked gives slots to the waiting clients that now fit, in the
 // order they came; a client whose pool has an earlier client still
-// waiting waits behind it.
+// waiting waits behind it. A client whose pool has a connection parked
+// with its signature gets it; one kept out by a limit that parked
+// connections count against gets the place of the longest parked of
+// them, which it closes (waiter.evicted).
 func (p *Pools) grantLocked() {
 	if len(p.waiters) == 0 {
 		return
@@ -264,9 +460,30 @@ func (p *Pools) grantLocked() {
 			kept = append(kept, w)
 			continue
 		}
+		if pk := p.takeParkedLocked(w.key, w.sig); pk != nil {
+			p.giveParkedLocked(w, pk, now)
+			continue
+		}
 		lim := p.limits(w.key)
 		mayReserve := lim.ReserveSize > 0 && now.Sub(w.since) >= lim.ReserveTimeout
-		if p.fullLocked(w.key, lim, false) == "" {
+		full := p.fullLocked(w.key, lim, false)
+		for full != "" {
+			if mayReserve && p.fullLocked(w.key, lim, true) == "" {
+				break
+			}
+			pk := p.evictableLocked(w.key, full)
+			if pk == nil {
+				break
+			}
+			pk.evicted = true
+			w.evicted = append(w.evicted, pk.conn)
+			p.dropLocked(pk.slot.key, pk.slot.reserve)
+			p.forgetLocked(pk.slot.key)
+			p.totals.Evicted++
+			p.totals.Closed++
+			full = p.fullLocked(w.key, lim, false)
+		}
+		if full == "" {
 			p.giveLocked(w, false, now)
 			continue
 		}
@@ -279,6 +496,45 @@ func (p *Pools) grantLocked() {
 	}
 	clear(p.waiters[len(kept):])
 	p.waiters = kept
+}
+
+// takeParkedLocked takes from key's pool the connection parked last with
+// signature sig, nil if none ("" matches none).
+func (p *Pools) takeParkedLocked(key Key, sig string) *parked {
+	st := p.pools[key]
+	if sig == "" || st == nil {
+		return nil
+	}
+	for i := len(st.idle) - 1; i >= 0; i-- {
+		if pk := st.idle[i]; pk.sig == sig {
+			st.idle = append(st.idle[:i], st.idle[i+1:]...)
+			return pk
+		}
+	}
+	return nil
+}
+
+// evictableLocked takes the longest parked connection that counts
+// against the limit full keeps key's client out by, nil if none.
+func (p *Pools) evictableLocked(key Key, full string) *parked {
+	var best *parked
+	var bestKey Key
+	for k, st := range p.pools {
+		switch {
+		case full == "default_pool_size" && k != key,
+			full == "max_db_connections" && k.Database != key.Database,
+			full == "max_user_connections" && k.User != key.User:
+			continue
+		}
+		if len(st.idle) > 0 && (best == nil || st.idle[0].since.Before(best.since)) {
+			best, bestKey = st.idle[0], k
+		}
+	}
+	if best != nil {
+		st := p.pools[bestKey]
+		st.idle = st.idle[1:]
+	}
+	return best
 }
 
 func (p *Pools) giveLocked(w *waiter, reserve bool, now time.Time) {
@@ -297,6 +553,18 @@ func (p *Pools) giveLocked(w *waiter, reserve bool, now time.Time) {
 	close(w.ready)
 }
 
+// giveParkedLocked gives w the parked connection pk, whose slot it takes
+// over (the counts do not change).
+func (p *Pools) giveParkedLocked(w *waiter, pk *parked, now time.Time) {
+	p.pools[w.key].waiting--
+	if d := now.Sub(w.since); d > 0 {
+		p.totals.WaitTime += d
+	}
+	p.totals.Reused++
+	w.granted, w.reserve, w.conn = true, pk.slot.reserve, pk
+	close(w.ready)
+}
+
 func (p *Pools) dropWaiterLocked(w *waiter) {
 	for i, x := range p.waiters {
 		if x == w {
@@ -312,11 +580,12 @@ func (p *Pools) dropWaiterLocked(w *waiter) {
 // Stat is one pool as the console shows it.
 type Stat struct {
 	Key
-	// Held is the slots the pool's clients hold (server connections),
-	// Reserve how many of them are the reserve's; Waiting the clients
-	// waiting for one, the longest since OldestWait (zero: none).
-	Held, Reserve, Waiting int
-	OldestWait             time.Time
+	// Held is the pool's server connections, Idle how many of them are
+	// parked (the rest are its clients'), Reserve how many are the
+	// reserve's; Waiting the clients waiting for one, the longest since
+	// OldestWait (zero: none).
+	Held, Idle, Reserve, Waiting int
+	OldestWait                   time.Time
 }
 
 // Totals returns the counters.
@@ -332,7 +601,7 @@ func (p *Pools) Stats() []Stat {
 	defer p.mu.Unlock()
 	out := make([]Stat, 0, len(p.pools))
 	for k, st := range p.pools {
-		s := Stat{Key: k, Held: st.held, Reserve: st.reserve, Waiting: st.waiting}
+		s := Stat{Key: k, Held: st.held, Idle: len(st.idle), Reserve: st.reserve, Waiting: st.waiting}
 		for _, w := range p.waiters {
 			if w.key == k {
 				s.OldestWait = w.since

@@ -72,6 +72,7 @@ type liveConfig struct {
 	maxClients        int
 	maxConsoleClients int
 	poolLimits        pool.Limits // the same for every pool
+	serverReuse       bool        // pools.go
 	tls               *tls.Config
 	replicas          []string
 	extra             []Setting
@@ -89,10 +90,12 @@ func newLive(c Config) *liveConfig {
 		maxClients:        c.MaxClients,
 		maxConsoleClients: c.MaxConsoleClients,
 		poolLimits: pool.Limits{PoolSize: c.PoolSize, ReserveSize: c.ReservePoolSize, ReserveTimeout: c.ReservePoolTimeout,
-			MaxDB: c.MaxDBConnections, MaxUser: c.MaxUserConnections, WaitTimeout: max(c.QueryWaitTimeout, 0)},
-		tls:      c.TLS,
-		replicas: c.Replicas,
-		extra:    c.ExtraSettings,
+			MaxDB: c.MaxDBConnections, MaxUser: c.MaxUserConnections, WaitTimeout: max(c.QueryWaitTimeout, 0),
+			IdleTimeout: max(c.ServerIdleTimeout, 0), Lifetime: max(c.ServerLifetime, 0)},
+		serverReuse: c.ServerReuse,
+		tls:         c.TLS,
+		replicas:    c.Replicas,
+		extra:       c.ExtraSettings,
 	}
 }
 
@@ -337,6 +340,9 @@ func (s *Server) reload(next Config) (*ReloadReport, error) {
 	applied("max_db_connections", ol.MaxDB != nw.MaxDB)
 	applied("max_user_connections", ol.MaxUser != nw.MaxUser)
 	applied("query_wait_timeout", ol.WaitTimeout != nw.WaitTimeout)
+	applied("server_idle_timeout", ol.IdleTimeout != nw.IdleTimeout)
+	applied("server_lifetime", ol.Lifetime != nw.Lifetime)
+	applied("server_reuse", old.serverReuse != nl.serverReuse)
 	applied("tls", old.tls != nil || nl.tls != nil)
 	if !slices.Equal(old.replicas, nl.replicas) {
 		s.ops.hookMu.Lock()
@@ -364,6 +370,7 @@ func (s *Server) reload(next Config) (*ReloadReport, error) {
 	restart("buffer_size", cur.BufferSize != next.BufferSize)
 	restart("health_interval", cur.HealthInterval != next.HealthInterval)
 	s.ops.live.Store(nl)
+	s.pools.Regrant() // clients waiting are judged by the new limits (round 25, BC-L1)
 	return rep, nil
 }
 

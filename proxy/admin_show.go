@@ -212,7 +212,7 @@ func (s *Server) showClients(con *console) *adminTable {
 		}
 		t.add("C", ss.User, ss.Database, "none", state, addr, port, laddr, lport,
 			in.connectedAt, requestTime(ss), w, wus, 0, ptr(in.id, false), ptr(in.id, true), 0, in.clientTLS,
-			ss.Params["application_name"], 0, int64(in.id),
+			printableName(ss.Params["application_name"]), 0, int64(in.id),
 			job, epoch, token, step, txName(ss.TxStatus()), b2i(gi.gated), b2i(gi.replay), ss.Upstream())
 	}
 	for _, a := range s.admissions() {
@@ -220,14 +220,14 @@ func (s *Server) showClients(con *console) *adminTable {
 		laddr, lport := addrParts(a.self)
 		w, wus := waitTime(a.mono)
 		t.add("C", a.user, a.db, "none", "waiting", addr, port, laddr, lport,
-			a.since, a.since, w, wus, 0, ptr(a.id, false), "", 0, "", a.app, 0, int64(a.id),
+			a.since, a.since, w, wus, 0, ptr(a.id, false), "", 0, "", printableName(a.app), 0, int64(a.id),
 			nil, nil, nil, nil, "idle", 0, 0, "")
 	}
 	for _, c := range s.consolesByID() {
 		addr, port := addrParts(c.addr)
 		laddr, lport := addrParts(c.self)
 		t.add("C", c.user, AdminDatabase, "none", "active", addr, port, laddr, lport,
-			c.since, c.since, 0, 0, 0, ptr(c.id, false), "", 0, c.tls, c.app, 0, int64(c.id),
+			c.since, c.since, 0, 0, 0, ptr(c.id, false), "", 0, c.tls, printableName(c.app), 0, int64(c.id),
 			nil, nil, nil, nil, "idle", 0, 0, "")
 	}
 	return t
@@ -248,7 +248,7 @@ func (s *Server) showServers() *adminTable {
 		laddr, lport := addrParts(in.serverLocal)
 		t.add("S", ss.User, ss.Database, "none", "active", addr, port, laddr, lport,
 			in.connectedAt, requestTime(ss), 0, 0, b2i(in.closeNeeded.Load()), ptr(in.id, true), ptr(in.id, false),
-			int(ss.BackendPID), in.serverTLS, ss.Params["application_name"], 0, int64(in.id),
+			int(ss.BackendPID), in.serverTLS, printableName(ss.Params["application_name"]), 0, int64(in.id),
 			ss.Upstream(), txName(ss.TxStatus()))
 	}
 	return t
@@ -284,6 +284,7 @@ func (s *Server) consolesByID() []*console {
 type poolRow struct {
 	db, user             string
 	active, waiting, srv int
+	idle                 int   // server connections parked (server_reuse)
 	oldestWait           int64 // monoNow of the longest wait, 0: none
 	admin                bool
 }
@@ -324,6 +325,9 @@ func (s *Server) poolRows() []*poolRow {
 			p.waiting += ps.Waiting - 1
 			p.waited(monoAt(ps.OldestWait))
 		}
+		if ps.Idle > 0 {
+			get(ps.Database, ps.User).idle = ps.Idle
+		}
 	}
 	for _, c := range s.consolesByID() {
 		get(AdminDatabase, c.user).active++
@@ -348,7 +352,7 @@ func (s *Server) showPools() *adminTable {
 		if p.admin {
 			mode = "statement"
 		}
-		t.add(p.db, p.user, p.active, p.waiting, 0, 0, p.srv, 0, 0, 0, 0, 0, 0, w, wus, mode, nil)
+		t.add(p.db, p.user, p.active, p.waiting, 0, 0, p.srv, 0, 0, p.idle, 0, 0, 0, w, wus, mode, nil)
 	}
 	return t
 }
@@ -628,6 +632,15 @@ func (s *Server) showConfig(sources bool) *adminTable {
 		{"buffer_size", strconv.Itoa(c.BufferSize), strconv.Itoa(DefaultBufferSize), false},
 		{"health_interval", c.HealthInterval.String(), DefaultHealthInterval.String(), false},
 		{"gate", strconv.FormatBool(s.gateStats() != nil), "true", false},
+		{"default_pool_size", strconv.Itoa(l.poolLimits.PoolSize), "0", true},
+		{"reserve_pool_size", strconv.Itoa(l.poolLimits.ReserveSize), "0", true},
+		{"reserve_pool_timeout", l.poolLimits.ReserveTimeout.String(), DefaultReservePoolTimeout.String(), true},
+		{"max_db_connections", strconv.Itoa(l.poolLimits.MaxDB), "0", true},
+		{"max_user_connections", strconv.Itoa(l.poolLimits.MaxUser), "0", true},
+		{"query_wait_timeout", l.poolLimits.WaitTimeout.String(), DefaultQueryWaitTimeout.String(), true},
+		{"server_reuse", strconv.FormatBool(l.serverReuse), "false", true},
+		{"server_idle_timeout", l.poolLimits.IdleTimeout.String(), DefaultServerIdleTimeout.String(), true},
+		{"server_lifetime", l.poolLimits.Lifetime.String(), DefaultServerLifetime.String(), true},
 	}
 	yn := map[bool]string{true: "yes", false: "no"}
 	for _, r := range rows {
@@ -674,6 +687,28 @@ func (s *Server) adminSet(con *console, st adminStmt) (*adminTable, *pgproto3.Er
 			n = DefaultMaxConsoleClients
 		}
 		nl.maxConsoleClients = n
+	case "default_pool_size", "reserve_pool_size", "max_db_connections", "max_user_connections":
+		n, err := strconv.Atoi(st.value)
+		if err != nil || n < 0 {
+			return nil, adminError("22023", fmt.Sprintf("invalid value for parameter %q: %q", st.key, st.value), "an integer: 0 for no limit")
+		}
+		l := &nl.poolLimits
+		*map[string]*int{"default_pool_size": &l.PoolSize, "reserve_pool_size": &l.ReserveSize,
+			"max_db_connections": &l.MaxDB, "max_user_connections": &l.MaxUser}[st.key] = n
+	case "reserve_pool_timeout", "query_wait_timeout", "server_idle_timeout", "server_lifetime":
+		d, err := time.ParseDuration(st.value)
+		if err != nil || d < 0 {
+			return nil, adminError("22023", fmt.Sprintf("invalid value for parameter %q: %q", st.key, st.value), "a duration such as 30s")
+		}
+		l := &nl.poolLimits
+		*map[string]*time.Duration{"reserve_pool_timeout": &l.ReserveTimeout, "query_wait_timeout": &l.WaitTimeout,
+			"server_idle_timeout": &l.IdleTimeout, "server_lifetime": &l.Lifetime}[st.key] = d
+	case "server_reuse":
+		b, err := strconv.ParseBool(st.value)
+		if err != nil {
+			return nil, adminError("22023", fmt.Sprintf("invalid value for parameter %q: %q", st.key, st.value), "true or false")
+		}
+		nl.serverReuse = b
 	case "admin_users", "stats_users":
 		var list []string
 		for _, u := range strings.Split(st.value, ",") {
@@ -703,6 +738,7 @@ func (s *Server) adminSet(con *console, st adminStmt) (*adminTable, *pgproto3.Er
 		}
 	}
 	s.ops.live.Store(&nl)
+	s.pools.Regrant()
 	con.log.Info("SET command issued", zap.String("key", st.key), zap.String("value", st.value))
 	return done("SET " + st.key + "=" + st.value), nil
 }
@@ -710,4 +746,25 @@ func (s *Server) adminSet(con *console, st adminStmt) (*adminTable, *pgproto3.Er
 // configKeys are the proxy's own SHOW CONFIG keys.
 var configKeys = []string{"primary", "replicas", "read_replicas", "replica_poll", "replica_max_lag", "auth", "auth_file",
 	"upstream_passwords", "admin_users", "stats_users", "console_auth_file", "max_clients", "max_startup_clients", "max_console_clients", "tls", "max_message_size",
-	"shutdown_timeout", "startup_timeout", "client_memory", "message_timeout", "connect_timeout", "buffer_size", "health_interval", "gate"}
+	"shutdown_timeout", "startup_timeout", "client_memory", "message_timeout", "connect_timeout", "buffer_size", "health_interval", "gate",
+	"default_pool_size", "reserve_pool_size", "reserve_pool_timeout", "max_db_connections", "max_user_connections", "query_wait_timeout",
+	"server_reuse", "server_idle_timeout", "server_lifetime"}
+
+// printableName is a client's application_name as PostgreSQL shows it
+// (pg_stat_activity): each character outside printable ASCII as '?', so
+// that a client cannot forge the console's rows or drive the terminal of
+// whoever reads them (round 25, BC-L4).
+func printableName(s string) string {
+	for i := 0; i < len(s); i++ {
+		if s[i] < 32 || s[i] > 126 {
+			b := []byte(s)
+			for j := i; j < len(b); j++ {
+				if b[j] < 32 || b[j] > 126 {
+					b[j] = '?'
+				}
+			}
+			return string(b)
+		}
+	}
+	return s
+}

@@ -45,6 +45,13 @@ const (
 	DefaultBufferSize         = 32 << 10
 )
 
+// DefaultServerIdleTimeout and DefaultServerLifetime are PgBouncer's
+// server_idle_timeout and server_lifetime.
+const (
+	DefaultServerIdleTimeout = 600 * time.Second
+	DefaultServerLifetime    = 3600 * time.Second
+)
+
 // Config configures a Server. The zero value of every field except Primary
 // selects the documented default.
 type Config struct {
@@ -141,6 +148,19 @@ type Config struct {
 	// (query_wait_timeout): zero means DefaultQueryWaitTimeout, negative
 	// no bound.
 	QueryWaitTimeout time.Duration
+	// ServerReuse parks a gated session's backend when its client leaves
+	// it idle (Terminate with nothing in flight and no transaction
+	// open), reset with DISCARD ALL, for the next client of the same
+	// database and user whose startup parameters are exactly the same:
+	// that client gets a warm backend instead of a fresh fork (session
+	// pooling, pools.go). ServerIdleTimeout closes a backend parked
+	// longer (server_idle_timeout; zero: DefaultServerIdleTimeout,
+	// negative: no bound), ServerLifetime one opened longer ago, less
+	// up to a tenth at random (server_lifetime; zero:
+	// DefaultServerLifetime, negative: no bound). All reloadable.
+	ServerReuse       bool
+	ServerIdleTimeout time.Duration
+	ServerLifetime    time.Duration
 
 	// MaxConsoleClients bounds the authenticated admin console sessions
 	// of each console user (admin and stats users alike): a further one
@@ -361,6 +381,12 @@ func (c Config) withDefaults() (Config, error) {
 		c.QueryWaitTimeout = DefaultQueryWaitTimeout // negative: no bound
 	}
 	orDefault(&c.ReservePoolTimeout, DefaultReservePoolTimeout)
+	if c.ServerIdleTimeout == 0 {
+		c.ServerIdleTimeout = DefaultServerIdleTimeout // negative: no bound
+	}
+	if c.ServerLifetime == 0 {
+		c.ServerLifetime = DefaultServerLifetime // negative: no bound
+	}
 	orDefault(&c.ShutdownTimeout, DefaultShutdownTimeout)
 	orDefault(&c.StartupTimeout, DefaultStartupTimeout)
 	orDefault(&c.ConnectTimeout, DefaultConnectTimeout)

@@ -59,6 +59,7 @@ func (s *Session) end(t teardown, err error) error {
 	close(s.closing)
 	// Before stop, whose closeServer is the end's own.
 	s.tellLost = upstreamLost(err) && s.mayTellUpstreamLost()
+	s.keepServer = s.mayKeepServer(err) // pools.go
 	t.stop()
 	msg, err := s.endReason(err, t.wait())
 	t.endServer()

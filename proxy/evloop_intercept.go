@@ -11,6 +11,8 @@ import (
 	"time"
 
 	"go.uber.org/zap"
+
+	"github.com/pgfence/pgfence/internal/wire"
 )
 
 // This file holds the event loop's half of an intercepted session (one
@@ -471,7 +473,9 @@ type interceptEnd struct{ relayEnd }
 // stop shuts the upstreams down (the loop sees it and lets go of r; a
 // blocking call of the client side off the loop writing them gives up).
 func (e interceptEnd) stop() {
-	e.r.s.closeServer()
+	if !e.r.s.keepServer { // else nothing runs off the loop: the client left (pools.go)
+		e.r.s.closeServer()
+	}
 	e.r.s.stopReplica() // replica.go
 }
 
@@ -486,9 +490,38 @@ func (e interceptEnd) wait() error {
 // endServer closes the upstream sockets: stop told the backends to end
 // (stopServer, stopReplica), when the sockets could take it and are not
 // TLS.
+//
+// A backend the session may keep (Session.keepServer) that is idle with
+// nothing in flight (quietServer) is left open, for the session
+// goroutine to park (Server.park); one that is not is told to end here,
+// stop having left it.
 func (e interceptEnd) endServer() {
-	e.r.letGo().server.close(100 * time.Millisecond)
+	r := e.r.letGo()
+	switch {
+	case r.s.keepServer && r.quietServer():
+		r.s.kept, r.s.keptFD = true, r.serverFD
+	case r.s.keepServer:
+		r.server.writeAll(wire.Terminate, 100*time.Millisecond)
+		r.server.close(100 * time.Millisecond)
+	default:
+		r.server.close(100 * time.Millisecond)
+	}
 	e.r.s.closeReplica()
+}
+
+// quietServer reports whether r's backend is idle, outside a
+// transaction, with nothing in flight, sent or unsent, and nothing of
+// its answers unread: at a message boundary, where DISCARD ALL's answer
+// is the next thing it sends (Server.park).
+func (r *relay) quietServer() bool {
+	s := r.s
+	s.connMu.Lock()
+	stopped := s.serverStopped
+	s.connMu.Unlock()
+	return !stopped && r.server.tls == nil && s.rt.fatal.Load() == nil &&
+		s.q.Len() == 0 && s.st.Tx() == 'I' && s.lastServerType == 'Z' &&
+		s.sf.R.Buffered() == 0 && r.intercept.big.left == 0 &&
+		len(r.intercept.serverPending) == 0 && s.sw.Buffered() == 0
 }
 
 // flushClient passes on, blocking, what the loop still held for the

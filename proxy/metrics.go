@@ -131,6 +131,9 @@ type ServerStats struct {
 	MessageTimeouts  atomic.Int64
 	StartupEvictions atomic.Int64
 	UpstreamErrors   atomic.Int64 // upstream connections that failed (not refusals by PostgreSQL)
+	// ServerParkedLost counts parked backends found ended when a client
+	// came for one (pools.go): another was opened instead.
+	ServerParkedLost atomic.Int64
 	// AcceptErrors counts the accepts that failed and were retried after
 	// a back-off: out of descriptors (EMFILE, ENFILE) or kernel memory,
 	// or a connection that failed before it was taken (accept.go).
@@ -320,6 +323,10 @@ var (
 	descPoolWaits    = prometheus.NewDesc("pgfence_pool_waits_total", "Clients that had to wait for a server connection.", nil, nil)
 	descPoolWaitSecs = prometheus.NewDesc("pgfence_pool_wait_seconds_total", "Time clients waited for a server connection, summed over the waits that ended with one.", nil, nil)
 	descPoolTimeouts = prometheus.NewDesc("pgfence_pool_wait_timeouts_total", "Clients refused (53300) after waiting query_wait_timeout for a server connection.", nil, nil)
+	descPoolIdle     = prometheus.NewDesc("pgfence_pool_server_idle", "Server connections parked for the next client (server_reuse; SHOW POOLS sv_idle).", nil, nil)
+	descPoolReused   = prometheus.NewDesc("pgfence_pool_server_reused_total", "Clients given a parked server connection instead of a new one (server_reuse).", nil, nil)
+	descPoolParked   = prometheus.NewDesc("pgfence_pool_server_parked_total", "Server connections reset and parked when their client left (server_reuse).", nil, nil)
+	descPoolClosed   = prometheus.NewDesc("pgfence_pool_server_closed_total", "Parked server connections closed, by why: evicted (a client of other startup parameters needed the place), expired (server_idle_timeout or server_lifetime), ended (found ended when a client came for it), other (RECONNECT, shutdown).", []string{"reason"}, nil)
 	descUpErrors     = prometheus.NewDesc("pgfence_upstream_connection_errors_total", "Upstream connections that could not be opened (network, TLS, timeouts; not refusals by PostgreSQL).", nil, nil)
 	descReads        = prometheus.NewDesc("pgfence_read_routes_total", "Reads a replica could serve, by where they went: replica, primary (behind, unhealthy, pinned, or code that must run in the client's session), pending (refused with FN007).", []string{"route"}, nil)
 	descReadWaits    = prometheus.NewDesc("pgfence_read_waits_total", "Reads that waited for a replica to replay (fence.read_policy wait).", nil, nil)
@@ -339,7 +346,7 @@ var (
 )
 
 func (c *collector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{descSessions, descSessionsTot, descSessionsLoop, descParks, descMsgTimeouts, descEvictions, descAdminTot, descAdminRefused, descRefused, descAcceptErrors, descPoolWaiting, descPoolWaits, descPoolWaitSecs, descPoolTimeouts, descUpErrors, descReads, descReadWaits, descReadRetries, descReadStale,
+	for _, d := range []*prometheus.Desc{descSessions, descSessionsTot, descSessionsLoop, descParks, descMsgTimeouts, descEvictions, descAdminTot, descAdminRefused, descRefused, descAcceptErrors, descPoolWaiting, descPoolWaits, descPoolWaitSecs, descPoolTimeouts, descPoolIdle, descPoolReused, descPoolParked, descPoolClosed, descUpErrors, descReads, descReadWaits, descReadRetries, descReadStale,
 		descGate, descGateErr, descClassified, descCacheBytes, descCacheEntries, descCacheEvict, descCacheUncache, descLatency, descUp, descLag, descLagBytes} {
 		ch <- d
 	}
@@ -364,12 +371,20 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 	}
 	counter(descAcceptErrors, st.AcceptErrors.Load())
 	counter(descUpErrors, st.UpstreamErrors.Load())
-	waiting := 0
+	waiting, idle := 0, 0
 	for _, p := range s.pools.Stats() {
 		waiting += p.Waiting
+		idle += p.Idle
 	}
 	ch <- prometheus.MustNewConstMetric(descPoolWaiting, prometheus.GaugeValue, float64(waiting))
+	ch <- prometheus.MustNewConstMetric(descPoolIdle, prometheus.GaugeValue, float64(idle))
 	pt := s.pools.Totals()
+	counter(descPoolReused, int64(pt.Reused))
+	counter(descPoolParked, int64(pt.Parked))
+	counter(descPoolClosed, int64(pt.Evicted), "evicted")
+	counter(descPoolClosed, int64(pt.Expired), "expired")
+	counter(descPoolClosed, st.ServerParkedLost.Load(), "ended")
+	counter(descPoolClosed, int64(pt.Closed-pt.Evicted-pt.Expired), "other")
 	counter(descPoolWaits, int64(pt.Waited))
 	ch <- prometheus.MustNewConstMetric(descPoolWaitSecs, prometheus.CounterValue, pt.WaitTime.Seconds())
 	counter(descPoolTimeouts, int64(pt.Timeouts))

@@ -156,13 +156,60 @@ func TestServerConnectionLimits(t *testing.T) {
 		if err != nil || !strings.Contains(strings.Join(rep.Applied, " "), "default_pool_size") {
 			t.Fatalf("reload: %v %+v", err, rep)
 		}
-		// The next decision applies it: the end of another pool's session.
-		mustConnect("pool_u2").Close(ctx)
+		// The reload alone lets it in (round 25, BC-L1: it waited for
+		// the next session's end, and timed out without one).
 		r := <-third
 		if r.err != nil {
 			t.Fatalf("the waiting client after the pool grew: %v", r.err)
 		}
 		r.c.Close(ctx)
+		if _, err := p.srv.Reload(cfg); err != nil {
+			t.Fatal(err)
+		}
+	})
+
+	t.Run("disable_applies_to_a_waiting_client", func(t *testing.T) {
+		a, b := mustConnect("pool_u1"), mustConnect("pool_u1")
+		defer b.Close(ctx)
+		third := connectAsync("pool_u1")
+		waitingFor("pool_u1", 1)
+		if _, err := adm.Exec(ctx, "DISABLE "+db); err != nil {
+			t.Fatal(err)
+		}
+		defer adm.Exec(ctx, "ENABLE "+db)
+		a.Close(ctx)
+		if r := <-third; r.err == nil {
+			r.c.Close(ctx)
+			t.Fatal("a client that waited through DISABLE got a session")
+		}
+	})
+
+	t.Run("console_set_lets_a_waiting_client_in", func(t *testing.T) {
+		a, b := mustConnect("pool_u1"), mustConnect("pool_u1")
+		defer a.Close(ctx)
+		defer b.Close(ctx)
+		third := connectAsync("pool_u1")
+		waitingFor("pool_u1", 1)
+		if _, err := adm.Exec(ctx, "SET default_pool_size = 3"); err != nil {
+			t.Fatal(err)
+		}
+		r := <-third
+		if r.err != nil {
+			t.Fatalf("the waiting client after SET default_pool_size: %v", r.err)
+		}
+		r.c.Close(ctx)
+		found := false
+		for _, row := range table(t, adm, "SHOW CONFIG") {
+			if row["key"] == "default_pool_size" {
+				found = row["value"] == "3"
+			}
+		}
+		if !found {
+			t.Fatalf("SHOW CONFIG has no default_pool_size 3: %v", table(t, adm, "SHOW CONFIG"))
+		}
+		if _, err := adm.Exec(ctx, "SET default_pool_size = -1"); err == nil {
+			t.Fatal("SET default_pool_size = -1 accepted")
+		}
 		if _, err := p.srv.Reload(cfg); err != nil {
 			t.Fatal(err)
 		}
@@ -233,5 +280,214 @@ func TestServerConnectionLimits(t *testing.T) {
 		if err := <-ch; err == nil {
 			t.Fatal("a client waiting through a shutdown got in")
 		}
+	})
+}
+
+// TestServerReuse: server_reuse (pools.go) against real PostgreSQL. A
+// gated session whose client leaves with Terminate, idle, leaves its
+// backend, reset with DISCARD ALL, to the next client with exactly the
+// same database, user and startup parameters: that client gets the same
+// backend (a warm one) and none of what the first one left on it
+// (settings, fence metadata, prepared statements, temporary tables,
+// advisory locks, LISTEN). A backend left in a transaction, or killed
+// while parked, is never handed on; a client with other startup
+// parameters gets another backend, the parked one closed when the pool
+// needs its place; server_idle_timeout closes it; Shutdown too.
+func TestServerReuse(t *testing.T) {
+	ctx := ctxT(t)
+	db := cluster.NewDatabase(t)
+	obs, err := cluster.Primary.Connect(ctx, db)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer obs.Close(context.Background())
+	obs.Exec(ctx, "CREATE ROLE reuse_u LOGIN") // the roles are the cluster's: made once
+	p := startProxy(t, Config{PoolSize: 2, ServerReuse: true, ServerIdleTimeout: time.Hour, Interceptor: newGate(t)})
+	dsn := func(app string) string {
+		return fmt.Sprintf("postgres://reuse_u@127.0.0.1:%d/%s?sslmode=disable&application_name=%s", p.addr.Port, db, app)
+	}
+	connect := func(app string) *pgconn.PgConn {
+		t.Helper()
+		c, err := pgconn.Connect(ctxT(t), dsn(app))
+		if err != nil {
+			t.Fatalf("connect (%s): %v", app, err)
+		}
+		return c
+	}
+	value := func(c *pgconn.PgConn, q string) string {
+		t.Helper()
+		res := c.ExecParams(ctxT(t), q, nil, nil, nil, nil).Read()
+		if res.Err != nil {
+			t.Fatalf("%s: %v", q, res.Err)
+		}
+		if len(res.Rows) != 1 {
+			t.Fatalf("%s: %d rows", q, len(res.Rows))
+		}
+		return string(res.Rows[0][0])
+	}
+	exec := func(c *pgconn.PgConn, q string) {
+		t.Helper()
+		if _, err := c.Exec(ctxT(t), q).ReadAll(); err != nil {
+			t.Fatalf("%s: %v", q, err)
+		}
+	}
+	// parked waits until the pool has n backends parked (observation).
+	parked := func(n int) {
+		t.Helper()
+		deadline := time.Now().Add(10 * time.Second)
+		for time.Now().Before(deadline) {
+			idle := 0
+			for _, s := range p.srv.pools.Stats() {
+				idle += s.Idle
+			}
+			if idle == n {
+				return
+			}
+			time.Sleep(5 * time.Millisecond)
+		}
+		t.Fatalf("never %d backends parked: %+v", n, p.srv.pools.Stats())
+	}
+	// gone waits until PostgreSQL has no backend pid (observation).
+	gone := func(pid string) {
+		t.Helper()
+		deadline := time.Now().Add(10 * time.Second)
+		for time.Now().Before(deadline) {
+			var n int
+			if err := obs.QueryRow(ctx, "SELECT count(*) FROM pg_stat_activity WHERE pid = $1::int", pid).Scan(&n); err != nil {
+				t.Fatal(err)
+			}
+			if n == 0 {
+				return
+			}
+			time.Sleep(5 * time.Millisecond)
+		}
+		t.Fatalf("backend %s still there", pid)
+	}
+	backends := func() int {
+		t.Helper()
+		var n int
+		if err := obs.QueryRow(ctx, "SELECT count(*) FROM pg_stat_activity WHERE datname = $1 AND usename = 'reuse_u'", db).Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		return n
+	}
+
+	a := connect("reuse")
+	pidA := value(a, "SELECT pg_backend_pid()::text")
+	exec(a, `SET search_path = pg_catalog; SET statement_timeout = '7s'; SET fence.job_key = 'a-job';
+SELECT set_config('fence.step', 'a-step', false); PREPARE a_stmt AS SELECT 1; CREATE TEMP TABLE a_tmp (x int);
+SELECT pg_advisory_lock(4242); LISTEN a_channel; DECLARE a_cur CURSOR WITH HOLD FOR SELECT 1`)
+	if err := a.Close(ctxT(t)); err != nil {
+		t.Fatal(err)
+	}
+	parked(1)
+
+	t.Run("warm_backend_reset", func(t *testing.T) {
+		b := connect("reuse")
+		defer b.Close(context.Background())
+		if pid := value(b, "SELECT pg_backend_pid()::text"); pid != pidA {
+			t.Fatalf("B is on backend %s, want A's parked %s", pid, pidA)
+		}
+		if got := b.ParameterStatus("application_name"); got != "reuse" {
+			t.Fatalf("B's application_name ParameterStatus %q", got)
+		}
+		for q, want := range map[string]string{
+			"SHOW search_path":       `"$user", public`,
+			"SHOW statement_timeout": "0",
+			"SELECT coalesce(current_setting('fence.job_key', true), '')":                                "",
+			"SELECT coalesce(current_setting('fence.step', true), '')":                                   "",
+			"SELECT count(*)::text FROM pg_prepared_statements":                                          "0",
+			"SELECT count(*)::text FROM pg_cursors WHERE name = 'a_cur'":                                 "0",
+			"SELECT coalesce(to_regclass('pg_temp.a_tmp')::text, '')":                                    "",
+			"SELECT count(*)::text FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid()": "0",
+			"SELECT count(*)::text FROM pg_listening_channels()":                                         "0",
+		} {
+			if got := value(b, q); got != want {
+				t.Errorf("%s on the reused backend: %q, want %q", q, got, want)
+			}
+		}
+	})
+	parked(1)
+
+	t.Run("other_startup_parameters_get_another_backend", func(t *testing.T) {
+		c := connect("reuse-other")
+		defer c.Close(context.Background())
+		if pid := value(c, "SELECT pg_backend_pid()::text"); pid == pidA {
+			t.Fatal("a client with another application_name got the parked backend")
+		}
+		// The pool is full (the parked backend and C's): D, with other
+		// parameters again, gets the parked one's place, which is closed.
+		d := connect("reuse-third")
+		defer d.Close(context.Background())
+		gone(pidA)
+		if n := backends(); n > 2 {
+			t.Fatalf("%d backends for a pool of 2", n)
+		}
+	})
+	parked(2) // C's and D's
+
+	t.Run("left_in_a_transaction_is_not_reused", func(t *testing.T) {
+		p.srv.pools.CloseIdle()
+		e := connect("reuse-tx")
+		pid := value(e, "SELECT pg_backend_pid()::text")
+		exec(e, "BEGIN; SELECT 1")
+		e.Close(ctxT(t))
+		gone(pid)
+		parked(0)
+	})
+
+	t.Run("killed_while_parked", func(t *testing.T) {
+		f := connect("reuse-kill")
+		pid := value(f, "SELECT pg_backend_pid()::text")
+		f.Close(ctxT(t))
+		parked(1)
+		if _, err := obs.Exec(ctx, "SELECT pg_terminate_backend($1::int)", pid); err != nil {
+			t.Fatal(err)
+		}
+		gone(pid)
+		g := connect("reuse-kill")
+		defer g.Close(context.Background())
+		if got := value(g, "SELECT pg_backend_pid()::text"); got == pid {
+			t.Fatal("got the killed backend")
+		}
+		if got := value(g, "SELECT 42::text"); got != "42" {
+			t.Fatalf("a fresh backend instead of the killed one answered %q", got)
+		}
+	})
+	parked(1)
+
+	t.Run("server_idle_timeout", func(t *testing.T) {
+		old := p.srv.live()
+		nl := *old
+		nl.poolLimits.IdleTimeout = time.Millisecond
+		p.srv.ops.live.Store(&nl)
+		defer p.srv.ops.live.Store(old)
+		parked(0) // the expiry runs every second
+	})
+
+	t.Run("off", func(t *testing.T) {
+		old := p.srv.live()
+		nl := *old
+		nl.serverReuse = false
+		p.srv.ops.live.Store(&nl)
+		defer p.srv.ops.live.Store(old)
+		h := connect("reuse-off")
+		pid := value(h, "SELECT pg_backend_pid()::text")
+		h.Close(ctxT(t))
+		gone(pid)
+		parked(0)
+	})
+
+	t.Run("shutdown_closes_parked", func(t *testing.T) {
+		i := connect("reuse-shut")
+		pid := value(i, "SELECT pg_backend_pid()::text")
+		i.Close(ctxT(t))
+		parked(1)
+		sctx, cancel := context.WithTimeout(ctxT(t), 10*time.Second)
+		defer cancel()
+		if err := p.srv.Shutdown(sctx); err != nil {
+			t.Fatal(err)
+		}
+		gone(pid)
 	})
 }

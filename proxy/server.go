@@ -51,6 +51,7 @@ type Server struct {
 	shutCtx    context.Context
 	shutCancel context.CancelFunc
 	shutOnce   sync.Once
+	parkOnce   sync.Once // starts expireParked (pools.go)
 
 	mu        sync.Mutex
 	listeners map[net.Listener]struct{}
@@ -233,6 +234,7 @@ func (s *Server) untrack(c net.Conn) {
 func (s *Server) Shutdown(ctx context.Context) error {
 	s.draining.Store(true)
 	s.shutOnce.Do(func() { close(s.shut); s.shutCancel() })
+	defer s.closeParked()   // once the sessions have ended: pools.go
 	defer s.loop.stop()     // once the sessions have ended (wg.Wait below): evloop.go
 	s.stopControl()         // admin_pause.go: ends PAUSE waits
 	defer s.closeReplicas() // route.go
@@ -352,28 +354,37 @@ func (s *Server) handle(c net.Conn) {
 	if !s.admit(conn, st, log) { // DISABLE, PAUSE: admin_pause.go
 		return
 	}
-	sv, err := s.serverSlot(conn, user, db, log) // pools.go
+	sv, err := s.serverSlot(conn, user, db, startupSignature(st.params), log) // pools.go
 	if err != nil {
 		s.refuse(conn, err, log, "no server connection")
 		return
 	}
-	defer sv.Release()
+	defer sv.Release() // after Park: nothing
+	if sv.Waited > 0 && !s.admit(conn, st, log) {
+		// A DISABLE or PAUSE that came while it waited for its server
+		// connection applies to it as to a client arriving now (round
+		// 25, BC-L5).
+		return
+	}
 	l, err := s.loop.get() // evloop.go: before an upstream is opened for nothing
 	if err != nil {
 		s.refuse(conn, relayRefusal(err), log, "event loop unavailable")
 		return
 	}
 	start := time.Now()
-	sess, err := s.open(c, conn, st, proof, log)
+	sess, err := s.open(c, conn, st, proof, log, sv)
 	if err != nil {
 		s.refuse(conn, err, log, "upstream connect failed")
 		return
 	}
 	s.ops.stats.SessionsTotal.Add(1)
 	log = sess.log // carries backend_pid
-	log.Info("session open")
+	log.Info("session open", zap.Bool("parked_backend", sess.warm))
 	err = sess.run(l)
 	s.dropCancelKey(sess)
+	if sess.kept {
+		s.park(sess, sv) // pools.go
+	}
 	s.sessionEnded(sess) // admin_pause.go
 	fields := []zap.Field{zap.Float64("duration_ms", float64(time.Since(start).Microseconds())/1000)}
 	if err != nil {
@@ -602,9 +613,18 @@ func (d *endableDial) end() {
 // it and forwards the backend's real key (which the client never sees).
 // The session is bound to that backend for its life: when the backend
 // goes, the client's connection is closed, never moved to another one.
-func (s *Server) open(raw, c net.Conn, st *startup, proof *Proof, log *zap.Logger) (*Session, error) {
+//
+// The backend is the one parked in slot (server_reuse: pools.go) when
+// there is one that can still serve, else a new one.
+func (s *Server) open(raw, c net.Conn, st *startup, proof *Proof, log *zap.Logger, slot *pool.Slot) (*Session, error) {
 	user, db := st.params["user"], st.params["database"]
-	hj, err := s.connectAs(s.primary, user, db, st.params, proof, nil)
+	hj, born := s.takeParked(slot, log)
+	warm := hj != nil
+	var err error
+	if !warm {
+		hj, err = s.connectAs(s.primary, user, db, st.params, proof, nil)
+		born = time.Now()
+	}
 	if err != nil {
 		var pg *pgconn.PgError
 		var pe *ProtocolError
@@ -634,8 +654,13 @@ func (s *Server) open(raw, c net.Conn, st *startup, proof *Proof, log *zap.Logge
 		log:        log.With(zap.Uint32("backend_pid", hj.PID)),
 		proof:      proof,
 		closing:    make(chan struct{}),
+		upKey:      hj.SecretKey,
+		born:       born,
+		sig:        startupSignature(st.params),
+		warm:       warm,
 	}
 	sess.st.SetTx(hj.TxStatus)
+	sess.lastServerType = 'Z' // its startup ended with ReadyForQuery
 	size := s.cfg.BufferSize
 	sess.cw = newClientWriter(c, size, s.rs != nil)
 	sess.sw = bufio.NewWriterSize(hj.Conn, size)

@@ -83,6 +83,20 @@ type Session struct {
 
 	rt sessionRoute // read routing: the replica connection (replica.go)
 
+	// Server reuse (pools.go). upKey is the backend's real cancel key,
+	// born when it was opened, sig the client's startup signature, warm
+	// whether it came parked. keepServer: the session's end may leave the
+	// backend open for the next client (Session.end decides it before
+	// the teardown); kept: it did, keptFD being its socket, now the
+	// session goroutine's to park (Server.park).
+	upKey      []byte
+	born       time.Time
+	sig        string
+	warm       bool
+	keepServer bool
+	kept       bool
+	keptFD     int
+
 	info sessionInfo // admin console: connected_at, upstream (admin.go)
 }
 
@@ -361,6 +375,11 @@ func (s *Session) deliver(msg []byte) error {
 		return err
 	}
 	if v == Forward {
+		if msg[0] == 'X' {
+			// The session's end tells the backend to end (closeServer),
+			// or parks it for the next client (pools.go).
+			return nil
+		}
 		if !s.account(msg[0]) {
 			return errShutdown
 		}

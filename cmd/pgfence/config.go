@@ -50,6 +50,9 @@ type serveConfig struct {
 	MaxDBConnections   int               `toml:"max_db_connections"`
 	MaxUserConnections int               `toml:"max_user_connections"`
 	QueryWaitTimeout   string            `toml:"query_wait_timeout"`
+	ServerReuse        bool              `toml:"server_reuse"`
+	ServerIdleTimeout  string            `toml:"server_idle_timeout"`
+	ServerLifetime     string            `toml:"server_lifetime"`
 	ClientMemory       string            `toml:"client_memory"`
 	MessageTimeout     string            `toml:"message_timeout"`
 	MaxMessageSize     string            `toml:"max_message_size"`
@@ -279,6 +282,7 @@ func (c serveConfig) proxyConfig() (proxy.Config, error) {
 		ReservePoolSize:    c.ReservePoolSize,
 		MaxDBConnections:   c.MaxDBConnections,
 		MaxUserConnections: c.MaxUserConnections,
+		ServerReuse:        c.ServerReuse,
 		UpstreamPasswords:  c.UpstreamPasswords,
 		AdminUsers:         c.AdminUsers,
 		StatsUsers:         c.StatsUsers,
@@ -351,7 +355,8 @@ func (c serveConfig) proxyConfig() (proxy.Config, error) {
 		v    string
 		dst  *time.Duration
 		zero time.Duration // what 0 means: no bound
-	}{{"reserve_pool_timeout", c.ReservePoolTimeout, &pc.ReservePoolTimeout, 0}, {"query_wait_timeout", c.QueryWaitTimeout, &pc.QueryWaitTimeout, -1}} {
+	}{{"reserve_pool_timeout", c.ReservePoolTimeout, &pc.ReservePoolTimeout, 0}, {"query_wait_timeout", c.QueryWaitTimeout, &pc.QueryWaitTimeout, -1},
+		{"server_idle_timeout", c.ServerIdleTimeout, &pc.ServerIdleTimeout, -1}, {"server_lifetime", c.ServerLifetime, &pc.ServerLifetime, -1}} {
 		if d.v == "" {
 			continue
 		}

@@ -122,6 +122,7 @@ func run(dur time.Duration, scale, rounds int, only *regexp.Regexp, poller strin
 	defer c.Close()
 	var stops []func()
 	var gw func(relays map[string]int) error // the gated write, run after the table
+	var gateI proxy.Interceptor              // the write gate, when gated
 	db := "bench"
 	if _, err := pgbench.Psql(c.Primary.Port, "postgres", "CREATE DATABASE bench"); err != nil {
 		return err
@@ -151,6 +152,9 @@ func run(dur time.Duration, scale, rounds int, only *regexp.Regexp, poller strin
 			}
 			if cfg.Poller != "" {
 				args = append(args, "--poller", cfg.Poller)
+			}
+			if cfg.ServerReuse {
+				args = append(args, "--server-reuse")
 			}
 			port, pid, stop, err := startServe(bin, cfg.Primary, args...)
 			if err != nil {
@@ -195,6 +199,7 @@ func run(dur time.Duration, scale, rounds int, only *regexp.Regexp, poller strin
 		if err != nil {
 			return err
 		}
+		gateI = gate
 		port, cpu, err := start(proxy.Config{Interceptor: gate})
 		stops = append(stops, gate.Close)
 		if err != nil {
@@ -215,7 +220,7 @@ func run(dur time.Duration, scale, rounds int, only *regexp.Regexp, poller strin
 			}
 		}
 	}
-	if port, pid, stop, err := startPgBouncer(c.Primary.Port); err != nil {
+	if port, pid, stop, err := startPgBouncer(c.Primary.Port, false); err != nil {
 		fmt.Fprintf(os.Stderr, "benchproxy: PgBouncer column skipped: %v\n", err)
 	} else {
 		defer stop()
@@ -306,6 +311,11 @@ func run(dur time.Duration, scale, rounds int, only *regexp.Regexp, poller strin
 		}
 	}
 	if gated {
+		// A new connection for each transaction (issue 32): cells
+		// "connect <workload> c=N".
+		if err := benchConnect(c, db, byName["pgfence+gate"], gateI, start, only, dur, rounds); err != nil {
+			return err
+		}
 		// The gate table (issue 33): cells "gate <workload> c=N".
 		return benchGateTable(ctx, c, db, byName["pgfence+gate"], byName["pgbouncer"], bin, only, dur, rounds, statements)
 	}
@@ -322,7 +332,11 @@ func run(dur time.Duration, scale, rounds int, only *regexp.Regexp, poller strin
 // buffers they read mapped), which the README's Performance section shows
 // is worth a good part of its lead. The columns compare the relays, not
 // how warm their backends are.
-func startPgBouncer(pgPort int) (int, int, func(), error) {
+//
+// warm: server_lifetime is PgBouncer's default, and a client gets the
+// backend the one before left (the connect table, which compares that
+// with pgfence's server_reuse).
+func startPgBouncer(pgPort int, warm bool) (int, int, func(), error) {
 	bin, err := exec.LookPath("pgbouncer")
 	if err != nil {
 		for _, p := range []string{"/usr/sbin/pgbouncer", "/usr/bin/pgbouncer"} {
@@ -351,11 +365,11 @@ unix_socket_dir =
 auth_type = trust
 auth_file = %s
 pool_mode = session
-server_lifetime = 0
+server_lifetime = %d
 max_client_conn = 200
 default_pool_size = 50
 logfile = %s
-`, pgPort, port, filepath.Join(dir, "users.txt"), filepath.Join(dir, "pgbouncer.log"))
+`, pgPort, port, filepath.Join(dir, "users.txt"), map[bool]int{false: 0, true: 3600}[warm], filepath.Join(dir, "pgbouncer.log"))
 	os.WriteFile(filepath.Join(dir, "users.txt"), []byte(`"postgres" ""`+"\n"), 0o644)
 	os.WriteFile(filepath.Join(dir, "pgbouncer.ini"), []byte(ini), 0o644)
 	cmd := exec.Command(bin, filepath.Join(dir, "pgbouncer.ini"))
