@@ -31,14 +31,24 @@ import (
 // synchronous standby ended before the standby confirmed it: severity
 // WARNING (the unlocalized field, which no lc_messages translates) raised
 // by PostgreSQL's routine SyncRepWaitForLSN (file syncrep.c), or with its
-// English message (a server that sends no routine). PostgreSQL raises two
-// WARNINGs there: SQLSTATE 01000 for a cancel, 57P01 for a termination.
+// English message from a server that sends neither field. PostgreSQL
+// raises two WARNINGs there: SQLSTATE 01000 for a cancel, 57P01 for a
+// termination.
+//
+// The message alone is not enough where the server names where a notice
+// came from: any code can RAISE WARNING with those words, and a table
+// owner's runs in workers' transactions (round 27, BH-H1: a trigger's
+// warning made the proxy tell a worker that an open transaction had
+// committed, and its retry applied the step twice). PL/pgSQL's RAISE
+// says file pl_exec.c, routine exec_stmt_raise, which no SQL can change.
 func IsSyncRepCancel(severityUnlocalized, routine, file, message string) bool {
 	if severityUnlocalized != "WARNING" {
 		return false
 	}
-	return routine == "SyncRepWaitForLSN" || file == "syncrep.c" ||
-		strings.HasPrefix(message, "canceling wait for synchronous replication") ||
+	if routine != "" || file != "" {
+		return routine == "SyncRepWaitForLSN" || file == "syncrep.c"
+	}
+	return strings.HasPrefix(message, "canceling wait for synchronous replication") ||
 		strings.HasPrefix(message, "canceling the wait for synchronous replication")
 }
 

@@ -34,6 +34,14 @@
 -- a transaction open across fence.protect, and a joining member's
 -- partition key.
 --
+-- Attack round 27 (attacker BG) found more that PostgreSQL trusts and
+-- the rows do not say: a whole-row test a later ADD COLUMN makes false
+-- for every row; tableoid, current_user or statement_timestamp() in a
+-- CHECK, which a restore then fails; an SQL function without a pinned
+-- search_path (citext's) whose operators resolve under the search_path
+-- of whoever builds or REINDEXes the index, the owner's; and a function
+-- replaced in a transaction open across the DBA's CREATE INDEX.
+--
 -- Now a CHECK constraint or an index of a protected table may depend on
 -- nothing its owner can change: every object it depends on (pg_depend:
 -- functions, operators, types, text search configurations and
@@ -113,6 +121,84 @@ as $$
 $$;
 revoke all on function fence.declaration_reads_catalog(pg_node_tree) from public;
 
+-- declaration_names_problem: a function an expression calls (an
+-- operator's too) that resolves names at run time under the caller's
+-- search_path (an SQL or PL function without a search_path of its own),
+-- as a phrase, or null. Whoever builds or REINDEXes an index runs it
+-- under their own search_path, where their operator or function of the
+-- same name is found first (round 27, BG-H4: citext's SQL functions and
+-- the owner's operator ||): not even an administrator's declaration may
+-- call one.
+create function fence.declaration_names_problem(p_tree pg_node_tree) returns text
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+  with tree(t) as (select p_tree::text where p_tree is not null),
+  funcs(f) as (
+    select m[2]::oid from tree, pg_catalog.regexp_matches(tree.t, ':(funcid|opfuncid) ([0-9]+)', 'g') m
+    union
+    select o.oprcode::oid from tree, pg_catalog.regexp_matches(tree.t, ':opno ([0-9]+)', 'g') m
+      join pg_catalog.pg_operator o on o.oid = m[1]::oid)
+  select pg_catalog.format('function %s, which resolves names under the search_path of whoever runs it', x.oid::pg_catalog.regprocedure)
+    from funcs join pg_catalog.pg_proc x on x.oid = funcs.f
+   where x.prolang not in (select l.oid from pg_catalog.pg_language l where l.lanname in ('internal', 'c'))
+     and not exists (select 1 from pg_catalog.unnest(x.proconfig) c where pg_catalog.left(c, 12) = 'search_path=')
+   order by x.oid
+   limit 1
+$$;
+-- declaration_code_problem: what in an expression (a stored node tree)
+-- makes its value something other than a function of the row's own
+-- values, or null: a whole-row or system column (a whole-row test
+-- changes with ADD COLUMN, tableoid with a restore), a function or
+-- operator that is not immutable (current_user, statement_timestamp(),
+-- a text cast through a type's I/O), or one that resolves names at run
+-- time under the caller's search_path (an SQL or PL function without its
+-- own: citext's SQL functions, run by whoever builds or REINDEXes the
+-- index).
+create function fence.declaration_code_problem(p_tree pg_node_tree) returns text
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+  with tree(t) as (select p_tree::text where p_tree is not null),
+  funcs(f) as (
+    select m[2]::oid from tree, pg_catalog.regexp_matches(tree.t, ':(funcid|opfuncid) ([0-9]+)', 'g') m
+    union
+    select o.oprcode::oid from tree, pg_catalog.regexp_matches(tree.t, ':opno ([0-9]+)', 'g') m
+      join pg_catalog.pg_operator o on o.oid = m[1]::oid)
+  select coalesce(
+    (select 'a whole-row or system column' from tree where tree.t ~ ':varattno (0|-[0-9]+)'),
+    (select 'a value of the session (current_user, current_timestamp, ...)' from tree where tree.t ~ '[{](SQLVALUEFUNCTION|COERCEVIAIO|NEXTVALUEEXPR|CURRENTOFEXPR|PARAM) '),
+    (select pg_catalog.format('function %s, which is not immutable', x.oid::pg_catalog.regprocedure)
+       from funcs join pg_catalog.pg_proc x on x.oid = funcs.f
+      where x.provolatile <> 'i' order by x.oid limit 1),
+    fence.declaration_names_problem(p_tree))
+$$;
+
+revoke all on function fence.declaration_code_problem(pg_node_tree), fence.declaration_names_problem(pg_node_tree) from public;
+
+-- declaration_names_rel: declaration_names_problem for rel's CHECK
+-- constraints, indexes and partition key, as the guard says it, or null.
+create function fence.declaration_names_rel(p_rel regclass) returns text
+language sql stable
+set search_path = pg_catalog, fence, pg_temp
+as $$
+  select pg_catalog.format('keep %s, which calls %s', d.what, fence.declaration_names_problem(d.tree))
+    from (select pg_catalog.format('CHECK constraint %I', con.conname) as what, con.conbin as tree
+            from pg_catalog.pg_constraint con where con.conrelid = p_rel and con.contype = 'c'
+          union all
+          select pg_catalog.format('index %s', i.indexrelid::pg_catalog.regclass), i.indexprs
+            from pg_catalog.pg_index i where i.indrelid = p_rel
+          union all
+          select pg_catalog.format('index %s', i.indexrelid::pg_catalog.regclass), i.indpred
+            from pg_catalog.pg_index i where i.indrelid = p_rel
+          union all
+          select 'its partition key', pt.partexprs
+            from pg_catalog.pg_partitioned_table pt where pt.partrelid = p_rel) d
+   where fence.declaration_names_problem(d.tree) is not null
+   limit 1
+$$;
+revoke all on function fence.declaration_names_rel(regclass) from public;
+
 -- declaration_problem: a CHECK constraint, an index (valid or not) or the
 -- partition key of rel that depends on an object other than rel that is
 -- not fixed (fence.declared_fixed; pg_depend's normal dependencies: a
@@ -166,7 +252,11 @@ as $$
     union all
     select pg_catalog.format('%s, which holds a value of an OID-alias type (what a function reads through it is the catalog''s current state)', d.what), d.ord, d.name
       from decl d
-     where fence.declaration_reads_catalog(d.tree)) x
+     where fence.declaration_reads_catalog(d.tree)
+    union all
+    select pg_catalog.format('%s, which uses %s', d.what, fence.declaration_code_problem(d.tree)), d.ord, d.name
+      from decl d
+     where fence.declaration_code_problem(d.tree) is not null) x
    order by x.ord, x.name
    limit 1
 $$;
@@ -245,6 +335,42 @@ begin
     return v || ': PostgreSQL trusts what it declares of the rows';
   end if;
   -- Triggers:$new$),
+      ('fence.guard_ddl_end()'::regprocedure,
+          $old$        v_problem := fence.exclusion_problem(p.relid); -- (032) round 24, AX-H1
+      end if;$old$,
+          $new$        v_problem := fence.exclusion_problem(p.relid); -- (032) round 24, AX-H1
+      end if;
+      if v_problem is null and v_allowed then
+        -- (033) Not even an administrator's: round 27, BG-H4.
+        v_read := fence.declaration_names_rel(p.relid);
+        if v_read is not null then
+          raise exception '% on protected table % would %', v_tag, p.relid, v_read
+            using errcode = 'FN010',
+                  detail = 'whoever builds or reindexes the index (the table''s owner too, with REINDEX, which fires no event trigger) runs it under their own search_path, where an operator or function of theirs of the same name is found first',
+                  hint = 'give the function a search_path of its own (ALTER FUNCTION … SET search_path = pg_catalog, …), or use one that has it';
+        end if;
+        v_read := null;
+      end if;$new$),
+      ('fence.guard_ddl_start()'::regprocedure,
+          $old$  if fence.guard_idle() then
+    return;
+  end if;$old$,
+          $new$  if fence.guard_idle() then
+    return;
+  end if;
+  -- (033) CREATE INDEX CONCURRENTLY commits its index before the guard
+  -- can refuse it at the command's end, and REINDEX (no event trigger on
+  -- PostgreSQL 15) makes what is left valid: a non-administrator may not
+  -- run it in a database with protected tables (round 26, BD-H3; round
+  -- 27, BG-M1). The keyword cannot be hidden: it is one word of the
+  -- statement's own text, which runs alone.
+  if tg_tag = 'CREATE INDEX' and pg_catalog.strpos(pg_catalog.lower(pg_catalog.current_query()), 'concurrently') > 0
+     and not fence.is_admin() then
+    raise exception 'CREATE INDEX CONCURRENTLY in a database with protected tables needs pgfence_bypass, and role "%" is not a member', session_user
+      using errcode = 'FN010',
+            detail = 'a concurrent build commits its index before the DDL guard can judge it, and what a refusal leaves behind REINDEX would make valid',
+            hint = 'build the index without CONCURRENTLY, or ask a member of pgfence_bypass (a DBA) to build it';
+  end if;$new$),
       ('fence.protect(regclass, text)'::regprocedure,
           $old$  if fence.sync_tree(tbl, job_key_column, true) then
     perform pg_notify$old$,

@@ -191,7 +191,7 @@ func bypassGuardReach(t *testing.T) {
 	// queries once the owner replaces the function.
 	t.Run("check_constraint_calling_owner_function", func(t *testing.T) {
 		c.as(t, o, `create table gr_xp (job_key text not null, v int); create table gr_xc () inherits (gr_xp);
-create function public.gr_lim() returns int language sql immutable as 'select 100'`)
+create function public.gr_lim() returns int language sql immutable set search_path = pg_catalog as 'select 100'`)
 		protect(t, "gr_xp")
 		for _, route := range castRoutes {
 			refused(t, route, "alter table gr_xc add constraint gr_k check (v < public.gr_lim())")

@@ -147,6 +147,11 @@ union all select 'kparents ' || r::text from kparents r`
 		// function (FN010, round 25, BA-H2); one a bypass member adds
 		// must still not switch keys.
 		c.refusedAs(t, c.owner, `create index kt_switch on kt (rt_idx(v))`, "FN010")
+		// Not even a bypass member's may resolve names under the
+		// caller's search_path (round 27, BG-H4): the gadgets get one.
+		c.refusedAs(t, c.dba, `create index kt_switch on kt (rt_idx(v))`, "FN010")
+		c.as(t, c.owner, `alter function public.rt_idx(text) set search_path = pg_catalog, public;
+alter function public.rt_check(text) set search_path = pg_catalog, public`)
 		c.as(t, c.dba, `create index kt_switch on kt (rt_idx(v));`)
 		c.tryRows(t, attempt{role: w, lease: cur, sql: "update kt set v = 'x' where k = 1", code: notOwner}, rows)
 		c.as(t, c.dba, "drop index kt_switch")

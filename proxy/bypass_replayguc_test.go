@@ -35,9 +35,9 @@ func bypassReplayGUC(t *testing.T) {
 	})
 	setReplay := "pg_catalog.set_config('pgfence.replay', pg_catalog.pg_current_xact_id()::text, true)"
 	c.as(t, c.owner, fmt.Sprintf(`
-create function public.idx_hook(t text) returns text language plpgsql immutable as $$
+create function public.idx_hook(t text) returns text language plpgsql immutable set search_path = pg_catalog as $$
 begin perform %[1]s; return t; end $$;
-create function public.chk_hook(t text) returns boolean language plpgsql immutable as $$
+create function public.chk_hook(t text) returns boolean language plpgsql immutable set search_path = pg_catalog as $$
 begin perform %[1]s; return true; end $$;
 `, setReplay))
 	// The DDL guard refuses the owner an index calling its own function

@@ -340,8 +340,11 @@ func (h *fenceSession) onError(s gateConn, msg []byte, t *tag) (Verdict, error) 
 	forged := false
 	if e.Code == fence.CodeReplay && st == stepClient && (t.afterReceipt || gatedOK) {
 		// Not pgfence's: fence.commit raises its replay before its row,
-		// and the database's replay guard fires only in a transaction
-		// whose gate found a receipt. Said as what it is, so that no
+		// and the database's replay guard fires only at the COMMIT of a
+		// transaction whose gate found a receipt, or that the backstop
+		// fenced where the proxy could not see (one before any gate, or
+		// in a replaying transaction, may be the guard's: round 27,
+		// BH-M1, a known limit). Said as what it is, so that no
 		// client takes it for a replay (round 26, BE-1: the owner's
 		// deferred trigger, at a COMMIT AND CHAIN, forged the proxy's
 		// own answer to one), and not followed as one (BE-2).

@@ -565,6 +565,13 @@ func (s *State) TxStatus(b byte) error {
 	case 'I':
 		switch {
 		case s.tx == Idle:
+			// An implicit transaction the state never opened (a simple
+			// Query's autocommit statement) has ended, committed or
+			// failed: what the gate noted of it goes with it (round 27,
+			// BH-H2: a failed autocommit write left the gate set, and the
+			// next transaction, even an empty one, wrote a receipt for its
+			// step).
+			s.gate = Gate{}
 			return nil
 		case !s.explicit && s.tx == InTx:
 			s.Commit(false)

@@ -25,7 +25,7 @@ type Result struct {
 }
 
 var (
-	tpsRe  = regexp.MustCompile(`tps = ([0-9.]+) \(without initial connection time\)`)
+	tpsRe  = regexp.MustCompile(`tps = ([0-9.]+) \((?:without initial connection time|including reconnection times)\)`)
 	latRe  = regexp.MustCompile(`latency average = ([0-9.]+) ms`)
 	txnsRe = regexp.MustCompile(`number of transactions actually processed: ([0-9]+)`)
 )
