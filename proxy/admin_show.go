@@ -388,7 +388,7 @@ func (s *Server) showDatabases() *adminTable {
 		servers[p.db] += p.srv
 		clients[p.db] += p.active + p.waiting
 	}
-	poolSize := max(s.live().maxClients, 0)
+	lim := s.live().poolLimits // the same for every database (pool settings: pools.go)
 	ctl := &s.ops.ctl
 	for _, db := range s.databases() {
 		ctl.mu.Lock()
@@ -399,7 +399,7 @@ func (s *Server) showDatabases() *adminTable {
 			t.add(db, nil, port, db, AdminDatabase, 2, 0, 0, 0, "statement", nil, 0, 0, 0, clients[db], 0, 0)
 			continue
 		}
-		t.add(db, s.primary.Host, int(s.primary.Port), db, nil, poolSize, 0, 0, 0, "session", nil, 0,
+		t.add(db, s.primary.Host, int(s.primary.Port), db, nil, lim.PoolSize, 0, lim.ReserveSize, int(lim.Lifetime.Seconds()), "session", nil, lim.MaxDB,
 			servers[db], 0, clients[db], b2i(paused), b2i(disabled))
 	}
 	return t
@@ -438,7 +438,9 @@ func (s *Server) showUsers() *adminTable {
 		set[u] = true
 	}
 	for _, u := range slices.Sorted(maps.Keys(set)) {
-		t.add(u, "", "", nil, 0, servers[u], 0, clients[u])
+		// pool_size and reserve_pool_size: a user's own, which pgfence
+		// does not have (PgBouncer shows none then); its max_user_connections.
+		t.add(u, "", "", nil, live.poolLimits.MaxUser, servers[u], 0, clients[u])
 	}
 	return t
 }

@@ -102,6 +102,11 @@ func TestServerConnectionLimits(t *testing.T) {
 		if row == nil || row["cl_waiting"] != "1" || row["sv_active"] != "2" || (row["maxwait"] == "0" && row["maxwait_us"] == "0") {
 			t.Fatalf("SHOW POOLS while a client waits: %v", row)
 		}
+		for _, r := range table(t, adm, "SHOW DATABASES") {
+			if r["name"] == db && r["pool_size"] != "2" {
+				t.Fatalf("SHOW DATABASES pool_size %q, want default_pool_size 2", r["pool_size"])
+			}
+		}
 		// Another user's pool is not held back.
 		mustConnect("pool_u2").Close(ctx)
 		a.Close(ctx)
