@@ -34,6 +34,10 @@
 -- a transaction open across fence.protect, and a joining member's
 -- partition key.
 --
+-- Attack round 28 (attacker BJ): pg_catalog's output functions are
+-- marked immutable but print as the session's settings say, and REINDEX
+-- rebuilds an index under the owner's session: refused too.
+--
 -- Attack round 27 (attacker BG) found more that PostgreSQL trusts and
 -- the rows do not say: a whole-row test a later ADD COLUMN makes false
 -- for every row; tableoid, current_user or statement_timestamp() in a
@@ -171,6 +175,13 @@ as $$
     (select pg_catalog.format('function %s, which is not immutable', x.oid::pg_catalog.regprocedure)
        from funcs join pg_catalog.pg_proc x on x.oid = funcs.f
       where x.provolatile <> 'i' order by x.oid limit 1),
+    -- A type's output function, though marked immutable, prints what
+    -- the session's settings say (float8out: extra_float_digits;
+    -- byteaout: bytea_output), and REINDEX runs it under the session of
+    -- whoever rebuilds the index (round 28, BJ-H1).
+    (select pg_catalog.format('function %s, a type''s output function, which prints as the session''s settings say', x.oid::pg_catalog.regprocedure)
+       from funcs join pg_catalog.pg_proc x on x.oid = funcs.f
+      where exists (select 1 from pg_catalog.pg_type ty where ty.typoutput = x.oid) order by x.oid limit 1),
     fence.declaration_names_problem(p_tree))
 $$;
 

@@ -169,6 +169,10 @@ create table dc_pt_mid partition of dc_pt for values from (100) to (1000)`)
 			"alter table dc_plain add constraint dc_w3 check (tableoid <> 0)",
 			"alter table dc_plain add constraint dc_w4 check (current_user <> 'postgres')",
 			"alter table dc_plain add constraint dc_w5 check (statement_timestamp() < '2100-01-01')",
+			// Round 28, BJ-H1: an output function prints as the session
+			// says (extra_float_digits), and REINDEX runs it under the
+			// owner's.
+			"create index dc_w7 on dc_plain ((textin(float8out(v::float8))))",
 		} {
 			c.refusedAs(t, o, sql, castLocked)
 		}

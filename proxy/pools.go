@@ -190,7 +190,68 @@ func (s *Server) takeParked(slot *pool.Slot, log *zap.Logger) (*pgconn.HijackedC
 		pb.Close()
 		return nil, time.Time{}
 	}
+	if err := pb.admits(); err != nil {
+		// Opened anew, the connection gets PostgreSQL's own answer.
+		log.Info("parked server connection not reused: its role or database no longer admits a new session", zap.Error(err))
+		pb.Close()
+		return nil, time.Time{}
+	}
 	return pb.hijacked(), slot.Born
+}
+
+// admitsQuery asks a parked backend whether what PostgreSQL checks when a
+// session starts (the role may log in and has not expired, the database
+// allows connections and the role has CONNECT on it) still holds: a
+// client handed a backend parked before a REVOKE CONNECT, ALTER ROLE …
+// NOLOGIN or ALTER DATABASE … ALLOW_CONNECTIONS false would otherwise
+// get a session PostgreSQL now refuses (round 28, BK-H1). Every name and
+// operator is pg_catalog's: the role's own search_path, in force after
+// DISCARD ALL, steers none of it. pg_hba.conf is not SQL's to read: its
+// changes reach parked backends with server_idle_timeout,
+// server_lifetime or RECONNECT, as with PgBouncer.
+const admitsQuery = `SELECT coalesce((SELECT r.rolcanlogin AND (r.rolvaliduntil IS NULL OR r.rolvaliduntil OPERATOR(pg_catalog.>) pg_catalog.now())
+ FROM pg_catalog.pg_roles r WHERE r.rolname OPERATOR(pg_catalog.=) pg_catalog."session_user"()), false)
+ AND coalesce((SELECT d.datallowconn FROM pg_catalog.pg_database d WHERE d.datname OPERATOR(pg_catalog.=) pg_catalog.current_database()), false)
+ AND pg_catalog.has_database_privilege(pg_catalog.current_database(), 'CONNECT')`
+
+// admits runs admitsQuery on pb: nil when the answer is exactly one row
+// 't' and ReadyForQuery 'I'.
+func (pb *parkedBackend) admits() error {
+	pb.conn.SetDeadline(time.Now().Add(resetTimeout))
+	defer pb.conn.SetDeadline(time.Time{})
+	msg, err := (&pgproto3.Query{String: admitsQuery}).Encode(nil)
+	if err != nil {
+		return err
+	}
+	if _, err := pb.conn.Write(msg); err != nil {
+		return err
+	}
+	fe := pgproto3.NewFrontend(&frameReader{r: pb.conn}, io.Discard)
+	admitted := false
+	for {
+		m, err := fe.Receive()
+		if err != nil {
+			return err
+		}
+		switch m := m.(type) {
+		case *pgproto3.RowDescription, *pgproto3.NoticeResponse, *pgproto3.ParameterStatus:
+		case *pgproto3.DataRow:
+			admitted = len(m.Values) == 1 && string(m.Values[0]) == "t"
+		case *pgproto3.CommandComplete:
+		case *pgproto3.ReadyForQuery:
+			if m.TxStatus != 'I' {
+				return fmt.Errorf("admits: ReadyForQuery %q", m.TxStatus)
+			}
+			if !admitted {
+				return errors.New("the role may no longer log in, or the database no longer admits it")
+			}
+			return nil
+		case *pgproto3.ErrorResponse:
+			return fmt.Errorf("admits: %s (SQLSTATE %s)", m.Message, m.Code)
+		default:
+			return fmt.Errorf("admits: unexpected %T", m)
+		}
+	}
 }
 
 // park leaves sess's backend, which its session kept for it

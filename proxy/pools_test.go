@@ -461,6 +461,25 @@ SELECT pg_advisory_lock(4242); LISTEN a_channel; DECLARE a_cur CURSOR WITH HOLD 
 	})
 	parked(1)
 
+	// Round 28, BK-H1: a client handed a backend parked before its role
+	// lost CONNECT got a session PostgreSQL now refuses.
+	t.Run("revoke_connect", func(t *testing.T) {
+		f := connect("reuse-revoke")
+		f.Close(ctxT(t))
+		parked(2)
+		if _, err := obs.Exec(ctx, "REVOKE CONNECT ON DATABASE "+db+" FROM PUBLIC"); err != nil {
+			t.Fatal(err)
+		}
+		_, err := pgconn.Connect(ctxT(t), dsn("reuse-revoke"))
+		if _, gerr := obs.Exec(ctx, "GRANT CONNECT ON DATABASE "+db+" TO PUBLIC"); gerr != nil {
+			t.Fatal(gerr)
+		}
+		if got := pgtest.SQLState(err); got != "42501" {
+			t.Fatalf("a client whose role lost CONNECT, with a backend parked for it: %v (SQLSTATE %q), want PostgreSQL's 42501", err, got)
+		}
+		parked(1)
+	})
+
 	t.Run("server_idle_timeout", func(t *testing.T) {
 		old := p.srv.live()
 		nl := *old
