@@ -171,7 +171,7 @@ as $$
       join pg_catalog.pg_operator o on o.oid = m[1]::oid)
   select coalesce(
     (select 'a whole-row or system column' from tree where tree.t ~ ':varattno (0|-[0-9]+)'),
-    (select 'a value of the session (current_user, current_timestamp, ...)' from tree where tree.t ~ '[{](SQLVALUEFUNCTION|COERCEVIAIO|NEXTVALUEEXPR|CURRENTOFEXPR|PARAM) '),
+    (select 'a value of the session (current_user, current_timestamp, ...)' from tree where tree.t ~ '[{](SQLVALUEFUNCTION|COERCEVIAIO|NEXTVALUEEXPR|CURRENTOFEXPR|PARAM|XMLEXPR) '),
     (select pg_catalog.format('function %s, which is not immutable', x.oid::pg_catalog.regprocedure)
        from funcs join pg_catalog.pg_proc x on x.oid = funcs.f
       where x.provolatile <> 'i' order by x.oid limit 1),

@@ -116,6 +116,10 @@ type state struct {
 	reserve int // of which reserve slots
 	waiting int
 	idle    []*parked // parked connections, the longest parked first
+	// resetting: the signatures of connections being reset to be parked
+	// (Slot.Parking), one entry each; a client of one waits for it
+	// rather than opening a connection.
+	resetting map[*Slot]string
 }
 
 // parked is a connection parked in a pool, with the slot it holds.
@@ -182,6 +186,31 @@ func (s *Slot) finish() bool {
 	return true
 }
 
+// Parking says that s's connection is being reset to be parked with
+// signature sig (Park or Release comes next): a client of the pool with
+// that signature waits for it rather than opening another, the reset
+// costing less than a new connection.
+func (s *Slot) Parking(sig string) {
+	if sig == "" {
+		return
+	}
+	p := s.p
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	st := p.pools[s.key]
+	if st.resetting == nil {
+		st.resetting = map[*Slot]string{}
+	}
+	st.resetting[s] = sig
+}
+
+// resetDoneLocked forgets that s's connection is being reset.
+func (p *Pools) resetDoneLocked(s *Slot) {
+	if st := p.pools[s.key]; st != nil {
+		delete(st.resetting, s)
+	}
+}
+
 // Release gives the slot back (its connection is closed, or was never
 // opened); the first client waiting for one that now fits gets it.
 // Releasing twice, or after Park, is harmless.
@@ -192,6 +221,7 @@ func (s *Slot) Release() {
 	p := s.p
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	p.resetDoneLocked(s)
 	p.dropLocked(s.key, s.reserve)
 	p.grantLocked()
 	p.forgetLocked(s.key)
@@ -221,6 +251,7 @@ func (s *Slot) Park(conn Conn, sig string, born time.Time) bool {
 	}
 	p := s.p
 	p.mu.Lock()
+	p.resetDoneLocked(s)
 	now := p.now()
 	pk := &parked{conn: conn, sig: sig, born: born, since: now, jitter: rand.Float64() / 10, slot: &Slot{p: p, key: s.key, reserve: s.reserve}}
 	if pk.expired(p.limits(s.key), now) {
@@ -296,12 +327,15 @@ func (p *Pools) Regrant() {
 	p.grantLocked()
 }
 
-// CloseIdle closes every parked connection (a shutdown, or the primary
-// changed under them).
-func (p *Pools) CloseIdle() {
+// CloseIdleOf closes the parked connections of database db (every
+// database's when db is empty: RECONNECT).
+func (p *Pools) CloseIdleOf(db string) {
 	p.mu.Lock()
 	var closed []Conn
 	for key, st := range p.pools {
+		if db != "" && key.Database != db {
+			continue
+		}
 		for _, pk := range st.idle {
 			closed = append(closed, pk.conn)
 			p.dropLocked(key, pk.slot.reserve)
@@ -316,6 +350,10 @@ func (p *Pools) CloseIdle() {
 	p.mu.Unlock()
 	closeAll(closed)
 }
+
+// CloseIdle closes every parked connection (a shutdown, or the primary
+// changed under them).
+func (p *Pools) CloseIdle() { p.CloseIdleOf("") }
 
 // Acquire returns a slot of key's pool: at once when the limits allow,
 // else after waiting behind the clients of the pool that came before.
@@ -464,6 +502,12 @@ func (p *Pools) grantLocked() {
 			p.giveParkedLocked(w, pk, now)
 			continue
 		}
+		if p.resettingLocked(w.key, w.sig) {
+			// One of its signature is being reset: it waits for it.
+			blocked[w.key] = true
+			kept = append(kept, w)
+			continue
+		}
 		lim := p.limits(w.key)
 		mayReserve := lim.ReserveSize > 0 && now.Sub(w.since) >= lim.ReserveTimeout
 		full := p.fullLocked(w.key, lim, false)
@@ -512,6 +556,21 @@ func (p *Pools) takeParkedLocked(key Key, sig string) *parked {
 		}
 	}
 	return nil
+}
+
+// resettingLocked reports whether a connection of key's pool with
+// signature sig is being reset to be parked ("" matches none).
+func (p *Pools) resettingLocked(key Key, sig string) bool {
+	st := p.pools[key]
+	if sig == "" || st == nil {
+		return false
+	}
+	for _, rs := range st.resetting {
+		if rs == sig {
+			return true
+		}
+	}
+	return false
 }
 
 // evictableLocked takes the longest parked connection that counts

@@ -535,3 +535,47 @@ func TestConcurrentParkingNeverOverLimit(t *testing.T) {
 		t.Fatalf("%d open, pools %+v", open.Load(), p.Stats())
 	}
 }
+
+// A client whose signature's connection is being reset waits for it
+// (Slot.Parking) rather than opening one, and gets it parked; if the
+// reset fails (Release), it gets a slot of its own.
+func TestWaitForAConnectionBeingReset(t *testing.T) {
+	p := New(fixed(Limits{}))
+	ctx := context.Background()
+	for _, parks := range []bool{true, false} {
+		s := acq(t, p, a)
+		s.Parking("x")
+		ch := make(chan *Slot, 1)
+		go func() {
+			got, err := p.Acquire(ctx, a, "x")
+			if err != nil {
+				t.Error(err)
+			}
+			ch <- got
+		}()
+		waiting(t, p, a, 1)
+		conn := newConn("c", nil)
+		if parks {
+			s.Park(conn, "x", time.Now())
+		} else {
+			s.Release()
+		}
+		got := <-ch
+		if parks && got.Conn != Conn(conn) || !parks && got.Conn != nil {
+			t.Fatalf("parks %v: the waiting client got %v", parks, got.Conn)
+		}
+		got.Release()
+	}
+	// Another signature does not wait for it.
+	s := acq(t, p, a)
+	s.Parking("x")
+	other, err := p.Acquire(ctx, a, "y")
+	if err != nil || other.Conn != nil {
+		t.Fatalf("another signature: %v %v", other, err)
+	}
+	other.Release()
+	s.Release()
+	if len(p.Stats()) != 0 {
+		t.Fatalf("pools left: %+v", p.Stats())
+	}
+}

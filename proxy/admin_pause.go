@@ -553,8 +553,9 @@ func (s *Server) cmdReconnect(con *console, db string) *pgproto3.ErrorResponse {
 		return adminError("55000", "cannot reconnect admin db: "+db, "")
 	}
 	for _, ss := range s.sessionsOf(db) {
-		ss.info.closeNeeded.Store(true)
+		ss.info.closeNeeded.Store(true) // not parked either (mayKeepServer)
 	}
+	s.pools.CloseIdleOf(db) // server_reuse's parked ones (round 28, BK-M1)
 	con.log.Info("RECONNECT command issued", zap.String("database", orAll(db)))
 	return nil
 }

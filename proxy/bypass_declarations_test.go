@@ -173,6 +173,9 @@ create table dc_pt_mid partition of dc_pt for values from (100) to (1000)`)
 			// says (extra_float_digits), and REINDEX runs it under the
 			// owner's.
 			"create index dc_w7 on dc_plain ((textin(float8out(v::float8))))",
+			// ... and an XML expression reads xmlbinary, calling no
+			// function at all.
+			"create index dc_w8 on dc_plain ((xmlserialize(content xmlelement(name a, job_key) as text)))",
 		} {
 			c.refusedAs(t, o, sql, castLocked)
 		}

@@ -178,7 +178,7 @@ func (pb *parkedBackend) reset() error {
 // when it can still serve, as the connection open would have dialed, and
 // when it was opened; nil when there was none or it has ended (it is
 // closed: the slot stays, for the backend open dials instead).
-func (s *Server) takeParked(slot *pool.Slot, log *zap.Logger) (*pgconn.HijackedConn, time.Time) {
+func (s *Server) takeParked(slot *pool.Slot, user string, log *zap.Logger) (*pgconn.HijackedConn, time.Time) {
 	pb, ok := slot.Conn.(*parkedBackend)
 	if !ok {
 		return nil, time.Time{}
@@ -190,7 +190,7 @@ func (s *Server) takeParked(slot *pool.Slot, log *zap.Logger) (*pgconn.HijackedC
 		pb.Close()
 		return nil, time.Time{}
 	}
-	if err := pb.admits(); err != nil {
+	if err := pb.admits(user); err != nil {
 		// Opened anew, the connection gets PostgreSQL's own answer.
 		log.Info("parked server connection not reused: its role or database no longer admits a new session", zap.Error(err))
 		pb.Close()
@@ -209,17 +209,38 @@ func (s *Server) takeParked(slot *pool.Slot, log *zap.Logger) (*pgconn.HijackedC
 // DISCARD ALL, steers none of it. pg_hba.conf is not SQL's to read: its
 // changes reach parked backends with server_idle_timeout,
 // server_lifetime or RECONNECT, as with PgBouncer.
-const admitsQuery = `SELECT coalesce((SELECT r.rolcanlogin AND (r.rolvaliduntil IS NULL OR r.rolvaliduntil OPERATOR(pg_catalog.>) pg_catalog.now())
+//
+// And that it is the client's role: the backend's session user by OID
+// has the name the client logged in with (round 28, BK-H3: a role
+// renamed, and a new one made with its name, was handed the old one's
+// backend), is not a superuser, and the backend does not remember
+// having been one's (BK-H2); and neither the role's nor the database's
+// connection limit is 0.
+const admitsQuery = `SELECT coalesce((SELECT r.rolcanlogin AND NOT r.rolsuper AND r.rolconnlimit OPERATOR(pg_catalog.<>) 0
+   AND (r.rolvaliduntil IS NULL OR r.rolvaliduntil OPERATOR(pg_catalog.>) pg_catalog.now())
+   AND r.rolname OPERATOR(pg_catalog.=) %s
  FROM pg_catalog.pg_roles r WHERE r.rolname OPERATOR(pg_catalog.=) pg_catalog."session_user"()), false)
- AND coalesce((SELECT d.datallowconn FROM pg_catalog.pg_database d WHERE d.datname OPERATOR(pg_catalog.=) pg_catalog.current_database()), false)
- AND pg_catalog.has_database_privilege(pg_catalog.current_database(), 'CONNECT')`
+ AND coalesce((SELECT d.datallowconn AND d.datconnlimit OPERATOR(pg_catalog.<>) 0 FROM pg_catalog.pg_database d
+   WHERE d.datname OPERATOR(pg_catalog.=) pg_catalog.current_database()), false)
+ AND pg_catalog.has_database_privilege(pg_catalog.current_database(), 'CONNECT')
+ AND pg_catalog.current_setting('is_superuser') OPERATOR(pg_catalog.=) 'off'`
 
-// admits runs admitsQuery on pb: nil when the answer is exactly one row
-// 't' and ReadyForQuery 'I'.
-func (pb *parkedBackend) admits() error {
+// dollarQuote quotes s as a dollar-quoted literal, whose tag s does not
+// hold: read the same whatever standard_conforming_strings says.
+func dollarQuote(s string) string {
+	tag := "$pgfence$"
+	for i := 0; strings.Contains(s, tag); i++ {
+		tag = "$pgfence" + strconv.Itoa(i) + "$"
+	}
+	return tag + s + tag
+}
+
+// admits runs admitsQuery for the client's user on pb: nil when the
+// answer is exactly one row 't' and ReadyForQuery 'I'.
+func (pb *parkedBackend) admits(user string) error {
 	pb.conn.SetDeadline(time.Now().Add(resetTimeout))
 	defer pb.conn.SetDeadline(time.Time{})
-	msg, err := (&pgproto3.Query{String: admitsQuery}).Encode(nil)
+	msg, err := (&pgproto3.Query{String: fmt.Sprintf(admitsQuery, dollarQuote(user))}).Encode(nil)
 	if err != nil {
 		return err
 	}
@@ -259,6 +280,9 @@ func (pb *parkedBackend) admits() error {
 // startup parameters; or closes it when the reset fails or the server
 // is shutting down. slot is the session's.
 func (s *Server) park(sess *Session, slot *pool.Slot) {
+	// A client of its signature that comes meanwhile waits for it (the
+	// reset is a round trip; a new backend a fork and a login).
+	slot.Parking(sess.sig)
 	fd := sess.keptFD
 	conn, err := fileConn(fd) // evloop_bridge.go: takes fd over
 	if err != nil {
@@ -314,7 +338,11 @@ func (s *Server) closeParked() { s.pools.CloseIdle() }
 // (relay.quietServer).
 func (s *Session) mayKeepServer(err error) bool {
 	if !errors.Is(err, errClientTerminate) || s.h == nil || !s.srv.live().serverReuse ||
-		s.killedReason() != nil || s.st.Closed() || s.rt.fatal.Load() != nil || s.srv.draining.Load() {
+		s.killedReason() != nil || s.st.Closed() || s.rt.fatal.Load() != nil || s.srv.draining.Load() ||
+		s.info.closeNeeded.Load() || s.ServerParams["is_superuser"] != "off" {
+		// RECONNECT marked it (round 28, BK-M1); a superuser's backend
+		// keeps, past DISCARD ALL, that its user was one when it
+		// started (SET SESSION AUTHORIZATION): never handed on (BK-H2).
 		return false
 	}
 	s.connMu.Lock()

@@ -307,7 +307,8 @@ func TestServerReuse(t *testing.T) {
 	}
 	defer obs.Close(context.Background())
 	obs.Exec(ctx, "CREATE ROLE reuse_u LOGIN") // the roles are the cluster's: made once
-	p := startProxy(t, Config{PoolSize: 2, ServerReuse: true, ServerIdleTimeout: time.Hour, Interceptor: newGate(t)})
+	p := startProxy(t, withConsole(Config{PoolSize: 2, ServerReuse: true, ServerIdleTimeout: time.Hour, Interceptor: newGate(t)}))
+	adm := mustConsole(t, p, "admin")
 	dsn := func(app string) string {
 		return fmt.Sprintf("postgres://reuse_u@127.0.0.1:%d/%s?sslmode=disable&application_name=%s", p.addr.Port, db, app)
 	}
@@ -477,6 +478,53 @@ SELECT pg_advisory_lock(4242); LISTEN a_channel; DECLARE a_cur CURSOR WITH HOLD 
 		if got := pgtest.SQLState(err); got != "42501" {
 			t.Fatalf("a client whose role lost CONNECT, with a backend parked for it: %v (SQLSTATE %q), want PostgreSQL's 42501", err, got)
 		}
+		parked(1)
+	})
+
+	// Round 28, BK-H3: a role renamed, and a new one made with its name,
+	// was handed the old role's parked backend.
+	t.Run("role_renamed", func(t *testing.T) {
+		obs.Exec(ctx, "CREATE ROLE reuse_r LOGIN")
+		r := fmt.Sprintf("postgres://reuse_r@127.0.0.1:%d/%s?sslmode=disable&application_name=reuse-r", p.addr.Port, db)
+		c1, err := pgconn.Connect(ctxT(t), r)
+		if err != nil {
+			t.Fatal(err)
+		}
+		c1.Close(ctxT(t))
+		parked(2)
+		if _, err := obs.Exec(ctx, "ALTER ROLE reuse_r RENAME TO reuse_r_old; CREATE ROLE reuse_r LOGIN"); err != nil {
+			t.Fatal(err)
+		}
+		defer obs.Exec(context.Background(), "DROP ROLE reuse_r; ALTER ROLE reuse_r_old RENAME TO reuse_r")
+		c2, err := pgconn.Connect(ctxT(t), r)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c2.Close(context.Background())
+		if got := value(c2, "SELECT session_user::text"); got != "reuse_r" {
+			t.Fatalf("the new role reuse_r runs as %q", got)
+		}
+		parked(1)
+	})
+
+	// A superuser's backend is never handed on (round 28, BK-H2: it
+	// keeps, past DISCARD ALL, that its user was one), and RECONNECT
+	// closes the parked ones (BK-M1).
+	t.Run("superuser_and_reconnect", func(t *testing.T) {
+		su, err := pgconn.Connect(ctxT(t), fmt.Sprintf("postgres://postgres@127.0.0.1:%d/%s?sslmode=disable&application_name=reuse-su", p.addr.Port, db))
+		if err != nil {
+			t.Fatal(err)
+		}
+		pid := value(su, "SELECT pg_backend_pid()::text")
+		su.Close(ctxT(t))
+		gone(pid)
+		parked(2) // reuse_u's, and the new reuse_r's
+		if _, err := adm.Exec(ctx, "RECONNECT "+db); err != nil {
+			t.Fatal(err)
+		}
+		parked(0)
+		f := connect("reuse-after-reconnect")
+		f.Close(ctxT(t))
 		parked(1)
 	})
 

@@ -618,7 +618,7 @@ func (d *endableDial) end() {
 // there is one that can still serve, else a new one.
 func (s *Server) open(raw, c net.Conn, st *startup, proof *Proof, log *zap.Logger, slot *pool.Slot) (*Session, error) {
 	user, db := st.params["user"], st.params["database"]
-	hj, born := s.takeParked(slot, log)
+	hj, born := s.takeParked(slot, user, log)
 	warm := hj != nil
 	var err error
 	if !warm {
