@@ -375,7 +375,7 @@ func (s *Session) deliver(msg []byte) error {
 		return err
 	}
 	if v == Forward {
-		if msg[0] == 'X' {
+		if msg[0] == 'X' && s.srv.live().serverReuse {
 			// The session's end tells the backend to end (closeServer),
 			// or parks it for the next client (pools.go).
 			return nil
