@@ -225,14 +225,10 @@ const admitsQuery = `SELECT coalesce((SELECT r.rolcanlogin AND NOT r.rolsuper AN
  AND pg_catalog.has_database_privilege(pg_catalog.current_database(), 'CONNECT')
  AND pg_catalog.current_setting('is_superuser') OPERATOR(pg_catalog.=) 'off'`
 
-// dollarQuote quotes s as a dollar-quoted literal, whose tag s does not
-// hold: read the same whatever standard_conforming_strings says.
-func dollarQuote(s string) string {
-	tag := "$pgfence$"
-	for i := 0; strings.Contains(s, tag); i++ {
-		tag = "$pgfence" + strconv.Itoa(i) + "$"
-	}
-	return tag + s + tag
+// escapeLiteral quotes s as an escape string literal (E'...'), which
+// reads the same whatever standard_conforming_strings says.
+func escapeLiteral(s string) string {
+	return "E'" + strings.NewReplacer(`\`, `\\`, `'`, `\'`).Replace(s) + "'"
 }
 
 // admits runs admitsQuery for the client's user on pb: nil when the
@@ -240,7 +236,7 @@ func dollarQuote(s string) string {
 func (pb *parkedBackend) admits(user string) error {
 	pb.conn.SetDeadline(time.Now().Add(resetTimeout))
 	defer pb.conn.SetDeadline(time.Time{})
-	msg, err := (&pgproto3.Query{String: fmt.Sprintf(admitsQuery, dollarQuote(user))}).Encode(nil)
+	msg, err := (&pgproto3.Query{String: fmt.Sprintf(admitsQuery, escapeLiteral(user))}).Encode(nil)
 	if err != nil {
 		return err
 	}

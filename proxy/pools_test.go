@@ -3,6 +3,7 @@ package proxy
 import (
 	"context"
 	"fmt"
+	"net/url"
 	"strings"
 	"testing"
 	"time"
@@ -507,6 +508,29 @@ SELECT pg_advisory_lock(4242); LISTEN a_channel; DECLARE a_cur CURSOR WITH HOLD 
 		parked(1)
 	})
 
+	// The check names the client's role in a literal: a name with a
+	// quote and a backslash still gets its own parked backend.
+	t.Run("quoted_role_name", func(t *testing.T) {
+		obs.Exec(ctx, `CREATE ROLE "reuse'q\" LOGIN`)
+		r := fmt.Sprintf("postgres://%s@127.0.0.1:%d/%s?sslmode=disable&application_name=reuse-q", url.PathEscape(`reuse'q\`), p.addr.Port, db)
+		c1, err := pgconn.Connect(ctxT(t), r)
+		if err != nil {
+			t.Fatal(err)
+		}
+		pid := value(c1, "SELECT pg_backend_pid()::text")
+		c1.Close(ctxT(t))
+		parked(3)
+		c2, err := pgconn.Connect(ctxT(t), r)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := value(c2, "SELECT pg_backend_pid()::text"); got != pid {
+			t.Fatalf("the role %q got backend %s, want its parked %s", `reuse'q\`, got, pid)
+		}
+		c2.Close(ctxT(t))
+		parked(3)
+	})
+
 	// A superuser's backend is never handed on (round 28, BK-H2: it
 	// keeps, past DISCARD ALL, that its user was one), and RECONNECT
 	// closes the parked ones (BK-M1).
@@ -518,7 +542,7 @@ SELECT pg_advisory_lock(4242); LISTEN a_channel; DECLARE a_cur CURSOR WITH HOLD 
 		pid := value(su, "SELECT pg_backend_pid()::text")
 		su.Close(ctxT(t))
 		gone(pid)
-		parked(2) // reuse_u's, and the new reuse_r's
+		parked(3) // reuse_u's, the new reuse_r's and reuse'q\'s
 		if _, err := adm.Exec(ctx, "RECONNECT "+db); err != nil {
 			t.Fatal(err)
 		}
