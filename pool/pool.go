@@ -227,6 +227,17 @@ func (s *Slot) Release() {
 	p.forgetLocked(s.key)
 }
 
+// addLocked puts a slot of key back on the counts (dropLocked undone).
+func (p *Pools) addLocked(key Key, reserve bool) {
+	st := p.pools[key]
+	st.held++
+	if reserve {
+		st.reserve++
+	}
+	p.byDB[key.Database]++
+	p.byUser[key.User]++
+}
+
 // dropLocked takes a slot of key off the counts.
 func (p *Pools) dropLocked(key Key, reserve bool) {
 	st := p.pools[key]
@@ -511,6 +522,7 @@ func (p *Pools) grantLocked() {
 		lim := p.limits(w.key)
 		mayReserve := lim.ReserveSize > 0 && now.Sub(w.since) >= lim.ReserveTimeout
 		full := p.fullLocked(w.key, lim, false)
+		var evicted []*parked
 		for full != "" {
 			if mayReserve && p.fullLocked(w.key, lim, true) == "" {
 				break
@@ -519,21 +531,29 @@ func (p *Pools) grantLocked() {
 			if pk == nil {
 				break
 			}
-			pk.evicted = true
-			w.evicted = append(w.evicted, pk.conn)
+			evicted = append(evicted, pk)
 			p.dropLocked(pk.slot.key, pk.slot.reserve)
-			p.forgetLocked(pk.slot.key)
-			p.totals.Evicted++
-			p.totals.Closed++
 			full = p.fullLocked(w.key, lim, false)
 		}
-		if full == "" {
-			p.giveLocked(w, false, now)
+		reserve := full != "" && mayReserve && p.fullLocked(w.key, lim, true) == ""
+		if full == "" || reserve {
+			for _, pk := range evicted {
+				pk.evicted = true
+				w.evicted = append(w.evicted, pk.conn)
+				p.forgetLocked(pk.slot.key)
+				p.totals.Evicted++
+				p.totals.Closed++
+			}
+			p.giveLocked(w, reserve, now)
 			continue
 		}
-		if mayReserve && p.fullLocked(w.key, lim, true) == "" {
-			p.giveLocked(w, true, now)
-			continue
+		// Still kept out (another bound none of the parked connections
+		// counts against): the ones taken out go back, for nothing.
+		for i := len(evicted) - 1; i >= 0; i-- {
+			pk := evicted[i]
+			p.addLocked(pk.slot.key, pk.slot.reserve)
+			st := p.pools[pk.slot.key]
+			st.idle = append([]*parked{pk}, st.idle...)
 		}
 		blocked[w.key] = true
 		kept = append(kept, w)

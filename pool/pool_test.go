@@ -579,3 +579,38 @@ func TestWaitForAConnectionBeingReset(t *testing.T) {
 		t.Fatalf("pools left: %+v", p.Stats())
 	}
 }
+
+// A parked connection is evicted only when that lets the client in:
+// still kept out by another bound, which no parked connection counts
+// against, the client waits and the parked connection stays (taken out
+// and never closed, it stayed open off the limits' count).
+func TestEvictOnlyWhenItLetsIn(t *testing.T) {
+	p := New(fixed(Limits{MaxDB: 1, MaxUser: 1, WaitTimeout: 50 * time.Millisecond}))
+	ctx := context.Background()
+	sb, _ := p.Acquire(ctx, b, "x") // bob, in db: parked
+	bobs := newConn("bob", nil)
+	sb.Park(bobs, "x", time.Now())
+	active, _ := p.Acquire(ctx, c, "") // alice, in another database: in use
+	// alice in db: max_db_connections (bob's parked one) could be made
+	// room for, max_user_connections (her own, in use) cannot.
+	_, err := p.Acquire(ctx, a, "y")
+	if !errors.Is(err, ErrWaitTimeout) {
+		t.Fatalf("got %v, want a wait timeout", err)
+	}
+	if bobs.closed.Load() {
+		t.Fatal("bob's parked connection was closed, though that could not let alice in")
+	}
+	if st := statOf(p, b); st.Idle != 1 || st.Held != 1 {
+		t.Fatalf("bob's pool after: %+v", st)
+	}
+	if tt := p.Totals(); tt.Evicted != 0 {
+		t.Fatalf("totals %+v", tt)
+	}
+	active.Release()
+	// Now making room works: alice gets in, bob's parked one closed.
+	got, err := p.Acquire(ctx, a, "y")
+	if err != nil || !bobs.closed.Load() {
+		t.Fatalf("after alice's other connection ended: %v, bob's closed %v", err, bobs.closed.Load())
+	}
+	got.Release()
+}
