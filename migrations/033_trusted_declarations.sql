@@ -146,6 +146,7 @@ as $$
   select pg_catalog.format('function %s, which resolves names under the search_path of whoever runs it', x.oid::pg_catalog.regprocedure)
     from funcs join pg_catalog.pg_proc x on x.oid = funcs.f
    where x.prolang not in (select l.oid from pg_catalog.pg_language l where l.lanname in ('internal', 'c'))
+     and x.prosqlbody is null -- a BEGIN ATOMIC body is parsed when made
      and not exists (select 1 from pg_catalog.unnest(x.proconfig) c where pg_catalog.left(c, 12) = 'search_path=')
    order by x.oid
    limit 1
