@@ -125,6 +125,19 @@ as $$
 $$;
 revoke all on function fence.declaration_reads_catalog(pg_node_tree) from public;
 
+-- declaration_functions: the functions an expression (a stored node
+-- tree) calls, its operators' included.
+create function fence.declaration_functions(p_tree pg_node_tree) returns setof oid
+language sql stable
+set search_path = pg_catalog, pg_temp
+as $$
+  select m[2]::oid from pg_catalog.regexp_matches(p_tree::text, ':(funcid|opfuncid) ([0-9]+)', 'g') m
+  union
+  select o.oprcode::oid from pg_catalog.regexp_matches(p_tree::text, ':opno ([0-9]+)', 'g') m
+    join pg_catalog.pg_operator o on o.oid = m[1]::oid
+$$;
+revoke all on function fence.declaration_functions(pg_node_tree) from public;
+
 -- declaration_names_problem: a function an expression calls (an
 -- operator's too) that resolves names at run time under the caller's
 -- search_path (an SQL or PL function without a search_path of its own),
@@ -137,14 +150,8 @@ create function fence.declaration_names_problem(p_tree pg_node_tree) returns tex
 language sql stable
 set search_path = pg_catalog, pg_temp
 as $$
-  with tree(t) as (select p_tree::text where p_tree is not null),
-  funcs(f) as (
-    select m[2]::oid from tree, pg_catalog.regexp_matches(tree.t, ':(funcid|opfuncid) ([0-9]+)', 'g') m
-    union
-    select o.oprcode::oid from tree, pg_catalog.regexp_matches(tree.t, ':opno ([0-9]+)', 'g') m
-      join pg_catalog.pg_operator o on o.oid = m[1]::oid)
   select pg_catalog.format('function %s, which resolves names under the search_path of whoever runs it', x.oid::pg_catalog.regprocedure)
-    from funcs join pg_catalog.pg_proc x on x.oid = funcs.f
+    from fence.declaration_functions(p_tree) f join pg_catalog.pg_proc x on x.oid = f
    where x.prolang not in (select l.oid from pg_catalog.pg_language l where l.lanname in ('internal', 'c'))
      and x.prosqlbody is null -- a BEGIN ATOMIC body is parsed when made
      and not exists (select 1 from pg_catalog.unnest(x.proconfig) c where pg_catalog.left(c, 12) = 'search_path=')
@@ -165,11 +172,7 @@ language sql stable
 set search_path = pg_catalog, pg_temp
 as $$
   with tree(t) as (select p_tree::text where p_tree is not null),
-  funcs(f) as (
-    select m[2]::oid from tree, pg_catalog.regexp_matches(tree.t, ':(funcid|opfuncid) ([0-9]+)', 'g') m
-    union
-    select o.oprcode::oid from tree, pg_catalog.regexp_matches(tree.t, ':opno ([0-9]+)', 'g') m
-      join pg_catalog.pg_operator o on o.oid = m[1]::oid)
+  funcs(f) as (select fence.declaration_functions(p_tree))
   select coalesce(
     (select 'a whole-row or system column' from tree where tree.t ~ ':varattno (0|-[0-9]+)'),
     (select 'a value of the session (current_user, current_timestamp, ...)' from tree where tree.t ~ '[{](SQLVALUEFUNCTION|COERCEVIAIO|NEXTVALUEEXPR|CURRENTOFEXPR|PARAM|XMLEXPR) '),
