@@ -354,7 +354,8 @@ func (s *Server) handle(c net.Conn) {
 	if !s.admit(conn, st, log) { // DISABLE, PAUSE: admin_pause.go
 		return
 	}
-	sv, err := s.serverSlot(conn, user, db, startupSignature(st.params), log) // pools.go
+	sig := startupSignature(st.params)
+	sv, err := s.serverSlot(conn, user, db, sig, log) // pools.go
 	if err != nil {
 		s.refuse(conn, err, log, "no server connection")
 		return
@@ -372,7 +373,7 @@ func (s *Server) handle(c net.Conn) {
 		return
 	}
 	start := time.Now()
-	sess, err := s.open(c, conn, st, proof, log, sv)
+	sess, err := s.open(c, conn, st, proof, log, sv, sig)
 	if err != nil {
 		s.refuse(conn, err, log, "upstream connect failed")
 		return
@@ -615,8 +616,9 @@ func (d *endableDial) end() {
 // goes, the client's connection is closed, never moved to another one.
 //
 // The backend is the one parked in slot (server_reuse: pools.go) when
-// there is one that can still serve, else a new one.
-func (s *Server) open(raw, c net.Conn, st *startup, proof *Proof, log *zap.Logger, slot *pool.Slot) (*Session, error) {
+// there is one that can still serve, else a new one; sig is the client's
+// startup signature, under which the session parks it.
+func (s *Server) open(raw, c net.Conn, st *startup, proof *Proof, log *zap.Logger, slot *pool.Slot, sig string) (*Session, error) {
 	user, db := st.params["user"], st.params["database"]
 	hj, born := s.takeParked(slot, user, log)
 	warm := hj != nil
@@ -656,7 +658,7 @@ func (s *Server) open(raw, c net.Conn, st *startup, proof *Proof, log *zap.Logge
 		closing:    make(chan struct{}),
 		upKey:      hj.SecretKey,
 		born:       born,
-		sig:        startupSignature(st.params),
+		sig:        sig,
 		warm:       warm,
 	}
 	sess.st.SetTx(hj.TxStatus)
