@@ -134,17 +134,24 @@ const resetTimeout = 5 * time.Second
 // "DISCARD ALL", then ReadyForQuery 'I'. Anything else, and the backend
 // is not parked.
 func (pb *parkedBackend) reset() error {
+	return pb.exchange("DISCARD ALL", "DISCARD ALL", nil)
+}
+
+// exchange sends sql, a simple Query, to pb and reads its answer one
+// message at a time, never past ReadyForQuery (frameReader): nil when it
+// is exactly CommandComplete tag (rows, if any, to row first), then
+// ReadyForQuery 'I', with ParameterStatus (kept in pb.params) and notices
+// anywhere. Anything else is an error, and pb is not to be used.
+func (pb *parkedBackend) exchange(sql, tag string, row func(*pgproto3.DataRow)) error {
 	pb.conn.SetDeadline(time.Now().Add(resetTimeout))
 	defer pb.conn.SetDeadline(time.Time{})
-	q := (&pgproto3.Query{String: "DISCARD ALL"})
-	msg, err := q.Encode(nil)
+	msg, err := (&pgproto3.Query{String: sql}).Encode(nil)
 	if err != nil {
 		return err
 	}
 	if _, err := pb.conn.Write(msg); err != nil {
 		return err
 	}
-	// One message at a time, never past ReadyForQuery (frameReader).
 	fe := pgproto3.NewFrontend(&frameReader{r: pb.conn}, io.Discard)
 	done := false
 	for {
@@ -156,20 +163,29 @@ func (pb *parkedBackend) reset() error {
 		case *pgproto3.ParameterStatus:
 			pb.params[m.Name] = m.Value
 		case *pgproto3.NoticeResponse:
+		case *pgproto3.RowDescription:
+			if row == nil || done {
+				return fmt.Errorf("%s: unexpected RowDescription", tag)
+			}
+		case *pgproto3.DataRow:
+			if row == nil || done {
+				return fmt.Errorf("%s: unexpected DataRow", tag)
+			}
+			row(m)
 		case *pgproto3.CommandComplete:
-			if done || string(m.CommandTag) != "DISCARD ALL" {
-				return fmt.Errorf("reset: unexpected CommandComplete %q", m.CommandTag)
+			if done || !strings.HasPrefix(string(m.CommandTag), tag) {
+				return fmt.Errorf("%s: unexpected CommandComplete %q", tag, m.CommandTag)
 			}
 			done = true
 		case *pgproto3.ReadyForQuery:
 			if !done || m.TxStatus != 'I' {
-				return fmt.Errorf("reset: ReadyForQuery %q before DISCARD ALL completed", m.TxStatus)
+				return fmt.Errorf("%s: ReadyForQuery %q before it completed", tag, m.TxStatus)
 			}
 			return nil
 		case *pgproto3.ErrorResponse:
-			return fmt.Errorf("reset: %s (SQLSTATE %s)", m.Message, m.Code)
+			return fmt.Errorf("%s: %s (SQLSTATE %s)", tag, m.Message, m.Code)
 		default:
-			return fmt.Errorf("reset: unexpected %T", m)
+			return fmt.Errorf("%s: unexpected %T", tag, m)
 		}
 	}
 }
@@ -232,43 +248,16 @@ func escapeLiteral(s string) string {
 }
 
 // admits runs admitsQuery for the client's user on pb: nil when the
-// answer is exactly one row 't' and ReadyForQuery 'I'.
+// answer is exactly one row 't'.
 func (pb *parkedBackend) admits(user string) error {
-	pb.conn.SetDeadline(time.Now().Add(resetTimeout))
-	defer pb.conn.SetDeadline(time.Time{})
-	msg, err := (&pgproto3.Query{String: fmt.Sprintf(admitsQuery, escapeLiteral(user))}).Encode(nil)
-	if err != nil {
-		return err
-	}
-	if _, err := pb.conn.Write(msg); err != nil {
-		return err
-	}
-	fe := pgproto3.NewFrontend(&frameReader{r: pb.conn}, io.Discard)
 	admitted := false
-	for {
-		m, err := fe.Receive()
-		if err != nil {
-			return err
-		}
-		switch m := m.(type) {
-		case *pgproto3.RowDescription, *pgproto3.NoticeResponse, *pgproto3.ParameterStatus:
-		case *pgproto3.DataRow:
-			admitted = len(m.Values) == 1 && string(m.Values[0]) == "t"
-		case *pgproto3.CommandComplete:
-		case *pgproto3.ReadyForQuery:
-			if m.TxStatus != 'I' {
-				return fmt.Errorf("admits: ReadyForQuery %q", m.TxStatus)
-			}
-			if !admitted {
-				return errors.New("the role may no longer log in, or the database no longer admits it")
-			}
-			return nil
-		case *pgproto3.ErrorResponse:
-			return fmt.Errorf("admits: %s (SQLSTATE %s)", m.Message, m.Code)
-		default:
-			return fmt.Errorf("admits: unexpected %T", m)
-		}
+	err := pb.exchange(fmt.Sprintf(admitsQuery, escapeLiteral(user)), "SELECT", func(r *pgproto3.DataRow) {
+		admitted = len(r.Values) == 1 && string(r.Values[0]) == "t"
+	})
+	if err == nil && !admitted {
+		err = errors.New("the role may no longer log in, or the database no longer admits it")
 	}
+	return err
 }
 
 // park leaves sess's backend, which its session kept for it
